@@ -1,0 +1,470 @@
+/* forward.c - the llama forward step: embeddings, blocks, final norm, logits. */
+#include "forward.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "err.h"
+#include "f16.h"
+#include "ops.h"
+#include "quant.h"
+#include "tpool.h"
+#include "types.h"
+
+#define ACT_SLOTS 3  /* distinct activation formats one input may be quantized to */
+
+/* An input row set quantized to the format one weight type consumes. */
+struct act_slot {
+    uint32_t type;          /* activation type; UINT32_MAX when unused */
+    size_t stride;          /* bytes per token row */
+    uint8_t *buf;           /* max_tokens rows */
+};
+
+struct engine {
+    const model_t *m;       /* borrowed */
+    kvcache_t *kv;          /* borrowed */
+    struct engine_params p;
+    tpool_t *pool;
+    int n_threads;
+
+    /* per-step token layout (T = tokens in the step) */
+    int32_t *tok_id;        /* (T) */
+    int32_t *tok_pos;       /* (T) position within its sequence */
+    uint32_t *tok_seq;      /* (T) index of its sequence in the step */
+    int32_t *out_tok;       /* (rows) tokens whose logits are returned */
+
+    /* activations, rows of T tokens */
+    float *x;               /* (T, n_embd) residual stream */
+    float *xb;              /* (T, max(n_embd, q_dim)) normed input / attention output */
+    float *q;               /* (T, n_head*head_dim) */
+    float *k;               /* (T, n_head_kv*head_dim) */
+    float *v;               /* (T, n_head_kv*head_dim) */
+    float *gate;            /* (T, n_ff) */
+    float *up;              /* (T, n_ff) */
+    float *rope;            /* (T, head_dim) cos/sin pairs per token */
+    float *scores;          /* (n_threads, max_ctx) attention scratch */
+    struct act_slot act[ACT_SLOTS];
+    float *logits;          /* (logits_cap, n_vocab) */
+    uint32_t logits_cap;    /* rows logits can hold */
+};
+
+struct engine_params engine_default_params(void)
+{
+    struct engine_params p = { .max_tokens = 512, .max_ctx = 0, .n_threads = 0 };
+    return p;
+}
+
+const model_t *engine_model(const engine_t *e) { return e->m; }
+int engine_threads(const engine_t *e) { return e->n_threads; }
+
+static void *xmalloc_arr(size_t n, size_t size)
+{
+    if (n != 0 && size > SIZE_MAX / n)
+        return NULL;
+    return malloc(n != 0 && size != 0 ? n * size : 1);
+}
+
+void engine_destroy(engine_t **ep)
+{
+    if (ep == NULL || *ep == NULL)
+        return;
+    engine_t *e = *ep;
+    tpool_destroy(&e->pool);
+    free(e->tok_id);
+    free(e->tok_pos);
+    free(e->tok_seq);
+    free(e->out_tok);
+    free(e->x);
+    free(e->xb);
+    free(e->q);
+    free(e->k);
+    free(e->v);
+    free(e->gate);
+    free(e->up);
+    free(e->rope);
+    free(e->scores);
+    for (int i = 0; i < ACT_SLOTS; i++)
+        free(e->act[i].buf);
+    free(e->logits);
+    free(e);
+    *ep = NULL;
+}
+
+engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params *pp,
+                     char *err, size_t errlen)
+{
+    const struct model_config *c = &m->cfg;
+    struct engine_params p = pp ? *pp : engine_default_params();
+    if (p.max_tokens == 0)
+        p.max_tokens = 512;
+    if (p.max_ctx == 0)
+        p.max_ctx = c->n_ctx_train;
+    if (p.max_tokens > 65536 || p.max_ctx > (1u << 22)) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "engine: step of %u tokens or context of %u is too large",
+                   p.max_tokens, p.max_ctx);
+        return NULL;
+    }
+    if (kv->n_layer != c->n_layer || kv->n_head_kv != c->n_head_kv || kv->head_dim != c->head_dim) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "engine: KV cache shape does not match the model");
+        return NULL;
+    }
+    engine_t *e = calloc(1, sizeof(*e));
+    if (e == NULL) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "engine: out of memory");
+        return NULL;
+    }
+    e->m = m;
+    e->kv = kv;
+    e->p = p;
+    e->pool = tpool_new(p.n_threads);
+    if (e->pool == NULL) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "engine: cannot start threads");
+        engine_destroy(&e);
+        return NULL;
+    }
+    e->n_threads = tpool_size(e->pool);
+    size_t T = p.max_tokens;
+    size_t qd = (size_t)c->n_head * c->head_dim, kvd = (size_t)c->n_head_kv * c->head_dim;
+    size_t widest = c->n_embd > qd ? c->n_embd : qd;
+    if (c->n_ff > widest)
+        widest = c->n_ff;
+    e->tok_id = xmalloc_arr(T, sizeof(int32_t));
+    e->tok_pos = xmalloc_arr(T, sizeof(int32_t));
+    e->tok_seq = xmalloc_arr(T, sizeof(uint32_t));
+    e->out_tok = xmalloc_arr(T, sizeof(int32_t));
+    e->x = xmalloc_arr(T * c->n_embd, sizeof(float));
+    e->xb = xmalloc_arr(T * (c->n_embd > qd ? c->n_embd : qd), sizeof(float));
+    e->q = xmalloc_arr(T * qd, sizeof(float));
+    e->k = xmalloc_arr(T * kvd, sizeof(float));
+    e->v = xmalloc_arr(T * kvd, sizeof(float));
+    e->gate = xmalloc_arr(T * c->n_ff, sizeof(float));
+    e->up = xmalloc_arr(T * c->n_ff, sizeof(float));
+    e->rope = xmalloc_arr(T * c->head_dim, sizeof(float));
+    e->scores = xmalloc_arr((size_t)e->n_threads * p.max_ctx, sizeof(float));
+    bool ok = e->tok_id && e->tok_pos && e->tok_seq && e->out_tok && e->x && e->xb && e->q &&
+              e->k && e->v && e->gate && e->up && e->rope && e->scores;
+    for (int i = 0; i < ACT_SLOTS; i++) {
+        e->act[i].type = UINT32_MAX;
+        e->act[i].buf = xmalloc_arr(T * widest, sizeof(float)); /* f32 is the widest format */
+        ok = ok && e->act[i].buf;
+    }
+    if (!ok) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "engine: out of memory for scratch buffers");
+        engine_destroy(&e);
+        return NULL;
+    }
+    return e;
+}
+
+/* ---- parallel jobs ---------------------------------------------------------- */
+
+/* Quantizes rows [0, T) of src (stride n floats) into slot. */
+struct quant_job {
+    const float *src;
+    int n, T;
+    struct act_slot *slot;
+};
+
+static void quant_run(void *ctx, int ith, int nth)
+{
+    struct quant_job *j = ctx;
+    long t0, t1;
+    tpool_split(j->T, ith, nth, &t0, &t1);
+    for (long t = t0; t < t1; t++)
+        kern_quantize_act(j->slot->type, j->src + (size_t)t * j->n, j->slot->buf + t * j->slot->stride, j->n);
+}
+
+/* Returns the activation rows of src (T x n) in the format weight type wtype
+ * consumes, quantizing them on first use. `fresh` clears the slots first. */
+static const struct act_slot *acts_for(engine_t *e, uint32_t wtype, const float *src, int n,
+                                       int T, bool fresh)
+{
+    if (fresh)
+        for (int i = 0; i < ACT_SLOTS; i++)
+            e->act[i].type = UINT32_MAX;
+    uint32_t at = kern_vec_dot_type(wtype);
+    int i;
+    for (i = 0; i < ACT_SLOTS; i++) {
+        if (e->act[i].type == at)
+            return &e->act[i];
+        if (e->act[i].type == UINT32_MAX)
+            break;
+    }
+    /* three distinct activation formats per input is the most any model uses */
+    struct act_slot *s = &e->act[i < ACT_SLOTS ? i : ACT_SLOTS - 1];
+    s->type = at;
+    s->stride = kern_act_row_bytes(at, n);
+    struct quant_job j = { src, n, T, s };
+    tpool_run(e->pool, quant_run, &j);
+    return s;
+}
+
+/* Up to three matrix products that share one input, split by output rows. */
+struct mm_part {
+    const struct model_mat *w;
+    const struct act_slot *act;
+    float *out;             /* (T, w->rows) */
+    bool add;               /* out += instead of out = */
+};
+
+struct mm_job {
+    struct mm_part part[3];
+    int n_parts;
+    int T;
+};
+
+static void mm_run(void *ctx, int ith, int nth)
+{
+    struct mm_job *j = ctx;
+    long total = 0;
+    for (int i = 0; i < j->n_parts; i++)
+        total += j->part[i].w->rows;
+    long r0, r1;
+    tpool_split(total, ith, nth, &r0, &r1);
+    long base = 0;
+    for (int i = 0; i < j->n_parts; i++) {
+        const struct mm_part *p = &j->part[i];
+        const struct model_mat *w = p->w;
+        long lo = r0 > base ? r0 - base : 0, hi = r1 - base < w->rows ? r1 - base : w->rows;
+        for (long r = lo; r < hi; r++) {
+            const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * w->row_bytes;
+            for (int t = 0; t < j->T; t++) {
+                float d = kern_vec_dot(w->type, w->cols, wr, p->act->buf + (size_t)t * p->act->stride);
+                float *o = p->out + (size_t)t * w->rows + r;
+                *o = p->add ? *o + d : d;
+            }
+        }
+        base += w->rows;
+    }
+}
+
+static void matmul(engine_t *e, struct mm_part *parts, int n, int T)
+{
+    struct mm_job j = { .n_parts = n, .T = T };
+    for (int i = 0; i < n; i++)
+        j.part[i] = parts[i];
+    tpool_run(e->pool, mm_run, &j);
+}
+
+/* RMSNorm of T rows. */
+struct norm_job {
+    float *out;
+    const float *x;
+    const float *w;
+    int n, T;
+    float eps;
+    const int32_t *rows;    /* when set: out row i is x row rows[i] */
+};
+
+static void norm_run(void *ctx, int ith, int nth)
+{
+    struct norm_job *j = ctx;
+    long t0, t1;
+    tpool_split(j->T, ith, nth, &t0, &t1);
+    for (long t = t0; t < t1; t++) {
+        long src = j->rows ? j->rows[t] : t;
+        kern_rmsnorm(j->out + (size_t)t * j->n, j->x + (size_t)src * j->n, j->w, j->n, j->eps);
+    }
+}
+
+/* RoPE on q and k, then the chunk's K/V written into the cache. */
+struct rope_job {
+    engine_t *e;
+    const struct fwd_seq *seqs;
+    uint32_t layer;
+    int T;
+};
+
+static void rope_run(void *ctx, int ith, int nth)
+{
+    struct rope_job *j = ctx;
+    engine_t *e = j->e;
+    const struct model_config *c = &e->m->cfg;
+    const kvcache_t *kv = e->kv;
+    const int hd = (int)c->head_dim, nkv = (int)c->n_head_kv;
+    long t0, t1;
+    tpool_split(j->T, ith, nth, &t0, &t1);
+    for (long t = t0; t < t1; t++) {
+        const float *cs = e->rope + (size_t)t * hd;
+        float *k = e->k + (size_t)t * nkv * hd, *v = e->v + (size_t)t * nkv * hd;
+        kern_rope(e->q + (size_t)t * c->n_head * hd, (int)c->n_head, hd, cs);
+        kern_rope(k, nkv, hd, cs);
+        const struct fwd_seq *s = &j->seqs[e->tok_seq[t]];
+        uint32_t pos = (uint32_t)e->tok_pos[t];
+        uint32_t block = s->blocks[pos / kv->block_tokens];
+        size_t off = (size_t)(pos % kv->block_tokens) * hd;
+        for (int which = 0; which < 2; which++) {
+            uint8_t *base = kv_block_ptr(kv, block, j->layer, which);
+            const float *src = which ? v : k;
+            for (int h = 0; h < nkv; h++) {
+                uint8_t *dst = base + (size_t)h * kv->head_bytes;
+                if (kv->dtype == KERN_F16) {
+                    kvd_f16 *d16 = (kvd_f16 *)dst + off;
+                    for (int d = 0; d < hd; d++)
+                        d16[d] = kvd_f32_to_f16(src[h * hd + d]);
+                } else {
+                    memcpy((float *)dst + off, src + h * hd, (size_t)hd * sizeof(float));
+                }
+            }
+        }
+    }
+}
+
+/* Attention of every (token, query head) pair. */
+struct attn_job {
+    engine_t *e;
+    const struct fwd_seq *seqs;
+    uint32_t layer;
+    int T;
+};
+
+static void attn_run(void *ctx, int ith, int nth)
+{
+    struct attn_job *j = ctx;
+    engine_t *e = j->e;
+    const struct model_config *c = &e->m->cfg;
+    const kvcache_t *kv = e->kv;
+    const int hd = (int)c->head_dim, nh = (int)c->n_head;
+    const int group = (int)(c->n_head / c->n_head_kv);
+    const float scale = 1.0f / sqrtf((float)hd);
+    float *scores = e->scores + (size_t)ith * e->p.max_ctx;
+    const uint8_t *k_base = kv_block_ptr(kv, 0, j->layer, 0);
+    const uint8_t *v_base = kv_block_ptr(kv, 0, j->layer, 1);
+    long i0, i1;
+    tpool_split((long)j->T * nh, ith, nth, &i0, &i1);
+    for (long i = i0; i < i1; i++) {
+        long t = i / nh;
+        int h = (int)(i % nh);
+        const struct fwd_seq *s = &j->seqs[e->tok_seq[t]];
+        kern_attn_paged(e->xb + (size_t)t * nh * hd + (size_t)h * hd,
+                        e->q + (size_t)t * nh * hd + (size_t)h * hd, k_base, v_base, s->blocks,
+                        e->tok_pos[t] + 1, (int)kv->block_tokens, hd, h / group,
+                        kv->block_bytes, kv->head_bytes, kv->dtype, scale, scores);
+    }
+}
+
+/* ---- the step ---------------------------------------------------------------- */
+
+static int check_batch(const engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
+                       uint32_t *T_out, uint32_t *rows_out, char *err, size_t errlen)
+{
+    const kvcache_t *kv = e->kv;
+    uint64_t T = 0, rows = 0;
+    if (n_seqs == 0)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "engine: empty batch");
+    for (uint32_t s = 0; s < n_seqs; s++) {
+        const struct fwd_seq *q = &seqs[s];
+        if (q->n_tokens == 0 || q->tokens == NULL)
+            return kvd_seterr(err, errlen, KVD_EINVAL, "engine: sequence %u has no tokens", s);
+        uint64_t end = (uint64_t)q->pos + q->n_tokens;
+        if (end > e->p.max_ctx)
+            return kvd_seterr(err, errlen, KVD_ETOOLONG,
+                              "engine: sequence %u reaches position %llu, past the context of %u",
+                              s, (unsigned long long)end, e->p.max_ctx);
+        uint64_t need = (end + kv->block_tokens - 1) / kv->block_tokens;
+        if (q->blocks == NULL || q->n_blocks < need)
+            return kvd_seterr(err, errlen, KVD_ERANGE,
+                              "engine: sequence %u needs %llu blocks, its table has %u",
+                              s, (unsigned long long)need, q->n_blocks);
+        for (uint64_t b = 0; b < need; b++)
+            if (q->blocks[b] >= kv->n_blocks)
+                return kvd_seterr(err, errlen, KVD_ERANGE,
+                                  "engine: sequence %u names block %u of %u", s, q->blocks[b],
+                                  kv->n_blocks);
+        for (uint32_t i = 0; i < q->n_tokens; i++)
+            if (q->tokens[i] < 0 || (uint32_t)q->tokens[i] >= e->m->cfg.n_vocab)
+                return kvd_seterr(err, errlen, KVD_ERANGE,
+                                  "engine: token id %d is outside the vocabulary (0..%u)",
+                                  q->tokens[i], e->m->cfg.n_vocab - 1);
+        T += q->n_tokens;
+        rows += q->all_logits ? q->n_tokens : 1;
+    }
+    if (T > e->p.max_tokens)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "engine: step of %llu tokens exceeds %u",
+                          (unsigned long long)T, e->p.max_tokens);
+    *T_out = (uint32_t)T;
+    *rows_out = (uint32_t)rows;
+    return 0;
+}
+
+int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
+                const float **logits, uint32_t *n_rows, char *err, size_t errlen)
+{
+    const model_t *m = e->m;
+    const struct model_config *c = &m->cfg;
+    uint32_t T = 0, rows = 0;
+    int rc = check_batch(e, seqs, n_seqs, &T, &rows, err, errlen);
+    if (rc)
+        return rc;
+    if (rows > e->logits_cap) {
+        float *nl = xmalloc_arr((size_t)rows * c->n_vocab, sizeof(float));
+        if (nl == NULL)
+            return kvd_seterr(err, errlen, KVD_ENOMEM, "engine: out of memory for logits");
+        free(e->logits);
+        e->logits = nl;
+        e->logits_cap = rows;
+    }
+
+    /* lay the tokens out and embed them */
+    const int ne = (int)c->n_embd, hd = (int)c->head_dim;
+    const int qd = (int)(c->n_head * c->head_dim);
+    uint32_t t = 0, r = 0;
+    for (uint32_t s = 0; s < n_seqs; s++) {
+        for (uint32_t i = 0; i < seqs[s].n_tokens; i++, t++) {
+            e->tok_id[t] = seqs[s].tokens[i];
+            e->tok_pos[t] = (int32_t)(seqs[s].pos + i);
+            e->tok_seq[t] = s;
+            if (seqs[s].all_logits || i + 1 == seqs[s].n_tokens)
+                e->out_tok[r++] = (int32_t)t;
+            kern_dequantize_row(m->tok_embd.type,
+                                (const uint8_t *)m->tok_embd.data +
+                                    (size_t)e->tok_id[t] * m->tok_embd.row_bytes,
+                                e->x + (size_t)t * ne, ne);
+            kern_rope_angles(e->rope + (size_t)t * hd, hd, e->tok_pos[t], c->rope_base);
+        }
+    }
+
+    for (uint32_t l = 0; l < c->n_layer; l++) {
+        const struct model_layer *L = &m->layers[l];
+        /* attention */
+        struct norm_job nj = { e->xb, e->x, L->attn_norm, ne, (int)T, c->rms_eps, NULL };
+        tpool_run(e->pool, norm_run, &nj);
+        struct mm_part qkv[3] = {
+            { &L->wq, acts_for(e, L->wq.type, e->xb, ne, (int)T, true), e->q, false },
+            { &L->wk, acts_for(e, L->wk.type, e->xb, ne, (int)T, false), e->k, false },
+            { &L->wv, acts_for(e, L->wv.type, e->xb, ne, (int)T, false), e->v, false },
+        };
+        matmul(e, qkv, 3, (int)T);
+        struct rope_job rj = { e, seqs, l, (int)T };
+        tpool_run(e->pool, rope_run, &rj);
+        struct attn_job aj = { e, seqs, l, (int)T };
+        tpool_run(e->pool, attn_run, &aj);
+        struct mm_part o = { &L->wo, acts_for(e, L->wo.type, e->xb, qd, (int)T, true), e->x, true };
+        matmul(e, &o, 1, (int)T);
+        /* feed-forward */
+        nj = (struct norm_job){ e->xb, e->x, L->ffn_norm, ne, (int)T, c->rms_eps, NULL };
+        tpool_run(e->pool, norm_run, &nj);
+        struct mm_part gu[2] = {
+            { &L->w_gate, acts_for(e, L->w_gate.type, e->xb, ne, (int)T, true), e->gate, false },
+            { &L->w_up, acts_for(e, L->w_up.type, e->xb, ne, (int)T, false), e->up, false },
+        };
+        matmul(e, gu, 2, (int)T);
+        for (uint32_t i = 0; i < T; i++)
+            kern_swiglu(e->gate + (size_t)i * c->n_ff, e->up + (size_t)i * c->n_ff, (int)c->n_ff);
+        struct mm_part d = { &L->w_down, acts_for(e, L->w_down.type, e->gate, (int)c->n_ff, (int)T, true),
+                             e->x, true };
+        matmul(e, &d, 1, (int)T);
+    }
+
+    /* final norm of the rows that need logits, then the output matrix */
+    struct norm_job nj = { e->xb, e->x, m->output_norm, ne, (int)rows, c->rms_eps, e->out_tok };
+    tpool_run(e->pool, norm_run, &nj);
+    struct mm_part out = { &m->output, acts_for(e, m->output.type, e->xb, ne, (int)rows, true),
+                           e->logits, false };
+    matmul(e, &out, 1, (int)rows);
+    *logits = e->logits;
+    *n_rows = rows;
+    return 0;
+}

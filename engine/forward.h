@@ -1,0 +1,62 @@
+/*
+ * forward.h - one forward step of a llama-family model over a paged KV cache.
+ *
+ * A step takes a batch of sequences; each contributes a chunk of new tokens
+ * (a prefill chunk, or one decode token) at its own position, with its own
+ * block table. Every weight matrix is read once per step for the whole batch
+ * (rows outer, tokens inner). The chunk's keys and values are written into the
+ * cache before attention reads them back, so a token's logits depend only on
+ * its sequence's tokens: not on what else is in the batch, nor on how the
+ * sequence was cut into chunks, bit for bit (the numerics contract the prefix
+ * cache relies on).
+ */
+#ifndef KVD_FORWARD_H
+#define KVD_FORWARD_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvcache.h"
+#include "model.h"
+
+struct fwd_seq {
+    const int32_t *tokens;  /* n_tokens new token ids */
+    uint32_t n_tokens;      /* >= 1 */
+    uint32_t pos;           /* position of tokens[0]: tokens already cached */
+    const uint32_t *blocks; /* block table: logical block -> physical id */
+    uint32_t n_blocks;      /* entries; must cover pos + n_tokens positions */
+    bool all_logits;        /* logits for every new token, else the last only */
+};
+
+struct engine_params {
+    uint32_t max_tokens;    /* most tokens in one step (scratch size), default 512 */
+    uint32_t max_ctx;       /* longest sequence, default the model's training context */
+    int n_threads;          /* 0: the CPU count */
+};
+
+struct engine_params engine_default_params(void);
+
+typedef struct engine engine_t;
+
+/* Creates scratch and threads for model m over cache kv (both borrowed; they
+ * must outlive the engine). NULL + err on bad parameters or no memory. */
+engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params *p,
+                     char *err, size_t errlen);
+
+void engine_destroy(engine_t **e);
+
+/*
+ * Runs one step. Returns 0 and points *logits at n_rows rows of n_vocab
+ * floats (sequence order; all_logits sequences give n_tokens rows, others
+ * one), valid until the next step. Checks every sequence first and returns
+ * KVD_ERANGE (bad token id, block id, too many tokens) or KVD_ETOOLONG
+ * (past max_ctx) without touching the cache.
+ */
+int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
+                const float **logits, uint32_t *n_rows, char *err, size_t errlen);
+
+const model_t *engine_model(const engine_t *e);
+int engine_threads(const engine_t *e);
+
+#endif

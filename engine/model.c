@@ -1,0 +1,227 @@
+/* model.c - loading and checking llama-family weights from GGUF. */
+#include "model.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "err.h"
+#include "quant.h"
+#include "types.h"
+
+/* Reads a required u32 hyperparameter "llama.<name>". */
+static int need_u32(const gguf_ctx_t *g, const char *name, uint32_t *out, char *err, size_t errlen)
+{
+    char key[128];
+    snprintf(key, sizeof(key), "llama.%s", name);
+    int rc = gguf_get_u32(g, key, out);
+    if (rc == KVD_ENOTFOUND)
+        return kvd_seterr(err, errlen, KVD_EFORMAT, "model: missing metadata %s", key);
+    if (rc != 0 || *out == 0 || *out > (1u << 24))
+        return kvd_seterr(err, errlen, KVD_EFORMAT, "model: metadata %s is invalid", key);
+    return 0;
+}
+
+static int read_config(const gguf_ctx_t *g, struct model_config *c, char *err, size_t errlen)
+{
+    struct gguf_str arch;
+    if (gguf_get_str(g, "general.architecture", &arch) != 0)
+        return kvd_seterr(err, errlen, KVD_EFORMAT, "model: missing general.architecture");
+    if (!gguf_str_eq(arch, "llama"))
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                          "model: architecture '%.*s' is not supported (only 'llama')",
+                          (int)(arch.len > 64 ? 64 : arch.len), arch.ptr);
+    int rc;
+    if ((rc = need_u32(g, "block_count", &c->n_layer, err, errlen)) ||
+        (rc = need_u32(g, "embedding_length", &c->n_embd, err, errlen)) ||
+        (rc = need_u32(g, "attention.head_count", &c->n_head, err, errlen)) ||
+        (rc = need_u32(g, "feed_forward_length", &c->n_ff, err, errlen)) ||
+        (rc = need_u32(g, "context_length", &c->n_ctx_train, err, errlen)))
+        return rc;
+    c->n_head_kv = c->n_head;
+    if (gguf_find(g, "llama.attention.head_count_kv") != NULL &&
+        (rc = need_u32(g, "attention.head_count_kv", &c->n_head_kv, err, errlen)))
+        return rc;
+    if (c->n_head % c->n_head_kv != 0)
+        return kvd_seterr(err, errlen, KVD_EFORMAT,
+                          "model: %u query heads are not a multiple of %u KV heads",
+                          c->n_head, c->n_head_kv);
+    if (c->n_embd % c->n_head != 0)
+        return kvd_seterr(err, errlen, KVD_EFORMAT,
+                          "model: hidden size %u is not a multiple of %u heads", c->n_embd, c->n_head);
+    c->head_dim = c->n_embd / c->n_head;
+    uint32_t v;
+    if (gguf_get_u32(g, "llama.attention.key_length", &v) == 0 && v != c->head_dim)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                          "model: key length %u differs from hidden/heads (%u)", v, c->head_dim);
+    if (gguf_get_u32(g, "llama.rope.dimension_count", &v) == 0 && v != c->head_dim)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                          "model: partial RoPE (%u of %u dims) is not supported", v, c->head_dim);
+    if (c->head_dim % 2 != 0)
+        return kvd_seterr(err, errlen, KVD_EFORMAT, "model: head size %u is odd", c->head_dim);
+    c->rope_base = 10000.0f;
+    if (gguf_find(g, "llama.rope.freq_base") &&
+        (gguf_get_f32(g, "llama.rope.freq_base", &c->rope_base) != 0 || !(c->rope_base > 1.0f)))
+        return kvd_seterr(err, errlen, KVD_EFORMAT, "model: llama.rope.freq_base is invalid");
+    c->rms_eps = 1e-5f;
+    if (gguf_find(g, "llama.attention.layer_norm_rms_epsilon") &&
+        (gguf_get_f32(g, "llama.attention.layer_norm_rms_epsilon", &c->rms_eps) != 0 ||
+         !(c->rms_eps > 0.0f && c->rms_eps < 1.0f)))
+        return kvd_seterr(err, errlen, KVD_EFORMAT, "model: RMSNorm epsilon is invalid");
+    struct gguf_str st;
+    if (gguf_get_str(g, "llama.rope.scaling.type", &st) == 0 && !gguf_str_eq(st, "none"))
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "model: RoPE scaling '%.*s' is not supported",
+                          (int)(st.len > 32 ? 32 : st.len), st.ptr);
+    return 0;
+}
+
+/* Finds tensor `name` and checks it is a (rows x cols) matrix of a usable type. */
+static int get_mat(const gguf_ctx_t *g, const char *name, int64_t rows, int64_t cols,
+                   struct model_mat *m, char *err, size_t errlen)
+{
+    const struct gguf_tensor *t = gguf_find_tensor(g, name);
+    if (t == NULL)
+        return kvd_seterr(err, errlen, KVD_EFORMAT, "model: missing tensor %s", name);
+    if (t->ne[0] != cols || t->ne[1] != rows || t->ne[2] != 1 || t->ne[3] != 1)
+        return kvd_seterr(err, errlen, KVD_EFORMAT,
+                          "model: tensor %s is %lldx%lld, expected %lldx%lld", name,
+                          (long long)t->ne[0], (long long)t->ne[1], (long long)cols, (long long)rows);
+    const struct kern_type_info *ti = kern_type_info(t->type);
+    if (ti == NULL || !ti->weight_ok)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                          "model: tensor %s has type %s, which kvd does not support",
+                          name, ti ? ti->name : "unknown");
+    m->type = t->type;
+    m->rows = rows;
+    m->cols = cols;
+    m->row_bytes = kern_row_bytes(t->type, cols);
+    m->data = t->data;
+    return 0;
+}
+
+/* Reads a 1-D weight of n elements into a new f32 array. */
+static int get_vec(const gguf_ctx_t *g, const char *name, int64_t n, float **out,
+                   char *err, size_t errlen)
+{
+    struct model_mat m;
+    int rc = get_mat(g, name, 1, n, &m, err, errlen);
+    if (rc)
+        return rc;
+    *out = malloc((size_t)n * sizeof(float));
+    if (*out == NULL)
+        return kvd_seterr(err, errlen, KVD_ENOMEM, "model: out of memory");
+    if (kern_dequantize_row(m.type, m.data, *out, n) != 0)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "model: cannot read tensor %s", name);
+    return 0;
+}
+
+static int load_layer(const gguf_ctx_t *g, const struct model_config *c, uint32_t i,
+                      struct model_layer *L, char *err, size_t errlen)
+{
+    char nm[96];
+    int64_t e = c->n_embd, q = (int64_t)c->n_head * c->head_dim;
+    int64_t kv = (int64_t)c->n_head_kv * c->head_dim, ff = c->n_ff;
+    int rc;
+#define NAME(s) (snprintf(nm, sizeof(nm), "blk.%u." s, i), nm)
+    if ((rc = get_vec(g, NAME("attn_norm.weight"), e, &L->attn_norm, err, errlen)) ||
+        (rc = get_mat(g, NAME("attn_q.weight"), q, e, &L->wq, err, errlen)) ||
+        (rc = get_mat(g, NAME("attn_k.weight"), kv, e, &L->wk, err, errlen)) ||
+        (rc = get_mat(g, NAME("attn_v.weight"), kv, e, &L->wv, err, errlen)) ||
+        (rc = get_mat(g, NAME("attn_output.weight"), e, q, &L->wo, err, errlen)) ||
+        (rc = get_vec(g, NAME("ffn_norm.weight"), e, &L->ffn_norm, err, errlen)) ||
+        (rc = get_mat(g, NAME("ffn_gate.weight"), ff, e, &L->w_gate, err, errlen)) ||
+        (rc = get_mat(g, NAME("ffn_up.weight"), ff, e, &L->w_up, err, errlen)) ||
+        (rc = get_mat(g, NAME("ffn_down.weight"), e, ff, &L->w_down, err, errlen)))
+        return rc;
+#undef NAME
+    return 0;
+}
+
+static uint64_t mat_bytes(const struct model_mat *m) { return (uint64_t)m->rows * m->row_bytes; }
+
+model_t *model_from_gguf(gguf_ctx_t **gp, char *err, size_t errlen)
+{
+    model_t *m = calloc(1, sizeof(*m));
+    if (m == NULL) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "model: out of memory");
+        gguf_close(gp);
+        return NULL;
+    }
+    m->gguf = *gp;
+    *gp = NULL;
+    const gguf_ctx_t *g = m->gguf;
+    struct model_config *c = &m->cfg;
+    if (read_config(g, c, err, errlen) != 0)
+        goto fail;
+    const struct gguf_tensor *te = gguf_find_tensor(g, "token_embd.weight");
+    if (te == NULL) {
+        kvd_seterr(err, errlen, KVD_EFORMAT, "model: missing tensor token_embd.weight");
+        goto fail;
+    }
+    if (te->ne[1] < 1 || te->ne[1] > (1 << 24)) {
+        kvd_seterr(err, errlen, KVD_EFORMAT, "model: token_embd.weight has %lld rows", (long long)te->ne[1]);
+        goto fail;
+    }
+    c->n_vocab = (uint32_t)te->ne[1];
+    uint32_t vs;
+    if (gguf_get_u32(g, "llama.vocab_size", &vs) == 0 && vs != c->n_vocab) {
+        kvd_seterr(err, errlen, KVD_EFORMAT, "model: llama.vocab_size %u differs from %u embedding rows",
+                   vs, c->n_vocab);
+        goto fail;
+    }
+    if (get_mat(g, "token_embd.weight", c->n_vocab, c->n_embd, &m->tok_embd, err, errlen) ||
+        get_vec(g, "output_norm.weight", c->n_embd, &m->output_norm, err, errlen))
+        goto fail;
+    if (gguf_find_tensor(g, "output.weight") != NULL) {
+        if (get_mat(g, "output.weight", c->n_vocab, c->n_embd, &m->output, err, errlen))
+            goto fail;
+    } else {
+        m->output = m->tok_embd;  /* tied embeddings */
+    }
+    m->layers = calloc(c->n_layer, sizeof(*m->layers));
+    if (m->layers == NULL) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "model: out of memory");
+        goto fail;
+    }
+    m->weight_bytes = mat_bytes(&m->tok_embd);
+    if (m->output.data != m->tok_embd.data)
+        m->weight_bytes += mat_bytes(&m->output);
+    for (uint32_t i = 0; i < c->n_layer; i++) {
+        struct model_layer *L = &m->layers[i];
+        if (load_layer(g, c, i, L, err, errlen) != 0)
+            goto fail;
+        m->weight_bytes += mat_bytes(&L->wq) + mat_bytes(&L->wk) + mat_bytes(&L->wv) +
+                           mat_bytes(&L->wo) + mat_bytes(&L->w_gate) + mat_bytes(&L->w_up) +
+                           mat_bytes(&L->w_down);
+    }
+    return m;
+fail:
+    model_destroy(&m);
+    return NULL;
+}
+
+model_t *model_load(const char *path, char *err, size_t errlen)
+{
+    gguf_ctx_t *g = gguf_open(path, err, errlen);
+    if (g == NULL)
+        return NULL;
+    return model_from_gguf(&g, err, errlen);
+}
+
+void model_destroy(model_t **mp)
+{
+    if (mp == NULL || *mp == NULL)
+        return;
+    model_t *m = *mp;
+    if (m->layers != NULL) {
+        for (uint32_t i = 0; i < m->cfg.n_layer; i++) {
+            free(m->layers[i].attn_norm);
+            free(m->layers[i].ffn_norm);
+        }
+        free(m->layers);
+    }
+    free(m->output_norm);
+    gguf_close(&m->gguf);
+    free(m);
+    *mp = NULL;
+}

@@ -1,0 +1,203 @@
+/* sampler.c - penalties, truncation, temperature and a seeded draw. */
+#include "sampler.h"
+
+#include <math.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "err.h"
+
+struct cand {
+    int32_t id;             /* token id */
+    float logit;            /* adjusted logit, then probability */
+};
+
+struct sampler {
+    struct sampler_params p;
+    uint32_t n_vocab;
+    uint64_t rng[4];        /* xoshiro256** state */
+    struct cand *cands;     /* (n_vocab) */
+    float *work;            /* (n_vocab) penalized logits */
+};
+
+struct sampler_params sampler_default_params(void)
+{
+    struct sampler_params p = {
+        .temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .min_p = 0.05f,
+        .repeat_penalty = 1.0f, .repeat_last_n = 64, .seed = 0,
+    };
+    return p;
+}
+
+static uint64_t splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static uint64_t rng_next(uint64_t s[4])
+{
+    uint64_t r = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return r;
+}
+
+/* Uniform in [0, 1) with 53 random bits. */
+static double rng_uniform(uint64_t s[4]) { return (double)(rng_next(s) >> 11) * 0x1.0p-53; }
+
+sampler_t *sampler_new(const struct sampler_params *p, uint32_t n_vocab, char *err, size_t errlen)
+{
+    if (!(p->temperature >= 0.0f) || p->temperature > 100.0f) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "sampler: temperature must be in [0, 100]");
+        return NULL;
+    }
+    if (p->top_k < 0) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "sampler: top-k must be >= 0");
+        return NULL;
+    }
+    if (!(p->top_p > 0.0f && p->top_p <= 1.0f)) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "sampler: top-p must be in (0, 1]");
+        return NULL;
+    }
+    if (!(p->min_p >= 0.0f && p->min_p <= 1.0f)) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "sampler: min-p must be in [0, 1]");
+        return NULL;
+    }
+    if (!(p->repeat_penalty > 0.0f && p->repeat_penalty <= 10.0f) || p->repeat_last_n < 0) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "sampler: repetition penalty must be in (0, 10]");
+        return NULL;
+    }
+    if (n_vocab == 0) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "sampler: empty vocabulary");
+        return NULL;
+    }
+    sampler_t *s = calloc(1, sizeof(*s));
+    if (s == NULL)
+        goto nomem;
+    s->p = *p;
+    s->n_vocab = n_vocab;
+    s->cands = malloc((size_t)n_vocab * sizeof(*s->cands));
+    s->work = malloc((size_t)n_vocab * sizeof(float));
+    if (s->cands == NULL || s->work == NULL)
+        goto nomem;
+    uint64_t x = p->seed;
+    for (int i = 0; i < 4; i++)
+        s->rng[i] = splitmix64(&x);
+    return s;
+nomem:
+    sampler_destroy(&s);
+    kvd_seterr(err, errlen, KVD_ENOMEM, "sampler: out of memory");
+    return NULL;
+}
+
+void sampler_destroy(sampler_t **sp)
+{
+    if (sp == NULL || *sp == NULL)
+        return;
+    free((*sp)->cands);
+    free((*sp)->work);
+    free(*sp);
+    *sp = NULL;
+}
+
+int32_t sampler_argmax(const float *logits, uint32_t n)
+{
+    int32_t best = 0;
+    for (uint32_t i = 1; i < n; i++)
+        if (logits[i] > logits[best])
+            best = (int32_t)i;
+    return best;
+}
+
+/* Descending by logit, ascending id on ties: a total order, so results do not
+ * depend on the sort's stability. */
+static int cand_cmp(const void *a, const void *b)
+{
+    const struct cand *x = a, *y = b;
+    if (x->logit != y->logit)
+        return x->logit > y->logit ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+int32_t sampler_sample(sampler_t *s, const float *logits, const int32_t *history, size_t n_hist)
+{
+    const struct sampler_params *p = &s->p;
+    const uint32_t n = s->n_vocab;
+    float *w = s->work;
+    memcpy(w, logits, n * sizeof(float));
+    if (p->repeat_penalty != 1.0f && history != NULL) {
+        size_t from = n_hist > (size_t)p->repeat_last_n ? n_hist - (size_t)p->repeat_last_n : 0;
+        /* each distinct token of the window is penalized once */
+        for (size_t i = from; i < n_hist; i++) {
+            int32_t id = history[i];
+            if (id < 0 || (uint32_t)id >= n)
+                continue;
+            bool seen = false;
+            for (size_t j = from; j < i && !seen; j++)
+                seen = history[j] == id;
+            if (seen)
+                continue;
+            w[id] = w[id] > 0.0f ? w[id] / p->repeat_penalty : w[id] * p->repeat_penalty;
+        }
+    }
+    if (p->temperature <= 0.0f)
+        return sampler_argmax(w, n);
+
+    struct cand *c = s->cands;
+    for (uint32_t i = 0; i < n; i++) {
+        c[i].id = (int32_t)i;
+        c[i].logit = w[i];
+    }
+    qsort(c, n, sizeof(*c), cand_cmp);
+    size_t k = n;
+    if (p->top_k > 0 && (uint32_t)p->top_k < k)
+        k = (size_t)p->top_k;
+
+    /* probabilities at temperature 1 for the truncations (llama.cpp applies
+     * top-p and min-p before temperature) */
+    double sum = 0.0;
+    for (size_t i = 0; i < k; i++)
+        sum += exp((double)c[i].logit - c[0].logit);
+    if (p->top_p < 1.0f) {
+        double cum = 0.0;
+        for (size_t i = 0; i < k; i++) {
+            cum += exp((double)c[i].logit - c[0].logit) / sum;
+            if (cum >= p->top_p) {
+                k = i + 1;
+                break;
+            }
+        }
+    }
+    if (p->min_p > 0.0f) {
+        double floor_logit = c[0].logit + log(p->min_p);
+        size_t keep = 1;
+        while (keep < k && c[keep].logit >= floor_logit)
+            keep++;
+        k = keep;
+    }
+
+    /* temperature, then a draw */
+    double total = 0.0;
+    for (size_t i = 0; i < k; i++) {
+        double e = exp(((double)c[i].logit - c[0].logit) / p->temperature);
+        c[i].logit = (float)e;
+        total += e;
+    }
+    double u = rng_uniform(s->rng) * total, acc = 0.0;
+    for (size_t i = 0; i < k; i++) {
+        acc += c[i].logit;
+        if (u < acc)
+            return c[i].id;
+    }
+    return c[k - 1].id;
+}

@@ -1,0 +1,40 @@
+/*
+ * sampler.h - choosing the next token from logits.
+ *
+ * The chain, in llama.cpp's default order: repetition penalty over the last
+ * repeat_last_n tokens, then top-k, top-p, min-p, temperature, and a draw
+ * from a seeded generator. Temperature 0 is greedy (argmax, lowest id on a
+ * tie) and ignores the rest. Same seed, same logits: same tokens.
+ */
+#ifndef KVD_SAMPLER_H
+#define KVD_SAMPLER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct sampler_params {
+    float temperature;      /* 0: greedy */
+    int32_t top_k;          /* keep the k most likely; 0: off */
+    float top_p;            /* keep the smallest set with mass >= p; 1: off */
+    float min_p;            /* drop tokens below min_p * p(best); 0: off */
+    float repeat_penalty;   /* divide positive (multiply negative) logits of recent tokens; 1: off */
+    int32_t repeat_last_n;  /* how many recent tokens the penalty looks at */
+    uint64_t seed;          /* generator seed */
+};
+
+struct sampler_params sampler_default_params(void);
+
+typedef struct sampler sampler_t;
+
+/* Returns NULL when a parameter is out of range (err says which) or on no memory. */
+sampler_t *sampler_new(const struct sampler_params *p, uint32_t n_vocab, char *err, size_t errlen);
+void sampler_destroy(sampler_t **s);
+
+/* Picks a token from n_vocab logits (not modified); history holds the tokens
+ * so far (prompt and generated), used by the repetition penalty. */
+int32_t sampler_sample(sampler_t *s, const float *logits, const int32_t *history, size_t n_hist);
+
+/* Index of the largest logit, lowest index on a tie. */
+int32_t sampler_argmax(const float *logits, uint32_t n);
+
+#endif

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Runs kvd's whole test suite, as CI does: installs what is missing, fetches
+# the default model, builds with warnings as errors, runs every test, then
+# rebuilds under AddressSanitizer + UndefinedBehaviorSanitizer and runs the
+# unit tests and fuzz-corpus replays again there.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+scripts/install-deps.sh
+scripts/fetch-model.sh
+
+jobs=$(nproc 2>/dev/null || echo 2)
+echo "== build (-Werror)"
+cmake -S . -B build-test -G Ninja -DKVD_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build-test -j "$jobs"
+echo "== tests"
+ctest --test-dir build-test --output-on-failure -j "$jobs"
+
+echo "== unit and fuzz-replay tests under ASan+UBSan"
+cmake -S . -B build-asan -G Ninja -DKVD_WERROR=ON -DKVD_ASAN=ON -DKVD_CUDA=OFF \
+      -DCMAKE_BUILD_TYPE=Debug >/dev/null
+cmake --build build-asan -j "$jobs"
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  ctest --test-dir build-asan -L 'unit|fuzz' --output-on-failure -j "$jobs"
