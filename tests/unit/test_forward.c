@@ -1,0 +1,425 @@
+/*
+ * test_forward.c - the forward step against a naive reference, and the
+ * numerics contract: paged equals contiguous, a sequence alone equals the same
+ * sequence inside a batch, and chunked prefill equals one prefill, bit for bit.
+ *
+ * Models are small random llama GGUFs written by mkmodel into a temp dir.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "err.h"
+#include "forward.h"
+#include "kvcache.h"
+#include "mkmodel.h"
+#include "model.h"
+#include "quant.h"
+#include "types.h"
+
+static char tmpdir[] = "/tmp/kvd-test-forward-XXXXXX";
+
+/* ---- a naive reference: dense f32 weights, contiguous f32 KV, plain loops ---- */
+
+static float *dense(const struct model_mat *m)
+{
+    float *w = malloc((size_t)m->rows * m->cols * sizeof(float));
+    REQUIRE(w != NULL);
+    for (int64_t r = 0; r < m->rows; r++)
+        REQUIRE(kern_dequantize_row(m->type, (const uint8_t *)m->data + r * m->row_bytes,
+                                    w + r * m->cols, m->cols) == 0);
+    return w;
+}
+
+/* y[rows] = W[rows][cols] x[cols], accumulated in double */
+static void ref_matvec(float *y, const float *w, const float *x, int64_t rows, int64_t cols)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        double s = 0;
+        for (int64_t c = 0; c < cols; c++)
+            s += (double)w[r * cols + c] * x[c];
+        y[r] = (float)s;
+    }
+}
+
+static void ref_norm(float *o, const float *x, const float *w, int n, float eps)
+{
+    double ss = 0;
+    for (int i = 0; i < n; i++)
+        ss += (double)x[i] * x[i];
+    double sc = 1.0 / sqrt(ss / n + eps);
+    for (int i = 0; i < n; i++)
+        o[i] = (float)(x[i] * sc * w[i]);
+}
+
+static void ref_rope(float *v, int n_heads, int hd, int pos, float base)
+{
+    for (int h = 0; h < n_heads; h++)
+        for (int i = 0; i < hd / 2; i++) {
+            double th = pos * pow(base, -2.0 * i / hd);
+            double a = v[h * hd + 2 * i], b = v[h * hd + 2 * i + 1];
+            v[h * hd + 2 * i] = (float)(a * cos(th) - b * sin(th));
+            v[h * hd + 2 * i + 1] = (float)(a * sin(th) + b * cos(th));
+        }
+}
+
+/* Logits (n, n_vocab) of every position of toks, from scratch. */
+static float *ref_forward(const model_t *m, const int32_t *toks, int n)
+{
+    const struct model_config *c = &m->cfg;
+    const int E = (int)c->n_embd, H = (int)c->n_head, KH = (int)c->n_head_kv, D = (int)c->head_dim;
+    const int F = (int)c->n_ff, V = (int)c->n_vocab, L = (int)c->n_layer;
+    float *emb = dense(&m->tok_embd), *outw = dense(&m->output);
+    float *x = calloc((size_t)n * E, 4), *xb = malloc((size_t)E * 4), *q = malloc((size_t)H * D * 4);
+    float *kc = malloc((size_t)L * n * KH * D * 4), *vc = malloc((size_t)L * n * KH * D * 4);
+    float *att = malloc((size_t)H * D * 4), *tmp = malloc((size_t)(E > F ? E : F) * 4);
+    float *g = malloc((size_t)F * 4), *u = malloc((size_t)F * 4), *sc = malloc((size_t)n * 4);
+    float *logits = malloc((size_t)n * V * 4);
+    REQUIRE(x && xb && q && kc && vc && att && tmp && g && u && sc && logits);
+    for (int t = 0; t < n; t++)
+        memcpy(x + (size_t)t * E, emb + (size_t)toks[t] * E, (size_t)E * 4);
+    for (int l = 0; l < L; l++) {
+        const struct model_layer *ly = &m->layers[l];
+        float *wq = dense(&ly->wq), *wk = dense(&ly->wk), *wv = dense(&ly->wv), *wo = dense(&ly->wo);
+        float *wg = dense(&ly->w_gate), *wu = dense(&ly->w_up), *wd = dense(&ly->w_down);
+        for (int t = 0; t < n; t++) {
+            float *xt = x + (size_t)t * E;
+            float *kt = kc + ((size_t)l * n + t) * KH * D, *vt = vc + ((size_t)l * n + t) * KH * D;
+            ref_norm(xb, xt, ly->attn_norm, E, c->rms_eps);
+            ref_matvec(q, wq, xb, H * D, E);
+            ref_matvec(kt, wk, xb, KH * D, E);
+            ref_matvec(vt, wv, xb, KH * D, E);
+            ref_rope(q, H, D, t, c->rope_base);
+            ref_rope(kt, KH, D, t, c->rope_base);
+            for (int h = 0; h < H; h++) {
+                int kh = h / (H / KH);
+                double mx = -INFINITY, sum = 0;
+                for (int j = 0; j <= t; j++) {
+                    const float *kj = kc + ((size_t)l * n + j) * KH * D + kh * D;
+                    double s = 0;
+                    for (int d = 0; d < D; d++)
+                        s += (double)q[h * D + d] * kj[d];
+                    sc[j] = (float)(s / sqrt((double)D));
+                    mx = sc[j] > mx ? sc[j] : mx;
+                }
+                for (int j = 0; j <= t; j++)
+                    sum += exp(sc[j] - mx);
+                for (int d = 0; d < D; d++) {
+                    double a = 0;
+                    for (int j = 0; j <= t; j++)
+                        a += exp(sc[j] - mx) / sum * vc[((size_t)l * n + j) * KH * D + kh * D + d];
+                    att[h * D + d] = (float)a;
+                }
+            }
+            ref_matvec(tmp, wo, att, E, H * D);
+            for (int i = 0; i < E; i++)
+                xt[i] += tmp[i];
+            ref_norm(xb, xt, ly->ffn_norm, E, c->rms_eps);
+            ref_matvec(g, wg, xb, F, E);
+            ref_matvec(u, wu, xb, F, E);
+            for (int i = 0; i < F; i++)
+                g[i] = (float)(g[i] / (1.0 + exp(-(double)g[i])) * u[i]);
+            ref_matvec(tmp, wd, g, E, F);
+            for (int i = 0; i < E; i++)
+                xt[i] += tmp[i];
+        }
+        free(wq); free(wk); free(wv); free(wo); free(wg); free(wu); free(wd);
+    }
+    for (int t = 0; t < n; t++) {
+        ref_norm(xb, x + (size_t)t * E, m->output_norm, E, c->rms_eps);
+        ref_matvec(logits + (size_t)t * V, outw, xb, V, E);
+    }
+    free(emb); free(outw); free(x); free(xb); free(q); free(kc); free(vc);
+    free(att); free(tmp); free(g); free(u); free(sc);
+    return logits;
+}
+
+/* ---- helpers ------------------------------------------------------------------ */
+
+static model_t *make_model(const struct mkmodel_params *p, const char *name)
+{
+    char path[256], err[256];
+    snprintf(path, sizeof(path), "%s/%s.gguf", tmpdir, name);
+    int rc = mkmodel_write(p, path, err, sizeof(err));
+    if (rc != 0)
+        fprintf(stderr, "mkmodel: %s\n", err);
+    REQUIRE(rc == 0);
+    model_t *m = model_load(path, err, sizeof(err));
+    if (m == NULL)
+        fprintf(stderr, "model_load: %s\n", err);
+    REQUIRE(m != NULL);
+    return m;
+}
+
+struct rig {
+    kvcache_t *kv;
+    engine_t *e;
+};
+
+static struct rig rig_new(const model_t *m, uint32_t block_tokens, uint32_t n_blocks, uint32_t dtype,
+                          int threads)
+{
+    char err[256];
+    struct kv_params kp = { block_tokens, n_blocks, dtype };
+    struct rig r;
+    r.kv = kvcache_new(&m->cfg, &kp, err, sizeof(err));
+    REQUIRE(r.kv != NULL);
+    struct engine_params ep = engine_default_params();
+    ep.max_tokens = 256;
+    ep.n_threads = threads;
+    r.e = engine_new(m, r.kv, &ep, err, sizeof(err));
+    REQUIRE(r.e != NULL);
+    return r;
+}
+
+static void rig_free(struct rig *r)
+{
+    engine_destroy(&r->e);
+    kvcache_destroy(&r->kv);
+}
+
+/* Runs toks through one sequence in chunks of `chunk`, collecting all logits. */
+static float *run_chunks(struct rig *r, const int32_t *toks, int n, int chunk, const uint32_t *blocks,
+                         uint32_t n_blocks)
+{
+    const uint32_t V = engine_model(r->e)->cfg.n_vocab;
+    float *all = malloc((size_t)n * V * 4);
+    REQUIRE(all != NULL);
+    char err[256];
+    for (int i = 0; i < n; i += chunk) {
+        int m = n - i < chunk ? n - i : chunk;
+        struct fwd_seq s = { toks + i, (uint32_t)m, (uint32_t)i, blocks, n_blocks, true };
+        const float *lg;
+        uint32_t rows;
+        int rc = engine_step(r->e, &s, 1, &lg, &rows, err, sizeof(err));
+        if (rc)
+            fprintf(stderr, "engine_step: %s\n", err);
+        REQUIRE(rc == 0 && rows == (uint32_t)m);
+        memcpy(all + (size_t)i * V, lg, (size_t)m * V * 4);
+    }
+    return all;
+}
+
+static double max_abs(const float *a, size_t n)
+{
+    double m = 0;
+    for (size_t i = 0; i < n; i++)
+        m = fabs(a[i]) > m ? fabs(a[i]) : m;
+    return m;
+}
+
+static double max_diff(const float *a, const float *b, size_t n)
+{
+    double m = 0;
+    for (size_t i = 0; i < n; i++)
+        m = fabs((double)a[i] - b[i]) > m ? fabs((double)a[i] - b[i]) : m;
+    return m;
+}
+
+static void random_tokens(int32_t *t, int n, uint32_t vocab, unsigned seed)
+{
+    srand(seed);
+    for (int i = 0; i < n; i++)
+        t[i] = 3 + rand() % (int)(vocab - 3);
+}
+
+/* ---- tests -------------------------------------------------------------------- */
+
+/* The engine against the naive reference, for one model shape and weight type. */
+static void test_against_reference(const char *name, uint32_t wtype, uint32_t etype, uint32_t heads,
+                                   uint32_t kv_heads, bool tied, double rel_tol)
+{
+    struct mkmodel_params p = mkmodel_default_params();
+    p.n_layer = 2;
+    p.n_embd = 128;
+    p.n_head = heads;
+    p.n_head_kv = kv_heads;
+    p.n_ff = 256;
+    p.n_vocab = 400;
+    p.wtype = wtype;
+    p.embd_type = etype;
+    p.tied = tied;
+    p.seed = 7 + heads * 31 + kv_heads;
+    model_t *m = make_model(&p, name);
+    const int n = 40;
+    int32_t toks[40];
+    random_tokens(toks, n, p.n_vocab, 11);
+    float *ref = ref_forward(m, toks, n);
+    struct rig r = rig_new(m, 16, 8, KERN_F32, 2);
+    uint32_t blocks[8] = { 5, 2, 7, 0, 1, 3, 4, 6 };
+    float *got = run_chunks(&r, toks, n, n, blocks, 8);
+    size_t total = (size_t)n * m->cfg.n_vocab;
+    double scale = max_abs(ref, total), d = max_diff(ref, got, total);
+    fprintf(stderr, "%s: max |logit| %.4f, max diff %.6f (%.2e relative)\n", name, scale, d, d / scale);
+    CHECK(scale > 0.1);
+    CHECK(d / scale <= rel_tol);
+    /* the argmax agrees wherever the reference is not a near-tie */
+    int agree = 0;
+    for (int t = 0; t < n; t++) {
+        const float *a = ref + (size_t)t * m->cfg.n_vocab, *b = got + (size_t)t * m->cfg.n_vocab;
+        int ia = 0, ib = 0;
+        for (uint32_t v = 1; v < m->cfg.n_vocab; v++) {
+            ia = a[v] > a[ia] ? (int)v : ia;
+            ib = b[v] > b[ib] ? (int)v : ib;
+        }
+        agree += ia == ib || fabs(a[ia] - a[ib]) < 2 * d;
+    }
+    CHECK_INT(agree, n);
+    free(ref);
+    free(got);
+    rig_free(&r);
+    model_destroy(&m);
+}
+
+/* Paged with a shuffled table equals one big contiguous block, bit for bit. */
+static void test_paged_equals_contiguous(const model_t *m)
+{
+    const int n = 100;
+    int32_t toks[100];
+    random_tokens(toks, n, m->cfg.n_vocab, 3);
+    struct rig a = rig_new(m, 4, 40, KERN_F16, 2);
+    uint32_t shuffled[25];
+    for (int i = 0; i < 25; i++)
+        shuffled[i] = (uint32_t)((i * 17 + 5) % 40);
+    float *la = run_chunks(&a, toks, n, n, shuffled, 25);
+    struct rig b = rig_new(m, 128, 1, KERN_F16, 2);
+    uint32_t one[1] = { 0 };
+    float *lb = run_chunks(&b, toks, n, n, one, 1);
+    CHECK(memcmp(la, lb, (size_t)n * m->cfg.n_vocab * 4) == 0);
+    free(la);
+    free(lb);
+    rig_free(&a);
+    rig_free(&b);
+}
+
+/* Chunked prefill (and token-by-token decode) equals one prefill, bit for bit;
+ * thread count changes nothing either. */
+static void test_chunking(const model_t *m)
+{
+    const int n = 77;
+    int32_t toks[77];
+    random_tokens(toks, n, m->cfg.n_vocab, 5);
+    uint32_t blocks[10] = { 9, 8, 7, 6, 5, 4, 3, 2, 1, 0 };
+    size_t bytes = (size_t)n * m->cfg.n_vocab * 4;
+    struct rig r = rig_new(m, 8, 10, KERN_F16, 2);
+    float *whole = run_chunks(&r, toks, n, n, blocks, 10);
+    float *halves = run_chunks(&r, toks, n, 40, blocks, 10);
+    float *odd = run_chunks(&r, toks, n, 13, blocks, 10);
+    float *ones = run_chunks(&r, toks, n, 1, blocks, 10);
+    CHECK(memcmp(whole, halves, bytes) == 0);
+    CHECK(memcmp(whole, odd, bytes) == 0);
+    CHECK(memcmp(whole, ones, bytes) == 0);
+    rig_free(&r);
+    struct rig r1 = rig_new(m, 8, 10, KERN_F16, 1);
+    float *single = run_chunks(&r1, toks, n, 25, blocks, 10);
+    CHECK(memcmp(whole, single, bytes) == 0);
+    rig_free(&r1);
+    free(whole);
+    free(halves);
+    free(odd);
+    free(ones);
+    free(single);
+}
+
+/* A sequence alone equals the same sequence inside a batch of 8 others at
+ * other positions, with prefill chunks and decode tokens mixed. */
+static void test_batch_invariance(const model_t *m)
+{
+    const uint32_t V = m->cfg.n_vocab;
+    char err[256];
+    struct rig r = rig_new(m, 16, 64, KERN_F16, 2);
+    int32_t toks[8][60];
+    uint32_t tables[8][8];
+    for (int s = 0; s < 8; s++) {
+        random_tokens(toks[s], 60, V, 100 + (unsigned)s);
+        for (int b = 0; b < 8; b++)
+            tables[s][b] = (uint32_t)(s * 8 + b);
+    }
+    /* sequence 0 alone: 50 tokens, then logits of a 10-token chunk */
+    float *alone = run_chunks(&r, toks[0], 60, 50, tables[0], 8);
+    /* the same, batched: first everyone prefills a different amount ... */
+    struct fwd_seq seqs[8];
+    const float *lg;
+    uint32_t rows;
+    for (int s = 0; s < 8; s++)
+        seqs[s] = (struct fwd_seq){ toks[s], (uint32_t)(s == 0 ? 50 : 5 + 5 * s), 0, tables[s], 8, false };
+    REQUIRE(engine_step(r.e, seqs, 8, &lg, &rows, err, sizeof(err)) == 0);
+    /* ... then sequence 0's last chunk beside decode tokens and other chunks */
+    for (int s = 1; s < 8; s++) {
+        uint32_t done = (uint32_t)(5 + 5 * s);
+        seqs[s] = (struct fwd_seq){ toks[s] + done, s % 2 ? 3u : 1u, done, tables[s], 8, s == 3 };
+    }
+    seqs[0] = (struct fwd_seq){ toks[0] + 50, 10, 50, tables[0], 8, true };
+    /* sequence 0 in the middle of the batch */
+    struct fwd_seq mixed[8] = { seqs[1], seqs[2], seqs[3], seqs[0], seqs[4], seqs[5], seqs[6], seqs[7] };
+    REQUIRE(engine_step(r.e, mixed, 8, &lg, &rows, err, sizeof(err)) == 0);
+    /* rows: s1 (1), s2 (1), s3 (3, all), then s0's 10 */
+    CHECK_INT(rows, 1 + 1 + 3 + 10 + 4);
+    CHECK(memcmp(lg + (size_t)5 * V, alone + (size_t)50 * V, (size_t)10 * V * 4) == 0);
+    free(alone);
+    rig_free(&r);
+}
+
+/* Bad input is refused before the cache is touched. */
+static void test_errors(const model_t *m)
+{
+    char err[256];
+    struct rig r = rig_new(m, 16, 4, KERN_F16, 1);
+    uint32_t blocks[4] = { 0, 1, 2, 3 };
+    int32_t toks[4] = { 5, 6, 7, (int32_t)m->cfg.n_vocab };
+    const float *lg;
+    uint32_t rows;
+    struct fwd_seq s = { toks, 4, 0, blocks, 4, false };
+    CHECK_INT(engine_step(r.e, &s, 1, &lg, &rows, err, sizeof(err)), KVD_ERANGE);
+    CHECK(strstr(err, "vocabulary") != NULL);
+    toks[3] = -1;
+    CHECK_INT(engine_step(r.e, &s, 1, &lg, &rows, err, sizeof(err)), KVD_ERANGE);
+    toks[3] = 8;
+    uint32_t bad[1] = { 4 };
+    s = (struct fwd_seq){ toks, 4, 0, bad, 1, false };
+    CHECK_INT(engine_step(r.e, &s, 1, &lg, &rows, err, sizeof(err)), KVD_ERANGE);
+    s = (struct fwd_seq){ toks, 4, 62, blocks, 4, false };  /* 66 positions in 64 */
+    CHECK_INT(engine_step(r.e, &s, 1, &lg, &rows, err, sizeof(err)), KVD_ERANGE);
+    s = (struct fwd_seq){ toks, 4, m->cfg.n_ctx_train - 2, blocks, 4, false };
+    CHECK_INT(engine_step(r.e, &s, 1, &lg, &rows, err, sizeof(err)), KVD_ETOOLONG);
+    s = (struct fwd_seq){ toks, 0, 0, blocks, 4, false };
+    CHECK_INT(engine_step(r.e, &s, 1, &lg, &rows, err, sizeof(err)), KVD_EINVAL);
+    CHECK_INT(engine_step(r.e, &s, 0, &lg, &rows, err, sizeof(err)), KVD_EINVAL);
+    s = (struct fwd_seq){ toks, 4, 0, blocks, 4, false };
+    CHECK_INT(engine_step(r.e, &s, 1, &lg, &rows, err, sizeof(err)), 0);
+    rig_free(&r);
+}
+
+int main(void)
+{
+    REQUIRE(mkdtemp(tmpdir) != NULL);
+    /* float weights: only summation order differs from the reference */
+    test_against_reference("f32-gqa", KERN_F32, KERN_F32, 4, 2, true, 1e-4);
+    test_against_reference("f32-mqa", KERN_F32, KERN_F32, 4, 1, false, 1e-4);
+    test_against_reference("f16-mha", KERN_F16, KERN_F16, 4, 4, false, 1e-4);
+    /* quantized weights: activations are quantized to 8 bits, as in llama.cpp */
+    test_against_reference("q4_1-gqa", KERN_Q4_1, KERN_Q8_0, 8, 2, true, 0.03);
+    test_against_reference("q8_0-mqa", KERN_Q8_0, KERN_Q8_0, 4, 1, false, 0.03);
+
+    struct mkmodel_params p = mkmodel_default_params();
+    p.n_layer = 3;
+    p.n_embd = 128;
+    p.n_head = 4;
+    p.n_head_kv = 2;
+    p.n_ff = 256;
+    p.n_vocab = 300;
+    model_t *m = make_model(&p, "contract");
+    test_paged_equals_contiguous(m);
+    test_chunking(m);
+    test_batch_invariance(m);
+    test_errors(m);
+    model_destroy(&m);
+
+    char cmd[300];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", tmpdir);
+    CHECK(system(cmd) == 0);
+    return CHECK_DONE();
+}
