@@ -1,0 +1,687 @@
+/*
+ * kvd_run.c - kvd-run, the single-process front end of the engine.
+ *
+ * Loads a GGUF model, tokenizes a prompt (optionally through the model's chat
+ * template), runs it over a paged KV cache and prints the continuation; or
+ * prints token ids (--tokenize), or the perplexity of a file (--perplexity).
+ * Every bad argument or input ends with one line on stderr and exit status 1.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "chat.h"
+#include "err.h"
+#include "forward.h"
+#include "kvcache.h"
+#include "model.h"
+#include "sampler.h"
+#include "tok.h"
+#include "types.h"
+
+#define DEFAULT_MODEL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+#define MAX_STOPS 8
+
+struct options {
+    const char *model;          /* -m */
+    const char *prompt;         /* -p */
+    const char *system;         /* --system / --system-file contents */
+    char *system_buf;           /* owned copy read from --system-file */
+    const char *tokenize;       /* --tokenize TEXT */
+    const char *ppl_file;       /* --perplexity FILE */
+    const char *stops[MAX_STOPS]; /* --stop */
+    int n_stops;
+    int n_predict;              /* -n */
+    int n_ctx;                  /* --ctx: context (generation) or window (perplexity) */
+    int n_threads;              /* -t */
+    int block_tokens;           /* --block-tokens */
+    uint32_t kv_type;           /* --kv-type */
+    bool chat;                  /* --chat */
+    bool json;                  /* --json */
+    bool special;               /* --special */
+    bool ignore_eos;            /* --ignore-eos */
+    bool seed_set;
+    struct sampler_params sp;
+};
+
+static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+
+static void die(const char *fmt, ...)
+{
+    va_list ap;
+    fputs("kvd-run: ", stderr);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    exit(1);
+}
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+static void usage(FILE *f)
+{
+    fputs("usage: kvd-run [-m MODEL] -p PROMPT [options]\n"
+          "       kvd-run [-m MODEL] --tokenize TEXT [--special]\n"
+          "       kvd-run [-m MODEL] --perplexity FILE [--ctx N]\n"
+          "\n"
+          "  -m, --model FILE       GGUF model (default " DEFAULT_MODEL ")\n"
+          "  -p, --prompt TEXT      prompt to continue\n"
+          "  -n, --n-predict N      tokens to generate (default 256)\n"
+          "      --chat             wrap the prompt in the model's chat template\n"
+          "      --system TEXT      system message (with --chat)\n"
+          "      --system-file F    system message read from a file (with --chat)\n"
+          "      --temp T           temperature, 0 = greedy (default 0.8)\n"
+          "      --top-k K          (default 40, 0 = off)\n"
+          "      --top-p P          (default 0.95, 1 = off)\n"
+          "      --min-p P          (default 0.05, 0 = off)\n"
+          "      --repeat-penalty R (default 1.0 = off)\n"
+          "      --seed S           sampling seed (default: random)\n"
+          "      --stop STR         stop when STR is generated (repeatable)\n"
+          "      --ignore-eos       keep generating past end-of-generation tokens\n"
+          "  -c, --ctx N            context length (default 4096, at most the model's);\n"
+          "                         with --perplexity the window (default 512)\n"
+          "  -t, --threads N        threads (default: all CPUs)\n"
+          "      --block-tokens N   KV block size in tokens (default 16)\n"
+          "      --kv-type f16|f32  KV cache element type (default f16)\n"
+          "      --json             print one JSON object instead of the text\n"
+          "      --tokenize TEXT    print TEXT's token ids as a JSON array\n"
+          "      --special          parse special tokens in the text (--tokenize, -p)\n"
+          "      --perplexity FILE  print the perplexity of FILE\n",
+          f);
+}
+
+static long parse_long(const char *s, const char *what, long lo, long hi)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end != '\0' || v < lo || v > hi)
+        die("%s must be an integer in [%ld, %ld], got '%s'", what, lo, hi, s);
+    return v;
+}
+
+static float parse_float(const char *s, const char *what)
+{
+    char *end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (errno || end == s || *end != '\0' || !isfinite(v))
+        die("%s must be a number, got '%s'", what, s);
+    return v;
+}
+
+/* Reads a whole file into a NUL-terminated buffer; dies on failure. */
+static char *read_file(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        die("cannot open %s: %s", path, strerror(errno));
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap);
+    for (;;) {
+        if (buf == NULL)
+            die("out of memory reading %s", path);
+        n += fread(buf + n, 1, cap - n - 1, f);
+        if (n < cap - 1)
+            break;
+        if (cap > (1u << 30))
+            die("%s is larger than 1 GiB", path);
+        cap *= 2;
+        buf = realloc(buf, cap);
+    }
+    if (ferror(f))
+        die("cannot read %s", path);
+    fclose(f);
+    buf[n] = '\0';
+    *len = n;
+    return buf;
+}
+
+enum {
+    OPT_TEMP = 256, OPT_TOPK, OPT_TOPP, OPT_MINP, OPT_REPEAT, OPT_SEED, OPT_STOP, OPT_CHAT,
+    OPT_SYSTEM, OPT_SYSTEM_FILE, OPT_JSON, OPT_TOKENIZE, OPT_SPECIAL, OPT_PPL, OPT_BLOCK,
+    OPT_KVTYPE, OPT_IGNORE_EOS,
+};
+
+static void parse_args(int argc, char **argv, struct options *o)
+{
+    static const struct option longs[] = {
+        { "model", required_argument, NULL, 'm' },
+        { "prompt", required_argument, NULL, 'p' },
+        { "n-predict", required_argument, NULL, 'n' },
+        { "ctx", required_argument, NULL, 'c' },
+        { "threads", required_argument, NULL, 't' },
+        { "help", no_argument, NULL, 'h' },
+        { "temp", required_argument, NULL, OPT_TEMP },
+        { "top-k", required_argument, NULL, OPT_TOPK },
+        { "top-p", required_argument, NULL, OPT_TOPP },
+        { "min-p", required_argument, NULL, OPT_MINP },
+        { "repeat-penalty", required_argument, NULL, OPT_REPEAT },
+        { "seed", required_argument, NULL, OPT_SEED },
+        { "stop", required_argument, NULL, OPT_STOP },
+        { "chat", no_argument, NULL, OPT_CHAT },
+        { "system", required_argument, NULL, OPT_SYSTEM },
+        { "system-file", required_argument, NULL, OPT_SYSTEM_FILE },
+        { "json", no_argument, NULL, OPT_JSON },
+        { "tokenize", required_argument, NULL, OPT_TOKENIZE },
+        { "special", no_argument, NULL, OPT_SPECIAL },
+        { "perplexity", required_argument, NULL, OPT_PPL },
+        { "block-tokens", required_argument, NULL, OPT_BLOCK },
+        { "kv-type", required_argument, NULL, OPT_KVTYPE },
+        { "ignore-eos", no_argument, NULL, OPT_IGNORE_EOS },
+        { NULL, 0, NULL, 0 },
+    };
+    memset(o, 0, sizeof(*o));
+    o->model = getenv("KVD_MODEL") ? getenv("KVD_MODEL") : DEFAULT_MODEL;
+    o->n_predict = 256;
+    o->block_tokens = 16;
+    o->kv_type = KERN_F16;
+    o->sp = sampler_default_params();
+    opterr = 0;
+    int c;
+    while ((c = getopt_long(argc, argv, ":m:p:n:c:t:h", longs, NULL)) != -1) {
+        switch (c) {
+        case 'm': o->model = optarg; break;
+        case 'p': o->prompt = optarg; break;
+        case 'n': o->n_predict = (int)parse_long(optarg, "-n", 0, 1 << 20); break;
+        case 'c': o->n_ctx = (int)parse_long(optarg, "--ctx", 8, 1 << 20); break;
+        case 't': o->n_threads = (int)parse_long(optarg, "-t", 1, 256); break;
+        case 'h': usage(stdout); exit(0);
+        case OPT_TEMP: o->sp.temperature = parse_float(optarg, "--temp"); break;
+        case OPT_TOPK: o->sp.top_k = (int32_t)parse_long(optarg, "--top-k", 0, 1 << 24); break;
+        case OPT_TOPP: o->sp.top_p = parse_float(optarg, "--top-p"); break;
+        case OPT_MINP: o->sp.min_p = parse_float(optarg, "--min-p"); break;
+        case OPT_REPEAT: o->sp.repeat_penalty = parse_float(optarg, "--repeat-penalty"); break;
+        case OPT_SEED:
+            o->sp.seed = (uint64_t)parse_long(optarg, "--seed", 0, 0x7fffffffffffffffL);
+            o->seed_set = true;
+            break;
+        case OPT_STOP:
+            if (o->n_stops == MAX_STOPS)
+                die("at most %d --stop strings", MAX_STOPS);
+            if (optarg[0] == '\0')
+                die("--stop needs a non-empty string");
+            o->stops[o->n_stops++] = optarg;
+            break;
+        case OPT_CHAT: o->chat = true; break;
+        case OPT_SYSTEM: o->system = optarg; break;
+        case OPT_SYSTEM_FILE: {
+            size_t len;
+            free(o->system_buf);
+            o->system_buf = read_file(optarg, &len);
+            o->system = o->system_buf;
+            break;
+        }
+        case OPT_JSON: o->json = true; break;
+        case OPT_TOKENIZE: o->tokenize = optarg; break;
+        case OPT_SPECIAL: o->special = true; break;
+        case OPT_PPL: o->ppl_file = optarg; break;
+        case OPT_BLOCK: o->block_tokens = (int)parse_long(optarg, "--block-tokens", 1, 4096); break;
+        case OPT_KVTYPE:
+            if (strcmp(optarg, "f16") == 0)
+                o->kv_type = KERN_F16;
+            else if (strcmp(optarg, "f32") == 0)
+                o->kv_type = KERN_F32;
+            else
+                die("--kv-type must be f16 or f32, got '%s'", optarg);
+            break;
+        case OPT_IGNORE_EOS: o->ignore_eos = true; break;
+        case ':': die("option %s needs a value", argv[optind - 1]);
+        default: die("unknown option %s (see --help)", argv[optind - 1]);
+        }
+    }
+    if (optind < argc)
+        die("unexpected argument '%s' (see --help)", argv[optind]);
+    int modes = (o->prompt != NULL) + (o->tokenize != NULL) + (o->ppl_file != NULL);
+    if (modes == 0)
+        die("nothing to do: give -p PROMPT, --tokenize TEXT or --perplexity FILE (see --help)");
+    if (modes > 1)
+        die("-p, --tokenize and --perplexity exclude each other");
+    if (o->system != NULL && !o->chat)
+        die("--system and --system-file need --chat");
+    if (!o->seed_set)
+        o->sp.seed = (uint64_t)time(NULL) ^ ((uint64_t)clock() << 20);
+}
+
+/* ---- JSON output ------------------------------------------------------------------ */
+
+static void json_str(FILE *f, const char *s, size_t n)
+{
+    fputc('"', f);
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        switch (c) {
+        case '"': fputs("\\\"", f); break;
+        case '\\': fputs("\\\\", f); break;
+        case '\n': fputs("\\n", f); break;
+        case '\r': fputs("\\r", f); break;
+        case '\t': fputs("\\t", f); break;
+        default:
+            if (c < 0x20)
+                fprintf(f, "\\u%04x", c);
+            else
+                fputc(c, f);
+        }
+    }
+    fputc('"', f);
+}
+
+static void json_ids(FILE *f, const int32_t *ids, size_t n)
+{
+    fputc('[', f);
+    for (size_t i = 0; i < n; i++)
+        fprintf(f, "%s%d", i ? "," : "", ids[i]);
+    fputc(']', f);
+}
+
+/* ---- tokenization ------------------------------------------------------------------ */
+
+/* Tokenizes text into a new array; dies on error. */
+static int32_t *encode(const tok_t *t, const char *text, size_t len, bool special, size_t *n)
+{
+    size_t cap = len + 16;
+    int32_t *ids = malloc(cap * sizeof(int32_t));
+    if (ids == NULL)
+        die("out of memory");
+    int rc = tok_encode(t, text, len, special, ids, cap, n);
+    if (rc == KVD_ERANGE) {
+        cap = *n;
+        ids = realloc(ids, cap * sizeof(int32_t));
+        if (ids == NULL)
+            die("out of memory");
+        rc = tok_encode(t, text, len, special, ids, cap, n);
+    }
+    if (rc != 0)
+        die("cannot tokenize the text: %s", kvd_strerror(rc));
+    return ids;
+}
+
+/* ---- a sequence over the paged cache ------------------------------------------------ */
+
+struct seq {
+    uint32_t *blocks;       /* block table */
+    uint32_t n_blocks;      /* blocks held */
+    uint32_t pos;           /* tokens in the cache */
+};
+
+/* Makes sure the sequence has blocks for n_pos positions. */
+static int seq_reserve(struct seq *s, kvcache_t *kv, uint32_t n_pos)
+{
+    uint32_t need = (n_pos + kv->block_tokens - 1) / kv->block_tokens;
+    while (s->n_blocks < need) {
+        int rc = kvcache_alloc(kv, &s->blocks[s->n_blocks]);
+        if (rc)
+            return rc;
+        s->n_blocks++;
+    }
+    return 0;
+}
+
+static void seq_release(struct seq *s, kvcache_t *kv)
+{
+    while (s->n_blocks > 0)
+        kvcache_release(kv, s->blocks[--s->n_blocks]);
+    s->pos = 0;
+}
+
+/* Feeds tokens in chunks of at most the engine's step size; the logits of the
+ * last step are left in *logits (all rows when all_logits). */
+static void seq_feed(engine_t *e, kvcache_t *kv, struct seq *s, const int32_t *toks, uint32_t n,
+                     uint32_t chunk, bool all_logits, const float **logits, uint32_t *rows)
+{
+    char err[256];
+    for (uint32_t i = 0; i < n; i += chunk) {
+        uint32_t m = n - i < chunk ? n - i : chunk;
+        if (seq_reserve(s, kv, s->pos + m) != 0)
+            die("the KV cache is full");
+        struct fwd_seq fs = { toks + i, m, s->pos, s->blocks, s->n_blocks, all_logits };
+        if (engine_step(e, &fs, 1, logits, rows, err, sizeof(err)) != 0)
+            die("%s", err);
+        s->pos += m;
+    }
+}
+
+/* ---- modes ------------------------------------------------------------------------- */
+
+struct runtime {
+    model_t *model;
+    tok_t *tok;
+    kvcache_t *kv;
+    engine_t *engine;
+    uint32_t n_ctx;         /* context in effect */
+    uint32_t step;          /* most tokens per step */
+    double load_ms;
+};
+
+static void runtime_open(struct runtime *rt, const struct options *o, uint32_t n_ctx_req)
+{
+    char err[512];
+    double t0 = now_ms();
+    rt->model = model_load(o->model, err, sizeof(err));
+    if (rt->model == NULL)
+        die("%s", err);
+    rt->tok = tok_new_from_gguf(rt->model->gguf, err, sizeof(err));
+    if (rt->tok == NULL)
+        die("%s", err);
+    const struct model_config *c = &rt->model->cfg;
+    if (n_ctx_req > c->n_ctx_train)
+        die("context %u is longer than the model's %u", n_ctx_req, c->n_ctx_train);
+    rt->n_ctx = n_ctx_req;
+    rt->step = rt->n_ctx < 512 ? rt->n_ctx : 512;
+    struct kv_params kp = kv_default_params();
+    kp.block_tokens = (uint32_t)o->block_tokens;
+    kp.dtype = o->kv_type;
+    kp.n_blocks = (rt->n_ctx + kp.block_tokens - 1) / kp.block_tokens;
+    rt->kv = kvcache_new(c, &kp, err, sizeof(err));
+    if (rt->kv == NULL)
+        die("%s", err);
+    struct engine_params ep = engine_default_params();
+    ep.max_tokens = rt->step;
+    ep.max_ctx = rt->n_ctx;
+    ep.n_threads = o->n_threads;
+    rt->engine = engine_new(rt->model, rt->kv, &ep, err, sizeof(err));
+    if (rt->engine == NULL)
+        die("%s", err);
+    rt->load_ms = now_ms() - t0;
+}
+
+static void runtime_close(struct runtime *rt)
+{
+    engine_destroy(&rt->engine);
+    kvcache_destroy(&rt->kv);
+    tok_destroy(&rt->tok);
+    model_destroy(&rt->model);
+}
+
+static int run_tokenize(const struct options *o)
+{
+    char err[512];
+    gguf_ctx_t *g = gguf_open(o->model, err, sizeof(err));
+    if (g == NULL)
+        die("%s", err);
+    tok_t *t = tok_new_from_gguf(g, err, sizeof(err));
+    if (t == NULL)
+        die("%s", err);
+    size_t n;
+    int32_t *ids = encode(t, o->tokenize, strlen(o->tokenize), o->special, &n);
+    json_ids(stdout, ids, n);
+    fputc('\n', stdout);
+    free(ids);
+    tok_destroy(&t);
+    gguf_close(&g);
+    return 0;
+}
+
+/* Perplexity as llama.cpp's perplexity tool computes it: non-overlapping
+ * windows of n_ctx tokens, each from an empty cache (first token replaced by
+ * BOS when the model adds one), scoring positions [n_ctx/2, n_ctx - 1). */
+static int run_perplexity(const struct options *o)
+{
+    struct runtime rt;
+    uint32_t win = o->n_ctx ? (uint32_t)o->n_ctx : 512;
+    runtime_open(&rt, o, win);
+    size_t len, n;
+    char *text = read_file(o->ppl_file, &len);
+    int32_t *ids = encode(rt.tok, text, len, false, &n);
+    if (n < 2 * (size_t)win)
+        die("%s has %zu tokens; perplexity with a window of %u needs at least %u",
+            o->ppl_file, n, win, 2 * win);
+    const uint32_t nv = rt.model->cfg.n_vocab;
+    size_t n_win = n / win, scored = 0;
+    double nll = 0.0, t0 = now_ms();
+    int32_t *w = malloc(win * sizeof(int32_t));
+    float *lg = malloc((size_t)win * nv * sizeof(float));
+    if (w == NULL || lg == NULL)
+        die("out of memory");
+    struct seq s = { malloc(rt.kv->n_blocks * sizeof(uint32_t)), 0, 0 };
+    if (s.blocks == NULL)
+        die("out of memory");
+    const uint32_t first = win / 2;
+    for (size_t k = 0; k < n_win; k++) {
+        memcpy(w, ids + k * win, win * sizeof(int32_t));
+        if (tok_add_bos(rt.tok))
+            w[0] = tok_bos(rt.tok);
+        seq_release(&s, rt.kv);
+        for (uint32_t i = 0; i < win; i += rt.step) {
+            uint32_t m = win - i < rt.step ? win - i : rt.step;
+            const float *out;
+            uint32_t rows;
+            seq_feed(rt.engine, rt.kv, &s, w + i, m, rt.step, true, &out, &rows);
+            memcpy(lg + (size_t)i * nv, out, (size_t)m * nv * sizeof(float));
+        }
+        for (uint32_t j = first; j + 1 < win; j++) {
+            const float *row = lg + (size_t)j * nv;
+            float max = row[0];
+            for (uint32_t v = 1; v < nv; v++)
+                max = row[v] > max ? row[v] : max;
+            double sum = 0.0;
+            for (uint32_t v = 0; v < nv; v++)
+                sum += exp((double)row[v] - max);
+            nll += -(((double)row[w[j + 1]] - max) - log(sum));
+            scored++;
+        }
+        if (!o->json)
+            fprintf(stderr, "[%zu/%zu] running perplexity %.4f\n", k + 1, n_win, exp(nll / scored));
+    }
+    double ppl = exp(nll / scored), ms = now_ms() - t0;
+    if (o->json)
+        printf("{\"perplexity\":%.6f,\"windows\":%zu,\"ctx\":%u,\"tokens_scored\":%zu,\"ms\":%.1f}\n",
+               ppl, n_win, win, scored, ms);
+    else
+        printf("perplexity: %.4f\n", ppl);
+    seq_release(&s, rt.kv);
+    free(s.blocks);
+    free(w);
+    free(lg);
+    free(ids);
+    free(text);
+    runtime_close(&rt);
+    return 0;
+}
+
+/* Length of the text that may be printed: everything but a tail that could
+ * still become the start of a stop string. */
+static size_t safe_len(const char *text, size_t len, const struct options *o)
+{
+    size_t hold = 0;
+    for (int i = 0; i < o->n_stops; i++) {
+        size_t sl = strlen(o->stops[i]);
+        for (size_t k = sl - 1; k > hold; k--)
+            if (k <= len && memcmp(text + len - k, o->stops[i], k) == 0) {
+                hold = k;
+                break;
+            }
+    }
+    return len - hold;
+}
+
+static int run_generate(const struct options *o)
+{
+    struct runtime rt;
+    uint32_t n_ctx = o->n_ctx ? (uint32_t)o->n_ctx : 4096;
+    char err[512];
+    /* the model's own context caps the default */
+    {
+        gguf_ctx_t *g = gguf_open(o->model, err, sizeof(err));
+        if (g == NULL)
+            die("%s", err);
+        uint32_t train = 0;
+        if (!o->n_ctx && gguf_get_u32(g, "llama.context_length", &train) == 0 && train && train < n_ctx)
+            n_ctx = train;
+        gguf_close(&g);
+    }
+    runtime_open(&rt, o, n_ctx);
+
+    /* the prompt, through the chat template when asked */
+    char *text = NULL;
+    size_t text_len;
+    bool special = o->special;
+    if (o->chat) {
+        struct gguf_str tmpl;
+        if (gguf_get_str(rt.model->gguf, "tokenizer.chat_template", &tmpl) != 0)
+            die("--chat: the model has no chat template (tokenizer.chat_template)");
+        chat_template_t *ct = chat_template_new(tmpl.ptr, (size_t)tmpl.len, err, sizeof(err));
+        if (ct == NULL)
+            die("%s", err);
+        struct chat_msg msgs[2];
+        size_t nm = 0;
+        if (o->system != NULL)
+            msgs[nm++] = (struct chat_msg){ "system", o->system };
+        msgs[nm++] = (struct chat_msg){ "user", o->prompt };
+        int rc = chat_apply(ct, msgs, nm, true, &text, &text_len);
+        if (rc != 0)
+            die("cannot apply the chat template: %s", kvd_strerror(rc));
+        chat_template_destroy(&ct);
+        special = true;  /* the template's markers are special tokens */
+    } else {
+        text = strdup(o->prompt);
+        text_len = strlen(o->prompt);
+    }
+    size_t n_prompt;
+    int32_t *ids0 = encode(rt.tok, text, text_len, special, &n_prompt);
+    free(text);
+    bool bos = tok_add_bos(rt.tok);
+    size_t n_hist = n_prompt + (bos ? 1 : 0);
+    if (n_hist == 0)
+        die("the prompt is empty");
+    if (n_hist >= rt.n_ctx)
+        die("the prompt has %zu tokens, more than the context of %u allows", n_hist, rt.n_ctx);
+    size_t cap = n_hist + (size_t)o->n_predict + 1;
+    int32_t *hist = malloc(cap * sizeof(int32_t));
+    if (hist == NULL)
+        die("out of memory");
+    if (bos)
+        hist[0] = tok_bos(rt.tok);
+    memcpy(hist + (bos ? 1 : 0), ids0, n_prompt * sizeof(int32_t));
+    free(ids0);
+    n_prompt = n_hist;
+
+    sampler_t *smp = sampler_new(&o->sp, rt.model->cfg.n_vocab, err, sizeof(err));
+    if (smp == NULL)
+        die("%s", err);
+    struct seq s = { malloc(rt.kv->n_blocks * sizeof(uint32_t)), 0, 0 };
+    if (s.blocks == NULL)
+        die("out of memory");
+
+    double t0 = now_ms();
+    const float *logits;
+    uint32_t rows;
+    seq_feed(rt.engine, rt.kv, &s, hist, (uint32_t)n_prompt, rt.step, false, &logits, &rows);
+    double t_prefill = now_ms() - t0;
+
+    size_t out_cap = 4096, out_len = 0, printed = 0;
+    char *out = malloc(out_cap);
+    if (out == NULL)
+        die("out of memory");
+    const char *finish = "length";
+    int n_gen = 0;
+    t0 = now_ms();
+    while (n_gen < o->n_predict) {
+        int32_t id = sampler_sample(smp, logits, hist, n_hist);
+        hist[n_hist++] = id;
+        n_gen++;
+        if (!o->ignore_eos && tok_is_eog(rt.tok, id)) {
+            finish = "stop";
+            break;
+        }
+        char piece[256];
+        size_t pn = 0;
+        if (tok_decode_piece(rt.tok, id, piece, sizeof(piece), &pn) != 0)
+            pn = 0;
+        if (out_len + pn + 1 > out_cap) {
+            out_cap = (out_len + pn + 1) * 2;
+            out = realloc(out, out_cap);
+            if (out == NULL)
+                die("out of memory");
+        }
+        memcpy(out + out_len, piece, pn);
+        size_t before = out_len;
+        out_len += pn;
+        out[out_len] = '\0';
+        bool stopped = false;
+        for (int i = 0; i < o->n_stops && !stopped; i++) {
+            /* a new match must end inside the new piece */
+            size_t sl = strlen(o->stops[i]);
+            const char *hit = strstr(out + (before >= sl ? before - sl + 1 : 0), o->stops[i]);
+            if (hit != NULL) {
+                out_len = (size_t)(hit - out);
+                out[out_len] = '\0';
+                stopped = true;
+            }
+        }
+        if (!o->json) {
+            size_t upto = stopped ? out_len : safe_len(out, out_len, o);
+            if (upto > printed) {
+                fwrite(out + printed, 1, upto - printed, stdout);
+                fflush(stdout);
+                printed = upto;
+            }
+        }
+        if (stopped) {
+            finish = "stop";
+            break;
+        }
+        if (s.pos + 1 >= rt.n_ctx) {
+            finish = "length";
+            break;
+        }
+        seq_feed(rt.engine, rt.kv, &s, &id, 1, 1, false, &logits, &rows);
+    }
+    double t_decode = now_ms() - t0;
+
+    if (o->json) {
+        printf("{\"prompt_tokens\":");
+        json_ids(stdout, hist, n_prompt);
+        printf(",\"tokens\":");
+        json_ids(stdout, hist + n_prompt, n_hist - n_prompt);
+        printf(",\"text\":");
+        json_str(stdout, out, out_len);
+        printf(",\"finish_reason\":\"%s\",\"timings\":{\"load_ms\":%.1f,\"prefill_ms\":%.1f,"
+               "\"decode_ms\":%.1f,\"prefill_tokens_per_s\":%.2f,\"decode_tokens_per_s\":%.2f}}\n",
+               finish, rt.load_ms, t_prefill, t_decode,
+               t_prefill > 0 ? n_prompt / (t_prefill / 1e3) : 0.0,
+               t_decode > 0 ? n_gen / (t_decode / 1e3) : 0.0);
+    } else {
+        if (out_len > printed)
+            fwrite(out + printed, 1, out_len - printed, stdout);
+        fputc('\n', stdout);
+        fprintf(stderr, "kvd-run: %zu prompt tokens in %.0f ms (%.1f tok/s), %d generated in %.0f ms "
+                "(%.1f tok/s), %d threads\n", n_prompt, t_prefill,
+                t_prefill > 0 ? n_prompt / (t_prefill / 1e3) : 0.0, n_gen, t_decode,
+                t_decode > 0 ? n_gen / (t_decode / 1e3) : 0.0, engine_threads(rt.engine));
+    }
+    free(out);
+    seq_release(&s, rt.kv);
+    free(s.blocks);
+    free(hist);
+    sampler_destroy(&smp);
+    runtime_close(&rt);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    struct options o;
+    parse_args(argc, argv, &o);
+    int rc;
+    if (o.tokenize != NULL)
+        rc = run_tokenize(&o);
+    else if (o.ppl_file != NULL)
+        rc = run_perplexity(&o);
+    else
+        rc = run_generate(&o);
+    free(o.system_buf);
+    return rc;
+}
