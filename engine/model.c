@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "err.h"
+#include "ops.h"
 #include "quant.h"
 #include "types.h"
 
@@ -59,6 +60,9 @@ static int read_config(const gguf_ctx_t *g, struct model_config *c, char *err, s
                           "model: partial RoPE (%u of %u dims) is not supported", v, c->head_dim);
     if (c->head_dim % 2 != 0)
         return kvd_seterr(err, errlen, KVD_EFORMAT, "model: head size %u is odd", c->head_dim);
+    if (c->head_dim > KERN_MAX_HEAD_DIM)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "model: head size %u is larger than %d",
+                          c->head_dim, KERN_MAX_HEAD_DIM);
     c->rope_base = 10000.0f;
     if (gguf_find(g, "llama.rope.freq_base") &&
         (gguf_get_f32(g, "llama.rope.freq_base", &c->rope_base) != 0 || !(c->rope_base > 1.0f)))

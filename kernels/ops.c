@@ -2,6 +2,7 @@
 #include "ops.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <string.h>
 
 #include "f16.h"
@@ -71,6 +72,16 @@ void kern_attn_paged(float *out, const float *q, const uint8_t *k_base, const ui
 {
     const size_t elem = kv_dtype == KERN_F16 ? 2 : 4;
     const size_t row_bytes = (size_t)head_dim * elem;
+    /* q.k and p.v are computed in the cache's precision: over an f16 cache
+     * the query and the probabilities are rounded to f16 too (products of
+     * halves, f32 sums), as llama.cpp's CPU attention does */
+    const bool half = kv_dtype == KERN_F16;
+    float qh[KERN_MAX_HEAD_DIM];
+    if (half) {
+        for (int d = 0; d < head_dim; d++)
+            qh[d] = kvd_f16_to_f32(kvd_f32_to_f16(q[d]));
+        q = qh;
+    }
     float max = -INFINITY;
     for (int j = 0; j < n_ctx; j++) {
         const uint8_t *k = k_base + blocks[j / block_tokens] * block_stride +
@@ -95,7 +106,7 @@ void kern_attn_paged(float *out, const float *q, const uint8_t *k_base, const ui
     for (int j = 0; j < n_ctx; j++) {
         const uint8_t *v = v_base + blocks[j / block_tokens] * block_stride +
                            (uint64_t)kv_head * head_stride + (size_t)(j % block_tokens) * row_bytes;
-        const float p = scores[j] * inv;
+        const float p = half ? kvd_f16_to_f32(kvd_f32_to_f16(scores[j] * inv)) : scores[j] * inv;
         for (int d = 0; d < head_dim; d++)
             out[d] += p * kv_at(v, d, kv_dtype);
     }

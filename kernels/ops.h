@@ -10,6 +10,8 @@
 
 #include <stdint.h>
 
+#define KERN_MAX_HEAD_DIM 512  /* the largest head the attention kernels take */
+
 /* out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i]; out may alias x. */
 void kern_rmsnorm(float *out, const float *x, const float *w, int n, float eps);
 
@@ -34,7 +36,10 @@ void kern_swiglu(float *gate, const float *up, int n);
  *   scores:      scratch of n_ctx floats
  *   out:         (head_dim) result
  * Scores are q.k * scale, softmax in f32 with the sum in double, then the
- * probability-weighted sum of V in position order.
+ * probability-weighted sum of V in position order. Over an f16 cache the
+ * query and the probabilities are rounded to f16 as well (products of halves,
+ * sums in f32), which is what llama.cpp's CPU attention does.
+ * head_dim <= KERN_MAX_HEAD_DIM.
  */
 void kern_attn_paged(float *out, const float *q, const uint8_t *k_base, const uint8_t *v_base,
                      const uint32_t *blocks, int n_ctx, int block_tokens, int head_dim,

@@ -13,6 +13,7 @@
 
 #include "check.h"
 #include "err.h"
+#include "f16.h"
 #include "forward.h"
 #include "kvcache.h"
 #include "mkmodel.h"
@@ -23,6 +24,12 @@
 static char tmpdir[] = "/tmp/kvd-test-forward-XXXXXX";
 
 /* ---- a naive reference: dense f32 weights, contiguous f32 KV, plain loops ---- */
+
+/* Over an f16 cache, attention multiplies halves: K and V are stored as f16,
+ * and the query and the probabilities are rounded to f16 (the engine's
+ * specified precision, which is llama.cpp's). */
+static bool kv_half;
+static float half(float x) { return kv_half ? kvd_f16_to_f32(kvd_f32_to_f16(x)) : x; }
 
 static float *dense(const struct model_mat *m)
 {
@@ -94,6 +101,10 @@ static float *ref_forward(const model_t *m, const int32_t *toks, int n)
             ref_matvec(vt, wv, xb, KH * D, E);
             ref_rope(q, H, D, t, c->rope_base);
             ref_rope(kt, KH, D, t, c->rope_base);
+            for (int i = 0; i < KH * D; i++) {
+                kt[i] = half(kt[i]);
+                vt[i] = half(vt[i]);
+            }
             for (int h = 0; h < H; h++) {
                 int kh = h / (H / KH);
                 double mx = -INFINITY, sum = 0;
@@ -101,7 +112,7 @@ static float *ref_forward(const model_t *m, const int32_t *toks, int n)
                     const float *kj = kc + ((size_t)l * n + j) * KH * D + kh * D;
                     double s = 0;
                     for (int d = 0; d < D; d++)
-                        s += (double)q[h * D + d] * kj[d];
+                        s += (double)half(q[h * D + d]) * kj[d];
                     sc[j] = (float)(s / sqrt((double)D));
                     mx = sc[j] > mx ? sc[j] : mx;
                 }
@@ -110,7 +121,8 @@ static float *ref_forward(const model_t *m, const int32_t *toks, int n)
                 for (int d = 0; d < D; d++) {
                     double a = 0;
                     for (int j = 0; j <= t; j++)
-                        a += exp(sc[j] - mx) / sum * vc[((size_t)l * n + j) * KH * D + kh * D + d];
+                        a += (double)half((float)(exp(sc[j] - mx) / sum)) *
+                             vc[((size_t)l * n + j) * KH * D + kh * D + d];
                     att[h * D + d] = (float)a;
                 }
             }
@@ -230,8 +242,9 @@ static void random_tokens(int32_t *t, int n, uint32_t vocab, unsigned seed)
 
 /* The engine against the naive reference, for one model shape and weight type. */
 static void test_against_reference(const char *name, uint32_t wtype, uint32_t etype, uint32_t heads,
-                                   uint32_t kv_heads, bool tied, double rel_tol)
+                                   uint32_t kv_heads, bool tied, uint32_t kv_type, double rel_tol)
 {
+    kv_half = kv_type == KERN_F16;
     struct mkmodel_params p = mkmodel_default_params();
     p.n_layer = 2;
     p.n_embd = 128;
@@ -248,7 +261,7 @@ static void test_against_reference(const char *name, uint32_t wtype, uint32_t et
     int32_t toks[40];
     random_tokens(toks, n, p.n_vocab, 11);
     float *ref = ref_forward(m, toks, n);
-    struct rig r = rig_new(m, 16, 8, KERN_F32, 2);
+    struct rig r = rig_new(m, 16, 8, kv_type, 2);
     uint32_t blocks[8] = { 5, 2, 7, 0, 1, 3, 4, 6 };
     float *got = run_chunks(&r, toks, n, n, blocks, 8);
     size_t total = (size_t)n * m->cfg.n_vocab;
@@ -397,12 +410,13 @@ int main(void)
 {
     REQUIRE(mkdtemp(tmpdir) != NULL);
     /* float weights: only summation order differs from the reference */
-    test_against_reference("f32-gqa", KERN_F32, KERN_F32, 4, 2, true, 1e-4);
-    test_against_reference("f32-mqa", KERN_F32, KERN_F32, 4, 1, false, 1e-4);
-    test_against_reference("f16-mha", KERN_F16, KERN_F16, 4, 4, false, 1e-4);
+    test_against_reference("f32-gqa", KERN_F32, KERN_F32, 4, 2, true, KERN_F32, 1e-4);
+    test_against_reference("f32-mqa", KERN_F32, KERN_F32, 4, 1, false, KERN_F32, 1e-4);
+    test_against_reference("f16-mha", KERN_F16, KERN_F16, 4, 4, false, KERN_F32, 1e-4);
+    test_against_reference("f32-gqa-f16kv", KERN_F32, KERN_F32, 8, 2, false, KERN_F16, 5e-4);
     /* quantized weights: activations are quantized to 8 bits, as in llama.cpp */
-    test_against_reference("q4_1-gqa", KERN_Q4_1, KERN_Q8_0, 8, 2, true, 0.03);
-    test_against_reference("q8_0-mqa", KERN_Q8_0, KERN_Q8_0, 4, 1, false, 0.03);
+    test_against_reference("q4_1-gqa", KERN_Q4_1, KERN_Q8_0, 8, 2, true, KERN_F16, 0.03);
+    test_against_reference("q8_0-mqa", KERN_Q8_0, KERN_Q8_0, 4, 1, false, KERN_F32, 0.03);
 
     struct mkmodel_params p = mkmodel_default_params();
     p.n_layer = 3;
