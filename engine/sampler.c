@@ -187,9 +187,10 @@ int32_t sampler_sample(sampler_t *s, const float *logits, const int32_t *history
     }
 
     /* temperature, then a draw */
+    const double top = c[0].logit;
     double total = 0.0;
     for (size_t i = 0; i < k; i++) {
-        double e = exp(((double)c[i].logit - c[0].logit) / p->temperature);
+        double e = exp(((double)c[i].logit - top) / p->temperature);
         c[i].logit = (float)e;
         total += e;
     }

@@ -96,9 +96,10 @@ static inline int tu_getline(FILE *f, char **line, size_t *cap)
     return 1;
 }
 
-/* Runs argv (argv[0] a path) with stdout captured into a new buffer; stderr
- * passes through. Returns the exit status (or -1) and sets *out. */
-static inline int tu_run(char *const argv[], char **out, size_t *out_len)
+/* Runs argv (argv[0] a path) with stdout captured into a new buffer (stderr
+ * too when merge_stderr, else it passes through). Returns the exit status (or
+ * -1) and sets *out. */
+static inline int tu_run_ex(char *const argv[], char **out, size_t *out_len, int merge_stderr)
 {
     int fds[2];
     *out = NULL;
@@ -109,6 +110,8 @@ static inline int tu_run(char *const argv[], char **out, size_t *out_len)
         return -1;
     if (pid == 0) {
         dup2(fds[1], 1);
+        if (merge_stderr)
+            dup2(fds[1], 2);
         close(fds[0]);
         close(fds[1]);
         execv(argv[0], argv);
@@ -136,6 +139,11 @@ static inline int tu_run(char *const argv[], char **out, size_t *out_len)
     if (out_len)
         *out_len = n;
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static inline int tu_run(char *const argv[], char **out, size_t *out_len)
+{
+    return tu_run_ex(argv, out, out_len, 0);
 }
 
 /* Parses the JSON integer array that follows "key": in json into ids. */

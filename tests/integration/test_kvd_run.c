@@ -1,0 +1,163 @@
+/*
+ * test_kvd_run.c - the kvd-run command line, as a user drives it, on a small
+ * random model: tokenize, generate (greedy, seeded, stop strings, chat,
+ * JSON), and one-line errors with a non-zero exit for bad arguments, an
+ * unreadable or corrupt model and a prompt longer than the context.
+ */
+#include <string.h>
+#include <sys/stat.h>
+
+#include "check.h"
+#include "mkmodel.h"
+#include "testutil.h"
+
+static char dir[] = "/tmp/kvd-test-run-XXXXXX";
+static char model[128];
+
+#define RUN(...) run((char *[]){ KVD_BIN_DIR "/kvd-run", __VA_ARGS__, NULL })
+
+static char *last;  /* output of the last run (stdout and stderr) */
+
+static int run(char **argv)
+{
+    free(last);
+    return tu_run_ex(argv, &last, NULL, 1);
+}
+
+/* Checks a failed run: exit 1 and exactly one line naming the problem. */
+static void expect_error(int rc, const char *needle)
+{
+    CHECK_INT(rc, 1);
+    if (strstr(last, needle) == NULL)
+        fprintf(stderr, "expected '%s' in: %s", needle, last);
+    CHECK(strstr(last, needle) != NULL);
+    CHECK(strncmp(last, "kvd-run: ", 9) == 0);
+    char *nl = strchr(last, '\n');
+    CHECK(nl != NULL && nl[1] == '\0');
+}
+
+/* The "text" field of a --json result, unescaped only for plain text. */
+static char *json_text(const char *json)
+{
+    const char *p = strstr(json, "\"text\":\"");
+    REQUIRE(p != NULL);
+    p += 8;
+    const char *e = p;
+    while (*e && !(*e == '"' && e[-1] != '\\'))
+        e++;
+    return strndup(p, (size_t)(e - p));
+}
+
+int main(void)
+{
+    REQUIRE(mkdtemp(dir) != NULL);
+    snprintf(model, sizeof(model), "%s/m.gguf", dir);
+    struct mkmodel_params p = mkmodel_default_params();
+    p.n_ctx = 256;
+    char err[256];
+    REQUIRE(mkmodel_write(&p, model, err, sizeof(err)) == 0);
+
+    /* --tokenize prints a JSON array; --special parses control tokens */
+    CHECK_INT(RUN("-m", model, "--tokenize", "the cat"), 0);
+    CHECK(last[0] == '[' && strstr(last, "]\n") != NULL);
+    int32_t ids[64];
+    CHECK_INT(RUN("-m", model, "--tokenize", "<|im_start|>", "--special"), 0);
+    CHECK_INT(tu_ids(last + 1, ids, 64), 1);
+    CHECK_INT(ids[0], 1);
+    CHECK_INT(RUN("-m", model, "--tokenize", "<|im_start|>"), 0);
+    CHECK(tu_ids(last + 1, ids, 64) > 1);
+
+    /* greedy generation is deterministic; --json carries ids and timings */
+    CHECK_INT(RUN("-m", model, "-p", "hello there", "-n", "12", "--temp", "0", "--json",
+                  "--ignore-eos"), 0);
+    char *first = strdup(last);
+    CHECK_INT(tu_json_ids(first, "tokens", ids, 64), 12);
+    CHECK(strstr(first, "\"prompt_tokens\":[") != NULL);
+    CHECK(strstr(first, "\"finish_reason\":\"length\"") != NULL);
+    CHECK(strstr(first, "\"decode_tokens_per_s\":") != NULL);
+    CHECK_INT(RUN("-m", model, "-p", "hello there", "-n", "12", "--temp", "0", "--json",
+                  "--ignore-eos", "-t", "1", "--block-tokens", "4"), 0);
+    int32_t again[64];
+    CHECK_INT(tu_json_ids(last, "tokens", again, 64), 12);
+    CHECK(memcmp(ids, again, 12 * sizeof(int32_t)) == 0);
+
+    /* sampling: the same seed gives the same tokens */
+    CHECK_INT(RUN("-m", model, "-p", "hello", "-n", "16", "--temp", "1.0", "--seed", "5", "--json",
+                  "--ignore-eos"), 0);
+    int32_t s1[64], s2[64];
+    size_t n1 = tu_json_ids(last, "tokens", s1, 64);
+    CHECK_INT(RUN("-m", model, "-p", "hello", "-n", "16", "--temp", "1.0", "--seed", "5", "--json",
+                  "--ignore-eos"), 0);
+    size_t n2 = tu_json_ids(last, "tokens", s2, 64);
+    CHECK(n1 == 16 && n1 == n2 && memcmp(s1, s2, n1 * sizeof(int32_t)) == 0);
+
+    /* a stop string cuts the text right before it */
+    char *text = json_text(first);
+    size_t tl = strlen(text);
+    if (tl >= 6 && strchr(text, '\\') == NULL) {
+        char stop[4];
+        memcpy(stop, text + tl / 2, 3);
+        stop[3] = '\0';
+        char *at = strstr(text, stop);
+        REQUIRE(at != NULL);
+        CHECK_INT(RUN("-m", model, "-p", "hello there", "-n", "12", "--temp", "0", "--json",
+                      "--ignore-eos", "--stop", stop), 0);
+        char *cut = json_text(last);
+        CHECK_INT(strlen(cut), at - text);
+        CHECK(strncmp(cut, text, (size_t)(at - text)) == 0);
+        CHECK(strstr(last, "\"finish_reason\":\"stop\"") != NULL);
+        free(cut);
+    } else {
+        fprintf(stderr, "note: greedy text '%s' unsuited to the stop-string check\n", text);
+    }
+    free(text);
+    free(first);
+
+    /* --chat wraps the prompt in the template: more prompt tokens, starting <|im_start|> */
+    CHECK_INT(RUN("-m", model, "--chat", "--system", "be brief", "-p", "hi", "-n", "4", "--temp", "0",
+                  "--json"), 0);
+    int32_t pt[256];
+    size_t np = tu_json_ids(last, "prompt_tokens", pt, 256);
+    CHECK(np > 10);
+    CHECK_INT(pt[0], 1);
+    /* plain text mode prints the continuation and a stats line on stderr */
+    CHECK_INT(RUN("-m", model, "-p", "hello", "-n", "4", "--temp", "0"), 0);
+    CHECK(strstr(last, "generated in") != NULL);
+
+    /* errors: one line, exit 1 */
+    expect_error(RUN("-m", model), "nothing to do");
+    expect_error(RUN("-m", "/nonexistent.gguf", "-p", "x"), "cannot open");
+    expect_error(RUN("-m", model, "-p", "x", "--temp", "abc"), "--temp must be a number");
+    expect_error(RUN("-m", model, "-p", "x", "-n", "-5"), "-n must be an integer");
+    expect_error(RUN("-m", model, "-p", "x", "--bogus"), "unknown option --bogus");
+    expect_error(RUN("-m", model, "-p", "x", "--system", "s"), "need --chat");
+    expect_error(RUN("-m", model, "-p", "x", "--temp", "-1"), "temperature");
+    expect_error(RUN("-m", model, "-p", "x", "--kv-type", "q4"), "--kv-type");
+    expect_error(RUN("-m", model, "-p", "x", "--ctx", "100000"), "longer than the model's");
+    expect_error(RUN("-m", model, "-p", "x", "--system-file", "/nonexistent"), "cannot open");
+    expect_error(RUN("-m", model, "--perplexity", "/nonexistent", "--ctx", "64"), "cannot open");
+    /* a prompt longer than the context */
+    char longp[2048];
+    for (int i = 0; i < 2000; i += 2)
+        memcpy(longp + i, "a ", 2);
+    longp[2000] = '\0';
+    expect_error(RUN("-m", model, "-p", longp, "--ctx", "64"), "more than the context");
+    /* perplexity needs two windows */
+    char small[160];
+    snprintf(small, sizeof(small), "%s/small.txt", dir);
+    FILE *f = fopen(small, "w");
+    fputs("just a few words", f);
+    fclose(f);
+    expect_error(RUN("-m", model, "--perplexity", small, "--ctx", "64"), "needs at least 128");
+    /* a corrupt model: the first half of the file */
+    struct stat st;
+    REQUIRE(stat(model, &st) == 0);
+    REQUIRE(truncate(model, st.st_size / 2) == 0);
+    expect_error(RUN("-m", model, "-p", "x"), "m.gguf");
+
+    free(last);
+    char cmd[160];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    CHECK(system(cmd) == 0);
+    return CHECK_DONE();
+}

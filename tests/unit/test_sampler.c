@@ -1,0 +1,119 @@
+/* test_sampler.c - greedy, truncations, temperature, penalty and seeding. */
+#include <math.h>
+#include <string.h>
+
+#include "check.h"
+#include "sampler.h"
+
+static sampler_t *make(float temp, int top_k, float top_p, float min_p, float rep, uint64_t seed,
+                       uint32_t n)
+{
+    struct sampler_params p = sampler_default_params();
+    p.temperature = temp;
+    p.top_k = top_k;
+    p.top_p = top_p;
+    p.min_p = min_p;
+    p.repeat_penalty = rep;
+    p.seed = seed;
+    char err[128];
+    sampler_t *s = sampler_new(&p, n, err, sizeof(err));
+    REQUIRE(s != NULL);
+    return s;
+}
+
+int main(void)
+{
+    float tie[4] = { 0.5f, 2.0f, -1.0f, 2.0f };
+    float lg[8] = { 0.5f, 2.0f, -1.0f, 1.95f, 1.9f, 0.0f, -3.0f, 1.0f };
+
+    /* greedy: argmax, lowest id on a tie */
+    sampler_t *s = make(0.0f, 40, 0.95f, 0.05f, 1.0f, 1, 8);
+    CHECK_INT(sampler_sample(s, lg, NULL, 0), 1);
+    CHECK_INT(sampler_argmax(tie, 4), 1);
+    /* the repetition penalty moves greedy off a recent token */
+    int32_t hist[3] = { 1, 3, 1 };
+    sampler_destroy(&s);
+    s = make(0.0f, 0, 1.0f, 0.0f, 1.2f, 1, 8);
+    CHECK_INT(sampler_sample(s, lg, hist, 3), 4);    /* 2.0/1.2 < 1.9 */
+    CHECK_NEAR(lg[1], 2.0, 0);                       /* logits are not modified */
+    sampler_destroy(&s);
+    CHECK(s == NULL);
+
+    /* top-k 1, tiny top-p, min-p 1: only the best token survives */
+    s = make(1.5f, 1, 1.0f, 0.0f, 1.0f, 7, 8);
+    for (int i = 0; i < 200; i++)
+        CHECK_INT(sampler_sample(s, lg, NULL, 0), 1);
+    sampler_destroy(&s);
+    s = make(1.5f, 0, 1e-6f, 0.0f, 1.0f, 7, 8);
+    for (int i = 0; i < 200; i++)
+        CHECK_INT(sampler_sample(s, lg, NULL, 0), 1);
+    sampler_destroy(&s);
+    s = make(1.5f, 0, 1.0f, 1.0f, 1.0f, 7, 8);
+    for (int i = 0; i < 200; i++)
+        CHECK_INT(sampler_sample(s, lg, NULL, 0), 1);
+    sampler_destroy(&s);
+
+    /* top-k 3: only ids 1, 3, 4 ever come out */
+    s = make(1.0f, 3, 1.0f, 0.0f, 1.0f, 9, 8);
+    int bad = 0;
+    for (int i = 0; i < 2000; i++) {
+        int32_t t = sampler_sample(s, lg, NULL, 0);
+        bad += t != 1 && t != 3 && t != 4;
+    }
+    CHECK_INT(bad, 0);
+    sampler_destroy(&s);
+
+    /* the draw follows softmax(logits / T): p(1) = 0.75 for logits {0, ln 3} */
+    float two[2] = { 0.0f, logf(3.0f) };
+    s = make(1.0f, 0, 1.0f, 0.0f, 1.0f, 12345, 2);
+    int ones = 0;
+    const int draws = 40000;
+    for (int i = 0; i < draws; i++)
+        ones += sampler_sample(s, two, NULL, 0) == 1;
+    CHECK_NEAR((double)ones / draws, 0.75, 0.01);
+    sampler_destroy(&s);
+    /* T = 2 flattens it: p(1) = sqrt(3) / (1 + sqrt(3)) = 0.634 */
+    s = make(2.0f, 0, 1.0f, 0.0f, 1.0f, 12345, 2);
+    ones = 0;
+    for (int i = 0; i < draws; i++)
+        ones += sampler_sample(s, two, NULL, 0) == 1;
+    CHECK_NEAR((double)ones / draws, sqrt(3.0) / (1.0 + sqrt(3.0)), 0.01);
+    sampler_destroy(&s);
+
+    /* same seed, same tokens; another seed, other tokens */
+    int32_t a[64], b[64], c[64];
+    sampler_t *sa = make(1.0f, 0, 1.0f, 0.0f, 1.0f, 42, 8), *sb = make(1.0f, 0, 1.0f, 0.0f, 1.0f, 42, 8);
+    sampler_t *sc = make(1.0f, 0, 1.0f, 0.0f, 1.0f, 43, 8);
+    for (int i = 0; i < 64; i++) {
+        a[i] = sampler_sample(sa, lg, NULL, 0);
+        b[i] = sampler_sample(sb, lg, NULL, 0);
+        c[i] = sampler_sample(sc, lg, NULL, 0);
+    }
+    CHECK(memcmp(a, b, sizeof(a)) == 0);
+    CHECK(memcmp(a, c, sizeof(a)) != 0);
+    sampler_destroy(&sa);
+    sampler_destroy(&sb);
+    sampler_destroy(&sc);
+
+    /* bad parameters are refused with a reason */
+    struct sampler_params p = sampler_default_params();
+    char err[128] = "";
+    p.temperature = -1.0f;
+    CHECK(sampler_new(&p, 8, err, sizeof(err)) == NULL && strstr(err, "temperature") != NULL);
+    p = sampler_default_params();
+    p.top_p = 0.0f;
+    CHECK(sampler_new(&p, 8, err, sizeof(err)) == NULL && strstr(err, "top-p") != NULL);
+    p = sampler_default_params();
+    p.min_p = 2.0f;
+    CHECK(sampler_new(&p, 8, err, sizeof(err)) == NULL && strstr(err, "min-p") != NULL);
+    p = sampler_default_params();
+    p.top_k = -2;
+    CHECK(sampler_new(&p, 8, err, sizeof(err)) == NULL && strstr(err, "top-k") != NULL);
+    p = sampler_default_params();
+    p.repeat_penalty = 0.0f;
+    CHECK(sampler_new(&p, 8, err, sizeof(err)) == NULL && strstr(err, "penalty") != NULL);
+    p = sampler_default_params();
+    p.temperature = NAN;
+    CHECK(sampler_new(&p, 8, err, sizeof(err)) == NULL);
+    return CHECK_DONE();
+}
