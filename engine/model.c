@@ -182,6 +182,13 @@ model_t *model_from_gguf(gguf_ctx_t **gp, char *err, size_t errlen)
     } else {
         m->output = m->tok_embd;  /* tied embeddings */
     }
+    /* each layer has nine tensors: a forged layer count must not make us
+     * allocate for millions of them */
+    if (c->n_layer > gguf_n_tensors(g) / 9) {
+        kvd_seterr(err, errlen, KVD_EFORMAT, "model: %u layers claimed, but only %llu tensors present",
+                   c->n_layer, (unsigned long long)gguf_n_tensors(g));
+        goto fail;
+    }
     m->layers = calloc(c->n_layer, sizeof(*m->layers));
     if (m->layers == NULL) {
         kvd_seterr(err, errlen, KVD_ENOMEM, "model: out of memory");

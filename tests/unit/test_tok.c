@@ -237,15 +237,30 @@ static const char *splits(const tok_t *t, const char *text)
     } \
 } while (0)
 
-/* decode(encode(text)) == text. */
+/* text[0..len) as llama.cpp reads it, into out (3 * len bytes): every byte
+ * that does not decode becomes U+FFFD, overlong forms their shortest form. */
+static size_t llama_reading(const char *text, size_t len, char *out)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < len;) {
+        uint32_t cp;
+        i += unicode_utf8_decode(text + i, len - i, &cp);
+        n += unicode_utf8_encode(cp > 0x10FFFF ? 0xFFFD : cp, out + n);
+    }
+    return n;
+}
+
+/* decode(encode(text)) is text as llama.cpp reads it (text itself when it is
+ * valid UTF-8). */
 static bool round_trips(const tok_t *t, const char *text, size_t len, bool special)
 {
     size_t n = 0, m = 0;
-    int32_t *ids = malloc((len + 1) * sizeof *ids);     /* never more ids than bytes */
-    char *back = malloc(len + 1);
-    bool ok = ids && back && tok_encode(t, text, len, special, ids, len + 1, &n) == 0 &&
-              tok_decode(t, ids, n, back, len + 1, &m) == 0 && m == len &&
-              memcmp(back, text, len) == 0;
+    int32_t *ids = malloc((3 * len + 1) * sizeof *ids); /* never more ids than bytes */
+    char *back = malloc(3 * len + 1), *want = malloc(3 * len + 1);
+    size_t wl = want ? llama_reading(text, len, want) : 0;
+    bool ok = ids && back && want && tok_encode(t, text, len, special, ids, 3 * len + 1, &n) == 0 &&
+              tok_decode(t, ids, n, back, 3 * len + 1, &m) == 0 && m == wl &&
+              memcmp(back, want, wl) == 0;
     if (!ok) {
         fprintf(stderr, "  round trip of \"");
         put_escaped(text, len);
@@ -255,6 +270,7 @@ static bool round_trips(const tok_t *t, const char *text, size_t len, bool speci
     }
     free(ids);
     free(back);
+    free(want);
     return ok;
 }
 
@@ -344,6 +360,7 @@ static void test_pretokenize(const struct tv *v)
     CHECK_SPLIT(t, "Hello world! 123", "Hello| world|!| |1|2|3");
     CHECK_SPLIT(t, "I'm you're WE'LL", "I|'m| you|'re| WE|'|LL");   /* case-sensitive */
     CHECK_SPLIT(t, "it's 'tis", "it|'s| '|tis");
+    CHECK_SPLIT(t, "IT'S", "IT|'|S");
     CHECK_SPLIT(t, "a   b", "a|  | b");                 /* the last space joins the word */
     CHECK_SPLIT(t, "a \n b", "a| \n| b");
     CHECK_SPLIT(t, "a\n\nb", "a|\n|\n|b");
@@ -360,7 +377,7 @@ static void test_pretokenize(const struct tv *v)
     CHECK_SPLIT(t, "x\xd9\xa1\xd9\xa2\xc2\xb2", "x|\xd9\xa1|\xd9\xa2|\xc2\xb2");  /* \p{N} */
     CHECK_SPLIT(t, "a\xc2\xa0" "b", "a|\xc2\xa0|b");     /* NBSP is \s */
     CHECK_SPLIT(t, "a \x1c" "b", "a| \x1c|b");           /* U+001C is not */
-    CHECK_SPLIT(t, "a\xff\xfe b", "a|\xff\xfe| b");      /* bad bytes group like U+FFFD */
+    CHECK_SPLIT(t, "a\xff\xfe b", "a|\xff\xfe| b");      /* bad bytes read as U+FFFD */
     CHECK_SPLIT(t, "", "");
     tok_destroy(&t);
 
@@ -399,7 +416,6 @@ static void test_bpe(const tok_t *t)
     CHECK_IDS(t, "xy", false, 'x', 'y');                        /* merged, not a token: bytes */
     CHECK_IDS(t, "\xed\x95\x9c", false, rid(t, "\xed\x95\x9c"));
     CHECK_IDS(t, "\xc3\xa9", false, 0xC3, 0xA9);
-    CHECK_IDS(t, "\xff", false, 0xFF);
     CHECK_IDS(t, "it's", false, 'i', 't', rid(t, "'s"));
     CHECK_IDS(t, "\n\n\n", false, rid(t, "\n\n"), '\n');
     CHECK_IDS(t, "a  b", false, 'a', ' ', ' ', 'b');            /* words "a", " ", " b" */
@@ -473,7 +489,8 @@ static void test_decode(const tok_t *t)
     static const char *const texts[] = {
         "Hello, world!", "  leading and trailing  ", "tabs\tand\nnewlines\r\n\n",
         "I'm sure you'll see they've gone", "1234567890 3.14", "\xec\x95\x88\xeb\x85\x95",
-        "\xe4\xbd\xa0\xe5\xa5\xbd", "caf\xc3\xa9 cafe\xcc\x81", "\xf0\x9f\x91\xa8\xe2\x80\x8d\xf0\x9f\x91\xa9",
+        "\xe4\xbd\xa0\xe5\xa5\xbd", "caf\xc3\xa9 cafe\xcc\x81",
+        "\xf0\x9f\x91\xa8\xe2\x80\x8d\xf0\x9f\x91\xa9",
         "<|im_start|>x<|im_end|><tool><|endoftext|>",
     };
     bool all = true;
@@ -482,15 +499,24 @@ static void test_decode(const tok_t *t)
               round_trips(t, texts[i], strlen(texts[i]), false) && all;
     CHECK(all);
 
-    /* invalid UTF-8 survives byte for byte */
-    static const struct { const char *s; size_t n; } bad[] = {
-        {"\xff\xfe", 2}, {"\xc3", 1}, {"a\x80" "b", 3}, {"\xed\xa0\x80", 3}, {"\xf4\x90\x80\x80", 4},
-        {"\xc0\xaf", 2}, {"nul\0byte", 8}, {"\xe2\x82 x", 4}, {"\xf8\x88\x80\x80\x80", 5},
+    /* invalid UTF-8 reads as llama.cpp reads it */
+#define FFFD "\xef\xbf\xbd"
+    static const struct { const char *s; size_t n; const char *want; } bad[] = {
+        {"\xff\xfe", 2, FFFD FFFD}, {"\xc3", 1, FFFD}, {"a\x80" "b", 3, "a" FFFD "b"},
+        {"\xed\xa0\x80", 3, "\xed\xa0\x80"}, {"\xf4\x90\x80\x80", 4, FFFD}, {"\xc0\xaf", 2, "/"},
+        {"\xe2\x82 x", 4, FFFD FFFD " x"}, {"\xf8\x88\x80", 3, FFFD FFFD FFFD},
     };
     all = true;
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
-        all = round_trips(t, bad[i].s, bad[i].n, false) && all;
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int32_t bid[16];
+        size_t bn = 0, wl = strlen(bad[i].want);
+        all = tok_encode(t, bad[i].s, bad[i].n, false, bid, 16, &bn) == 0 &&
+              tok_decode(t, bid, bn, buf, sizeof buf, &n) == 0 && n == wl &&
+              memcmp(buf, bad[i].want, wl) == 0 && all;
+    }
     CHECK(all);
+    CHECK_IDS(t, "\xff", false, 0xEF, 0xBF, 0xBD);
+    CHECK(round_trips(t, "nul\0byte", 8, false));
 
     /* random bytes, and random mixes of words and specials */
     static const char *const parts[] = {
@@ -586,6 +612,19 @@ static void test_queries(const struct tv *v, const tok_t *t)
     REQUIRE(td != NULL);
     CHECK_INT(tok_find(td, "a"), 2);
     CHECK_IDS(td, "ab", false, 2, 1);
+    tok_destroy(&td);
+    tv_free(&d);
+
+    /* a repeated merge rule keeps its first rank, as in llama.cpp */
+    tv_add(&d, "a", TOK_TYPE_NORMAL);
+    tv_add(&d, "b", TOK_TYPE_NORMAL);
+    tv_add(&d, "c", TOK_TYPE_NORMAL);
+    tv_merge(&d, "b", "c", true);       /* rank 0, token 3 */
+    tv_merge(&d, "a", "b", true);       /* rank 1, token 4 */
+    tv_merge(&d, "b", "c", false);      /* rank 2: ignored */
+    td = tv_build(&d, NULL);
+    REQUIRE(td != NULL);
+    CHECK_IDS(td, "abc", false, 0, 3);
     tok_destroy(&td);
     tv_free(&d);
 }
@@ -905,7 +944,8 @@ static void test_chat(void)
     t = chat_template_new(plain, strlen(plain), err, sizeof err);
     REQUIRE(t != NULL);
     CHECK(chat_template_default_system(t) == NULL);
-    CHECK(renders(t, user, 1, true, "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"));
+    CHECK(renders(t, user, 1, true,
+                  "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"));
     chat_template_destroy(&t);
 
     /* a default outside the message loop (Qwen's shape) applies even with no messages */
@@ -972,6 +1012,8 @@ static void test_model(void)
               101, 30);
     CHECK_IDS(t, "  multiple   spaces", false, 216, 2701, 256, 5600);
     CHECK_IDS(t, "<|im_start|>user\nhi<|im_end|>", true, 1, 4093, 198, 6004, 2);
+    CHECK_IDS(t, "\xff\xfe invalid bytes", false, 24211, 24211, 17903, 15590);   /* U+FFFD */
+    CHECK_IDS(t, "caf\xc3 truncated", false, 83, 1939, 24211, 45641);
 
     struct gguf_str s;
     REQUIRE(gguf_get_str(g, "tokenizer.chat_template", &s) == 0);

@@ -1,0 +1,231 @@
+/*
+ * chat.c - chat templates (see chat.h).
+ *
+ * A ChatML template is recognized by its markers. Its default system message,
+ * if any, is the Jinja string literal that opens with "<|im_start|>system\n"
+ * and holds "<|im_end|>" (SmolLM2:
+ *   {% if loop.first and messages[0]['role'] != 'system' %}
+ *   {{ '<|im_start|>system\nYou are a helpful AI assistant ...<|im_end|>\n' }}
+ * ); the literal is kept whole and emitted verbatim. When it sits inside the
+ * template's message loop it is emitted only before a first message (a
+ * conversation with no messages gets none), as the Jinja does.
+ */
+#include "chat.h"
+
+#include "err.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define IM_START "<|im_start|>"
+#define IM_END "<|im_end|>"
+#define SYS_OPEN IM_START "system\n"
+
+struct chat_template {
+    char *default_block;        /* the default system literal, unescaped, or NULL */
+    char *default_system;       /* its message text, or NULL */
+    bool default_in_loop;       /* emitted only before a first message */
+};
+
+static const char *find(const char *s, size_t len, const char *needle)
+{
+    return memmem(s, len, needle, strlen(needle));
+}
+
+/* Unescapes the Jinja string literal s[0..len) (without its quotes) into a
+ * new NUL-terminated string. Python escapes \n \t \r \\ \' \" are decoded;
+ * any other backslash stays as it is. */
+static char *unescape(const char *s, size_t len)
+{
+    char *out = malloc(len + 1);
+    size_t n = 0;
+    if (out == NULL)
+        return NULL;
+    for (size_t i = 0; i < len; i++) {
+        char c = s[i];
+        if (c == '\\' && i + 1 < len) {
+            char e = s[i + 1];
+            char r = e == 'n' ? '\n' : e == 't' ? '\t' : e == 'r' ? '\r' :
+                     (e == '\\' || e == '\'' || e == '"') ? e : 0;
+            if (r != 0) {
+                out[n++] = r;
+                i++;
+                continue;
+            }
+        }
+        out[n++] = c;
+    }
+    out[n] = '\0';
+    return out;
+}
+
+/* Looks through the string literals inside the template's {{ }} and {% %}
+ * tags for the default system message. Returns 0 or KVD_ENOMEM. */
+static int find_default_system(struct chat_template *t, const char *s, size_t len)
+{
+    const char *loop = find(s, len, "for message in messages");
+    const char *endloop = find(s, len, "endfor");
+    bool in_tag = false;
+    for (size_t i = 0; i < len; i++) {
+        if (!in_tag) {
+            if (s[i] == '{' && i + 1 < len && (s[i + 1] == '{' || s[i + 1] == '%')) {
+                in_tag = true;
+                i++;
+            }
+            continue;
+        }
+        if ((s[i] == '}' || s[i] == '%') && i + 1 < len && s[i + 1] == '}') {
+            in_tag = false;
+            i++;
+            continue;
+        }
+        if (s[i] != '\'' && s[i] != '"')
+            continue;
+        char q = s[i];
+        size_t start = i + 1, end = start;
+        while (end < len && s[end] != q)
+            end += s[end] == '\\' ? 2 : 1;
+        if (end > len)
+            end = len;
+        char *lit = unescape(s + start, end - start);
+        if (lit == NULL)
+            return KVD_ENOMEM;
+        const char *close = strstr(lit, IM_END);
+        if (strncmp(lit, SYS_OPEN, strlen(SYS_OPEN)) == 0 && close != NULL) {
+            size_t body = (size_t)(close - lit) - strlen(SYS_OPEN);
+            t->default_system = malloc(body + 1);
+            if (t->default_system == NULL) {
+                free(lit);
+                return KVD_ENOMEM;
+            }
+            memcpy(t->default_system, lit + strlen(SYS_OPEN), body);
+            t->default_system[body] = '\0';
+            t->default_block = lit;
+            t->default_in_loop = loop != NULL && endloop != NULL &&
+                                 s + i > loop && s + i < endloop;
+            return 0;
+        }
+        free(lit);
+        i = end;                                    /* past the closing quote */
+    }
+    return 0;
+}
+
+chat_template_t *chat_template_new(const char *jinja, size_t len, char *err, size_t errlen)
+{
+    if (jinja == NULL || len == 0) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "unsupported chat template: the template is empty");
+        return NULL;
+    }
+    if (find(jinja, len, IM_START) == NULL || find(jinja, len, IM_END) == NULL) {
+        /* show the start of the template on one line */
+        char snip[61];
+        size_t n = len < sizeof snip - 1 ? len : sizeof snip - 1;
+        for (size_t i = 0; i < n; i++) {
+            unsigned char c = (unsigned char)jinja[i];
+            snip[i] = c < 0x20 || c == 0x7F ? ' ' : (char)c;
+        }
+        snip[n] = '\0';
+        kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                   "unsupported chat template: \"%s%s\" (only ChatML is supported)",
+                   snip, len > n ? "..." : "");
+        return NULL;
+    }
+    struct chat_template *t = calloc(1, sizeof *t);
+    if (t == NULL || find_default_system(t, jinja, len) < 0) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "out of memory");
+        chat_template_destroy(&t);
+        return NULL;
+    }
+    return t;
+}
+
+void chat_template_destroy(chat_template_t **tp)
+{
+    if (tp == NULL || *tp == NULL)
+        return;
+    free((*tp)->default_block);
+    free((*tp)->default_system);
+    free(*tp);
+    *tp = NULL;
+}
+
+const char *chat_template_format(const chat_template_t *t)
+{
+    (void)t;
+    return "chatml";
+}
+
+const char *chat_template_default_system(const chat_template_t *t)
+{
+    return t->default_system;
+}
+
+struct buf {
+    char *p;                    /* bytes, NUL-terminated once done */
+    size_t n;                   /* bytes used */
+};
+
+static void put(struct buf *b, const char *s)
+{
+    size_t k = strlen(s);
+    memcpy(b->p + b->n, s, k);
+    b->n += k;
+}
+
+/* Adds k to *total unless that overflows. */
+static bool add_len(size_t *total, size_t k)
+{
+    if (k > SIZE_MAX - 1 - *total)
+        return false;
+    *total += k;
+    return true;
+}
+
+int chat_apply(const chat_template_t *t, const struct chat_msg *msgs, size_t n,
+               bool add_generation_prompt, char **out, size_t *out_len)
+{
+    if (t == NULL || out == NULL || out_len == NULL || (msgs == NULL && n > 0))
+        return KVD_EINVAL;
+    *out = NULL;
+    *out_len = 0;
+    bool first_is_system = n > 0 && msgs[0].role != NULL && strcmp(msgs[0].role, "system") == 0;
+    bool with_default = t->default_block != NULL && !first_is_system &&
+                        (n > 0 || !t->default_in_loop);
+
+    /* size it first */
+    size_t total = 0;
+    bool ok = true;
+    if (with_default)
+        ok = add_len(&total, strlen(t->default_block));
+    for (size_t i = 0; ok && i < n; i++) {
+        if (msgs[i].role == NULL || msgs[i].content == NULL)
+            return KVD_EINVAL;
+        ok = add_len(&total, strlen(IM_START) + 1 + strlen(IM_END) + 1) &&
+             add_len(&total, strlen(msgs[i].role)) && add_len(&total, strlen(msgs[i].content));
+    }
+    if (ok && add_generation_prompt)
+        ok = add_len(&total, strlen(IM_START "assistant\n"));
+    if (!ok)
+        return KVD_ENOMEM;
+
+    struct buf b = {malloc(total + 1), 0};
+    if (b.p == NULL)
+        return KVD_ENOMEM;
+    if (with_default)
+        put(&b, t->default_block);
+    for (size_t i = 0; i < n; i++) {
+        put(&b, IM_START);
+        put(&b, msgs[i].role);
+        put(&b, "\n");
+        put(&b, msgs[i].content);
+        put(&b, IM_END "\n");
+    }
+    if (add_generation_prompt)
+        put(&b, IM_START "assistant\n");
+    b.p[b.n] = '\0';
+    *out = b.p;
+    *out_len = b.n;
+    return 0;
+}

@@ -1,0 +1,48 @@
+/*
+ * chat.h - the chat template: turns a list of messages into the prompt text
+ * an instruct model was trained on.
+ *
+ * Models ship their template as Jinja (tokenizer.chat_template). kvd runs no
+ * Jinja: it recognizes the template's format and renders that format itself,
+ * byte for byte what the Jinja renders. Supported: ChatML
+ * ("<|im_start|>role\ncontent<|im_end|>\n" per message), including a default
+ * system message that the template inserts when the conversation does not
+ * start with one (SmolLM2, Qwen). Any other template is refused at load.
+ */
+#ifndef KVD_CHAT_H
+#define KVD_CHAT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+/* One message; both strings NUL-terminated and borrowed for the call. */
+struct chat_msg {
+    const char *role;           /* "system", "user", "assistant", ... */
+    const char *content;        /* the message text */
+};
+
+typedef struct chat_template chat_template_t;
+
+/* Recognizes the Jinja template jinja[0..len). Returns NULL with a one-line
+ * reason in err ("unsupported chat template: ...") when its format is not
+ * supported. The template copies what it keeps. */
+chat_template_t *chat_template_new(const char *jinja, size_t len, char *err, size_t errlen);
+
+/* Frees the template; accepts NULL and sets *t to NULL. */
+void chat_template_destroy(chat_template_t **t);
+
+/* Renders msgs[0..n) and, with add_generation_prompt, the header that opens
+ * the assistant's reply. On success returns 0 and sets *out to a malloc'd,
+ * NUL-terminated string the caller frees, of *out_len bytes. Returns
+ * KVD_EINVAL for a NULL role or content, KVD_ENOMEM. */
+int chat_apply(const chat_template_t *t, const struct chat_msg *msgs, size_t n,
+               bool add_generation_prompt, char **out, size_t *out_len);
+
+/* The format's name ("chatml"). */
+const char *chat_template_format(const chat_template_t *t);
+
+/* The default system message the template inserts, or NULL when it has none.
+ * Lives as long as t. */
+const char *chat_template_default_system(const chat_template_t *t);
+
+#endif
