@@ -70,8 +70,7 @@ static int cur_str(struct cursor *c, struct gguf_str *s, const char *what)
     return 0;
 }
 
-/* Size of one scalar of a value type, or 0 for string/array/unknown. */
-static size_t vtype_size(uint32_t t)
+size_t gguf_vtype_size(uint32_t t)
 {
     switch (t) {
     case GGUF_VT_UINT8: case GGUF_VT_INT8: case GGUF_VT_BOOL: return 1;
@@ -104,7 +103,7 @@ static int parse_kv(struct cursor *c, struct gguf_kv *kv, uint64_t idx)
     }
     if (kv->type != GGUF_VT_ARRAY) {
         kv->data = c->p;
-        size_t sz = vtype_size(kv->type);
+        size_t sz = gguf_vtype_size(kv->type);
         if (cur_left(c) < sz)
             return kvd_seterr(c->err, c->errlen, KVD_EFORMAT,
                               "gguf: file truncated in the value of '%.*s'", klen, kv->key.ptr);
@@ -118,7 +117,7 @@ static int parse_kv(struct cursor *c, struct gguf_kv *kv, uint64_t idx)
                           "gguf: array '%.*s' has invalid element type %u", klen, kv->key.ptr, kv->arr_type);
     kv->data = c->p;
     if (kv->arr_type != GGUF_VT_STRING) {
-        size_t sz = vtype_size(kv->arr_type);
+        size_t sz = gguf_vtype_size(kv->arr_type);
         if (kv->arr_len > cur_left(c) / sz)
             return kvd_seterr(c->err, c->errlen, KVD_EFORMAT,
                               "gguf: array '%.*s' of %llu elements runs past the end of the file",
@@ -459,7 +458,7 @@ int gguf_get_arr(const gguf_ctx_t *g, const char *key, uint32_t *type, uint64_t 
 int64_t gguf_arr_int(const struct gguf_kv *kv, uint64_t i)
 {
     int64_t v = 0;
-    size_t sz = vtype_size(kv->arr_type);
+    size_t sz = gguf_vtype_size(kv->arr_type);
     if (kv->type != GGUF_VT_ARRAY || i >= kv->arr_len || sz == 0 ||
         !scalar_int(kv->arr_type, kv->data + i * sz, &v))
         return 0;

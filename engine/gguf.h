@@ -100,6 +100,9 @@ const struct gguf_tensor *gguf_tensor_at(const gguf_ctx_t *g, uint64_t i);
 /* Returns the tensor named name, or NULL. */
 const struct gguf_tensor *gguf_find_tensor(const gguf_ctx_t *g, const char *name);
 
+/* Bytes of one scalar of a value type; 0 for STRING, ARRAY and unknown types. */
+size_t gguf_vtype_size(uint32_t type);
+
 /* True when s equals the NUL-terminated c. */
 bool gguf_str_eq(struct gguf_str s, const char *c);
 

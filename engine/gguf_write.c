@@ -105,17 +105,6 @@ void gguf_writer_destroy(gguf_writer_t **wp)
 
 /* ---- key/values ---------------------------------------------------------------------- */
 
-static size_t scalar_size(uint32_t t)
-{
-    switch (t) {
-    case GGUF_VT_UINT8: case GGUF_VT_INT8: case GGUF_VT_BOOL: return 1;
-    case GGUF_VT_UINT16: case GGUF_VT_INT16: return 2;
-    case GGUF_VT_UINT32: case GGUF_VT_INT32: case GGUF_VT_FLOAT32: return 4;
-    case GGUF_VT_UINT64: case GGUF_VT_INT64: case GGUF_VT_FLOAT64: return 8;
-    default: return 0;
-    }
-}
-
 static bool key_ok(const char *key)
 {
     if (key == NULL)
@@ -169,7 +158,7 @@ static int set_scalar(gguf_writer_t *w, const char *key, uint32_t type, const vo
     }
     struct bytes b = { 0 };
     b_u32(&b, type);
-    b_put(&b, v, scalar_size(type));
+    b_put(&b, v, gguf_vtype_size(type));
     int rc = put_kv(w, key, &b);
     if (rc == 0 && align != 0)
         w->alignment = align;
@@ -213,7 +202,7 @@ int gguf_writer_set_str(gguf_writer_t *w, const char *key, const char *s)
 int gguf_writer_set_arr(gguf_writer_t *w, const char *key, uint32_t elem_type,
                         const void *data, uint64_t n)
 {
-    const size_t esz = scalar_size(elem_type);
+    const size_t esz = gguf_vtype_size(elem_type);
     if (w == NULL || !key_ok(key) || esz == 0 || (data == NULL && n > 0) ||
         n > SIZE_MAX / esz || strcmp(key, "general.alignment") == 0)
         return KVD_EINVAL;

@@ -558,21 +558,27 @@ static float k_finish(float mins, const float lanes[8])
     return sum;
 }
 
-/* Integer part shared by Q4_K and Q5_K: codes[256] unsigned, sub-block
- * scales of 32. Returns the min term's integer sum in *mins_i. */
-static void k_lanes_kx(const uint8_t *codes, const uint8_t *scales, const struct kern_block_q8_k *a,
-                       int32_t lanes[8], int *mins_i)
+/* The part of a Q4_K or Q5_K block's dot product after its codes[256]
+ * (unsigned, sub-blocks of 32) are unpacked: integer sums in 8 lanes and the
+ * min term, then their float accumulation into lanes_f and *mins in
+ * llama.cpp's order. */
+static void k_accum_kx(const uint8_t *codes, const uint8_t *scales, kvd_f16 wd, kvd_f16 wdmin,
+                       const struct kern_block_q8_k *a, float lanes_f[8], float *mins)
 {
     int sc[8], mn[8];
     for (int k = 0; k < 8; k++)
         k_scale_min(scales, k, &sc[k], &mn[k]);
-    int m = 0;
+    int mins_i = 0;
     for (int g = 0; g < 16; g++)
-        m += a->bsums[g] * mn[g / 2];
-    *mins_i = m;
-    memset(lanes, 0, 8 * sizeof(int32_t));
+        mins_i += a->bsums[g] * mn[g / 2];
+    int32_t lanes[8] = { 0 };
     for (int e = 0; e < KERN_QK_K; e++)
         lanes[e & 7] += sc[e / 32] * (codes[e] * a->qs[e]);
+    const float d = kvd_f16_to_f32(wd) * a->d;
+    for (int l = 0; l < 8; l++)
+        lanes_f[l] += d * (float)lanes[l];
+    const float dmin = kvd_f16_to_f32(wdmin) * a->d;
+    *mins -= dmin * (float)mins_i;
 }
 
 static float dot_q4_k(int64_t nb, const void *wv, const void *av)
@@ -587,14 +593,7 @@ static float dot_q4_k(int64_t nb, const void *wv, const void *av)
                 codes[64 * c + l] = w[i].qs[32 * c + l] & 0x0F;
                 codes[64 * c + 32 + l] = w[i].qs[32 * c + l] >> 4;
             }
-        int32_t lanes[8];
-        int mins_i;
-        k_lanes_kx(codes, w[i].scales, &a[i], lanes, &mins_i);
-        const float d = kvd_f16_to_f32(w[i].d) * a[i].d;
-        for (int l = 0; l < 8; l++)
-            lanes_f[l] += d * (float)lanes[l];
-        const float dmin = kvd_f16_to_f32(w[i].dmin) * a[i].d;
-        mins -= dmin * (float)mins_i;
+        k_accum_kx(codes, w[i].scales, w[i].d, w[i].dmin, &a[i], lanes_f, &mins);
     }
     return k_finish(mins, lanes_f);
 }
@@ -612,14 +611,7 @@ static float dot_q5_k(int64_t nb, const void *wv, const void *av)
                 codes[64 * c + l] = (uint8_t)((q & 0x0F) | ((h >> (2 * c)) & 1) << 4);
                 codes[64 * c + 32 + l] = (uint8_t)((q >> 4) | ((h >> (2 * c + 1)) & 1) << 4);
             }
-        int32_t lanes[8];
-        int mins_i;
-        k_lanes_kx(codes, w[i].scales, &a[i], lanes, &mins_i);
-        const float d = kvd_f16_to_f32(w[i].d) * a[i].d;
-        for (int l = 0; l < 8; l++)
-            lanes_f[l] += d * (float)lanes[l];
-        const float dmin = kvd_f16_to_f32(w[i].dmin) * a[i].d;
-        mins -= dmin * (float)mins_i;
+        k_accum_kx(codes, w[i].scales, w[i].d, w[i].dmin, &a[i], lanes_f, &mins);
     }
     return k_finish(mins, lanes_f);
 }

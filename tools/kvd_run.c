@@ -657,6 +657,7 @@ static int run_generate(const struct options *o)
         if (out_len > printed)
             fwrite(out + printed, 1, out_len - printed, stdout);
         fputc('\n', stdout);
+        fflush(stdout);
         fprintf(stderr, "kvd-run: %zu prompt tokens in %.0f ms (%.1f tok/s), %d generated in %.0f ms "
                 "(%.1f tok/s), %d threads\n", n_prompt, t_prefill,
                 t_prefill > 0 ? n_prompt / (t_prefill / 1e3) : 0.0, n_gen, t_decode,
