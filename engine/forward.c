@@ -7,7 +7,9 @@
 #include <string.h>
 
 #include "err.h"
+#include "attn.h"
 #include "f16.h"
+#include "gemm.h"
 #include "ops.h"
 #include "quant.h"
 #include "tpool.h"
@@ -44,8 +46,9 @@ struct engine {
     float *gate;            /* (T, n_ff) */
     float *up;              /* (T, n_ff) */
     float *rope;            /* (T, head_dim) cos/sin pairs per token */
-    float *scores;          /* (n_threads, max_ctx) attention scratch */
+    float *scores;          /* (n_threads, group, max_ctx) attention scratch */
     struct act_slot act[ACT_SLOTS];
+    void **gemm_scratch;    /* (n_threads) per-thread scratch of the matrix products */
     float *logits;          /* (logits_cap, n_vocab) */
     uint32_t logits_cap;    /* rows logits can hold */
 };
@@ -88,6 +91,10 @@ void engine_destroy(engine_t **ep)
     for (int i = 0; i < ACT_SLOTS; i++)
         free(e->act[i].buf);
     free(e->logits);
+    if (e->gemm_scratch != NULL)
+        for (int i = 0; i < e->n_threads; i++)
+            free(e->gemm_scratch[i]);
+    free(e->gemm_scratch);
     free(e);
     *ep = NULL;
 }
@@ -142,9 +149,16 @@ engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params
     e->gate = xmalloc_arr(T * c->n_ff, sizeof(float));
     e->up = xmalloc_arr(T * c->n_ff, sizeof(float));
     e->rope = xmalloc_arr(T * c->head_dim, sizeof(float));
-    e->scores = xmalloc_arr((size_t)e->n_threads * p.max_ctx, sizeof(float));
+    e->scores = xmalloc_arr((size_t)e->n_threads * (c->n_head / c->n_head_kv) * p.max_ctx, sizeof(float));
     bool ok = e->tok_id && e->tok_pos && e->tok_seq && e->out_tok && e->x && e->xb && e->q &&
               e->k && e->v && e->gate && e->up && e->rope && e->scores;
+    e->gemm_scratch = calloc((size_t)e->n_threads, sizeof(void *));
+    ok = ok && e->gemm_scratch;
+    for (int i = 0; ok && i < e->n_threads; i++) {
+        size_t bytes = kern_gemm_scratch_bytes((int64_t)widest, (int)T);
+        e->gemm_scratch[i] = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        ok = e->gemm_scratch[i] != NULL;
+    }
     for (int i = 0; i < ACT_SLOTS; i++) {
         e->act[i].type = UINT32_MAX;
         e->act[i].buf = xmalloc_arr(T * widest, sizeof(float)); /* f32 is the widest format */
@@ -210,6 +224,7 @@ struct mm_part {
 };
 
 struct mm_job {
+    engine_t *e;
     struct mm_part part[3];
     int n_parts;
     int T;
@@ -228,13 +243,14 @@ static void mm_run(void *ctx, int ith, int nth)
         const struct mm_part *p = &j->part[i];
         const struct model_mat *w = p->w;
         long lo = r0 > base ? r0 - base : 0, hi = r1 - base < w->rows ? r1 - base : w->rows;
-        for (long r = lo; r < hi; r++) {
-            const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * w->row_bytes;
-            for (int t = 0; t < j->T; t++) {
-                float d = kern_vec_dot(w->type, w->cols, wr, p->act->buf + (size_t)t * p->act->stride);
-                float *o = p->out + (size_t)t * w->rows + r;
-                *o = p->add ? *o + d : d;
-            }
+        if (lo < hi) {
+            struct kern_gemm_args g = {
+                .wtype = w->type, .w = w->data, .row_bytes = w->row_bytes, .n = w->cols,
+                .r0 = lo, .r1 = hi, .act = p->act->buf, .act_stride = p->act->stride, .T = j->T,
+                .out = p->out, .ldo = (size_t)w->rows, .add = p->add,
+                .scratch = j->e->gemm_scratch[ith],
+            };
+            kern_gemm(&g);
         }
         base += w->rows;
     }
@@ -242,7 +258,7 @@ static void mm_run(void *ctx, int ith, int nth)
 
 static void matmul(engine_t *e, struct mm_part *parts, int n, int T)
 {
-    struct mm_job j = { .n_parts = n, .T = T };
+    struct mm_job j = { .e = e, .n_parts = n, .T = T };
     for (int i = 0; i < n; i++)
         j.part[i] = parts[i];
     tpool_run(e->pool, mm_run, &j);
@@ -328,20 +344,34 @@ static void attn_run(void *ctx, int ith, int nth)
     const kvcache_t *kv = e->kv;
     const int hd = (int)c->head_dim, nh = (int)c->n_head;
     const int group = (int)(c->n_head / c->n_head_kv);
-    const float scale = 1.0f / sqrtf((float)hd);
-    float *scores = e->scores + (size_t)ith * e->p.max_ctx;
-    const uint8_t *k_base = kv_block_ptr(kv, 0, j->layer, 0);
-    const uint8_t *v_base = kv_block_ptr(kv, 0, j->layer, 1);
+    /* a task is one token's query heads of one KV head (each K/V row read once
+     * for the group), or a single head when that leaves threads idle; the
+     * results are the same bits either way */
+    const int per = (long)j->T * c->n_head_kv >= 4L * nth ? group : 1;
+    const int tasks_per_tok = nh / per;
+    struct kern_attn_args a = {
+        .n_q = per,
+        .k_base = kv_block_ptr(kv, 0, j->layer, 0),
+        .v_base = kv_block_ptr(kv, 0, j->layer, 1),
+        .block_tokens = (int)kv->block_tokens,
+        .head_dim = hd,
+        .block_stride = kv->block_bytes,
+        .head_stride = kv->head_bytes,
+        .kv_dtype = kv->dtype,
+        .scale = 1.0f / sqrtf((float)hd),
+        .scores = e->scores + (size_t)ith * group * e->p.max_ctx,
+    };
     long i0, i1;
-    tpool_split((long)j->T * nh, ith, nth, &i0, &i1);
+    tpool_split((long)j->T * tasks_per_tok, ith, nth, &i0, &i1);
     for (long i = i0; i < i1; i++) {
-        long t = i / nh;
-        int h = (int)(i % nh);
-        const struct fwd_seq *s = &j->seqs[e->tok_seq[t]];
-        kern_attn_paged(e->xb + (size_t)t * nh * hd + (size_t)h * hd,
-                        e->q + (size_t)t * nh * hd + (size_t)h * hd, k_base, v_base, s->blocks,
-                        e->tok_pos[t] + 1, (int)kv->block_tokens, hd, h / group,
-                        kv->block_bytes, kv->head_bytes, kv->dtype, scale, scores);
+        long t = i / tasks_per_tok;
+        int h0 = (int)(i % tasks_per_tok) * per;
+        a.out = e->xb + (size_t)t * nh * hd + (size_t)h0 * hd;
+        a.q = e->q + (size_t)t * nh * hd + (size_t)h0 * hd;
+        a.blocks = j->seqs[e->tok_seq[t]].blocks;
+        a.n_ctx = e->tok_pos[t] + 1;
+        a.kv_head = h0 / group;
+        kern_attn(&a);
     }
 }
 

@@ -10,6 +10,7 @@
 #include "quant.h"
 
 #include <math.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "err.h"
@@ -838,5 +839,166 @@ void kern_matmul(uint32_t wtype, const void *w, int64_t rows, int64_t n,
         const uint8_t *wr = (const uint8_t *)w + (size_t)r * wrow;
         for (int64_t t = 0; t < n_tok; t++)
             out[t * rows + r] = dot_run(&p, n, wr, (const uint8_t *)act + (size_t)t * act_stride);
+    }
+}
+
+/* ---- unpacked rows for the SIMD kernels ------------------------------------- */
+
+int kern_unpack_kind(uint32_t wtype)
+{
+    switch (wtype) {
+    case KERN_Q4_0: case KERN_Q5_0: case KERN_Q8_0: return KERN_UNPACK_S32;
+    case KERN_Q4_1: case KERN_Q5_1: case KERN_Q4_K: case KERN_Q5_K: return KERN_UNPACK_U32M;
+    case KERN_Q6_K: return KERN_UNPACK_S16;
+    default: return KERN_UNPACK_NONE;
+    }
+}
+
+void kern_unpack_row(uint32_t wtype, const void *row, int64_t n, int8_t *q, float *d, float *m)
+{
+    const int64_t nb = n / KERN_QK32;
+    switch (wtype) {
+    case KERN_Q4_0: {
+        const struct kern_block_q4_0 *b = row;
+        for (int64_t i = 0; i < nb; i++) {
+            for (int j = 0; j < 16; j++) {
+                q[32 * i + j] = (int8_t)((b[i].qs[j] & 0x0F) - 8);
+                q[32 * i + j + 16] = (int8_t)((b[i].qs[j] >> 4) - 8);
+            }
+            d[i] = kvd_f16_to_f32(b[i].d);
+        }
+        break;
+    }
+    case KERN_Q5_0: {
+        const struct kern_block_q5_0 *b = row;
+        for (int64_t i = 0; i < nb; i++) {
+            const uint32_t qh = load_le32(b[i].qh);
+            for (int j = 0; j < 32; j++)
+                q[32 * i + j] = (int8_t)(q5_code(b[i].qs, qh, j) - 16);
+            d[i] = kvd_f16_to_f32(b[i].d);
+        }
+        break;
+    }
+    case KERN_Q8_0: {
+        const struct kern_block_q8_0 *b = row;
+        for (int64_t i = 0; i < nb; i++) {
+            memcpy(q + 32 * i, b[i].qs, 32);
+            d[i] = kvd_f16_to_f32(b[i].d);
+        }
+        break;
+    }
+    case KERN_Q4_1: {
+        const struct kern_block_q4_1 *b = row;
+        for (int64_t i = 0; i < nb; i++) {
+            for (int j = 0; j < 16; j++) {
+                q[32 * i + j] = (int8_t)(b[i].qs[j] & 0x0F);
+                q[32 * i + j + 16] = (int8_t)(b[i].qs[j] >> 4);
+            }
+            d[i] = kvd_f16_to_f32(b[i].d);
+            m[i] = kvd_f16_to_f32(b[i].m);
+        }
+        break;
+    }
+    case KERN_Q5_1: {
+        const struct kern_block_q5_1 *b = row;
+        for (int64_t i = 0; i < nb; i++) {
+            const uint32_t qh = load_le32(b[i].qh);
+            for (int j = 0; j < 32; j++)
+                q[32 * i + j] = (int8_t)q5_code(b[i].qs, qh, j);
+            d[i] = kvd_f16_to_f32(b[i].d);
+            m[i] = kvd_f16_to_f32(b[i].m);
+        }
+        break;
+    }
+    case KERN_Q4_K: case KERN_Q5_K: {
+        const size_t bytes = wtype == KERN_Q4_K ? sizeof(struct kern_block_q4_k)
+                                                : sizeof(struct kern_block_q5_k);
+        for (int64_t s = 0; s < n / KERN_QK_K; s++) {
+            const uint8_t *blk = (const uint8_t *)row + s * bytes;
+            uint8_t *codes = (uint8_t *)q + s * KERN_QK_K;
+            kvd_f16 bd, bdmin;
+            const uint8_t *scales;
+            if (wtype == KERN_Q4_K) {
+                const struct kern_block_q4_k *b = (const void *)blk;
+                for (int c = 0; c < 4; c++)
+                    for (int l = 0; l < 32; l++) {
+                        codes[64 * c + l] = b->qs[32 * c + l] & 0x0F;
+                        codes[64 * c + 32 + l] = b->qs[32 * c + l] >> 4;
+                    }
+                bd = b->d, bdmin = b->dmin, scales = b->scales;
+            } else {
+                const struct kern_block_q5_k *b = (const void *)blk;
+                for (int c = 0; c < 4; c++)
+                    for (int l = 0; l < 32; l++) {
+                        const uint8_t v = b->qs[32 * c + l], h = b->qh[l];
+                        codes[64 * c + l] = (uint8_t)((v & 0x0F) | ((h >> (2 * c)) & 1) << 4);
+                        codes[64 * c + 32 + l] = (uint8_t)((v >> 4) | ((h >> (2 * c + 1)) & 1) << 4);
+                    }
+                bd = b->d, bdmin = b->dmin, scales = b->scales;
+            }
+            const float fd = kvd_f16_to_f32(bd), fmin = kvd_f16_to_f32(bdmin);
+            for (int k = 0; k < 8; k++) {
+                int sc, mn;
+                k_scale_min(scales, k, &sc, &mn);
+                d[8 * s + k] = fd * (float)sc;
+                m[8 * s + k] = -fmin * (float)mn;
+            }
+        }
+        break;
+    }
+    case KERN_Q6_K: {
+        const struct kern_block_q6_k *b = row;
+        for (int64_t s = 0; s < n / KERN_QK_K; s++) {
+            q6_values(&b[s], q + s * KERN_QK_K);
+            const float fd = kvd_f16_to_f32(b[s].d);
+            for (int k = 0; k < 16; k++)
+                d[16 * s + k] = fd * (float)b[s].scales[k];
+        }
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+int kern_act_blocks(uint32_t act_type, const void *row, int64_t n, uint32_t *offs, float *da, float *sa)
+{
+    const int64_t nb = n / KERN_QK32;
+    switch (act_type) {
+    case KERN_Q8_0: {
+        const struct kern_block_q8_0 *b = row;
+        for (int64_t i = 0; i < nb; i++) {
+            if (offs)
+                offs[i] = (uint32_t)(i * sizeof(*b) + offsetof(struct kern_block_q8_0, qs));
+            da[i] = kvd_f16_to_f32(b[i].d);
+            sa[i] = 0.0f;
+        }
+        return 0;
+    }
+    case KERN_Q8_1: {
+        const struct kern_block_q8_1 *b = row;
+        for (int64_t i = 0; i < nb; i++) {
+            if (offs)
+                offs[i] = (uint32_t)(i * sizeof(*b) + offsetof(struct kern_block_q8_1, qs));
+            da[i] = kvd_f16_to_f32(b[i].d);
+            sa[i] = kvd_f16_to_f32(b[i].s);
+        }
+        return 0;
+    }
+    case KERN_Q8_K: {
+        const struct kern_block_q8_k *b = row;
+        for (int64_t i = 0; i < nb; i++) {
+            const struct kern_block_q8_k *s = &b[i / 8];
+            const int k = (int)(i % 8);
+            if (offs)
+                offs[i] = (uint32_t)((i / 8) * sizeof(*b) + offsetof(struct kern_block_q8_k, qs) +
+                                     (size_t)k * 32);
+            da[i] = s->d;
+            sa[i] = s->d * (float)(s->bsums[2 * k] + s->bsums[2 * k + 1]);
+        }
+        return 0;
+    }
+    default:
+        return KVD_EUNSUPPORTED;
     }
 }

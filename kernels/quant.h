@@ -79,4 +79,27 @@ float kern_vec_dot(uint32_t wtype, int64_t n, const void *w_row, const void *act
 void kern_matmul(uint32_t wtype, const void *w, int64_t rows, int64_t n,
                  const void *act, int64_t n_tok, size_t act_stride, float *out);
 
+/* ---- unpacked rows, for the SIMD kernels -------------------------------------
+ *
+ * The integer kernels see every quantized weight row as one byte per element
+ * plus float scales per block of 32 (or 16): element e is
+ *   S32:  d[e/32] * q[e]                  (Q4_0, Q5_0, Q8_0; q signed)
+ *   U32M: d[e/32] * q[e] + m[e/32]        (Q4_1, Q5_1, Q4_K, Q5_K; q unsigned)
+ *   S16:  d[e/16] * q[e]                  (Q6_K; q signed)
+ * and every activation row as 32-byte blocks of int8 with a scale da and, for
+ * the min term, sa = da * (sum of the block's values) (Q8_1's s, Q8_K's bsums).
+ */
+enum { KERN_UNPACK_NONE, KERN_UNPACK_S32, KERN_UNPACK_U32M, KERN_UNPACK_S16 };
+
+/* The unpacked form of a weight type (KERN_UNPACK_NONE: float types and others). */
+int kern_unpack_kind(uint32_t wtype);
+
+/* Unpacks a row of n elements: q[n] bytes, d[n/32] (n/16 for S16), m[n/32] (U32M). */
+void kern_unpack_row(uint32_t wtype, const void *row, int64_t n, int8_t *q, float *d, float *m);
+
+/* For an activation row of act_type (Q8_0, Q8_1, Q8_K): byte offsets of each
+ * 32-value block's int8 values (offs may be NULL), its scale da and sa as above.
+ * Returns 0 or KVD_EUNSUPPORTED. */
+int kern_act_blocks(uint32_t act_type, const void *row, int64_t n, uint32_t *offs, float *da, float *sa);
+
 #endif

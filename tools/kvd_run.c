@@ -17,6 +17,7 @@
 #include <time.h>
 
 #include "chat.h"
+#include "cpu.h"
 #include "err.h"
 #include "forward.h"
 #include "kvcache.h"
@@ -46,6 +47,8 @@ struct options {
     bool json;                  /* --json */
     bool special;               /* --special */
     bool ignore_eos;            /* --ignore-eos */
+    bool bench;                 /* --bench */
+    const char *bench_file;     /* --bench-file: the text the benchmark's prompts come from */
     bool seed_set;
     struct sampler_params sp;
 };
@@ -75,6 +78,7 @@ static void usage(FILE *f)
     fputs("usage: kvd-run [-m MODEL] -p PROMPT [options]\n"
           "       kvd-run [-m MODEL] --tokenize TEXT [--special]\n"
           "       kvd-run [-m MODEL] --perplexity FILE [--ctx N]\n"
+          "       kvd-run [-m MODEL] --bench [--bench-file FILE] [-t N] [--json]\n"
           "\n"
           "  -m, --model FILE       GGUF model (default " DEFAULT_MODEL ")\n"
           "  -p, --prompt TEXT      prompt to continue\n"
@@ -98,7 +102,10 @@ static void usage(FILE *f)
           "      --json             print one JSON object instead of the text\n"
           "      --tokenize TEXT    print TEXT's token ids as a JSON array\n"
           "      --special          parse special tokens in the text (--tokenize, -p)\n"
-          "      --perplexity FILE  print the perplexity of FILE\n",
+          "      --perplexity FILE  print the perplexity of FILE\n"
+          "      --bench            measure prefill (512 tokens), decode at batch 1 (128\n"
+          "                         tokens) and aggregate decode at batch 1, 8 and 32\n"
+          "      --bench-file F     text the benchmark prompts are cut from\n",
           f);
 }
 
@@ -152,7 +159,7 @@ static char *read_file(const char *path, size_t *len)
 enum {
     OPT_TEMP = 256, OPT_TOPK, OPT_TOPP, OPT_MINP, OPT_REPEAT, OPT_SEED, OPT_STOP, OPT_CHAT,
     OPT_SYSTEM, OPT_SYSTEM_FILE, OPT_JSON, OPT_TOKENIZE, OPT_SPECIAL, OPT_PPL, OPT_BLOCK,
-    OPT_KVTYPE, OPT_IGNORE_EOS,
+    OPT_KVTYPE, OPT_IGNORE_EOS, OPT_BENCH, OPT_BENCH_FILE,
 };
 
 static void parse_args(int argc, char **argv, struct options *o)
@@ -181,6 +188,8 @@ static void parse_args(int argc, char **argv, struct options *o)
         { "block-tokens", required_argument, NULL, OPT_BLOCK },
         { "kv-type", required_argument, NULL, OPT_KVTYPE },
         { "ignore-eos", no_argument, NULL, OPT_IGNORE_EOS },
+        { "bench", no_argument, NULL, OPT_BENCH },
+        { "bench-file", required_argument, NULL, OPT_BENCH_FILE },
         { NULL, 0, NULL, 0 },
     };
     memset(o, 0, sizeof(*o));
@@ -238,17 +247,19 @@ static void parse_args(int argc, char **argv, struct options *o)
                 die("--kv-type must be f16 or f32, got '%s'", optarg);
             break;
         case OPT_IGNORE_EOS: o->ignore_eos = true; break;
+        case OPT_BENCH: o->bench = true; break;
+        case OPT_BENCH_FILE: o->bench_file = optarg; break;
         case ':': die("option %s needs a value", argv[optind - 1]);
         default: die("unknown option %s (see --help)", argv[optind - 1]);
         }
     }
     if (optind < argc)
         die("unexpected argument '%s' (see --help)", argv[optind]);
-    int modes = (o->prompt != NULL) + (o->tokenize != NULL) + (o->ppl_file != NULL);
+    int modes = (o->prompt != NULL) + (o->tokenize != NULL) + (o->ppl_file != NULL) + o->bench;
     if (modes == 0)
-        die("nothing to do: give -p PROMPT, --tokenize TEXT or --perplexity FILE (see --help)");
+        die("nothing to do: give -p PROMPT, --tokenize TEXT, --perplexity FILE or --bench (see --help)");
     if (modes > 1)
-        die("-p, --tokenize and --perplexity exclude each other");
+        die("-p, --tokenize, --perplexity and --bench exclude each other");
     if (o->system != NULL && !o->chat)
         die("--system and --system-file need --chat");
     if (!o->seed_set)
@@ -365,7 +376,10 @@ struct runtime {
     double load_ms;
 };
 
-static void runtime_open(struct runtime *rt, const struct options *o, uint32_t n_ctx_req)
+/* Loads the model for a context of n_ctx_req positions per sequence, with a KV
+ * cache of kv_positions positions in all (0: one sequence's context). */
+static void runtime_open(struct runtime *rt, const struct options *o, uint32_t n_ctx_req,
+                         uint32_t kv_positions)
 {
     char err[512];
     double t0 = now_ms();
@@ -383,7 +397,9 @@ static void runtime_open(struct runtime *rt, const struct options *o, uint32_t n
     struct kv_params kp = kv_default_params();
     kp.block_tokens = (uint32_t)o->block_tokens;
     kp.dtype = o->kv_type;
-    kp.n_blocks = (rt->n_ctx + kp.block_tokens - 1) / kp.block_tokens;
+    if (kv_positions < rt->n_ctx)
+        kv_positions = rt->n_ctx;
+    kp.n_blocks = (kv_positions + kp.block_tokens - 1) / kp.block_tokens;
     rt->kv = kvcache_new(c, &kp, err, sizeof(err));
     if (rt->kv == NULL)
         die("%s", err);
@@ -431,7 +447,7 @@ static int run_perplexity(const struct options *o)
 {
     struct runtime rt;
     uint32_t win = o->n_ctx ? (uint32_t)o->n_ctx : 512;
-    runtime_open(&rt, o, win);
+    runtime_open(&rt, o, win, 0);
     size_t len, n;
     char *text = read_file(o->ppl_file, &len);
     int32_t *ids = encode(rt.tok, text, len, false, &n);
@@ -522,7 +538,7 @@ static int run_generate(const struct options *o)
             n_ctx = train;
         gguf_close(&g);
     }
-    runtime_open(&rt, o, n_ctx);
+    runtime_open(&rt, o, n_ctx, 0);
 
     /* the prompt, through the chat template when asked */
     char *text = NULL;
@@ -672,6 +688,145 @@ static int run_generate(const struct options *o)
     return 0;
 }
 
+/* ---- --bench ------------------------------------------------------------------------- */
+
+static double rss_mib(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    double kb = 0;
+    while (f != NULL && fgets(line, sizeof(line), f))
+        if (sscanf(line, "VmRSS: %lf kB", &kb) == 1)
+            break;
+    if (f != NULL)
+        fclose(f);
+    return kb / 1024.0;
+}
+
+#define BENCH_PREFILL 512
+#define BENCH_DECODE 128
+#define BENCH_BATCH_PROMPT 128
+#define BENCH_BATCH_STEPS 64
+
+static const char bench_text[] =
+    "A cache keeps the answers to questions that were asked before, so that the next time the "
+    "same question comes the answer is already there. Language models keep the keys and values "
+    "of every token they have read, and a server that shares them across requests can skip the "
+    "work of reading a long system prompt again and again. ";
+
+/* Batch decode: B sequences with 128-token prompts (not timed), then 64 steps of
+ * one token each for all B at once. Returns aggregate tokens per second. */
+static double bench_batch(struct runtime *rt, const int32_t *ids, size_t n_ids, int B)
+{
+    char err[256];
+    const uint32_t V = rt->model->cfg.n_vocab;
+    struct seq *s = calloc((size_t)B, sizeof(*s));
+    int32_t *last = malloc((size_t)B * sizeof(int32_t)), *prompt = malloc(BENCH_BATCH_PROMPT * 4);
+    struct fwd_seq *fs = malloc((size_t)B * sizeof(*fs));
+    if (s == NULL || last == NULL || prompt == NULL || fs == NULL)
+        die("out of memory");
+    const float *lg;
+    uint32_t rows;
+    for (int b = 0; b < B; b++) {
+        s[b].blocks = malloc(rt->kv->n_blocks * sizeof(uint32_t));
+        if (s[b].blocks == NULL)
+            die("out of memory");
+        for (int i = 0; i < BENCH_BATCH_PROMPT; i++)
+            prompt[i] = ids[((size_t)16 * b + i) % n_ids];
+        seq_feed(rt->engine, rt->kv, &s[b], prompt, BENCH_BATCH_PROMPT, rt->step, false, &lg, &rows);
+        last[b] = sampler_argmax(lg, V);
+    }
+    double t0 = now_ms();
+    for (int step = 0; step < BENCH_BATCH_STEPS; step++) {
+        for (int b = 0; b < B; b++) {
+            if (seq_reserve(&s[b], rt->kv, s[b].pos + 1) != 0)
+                die("the KV cache is full");
+            fs[b] = (struct fwd_seq){ &last[b], 1, s[b].pos, s[b].blocks, s[b].n_blocks, false };
+        }
+        if (engine_step(rt->engine, fs, (uint32_t)B, &lg, &rows, err, sizeof(err)) != 0)
+            die("%s", err);
+        for (int b = 0; b < B; b++) {
+            s[b].pos++;
+            last[b] = sampler_argmax(lg + (size_t)b * V, V);
+        }
+    }
+    double ms = now_ms() - t0;
+    for (int b = 0; b < B; b++) {
+        seq_release(&s[b], rt->kv);
+        free(s[b].blocks);
+    }
+    free(s);
+    free(last);
+    free(prompt);
+    free(fs);
+    return B * BENCH_BATCH_STEPS / (ms / 1e3);
+}
+
+static int run_bench(const struct options *o)
+{
+    struct runtime rt;
+    /* room for the batch-32 run: 32 x (128 + 64) positions, plus slack */
+    uint32_t need = 32 * (BENCH_BATCH_PROMPT + BENCH_BATCH_STEPS) + 1024;
+    runtime_open(&rt, o, 2048, need);
+    size_t len = sizeof(bench_text) - 1, n_ids;
+    char *text = o->bench_file ? read_file(o->bench_file, &len) : strdup(bench_text);
+    int32_t *ids = encode(rt.tok, text, len, true, &n_ids);
+    if (n_ids == 0)
+        die("the benchmark text has no tokens");
+    const uint32_t V = rt.model->cfg.n_vocab;
+    int32_t prompt[BENCH_PREFILL];
+    for (int i = 0; i < BENCH_PREFILL; i++)
+        prompt[i] = ids[(size_t)i % n_ids];
+    struct seq s = { malloc(rt.kv->n_blocks * sizeof(uint32_t)), 0, 0 };
+    if (s.blocks == NULL)
+        die("out of memory");
+    const float *lg;
+    uint32_t rows;
+    /* warm-up: fault the weights in */
+    seq_feed(rt.engine, rt.kv, &s, prompt, 32, 32, false, &lg, &rows);
+    seq_release(&s, rt.kv);
+
+    double t0 = now_ms();
+    seq_feed(rt.engine, rt.kv, &s, prompt, BENCH_PREFILL, BENCH_PREFILL, false, &lg, &rows);
+    double prefill_ms = now_ms() - t0;
+    int32_t tok = sampler_argmax(lg, V);
+    t0 = now_ms();
+    for (int i = 0; i < BENCH_DECODE; i++) {
+        seq_feed(rt.engine, rt.kv, &s, &tok, 1, 1, false, &lg, &rows);
+        tok = sampler_argmax(lg, V);
+    }
+    double decode_ms = now_ms() - t0;
+    seq_release(&s, rt.kv);
+    free(s.blocks);
+
+    const int batches[3] = { 1, 8, 32 };
+    double agg[3];
+    for (int i = 0; i < 3; i++)
+        agg[i] = bench_batch(&rt, ids, n_ids, batches[i]);
+    double prefill_tps = BENCH_PREFILL / (prefill_ms / 1e3), decode_tps = BENCH_DECODE / (decode_ms / 1e3);
+    if (o->json) {
+        printf("{\"threads\":%d,\"isa\":\"%s\",\"prefill_tokens\":%d,\"prefill_tokens_per_s\":%.2f,"
+               "\"decode_b1_tokens\":%d,\"decode_b1_tokens_per_s\":%.2f,\"batch_decode\":[",
+               engine_threads(rt.engine), kern_isa_name(kern_isa()), BENCH_PREFILL, prefill_tps,
+               BENCH_DECODE, decode_tps);
+        for (int i = 0; i < 3; i++)
+            printf("%s{\"batch\":%d,\"tokens_per_s\":%.2f}", i ? "," : "", batches[i], agg[i]);
+        printf("],\"rss_mib\":%.1f}\n", rss_mib());
+    } else {
+        printf("threads %d, kernels %s\n", engine_threads(rt.engine), kern_isa_name(kern_isa()));
+        printf("prefill %d tokens:        %9.1f tokens/s\n", BENCH_PREFILL, prefill_tps);
+        printf("decode batch 1, %d:      %9.1f tokens/s\n", BENCH_DECODE, decode_tps);
+        for (int i = 0; i < 3; i++)
+            printf("decode batch %-2d (aggregate): %7.1f tokens/s\n", batches[i], agg[i]);
+        printf("resident memory:          %9.1f MiB (weights mapped, KV cache %.1f MiB)\n", rss_mib(),
+               (double)rt.kv->n_blocks * rt.kv->block_bytes / (1 << 20));
+    }
+    free(ids);
+    free(text);
+    runtime_close(&rt);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     struct options o;
@@ -679,6 +834,8 @@ int main(int argc, char **argv)
     int rc;
     if (o.tokenize != NULL)
         rc = run_tokenize(&o);
+    else if (o.bench)
+        rc = run_bench(&o);
     else if (o.ppl_file != NULL)
         rc = run_perplexity(&o);
     else

@@ -1,0 +1,130 @@
+/*
+ * test_gemm.c - the SIMD matrix products against the portable C reference:
+ * every weight type, several token counts and row ranges. Each path must
+ * agree with C within a tolerance scaled by sum |w * a|, the AVX2 and VNNI
+ * paths must agree bit for bit, and a token's result must not depend on the
+ * batch it came in or the row range it was computed in.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "cpu.h"
+#include "gemm.h"
+#include "quant.h"
+#include "types.h"
+
+#define ROWS 7
+#define MAXT 9
+
+static float frand(void) { return (float)rand() / (float)RAND_MAX * 2.0f - 1.0f; }
+
+static void run(const struct kern_gemm_args *base, int isa, int T, long r0, long r1, float *out)
+{
+    struct kern_gemm_args a = *base;
+    a.T = T;
+    a.r0 = r0;
+    a.r1 = r1;
+    a.out = out;
+    kern_gemm_isa(&a, isa);
+}
+
+static void check_type(uint32_t wtype, int64_t n, void *scratch)
+{
+    const uint32_t at = kern_vec_dot_type(wtype);
+    const size_t wrow = kern_row_bytes(wtype, n), arow = kern_act_row_bytes(at, n) + 8;
+    float *wf = malloc((size_t)ROWS * n * 4), *af = malloc((size_t)MAXT * n * 4);
+    uint8_t *w = malloc(ROWS * wrow), *act = calloc(MAXT, arow);
+    for (int64_t i = 0; i < ROWS * n; i++)
+        wf[i] = frand() * (i % 7 == 0 ? 3.0f : 1.0f);
+    for (int64_t i = 0; i < MAXT * n; i++)
+        af[i] = frand();
+    for (int r = 0; r < ROWS; r++)
+        REQUIRE(kern_quantize_row(wtype, wf + r * n, w + r * wrow, n) == 0);
+    for (int t = 0; t < MAXT; t++)
+        kern_quantize_act(at, af + t * n, act + t * arow, n);
+    /* the scale of each result, for the tolerance */
+    float *deq = malloc((size_t)n * 4), *adeq = malloc((size_t)n * 4);
+    double mag[ROWS][MAXT];
+    for (int r = 0; r < ROWS; r++) {
+        REQUIRE(kern_dequantize_row(wtype, w + r * wrow, deq, n) == 0);
+        for (int t = 0; t < MAXT; t++) {
+            if (at == KERN_F32)
+                memcpy(adeq, act + t * arow, (size_t)n * 4);
+            else
+                REQUIRE(kern_dequantize_row(at, act + t * arow, adeq, n) == 0);
+            double s = 0;
+            for (int64_t i = 0; i < n; i++)
+                s += fabs((double)deq[i] * adeq[i]);
+            mag[r][t] = s;
+        }
+    }
+    struct kern_gemm_args g = { .wtype = wtype, .w = w, .row_bytes = wrow, .n = n, .act = act,
+                                .act_stride = arow, .ldo = ROWS, .scratch = scratch };
+    float ref[MAXT * ROWS], got[MAXT * ROWS], one[ROWS], avx2[MAXT * ROWS];
+    run(&g, KERN_ISA_C, MAXT, 0, ROWS, ref);
+    int worst_bad = 0;
+#if defined(__x86_64__)
+    if (kern_isa_best() >= KERN_ISA_AVX2)
+        CHECK(kern_gemm_avx2(&(struct kern_gemm_args){ .wtype = wtype, .w = w, .row_bytes = wrow, .n = n,
+                                                       .r0 = 0, .r1 = 1, .act = act, .act_stride = arow,
+                                                       .T = 1, .out = got, .ldo = ROWS,
+                                                       .scratch = scratch }));  /* a SIMD path exists */
+#endif
+    for (int isa = KERN_ISA_AVX2; isa <= (int)kern_isa_best(); isa++) {
+        run(&g, isa, MAXT, 0, ROWS, got);
+        for (int t = 0; t < MAXT; t++)
+            for (int r = 0; r < ROWS; r++) {
+                double tol = 1e-5 * mag[r][t] + 1e-6;
+                if (!(fabs(got[t * ROWS + r] - ref[t * ROWS + r]) <= tol))
+                    worst_bad++;
+            }
+        /* batch invariance: each token alone, and rows in two ranges */
+        for (int t = 0; t < MAXT; t++) {
+            struct kern_gemm_args single = g;
+            single.act = act + t * arow;
+            run(&single, isa, 1, 0, 3, one);
+            run(&single, isa, 1, 3, ROWS, one);
+            CHECK(memcmp(one, got + t * ROWS, sizeof(one)) == 0);
+        }
+        float part[5 * ROWS];
+        struct kern_gemm_args mid = g;
+        mid.act = act + 2 * arow;
+        run(&mid, isa, 5, 0, ROWS, part);
+        CHECK(memcmp(part, got + 2 * ROWS, sizeof(part)) == 0);
+        /* accumulate mode adds onto what is there */
+        float acc[MAXT * ROWS];
+        for (int i = 0; i < MAXT * ROWS; i++)
+            acc[i] = 1.0f;
+        struct kern_gemm_args add = g;
+        add.add = true;
+        run(&add, isa, MAXT, 0, ROWS, acc);
+        for (int i = 0; i < MAXT * ROWS; i++)
+            CHECK(acc[i] == 1.0f + got[i]);
+        if (isa == KERN_ISA_AVX2)
+            memcpy(avx2, got, sizeof(got));
+        else
+            CHECK(memcmp(avx2, got, sizeof(got)) == 0);  /* VNNI == AVX2, bit for bit */
+    }
+    if (worst_bad)
+        fprintf(stderr, "%s: %d results off the C reference\n", kern_type_info(wtype)->name, worst_bad);
+    CHECK_INT(worst_bad, 0);
+    free(wf); free(af); free(w); free(act); free(deq); free(adeq);
+}
+
+int main(void)
+{
+    srand(3);
+    if (kern_isa_best() == KERN_ISA_C)
+        fprintf(stderr, "note: this CPU has no AVX2; only the C path is checked\n");
+    fprintf(stderr, "best path: %s, active: %s\n", kern_isa_name(kern_isa_best()), kern_isa_name(kern_isa()));
+    const int64_t n = 512;
+    void *scratch = aligned_alloc(64, (kern_gemm_scratch_bytes(n, MAXT) + 63) / 64 * 64);
+    const uint32_t types[] = { KERN_F32, KERN_F16, KERN_BF16, KERN_Q4_0, KERN_Q4_1, KERN_Q5_0,
+                               KERN_Q5_1, KERN_Q8_0, KERN_Q4_K, KERN_Q5_K, KERN_Q6_K };
+    for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++)
+        check_type(types[i], n, scratch);
+    free(scratch);
+    return CHECK_DONE();
+}
