@@ -1,10 +1,24 @@
-/* tpool.c - the thread pool: a generation counter under one mutex. */
+/*
+ * tpool.c - the thread pool: workers spin briefly on a generation counter,
+ * so that the many short jobs of a forward step (a few per layer) start and
+ * end in well under a microsecond, then sleep on a condition variable when
+ * no job comes for a while.
+ */
 #include "tpool.h"
 
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+#define SPIN_ROUNDS 200000  /* polls before a worker sleeps (~ a few ms) */
 
 struct worker {
     tpool_t *pool;
@@ -15,13 +29,13 @@ struct worker {
 struct tpool {
     int n;                  /* threads, including the caller */
     struct worker *workers; /* n - 1 entries */
-    pthread_mutex_t mu;
-    pthread_cond_t start;   /* signalled when a new generation begins */
-    pthread_cond_t done;    /* signalled when the last worker finishes */
-    unsigned long gen;      /* incremented per job */
-    int pending;            /* workers still running the current job */
-    bool stop;              /* set by tpool_destroy */
-    tpool_fn fn;            /* the current job */
+    pthread_mutex_t mu;     /* guards sleeping workers */
+    pthread_cond_t start;   /* wakes sleeping workers */
+    unsigned long gen;      /* atomic: incremented per job (and at stop) */
+    int pending;            /* atomic: workers still running the current job */
+    int sleepers;           /* workers waiting on start (under mu) */
+    bool stop;              /* atomic: set by tpool_destroy */
+    tpool_fn fn;            /* the current job, published by gen */
     void *ctx;
 };
 
@@ -30,22 +44,26 @@ static void *worker_main(void *arg)
     struct worker *w = arg;
     tpool_t *p = w->pool;
     unsigned long seen = 0;
-    pthread_mutex_lock(&p->mu);
     for (;;) {
-        while (p->gen == seen && !p->stop)
-            pthread_cond_wait(&p->start, &p->mu);
-        if (p->stop)
+        unsigned long g = __atomic_load_n(&p->gen, __ATOMIC_ACQUIRE);
+        for (int i = 0; g == seen && i < SPIN_ROUNDS; i++) {
+            cpu_relax();
+            g = __atomic_load_n(&p->gen, __ATOMIC_ACQUIRE);
+        }
+        if (g == seen) {
+            pthread_mutex_lock(&p->mu);
+            p->sleepers++;
+            while ((g = __atomic_load_n(&p->gen, __ATOMIC_ACQUIRE)) == seen)
+                pthread_cond_wait(&p->start, &p->mu);
+            p->sleepers--;
+            pthread_mutex_unlock(&p->mu);
+        }
+        seen = g;
+        if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE))
             break;
-        seen = p->gen;
-        tpool_fn fn = p->fn;
-        void *ctx = p->ctx;
-        pthread_mutex_unlock(&p->mu);
-        fn(ctx, w->index, p->n);
-        pthread_mutex_lock(&p->mu);
-        if (--p->pending == 0)
-            pthread_cond_signal(&p->done);
+        p->fn(p->ctx, w->index, p->n);
+        __atomic_fetch_sub(&p->pending, 1, __ATOMIC_ACQ_REL);
     }
-    pthread_mutex_unlock(&p->mu);
     return NULL;
 }
 
@@ -63,7 +81,6 @@ tpool_t *tpool_new(int n_threads)
     p->n = n_threads;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->start, NULL);
-    pthread_cond_init(&p->done, NULL);
     p->workers = calloc((size_t)n_threads, sizeof(*p->workers));
     if (p->workers == NULL) {
         free(p);
@@ -88,14 +105,14 @@ void tpool_destroy(tpool_t **pp)
         return;
     tpool_t *p = *pp;
     pthread_mutex_lock(&p->mu);
-    p->stop = true;
+    __atomic_store_n(&p->stop, true, __ATOMIC_RELEASE);
+    __atomic_fetch_add(&p->gen, 1, __ATOMIC_ACQ_REL);
     pthread_cond_broadcast(&p->start);
     pthread_mutex_unlock(&p->mu);
     for (int i = 1; i < p->n; i++)
         pthread_join(p->workers[i - 1].thread, NULL);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->start);
-    pthread_cond_destroy(&p->done);
     free(p->workers);
     free(p);
     *pp = NULL;
@@ -109,16 +126,16 @@ void tpool_run(tpool_t *p, tpool_fn fn, void *ctx)
         fn(ctx, 0, 1);
         return;
     }
-    pthread_mutex_lock(&p->mu);
     p->fn = fn;
     p->ctx = ctx;
-    p->pending = p->n - 1;
-    p->gen++;
-    pthread_cond_broadcast(&p->start);
+    __atomic_store_n(&p->pending, p->n - 1, __ATOMIC_RELAXED);
+    /* the release publishes fn, ctx and pending to workers that see the new gen */
+    pthread_mutex_lock(&p->mu);
+    __atomic_fetch_add(&p->gen, 1, __ATOMIC_ACQ_REL);
+    if (p->sleepers > 0)
+        pthread_cond_broadcast(&p->start);
     pthread_mutex_unlock(&p->mu);
     fn(ctx, 0, p->n);
-    pthread_mutex_lock(&p->mu);
-    while (p->pending > 0)
-        pthread_cond_wait(&p->done, &p->mu);
-    pthread_mutex_unlock(&p->mu);
+    while (__atomic_load_n(&p->pending, __ATOMIC_ACQUIRE) > 0)
+        cpu_relax();
 }
