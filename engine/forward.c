@@ -344,13 +344,7 @@ static void attn_run(void *ctx, int ith, int nth)
     const kvcache_t *kv = e->kv;
     const int hd = (int)c->head_dim, nh = (int)c->n_head;
     const int group = (int)(c->n_head / c->n_head_kv);
-    /* a task is one token's query heads of one KV head (each K/V row read once
-     * for the group), or a single head when that leaves threads idle; the
-     * results are the same bits either way */
-    const int per = (long)j->T * c->n_head_kv >= 4L * nth ? group : 1;
-    const int tasks_per_tok = nh / per;
     struct kern_attn_args a = {
-        .n_q = per,
         .k_base = kv_block_ptr(kv, 0, j->layer, 0),
         .v_base = kv_block_ptr(kv, 0, j->layer, 1),
         .block_tokens = (int)kv->block_tokens,
@@ -361,17 +355,26 @@ static void attn_run(void *ctx, int ith, int nth)
         .scale = 1.0f / sqrtf((float)hd),
         .scores = e->scores + (size_t)ith * group * e->p.max_ctx,
     };
+    /* each thread takes a contiguous share of the (token, query head) pairs
+     * and runs the heads of its share that share a KV head together, reading
+     * each K/V row once for them; a head's result is the same bits however
+     * heads are grouped */
     long i0, i1;
-    tpool_split((long)j->T * tasks_per_tok, ith, nth, &i0, &i1);
-    for (long i = i0; i < i1; i++) {
-        long t = i / tasks_per_tok;
-        int h0 = (int)(i % tasks_per_tok) * per;
+    tpool_split((long)j->T * nh, ith, nth, &i0, &i1);
+    for (long i = i0; i < i1;) {
+        long t = i / nh;
+        int h0 = (int)(i % nh), kvh = h0 / group;
+        int n_q = (kvh + 1) * group - h0;
+        if (i + n_q > i1)
+            n_q = (int)(i1 - i);
+        a.n_q = n_q;
         a.out = e->xb + (size_t)t * nh * hd + (size_t)h0 * hd;
         a.q = e->q + (size_t)t * nh * hd + (size_t)h0 * hd;
         a.blocks = j->seqs[e->tok_seq[t]].blocks;
         a.n_ctx = e->tok_pos[t] + 1;
-        a.kv_head = h0 / group;
+        a.kv_head = kvh;
         kern_attn(&a);
+        i += n_q;
     }
 }
 

@@ -7,6 +7,7 @@
 #include "tpool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -18,7 +19,19 @@
 #define cpu_relax() ((void)0)
 #endif
 
-#define SPIN_ROUNDS 200000  /* polls before a worker sleeps (~ a few ms) */
+#define SPIN_PAUSES 2000    /* polls with a pause before polls start to yield the CPU */
+#define SPIN_ROUNDS 20000   /* polls before a worker sleeps */
+
+/* One poll of a spin: a pause at first, then a yield, so that a spinning thread
+ * gives its core back when the machine is busier than the pool (another
+ * process, or a preempted partner that the spinner is waiting for). */
+static inline void spin_wait(int i)
+{
+    if (i < SPIN_PAUSES)
+        cpu_relax();
+    else
+        sched_yield();
+}
 
 struct worker {
     tpool_t *pool;
@@ -47,7 +60,7 @@ static void *worker_main(void *arg)
     for (;;) {
         unsigned long g = __atomic_load_n(&p->gen, __ATOMIC_ACQUIRE);
         for (int i = 0; g == seen && i < SPIN_ROUNDS; i++) {
-            cpu_relax();
+            spin_wait(i);
             g = __atomic_load_n(&p->gen, __ATOMIC_ACQUIRE);
         }
         if (g == seen) {
@@ -136,6 +149,6 @@ void tpool_run(tpool_t *p, tpool_fn fn, void *ctx)
         pthread_cond_broadcast(&p->start);
     pthread_mutex_unlock(&p->mu);
     fn(ctx, 0, p->n);
-    while (__atomic_load_n(&p->pending, __ATOMIC_ACQUIRE) > 0)
-        cpu_relax();
+    for (int i = 0; __atomic_load_n(&p->pending, __ATOMIC_ACQUIRE) > 0; i++)
+        spin_wait(i);
 }

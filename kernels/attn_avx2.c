@@ -31,6 +31,29 @@ static inline __m256 load8(const uint8_t *row, int d, bool half)
     return _mm256_loadu_ps((const float *)row + d);
 }
 
+/* e^x for x <= 0 (softmax arguments), eight at a time: x = k ln2 + r with
+ * |r| <= ln2/2, e^r by a degree-6 polynomial, 2^k into the exponent. Below
+ * -87 the result is 0. Within 2 ulp of expf. */
+static inline __m256 exp8(__m256 x)
+{
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
 static inline float round_half(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
 
 #define MAX_Q 16  /* query heads handled per pass; larger groups loop */
@@ -67,17 +90,30 @@ int kern_attn_avx2(const struct kern_attn_args *a)
                     max[g] = s;
             }
         }
-        /* softmax per head */
+        /* softmax per head: exponentials eight at a time, their sum in double */
         for (int g = 0; g < nq; g++) {
             float *sc = a->scores + (size_t)g * a->n_ctx;
-            double sum = 0.0;
-            for (int j = 0; j < a->n_ctx; j++) {
-                float e = expf(sc[j] - max[g]);
-                sc[j] = e;
-                sum += e;
+            const __m256 mx = _mm256_set1_ps(max[g]);
+            int j = 0;
+            for (; j + 8 <= a->n_ctx; j += 8)
+                _mm256_storeu_ps(sc + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mx)));
+            for (; j < a->n_ctx; j++) {
+                float tail[8] = { sc[j] - max[g] };
+                _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
+                sc[j] = tail[0];
             }
+            double sum = 0.0;
+            for (j = 0; j < a->n_ctx; j++)
+                sum += sc[j];
             const float inv = (float)(1.0 / sum);
-            for (int j = 0; j < a->n_ctx; j++)
+            const __m256 vinv = _mm256_set1_ps(inv);
+            for (j = 0; j + 8 <= a->n_ctx; j += 8) {
+                __m256 pv = _mm256_mul_ps(_mm256_loadu_ps(sc + j), vinv);
+                if (half)
+                    pv = _mm256_cvtph_ps(_mm256_cvtps_ph(pv, _MM_FROUND_TO_NEAREST_INT));
+                _mm256_storeu_ps(sc + j, pv);
+            }
+            for (; j < a->n_ctx; j++)
                 sc[j] = half ? round_half(sc[j] * inv) : sc[j] * inv;
         }
         /* out = sum p v, reading each V row once for the group */
