@@ -14,7 +14,7 @@
 enum kern_isa {
     KERN_ISA_C = 0,         /* portable C reference */
     KERN_ISA_AVX2 = 1,      /* AVX2 + FMA + F16C */
-    KERN_ISA_AVX512VNNI = 2,/* AVX-512 F/BW/VL + VNNI (256-bit dot products) */
+    KERN_ISA_AVX512VNNI = 2,/* AVX-512 F/BW/DQ/VL + VNNI */
 };
 
 /* The path in use (probed on first call; thread-safe after that). */

@@ -8,10 +8,12 @@ size_t kern_gemm_scratch_bytes(int64_t n, int T)
 {
     /* unpacked row: n bytes of codes, n floats (float types), n/16 + n/32
      * scales; activations: T * n/32 scales and sums, n/32 offsets, T * n
-     * bytes of values; rounded up per part to 64 bytes */
+     * bytes of values, T * n/64 pair-scale vectors of 16 floats; rounded up
+     * per part to 64 bytes */
     size_t nb = (size_t)(n + 31) / 32;
     return (size_t)n + 64 + (size_t)n * 4 + 64 + (2 * nb + nb) * 4 + 192 +
-           (size_t)T * nb * 8 + 128 + nb * 4 + 64 + (size_t)T * (size_t)n + 64;
+           (size_t)T * nb * 8 + 128 + nb * 4 + 64 + (size_t)T * (size_t)n + 64 +
+           (size_t)T * nb * 32 + 64;
 }
 
 static void gemm_c(const struct kern_gemm_args *a)

@@ -1,6 +1,149 @@
-/* gemm_avx512.c - the x86 matrix products with AVX-512 VNNI (256-bit dpbusd). */
+/*
+ * gemm_avx512.c - the x86 matrix products with AVX-512 VNNI.
+ *
+ * Rows whose length is a whole number of 64-value pairs of blocks go through
+ * 512-bit dpbusd, two blocks per instruction: per (row, token)
+ *   acc16 = 0; for each pair p: acc16 = fma(float(lanes_p), dw_p * da_p, acc16)
+ *   out   = hsum8(low half + high half of acc16) + min_term
+ * where dw_p and da_p hold block 2p's scale in lanes 0-7 and 2p+1's in 8-15.
+ * Everything else takes the 256-bit code of gemm_x86.inc, built here with
+ * VNNI. Either way a token's result depends only on its own row.
+ */
 #if defined(__x86_64__)
-#define GEMM_FN kern_gemm_avx512vnni
+#define GEMM_FN gemm_vnni256
 #define GEMM_VNNI 1
 #include "gemm_x86.inc"
+
+static inline __m512 pair_scale(float lo, float hi)
+{
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(lo)), _mm256_set1_ps(hi), 1);
+}
+
+static inline float hsum16(__m512 v)
+{
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
+
+/* One pair step of one token: the same instructions in every tile. */
+#define PAIR_STEP(kind, acc, av_row, dav_row)                                                  \
+    do {                                                                                       \
+        const __m512i a_ = _mm512_load_si512((const void *)((av_row) + 64 * p));               \
+        const __m512i s_ = (kind) == KERN_UNPACK_U32M ? a_ : _mm512_mask_sub_epi8(a_, neg, zero, a_); \
+        const __m512 l_ = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs, s_)); \
+        acc = _mm512_fmadd_ps(l_, _mm512_mul_ps(ws, _mm512_load_ps((dav_row) + 16 * p)), acc); \
+    } while (0)
+
+#define PAIR_LOAD(kind)                                                                        \
+    const __m512i wq = _mm512_load_si512((const void *)(q + 64 * p));                          \
+    const __m512i wabs = (kind) == KERN_UNPACK_U32M ? wq : _mm512_abs_epi8(wq);                \
+    const __mmask64 neg = _mm512_movepi8_mask(wq);                                             \
+    const __m512 ws = pair_scale(d[2 * p], d[2 * p + 1])
+
+static inline __attribute__((always_inline)) void
+tile4(int kind, const int8_t *q, const float *d, const float *m, int64_t np, int64_t n, int64_t nb,
+      const int8_t *av, const float *dav, const float *sa, float *out, size_t ldo, bool add)
+{
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    const int8_t *a0 = av, *a1 = av + n, *a2 = av + 2 * n, *a3 = av + 3 * n;
+    const float *v0 = dav, *v1 = dav + 16 * np, *v2 = dav + 32 * np, *v3 = dav + 48 * np;
+    for (int64_t p = 0; p < np; p++) {
+        PAIR_LOAD(kind);
+        PAIR_STEP(kind, acc0, a0, v0);
+        PAIR_STEP(kind, acc1, a1, v1);
+        PAIR_STEP(kind, acc2, a2, v2);
+        PAIR_STEP(kind, acc3, a3, v3);
+    }
+    const bool mins = kind == KERN_UNPACK_U32M;
+    store_out(out, hsum16(acc0) + (mins ? min_term(m, sa, nb) : 0.0f), add);
+    store_out(out + ldo, hsum16(acc1) + (mins ? min_term(m, sa + nb, nb) : 0.0f), add);
+    store_out(out + 2 * ldo, hsum16(acc2) + (mins ? min_term(m, sa + 2 * nb, nb) : 0.0f), add);
+    store_out(out + 3 * ldo, hsum16(acc3) + (mins ? min_term(m, sa + 3 * nb, nb) : 0.0f), add);
+}
+
+static inline __attribute__((always_inline)) void
+tile1(int kind, const int8_t *q, const float *d, const float *m, int64_t np, int64_t nb,
+      const int8_t *av, const float *dav, const float *sa, float *out, bool add)
+{
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc0 = _mm512_setzero_ps();
+    for (int64_t p = 0; p < np; p++) {
+        PAIR_LOAD(kind);
+        PAIR_STEP(kind, acc0, av, dav);
+    }
+    store_out(out, hsum16(acc0) + (kind == KERN_UNPACK_U32M ? min_term(m, sa, nb) : 0.0f), add);
+}
+
+static void rows512(int kind, const struct kern_gemm_args *a, const int8_t *av, const float *dav,
+                    const float *sa, int8_t *q, float *d, float *m)
+{
+    const int64_t n = a->n, nb = n / 32, np = nb / 2;
+    struct wrow w;
+    for (long r = a->r0; r < a->r1; r++) {
+        unpack(a->wtype, a->w + (size_t)r * a->row_bytes, n, q, d, m, &w);
+        if (w.q != q)  /* read in place (Q8_0): bring it into the aligned buffer */
+            for (int64_t b = 0; b < nb; b++)
+                memcpy(q + 32 * b, w.q + b * w.qstride, 32);
+        int t = 0;
+        for (; t + 4 <= a->T; t += 4) {
+            float *o = a->out + (size_t)t * a->ldo + r;
+            const int8_t *at = av + (size_t)t * n;
+            const float *vt = dav + (size_t)t * 16 * np, *st = sa + (size_t)t * nb;
+            if (kind == KERN_UNPACK_S32)
+                tile4(KERN_UNPACK_S32, q, d, m, np, n, nb, at, vt, st, o, a->ldo, a->add);
+            else
+                tile4(KERN_UNPACK_U32M, q, d, m, np, n, nb, at, vt, st, o, a->ldo, a->add);
+        }
+        for (; t < a->T; t++) {
+            float *o = a->out + (size_t)t * a->ldo + r;
+            const int8_t *at = av + (size_t)t * n;
+            const float *vt = dav + (size_t)t * 16 * np, *st = sa + (size_t)t * nb;
+            if (kind == KERN_UNPACK_S32)
+                tile1(KERN_UNPACK_S32, q, d, m, np, nb, at, vt, st, o, a->add);
+            else
+                tile1(KERN_UNPACK_U32M, q, d, m, np, nb, at, vt, st, o, a->add);
+        }
+    }
+}
+
+bool kern_gemm_avx512vnni(const struct kern_gemm_args *a)
+{
+    const int kind = kern_unpack_kind(a->wtype);
+    if (a->scratch == NULL || a->n <= 0 || a->n % 64 != 0 ||
+        (kind != KERN_UNPACK_S32 && kind != KERN_UNPACK_U32M))
+        return gemm_vnni256(a);
+    const int64_t n = a->n, nb = n / 32, np = nb / 2;
+    const uint32_t at = kern_vec_dot_type(a->wtype);
+    uint8_t *p = align64(a->scratch);
+    int8_t *q = (int8_t *)p;
+    p = align64(p + n);
+    float *d = (float *)p;
+    p = align64(p + (size_t)(2 * nb) * sizeof(float));
+    float *m = (float *)p;
+    p = align64(p + (size_t)nb * sizeof(float));
+    uint32_t *offs = (uint32_t *)p;
+    p = align64(p + (size_t)nb * sizeof(uint32_t));
+    float *da = (float *)p;  /* per token: nb scales, then 16 * np pair vectors reuse sa's room */
+    p = align64(p + (size_t)a->T * nb * sizeof(float));
+    float *sa = (float *)p;
+    p = align64(p + (size_t)a->T * nb * sizeof(float));
+    int8_t *av = (int8_t *)p;
+    p = align64(p + (size_t)a->T * n);
+    float *dav = (float *)p;  /* 16 floats per pair per token */
+    for (int t = 0; t < a->T; t++) {
+        const uint8_t *row = a->act + (size_t)t * a->act_stride;
+        float *dat = da + (size_t)t * nb;
+        kern_act_blocks(at, row, n, offs, dat, sa + (size_t)t * nb);
+        for (int64_t b = 0; b < nb; b++)
+            _mm256_store_si256((__m256i *)(av + (size_t)t * n + 32 * b),
+                               _mm256_loadu_si256((const __m256i *)(row + offs[b])));
+        for (int64_t pp = 0; pp < np; pp++)
+            _mm512_store_ps(dav + ((size_t)t * np + pp) * 16, pair_scale(dat[2 * pp], dat[2 * pp + 1]));
+    }
+    if (kind == KERN_UNPACK_S32)
+        rows512(KERN_UNPACK_S32, a, av, dav, sa, q, d, m);
+    else
+        rows512(KERN_UNPACK_U32M, a, av, dav, sa, q, d, m);
+    return true;
+}
 #endif

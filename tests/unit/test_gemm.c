@@ -62,7 +62,7 @@ static void check_type(uint32_t wtype, int64_t n, void *scratch)
     }
     struct kern_gemm_args g = { .wtype = wtype, .w = w, .row_bytes = wrow, .n = n, .act = act,
                                 .act_stride = arow, .ldo = ROWS, .scratch = scratch };
-    float ref[MAXT * ROWS], got[MAXT * ROWS], one[ROWS], avx2[MAXT * ROWS];
+    float ref[MAXT * ROWS], got[MAXT * ROWS], one[ROWS];
     run(&g, KERN_ISA_C, MAXT, 0, ROWS, ref);
     int worst_bad = 0;
 #if defined(__x86_64__)
@@ -102,10 +102,6 @@ static void check_type(uint32_t wtype, int64_t n, void *scratch)
         run(&add, isa, MAXT, 0, ROWS, acc);
         for (int i = 0; i < MAXT * ROWS; i++)
             CHECK(acc[i] == 1.0f + got[i]);
-        if (isa == KERN_ISA_AVX2)
-            memcpy(avx2, got, sizeof(got));
-        else
-            CHECK(memcmp(avx2, got, sizeof(got)) == 0);  /* VNNI == AVX2, bit for bit */
     }
     if (worst_bad)
         fprintf(stderr, "%s: %d results off the C reference\n", kern_type_info(wtype)->name, worst_bad);
@@ -125,6 +121,10 @@ int main(void)
                                KERN_Q5_1, KERN_Q8_0, KERN_Q4_K, KERN_Q5_K, KERN_Q6_K };
     for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++)
         check_type(types[i], n, scratch);
+    /* an odd number of 32-blocks takes the 256-bit code on every path */
+    for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++)
+        if (kern_type_info(types[i])->block_elems == 32 || kern_type_info(types[i])->block_elems == 1)
+            check_type(types[i], 96, scratch);
     free(scratch);
     return CHECK_DONE();
 }
