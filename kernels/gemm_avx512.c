@@ -34,13 +34,15 @@ static inline float hsum16(__m512 v)
     } while (0)
 
 #define PAIR_LOAD(kind)                                                                        \
-    const __m512i wq = _mm512_load_si512((const void *)(q + 64 * p));                          \
+    const __m512i wq = _mm512_inserti64x4(                                                     \
+        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + 2 * p * qs))),         \
+        _mm256_loadu_si256((const __m256i *)(q + (2 * p + 1) * qs)), 1);                       \
     const __m512i wabs = (kind) == KERN_UNPACK_U32M ? wq : _mm512_abs_epi8(wq);                \
     const __mmask64 neg = _mm512_movepi8_mask(wq);                                             \
     const __m512 ws = pair_scale(d[2 * p], d[2 * p + 1])
 
 static inline __attribute__((always_inline)) void
-tile4(int kind, const int8_t *q, const float *d, const float *m, int64_t np, int64_t n, int64_t nb,
+tile4(int kind, const int8_t *q, size_t qs, const float *d, const float *m, int64_t np, int64_t n, int64_t nb,
       const int8_t *av, const float *dav, const float *sa, float *out, size_t ldo, bool add)
 {
     const __m512i zero = _mm512_setzero_si512();
@@ -62,7 +64,7 @@ tile4(int kind, const int8_t *q, const float *d, const float *m, int64_t np, int
 }
 
 static inline __attribute__((always_inline)) void
-tile1(int kind, const int8_t *q, const float *d, const float *m, int64_t np, int64_t nb,
+tile1(int kind, const int8_t *q, size_t qs, const float *d, const float *m, int64_t np, int64_t nb,
       const int8_t *av, const float *dav, const float *sa, float *out, bool add)
 {
     const __m512i zero = _mm512_setzero_si512();
@@ -81,27 +83,26 @@ static void rows512(int kind, const struct kern_gemm_args *a, const int8_t *av, 
     struct wrow w;
     for (long r = a->r0; r < a->r1; r++) {
         unpack(a->wtype, a->w + (size_t)r * a->row_bytes, n, q, d, m, &w);
-        if (w.q != q)  /* read in place (Q8_0): bring it into the aligned buffer */
-            for (int64_t b = 0; b < nb; b++)
-                memcpy(q + 32 * b, w.q + b * w.qstride, 32);
+        const int8_t *wq = w.q;  /* the unpacked codes, or Q8_0's in place */
+        const size_t qs = w.qstride;
         int t = 0;
         for (; t + 4 <= a->T; t += 4) {
             float *o = a->out + (size_t)t * a->ldo + r;
             const int8_t *at = av + (size_t)t * n;
             const float *vt = dav + (size_t)t * 16 * np, *st = sa + (size_t)t * nb;
             if (kind == KERN_UNPACK_S32)
-                tile4(KERN_UNPACK_S32, q, d, m, np, n, nb, at, vt, st, o, a->ldo, a->add);
+                tile4(KERN_UNPACK_S32, wq, qs, d, m, np, n, nb, at, vt, st, o, a->ldo, a->add);
             else
-                tile4(KERN_UNPACK_U32M, q, d, m, np, n, nb, at, vt, st, o, a->ldo, a->add);
+                tile4(KERN_UNPACK_U32M, wq, qs, d, m, np, n, nb, at, vt, st, o, a->ldo, a->add);
         }
         for (; t < a->T; t++) {
             float *o = a->out + (size_t)t * a->ldo + r;
             const int8_t *at = av + (size_t)t * n;
             const float *vt = dav + (size_t)t * 16 * np, *st = sa + (size_t)t * nb;
             if (kind == KERN_UNPACK_S32)
-                tile1(KERN_UNPACK_S32, q, d, m, np, nb, at, vt, st, o, a->add);
+                tile1(KERN_UNPACK_S32, wq, qs, d, m, np, nb, at, vt, st, o, a->add);
             else
-                tile1(KERN_UNPACK_U32M, q, d, m, np, nb, at, vt, st, o, a->add);
+                tile1(KERN_UNPACK_U32M, wq, qs, d, m, np, nb, at, vt, st, o, a->add);
         }
     }
 }
