@@ -76,11 +76,47 @@ tile1(int kind, const int8_t *q, size_t qs, const float *d, const float *m, int6
     store_out(out, hsum16(acc0) + (kind == KERN_UNPACK_U32M ? min_term(m, sa, nb) : 0.0f), add);
 }
 
+/* One Q4_1 row against one token, unpacking the codes in registers: the
+ * same float operations as tile1 over an unpacked row, without the trip
+ * through memory (decode, where a row meets one or a few tokens). */
+static void q4_1_direct(const struct kern_block_q4_1 *b, int64_t np, int64_t nb, const int8_t *av,
+                        const float *dav, const float *sa, float *m, float *out, bool add)
+{
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t p = 0; p < np; p++) {
+        const struct kern_block_q4_1 *b0 = &b[2 * p], *b1 = &b[2 * p + 1];
+        const __m128i x0 = _mm_loadu_si128((const __m128i *)b0->qs);
+        const __m128i x1 = _mm_loadu_si128((const __m128i *)b1->qs);
+        const __m256i w0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x0, 4), low), _mm_and_si128(x0, low));
+        const __m256i w1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x1, 4), low), _mm_and_si128(x1, low));
+        const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
+        const __m512 ws = pair_scale(h2f(b0->d), h2f(b1->d));
+        m[2 * p] = h2f(b0->m);
+        m[2 * p + 1] = h2f(b1->m);
+        const __m512i a_ = _mm512_load_si512((const void *)(av + 64 * p));
+        const __m512 l_ = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, a_));
+        acc = _mm512_fmadd_ps(l_, _mm512_mul_ps(ws, _mm512_load_ps(dav + 16 * p)), acc);
+    }
+    store_out(out, hsum16(acc) + min_term(m, sa, nb), add);
+}
+
 static void rows512(int kind, const struct kern_gemm_args *a, const int8_t *av, const float *dav,
                     const float *sa, int8_t *q, float *d, float *m)
 {
     const int64_t n = a->n, nb = n / 32, np = nb / 2;
     struct wrow w;
+    if (a->wtype == KERN_Q4_1 && a->T < 4) {
+        for (long r = a->r0; r < a->r1; r++) {
+            const uint8_t *row = a->w + (size_t)r * a->row_bytes;
+            for (size_t off = 0; off < a->row_bytes; off += 64)
+                _mm_prefetch((const char *)row + a->row_bytes + off, _MM_HINT_T0);
+            for (int t = 0; t < a->T; t++)
+                q4_1_direct((const void *)row, np, nb, av + (size_t)t * n, dav + (size_t)t * 16 * np,
+                            sa + (size_t)t * nb, m, a->out + (size_t)t * a->ldo + r, a->add);
+        }
+        return;
+    }
     for (long r = a->r0; r < a->r1; r++) {
         unpack(a->wtype, a->w + (size_t)r * a->row_bytes, n, q, d, m, &w);
         const int8_t *wq = w.q;  /* the unpacked codes, or Q8_0's in place */
