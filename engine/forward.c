@@ -47,6 +47,12 @@ struct engine {
     float *up;              /* (T, n_ff) */
     float *rope;            /* (T, head_dim) cos/sin pairs per token */
     float *scores;          /* (n_threads, group, max_ctx) attention scratch */
+    uint32_t chunk;         /* positions per attention range (a multiple of block_tokens) */
+    uint32_t *n_range;      /* (T) attention ranges of each token: ceil(n_ctx / chunk) */
+    uint64_t *item0;        /* (T + 1) first (token, range, head) item of each token */
+    uint32_t *slot0;        /* (T) first partial-result slot of each split token */
+    float *part;            /* (T * max ranges, n_head, head_dim) partial outputs of split tokens */
+    float *part_stats;      /* (T * max ranges, n_head, 2) their max and sum */
     struct act_slot act[ACT_SLOTS];
     void **gemm_scratch;    /* (n_threads) per-thread scratch of the matrix products */
     float *logits;          /* (logits_cap, n_vocab) */
@@ -88,6 +94,11 @@ void engine_destroy(engine_t **ep)
     free(e->up);
     free(e->rope);
     free(e->scores);
+    free(e->n_range);
+    free(e->item0);
+    free(e->slot0);
+    free(e->part);
+    free(e->part_stats);
     for (int i = 0; i < ACT_SLOTS; i++)
         free(e->act[i].buf);
     free(e->logits);
@@ -150,8 +161,17 @@ engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params
     e->up = xmalloc_arr(T * c->n_ff, sizeof(float));
     e->rope = xmalloc_arr(T * c->head_dim, sizeof(float));
     e->scores = xmalloc_arr((size_t)e->n_threads * (c->n_head / c->n_head_kv) * p.max_ctx, sizeof(float));
+    uint32_t chunk = p.attn_chunk ? p.attn_chunk : 1024;
+    e->chunk = (chunk + kv->block_tokens - 1) / kv->block_tokens * kv->block_tokens;
+    size_t max_ranges = (p.max_ctx + e->chunk - 1) / e->chunk;
+    e->n_range = xmalloc_arr(T, sizeof(uint32_t));
+    e->item0 = xmalloc_arr(T + 1, sizeof(uint64_t));
+    e->slot0 = xmalloc_arr(T, sizeof(uint32_t));
+    e->part = max_ranges > 1 ? xmalloc_arr(T * max_ranges * c->n_head * c->head_dim, sizeof(float)) : NULL;
+    e->part_stats = max_ranges > 1 ? xmalloc_arr(T * max_ranges * c->n_head * 2, sizeof(float)) : NULL;
+    bool ranges_ok = e->n_range && e->item0 && e->slot0 && (max_ranges <= 1 || (e->part && e->part_stats));
     bool ok = e->tok_id && e->tok_pos && e->tok_seq && e->out_tok && e->x && e->xb && e->q &&
-              e->k && e->v && e->gate && e->up && e->rope && e->scores;
+              e->k && e->v && e->gate && e->up && e->rope && e->scores && ranges_ok;
     e->gemm_scratch = calloc((size_t)e->n_threads, sizeof(void *));
     ok = ok && e->gemm_scratch;
     for (int i = 0; ok && i < e->n_threads; i++) {
@@ -344,10 +364,11 @@ static void attn_run(void *ctx, int ith, int nth)
     const kvcache_t *kv = e->kv;
     const int hd = (int)c->head_dim, nh = (int)c->n_head;
     const int group = (int)(c->n_head / c->n_head_kv);
+    const uint32_t bt = kv->block_tokens;
     struct kern_attn_args a = {
         .k_base = kv_block_ptr(kv, 0, j->layer, 0),
         .v_base = kv_block_ptr(kv, 0, j->layer, 1),
-        .block_tokens = (int)kv->block_tokens,
+        .block_tokens = (int)bt,
         .head_dim = hd,
         .block_stride = kv->block_bytes,
         .head_stride = kv->head_bytes,
@@ -355,26 +376,67 @@ static void attn_run(void *ctx, int ith, int nth)
         .scale = 1.0f / sqrtf((float)hd),
         .scores = e->scores + (size_t)ith * group * e->p.max_ctx,
     };
-    /* each thread takes a contiguous share of the (token, query head) pairs
-     * and runs the heads of its share that share a KV head together, reading
-     * each K/V row once for them; a head's result is the same bits however
-     * heads are grouped */
+    /* The items are (token, range of positions, query head), in that order;
+     * each thread takes a contiguous share and runs the heads of its share
+     * that share a KV head together, reading each K/V row once for them. A
+     * context longer than one range is cut into ranges of e->chunk positions
+     * (the same cuts whatever the thread count), whose partial results
+     * merge_run combines in range order. A head's result is the same bits
+     * however heads are grouped or shared out. */
     long i0, i1;
-    tpool_split((long)j->T * nh, ith, nth, &i0, &i1);
+    tpool_split((long)e->item0[j->T], ith, nth, &i0, &i1);
+    long t = 0;
+    while (t + 1 < j->T && (long)e->item0[t + 1] <= i0)
+        t++;
     for (long i = i0; i < i1;) {
-        long t = i / nh;
-        int h0 = (int)(i % nh), kvh = h0 / group;
+        while ((long)e->item0[t + 1] <= i)
+            t++;
+        const long local = i - (long)e->item0[t];
+        const int r = (int)(local / nh), h0 = (int)(local % nh), kvh = h0 / group;
         int n_q = (kvh + 1) * group - h0;
         if (i + n_q > i1)
             n_q = (int)(i1 - i);
+        const uint32_t *blocks = j->seqs[e->tok_seq[t]].blocks;
+        const int n_ctx = e->tok_pos[t] + 1;
         a.n_q = n_q;
-        a.out = e->xb + (size_t)t * nh * hd + (size_t)h0 * hd;
         a.q = e->q + (size_t)t * nh * hd + (size_t)h0 * hd;
-        a.blocks = j->seqs[e->tok_seq[t]].blocks;
-        a.n_ctx = e->tok_pos[t] + 1;
         a.kv_head = kvh;
+        if (e->n_range[t] == 1) {
+            a.out = e->xb + (size_t)t * nh * hd + (size_t)h0 * hd;
+            a.blocks = blocks;
+            a.n_ctx = n_ctx;
+            a.stats = NULL;
+        } else {
+            const size_t slot = (size_t)e->slot0[t] + (size_t)r;
+            const int from = r * (int)e->chunk;
+            a.out = e->part + (slot * nh + (size_t)h0) * hd;
+            a.stats = e->part_stats + (slot * nh + (size_t)h0) * 2;
+            a.blocks = blocks + from / (int)bt;
+            a.n_ctx = n_ctx - from < (int)e->chunk ? n_ctx - from : (int)e->chunk;
+        }
         kern_attn(&a);
         i += n_q;
+    }
+}
+
+/* Combines the ranges of every split (token, head), in range order. */
+static void merge_run(void *ctx, int ith, int nth)
+{
+    struct attn_job *j = ctx;
+    engine_t *e = j->e;
+    const int hd = (int)e->m->cfg.head_dim, nh = (int)e->m->cfg.n_head;
+    long i0, i1;
+    tpool_split((long)j->T * nh, ith, nth, &i0, &i1);
+    for (long i = i0; i < i1; i++) {
+        const long t = i / nh;
+        const int h = (int)(i % nh);
+        if (e->n_range[t] == 1)
+            continue;
+        const size_t slot = e->slot0[t];
+        kern_attn_merge(e->xb + (size_t)t * nh * hd + (size_t)h * hd,
+                        e->part + (slot * nh + (size_t)h) * hd, (size_t)nh * hd,
+                        e->part_stats + (slot * nh + (size_t)h) * 2, (size_t)nh * 2,
+                        (int)e->n_range[t], hd);
     }
 }
 
@@ -459,6 +521,20 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
         }
     }
 
+    /* attention items: each token's context in ranges of e->chunk positions */
+    bool split = false;
+    uint32_t slots = 0;
+    e->item0[0] = 0;
+    for (uint32_t i = 0; i < T; i++) {
+        e->n_range[i] = ((uint32_t)e->tok_pos[i] + e->chunk) / e->chunk;  /* ceil((pos + 1) / chunk) */
+        e->slot0[i] = slots;
+        if (e->n_range[i] > 1) {
+            split = true;
+            slots += e->n_range[i];
+        }
+        e->item0[i + 1] = e->item0[i] + (uint64_t)e->n_range[i] * c->n_head;
+    }
+
     for (uint32_t l = 0; l < c->n_layer; l++) {
         const struct model_layer *L = &m->layers[l];
         /* attention */
@@ -474,6 +550,8 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
         tpool_run(e->pool, rope_run, &rj);
         struct attn_job aj = { e, seqs, l, (int)T };
         tpool_run(e->pool, attn_run, &aj);
+        if (split)
+            tpool_run(e->pool, merge_run, &aj);
         struct mm_part o = { &L->wo, acts_for(e, L->wo.type, e->xb, qd, (int)T, true), e->x, true };
         matmul(e, &o, 1, (int)T);
         /* feed-forward */

@@ -33,6 +33,9 @@ struct engine_params {
     uint32_t max_tokens;    /* most tokens in one step (scratch size), default 512 */
     uint32_t max_ctx;       /* longest sequence, default the model's training context */
     int n_threads;          /* 0: the CPU count */
+    uint32_t attn_chunk;    /* longer contexts are cut into ranges of this many positions,
+                             * spread over threads and merged; 0: 1024 (rounded up to whole
+                             * KV blocks) */
 };
 
 struct engine_params engine_default_params(void);

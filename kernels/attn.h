@@ -9,6 +9,7 @@
 #ifndef KVD_KERN_ATTN_H
 #define KVD_KERN_ATTN_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 struct kern_attn_args {
@@ -27,7 +28,15 @@ struct kern_attn_args {
     uint32_t kv_dtype;      /* KERN_F16 or KERN_F32 */
     float scale;            /* 1 / sqrt(head_dim) */
     float *scores;          /* scratch: n_q * n_ctx floats */
+    float *stats;           /* NULL, or n_q pairs: largest score, sum of exp(score - largest) */
 };
+
+/* Merges the results of n ranges of positions of one head (range i's output
+ * at outs + i * stride, its stats at stats + i * sstride) into the attention
+ * over their union, in range order: out = sum_i w_i out_i, with w_i the share
+ * of range i in the whole softmax sum. */
+void kern_attn_merge(float *out, const float *outs, size_t stride, const float *stats, size_t sstride,
+                     int n, int head_dim);
 
 void kern_attn(const struct kern_attn_args *a);
 void kern_attn_isa(const struct kern_attn_args *a, int isa);

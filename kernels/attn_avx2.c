@@ -106,6 +106,10 @@ int kern_attn_avx2(const struct kern_attn_args *a)
             for (j = 0; j < a->n_ctx; j++)
                 sum += sc[j];
             const float inv = (float)(1.0 / sum);
+            if (a->stats != NULL) {
+                a->stats[2 * (q0 + g)] = max[g];
+                a->stats[2 * (q0 + g) + 1] = (float)sum;
+            }
             const __m256 vinv = _mm256_set1_ps(inv);
             for (j = 0; j + 8 <= a->n_ctx; j += 8) {
                 __m256 pv = _mm256_mul_ps(_mm256_loadu_ps(sc + j), vinv);

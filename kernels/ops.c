@@ -68,7 +68,7 @@ static inline float kv_at(const uint8_t *row, int j, uint32_t dtype)
 void kern_attn_paged(float *out, const float *q, const uint8_t *k_base, const uint8_t *v_base,
                      const uint32_t *blocks, int n_ctx, int block_tokens, int head_dim,
                      int kv_head, uint64_t block_stride, uint64_t head_stride,
-                     uint32_t kv_dtype, float scale, float *scores)
+                     uint32_t kv_dtype, float scale, float *scores, float *stats)
 {
     const size_t elem = kv_dtype == KERN_F16 ? 2 : 4;
     const size_t row_bytes = (size_t)head_dim * elem;
@@ -101,6 +101,10 @@ void kern_attn_paged(float *out, const float *q, const uint8_t *k_base, const ui
         sum += e;
     }
     const float inv = (float)(1.0 / sum);
+    if (stats != NULL) {
+        stats[0] = max;
+        stats[1] = (float)sum;
+    }
     for (int d = 0; d < head_dim; d++)
         out[d] = 0.0f;
     for (int j = 0; j < n_ctx; j++) {

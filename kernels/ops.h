@@ -39,11 +39,13 @@ void kern_swiglu(float *gate, const float *up, int n);
  * probability-weighted sum of V in position order. Over an f16 cache the
  * query and the probabilities are rounded to f16 as well (products of halves,
  * sums in f32), which is what llama.cpp's CPU attention does.
- * head_dim <= KERN_MAX_HEAD_DIM.
+ * head_dim <= KERN_MAX_HEAD_DIM. When stats is not NULL it receives the
+ * largest score and the sum of exp(score - largest), for merging the results
+ * of several position ranges (see kern_attn_merge).
  */
 void kern_attn_paged(float *out, const float *q, const uint8_t *k_base, const uint8_t *v_base,
                      const uint32_t *blocks, int n_ctx, int block_tokens, int head_dim,
                      int kv_head, uint64_t block_stride, uint64_t head_stride,
-                     uint32_t kv_dtype, float scale, float *scores);
+                     uint32_t kv_dtype, float scale, float *scores, float *stats);
 
 #endif

@@ -172,6 +172,8 @@ struct rig {
     engine_t *e;
 };
 
+static uint32_t rig_chunk;  /* the engines' attention range (0: the default) */
+
 static struct rig rig_new(const model_t *m, uint32_t block_tokens, uint32_t n_blocks, uint32_t dtype,
                           int threads)
 {
@@ -183,6 +185,7 @@ static struct rig rig_new(const model_t *m, uint32_t block_tokens, uint32_t n_bl
     struct engine_params ep = engine_default_params();
     ep.max_tokens = 256;
     ep.n_threads = threads;
+    ep.attn_chunk = rig_chunk;
     r.e = engine_new(m, r.kv, &ep, err, sizeof(err));
     REQUIRE(r.e != NULL);
     return r;
@@ -436,6 +439,15 @@ int main(void)
         test_batch_invariance(m);
     }
     kern_isa_set(kern_isa_best());
+    /* contexts cut into ranges of 16 positions, shared over threads and merged:
+     * still batch-, chunking- and thread-invariant */
+    rig_chunk = 16;
+    fprintf(stderr, "numerics contract with attention ranges of 16 positions\n");
+    test_chunking(m);
+    test_batch_invariance(m);
+    test_against_reference("f32-gqa-ranges", KERN_F32, KERN_F32, 4, 2, true, KERN_F32, 1e-4);
+    test_against_reference("q4_1-gqa-ranges", KERN_Q4_1, KERN_Q8_0, 8, 2, true, KERN_F16, 0.03);
+    rig_chunk = 0;
     test_errors(m);
     model_destroy(&m);
 
