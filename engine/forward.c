@@ -29,6 +29,7 @@ struct engine {
     kvcache_t *kv;          /* borrowed */
     struct engine_params p;
     tpool_t *pool;
+    uint32_t step_T;        /* tokens in the step being run */
     int n_threads;
 
     /* per-step token layout (T = tokens in the step) */
@@ -194,6 +195,17 @@ engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params
 
 /* ---- parallel jobs ---------------------------------------------------------- */
 
+/* Runs a per-token job (norm, quantization, RoPE) on the pool, or on this
+ * thread alone when a handful of tokens would not repay waking the others.
+ * Each token's result is the same either way. */
+static void run_rows(engine_t *e, tpool_fn fn, void *ctx, uint32_t T)
+{
+    if (T <= 4)
+        fn(ctx, 0, 1);
+    else
+        tpool_run(e->pool, fn, ctx);
+}
+
 /* Quantizes rows [0, T) of src (stride n floats) into slot. */
 struct quant_job {
     const float *src;
@@ -231,7 +243,7 @@ static const struct act_slot *acts_for(engine_t *e, uint32_t wtype, const float 
     s->type = at;
     s->stride = kern_act_row_bytes(at, n);
     struct quant_job j = { src, n, T, s };
-    tpool_run(e->pool, quant_run, &j);
+    run_rows(e, quant_run, &j, (uint32_t)T);
     return s;
 }
 
@@ -303,6 +315,17 @@ static void norm_run(void *ctx, int ith, int nth)
         long src = j->rows ? j->rows[t] : t;
         kern_rmsnorm(j->out + (size_t)t * j->n, j->x + (size_t)src * j->n, j->w, j->n, j->eps);
     }
+}
+
+/* gate = silu(gate) * up for the step's e->step_T tokens. */
+static void swiglu_run(void *ctx, int ith, int nth)
+{
+    engine_t *e = ctx;
+    const int ff = (int)e->m->cfg.n_ff;
+    long t0, t1;
+    tpool_split((long)e->step_T, ith, nth, &t0, &t1);
+    for (long t = t0; t < t1; t++)
+        kern_swiglu(e->gate + (size_t)t * ff, e->up + (size_t)t * ff, ff);
 }
 
 /* RoPE on q and k, then the chunk's K/V written into the cache. */
@@ -521,6 +544,8 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
         }
     }
 
+    e->step_T = T;
+
     /* attention items: each token's context in ranges of e->chunk positions */
     bool split = false;
     uint32_t slots = 0;
@@ -539,7 +564,7 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
         const struct model_layer *L = &m->layers[l];
         /* attention */
         struct norm_job nj = { e->xb, e->x, L->attn_norm, ne, (int)T, c->rms_eps, NULL };
-        tpool_run(e->pool, norm_run, &nj);
+        run_rows(e, norm_run, &nj, T);
         struct mm_part qkv[3] = {
             { &L->wq, acts_for(e, L->wq.type, e->xb, ne, (int)T, true), e->q, false },
             { &L->wk, acts_for(e, L->wk.type, e->xb, ne, (int)T, false), e->k, false },
@@ -547,7 +572,7 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
         };
         matmul(e, qkv, 3, (int)T);
         struct rope_job rj = { e, seqs, l, (int)T };
-        tpool_run(e->pool, rope_run, &rj);
+        run_rows(e, rope_run, &rj, T);
         struct attn_job aj = { e, seqs, l, (int)T };
         tpool_run(e->pool, attn_run, &aj);
         if (split)
@@ -556,14 +581,13 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
         matmul(e, &o, 1, (int)T);
         /* feed-forward */
         nj = (struct norm_job){ e->xb, e->x, L->ffn_norm, ne, (int)T, c->rms_eps, NULL };
-        tpool_run(e->pool, norm_run, &nj);
+        run_rows(e, norm_run, &nj, T);
         struct mm_part gu[2] = {
             { &L->w_gate, acts_for(e, L->w_gate.type, e->xb, ne, (int)T, true), e->gate, false },
             { &L->w_up, acts_for(e, L->w_up.type, e->xb, ne, (int)T, false), e->up, false },
         };
         matmul(e, gu, 2, (int)T);
-        for (uint32_t i = 0; i < T; i++)
-            kern_swiglu(e->gate + (size_t)i * c->n_ff, e->up + (size_t)i * c->n_ff, (int)c->n_ff);
+        run_rows(e, swiglu_run, e, T);
         struct mm_part d = { &L->w_down, acts_for(e, L->w_down.type, e->gate, (int)c->n_ff, (int)T, true),
                              e->x, true };
         matmul(e, &d, 1, (int)T);
@@ -571,7 +595,7 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
 
     /* final norm of the rows that need logits, then the output matrix */
     struct norm_job nj = { e->xb, e->x, m->output_norm, ne, (int)rows, c->rms_eps, e->out_tok };
-    tpool_run(e->pool, norm_run, &nj);
+    run_rows(e, norm_run, &nj, rows);
     struct mm_part out = { &m->output, acts_for(e, m->output.type, e->xb, ne, (int)rows, true),
                            e->logits, false };
     matmul(e, &out, 1, (int)rows);
