@@ -10,6 +10,8 @@
 #include "quant.h"
 #include "types.h"
 
+#include <xxhash.h>
+
 /* Reads a required u32 hyperparameter "llama.<name>". */
 static int need_u32(const gguf_ctx_t *g, const char *name, uint32_t *out, char *err, size_t errlen)
 {
@@ -235,4 +237,32 @@ void model_destroy(model_t **mp)
     gguf_close(&m->gguf);
     free(m);
     *mp = NULL;
+}
+
+void model_fingerprint(const model_t *m, uint8_t out[16])
+{
+    XXH3_state_t *st = XXH3_createState();
+    const gguf_ctx_t *g = m->gguf;
+    uint64_t n = gguf_n_tensors(g);
+    if (st == NULL || XXH3_128bits_reset(st) != XXH_OK) {
+        /* no memory for 600 bytes of state: fall back to the shapes alone */
+        uint64_t h = XXH3_64bits(&m->cfg, sizeof(m->cfg));
+        memcpy(out, &h, 8);
+        memcpy(out + 8, &n, 8);
+        XXH3_freeState(st);
+        return;
+    }
+    XXH3_128bits_update(st, &n, sizeof(n));
+    for (uint64_t i = 0; i < n; i++) {
+        const struct gguf_tensor *t = gguf_tensor_at(g, i);
+        XXH3_128bits_update(st, t->name.ptr, t->name.len);
+        XXH3_128bits_update(st, &t->type, sizeof(t->type));
+        XXH3_128bits_update(st, &t->n_dims, sizeof(t->n_dims));
+        XXH3_128bits_update(st, t->ne, sizeof(t->ne));
+        XXH3_128bits_update(st, t->data, t->nbytes);
+    }
+    XXH128_canonical_t c;
+    XXH128_canonicalFromHash(&c, XXH3_128bits_digest(st));
+    memcpy(out, c.digest, 16);
+    XXH3_freeState(st);
 }

@@ -66,6 +66,11 @@ model_t *model_load(const char *path, char *err, size_t errlen);
 /* Same, taking ownership of an already parsed GGUF (closed on failure too). */
 model_t *model_from_gguf(gguf_ctx_t **g, char *err, size_t errlen);
 
+/* The model's identity: XXH3-128 over every tensor's name, type, shape and
+ * data, so two files with different weights never share a KV pool. Reads all
+ * weights once (tens of milliseconds for the default model). */
+void model_fingerprint(const model_t *m, uint8_t out[16]);
+
 /* Frees the model and unmaps its file; accepts NULL and sets *m to NULL. */
 void model_destroy(model_t **m);
 

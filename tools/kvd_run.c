@@ -22,16 +22,26 @@
 #include "forward.h"
 #include "kvcache.h"
 #include "model.h"
+#include "pool.h"
+#include "prefix.h"
 #include "sampler.h"
 #include "tok.h"
 #include "types.h"
+#include "units.h"
 
 #define DEFAULT_MODEL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 #define MAX_STOPS 8
 
 struct options {
     const char *model;          /* -m */
-    const char *prompt;         /* -p */
+    const char *prompt;         /* -p, or --file contents */
+    char *prompt_buf;           /* owned copy read from --file */
+    int32_t *prompt_ids;        /* --prompt-ids */
+    size_t n_prompt_ids;
+    const char *pool;           /* --pool NAME: a shared, persistent KV pool */
+    const char *ns;             /* --namespace */
+    uint64_t kv_bytes;          /* --kv-memory */
+    const char *logits_out;     /* --logits-out FILE */
     const char *system;         /* --system / --system-file contents */
     char *system_buf;           /* owned copy read from --system-file */
     const char *tokenize;       /* --tokenize TEXT */
@@ -82,6 +92,8 @@ static void usage(FILE *f)
           "\n"
           "  -m, --model FILE       GGUF model (default " DEFAULT_MODEL ")\n"
           "  -p, --prompt TEXT      prompt to continue\n"
+          "  -f, --file FILE        prompt read from a file\n"
+          "      --prompt-ids LIST  prompt as token ids (\"1,2,3\"; no BOS added)\n"
           "  -n, --n-predict N      tokens to generate (default 256)\n"
           "      --chat             wrap the prompt in the model's chat template\n"
           "      --system TEXT      system message (with --chat)\n"
@@ -99,6 +111,12 @@ static void usage(FILE *f)
           "  -t, --threads N        threads (default: all CPUs)\n"
           "      --block-tokens N   KV block size in tokens (default 16)\n"
           "      --kv-type f16|f32  KV cache element type (default f16)\n"
+          "      --kv-memory SIZE   KV pool size (\"512MiB\", \"2G\"; default: one context)\n"
+          "      --pool NAME        keep the KV pool in shared memory under NAME: a later\n"
+          "                         run with the same model and pool reuses its cached\n"
+          "                         prompt prefixes (prints how many tokens it skipped)\n"
+          "      --namespace NS     prefix-cache namespace (default \"\")\n"
+          "      --logits-out FILE  write the last prompt token's logits (f32) to FILE\n"
           "      --json             print one JSON object instead of the text\n"
           "      --tokenize TEXT    print TEXT's token ids as a JSON array\n"
           "      --special          parse special tokens in the text (--tokenize, -p)\n"
@@ -159,8 +177,36 @@ static char *read_file(const char *path, size_t *len)
 enum {
     OPT_TEMP = 256, OPT_TOPK, OPT_TOPP, OPT_MINP, OPT_REPEAT, OPT_SEED, OPT_STOP, OPT_CHAT,
     OPT_SYSTEM, OPT_SYSTEM_FILE, OPT_JSON, OPT_TOKENIZE, OPT_SPECIAL, OPT_PPL, OPT_BLOCK,
-    OPT_KVTYPE, OPT_IGNORE_EOS, OPT_BENCH, OPT_BENCH_FILE,
+    OPT_KVTYPE, OPT_IGNORE_EOS, OPT_BENCH, OPT_BENCH_FILE, OPT_PROMPT_IDS, OPT_POOL, OPT_NS,
+    OPT_KVMEM, OPT_LOGITS_OUT,
 };
+
+/* Parses "1,2,3" (commas and/or white space) into a new array; dies on error. */
+static int32_t *parse_ids(const char *s, size_t *n)
+{
+    size_t cap = 16, k = 0;
+    int32_t *ids = malloc(cap * sizeof(int32_t));
+    while (ids != NULL) {
+        while (*s == ',' || *s == ' ' || *s == '\n' || *s == '\t')
+            s++;
+        if (*s == '\0')
+            break;
+        char *end;
+        errno = 0;
+        long v = strtol(s, &end, 10);
+        if (errno || end == s || v < 0 || v > INT32_MAX)
+            die("--prompt-ids: '%.20s' is not a token id", s);
+        if (k == cap)
+            ids = realloc(ids, (cap *= 2) * sizeof(int32_t));
+        if (ids != NULL)
+            ids[k++] = (int32_t)v;
+        s = end;
+    }
+    if (ids == NULL)
+        die("out of memory");
+    *n = k;
+    return ids;
+}
 
 static void parse_args(int argc, char **argv, struct options *o)
 {
@@ -190,6 +236,12 @@ static void parse_args(int argc, char **argv, struct options *o)
         { "ignore-eos", no_argument, NULL, OPT_IGNORE_EOS },
         { "bench", no_argument, NULL, OPT_BENCH },
         { "bench-file", required_argument, NULL, OPT_BENCH_FILE },
+        { "file", required_argument, NULL, 'f' },
+        { "prompt-ids", required_argument, NULL, OPT_PROMPT_IDS },
+        { "pool", required_argument, NULL, OPT_POOL },
+        { "namespace", required_argument, NULL, OPT_NS },
+        { "kv-memory", required_argument, NULL, OPT_KVMEM },
+        { "logits-out", required_argument, NULL, OPT_LOGITS_OUT },
         { NULL, 0, NULL, 0 },
     };
     memset(o, 0, sizeof(*o));
@@ -198,12 +250,33 @@ static void parse_args(int argc, char **argv, struct options *o)
     o->block_tokens = 16;
     o->kv_type = KERN_F16;
     o->sp = sampler_default_params();
+    o->ns = "";
     opterr = 0;
     int c;
-    while ((c = getopt_long(argc, argv, ":m:p:n:c:t:h", longs, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, ":m:p:f:n:c:t:h", longs, NULL)) != -1) {
         switch (c) {
         case 'm': o->model = optarg; break;
         case 'p': o->prompt = optarg; break;
+        case 'f': {
+            size_t len;
+            free(o->prompt_buf);
+            o->prompt_buf = read_file(optarg, &len);
+            o->prompt = o->prompt_buf;
+            break;
+        }
+        case OPT_PROMPT_IDS:
+            free(o->prompt_ids);
+            o->prompt_ids = parse_ids(optarg, &o->n_prompt_ids);
+            if (o->n_prompt_ids == 0)
+                die("--prompt-ids holds no ids");
+            break;
+        case OPT_POOL: o->pool = optarg; break;
+        case OPT_NS: o->ns = optarg; break;
+        case OPT_KVMEM:
+            if (kvd_parse_size(optarg, &o->kv_bytes) != 0 || o->kv_bytes == 0)
+                die("--kv-memory must be a size such as 512MiB or 2G, got '%s'", optarg);
+            break;
+        case OPT_LOGITS_OUT: o->logits_out = optarg; break;
         case 'n': o->n_predict = (int)parse_long(optarg, "-n", 0, 1 << 20); break;
         case 'c': o->n_ctx = (int)parse_long(optarg, "--ctx", 8, 1 << 20); break;
         case 't': o->n_threads = (int)parse_long(optarg, "-t", 1, 256); break;
@@ -255,9 +328,13 @@ static void parse_args(int argc, char **argv, struct options *o)
     }
     if (optind < argc)
         die("unexpected argument '%s' (see --help)", argv[optind]);
-    int modes = (o->prompt != NULL) + (o->tokenize != NULL) + (o->ppl_file != NULL) + o->bench;
+    if (o->prompt != NULL && o->prompt_ids != NULL)
+        die("-p/--file and --prompt-ids exclude each other");
+    if (o->prompt_ids != NULL && o->chat)
+        die("--prompt-ids and --chat exclude each other");
+    int modes = (o->prompt != NULL || o->prompt_ids != NULL) + (o->tokenize != NULL) + (o->ppl_file != NULL) + o->bench;
     if (modes == 0)
-        die("nothing to do: give -p PROMPT, --tokenize TEXT, --perplexity FILE or --bench (see --help)");
+        die("nothing to do: give -p PROMPT, -f FILE, --prompt-ids, --tokenize TEXT, --perplexity FILE or --bench (see --help)");
     if (modes > 1)
         die("-p, --tokenize, --perplexity and --bench exclude each other");
     if (o->system != NULL && !o->chat)
@@ -319,70 +396,29 @@ static int32_t *encode(const tok_t *t, const char *text, size_t len, bool specia
     return ids;
 }
 
-/* ---- a sequence over the paged cache ------------------------------------------------ */
-
-struct seq {
-    uint32_t *blocks;       /* block table */
-    uint32_t n_blocks;      /* blocks held */
-    uint32_t pos;           /* tokens in the cache */
-};
-
-/* Makes sure the sequence has blocks for n_pos positions. */
-static int seq_reserve(struct seq *s, kvcache_t *kv, uint32_t n_pos)
-{
-    uint32_t need = (n_pos + kv->block_tokens - 1) / kv->block_tokens;
-    while (s->n_blocks < need) {
-        int rc = kvcache_alloc(kv, &s->blocks[s->n_blocks]);
-        if (rc)
-            return rc;
-        s->n_blocks++;
-    }
-    return 0;
-}
-
-static void seq_release(struct seq *s, kvcache_t *kv)
-{
-    while (s->n_blocks > 0)
-        kvcache_release(kv, s->blocks[--s->n_blocks]);
-    s->pos = 0;
-}
-
-/* Feeds tokens in chunks of at most the engine's step size; the logits of the
- * last step are left in *logits (all rows when all_logits). */
-static void seq_feed(engine_t *e, kvcache_t *kv, struct seq *s, const int32_t *toks, uint32_t n,
-                     uint32_t chunk, bool all_logits, const float **logits, uint32_t *rows)
-{
-    char err[256];
-    for (uint32_t i = 0; i < n; i += chunk) {
-        uint32_t m = n - i < chunk ? n - i : chunk;
-        if (seq_reserve(s, kv, s->pos + m) != 0)
-            die("the KV cache is full");
-        struct fwd_seq fs = { toks + i, m, s->pos, s->blocks, s->n_blocks, all_logits };
-        if (engine_step(e, &fs, 1, logits, rows, err, sizeof(err)) != 0)
-            die("%s", err);
-        s->pos += m;
-    }
-}
-
-/* ---- modes ------------------------------------------------------------------------- */
+/* ---- the runtime: model, pool, prefix cache, engine ---------------------------------- */
 
 struct runtime {
     model_t *model;
     tok_t *tok;
-    kvcache_t *kv;
+    pool_t *pool;           /* the KV pool: anonymous, or shared under --pool */
+    prefix_t *px;           /* its allocator and prefix index */
+    kvcache_t *kv;          /* the pool's KV data as the engine addresses it */
     engine_t *engine;
     uint32_t n_ctx;         /* context in effect */
     uint32_t step;          /* most tokens per step */
     double load_ms;
 };
 
-/* Loads the model for a context of n_ctx_req positions per sequence, with a KV
- * cache of kv_positions positions in all (0: one sequence's context). */
+/* Loads the model for a context of n_ctx_req positions per sequence, over a KV
+ * pool of --kv-memory bytes, or else of kv_positions positions (0: one
+ * sequence's context). */
 static void runtime_open(struct runtime *rt, const struct options *o, uint32_t n_ctx_req,
                          uint32_t kv_positions)
 {
-    char err[512];
+    char err[512], note[512];
     double t0 = now_ms();
+    memset(rt, 0, sizeof(*rt));
     rt->model = model_load(o->model, err, sizeof(err));
     if (rt->model == NULL)
         die("%s", err);
@@ -394,13 +430,42 @@ static void runtime_open(struct runtime *rt, const struct options *o, uint32_t n
         die("context %u is longer than the model's %u", n_ctx_req, c->n_ctx_train);
     rt->n_ctx = n_ctx_req;
     rt->step = rt->n_ctx < 512 ? rt->n_ctx : 512;
-    struct kv_params kp = kv_default_params();
-    kp.block_tokens = (uint32_t)o->block_tokens;
-    kp.dtype = o->kv_type;
+
+    struct pool_layout lay;
+    pool_layout_for_model(rt->model, (uint32_t)o->block_tokens, o->kv_type, &lay);
+    struct pool_params pp = pool_default_params();
+    pp.name = o->pool;
+    pp.reuse = true;
+    pp.kv_bytes = o->kv_bytes;
     if (kv_positions < rt->n_ctx)
         kv_positions = rt->n_ctx;
-    kp.n_blocks = (kv_positions + kp.block_tokens - 1) / kp.block_tokens;
-    rt->kv = kvcache_new(c, &kp, err, sizeof(err));
+    pp.n_blocks = (kv_positions + lay.block_tokens - 1) / lay.block_tokens;
+    struct pool_capacity cap;
+    if (pool_plan(&lay, &pp, &cap, err, sizeof(err)) != 0)
+        die("%s", err);
+    if (cap.n_tokens < rt->n_ctx)
+        die("a KV pool of %llu bytes holds %llu tokens, fewer than one sequence of %u; "
+            "raise --kv-memory or lower --ctx", (unsigned long long)o->kv_bytes,
+            (unsigned long long)cap.n_tokens, rt->n_ctx);
+    rt->pool = pool_create(&lay, &pp, note, sizeof(note), err, sizeof(err));
+    if (rt->pool == NULL)
+        die("%s", err);
+    if (note[0])
+        fprintf(stderr, "kvd-run: %s\n", note);
+    rt->px = prefix_new(rt->pool, note, sizeof(note), err, sizeof(err));
+    if (rt->px == NULL)
+        die("%s", err);
+    if (note[0])
+        fprintf(stderr, "kvd-run: pool %s: %s\n", o->pool, note);
+    if (o->pool != NULL || o->kv_bytes != 0) {
+        pool_describe(&lay, &cap, rt->n_ctx, err, sizeof(err));
+        fprintf(stderr, "kvd-run: KV pool %s: %s\n", o->pool ? o->pool : "(private)", err);
+    }
+    struct kv_params kp = kv_default_params();
+    kp.block_tokens = lay.block_tokens;
+    kp.dtype = lay.dtype;
+    kp.n_blocks = cap.n_blocks;
+    rt->kv = kvcache_wrap(c, &kp, pool_data(rt->pool), pool_data_bytes(rt->pool), err, sizeof(err));
     if (rt->kv == NULL)
         die("%s", err);
     struct engine_params ep = engine_default_params();
@@ -417,9 +482,46 @@ static void runtime_close(struct runtime *rt)
 {
     engine_destroy(&rt->engine);
     kvcache_destroy(&rt->kv);
+    prefix_destroy(&rt->px);
+    pool_close(&rt->pool);  /* a named pool stays, closed, with its cache */
     tok_destroy(&rt->tok);
     model_destroy(&rt->model);
 }
+
+/* ---- a sequence over the pool ---------------------------------------------------------- */
+
+struct seq {
+    struct prefix_seq ps;   /* block table, held through the prefix cache */
+    uint32_t pos;           /* positions whose K/V are written */
+};
+
+/* Computes hist[s->pos, s->pos + n) in steps of at most chunk tokens; hist is
+ * the sequence's whole history from position 0. After each step the written
+ * blocks are committed, so full ones become reusable. The logits of the last
+ * step are left in *logits (all rows when all_logits). */
+static void seq_feed(struct runtime *rt, struct seq *s, const int32_t *hist, uint32_t n,
+                     uint32_t chunk, bool all_logits, const float **logits, uint32_t *rows)
+{
+    char err[256];
+    for (uint32_t i = 0; i < n; i += chunk) {
+        uint32_t m = n - i < chunk ? n - i : chunk;
+        if (prefix_seq_grow(rt->px, &s->ps, s->pos + m, hist, s->pos + m) != 0)
+            die("the KV pool is full");
+        struct fwd_seq fs = { hist + s->pos, m, s->pos, s->ps.blocks, s->ps.n_blocks, all_logits };
+        if (engine_step(rt->engine, &fs, 1, logits, rows, err, sizeof(err)) != 0)
+            die("%s", err);
+        s->pos += m;
+        prefix_seq_commit(rt->px, &s->ps, hist, s->pos);
+    }
+}
+
+static void seq_release(struct runtime *rt, struct seq *s)
+{
+    prefix_seq_release(rt->px, &s->ps);
+    s->pos = 0;
+}
+
+/* ---- modes ------------------------------------------------------------------------- */
 
 static int run_tokenize(const struct options *o)
 {
@@ -461,20 +563,18 @@ static int run_perplexity(const struct options *o)
     float *lg = malloc((size_t)win * nv * sizeof(float));
     if (w == NULL || lg == NULL)
         die("out of memory");
-    struct seq s = { malloc(rt.kv->n_blocks * sizeof(uint32_t)), 0, 0 };
-    if (s.blocks == NULL)
-        die("out of memory");
+    struct seq s = { 0 };
     const uint32_t first = win / 2;
     for (size_t k = 0; k < n_win; k++) {
         memcpy(w, ids + k * win, win * sizeof(int32_t));
         if (tok_add_bos(rt.tok))
             w[0] = tok_bos(rt.tok);
-        seq_release(&s, rt.kv);
+        seq_release(&rt, &s);
         for (uint32_t i = 0; i < win; i += rt.step) {
             uint32_t m = win - i < rt.step ? win - i : rt.step;
             const float *out;
             uint32_t rows;
-            seq_feed(rt.engine, rt.kv, &s, w + i, m, rt.step, true, &out, &rows);
+            seq_feed(&rt, &s, w, m, rt.step, true, &out, &rows);
             memcpy(lg + (size_t)i * nv, out, (size_t)m * nv * sizeof(float));
         }
         for (uint32_t j = first; j + 1 < win; j++) {
@@ -497,8 +597,8 @@ static int run_perplexity(const struct options *o)
                ppl, n_win, win, scored, ms);
     else
         printf("perplexity: %.4f\n", ppl);
-    seq_release(&s, rt.kv);
-    free(s.blocks);
+    seq_release(&rt, &s);
+    prefix_seq_fini(&s.ps);
     free(w);
     free(lg);
     free(ids);
@@ -540,11 +640,13 @@ static int run_generate(const struct options *o)
     }
     runtime_open(&rt, o, n_ctx, 0);
 
-    /* the prompt, through the chat template when asked */
+    /* the prompt: ids as given, or text (through the chat template when asked) */
     char *text = NULL;
-    size_t text_len;
+    size_t text_len = 0;
     bool special = o->special;
-    if (o->chat) {
+    if (o->prompt_ids != NULL) {
+        /* no text */
+    } else if (o->chat) {
         struct gguf_str tmpl;
         if (gguf_get_str(rt.model->gguf, "tokenizer.chat_template", &tmpl) != 0)
             die("--chat: the model has no chat template (tokenizer.chat_template)");
@@ -566,9 +668,25 @@ static int run_generate(const struct options *o)
         text_len = strlen(o->prompt);
     }
     size_t n_prompt;
-    int32_t *ids0 = encode(rt.tok, text, text_len, special, &n_prompt);
+    int32_t *ids0;
+    bool bos;
+    if (o->prompt_ids != NULL) {
+        n_prompt = o->n_prompt_ids;
+        ids0 = malloc(n_prompt * sizeof(int32_t));
+        if (ids0 == NULL)
+            die("out of memory");
+        for (size_t i = 0; i < n_prompt; i++) {
+            if ((uint32_t)o->prompt_ids[i] >= rt.model->cfg.n_vocab)
+                die("--prompt-ids: id %d is out of range (the vocabulary has %u tokens)",
+                    o->prompt_ids[i], rt.model->cfg.n_vocab);
+            ids0[i] = o->prompt_ids[i];
+        }
+        bos = false;
+    } else {
+        ids0 = encode(rt.tok, text, text_len, special, &n_prompt);
+        bos = tok_add_bos(rt.tok);
+    }
     free(text);
-    bool bos = tok_add_bos(rt.tok);
     size_t n_hist = n_prompt + (bos ? 1 : 0);
     if (n_hist == 0)
         die("the prompt is empty");
@@ -587,15 +705,25 @@ static int run_generate(const struct options *o)
     sampler_t *smp = sampler_new(&o->sp, rt.model->cfg.n_vocab, err, sizeof(err));
     if (smp == NULL)
         die("%s", err);
-    struct seq s = { malloc(rt.kv->n_blocks * sizeof(uint32_t)), 0, 0 };
-    if (s.blocks == NULL)
-        die("out of memory");
+    struct seq s = { 0 };
 
+    /* the longest cached prefix is skipped; at least one token is computed */
     double t0 = now_ms();
+    prefix_ns_t ns = prefix_namespace(rt.px, o->ns, strlen(o->ns));
+    int64_t n_cached = prefix_seq_begin(rt.px, &s.ps, ns, hist, n_prompt, NULL);
+    if (n_cached < 0)
+        die("prefix cache: %s", kvd_strerror((int)n_cached));
+    s.pos = (uint32_t)n_cached;
     const float *logits;
     uint32_t rows;
-    seq_feed(rt.engine, rt.kv, &s, hist, (uint32_t)n_prompt, rt.step, false, &logits, &rows);
+    seq_feed(&rt, &s, hist, (uint32_t)(n_prompt - s.pos), rt.step, false, &logits, &rows);
     double t_prefill = now_ms() - t0;
+    if (o->logits_out != NULL) {
+        FILE *lf = fopen(o->logits_out, "wb");
+        if (lf == NULL || fwrite(logits, sizeof(float), rt.model->cfg.n_vocab, lf) !=
+                              rt.model->cfg.n_vocab || fclose(lf) != 0)
+            die("cannot write %s: %s", o->logits_out, strerror(errno));
+    }
 
     size_t out_cap = 4096, out_len = 0, printed = 0;
     char *out = malloc(out_cap);
@@ -653,7 +781,7 @@ static int run_generate(const struct options *o)
             finish = "length";
             break;
         }
-        seq_feed(rt.engine, rt.kv, &s, &id, 1, 1, false, &logits, &rows);
+        seq_feed(&rt, &s, hist, 1, 1, false, &logits, &rows);
     }
     double t_decode = now_ms() - t0;
 
@@ -664,6 +792,7 @@ static int run_generate(const struct options *o)
         json_ids(stdout, hist + n_prompt, n_hist - n_prompt);
         printf(",\"text\":");
         json_str(stdout, out, out_len);
+        printf(",\"cached_prompt_tokens\":%lld", (long long)n_cached);
         printf(",\"finish_reason\":\"%s\",\"timings\":{\"load_ms\":%.1f,\"prefill_ms\":%.1f,"
                "\"decode_ms\":%.1f,\"prefill_tokens_per_s\":%.2f,\"decode_tokens_per_s\":%.2f}}\n",
                finish, rt.load_ms, t_prefill, t_decode,
@@ -674,14 +803,15 @@ static int run_generate(const struct options *o)
             fwrite(out + printed, 1, out_len - printed, stdout);
         fputc('\n', stdout);
         fflush(stdout);
-        fprintf(stderr, "kvd-run: %zu prompt tokens in %.0f ms (%.1f tok/s), %d generated in %.0f ms "
-                "(%.1f tok/s), %d threads\n", n_prompt, t_prefill,
+        fprintf(stderr, "kvd-run: %zu prompt tokens (%lld cached) in %.0f ms (%.1f tok/s), "
+                "%d generated in %.0f ms (%.1f tok/s), %d threads\n", n_prompt,
+                (long long)n_cached, t_prefill,
                 t_prefill > 0 ? n_prompt / (t_prefill / 1e3) : 0.0, n_gen, t_decode,
                 t_decode > 0 ? n_gen / (t_decode / 1e3) : 0.0, engine_threads(rt.engine));
     }
     free(out);
-    seq_release(&s, rt.kv);
-    free(s.blocks);
+    seq_release(&rt, &s);
+    prefix_seq_fini(&s.ps);
     free(hist);
     sampler_destroy(&smp);
     runtime_close(&rt);
@@ -720,44 +850,47 @@ static double bench_batch(struct runtime *rt, const int32_t *ids, size_t n_ids, 
 {
     char err[256];
     const uint32_t V = rt->model->cfg.n_vocab;
+    const size_t H = BENCH_BATCH_PROMPT + BENCH_BATCH_STEPS; /* history per sequence */
     struct seq *s = calloc((size_t)B, sizeof(*s));
-    int32_t *last = malloc((size_t)B * sizeof(int32_t)), *prompt = malloc(BENCH_BATCH_PROMPT * 4);
+    int32_t *hist = malloc((size_t)B * H * sizeof(int32_t));
     struct fwd_seq *fs = malloc((size_t)B * sizeof(*fs));
-    if (s == NULL || last == NULL || prompt == NULL || fs == NULL)
+    if (s == NULL || hist == NULL || fs == NULL)
         die("out of memory");
     const float *lg;
     uint32_t rows;
     for (int b = 0; b < B; b++) {
-        s[b].blocks = malloc(rt->kv->n_blocks * sizeof(uint32_t));
-        if (s[b].blocks == NULL)
-            die("out of memory");
+        int32_t *h = hist + (size_t)b * H;
         for (int i = 0; i < BENCH_BATCH_PROMPT; i++)
-            prompt[i] = ids[((size_t)16 * b + i) % n_ids];
-        seq_feed(rt->engine, rt->kv, &s[b], prompt, BENCH_BATCH_PROMPT, rt->step, false, &lg, &rows);
-        last[b] = sampler_argmax(lg, V);
+            h[i] = ids[((size_t)16 * b + i) % n_ids];
+        seq_feed(rt, &s[b], h, BENCH_BATCH_PROMPT, rt->step, false, &lg, &rows);
+        h[s[b].pos] = sampler_argmax(lg, V);
     }
     double t0 = now_ms();
     for (int step = 0; step < BENCH_BATCH_STEPS; step++) {
         for (int b = 0; b < B; b++) {
-            if (seq_reserve(&s[b], rt->kv, s[b].pos + 1) != 0)
-                die("the KV cache is full");
-            fs[b] = (struct fwd_seq){ &last[b], 1, s[b].pos, s[b].blocks, s[b].n_blocks, false };
+            int32_t *h = hist + (size_t)b * H;
+            if (prefix_seq_grow(rt->px, &s[b].ps, s[b].pos + 1, h, s[b].pos + 1) != 0)
+                die("the KV pool is full");
+            fs[b] = (struct fwd_seq){ h + s[b].pos, 1, s[b].pos, s[b].ps.blocks, s[b].ps.n_blocks,
+                                      false };
         }
         if (engine_step(rt->engine, fs, (uint32_t)B, &lg, &rows, err, sizeof(err)) != 0)
             die("%s", err);
         for (int b = 0; b < B; b++) {
+            int32_t *h = hist + (size_t)b * H;
             s[b].pos++;
-            last[b] = sampler_argmax(lg + (size_t)b * V, V);
+            prefix_seq_commit(rt->px, &s[b].ps, h, s[b].pos);
+            if (s[b].pos < H)
+                h[s[b].pos] = sampler_argmax(lg + (size_t)b * V, V);
         }
     }
     double ms = now_ms() - t0;
     for (int b = 0; b < B; b++) {
-        seq_release(&s[b], rt->kv);
-        free(s[b].blocks);
+        seq_release(rt, &s[b]);
+        prefix_seq_fini(&s[b].ps);
     }
     free(s);
-    free(last);
-    free(prompt);
+    free(hist);
     free(fs);
     return B * BENCH_BATCH_STEPS / (ms / 1e3);
 }
@@ -774,30 +907,28 @@ static int run_bench(const struct options *o)
     if (n_ids == 0)
         die("the benchmark text has no tokens");
     const uint32_t V = rt.model->cfg.n_vocab;
-    int32_t prompt[BENCH_PREFILL];
+    int32_t hist[BENCH_PREFILL + BENCH_DECODE + 1];
     for (int i = 0; i < BENCH_PREFILL; i++)
-        prompt[i] = ids[(size_t)i % n_ids];
-    struct seq s = { malloc(rt.kv->n_blocks * sizeof(uint32_t)), 0, 0 };
-    if (s.blocks == NULL)
-        die("out of memory");
+        hist[i] = ids[(size_t)i % n_ids];
+    struct seq s = { 0 };
     const float *lg;
     uint32_t rows;
     /* warm-up: fault the weights in */
-    seq_feed(rt.engine, rt.kv, &s, prompt, 32, 32, false, &lg, &rows);
-    seq_release(&s, rt.kv);
+    seq_feed(&rt, &s, hist, 32, 32, false, &lg, &rows);
+    seq_release(&rt, &s);
 
     double t0 = now_ms();
-    seq_feed(rt.engine, rt.kv, &s, prompt, BENCH_PREFILL, BENCH_PREFILL, false, &lg, &rows);
+    seq_feed(&rt, &s, hist, BENCH_PREFILL, BENCH_PREFILL, false, &lg, &rows);
     double prefill_ms = now_ms() - t0;
-    int32_t tok = sampler_argmax(lg, V);
+    hist[s.pos] = sampler_argmax(lg, V);
     t0 = now_ms();
     for (int i = 0; i < BENCH_DECODE; i++) {
-        seq_feed(rt.engine, rt.kv, &s, &tok, 1, 1, false, &lg, &rows);
-        tok = sampler_argmax(lg, V);
+        seq_feed(&rt, &s, hist, 1, 1, false, &lg, &rows);
+        hist[s.pos] = sampler_argmax(lg, V);
     }
     double decode_ms = now_ms() - t0;
-    seq_release(&s, rt.kv);
-    free(s.blocks);
+    seq_release(&rt, &s);
+    prefix_seq_fini(&s.ps);
 
     const int batches[3] = { 1, 8, 32 };
     double agg[3];
@@ -841,5 +972,7 @@ int main(int argc, char **argv)
     else
         rc = run_generate(&o);
     free(o.system_buf);
+    free(o.prompt_buf);
+    free(o.prompt_ids);
     return rc;
 }

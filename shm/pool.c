@@ -1,0 +1,611 @@
+/* pool.c - the KV pool's segment: sizing, creation, adoption, attachment. */
+#include "pool.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "err.h"
+#include "model.h"
+#include "units.h"
+#include "types.h"
+
+#define HUGE_ALIGN (2u << 20)  /* data of large pools starts on a 2 MiB boundary */
+#define PAGE_ALIGN 4096u
+
+struct pool {
+    uint8_t *base;          /* the whole segment */
+    size_t size;            /* bytes mapped */
+    int fd;                 /* shm descriptor (holds the owner's flock); -1 if anonymous */
+    bool owner;             /* this process owns the metadata */
+    bool unlink_on_close;   /* owner: remove the name on close */
+    bool huge;              /* huge pages advised and enabled for shmem */
+    bool fresh;             /* this open made the segment: its metadata is empty */
+    char name[POOL_NAME_MAX + 2]; /* "/name", or "" when anonymous */
+};
+
+struct pool_params pool_default_params(void)
+{
+    struct pool_params p = { .name = NULL, .kv_bytes = 0, .n_blocks = 1024 };
+    return p;
+}
+
+uint32_t pool_abi(void)
+{
+    return (POOL_VERSION << 24) ^ ((uint32_t)sizeof(struct pool_header) << 12) ^
+           ((uint32_t)sizeof(struct pool_block) << 4) ^ (uint32_t)sizeof(struct pool_cache_state);
+}
+
+static uint64_t align_up(uint64_t x, uint64_t a)
+{
+    return (x + a - 1) / a * a;
+}
+
+static uint32_t pow2_at_least(uint32_t n)
+{
+    uint32_t b = 16;
+    while (b < n && b < (1u << 31))
+        b <<= 1;
+    return b;
+}
+
+static int layout_check(const struct pool_layout *lay, char *err, size_t errlen)
+{
+    if (lay->n_layer == 0 || lay->n_layer > 1024 || lay->n_head_kv == 0 || lay->n_head_kv > 1024 ||
+        lay->head_dim == 0 || lay->head_dim > 4096)
+        return kvd_seterr(err, errlen, KVD_EINVAL,
+                          "pool: model shape out of range (%u layers, %u KV heads, head dim %u)",
+                          lay->n_layer, lay->n_head_kv, lay->head_dim);
+    if (lay->block_tokens == 0 || lay->block_tokens > 4096)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "pool: block size %u is out of range (1..4096)",
+                          lay->block_tokens);
+    if (lay->dtype != KERN_F16 && lay->dtype != KERN_F32)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "pool: KV type must be f16 or f32");
+    return 0;
+}
+
+static uint64_t layout_block_bytes(const struct pool_layout *lay)
+{
+    uint64_t elem = lay->dtype == KERN_F32 ? 4 : 2;
+    return 2ull * lay->n_layer * lay->n_head_kv * lay->head_dim * lay->block_tokens * elem;
+}
+
+/* Offsets of a segment of n blocks. */
+static void layout_offsets(const struct pool_layout *lay, uint32_t n, struct pool_header *h)
+{
+    uint64_t bb = layout_block_bytes(lay);
+    h->n_blocks = n;
+    h->n_buckets = pow2_at_least(n);
+    h->block_bytes = bb;
+    h->records_off = POOL_HEADER_BYTES;
+    h->tokens_off = align_up(h->records_off + (uint64_t)n * sizeof(struct pool_block), 64);
+    h->buckets_off = align_up(h->tokens_off + (uint64_t)n * lay->block_tokens * 4, 64);
+    uint64_t meta_end = h->buckets_off + (uint64_t)h->n_buckets * 4;
+    uint64_t data_bytes = (uint64_t)n * bb;
+    h->data_off = align_up(meta_end, data_bytes >= 64ull * HUGE_ALIGN ? HUGE_ALIGN : PAGE_ALIGN);
+    h->total_bytes = h->data_off + data_bytes;
+}
+
+int pool_plan(const struct pool_layout *lay, const struct pool_params *p,
+              struct pool_capacity *cap, char *err, size_t errlen)
+{
+    int rc = layout_check(lay, err, errlen);
+    if (rc)
+        return rc;
+    uint64_t bb = layout_block_bytes(lay);
+    uint64_t over = sizeof(struct pool_block) + (uint64_t)lay->block_tokens * 4 + 8;
+    uint64_t n;
+    struct pool_header h;
+    if (p->kv_bytes == 0) {
+        if (p->n_blocks == 0)
+            return kvd_seterr(err, errlen, KVD_EINVAL,
+                              "pool: the KV budget is zero (give a size or a block count)");
+        n = p->n_blocks;
+    } else {
+        n = p->kv_bytes / (bb + over);
+        if (n > UINT32_MAX - 1)
+            n = UINT32_MAX - 1;
+        while (n > 0) {
+            layout_offsets(lay, (uint32_t)n, &h);
+            if (h.total_bytes <= p->kv_bytes)
+                break;
+            /* step down by the excess in whole blocks, at least one */
+            uint64_t over_by = (h.total_bytes - p->kv_bytes + bb - 1) / bb;
+            n = over_by < n ? n - over_by : 0;
+        }
+        if (n == 0) {
+            layout_offsets(lay, 1, &h);
+            return kvd_seterr(err, errlen, KVD_EINVAL,
+                              "pool: a budget of %llu bytes is smaller than one block "
+                              "(%llu bytes with its metadata)",
+                              (unsigned long long)p->kv_bytes, (unsigned long long)h.total_bytes);
+        }
+    }
+    if (n > UINT32_MAX - 1)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "pool: %llu blocks is too many",
+                          (unsigned long long)n);
+    layout_offsets(lay, (uint32_t)n, &h);
+    uint64_t elem = lay->dtype == KERN_F32 ? 4 : 2;
+    cap->bytes_per_token = 2ull * lay->n_layer * lay->n_head_kv * lay->head_dim * elem;
+    cap->block_bytes = bb;
+    cap->overhead_per_block = over;
+    cap->n_blocks = (uint32_t)n;
+    cap->n_tokens = n * lay->block_tokens;
+    cap->total_bytes = h.total_bytes;
+    return 0;
+}
+
+void pool_describe(const struct pool_layout *lay, const struct pool_capacity *cap, uint32_t ctx,
+                   char *buf, size_t len)
+{
+    char total[32], blk[32];
+    int n = snprintf(buf, len,
+                     "%s: %u blocks of %u tokens (%s each) = %llu tokens at %llu bytes/token "
+                     "(2 x %u layers x %u KV heads x %u dims x %u B)",
+                     kvd_format_bytes(cap->total_bytes, total, sizeof(total)), cap->n_blocks,
+                     lay->block_tokens, kvd_format_bytes(cap->block_bytes, blk, sizeof(blk)),
+                     (unsigned long long)cap->n_tokens, (unsigned long long)cap->bytes_per_token,
+                     lay->n_layer, lay->n_head_kv, lay->head_dim, lay->dtype == KERN_F32 ? 4 : 2);
+    if (ctx && n > 0 && (size_t)n < len) {
+        uint64_t per_seq = (ctx + lay->block_tokens - 1) / lay->block_tokens;
+        uint64_t fit = cap->n_blocks / per_seq;
+        snprintf(buf + n, len - (size_t)n, "; %llu sequence%s of %u tokens fit%s",
+                 (unsigned long long)fit, fit == 1 ? "" : "s", ctx,
+                 fit ? "" : " (shorter ones share it)");
+    }
+}
+
+/* ---- header checks ------------------------------------------------------------------ */
+
+/* Checks a header against a layout and the segment's size; 0 or KVD_EFORMAT /
+ * KVD_EUNSUPPORTED with the first difference in err. */
+static int header_check(const struct pool_header *h, uint64_t size, const struct pool_layout *lay,
+                        char *err, size_t errlen)
+{
+    if (h->magic != POOL_MAGIC)
+        return kvd_seterr(err, errlen, KVD_EFORMAT, "not a kvd pool (bad magic)");
+    if (h->version != POOL_VERSION || h->abi != pool_abi())
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                          "made by another build of kvd (version %u, abi %08x; this build: %u, %08x)",
+                          h->version, h->abi, POOL_VERSION, pool_abi());
+    const struct pool_layout *l = &h->layout;
+    if (memcmp(l->fingerprint, lay->fingerprint, 16) != 0)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "made for another model (fingerprint differs)");
+    if (l->n_layer != lay->n_layer || l->n_head_kv != lay->n_head_kv || l->head_dim != lay->head_dim)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                          "made for another model shape (%u layers, %u KV heads, head dim %u)",
+                          l->n_layer, l->n_head_kv, l->head_dim);
+    if (l->block_tokens != lay->block_tokens)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "made with blocks of %u tokens, not %u",
+                          l->block_tokens, lay->block_tokens);
+    if (l->dtype != lay->dtype)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "made with KV type %s, not %s",
+                          l->dtype == KERN_F32 ? "f32" : "f16", lay->dtype == KERN_F32 ? "f32" : "f16");
+    if (h->n_blocks == 0 || h->n_blocks == UINT32_MAX)
+        return kvd_seterr(err, errlen, KVD_EFORMAT, "corrupt header (block count %u)", h->n_blocks);
+    struct pool_header want;
+    layout_offsets(lay, h->n_blocks, &want);
+    if (h->n_buckets != want.n_buckets || h->block_bytes != want.block_bytes ||
+        h->records_off != want.records_off || h->tokens_off != want.tokens_off ||
+        h->buckets_off != want.buckets_off || h->data_off != want.data_off ||
+        h->total_bytes != want.total_bytes)
+        return kvd_seterr(err, errlen, KVD_EFORMAT, "corrupt header (offsets do not match its layout)");
+    if (h->total_bytes > size)
+        return kvd_seterr(err, errlen, KVD_EFORMAT,
+                          "truncated (%llu bytes; its header says %llu)", (unsigned long long)size,
+                          (unsigned long long)h->total_bytes);
+    return 0;
+}
+
+/* ---- names and mappings --------------------------------------------------------------- */
+
+static int name_norm(const char *name, char out[POOL_NAME_MAX + 2], char *err, size_t errlen)
+{
+    const char *s = name[0] == '/' ? name + 1 : name;
+    size_t n = strlen(s);
+    if (n == 0 || n > POOL_NAME_MAX)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "pool: name '%s' must have 1..%u characters",
+                          name, POOL_NAME_MAX);
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '-' || c == '_' || c == '.'))
+            return kvd_seterr(err, errlen, KVD_EINVAL,
+                              "pool: name '%s' may hold only letters, digits, '-', '_' and '.'", name);
+    }
+    out[0] = '/';
+    memcpy(out + 1, s, n + 1);
+    return 0;
+}
+
+static bool shmem_thp_enabled(void)
+{
+    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "r");
+    if (f == NULL)
+        return false;
+    char buf[256] = { 0 };
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    return strstr(buf, "[always]") || strstr(buf, "[within_size]") || strstr(buf, "[advise]") ||
+           strstr(buf, "[force]");
+}
+
+/* Maps size bytes of fd (or anonymous shared memory when fd < 0). */
+static uint8_t *map_segment(int fd, size_t size, int prot)
+{
+    int flags = MAP_SHARED | (fd < 0 ? MAP_ANONYMOUS : 0);
+    void *m = mmap(NULL, size, prot, flags, fd, 0);
+    return m == MAP_FAILED ? NULL : m;
+}
+
+static void advise_huge(pool_t *p, const struct pool_header *h)
+{
+    if (h->data_off % HUGE_ALIGN != 0)
+        return;
+    if (madvise(p->base + h->data_off, h->total_bytes - h->data_off, MADV_HUGEPAGE) == 0)
+        p->huge = shmem_thp_enabled();
+}
+
+/* Writes a fresh, empty header (state INIT) for n blocks. */
+static int header_init(struct pool_header *h, const struct pool_layout *lay, uint32_t n)
+{
+    memset(h, 0, sizeof(*h));
+    h->magic = POOL_MAGIC;
+    h->version = POOL_VERSION;
+    h->abi = pool_abi();
+    h->state = POOL_STATE_INIT;
+    h->owner_pid = (int32_t)getpid();
+    h->generation = 1;
+    h->layout = *lay;
+    layout_offsets(lay, n, h);
+    size_t got = 0;
+    while (got < POOL_SECRET_BYTES) {
+        ssize_t r = getrandom(h->secret + got, POOL_SECRET_BYTES - got, 0);
+        if (r < 0 && errno != EINTR)
+            return KVD_EIO;
+        if (r > 0)
+            got += (size_t)r;
+    }
+    /* records stay all-zero; prefix_new builds the free list of a fresh pool */
+    h->cache.free_head = POOL_NONE;
+    h->cache.lru_head = POOL_NONE;
+    h->cache.lru_tail = POOL_NONE;
+    return 0;
+}
+
+static pool_t *pool_alloc_struct(const char *norm_name, char *err, size_t errlen)
+{
+    pool_t *p = calloc(1, sizeof(*p));
+    if (p == NULL) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "pool: out of memory");
+        return NULL;
+    }
+    p->fd = -1;
+    if (norm_name)
+        snprintf(p->name, sizeof(p->name), "%s", norm_name);
+    return p;
+}
+
+static void pool_free_struct(pool_t *p)
+{
+    if (p->base)
+        munmap(p->base, p->size);
+    if (p->fd >= 0)
+        close(p->fd);
+    free(p);
+}
+
+/* Opens (creating when absent) the shm object and takes the owner's lock.
+ * *created says whether this call made it. */
+static int open_locked(const char *name, int *fd_out, bool *created, char *err, size_t errlen)
+{
+    for (int attempt = 0; attempt < 4; attempt++) {
+        int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+        *created = fd >= 0;
+        if (fd < 0 && errno == EEXIST)
+            fd = shm_open(name, O_RDWR, 0);
+        if (fd < 0 && errno == ENOENT)
+            continue; /* removed between the two opens */
+        if (fd < 0)
+            return kvd_seterr(err, errlen, KVD_EIO, "pool %s: cannot open: %s", name, strerror(errno));
+        if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+            int pid = 0;
+            struct stat st;
+            if (fstat(fd, &st) == 0 && (size_t)st.st_size >= sizeof(struct pool_header)) {
+                struct pool_header *h = (struct pool_header *)map_segment(fd, sizeof(*h), PROT_READ);
+                if (h) {
+                    pid = h->owner_pid;
+                    munmap(h, sizeof(*h));
+                }
+            }
+            close(fd);
+            return kvd_seterr(err, errlen, KVD_ESTATE, "pool %s is in use by a running owner (pid %d)",
+                              name, pid);
+        }
+        *fd_out = fd;
+        return 0;
+    }
+    return kvd_seterr(err, errlen, KVD_EIO, "pool %s: keeps disappearing while being opened", name);
+}
+
+/* Decides whether the existing segment behind fd can be adopted; 1 yes, 0 no
+ * (why in reason). */
+static int can_adopt(int fd, const struct pool_layout *lay, uint32_t n_blocks, bool reuse,
+                     char *reason, size_t rlen)
+{
+    struct stat st;
+    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size < POOL_HEADER_BYTES) {
+        snprintf(reason, rlen, "too small to hold a header");
+        return 0;
+    }
+    struct pool_header *h = (struct pool_header *)map_segment(fd, POOL_HEADER_BYTES, PROT_READ);
+    if (h == NULL) {
+        snprintf(reason, rlen, "cannot be mapped");
+        return 0;
+    }
+    int ok = 0;
+    char why[256];
+    if (h->magic != POOL_MAGIC)
+        snprintf(reason, rlen, "not a kvd pool (bad magic)");
+    else if (h->state == POOL_STATE_INIT)
+        snprintf(reason, rlen, "left half-written by a creator that died");
+    else if (h->state == POOL_STATE_LIVE)
+        snprintf(reason, rlen, "stale: its owner (pid %d) died without closing it", h->owner_pid);
+    else if (h->state != POOL_STATE_CLOSED)
+        snprintf(reason, rlen, "corrupt header (state %u)", h->state);
+    else if (header_check(h, (uint64_t)st.st_size, lay, why, sizeof(why)) != 0)
+        snprintf(reason, rlen, "%s", why);
+    else if (!reuse)
+        snprintf(reason, rlen, "a fresh pool was asked for");
+    else if (h->n_blocks != n_blocks)
+        snprintf(reason, rlen, "it holds %u blocks, not %u", h->n_blocks, n_blocks);
+    else
+        ok = 1;
+    munmap(h, POOL_HEADER_BYTES);
+    return ok;
+}
+
+pool_t *pool_create(const struct pool_layout *lay, const struct pool_params *pp,
+                    char *replaced, size_t replaced_len, char *err, size_t errlen)
+{
+    struct pool_capacity cap;
+    if (replaced && replaced_len)
+        replaced[0] = 0;
+    if (pool_plan(lay, pp, &cap, err, errlen) != 0)
+        return NULL;
+    char norm[POOL_NAME_MAX + 2];
+    if (pp->name && name_norm(pp->name, norm, err, errlen) != 0)
+        return NULL;
+    pool_t *p = pool_alloc_struct(pp->name ? norm : NULL, err, errlen);
+    if (p == NULL)
+        return NULL;
+    p->owner = true;
+    p->unlink_on_close = pp->name != NULL && pp->unlink_on_close;
+    p->size = cap.total_bytes;
+
+    bool adopt = false;
+    if (pp->name) {
+        bool created;
+        if (open_locked(norm, &p->fd, &created, err, errlen) != 0) {
+            free(p);
+            return NULL;
+        }
+        char reason[300] = "";
+        if (!created) {
+            adopt = can_adopt(p->fd, lay, cap.n_blocks, pp->reuse, reason, sizeof(reason)) == 1;
+            if (!adopt) {
+                /* Replace it with a new object, so that any process still mapping
+                 * the old memory keeps it intact; we hold the old one's lock while
+                 * the new one is made. */
+                if (replaced && replaced_len)
+                    snprintf(replaced, replaced_len, "replaced pool %s: %s", norm, reason);
+                shm_unlink(norm);
+                int old = p->fd;
+                p->fd = -1;
+                bool c2;
+                int rc = open_locked(norm, &p->fd, &c2, err, errlen);
+                close(old);
+                if (rc != 0) {
+                    free(p);
+                    return NULL;
+                }
+            }
+        }
+        if (!adopt) {
+            if (ftruncate(p->fd, 0) != 0 || ftruncate(p->fd, (off_t)cap.total_bytes) != 0) {
+                kvd_seterr(err, errlen, KVD_EIO, "pool %s: cannot size it to %llu bytes: %s", norm,
+                           (unsigned long long)cap.total_bytes, strerror(errno));
+                goto fail_unlink;
+            }
+            /* reserve the memory now: a tmpfs that is too small is an error here,
+             * not a SIGBUS on first touch */
+            int rc = posix_fallocate(p->fd, 0, (off_t)cap.total_bytes);
+            if (rc != 0) {
+                kvd_seterr(err, errlen, KVD_ENOMEM,
+                           "pool %s: cannot reserve %llu bytes of shared memory: %s "
+                           "(the size of /dev/shm limits the pool)",
+                           norm, (unsigned long long)cap.total_bytes, strerror(rc));
+                goto fail_unlink;
+            }
+        }
+    }
+    p->base = map_segment(p->fd, p->size, PROT_READ | PROT_WRITE);
+    if (p->base == NULL) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "pool: cannot map %llu bytes: %s",
+                   (unsigned long long)p->size, strerror(errno));
+        goto fail_unlink;
+    }
+    struct pool_header *h = (struct pool_header *)p->base;
+    if (adopt) {
+        h->owner_pid = (int32_t)getpid();
+        h->generation++;
+        h->state = POOL_STATE_LIVE;
+    } else {
+        if (header_init(h, lay, cap.n_blocks) != 0) {
+            kvd_seterr(err, errlen, KVD_EIO, "pool: cannot read random bytes for the secret");
+            goto fail_unlink;
+        }
+        h->state = POOL_STATE_LIVE;
+        p->fresh = true;
+    }
+    advise_huge(p, h);
+    return p;
+
+fail_unlink:
+    if (pp->name)
+        shm_unlink(norm);
+    pool_free_struct(p);
+    return NULL;
+}
+
+pool_t *pool_attach(const char *name, const struct pool_layout *lay, char *err, size_t errlen)
+{
+    char norm[POOL_NAME_MAX + 2];
+    if (name == NULL) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "pool: an anonymous pool cannot be attached by name");
+        return NULL;
+    }
+    if (name_norm(name, norm, err, errlen) != 0)
+        return NULL;
+    pool_t *p = pool_alloc_struct(norm, err, errlen);
+    if (p == NULL)
+        return NULL;
+    p->fd = shm_open(norm, O_RDWR, 0);
+    if (p->fd < 0) {
+        kvd_seterr(err, errlen, errno == ENOENT ? KVD_ENOTFOUND : KVD_EIO, "pool %s: %s", norm,
+                   errno == ENOENT ? "no such pool (is its owner running?)" : strerror(errno));
+        goto fail;
+    }
+    struct stat st;
+    if (fstat(p->fd, &st) != 0 || (uint64_t)st.st_size < POOL_HEADER_BYTES) {
+        kvd_seterr(err, errlen, KVD_EFORMAT, "pool %s: too small to hold a header", norm);
+        goto fail;
+    }
+    struct pool_header *h = (struct pool_header *)map_segment(p->fd, POOL_HEADER_BYTES, PROT_READ);
+    if (h == NULL) {
+        kvd_seterr(err, errlen, KVD_EIO, "pool %s: cannot map its header", norm);
+        goto fail;
+    }
+    char why[256];
+    int rc = header_check(h, (uint64_t)st.st_size, lay, why, sizeof(why));
+    uint32_t state = h->state;
+    int pid = h->owner_pid;
+    uint64_t total = h->total_bytes;
+    munmap(h, POOL_HEADER_BYTES);
+    if (rc != 0) {
+        kvd_seterr(err, errlen, rc, "pool %s: %s", norm, why);
+        goto fail;
+    }
+    if (state != POOL_STATE_LIVE) {
+        kvd_seterr(err, errlen, KVD_ESTATE, "pool %s is not live (%s)", norm,
+                   state == POOL_STATE_CLOSED ? "closed by its owner" : "still being created");
+        goto fail;
+    }
+    /* a live pool whose owner's lock is free was left by a crashed owner */
+    if (flock(p->fd, LOCK_SH | LOCK_NB) == 0) {
+        flock(p->fd, LOCK_UN);
+        kvd_seterr(err, errlen, KVD_ESTATE, "pool %s is stale: its owner (pid %d) is gone", norm, pid);
+        goto fail;
+    }
+    p->size = total;
+    p->base = map_segment(p->fd, p->size, PROT_READ | PROT_WRITE);
+    if (p->base == NULL) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "pool %s: cannot map: %s", norm, strerror(errno));
+        goto fail;
+    }
+    h = (struct pool_header *)p->base;
+    /* workers never write metadata: make that a fault, not a corruption */
+    if (mprotect(p->base, h->data_off, PROT_READ) != 0) {
+        kvd_seterr(err, errlen, KVD_EIO, "pool %s: mprotect: %s", norm, strerror(errno));
+        goto fail;
+    }
+    advise_huge(p, h);
+    return p;
+fail:
+    pool_free_struct(p);
+    return NULL;
+}
+
+void pool_close(pool_t **pp)
+{
+    if (pp == NULL || *pp == NULL)
+        return;
+    pool_t *p = *pp;
+    if (p->owner && p->base) {
+        struct pool_header *h = (struct pool_header *)p->base;
+        h->state = POOL_STATE_CLOSED;
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    }
+    if (p->owner && p->unlink_on_close && p->name[0])
+        shm_unlink(p->name);
+    pool_free_struct(p); /* closing the descriptor drops the flock */
+    *pp = NULL;
+}
+
+int pool_unlink(const char *name)
+{
+    char norm[POOL_NAME_MAX + 2];
+    if (name == NULL || name_norm(name, norm, NULL, 0) != 0)
+        return KVD_EINVAL;
+    return shm_unlink(norm) == 0 ? 0 : KVD_ENOTFOUND;
+}
+
+bool pool_is_owner(const pool_t *p) { return p->owner; }
+bool pool_is_fresh(const pool_t *p) { return p->fresh; }
+struct pool_header *pool_header(const pool_t *p) { return (struct pool_header *)p->base; }
+const char *pool_name(const pool_t *p) { return p->name[0] ? p->name : NULL; }
+bool pool_huge_pages(const pool_t *p) { return p->huge; }
+
+struct pool_block *pool_records(const pool_t *p)
+{
+    return (struct pool_block *)(p->base + pool_header(p)->records_off);
+}
+
+int32_t *pool_tokens(const pool_t *p)
+{
+    return (int32_t *)(p->base + pool_header(p)->tokens_off);
+}
+
+uint32_t *pool_buckets(const pool_t *p)
+{
+    return (uint32_t *)(p->base + pool_header(p)->buckets_off);
+}
+
+void *pool_data(const pool_t *p)
+{
+    return p->base + pool_header(p)->data_off;
+}
+
+uint64_t pool_data_bytes(const pool_t *p)
+{
+    const struct pool_header *h = pool_header(p);
+    return (uint64_t)h->n_blocks * h->block_bytes;
+}
+
+void *pool_block_addr(const pool_t *p, uint32_t id)
+{
+    const struct pool_header *h = pool_header(p);
+    if (id >= h->n_blocks)
+        return NULL;
+    return p->base + h->data_off + (uint64_t)id * h->block_bytes;
+}
+
+void pool_layout_for_model(const struct model *m, uint32_t block_tokens, uint32_t dtype,
+                           struct pool_layout *lay)
+{
+    memset(lay, 0, sizeof(*lay));
+    model_fingerprint(m, lay->fingerprint);
+    lay->n_layer = m->cfg.n_layer;
+    lay->n_head_kv = m->cfg.n_head_kv;
+    lay->head_dim = m->cfg.head_dim;
+    lay->block_tokens = block_tokens;
+    lay->dtype = dtype;
+}

@@ -1,0 +1,698 @@
+/* prefix.c - block allocator and prefix index over a pool's shared records. */
+#include "prefix.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
+
+#include "err.h"
+
+struct prefix {
+    pool_t *pool;               /* borrowed; this process owns it */
+    struct pool_header *h;      /* the segment's header */
+    struct pool_cache_state *cs;/* shared counters and list heads */
+    struct pool_block *b;       /* n records */
+    int32_t *tok;               /* n x bt token ids */
+    uint32_t *bucket;           /* mask + 1 chain heads */
+    uint32_t n;                 /* blocks */
+    uint32_t bt;                /* tokens per block */
+    uint32_t mask;              /* buckets - 1 */
+    prefix_hash_fn hash;        /* key function */
+};
+
+static const prefix_key_t KEY_ZERO = { 0, 0 };
+
+/* ---- keys ----------------------------------------------------------------------------- */
+
+static prefix_key_t xxh_key(const uint8_t secret[POOL_SECRET_BYTES], prefix_key_t parent,
+                            prefix_ns_t ns, const uint8_t fingerprint[16],
+                            const int32_t *tokens, uint32_t n)
+{
+    XXH128_hash_t r;
+    uint8_t buf[48 + 256 * 4];
+    if (n <= 256) {
+        memcpy(buf, &parent, 16);
+        memcpy(buf + 16, &ns, 16);
+        memcpy(buf + 32, fingerprint, 16);
+        memcpy(buf + 48, tokens, (size_t)n * 4);
+        r = XXH3_128bits_withSecret(buf, 48 + (size_t)n * 4, secret, POOL_SECRET_BYTES);
+    } else {
+        XXH3_state_t st;
+        XXH3_128bits_reset_withSecret(&st, secret, POOL_SECRET_BYTES);
+        XXH3_128bits_update(&st, &parent, 16);
+        XXH3_128bits_update(&st, &ns, 16);
+        XXH3_128bits_update(&st, fingerprint, 16);
+        XXH3_128bits_update(&st, tokens, (size_t)n * 4);
+        r = XXH3_128bits_digest(&st);
+    }
+    prefix_key_t k = { r.low64, r.high64 };
+    return k;
+}
+
+static prefix_key_t key_of(const prefix_t *px, prefix_key_t parent, prefix_ns_t ns,
+                           const int32_t *tokens)
+{
+    return px->hash(px->h->secret, parent, ns, px->h->layout.fingerprint, tokens, px->bt);
+}
+
+static bool key_eq(const uint64_t a[2], prefix_key_t k)
+{
+    return a[0] == k.lo && a[1] == k.hi;
+}
+
+static prefix_key_t key_get(const struct pool_block *r)
+{
+    prefix_key_t k = { r->key[0], r->key[1] };
+    return k;
+}
+
+prefix_ns_t prefix_namespace(const prefix_t *px, const char *name, size_t len)
+{
+    XXH128_hash_t r = XXH3_128bits_withSecret(name, len, px->h->secret, POOL_SECRET_BYTES);
+    prefix_ns_t ns = { r.low64, r.high64 };
+    return ns;
+}
+
+/* ---- lists ------------------------------------------------------------------------------ */
+
+static void free_push(prefix_t *px, uint32_t id)
+{
+    struct pool_block *r = &px->b[id];
+    r->state = POOL_BLOCK_FREE;
+    r->flags = 0;
+    r->refs = 0;
+    r->parent = POOL_NONE;
+    r->n_children = 0;
+    r->prev = POOL_NONE;
+    r->hnext = POOL_NONE;
+    r->next = px->cs->free_head;
+    px->cs->free_head = id;
+    px->cs->n_free++;
+}
+
+static uint32_t free_pop(prefix_t *px)
+{
+    uint32_t id = px->cs->free_head;
+    px->cs->free_head = px->b[id].next;
+    px->b[id].next = POOL_NONE;
+    px->cs->n_free--;
+    return id;
+}
+
+static void lru_push_head(prefix_t *px, uint32_t id)
+{
+    struct pool_block *r = &px->b[id];
+    r->prev = POOL_NONE;
+    r->next = px->cs->lru_head;
+    if (r->next != POOL_NONE)
+        px->b[r->next].prev = id;
+    else
+        px->cs->lru_tail = id;
+    px->cs->lru_head = id;
+    r->last_use = ++px->cs->clock;
+    px->cs->n_cached++;
+}
+
+static void lru_remove(prefix_t *px, uint32_t id)
+{
+    struct pool_block *r = &px->b[id];
+    if (r->prev != POOL_NONE)
+        px->b[r->prev].next = r->next;
+    else
+        px->cs->lru_head = r->next;
+    if (r->next != POOL_NONE)
+        px->b[r->next].prev = r->prev;
+    else
+        px->cs->lru_tail = r->prev;
+    r->prev = r->next = POOL_NONE;
+    px->cs->n_cached--;
+}
+
+/* ---- the index ----------------------------------------------------------------------------- */
+
+static void index_insert(prefix_t *px, uint32_t id, prefix_key_t k, prefix_ns_t ns, uint32_t parent,
+                         const int32_t *tokens)
+{
+    struct pool_block *r = &px->b[id];
+    r->key[0] = k.lo;
+    r->key[1] = k.hi;
+    r->ns[0] = ns.lo;
+    r->ns[1] = ns.hi;
+    r->parent = parent;
+    memcpy(px->tok + (size_t)id * px->bt, tokens, (size_t)px->bt * 4);
+    uint32_t *head = &px->bucket[k.lo & px->mask];
+    r->hnext = *head;
+    *head = id;
+    r->flags |= POOL_BLOCK_INDEXED;
+    if (parent != POOL_NONE)
+        px->b[parent].n_children++;
+    px->cs->n_indexed++;
+}
+
+static void index_remove(prefix_t *px, uint32_t id)
+{
+    struct pool_block *r = &px->b[id];
+    uint32_t *link = &px->bucket[r->key[0] & px->mask];
+    while (*link != POOL_NONE && *link != id)
+        link = &px->b[*link].hnext;
+    if (*link == id)
+        *link = r->hnext;
+    r->hnext = POOL_NONE;
+    r->flags &= ~POOL_BLOCK_INDEXED;
+    if (r->parent != POOL_NONE && px->b[r->parent].n_children > 0)
+        px->b[r->parent].n_children--;
+    r->parent = POOL_NONE;
+    px->cs->n_indexed--;
+}
+
+/* The indexed block with key k whose namespace, parent and tokens all match,
+ * or POOL_NONE. Key matches with other contents count as collisions. */
+static uint32_t index_find(prefix_t *px, prefix_key_t k, prefix_ns_t ns, uint32_t parent,
+                           const int32_t *tokens)
+{
+    for (uint32_t id = px->bucket[k.lo & px->mask]; id != POOL_NONE; id = px->b[id].hnext) {
+        const struct pool_block *r = &px->b[id];
+        if (!key_eq(r->key, k))
+            continue;
+        if (r->ns[0] == ns.lo && r->ns[1] == ns.hi && r->parent == parent &&
+            memcmp(px->tok + (size_t)id * px->bt, tokens, (size_t)px->bt * 4) == 0)
+            return id;
+        px->cs->collisions++;
+    }
+    return POOL_NONE;
+}
+
+/* Walks the index along tokens: up to max_blocks leading committed blocks
+ * (ids written when ids != NULL). *pending: the pending block that continues
+ * them, if any. *last: key of the last block matched. */
+static uint32_t walk(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t n,
+                     uint32_t max_blocks, uint32_t *ids, uint32_t *pending, prefix_key_t *last)
+{
+    uint64_t full = n / px->bt;
+    if (max_blocks > full)
+        max_blocks = (uint32_t)full;
+    prefix_key_t key = KEY_ZERO;
+    uint32_t parent = POOL_NONE, i;
+    *pending = POOL_NONE;
+    for (i = 0; i < max_blocks; i++) {
+        const int32_t *t = tokens + (size_t)i * px->bt;
+        prefix_key_t k = key_of(px, key, ns, t);
+        uint32_t id = index_find(px, k, ns, parent, t);
+        if (id == POOL_NONE)
+            break;
+        if (px->b[id].state != POOL_BLOCK_COMMITTED) {
+            *pending = id;
+            break;
+        }
+        if (ids)
+            ids[i] = id;
+        key = k;
+        parent = id;
+    }
+    *last = key;
+    px->cs->lookups++;
+    px->cs->hit_blocks += i;
+    return i;
+}
+
+/* ---- allocation and release ----------------------------------------------------------- */
+
+/* The LRU block to evict: the tail, which the release order makes a leaf;
+ * should a block with indexed children ever be there, the next leaf toward
+ * the head is taken instead. */
+static uint32_t evict_pick(const prefix_t *px)
+{
+    for (uint32_t id = px->cs->lru_tail; id != POOL_NONE; id = px->b[id].prev)
+        if (px->b[id].n_children == 0)
+            return id;
+    return POOL_NONE;
+}
+
+static void evict_one(prefix_t *px, uint32_t id)
+{
+    lru_remove(px, id);
+    index_remove(px, id);
+    px->cs->evictions++;
+    free_push(px, id);
+}
+
+/* Takes one block (free first, then evicted); the caller checked there is one. */
+static uint32_t alloc_one(prefix_t *px)
+{
+    if (px->cs->free_head == POOL_NONE) {
+        uint32_t v = evict_pick(px);
+        if (v == POOL_NONE)
+            return POOL_NONE;
+        evict_one(px, v);
+    }
+    uint32_t id = free_pop(px);
+    struct pool_block *r = &px->b[id];
+    r->state = POOL_BLOCK_PENDING;
+    r->refs = 1;
+    r->flags = 0;
+    r->parent = POOL_NONE;
+    r->n_children = 0;
+    px->cs->n_pending++;
+    return id;
+}
+
+/* Takes a reference on a committed block (a cache hit). */
+static void ref_committed(prefix_t *px, uint32_t id)
+{
+    struct pool_block *r = &px->b[id];
+    if (r->refs == 0) {
+        lru_remove(px, id);
+        px->cs->n_used++;
+    }
+    r->refs++;
+}
+
+static void unref(prefix_t *px, uint32_t id)
+{
+    struct pool_block *r = &px->b[id];
+    if (r->refs == 0)
+        return; /* never negative; prefix_check reports the broken caller's state */
+    if (--r->refs > 0)
+        return;
+    if (r->state == POOL_BLOCK_COMMITTED) {
+        px->cs->n_used--;
+        if (r->flags & POOL_BLOCK_INDEXED) {
+            lru_push_head(px, id);
+            return;
+        }
+    } else {
+        px->cs->n_pending--;
+        if (r->flags & POOL_BLOCK_INDEXED)
+            index_remove(px, id);
+    }
+    free_push(px, id);
+}
+
+static int seq_reserve(struct prefix_seq *s, uint64_t need)
+{
+    if (need <= s->cap)
+        return 0;
+    if (need > UINT32_MAX)
+        return KVD_ERANGE;
+    uint64_t cap = s->cap ? s->cap : 16;
+    while (cap < need)
+        cap *= 2;
+    if (cap > UINT32_MAX)
+        cap = UINT32_MAX;
+    uint32_t *nb = realloc(s->blocks, cap * sizeof(uint32_t));
+    if (nb == NULL)
+        return KVD_ENOMEM;
+    s->blocks = nb;
+    s->cap = (uint32_t)cap;
+    return 0;
+}
+
+/* Indexes block i of s (full, tokens t) when its chain allows and no block of
+ * the same content is indexed; otherwise closes the chain. */
+static void seq_try_index(prefix_t *px, struct prefix_seq *s, uint32_t i, const int32_t *t)
+{
+    if (!s->chain_open || s->n_indexed != i)
+        return;
+    uint32_t parent = i ? s->blocks[i - 1] : POOL_NONE;
+    prefix_key_t k = key_of(px, i ? s->key : KEY_ZERO, s->ns, t);
+    if (index_find(px, k, s->ns, parent, t) != POOL_NONE) {
+        s->chain_open = false; /* a duplicate: it and its successors stay private */
+        return;
+    }
+    index_insert(px, s->blocks[i], k, s->ns, parent, t);
+    s->n_indexed = i + 1;
+    s->key = k;
+}
+
+/* ---- public API ----------------------------------------------------------------------- */
+
+static void reset_empty(prefix_t *px)
+{
+    struct pool_cache_state *cs = px->cs;
+    uint64_t clock = cs->clock, ev = cs->evictions;
+    memset(cs, 0, sizeof(*cs));
+    cs->clock = clock;
+    cs->evictions = ev;
+    cs->free_head = cs->lru_head = cs->lru_tail = POOL_NONE;
+    for (uint32_t i = 0; i <= px->mask; i++)
+        px->bucket[i] = POOL_NONE;
+    memset(px->b, 0, (size_t)px->n * sizeof(*px->b));
+    for (uint32_t i = px->n; i-- > 0;)
+        free_push(px, i); /* block 0 ends on top */
+}
+
+prefix_t *prefix_new(pool_t *p, char *note, size_t note_len, char *err, size_t errlen)
+{
+    if (note && note_len)
+        note[0] = 0;
+    if (!pool_is_owner(p)) {
+        kvd_seterr(err, errlen, KVD_ESTATE, "prefix: only the pool's owner may run its allocator");
+        return NULL;
+    }
+    prefix_t *px = calloc(1, sizeof(*px));
+    if (px == NULL) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "prefix: out of memory");
+        return NULL;
+    }
+    px->pool = p;
+    px->h = pool_header(p);
+    px->cs = &px->h->cache;
+    px->b = pool_records(p);
+    px->tok = pool_tokens(p);
+    px->bucket = pool_buckets(p);
+    px->n = px->h->n_blocks;
+    px->bt = px->h->layout.block_tokens;
+    px->mask = px->h->n_buckets - 1;
+    px->hash = xxh_key;
+    if (pool_is_fresh(p)) {
+        reset_empty(px);
+        return px;
+    }
+    /* adopted: the records come from shared memory and are checked first */
+    char why[256];
+    if (prefix_check(px, why, sizeof(why)) != 0) {
+        if (note && note_len)
+            snprintf(note, note_len, "cache records were inconsistent (%s); cache reset", why);
+        reset_empty(px);
+    } else if (px->cs->n_used || px->cs->n_pending) {
+        if (note && note_len)
+            snprintf(note, note_len,
+                     "the previous owner left %u blocks in use and %u pending; cache reset",
+                     px->cs->n_used, px->cs->n_pending);
+        reset_empty(px);
+    }
+    return px;
+}
+
+void prefix_destroy(prefix_t **pxp)
+{
+    if (pxp == NULL || *pxp == NULL)
+        return;
+    free(*pxp);
+    *pxp = NULL;
+}
+
+int prefix_set_hash(prefix_t *px, prefix_hash_fn fn)
+{
+    if (px->cs->n_indexed != 0)
+        return KVD_ESTATE;
+    px->hash = fn ? fn : xxh_key;
+    return 0;
+}
+
+uint32_t prefix_block_tokens(const prefix_t *px)
+{
+    return px->bt;
+}
+
+void prefix_lookup(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t n,
+                   uint32_t max_blocks, uint32_t *ids, struct prefix_match *m)
+{
+    prefix_key_t last;
+    m->n_blocks = walk(px, ns, tokens, n, max_blocks, ids, &m->pending, &last);
+}
+
+int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,
+                         const int32_t *tokens, uint64_t n, uint32_t *wait_block)
+{
+    if (wait_block)
+        *wait_block = POOL_NONE;
+    if (s->n_blocks != 0)
+        return KVD_ESTATE;
+    s->ns = ns;
+    s->n_cached = s->n_committed = s->n_indexed = 0;
+    s->chain_open = true;
+    s->key = KEY_ZERO;
+    uint64_t max = n ? (n - 1) / px->bt : 0;
+    if (max > px->n)
+        max = px->n;
+    int rc = seq_reserve(s, max ? max : 1);
+    if (rc)
+        return rc;
+    uint32_t pending;
+    uint32_t m = walk(px, ns, tokens, n, (uint32_t)max, s->blocks, &pending, &s->key);
+    for (uint32_t i = 0; i < m; i++)
+        ref_committed(px, s->blocks[i]);
+    s->n_blocks = s->n_cached = s->n_committed = s->n_indexed = m;
+    if (wait_block)
+        *wait_block = pending;
+    return (int64_t)m * px->bt;
+}
+
+int prefix_seq_grow(prefix_t *px, struct prefix_seq *s, uint64_t n_pos, const int32_t *tokens,
+                    uint64_t n_known)
+{
+    uint64_t need = (n_pos + px->bt - 1) / px->bt;
+    if (need <= s->n_blocks)
+        return 0;
+    uint64_t k = need - s->n_blocks;
+    if (k > (uint64_t)px->cs->n_free + px->cs->n_cached)
+        return KVD_ENOSPACE;
+    int rc = seq_reserve(s, need);
+    if (rc)
+        return rc;
+    while (s->n_blocks < need) {
+        uint32_t i = s->n_blocks;
+        uint32_t id = alloc_one(px);
+        if (id == POOL_NONE)
+            return KVD_ENOSPACE; /* unreachable: counted above */
+        s->blocks[s->n_blocks++] = id;
+        if ((uint64_t)(i + 1) * px->bt <= n_known)
+            seq_try_index(px, s, i, tokens + (size_t)i * px->bt);
+    }
+    return 0;
+}
+
+int prefix_seq_commit(prefix_t *px, struct prefix_seq *s, const int32_t *tokens,
+                      uint64_t n_written)
+{
+    if (n_written > (uint64_t)s->n_blocks * px->bt)
+        return KVD_ERANGE;
+    uint32_t full = (uint32_t)(n_written / px->bt);
+    int rc = 0;
+    for (uint32_t i = s->n_committed; i < full; i++) {
+        uint32_t id = s->blocks[i];
+        struct pool_block *r = &px->b[id];
+        const int32_t *t = tokens + (size_t)i * px->bt;
+        if (r->flags & POOL_BLOCK_INDEXED) {
+            if (memcmp(px->tok + (size_t)id * px->bt, t, (size_t)px->bt * 4) != 0) {
+                /* the tokens promised at grow time were not the ones written:
+                 * unindex this block and the pending ones after it, last first */
+                for (uint32_t j = s->n_indexed; j-- > i;)
+                    index_remove(px, s->blocks[j]);
+                s->n_indexed = i;
+                s->chain_open = false;
+                rc = KVD_EINVAL;
+            }
+        } else {
+            seq_try_index(px, s, i, t);
+        }
+        if (r->state == POOL_BLOCK_PENDING) {
+            r->state = POOL_BLOCK_COMMITTED;
+            px->cs->n_pending--;
+            px->cs->n_used++;
+        }
+        s->n_committed = i + 1;
+    }
+    return rc;
+}
+
+void prefix_seq_release(prefix_t *px, struct prefix_seq *s)
+{
+    while (s->n_blocks > 0)
+        unref(px, s->blocks[--s->n_blocks]);
+    s->n_cached = s->n_committed = s->n_indexed = 0;
+    s->chain_open = true;
+    s->key = KEY_ZERO;
+}
+
+void prefix_seq_fini(struct prefix_seq *s)
+{
+    free(s->blocks);
+    memset(s, 0, sizeof(*s));
+}
+
+uint32_t prefix_evict(prefix_t *px, uint32_t n)
+{
+    uint32_t done = 0;
+    while (done < n) {
+        uint32_t v = evict_pick(px);
+        if (v == POOL_NONE)
+            break;
+        evict_one(px, v);
+        done++;
+    }
+    return done;
+}
+
+void prefix_stats(const prefix_t *px, struct prefix_stats *st)
+{
+    const struct pool_cache_state *cs = px->cs;
+    st->n_blocks = px->n;
+    st->n_free = cs->n_free;
+    st->n_cached = cs->n_cached;
+    st->n_used = cs->n_used;
+    st->n_pending = cs->n_pending;
+    st->n_indexed = cs->n_indexed;
+    st->block_bytes = px->h->block_bytes;
+    st->evictions = cs->evictions;
+    st->lookups = cs->lookups;
+    st->hit_blocks = cs->hit_blocks;
+    st->collisions = cs->collisions;
+}
+
+int prefix_block_info(const prefix_t *px, uint32_t id, struct prefix_block_info *bi)
+{
+    if (id >= px->n)
+        return KVD_ERANGE;
+    const struct pool_block *r = &px->b[id];
+    bi->state = r->state;
+    bi->refs = r->refs;
+    bi->indexed = (r->flags & POOL_BLOCK_INDEXED) != 0;
+    bi->on_lru = r->state == POOL_BLOCK_COMMITTED && r->refs == 0 && bi->indexed;
+    bi->parent = bi->indexed ? r->parent : POOL_NONE;
+    bi->n_children = r->n_children;
+    bi->tokens = px->tok + (size_t)id * px->bt;
+    return 0;
+}
+
+uint32_t prefix_lru(const prefix_t *px, uint32_t *ids, uint32_t cap)
+{
+    uint32_t len = 0;
+    for (uint32_t id = px->cs->lru_head; id != POOL_NONE && len <= px->n; id = px->b[id].next) {
+        if (len < cap)
+            ids[len] = id;
+        len++;
+    }
+    return len;
+}
+
+/* ---- the invariant checker -------------------------------------------------------------- */
+
+#define FAIL(...) do { kvd_seterr(err, errlen, KVD_EFORMAT, __VA_ARGS__); goto out; } while (0)
+
+int prefix_check(const prefix_t *px, char *err, size_t errlen)
+{
+    const struct pool_cache_state *cs = px->cs;
+    const struct pool_block *b = px->b;
+    const uint32_t n = px->n;
+    int rc = KVD_EFORMAT;
+    /* per-block scratch: 0 = unseen; list marks and LRU positions */
+    uint32_t *mark = calloc(n, sizeof(uint32_t));
+    uint32_t *kids = calloc(n, sizeof(uint32_t));
+    if (mark == NULL || kids == NULL) {
+        rc = kvd_seterr(err, errlen, KVD_ENOMEM, "prefix_check: out of memory");
+        goto out;
+    }
+    uint32_t c_free = 0, c_used = 0, c_pend = 0, c_cached = 0, c_idx = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const struct pool_block *r = &b[i];
+        bool idx = r->flags & POOL_BLOCK_INDEXED;
+        if (r->flags & ~POOL_BLOCK_INDEXED)
+            FAIL("block %u: unknown flags %#x", i, r->flags);
+        switch (r->state) {
+        case POOL_BLOCK_FREE:
+            if (r->refs || idx)
+                FAIL("block %u is free but has %u refs%s", i, r->refs, idx ? " and is indexed" : "");
+            c_free++;
+            break;
+        case POOL_BLOCK_PENDING:
+            if (r->refs == 0)
+                FAIL("block %u is pending with no holder", i);
+            c_pend++;
+            break;
+        case POOL_BLOCK_COMMITTED:
+            if (r->refs == 0 && !idx)
+                FAIL("block %u is committed, unreferenced and not indexed (lost)", i);
+            if (r->refs)
+                c_used++;
+            else
+                c_cached++;
+            break;
+        default:
+            FAIL("block %u: bad state %u", i, r->state);
+        }
+        if (idx) {
+            c_idx++;
+            if (r->parent != POOL_NONE) {
+                if (r->parent >= n || !(b[r->parent].flags & POOL_BLOCK_INDEXED))
+                    FAIL("indexed block %u has a parent %u that is not indexed", i, r->parent);
+                if (r->parent == i)
+                    FAIL("block %u is its own parent", i);
+                kids[r->parent]++;
+                if (r->refs && b[r->parent].refs == 0)
+                    FAIL("block %u is held but its parent %u is not", i, r->parent);
+            }
+            prefix_key_t pk = r->parent == POOL_NONE ? KEY_ZERO : key_get(&b[r->parent]);
+            prefix_ns_t ns = { r->ns[0], r->ns[1] };
+            if (!key_eq(r->key, key_of(px, pk, ns, px->tok + (size_t)i * px->bt)))
+                FAIL("block %u: its key does not match its parent, namespace and tokens", i);
+        }
+    }
+    for (uint32_t i = 0; i < n; i++)
+        if (kids[i] != b[i].n_children)
+            FAIL("block %u counts %u children; %u indexed blocks name it", i, b[i].n_children, kids[i]);
+    if (c_free != cs->n_free || c_used != cs->n_used || c_pend != cs->n_pending ||
+        c_cached != cs->n_cached || c_idx != cs->n_indexed)
+        FAIL("counters (free %u, used %u, pending %u, cached %u, indexed %u) disagree with the "
+             "records (%u, %u, %u, %u, %u)", cs->n_free, cs->n_used, cs->n_pending, cs->n_cached,
+             cs->n_indexed, c_free, c_used, c_pend, c_cached, c_idx);
+    /* free list */
+    uint32_t len = 0;
+    for (uint32_t id = cs->free_head; id != POOL_NONE; id = b[id].next) {
+        if (id >= n || b[id].state != POOL_BLOCK_FREE || mark[id])
+            FAIL("free list reaches block %u, which is not free or is listed twice", id);
+        mark[id] = 1;
+        len++;
+    }
+    if (len != c_free)
+        FAIL("free list holds %u blocks; %u are free", len, c_free);
+    /* LRU list: positions from 1 at the head */
+    len = 0;
+    uint32_t prev = POOL_NONE;
+    uint64_t last_use = UINT64_MAX;
+    for (uint32_t id = cs->lru_head; id != POOL_NONE; id = b[id].next) {
+        if (id >= n || mark[id])
+            FAIL("LRU list reaches block %u twice or out of range", id);
+        const struct pool_block *r = &b[id];
+        if (r->state != POOL_BLOCK_COMMITTED || r->refs || !(r->flags & POOL_BLOCK_INDEXED))
+            FAIL("LRU list holds block %u, which is not cached", id);
+        if (r->prev != prev)
+            FAIL("LRU block %u links back to %u, not %u", id, r->prev, prev);
+        if (r->last_use > last_use)
+            FAIL("LRU block %u is more recent than the block before it", id);
+        last_use = r->last_use;
+        mark[id] = 2 + len++;
+        prev = id;
+    }
+    if (prev != cs->lru_tail)
+        FAIL("LRU tail is %u; the list ends at %u", cs->lru_tail, prev);
+    if (len != c_cached)
+        FAIL("LRU list holds %u blocks; %u are cached", len, c_cached);
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t pa = b[i].parent;
+        if (mark[i] >= 2 && (b[i].flags & POOL_BLOCK_INDEXED) && pa != POOL_NONE && mark[pa] >= 2 &&
+            mark[pa] > mark[i])
+            FAIL("cached block %u is more recent than its cached parent %u", i, pa);
+    }
+    /* index chains */
+    len = 0;
+    for (uint32_t k = 0; k <= px->mask; k++) {
+        for (uint32_t id = px->bucket[k]; id != POOL_NONE; id = b[id].hnext) {
+            if (id >= n || !(b[id].flags & POOL_BLOCK_INDEXED) || (b[id].key[0] & px->mask) != k)
+                FAIL("bucket %u reaches block %u, which does not belong there", k, id);
+            if (++len > c_idx)
+                FAIL("index chains hold more blocks than are indexed (a cycle?)");
+        }
+    }
+    if (len != c_idx)
+        FAIL("index chains hold %u blocks; %u are indexed", len, c_idx);
+    rc = 0;
+out:
+    free(mark);
+    free(kids);
+    return rc;
+}

@@ -1,0 +1,201 @@
+/*
+ * prefix.h - the block allocator and the prefix index of a KV pool.
+ *
+ * Driven by the pool's owner only (the coordinator; kvd-run in one process):
+ * nothing here locks, and nothing else writes the records it keeps in the
+ * shared segment (shm/pool.h).
+ *
+ * Blocks. A block is FREE, PENDING (allocated; its K/V not yet all written) or
+ * COMMITTED (full and written). Blocks carry reference counts: one per
+ * sequence holding them. An unreferenced committed block that is in the index
+ * stays cached on an LRU list; allocation takes free blocks first, then evicts
+ * from the LRU tail. Releases push a sequence's blocks last-first, so along
+ * every chain a parent is more recent than its children and eviction takes
+ * leaves before their parents; the allocator also refuses to evict a block
+ * with indexed children (n_children), which the LRU order makes never happen.
+ *
+ * Keys. Block i of a sequence has key(i) = H(secret, key(i-1), namespace,
+ * model fingerprint, tokens of block i), a keyed 128-bit XXH3 over the pool's
+ * random secret. A key only finds candidates: a hit also needs the same
+ * namespace, the same parent block (itself verified) and the same token ids,
+ * so a hash collision costs a miss or a longer chain walk, never wrong K/V.
+ *
+ * Index. A block enters the index when its tokens are known and it is full:
+ * prompt blocks when they are allocated (PENDING: lookups report them so that a
+ * second request for the same prefix can wait instead of computing it twice),
+ * generated blocks when they are committed. Only the first block of a given
+ * content is indexed; a duplicate (computed concurrently, or recomputed because
+ * a whole prompt was cached) stays private and so do its successors. A pending
+ * block that is released before it is written leaves the index and is freed.
+ * Partial last blocks are never indexed or shared.
+ *
+ * Sequences. The coordinator keeps one struct prefix_seq per running sequence
+ * (its own memory) with the block table it hands to a worker:
+ *
+ *     prefix_seq_begin   take the longest committed cached prefix
+ *     prefix_seq_grow    allocate blocks for more positions (all or nothing)
+ *     prefix_seq_commit  K/V of the first n positions are written
+ *     prefix_seq_release drop every block (cancel, finish, preemption)
+ */
+#ifndef KVD_PREFIX_H
+#define KVD_PREFIX_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pool.h"
+
+typedef struct { uint64_t lo, hi; } prefix_key_t;   /* a 128-bit chained key */
+typedef struct { uint64_t lo, hi; } prefix_ns_t;    /* a namespace digest */
+
+/* The key function: key of a block from its parent's key (zero for the first
+ * block), namespace, fingerprint and tokens, keyed by the pool's secret. */
+typedef prefix_key_t (*prefix_hash_fn)(const uint8_t secret[POOL_SECRET_BYTES],
+                                       prefix_key_t parent, prefix_ns_t ns,
+                                       const uint8_t fingerprint[16],
+                                       const int32_t *tokens, uint32_t n);
+
+/* A running sequence, owned by the caller; zero it, then prefix_seq_begin. */
+struct prefix_seq {
+    prefix_ns_t ns;         /* cache namespace (tenant) */
+    uint32_t *blocks;       /* block table: logical -> physical id (heap, grows) */
+    uint32_t n_blocks;      /* entries held */
+    uint32_t cap;           /* allocated entries of blocks */
+    uint32_t n_cached;      /* leading blocks taken from the cache by begin */
+    uint32_t n_committed;   /* leading blocks committed (cached ones included) */
+    uint32_t n_indexed;     /* leading blocks of this sequence that are in the index */
+    bool chain_open;        /* later blocks may still be indexed (no duplicate met) */
+    prefix_key_t key;       /* key of block n_indexed - 1 */
+};
+
+/* What a lookup found. */
+struct prefix_match {
+    uint32_t n_blocks;      /* leading committed blocks that match */
+    uint32_t pending;       /* the pending block that would continue them, or POOL_NONE */
+};
+
+struct prefix_stats {
+    uint32_t n_blocks;      /* blocks in the pool */
+    uint32_t n_free;        /* never used or reclaimed */
+    uint32_t n_cached;      /* committed, unreferenced, kept for reuse */
+    uint32_t n_used;        /* committed and referenced */
+    uint32_t n_pending;     /* allocated, K/V not all written */
+    uint32_t n_indexed;     /* findable by lookups */
+    uint64_t block_bytes;   /* KV bytes per block */
+    uint64_t evictions;     /* cached blocks reclaimed */
+    uint64_t lookups;       /* prefix lookups */
+    uint64_t hit_blocks;    /* blocks found by lookups */
+    uint64_t collisions;    /* key matches whose contents differed */
+};
+
+/* One block as the allocator sees it (for tests and tools). */
+struct prefix_block_info {
+    uint32_t state;         /* enum pool_block_state */
+    uint32_t refs;          /* holders */
+    bool indexed;           /* in the index */
+    bool on_lru;            /* cached on the LRU list */
+    uint32_t parent;        /* parent block when indexed, else POOL_NONE */
+    uint32_t n_children;    /* indexed children */
+    const int32_t *tokens;  /* block_tokens ids (meaningful when indexed) */
+};
+
+typedef struct prefix prefix_t;
+
+/*
+ * Takes charge of the owner's pool p (borrowed; it must outlive the cache).
+ * A freshly created pool is set up empty. An adopted pool's records are
+ * checked first (they came from shared memory): if anything is inconsistent
+ * the cache is reset to empty and *note says why. Blocks still referenced or
+ * pending from a previous owner are released (pending ones freed). NULL with a
+ * reason when p is not owned by this process.
+ */
+prefix_t *prefix_new(pool_t *p, char *note, size_t note_len, char *err, size_t errlen);
+
+/* Frees the private state; the shared records stay as they are (callers
+ * release their sequences first). Accepts NULL and sets *px to NULL. */
+void prefix_destroy(prefix_t **px);
+
+/* Replaces the key function (tests force collisions with a weak one); NULL
+ * restores XXH3. Only valid while the index is empty: KVD_ESTATE otherwise. */
+int prefix_set_hash(prefix_t *px, prefix_hash_fn fn);
+
+/* The digest of a namespace name (any bytes; "" is the default namespace). */
+prefix_ns_t prefix_namespace(const prefix_t *px, const char *name, size_t len);
+
+uint32_t prefix_block_tokens(const prefix_t *px);
+
+/*
+ * Looks up the longest cached prefix of tokens[0..n) in namespace ns, at most
+ * max_blocks full blocks. Writes the matching committed block ids to ids (room
+ * for max_blocks) and fills *m. References nothing: the ids are only good
+ * until the next allocator call. Counts a lookup in the statistics.
+ */
+void prefix_lookup(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t n,
+                   uint32_t max_blocks, uint32_t *ids, struct prefix_match *m);
+
+/*
+ * Starts sequence s (zeroed, or released) in namespace ns with prompt
+ * tokens[0..n): references the longest committed cached prefix, leaving at
+ * least one token to compute (so at most (n - 1) / block_tokens blocks).
+ * Returns the number of cached tokens (a multiple of block_tokens) or a
+ * negative KVD_E* code (KVD_ENOMEM). When the block after the cached prefix is
+ * pending in the index and wait_block is given, *wait_block receives its id
+ * (else POOL_NONE): the caller may release s and begin again once that block
+ * is committed or gone, instead of computing the same tokens twice.
+ */
+int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,
+                         const int32_t *tokens, uint64_t n, uint32_t *wait_block);
+
+/*
+ * Makes s hold blocks for n_pos positions, all or nothing: KVD_ENOSPACE (and
+ * no change) when free plus evictable blocks are too few. tokens[0..n_known)
+ * are the sequence's known token ids (at least its prompt); each new block
+ * that they fill is indexed as PENDING when the chain before it is indexed and
+ * no block of the same content is.
+ */
+int prefix_seq_grow(prefix_t *px, struct prefix_seq *s, uint64_t n_pos,
+                    const int32_t *tokens, uint64_t n_known);
+
+/*
+ * Records that the K/V of positions [0, n_written) of s are written, with
+ * tokens[0..n_written) the sequence's ids there. Every full block inside that
+ * range becomes COMMITTED; those not yet indexed are indexed (generated
+ * tokens) under the same rules as grow. KVD_ERANGE when n_written exceeds the
+ * blocks held; KVD_EINVAL when a block that was indexed while pending holds
+ * other tokens than tokens[] says (the caller broke its promise; the block
+ * leaves the index).
+ */
+int prefix_seq_commit(prefix_t *px, struct prefix_seq *s, const int32_t *tokens,
+                      uint64_t n_written);
+
+/* Drops every block of s, last first: committed indexed blocks that nobody
+ * else holds go to the LRU head, others are freed (pending indexed ones leave
+ * the index). s is left empty and may begin again; its table is kept. */
+void prefix_seq_release(prefix_t *px, struct prefix_seq *s);
+
+/* Frees s's block table (after release). */
+void prefix_seq_fini(struct prefix_seq *s);
+
+/* Evicts up to n cached blocks from the LRU tail (leaves first); returns how
+ * many were freed. */
+uint32_t prefix_evict(prefix_t *px, uint32_t n);
+
+void prefix_stats(const prefix_t *px, struct prefix_stats *st);
+
+/* One block's state; KVD_ERANGE for an id out of range. */
+int prefix_block_info(const prefix_t *px, uint32_t id, struct prefix_block_info *bi);
+
+/* Writes up to cap ids of the LRU list from head (most recent) to tail;
+ * returns the list's length. */
+uint32_t prefix_lru(const prefix_t *px, uint32_t *ids, uint32_t cap);
+
+/*
+ * Checks every invariant of the shared records: counts, list links, states,
+ * reference counts, index chains and keys, children counts, and the LRU order
+ * (no cached block older than one of its cached children). 0, or KVD_EFORMAT
+ * with the first violation in err.
+ */
+int prefix_check(const prefix_t *px, char *err, size_t errlen);
+
+#endif
