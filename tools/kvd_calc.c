@@ -1,0 +1,221 @@
+/*
+ * kvd_calc.c - kvd-calc: how much KV memory a model needs, and what a budget holds.
+ *
+ *     KV bytes = 2 (K and V) x layers x KV heads x head dim x tokens x batch x bytes/element
+ *
+ * The shape comes from a GGUF file (-m) or from the command line (--layers,
+ * --kv-heads, --head-dim). With --kv-memory it also prints what a pool of that
+ * size holds, exactly as kvd and kvd-run would lay it out (blocks plus their
+ * metadata). Errors end with one line on stderr and exit status 1.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "err.h"
+#include "gguf.h"
+#include "pool.h"
+#include "types.h"
+#include "units.h"
+
+static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+
+static void die(const char *fmt, ...)
+{
+    va_list ap;
+    fputs("kvd-calc: ", stderr);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    exit(1);
+}
+
+static void usage(FILE *f)
+{
+    fputs("usage: kvd-calc -m MODEL [--ctx N] [--batch B] [--kv-type f16|f32] [--kv-memory SIZE]\n"
+          "       kvd-calc --layers L --kv-heads H --head-dim D [same options]\n"
+          "\n"
+          "  -m, --model FILE       GGUF model of the llama family to read the shape from\n"
+          "      --layers L         transformer layers      (instead of -m)\n"
+          "      --kv-heads H       key/value heads          (instead of -m)\n"
+          "      --head-dim D       dimensions per head      (instead of -m)\n"
+          "  -c, --ctx N            tokens per sequence (default: the model's context, or 4096)\n"
+          "  -b, --batch B          sequences (default 1)\n"
+          "      --kv-type T        f16 (default) or f32\n"
+          "      --block-tokens N   tokens per KV block (default 16)\n"
+          "      --kv-memory SIZE   also show what a pool of SIZE (\"2GiB\") holds\n"
+          "      --json             one JSON object\n",
+          f);
+}
+
+static long parse_long(const char *s, const char *what, long lo, long hi)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end != '\0' || v < lo || v > hi)
+        die("%s must be an integer in [%ld, %ld], got '%s'", what, lo, hi, s);
+    return v;
+}
+
+/* Reads layers, KV heads and head dim from a GGUF's metadata. */
+static void shape_from_gguf(const char *path, struct pool_layout *lay, uint32_t *ctx_train)
+{
+    char err[512], key[128];
+    gguf_ctx_t *g = gguf_open(path, err, sizeof(err));
+    if (g == NULL)
+        die("%s", err);
+    struct gguf_str arch;
+    if (gguf_get_str(g, "general.architecture", &arch) != 0 || arch.len == 0 || arch.len > 64)
+        die("%s: no general.architecture", path);
+    char a[80];
+    snprintf(a, sizeof(a), "%.*s", (int)arch.len, arch.ptr);
+    uint32_t n_embd = 0, n_head = 0, key_len = 0;
+    snprintf(key, sizeof(key), "%s.block_count", a);
+    if (gguf_get_u32(g, key, &lay->n_layer) != 0)
+        die("%s: no %s", path, key);
+    snprintf(key, sizeof(key), "%s.embedding_length", a);
+    gguf_get_u32(g, key, &n_embd);
+    snprintf(key, sizeof(key), "%s.attention.head_count", a);
+    if (gguf_get_u32(g, key, &n_head) != 0 || n_head == 0)
+        die("%s: no %s", path, key);
+    snprintf(key, sizeof(key), "%s.attention.head_count_kv", a);
+    if (gguf_get_u32(g, key, &lay->n_head_kv) != 0)
+        lay->n_head_kv = n_head;
+    snprintf(key, sizeof(key), "%s.attention.key_length", a);
+    if (gguf_get_u32(g, key, &key_len) == 0 && key_len)
+        lay->head_dim = key_len;
+    else if (n_embd % n_head == 0)
+        lay->head_dim = n_embd / n_head;
+    else
+        die("%s: embedding length %u is not a multiple of %u heads", path, n_embd, n_head);
+    snprintf(key, sizeof(key), "%s.context_length", a);
+    if (gguf_get_u32(g, key, ctx_train) != 0)
+        *ctx_train = 0;
+    gguf_close(&g);
+}
+
+int main(int argc, char **argv)
+{
+    enum { OPT_LAYERS = 256, OPT_HEADS, OPT_DIM, OPT_TYPE, OPT_BLOCK, OPT_MEM, OPT_JSON };
+    static const struct option longs[] = {
+        { "model", required_argument, NULL, 'm' },
+        { "ctx", required_argument, NULL, 'c' },
+        { "batch", required_argument, NULL, 'b' },
+        { "help", no_argument, NULL, 'h' },
+        { "layers", required_argument, NULL, OPT_LAYERS },
+        { "kv-heads", required_argument, NULL, OPT_HEADS },
+        { "head-dim", required_argument, NULL, OPT_DIM },
+        { "kv-type", required_argument, NULL, OPT_TYPE },
+        { "block-tokens", required_argument, NULL, OPT_BLOCK },
+        { "kv-memory", required_argument, NULL, OPT_MEM },
+        { "json", no_argument, NULL, OPT_JSON },
+        { NULL, 0, NULL, 0 },
+    };
+    const char *model = NULL;
+    struct pool_layout lay = { .block_tokens = 16, .dtype = KERN_F16 };
+    long ctx = 0, batch = 1;
+    uint64_t kv_bytes = 0;
+    bool json = false, have_mem = false;
+    opterr = 0;
+    int c;
+    while ((c = getopt_long(argc, argv, ":m:c:b:h", longs, NULL)) != -1) {
+        switch (c) {
+        case 'm': model = optarg; break;
+        case 'c': ctx = parse_long(optarg, "--ctx", 1, 1L << 30); break;
+        case 'b': batch = parse_long(optarg, "--batch", 1, 1L << 20); break;
+        case 'h': usage(stdout); return 0;
+        case OPT_LAYERS: lay.n_layer = (uint32_t)parse_long(optarg, "--layers", 1, 1024); break;
+        case OPT_HEADS: lay.n_head_kv = (uint32_t)parse_long(optarg, "--kv-heads", 1, 1024); break;
+        case OPT_DIM: lay.head_dim = (uint32_t)parse_long(optarg, "--head-dim", 1, 4096); break;
+        case OPT_BLOCK: lay.block_tokens = (uint32_t)parse_long(optarg, "--block-tokens", 1, 4096); break;
+        case OPT_TYPE:
+            if (strcmp(optarg, "f16") == 0)
+                lay.dtype = KERN_F16;
+            else if (strcmp(optarg, "f32") == 0)
+                lay.dtype = KERN_F32;
+            else
+                die("--kv-type must be f16 or f32, got '%s'", optarg);
+            break;
+        case OPT_MEM:
+            if (kvd_parse_size(optarg, &kv_bytes) != 0)
+                die("--kv-memory must be a size such as 512MiB or 2G, got '%s'", optarg);
+            have_mem = true;
+            break;
+        case OPT_JSON: json = true; break;
+        case ':': die("option %s needs a value", argv[optind - 1]);
+        default: die("unknown option %s (see --help)", argv[optind - 1]);
+        }
+    }
+    if (optind < argc)
+        die("unexpected argument '%s' (see --help)", argv[optind]);
+    uint32_t ctx_train = 0;
+    if (model != NULL) {
+        if (lay.n_layer || lay.n_head_kv || lay.head_dim)
+            die("-m and --layers/--kv-heads/--head-dim exclude each other");
+        shape_from_gguf(model, &lay, &ctx_train);
+    } else if (!lay.n_layer || !lay.n_head_kv || !lay.head_dim) {
+        die("give -m MODEL, or all of --layers, --kv-heads and --head-dim (see --help)");
+    }
+    if (ctx == 0)
+        ctx = ctx_train ? ctx_train : 4096;
+
+    const uint64_t per_elem = lay.dtype == KERN_F32 ? 4 : 2;
+    const uint64_t per_token = 2ull * lay.n_layer * lay.n_head_kv * lay.head_dim * per_elem;
+    const uint64_t tokens = (uint64_t)ctx * (uint64_t)batch;
+    const uint64_t bytes = per_token * tokens;
+    const uint64_t blocks_per_seq = ((uint64_t)ctx + lay.block_tokens - 1) / lay.block_tokens;
+    /* paged: whole blocks per sequence; the last one partly empty */
+    const uint64_t paged = blocks_per_seq * (uint64_t)batch * lay.block_tokens * per_token;
+
+    struct pool_capacity cap;
+    char line[512] = "", err[512];
+    if (have_mem) {
+        struct pool_params pp = pool_default_params();
+        pp.kv_bytes = kv_bytes;
+        if (pool_plan(&lay, &pp, &cap, err, sizeof(err)) != 0)
+            die("%s", err);
+        pool_describe(&lay, &cap, (uint32_t)ctx, line, sizeof(line));
+    }
+    if (json) {
+        printf("{\"layers\":%u,\"kv_heads\":%u,\"head_dim\":%u,\"bytes_per_element\":%llu,"
+               "\"bytes_per_token\":%llu,\"ctx\":%ld,\"batch\":%ld,\"tokens\":%llu,\"bytes\":%llu,"
+               "\"block_tokens\":%u,\"blocks\":%llu,\"paged_bytes\":%llu",
+               lay.n_layer, lay.n_head_kv, lay.head_dim, (unsigned long long)per_elem,
+               (unsigned long long)per_token, ctx, batch, (unsigned long long)tokens,
+               (unsigned long long)bytes, lay.block_tokens,
+               (unsigned long long)(blocks_per_seq * (uint64_t)batch), (unsigned long long)paged);
+        if (have_mem)
+            printf(",\"pool\":{\"budget\":%llu,\"total_bytes\":%llu,\"blocks\":%u,\"tokens\":%llu,"
+                   "\"sequences\":%llu}",
+                   (unsigned long long)kv_bytes, (unsigned long long)cap.total_bytes, cap.n_blocks,
+                   (unsigned long long)cap.n_tokens,
+                   (unsigned long long)(cap.n_blocks / blocks_per_seq));
+        printf("}\n");
+        return 0;
+    }
+    char b1[32], b2[32];
+    printf("shape:           %u layers, %u KV heads, head dim %u, %s\n", lay.n_layer, lay.n_head_kv,
+           lay.head_dim, lay.dtype == KERN_F32 ? "f32" : "f16");
+    printf("per token:       2 x %u x %u x %u x %llu B = %llu bytes (%s)\n", lay.n_layer,
+           lay.n_head_kv, lay.head_dim, (unsigned long long)per_elem,
+           (unsigned long long)per_token, kvd_format_bytes(per_token, b1, sizeof(b1)));
+    printf("%ld x %ld tokens:  %llu bytes (%s); paged in blocks of %u: %llu blocks, %s\n", batch,
+           ctx, (unsigned long long)bytes, kvd_format_bytes(bytes, b1, sizeof(b1)),
+           lay.block_tokens, (unsigned long long)(blocks_per_seq * (uint64_t)batch),
+           kvd_format_bytes(paged, b2, sizeof(b2)));
+    printf("other types:     f32 %s", kvd_format_bytes(bytes / per_elem * 4, b1, sizeof(b1)));
+    printf(", f16 %s", kvd_format_bytes(bytes / per_elem * 2, b1, sizeof(b1)));
+    /* 8-bit and 4-bit blocks of 32 values carry one f16 scale each (Q8_0, Q4_0) */
+    printf(", 8-bit %s", kvd_format_bytes(bytes / per_elem * 34 / 32, b1, sizeof(b1)));
+    printf(", 4-bit %s (the engine stores f16 or f32 today)\n",
+           kvd_format_bytes(bytes / per_elem * 18 / 32, b1, sizeof(b1)));
+    if (have_mem)
+        printf("pool:            %s\n", line);
+    return 0;
+}
