@@ -408,6 +408,14 @@ uint32_t prefix_block_tokens(const prefix_t *px)
     return px->bt;
 }
 
+void prefix_hash_chain(const prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint32_t n_blocks,
+                       prefix_key_t *keys)
+{
+    prefix_key_t k = KEY_ZERO;
+    for (uint32_t i = 0; i < n_blocks; i++)
+        keys[i] = k = key_of(px, k, ns, tokens + (size_t)i * px->bt);
+}
+
 void prefix_lookup(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t n,
                    uint32_t max_blocks, uint32_t *ids, struct prefix_match *m)
 {

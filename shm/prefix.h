@@ -125,6 +125,11 @@ prefix_ns_t prefix_namespace(const prefix_t *px, const char *name, size_t len);
 
 uint32_t prefix_block_tokens(const prefix_t *px);
 
+/* Computes the chained keys of the first n_blocks full blocks of tokens in
+ * namespace ns into keys (hashing alone, no lookup). */
+void prefix_hash_chain(const prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint32_t n_blocks,
+                       prefix_key_t *keys);
+
 /*
  * Looks up the longest cached prefix of tokens[0..n) in namespace ns, at most
  * max_blocks full blocks. Writes the matching committed block ids to ids (room
