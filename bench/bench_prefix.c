@@ -123,7 +123,7 @@ static void bench_lookup(struct lookup_result *r)
         begin[k] = t3 - t2;
     }
     r->hit_us = median(hit, ROUNDS);
-    r->hash_us = median(miss, ROUNDS);
+    r->hash_us = median(hashonly, ROUNDS);
     r->begin_us = median(begin, ROUNDS);
     prefix_lookup(px, other, t, PROMPT, PROMPT / BT, ids, &m);
     if (m.n_blocks != 0) {
