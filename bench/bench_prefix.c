@@ -12,8 +12,12 @@
  *    sequences finish and new ones arrive at random in a pool of fixed size;
  *    when an arrival does not fit, how full the pool is. Target: under 2%.
  *
- * The pool has SmolLM2-135M's KV shape; its KV bytes are never touched, so
- * no model is needed. Usage: bench-prefix [--json] [--seed N]
+ * 3. With -m MODEL: time to the first token of a 2,000-token prompt computed
+ *    from scratch against the same prompt whose first 1,984 tokens are cached
+ *    (a long system prompt reused), same process, alternating, median of 3.
+ *
+ * Parts 1 and 2 use a pool of SmolLM2-135M's KV shape whose KV bytes are never
+ * touched, so no model is needed. Usage: bench-prefix [-m MODEL] [-t N] [--json] [--seed N]
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,6 +25,9 @@
 #include <time.h>
 
 #include "err.h"
+#include "forward.h"
+#include "kvcache.h"
+#include "model.h"
 #include "pool.h"
 #include "prefix.h"
 #include "types.h"
@@ -227,16 +234,110 @@ static void bench_waste(struct waste_result *r)
     pool_close(&p);
 }
 
+struct reuse_result {
+    double scratch_ms;      /* prefill of the whole prompt */
+    double cached_ms;       /* prefill of what the cache lacks */
+    int64_t cached_tokens;  /* tokens found in the cache */
+};
+
+#define REUSE_PROMPT 2000
+#define REUSE_ROUNDS 3
+
+/* Prefills tokens[pos..n) of s in steps of 512, committing as it goes. */
+static void prefill(engine_t *e, prefix_t *px, struct prefix_seq *s, const int32_t *t, uint32_t pos,
+                    uint32_t n)
+{
+    char err[256];
+    const float *lg;
+    uint32_t rows;
+    for (uint32_t i = pos; i < n; i += 512) {
+        uint32_t m = n - i < 512 ? n - i : 512;
+        if (prefix_seq_grow(px, s, i + m, t, n) != 0) {
+            fprintf(stderr, "bench-prefix: the pool is full\n");
+            exit(1);
+        }
+        struct fwd_seq fs = { t + i, m, i, s->blocks, s->n_blocks, false };
+        if (engine_step(e, &fs, 1, &lg, &rows, err, sizeof(err)) != 0) {
+            fprintf(stderr, "bench-prefix: prefill failed: %s\n", err);
+            exit(1);
+        }
+        prefix_seq_commit(px, s, t, i + m);
+    }
+}
+
+static void bench_reuse(const char *path, int threads, struct reuse_result *r)
+{
+    char err[512];
+    model_t *m = model_load(path, err, sizeof(err));
+    if (m == NULL) {
+        fprintf(stderr, "bench-prefix: %s\n", err);
+        exit(1);
+    }
+    struct pool_layout lay;
+    pool_layout_for_model(m, BT, KERN_F16, &lay);
+    pool_t *p;
+    prefix_t *px;
+    open_pool(&lay, 2 * REUSE_PROMPT / BT + 8, &p, &px);
+    struct kv_params kp = kv_default_params();
+    kp.block_tokens = BT;
+    kp.n_blocks = pool_header(p)->n_blocks;
+    kvcache_t *kv = kvcache_wrap(&m->cfg, &kp, pool_data(p), pool_data_bytes(p), err, sizeof(err));
+    struct engine_params ep = engine_default_params();
+    ep.max_ctx = REUSE_PROMPT;
+    ep.n_threads = threads;
+    engine_t *e = kv ? engine_new(m, kv, &ep, err, sizeof(err)) : NULL;
+    if (e == NULL) {
+        fprintf(stderr, "bench-prefix: %s\n", err);
+        exit(1);
+    }
+    int32_t *t = malloc(REUSE_PROMPT * sizeof(int32_t));
+    for (int i = 0; i < REUSE_PROMPT; i++)
+        t[i] = (int32_t)(rng() % m->cfg.n_vocab);
+    prefix_ns_t ns = prefix_namespace(px, "", 0), cold = prefix_namespace(px, "cold", 4);
+    struct prefix_seq s = { 0 };
+    double scratch[REUSE_ROUNDS], cached[REUSE_ROUNDS];
+    for (int k = -1; k < REUSE_ROUNDS; k++) {  /* round -1 warms up and fills the cache */
+        double t0 = now_us();
+        prefix_seq_begin(px, &s, cold, t, 0, NULL); /* nothing looked up */
+        prefill(e, px, &s, t, 0, REUSE_PROMPT);
+        prefix_seq_release(px, &s);
+        double t1 = now_us();
+        int64_t c = prefix_seq_begin(px, &s, ns, t, REUSE_PROMPT, NULL);
+        prefill(e, px, &s, t, (uint32_t)c, REUSE_PROMPT);
+        prefix_seq_release(px, &s);
+        double t2 = now_us();
+        if (k >= 0) {
+            scratch[k] = (t1 - t0) / 1e3;
+            cached[k] = (t2 - t1) / 1e3;
+            r->cached_tokens = c;
+        }
+    }
+    r->scratch_ms = median(scratch, REUSE_ROUNDS);
+    r->cached_ms = median(cached, REUSE_ROUNDS);
+    prefix_seq_fini(&s);
+    free(t);
+    engine_destroy(&e);
+    kvcache_destroy(&kv);
+    prefix_destroy(&px);
+    pool_close(&p);
+    model_destroy(&m);
+}
+
 int main(int argc, char **argv)
 {
-    int json = 0;
+    int json = 0, threads = 0;
+    const char *model = NULL;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0)
             json = 1;
+        else if (strcmp(argv[i], "-m") == 0 && i + 1 < argc)
+            model = argv[++i];
+        else if (strcmp(argv[i], "-t") == 0 && i + 1 < argc)
+            threads = atoi(argv[++i]);
         else if (strcmp(argv[i], "--seed") == 0 && i + 1 < argc)
             rng_state = strtoull(argv[++i], NULL, 10);
         else {
-            fprintf(stderr, "usage: bench-prefix [--json] [--seed N]\n");
+            fprintf(stderr, "usage: bench-prefix [-m MODEL] [-t N] [--json] [--seed N]\n");
             return 1;
         }
     }
@@ -244,15 +345,23 @@ int main(int argc, char **argv)
     struct waste_result wr;
     bench_lookup(&lr);
     bench_waste(&wr);
+    struct reuse_result rr = { 0 };
+    if (model)
+        bench_reuse(model, threads, &rr);
     if (json) {
         printf("{\"lookup\":{\"tokens\":%d,\"hit_blocks\":%u,\"hit_us\":%.1f,\"hash_us\":%.1f,"
                "\"begin_release_us\":%.1f,\"hit_tokens_per_s\":%.0f},"
                "\"waste\":{\"sequences\":%d,\"tokens\":%llu,\"blocks\":%u,\"paged\":%.5f,"
                "\"paged_with_metadata\":%.5f,\"contiguous\":%.5f,\"churn_refusals\":%u,"
-               "\"churn_fill_min\":%.5f,\"churn_fill_avg\":%.5f}}\n",
+               "\"churn_fill_min\":%.5f,\"churn_fill_avg\":%.5f}",
                PROMPT, lr.hit_blocks, lr.hit_us, lr.hash_us, lr.begin_us, PROMPT / (lr.hit_us / 1e6),
                N_SEQ, (unsigned long long)wr.tokens, wr.blocks, wr.paged_waste, wr.paged_waste_meta,
                wr.contiguous_waste, wr.churn_refusals, wr.churn_fill_min, wr.churn_fill_avg);
+        if (model)
+            printf(",\"reuse\":{\"prompt\":%d,\"cached_tokens\":%lld,\"scratch_ms\":%.1f,"
+                   "\"cached_ms\":%.1f,\"speedup\":%.2f}", REUSE_PROMPT, (long long)rr.cached_tokens,
+                   rr.scratch_ms, rr.cached_ms, rr.scratch_ms / rr.cached_ms);
+        printf("}\n");
         return 0;
     }
     printf("prefix lookup, %d-token prompt (%d blocks of %d), median of %d:\n", PROMPT, PROMPT / BT,
@@ -272,5 +381,12 @@ int main(int argc, char **argv)
     printf("  churn (20,000 replacements):   pool %.2f %% full on average, %.2f %% at least, "
            "when an arrival did not fit (%u times)\n",
            100 * wr.churn_fill_avg, 100 * wr.churn_fill_min, wr.churn_refusals);
+    if (model) {
+        printf("time to first token, %d-token prompt, median of %d (%s):\n", REUSE_PROMPT,
+               REUSE_ROUNDS, model);
+        printf("  from scratch:                  %8.1f ms\n", rr.scratch_ms);
+        printf("  %4lld tokens cached:             %8.1f ms  (%.1fx faster)\n",
+               (long long)rr.cached_tokens, rr.cached_ms, rr.scratch_ms / rr.cached_ms);
+    }
     return 0;
 }

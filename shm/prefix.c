@@ -462,15 +462,17 @@ int prefix_seq_grow(prefix_t *px, struct prefix_seq *s, uint64_t n_pos, const in
     int rc = seq_reserve(s, need);
     if (rc)
         return rc;
+    /* allocate (and so evict) everything first: a block of the same content
+     * that the duplicate check finds must not be evicted right after */
+    uint32_t first = s->n_blocks;
     while (s->n_blocks < need) {
-        uint32_t i = s->n_blocks;
         uint32_t id = alloc_one(px);
         if (id == POOL_NONE)
             return KVD_ENOSPACE; /* unreachable: counted above */
         s->blocks[s->n_blocks++] = id;
-        if ((uint64_t)(i + 1) * px->bt <= n_known)
-            seq_try_index(px, s, i, tokens + (size_t)i * px->bt);
     }
+    for (uint32_t i = first; i < need && (uint64_t)(i + 1) * px->bt <= n_known; i++)
+        seq_try_index(px, s, i, tokens + (size_t)i * px->bt);
     return 0;
 }
 

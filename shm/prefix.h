@@ -84,8 +84,8 @@ struct prefix_stats {
     uint32_t n_indexed;     /* findable by lookups */
     uint64_t block_bytes;   /* KV bytes per block */
     uint64_t evictions;     /* cached blocks reclaimed */
-    uint64_t lookups;       /* prefix lookups */
-    uint64_t hit_blocks;    /* blocks found by lookups */
+    uint64_t lookups;       /* prefix lookups (prefix_lookup and prefix_seq_begin) */
+    uint64_t hit_blocks;    /* committed blocks they found */
     uint64_t collisions;    /* key matches whose contents differed */
 };
 
@@ -157,7 +157,9 @@ int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,
  * no change) when free plus evictable blocks are too few. tokens[0..n_known)
  * are the sequence's known token ids (at least its prompt); each new block
  * that they fill is indexed as PENDING when the chain before it is indexed and
- * no block of the same content is.
+ * no block of the same content is (checked after the evictions this call
+ * makes, so a copy it evicts does not count). Growing to no more positions
+ * than are held changes nothing.
  */
 int prefix_seq_grow(prefix_t *px, struct prefix_seq *s, uint64_t n_pos,
                     const int32_t *tokens, uint64_t n_known);

@@ -4,8 +4,9 @@
  *
  * Deterministic cases first: the same tokens under two namespaces never share
  * a block; a second request for a prefix that is being computed waits on its
- * pending block and then takes it; prompts under a constant hash (every key
- * collides) each find their own blocks and nothing else.
+ * pending block and then takes it; a commit that breaks the tokens promised
+ * at grow time takes the block out of the index; prompts under a constant
+ * hash (every key collides) each find their own blocks and nothing else.
  *
  * Then a randomized run (200,000 operations by default) on a 48-block pool
  * with eight sequences: begin, grow, write and commit, generate, release,
@@ -358,6 +359,48 @@ static void test_wait(void)
 
     prefix_seq_fini(&a);
     prefix_seq_fini(&b);
+    prefix_destroy(&px);
+    pool_close(&pool);
+}
+
+/* A commit whose tokens differ from those promised at grow time is refused
+ * and the block leaves the index: nobody finds it or waits on it. */
+static void test_broken_promise(void)
+{
+    pool_t *pool = pool_open_small();
+    prefix_t *px = prefix_open(pool);
+    prefix_ns_t ns = ns_of(px, 0);
+    const int32_t P[9] = { 3, 1, 4, 1, 5, 9, 2, 6, 5 };
+    const int32_t Q[9] = { 3, 1, 4, 1, 5, 9, 0, 6, 5 };  /* block 1 differs */
+    struct prefix_seq s;
+    memset(&s, 0, sizeof(s));
+    CHECK_INT(prefix_seq_begin(px, &s, ns, P, 9, NULL), 0);
+    CHECK_INT(prefix_seq_grow(px, &s, 9, P, 9), 0);
+    CHECK_INT(s.n_indexed, 2);
+    kv_fill(pool, s.blocks[0], kv_sig(0, P, 4));
+    CHECK_INT(prefix_seq_commit(px, &s, P, 4), 0);
+    kv_fill(pool, s.blocks[1], kv_sig(0, Q, 8));
+    CHECK_INT(prefix_seq_commit(px, &s, Q, 8), KVD_EINVAL);
+    struct prefix_block_info bi;
+    CHECK_INT(prefix_block_info(px, s.blocks[1], &bi), 0);
+    CHECK(!bi.indexed);
+    CHECK_INT(prefix_block_info(px, s.blocks[0], &bi), 0);
+    CHECK(bi.indexed);
+    CHECK_INT(bi.n_children, 0);
+    CHECK(s.n_indexed <= 1);
+    uint32_t ids[2];
+    struct prefix_match m;
+    prefix_lookup(px, ns, P, 9, 2, ids, &m);
+    CHECK_INT(m.n_blocks, 1);
+    CHECK_INT(m.pending, POOL_NONE);
+    CHECK_INT(check_ok(px), 0);
+    prefix_seq_release(px, &s);
+    struct prefix_stats st;
+    prefix_stats(px, &st);
+    CHECK_INT(st.n_indexed, 1);
+    CHECK_INT(st.n_pending, 0);
+    CHECK_INT(check_ok(px), 0);
+    prefix_seq_fini(&s);
     prefix_destroy(&px);
     pool_close(&pool);
 }
@@ -781,6 +824,12 @@ static void op_begin(struct world *w, int si)
     if (got < 0)
         return;
     uint32_t kg = (uint32_t)got / BT;
+    /* every hit carries the K/V of this request's own tokens (whatever the model says) */
+    for (uint32_t i = 0; i < kg && i < sl->s.n_blocks; i++)
+        if (!kv_holds(w->pool, sl->s.blocks[i], kv_sig(ns, tok, (i + 1) * BT))) {
+            fprintf(stderr, "  begin served block %u (id %u) with other K/V\n", i, sl->s.blocks[i]);
+            CHECK(0);
+        }
     if (w->weak && kg < k) {
         w->collision_misses++;
         k = kg;
@@ -788,15 +837,8 @@ static void op_begin(struct world *w, int si)
     EXPECT(kg, k, "begin: cached blocks");
     if (kg > k || sl->s.n_blocks != kg)
         return;
-    for (uint32_t i = 0; i < k; i++) {
-        uint32_t bid = sl->s.blocks[i];
-        EXPECT(bid, want[i], "begin: block %u", i);
-        /* every hit carries the K/V of this request's own tokens */
-        if (!kv_holds(w->pool, bid, kv_sig(ns, tok, (i + 1) * BT))) {
-            fprintf(stderr, "  begin served block %u (id %u) with other K/V\n", i, bid);
-            CHECK(0);
-        }
-    }
+    for (uint32_t i = 0; i < k; i++)
+        EXPECT(sl->s.blocks[i], want[i], "begin: block %u", i);
     if (give_wait) {
         uint32_t pend = POOL_NONE;
         if ((k + 1) * BT <= n && (id = m_find(w, ns, tok, k)) != POOL_NONE &&
@@ -851,10 +893,9 @@ static void op_grow(struct world *w, int si)
     if (rc != 0 || want != 0 || add == 0)
         return;
 
-    /* block by block: a free block, else the LRU tail evicted; then the new
-     * block is indexed as pending if the known tokens fill it (so a duplicate
-     * met on the LRU closes the chain even when a later block of the same
-     * grow evicts it) */
+    /* all blocks first (a free block, else the LRU tail evicted); then each new
+     * block is indexed as pending if the known tokens fill it, so a copy that
+     * this grow evicted does not count as a duplicate */
     EXPECT(sl->s.n_blocks, need, "grow: n_blocks");
     if (sl->s.n_blocks != need)
         return;
@@ -874,9 +915,9 @@ static void op_grow(struct world *w, int si)
         sl->ids[i] = id;
         kv_fill(w->pool, id, rnd(w));   /* whatever a worker leaves half-written */
         sl->n_blocks = i + 1;
-        if ((i + 1) * BT <= sl->len)
-            m_try_index(w, sl, i);
     }
+    for (uint32_t i = old; i < need && (i + 1) * BT <= sl->len; i++)
+        m_try_index(w, sl, i);
 }
 
 static void op_commit(struct world *w, int si)
@@ -973,6 +1014,12 @@ static void op_lookup(struct world *w)
     EXPECT(after.lookups, before.lookups + 1, "lookup: stats.lookups");
     EXPECT(after.hit_blocks, before.hit_blocks + m.n_blocks, "lookup: stats.hit_blocks");
     CHECK_INT(ids[max], 0xabababab);    /* room for max_blocks ids only */
+    CHECK(m.n_blocks <= max);
+    for (uint32_t i = 0; i < m.n_blocks && i < max; i++)
+        if (!kv_holds(w->pool, ids[i], kv_sig(ns, tok, (i + 1) * BT))) {
+            fprintf(stderr, "  lookup found block %u (id %u) with other K/V\n", i, ids[i]);
+            CHECK(0);
+        }
     if (w->weak && m.n_blocks < k) {
         w->collision_misses++;
         k = m.n_blocks;
@@ -980,13 +1027,8 @@ static void op_lookup(struct world *w)
     EXPECT(m.n_blocks, k, "lookup: blocks");
     if (m.n_blocks > k)
         return;
-    for (uint32_t i = 0; i < k; i++) {
+    for (uint32_t i = 0; i < k; i++)
         EXPECT(ids[i], want[i], "lookup: block %u", i);
-        if (!kv_holds(w->pool, ids[i], kv_sig(ns, tok, (i + 1) * BT))) {
-            fprintf(stderr, "  lookup found block %u (id %u) with other K/V\n", i, ids[i]);
-            CHECK(0);
-        }
-    }
     uint32_t pend = POOL_NONE;
     if ((k + 1) * BT <= n && (id = m_find(w, ns, tok, k)) != POOL_NONE &&
         w->b[id].state == POOL_BLOCK_PENDING)
@@ -1163,7 +1205,7 @@ static void test_random(uint64_t seed, uint64_t n_ops)
     /* the workload must exercise what it claims to */
     if (check_failures == 0 && n_ops >= 50000) {
         CHECK(w->cached_tokens * 10 >= w->prompt_tokens);
-        CHECK(w->begin_hits * 4 >= w->begins);
+        CHECK(w->begin_hits * 8 >= w->begins);
         CHECK(w->waits > 0);
         CHECK(w->enospace > 0);
         CHECK(w->evictions > 0);
@@ -1181,6 +1223,7 @@ int main(int argc, char **argv)
 
     test_namespaces();
     test_wait();
+    test_broken_promise();
     test_collisions();
 
     struct timespec t0, t1;
