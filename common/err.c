@@ -18,6 +18,15 @@ const char *kvd_strerror(int code)
     case KVD_ETOOLONG: return "longer than the context";
     case KVD_ENOTFOUND: return "not found";
     case KVD_ESTATE: return "invalid state";
+    case KVD_ETIMEOUT: return "timed out (is the daemon running?)";
+    case KVD_EOVERLOADED: return "overloaded, retry later";
+    case KVD_ECANCELLED: return "cancelled";
+    case KVD_EDEADLINE: return "deadline exceeded";
+    case KVD_EUNAVAILABLE: return "no worker available";
+    case KVD_EPROTOCOL: return "protocol error";
+    case KVD_ESHUTDOWN: return "shutting down";
+    case KVD_EINTERNAL: return "internal error";
+    case KVD_EBADREQUEST: return "bad request";
     default: return "unknown error";
     }
 }

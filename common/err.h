@@ -22,6 +22,15 @@ enum kvd_err {
     KVD_ETOOLONG = -8,    /* a prompt or sequence exceeds the context */
     KVD_ENOTFOUND = -9,   /* a name or key is absent */
     KVD_ESTATE = -10,     /* the call is not valid in the object's state */
+    KVD_ETIMEOUT = -11,   /* no reply in time (is the daemon running?) */
+    KVD_EOVERLOADED = -12,/* the daemon's queue is full; retry later */
+    KVD_ECANCELLED = -13, /* the request was cancelled */
+    KVD_EDEADLINE = -14,  /* the request's deadline passed */
+    KVD_EUNAVAILABLE = -15,/* no worker can run the request */
+    KVD_EPROTOCOL = -16,  /* an unreadable or unexpected message */
+    KVD_ESHUTDOWN = -17,  /* the daemon is shutting down */
+    KVD_EINTERNAL = -18,  /* the daemon failed */
+    KVD_EBADREQUEST = -19,/* the daemon refused the request as malformed or out of range */
 };
 
 /* Returns a static, human-readable name for a KVD_E* code (or "unknown error"). */

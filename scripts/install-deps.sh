@@ -13,6 +13,10 @@ python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
 command -v sha256sum >/dev/null || need+=(coreutils)
 # libraries: a header is the sign the -dev package is there
 [ -f /usr/include/xxhash.h ] || need+=(libxxhash-dev)
+[ -f /usr/include/zmq.h ] || need+=(libzmq3-dev)
+[ -f /usr/include/protobuf-c/protobuf-c.h ] || need+=(libprotobuf-c-dev)
+command -v protoc-c >/dev/null || need+=(protobuf-c-compiler)
+[ -f /usr/include/lz4.h ] || need+=(liblz4-dev)
 
 if [ ${#need[@]} -eq 0 ]; then
   exit 0

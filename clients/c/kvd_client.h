@@ -1,0 +1,153 @@
+/*
+ * kvd_client.h - the C client of kvd.
+ *
+ * A client holds one ZeroMQ DEALER connection to a kvd endpoint (ipc:// or
+ * tcp://) and runs one request at a time, blocking: generate (whole result),
+ * generate with a callback per streamed chunk, stats, health, cancel. It is
+ * not thread-safe; use one client per thread. Every call that waits gives up
+ * after the client's timeout without a message from the daemon (KVD_ETIMEOUT;
+ * a daemon that is not running is a timeout, never a hang). Errors are the
+ * negative KVD_E* codes of err.h, named by kvd_strerror(); errors from the
+ * daemon also leave its message (and retry-after for KVD_EOVERLOADED) in the
+ * result.
+ *
+ * Link with pkg-config --cflags --libs kvd-client.
+ */
+#ifndef KVD_CLIENT_H
+#define KVD_CLIENT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "err.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kvd_client kvd_client_t;
+
+/* Writes the endpoint kvd listens on by default ("ipc://" + a socket in a
+ * private runtime directory: $XDG_RUNTIME_DIR/kvd, else /tmp/kvd-<uid>) or
+ * $KVD_ENDPOINT when set. Returns buf. */
+char *kvd_default_endpoint(char *buf, size_t len);
+
+/* Connects to endpoint (NULL: kvd_default_endpoint()); timeout_ms <= 0 means
+ * 30,000. Returns NULL with a reason in err for a malformed endpoint or no
+ * memory (connecting itself is lazy: a missing daemon shows as timeouts). */
+kvd_client_t *kvd_client_new(const char *endpoint, int timeout_ms, char *err, size_t errlen);
+
+/* Closes the connection; accepts NULL and sets *c to NULL. */
+void kvd_client_destroy(kvd_client_t **c);
+
+void kvd_client_set_timeout(kvd_client_t *c, int timeout_ms);
+
+struct kvd_chat_msg {
+    const char *role;       /* "system", "user", "assistant" */
+    const char *content;
+};
+
+/* What to generate. Exactly one of prompt, messages, token_ids. Unset
+ * sampling fields (negative) take the daemon's defaults. */
+struct kvd_gen_params {
+    const char *prompt;                     /* text, used as is */
+    const struct kvd_chat_msg *messages;    /* chat, through the model's template */
+    size_t n_messages;
+    const int32_t *token_ids;               /* ids, used as given */
+    size_t n_token_ids;
+    uint32_t max_tokens;                    /* 0: daemon default (256) */
+    float temperature;                      /* 0: greedy; < 0: default */
+    int32_t top_k;                          /* < 0: default */
+    float top_p;                            /* < 0: default */
+    float min_p;                            /* < 0: default */
+    float repeat_penalty;                   /* < 0: default */
+    int64_t seed;                           /* < 0: random */
+    const char *const *stop;                /* stop strings */
+    size_t n_stop;
+    uint32_t deadline_ms;                   /* 0: none */
+    const char *ns;                         /* cache namespace; NULL: default */
+    bool ignore_eos;
+    bool no_cache;                          /* bypass the prefix cache */
+};
+
+/* Fills p with "nothing set" (NULL prompt, negative sampling fields). */
+void kvd_gen_params_init(struct kvd_gen_params *p);
+
+enum kvd_finish {
+    KVD_FINISH_NONE = 0,
+    KVD_FINISH_STOP = 1,      /* end-of-generation token or stop string */
+    KVD_FINISH_LENGTH = 2,    /* max_tokens or the context */
+    KVD_FINISH_CANCELLED = 3,
+    KVD_FINISH_DEADLINE = 4,
+};
+
+struct kvd_result {
+    char *text;                     /* NUL-terminated output (malloc'd) */
+    size_t text_len;
+    int32_t *tokens;                /* output token ids (malloc'd) */
+    size_t n_tokens;
+    int finish_reason;              /* enum kvd_finish */
+    uint32_t prompt_tokens;
+    uint32_t cached_prompt_tokens;  /* prompt tokens whose K/V came from the cache */
+    uint32_t completion_tokens;
+    double queued_ms, ttft_ms, decode_ms, total_ms; /* the daemon's timings */
+    uint32_t chunks;                /* streamed chunks received */
+    uint64_t request_id;            /* the id this client gave the request */
+    char error[256];                /* the daemon's message when a call failed */
+    uint32_t retry_after_ms;        /* with KVD_EOVERLOADED */
+};
+
+/* Frees what a result holds (not the struct) and zeroes it. */
+void kvd_result_free(struct kvd_result *r);
+
+/* Called for each streamed chunk: new text (whole UTF-8 characters) and
+ * token ids, seq counting from 0. Returning non-zero cancels the request (the
+ * call then returns KVD_ECANCELLED with what came so far in the result). */
+typedef int (*kvd_chunk_fn)(void *user, const char *text, size_t len, const int32_t *tokens,
+                            size_t n_tokens, uint32_t seq);
+
+/* Runs a request to its end. 0 and *out filled (free with kvd_result_free),
+ * or a negative code: the daemon's error (KVD_EBADREQUEST, KVD_EOVERLOADED,
+ * KVD_ETOOLONG, KVD_EDEADLINE, KVD_EUNAVAILABLE, KVD_ESHUTDOWN, ...) with its
+ * message in out->error, or KVD_ETIMEOUT / KVD_EPROTOCOL / KVD_EINVAL. */
+int kvd_generate(kvd_client_t *c, const struct kvd_gen_params *p, struct kvd_result *out);
+
+/* The same, streaming: fn is called per chunk as it arrives. */
+int kvd_generate_stream(kvd_client_t *c, const struct kvd_gen_params *p, kvd_chunk_fn fn,
+                        void *user, struct kvd_result *out);
+
+/* Asks the daemon to cancel request_id (one of this client's); 0, or
+ * KVD_ENOTFOUND when the daemon does not know it, or a transport error. */
+int kvd_cancel(kvd_client_t *c, uint64_t request_id);
+
+struct kvd_worker_stats {
+    uint32_t id;
+    int32_t pid;
+    bool alive;
+    uint32_t running;
+    uint64_t tokens;
+    uint32_t restarts;
+};
+
+struct kvd_stats {
+    uint64_t requests_running, requests_queued, requests_done, requests_failed;
+    uint64_t prompt_tokens, cached_prompt_tokens, completion_tokens;
+    uint32_t blocks_total, blocks_free, blocks_cached, blocks_in_use, blocks_pending;
+    uint32_t block_tokens;
+    uint64_t block_bytes;
+    uint64_t evictions, preemptions, bad_messages;
+    struct kvd_worker_stats workers[64];
+    uint32_t n_workers;             /* entries of workers used */
+};
+
+int kvd_stats(kvd_client_t *c, struct kvd_stats *out);
+
+/* ok: at least one worker is alive. */
+int kvd_health(kvd_client_t *c, bool *ok, uint32_t *workers_alive);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
