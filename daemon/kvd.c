@@ -1,0 +1,486 @@
+/*
+ * kvd.c - kvd, the coordinator: options, sockets, signals, the event loop.
+ *
+ *   kvd --model M [--workers N] [--listen ENDPOINT]... [--kv-memory SIZE] ...
+ *
+ * kvd loads the model's tokenizer and chat template, creates the KV pool in
+ * shared memory and its prefix cache, binds a ROUTER for clients (by default
+ * ipc:// in a private 0700 runtime directory; tcp:// only on the addresses
+ * given, never all interfaces unless --allow-remote) and a ROUTER for workers,
+ * starts N kvd-worker processes (restarting those that die) and accepts
+ * workers started by hand on the worker endpoint. SIGTERM drains: new
+ * requests are refused, running ones get --grace milliseconds to finish,
+ * the rest are cancelled, workers are stopped, every block is released, and
+ * kvd exits 0.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <libgen.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <zmq.h>
+
+#include "kvd.h"
+#include "kvd_client.h"
+#include "types.h"
+#include "units.h"
+
+#define DEFAULT_MODEL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+double kvd_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+void kvd_log(const struct kvd *k, const char *fmt, ...)
+{
+    (void)k;
+    va_list ap;
+    fputs("kvd: ", stderr);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+}
+
+static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+
+static void die(const char *fmt, ...)
+{
+    va_list ap;
+    fputs("kvd: ", stderr);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    exit(1);
+}
+
+int kvd_send(struct kvd *k, void *sock, const uint8_t *rid, size_t rid_len,
+             const ProtobufCMessage *m)
+{
+    (void)k;
+    uint8_t *buf;
+    size_t len;
+    if (wire_pack(m, &buf, &len) != 0)
+        return -1;
+    int rc = 0;
+    if (zmq_send(sock, rid, rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
+        zmq_send(sock, buf, len, ZMQ_DONTWAIT) < 0)
+        rc = -1; /* EHOSTUNREACH (ROUTER_MANDATORY): the peer is gone; EAGAIN: it stopped reading */
+    free(buf);
+    return rc;
+}
+
+/* ---- options ----------------------------------------------------------------------------- */
+
+static void usage(FILE *f)
+{
+    fputs("usage: kvd [--model M] [--workers N] [--listen ENDPOINT]... [--kv-memory SIZE] [options]\n"
+          "\n"
+          "  -m, --model FILE         GGUF model (default " DEFAULT_MODEL ")\n"
+          "  -w, --workers N          worker processes to start (default 1; 0: external only)\n"
+          "  -l, --listen ENDPOINT    client endpoint, repeatable (default: ipc:// in a private\n"
+          "                           runtime directory; tcp://127.0.0.1:PORT for TCP)\n"
+          "      --allow-remote       allow binding all interfaces (tcp://*:PORT)\n"
+          "      --worker-endpoint EP where workers connect (default: ipc:// next to the socket)\n"
+          "      --pool NAME          KV pool name in /dev/shm (kept after exit; default: private)\n"
+          "      --kv-memory SIZE     KV pool size (default: 1GiB or half of /dev/shm's free space)\n"
+          "  -c, --ctx N              longest sequence (default: 4096, at most the model's)\n"
+          "  -t, --threads N          threads per worker (default: CPUs / workers)\n"
+          "      --block-tokens N     KV block size (default 16)\n"
+          "      --step-tokens N      a worker's token budget per step (default 256)\n"
+          "      --max-batch N        sequences per worker (default 64)\n"
+          "      --max-queue N        queued requests before OVERLOADED (default 256)\n"
+          "      --worker-timeout MS  no heartbeat or progress for this long: dead (default 5000)\n"
+          "      --grace MS           SIGTERM: time running requests get to finish (default 10000)\n"
+          "      --max-restarts N     restarts per worker (default 10; -1: unlimited)\n"
+          "  -v, --verbose\n",
+          f);
+}
+
+static long num(const char *s, const char *what, long lo, long hi)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi)
+        die("%s must be an integer in [%ld, %ld], got '%s'", what, lo, hi, s);
+    return v;
+}
+
+static void parse_args(int argc, char **argv, struct kvd_options *o)
+{
+    enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
+           OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS };
+    static const struct option longs[] = {
+        { "model", required_argument, NULL, 'm' },
+        { "workers", required_argument, NULL, 'w' },
+        { "listen", required_argument, NULL, 'l' },
+        { "ctx", required_argument, NULL, 'c' },
+        { "threads", required_argument, NULL, 't' },
+        { "verbose", no_argument, NULL, 'v' },
+        { "help", no_argument, NULL, 'h' },
+        { "allow-remote", no_argument, NULL, OPT_REMOTE },
+        { "worker-endpoint", required_argument, NULL, OPT_WEP },
+        { "pool", required_argument, NULL, OPT_POOL },
+        { "kv-memory", required_argument, NULL, OPT_KVMEM },
+        { "block-tokens", required_argument, NULL, OPT_BT },
+        { "step-tokens", required_argument, NULL, OPT_STEP },
+        { "max-batch", required_argument, NULL, OPT_BATCH },
+        { "max-queue", required_argument, NULL, OPT_QUEUE },
+        { "worker-timeout", required_argument, NULL, OPT_WTIMEOUT },
+        { "grace", required_argument, NULL, OPT_GRACE },
+        { "max-restarts", required_argument, NULL, OPT_RESTARTS },
+        { NULL, 0, NULL, 0 },
+    };
+    memset(o, 0, sizeof(*o));
+    o->model = getenv("KVD_MODEL") ? getenv("KVD_MODEL") : DEFAULT_MODEL;
+    o->n_workers = 1;
+    o->block_tokens = 16;
+    o->step_tokens = 256;
+    o->max_batch = 64;
+    o->max_queue = 256;
+    o->worker_timeout_ms = 5000;
+    o->grace_ms = 10000;
+    o->max_restarts = 10;
+    opterr = 0;
+    int c;
+    while ((c = getopt_long(argc, argv, ":m:w:l:c:t:vh", longs, NULL)) != -1) {
+        switch (c) {
+        case 'm': o->model = optarg; break;
+        case 'w': o->n_workers = (int)num(optarg, "--workers", 0, KVD_MAX_WORKERS); break;
+        case 'l':
+            if (o->n_listen == KVD_MAX_LISTEN)
+                die("at most %d --listen endpoints", KVD_MAX_LISTEN);
+            o->listen[o->n_listen++] = optarg;
+            break;
+        case 'c': o->ctx = (uint32_t)num(optarg, "--ctx", 16, 1 << 22); break;
+        case 't': o->threads = (int)num(optarg, "--threads", 1, 256); break;
+        case 'v': o->verbose = true; break;
+        case 'h': usage(stdout); exit(0);
+        case OPT_REMOTE: o->allow_remote = true; break;
+        case OPT_WEP: o->worker_endpoint = optarg; break;
+        case OPT_POOL: o->pool = optarg; break;
+        case OPT_KVMEM:
+            if (kvd_parse_size(optarg, &o->kv_bytes) != 0 || o->kv_bytes == 0)
+                die("--kv-memory must be a size such as 512MiB or 2G, got '%s'", optarg);
+            break;
+        case OPT_BT: o->block_tokens = (uint32_t)num(optarg, "--block-tokens", 1, 4096); break;
+        case OPT_STEP: o->step_tokens = (uint32_t)num(optarg, "--step-tokens", 1, 4096); break;
+        case OPT_BATCH: o->max_batch = (uint32_t)num(optarg, "--max-batch", 1, 4096); break;
+        case OPT_QUEUE: o->max_queue = (uint32_t)num(optarg, "--max-queue", 0, 1 << 20); break;
+        case OPT_WTIMEOUT:
+            o->worker_timeout_ms = (uint32_t)num(optarg, "--worker-timeout", 100, 3600000);
+            break;
+        case OPT_GRACE: o->grace_ms = (uint32_t)num(optarg, "--grace", 0, 3600000); break;
+        case OPT_RESTARTS: o->max_restarts = (int)num(optarg, "--max-restarts", -1, 1000000); break;
+        case ':': die("option %s needs a value", argv[optind - 1]);
+        default: die("unknown option %s (see --help)", argv[optind - 1]);
+        }
+    }
+    if (optind < argc)
+        die("unexpected argument '%s' (see --help)", argv[optind]);
+}
+
+/* ---- set-up -------------------------------------------------------------------------------- */
+
+/* Makes dir (and its parent) a private directory of ours. */
+static void private_dir(const char *dir)
+{
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST)
+        die("cannot create %s: %s", dir, strerror(errno));
+    struct stat st;
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))
+        die("%s is not a directory", dir);
+    if (st.st_uid != getuid())
+        die("%s belongs to another user; refusing to put sockets there", dir);
+    if ((st.st_mode & 077) != 0 && chmod(dir, 0700) != 0)
+        die("cannot make %s private: %s", dir, strerror(errno));
+}
+
+static void check_endpoint(const struct kvd *k, const char *ep)
+{
+    if (strncmp(ep, "ipc://", 6) == 0) {
+        char path[4096];
+        snprintf(path, sizeof(path), "%s", ep + 6);
+        private_dir(dirname(path));
+        return;
+    }
+    if (strncmp(ep, "tcp://", 6) != 0)
+        die("endpoint %s: only ipc:// and tcp:// are supported", ep);
+    const char *host = ep + 6;
+    bool wildcard = host[0] == '*' || strncmp(host, "0.0.0.0:", 8) == 0 ||
+                    strncmp(host, "[::]:", 5) == 0;
+    if (wildcard && !k->o.allow_remote)
+        die("endpoint %s binds every interface; give an address (tcp://127.0.0.1:PORT) or "
+            "--allow-remote", ep);
+}
+
+static void *router(struct kvd *k)
+{
+    void *s = zmq_socket(k->zctx, ZMQ_ROUTER);
+    int one = 1, zero = 0, hwm = 100000;
+    int64_t maxmsg = WIRE_MAX_FRAME;
+    zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &one, sizeof(one));
+    zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof(zero));
+    zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
+    return s;
+}
+
+static uint64_t default_kv_bytes(void)
+{
+    uint64_t want = 1ull << 30;
+    struct statvfs vfs;
+    if (statvfs("/dev/shm", &vfs) == 0) {
+        uint64_t avail = (uint64_t)vfs.f_bavail * vfs.f_frsize;
+        if (avail / 2 < want)
+            want = avail / 2;
+    }
+    return want;
+}
+
+static void setup(struct kvd *k)
+{
+    char err[512], note[512];
+    struct kvd_options *o = &k->o;
+    k->model = model_load(o->model, err, sizeof(err));
+    if (k->model == NULL)
+        die("%s", err);
+    k->tok = tok_new_from_gguf(k->model->gguf, err, sizeof(err));
+    if (k->tok == NULL)
+        die("%s", err);
+    struct gguf_str tmpl;
+    if (gguf_get_str(k->model->gguf, "tokenizer.chat_template", &tmpl) == 0) {
+        k->chat = chat_template_new(tmpl.ptr, (size_t)tmpl.len, err, sizeof(err));
+        if (k->chat == NULL)
+            kvd_log(k, "chat requests disabled: %s", err);
+    }
+    uint32_t train = k->model->cfg.n_ctx_train;
+    k->n_ctx = o->ctx ? o->ctx : 4096;
+    if (k->n_ctx > train) {
+        if (o->ctx)
+            die("--ctx %u is longer than the model's context of %u", o->ctx, train);
+        k->n_ctx = train;
+    }
+
+    /* the pool */
+    struct pool_layout lay;
+    pool_layout_for_model(k->model, o->block_tokens, KERN_F16, &lay);
+    struct pool_params pp = pool_default_params();
+    snprintf(k->pool_name, sizeof(k->pool_name), "%s", o->pool ? o->pool : "");
+    if (o->pool == NULL)
+        snprintf(k->pool_name, sizeof(k->pool_name), "kvd-%d", (int)getpid());
+    pp.name = k->pool_name;
+    pp.reuse = o->pool != NULL;
+    pp.unlink_on_close = o->pool == NULL;
+    pp.kv_bytes = o->kv_bytes ? o->kv_bytes : default_kv_bytes();
+    struct pool_capacity cap;
+    if (pool_plan(&lay, &pp, &cap, err, sizeof(err)) != 0)
+        die("%s", err);
+    k->pool = pool_create(&lay, &pp, note, sizeof(note), err, sizeof(err));
+    if (k->pool == NULL)
+        die("%s", err);
+    if (note[0])
+        kvd_log(k, "%s", note);
+    k->px = prefix_new(k->pool, note, sizeof(note), err, sizeof(err));
+    if (k->px == NULL)
+        die("%s", err);
+    if (note[0])
+        kvd_log(k, "pool %s: %s", k->pool_name, note);
+    pool_describe(&lay, &cap, k->n_ctx, err, sizeof(err));
+    kvd_log(k, "KV pool %s: %s", k->pool_name, err);
+    k->arena = wire_arena_new(4 * (size_t)WIRE_MAX_FRAME);
+    if (k->arena == NULL)
+        die("out of memory");
+
+    /* sockets */
+    k->zctx = zmq_ctx_new();
+    k->clients = router(k);
+    k->wsock = router(k);
+    char def[4096];
+    if (o->n_listen == 0)
+        o->listen[o->n_listen++] = kvd_default_endpoint(def, sizeof(def));
+    for (int i = 0; i < o->n_listen; i++) {
+        check_endpoint(k, o->listen[i]);
+        if (zmq_bind(k->clients, o->listen[i]) != 0)
+            die("cannot listen on %s: %s", o->listen[i], zmq_strerror(errno));
+        kvd_log(k, "listening on %s", o->listen[i]);
+    }
+    if (o->worker_endpoint) {
+        snprintf(k->worker_ep, sizeof(k->worker_ep), "%s", o->worker_endpoint);
+    } else {
+        /* next to the first ipc endpoint, else in the default runtime directory */
+        const char *base = NULL;
+        for (int i = 0; i < o->n_listen && !base; i++)
+            if (strncmp(o->listen[i], "ipc://", 6) == 0)
+                base = o->listen[i];
+        if (base == NULL)
+            base = kvd_default_endpoint(def, sizeof(def));
+        char path[4096];
+        snprintf(path, sizeof(path), "%s", base + 6);
+        snprintf(k->run_dir, sizeof(k->run_dir), "%s", dirname(path));
+        snprintf(k->worker_ep, sizeof(k->worker_ep), "ipc://%s/workers-%d.sock", k->run_dir,
+                 (int)getpid());
+    }
+    check_endpoint(k, k->worker_ep);
+    if (zmq_bind(k->wsock, k->worker_ep) != 0)
+        die("cannot listen for workers on %s: %s", k->worker_ep, zmq_strerror(errno));
+    kvd_log(k, "workers connect to %s (kvd-worker --pool %s --connect %s --model %s --id N)",
+            k->worker_ep, k->pool_name, k->worker_ep, o->model);
+}
+
+/* ---- the loop -------------------------------------------------------------------------------- */
+
+/* Receives every waiting (routing id, payload) pair from a ROUTER. */
+static void drain_socket(struct kvd *k, void *sock, bool from_workers)
+{
+    zmq_msg_t id, body;
+    zmq_msg_init(&id);
+    zmq_msg_init(&body);
+    for (;;) {
+        if (zmq_msg_recv(&id, sock, ZMQ_DONTWAIT) < 0)
+            break;
+        bool ok = zmq_msg_more(&id) && zmq_msg_recv(&body, sock, ZMQ_DONTWAIT) >= 0;
+        bool extra = ok && zmq_msg_more(&body);
+        while (extra) {  /* a message of more than one payload frame: drop the rest */
+            zmq_msg_t junk;
+            zmq_msg_init(&junk);
+            extra = zmq_msg_recv(&junk, sock, ZMQ_DONTWAIT) >= 0 && zmq_msg_more(&junk);
+            zmq_msg_close(&junk);
+            ok = false;
+        }
+        if (!ok || zmq_msg_size(&id) > KVD_RID_MAX) {
+            k->st.bad_messages++;
+            continue;
+        }
+        if (from_workers)
+            workers_on_message(k, zmq_msg_data(&id), zmq_msg_size(&id), zmq_msg_data(&body),
+                               zmq_msg_size(&body));
+        else
+            req_on_client(k, zmq_msg_data(&id), zmq_msg_size(&id), zmq_msg_data(&body),
+                          zmq_msg_size(&body));
+    }
+    zmq_msg_close(&id);
+    zmq_msg_close(&body);
+}
+
+static void start_drain(struct kvd *k)
+{
+    if (k->draining)
+        return;
+    k->draining = true;
+    k->drain_deadline = kvd_now_ms() + k->o.grace_ms;
+    kvd_log(k, "draining: %u running, %u queued; %u ms to finish", k->n_active, k->n_queued,
+            k->o.grace_ms);
+}
+
+static void loop(struct kvd *k, int sfd)
+{
+    bool cancelled = false;
+    double cancel_deadline = 0;
+    while (!k->stop) {
+        zmq_pollitem_t items[3] = {
+            { k->clients, 0, ZMQ_POLLIN, 0 },
+            { k->wsock, 0, ZMQ_POLLIN, 0 },
+            { NULL, sfd, ZMQ_POLLIN, 0 },
+        };
+        if (zmq_poll(items, 3, 50) < 0 && errno != EINTR)
+            die("poll: %s", zmq_strerror(errno));
+        if (items[2].revents & ZMQ_POLLIN) {
+            struct signalfd_siginfo si;
+            while (read(sfd, &si, sizeof(si)) == (ssize_t)sizeof(si))
+                if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT)
+                    start_drain(k);
+        }
+        if (items[1].revents & ZMQ_POLLIN)
+            drain_socket(k, k->wsock, true);
+        if (items[0].revents & ZMQ_POLLIN)
+            drain_socket(k, k->clients, false);
+        workers_reap(k);
+        workers_tick(k);
+        req_tick(k);
+        if (k->draining) {
+            double now = kvd_now_ms();
+            if (k->n_active == 0 && k->n_queued == 0)
+                k->stop = true;
+            else if (!cancelled && now > k->drain_deadline) {
+                req_cancel_all(k, "kvd is shutting down");
+                cancelled = true;
+                cancel_deadline = now + 2000;
+            } else if (cancelled && now > cancel_deadline) {
+                k->stop = true; /* workers that do not answer are stopped below */
+            }
+        }
+    }
+}
+
+int main(int argc, char **argv)
+{
+    struct kvd *k = calloc(1, sizeof(*k));
+    if (k == NULL)
+        die("out of memory");
+    parse_args(argc, argv, &k->o);
+    srandom((unsigned)time(NULL) ^ (unsigned)getpid());
+    /* signals arrive through a descriptor the loop polls */
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &set, NULL);
+    int sfd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
+    if (sfd < 0)
+        die("signalfd: %s", strerror(errno));
+    signal(SIGPIPE, SIG_IGN);
+    char exe[4096];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    if (n <= 0)
+        die("cannot find my own executable");
+    exe[n] = '\0';
+    snprintf(k->exe_dir, sizeof(k->exe_dir), "%s", dirname(exe));
+
+    setup(k);
+    if (workers_start(k) != 0)
+        die("cannot start workers: %s", strerror(errno));
+    kvd_log(k, "ready: model %s, %d workers, context %u", k->o.model, k->o.n_workers, k->n_ctx);
+    loop(k, sfd);
+
+    workers_stop(k);
+    req_release_all(k);
+    struct prefix_stats ps;
+    prefix_stats(k->px, &ps);
+    kvd_log(k, "stopped: %llu requests done, %llu failed; blocks in use %u, pending %u",
+            (unsigned long long)k->st.done, (unsigned long long)k->st.failed, ps.n_used,
+            ps.n_pending);
+    wire_arena_destroy(&k->arena);
+    zmq_close(k->clients);
+    zmq_close(k->wsock);
+    zmq_ctx_term(k->zctx);
+    if (strncmp(k->worker_ep, "ipc://", 6) == 0)
+        unlink(k->worker_ep + 6);
+    for (int i = 0; i < k->o.n_listen; i++)
+        if (strncmp(k->o.listen[i], "ipc://", 6) == 0)
+            unlink(k->o.listen[i] + 6);
+    prefix_destroy(&k->px);
+    pool_close(&k->pool);
+    chat_template_destroy(&k->chat);
+    tok_destroy(&k->tok);
+    model_destroy(&k->model);
+    close(sfd);
+    free(k);
+    return 0;
+}

@@ -1,0 +1,185 @@
+/*
+ * kvd.h - the coordinator's state, shared by its three parts:
+ *
+ *   kvd.c       options, sockets, signals, the event loop, stats, shutdown
+ *   requests.c  client requests: admission, prompts, dispatch, output, finish
+ *   workers.c   worker processes: spawn, register, heartbeats, death, messages
+ *
+ * kvd is single-threaded: one zmq_poll loop owns every structure here, so
+ * nothing locks. It is the only writer of the pool's metadata (shm/prefix.h);
+ * workers only compute into the blocks it hands them.
+ */
+#ifndef KVD_DAEMON_H
+#define KVD_DAEMON_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "chat.h"
+#include "model.h"
+#include "pool.h"
+#include "prefix.h"
+#include "tok.h"
+#include "wire.h"
+
+#define KVD_MAX_WORKERS 64
+#define KVD_MAX_LISTEN 8
+#define KVD_RID_MAX 256          /* bytes of a ZeroMQ routing id */
+
+struct kvd_options {
+    const char *model;              /* --model */
+    const char *listen[KVD_MAX_LISTEN]; /* --listen (default: kvd_default_endpoint()) */
+    int n_listen;
+    bool allow_remote;              /* --allow-remote: permit binding all interfaces */
+    const char *worker_endpoint;    /* --worker-endpoint (default: ipc in the runtime dir) */
+    const char *pool;               /* --pool NAME (default kvd-<pid>, removed at exit) */
+    uint64_t kv_bytes;              /* --kv-memory */
+    int n_workers;                  /* --workers (0: accept external workers only) */
+    int threads;                    /* --threads per worker (0: CPUs / workers) */
+    uint32_t ctx;                   /* --ctx: longest sequence */
+    uint32_t block_tokens;          /* --block-tokens */
+    uint32_t step_tokens;           /* --step-tokens: a worker's token budget per step */
+    uint32_t max_batch;             /* --max-batch: sequences per worker */
+    uint32_t max_queue;             /* --max-queue: queued requests before OVERLOADED */
+    uint32_t worker_timeout_ms;     /* --worker-timeout: no heartbeat or progress -> dead */
+    uint32_t grace_ms;              /* --grace: how long SIGTERM lets requests finish */
+    int max_restarts;               /* --max-restarts per worker slot */
+    bool verbose;                   /* -v */
+};
+
+enum req_state {
+    REQ_QUEUED,     /* waiting for a worker or for blocks */
+    REQ_WAITING,    /* waiting for another request's pending prefix blocks */
+    REQ_RUNNING,    /* assigned to a worker */
+    REQ_STOPPING,   /* cancel sent to its worker; finishes on the worker's Done */
+};
+
+struct request {
+    uint64_t seq_id;                /* kvd's id, unique for the daemon's life */
+    uint64_t client_id;             /* the client's request id */
+    uint8_t rid[KVD_RID_MAX];       /* the client's routing id */
+    size_t rid_len;
+    enum req_state state;
+    int worker;                     /* index into kvd.workers while RUNNING/STOPPING, else -1 */
+    /* what to run */
+    Kvd__SamplingParams sampling;   /* copied (no pointers) */
+    uint32_t max_tokens;
+    char **stops;                   /* stop strings */
+    size_t n_stops;
+    bool stream, ignore_eos, no_cache;
+    prefix_ns_t ns;
+    double deadline;                /* absolute ms, 0: none */
+    /* tokens: prompt, then generated */
+    int32_t *tok;
+    uint32_t n_prompt, n_tok, tok_cap;
+    uint32_t n_cached;              /* prompt tokens found in the cache (first dispatch) */
+    bool counted_cached;            /* n_cached was added to the stats */
+    struct prefix_seq ps;           /* its blocks */
+    uint32_t n_written;             /* positions whose K/V the worker reported written */
+    /* output */
+    char *text;                     /* everything generated (stop string cut off) */
+    size_t text_len, text_cap;
+    size_t sent;                    /* bytes of text already streamed */
+    uint32_t sent_tokens;           /* generated tokens already streamed */
+    uint32_t chunk_seq;             /* next Chunk.seq */
+    int finish;                     /* Kvd__FinishReason once decided, else 0 */
+    bool preempted;                 /* released to make room; requeued on Done */
+    uint32_t lease_want;            /* positions its worker asked for and is waiting for */
+    bool failed;                    /* ends with an error reply instead of a Final */
+    int fail_code;                  /* Kvd__ErrorCode */
+    char fail_msg[256];
+    /* timings (ms, monotonic) */
+    double t_arrival, t_dispatch, t_first, t_last;
+    struct request *next;           /* the queue, or the list of all requests */
+};
+
+struct worker {
+    bool used;                      /* slot in use */
+    uint32_t id;                    /* worker id (its --id) */
+    pid_t pid;                      /* process (from Ready) */
+    bool spawned;                   /* kvd started it (and restarts it) */
+    bool alive;                     /* registered and not declared dead */
+    bool draining;
+    uint8_t rid[KVD_RID_MAX];       /* its routing id on the worker socket */
+    size_t rid_len;
+    uint32_t max_batch;             /* from Ready */
+    uint32_t running;               /* sequences assigned */
+    uint64_t progress;              /* last heartbeat's counter */
+    double last_heartbeat;          /* ms */
+    double last_progress;           /* ms when progress last grew (or work began) */
+    uint64_t tokens;                /* tokens it computed */
+    uint32_t restarts;
+    double restart_at;              /* ms: when a dead spawned worker may be started again */
+};
+
+struct kvd_stats_counters {
+    uint64_t done, failed;
+    uint64_t prompt_tokens, cached_prompt_tokens, completion_tokens;
+    uint64_t preemptions;
+    uint64_t bad_messages;
+};
+
+struct kvd {
+    struct kvd_options o;
+    char exe_dir[4096];             /* where kvd-worker lives */
+    char run_dir[4096];             /* private 0700 runtime directory */
+    char worker_ep[4400];           /* the worker endpoint */
+    char pool_name[128];
+    model_t *model;
+    tok_t *tok;
+    chat_template_t *chat;          /* NULL when the model has none */
+    pool_t *pool;
+    prefix_t *px;
+    uint32_t n_ctx;                 /* context in effect */
+    void *zctx;
+    void *clients;                  /* ROUTER bound to every --listen endpoint */
+    void *wsock;                    /* ROUTER for workers */
+    wire_arena_t *arena;
+    struct worker workers[KVD_MAX_WORKERS];
+    struct request *queue;          /* QUEUED and WAITING requests, FIFO */
+    struct request *active;         /* RUNNING and STOPPING requests */
+    uint32_t n_queued, n_active;
+    uint64_t next_seq;
+    struct kvd_stats_counters st;
+    bool draining;                  /* SIGTERM: no new work */
+    double drain_deadline;
+    bool stop;                      /* leave the loop */
+};
+
+double kvd_now_ms(void);
+void kvd_log(const struct kvd *k, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* kvd.c */
+int kvd_send(struct kvd *k, void *sock, const uint8_t *rid, size_t rid_len,
+             const ProtobufCMessage *m);
+
+/* requests.c */
+void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const void *buf, size_t len);
+void req_dispatch(struct kvd *k);
+void req_tick(struct kvd *k);
+void req_on_commit(struct kvd *k, int w, uint64_t seq_id, uint32_t n_written);
+void req_on_tokens(struct kvd *k, int w, uint64_t seq_id, const int32_t *t, size_t n,
+                   uint32_t n_written);
+void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions);
+void req_on_done(struct kvd *k, int w, uint64_t seq_id, int reason, uint32_t n_written,
+                 const char *error);
+void req_on_worker_lost(struct kvd *k, int w);
+void req_cancel_all(struct kvd *k, const char *why);
+void req_fail_queued(struct kvd *k, int code, const char *why);
+/* After the workers are stopped: ends every request and releases its blocks. */
+void req_release_all(struct kvd *k);
+
+/* workers.c */
+int workers_start(struct kvd *k);
+void workers_on_message(struct kvd *k, const uint8_t *rid, size_t rid_len, const void *buf,
+                        size_t len);
+void workers_tick(struct kvd *k);
+void workers_reap(struct kvd *k);
+int workers_alive(const struct kvd *k);
+bool workers_can_come_back(const struct kvd *k);
+void workers_stop(struct kvd *k);
+int workers_send(struct kvd *k, int w, Kvdw__ToWorker *m);
+
+#endif

@@ -1,0 +1,963 @@
+/*
+ * requests.c - kvd's client requests, from arrival to the final reply.
+ *
+ * A generate request is checked, turned into token ids (chat template,
+ * tokenizer, or ids as given), admitted into a bounded queue (OVERLOADED past
+ * it) and answered with Accepted. Dispatch takes queued requests in order:
+ * the longest committed cached prefix is referenced (or, when the block after
+ * it is still being computed by another request, the request waits for that
+ * commit instead of computing it twice), blocks for the rest are allocated,
+ * and the request is assigned to the least loaded worker. Worker reports
+ * commit blocks (which makes them reusable), append tokens (detokenized,
+ * checked for stop strings, streamed as whole UTF-8 characters) and finally
+ * let go of the sequence (Done), after which its blocks are released and the
+ * client gets its Final. A sequence that needs a block when the pool is full
+ * preempts the youngest running one, which is requeued and later recomputed
+ * from its cached prefix; a dead worker's sequences resume elsewhere from the
+ * tokens already streamed, so the client sees one uninterrupted stream.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <zmq.h>
+
+#include "err.h"
+#include "kvd.h"
+
+#define RETRY_AFTER_MS 1000u
+
+/* ---- replies ---------------------------------------------------------------------------- */
+
+/* Sends a reply to r's client; a client that is gone cancels its request. */
+static int reply(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id, Kvd__ServerReply *m)
+{
+    m->has_version = true;
+    m->version = WIRE_VERSION;
+    m->has_request_id = true;
+    m->request_id = id;
+    return kvd_send(k, k->clients, rid, rid_len, &m->base);
+}
+
+static void reply_error(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id, int code,
+                        const char *msg, uint32_t retry_after)
+{
+    Kvd__ServerReply m = KVD__SERVER_REPLY__INIT;
+    Kvd__Error e = KVD__ERROR__INIT;
+    e.has_code = true;
+    e.code = code;
+    e.message = (char *)msg;
+    e.has_retry_after_ms = retry_after > 0;
+    e.retry_after_ms = retry_after;
+    m.body_case = KVD__SERVER_REPLY__BODY_ERROR;
+    m.error = &e;
+    reply(k, rid, rid_len, id, &m);
+}
+
+/* ---- request lists ------------------------------------------------------------------------ */
+
+static void list_remove(struct request **head, struct request *r)
+{
+    for (struct request **p = head; *p; p = &(*p)->next)
+        if (*p == r) {
+            *p = r->next;
+            r->next = NULL;
+            return;
+        }
+}
+
+static void list_append(struct request **head, struct request *r)
+{
+    struct request **p = head;
+    while (*p)
+        p = &(*p)->next;
+    r->next = NULL;
+    *p = r;
+}
+
+static struct request *find_active(struct kvd *k, uint64_t seq_id)
+{
+    for (struct request *r = k->active; r; r = r->next)
+        if (r->seq_id == seq_id)
+            return r;
+    return NULL;
+}
+
+static struct request *find_client(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id)
+{
+    struct request *lists[2] = { k->queue, k->active };
+    for (int l = 0; l < 2; l++)
+        for (struct request *r = lists[l]; r; r = r->next)
+            if (r->client_id == id && r->rid_len == rid_len && memcmp(r->rid, rid, rid_len) == 0)
+                return r;
+    return NULL;
+}
+
+static void req_free(struct request *r)
+{
+    for (size_t i = 0; i < r->n_stops; i++)
+        free(r->stops[i]);
+    free(r->stops);
+    free(r->tok);
+    free(r->text);
+    prefix_seq_fini(&r->ps);
+    free(r);
+}
+
+/* ---- output ---------------------------------------------------------------------------------- */
+
+/* Bytes of text that may be sent: whole UTF-8 characters, and not a tail that
+ * could still grow into a stop string. */
+static size_t safe_len(const struct request *r)
+{
+    size_t n = r->text_len;
+    /* an incomplete UTF-8 sequence at the end waits for its remaining bytes */
+    for (size_t back = 1; back <= 4 && back <= n; back++) {
+        unsigned char c = (unsigned char)r->text[n - back];
+        if ((c & 0xC0) == 0x80)
+            continue;               /* continuation byte */
+        size_t need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+        if (need > back)
+            n -= back;
+        break;
+    }
+    size_t hold = 0;
+    for (size_t i = 0; i < r->n_stops; i++) {
+        size_t sl = strlen(r->stops[i]);
+        for (size_t m = sl - 1; m > hold; m--)
+            if (m <= r->text_len && memcmp(r->text + r->text_len - m, r->stops[i], m) == 0) {
+                hold = m;
+                break;
+            }
+    }
+    size_t limit = r->text_len - hold;
+    return n < limit ? n : limit;
+}
+
+/* Streams what is new since the last chunk (all of it when final). */
+static void stream_out(struct kvd *k, struct request *r, bool final)
+{
+    if (!r->stream || r->rid_len == 0)
+        return;
+    size_t upto = final ? r->text_len : safe_len(r);
+    uint32_t n_gen = r->n_tok - r->n_prompt;
+    if (upto <= r->sent && n_gen <= r->sent_tokens)
+        return;
+    Kvd__ServerReply m = KVD__SERVER_REPLY__INIT;
+    Kvd__Chunk c = KVD__CHUNK__INIT;
+    c.has_seq = true;
+    c.seq = r->chunk_seq++;
+    c.token_ids = r->tok + r->n_prompt + r->sent_tokens;
+    c.n_token_ids = n_gen - r->sent_tokens;
+    char *txt = malloc(upto > r->sent ? upto - r->sent + 1 : 1);
+    if (txt == NULL)
+        return;
+    size_t tl = upto > r->sent ? upto - r->sent : 0;
+    memcpy(txt, r->text + r->sent, tl);
+    txt[tl] = '\0';
+    c.text = txt;
+    m.body_case = KVD__SERVER_REPLY__BODY_CHUNK;
+    m.chunk = &c;
+    if (reply(k, r->rid, r->rid_len, r->client_id, &m) != 0)
+        r->rid_len = 0; /* the client is gone: nothing more is sent */
+    free(txt);
+    r->sent = upto > r->sent ? upto : r->sent;
+    r->sent_tokens = n_gen;
+}
+
+/* Ends r: the final reply (or error), statistics, and its memory. r must be
+ * in no list and hold no blocks. */
+static void finish(struct kvd *k, struct request *r)
+{
+    double now = kvd_now_ms();
+    uint32_t n_gen = r->n_tok - r->n_prompt;
+    if (r->failed) {
+        k->st.failed++;
+        if (r->rid_len)
+            reply_error(k, r->rid, r->rid_len, r->client_id, r->fail_code, r->fail_msg, 0);
+    } else {
+        k->st.done++;
+        stream_out(k, r, true);
+        Kvd__ServerReply m = KVD__SERVER_REPLY__INIT;
+        Kvd__Final f = KVD__FINAL__INIT;
+        Kvd__Usage u = KVD__USAGE__INIT;
+        Kvd__Timings t = KVD__TIMINGS__INIT;
+        u.has_prompt_tokens = u.has_cached_prompt_tokens = u.has_completion_tokens = true;
+        u.prompt_tokens = r->n_prompt;
+        u.cached_prompt_tokens = r->n_cached;
+        u.completion_tokens = n_gen;
+        t.has_queued_ms = t.has_ttft_ms = t.has_decode_ms = t.has_total_ms = true;
+        t.queued_ms = r->t_dispatch > 0 ? r->t_dispatch - r->t_arrival : now - r->t_arrival;
+        t.ttft_ms = r->t_first > 0 ? r->t_first - r->t_arrival : 0;
+        t.decode_ms = r->t_first > 0 ? r->t_last - r->t_first : 0;
+        t.total_ms = now - r->t_arrival;
+        f.has_finish_reason = f.has_chunks = true;
+        f.finish_reason = r->finish ? r->finish : KVD__FINISH_REASON__FINISH_LENGTH;
+        f.usage = &u;
+        f.timings = &t;
+        char empty = '\0';
+        f.text = r->text ? r->text : &empty;
+        f.token_ids = r->tok + r->n_prompt;
+        f.n_token_ids = n_gen;
+        f.chunks = r->chunk_seq;
+        m.body_case = KVD__SERVER_REPLY__BODY_FINAL;
+        m.final = &f;
+        if (r->rid_len)
+            reply(k, r->rid, r->rid_len, r->client_id, &m);
+    }
+    k->st.completion_tokens += n_gen;
+    req_free(r);
+}
+
+/* ---- stopping requests ----------------------------------------------------------------------- */
+
+static void send_cancel(struct kvd *k, struct request *r)
+{
+    Kvdw__ToWorker m = KVDW__TO_WORKER__INIT;
+    Kvdw__Cancel c = KVDW__CANCEL__INIT;
+    c.has_seq_id = true;
+    c.seq_id = r->seq_id;
+    m.body_case = KVDW__TO_WORKER__BODY_CANCEL;
+    m.cancel = &c;
+    workers_send(k, r->worker, &m);
+}
+
+/* Ends r with finish reason `why` (or, with fail_code != 0, an error): at once
+ * when it is queued, else after its worker lets go of it. */
+static void stop_request(struct kvd *k, struct request *r, int why, int fail_code, const char *msg)
+{
+    if (fail_code) {
+        r->failed = true;
+        r->fail_code = fail_code;
+        snprintf(r->fail_msg, sizeof(r->fail_msg), "%s", msg ? msg : "");
+    }
+    if (!r->finish)
+        r->finish = why;
+    if (r->state == REQ_QUEUED || r->state == REQ_WAITING) {
+        list_remove(&k->queue, r);
+        k->n_queued--;
+        finish(k, r);
+    } else if (r->state == REQ_RUNNING) {
+        r->state = REQ_STOPPING;
+        send_cancel(k, r);  /* finishes on Done (or when the worker is lost) */
+    }
+}
+
+/* ---- admission ---------------------------------------------------------------------------------- */
+
+static int append_text(struct request *r, const char *s, size_t n)
+{
+    if (r->text_len + n + 1 > r->text_cap) {
+        size_t cap = (r->text_len + n + 1) * 2;
+        char *t = realloc(r->text, cap);
+        if (t == NULL)
+            return KVD_ENOMEM;
+        r->text = t;
+        r->text_cap = cap;
+    }
+    memcpy(r->text + r->text_len, s, n);
+    r->text_len += n;
+    r->text[r->text_len] = '\0';
+    return 0;
+}
+
+static int reserve_tokens(struct request *r, uint32_t n)
+{
+    if (n <= r->tok_cap)
+        return 0;
+    uint32_t cap = n * 2 > 64 ? n * 2 : 64;
+    int32_t *t = realloc(r->tok, (size_t)cap * sizeof(int32_t));
+    if (t == NULL)
+        return KVD_ENOMEM;
+    r->tok = t;
+    r->tok_cap = cap;
+    return 0;
+}
+
+/* Tokenizes text into r->tok (after a BOS when the model wants one). */
+static int tokenize(struct kvd *k, struct request *r, const char *text, size_t len, bool special)
+{
+    bool bos = tok_add_bos(k->tok);
+    if (reserve_tokens(r, (uint32_t)len + 2) != 0)
+        return KVD_ENOMEM;
+    size_t n = 0;
+    int rc = tok_encode(k->tok, text, len, special, r->tok + bos, r->tok_cap - bos, &n);
+    if (rc != 0)
+        return rc;
+    if (bos)
+        r->tok[0] = tok_bos(k->tok);
+    r->n_tok = r->n_prompt = (uint32_t)(n + bos);
+    return 0;
+}
+
+/* Fills r's prompt from the request; 0 or an error code and message. */
+static int build_prompt(struct kvd *k, struct request *r, const Kvd__GenerateRequest *g,
+                        char *msg, size_t msg_len)
+{
+    if (g->n_token_ids > 0) {
+        if (reserve_tokens(r, (uint32_t)g->n_token_ids + 1) != 0)
+            return KVD__ERROR_CODE__ERR_INTERNAL;
+        for (size_t i = 0; i < g->n_token_ids; i++) {
+            if ((uint32_t)g->token_ids[i] >= k->model->cfg.n_vocab) {
+                snprintf(msg, msg_len, "token id %d is out of range (the vocabulary has %u tokens)",
+                         g->token_ids[i], k->model->cfg.n_vocab);
+                return KVD__ERROR_CODE__ERR_BAD_REQUEST;
+            }
+            r->tok[i] = g->token_ids[i];
+        }
+        r->n_tok = r->n_prompt = (uint32_t)g->n_token_ids;
+        return 0;
+    }
+    if (g->n_messages > 0) {
+        if (k->chat == NULL) {
+            snprintf(msg, msg_len, "the model has no chat template; send a plain prompt");
+            return KVD__ERROR_CODE__ERR_BAD_REQUEST;
+        }
+        struct chat_msg *cm = calloc(g->n_messages, sizeof(*cm));
+        if (cm == NULL)
+            return KVD__ERROR_CODE__ERR_INTERNAL;
+        for (size_t i = 0; i < g->n_messages; i++)
+            cm[i] = (struct chat_msg){ g->messages[i]->role, g->messages[i]->content };
+        char *text = NULL;
+        size_t len = 0;
+        int rc = chat_apply(k->chat, cm, g->n_messages, true, &text, &len);
+        free(cm);
+        if (rc == 0)
+            rc = tokenize(k, r, text, len, true);
+        free(text);
+        if (rc != 0) {
+            snprintf(msg, msg_len, "cannot apply the chat template: %s", kvd_strerror(rc));
+            return KVD__ERROR_CODE__ERR_BAD_REQUEST;
+        }
+        return 0;
+    }
+    const char *text;
+    size_t len;
+    int rc = wire_prompt_text(k->arena, g, &text, &len, msg, msg_len);
+    if (rc != 0)
+        return rc == KVD_ETOOLONG ? KVD__ERROR_CODE__ERR_TOO_LONG : KVD__ERROR_CODE__ERR_BAD_REQUEST;
+    rc = tokenize(k, r, text, len, false);
+    if (rc != 0) {
+        snprintf(msg, msg_len, "cannot tokenize the prompt: %s", kvd_strerror(rc));
+        return KVD__ERROR_CODE__ERR_BAD_REQUEST;
+    }
+    return 0;
+}
+
+static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id,
+                        const Kvd__GenerateRequest *g)
+{
+    char msg[256];
+    if (k->draining) {
+        reply_error(k, rid, rid_len, id, KVD__ERROR_CODE__ERR_SHUTTING_DOWN,
+                    "kvd is shutting down", 0);
+        return;
+    }
+    if (find_client(k, rid, rid_len, id) != NULL) {
+        reply_error(k, rid, rid_len, id, KVD__ERROR_CODE__ERR_BAD_REQUEST,
+                    "request id already in use by a running request of this client", 0);
+        return;
+    }
+    if (k->n_queued >= k->o.max_queue) {
+        snprintf(msg, sizeof(msg), "the queue is full (%u requests waiting)", k->n_queued);
+        reply_error(k, rid, rid_len, id, KVD__ERROR_CODE__ERR_OVERLOADED, msg, RETRY_AFTER_MS);
+        return;
+    }
+    if (workers_alive(k) == 0 && !workers_can_come_back(k)) {
+        reply_error(k, rid, rid_len, id, KVD__ERROR_CODE__ERR_UNAVAILABLE, "no worker is running", 0);
+        return;
+    }
+    struct request *r = calloc(1, sizeof(*r));
+    if (r == NULL) {
+        reply_error(k, rid, rid_len, id, KVD__ERROR_CODE__ERR_INTERNAL, "out of memory", 0);
+        return;
+    }
+    r->t_arrival = kvd_now_ms();
+    r->client_id = id;
+    memcpy(r->rid, rid, rid_len);
+    r->rid_len = rid_len;
+    r->worker = -1;
+    msg[0] = '\0';
+    int code = build_prompt(k, r, g, msg, sizeof(msg));
+    if (code == 0 && r->n_prompt == 0) {
+        snprintf(msg, sizeof(msg), "the prompt is empty");
+        code = KVD__ERROR_CODE__ERR_BAD_REQUEST;
+    }
+    const struct pool_header *h = pool_header(k->pool);
+    uint64_t pool_tokens = (uint64_t)h->n_blocks * h->layout.block_tokens;
+    if (code == 0 && r->n_prompt + 1 > k->n_ctx) {
+        snprintf(msg, sizeof(msg), "the prompt has %u tokens; the context holds %u", r->n_prompt,
+                 k->n_ctx);
+        code = KVD__ERROR_CODE__ERR_TOO_LONG;
+    }
+    if (code == 0 && r->n_prompt + 1 > pool_tokens) {
+        snprintf(msg, sizeof(msg), "the prompt has %u tokens; the KV pool holds %llu", r->n_prompt,
+                 (unsigned long long)pool_tokens);
+        code = KVD__ERROR_CODE__ERR_TOO_LONG;
+    }
+    r->n_stops = g->n_stop;
+    r->stops = g->n_stop ? calloc(g->n_stop, sizeof(char *)) : NULL;
+    for (size_t i = 0; code == 0 && i < g->n_stop; i++)
+        if ((r->stops[i] = strdup(g->stop[i])) == NULL)
+            code = KVD__ERROR_CODE__ERR_INTERNAL;
+    if (code != 0) {
+        k->st.bad_messages += code == KVD__ERROR_CODE__ERR_BAD_REQUEST;
+        reply_error(k, rid, rid_len, id, code, msg[0] ? msg : "cannot take the request", 0);
+        req_free(r);
+        return;
+    }
+    Kvd__SamplingParams sp = KVD__SAMPLING_PARAMS__INIT;
+    if (g->sampling) {
+        const Kvd__SamplingParams *s = g->sampling;
+        sp.has_temperature = s->has_temperature, sp.temperature = s->temperature;
+        sp.has_top_k = s->has_top_k, sp.top_k = s->top_k;
+        sp.has_top_p = s->has_top_p, sp.top_p = s->top_p;
+        sp.has_min_p = s->has_min_p, sp.min_p = s->min_p;
+        sp.has_repeat_penalty = s->has_repeat_penalty, sp.repeat_penalty = s->repeat_penalty;
+        sp.has_seed = s->has_seed, sp.seed = s->seed;
+    }
+    if (!sp.has_seed) {
+        sp.has_seed = true;
+        sp.seed = (uint64_t)random() << 31 ^ (uint64_t)random();
+    }
+    r->sampling = sp;
+    r->max_tokens = g->has_max_tokens && g->max_tokens ? g->max_tokens : 256;
+    r->stream = g->has_stream && g->stream;
+    r->ignore_eos = g->has_ignore_eos && g->ignore_eos;
+    r->no_cache = g->has_no_cache && g->no_cache;
+    const char *ns = g->namespace_ ? g->namespace_ : "";
+    r->ns = prefix_namespace(k->px, ns, strlen(ns));
+    r->deadline = g->has_deadline_ms && g->deadline_ms ? r->t_arrival + g->deadline_ms : 0;
+    r->seq_id = ++k->next_seq;
+    r->state = REQ_QUEUED;
+    list_append(&k->queue, r);
+    uint32_t position = k->n_queued++;
+    k->st.prompt_tokens += r->n_prompt;
+
+    Kvd__ServerReply m = KVD__SERVER_REPLY__INIT;
+    Kvd__Accepted a = KVD__ACCEPTED__INIT;
+    a.has_prompt_tokens = a.has_queue_position = true;
+    a.prompt_tokens = r->n_prompt;
+    a.queue_position = position;
+    m.body_case = KVD__SERVER_REPLY__BODY_ACCEPTED;
+    m.accepted = &a;
+    reply(k, rid, rid_len, id, &m);
+    req_dispatch(k);
+}
+
+/* ---- dispatch ------------------------------------------------------------------------------------ */
+
+static int pick_worker(struct kvd *k)
+{
+    int best = -1;
+    for (int i = 0; i < KVD_MAX_WORKERS; i++) {
+        const struct worker *w = &k->workers[i];
+        if (!w->used || !w->alive || w->draining || w->running >= w->max_batch)
+            continue;
+        if (best < 0 || w->running < k->workers[best].running)
+            best = i;
+    }
+    return best;
+}
+
+/* Positions to hold blocks for: the history, the next token, and a block of
+ * room so that decoding rarely has to ask. */
+static uint64_t want_positions(const struct kvd *k, uint64_t n)
+{
+    uint64_t want = n + k->o.block_tokens;
+    return want > k->n_ctx ? (n > k->n_ctx ? n : k->n_ctx) : want;
+}
+
+/* Tries to start r on a worker. 1 started, 0 not now (no worker or blocks),
+ * -1 r finished (it can never fit). */
+static int start(struct kvd *k, struct request *r)
+{
+    int w = pick_worker(k);
+    if (w < 0)
+        return 0;
+    uint32_t wait = POOL_NONE;
+    int64_t cached;
+    if (r->no_cache) {
+        cached = prefix_seq_begin(k->px, &r->ps, r->ns, r->tok, 0, NULL);
+        r->ps.chain_open = false; /* nothing it computes is indexed either */
+    } else {
+        cached = prefix_seq_begin(k->px, &r->ps, r->ns, r->tok, r->n_tok, &wait);
+    }
+    if (cached < 0)
+        return 0;
+    if (wait != POOL_NONE && !r->no_cache) {
+        /* another request is computing the next block of this prefix: wait for it */
+        prefix_seq_release(k->px, &r->ps);
+        r->state = REQ_WAITING;
+        return 0;
+    }
+    int rc = prefix_seq_grow(k->px, &r->ps, want_positions(k, r->n_tok + 1ull), r->tok,
+                             r->no_cache ? 0 : r->n_tok);
+    if (rc == KVD_ENOSPACE)
+        rc = prefix_seq_grow(k->px, &r->ps, r->n_tok + 1ull, r->tok, r->no_cache ? 0 : r->n_tok);
+    if (rc != 0) {
+        prefix_seq_release(k->px, &r->ps);
+        if (k->n_active == 0) {
+            /* nothing will free blocks: it can never run */
+            stop_request(k, r, 0, KVD__ERROR_CODE__ERR_TOO_LONG,
+                         "the KV pool cannot hold this sequence");
+            return -1;
+        }
+        return 0;
+    }
+    Kvdw__ToWorker m = KVDW__TO_WORKER__INIT;
+    Kvdw__Assign a = KVDW__ASSIGN__INIT;
+    a.has_seq_id = a.has_n_cached = a.has_max_new = a.has_ignore_eos = a.has_n_generated = true;
+    a.seq_id = r->seq_id;
+    a.tokens = r->tok;
+    a.n_tokens = r->n_tok;
+    a.n_cached = (uint32_t)cached;
+    a.blocks = r->ps.blocks;
+    a.n_blocks = r->ps.n_blocks;
+    a.sampling = &r->sampling;
+    uint32_t n_gen = r->n_tok - r->n_prompt;
+    a.max_new = r->max_tokens > n_gen ? r->max_tokens - n_gen : 0;
+    a.ignore_eos = r->ignore_eos;
+    a.n_generated = n_gen;
+    m.body_case = KVDW__TO_WORKER__BODY_ASSIGN;
+    m.assign = &a;
+    list_remove(&k->queue, r);
+    k->n_queued--;
+    list_append(&k->active, r);
+    k->n_active++;
+    r->state = REQ_RUNNING;
+    r->worker = w;
+    r->n_written = (uint32_t)cached;
+    if (r->t_dispatch == 0) {
+        r->t_dispatch = kvd_now_ms();
+        r->n_cached = (uint32_t)cached;
+        k->st.cached_prompt_tokens += (uint64_t)cached;
+    }
+    struct worker *wk = &k->workers[w];
+    if (wk->running++ == 0)
+        wk->last_progress = kvd_now_ms();
+    workers_send(k, w, &m);
+    return 1;
+}
+
+void req_dispatch(struct kvd *k)
+{
+    struct request *r = k->queue;
+    while (r) {
+        struct request *next = r->next;
+        if (r->state == REQ_QUEUED) {
+            int rc = start(k, r);
+            if (rc == 0 && r->state == REQ_QUEUED)
+                break; /* no worker or no blocks: keep the order */
+        }
+        r = next;
+    }
+}
+
+/* Requests waiting for a pending prefix try again (after a commit or release). */
+static void wake_waiters(struct kvd *k)
+{
+    for (struct request *r = k->queue; r; r = r->next)
+        if (r->state == REQ_WAITING)
+            r->state = REQ_QUEUED;
+}
+
+/* ---- worker reports ------------------------------------------------------------------------------ */
+
+static struct request *from_worker(struct kvd *k, int w, uint64_t seq_id)
+{
+    struct request *r = find_active(k, seq_id);
+    if (r == NULL || r->worker != w) {
+        k->st.bad_messages++;
+        return NULL;
+    }
+    return r;
+}
+
+static void commit(struct kvd *k, struct request *r, uint32_t n_written)
+{
+    if (n_written <= r->n_written || n_written > r->n_tok)
+        return;
+    if (prefix_seq_commit(k->px, &r->ps, r->tok, n_written) != 0)
+        kvd_log(k, "request %llu: committed blocks differ from the tokens promised",
+                (unsigned long long)r->seq_id);
+    r->n_written = n_written;
+    wake_waiters(k);
+}
+
+void req_on_commit(struct kvd *k, int w, uint64_t seq_id, uint32_t n_written)
+{
+    struct request *r = from_worker(k, w, seq_id);
+    if (r == NULL)
+        return;
+    commit(k, r, n_written);
+    req_dispatch(k);
+}
+
+void req_on_tokens(struct kvd *k, int w, uint64_t seq_id, const int32_t *t, size_t n,
+                   uint32_t n_written)
+{
+    struct request *r = from_worker(k, w, seq_id);
+    if (r == NULL || r->state != REQ_RUNNING)
+        return;
+    double now = kvd_now_ms();
+    for (size_t i = 0; i < n && r->state == REQ_RUNNING; i++) {
+        if ((uint32_t)t[i] >= k->model->cfg.n_vocab || reserve_tokens(r, r->n_tok + 2) != 0) {
+            stop_request(k, r, 0, KVD__ERROR_CODE__ERR_INTERNAL, "the worker sent a bad token");
+            return;
+        }
+        r->tok[r->n_tok++] = t[i];
+        k->workers[w].tokens++;
+        if (r->t_first == 0)
+            r->t_first = now;
+        r->t_last = now;
+        if (!r->ignore_eos && tok_is_eog(k->tok, t[i]))
+            continue; /* the worker ends the sequence; no text */
+        char piece[512];
+        size_t pn = 0;
+        if (tok_decode_piece(k->tok, t[i], piece, sizeof(piece), &pn) != 0)
+            pn = 0;
+        size_t before = r->text_len;
+        append_text(r, piece, pn);
+        for (size_t s = 0; s < r->n_stops; s++) {
+            size_t sl = strlen(r->stops[s]);
+            size_t from = before >= sl ? before - sl + 1 : 0;
+            const char *hit = r->text_len ? strstr(r->text + from, r->stops[s]) : NULL;
+            if (hit != NULL) {
+                r->text_len = (size_t)(hit - r->text);
+                r->text[r->text_len] = '\0';
+                stop_request(k, r, KVD__FINISH_REASON__FINISH_STOP, 0, NULL);
+                break;
+            }
+        }
+    }
+    commit(k, r, n_written);
+    if (r->state == REQ_RUNNING)
+        stream_out(k, r, false);
+}
+
+/* Preempts the youngest running request (not `except`); false if none. */
+static bool preempt_youngest(struct kvd *k, struct request *except)
+{
+    struct request *young = NULL;
+    for (struct request *r = k->active; r; r = r->next)
+        if (r != except && r->state == REQ_RUNNING && !r->preempted &&
+            (young == NULL || r->t_arrival > young->t_arrival))
+            young = r;
+    if (young == NULL)
+        return false;
+    young->preempted = true;
+    young->state = REQ_STOPPING;
+    send_cancel(k, young);
+    kvd_log(k, "request %llu: preempted to free blocks", (unsigned long long)young->seq_id);
+    return true;
+}
+
+static void grant(struct kvd *k, struct request *r, uint32_t from)
+{
+    Kvdw__ToWorker m = KVDW__TO_WORKER__INIT;
+    Kvdw__Grant g = KVDW__GRANT__INIT;
+    g.has_seq_id = true;
+    g.seq_id = r->seq_id;
+    g.blocks = r->ps.blocks + from;
+    g.n_blocks = r->ps.n_blocks - from;
+    m.body_case = KVDW__TO_WORKER__BODY_GRANT;
+    m.grant = &g;
+    workers_send(k, r->worker, &m);
+}
+
+void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions)
+{
+    struct request *r = from_worker(k, w, seq_id);
+    if (r == NULL || r->state != REQ_RUNNING)
+        return;
+    if (n_positions > k->n_ctx + 1u) {
+        k->st.bad_messages++;
+        return;
+    }
+    uint32_t before = r->ps.n_blocks;
+    const int32_t *known = r->no_cache ? NULL : r->tok;
+    uint64_t n_known = r->no_cache ? 0 : r->n_tok;
+    int rc = prefix_seq_grow(k->px, &r->ps, want_positions(k, n_positions), known, n_known);
+    if (rc == KVD_ENOSPACE)
+        rc = prefix_seq_grow(k->px, &r->ps, n_positions, known, n_known);
+    if (rc == 0) {
+        if (r->ps.n_blocks > before)
+            grant(k, r, before);
+        return;
+    }
+    /* the pool is full: preempt the youngest other sequence; the worker waits
+     * for its Grant, which follows once the preempted one's Done frees blocks */
+    r->lease_want = n_positions;
+    if (!preempt_youngest(k, r)) {
+        /* alone and still too big: it ends here, as when the context is full */
+        stop_request(k, r, KVD__FINISH_REASON__FINISH_LENGTH, 0, NULL);
+    }
+}
+
+/* Retries the leases that waited for blocks. */
+static void retry_leases(struct kvd *k)
+{
+    for (struct request *r = k->active; r; r = r->next) {
+        if (r->lease_want == 0 || r->state != REQ_RUNNING)
+            continue;
+        uint32_t before = r->ps.n_blocks;
+        int rc = prefix_seq_grow(k->px, &r->ps, r->lease_want, r->no_cache ? NULL : r->tok,
+                                 r->no_cache ? 0 : r->n_tok);
+        if (rc == 0) {
+            r->lease_want = 0;
+            if (r->ps.n_blocks > before)
+                grant(k, r, before);
+        } else if (!preempt_youngest(k, r)) {
+            r->lease_want = 0;
+            stop_request(k, r, KVD__FINISH_REASON__FINISH_LENGTH, 0, NULL);
+        }
+    }
+}
+
+/* r's worker no longer touches its blocks: release them and move on. */
+static void let_go(struct kvd *k, struct request *r, int reason, const char *error)
+{
+    list_remove(&k->active, r);
+    k->n_active--;
+    if (r->worker >= 0 && k->workers[r->worker].running > 0)
+        k->workers[r->worker].running--;
+    r->worker = -1;
+    r->lease_want = 0;
+    prefix_seq_release(k->px, &r->ps);
+    wake_waiters(k);
+    bool resume = r->preempted || reason < 0;
+    if (resume && !r->finish && !r->failed) {
+        /* back to the head of the queue; recomputed from its cached prefix */
+        r->preempted = false;
+        r->state = REQ_QUEUED;
+        r->next = k->queue;
+        k->queue = r;
+        k->n_queued++;
+        if (reason >= 0)
+            k->st.preemptions++;
+        return;
+    }
+    if (r->state != REQ_STOPPING) {
+        if (reason == KVDW__DONE_REASON__DONE_EOG)
+            r->finish = KVD__FINISH_REASON__FINISH_STOP;
+        else if (reason == KVDW__DONE_REASON__DONE_LENGTH)
+            r->finish = KVD__FINISH_REASON__FINISH_LENGTH;
+        else if (reason == KVDW__DONE_REASON__DONE_ERROR) {
+            r->failed = true;
+            r->fail_code = KVD__ERROR_CODE__ERR_INTERNAL;
+            snprintf(r->fail_msg, sizeof(r->fail_msg), "worker: %s", error ? error : "failed");
+        } else
+            r->finish = KVD__FINISH_REASON__FINISH_CANCELLED;
+    }
+    if (r->finish == KVD__FINISH_REASON__FINISH_DEADLINE && r->n_tok == r->n_prompt && !r->failed) {
+        r->failed = true;
+        r->fail_code = KVD__ERROR_CODE__ERR_DEADLINE;
+        snprintf(r->fail_msg, sizeof(r->fail_msg), "the deadline passed before any output");
+    }
+    finish(k, r);
+}
+
+void req_on_done(struct kvd *k, int w, uint64_t seq_id, int reason, uint32_t n_written,
+                 const char *error)
+{
+    struct request *r = from_worker(k, w, seq_id);
+    if (r == NULL)
+        return;
+    if (reason != KVDW__DONE_REASON__DONE_ERROR)
+        commit(k, r, n_written);
+    let_go(k, r, reason, error);
+    retry_leases(k);
+    req_dispatch(k);
+}
+
+void req_on_worker_lost(struct kvd *k, int w)
+{
+    struct request *r = k->active;
+    while (r) {
+        struct request *next = r->next;
+        if (r->worker == w)
+            let_go(k, r, -1, NULL); /* resumes elsewhere unless it was stopping */
+        r = next;
+    }
+    retry_leases(k);
+    req_dispatch(k);
+}
+
+/* ---- client messages ------------------------------------------------------------------------------ */
+
+static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id)
+{
+    struct prefix_stats ps;
+    prefix_stats(k->px, &ps);
+    Kvd__ServerReply m = KVD__SERVER_REPLY__INIT;
+    Kvd__Stats s = KVD__STATS__INIT;
+    Kvd__WorkerStats ws[KVD_MAX_WORKERS], *wp[KVD_MAX_WORKERS];
+    s.has_requests_running = s.has_requests_queued = s.has_requests_done = true;
+    s.has_requests_failed = s.has_prompt_tokens = s.has_cached_prompt_tokens = true;
+    s.has_completion_tokens = s.has_blocks_total = s.has_blocks_free = s.has_blocks_cached = true;
+    s.has_blocks_in_use = s.has_blocks_pending = s.has_evictions = s.has_preemptions = true;
+    s.has_bad_messages = s.has_block_tokens = s.has_block_bytes = true;
+    s.requests_running = k->n_active;
+    s.requests_queued = k->n_queued;
+    s.requests_done = k->st.done;
+    s.requests_failed = k->st.failed;
+    s.prompt_tokens = k->st.prompt_tokens;
+    s.cached_prompt_tokens = k->st.cached_prompt_tokens;
+    s.completion_tokens = k->st.completion_tokens;
+    s.blocks_total = ps.n_blocks;
+    s.blocks_free = ps.n_free;
+    s.blocks_cached = ps.n_cached;
+    s.blocks_in_use = ps.n_used;
+    s.blocks_pending = ps.n_pending;
+    s.evictions = ps.evictions;
+    s.preemptions = k->st.preemptions;
+    s.bad_messages = k->st.bad_messages;
+    s.block_tokens = k->o.block_tokens;
+    s.block_bytes = ps.block_bytes;
+    size_t n = 0;
+    for (int i = 0; i < KVD_MAX_WORKERS; i++) {
+        const struct worker *w = &k->workers[i];
+        if (!w->used)
+            continue;
+        Kvd__WorkerStats x = KVD__WORKER_STATS__INIT;
+        x.has_id = x.has_pid = x.has_alive = x.has_running = x.has_tokens = x.has_restarts = true;
+        x.id = w->id;
+        x.pid = w->pid;
+        x.alive = w->alive;
+        x.running = w->running;
+        x.tokens = w->tokens;
+        x.restarts = w->restarts;
+        ws[n] = x;
+        wp[n] = &ws[n];
+        n++;
+    }
+    s.workers = wp;
+    s.n_workers = n;
+    m.body_case = KVD__SERVER_REPLY__BODY_STATS;
+    m.stats = &s;
+    reply(k, rid, rid_len, id, &m);
+}
+
+static void on_health(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id)
+{
+    Kvd__ServerReply m = KVD__SERVER_REPLY__INIT;
+    Kvd__Health h = KVD__HEALTH__INIT;
+    h.has_ok = h.has_workers_alive = true;
+    h.workers_alive = (uint32_t)workers_alive(k);
+    h.ok = h.workers_alive > 0 && !k->draining;
+    h.model = (char *)k->o.model;
+    m.body_case = KVD__SERVER_REPLY__BODY_HEALTH;
+    m.health = &h;
+    reply(k, rid, rid_len, id, &m);
+}
+
+void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const void *buf, size_t len)
+{
+    char err[256];
+    int code;
+    wire_arena_reset(k->arena);
+    Kvd__ClientRequest *m = wire_client_request_unpack(k->arena, buf, len, &code, err, sizeof(err));
+    if (m == NULL) {
+        k->st.bad_messages++;
+        reply_error(k, rid, rid_len, 0,
+                    code == KVD_ETOOLONG ? KVD__ERROR_CODE__ERR_TOO_LONG
+                                         : KVD__ERROR_CODE__ERR_BAD_REQUEST, err, 0);
+        return;
+    }
+    uint64_t id = m->request_id;
+    switch (m->body_case) {
+    case KVD__CLIENT_REQUEST__BODY_GENERATE:
+        on_generate(k, rid, rid_len, id, m->generate);
+        break;
+    case KVD__CLIENT_REQUEST__BODY_CANCEL: {
+        struct request *r = find_client(k, rid, rid_len, m->cancel->target);
+        if (r == NULL) {
+            reply_error(k, rid, rid_len, id, KVD__ERROR_CODE__ERR_NOT_FOUND,
+                        "no such request of this client", 0);
+            break;
+        }
+        Kvd__ServerReply a = KVD__SERVER_REPLY__INIT;
+        Kvd__Accepted acc = KVD__ACCEPTED__INIT;
+        a.body_case = KVD__SERVER_REPLY__BODY_ACCEPTED;
+        a.accepted = &acc;
+        reply(k, rid, rid_len, id, &a);
+        stop_request(k, r, KVD__FINISH_REASON__FINISH_CANCELLED, 0, NULL);
+        req_dispatch(k);
+        break;
+    }
+    case KVD__CLIENT_REQUEST__BODY_STATS:
+        on_stats(k, rid, rid_len, id);
+        break;
+    case KVD__CLIENT_REQUEST__BODY_HEALTH:
+        on_health(k, rid, rid_len, id);
+        break;
+    default:
+        k->st.bad_messages++;
+        reply_error(k, rid, rid_len, id, KVD__ERROR_CODE__ERR_BAD_REQUEST, "empty request", 0);
+        break;
+    }
+}
+
+/* ---- time ---------------------------------------------------------------------------------------- */
+
+void req_tick(struct kvd *k)
+{
+    double now = kvd_now_ms();
+    struct request *lists[2] = { k->queue, k->active };
+    for (int l = 0; l < 2; l++) {
+        struct request *r = lists[l];
+        while (r) {
+            struct request *next = r->next;
+            bool gone = r->rid_len == 0 && r->state != REQ_STOPPING;
+            if (gone) {
+                stop_request(k, r, KVD__FINISH_REASON__FINISH_CANCELLED, 0, NULL);
+            } else if (r->deadline > 0 && now > r->deadline && r->state != REQ_STOPPING) {
+                if (r->n_tok == r->n_prompt)
+                    stop_request(k, r, KVD__FINISH_REASON__FINISH_DEADLINE,
+                                 KVD__ERROR_CODE__ERR_DEADLINE,
+                                 "the deadline passed before any output");
+                else
+                    stop_request(k, r, KVD__FINISH_REASON__FINISH_DEADLINE, 0, NULL);
+            }
+            r = next;
+        }
+    }
+    if (k->n_queued > 0 && workers_alive(k) == 0 && !workers_can_come_back(k))
+        req_fail_queued(k, KVD__ERROR_CODE__ERR_UNAVAILABLE, "no worker is left to run it");
+    req_dispatch(k);
+}
+
+void req_cancel_all(struct kvd *k, const char *why)
+{
+    struct request *lists[2] = { k->queue, k->active };
+    for (int l = 0; l < 2; l++) {
+        struct request *r = lists[l];
+        while (r) {
+            struct request *next = r->next;
+            if (r->state != REQ_STOPPING)
+                stop_request(k, r, KVD__FINISH_REASON__FINISH_CANCELLED,
+                             KVD__ERROR_CODE__ERR_SHUTTING_DOWN, why);
+            r = next;
+        }
+    }
+}
+
+void req_fail_queued(struct kvd *k, int code, const char *why)
+{
+    struct request *r = k->queue;
+    while (r) {
+        struct request *next = r->next;
+        stop_request(k, r, 0, code, why);
+        r = next;
+    }
+}
+
+void req_release_all(struct kvd *k)
+{
+    while (k->active)
+        let_go(k, k->active, KVDW__DONE_REASON__DONE_CANCELLED, NULL);
+    req_fail_queued(k, KVD__ERROR_CODE__ERR_SHUTTING_DOWN, "kvd is shutting down");
+}

@@ -1,0 +1,325 @@
+/* workers.c - kvd's worker processes: spawn, register, watch, restart. */
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <zmq.h>
+
+#include "kvd.h"
+
+#define READY_TIMEOUT_MS 60000.0   /* a started worker must say Ready within this */
+
+static int slot_by_rid(const struct kvd *k, const uint8_t *rid, size_t len)
+{
+    for (int i = 0; i < KVD_MAX_WORKERS; i++)
+        if (k->workers[i].used && k->workers[i].alive && k->workers[i].rid_len == len &&
+            memcmp(k->workers[i].rid, rid, len) == 0)
+            return i;
+    return -1;
+}
+
+static int spawn(struct kvd *k, int i)
+{
+    struct worker *w = &k->workers[i];
+    char path[4200], id[16], threads[16], bt[16], step[16], batch[16], ctx[16];
+    snprintf(path, sizeof(path), "%s/kvd-worker", k->exe_dir);
+    snprintf(id, sizeof(id), "%u", w->id);
+    int t = k->o.threads;
+    if (t <= 0) {
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+        t = (int)(cpus / (k->o.n_workers > 0 ? k->o.n_workers : 1));
+        if (t < 1)
+            t = 1;
+    }
+    snprintf(threads, sizeof(threads), "%d", t);
+    snprintf(bt, sizeof(bt), "%u", k->o.block_tokens);
+    snprintf(step, sizeof(step), "%u", k->o.step_tokens);
+    snprintf(batch, sizeof(batch), "%u", k->o.max_batch);
+    snprintf(ctx, sizeof(ctx), "%u", k->n_ctx);
+    char *argv[] = { path, "--model", (char *)k->o.model, "--pool", k->pool_name, "--connect",
+                     k->worker_ep, "--id", id, "--threads", threads, "--block-tokens", bt,
+                     "--step-tokens", step, "--max-batch", batch, "--ctx", ctx, NULL };
+    fflush(NULL);
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0)
+        return -1;
+    if (pid == 0) {
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL); /* kvd blocks signals for its signalfd */
+        prctl(PR_SET_PDEATHSIG, SIGTERM);     /* a worker does not outlive its kvd */
+        if (getppid() != parent)
+            _exit(1);
+        execv(path, argv);
+        fprintf(stderr, "kvd: cannot start %s: %s\n", path, strerror(errno));
+        _exit(127);
+    }
+    w->pid = pid;
+    w->spawned = true;
+    w->alive = false;
+    w->last_heartbeat = kvd_now_ms();
+    w->restart_at = 0;
+    kvd_log(k, "worker %u: started, pid %d", w->id, (int)pid);
+    return 0;
+}
+
+int workers_start(struct kvd *k)
+{
+    for (int i = 0; i < k->o.n_workers; i++) {
+        struct worker *w = &k->workers[i];
+        memset(w, 0, sizeof(*w));
+        w->used = true;
+        w->id = (uint32_t)i;
+        if (spawn(k, i) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+int workers_alive(const struct kvd *k)
+{
+    int n = 0;
+    for (int i = 0; i < KVD_MAX_WORKERS; i++)
+        n += k->workers[i].used && k->workers[i].alive && !k->workers[i].draining;
+    return n;
+}
+
+bool workers_can_come_back(const struct kvd *k)
+{
+    for (int i = 0; i < KVD_MAX_WORKERS; i++) {
+        const struct worker *w = &k->workers[i];
+        if (w->used && w->spawned && !w->alive && (w->pid > 0 || w->restart_at > 0))
+            return true;
+    }
+    return false;
+}
+
+/* Declares worker i dead: makes sure it can write nothing more, hands its
+ * sequences back, and schedules a restart for the ones kvd started. */
+static void lose(struct kvd *k, int i, const char *why)
+{
+    struct worker *w = &k->workers[i];
+    bool was_alive = w->alive;
+    if (w->pid > 0)
+        kill(w->pid, SIGKILL); /* a hung or stopped worker must never write again */
+    w->alive = false;
+    kvd_log(k, "worker %u (pid %d): %s", w->id, (int)w->pid, why);
+    if (was_alive)
+        req_on_worker_lost(k, i);
+    w->running = 0;
+    if (w->spawned && !k->draining && (k->o.max_restarts < 0 || (int)w->restarts < k->o.max_restarts)) {
+        double backoff = 200.0 * (1u << (w->restarts < 5 ? w->restarts : 5));
+        w->restart_at = kvd_now_ms() + backoff;
+    } else {
+        w->restart_at = 0;
+    }
+}
+
+void workers_reap(struct kvd *k)
+{
+    int st;
+    pid_t pid;
+    while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
+        for (int i = 0; i < KVD_MAX_WORKERS; i++) {
+            struct worker *w = &k->workers[i];
+            if (!w->used || w->pid != pid)
+                continue;
+            char why[96];
+            if (WIFSIGNALED(st))
+                snprintf(why, sizeof(why), "killed by signal %d", WTERMSIG(st));
+            else
+                snprintf(why, sizeof(why), "exited with status %d", WEXITSTATUS(st));
+            w->pid = 0; /* reaped: no kill() on a recycled pid */
+            lose(k, i, why);
+        }
+    }
+}
+
+void workers_tick(struct kvd *k)
+{
+    double now = kvd_now_ms();
+    for (int i = 0; i < KVD_MAX_WORKERS; i++) {
+        struct worker *w = &k->workers[i];
+        if (!w->used)
+            continue;
+        if (w->alive) {
+            double quiet = now - w->last_heartbeat;
+            double stuck = w->running ? now - w->last_progress : 0;
+            char why[128];
+            if (quiet > k->o.worker_timeout_ms) {
+                snprintf(why, sizeof(why), "no heartbeat for %.0f ms: declared dead", quiet);
+                lose(k, i, why);
+            } else if (stuck > k->o.worker_timeout_ms) {
+                snprintf(why, sizeof(why), "no progress for %.0f ms with work: declared hung", stuck);
+                lose(k, i, why);
+            }
+        } else if (w->spawned && w->pid > 0 && now - w->last_heartbeat > READY_TIMEOUT_MS) {
+            lose(k, i, "never became ready");
+        } else if (w->spawned && w->pid == 0 && w->restart_at > 0 && now >= w->restart_at &&
+                   !k->draining) {
+            w->restarts++;
+            if (spawn(k, i) != 0)
+                w->restart_at = now + 1000;
+        }
+    }
+}
+
+int workers_send(struct kvd *k, int i, Kvdw__ToWorker *m)
+{
+    struct worker *w = &k->workers[i];
+    m->has_version = true;
+    m->version = WIRE_VERSION;
+    int rc = kvd_send(k, k->wsock, w->rid, w->rid_len, &m->base);
+    if (rc != 0 && w->alive)
+        lose(k, i, "unreachable");
+    return rc;
+}
+
+/* A Ready from a routing id: a started worker reporting in, or one started by hand. */
+static void on_ready(struct kvd *k, const uint8_t *rid, size_t len, uint32_t id, const Kvdw__Ready *r)
+{
+    uint8_t fp[16];
+    model_fingerprint(k->model, fp);
+    const struct pool_header *h = pool_header(k->pool);
+    if (r->fingerprint.len != 16 || memcmp(r->fingerprint.data, h->layout.fingerprint, 16) != 0 ||
+        r->block_tokens != k->o.block_tokens) {
+        kvd_log(k, "worker %u (pid %d): refused: another model or block size", id, (int)r->pid);
+        k->st.bad_messages++;
+        return;
+    }
+    int slot = -1;
+    for (int i = 0; i < KVD_MAX_WORKERS && slot < 0; i++)
+        if (k->workers[i].used && k->workers[i].id == id)
+            slot = i;
+    if (slot >= 0 && k->workers[slot].alive) {
+        kvd_log(k, "worker %u (pid %d): refused: id in use by pid %d", id, (int)r->pid,
+                (int)k->workers[slot].pid);
+        return;
+    }
+    if (slot < 0) {
+        for (int i = 0; i < KVD_MAX_WORKERS && slot < 0; i++)
+            if (!k->workers[i].used)
+                slot = i;
+        if (slot < 0) {
+            kvd_log(k, "worker %u: refused: too many workers", id);
+            return;
+        }
+        memset(&k->workers[slot], 0, sizeof(k->workers[slot]));
+        k->workers[slot].used = true;
+        k->workers[slot].id = id;
+    }
+    struct worker *w = &k->workers[slot];
+    if (w->spawned && w->pid != r->pid)
+        kvd_log(k, "worker %u: ready from pid %d (started as %d)", id, (int)r->pid, (int)w->pid);
+    w->pid = r->pid;
+    memcpy(w->rid, rid, len);
+    w->rid_len = len;
+    w->alive = true;
+    w->draining = false;
+    w->max_batch = r->max_batch ? r->max_batch : 1;
+    w->running = 0;
+    w->progress = 0;
+    w->last_heartbeat = w->last_progress = kvd_now_ms();
+    kvd_log(k, "worker %u (pid %d): ready", id, (int)r->pid);
+}
+
+void workers_on_message(struct kvd *k, const uint8_t *rid, size_t rid_len, const void *buf,
+                        size_t len)
+{
+    char err[256];
+    int code;
+    wire_arena_reset(k->arena);
+    Kvdw__FromWorker *m = wire_from_worker_unpack(k->arena, buf, len, &code, err, sizeof(err));
+    if (m == NULL) {
+        k->st.bad_messages++;
+        kvd_log(k, "dropped a worker message: %s", err);
+        return;
+    }
+    if (m->body_case == KVDW__FROM_WORKER__BODY_READY) {
+        on_ready(k, rid, rid_len, m->worker_id, m->ready);
+        return;
+    }
+    int i = slot_by_rid(k, rid, rid_len);
+    if (i < 0) {
+        k->st.bad_messages++; /* not registered, or declared dead: ignored */
+        return;
+    }
+    struct worker *w = &k->workers[i];
+    double now = kvd_now_ms();
+    w->last_heartbeat = now;
+    switch (m->body_case) {
+    case KVDW__FROM_WORKER__BODY_HEARTBEAT:
+        if (m->heartbeat->progress != w->progress) {
+            w->progress = m->heartbeat->progress;
+            w->last_progress = now;
+        }
+        break;
+    case KVDW__FROM_WORKER__BODY_COMMIT:
+        w->last_progress = now;
+        req_on_commit(k, i, m->commit->seq_id, m->commit->n_written);
+        break;
+    case KVDW__FROM_WORKER__BODY_CHUNK:
+        w->last_progress = now;
+        req_on_tokens(k, i, m->chunk->seq_id, m->chunk->tokens, m->chunk->n_tokens,
+                      m->chunk->n_written);
+        break;
+    case KVDW__FROM_WORKER__BODY_LEASE:
+        req_on_lease(k, i, m->lease->seq_id, m->lease->n_positions);
+        break;
+    case KVDW__FROM_WORKER__BODY_DONE:
+        w->last_progress = now;
+        req_on_done(k, i, m->done->seq_id, m->done->reason, m->done->n_written, m->done->error);
+        break;
+    default:
+        k->st.bad_messages++;
+        break;
+    }
+}
+
+void workers_stop(struct kvd *k)
+{
+    Kvdw__ToWorker m = KVDW__TO_WORKER__INIT;
+    Kvdw__Drain d = KVDW__DRAIN__INIT;
+    m.body_case = KVDW__TO_WORKER__BODY_DRAIN;
+    m.drain = &d;
+    for (int i = 0; i < KVD_MAX_WORKERS; i++)
+        if (k->workers[i].used && k->workers[i].alive) {
+            workers_send(k, i, &m);
+            k->workers[i].draining = true;
+        }
+    /* give them a moment to exit on their own, then make sure */
+    double until = kvd_now_ms() + 3000;
+    for (;;) {
+        bool any = false;
+        for (int i = 0; i < KVD_MAX_WORKERS; i++) {
+            struct worker *w = &k->workers[i];
+            if (w->used && w->spawned && w->pid > 0) {
+                int st;
+                if (waitpid(w->pid, &st, WNOHANG) == w->pid)
+                    w->pid = 0;
+                else
+                    any = true;
+            }
+        }
+        if (!any)
+            break;
+        if (kvd_now_ms() > until) {
+            for (int i = 0; i < KVD_MAX_WORKERS; i++)
+                if (k->workers[i].used && k->workers[i].spawned && k->workers[i].pid > 0) {
+                    kill(k->workers[i].pid, SIGKILL);
+                    waitpid(k->workers[i].pid, NULL, 0);
+                    k->workers[i].pid = 0;
+                }
+            break;
+        }
+        usleep(20000);
+    }
+    for (int i = 0; i < KVD_MAX_WORKERS; i++)
+        k->workers[i].alive = false;
+}

@@ -1,0 +1,582 @@
+/*
+ * worker.c - kvd-worker: a compute engine that serves one kvd.
+ *
+ * It maps the model and attaches to kvd's KV pool, connects a DEALER socket
+ * to kvd's worker endpoint and says Ready. Then it runs continuous batching:
+ * between steps it takes in new sequences (Assign), more blocks (Grant) and
+ * cancels; each step mixes the decode tokens of running sequences with prefill
+ * chunks of new ones under a token budget, in one engine_step(). After a step
+ * it reports what it wrote (Commit), the tokens it sampled (TokenChunk) and
+ * the sequences it let go (Done). It writes K/V only into blocks kvd gave it,
+ * asks for more (LeaseRequest) before a sequence runs out, and heartbeats
+ * with a progress counter (steps completed) so that kvd can tell a hung
+ * worker from a busy one.
+ *
+ * Usage: kvd-worker --model M --pool NAME --connect ENDPOINT --id N
+ *                   [--threads T] [--block-tokens B] [--kv-type f16|f32]
+ *                   [--step-tokens S] [--max-batch N] [--ctx N]
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <zmq.h>
+
+#include "err.h"
+#include "forward.h"
+#include "kvcache.h"
+#include "model.h"
+#include "pool.h"
+#include "sampler.h"
+#include "tok.h"
+#include "types.h"
+#include "wire.h"
+
+#define HEARTBEAT_MS 250
+
+struct options {
+    const char *model, *pool, *endpoint;
+    uint32_t id;
+    int threads;
+    uint32_t block_tokens, kv_type, step_tokens, max_batch, ctx;
+};
+
+/* One sequence kvd assigned. */
+struct wseq {
+    uint64_t id;            /* kvd's sequence id */
+    int32_t *tok;           /* history: prompt, then generated tokens */
+    uint32_t n_tok, tok_cap;
+    uint32_t pos;           /* positions whose K/V are written */
+    uint32_t *blocks;       /* block table */
+    uint32_t n_blocks, blk_cap;
+    sampler_t *smp;
+    uint32_t max_new;       /* tokens still to generate */
+    uint32_t n_new;         /* generated in this assignment */
+    bool ignore_eos;
+    bool leasing;           /* asked kvd for blocks; waits for a Grant */
+    uint32_t chunk;         /* tokens it runs in the current step */
+};
+
+struct worker {
+    struct options o;
+    model_t *model;
+    tok_t *tok;
+    pool_t *pool;
+    kvcache_t *kv;
+    engine_t *engine;
+    void *zctx, *sock;
+    struct wseq **seqs;     /* running sequences, in arrival order */
+    uint32_t n_seqs;
+    uint64_t progress;      /* steps completed */
+    double last_hb;
+    bool draining;
+    wire_arena_t *arena;
+    struct fwd_seq *batch;
+    struct wseq **in_batch;
+};
+
+static volatile sig_atomic_t stop_flag;
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    stop_flag = 1;
+}
+
+static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+
+static void die(const char *fmt, ...)
+{
+    va_list ap;
+    fputs("kvd-worker: ", stderr);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    exit(1);
+}
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+/* ---- messages ------------------------------------------------------------------------ */
+
+static void send_msg(struct worker *w, Kvdw__FromWorker *m)
+{
+    m->has_version = true;
+    m->version = WIRE_VERSION;
+    m->has_worker_id = true;
+    m->worker_id = w->o.id;
+    uint8_t *buf;
+    size_t len;
+    if (wire_pack(&m->base, &buf, &len) != 0)
+        die("cannot pack a message");
+    if (zmq_send(w->sock, buf, len, 0) < 0 && errno != EINTR)
+        fprintf(stderr, "kvd-worker %u: send: %s\n", w->o.id, zmq_strerror(errno));
+    free(buf);
+}
+
+static void send_heartbeat(struct worker *w)
+{
+    Kvdw__FromWorker m = KVDW__FROM_WORKER__INIT;
+    Kvdw__Heartbeat hb = KVDW__HEARTBEAT__INIT;
+    hb.has_progress = hb.has_running = true;
+    hb.progress = w->progress;
+    hb.running = w->n_seqs;
+    m.body_case = KVDW__FROM_WORKER__BODY_HEARTBEAT;
+    m.heartbeat = &hb;
+    send_msg(w, &m);
+    w->last_hb = now_ms();
+}
+
+static void send_done(struct worker *w, const struct wseq *s, Kvdw__DoneReason why, const char *error)
+{
+    Kvdw__FromWorker m = KVDW__FROM_WORKER__INIT;
+    Kvdw__Done d = KVDW__DONE__INIT;
+    d.has_seq_id = d.has_reason = d.has_n_written = true;
+    d.seq_id = s->id;
+    d.reason = why;
+    d.n_written = s->pos;
+    d.error = (char *)(error ? error : "");
+    m.body_case = KVDW__FROM_WORKER__BODY_DONE;
+    m.done = &d;
+    send_msg(w, &m);
+}
+
+static void send_lease(struct worker *w, struct wseq *s, uint32_t n_positions)
+{
+    Kvdw__FromWorker m = KVDW__FROM_WORKER__INIT;
+    Kvdw__LeaseRequest l = KVDW__LEASE_REQUEST__INIT;
+    l.has_seq_id = l.has_n_positions = true;
+    l.seq_id = s->id;
+    l.n_positions = n_positions;
+    m.body_case = KVDW__FROM_WORKER__BODY_LEASE;
+    m.lease = &l;
+    send_msg(w, &m);
+    s->leasing = true;
+}
+
+/* ---- sequences --------------------------------------------------------------------------- */
+
+static void seq_free(struct wseq *s)
+{
+    if (s == NULL)
+        return;
+    sampler_destroy(&s->smp);
+    free(s->tok);
+    free(s->blocks);
+    free(s);
+}
+
+static int find_seq(const struct worker *w, uint64_t id)
+{
+    for (uint32_t i = 0; i < w->n_seqs; i++)
+        if (w->seqs[i]->id == id)
+            return (int)i;
+    return -1;
+}
+
+static void remove_seq(struct worker *w, uint32_t i)
+{
+    seq_free(w->seqs[i]);
+    memmove(w->seqs + i, w->seqs + i + 1, (w->n_seqs - i - 1) * sizeof(*w->seqs));
+    w->n_seqs--;
+}
+
+static int push_blocks(struct wseq *s, const uint32_t *ids, size_t n, uint32_t n_pool)
+{
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] >= n_pool)
+            return KVD_ERANGE;
+    if (s->n_blocks + n > s->blk_cap) {
+        uint32_t cap = (uint32_t)(s->n_blocks + n) * 2;
+        uint32_t *nb = realloc(s->blocks, cap * sizeof(uint32_t));
+        if (nb == NULL)
+            return KVD_ENOMEM;
+        s->blocks = nb;
+        s->blk_cap = cap;
+    }
+    memcpy(s->blocks + s->n_blocks, ids, n * sizeof(uint32_t));
+    s->n_blocks += (uint32_t)n;
+    return 0;
+}
+
+static void on_assign(struct worker *w, const Kvdw__Assign *a)
+{
+    char err[256];
+    struct wseq *s = calloc(1, sizeof(*s));
+    if (s == NULL)
+        die("out of memory");
+    s->id = a->seq_id;
+    const struct model_config *c = &w->model->cfg;
+    int rc = 0;
+    if (find_seq(w, a->seq_id) >= 0 || w->draining) {
+        snprintf(err, sizeof(err), w->draining ? "the worker is draining" : "sequence id in use");
+        rc = KVD_ESTATE;
+    }
+    for (size_t i = 0; rc == 0 && i < a->n_tokens; i++)
+        if ((uint32_t)a->tokens[i] >= c->n_vocab) {
+            snprintf(err, sizeof(err), "token id %d is out of range", a->tokens[i]);
+            rc = KVD_ERANGE;
+        }
+    if (rc == 0 && (a->n_tokens + 1 > w->o.ctx || a->n_cached >= a->n_tokens)) {
+        snprintf(err, sizeof(err), "%zu tokens (%u cached) do not fit a context of %u",
+                 a->n_tokens, a->n_cached, w->o.ctx);
+        rc = KVD_ETOOLONG;
+    }
+    if (rc == 0) {
+        s->tok_cap = (uint32_t)a->n_tokens + a->max_new + 1;
+        s->tok = malloc(s->tok_cap * sizeof(int32_t));
+        if (s->tok == NULL)
+            die("out of memory");
+        memcpy(s->tok, a->tokens, a->n_tokens * sizeof(int32_t));
+        s->n_tok = (uint32_t)a->n_tokens;
+        s->pos = a->n_cached;
+        s->max_new = a->max_new;
+        s->ignore_eos = a->ignore_eos;
+        rc = push_blocks(s, a->blocks, a->n_blocks, pool_header(w->pool)->n_blocks);
+        if (rc)
+            snprintf(err, sizeof(err), "a block id is out of range");
+    }
+    if (rc == 0) {
+        struct sampler_params sp = sampler_default_params();
+        const Kvd__SamplingParams *p = a->sampling;
+        if (p) {
+            if (p->has_temperature) sp.temperature = p->temperature;
+            if (p->has_top_k) sp.top_k = p->top_k;
+            if (p->has_top_p) sp.top_p = p->top_p;
+            if (p->has_min_p) sp.min_p = p->min_p;
+            if (p->has_repeat_penalty) sp.repeat_penalty = p->repeat_penalty;
+            if (p->has_seed) sp.seed = p->seed;
+        }
+        /* a resumed sequence continues its own random stream */
+        sp.seed += a->n_generated;
+        s->smp = sampler_new(&sp, c->n_vocab, err, sizeof(err));
+        if (s->smp == NULL)
+            rc = KVD_ERANGE;
+    }
+    if (rc != 0 || s->max_new == 0) {
+        send_done(w, s, rc ? KVDW__DONE_REASON__DONE_ERROR : KVDW__DONE_REASON__DONE_LENGTH,
+                  rc ? err : NULL);
+        seq_free(s);
+        return;
+    }
+    struct wseq **ns = realloc(w->seqs, (w->n_seqs + 1) * sizeof(*ns));
+    if (ns == NULL)
+        die("out of memory");
+    w->seqs = ns;
+    w->seqs[w->n_seqs++] = s;
+}
+
+static void on_message(struct worker *w, const void *buf, size_t len)
+{
+    char err[256];
+    int code;
+    wire_arena_reset(w->arena);
+    Kvdw__ToWorker *m = wire_to_worker_unpack(w->arena, buf, len, &code, err, sizeof(err));
+    if (m == NULL) {
+        fprintf(stderr, "kvd-worker %u: dropped a message: %s\n", w->o.id, err);
+        return;
+    }
+    int i;
+    switch (m->body_case) {
+    case KVDW__TO_WORKER__BODY_ASSIGN:
+        on_assign(w, m->assign);
+        break;
+    case KVDW__TO_WORKER__BODY_GRANT:
+        i = find_seq(w, m->grant->seq_id);
+        if (i >= 0) {
+            struct wseq *s = w->seqs[i];
+            if (push_blocks(s, m->grant->blocks, m->grant->n_blocks,
+                            pool_header(w->pool)->n_blocks) != 0) {
+                send_done(w, s, KVDW__DONE_REASON__DONE_ERROR, "a granted block is out of range");
+                remove_seq(w, (uint32_t)i);
+            } else {
+                s->leasing = false;
+            }
+        }
+        break;
+    case KVDW__TO_WORKER__BODY_CANCEL:
+        i = find_seq(w, m->cancel->seq_id);
+        if (i >= 0) {
+            send_done(w, w->seqs[i], KVDW__DONE_REASON__DONE_CANCELLED, NULL);
+            remove_seq(w, (uint32_t)i);
+        }
+        break;
+    case KVDW__TO_WORKER__BODY_DRAIN:
+        w->draining = true;
+        break;
+    default:
+        break;
+    }
+}
+
+/* ---- one step ------------------------------------------------------------------------------ */
+
+/* Positions the sequence's blocks cover. */
+static uint32_t seq_capacity(const struct worker *w, const struct wseq *s)
+{
+    return s->n_blocks * w->o.block_tokens;
+}
+
+/* Picks the step's chunks: decode tokens first, then prefill under the budget. */
+static uint32_t plan_step(struct worker *w)
+{
+    uint32_t budget = w->o.step_tokens, n = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (uint32_t i = 0; i < w->n_seqs && n < w->o.max_batch && budget > 0; i++) {
+            struct wseq *s = w->seqs[i];
+            uint32_t todo = s->n_tok - s->pos;
+            bool decode = todo == 1;
+            if ((pass == 0) != decode || s->leasing)
+                continue;
+            uint32_t m = todo < budget ? todo : budget;
+            uint32_t cap = seq_capacity(w, s);
+            if (s->pos + m > cap)
+                m = cap > s->pos ? cap - s->pos : 0;
+            if (m == 0) {
+                /* ask for blocks up to the end of the history plus the next token */
+                send_lease(w, s, s->n_tok + 1);
+                continue;
+            }
+            s->chunk = m;
+            w->in_batch[n] = s;
+            w->batch[n] = (struct fwd_seq){ s->tok + s->pos, m, s->pos, s->blocks, s->n_blocks,
+                                            false };
+            budget -= m;
+            n++;
+        }
+    }
+    return n;
+}
+
+static void run_step(struct worker *w, uint32_t n)
+{
+    char err[256];
+    const float *logits;
+    uint32_t rows;
+    int rc = engine_step(w->engine, w->batch, n, &logits, &rows, err, sizeof(err));
+    w->progress++;
+    if (rc != 0) {
+        /* checked before touching the cache: fail the sequences of this batch */
+        for (uint32_t k = 0; k < n; k++) {
+            int i = find_seq(w, w->in_batch[k]->id);
+            send_done(w, w->in_batch[k], KVDW__DONE_REASON__DONE_ERROR, err);
+            if (i >= 0)
+                remove_seq(w, (uint32_t)i);
+        }
+        return;
+    }
+    const uint32_t V = w->model->cfg.n_vocab;
+    for (uint32_t k = 0; k < n; k++) {
+        struct wseq *s = w->in_batch[k];
+        s->pos += s->chunk;
+        Kvdw__FromWorker m = KVDW__FROM_WORKER__INIT;
+        if (s->pos < s->n_tok) {
+            /* a prefill chunk: its K/V are written */
+            Kvdw__Commit c = KVDW__COMMIT__INIT;
+            c.has_seq_id = c.has_n_written = true;
+            c.seq_id = s->id;
+            c.n_written = s->pos;
+            m.body_case = KVDW__FROM_WORKER__BODY_COMMIT;
+            m.commit = &c;
+            send_msg(w, &m);
+            continue;
+        }
+        int32_t t = sampler_sample(s->smp, logits + (size_t)k * V, s->tok, s->n_tok);
+        s->tok[s->n_tok++] = t;
+        s->n_new++;
+        Kvdw__TokenChunk tc = KVDW__TOKEN_CHUNK__INIT;
+        tc.has_seq_id = tc.has_n_written = true;
+        tc.seq_id = s->id;
+        tc.tokens = &t;
+        tc.n_tokens = 1;
+        tc.n_written = s->pos;
+        m.body_case = KVDW__FROM_WORKER__BODY_CHUNK;
+        m.chunk = &tc;
+        send_msg(w, &m);
+        Kvdw__DoneReason why = KVDW__DONE_REASON__DONE_NONE;
+        if (!s->ignore_eos && tok_is_eog(w->tok, t))
+            why = KVDW__DONE_REASON__DONE_EOG;
+        else if (s->n_new >= s->max_new || s->n_tok + 1 > w->o.ctx)
+            why = KVDW__DONE_REASON__DONE_LENGTH;
+        if (why != KVDW__DONE_REASON__DONE_NONE) {
+            send_done(w, s, why, NULL);
+            remove_seq(w, (uint32_t)find_seq(w, s->id));
+        } else if (s->n_tok > seq_capacity(w, s)) {
+            /* the next decode needs a new block: ask ahead of time */
+            send_lease(w, s, s->n_tok + 1);
+        }
+    }
+}
+
+/* ---- setup and the loop ----------------------------------------------------------------- */
+
+static void parse_args(int argc, char **argv, struct options *o)
+{
+    enum { OPT_POOL = 256, OPT_CONNECT, OPT_ID, OPT_BLOCK, OPT_KVTYPE, OPT_STEP, OPT_BATCH };
+    static const struct option longs[] = {
+        { "model", required_argument, NULL, 'm' },
+        { "threads", required_argument, NULL, 't' },
+        { "ctx", required_argument, NULL, 'c' },
+        { "pool", required_argument, NULL, OPT_POOL },
+        { "connect", required_argument, NULL, OPT_CONNECT },
+        { "id", required_argument, NULL, OPT_ID },
+        { "block-tokens", required_argument, NULL, OPT_BLOCK },
+        { "kv-type", required_argument, NULL, OPT_KVTYPE },
+        { "step-tokens", required_argument, NULL, OPT_STEP },
+        { "max-batch", required_argument, NULL, OPT_BATCH },
+        { NULL, 0, NULL, 0 },
+    };
+    memset(o, 0, sizeof(*o));
+    o->block_tokens = 16;
+    o->kv_type = KERN_F16;
+    o->step_tokens = 256;
+    o->max_batch = 64;
+    int c;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, ":m:t:c:", longs, NULL)) != -1) {
+        switch (c) {
+        case 'm': o->model = optarg; break;
+        case 't': o->threads = atoi(optarg); break;
+        case 'c': o->ctx = (uint32_t)strtoul(optarg, NULL, 10); break;
+        case OPT_POOL: o->pool = optarg; break;
+        case OPT_CONNECT: o->endpoint = optarg; break;
+        case OPT_ID: o->id = (uint32_t)strtoul(optarg, NULL, 10); break;
+        case OPT_BLOCK: o->block_tokens = (uint32_t)strtoul(optarg, NULL, 10); break;
+        case OPT_KVTYPE: o->kv_type = strcmp(optarg, "f32") == 0 ? KERN_F32 : KERN_F16; break;
+        case OPT_STEP: o->step_tokens = (uint32_t)strtoul(optarg, NULL, 10); break;
+        case OPT_BATCH: o->max_batch = (uint32_t)strtoul(optarg, NULL, 10); break;
+        default: die("bad argument %s (usage: kvd-worker --model M --pool NAME --connect ENDPOINT "
+                     "--id N [--threads T] [--ctx N] [--block-tokens B] [--kv-type f16|f32] "
+                     "[--step-tokens S] [--max-batch N])", argv[optind - 1]);
+        }
+    }
+    if (!o->model || !o->pool || !o->endpoint)
+        die("--model, --pool and --connect are required");
+    if (o->step_tokens < 1 || o->step_tokens > 4096 || o->max_batch < 1 || o->max_batch > 4096 ||
+        o->threads < 0 || o->threads > 256)
+        die("--step-tokens, --max-batch or --threads out of range");
+}
+
+static void setup(struct worker *w)
+{
+    char err[512];
+    const struct options *o = &w->o;
+    w->model = model_load(o->model, err, sizeof(err));
+    if (w->model == NULL)
+        die("%s", err);
+    w->tok = tok_new_from_gguf(w->model->gguf, err, sizeof(err));
+    if (w->tok == NULL)
+        die("%s", err);
+    if (w->o.ctx == 0 || w->o.ctx > w->model->cfg.n_ctx_train)
+        w->o.ctx = w->model->cfg.n_ctx_train;
+    struct pool_layout lay;
+    pool_layout_for_model(w->model, o->block_tokens, o->kv_type, &lay);
+    w->pool = pool_attach(o->pool, &lay, err, sizeof(err));
+    if (w->pool == NULL)
+        die("%s", err);
+    struct kv_params kp = kv_default_params();
+    kp.block_tokens = o->block_tokens;
+    kp.dtype = o->kv_type;
+    kp.n_blocks = pool_header(w->pool)->n_blocks;
+    w->kv = kvcache_wrap(&w->model->cfg, &kp, pool_data(w->pool), pool_data_bytes(w->pool), err,
+                         sizeof(err));
+    if (w->kv == NULL)
+        die("%s", err);
+    struct engine_params ep = engine_default_params();
+    ep.max_tokens = o->step_tokens;
+    ep.max_ctx = w->o.ctx;
+    ep.n_threads = o->threads;
+    w->engine = engine_new(w->model, w->kv, &ep, err, sizeof(err));
+    if (w->engine == NULL)
+        die("%s", err);
+    w->batch = calloc(o->max_batch, sizeof(*w->batch));
+    w->in_batch = calloc(o->max_batch, sizeof(*w->in_batch));
+    w->arena = wire_arena_new(1u << 20);
+    if (w->batch == NULL || w->in_batch == NULL || w->arena == NULL)
+        die("out of memory");
+
+    w->zctx = zmq_ctx_new();
+    w->sock = zmq_socket(w->zctx, ZMQ_DEALER);
+    int zero = 0, hwm = 100000;
+    int64_t maxmsg = WIRE_MAX_FRAME;
+    zmq_setsockopt(w->sock, ZMQ_LINGER, &zero, sizeof(zero));
+    zmq_setsockopt(w->sock, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(w->sock, ZMQ_RCVHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(w->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
+    if (zmq_connect(w->sock, o->endpoint) != 0)
+        die("cannot connect to %s: %s", o->endpoint, zmq_strerror(errno));
+
+    Kvdw__FromWorker m = KVDW__FROM_WORKER__INIT;
+    Kvdw__Ready r = KVDW__READY__INIT;
+    r.has_pid = r.has_max_batch = r.has_fingerprint = r.has_block_tokens = true;
+    r.pid = (int32_t)getpid();
+    r.max_batch = o->max_batch;
+    r.fingerprint.data = lay.fingerprint;
+    r.fingerprint.len = 16;
+    r.block_tokens = o->block_tokens;
+    m.body_case = KVDW__FROM_WORKER__BODY_READY;
+    m.ready = &r;
+    send_msg(w, &m);
+}
+
+int main(int argc, char **argv)
+{
+    struct worker w = { 0 };
+    parse_args(argc, argv, &w.o);
+    struct sigaction sa = { 0 };
+    sa.sa_handler = on_signal;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    setup(&w);
+    send_heartbeat(&w);
+    zmq_msg_t msg;
+    zmq_msg_init(&msg);
+    while (!stop_flag && !(w.draining && w.n_seqs == 0)) {
+        /* wait for messages only when there is nothing to compute */
+        bool runnable = false;
+        for (uint32_t i = 0; i < w.n_seqs && !runnable; i++)
+            runnable = !w.seqs[i]->leasing;
+        zmq_pollitem_t it = { w.sock, 0, ZMQ_POLLIN, 0 };
+        long wait = runnable ? 0 : HEARTBEAT_MS;
+        if (zmq_poll(&it, 1, wait) < 0 && errno != EINTR)
+            die("poll: %s", zmq_strerror(errno));
+        while (zmq_msg_recv(&msg, w.sock, ZMQ_DONTWAIT) >= 0)
+            on_message(&w, zmq_msg_data(&msg), zmq_msg_size(&msg));
+        if (now_ms() - w.last_hb >= HEARTBEAT_MS)
+            send_heartbeat(&w);
+        uint32_t n = plan_step(&w);
+        if (n > 0)
+            run_step(&w, n);
+    }
+    zmq_msg_close(&msg);
+    /* let go of everything still held, so that kvd can release it */
+    while (w.n_seqs > 0) {
+        send_done(&w, w.seqs[0], KVDW__DONE_REASON__DONE_CANCELLED, NULL);
+        remove_seq(&w, 0);
+    }
+    free(w.seqs);
+    free(w.batch);
+    free(w.in_batch);
+    wire_arena_destroy(&w.arena);
+    zmq_close(w.sock);
+    zmq_ctx_term(w.zctx);
+    engine_destroy(&w.engine);
+    kvcache_destroy(&w.kv);
+    pool_close(&w.pool);
+    tok_destroy(&w.tok);
+    model_destroy(&w.model);
+    return 0;
+}
