@@ -1,0 +1,771 @@
+/*
+ * bench_serve.c - bench-serve: kvd as a server, against itself without the
+ * prefix cache and against llama.cpp's server, on one chat workload.
+ *
+ * Workload: S sessions, each a multi-turn chat (T turns) that starts with the
+ * same system prompt of about L tokens (cut from a text file) and asks its own
+ * questions; every session is one client, all S at once. Each turn streams
+ * max_tokens tokens (greedy, end-of-generation ignored, so every server
+ * produces the same amount of work) and carries the previous answers as
+ * assistant messages, as a chat client does. Measured per run: time to first
+ * token (p50, p99, client-side), aggregate output tokens/s (all tokens / wall
+ * time), prefix hit rate (cached prompt tokens / prompt tokens), KV blocks
+ * held at the end. One warm-up request with the system prompt runs first.
+ *
+ * Runs, one after the other in one invocation:
+ *   kvd             the cache on
+ *   TTFT alone      one request at a time (a new question after the system
+ *                   prompt): cached against the prefix cache bypassed, median of 3
+ *   llama-server    (--llama-server PATH) same model, same threads, one slot
+ *                   per session (-np S), its own prompt cache on, prompts
+ *                   through /completion with the ChatML text kvd's template
+ *                   makes
+ * and the daemon's overhead: a 1-token request whose prompt is all cached,
+ * through kvd (client to client), against the same work done in-process by
+ * the engine (kvd-run's path), medians of 20.
+ *
+ * Usage: bench-serve [-m MODEL] [--llama-server PATH] [--sessions S] [--turns T]
+ *                    [--system-tokens L] [--max-tokens N] [-t THREADS] [--json]
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "chat.h"
+#include "forward.h"
+#include "kvcache.h"
+#include "kvd_client.h"
+#include "model.h"
+#include "pool.h"
+#include "prefix.h"
+#include "sampler.h"
+#include "tok.h"
+#include "types.h"
+
+#define MAX_SESSIONS 64
+#define MAX_TURNS 8
+#define LLAMA_PORT 18931
+
+struct cfg {
+    const char *model, *llama, *text_file;
+    int sessions, turns, max_tokens, threads, system_tokens;
+    bool json;
+    char bin_dir[4096], tmp[64];
+};
+
+static struct cfg C;
+static char *system_prompt;
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void die(const char *fmt, ...)
+{
+    va_list ap;
+    fputs("bench-serve: ", stderr);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    exit(1);
+}
+
+/* ---- one run's numbers ----------------------------------------------------------------- */
+
+struct sample {
+    double ttft, total;
+    uint32_t prompt, cached, completion;
+    bool ok;
+};
+
+struct run {
+    const char *name;
+    struct sample s[MAX_SESSIONS * MAX_TURNS];
+    int n;
+    double wall_ms;
+    uint32_t blocks;        /* KV blocks held at the end (kvd) */
+    char note[160];
+    pthread_mutex_t mu;
+};
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double pct(const struct run *r, double p)
+{
+    double v[MAX_SESSIONS * MAX_TURNS];
+    int n = 0;
+    for (int i = 0; i < r->n; i++)
+        if (r->s[i].ok)
+            v[n++] = r->s[i].ttft;
+    if (n == 0)
+        return NAN;
+    qsort(v, (size_t)n, sizeof(double), cmp_d);
+    int k = (int)ceil(p * n) - 1;
+    return v[k < 0 ? 0 : k];
+}
+
+static void totals(const struct run *r, uint64_t *prompt, uint64_t *cached, uint64_t *gen, int *ok)
+{
+    *prompt = *cached = *gen = 0;
+    *ok = 0;
+    for (int i = 0; i < r->n; i++)
+        if (r->s[i].ok) {
+            *prompt += r->s[i].prompt;
+            *cached += r->s[i].cached;
+            *gen += r->s[i].completion;
+            (*ok)++;
+        }
+}
+
+static void record(struct run *r, const struct sample *s)
+{
+    pthread_mutex_lock(&r->mu);
+    if (r->n < MAX_SESSIONS * MAX_TURNS)
+        r->s[r->n++] = *s;
+    pthread_mutex_unlock(&r->mu);
+}
+
+/* ---- questions -------------------------------------------------------------------------- */
+
+static const char *topics[] = { "memory", "speed", "caching", "reading", "errors", "tests",
+                                "numbers", "order", "time", "words", "servers", "blocks",
+                                "threads", "files", "users", "costs" };
+
+static void question(int session, int turn, char *buf, size_t len)
+{
+    snprintf(buf, len, "Session %d, question %d: what does the text above say about %s? "
+             "Answer in two sentences.", session, turn + 1, topics[(session + turn) % 16]);
+}
+
+/* ---- kvd ------------------------------------------------------------------------------------ */
+
+static char kvd_ep[256];
+static pid_t kvd_pid;
+
+static void start_kvd(void)
+{
+    snprintf(kvd_ep, sizeof(kvd_ep), "ipc://%s/kvd.sock", C.tmp);
+    char path[4200], threads[16], log[256];
+    snprintf(path, sizeof(path), "%s/kvd", C.bin_dir);
+    snprintf(threads, sizeof(threads), "%d", C.threads);
+    snprintf(log, sizeof(log), "%s/kvd.log", C.tmp);
+    kvd_pid = fork();
+    if (kvd_pid == 0) {
+        FILE *f = freopen(log, "w", stderr);
+        (void)f;
+        execl(path, path, "--model", C.model, "--listen", kvd_ep, "-w", "1", "-t", threads,
+              "--kv-memory", "1GiB", "--ctx", "4096", "--max-batch", "64", (char *)NULL);
+        _exit(127);
+    }
+    kvd_client_t *c = kvd_client_new(kvd_ep, 500, NULL, 0);
+    for (int i = 0; i < 120; i++) {
+        bool ok = false;
+        uint32_t alive;
+        if (kvd_health(c, &ok, &alive) == 0 && ok)
+            break;
+        usleep(250000);
+    }
+    kvd_client_destroy(&c);
+}
+
+static void stop_child(pid_t *pid)
+{
+    if (*pid <= 0)
+        return;
+    kill(*pid, SIGTERM);
+    int st;
+    double until = now_ms() + 15000;
+    while (waitpid(*pid, &st, WNOHANG) == 0) {
+        if (now_ms() > until) {
+            kill(*pid, SIGKILL);
+            waitpid(*pid, &st, 0);
+            break;
+        }
+        usleep(50000);
+    }
+    *pid = 0;
+}
+
+struct session_arg {
+    struct run *run;
+    int session, turns;
+    bool no_cache;
+    bool llama;
+};
+
+struct first_chunk {
+    double t0, ttft;
+};
+
+static int on_chunk(void *user, const char *text, size_t len, const int32_t *t, size_t n, uint32_t seq)
+{
+    struct first_chunk *fc = user;
+    if (fc->ttft < 0 && (n > 0 || len > 0))
+        fc->ttft = now_ms() - fc->t0;
+    return 0;
+}
+
+static void *kvd_session(void *p)
+{
+    struct session_arg *a = p;
+    kvd_client_t *c = kvd_client_new(kvd_ep, 600000, NULL, 0);
+    struct kvd_chat_msg msgs[2 + 2 * MAX_TURNS];
+    char q[MAX_TURNS][256];
+    char *answers[MAX_TURNS] = { 0 };
+    size_t nm = 0;
+    msgs[nm++] = (struct kvd_chat_msg){ "system", system_prompt };
+    for (int t = 0; t < a->turns; t++) {
+        question(a->session, t, q[t], sizeof(q[t]));
+        msgs[nm++] = (struct kvd_chat_msg){ "user", q[t] };
+        struct kvd_gen_params gp;
+        kvd_gen_params_init(&gp);
+        gp.messages = msgs;
+        gp.n_messages = nm;
+        gp.max_tokens = (uint32_t)C.max_tokens;
+        gp.temperature = 0;
+        gp.ignore_eos = true;
+        gp.no_cache = a->no_cache;
+        struct kvd_result res;
+        struct first_chunk fc = { now_ms(), -1 };
+        int rc = kvd_generate_stream(c, &gp, on_chunk, &fc, &res);
+        struct sample s = { fc.ttft, now_ms() - fc.t0, res.prompt_tokens, res.cached_prompt_tokens,
+                            res.completion_tokens, rc == 0 };
+        if (rc != 0)
+            fprintf(stderr, "bench-serve: kvd request failed: %s %s\n", kvd_strerror(rc), res.error);
+        record(a->run, &s);
+        answers[t] = strdup(res.text ? res.text : "");
+        msgs[nm++] = (struct kvd_chat_msg){ "assistant", answers[t] };
+        kvd_result_free(&res);
+    }
+    for (int t = 0; t < a->turns; t++)
+        free(answers[t]);
+    kvd_client_destroy(&c);
+    return NULL;
+}
+
+/* ---- llama-server over HTTP ------------------------------------------------------------------ */
+
+static pid_t llama_pid;
+
+static void json_escape(const char *s, char **out, size_t *len, size_t *cap)
+{
+    for (; *s; s++) {
+        char tmp[8];
+        const char *piece = tmp;
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"')
+            piece = "\\\"";
+        else if (ch == '\\')
+            piece = "\\\\";
+        else if (ch == '\n')
+            piece = "\\n";
+        else if (ch < 0x20)
+            snprintf(tmp, sizeof(tmp), "\\u%04x", ch);
+        else {
+            tmp[0] = (char)ch;
+            tmp[1] = 0;
+        }
+        size_t pl = strlen(piece);
+        if (*len + pl + 1 > *cap) {
+            *cap = (*len + pl + 1) * 2;
+            *out = realloc(*out, *cap);
+        }
+        memcpy(*out + *len, piece, pl);
+        *len += pl;
+        (*out)[*len] = 0;
+    }
+}
+
+static void append(char **out, size_t *len, size_t *cap, const char *s)
+{
+    size_t n = strlen(s);
+    if (*len + n + 1 > *cap) {
+        *cap = (*len + n + 1) * 2;
+        *out = realloc(*out, *cap);
+    }
+    memcpy(*out + *len, s, n + 1);
+    *len += n;
+}
+
+static int http_connect(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons(LLAMA_PORT) };
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static long json_num(const char *s, const char *key)
+{
+    char pat[64];
+    snprintf(pat, sizeof(pat), "\"%s\":", key);
+    const char *p = strstr(s, pat);
+    return p ? strtol(p + strlen(pat), NULL, 10) : -1;
+}
+
+/* One streamed /completion; fills s and the answer text. */
+static void llama_request(const char *prompt, struct sample *s, char **answer)
+{
+    char *body = NULL;
+    size_t len = 0, cap = 0;
+    char head[256];
+    snprintf(head, sizeof(head), "{\"n_predict\":%d,\"temperature\":0,\"ignore_eos\":true,"
+             "\"stream\":true,\"cache_prompt\":true,\"prompt\":\"", C.max_tokens);
+    append(&body, &len, &cap, head);
+    json_escape(prompt, &body, &len, &cap);
+    append(&body, &len, &cap, "\"}");
+    double t0 = now_ms();
+    s->ok = false;
+    s->ttft = -1;
+    int fd = http_connect();
+    if (fd < 0)
+        return;
+    char req[512];
+    int hl = snprintf(req, sizeof(req), "POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      "Content-Type: application/json\r\nContent-Length: %zu\r\n"
+                      "Connection: close\r\n\r\n", len);
+    if (write(fd, req, (size_t)hl) != hl || write(fd, body, len) != (ssize_t)len) {
+        close(fd);
+        free(body);
+        return;
+    }
+    free(body);
+    char *resp = NULL, *ans = NULL;
+    size_t rl = 0, rc = 0, al = 0, ac = 0;
+    char buf[8192];
+    ssize_t n;
+    size_t scanned = 0;
+    while ((n = read(fd, buf, sizeof(buf) - 1)) > 0) {
+        buf[n] = 0;
+        append(&resp, &rl, &rc, buf);
+        /* every complete event: "data: {...}\n\n" */
+        char *ev;
+        while ((ev = strstr(resp + scanned, "data: ")) != NULL) {
+            char *end = strstr(ev, "\n\n");
+            if (end == NULL)
+                break;
+            *end = 0;
+            const char *content = strstr(ev, "\"content\":\"");
+            if (content && content[11] != '"') {
+                if (s->ttft < 0)
+                    s->ttft = now_ms() - t0;
+                const char *c0 = content + 11, *c1 = c0;
+                while (*c1 && !(*c1 == '"' && c1[-1] != '\\'))
+                    c1++;
+                char piece[1024];
+                snprintf(piece, sizeof(piece), "%.*s", (int)(c1 - c0), c0);
+                append(&ans, &al, &ac, piece);
+            }
+            if (strstr(ev, "\"stop\":true")) {
+                long pn = json_num(ev, "prompt_n"), cn = json_num(ev, "cache_n");
+                long tp = json_num(ev, "predicted_n");
+                s->prompt = (uint32_t)((pn > 0 ? pn : 0) + (cn > 0 ? cn : 0));
+                s->cached = (uint32_t)(cn > 0 ? cn : 0);
+                s->completion = (uint32_t)(tp > 0 ? tp : 0);
+                s->ok = true;
+            }
+            *end = '\n';
+            scanned = (size_t)(end + 2 - resp);
+        }
+    }
+    close(fd);
+    s->total = now_ms() - t0;
+    free(resp);
+    /* the answer as text: undo the escapes that matter for a prompt */
+    char *out = malloc(al + 1);
+    size_t o = 0;
+    for (size_t i = 0; ans && i < al; i++) {
+        if (ans[i] == '\\' && i + 1 < al) {
+            char e = ans[++i];
+            out[o++] = e == 'n' ? '\n' : e == 't' ? '\t' : e;
+        } else {
+            out[o++] = ans[i];
+        }
+    }
+    out[o] = 0;
+    free(ans);
+    *answer = out;
+}
+
+/* The ChatML text kvd's template makes for these messages. */
+static char *chatml(const struct kvd_chat_msg *m, size_t n)
+{
+    char *s = NULL;
+    size_t len = 0, cap = 0;
+    for (size_t i = 0; i < n; i++) {
+        append(&s, &len, &cap, "<|im_start|>");
+        append(&s, &len, &cap, m[i].role);
+        append(&s, &len, &cap, "\n");
+        append(&s, &len, &cap, m[i].content);
+        append(&s, &len, &cap, "<|im_end|>\n");
+    }
+    append(&s, &len, &cap, "<|im_start|>assistant\n");
+    return s;
+}
+
+static void *llama_session(void *p)
+{
+    struct session_arg *a = p;
+    struct kvd_chat_msg msgs[2 + 2 * MAX_TURNS];
+    char q[MAX_TURNS][256];
+    char *answers[MAX_TURNS] = { 0 };
+    size_t nm = 0;
+    msgs[nm++] = (struct kvd_chat_msg){ "system", system_prompt };
+    for (int t = 0; t < a->turns; t++) {
+        question(a->session, t, q[t], sizeof(q[t]));
+        msgs[nm++] = (struct kvd_chat_msg){ "user", q[t] };
+        char *prompt = chatml(msgs, nm);
+        struct sample s = { 0 };
+        llama_request(prompt, &s, &answers[t]);
+        free(prompt);
+        if (!s.ok)
+            fprintf(stderr, "bench-serve: llama-server request failed\n");
+        record(a->run, &s);
+        msgs[nm++] = (struct kvd_chat_msg){ "assistant", answers[t] ? answers[t] : "" };
+    }
+    for (int t = 0; t < a->turns; t++)
+        free(answers[t]);
+    return NULL;
+}
+
+static bool start_llama(void)
+{
+    char np[16], ctx[16], threads[16], log[256];
+    snprintf(np, sizeof(np), "%d", C.sessions);
+    snprintf(ctx, sizeof(ctx), "%d", C.sessions * 4096);
+    snprintf(threads, sizeof(threads), "%d", C.threads);
+    snprintf(log, sizeof(log), "%s/llama.log", C.tmp);
+    char port[16];
+    snprintf(port, sizeof(port), "%d", LLAMA_PORT);
+    llama_pid = fork();
+    if (llama_pid == 0) {
+        FILE *f = freopen(log, "w", stderr);
+        f = freopen(log, "a", stdout);
+        (void)f;
+        execl(C.llama, C.llama, "-m", C.model, "--host", "127.0.0.1", "--port", port, "-np", np,
+              "-c", ctx, "-t", threads, "-tb", threads, (char *)NULL);
+        _exit(127);
+    }
+    for (int i = 0; i < 240; i++) {
+        int fd = http_connect();
+        if (fd >= 0) {
+            const char *req = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+            char buf[512] = { 0 };
+            ssize_t w = write(fd, req, strlen(req));
+            ssize_t n = w > 0 ? read(fd, buf, sizeof(buf) - 1) : -1;
+            close(fd);
+            if (n > 0 && strstr(buf, " 200 "))
+                return true;
+        }
+        usleep(250000);
+    }
+    return false;
+}
+
+/* ---- runs ------------------------------------------------------------------------------------- */
+
+static void run_sessions(struct run *r, int sessions, int turns, bool no_cache, bool llama)
+{
+    pthread_t th[MAX_SESSIONS];
+    struct session_arg args[MAX_SESSIONS];
+    pthread_mutex_init(&r->mu, NULL);
+    double t0 = now_ms();
+    for (int i = 0; i < sessions; i++) {
+        args[i] = (struct session_arg){ r, i, turns, no_cache, llama };
+        pthread_create(&th[i], NULL, llama ? llama_session : kvd_session, &args[i]);
+    }
+    for (int i = 0; i < sessions; i++)
+        pthread_join(th[i], NULL);
+    r->wall_ms = now_ms() - t0;
+}
+
+static void warm_up(bool llama)
+{
+    struct run w = { .name = "warm-up" };
+    pthread_mutex_init(&w.mu, NULL);
+    struct session_arg a = { &w, 999, 1, false, llama };
+    if (llama)
+        llama_session(&a);
+    else
+        kvd_session(&a);
+}
+
+/* Overhead: the same 1-token request whose whole prompt but its last block is
+ * cached, through kvd and in-process. Returns medians in *through, *alone. */
+static void overhead(double *through, double *alone)
+{
+    enum { N = 21 };
+    double a[N], b[N];
+    struct kvd_chat_msg msgs[2] = { { "system", system_prompt }, { "user", "Say one word." } };
+    kvd_client_t *c = kvd_client_new(kvd_ep, 600000, NULL, 0);
+    struct kvd_gen_params gp;
+    kvd_gen_params_init(&gp);
+    gp.messages = msgs;
+    gp.n_messages = 2;
+    gp.max_tokens = 1;
+    gp.temperature = 0;
+    for (int i = -1; i < N; i++) {
+        struct kvd_result res;
+        double t0 = now_ms();
+        kvd_generate(c, &gp, &res);
+        if (i >= 0)
+            a[i] = now_ms() - t0;
+        kvd_result_free(&res);
+    }
+    kvd_client_destroy(&c);
+
+    /* in-process, as kvd-run does it */
+    char err[512];
+    model_t *m = model_load(C.model, err, sizeof(err));
+    tok_t *tk = m ? tok_new_from_gguf(m->gguf, err, sizeof(err)) : NULL;
+    struct gguf_str tmpl;
+    if (tk == NULL || gguf_get_str(m->gguf, "tokenizer.chat_template", &tmpl) != 0)
+        die("overhead: %s", err);
+    chat_template_t *ct = chat_template_new(tmpl.ptr, (size_t)tmpl.len, err, sizeof(err));
+    struct chat_msg cm[2] = { { "system", system_prompt }, { "user", "Say one word." } };
+    char *text;
+    size_t tl, n;
+    if (ct == NULL || chat_apply(ct, cm, 2, true, &text, &tl) != 0)
+        die("overhead: chat template");
+    int32_t *ids = malloc((tl + 2) * sizeof(int32_t));
+    tok_encode(tk, text, tl, true, ids, tl + 2, &n);
+    struct pool_layout lay;
+    pool_layout_for_model(m, 16, KERN_F16, &lay);
+    struct pool_params pp = pool_default_params();
+    pp.n_blocks = (uint32_t)(n / 16 + 8);
+    pool_t *pool = pool_create(&lay, &pp, NULL, 0, err, sizeof(err));
+    prefix_t *px = pool ? prefix_new(pool, NULL, 0, err, sizeof(err)) : NULL;
+    struct kv_params kp = kv_default_params();
+    kp.n_blocks = pp.n_blocks;
+    kvcache_t *kv = px ? kvcache_wrap(&m->cfg, &kp, pool_data(pool), pool_data_bytes(pool), err,
+                                      sizeof(err)) : NULL;
+    struct engine_params ep = engine_default_params();
+    ep.n_threads = C.threads;
+    ep.max_ctx = 4096;
+    engine_t *e = kv ? engine_new(m, kv, &ep, err, sizeof(err)) : NULL;
+    if (e == NULL)
+        die("overhead: %s", err);
+    prefix_ns_t ns = prefix_namespace(px, "", 0);
+    struct prefix_seq s = { 0 };
+    for (int i = -2; i < N; i++) {
+        double t0 = now_ms();
+        int64_t cached = prefix_seq_begin(px, &s, ns, ids, n, NULL);
+        for (uint32_t pos = (uint32_t)cached; pos < n; pos += 512) {
+            uint32_t k = (uint32_t)n - pos < 512 ? (uint32_t)n - pos : 512;
+            prefix_seq_grow(px, &s, pos + k, ids, n);
+            struct fwd_seq fs = { ids + pos, k, pos, s.blocks, s.n_blocks, false };
+            const float *lg;
+            uint32_t rows;
+            engine_step(e, &fs, 1, &lg, &rows, err, sizeof(err));
+            prefix_seq_commit(px, &s, ids, pos + k);
+            if (pos + k == n)
+                sampler_argmax(lg, m->cfg.n_vocab);
+        }
+        prefix_seq_release(px, &s);
+        if (i >= 0)
+            b[i] = now_ms() - t0;
+    }
+    prefix_seq_fini(&s);
+    engine_destroy(&e);
+    kvcache_destroy(&kv);
+    prefix_destroy(&px);
+    pool_close(&pool);
+    chat_template_destroy(&ct);
+    free(text);
+    free(ids);
+    tok_destroy(&tk);
+    model_destroy(&m);
+    qsort(a, N, sizeof(double), cmp_d);
+    qsort(b, N, sizeof(double), cmp_d);
+    *through = a[N / 2];
+    *alone = b[N / 2];
+}
+
+/* Time to first token of one request alone (a fresh question after the
+ * system prompt), cache on or bypassed; median of 3. */
+static double ttft_alone(bool no_cache)
+{
+    double v[3];
+    kvd_client_t *c = kvd_client_new(kvd_ep, 600000, NULL, 0);
+    for (int i = 0; i < 3; i++) {
+        char q[128];
+        snprintf(q, sizeof(q), "Alone %d: what is the text above about?", i);
+        struct kvd_chat_msg msgs[2] = { { "system", system_prompt }, { "user", q } };
+        struct kvd_gen_params gp;
+        kvd_gen_params_init(&gp);
+        gp.messages = msgs;
+        gp.n_messages = 2;
+        gp.max_tokens = 2;
+        gp.temperature = 0;
+        gp.no_cache = no_cache;
+        struct kvd_result res;
+        struct first_chunk fc = { now_ms(), -1 };
+        if (kvd_generate_stream(c, &gp, on_chunk, &fc, &res) != 0)
+            die("ttft request failed: %s", res.error);
+        v[i] = fc.ttft;
+        kvd_result_free(&res);
+    }
+    kvd_client_destroy(&c);
+    qsort(v, 3, sizeof(double), cmp_d);
+    return v[1];
+}
+
+static void print_run(const struct run *r, bool first)
+{
+    uint64_t prompt, cached, gen;
+    int ok;
+    totals(r, &prompt, &cached, &gen, &ok);
+    double tps = gen / (r->wall_ms / 1e3);
+    if (C.json) {
+        printf("%s{\"name\":\"%s\",\"requests\":%d,\"ok\":%d,\"ttft_p50_ms\":%.1f,"
+               "\"ttft_p99_ms\":%.1f,\"output_tokens_per_s\":%.2f,\"hit_rate\":%.4f,"
+               "\"prompt_tokens\":%llu,\"cached_tokens\":%llu,\"output_tokens\":%llu,"
+               "\"wall_ms\":%.0f,\"blocks\":%u}", first ? "" : ",", r->name, r->n, ok,
+               pct(r, 0.5), pct(r, 0.99), tps, prompt ? (double)cached / prompt : 0.0,
+               (unsigned long long)prompt, (unsigned long long)cached, (unsigned long long)gen,
+               r->wall_ms, r->blocks);
+        return;
+    }
+    printf("| %-22s | %4d/%-4d | %9.1f | %9.1f | %8.1f | %6.1f%% | %6u |\n", r->name, ok, r->n,
+           pct(r, 0.5), pct(r, 0.99), tps, prompt ? 100.0 * cached / prompt : 0.0, r->blocks);
+}
+
+static uint32_t kvd_blocks_held(void)
+{
+    kvd_client_t *c = kvd_client_new(kvd_ep, 5000, NULL, 0);
+    struct kvd_stats st;
+    uint32_t held = 0;
+    if (kvd_stats(c, &st) == 0)
+        held = st.blocks_cached + st.blocks_in_use + st.blocks_pending;
+    kvd_client_destroy(&c);
+    return held;
+}
+
+int main(int argc, char **argv)
+{
+    C.model = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    C.text_file = "tests/data/ppl_text.txt";
+    C.sessions = 16;
+    C.turns = 2;
+    C.max_tokens = 32;
+    C.threads = 2;
+    C.system_tokens = 2000;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "-m") && v) C.model = argv[++i];
+        else if (!strcmp(a, "--llama-server") && v) C.llama = argv[++i];
+        else if (!strcmp(a, "--sessions") && v) C.sessions = atoi(argv[++i]);
+        else if (!strcmp(a, "--turns") && v) C.turns = atoi(argv[++i]);
+        else if (!strcmp(a, "--max-tokens") && v) C.max_tokens = atoi(argv[++i]);
+        else if (!strcmp(a, "--system-tokens") && v) C.system_tokens = atoi(argv[++i]);
+        else if (!strcmp(a, "--text") && v) C.text_file = argv[++i];
+        else if (!strcmp(a, "-t") && v) C.threads = atoi(argv[++i]);
+        else if (!strcmp(a, "--json")) C.json = true;
+        else die("usage: bench-serve [-m MODEL] [--llama-server PATH] [--sessions S] [--turns T] "
+                 "[--system-tokens L] [--max-tokens N] [--text FILE] [-t THREADS] [--json]");
+    }
+    if (C.sessions < 1 || C.sessions > MAX_SESSIONS || C.turns < 1 || C.turns > MAX_TURNS)
+        die("--sessions 1..%d, --turns 1..%d", MAX_SESSIONS, MAX_TURNS);
+    char exe[4096];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    exe[n > 0 ? n : 0] = 0;
+    char *slash = strrchr(exe, '/');
+    if (slash)
+        *slash = 0;
+    snprintf(C.bin_dir, sizeof(C.bin_dir), "%s", exe);
+    snprintf(C.tmp, sizeof(C.tmp), "/tmp/kvd-bench-XXXXXX");
+    if (mkdtemp(C.tmp) == NULL)
+        die("mkdtemp");
+    /* the system prompt: about system_tokens tokens (~4.3 characters each) of the text */
+    FILE *f = fopen(C.text_file, "r");
+    if (f == NULL)
+        die("cannot open %s", C.text_file);
+    size_t want = (size_t)C.system_tokens * 43 / 10;
+    system_prompt = calloc(want + 1, 1);
+    size_t got = fread(system_prompt, 1, want, f);
+    fclose(f);
+    system_prompt[got] = 0;
+
+    static struct run on = { .name = "kvd" }, llama = { .name = "llama-server" };
+    start_kvd();
+    warm_up(false);
+    run_sessions(&on, C.sessions, C.turns, false, false);
+    on.blocks = kvd_blocks_held();
+    double ttft_cached = ttft_alone(false), ttft_uncached = ttft_alone(true);
+    double through, alone;
+    overhead(&through, &alone);
+    stop_child(&kvd_pid);
+    bool have_llama = false;
+    if (C.llama) {
+        if (start_llama()) {
+            warm_up(true);
+            run_sessions(&llama, C.sessions, C.turns, false, true);
+            have_llama = true;
+        } else {
+            fprintf(stderr, "bench-serve: llama-server did not start (see %s/llama.log)\n", C.tmp);
+        }
+        stop_child(&llama_pid);
+    }
+    double ttft_ratio = ttft_uncached / ttft_cached;
+    uint64_t p, c, g1, g2;
+    int ok;
+    totals(&on, &p, &c, &g1, &ok);
+    totals(&llama, &p, &c, &g2, &ok);
+    double tps_ratio = have_llama ? (g1 / (on.wall_ms / 1e3)) / (g2 / (llama.wall_ms / 1e3)) : NAN;
+    if (C.json) {
+        printf("{\"sessions\":%d,\"turns\":%d,\"max_tokens\":%d,\"threads\":%d,\"runs\":[",
+               C.sessions, C.turns, C.max_tokens, C.threads);
+        print_run(&on, true);
+        if (have_llama)
+            print_run(&llama, false);
+        printf("],\"ttft_alone_cached_ms\":%.1f,\"ttft_alone_uncached_ms\":%.1f", ttft_cached,
+               ttft_uncached);
+        printf(",\"ttft_cache_ratio\":%.2f,\"tps_vs_llama\":%.3f,\"overhead_ms\":%.3f,"
+               "\"through_kvd_ms\":%.3f,\"in_process_ms\":%.3f}\n", ttft_ratio, tps_ratio,
+               through - alone, through, alone);
+        return 0;
+    }
+    printf("bench-serve: %d sessions x %d turns, one system prompt of ~%d tokens, %d tokens per "
+           "answer (greedy), %d threads per server\n", C.sessions, C.turns, C.system_tokens,
+           C.max_tokens, C.threads);
+    printf("| %-22s | %-9s | %-9s | %-9s | %-8s | %-7s | %-6s |\n", "run", "ok/reqs", "TTFT p50",
+           "TTFT p99", "out tok/s", "hit", "blocks");
+    printf("|------------------------|-----------|-----------|-----------|----------|---------|--------|\n");
+    print_run(&on, true);
+    if (have_llama)
+        print_run(&llama, false);
+    printf("TTFT alone (new question after the system prompt): cached %.1f ms, cache bypassed "
+           "%.1f ms: %.1fx   (target >= 20x)\n", ttft_cached, ttft_uncached, ttft_ratio);
+    if (have_llama)
+        printf("output tokens/s, kvd / llama-server:      %.2fx   (target >= 1.5x; llama-server "
+               "-np %d -t %d, prompt cache on)\n", tps_ratio, C.sessions, C.threads);
+    printf("1-token request, all cached: through kvd %.2f ms, in-process %.2f ms: overhead %.2f ms "
+           "(target < 1 ms)\n", through, alone, through - alone);
+    return 0;
+}
