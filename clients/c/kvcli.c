@@ -1,0 +1,602 @@
+/*
+ * kvcli.c - kvcli, the command line of kvd: generate text (streamed, whole,
+ * or as JSON), print the daemon's statistics, check its health.
+ *
+ * Exit status: 0 done, 1 an error from kvd or the connection (one line
+ * "kvcli: ..." on stderr), 2 a usage error, 130 a streamed generate
+ * cancelled with Ctrl-C (what came is printed, the request is cancelled at
+ * kvd; a second Ctrl-C quits at once).
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kvd_client.h"
+#include "units.h"
+
+#define MAX_STOPS 16
+#define MAX_IDS (1u << 20)
+
+struct options {
+    const char *endpoint;       /* -e; NULL: kvd_default_endpoint() */
+    int timeout_ms;             /* --timeout; 0: the library's default */
+    bool json;                  /* --json */
+    bool chat;                  /* --chat */
+    bool stream;                /* not --no-stream */
+    const char *system;         /* --system / --system-file contents */
+    char *system_buf;           /* owned copy read from --system-file */
+    const char *prompt;         /* PROMPT, or stdin for "-" */
+    char *prompt_buf;           /* owned copy read from stdin */
+    int32_t *ids;               /* --prompt-ids */
+    size_t n_ids;
+    const char *stops[MAX_STOPS]; /* --stop */
+    size_t n_stops;
+    struct kvd_gen_params gp;   /* sampling and the rest, as the library takes them */
+};
+
+static const char *prog = "kvcli";
+
+static void die_usage(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void die_call(int rc, const char *msg, uint32_t retry_after_ms) __attribute__((noreturn));
+
+/* A usage error: one line, exit 2. */
+static void die_usage(const char *fmt, ...)
+{
+    va_list ap;
+    fprintf(stderr, "%s: ", prog);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputs(" (see kvcli --help)\n", stderr);
+    exit(2);
+}
+
+/* Any other error: one line, exit 1. */
+static void die(const char *fmt, ...)
+{
+    va_list ap;
+    fprintf(stderr, "%s: ", prog);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    exit(1);
+}
+
+static void usage(FILE *f)
+{
+    fputs("usage: kvcli [-e ENDPOINT] [--timeout MS] COMMAND [options]\n"
+          "\n"
+          "commands:\n"
+          "  generate [options] PROMPT  generate a continuation of PROMPT (\"-\": read stdin)\n"
+          "  stats [--json]             the daemon's statistics\n"
+          "  health                     print ok / not ok (exit status 0 / 1)\n"
+          "\n"
+          "global options:\n"
+          "  -e, --endpoint ENDPOINT    kvd's endpoint (default $KVD_ENDPOINT, else\n"
+          "                             ipc://$XDG_RUNTIME_DIR/kvd/kvd.sock or\n"
+          "                             ipc:///tmp/kvd-UID/kvd.sock)\n"
+          "      --timeout MS           longest wait for one message from kvd (default 30000)\n"
+          "  -h, --help                 this text\n"
+          "\n"
+          "generate options:\n"
+          "      --chat                 send PROMPT as a user message, through the chat template\n"
+          "      --system TEXT          a system message first (with --chat)\n"
+          "      --system-file FILE     the same, read from FILE\n"
+          "      --prompt-ids IDS       token ids (comma-separated) instead of PROMPT\n"
+          "  -n N                       tokens to generate at most (default: kvd's, 256)\n"
+          "      --temp T               temperature (0: greedy)\n"
+          "      --top-k K, --top-p P, --min-p P, --repeat-penalty R\n"
+          "      --seed S               sampling seed (default random)\n"
+          "      --stop STR             stop at STR (repeatable, up to 16)\n"
+          "      --namespace NS         prefix-cache namespace (a convenience, not isolation)\n"
+          "      --no-cache             neither use nor fill the prefix cache\n"
+          "      --deadline MS          give up after MS milliseconds at kvd\n"
+          "      --ignore-eos           generate past end-of-generation tokens\n"
+          "      --no-stream            print the text once it is complete\n"
+          "      --json                 print one JSON object: text, tokens, finish_reason,\n"
+          "                             usage and timings\n",
+          f);
+}
+
+/* ---- parsing ------------------------------------------------------------------------ */
+
+static long long parse_int(const char *s, const char *what, long long lo, long long hi)
+{
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || end == s || *end != '\0' || v < lo || v > hi)
+        die_usage("%s must be an integer in [%lld, %lld], got '%s'", what, lo, hi, s);
+    return v;
+}
+
+static float parse_float(const char *s, const char *what)
+{
+    char *end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (errno || end == s || *end != '\0' || !isfinite(v) || v < 0)
+        die_usage("%s must be a number >= 0, got '%s'", what, s);
+    return v;
+}
+
+/* Reads all of f into a new NUL-terminated buffer; dies on error. */
+static char *read_all(FILE *f, const char *name)
+{
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap);
+    for (;;) {
+        if (buf == NULL)
+            die("out of memory reading %s", name);
+        n += fread(buf + n, 1, cap - n - 1, f);
+        if (n < cap - 1)
+            break;
+        if (cap > (64u << 20))
+            die("%s is larger than 64 MiB", name);
+        cap *= 2;
+        buf = realloc(buf, cap);
+    }
+    if (ferror(f))
+        die("cannot read %s: %s", name, strerror(errno));
+    buf[n] = '\0';
+    return buf;
+}
+
+static char *read_file(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        die("cannot open %s: %s", path, strerror(errno));
+    char *s = read_all(f, path);
+    fclose(f);
+    return s;
+}
+
+static int32_t *parse_ids(const char *s, size_t *n)
+{
+    size_t cap = 64;
+    int32_t *ids = malloc(cap * sizeof(*ids));
+    *n = 0;
+    while (ids != NULL && *s) {
+        char *end;
+        errno = 0;
+        long v = strtol(s, &end, 10);
+        if (end == s || errno || v < 0 || v > INT32_MAX)
+            die_usage("--prompt-ids wants comma-separated ids >= 0, got '%s'", s);
+        if (*n == MAX_IDS)
+            die_usage("--prompt-ids: more than %u ids", MAX_IDS);
+        if (*n == cap)
+            ids = realloc(ids, (cap *= 2) * sizeof(*ids));
+        if (ids == NULL)
+            break;
+        ids[(*n)++] = (int32_t)v;
+        s = end;
+        while (*s == ',' || *s == ' ')
+            s++;
+    }
+    if (ids == NULL)
+        die("out of memory");
+    return ids;
+}
+
+enum {
+    OPT_TIMEOUT = 256, OPT_CHAT, OPT_SYSTEM, OPT_SYSTEM_FILE, OPT_JSON, OPT_TEMP, OPT_TOPK,
+    OPT_TOPP, OPT_MINP, OPT_REPEAT, OPT_SEED, OPT_STOP, OPT_NS, OPT_NO_CACHE, OPT_DEADLINE,
+    OPT_IGNORE_EOS, OPT_NO_STREAM, OPT_IDS,
+};
+
+static int parse_timeout(const char *s)
+{
+    return (int)parse_int(s, "--timeout", 1, 24 * 3600 * 1000);
+}
+
+/* Parses the options of stats and health (argv[0] is the command). */
+static void parse_simple(int argc, char **argv, struct options *o)
+{
+    static const struct option longs[] = {
+        { "json", no_argument, NULL, OPT_JSON },
+        { "endpoint", required_argument, NULL, 'e' },
+        { "timeout", required_argument, NULL, OPT_TIMEOUT },
+        { "help", no_argument, NULL, 'h' },
+        { NULL, 0, NULL, 0 },
+    };
+    bool is_stats = strcmp(argv[0], "stats") == 0;
+    optind = 0;
+    int c;
+    while ((c = getopt_long(argc, argv, ":e:h", longs, NULL)) != -1) {
+        switch (c) {
+        case 'e': o->endpoint = optarg; break;
+        case OPT_TIMEOUT: o->timeout_ms = parse_timeout(optarg); break;
+        case OPT_JSON:
+            if (!is_stats)
+                die_usage("%s takes no --json", argv[0]);
+            o->json = true;
+            break;
+        case 'h': usage(stdout); exit(0);
+        case ':': die_usage("option %s needs a value", argv[optind - 1]);
+        default: die_usage("unknown option %s", argv[optind - 1]);
+        }
+    }
+    if (optind < argc)
+        die_usage("%s: unexpected argument '%s'", argv[0], argv[optind]);
+}
+
+/* Parses the options before the command; returns the command's index in argv. */
+static int parse_global(int argc, char **argv, struct options *o)
+{
+    static const struct option longs[] = {
+        { "endpoint", required_argument, NULL, 'e' },
+        { "timeout", required_argument, NULL, OPT_TIMEOUT },
+        { "help", no_argument, NULL, 'h' },
+        { NULL, 0, NULL, 0 },
+    };
+    opterr = 0;
+    int c;
+    while ((c = getopt_long(argc, argv, "+:e:h", longs, NULL)) != -1) {
+        switch (c) {
+        case 'e': o->endpoint = optarg; break;
+        case OPT_TIMEOUT: o->timeout_ms = parse_timeout(optarg); break;
+        case 'h': usage(stdout); exit(0);
+        case ':': die_usage("option %s needs a value", argv[optind - 1]);
+        default: die_usage("unknown option %s", argv[optind - 1]);
+        }
+    }
+    if (optind >= argc)
+        die_usage("no command (generate, stats or health)");
+    return optind;
+}
+
+/* Parses `generate`'s options and its PROMPT (argv[0] is "generate"). */
+static void parse_generate(int argc, char **argv, struct options *o)
+{
+    static const struct option longs[] = {
+        { "chat", no_argument, NULL, OPT_CHAT },
+        { "system", required_argument, NULL, OPT_SYSTEM },
+        { "system-file", required_argument, NULL, OPT_SYSTEM_FILE },
+        { "json", no_argument, NULL, OPT_JSON },
+        { "temp", required_argument, NULL, OPT_TEMP },
+        { "top-k", required_argument, NULL, OPT_TOPK },
+        { "top-p", required_argument, NULL, OPT_TOPP },
+        { "min-p", required_argument, NULL, OPT_MINP },
+        { "repeat-penalty", required_argument, NULL, OPT_REPEAT },
+        { "seed", required_argument, NULL, OPT_SEED },
+        { "stop", required_argument, NULL, OPT_STOP },
+        { "namespace", required_argument, NULL, OPT_NS },
+        { "no-cache", no_argument, NULL, OPT_NO_CACHE },
+        { "deadline", required_argument, NULL, OPT_DEADLINE },
+        { "ignore-eos", no_argument, NULL, OPT_IGNORE_EOS },
+        { "no-stream", no_argument, NULL, OPT_NO_STREAM },
+        { "prompt-ids", required_argument, NULL, OPT_IDS },
+        { "endpoint", required_argument, NULL, 'e' },
+        { "timeout", required_argument, NULL, OPT_TIMEOUT },
+        { "help", no_argument, NULL, 'h' },
+        { NULL, 0, NULL, 0 },
+    };
+    struct kvd_gen_params *p = &o->gp;
+    optind = 0;     /* glibc: start over, in the default (permuting) order */
+    int c;
+    while ((c = getopt_long(argc, argv, ":n:e:h", longs, NULL)) != -1) {
+        switch (c) {
+        case 'e': o->endpoint = optarg; break;
+        case OPT_TIMEOUT: o->timeout_ms = parse_timeout(optarg); break;
+        case OPT_CHAT: o->chat = true; break;
+        case OPT_SYSTEM: o->system = optarg; break;
+        case OPT_SYSTEM_FILE:
+            free(o->system_buf);
+            o->system = o->system_buf = read_file(optarg);
+            break;
+        case OPT_JSON: o->json = true; break;
+        case 'n': p->max_tokens = (uint32_t)parse_int(optarg, "-n", 1, 1 << 20); break;
+        case OPT_TEMP: p->temperature = parse_float(optarg, "--temp"); break;
+        case OPT_TOPK: p->top_k = (int32_t)parse_int(optarg, "--top-k", 0, 1 << 20); break;
+        case OPT_TOPP: p->top_p = parse_float(optarg, "--top-p"); break;
+        case OPT_MINP: p->min_p = parse_float(optarg, "--min-p"); break;
+        case OPT_REPEAT: p->repeat_penalty = parse_float(optarg, "--repeat-penalty"); break;
+        case OPT_SEED: p->seed = parse_int(optarg, "--seed", 0, INT64_MAX); break;
+        case OPT_STOP:
+            if (o->n_stops == MAX_STOPS)
+                die_usage("at most %d --stop strings", MAX_STOPS);
+            if (optarg[0] == '\0')
+                die_usage("--stop needs a non-empty string");
+            o->stops[o->n_stops++] = optarg;
+            break;
+        case OPT_NS: p->ns = optarg; break;
+        case OPT_NO_CACHE: p->no_cache = true; break;
+        case OPT_DEADLINE:
+            p->deadline_ms = (uint32_t)parse_int(optarg, "--deadline", 1, 24 * 3600 * 1000);
+            break;
+        case OPT_IGNORE_EOS: p->ignore_eos = true; break;
+        case OPT_NO_STREAM: o->stream = false; break;
+        case OPT_IDS:
+            free(o->ids);
+            o->ids = parse_ids(optarg, &o->n_ids);
+            if (o->n_ids == 0)
+                die_usage("--prompt-ids holds no ids");
+            break;
+        case 'h': usage(stdout); exit(0);
+        case ':': die_usage("option %s needs a value", argv[optind - 1]);
+        default: die_usage("unknown option %s", argv[optind - 1]);
+        }
+    }
+    int left = argc - optind;
+    if (o->ids != NULL) {
+        if (left > 0)
+            die_usage("--prompt-ids and PROMPT exclude each other");
+        if (o->chat)
+            die_usage("--prompt-ids and --chat exclude each other");
+    } else {
+        if (left == 0)
+            die_usage("generate needs a PROMPT (or --prompt-ids)");
+        if (left > 1)
+            die_usage("unexpected argument '%s' (quote the prompt)", argv[optind + 1]);
+        o->prompt = argv[optind];
+        if (strcmp(o->prompt, "-") == 0)
+            o->prompt = o->prompt_buf = read_all(stdin, "stdin");
+    }
+    if (o->system != NULL && !o->chat)
+        die_usage("--system and --system-file need --chat");
+}
+
+/* ---- output ------------------------------------------------------------------------- */
+
+static void json_str(FILE *f, const char *s, size_t n)
+{
+    fputc('"', f);
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        switch (c) {
+        case '"': fputs("\\\"", f); break;
+        case '\\': fputs("\\\\", f); break;
+        case '\n': fputs("\\n", f); break;
+        case '\r': fputs("\\r", f); break;
+        case '\t': fputs("\\t", f); break;
+        default:
+            if (c < 0x20 || c == 0x7f)
+                fprintf(f, "\\u%04x", c);
+            else
+                fputc(c, f);
+        }
+    }
+    fputc('"', f);
+}
+
+static const char *finish_name(int f)
+{
+    switch (f) {
+    case KVD_FINISH_STOP: return "stop";
+    case KVD_FINISH_LENGTH: return "length";
+    case KVD_FINISH_CANCELLED: return "cancelled";
+    case KVD_FINISH_DEADLINE: return "deadline";
+    default: return "none";
+    }
+}
+
+/* The field names follow kvd-run --json where they mean the same. */
+static void print_json(const struct kvd_result *r)
+{
+    printf("{\"text\":");
+    json_str(stdout, r->text ? r->text : "", r->text_len);
+    printf(",\"tokens\":[");
+    for (size_t i = 0; i < r->n_tokens; i++)
+        printf("%s%d", i ? "," : "", r->tokens[i]);
+    printf("],\"finish_reason\":\"%s\",\"cached_prompt_tokens\":%u", finish_name(r->finish_reason),
+           r->cached_prompt_tokens);
+    printf(",\"usage\":{\"prompt_tokens\":%u,\"cached_prompt_tokens\":%u,"
+           "\"completion_tokens\":%u}",
+           r->prompt_tokens, r->cached_prompt_tokens, r->completion_tokens);
+    printf(",\"timings\":{\"queued_ms\":%.1f,\"ttft_ms\":%.1f,\"decode_ms\":%.1f,"
+           "\"total_ms\":%.1f}",
+           r->queued_ms, r->ttft_ms, r->decode_ms, r->total_ms);
+    printf(",\"chunks\":%u,\"request_id\":%llu}\n", r->chunks, (unsigned long long)r->request_id);
+}
+
+/* Reports a failed call: the daemon's message after the code's name, or the
+ * client's own reason alone. */
+static void die_call(int rc, const char *msg, uint32_t retry_after_ms)
+{
+    bool local = rc == KVD_ETIMEOUT || rc == KVD_EPROTOCOL || rc == KVD_EINVAL ||
+                 rc == KVD_EIO || rc == KVD_ENOMEM;
+    char retry[64] = "";
+    if (rc == KVD_EOVERLOADED && retry_after_ms > 0)
+        snprintf(retry, sizeof(retry), " (retry after %u ms)", retry_after_ms);
+    if (msg == NULL || msg[0] == '\0')
+        die("%s%s", kvd_strerror(rc), retry);
+    if (local)
+        die("%s", msg);
+    die("%s: %s%s", kvd_strerror(rc), msg, retry);
+}
+
+/* ---- commands ----------------------------------------------------------------------- */
+
+static volatile sig_atomic_t interrupted;
+
+/* First Ctrl-C: cancel at the next chunk; second: quit now. */
+static void on_sigint(int sig)
+{
+    (void)sig;
+    if (interrupted)
+        _exit(130);
+    interrupted = 1;
+}
+
+static int print_chunk(void *user, const char *text, size_t len, const int32_t *tokens,
+                       size_t n_tokens, uint32_t seq)
+{
+    const struct options *o = user;
+    (void)tokens, (void)n_tokens, (void)seq;
+    if (!o->json) {
+        fwrite(text, 1, len, stdout);
+        fflush(stdout);
+    }
+    return interrupted ? 1 : 0;
+}
+
+static int cmd_generate(kvd_client_t *c, struct options *o)
+{
+    struct kvd_gen_params *p = &o->gp;
+    struct kvd_chat_msg msgs[2];
+    if (o->ids != NULL) {
+        p->token_ids = o->ids;
+        p->n_token_ids = o->n_ids;
+    } else if (o->chat) {
+        size_t n = 0;
+        if (o->system != NULL)
+            msgs[n++] = (struct kvd_chat_msg){ "system", o->system };
+        msgs[n++] = (struct kvd_chat_msg){ "user", o->prompt };
+        p->messages = msgs;
+        p->n_messages = n;
+    } else {
+        p->prompt = o->prompt;
+    }
+    p->stop = o->stops;
+    p->n_stop = o->n_stops;
+
+    struct kvd_result r;
+    int rc;
+    if (o->stream) {
+        struct sigaction sa;
+        memset(&sa, 0, sizeof(sa));
+        sa.sa_handler = on_sigint;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGINT, &sa, NULL);
+        rc = kvd_generate_stream(c, p, print_chunk, o, &r);
+    } else {
+        rc = kvd_generate(c, p, &r);
+    }
+    bool cancelled = rc == KVD_ECANCELLED && interrupted;
+    if (rc == 0 || cancelled) {
+        if (o->json)
+            print_json(&r);
+        else if (o->stream)
+            putchar('\n');
+        else
+            printf("%s\n", r.text);
+        fflush(stdout);
+        kvd_result_free(&r);
+        return cancelled ? 130 : 0;
+    }
+    if (o->stream && !o->json && r.chunks > 0) {
+        putchar('\n');  /* end the text that came before the error */
+        fflush(stdout);
+    }
+    die_call(rc, r.error, r.retry_after_ms);
+}
+
+static int cmd_stats(kvd_client_t *c, bool json)
+{
+    struct kvd_stats s;
+    int rc = kvd_stats(c, &s);
+    if (rc != 0)
+        return rc;
+    if (json) {
+        printf("{\"requests_running\":%llu,\"requests_queued\":%llu,\"requests_done\":%llu,"
+               "\"requests_failed\":%llu,\"prompt_tokens\":%llu,\"cached_prompt_tokens\":%llu,"
+               "\"completion_tokens\":%llu,\"blocks_total\":%u,\"blocks_free\":%u,"
+               "\"blocks_cached\":%u,\"blocks_in_use\":%u,\"blocks_pending\":%u,"
+               "\"block_tokens\":%u,\"block_bytes\":%llu,\"evictions\":%llu,"
+               "\"preemptions\":%llu,\"bad_messages\":%llu,\"workers\":[",
+               (unsigned long long)s.requests_running, (unsigned long long)s.requests_queued,
+               (unsigned long long)s.requests_done, (unsigned long long)s.requests_failed,
+               (unsigned long long)s.prompt_tokens, (unsigned long long)s.cached_prompt_tokens,
+               (unsigned long long)s.completion_tokens, s.blocks_total, s.blocks_free,
+               s.blocks_cached, s.blocks_in_use, s.blocks_pending, s.block_tokens,
+               (unsigned long long)s.block_bytes, (unsigned long long)s.evictions,
+               (unsigned long long)s.preemptions, (unsigned long long)s.bad_messages);
+        for (uint32_t i = 0; i < s.n_workers; i++) {
+            const struct kvd_worker_stats *w = &s.workers[i];
+            printf("%s{\"id\":%u,\"pid\":%d,\"alive\":%s,\"running\":%u,\"tokens\":%llu,"
+                   "\"restarts\":%u}",
+                   i ? "," : "", w->id, w->pid, w->alive ? "true" : "false", w->running,
+                   (unsigned long long)w->tokens, w->restarts);
+        }
+        printf("]}\n");
+        return 0;
+    }
+    char bytes[32];
+    double hit = s.prompt_tokens ? 100.0 * (double)s.cached_prompt_tokens / (double)s.prompt_tokens
+                                 : 0.0;
+    printf("requests  %llu running, %llu queued, %llu done, %llu failed\n",
+           (unsigned long long)s.requests_running, (unsigned long long)s.requests_queued,
+           (unsigned long long)s.requests_done, (unsigned long long)s.requests_failed);
+    printf("tokens    %llu prompt, %llu of them cached (hit rate %.1f%%), %llu generated\n",
+           (unsigned long long)s.prompt_tokens, (unsigned long long)s.cached_prompt_tokens, hit,
+           (unsigned long long)s.completion_tokens);
+    printf("blocks    %u of %u tokens (%s each): %u free, %u cached, %u in use, %u pending\n",
+           s.blocks_total, s.block_tokens, kvd_format_bytes(s.block_bytes, bytes, sizeof(bytes)),
+           s.blocks_free, s.blocks_cached, s.blocks_in_use, s.blocks_pending);
+    printf("events    %llu evictions, %llu preemptions, %llu bad messages\n",
+           (unsigned long long)s.evictions, (unsigned long long)s.preemptions,
+           (unsigned long long)s.bad_messages);
+    for (uint32_t i = 0; i < s.n_workers; i++) {
+        const struct kvd_worker_stats *w = &s.workers[i];
+        printf("worker %-2u pid %d, %s, %u running, %llu tokens, %u restarts\n", w->id, w->pid,
+               w->alive ? "alive" : "dead", w->running, (unsigned long long)w->tokens,
+               w->restarts);
+    }
+    return 0;
+}
+
+/* Reports a failed stats or health call (no message from kvd comes with them). */
+static void die_simple(int rc, const char *endpoint, int timeout_ms)
+{
+    if (rc == KVD_ETIMEOUT)
+        die("no reply from kvd at %s in %d ms (is it running?)", endpoint,
+            timeout_ms > 0 ? timeout_ms : 30000);
+    die("%s", kvd_strerror(rc));
+}
+
+int main(int argc, char **argv)
+{
+    struct options o;
+    memset(&o, 0, sizeof(o));
+    o.stream = true;
+    kvd_gen_params_init(&o.gp);
+    int ci = parse_global(argc, argv, &o);
+    const char *cmd = argv[ci];
+    if (strcmp(cmd, "generate") == 0)
+        parse_generate(argc - ci, argv + ci, &o);
+    else if (strcmp(cmd, "stats") == 0 || strcmp(cmd, "health") == 0)
+        parse_simple(argc - ci, argv + ci, &o);
+    else
+        die_usage("unknown command '%s' (generate, stats or health)", cmd);
+
+    char endpoint[512];
+    if (o.endpoint == NULL)
+        o.endpoint = kvd_default_endpoint(endpoint, sizeof(endpoint));
+    char err[256];
+    kvd_client_t *c = kvd_client_new(o.endpoint, o.timeout_ms, err, sizeof(err));
+    if (c == NULL)
+        die("%s", err);
+
+    int status;
+    if (strcmp(cmd, "generate") == 0) {
+        status = cmd_generate(c, &o);
+    } else if (strcmp(cmd, "stats") == 0) {
+        int rc = cmd_stats(c, o.json);
+        if (rc != 0)
+            die_simple(rc, o.endpoint, o.timeout_ms);
+        status = 0;
+    } else {
+        bool ok = false;
+        uint32_t alive = 0;
+        int rc = kvd_health(c, &ok, &alive);
+        if (rc != 0)
+            die_simple(rc, o.endpoint, o.timeout_ms);
+        printf("%s (%u worker%s alive)\n", ok ? "ok" : "not ok", alive, alive == 1 ? "" : "s");
+        status = ok ? 0 : 1;
+    }
+    kvd_client_destroy(&c);
+    free(o.system_buf);
+    free(o.prompt_buf);
+    free(o.ids);
+    return status;
+}

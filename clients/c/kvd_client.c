@@ -1,0 +1,900 @@
+/*
+ * kvd_client.c - the C client of kvd: one ZeroMQ DEALER socket, one request
+ * at a time, every wait bounded by the client's timeout.
+ *
+ * Each client owns its ZeroMQ context (one I/O thread), so clients share no
+ * state and kvd_client_destroy() tears everything down; a program that opens
+ * many clients pays one context each, which is cheap next to a generation.
+ *
+ * Requests carry ids that start at a random 64-bit value and count up (never
+ * 0, which kvd uses for replies to requests it could not read). A reply whose
+ * id is not the one being waited for belongs to a request given up earlier (a
+ * timeout, a cancel) and is dropped without restarting the wait; a reply for
+ * the request restarts it, so a stream may run for as long as messages keep
+ * coming. A signal does not end a wait.
+ *
+ * The socket sets ZMQ_IMMEDIATE: a request is only queued on a completed
+ * connection, so while no daemon listens a send waits (and times out) instead
+ * of piling up requests that a daemon started later would run for nobody.
+ *
+ * Replies are unpacked by wire.h over an arena whose budget is 4 bytes per
+ * frame byte plus 1 MiB (what wire.c documents a legitimate message needs):
+ * the client keeps one for frames up to 768 KiB and makes one per larger
+ * frame, so an idle client holds little memory and a hostile frame cannot
+ * make it allocate much more than its size.
+ *
+ * The client checks the order kvd promises for a generate (Accepted, Chunks
+ * numbered from 0 when asked for, one Final or Error; the Final's chunk count
+ * and text agree with the chunks) and fails the call with KVD_EPROTOCOL
+ * otherwise; a request given up that way, or by a timeout, is cancelled at
+ * the daemon on the way out.
+ */
+#include "kvd_client.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <zmq.h>
+
+#include "wire.h"
+
+#define DEFAULT_TIMEOUT_MS 30000
+#define LZ4_MIN_PROMPT (64u << 10)      /* prompts longer than this travel LZ4-compressed */
+#define ARENA_SLACK (1u << 20)          /* arena budget beyond 4 bytes per frame byte (wire.c) */
+#define SMALL_ARENA (4u << 20)          /* budget of the client's reusable arena */
+#define SMALL_FRAME ((SMALL_ARENA - ARENA_SLACK) / 4) /* frames it takes; larger get their own */
+#define CANCEL_WAIT_MS 2000             /* how long a cancelled generate waits for its end */
+#define MAX_OUTPUT_BYTES (256u << 20)   /* text one generate may collect */
+#define SOCKET_HWM 100000               /* messages queued per direction */
+
+struct kvd_client {
+    void *ctx;                  /* this client's ZeroMQ context */
+    void *sock;                 /* DEALER connected to endpoint */
+    wire_arena_t *arena;        /* unpacks replies of up to SMALL_FRAME bytes */
+    int timeout_ms;             /* longest wait for one message */
+    uint64_t next_id;           /* id of the next request */
+    char endpoint[256];         /* for messages */
+};
+
+/* One received reply: the frame, and the arena its unpacked message lives in. */
+struct inbox {
+    zmq_msg_t msg;              /* the frame (kept while the message is used) */
+    wire_arena_t *arena;        /* c->arena or a per-frame one */
+    bool open;                  /* msg needs closing */
+};
+
+/* Growing output of a generate. */
+struct output {
+    char *text;                 /* text_len bytes + NUL, or NULL */
+    size_t text_len, text_cap;
+    int32_t *tokens;            /* n_tokens ids, or NULL */
+    size_t n_tokens, tokens_cap;
+};
+
+/* ---- small helpers ----------------------------------------------------------------- */
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static int norm_timeout(int timeout_ms)
+{
+    return timeout_ms > 0 ? timeout_ms : DEFAULT_TIMEOUT_MS;
+}
+
+/* A random 64-bit value (the first request id); falls back to time and pid. */
+static uint64_t random_u64(void)
+{
+    uint64_t v = 0;
+    if (getrandom(&v, sizeof(v), GRND_NONBLOCK) != (ssize_t)sizeof(v)) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        v = ((uint64_t)ts.tv_sec << 32) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 16) ^
+            (uint64_t)(uintptr_t)&v;
+        v ^= v >> 33;
+        v *= 0xff51afd7ed558ccdull;
+        v ^= v >> 33;
+    }
+    return v;
+}
+
+static uint64_t take_id(kvd_client_t *c)
+{
+    if (c->next_id == 0)
+        c->next_id++;
+    return c->next_id++;
+}
+
+/* The err.h code for a daemon error code; KVD_EPROTOCOL for one we do not know. */
+static int from_server_code(Kvd__ErrorCode code)
+{
+    switch (code) {
+    case KVD__ERROR_CODE__ERR_BAD_REQUEST: return KVD_EBADREQUEST;
+    case KVD__ERROR_CODE__ERR_OVERLOADED: return KVD_EOVERLOADED;
+    case KVD__ERROR_CODE__ERR_TOO_LONG: return KVD_ETOOLONG;
+    case KVD__ERROR_CODE__ERR_DEADLINE: return KVD_EDEADLINE;
+    case KVD__ERROR_CODE__ERR_CANCELLED: return KVD_ECANCELLED;
+    case KVD__ERROR_CODE__ERR_UNAVAILABLE: return KVD_EUNAVAILABLE;
+    case KVD__ERROR_CODE__ERR_INTERNAL: return KVD_EINTERNAL;
+    case KVD__ERROR_CODE__ERR_NOT_FOUND: return KVD_ENOTFOUND;
+    case KVD__ERROR_CODE__ERR_SHUTTING_DOWN: return KVD_ESHUTDOWN;
+    default: return KVD_EPROTOCOL;
+    }
+}
+
+static const char *body_name(Kvd__ServerReply__BodyCase b)
+{
+    switch (b) {
+    case KVD__SERVER_REPLY__BODY_ACCEPTED: return "accepted";
+    case KVD__SERVER_REPLY__BODY_CHUNK: return "chunk";
+    case KVD__SERVER_REPLY__BODY_FINAL: return "final";
+    case KVD__SERVER_REPLY__BODY_ERROR: return "error";
+    case KVD__SERVER_REPLY__BODY_STATS: return "stats";
+    case KVD__SERVER_REPLY__BODY_HEALTH: return "health";
+    default: return "empty";
+    }
+}
+
+/* Fills err from a daemon Error and returns its err.h code. */
+static int take_server_error(const Kvd__Error *e, char *err, size_t errlen)
+{
+    int code = from_server_code(e->has_code ? e->code : KVD__ERROR_CODE__ERR_NONE);
+    if (code == KVD_EPROTOCOL)
+        return kvd_seterr(err, errlen, code, "kvd sent error code %d: %s", (int)e->code,
+                          e->message ? e->message : "");
+    return kvd_seterr(err, errlen, code, "%s", e->message ? e->message : "");
+}
+
+/* ---- endpoint ---------------------------------------------------------------------- */
+
+char *kvd_default_endpoint(char *buf, size_t len)
+{
+    if (buf == NULL || len == 0)
+        return buf;
+    const char *env = getenv("KVD_ENDPOINT");
+    if (env != NULL && env[0] != '\0') {
+        snprintf(buf, len, "%s", env);
+        return buf;
+    }
+    /* the XDG spec says to ignore a relative XDG_RUNTIME_DIR */
+    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    if (xdg != NULL && xdg[0] == '/') {
+        size_t n = strlen(xdg);
+        while (n > 1 && xdg[n - 1] == '/')
+            n--;
+        snprintf(buf, len, "ipc://%.*s/kvd/kvd.sock", (int)n, xdg);
+    } else {
+        snprintf(buf, len, "ipc:///tmp/kvd-%u/kvd.sock", (unsigned)getuid());
+    }
+    return buf;
+}
+
+/* ---- lifecycle ---------------------------------------------------------------------- */
+
+static int set_int(void *sock, int opt, int v)
+{
+    return zmq_setsockopt(sock, opt, &v, sizeof(v));
+}
+
+kvd_client_t *kvd_client_new(const char *endpoint, int timeout_ms, char *err, size_t errlen)
+{
+    char def[256];
+    if (endpoint == NULL)
+        endpoint = kvd_default_endpoint(def, sizeof(def));
+    kvd_client_t *c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "out of memory");
+        return NULL;
+    }
+    if (strlen(endpoint) >= sizeof(c->endpoint) || strstr(endpoint, "://") == NULL) {
+        kvd_seterr(err, errlen, KVD_EINVAL,
+                   "malformed endpoint '%.200s' (want ipc://PATH or tcp://HOST:PORT)", endpoint);
+        goto fail;
+    }
+    snprintf(c->endpoint, sizeof(c->endpoint), "%s", endpoint);
+    c->timeout_ms = norm_timeout(timeout_ms);
+    c->next_id = random_u64();
+    c->arena = wire_arena_new(SMALL_ARENA);
+    c->ctx = zmq_ctx_new();
+    if (c->arena == NULL || c->ctx == NULL) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "out of memory (zmq context or arena)");
+        goto fail;
+    }
+    c->sock = zmq_socket(c->ctx, ZMQ_DEALER);
+    if (c->sock == NULL) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "zmq_socket: %s", zmq_strerror(errno));
+        goto fail;
+    }
+    int64_t maxmsg = WIRE_MAX_FRAME;
+    if (set_int(c->sock, ZMQ_LINGER, 0) != 0 || set_int(c->sock, ZMQ_IMMEDIATE, 1) != 0 ||
+        set_int(c->sock, ZMQ_RCVHWM, SOCKET_HWM) != 0 ||
+        set_int(c->sock, ZMQ_SNDHWM, SOCKET_HWM) != 0 ||
+        zmq_setsockopt(c->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg)) != 0) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "zmq_setsockopt: %s", zmq_strerror(errno));
+        goto fail;
+    }
+    if (zmq_connect(c->sock, endpoint) != 0) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "malformed endpoint '%s': %s", endpoint,
+                   zmq_strerror(errno));
+        goto fail;
+    }
+    return c;
+fail:
+    kvd_client_destroy(&c);
+    return NULL;
+}
+
+void kvd_client_destroy(kvd_client_t **cp)
+{
+    if (cp == NULL || *cp == NULL)
+        return;
+    kvd_client_t *c = *cp;
+    if (c->sock != NULL)
+        zmq_close(c->sock);
+    if (c->ctx != NULL)
+        zmq_ctx_term(c->ctx);
+    wire_arena_destroy(&c->arena);
+    free(c);
+    *cp = NULL;
+}
+
+void kvd_client_set_timeout(kvd_client_t *c, int timeout_ms)
+{
+    if (c != NULL)
+        c->timeout_ms = norm_timeout(timeout_ms);
+}
+
+/* ---- sending and receiving ----------------------------------------------------------- */
+
+/* Packs and sends req, waiting until deadline (monotonic ms) for the socket to
+ * take it. 0, KVD_ETIMEOUT (no connection to a daemon), KVD_EINVAL (too
+ * large), KVD_ENOMEM or KVD_EIO; a reason in err. */
+static int send_request(kvd_client_t *c, const Kvd__ClientRequest *req, int64_t deadline,
+                        char *err, size_t errlen)
+{
+    uint8_t *buf;
+    size_t len;
+    int rc = wire_pack(&req->base, &buf, &len);
+    if (rc == KVD_ERANGE)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "request over the %u-byte frame limit",
+                          WIRE_MAX_FRAME);
+    if (rc != 0)
+        return kvd_seterr(err, errlen, rc, "cannot pack the request: %s", kvd_strerror(rc));
+    for (;;) {
+        if (zmq_send(c->sock, buf, len, ZMQ_DONTWAIT) >= 0)
+            break;
+        if (errno != EAGAIN && errno != EINTR) {
+            rc = kvd_seterr(err, errlen, KVD_EIO, "zmq_send: %s", zmq_strerror(errno));
+            break;
+        }
+        int64_t left = deadline - now_ms();
+        if (left <= 0) {
+            rc = kvd_seterr(err, errlen, KVD_ETIMEOUT,
+                            "no connection to kvd at %s in %d ms (is it running?)", c->endpoint,
+                            c->timeout_ms);
+            break;
+        }
+        zmq_pollitem_t it = { c->sock, 0, ZMQ_POLLOUT, 0 };
+        if (zmq_poll(&it, 1, (long)left) < 0 && errno != EINTR) {
+            rc = kvd_seterr(err, errlen, KVD_EIO, "zmq_poll: %s", zmq_strerror(errno));
+            break;
+        }
+    }
+    free(buf);
+    return rc;
+}
+
+/* Sends a CancelRequest for target without waiting for anything (the daemon's
+ * answer to it is dropped later as a reply to another request). */
+static void send_cancel_nowait(kvd_client_t *c, uint64_t target)
+{
+    Kvd__CancelRequest cr = KVD__CANCEL_REQUEST__INIT;
+    cr.has_target = 1;
+    cr.target = target;
+    Kvd__ClientRequest req = KVD__CLIENT_REQUEST__INIT;
+    req.has_version = 1;
+    req.version = WIRE_VERSION;
+    req.has_request_id = 1;
+    req.request_id = take_id(c);
+    req.body_case = KVD__CLIENT_REQUEST__BODY_CANCEL;
+    req.cancel = &cr;
+    send_request(c, &req, now_ms(), NULL, 0);
+}
+
+static void inbox_release(kvd_client_t *c, struct inbox *in)
+{
+    if (in->arena == c->arena)
+        wire_arena_reset(c->arena);
+    else if (in->arena != NULL)
+        wire_arena_destroy(&in->arena);
+    in->arena = NULL;
+    if (in->open)
+        zmq_msg_close(&in->msg);
+    in->open = false;
+}
+
+/* Waits until deadline for the next reply and unpacks it into *reply (valid
+ * until inbox_release, which the caller owes after a 0). KVD_ETIMEOUT,
+ * KVD_EPROTOCOL (an unreadable frame), KVD_ENOMEM or KVD_EIO otherwise, with
+ * a reason in err. A signal does not end the wait. */
+static int recv_reply(kvd_client_t *c, int64_t deadline, struct inbox *in,
+                      Kvd__ServerReply **reply, char *err, size_t errlen)
+{
+    memset(in, 0, sizeof(*in));
+    zmq_msg_init(&in->msg);
+    in->open = true;
+    for (;;) {
+        if (zmq_msg_recv(&in->msg, c->sock, ZMQ_DONTWAIT) >= 0)
+            break;
+        if (errno != EAGAIN && errno != EINTR) {
+            int rc = kvd_seterr(err, errlen, KVD_EIO, "zmq_msg_recv: %s", zmq_strerror(errno));
+            inbox_release(c, in);
+            return rc;
+        }
+        int64_t left = deadline - now_ms();
+        if (left <= 0) {
+            inbox_release(c, in);
+            return kvd_seterr(err, errlen, KVD_ETIMEOUT,
+                              "no reply from kvd at %s in %d ms (is it running?)", c->endpoint,
+                              c->timeout_ms);
+        }
+        zmq_pollitem_t it = { c->sock, 0, ZMQ_POLLIN, 0 };
+        if (zmq_poll(&it, 1, (long)left) < 0 && errno != EINTR) {
+            int rc = kvd_seterr(err, errlen, KVD_EIO, "zmq_poll: %s", zmq_strerror(errno));
+            inbox_release(c, in);
+            return rc;
+        }
+    }
+    if (zmq_msg_more(&in->msg)) {
+        /* one protobuf per message: drop the rest of a multi-part one */
+        int more = 1;
+        size_t ml = sizeof(more);
+        while (more && zmq_msg_recv(&in->msg, c->sock, ZMQ_DONTWAIT) >= 0 &&
+               zmq_getsockopt(c->sock, ZMQ_RCVMORE, &more, &ml) == 0)
+            ;
+        inbox_release(c, in);
+        return kvd_seterr(err, errlen, KVD_EPROTOCOL, "kvd sent a multi-part message");
+    }
+    size_t len = zmq_msg_size(&in->msg);
+    if (len <= SMALL_FRAME) {
+        in->arena = c->arena;
+    } else {
+        in->arena = wire_arena_new(4 * len + ARENA_SLACK);
+        if (in->arena == NULL) {
+            inbox_release(c, in);
+            return kvd_seterr(err, errlen, KVD_ENOMEM, "no memory for a %zu-byte reply", len);
+        }
+    }
+    int code = 0;
+    char why[200] = "";
+    *reply = wire_server_reply_unpack(in->arena, zmq_msg_data(&in->msg), len, &code, why,
+                                      sizeof(why));
+    if (*reply == NULL) {
+        inbox_release(c, in);
+        return kvd_seterr(err, errlen, KVD_EPROTOCOL, "unreadable reply from kvd: %s", why);
+    }
+    return 0;
+}
+
+/* Whether reply r answers request id: its own id, or 0 on an error (kvd's
+ * answer to a frame it could not read, which can only be the one in flight). */
+static bool is_for(const Kvd__ServerReply *r, uint64_t id)
+{
+    if (r->request_id == id)
+        return true;
+    return r->request_id == 0 && r->body_case == KVD__SERVER_REPLY__BODY_ERROR;
+}
+
+static void init_request(Kvd__ClientRequest *req, uint64_t id)
+{
+    kvd__client_request__init(req);
+    req->has_version = 1;
+    req->version = WIRE_VERSION;
+    req->has_request_id = 1;
+    req->request_id = id;
+}
+
+/* Sends req and waits for the first reply to it (others are dropped). 0 with
+ * *reply (release in), or a transport error with a reason in err. */
+static int call(kvd_client_t *c, const Kvd__ClientRequest *req, struct inbox *in,
+                Kvd__ServerReply **reply, char *err, size_t errlen)
+{
+    int64_t deadline = now_ms() + c->timeout_ms;
+    int rc = send_request(c, req, deadline, err, errlen);
+    if (rc != 0)
+        return rc;
+    deadline = now_ms() + c->timeout_ms;
+    for (;;) {
+        rc = recv_reply(c, deadline, in, reply, err, errlen);
+        if (rc != 0)
+            return rc;
+        if (is_for(*reply, req->request_id))
+            return 0;
+        inbox_release(c, in);
+    }
+}
+
+/* ---- generate ---------------------------------------------------------------------- */
+
+void kvd_gen_params_init(struct kvd_gen_params *p)
+{
+    memset(p, 0, sizeof(*p));
+    p->temperature = -1.0f;
+    p->top_k = -1;
+    p->top_p = -1.0f;
+    p->min_p = -1.0f;
+    p->repeat_penalty = -1.0f;
+    p->seed = -1;
+}
+
+void kvd_result_free(struct kvd_result *r)
+{
+    if (r == NULL)
+        return;
+    free(r->text);
+    free(r->tokens);
+    memset(r, 0, sizeof(*r));
+}
+
+static int output_add(struct output *o, const char *text, size_t len, const int32_t *tokens,
+                      size_t n)
+{
+    if (o->text_len + len > MAX_OUTPUT_BYTES || o->n_tokens + n > WIRE_MAX_NEW_TOKENS)
+        return KVD_EPROTOCOL;
+    if (o->text == NULL || o->text_len + len + 1 > o->text_cap) {
+        size_t cap = o->text_cap ? o->text_cap : 256;
+        while (cap < o->text_len + len + 1)
+            cap *= 2;
+        char *t = realloc(o->text, cap);
+        if (t == NULL)
+            return KVD_ENOMEM;
+        o->text = t;
+        o->text_cap = cap;
+    }
+    memcpy(o->text + o->text_len, text, len);
+    o->text_len += len;
+    o->text[o->text_len] = '\0';
+    if (n > 0 && o->n_tokens + n > o->tokens_cap) {
+        size_t cap = o->tokens_cap ? o->tokens_cap : 64;
+        while (cap < o->n_tokens + n)
+            cap *= 2;
+        int32_t *t = realloc(o->tokens, cap * sizeof(*t));
+        if (t == NULL)
+            return KVD_ENOMEM;
+        o->tokens = t;
+        o->tokens_cap = cap;
+    }
+    if (n > 0)
+        memcpy(o->tokens + o->n_tokens, tokens, n * sizeof(*tokens));
+    o->n_tokens += n;
+    return 0;
+}
+
+/* Reports a failed output_add in out->error; returns rc. */
+static int output_error(int rc, struct kvd_result *out)
+{
+    return kvd_seterr(out->error, sizeof(out->error), rc, "%s",
+                      rc == KVD_ENOMEM ? "out of memory" :
+                                         "kvd sent more output than any request may have");
+}
+
+/* Everything a packed GenerateRequest points to that is not the caller's. */
+struct gen_msg {
+    Kvd__ClientRequest req;
+    Kvd__GenerateRequest gen;
+    Kvd__SamplingParams sampling;
+    Kvd__ChatMessage *msgs;     /* n_messages */
+    Kvd__ChatMessage **msg_ptrs;
+    uint8_t *lz4;               /* the compressed prompt, or NULL */
+};
+
+static void gen_msg_fini(struct gen_msg *m)
+{
+    free(m->msgs);
+    free(m->msg_ptrs);
+    free(m->lz4);
+}
+
+/* Builds the request for p (pointing into p; casts drop const because
+ * protobuf-c's structs are not const, and packing only reads them). 0, or
+ * KVD_EINVAL / KVD_ENOMEM with a reason. */
+static int gen_msg_build(struct gen_msg *m, const struct kvd_gen_params *p, uint64_t id,
+                         bool stream, char *err, size_t errlen)
+{
+    memset(m, 0, sizeof(*m));
+    init_request(&m->req, id);
+    kvd__generate_request__init(&m->gen);
+    m->req.body_case = KVD__CLIENT_REQUEST__BODY_GENERATE;
+    m->req.generate = &m->gen;
+    Kvd__GenerateRequest *g = &m->gen;
+
+    int forms = (p->prompt != NULL) + (p->n_messages > 0) + (p->n_token_ids > 0);
+    if (forms != 1)
+        return kvd_seterr(err, errlen, KVD_EINVAL,
+                          "give exactly one of prompt, messages and token_ids (got %d)", forms);
+    if ((p->n_messages > 0 && p->messages == NULL) || (p->n_token_ids > 0 && p->token_ids == NULL) ||
+        (p->n_stop > 0 && p->stop == NULL))
+        return kvd_seterr(err, errlen, KVD_EINVAL, "a count without its array");
+    for (size_t i = 0; i < p->n_stop; i++)
+        if (p->stop[i] == NULL)
+            return kvd_seterr(err, errlen, KVD_EINVAL, "stop string %zu is NULL", i);
+    if (p->prompt != NULL) {
+        size_t len = strlen(p->prompt);
+        if (len > LZ4_MIN_PROMPT) {
+            size_t zlen;
+            int rc = wire_lz4_compress(p->prompt, len, &m->lz4, &zlen);
+            if (rc == KVD_ERANGE)
+                return kvd_seterr(err, errlen, KVD_EINVAL,
+                                  "prompt of %zu bytes is over the %u-byte limit", len,
+                                  WIRE_MAX_PROMPT_BYTES);
+            if (rc != 0)
+                return kvd_seterr(err, errlen, rc, "cannot compress the prompt: %s",
+                                  kvd_strerror(rc));
+            g->has_prompt_lz4 = 1;
+            g->prompt_lz4.data = m->lz4;
+            g->prompt_lz4.len = zlen;
+            g->has_prompt_lz4_size = 1;
+            g->prompt_lz4_size = (uint32_t)len;
+        } else {
+            g->prompt = (char *)p->prompt;
+        }
+    }
+    if (p->n_messages > 0) {
+        m->msgs = calloc(p->n_messages, sizeof(*m->msgs));
+        m->msg_ptrs = calloc(p->n_messages, sizeof(*m->msg_ptrs));
+        if (m->msgs == NULL || m->msg_ptrs == NULL)
+            return kvd_seterr(err, errlen, KVD_ENOMEM, "out of memory");
+        for (size_t i = 0; i < p->n_messages; i++) {
+            kvd__chat_message__init(&m->msgs[i]);
+            m->msgs[i].role = (char *)p->messages[i].role;
+            m->msgs[i].content = (char *)p->messages[i].content;
+            m->msg_ptrs[i] = &m->msgs[i];
+        }
+        g->n_messages = p->n_messages;
+        g->messages = m->msg_ptrs;
+    }
+    if (p->n_token_ids > 0) {
+        g->n_token_ids = p->n_token_ids;
+        g->token_ids = (int32_t *)p->token_ids;
+    }
+
+    Kvd__SamplingParams *s = &m->sampling;
+    kvd__sampling_params__init(s);
+    /* negative means "the daemon's default"; NaN is sent, and refused below */
+    s->has_temperature = !(p->temperature < 0);
+    s->temperature = p->temperature;
+    s->has_top_k = p->top_k >= 0;
+    s->top_k = p->top_k;
+    s->has_top_p = !(p->top_p < 0);
+    s->top_p = p->top_p;
+    s->has_min_p = !(p->min_p < 0);
+    s->min_p = p->min_p;
+    s->has_repeat_penalty = !(p->repeat_penalty < 0);
+    s->repeat_penalty = p->repeat_penalty;
+    s->has_seed = p->seed >= 0;
+    s->seed = (uint64_t)p->seed;
+    if (s->has_temperature || s->has_top_k || s->has_top_p || s->has_min_p ||
+        s->has_repeat_penalty || s->has_seed)
+        g->sampling = s;
+
+    g->has_max_tokens = p->max_tokens > 0;
+    g->max_tokens = p->max_tokens;
+    g->n_stop = p->n_stop;
+    g->stop = (char **)p->stop;
+    g->has_stream = 1;
+    g->stream = stream;
+    g->has_deadline_ms = p->deadline_ms > 0;
+    g->deadline_ms = p->deadline_ms;
+    g->namespace_ = (char *)p->ns;
+    g->has_ignore_eos = p->ignore_eos;
+    g->ignore_eos = p->ignore_eos;
+    g->has_no_cache = p->no_cache;
+    g->no_cache = p->no_cache;
+
+    /* the daemon's own checks, here, so that a bad argument costs no round trip */
+    char why[200];
+    if (wire_check_client_request(&m->req, why, sizeof(why)) != 0)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "%s", why);
+    return 0;
+}
+
+/* Takes what a Final says into out (text and tokens from the Final when it
+ * has them, else from the chunks). 0, or KVD_EPROTOCOL / KVD_ENOMEM with a
+ * reason in out->error. */
+static int take_final(const Kvd__Final *f, struct output *o, struct kvd_result *out)
+{
+    if (f->has_finish_reason && f->finish_reason >= KVD__FINISH_REASON__FINISH_NONE &&
+        f->finish_reason <= KVD__FINISH_REASON__FINISH_DEADLINE)
+        out->finish_reason = (int)f->finish_reason;
+    if (f->usage != NULL) {
+        if (f->usage->has_prompt_tokens)
+            out->prompt_tokens = f->usage->prompt_tokens;
+        out->cached_prompt_tokens = f->usage->cached_prompt_tokens;
+        out->completion_tokens = f->usage->completion_tokens;
+    }
+    if (f->timings != NULL) {
+        out->queued_ms = f->timings->queued_ms;
+        out->ttft_ms = f->timings->ttft_ms;
+        out->decode_ms = f->timings->decode_ms;
+        out->total_ms = f->timings->total_ms;
+    }
+    if (f->has_chunks && f->chunks != out->chunks)
+        return kvd_seterr(out->error, sizeof(out->error), KVD_EPROTOCOL,
+                          "kvd's final counts %u chunks, %u came", f->chunks, out->chunks);
+    /* the chunks' text is the Final's, or its start (text held back for a
+     * possible stop string may come only with the Final) */
+    if (f->text != NULL && (strlen(f->text) < o->text_len ||
+                            (o->text_len > 0 && memcmp(f->text, o->text, o->text_len) != 0)))
+        return kvd_seterr(out->error, sizeof(out->error), KVD_EPROTOCOL,
+                          "kvd's final text does not start with its chunks' text");
+    int rc = 0;
+    if (f->text != NULL) {
+        o->text_len = 0;
+        rc = output_add(o, f->text, strlen(f->text), NULL, 0);
+    }
+    if (rc == 0 && f->n_token_ids > 0) {
+        o->n_tokens = 0;
+        rc = output_add(o, "", 0, f->token_ids, f->n_token_ids);
+    }
+    if (rc != 0)
+        return output_error(rc, out);
+    if (f->usage == NULL || !f->usage->has_completion_tokens)
+        out->completion_tokens = (uint32_t)o->n_tokens;
+    return 0;
+}
+
+/* What a generate does with one reply to it: 1 to go on, 0 / negative to end
+ * with that result. */
+struct gen_state {
+    kvd_chunk_fn fn;            /* NULL: no callback */
+    void *user;
+    bool stream;                /* chunks were asked for */
+    bool accepted;              /* the Accepted came */
+    bool cancelled;             /* the callback asked to cancel */
+    struct output o;
+};
+
+static int gen_step(kvd_client_t *c, struct gen_state *st, const Kvd__ServerReply *r,
+                    struct kvd_result *out)
+{
+    char *err = out->error;
+    size_t errlen = sizeof(out->error);
+    switch (r->body_case) {
+    case KVD__SERVER_REPLY__BODY_ACCEPTED:
+        if (st->accepted)
+            return kvd_seterr(err, errlen, KVD_EPROTOCOL, "kvd accepted the request twice");
+        st->accepted = true;
+        if (r->accepted->has_prompt_tokens)
+            out->prompt_tokens = r->accepted->prompt_tokens;
+        return 1;
+    case KVD__SERVER_REPLY__BODY_CHUNK: {
+        const Kvd__Chunk *k = r->chunk;
+        if (!st->accepted || !st->stream)
+            return kvd_seterr(err, errlen, KVD_EPROTOCOL, "kvd sent a chunk %s",
+                              st->stream ? "before accepting the request" : "unasked");
+        if (k->seq != out->chunks)
+            return kvd_seterr(err, errlen, KVD_EPROTOCOL, "kvd sent chunk %u, expected %u",
+                              k->seq, out->chunks);
+        const char *text = k->text ? k->text : "";
+        size_t len = strlen(text);
+        int rc = output_add(&st->o, text, len, k->token_ids, k->n_token_ids);
+        if (rc != 0)
+            return output_error(rc, out);
+        out->chunks++;
+        if (st->fn != NULL && !st->cancelled &&
+            st->fn(st->user, text, len, k->token_ids, k->n_token_ids, k->seq) != 0) {
+            st->cancelled = true;
+            send_cancel_nowait(c, out->request_id);
+        }
+        return 1;
+    }
+    case KVD__SERVER_REPLY__BODY_FINAL: {
+        if (!st->accepted)
+            return kvd_seterr(err, errlen, KVD_EPROTOCOL,
+                              "kvd ended the request before accepting it");
+        int rc = take_final(r->final, &st->o, out);
+        if (rc != 0)
+            return rc;
+        if (st->cancelled || out->finish_reason == KVD_FINISH_CANCELLED)
+            return KVD_ECANCELLED;
+        return 0;
+    }
+    case KVD__SERVER_REPLY__BODY_ERROR:
+        if (r->error->has_retry_after_ms)
+            out->retry_after_ms = r->error->retry_after_ms;
+        return take_server_error(r->error, err, errlen);
+    default:
+        return kvd_seterr(err, errlen, KVD_EPROTOCOL, "kvd answered a generate with %s",
+                          body_name(r->body_case));
+    }
+}
+
+static int generate(kvd_client_t *c, const struct kvd_gen_params *p, bool stream,
+                    kvd_chunk_fn fn, void *user, struct kvd_result *out)
+{
+    if (out == NULL)
+        return KVD_EINVAL;
+    memset(out, 0, sizeof(*out));
+    if (c == NULL || p == NULL)
+        return kvd_seterr(out->error, sizeof(out->error), KVD_EINVAL, "no client or no params");
+    out->request_id = take_id(c);
+
+    struct gen_msg m;
+    int rc = gen_msg_build(&m, p, out->request_id, stream, out->error, sizeof(out->error));
+    if (rc == 0)
+        rc = send_request(c, &m.req, now_ms() + c->timeout_ms, out->error, sizeof(out->error));
+    gen_msg_fini(&m);
+    if (rc != 0)
+        return rc;
+
+    struct gen_state st = { .fn = fn, .user = user, .stream = stream };
+    int64_t deadline = now_ms() + c->timeout_ms;
+    for (;;) {
+        struct inbox in;
+        Kvd__ServerReply *r;
+        rc = recv_reply(c, deadline, &in, &r, out->error, sizeof(out->error));
+        if (rc != 0)
+            break;
+        if (!is_for(r, out->request_id)) {
+            inbox_release(c, &in);
+            continue;
+        }
+        bool was_cancelled = st.cancelled;
+        rc = gen_step(c, &st, r, out);
+        inbox_release(c, &in);
+        if (rc <= 0)
+            break;
+        /* each message restarts the wait; a cancelled request gets a short,
+         * fixed while to say how it ended */
+        if (!st.cancelled)
+            deadline = now_ms() + c->timeout_ms;
+        else if (!was_cancelled)
+            deadline = now_ms() + (c->timeout_ms < CANCEL_WAIT_MS ? c->timeout_ms : CANCEL_WAIT_MS);
+    }
+    if (st.cancelled && (rc == KVD_ETIMEOUT || rc == KVD_EIO)) {
+        rc = kvd_seterr(out->error, sizeof(out->error), KVD_ECANCELLED,
+                        "cancelled (kvd did not confirm in time)");
+    } else if (rc == KVD_ETIMEOUT || rc == KVD_EPROTOCOL || rc == KVD_ENOMEM) {
+        /* the request is given up: tell the daemon to stop working on it */
+        send_cancel_nowait(c, out->request_id);
+    }
+    if (st.o.text == NULL)
+        output_add(&st.o, "", 0, NULL, 0);
+    out->text = st.o.text;
+    out->text_len = st.o.text_len;
+    out->tokens = st.o.tokens;
+    out->n_tokens = st.o.n_tokens;
+    return rc;
+}
+
+int kvd_generate(kvd_client_t *c, const struct kvd_gen_params *p, struct kvd_result *out)
+{
+    return generate(c, p, false, NULL, NULL, out);
+}
+
+int kvd_generate_stream(kvd_client_t *c, const struct kvd_gen_params *p, kvd_chunk_fn fn,
+                        void *user, struct kvd_result *out)
+{
+    return generate(c, p, true, fn, user, out);
+}
+
+/* ---- cancel, stats, health ------------------------------------------------------------ */
+
+int kvd_cancel(kvd_client_t *c, uint64_t request_id)
+{
+    if (c == NULL)
+        return KVD_EINVAL;
+    Kvd__CancelRequest cr = KVD__CANCEL_REQUEST__INIT;
+    cr.has_target = 1;
+    cr.target = request_id;
+    Kvd__ClientRequest req;
+    init_request(&req, take_id(c));
+    req.body_case = KVD__CLIENT_REQUEST__BODY_CANCEL;
+    req.cancel = &cr;
+    struct inbox in;
+    Kvd__ServerReply *r;
+    int rc = call(c, &req, &in, &r, NULL, 0);
+    if (rc != 0)
+        return rc;
+    if (r->body_case == KVD__SERVER_REPLY__BODY_ACCEPTED)
+        rc = 0;
+    else if (r->body_case == KVD__SERVER_REPLY__BODY_ERROR)
+        rc = take_server_error(r->error, NULL, 0);
+    else
+        rc = KVD_EPROTOCOL;
+    inbox_release(c, &in);
+    return rc;
+}
+
+static void take_stats(const Kvd__Stats *s, struct kvd_stats *out)
+{
+    out->requests_running = s->requests_running;
+    out->requests_queued = s->requests_queued;
+    out->requests_done = s->requests_done;
+    out->requests_failed = s->requests_failed;
+    out->prompt_tokens = s->prompt_tokens;
+    out->cached_prompt_tokens = s->cached_prompt_tokens;
+    out->completion_tokens = s->completion_tokens;
+    out->blocks_total = s->blocks_total;
+    out->blocks_free = s->blocks_free;
+    out->blocks_cached = s->blocks_cached;
+    out->blocks_in_use = s->blocks_in_use;
+    out->blocks_pending = s->blocks_pending;
+    out->block_tokens = s->block_tokens;
+    out->block_bytes = s->block_bytes;
+    out->evictions = s->evictions;
+    out->preemptions = s->preemptions;
+    out->bad_messages = s->bad_messages;
+    size_t cap = sizeof(out->workers) / sizeof(out->workers[0]);
+    for (size_t i = 0; i < s->n_workers && out->n_workers < cap; i++) {
+        const Kvd__WorkerStats *w = s->workers[i];
+        struct kvd_worker_stats *o = &out->workers[out->n_workers++];
+        o->id = w->id;
+        o->pid = w->pid;
+        o->alive = w->alive;
+        o->running = w->running;
+        o->tokens = w->tokens;
+        o->restarts = w->restarts;
+    }
+}
+
+int kvd_stats(kvd_client_t *c, struct kvd_stats *out)
+{
+    if (c == NULL || out == NULL)
+        return KVD_EINVAL;
+    memset(out, 0, sizeof(*out));
+    Kvd__StatsRequest sr = KVD__STATS_REQUEST__INIT;
+    Kvd__ClientRequest req;
+    init_request(&req, take_id(c));
+    req.body_case = KVD__CLIENT_REQUEST__BODY_STATS;
+    req.stats = &sr;
+    struct inbox in;
+    Kvd__ServerReply *r;
+    int rc = call(c, &req, &in, &r, NULL, 0);
+    if (rc != 0)
+        return rc;
+    if (r->body_case == KVD__SERVER_REPLY__BODY_STATS)
+        take_stats(r->stats, out);
+    else if (r->body_case == KVD__SERVER_REPLY__BODY_ERROR)
+        rc = take_server_error(r->error, NULL, 0);
+    else
+        rc = KVD_EPROTOCOL;
+    inbox_release(c, &in);
+    return rc;
+}
+
+int kvd_health(kvd_client_t *c, bool *ok, uint32_t *workers_alive)
+{
+    if (c == NULL)
+        return KVD_EINVAL;
+    Kvd__HealthRequest hr = KVD__HEALTH_REQUEST__INIT;
+    Kvd__ClientRequest req;
+    init_request(&req, take_id(c));
+    req.body_case = KVD__CLIENT_REQUEST__BODY_HEALTH;
+    req.health = &hr;
+    struct inbox in;
+    Kvd__ServerReply *r;
+    int rc = call(c, &req, &in, &r, NULL, 0);
+    if (rc != 0)
+        return rc;
+    if (r->body_case == KVD__SERVER_REPLY__BODY_HEALTH) {
+        if (ok != NULL)
+            *ok = r->health->ok;
+        if (workers_alive != NULL)
+            *workers_alive = r->health->workers_alive;
+    } else if (r->body_case == KVD__SERVER_REPLY__BODY_ERROR) {
+        rc = take_server_error(r->error, NULL, 0);
+    } else {
+        rc = KVD_EPROTOCOL;
+    }
+    inbox_release(c, &in);
+    return rc;
+}
