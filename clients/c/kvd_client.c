@@ -777,7 +777,9 @@ static int generate(kvd_client_t *c, const struct kvd_gen_params *p, bool stream
 
 int kvd_generate(kvd_client_t *c, const struct kvd_gen_params *p, struct kvd_result *out)
 {
-    return generate(c, p, false, NULL, NULL, out);
+    /* chunks are asked for even here: each one restarts the timeout, so a long
+     * generation is not mistaken for a daemon that went away */
+    return generate(c, p, true, NULL, NULL, out);
 }
 
 int kvd_generate_stream(kvd_client_t *c, const struct kvd_gen_params *p, kvd_chunk_fn fn,

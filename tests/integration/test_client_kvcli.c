@@ -78,7 +78,7 @@ static void test_generate(void)
                   "--deadline", "5000", "--ignore-eos", "echo all"), 0);
     char want[512];
     snprintf(want, sizeof(want), "prompt len=8 hash=%08x temp=0.50 top_k=20 top_p=0.90 "
-             "min_p=0.05 rep=1.10 seed=42 max=16 stream=0 deadline=5000 ns=tenant eos=1 "
+             "min_p=0.05 rep=1.10 seed=42 max=16 stream=1 deadline=5000 ns=tenant eos=1 "
              "nocache=1 stops=a,bc\n", fake_kvd_hash("echo all", 8));
     CHECK_OUT(want);
     CHECK_INT(RUN("generate", "--no-stream", "--chat", "--system", "Be brief.", "echo hi"), 0);
