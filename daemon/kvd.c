@@ -303,7 +303,9 @@ static void setup(struct kvd *k)
         kvd_log(k, "pool %s: %s", k->pool_name, note);
     pool_describe(&lay, &cap, k->n_ctx, err, sizeof(err));
     kvd_log(k, "KV pool %s: %s", k->pool_name, err);
-    k->arena = wire_arena_new(4 * (size_t)WIRE_MAX_FRAME);
+    /* the budget wire.c recommends: 4 x the largest frame, slack, and room for an
+     * LZ4 prompt decompressed into the arena */
+    k->arena = wire_arena_new(4 * (size_t)WIRE_MAX_FRAME + (1u << 20) + WIRE_MAX_PROMPT_BYTES + 16);
     if (k->arena == NULL)
         die("out of memory");
 

@@ -690,10 +690,26 @@ void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions)
     }
     /* the pool is full: preempt the youngest other sequence; the worker waits
      * for its Grant, which follows once the preempted one's Done frees blocks */
+    if (r->lease_want == 0)
+        k->workers[w].starved++;
     r->lease_want = n_positions;
     if (!preempt_youngest(k, r)) {
         /* alone and still too big: it ends here, as when the context is full */
         stop_request(k, r, KVD__FINISH_REASON__FINISH_LENGTH, 0, NULL);
+    }
+}
+
+/* r's worker gets (or no longer waits for) the blocks it asked for. */
+static void unstarve(struct kvd *k, struct request *r)
+{
+    if (r->lease_want == 0)
+        return;
+    r->lease_want = 0;
+    if (r->worker >= 0) {
+        struct worker *w = &k->workers[r->worker];
+        if (w->starved > 0)
+            w->starved--;
+        w->last_progress = kvd_now_ms(); /* its clock restarts with the blocks */
     }
 }
 
@@ -707,11 +723,11 @@ static void retry_leases(struct kvd *k)
         int rc = prefix_seq_grow(k->px, &r->ps, r->lease_want, r->no_cache ? NULL : r->tok,
                                  r->no_cache ? 0 : r->n_tok);
         if (rc == 0) {
-            r->lease_want = 0;
+            unstarve(k, r);
             if (r->ps.n_blocks > before)
                 grant(k, r, before);
         } else if (!preempt_youngest(k, r)) {
-            r->lease_want = 0;
+            unstarve(k, r);
             stop_request(k, r, KVD__FINISH_REASON__FINISH_LENGTH, 0, NULL);
         }
     }
@@ -724,8 +740,8 @@ static void let_go(struct kvd *k, struct request *r, int reason, const char *err
     k->n_active--;
     if (r->worker >= 0 && k->workers[r->worker].running > 0)
         k->workers[r->worker].running--;
+    unstarve(k, r);
     r->worker = -1;
-    r->lease_want = 0;
     prefix_seq_release(k->px, &r->ps);
     wake_waiters(k);
     bool resume = r->preempted || reason < 0;

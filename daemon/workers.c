@@ -113,6 +113,7 @@ static void lose(struct kvd *k, int i, const char *why)
     if (was_alive)
         req_on_worker_lost(k, i);
     w->running = 0;
+    w->starved = 0;
     if (w->spawned && !k->draining && (k->o.max_restarts < 0 || (int)w->restarts < k->o.max_restarts)) {
         double backoff = 200.0 * (1u << (w->restarts < 5 ? w->restarts : 5));
         w->restart_at = kvd_now_ms() + backoff;
@@ -150,7 +151,8 @@ void workers_tick(struct kvd *k)
             continue;
         if (w->alive) {
             double quiet = now - w->last_heartbeat;
-            double stuck = w->running ? now - w->last_progress : 0;
+            /* sequences waiting for blocks from kvd do not count as work */
+            double stuck = w->running > w->starved ? now - w->last_progress : 0;
             char why[128];
             if (quiet > k->o.worker_timeout_ms) {
                 snprintf(why, sizeof(why), "no heartbeat for %.0f ms: declared dead", quiet);
@@ -224,6 +226,7 @@ static void on_ready(struct kvd *k, const uint8_t *rid, size_t len, uint32_t id,
     w->draining = false;
     w->max_batch = r->max_batch ? r->max_batch : 1;
     w->running = 0;
+    w->starved = 0;
     w->progress = 0;
     w->last_heartbeat = w->last_progress = kvd_now_ms();
     kvd_log(k, "worker %u (pid %d): ready", id, (int)r->pid);

@@ -25,7 +25,7 @@
 
 #define WIRE_VERSION 1u
 
-#define WIRE_MAX_FRAME (64u << 20)        /* bytes in one frame (ZMQ_MAXMSGSIZE too) */
+#define WIRE_MAX_FRAME (16u << 20)        /* bytes in one frame (ZMQ_MAXMSGSIZE too) */
 #define WIRE_MAX_PROMPT_BYTES (8u << 20)  /* prompt text, after LZ4 decompression */
 #define WIRE_MAX_TOKENS (1u << 20)        /* token ids in one message */
 #define WIRE_MAX_MESSAGES 1024u           /* chat messages in one request */
@@ -34,7 +34,7 @@
 #define WIRE_MAX_NAMESPACE 256u           /* bytes in a namespace */
 #define WIRE_MAX_NEW_TOKENS (1u << 20)    /* max_tokens */
 #define WIRE_MAX_DEADLINE_MS (24u * 3600u * 1000u)
-#define WIRE_MAX_BLOCKS (1u << 24)        /* block ids in one message */
+#define WIRE_MAX_BLOCKS (1u << 20)        /* block ids in one message */
 
 /* A budget allocator for one unpacked message: an arena of at most `budget`
  * bytes, reset between messages. */
@@ -50,8 +50,10 @@ void wire_arena_reset(wire_arena_t *a);
 /*
  * Unpack + check. Each returns the message (owned by the arena, valid until
  * its next reset) or NULL with *code set (KVD_EFORMAT for bytes that are not
- * the message, or too large; KVD_ERANGE for a field out of range;
- * KVD_EUNSUPPORTED for another protocol version) and a one-line reason in err.
+ * the message, or too large for the arena; KVD_ERANGE for a field out of
+ * range; KVD_ETOOLONG for an over-long prompt; KVD_EUNSUPPORTED for another
+ * protocol version; KVD_ENOMEM) and a one-line reason in err. Strings are
+ * NUL-terminated by protobuf-c, so text after an embedded NUL is not seen.
  * The message's version field is checked against WIRE_VERSION.
  */
 Kvd__ClientRequest *wire_client_request_unpack(wire_arena_t *a, const void *buf, size_t len,
@@ -81,7 +83,8 @@ int wire_check_to_worker(const Kvdw__ToWorker *m, char *err, size_t errlen);
  * The prompt text of a generate request that has one: points *text at the
  * plain prompt, or decompresses prompt_lz4 into the arena (exactly
  * prompt_lz4_size bytes, at most WIRE_MAX_PROMPT_BYTES, else KVD_EFORMAT).
- * Returns 0, or KVD_ENOTFOUND when the request's prompt is not text.
+ * Returns 0, KVD_ENOTFOUND when the request's prompt is not text, or
+ * KVD_ENOMEM when the text does not fit what is left of the arena's budget.
  */
 int wire_prompt_text(wire_arena_t *a, const Kvd__GenerateRequest *g, const char **text,
                      size_t *len, char *err, size_t errlen);

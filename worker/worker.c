@@ -504,7 +504,7 @@ static void setup(struct worker *w)
         die("%s", err);
     w->batch = calloc(o->max_batch, sizeof(*w->batch));
     w->in_batch = calloc(o->max_batch, sizeof(*w->in_batch));
-    w->arena = wire_arena_new(1u << 20);
+    w->arena = wire_arena_new(4 * (size_t)WIRE_MAX_FRAME + (1u << 20)); /* grows as needed */
     if (w->batch == NULL || w->in_batch == NULL || w->arena == NULL)
         die("out of memory");
 
