@@ -1,22 +1,46 @@
 /* cpu.c - instruction-set probing and the KVD_ISA override. */
 #include "cpu.h"
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 static int active = -1;     /* enum kern_isa once chosen */
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/* The register state the OS saves on context switches (XCR0) covers mask. */
+static bool os_saves(uint64_t mask)
+{
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((((uint64_t)hi << 32) | lo) & mask) == mask;
+}
+#endif
+
 enum kern_isa kern_isa_best(void)
 {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-        __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    /* cpuid rather than __builtin_cpu_supports: every compiler version knows
+     * the bits, and the OS must also save the wider registers */
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d))
+        return KERN_ISA_C;
+    bool fma = c & (1u << 12), avx = c & (1u << 28), f16c = c & (1u << 29);
+    bool osxsave = c & (1u << 27);
+    if (!osxsave || !avx || !fma || !f16c || !os_saves(0x6)) /* XMM and YMM state */
+        return KERN_ISA_C;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d))
+        return KERN_ISA_C;
+    bool avx2 = b & (1u << 5), f = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30);
+    bool vl = b & (1u << 31), vnni = c & (1u << 11);
+    if (f && dq && bw && vl && vnni && os_saves(0xE6)) /* plus opmask and ZMM state */
         return KERN_ISA_AVX512VNNI;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
+    if (avx2)
         return KERN_ISA_AVX2;
 #endif
     return KERN_ISA_C;
