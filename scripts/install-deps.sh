@@ -10,6 +10,7 @@ command -v cmake >/dev/null || need+=(cmake)
 command -v ninja >/dev/null || need+=(ninja-build)
 command -v python3 >/dev/null || need+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
+python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 command -v sha256sum >/dev/null || need+=(coreutils)
 # libraries: a header is the sign the -dev package is there
 [ -f /usr/include/xxhash.h ] || need+=(libxxhash-dev)

@@ -17,6 +17,14 @@ cmake --build build-test -j "$jobs"
 echo "== tests"
 ctest --test-dir build-test --output-on-failure -j "$jobs"
 
+echo "== Python client (clients/python) against kvd"
+python3 -m venv --clear build-test/pyenv
+build-test/pyenv/bin/python -m pip install -q --disable-pip-version-check \
+  ./clients/python -r tests/python/requirements.txt
+KVD_BIN_DIR="$root/build-test" \
+KVD_MODEL="$root/models/SmolLM2-135M-Instruct.Q4_1.gguf" \
+  build-test/pyenv/bin/python -m pytest tests/python
+
 echo "== unit and fuzz-replay tests under ASan+UBSan"
 cmake -S . -B build-asan -G Ninja -DKVD_WERROR=ON -DKVD_ASAN=ON -DKVD_CUDA=OFF \
       -DCMAKE_BUILD_TYPE=Debug >/dev/null

@@ -1,0 +1,429 @@
+"""AsyncClient: the asyncio client of kvd (zmq.asyncio), with the methods of
+Client as coroutines.
+
+One task reads the socket while requests are open and hands each reply to
+the request it answers, so any number of tasks may share one AsyncClient:
+concurrent generates, a stream read while another task calls stats() or
+cancel(). Use an AsyncClient within one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from . import _wire, errors, kvd_pb2
+from ._wire import GenerateParams, MessageLike
+from .results import Chunk, Health, Result, Stats
+
+
+class _QueueInbox:
+    """A request's replies, waiting to be read by the task that made it."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[kvd_pb2.ServerReply | errors.KvdError] = asyncio.Queue()
+
+    def put(self, item: kvd_pb2.ServerReply | errors.KvdError) -> None:
+        self.queue.put_nowait(item)
+
+
+def _retrieve(f: asyncio.Future[Any]) -> None:
+    """Marks a fire-and-forget future's outcome as seen (no "exception was
+    never retrieved" noise)."""
+    if not f.cancelled():
+        f.exception()
+
+
+class AsyncClient:
+    """A connection to kvd for asyncio code. Arguments as :class:`Client`.
+
+    Example::
+
+        async with AsyncClient() as kvd:
+            r = await kvd.generate("The KV cache", max_tokens=32)
+            async with kvd.stream("Once upon a time", max_tokens=64) as s:
+                async for chunk in s:
+                    print(chunk.text, end="", flush=True)
+    """
+
+    def __init__(self, endpoint: str | None = None, timeout: float = _wire.DEFAULT_TIMEOUT) -> None:
+        self.endpoint = _wire.check_endpoint(
+            endpoint if endpoint is not None else _wire.default_endpoint()
+        )
+        self.timeout = _wire.check_timeout(timeout)
+        self._ids = _wire.IdSource()
+        self._router = _wire.Router()
+        self._reader: asyncio.Task[None] | None = None
+        self._ctx: zmq.asyncio.Context | None = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.RCVHWM, _wire.SOCKET_HWM)
+            sock.setsockopt(zmq.SNDHWM, _wire.SOCKET_HWM)
+            sock.setsockopt(zmq.MAXMSGSIZE, _wire.MAX_FRAME)
+            sock.connect(self.endpoint)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            self._ctx.term()
+            self._ctx = None
+            raise ValueError(f"cannot connect to {self.endpoint!r}: {e}") from e
+        self._sock: zmq.asyncio.Socket | None = sock
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Cancels the requests still open (best effort; their waiting tasks
+        get a KvdError) and closes the connection. Safe to call twice."""
+        if self._sock is None:
+            return
+        for rid in self._router.open_ids():
+            self._cancel_nowait(rid)
+        self._router.fail_all(errors.KvdError("the client was closed"))
+        self._stop_reader()
+        self._sock.close(0)
+        self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<kvd_client.AsyncClient {self.endpoint} timeout={self.timeout}s {state}>"
+
+    # ---- generate ---------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[MessageLike] | None = None,
+        token_ids: Sequence[int] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repeat_penalty: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        namespace: str | None = None,
+        deadline_ms: int | None = None,
+        ignore_eos: bool = False,
+        no_cache: bool = False,
+    ) -> Result:
+        """Generates a continuation and returns it whole; see
+        :meth:`Client.generate`. Cancelling the awaiting task cancels the
+        request at kvd."""
+        params = GenerateParams(
+            prompt=prompt, messages=messages, token_ids=token_ids, max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repeat_penalty=repeat_penalty, seed=seed, stop=stop, namespace=namespace,
+            deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
+        )
+        async with AsyncStream(self, params) as s:
+            async for _ in s:
+                pass
+        assert s.result is not None
+        return s.result
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[MessageLike] | None = None,
+        token_ids: Sequence[int] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repeat_penalty: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        namespace: str | None = None,
+        deadline_ms: int | None = None,
+        ignore_eos: bool = False,
+        no_cache: bool = False,
+    ) -> AsyncStream:
+        """Generates chunk by chunk: returns an :class:`AsyncStream` to use
+        with ``async with`` and ``async for`` (not awaited itself); see
+        :meth:`Client.stream`."""
+        params = GenerateParams(
+            prompt=prompt, messages=messages, token_ids=token_ids, max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repeat_penalty=repeat_penalty, seed=seed, stop=stop, namespace=namespace,
+            deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
+        )
+        return AsyncStream(self, params)
+
+    # ---- cancel, stats, health --------------------------------------------------------------
+
+    async def cancel(self, request_id: int) -> None:
+        """Asks kvd to cancel this client's request ``request_id``; see
+        :meth:`Client.cancel`. Raises NotFound when kvd does not run it."""
+        rid = self._ids.take()
+        r = await self._call(rid, _wire.encode_cancel(rid, request_id))
+        _wire.expect(r, "accepted", rid)
+
+    async def stats(self) -> Stats:
+        """kvd's counters; see :meth:`Client.stats`."""
+        rid = self._ids.take()
+        r = await self._call(rid, _wire.encode_stats(rid))
+        return _wire.to_stats(_wire.expect(r, "stats", rid).stats)
+
+    async def health(self) -> Health:
+        """Whether kvd can serve; see :meth:`Client.health`."""
+        rid = self._ids.take()
+        r = await self._call(rid, _wire.encode_health(rid))
+        return _wire.to_health(_wire.expect(r, "health", rid).health)
+
+    # ---- transport (for AsyncStream) ------------------------------------------------------------
+
+    def _socket(self) -> zmq.asyncio.Socket:
+        if self._sock is None:
+            raise errors.KvdError("the client is closed")
+        return self._sock
+
+    def _open(self, request_id: int) -> _QueueInbox:
+        self._socket()
+        inbox = _QueueInbox()
+        self._router.open(request_id, inbox)
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        return inbox
+
+    def _close_request(self, request_id: int) -> None:
+        self._router.close(request_id)
+        if len(self._router) == 0:
+            self._stop_reader()
+
+    def _stop_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+
+    async def _read_loop(self) -> None:
+        """Reads replies and routes them, while requests are open."""
+        sock = self._socket()
+        try:
+            while True:
+                frame = await sock.recv()
+                self._router.route(frame)
+        except zmq.ZMQError as e:
+            self._router.fail_all(
+                errors.KvdError(f"connection to kvd at {self.endpoint} failed: {e}"), close=False
+            )
+
+    async def _send(self, request_id: int, frame: bytes) -> None:
+        """Sends frame, waiting at most the timeout for a connection."""
+        sock = self._socket()
+        try:
+            await asyncio.wait_for(sock.send(frame), self.timeout)
+        except asyncio.TimeoutError:
+            self._close_request(request_id)
+            raise errors.Timeout(
+                f"no connection to kvd at {self.endpoint} in {self.timeout:g} s "
+                "(is it running?)",
+                request_id=request_id,
+            ) from None
+
+    async def _next(
+        self, request_id: int, inbox: _QueueInbox, timeout: float
+    ) -> kvd_pb2.ServerReply:
+        """The next reply to request_id; Timeout after ``timeout`` seconds."""
+        try:
+            item = await asyncio.wait_for(inbox.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            raise errors.Timeout(
+                f"no reply from kvd at {self.endpoint} in {timeout:g} s",
+                request_id=request_id,
+            ) from None
+        if isinstance(item, errors.KvdError):
+            raise item
+        return item
+
+    async def _call(self, request_id: int, frame: bytes) -> kvd_pb2.ServerReply:
+        inbox = self._open(request_id)
+        try:
+            await self._send(request_id, frame)
+            return await self._next(request_id, inbox, self.timeout)
+        finally:
+            self._close_request(request_id)
+
+    def _cancel_nowait(self, target: int) -> None:
+        """Tells kvd to stop working on target, waiting for nothing."""
+        if self._sock is None:
+            return
+        try:
+            f = self._sock.send(_wire.encode_cancel(self._ids.take(), target), zmq.NOBLOCK)
+            if isinstance(f, asyncio.Future):
+                f.add_done_callback(_retrieve)
+        except Exception:
+            pass
+
+
+class AsyncStream(AsyncIterator[Chunk]):
+    """A streamed generate for asyncio (made by :meth:`AsyncClient.stream`);
+    attributes as :class:`Stream`. The request is sent on ``async with`` or
+    the first ``async for`` step; leaving the block, ``await aclose()``, or
+    breaking out of ``async for chunk in client.stream(...)`` cancels it."""
+
+    def __init__(self, client: AsyncClient, params: GenerateParams) -> None:
+        self._client = client
+        self.request_id = client._ids.take()
+        self._frame = params.encode(self.request_id)
+        self._state = _wire.GenerateState(self.request_id)
+        self._inbox: _QueueInbox | None = None
+        self._started = False
+        self._finished = False
+
+    @property
+    def result(self) -> Result | None:
+        return self._state.result
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._state.prompt_tokens
+
+    @property
+    def queue_position(self) -> int:
+        return self._state.queue_position
+
+    async def start(self) -> AsyncStream:
+        """Sends the request and waits for kvd to accept it."""
+        if self._started:
+            return self
+        self._started = True
+        self._inbox = self._client._open(self.request_id)
+        try:
+            await self._client._send(self.request_id, self._frame)
+            while not self._state.accepted and not self._finished:
+                await self._step()
+        except BaseException:
+            self._abandon()
+            raise
+        return self
+
+    async def _step(self) -> Chunk | None:
+        assert self._inbox is not None
+        r = await self._client._next(self.request_id, self._inbox, self._client.timeout)
+        try:
+            chunk = self._state.on_reply(r)
+        except errors.ProtocolError:
+            raise   # kvd may still run it: the caller abandons (cancels) it
+        except errors.KvdError:
+            # kvd's error: the request is over there
+            self._finished = True
+            self._client._close_request(self.request_id)
+            raise
+        if self._state.done:
+            self._finished = True
+            self._client._close_request(self.request_id)
+        return chunk
+
+    def _abandon(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._client._cancel_nowait(self.request_id)
+        self._client._close_request(self.request_id)
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if not self._started:
+            await self.start()
+        try:
+            while not self._finished:
+                chunk = await self._step()
+                if chunk is not None:
+                    return chunk
+        except BaseException:
+            self._abandon()
+            raise
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        """Ends the stream; before its end, cancels the request at kvd and
+        waits a moment (at most 2 s) for kvd to confirm."""
+        if not self._started:
+            self._started = self._finished = True
+            return
+        if self._finished:
+            return
+        client = self._client
+        if client.closed:
+            self._finished = True
+            return
+        client._cancel_nowait(self.request_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(client.timeout, _wire.CANCEL_WAIT)
+        try:
+            while not self._finished:
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                assert self._inbox is not None
+                r = await client._next(self.request_id, self._inbox, left)
+                try:
+                    self._state.on_reply(r)
+                except errors.KvdError:
+                    break
+                if self._state.done:
+                    break
+        except errors.KvdError:
+            pass
+        finally:
+            self._finished = True
+            client._close_request(self.request_id)
+
+    async def __aenter__(self) -> AsyncStream:
+        return await self.start()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        try:
+            if self._started and not self._finished:
+                self._finished = True
+                self._client._cancel_nowait(self.request_id)
+                self._client._close_request(self.request_id)
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "done" if self._finished else "running" if self._started else "not started"
+        return f"<kvd_client.AsyncStream request_id={self.request_id} {state}>"

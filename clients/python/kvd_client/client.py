@@ -1,0 +1,481 @@
+"""Client: the blocking client of kvd, one ZeroMQ DEALER socket.
+
+Requests may overlap on one client (a stream open while you call stats() or
+cancel(), several streams read in turns): replies are sent to the request
+they answer. A client is not thread-safe; use one per thread, or AsyncClient.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+
+import zmq
+
+from . import _wire, errors, kvd_pb2
+from ._wire import GenerateParams, MessageLike
+from .results import Chunk, Health, Result, Stats
+
+
+class _DequeInbox:
+    """A request's replies, waiting to be read."""
+
+    def __init__(self) -> None:
+        self.items: collections.deque[kvd_pb2.ServerReply | errors.KvdError] = (
+            collections.deque()
+        )
+
+    def put(self, item: kvd_pb2.ServerReply | errors.KvdError) -> None:
+        self.items.append(item)
+
+
+class Client:
+    """A connection to kvd.
+
+    Args:
+        endpoint: kvd's endpoint (``ipc://PATH`` or ``tcp://HOST:PORT``);
+            None: :func:`default_endpoint` ($KVD_ENDPOINT, else kvd's default).
+        timeout: the longest wait, in seconds, for a message from kvd. A
+            daemon that is not running (or is stuck) raises :class:`Timeout`
+            after this long, never hangs; a stream may run for as long as
+            messages keep coming.
+
+    Connecting is lazy: creating a client never fails for a missing daemon.
+    Use it as a context manager, or call :meth:`close`.
+
+    Example::
+
+        with Client() as kvd:
+            r = kvd.generate(messages=[{"role": "user", "content": "Hi"}], max_tokens=32)
+            print(r.text, r.usage.cached_prompt_tokens)
+    """
+
+    def __init__(self, endpoint: str | None = None, timeout: float = _wire.DEFAULT_TIMEOUT) -> None:
+        self.endpoint = _wire.check_endpoint(
+            endpoint if endpoint is not None else _wire.default_endpoint()
+        )
+        self.timeout = _wire.check_timeout(timeout)
+        self._ids = _wire.IdSource()
+        self._router = _wire.Router()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context()
+        sock = self._ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            # queue a request only on a completed connection: with no daemon a
+            # send waits (and times out) instead of piling up requests
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.RCVHWM, _wire.SOCKET_HWM)
+            sock.setsockopt(zmq.SNDHWM, _wire.SOCKET_HWM)
+            sock.setsockopt(zmq.MAXMSGSIZE, _wire.MAX_FRAME)
+            sock.connect(self.endpoint)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            self._ctx.term()
+            self._ctx = None
+            raise ValueError(f"cannot connect to {self.endpoint!r}: {e}") from e
+        self._sock: zmq.Socket[bytes] | None = sock
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Cancels the requests still open (best effort) and closes the
+        connection. Safe to call twice."""
+        if self._sock is None:
+            return
+        for rid in self._router.open_ids():
+            self._cancel_nowait(rid)
+        self._router.fail_all(errors.KvdError("the client was closed"))
+        self._sock.close(0)
+        self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<kvd_client.Client {self.endpoint} timeout={self.timeout}s {state}>"
+
+    # ---- generate ---------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[MessageLike] | None = None,
+        token_ids: Sequence[int] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repeat_penalty: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        namespace: str | None = None,
+        deadline_ms: int | None = None,
+        ignore_eos: bool = False,
+        no_cache: bool = False,
+    ) -> Result:
+        """Generates a continuation and returns it whole.
+
+        Give exactly one of:
+            prompt: text, used as is.
+            messages: a chat (ChatMessage, ``{"role", "content"}`` mappings or
+                ``(role, content)`` pairs; roles "system", "user",
+                "assistant"), put through the model's chat template.
+            token_ids: token ids, used as given (no BOS added).
+
+        Sampling and limits (None: kvd's default):
+            max_tokens: tokens to generate at most (kvd's default: 256).
+            temperature: 0 is greedy (default 0.8).
+            top_p, top_k, min_p, repeat_penalty: the usual filters (defaults
+                0.95, 40, 0.05, 1 = off).
+            seed: sampling seed (default random).
+            stop: a stop string or several; the output ends before one.
+            namespace: the prefix-cache namespace. A convenience that keeps
+                caches apart, not isolation between tenants.
+            deadline_ms: give up after this long at kvd (a deadline that passes
+                before any output raises DeadlineExceeded; after some output,
+                the result has finish_reason "deadline").
+            ignore_eos: generate past end-of-generation tokens.
+            no_cache: neither use nor fill the prefix cache.
+
+        Returns the Result (finish_reason "cancelled" when someone cancelled
+        it). Raises BadRequest, Overloaded, TooLong, DeadlineExceeded,
+        Unavailable, ShuttingDown, InternalError (from kvd), Timeout or
+        ProtocolError. The request asks for chunks even here: each one
+        restarts the timeout, so a long generation is not taken for a dead
+        daemon.
+        """
+        params = GenerateParams(
+            prompt=prompt, messages=messages, token_ids=token_ids, max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repeat_penalty=repeat_penalty, seed=seed, stop=stop, namespace=namespace,
+            deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
+        )
+        with Stream(self, params) as s:
+            for _ in s:
+                pass
+        assert s.result is not None
+        return s.result
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[MessageLike] | None = None,
+        token_ids: Sequence[int] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repeat_penalty: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        namespace: str | None = None,
+        deadline_ms: int | None = None,
+        ignore_eos: bool = False,
+        no_cache: bool = False,
+    ) -> Stream:
+        """Generates a continuation chunk by chunk: returns a :class:`Stream`
+        that yields each :class:`Chunk` as it arrives; ``stream.result`` holds
+        the whole Result once it has ended. Arguments and errors as
+        :meth:`generate`.
+
+        The request is sent when the stream is entered (``with``) or first
+        iterated; errors that kvd answers at once (Overloaded, BadRequest, ...)
+        are raised there. Leaving the ``with`` block, calling close(), or
+        breaking out of ``for chunk in client.stream(...)`` before the end
+        cancels the request at kvd.
+
+        Example::
+
+            with kvd.stream("The KV cache", max_tokens=64) as s:
+                for chunk in s:
+                    print(chunk.text, end="", flush=True)
+            print(s.result.finish_reason)
+        """
+        params = GenerateParams(
+            prompt=prompt, messages=messages, token_ids=token_ids, max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            repeat_penalty=repeat_penalty, seed=seed, stop=stop, namespace=namespace,
+            deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
+        )
+        return Stream(self, params)
+
+    # ---- cancel, stats, health --------------------------------------------------------------
+
+    def cancel(self, request_id: int) -> None:
+        """Asks kvd to cancel this client's request ``request_id`` (e.g.
+        ``stream.request_id``). The request then ends with finish_reason
+        "cancelled". Raises NotFound when kvd does not run it (any more)."""
+        rid = self._ids.take()
+        r = self._call(rid, _wire.encode_cancel(rid, request_id))
+        _wire.expect(r, "accepted", rid)
+
+    def stats(self) -> Stats:
+        """kvd's counters: requests, tokens, cache hits, blocks, workers."""
+        rid = self._ids.take()
+        r = self._call(rid, _wire.encode_stats(rid))
+        return _wire.to_stats(_wire.expect(r, "stats", rid).stats)
+
+    def health(self) -> Health:
+        """Whether kvd can serve (ok: a worker is alive and kvd is not draining)."""
+        rid = self._ids.take()
+        r = self._call(rid, _wire.encode_health(rid))
+        return _wire.to_health(_wire.expect(r, "health", rid).health)
+
+    # ---- transport (for Stream) ---------------------------------------------------------------
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        if self._sock is None:
+            raise errors.KvdError("the client is closed")
+        return self._sock
+
+    def _open(self, request_id: int) -> _DequeInbox:
+        inbox = _DequeInbox()
+        self._router.open(request_id, inbox)
+        return inbox
+
+    def _close_request(self, request_id: int) -> None:
+        self._router.close(request_id)
+
+    def _send(self, request_id: int, frame: bytes) -> None:
+        """Sends frame, waiting at most the timeout for a connection; Timeout
+        (with the request closed) otherwise."""
+        sock = self._socket()
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._router.close(request_id)
+                raise errors.Timeout(
+                    f"no connection to kvd at {self.endpoint} in {self.timeout:g} s "
+                    "(is it running?)",
+                    request_id=request_id,
+                )
+            sock.poll(max(1, int(left * 1000 + 0.999)), zmq.POLLOUT)
+
+    def _next(self, request_id: int, inbox: _DequeInbox, timeout: float) -> kvd_pb2.ServerReply:
+        """The next reply to request_id, reading the socket (and routing what
+        comes for other requests) until one is there. Timeout after
+        ``timeout`` seconds without one; ProtocolError for an unreadable frame."""
+        sock = self._socket()
+        deadline = time.monotonic() + timeout
+        while not inbox.items:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise errors.Timeout(
+                    f"no reply from kvd at {self.endpoint} in {timeout:g} s",
+                    request_id=request_id,
+                )
+            if sock.poll(max(1, int(left * 1000 + 0.999)), zmq.POLLIN):
+                while True:
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._router.route(frame)
+        item = inbox.items.popleft()
+        if isinstance(item, errors.KvdError):
+            raise item
+        return item
+
+    def _call(self, request_id: int, frame: bytes) -> kvd_pb2.ServerReply:
+        """Sends a one-reply request and returns its reply."""
+        inbox = self._open(request_id)
+        try:
+            self._send(request_id, frame)
+            return self._next(request_id, inbox, self.timeout)
+        finally:
+            self._router.close(request_id)
+
+    def _cancel_nowait(self, target: int) -> None:
+        """Tells kvd to stop working on target, without waiting for anything
+        (the answer, when it comes, is dropped)."""
+        if self._sock is None:
+            return
+        try:
+            self._sock.send(_wire.encode_cancel(self._ids.take(), target), zmq.NOBLOCK)
+        except (zmq.ZMQError, errors.KvdError):
+            pass
+
+
+class Stream(Iterator[Chunk]):
+    """A streamed generate (made by :meth:`Client.stream`): iterate it for
+    the chunks; ``result`` holds the whole Result after the end.
+
+    Attributes:
+        request_id: the id of the request, for :meth:`Client.cancel`.
+        result: the Result once the stream has ended, else None.
+        prompt_tokens: the prompt's length in tokens, once kvd accepted it.
+        queue_position: requests ahead of it when kvd accepted it.
+    """
+
+    def __init__(self, client: Client, params: GenerateParams) -> None:
+        self._client = client
+        self.request_id = client._ids.take()
+        self._frame = params.encode(self.request_id)   # BadRequest here, before anything is sent
+        self._state = _wire.GenerateState(self.request_id)
+        self._inbox: _DequeInbox | None = None
+        self._started = False
+        self._finished = False
+
+    @property
+    def result(self) -> Result | None:
+        return self._state.result
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._state.prompt_tokens
+
+    @property
+    def queue_position(self) -> int:
+        return self._state.queue_position
+
+    def start(self) -> Stream:
+        """Sends the request and waits for kvd to accept it (raising its error
+        if it does not). Entering the stream or iterating it does this."""
+        if self._started:
+            return self
+        self._started = True
+        self._inbox = self._client._open(self.request_id)
+        try:
+            self._client._send(self.request_id, self._frame)
+            while not self._state.accepted and not self._finished:
+                self._step()
+        except BaseException:
+            self._abandon()
+            raise
+        return self
+
+    def _step(self) -> Chunk | None:
+        assert self._inbox is not None
+        r = self._client._next(self.request_id, self._inbox, self._client.timeout)
+        try:
+            chunk = self._state.on_reply(r)
+        except errors.ProtocolError:
+            raise   # kvd may still run it: the caller abandons (cancels) it
+        except errors.KvdError:
+            # kvd's error: the request is over there
+            self._finished = True
+            self._client._close_request(self.request_id)
+            raise
+        if self._state.done:
+            self._finished = True
+            self._client._close_request(self.request_id)
+        return chunk
+
+    def _abandon(self) -> None:
+        """Gives the request up after a failure: cancelled at kvd when it may
+        still run there, forgotten here."""
+        if not self._finished:
+            self._finished = True
+            self._client._cancel_nowait(self.request_id)
+        self._client._close_request(self.request_id)
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Chunk:
+        if not self._started:
+            self.start()
+        try:
+            while not self._finished:
+                chunk = self._step()
+                if chunk is not None:
+                    return chunk
+        except BaseException:
+            self._abandon()
+            raise
+        raise StopIteration
+
+    def close(self) -> None:
+        """Ends the stream. Before its end, the request is cancelled at kvd
+        and the stream waits a moment (at most 2 s) for kvd to confirm, so
+        that ``result`` says what came (finish_reason "cancelled")."""
+        if not self._started:
+            self._started = self._finished = True
+            return
+        if self._finished:
+            return
+        client = self._client
+        if client.closed:
+            self._finished = True
+            return
+        client._cancel_nowait(self.request_id)
+        wait = min(client.timeout, _wire.CANCEL_WAIT)
+        deadline = time.monotonic() + wait
+        try:
+            while not self._finished:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                assert self._inbox is not None
+                r = client._next(self.request_id, self._inbox, left)
+                try:
+                    self._state.on_reply(r)
+                except errors.KvdError:
+                    break
+                if self._state.done:
+                    break
+        except errors.KvdError:
+            pass
+        finally:
+            self._finished = True
+            client._close_request(self.request_id)
+
+    def __enter__(self) -> Stream:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # a stream dropped before its end (a `break` out of a for loop over
+        # client.stream(...)): cancel without waiting
+        try:
+            if self._started and not self._finished:
+                self._finished = True
+                self._client._cancel_nowait(self.request_id)
+                self._client._close_request(self.request_id)
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "done" if self._finished else "running" if self._started else "not started"
+        return f"<kvd_client.Stream request_id={self.request_id} {state}>"

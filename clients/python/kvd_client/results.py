@@ -1,0 +1,145 @@
+"""What kvd_client's calls return: plain, immutable dataclasses made from
+kvd's replies (the protobuf classes stay inside the package)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class FinishReason(str, enum.Enum):
+    """Why a generation ended. A ``str``: compares equal to its value, which
+    is the name ``kvcli --json`` prints."""
+
+    NONE = "none"
+    STOP = "stop"            #: an end-of-generation token or a stop string
+    LENGTH = "length"        #: max_tokens, or the context is full
+    CANCELLED = "cancelled"  #: cancelled (by :meth:`Client.cancel` or closing a stream)
+    DEADLINE = "deadline"    #: the deadline passed after some output
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a chat, put through the model's chat template by kvd."""
+
+    role: str      #: "system", "user" or "assistant"
+    content: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one request."""
+
+    prompt_tokens: int = 0           #: after the chat template
+    cached_prompt_tokens: int = 0    #: prompt tokens whose K/V came from the prefix cache
+    completion_tokens: int = 0       #: tokens generated
+
+
+@dataclass(frozen=True)
+class Timings:
+    """kvd's timings of one request, in milliseconds."""
+
+    queued_ms: float = 0.0   #: arrival to dispatch
+    ttft_ms: float = 0.0     #: arrival to the first token
+    decode_ms: float = 0.0   #: first to last token
+    total_ms: float = 0.0    #: arrival to the end
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New output of a streamed request: whole UTF-8 characters (text that
+    could still become a stop string is held back until it cannot)."""
+
+    seq: int                                         #: 0, 1, 2, ... per request
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Result:
+    """The whole output of a generate request."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    request_id: int      #: the id the client gave the request
+    chunks: int = 0      #: streamed chunks received
+
+    def to_dict(self) -> dict[str, Any]:
+        """The result as ``kvcli generate --json`` prints it (same field names
+        and order; ``tokens`` holds the token ids)."""
+        return {
+            "text": self.text,
+            "tokens": list(self.token_ids),
+            "finish_reason": self.finish_reason.value,
+            "cached_prompt_tokens": self.usage.cached_prompt_tokens,
+            "usage": {
+                "prompt_tokens": self.usage.prompt_tokens,
+                "cached_prompt_tokens": self.usage.cached_prompt_tokens,
+                "completion_tokens": self.usage.completion_tokens,
+            },
+            "timings": {
+                "queued_ms": round(self.timings.queued_ms, 1),
+                "ttft_ms": round(self.timings.ttft_ms, 1),
+                "decode_ms": round(self.timings.decode_ms, 1),
+                "total_ms": round(self.timings.total_ms, 1),
+            },
+            "chunks": self.chunks,
+            "request_id": self.request_id,
+        }
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """One worker process, as kvd sees it."""
+
+    id: int
+    pid: int
+    alive: bool
+    running: int     #: sequences assigned
+    tokens: int      #: tokens computed (prompt and generated)
+    restarts: int
+
+
+@dataclass(frozen=True)
+class Stats:
+    """kvd's counters (``kvcli stats``)."""
+
+    requests_running: int
+    requests_queued: int
+    requests_done: int
+    requests_failed: int
+    prompt_tokens: int
+    cached_prompt_tokens: int     #: of prompt_tokens, those that came from the cache
+    completion_tokens: int
+    blocks_total: int
+    blocks_free: int
+    blocks_cached: int            #: unreferenced, kept for reuse
+    blocks_in_use: int            #: committed and referenced
+    blocks_pending: int           #: allocated, not yet written
+    block_tokens: int
+    block_bytes: int
+    evictions: int
+    preemptions: int
+    bad_messages: int
+    workers: list[WorkerStats] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        """cached_prompt_tokens / prompt_tokens (0 before any prompt)."""
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class Health:
+    """Whether kvd can serve."""
+
+    ok: bool              #: at least one worker is alive and kvd is not draining
+    workers_alive: int
+    model: str

@@ -1,0 +1,144 @@
+"""Fixtures of the Python client's tests: real kvd daemons over private ipc://
+endpoints, started from the built binaries with the default model.
+
+    KVD_BIN_DIR   where kvd, kvd-worker and kvcli are (default: build/ in the repository)
+    KVD_MODEL     the model (default: models/SmolLM2-135M-Instruct.Q4_1.gguf)
+
+Relative paths are taken from the repository root. Every daemon is stopped with
+SIGTERM at the end, and must exit with status 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import kvd_client
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _path(var: str, default: str) -> Path:
+    p = Path(os.environ.get(var) or default)
+    return p if p.is_absolute() else ROOT / p
+
+
+BIN_DIR = _path("KVD_BIN_DIR", "build")
+MODEL = _path("KVD_MODEL", "models/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+# A system prompt of some 700 tokens: long enough that its cached blocks show.
+LONG_SYSTEM = " ".join(
+    f"Rule {i}: when the user asks about topic number {i}, answer briefly, politely and in "
+    f"plain English, and cite section {i * 7 % 50} of the handbook."
+    for i in range(1, 31)
+)
+
+
+class Daemon:
+    """One kvd process and the endpoint it listens on."""
+
+    def __init__(self, workdir: Path, *args: str, ready: str = "health") -> None:
+        for exe in ("kvd", "kvd-worker", "kvcli"):
+            if not (BIN_DIR / exe).is_file():
+                pytest.fail(f"{BIN_DIR / exe} is missing: build kvd first (or set KVD_BIN_DIR)")
+        if not MODEL.is_file():
+            pytest.fail(f"{MODEL} is missing: run scripts/fetch-model.sh (or set KVD_MODEL)")
+        workdir.mkdir(parents=True, exist_ok=True)
+        workdir.chmod(0o700)
+        self.endpoint = f"ipc://{workdir}/kvd.sock"
+        self.log_path = workdir / "kvd.log"
+        self._log = open(self.log_path, "wb")
+        cmd = [
+            str(BIN_DIR / "kvd"), "--model", str(MODEL), "--listen", self.endpoint,
+            "--ctx", "2048", *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        self._wait_ready(ready)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def _wait_ready(self, ready: str, limit: float = 60.0) -> None:
+        deadline = time.monotonic() + limit
+        with kvd_client.Client(self.endpoint, timeout=0.5) as c:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    pytest.fail(f"kvd exited with {self.proc.returncode}:\n{self.log()}")
+                try:
+                    if ready == "health" and c.health().ok:
+                        return
+                    if ready == "stats":
+                        c.stats()
+                        return
+                except kvd_client.Timeout:
+                    pass
+                time.sleep(0.1)
+        self.proc.kill()
+        pytest.fail(f"kvd was not ready in {limit:g} s:\n{self.log()}")
+
+    def stop(self) -> int:
+        """SIGTERM, then the exit status (killed after 30 s)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def _stop_checked(d: Daemon) -> None:
+    rc = d.stop()
+    assert rc == 0, f"kvd exited with {rc} after SIGTERM:\n{d.log()}"
+
+
+@pytest.fixture(scope="session")
+def kvd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """The daemon most tests share: one worker, 64 MiB of KV, context 2048."""
+    d = Daemon(
+        tmp_path_factory.mktemp("kvd"), "--kv-memory", "64MiB", "-w", "1", "--max-queue", "16"
+    )
+    yield d
+    _stop_checked(d)
+
+
+@pytest.fixture(scope="session")
+def kvd_full(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A daemon whose queue holds nothing (--max-queue 0): every generate is
+    OVERLOADED. It runs no worker; admission refuses before needing one."""
+    d = Daemon(
+        tmp_path_factory.mktemp("kvd-full"), "--kv-memory", "16MiB", "-w", "0",
+        "--max-queue", "0", ready="stats",
+    )
+    yield d
+    _stop_checked(d)
+
+
+@pytest.fixture
+def client(kvd: Daemon) -> Iterator[kvd_client.Client]:
+    with kvd_client.Client(kvd.endpoint, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A cache namespace of this test alone, so that no other test's prompts are cached in it."""
+    return f"test-{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def dead_endpoint(tmp_path: Path) -> str:
+    """An endpoint nobody listens on."""
+    return f"ipc://{tmp_path}/nobody.sock"
