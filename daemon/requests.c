@@ -356,6 +356,7 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, uint6
         return;
     }
     if (find_client(k, rid, rid_len, id) != NULL) {
+        k->st.bad_messages++; /* answered with ERR_BAD_REQUEST: counted, as kvd.proto says */
         reply_error(k, rid, rid_len, id, KVD__ERROR_CODE__ERR_BAD_REQUEST,
                     "request id already in use by a running request of this client", 0);
         return;
@@ -580,6 +581,8 @@ static void commit(struct kvd *k, struct request *r, uint32_t n_written)
 {
     if (n_written <= r->n_written || n_written > r->n_tok)
         return;
+    if (r->worker >= 0)
+        k->workers[r->worker].tokens += n_written - r->n_written; /* positions it computed */
     if (prefix_seq_commit(k->px, &r->ps, r->tok, n_written) != 0)
         kvd_log(k, "request %llu: committed blocks differ from the tokens promised",
                 (unsigned long long)r->seq_id);
@@ -609,7 +612,6 @@ void req_on_tokens(struct kvd *k, int w, uint64_t seq_id, const int32_t *t, size
             return;
         }
         r->tok[r->n_tok++] = t[i];
-        k->workers[w].tokens++;
         if (r->t_first == 0)
             r->t_first = now;
         r->t_last = now;
@@ -638,15 +640,36 @@ void req_on_tokens(struct kvd *k, int w, uint64_t seq_id, const int32_t *t, size
         stream_out(k, r, false);
 }
 
-/* Preempts the youngest running request (not `except`); false if none. */
-static bool preempt_youngest(struct kvd *k, struct request *except)
+/* r's worker gets (or no longer waits for) the blocks it asked for. */
+static void unstarve(struct kvd *k, struct request *r)
+{
+    if (r->lease_want == 0)
+        return;
+    r->lease_want = 0;
+    if (r->worker >= 0) {
+        struct worker *w = &k->workers[r->worker];
+        if (w->starved > 0)
+            w->starved--;
+        w->last_progress = kvd_now_ms(); /* its clock restarts with the blocks */
+    }
+}
+
+/* r needs blocks the pool does not have: preempts the youngest running
+ * request (r itself when it is the youngest), which is requeued and later
+ * recomputed from its cached prefix. False when r runs alone: it can never
+ * fit, and the caller ends it. */
+static bool preempt_for(struct kvd *k, struct request *r)
 {
     struct request *young = NULL;
-    for (struct request *r = k->active; r; r = r->next)
-        if (r != except && r->state == REQ_RUNNING && !r->preempted &&
-            (young == NULL || r->t_arrival > young->t_arrival))
-            young = r;
-    if (young == NULL)
+    int running = 0;
+    for (struct request *q = k->active; q; q = q->next) {
+        if (q->state != REQ_RUNNING || q->preempted)
+            continue;
+        running++;
+        if (young == NULL || q->t_arrival > young->t_arrival)
+            young = q;
+    }
+    if (young == NULL || (young == r && running == 1))
         return false;
     young->preempted = true;
     young->state = REQ_STOPPING;
@@ -693,23 +716,12 @@ void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions)
     if (r->lease_want == 0)
         k->workers[w].starved++;
     r->lease_want = n_positions;
-    if (!preempt_youngest(k, r)) {
+    if (!preempt_for(k, r)) {
         /* alone and still too big: it ends here, as when the context is full */
+        unstarve(k, r);
         stop_request(k, r, KVD__FINISH_REASON__FINISH_LENGTH, 0, NULL);
-    }
-}
-
-/* r's worker gets (or no longer waits for) the blocks it asked for. */
-static void unstarve(struct kvd *k, struct request *r)
-{
-    if (r->lease_want == 0)
-        return;
-    r->lease_want = 0;
-    if (r->worker >= 0) {
-        struct worker *w = &k->workers[r->worker];
-        if (w->starved > 0)
-            w->starved--;
-        w->last_progress = kvd_now_ms(); /* its clock restarts with the blocks */
+    } else if (r->preempted) {
+        unstarve(k, r); /* it was the youngest: it waits in the queue, not for blocks */
     }
 }
 
@@ -726,9 +738,11 @@ static void retry_leases(struct kvd *k)
             unstarve(k, r);
             if (r->ps.n_blocks > before)
                 grant(k, r, before);
-        } else if (!preempt_youngest(k, r)) {
+        } else if (!preempt_for(k, r)) {
             unstarve(k, r);
             stop_request(k, r, KVD__FINISH_REASON__FINISH_LENGTH, 0, NULL);
+        } else if (r->preempted) {
+            unstarve(k, r);
         }
     }
 }
@@ -878,7 +892,7 @@ void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const void
     Kvd__ClientRequest *m = wire_client_request_unpack(k->arena, buf, len, &code, err, sizeof(err));
     if (m == NULL) {
         k->st.bad_messages++;
-        reply_error(k, rid, rid_len, 0,
+        reply_error(k, rid, rid_len, wire_client_request_id(buf, len),
                     code == KVD_ETOOLONG ? KVD__ERROR_CODE__ERR_TOO_LONG
                                          : KVD__ERROR_CODE__ERR_BAD_REQUEST, err, 0);
         return;

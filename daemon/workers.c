@@ -26,7 +26,7 @@ static int slot_by_rid(const struct kvd *k, const uint8_t *rid, size_t len)
 static int spawn(struct kvd *k, int i)
 {
     struct worker *w = &k->workers[i];
-    char path[4200], id[16], threads[16], bt[16], step[16], batch[16], ctx[16];
+    char path[4200], id[16], threads[16], bt[16], step[16], batch[16], ctx[16], step_ms[16];
     snprintf(path, sizeof(path), "%s/kvd-worker", k->exe_dir);
     snprintf(id, sizeof(id), "%u", w->id);
     int t = k->o.threads;
@@ -41,9 +41,13 @@ static int spawn(struct kvd *k, int i)
     snprintf(step, sizeof(step), "%u", k->o.step_tokens);
     snprintf(batch, sizeof(batch), "%u", k->o.max_batch);
     snprintf(ctx, sizeof(ctx), "%u", k->n_ctx);
+    /* steps short enough that heartbeats and progress come well within the timeout */
+    uint32_t sm = k->o.worker_timeout_ms / 8;
+    snprintf(step_ms, sizeof(step_ms), "%u", sm < 10 ? 10 : sm > 500 ? 500 : sm);
     char *argv[] = { path, "--model", (char *)k->o.model, "--pool", k->pool_name, "--connect",
                      k->worker_ep, "--id", id, "--threads", threads, "--block-tokens", bt,
-                     "--step-tokens", step, "--max-batch", batch, "--ctx", ctx, NULL };
+                     "--step-tokens", step, "--max-batch", batch, "--ctx", ctx, "--step-ms", step_ms,
+                     NULL };
     fflush(NULL);
     pid_t parent = getpid();
     pid_t pid = fork();

@@ -932,3 +932,54 @@ int wire_lz4_compress(const char *text, size_t len, uint8_t **out, size_t *out_l
     *out_len = (size_t)n;
     return 0;
 }
+
+/* Reads a varint at *p (below end); false when truncated or longer than 10 bytes. */
+static bool read_varint(const uint8_t **p, const uint8_t *end, uint64_t *v)
+{
+    uint64_t x = 0;
+    for (int shift = 0; shift < 70 && *p < end; shift += 7) {
+        uint8_t b = *(*p)++;
+        x |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80)) {
+            *v = x;
+            return true;
+        }
+    }
+    return false;
+}
+
+uint64_t wire_client_request_id(const void *buf, size_t len)
+{
+    const uint8_t *p = buf, *end = p + len;
+    while (p < end) {
+        uint64_t tag, v;
+        if (!read_varint(&p, end, &tag))
+            return 0;
+        switch (tag & 7) {
+        case 0: /* varint */
+            if (!read_varint(&p, end, &v))
+                return 0;
+            if (tag >> 3 == 2)
+                return v;
+            break;
+        case 1: /* 64-bit */
+            if (end - p < 8)
+                return 0;
+            p += 8;
+            break;
+        case 2: /* length-delimited */
+            if (!read_varint(&p, end, &v) || v > (uint64_t)(end - p))
+                return 0;
+            p += v;
+            break;
+        case 5: /* 32-bit */
+            if (end - p < 4)
+                return 0;
+            p += 4;
+            break;
+        default:
+            return 0;
+        }
+    }
+    return 0;
+}

@@ -89,6 +89,12 @@ int wire_check_to_worker(const Kvdw__ToWorker *m, char *err, size_t errlen);
 int wire_prompt_text(wire_arena_t *a, const Kvd__GenerateRequest *g, const char **text,
                      size_t *len, char *err, size_t errlen);
 
+/* The request_id of a ClientRequest frame that may fail to unpack or check:
+ * scans the top-level fields only (no allocation) for field 2. 0 when the
+ * frame is unreadable before it or has none. Lets an error reply carry the
+ * id the client will wait for. */
+uint64_t wire_client_request_id(const void *buf, size_t len);
+
 /*
  * Packs a message into a new malloc'd buffer (*buf, *len; the caller frees).
  * 0, KVD_ENOMEM, or KVD_ERANGE when the packed size exceeds WIRE_MAX_FRAME.

@@ -14,7 +14,11 @@
  *
  * Usage: kvd-worker --model M --pool NAME --connect ENDPOINT --id N
  *                   [--threads T] [--block-tokens B] [--kv-type f16|f32]
- *                   [--step-tokens S] [--max-batch N] [--ctx N]
+ *                   [--step-tokens S] [--max-batch N] [--ctx N] [--step-ms MS]
+ *
+ * Heartbeats go out between steps, so a step is kept short: prefill chunks
+ * are cut to what the measured cost per token fits into --step-ms (kvd
+ * passes an eighth of its hang timeout), never below 16 tokens.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -46,6 +50,7 @@ struct options {
     uint32_t id;
     int threads;
     uint32_t block_tokens, kv_type, step_tokens, max_batch, ctx;
+    uint32_t step_ms;       /* aim: no step longer than this (heartbeats wait for steps) */
 };
 
 /* One sequence kvd assigned. */
@@ -80,6 +85,7 @@ struct worker {
     wire_arena_t *arena;
     struct fwd_seq *batch;
     struct wseq **in_batch;
+    double ms_per_token;    /* measured on prefill-sized steps; 0: not yet */
 };
 
 static volatile sig_atomic_t stop_flag;
@@ -333,7 +339,13 @@ static uint32_t seq_capacity(const struct worker *w, const struct wseq *s)
 /* Picks the step's chunks: decode tokens first, then prefill under the budget. */
 static uint32_t plan_step(struct worker *w)
 {
+    /* a step must end well within kvd's hang timeout: cap its tokens by time */
     uint32_t budget = w->o.step_tokens, n = 0;
+    if (w->ms_per_token > 0) {
+        double cap = w->o.step_ms / w->ms_per_token;
+        if (cap < budget)
+            budget = cap < 16 ? 16 : (uint32_t)cap;
+    }
     for (int pass = 0; pass < 2; pass++) {
         for (uint32_t i = 0; i < w->n_seqs && n < w->o.max_batch && budget > 0; i++) {
             struct wseq *s = w->seqs[i];
@@ -366,8 +378,16 @@ static void run_step(struct worker *w, uint32_t n)
     char err[256];
     const float *logits;
     uint32_t rows;
+    uint32_t n_tokens = 0;
+    for (uint32_t k = 0; k < n; k++)
+        n_tokens += w->batch[k].n_tokens;
+    double t0 = now_ms();
     int rc = engine_step(w->engine, w->batch, n, &logits, &rows, err, sizeof(err));
     w->progress++;
+    if (rc == 0 && n_tokens >= 16) {
+        double per = (now_ms() - t0) / n_tokens;
+        w->ms_per_token = w->ms_per_token > 0 ? 0.7 * w->ms_per_token + 0.3 * per : per;
+    }
     if (rc != 0) {
         /* checked before touching the cache: fail the sequences of this batch */
         for (uint32_t k = 0; k < n; k++) {
@@ -425,7 +445,8 @@ static void run_step(struct worker *w, uint32_t n)
 
 static void parse_args(int argc, char **argv, struct options *o)
 {
-    enum { OPT_POOL = 256, OPT_CONNECT, OPT_ID, OPT_BLOCK, OPT_KVTYPE, OPT_STEP, OPT_BATCH };
+    enum { OPT_POOL = 256, OPT_CONNECT, OPT_ID, OPT_BLOCK, OPT_KVTYPE, OPT_STEP, OPT_BATCH,
+           OPT_STEP_MS };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "threads", required_argument, NULL, 't' },
@@ -437,6 +458,7 @@ static void parse_args(int argc, char **argv, struct options *o)
         { "kv-type", required_argument, NULL, OPT_KVTYPE },
         { "step-tokens", required_argument, NULL, OPT_STEP },
         { "max-batch", required_argument, NULL, OPT_BATCH },
+        { "step-ms", required_argument, NULL, OPT_STEP_MS },
         { NULL, 0, NULL, 0 },
     };
     memset(o, 0, sizeof(*o));
@@ -444,6 +466,7 @@ static void parse_args(int argc, char **argv, struct options *o)
     o->kv_type = KERN_F16;
     o->step_tokens = 256;
     o->max_batch = 64;
+    o->step_ms = 500;
     int c;
     opterr = 0;
     while ((c = getopt_long(argc, argv, ":m:t:c:", longs, NULL)) != -1) {
@@ -458,6 +481,7 @@ static void parse_args(int argc, char **argv, struct options *o)
         case OPT_KVTYPE: o->kv_type = strcmp(optarg, "f32") == 0 ? KERN_F32 : KERN_F16; break;
         case OPT_STEP: o->step_tokens = (uint32_t)strtoul(optarg, NULL, 10); break;
         case OPT_BATCH: o->max_batch = (uint32_t)strtoul(optarg, NULL, 10); break;
+        case OPT_STEP_MS: o->step_ms = (uint32_t)strtoul(optarg, NULL, 10); break;
         default: die("bad argument %s (usage: kvd-worker --model M --pool NAME --connect ENDPOINT "
                      "--id N [--threads T] [--ctx N] [--block-tokens B] [--kv-type f16|f32] "
                      "[--step-tokens S] [--max-batch N])", argv[optind - 1]);
@@ -466,8 +490,8 @@ static void parse_args(int argc, char **argv, struct options *o)
     if (!o->model || !o->pool || !o->endpoint)
         die("--model, --pool and --connect are required");
     if (o->step_tokens < 1 || o->step_tokens > 4096 || o->max_batch < 1 || o->max_batch > 4096 ||
-        o->threads < 0 || o->threads > 256)
-        die("--step-tokens, --max-batch or --threads out of range");
+        o->threads < 0 || o->threads > 256 || o->step_ms < 10 || o->step_ms > 600000)
+        die("--step-tokens, --max-batch, --threads or --step-ms out of range");
 }
 
 static void setup(struct worker *w)

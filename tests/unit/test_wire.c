@@ -1217,6 +1217,40 @@ static void test_arena(void)
     free(out);
 }
 
+/* The request id of frames that fail to unpack: read from the top-level
+ * fields that come before the damage, never past the end. */
+static void test_request_id_scan(void)
+{
+    Kvd__ClientRequest m = KVD__CLIENT_REQUEST__INIT;
+    Kvd__HealthRequest h = KVD__HEALTH_REQUEST__INIT;
+    m.has_version = m.has_request_id = 1;
+    m.version = 7; /* a wrong version still carries the id */
+    m.request_id = 0x123456789abcdefull;
+    m.body_case = KVD__CLIENT_REQUEST__BODY_HEALTH;
+    m.health = &h;
+    uint8_t *buf;
+    size_t len;
+    REQUIRE(wire_pack(&m.base, &buf, &len) == 0);
+    CHECK(wire_client_request_id(buf, len) == 0x123456789abcdefull);
+    for (size_t cut = 0; cut < len; cut++) {
+        uint64_t id = wire_client_request_id(buf, cut); /* whatever it finds, it stays inside */
+        CHECK(id == 0 || id == 0x123456789abcdefull);
+    }
+    free(buf);
+    m.has_request_id = 0;
+    REQUIRE(wire_pack(&m.base, &buf, &len) == 0);
+    CHECK(wire_client_request_id(buf, len) == 0);
+    free(buf);
+    static const uint8_t junk[] = { 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff };
+    CHECK(wire_client_request_id(junk, sizeof(junk)) == 0);
+    static const uint8_t group[] = { 0x0b, 0x10, 0x05 }; /* wire type 3: not ours */
+    CHECK(wire_client_request_id(group, sizeof(group)) == 0);
+    static const uint8_t after_bytes[] = { 0x1a, 0x01, 0x41, 0x10, 0x2a }; /* field 3, then id 42 */
+    CHECK(wire_client_request_id(after_bytes, sizeof(after_bytes)) == 42);
+    static const uint8_t long_len[] = { 0x1a, 0x7f, 0x41, 0x10, 0x2a }; /* length past the end */
+    CHECK(wire_client_request_id(long_len, sizeof(long_len)) == 0);
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 3 && strcmp(argv[1], "--write-corpus") == 0)
@@ -1232,6 +1266,7 @@ int main(int argc, char **argv)
     test_reply_rejects();
     test_worker_rejects();
     test_arena();
+    test_request_id_scan();
     wire_arena_destroy(&arena);
     return CHECK_DONE();
 }
