@@ -257,14 +257,23 @@ class AsyncClient:
     async def _next(
         self, request_id: int, inbox: _QueueInbox, timeout: float
     ) -> kvd_pb2.ServerReply:
-        """The next reply to request_id; Timeout after ``timeout`` seconds."""
+        """The next reply to request_id; Timeout after ``timeout`` seconds.
+
+        asyncio.wait rather than wait_for: before Python 3.12, wait_for can
+        lose a cancellation of the awaiting task when the reply arrives at the
+        same moment, and a cancelled generate must raise CancelledError."""
+        get = asyncio.ensure_future(inbox.queue.get())
         try:
-            item = await asyncio.wait_for(inbox.queue.get(), timeout)
-        except asyncio.TimeoutError:
+            done, _ = await asyncio.wait({get}, timeout=timeout)
+        finally:
+            if not get.done():
+                get.cancel()
+        if not done:
             raise errors.Timeout(
                 f"no reply from kvd at {self.endpoint} in {timeout:g} s",
                 request_id=request_id,
-            ) from None
+            )
+        item = get.result()
         if isinstance(item, errors.KvdError):
             raise item
         return item
