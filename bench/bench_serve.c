@@ -59,6 +59,7 @@
 #define MAX_SESSIONS 64
 #define MAX_TURNS 8
 #define LLAMA_PORT 18931
+#define KVD_BENCH_KV_BYTES (1ull << 30)   /* kvd's --kv-memory, and the in-process pool's */
 
 struct cfg {
     const char *model, *llama, *text_file;
@@ -178,7 +179,7 @@ static void start_kvd(void)
         FILE *f = freopen(log, "w", stderr);
         (void)f;
         execl(path, path, "--model", C.model, "--listen", kvd_ep, "-w", "1", "-t", threads,
-              "--kv-memory", "1GiB", "--ctx", "4096", "--max-batch", "64", (char *)NULL);
+              "--kv-memory", "1073741824", "--ctx", "4096", "--max-batch", "64", (char *)NULL);
         _exit(127);
     }
     kvd_client_t *c = kvd_client_new(kvd_ep, 500, NULL, 0);
@@ -542,11 +543,17 @@ static void overhead(int gap_ms, double *through, double *alone)
     struct pool_layout lay;
     pool_layout_for_model(m, 16, KERN_F16, &lay);
     struct pool_params pp = pool_default_params();
-    pp.n_blocks = (uint32_t)(n / 16 + 8);
+    /* a pool like kvd's (named shared memory of the same size): the KV
+     * memory's kind and size change the step's time by several percent */
+    char pool_name[64];
+    snprintf(pool_name, sizeof(pool_name), "kvd-bench-%d", (int)getpid());
+    pp.name = pool_name;
+    pp.kv_bytes = KVD_BENCH_KV_BYTES;
+    pp.unlink_on_close = true;
     pool_t *pool = pool_create(&lay, &pp, NULL, 0, err, sizeof(err));
     prefix_t *px = pool ? prefix_new(pool, NULL, 0, err, sizeof(err)) : NULL;
     struct kv_params kp = kv_default_params();
-    kp.n_blocks = pp.n_blocks;
+    kp.n_blocks = pool ? pool_header(pool)->n_blocks : 0;
     kvcache_t *kv = px ? kvcache_wrap(&m->cfg, &kp, pool_data(pool), pool_data_bytes(pool), err,
                                       sizeof(err)) : NULL;
     struct engine_params ep = engine_default_params();
