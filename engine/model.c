@@ -109,7 +109,7 @@ static int get_mat(const gguf_ctx_t *g, const char *name, int64_t rows, int64_t 
 static int get_vec(const gguf_ctx_t *g, const char *name, int64_t n, float **out,
                    char *err, size_t errlen)
 {
-    struct model_mat m;
+    struct model_mat m = { 0 };
     int rc = get_mat(g, name, 1, n, &m, err, errlen);
     if (rc)
         return rc;
