@@ -22,7 +22,7 @@
  *                   makes
  * and the daemon's overhead: a 1-token request whose prompt is all cached,
  * through kvd (client to client), against the same work done in-process by
- * the engine (kvd-run's path: template, tokenizer, cache, one step),
+ * the engine (kvd-run's path: template, tokenizer, cache, one step, sampler),
  * alternating, medians of 31.
  *
  * Usage: bench-serve [-m MODEL] [--llama-server PATH] [--sessions S] [--turns T]
@@ -606,8 +606,16 @@ static void overhead(int gap_ms, double *through, double *alone)
             uint32_t rows;
             engine_step(e, &fs, 1, &lg, &rows, err, sizeof(err));
             prefix_seq_commit(px, &s, ids, pos + k);
-            if (pos + k == n)
-                sampler_argmax(lg, m->cfg.n_vocab);
+            if (pos + k == n) {
+                /* a sampler per request, as kvd-run (and a worker) makes one */
+                struct sampler_params sp = sampler_default_params();
+                sp.temperature = 0;
+                sampler_t *smp = sampler_new(&sp, m->cfg.n_vocab, err, sizeof(err));
+                if (smp == NULL)
+                    die("overhead: %s", err);
+                sampler_sample(smp, lg, ids, n);
+                sampler_destroy(&smp);
+            }
         }
         prefix_seq_release(px, &s);
         if (i >= 0)
