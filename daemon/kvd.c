@@ -29,19 +29,13 @@
 
 #include <zmq.h>
 
+#include "cli.h"
 #include "kvd.h"
 #include "kvd_client.h"
 #include "types.h"
 #include "units.h"
 
 #define DEFAULT_MODEL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-double kvd_now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
 
 void kvd_log(const struct kvd *k, const char *fmt, ...)
 {
@@ -52,19 +46,6 @@ void kvd_log(const struct kvd *k, const char *fmt, ...)
     vfprintf(stderr, fmt, ap);
     va_end(ap);
     fputc('\n', stderr);
-}
-
-static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-
-static void die(const char *fmt, ...)
-{
-    va_list ap;
-    fputs("kvd: ", stderr);
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fputc('\n', stderr);
-    exit(1);
 }
 
 int kvd_send(struct kvd *k, void *sock, const uint8_t *rid, size_t rid_len,
@@ -110,16 +91,6 @@ static void usage(FILE *f)
           f);
 }
 
-static long num(const char *s, const char *what, long lo, long hi)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi)
-        die("%s must be an integer in [%ld, %ld], got '%s'", what, lo, hi, s);
-    return v;
-}
-
 static void parse_args(int argc, char **argv, struct kvd_options *o)
 {
     enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
@@ -160,14 +131,14 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     while ((c = getopt_long(argc, argv, ":m:w:l:c:t:vh", longs, NULL)) != -1) {
         switch (c) {
         case 'm': o->model = optarg; break;
-        case 'w': o->n_workers = (int)num(optarg, "--workers", 0, KVD_MAX_WORKERS); break;
+        case 'w': o->n_workers = (int)cli_long(optarg, "--workers", 0, KVD_MAX_WORKERS); break;
         case 'l':
             if (o->n_listen == KVD_MAX_LISTEN)
-                die("at most %d --listen endpoints", KVD_MAX_LISTEN);
+                cli_die("at most %d --listen endpoints", KVD_MAX_LISTEN);
             o->listen[o->n_listen++] = optarg;
             break;
-        case 'c': o->ctx = (uint32_t)num(optarg, "--ctx", 16, 1 << 22); break;
-        case 't': o->threads = (int)num(optarg, "--threads", 1, 256); break;
+        case 'c': o->ctx = (uint32_t)cli_long(optarg, "--ctx", 16, 1 << 22); break;
+        case 't': o->threads = (int)cli_long(optarg, "--threads", 1, 256); break;
         case 'v': o->verbose = true; break;
         case 'h': usage(stdout); exit(0);
         case OPT_REMOTE: o->allow_remote = true; break;
@@ -175,23 +146,23 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         case OPT_POOL: o->pool = optarg; break;
         case OPT_KVMEM:
             if (kvd_parse_size(optarg, &o->kv_bytes) != 0 || o->kv_bytes == 0)
-                die("--kv-memory must be a size such as 512MiB or 2G, got '%s'", optarg);
+                cli_die("--kv-memory must be a size such as 512MiB or 2G, got '%s'", optarg);
             break;
-        case OPT_BT: o->block_tokens = (uint32_t)num(optarg, "--block-tokens", 1, 4096); break;
-        case OPT_STEP: o->step_tokens = (uint32_t)num(optarg, "--step-tokens", 1, 4096); break;
-        case OPT_BATCH: o->max_batch = (uint32_t)num(optarg, "--max-batch", 1, 4096); break;
-        case OPT_QUEUE: o->max_queue = (uint32_t)num(optarg, "--max-queue", 0, 1 << 20); break;
+        case OPT_BT: o->block_tokens = (uint32_t)cli_long(optarg, "--block-tokens", 1, 4096); break;
+        case OPT_STEP: o->step_tokens = (uint32_t)cli_long(optarg, "--step-tokens", 1, 4096); break;
+        case OPT_BATCH: o->max_batch = (uint32_t)cli_long(optarg, "--max-batch", 1, 4096); break;
+        case OPT_QUEUE: o->max_queue = (uint32_t)cli_long(optarg, "--max-queue", 0, 1 << 20); break;
         case OPT_WTIMEOUT:
-            o->worker_timeout_ms = (uint32_t)num(optarg, "--worker-timeout", 100, 3600000);
+            o->worker_timeout_ms = (uint32_t)cli_long(optarg, "--worker-timeout", 100, 3600000);
             break;
-        case OPT_GRACE: o->grace_ms = (uint32_t)num(optarg, "--grace", 0, 3600000); break;
-        case OPT_RESTARTS: o->max_restarts = (int)num(optarg, "--max-restarts", -1, 1000000); break;
-        case ':': die("option %s needs a value", argv[optind - 1]);
-        default: die("unknown option %s (see --help)", argv[optind - 1]);
+        case OPT_GRACE: o->grace_ms = (uint32_t)cli_long(optarg, "--grace", 0, 3600000); break;
+        case OPT_RESTARTS: o->max_restarts = (int)cli_long(optarg, "--max-restarts", -1, 1000000); break;
+        case ':': cli_die("option %s needs a value", argv[optind - 1]);
+        default: cli_die("unknown option %s (see --help)", argv[optind - 1]);
         }
     }
     if (optind < argc)
-        die("unexpected argument '%s' (see --help)", argv[optind]);
+        cli_die("unexpected argument '%s' (see --help)", argv[optind]);
 }
 
 /* ---- set-up -------------------------------------------------------------------------------- */
@@ -200,14 +171,14 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
 static void private_dir(const char *dir)
 {
     if (mkdir(dir, 0700) != 0 && errno != EEXIST)
-        die("cannot create %s: %s", dir, strerror(errno));
+        cli_die("cannot create %s: %s", dir, strerror(errno));
     struct stat st;
     if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))
-        die("%s is not a directory", dir);
+        cli_die("%s is not a directory", dir);
     if (st.st_uid != getuid())
-        die("%s belongs to another user; refusing to put sockets there", dir);
+        cli_die("%s belongs to another user; refusing to put sockets there", dir);
     if ((st.st_mode & 077) != 0 && chmod(dir, 0700) != 0)
-        die("cannot make %s private: %s", dir, strerror(errno));
+        cli_die("cannot make %s private: %s", dir, strerror(errno));
 }
 
 static void check_endpoint(const struct kvd *k, const char *ep)
@@ -219,12 +190,12 @@ static void check_endpoint(const struct kvd *k, const char *ep)
         return;
     }
     if (strncmp(ep, "tcp://", 6) != 0)
-        die("endpoint %s: only ipc:// and tcp:// are supported", ep);
+        cli_die("endpoint %s: only ipc:// and tcp:// are supported", ep);
     const char *host = ep + 6;
     bool wildcard = host[0] == '*' || strncmp(host, "0.0.0.0:", 8) == 0 ||
                     strncmp(host, "[::]:", 5) == 0;
     if (wildcard && !k->o.allow_remote)
-        die("endpoint %s binds every interface; give an address (tcp://127.0.0.1:PORT) or "
+        cli_die("endpoint %s binds every interface; give an address (tcp://127.0.0.1:PORT) or "
             "--allow-remote", ep);
 }
 
@@ -259,10 +230,10 @@ static void setup(struct kvd *k)
     struct kvd_options *o = &k->o;
     k->model = model_load(o->model, err, sizeof(err));
     if (k->model == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     k->tok = tok_new_from_gguf(k->model->gguf, err, sizeof(err));
     if (k->tok == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     struct gguf_str tmpl;
     if (gguf_get_str(k->model->gguf, "tokenizer.chat_template", &tmpl) == 0) {
         k->chat = chat_template_new(tmpl.ptr, (size_t)tmpl.len, err, sizeof(err));
@@ -273,7 +244,7 @@ static void setup(struct kvd *k)
     k->n_ctx = o->ctx ? o->ctx : 4096;
     if (k->n_ctx > train) {
         if (o->ctx)
-            die("--ctx %u is longer than the model's context of %u", o->ctx, train);
+            cli_die("--ctx %u is longer than the model's context of %u", o->ctx, train);
         k->n_ctx = train;
     }
 
@@ -290,15 +261,15 @@ static void setup(struct kvd *k)
     pp.kv_bytes = o->kv_bytes ? o->kv_bytes : default_kv_bytes();
     struct pool_capacity cap;
     if (pool_plan(&lay, &pp, &cap, err, sizeof(err)) != 0)
-        die("%s", err);
+        cli_die("%s", err);
     k->pool = pool_create(&lay, &pp, note, sizeof(note), err, sizeof(err));
     if (k->pool == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     if (note[0])
         kvd_log(k, "%s", note);
     k->px = prefix_new(k->pool, note, sizeof(note), err, sizeof(err));
     if (k->px == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     if (note[0])
         kvd_log(k, "pool %s: %s", k->pool_name, note);
     pool_describe(&lay, &cap, k->n_ctx, err, sizeof(err));
@@ -307,7 +278,7 @@ static void setup(struct kvd *k)
      * LZ4 prompt decompressed into the arena */
     k->arena = wire_arena_new(4 * (size_t)WIRE_MAX_FRAME + (1u << 20) + WIRE_MAX_PROMPT_BYTES + 16);
     if (k->arena == NULL)
-        die("out of memory");
+        cli_die("out of memory");
 
     /* sockets */
     k->zctx = zmq_ctx_new();
@@ -319,7 +290,7 @@ static void setup(struct kvd *k)
     for (int i = 0; i < o->n_listen; i++) {
         check_endpoint(k, o->listen[i]);
         if (zmq_bind(k->clients, o->listen[i]) != 0)
-            die("cannot listen on %s: %s", o->listen[i], zmq_strerror(errno));
+            cli_die("cannot listen on %s: %s", o->listen[i], zmq_strerror(errno));
         kvd_log(k, "listening on %s", o->listen[i]);
     }
     if (o->worker_endpoint) {
@@ -340,7 +311,7 @@ static void setup(struct kvd *k)
     }
     check_endpoint(k, k->worker_ep);
     if (zmq_bind(k->wsock, k->worker_ep) != 0)
-        die("cannot listen for workers on %s: %s", k->worker_ep, zmq_strerror(errno));
+        cli_die("cannot listen for workers on %s: %s", k->worker_ep, zmq_strerror(errno));
     kvd_log(k, "workers connect to %s (kvd-worker --pool %s --connect %s --model %s --id N)",
             k->worker_ep, k->pool_name, k->worker_ep, o->model);
 }
@@ -385,7 +356,7 @@ static void start_drain(struct kvd *k)
     if (k->draining)
         return;
     k->draining = true;
-    k->drain_deadline = kvd_now_ms() + k->o.grace_ms;
+    k->drain_deadline = cli_now_ms() + k->o.grace_ms;
     kvd_log(k, "draining: %u running, %u queued; %u ms to finish", k->n_active, k->n_queued,
             k->o.grace_ms);
 }
@@ -401,7 +372,7 @@ static void loop(struct kvd *k, int sfd)
             { NULL, sfd, ZMQ_POLLIN, 0 },
         };
         if (zmq_poll(items, 3, 50) < 0 && errno != EINTR)
-            die("poll: %s", zmq_strerror(errno));
+            cli_die("poll: %s", zmq_strerror(errno));
         if (items[2].revents & ZMQ_POLLIN) {
             struct signalfd_siginfo si;
             while (read(sfd, &si, sizeof(si)) == (ssize_t)sizeof(si))
@@ -416,7 +387,7 @@ static void loop(struct kvd *k, int sfd)
         workers_tick(k);
         req_tick(k);
         if (k->draining) {
-            double now = kvd_now_ms();
+            double now = cli_now_ms();
             if (k->n_active == 0 && k->n_queued == 0)
                 k->stop = true;
             else if (!cancelled && now > k->drain_deadline) {
@@ -432,9 +403,10 @@ static void loop(struct kvd *k, int sfd)
 
 int main(int argc, char **argv)
 {
+    cli_init("kvd");
     struct kvd *k = calloc(1, sizeof(*k));
     if (k == NULL)
-        die("out of memory");
+        cli_die("out of memory");
     parse_args(argc, argv, &k->o);
     srandom((unsigned)time(NULL) ^ (unsigned)getpid());
     /* signals arrive through a descriptor the loop polls */
@@ -446,18 +418,18 @@ int main(int argc, char **argv)
     sigprocmask(SIG_BLOCK, &set, NULL);
     int sfd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
     if (sfd < 0)
-        die("signalfd: %s", strerror(errno));
+        cli_die("signalfd: %s", strerror(errno));
     signal(SIGPIPE, SIG_IGN);
     char exe[4096];
     ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
     if (n <= 0)
-        die("cannot find my own executable");
+        cli_die("cannot find my own executable");
     exe[n] = '\0';
     snprintf(k->exe_dir, sizeof(k->exe_dir), "%s", dirname(exe));
 
     setup(k);
     if (workers_start(k) != 0)
-        die("cannot start workers: %s", strerror(errno));
+        cli_die("cannot start workers: %s", strerror(errno));
     kvd_log(k, "ready: model %s, %d workers, context %u", k->o.model, k->o.n_workers, k->n_ctx);
     loop(k, sfd);
 

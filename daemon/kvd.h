@@ -18,6 +18,7 @@
 #include <sys/types.h>
 
 #include "chat.h"
+#include "cli.h"
 #include "model.h"
 #include "pool.h"
 #include "prefix.h"
@@ -149,7 +150,6 @@ struct kvd {
     bool stop;                      /* leave the loop */
 };
 
-double kvd_now_ms(void);
 void kvd_log(const struct kvd *k, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* kvd.c */

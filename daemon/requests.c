@@ -171,7 +171,7 @@ static void stream_out(struct kvd *k, struct request *r, bool final)
  * in no list and hold no blocks. */
 static void finish(struct kvd *k, struct request *r)
 {
-    double now = kvd_now_ms();
+    double now = cli_now_ms();
     uint32_t n_gen = r->n_tok - r->n_prompt;
     if (r->failed) {
         k->st.failed++;
@@ -375,7 +375,7 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, uint6
         reply_error(k, rid, rid_len, id, KVD__ERROR_CODE__ERR_INTERNAL, "out of memory", 0);
         return;
     }
-    r->t_arrival = kvd_now_ms();
+    r->t_arrival = cli_now_ms();
     r->client_id = id;
     memcpy(r->rid, rid, rid_len);
     r->rid_len = rid_len;
@@ -532,13 +532,13 @@ static int start(struct kvd *k, struct request *r)
     r->worker = w;
     r->n_written = (uint32_t)cached;
     if (r->t_dispatch == 0) {
-        r->t_dispatch = kvd_now_ms();
+        r->t_dispatch = cli_now_ms();
         r->n_cached = (uint32_t)cached;
         k->st.cached_prompt_tokens += (uint64_t)cached;
     }
     struct worker *wk = &k->workers[w];
     if (wk->running++ == 0)
-        wk->last_progress = kvd_now_ms();
+        wk->last_progress = cli_now_ms();
     workers_send(k, w, &m);
     return 1;
 }
@@ -605,7 +605,7 @@ void req_on_tokens(struct kvd *k, int w, uint64_t seq_id, const int32_t *t, size
     struct request *r = from_worker(k, w, seq_id);
     if (r == NULL || r->state != REQ_RUNNING)
         return;
-    double now = kvd_now_ms();
+    double now = cli_now_ms();
     for (size_t i = 0; i < n && r->state == REQ_RUNNING; i++) {
         if ((uint32_t)t[i] >= k->model->cfg.n_vocab || reserve_tokens(r, r->n_tok + 2) != 0) {
             stop_request(k, r, 0, KVD__ERROR_CODE__ERR_INTERNAL, "the worker sent a bad token");
@@ -650,7 +650,7 @@ static void unstarve(struct kvd *k, struct request *r)
         struct worker *w = &k->workers[r->worker];
         if (w->starved > 0)
             w->starved--;
-        w->last_progress = kvd_now_ms(); /* its clock restarts with the blocks */
+        w->last_progress = cli_now_ms(); /* its clock restarts with the blocks */
     }
 }
 
@@ -935,7 +935,7 @@ void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const void
 
 void req_tick(struct kvd *k)
 {
-    double now = kvd_now_ms();
+    double now = cli_now_ms();
     struct request *lists[2] = { k->queue, k->active };
     for (int l = 0; l < 2; l++) {
         struct request *r = lists[l];

@@ -67,7 +67,7 @@ static int spawn(struct kvd *k, int i)
     w->pid = pid;
     w->spawned = true;
     w->alive = false;
-    w->last_heartbeat = kvd_now_ms();
+    w->last_heartbeat = cli_now_ms();
     w->restart_at = 0;
     kvd_log(k, "worker %u: started, pid %d", w->id, (int)pid);
     return 0;
@@ -120,7 +120,7 @@ static void lose(struct kvd *k, int i, const char *why)
     w->starved = 0;
     if (w->spawned && !k->draining && (k->o.max_restarts < 0 || (int)w->restarts < k->o.max_restarts)) {
         double backoff = 200.0 * (1u << (w->restarts < 5 ? w->restarts : 5));
-        w->restart_at = kvd_now_ms() + backoff;
+        w->restart_at = cli_now_ms() + backoff;
     } else {
         w->restart_at = 0;
     }
@@ -148,7 +148,7 @@ void workers_reap(struct kvd *k)
 
 void workers_tick(struct kvd *k)
 {
-    double now = kvd_now_ms();
+    double now = cli_now_ms();
     for (int i = 0; i < KVD_MAX_WORKERS; i++) {
         struct worker *w = &k->workers[i];
         if (!w->used)
@@ -232,7 +232,7 @@ static void on_ready(struct kvd *k, const uint8_t *rid, size_t len, uint32_t id,
     w->running = 0;
     w->starved = 0;
     w->progress = 0;
-    w->last_heartbeat = w->last_progress = kvd_now_ms();
+    w->last_heartbeat = w->last_progress = cli_now_ms();
     kvd_log(k, "worker %u (pid %d): ready", id, (int)r->pid);
 }
 
@@ -258,7 +258,7 @@ void workers_on_message(struct kvd *k, const uint8_t *rid, size_t rid_len, const
         return;
     }
     struct worker *w = &k->workers[i];
-    double now = kvd_now_ms();
+    double now = cli_now_ms();
     w->last_heartbeat = now;
     switch (m->body_case) {
     case KVDW__FROM_WORKER__BODY_HEARTBEAT:
@@ -301,7 +301,7 @@ void workers_stop(struct kvd *k)
             k->workers[i].draining = true;
         }
     /* give them a moment to exit on their own, then make sure */
-    double until = kvd_now_ms() + 3000;
+    double until = cli_now_ms() + 3000;
     for (;;) {
         bool any = false;
         for (int i = 0; i < KVD_MAX_WORKERS; i++) {
@@ -316,7 +316,7 @@ void workers_stop(struct kvd *k)
         }
         if (!any)
             break;
-        if (kvd_now_ms() > until) {
+        if (cli_now_ms() > until) {
             for (int i = 0; i < KVD_MAX_WORKERS; i++)
                 if (k->workers[i].used && k->workers[i].spawned && k->workers[i].pid > 0) {
                     kill(k->workers[i].pid, SIGKILL);

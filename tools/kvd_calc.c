@@ -16,24 +16,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli.h"
 #include "err.h"
 #include "gguf.h"
 #include "pool.h"
 #include "types.h"
 #include "units.h"
-
-static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-
-static void die(const char *fmt, ...)
-{
-    va_list ap;
-    fputs("kvd-calc: ", stderr);
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fputc('\n', stderr);
-    exit(1);
-}
 
 static void usage(FILE *f)
 {
@@ -53,37 +41,27 @@ static void usage(FILE *f)
           f);
 }
 
-static long parse_long(const char *s, const char *what, long lo, long hi)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end != '\0' || v < lo || v > hi)
-        die("%s must be an integer in [%ld, %ld], got '%s'", what, lo, hi, s);
-    return v;
-}
-
 /* Reads layers, KV heads and head dim from a GGUF's metadata. */
 static void shape_from_gguf(const char *path, struct pool_layout *lay, uint32_t *ctx_train)
 {
     char err[512], key[128];
     gguf_ctx_t *g = gguf_open(path, err, sizeof(err));
     if (g == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     struct gguf_str arch;
     if (gguf_get_str(g, "general.architecture", &arch) != 0 || arch.len == 0 || arch.len > 64)
-        die("%s: no general.architecture", path);
+        cli_die("%s: no general.architecture", path);
     char a[80];
     snprintf(a, sizeof(a), "%.*s", (int)arch.len, arch.ptr);
     uint32_t n_embd = 0, n_head = 0, key_len = 0;
     snprintf(key, sizeof(key), "%s.block_count", a);
     if (gguf_get_u32(g, key, &lay->n_layer) != 0)
-        die("%s: no %s", path, key);
+        cli_die("%s: no %s", path, key);
     snprintf(key, sizeof(key), "%s.embedding_length", a);
     gguf_get_u32(g, key, &n_embd);
     snprintf(key, sizeof(key), "%s.attention.head_count", a);
     if (gguf_get_u32(g, key, &n_head) != 0 || n_head == 0)
-        die("%s: no %s", path, key);
+        cli_die("%s: no %s", path, key);
     snprintf(key, sizeof(key), "%s.attention.head_count_kv", a);
     if (gguf_get_u32(g, key, &lay->n_head_kv) != 0)
         lay->n_head_kv = n_head;
@@ -93,7 +71,7 @@ static void shape_from_gguf(const char *path, struct pool_layout *lay, uint32_t 
     else if (n_embd % n_head == 0)
         lay->head_dim = n_embd / n_head;
     else
-        die("%s: embedding length %u is not a multiple of %u heads", path, n_embd, n_head);
+        cli_die("%s: embedding length %u is not a multiple of %u heads", path, n_embd, n_head);
     snprintf(key, sizeof(key), "%s.context_length", a);
     if (gguf_get_u32(g, key, ctx_train) != 0)
         *ctx_train = 0;
@@ -117,6 +95,7 @@ int main(int argc, char **argv)
         { "json", no_argument, NULL, OPT_JSON },
         { NULL, 0, NULL, 0 },
     };
+    cli_init("kvd-calc");
     const char *model = NULL;
     struct pool_layout lay = { .block_tokens = 16, .dtype = KERN_F16 };
     long ctx = 0, batch = 1;
@@ -127,40 +106,40 @@ int main(int argc, char **argv)
     while ((c = getopt_long(argc, argv, ":m:c:b:h", longs, NULL)) != -1) {
         switch (c) {
         case 'm': model = optarg; break;
-        case 'c': ctx = parse_long(optarg, "--ctx", 1, 1L << 30); break;
-        case 'b': batch = parse_long(optarg, "--batch", 1, 1L << 20); break;
+        case 'c': ctx = cli_long(optarg, "--ctx", 1, 1L << 30); break;
+        case 'b': batch = cli_long(optarg, "--batch", 1, 1L << 20); break;
         case 'h': usage(stdout); return 0;
-        case OPT_LAYERS: lay.n_layer = (uint32_t)parse_long(optarg, "--layers", 1, 1024); break;
-        case OPT_HEADS: lay.n_head_kv = (uint32_t)parse_long(optarg, "--kv-heads", 1, 1024); break;
-        case OPT_DIM: lay.head_dim = (uint32_t)parse_long(optarg, "--head-dim", 1, 4096); break;
-        case OPT_BLOCK: lay.block_tokens = (uint32_t)parse_long(optarg, "--block-tokens", 1, 4096); break;
+        case OPT_LAYERS: lay.n_layer = (uint32_t)cli_long(optarg, "--layers", 1, 1024); break;
+        case OPT_HEADS: lay.n_head_kv = (uint32_t)cli_long(optarg, "--kv-heads", 1, 1024); break;
+        case OPT_DIM: lay.head_dim = (uint32_t)cli_long(optarg, "--head-dim", 1, 4096); break;
+        case OPT_BLOCK: lay.block_tokens = (uint32_t)cli_long(optarg, "--block-tokens", 1, 4096); break;
         case OPT_TYPE:
             if (strcmp(optarg, "f16") == 0)
                 lay.dtype = KERN_F16;
             else if (strcmp(optarg, "f32") == 0)
                 lay.dtype = KERN_F32;
             else
-                die("--kv-type must be f16 or f32, got '%s'", optarg);
+                cli_die("--kv-type must be f16 or f32, got '%s'", optarg);
             break;
         case OPT_MEM:
             if (kvd_parse_size(optarg, &kv_bytes) != 0)
-                die("--kv-memory must be a size such as 512MiB or 2G, got '%s'", optarg);
+                cli_die("--kv-memory must be a size such as 512MiB or 2G, got '%s'", optarg);
             have_mem = true;
             break;
         case OPT_JSON: json = true; break;
-        case ':': die("option %s needs a value", argv[optind - 1]);
-        default: die("unknown option %s (see --help)", argv[optind - 1]);
+        case ':': cli_die("option %s needs a value", argv[optind - 1]);
+        default: cli_die("unknown option %s (see --help)", argv[optind - 1]);
         }
     }
     if (optind < argc)
-        die("unexpected argument '%s' (see --help)", argv[optind]);
+        cli_die("unexpected argument '%s' (see --help)", argv[optind]);
     uint32_t ctx_train = 0;
     if (model != NULL) {
         if (lay.n_layer || lay.n_head_kv || lay.head_dim)
-            die("-m and --layers/--kv-heads/--head-dim exclude each other");
+            cli_die("-m and --layers/--kv-heads/--head-dim exclude each other");
         shape_from_gguf(model, &lay, &ctx_train);
     } else if (!lay.n_layer || !lay.n_head_kv || !lay.head_dim) {
-        die("give -m MODEL, or all of --layers, --kv-heads and --head-dim (see --help)");
+        cli_die("give -m MODEL, or all of --layers, --kv-heads and --head-dim (see --help)");
     }
     if (ctx == 0)
         ctx = ctx_train ? ctx_train : 4096;
@@ -179,7 +158,7 @@ int main(int argc, char **argv)
         struct pool_params pp = pool_default_params();
         pp.kv_bytes = kv_bytes;
         if (pool_plan(&lay, &pp, &cap, err, sizeof(err)) != 0)
-            die("%s", err);
+            cli_die("%s", err);
         pool_describe(&lay, &cap, (uint32_t)ctx, line, sizeof(line));
     }
     if (json) {

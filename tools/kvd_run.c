@@ -17,6 +17,7 @@
 #include <time.h>
 
 #include "chat.h"
+#include "cli.h"
 #include "cpu.h"
 #include "err.h"
 #include "forward.h"
@@ -63,26 +64,6 @@ struct options {
     struct sampler_params sp;
 };
 
-static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-
-static void die(const char *fmt, ...)
-{
-    va_list ap;
-    fputs("kvd-run: ", stderr);
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fputc('\n', stderr);
-    exit(1);
-}
-
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
-
 static void usage(FILE *f)
 {
     fputs("usage: kvd-run [-m MODEL] -p PROMPT [options]\n"
@@ -127,23 +108,13 @@ static void usage(FILE *f)
           f);
 }
 
-static long parse_long(const char *s, const char *what, long lo, long hi)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end != '\0' || v < lo || v > hi)
-        die("%s must be an integer in [%ld, %ld], got '%s'", what, lo, hi, s);
-    return v;
-}
-
 static float parse_float(const char *s, const char *what)
 {
     char *end;
     errno = 0;
     float v = strtof(s, &end);
     if (errno || end == s || *end != '\0' || !isfinite(v))
-        die("%s must be a number, got '%s'", what, s);
+        cli_die("%s must be a number, got '%s'", what, s);
     return v;
 }
 
@@ -152,22 +123,22 @@ static char *read_file(const char *path, size_t *len)
 {
     FILE *f = fopen(path, "rb");
     if (f == NULL)
-        die("cannot open %s: %s", path, strerror(errno));
+        cli_die("cannot open %s: %s", path, strerror(errno));
     size_t cap = 1 << 16, n = 0;
     char *buf = malloc(cap);
     for (;;) {
         if (buf == NULL)
-            die("out of memory reading %s", path);
+            cli_die("out of memory reading %s", path);
         n += fread(buf + n, 1, cap - n - 1, f);
         if (n < cap - 1)
             break;
         if (cap > (1u << 30))
-            die("%s is larger than 1 GiB", path);
+            cli_die("%s is larger than 1 GiB", path);
         cap *= 2;
         buf = realloc(buf, cap);
     }
     if (ferror(f))
-        die("cannot read %s", path);
+        cli_die("cannot read %s", path);
     fclose(f);
     buf[n] = '\0';
     *len = n;
@@ -195,7 +166,7 @@ static int32_t *parse_ids(const char *s, size_t *n)
         errno = 0;
         long v = strtol(s, &end, 10);
         if (errno || end == s || v < 0 || v > INT32_MAX)
-            die("--prompt-ids: '%.20s' is not a token id", s);
+            cli_die("--prompt-ids: '%.20s' is not a token id", s);
         if (k == cap)
             ids = realloc(ids, (cap *= 2) * sizeof(int32_t));
         if (ids != NULL)
@@ -203,7 +174,7 @@ static int32_t *parse_ids(const char *s, size_t *n)
         s = end;
     }
     if (ids == NULL)
-        die("out of memory");
+        cli_die("out of memory");
     *n = k;
     return ids;
 }
@@ -268,33 +239,33 @@ static void parse_args(int argc, char **argv, struct options *o)
             free(o->prompt_ids);
             o->prompt_ids = parse_ids(optarg, &o->n_prompt_ids);
             if (o->n_prompt_ids == 0)
-                die("--prompt-ids holds no ids");
+                cli_die("--prompt-ids holds no ids");
             break;
         case OPT_POOL: o->pool = optarg; break;
         case OPT_NS: o->ns = optarg; break;
         case OPT_KVMEM:
             if (kvd_parse_size(optarg, &o->kv_bytes) != 0 || o->kv_bytes == 0)
-                die("--kv-memory must be a size such as 512MiB or 2G, got '%s'", optarg);
+                cli_die("--kv-memory must be a size such as 512MiB or 2G, got '%s'", optarg);
             break;
         case OPT_LOGITS_OUT: o->logits_out = optarg; break;
-        case 'n': o->n_predict = (int)parse_long(optarg, "-n", 0, 1 << 20); break;
-        case 'c': o->n_ctx = (int)parse_long(optarg, "--ctx", 8, 1 << 20); break;
-        case 't': o->n_threads = (int)parse_long(optarg, "-t", 1, 256); break;
+        case 'n': o->n_predict = (int)cli_long(optarg, "-n", 0, 1 << 20); break;
+        case 'c': o->n_ctx = (int)cli_long(optarg, "--ctx", 8, 1 << 20); break;
+        case 't': o->n_threads = (int)cli_long(optarg, "-t", 1, 256); break;
         case 'h': usage(stdout); exit(0);
         case OPT_TEMP: o->sp.temperature = parse_float(optarg, "--temp"); break;
-        case OPT_TOPK: o->sp.top_k = (int32_t)parse_long(optarg, "--top-k", 0, 1 << 24); break;
+        case OPT_TOPK: o->sp.top_k = (int32_t)cli_long(optarg, "--top-k", 0, 1 << 24); break;
         case OPT_TOPP: o->sp.top_p = parse_float(optarg, "--top-p"); break;
         case OPT_MINP: o->sp.min_p = parse_float(optarg, "--min-p"); break;
         case OPT_REPEAT: o->sp.repeat_penalty = parse_float(optarg, "--repeat-penalty"); break;
         case OPT_SEED:
-            o->sp.seed = (uint64_t)parse_long(optarg, "--seed", 0, 0x7fffffffffffffffL);
+            o->sp.seed = (uint64_t)cli_long(optarg, "--seed", 0, 0x7fffffffffffffffL);
             o->seed_set = true;
             break;
         case OPT_STOP:
             if (o->n_stops == MAX_STOPS)
-                die("at most %d --stop strings", MAX_STOPS);
+                cli_die("at most %d --stop strings", MAX_STOPS);
             if (optarg[0] == '\0')
-                die("--stop needs a non-empty string");
+                cli_die("--stop needs a non-empty string");
             o->stops[o->n_stops++] = optarg;
             break;
         case OPT_CHAT: o->chat = true; break;
@@ -310,35 +281,35 @@ static void parse_args(int argc, char **argv, struct options *o)
         case OPT_TOKENIZE: o->tokenize = optarg; break;
         case OPT_SPECIAL: o->special = true; break;
         case OPT_PPL: o->ppl_file = optarg; break;
-        case OPT_BLOCK: o->block_tokens = (int)parse_long(optarg, "--block-tokens", 1, 4096); break;
+        case OPT_BLOCK: o->block_tokens = (int)cli_long(optarg, "--block-tokens", 1, 4096); break;
         case OPT_KVTYPE:
             if (strcmp(optarg, "f16") == 0)
                 o->kv_type = KERN_F16;
             else if (strcmp(optarg, "f32") == 0)
                 o->kv_type = KERN_F32;
             else
-                die("--kv-type must be f16 or f32, got '%s'", optarg);
+                cli_die("--kv-type must be f16 or f32, got '%s'", optarg);
             break;
         case OPT_IGNORE_EOS: o->ignore_eos = true; break;
         case OPT_BENCH: o->bench = true; break;
         case OPT_BENCH_FILE: o->bench_file = optarg; break;
-        case ':': die("option %s needs a value", argv[optind - 1]);
-        default: die("unknown option %s (see --help)", argv[optind - 1]);
+        case ':': cli_die("option %s needs a value", argv[optind - 1]);
+        default: cli_die("unknown option %s (see --help)", argv[optind - 1]);
         }
     }
     if (optind < argc)
-        die("unexpected argument '%s' (see --help)", argv[optind]);
+        cli_die("unexpected argument '%s' (see --help)", argv[optind]);
     if (o->prompt != NULL && o->prompt_ids != NULL)
-        die("-p/--file and --prompt-ids exclude each other");
+        cli_die("-p/--file and --prompt-ids exclude each other");
     if (o->prompt_ids != NULL && o->chat)
-        die("--prompt-ids and --chat exclude each other");
+        cli_die("--prompt-ids and --chat exclude each other");
     int modes = (o->prompt != NULL || o->prompt_ids != NULL) + (o->tokenize != NULL) + (o->ppl_file != NULL) + o->bench;
     if (modes == 0)
-        die("nothing to do: give -p PROMPT, -f FILE, --prompt-ids, --tokenize TEXT, --perplexity FILE or --bench (see --help)");
+        cli_die("nothing to do: give -p PROMPT, -f FILE, --prompt-ids, --tokenize TEXT, --perplexity FILE or --bench (see --help)");
     if (modes > 1)
-        die("-p, --tokenize, --perplexity and --bench exclude each other");
+        cli_die("-p, --tokenize, --perplexity and --bench exclude each other");
     if (o->system != NULL && !o->chat)
-        die("--system and --system-file need --chat");
+        cli_die("--system and --system-file need --chat");
     if (!o->seed_set)
         o->sp.seed = (uint64_t)time(NULL) ^ ((uint64_t)clock() << 20);
 }
@@ -382,17 +353,17 @@ static int32_t *encode(const tok_t *t, const char *text, size_t len, bool specia
     size_t cap = len + 16;
     int32_t *ids = malloc(cap * sizeof(int32_t));
     if (ids == NULL)
-        die("out of memory");
+        cli_die("out of memory");
     int rc = tok_encode(t, text, len, special, ids, cap, n);
     if (rc == KVD_ERANGE) {
         cap = *n;
         ids = realloc(ids, cap * sizeof(int32_t));
         if (ids == NULL)
-            die("out of memory");
+            cli_die("out of memory");
         rc = tok_encode(t, text, len, special, ids, cap, n);
     }
     if (rc != 0)
-        die("cannot tokenize the text: %s", kvd_strerror(rc));
+        cli_die("cannot tokenize the text: %s", kvd_strerror(rc));
     return ids;
 }
 
@@ -417,17 +388,17 @@ static void runtime_open(struct runtime *rt, const struct options *o, uint32_t n
                          uint32_t kv_positions)
 {
     char err[512], note[512];
-    double t0 = now_ms();
+    double t0 = cli_now_ms();
     memset(rt, 0, sizeof(*rt));
     rt->model = model_load(o->model, err, sizeof(err));
     if (rt->model == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     rt->tok = tok_new_from_gguf(rt->model->gguf, err, sizeof(err));
     if (rt->tok == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     const struct model_config *c = &rt->model->cfg;
     if (n_ctx_req > c->n_ctx_train)
-        die("context %u is longer than the model's %u", n_ctx_req, c->n_ctx_train);
+        cli_die("context %u is longer than the model's %u", n_ctx_req, c->n_ctx_train);
     rt->n_ctx = n_ctx_req;
     rt->step = rt->n_ctx < 512 ? rt->n_ctx : 512;
 
@@ -442,19 +413,19 @@ static void runtime_open(struct runtime *rt, const struct options *o, uint32_t n
     pp.n_blocks = (kv_positions + lay.block_tokens - 1) / lay.block_tokens;
     struct pool_capacity cap;
     if (pool_plan(&lay, &pp, &cap, err, sizeof(err)) != 0)
-        die("%s", err);
+        cli_die("%s", err);
     if (cap.n_tokens < rt->n_ctx)
-        die("a KV pool of %llu bytes holds %llu tokens, fewer than one sequence of %u; "
+        cli_die("a KV pool of %llu bytes holds %llu tokens, fewer than one sequence of %u; "
             "raise --kv-memory or lower --ctx", (unsigned long long)o->kv_bytes,
             (unsigned long long)cap.n_tokens, rt->n_ctx);
     rt->pool = pool_create(&lay, &pp, note, sizeof(note), err, sizeof(err));
     if (rt->pool == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     if (note[0])
         fprintf(stderr, "kvd-run: %s\n", note);
     rt->px = prefix_new(rt->pool, note, sizeof(note), err, sizeof(err));
     if (rt->px == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     if (note[0])
         fprintf(stderr, "kvd-run: pool %s: %s\n", o->pool, note);
     if (o->pool != NULL || o->kv_bytes != 0) {
@@ -467,15 +438,15 @@ static void runtime_open(struct runtime *rt, const struct options *o, uint32_t n
     kp.n_blocks = cap.n_blocks;
     rt->kv = kvcache_wrap(c, &kp, pool_data(rt->pool), pool_data_bytes(rt->pool), err, sizeof(err));
     if (rt->kv == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     struct engine_params ep = engine_default_params();
     ep.max_tokens = rt->step;
     ep.max_ctx = rt->n_ctx;
     ep.n_threads = o->n_threads;
     rt->engine = engine_new(rt->model, rt->kv, &ep, err, sizeof(err));
     if (rt->engine == NULL)
-        die("%s", err);
-    rt->load_ms = now_ms() - t0;
+        cli_die("%s", err);
+    rt->load_ms = cli_now_ms() - t0;
 }
 
 static void runtime_close(struct runtime *rt)
@@ -506,10 +477,10 @@ static void seq_feed(struct runtime *rt, struct seq *s, const int32_t *hist, uin
     for (uint32_t i = 0; i < n; i += chunk) {
         uint32_t m = n - i < chunk ? n - i : chunk;
         if (prefix_seq_grow(rt->px, &s->ps, s->pos + m, hist, s->pos + m) != 0)
-            die("the KV pool is full");
+            cli_die("the KV pool is full");
         struct fwd_seq fs = { hist + s->pos, m, s->pos, s->ps.blocks, s->ps.n_blocks, all_logits };
         if (engine_step(rt->engine, &fs, 1, logits, rows, err, sizeof(err)) != 0)
-            die("%s", err);
+            cli_die("%s", err);
         s->pos += m;
         prefix_seq_commit(rt->px, &s->ps, hist, s->pos);
     }
@@ -528,10 +499,10 @@ static int run_tokenize(const struct options *o)
     char err[512];
     gguf_ctx_t *g = gguf_open(o->model, err, sizeof(err));
     if (g == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     tok_t *t = tok_new_from_gguf(g, err, sizeof(err));
     if (t == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     size_t n;
     int32_t *ids = encode(t, o->tokenize, strlen(o->tokenize), o->special, &n);
     json_ids(stdout, ids, n);
@@ -554,15 +525,15 @@ static int run_perplexity(const struct options *o)
     char *text = read_file(o->ppl_file, &len);
     int32_t *ids = encode(rt.tok, text, len, false, &n);
     if (n < 2 * (size_t)win)
-        die("%s has %zu tokens; perplexity with a window of %u needs at least %u",
+        cli_die("%s has %zu tokens; perplexity with a window of %u needs at least %u",
             o->ppl_file, n, win, 2 * win);
     const uint32_t nv = rt.model->cfg.n_vocab;
     size_t n_win = n / win, scored = 0;
-    double nll = 0.0, t0 = now_ms();
+    double nll = 0.0, t0 = cli_now_ms();
     int32_t *w = malloc(win * sizeof(int32_t));
     float *lg = malloc((size_t)win * nv * sizeof(float));
     if (w == NULL || lg == NULL)
-        die("out of memory");
+        cli_die("out of memory");
     struct seq s = { 0 };
     const uint32_t first = win / 2;
     for (size_t k = 0; k < n_win; k++) {
@@ -591,7 +562,7 @@ static int run_perplexity(const struct options *o)
         if (!o->json)
             fprintf(stderr, "[%zu/%zu] running perplexity %.4f\n", k + 1, n_win, exp(nll / scored));
     }
-    double ppl = exp(nll / scored), ms = now_ms() - t0;
+    double ppl = exp(nll / scored), ms = cli_now_ms() - t0;
     if (o->json)
         printf("{\"perplexity\":%.6f,\"windows\":%zu,\"ctx\":%u,\"tokens_scored\":%zu,\"ms\":%.1f}\n",
                ppl, n_win, win, scored, ms);
@@ -632,7 +603,7 @@ static int run_generate(const struct options *o)
     {
         gguf_ctx_t *g = gguf_open(o->model, err, sizeof(err));
         if (g == NULL)
-            die("%s", err);
+            cli_die("%s", err);
         uint32_t train = 0;
         if (!o->n_ctx && gguf_get_u32(g, "llama.context_length", &train) == 0 && train && train < n_ctx)
             n_ctx = train;
@@ -649,10 +620,10 @@ static int run_generate(const struct options *o)
     } else if (o->chat) {
         struct gguf_str tmpl;
         if (gguf_get_str(rt.model->gguf, "tokenizer.chat_template", &tmpl) != 0)
-            die("--chat: the model has no chat template (tokenizer.chat_template)");
+            cli_die("--chat: the model has no chat template (tokenizer.chat_template)");
         chat_template_t *ct = chat_template_new(tmpl.ptr, (size_t)tmpl.len, err, sizeof(err));
         if (ct == NULL)
-            die("%s", err);
+            cli_die("%s", err);
         struct chat_msg msgs[2];
         size_t nm = 0;
         if (o->system != NULL)
@@ -660,7 +631,7 @@ static int run_generate(const struct options *o)
         msgs[nm++] = (struct chat_msg){ "user", o->prompt };
         int rc = chat_apply(ct, msgs, nm, true, &text, &text_len);
         if (rc != 0)
-            die("cannot apply the chat template: %s", kvd_strerror(rc));
+            cli_die("cannot apply the chat template: %s", kvd_strerror(rc));
         chat_template_destroy(&ct);
         special = true;  /* the template's markers are special tokens */
     } else {
@@ -674,10 +645,10 @@ static int run_generate(const struct options *o)
         n_prompt = o->n_prompt_ids;
         ids0 = malloc(n_prompt * sizeof(int32_t));
         if (ids0 == NULL)
-            die("out of memory");
+            cli_die("out of memory");
         for (size_t i = 0; i < n_prompt; i++) {
             if ((uint32_t)o->prompt_ids[i] >= rt.model->cfg.n_vocab)
-                die("--prompt-ids: id %d is out of range (the vocabulary has %u tokens)",
+                cli_die("--prompt-ids: id %d is out of range (the vocabulary has %u tokens)",
                     o->prompt_ids[i], rt.model->cfg.n_vocab);
             ids0[i] = o->prompt_ids[i];
         }
@@ -689,13 +660,13 @@ static int run_generate(const struct options *o)
     free(text);
     size_t n_hist = n_prompt + (bos ? 1 : 0);
     if (n_hist == 0)
-        die("the prompt is empty");
+        cli_die("the prompt is empty");
     if (n_hist >= rt.n_ctx)
-        die("the prompt has %zu tokens, more than the context of %u allows", n_hist, rt.n_ctx);
+        cli_die("the prompt has %zu tokens, more than the context of %u allows", n_hist, rt.n_ctx);
     size_t cap = n_hist + (size_t)o->n_predict + 1;
     int32_t *hist = malloc(cap * sizeof(int32_t));
     if (hist == NULL)
-        die("out of memory");
+        cli_die("out of memory");
     if (bos)
         hist[0] = tok_bos(rt.tok);
     memcpy(hist + (bos ? 1 : 0), ids0, n_prompt * sizeof(int32_t));
@@ -704,34 +675,34 @@ static int run_generate(const struct options *o)
 
     sampler_t *smp = sampler_new(&o->sp, rt.model->cfg.n_vocab, err, sizeof(err));
     if (smp == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     struct seq s = { 0 };
 
     /* the longest cached prefix is skipped; at least one token is computed */
-    double t0 = now_ms();
+    double t0 = cli_now_ms();
     prefix_ns_t ns = prefix_namespace(rt.px, o->ns, strlen(o->ns));
     int64_t n_cached = prefix_seq_begin(rt.px, &s.ps, ns, hist, n_prompt, NULL);
     if (n_cached < 0)
-        die("prefix cache: %s", kvd_strerror((int)n_cached));
+        cli_die("prefix cache: %s", kvd_strerror((int)n_cached));
     s.pos = (uint32_t)n_cached;
     const float *logits;
     uint32_t rows;
     seq_feed(&rt, &s, hist, (uint32_t)(n_prompt - s.pos), rt.step, false, &logits, &rows);
-    double t_prefill = now_ms() - t0;
+    double t_prefill = cli_now_ms() - t0;
     if (o->logits_out != NULL) {
         FILE *lf = fopen(o->logits_out, "wb");
         if (lf == NULL || fwrite(logits, sizeof(float), rt.model->cfg.n_vocab, lf) !=
                               rt.model->cfg.n_vocab || fclose(lf) != 0)
-            die("cannot write %s: %s", o->logits_out, strerror(errno));
+            cli_die("cannot write %s: %s", o->logits_out, strerror(errno));
     }
 
     size_t out_cap = 4096, out_len = 0, printed = 0;
     char *out = malloc(out_cap);
     if (out == NULL)
-        die("out of memory");
+        cli_die("out of memory");
     const char *finish = "length";
     int n_gen = 0;
-    t0 = now_ms();
+    t0 = cli_now_ms();
     while (n_gen < o->n_predict) {
         int32_t id = sampler_sample(smp, logits, hist, n_hist);
         hist[n_hist++] = id;
@@ -748,7 +719,7 @@ static int run_generate(const struct options *o)
             out_cap = (out_len + pn + 1) * 2;
             out = realloc(out, out_cap);
             if (out == NULL)
-                die("out of memory");
+                cli_die("out of memory");
         }
         memcpy(out + out_len, piece, pn);
         size_t before = out_len;
@@ -783,7 +754,7 @@ static int run_generate(const struct options *o)
         }
         seq_feed(&rt, &s, hist, 1, 1, false, &logits, &rows);
     }
-    double t_decode = now_ms() - t0;
+    double t_decode = cli_now_ms() - t0;
 
     if (o->json) {
         printf("{\"prompt_tokens\":");
@@ -855,7 +826,7 @@ static double bench_batch(struct runtime *rt, const int32_t *ids, size_t n_ids, 
     int32_t *hist = malloc((size_t)B * H * sizeof(int32_t));
     struct fwd_seq *fs = malloc((size_t)B * sizeof(*fs));
     if (s == NULL || hist == NULL || fs == NULL)
-        die("out of memory");
+        cli_die("out of memory");
     const float *lg;
     uint32_t rows;
     for (int b = 0; b < B; b++) {
@@ -865,17 +836,17 @@ static double bench_batch(struct runtime *rt, const int32_t *ids, size_t n_ids, 
         seq_feed(rt, &s[b], h, BENCH_BATCH_PROMPT, rt->step, false, &lg, &rows);
         h[s[b].pos] = sampler_argmax(lg, V);
     }
-    double t0 = now_ms();
+    double t0 = cli_now_ms();
     for (int step = 0; step < BENCH_BATCH_STEPS; step++) {
         for (int b = 0; b < B; b++) {
             int32_t *h = hist + (size_t)b * H;
             if (prefix_seq_grow(rt->px, &s[b].ps, s[b].pos + 1, h, s[b].pos + 1) != 0)
-                die("the KV pool is full");
+                cli_die("the KV pool is full");
             fs[b] = (struct fwd_seq){ h + s[b].pos, 1, s[b].pos, s[b].ps.blocks, s[b].ps.n_blocks,
                                       false };
         }
         if (engine_step(rt->engine, fs, (uint32_t)B, &lg, &rows, err, sizeof(err)) != 0)
-            die("%s", err);
+            cli_die("%s", err);
         for (int b = 0; b < B; b++) {
             int32_t *h = hist + (size_t)b * H;
             s[b].pos++;
@@ -884,7 +855,7 @@ static double bench_batch(struct runtime *rt, const int32_t *ids, size_t n_ids, 
                 h[s[b].pos] = sampler_argmax(lg + (size_t)b * V, V);
         }
     }
-    double ms = now_ms() - t0;
+    double ms = cli_now_ms() - t0;
     for (int b = 0; b < B; b++) {
         seq_release(rt, &s[b]);
         prefix_seq_fini(&s[b].ps);
@@ -905,7 +876,7 @@ static int run_bench(const struct options *o)
     char *text = o->bench_file ? read_file(o->bench_file, &len) : strdup(bench_text);
     int32_t *ids = encode(rt.tok, text, len, true, &n_ids);
     if (n_ids == 0)
-        die("the benchmark text has no tokens");
+        cli_die("the benchmark text has no tokens");
     const uint32_t V = rt.model->cfg.n_vocab;
     int32_t hist[BENCH_PREFILL + BENCH_DECODE + 1];
     for (int i = 0; i < BENCH_PREFILL; i++)
@@ -917,16 +888,16 @@ static int run_bench(const struct options *o)
     seq_feed(&rt, &s, hist, 32, 32, false, &lg, &rows);
     seq_release(&rt, &s);
 
-    double t0 = now_ms();
+    double t0 = cli_now_ms();
     seq_feed(&rt, &s, hist, BENCH_PREFILL, BENCH_PREFILL, false, &lg, &rows);
-    double prefill_ms = now_ms() - t0;
+    double prefill_ms = cli_now_ms() - t0;
     hist[s.pos] = sampler_argmax(lg, V);
-    t0 = now_ms();
+    t0 = cli_now_ms();
     for (int i = 0; i < BENCH_DECODE; i++) {
         seq_feed(&rt, &s, hist, 1, 1, false, &lg, &rows);
         hist[s.pos] = sampler_argmax(lg, V);
     }
-    double decode_ms = now_ms() - t0;
+    double decode_ms = cli_now_ms() - t0;
     seq_release(&rt, &s);
     prefix_seq_fini(&s.ps);
 
@@ -961,6 +932,7 @@ static int run_bench(const struct options *o)
 int main(int argc, char **argv)
 {
     struct options o;
+    cli_init("kvd-run");
     parse_args(argc, argv, &o);
     int rc;
     if (o.tokenize != NULL)

@@ -33,6 +33,7 @@
 
 #include <zmq.h>
 
+#include "cli.h"
 #include "err.h"
 #include "forward.h"
 #include "kvcache.h"
@@ -96,26 +97,6 @@ static void on_signal(int sig)
     stop_flag = 1;
 }
 
-static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-
-static void die(const char *fmt, ...)
-{
-    va_list ap;
-    fputs("kvd-worker: ", stderr);
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fputc('\n', stderr);
-    exit(1);
-}
-
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
-
 /* ---- messages ------------------------------------------------------------------------ */
 
 static void send_msg(struct worker *w, Kvdw__FromWorker *m)
@@ -127,7 +108,7 @@ static void send_msg(struct worker *w, Kvdw__FromWorker *m)
     uint8_t *buf;
     size_t len;
     if (wire_pack(&m->base, &buf, &len) != 0)
-        die("cannot pack a message");
+        cli_die("cannot pack a message");
     if (zmq_send(w->sock, buf, len, 0) < 0 && errno != EINTR)
         fprintf(stderr, "kvd-worker %u: send: %s\n", w->o.id, zmq_strerror(errno));
     free(buf);
@@ -143,7 +124,7 @@ static void send_heartbeat(struct worker *w)
     m.body_case = KVDW__FROM_WORKER__BODY_HEARTBEAT;
     m.heartbeat = &hb;
     send_msg(w, &m);
-    w->last_hb = now_ms();
+    w->last_hb = cli_now_ms();
 }
 
 static void send_done(struct worker *w, const struct wseq *s, Kvdw__DoneReason why, const char *error)
@@ -223,7 +204,7 @@ static void on_assign(struct worker *w, const Kvdw__Assign *a)
     char err[256];
     struct wseq *s = calloc(1, sizeof(*s));
     if (s == NULL)
-        die("out of memory");
+        cli_die("out of memory");
     s->id = a->seq_id;
     const struct model_config *c = &w->model->cfg;
     int rc = 0;
@@ -245,7 +226,7 @@ static void on_assign(struct worker *w, const Kvdw__Assign *a)
         s->tok_cap = (uint32_t)a->n_tokens + a->max_new + 1;
         s->tok = malloc(s->tok_cap * sizeof(int32_t));
         if (s->tok == NULL)
-            die("out of memory");
+            cli_die("out of memory");
         memcpy(s->tok, a->tokens, a->n_tokens * sizeof(int32_t));
         s->n_tok = (uint32_t)a->n_tokens;
         s->pos = a->n_cached;
@@ -280,7 +261,7 @@ static void on_assign(struct worker *w, const Kvdw__Assign *a)
     }
     struct wseq **ns = realloc(w->seqs, (w->n_seqs + 1) * sizeof(*ns));
     if (ns == NULL)
-        die("out of memory");
+        cli_die("out of memory");
     w->seqs = ns;
     w->seqs[w->n_seqs++] = s;
 }
@@ -381,11 +362,11 @@ static void run_step(struct worker *w, uint32_t n)
     uint32_t n_tokens = 0;
     for (uint32_t k = 0; k < n; k++)
         n_tokens += w->batch[k].n_tokens;
-    double t0 = now_ms();
+    double t0 = cli_now_ms();
     int rc = engine_step(w->engine, w->batch, n, &logits, &rows, err, sizeof(err));
     w->progress++;
     if (rc == 0 && n_tokens >= 16) {
-        double per = (now_ms() - t0) / n_tokens;
+        double per = (cli_now_ms() - t0) / n_tokens;
         w->ms_per_token = w->ms_per_token > 0 ? 0.7 * w->ms_per_token + 0.3 * per : per;
     }
     if (rc != 0) {
@@ -482,16 +463,16 @@ static void parse_args(int argc, char **argv, struct options *o)
         case OPT_STEP: o->step_tokens = (uint32_t)strtoul(optarg, NULL, 10); break;
         case OPT_BATCH: o->max_batch = (uint32_t)strtoul(optarg, NULL, 10); break;
         case OPT_STEP_MS: o->step_ms = (uint32_t)strtoul(optarg, NULL, 10); break;
-        default: die("bad argument %s (usage: kvd-worker --model M --pool NAME --connect ENDPOINT "
+        default: cli_die("bad argument %s (usage: kvd-worker --model M --pool NAME --connect ENDPOINT "
                      "--id N [--threads T] [--ctx N] [--block-tokens B] [--kv-type f16|f32] "
                      "[--step-tokens S] [--max-batch N])", argv[optind - 1]);
         }
     }
     if (!o->model || !o->pool || !o->endpoint)
-        die("--model, --pool and --connect are required");
+        cli_die("--model, --pool and --connect are required");
     if (o->step_tokens < 1 || o->step_tokens > 4096 || o->max_batch < 1 || o->max_batch > 4096 ||
         o->threads < 0 || o->threads > 256 || o->step_ms < 10 || o->step_ms > 600000)
-        die("--step-tokens, --max-batch, --threads or --step-ms out of range");
+        cli_die("--step-tokens, --max-batch, --threads or --step-ms out of range");
 }
 
 static void setup(struct worker *w)
@@ -500,17 +481,17 @@ static void setup(struct worker *w)
     const struct options *o = &w->o;
     w->model = model_load(o->model, err, sizeof(err));
     if (w->model == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     w->tok = tok_new_from_gguf(w->model->gguf, err, sizeof(err));
     if (w->tok == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     if (w->o.ctx == 0 || w->o.ctx > w->model->cfg.n_ctx_train)
         w->o.ctx = w->model->cfg.n_ctx_train;
     struct pool_layout lay;
     pool_layout_for_model(w->model, o->block_tokens, o->kv_type, &lay);
     w->pool = pool_attach(o->pool, &lay, err, sizeof(err));
     if (w->pool == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     struct kv_params kp = kv_default_params();
     kp.block_tokens = o->block_tokens;
     kp.dtype = o->kv_type;
@@ -518,19 +499,19 @@ static void setup(struct worker *w)
     w->kv = kvcache_wrap(&w->model->cfg, &kp, pool_data(w->pool), pool_data_bytes(w->pool), err,
                          sizeof(err));
     if (w->kv == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     struct engine_params ep = engine_default_params();
     ep.max_tokens = o->step_tokens;
     ep.max_ctx = w->o.ctx;
     ep.n_threads = o->threads;
     w->engine = engine_new(w->model, w->kv, &ep, err, sizeof(err));
     if (w->engine == NULL)
-        die("%s", err);
+        cli_die("%s", err);
     w->batch = calloc(o->max_batch, sizeof(*w->batch));
     w->in_batch = calloc(o->max_batch, sizeof(*w->in_batch));
     w->arena = wire_arena_new(4 * (size_t)WIRE_MAX_FRAME + (1u << 20)); /* grows as needed */
     if (w->batch == NULL || w->in_batch == NULL || w->arena == NULL)
-        die("out of memory");
+        cli_die("out of memory");
 
     w->zctx = zmq_ctx_new();
     w->sock = zmq_socket(w->zctx, ZMQ_DEALER);
@@ -541,7 +522,7 @@ static void setup(struct worker *w)
     zmq_setsockopt(w->sock, ZMQ_RCVHWM, &hwm, sizeof(hwm));
     zmq_setsockopt(w->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
     if (zmq_connect(w->sock, o->endpoint) != 0)
-        die("cannot connect to %s: %s", o->endpoint, zmq_strerror(errno));
+        cli_die("cannot connect to %s: %s", o->endpoint, zmq_strerror(errno));
 
     Kvdw__FromWorker m = KVDW__FROM_WORKER__INIT;
     Kvdw__Ready r = KVDW__READY__INIT;
@@ -559,6 +540,7 @@ static void setup(struct worker *w)
 int main(int argc, char **argv)
 {
     struct worker w = { 0 };
+    cli_init("kvd-worker");
     parse_args(argc, argv, &w.o);
     struct sigaction sa = { 0 };
     sa.sa_handler = on_signal;
@@ -576,10 +558,10 @@ int main(int argc, char **argv)
         zmq_pollitem_t it = { w.sock, 0, ZMQ_POLLIN, 0 };
         long wait = runnable ? 0 : HEARTBEAT_MS;
         if (zmq_poll(&it, 1, wait) < 0 && errno != EINTR)
-            die("poll: %s", zmq_strerror(errno));
+            cli_die("poll: %s", zmq_strerror(errno));
         while (zmq_msg_recv(&msg, w.sock, ZMQ_DONTWAIT) >= 0)
             on_message(&w, zmq_msg_data(&msg), zmq_msg_size(&msg));
-        if (now_ms() - w.last_hb >= HEARTBEAT_MS)
+        if (cli_now_ms() - w.last_hb >= HEARTBEAT_MS)
             send_heartbeat(&w);
         uint32_t n = plan_step(&w);
         if (n > 0)

@@ -1,0 +1,21 @@
+/*
+ * cli.h - what kvd's programs share on their command lines: a one-line fatal
+ * error prefixed with the program's name, integer arguments checked against
+ * a range, and a monotonic clock.
+ */
+#ifndef KVD_CLI_H
+#define KVD_CLI_H
+
+/* Names the program for cli_die's prefix ("kvd-run: ..."). */
+void cli_init(const char *prog);
+
+/* Prints "prog: message" and a newline on stderr and exits with status 1. */
+void cli_die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+
+/* s as an integer in [lo, hi]; anything else dies naming `what`. */
+long cli_long(const char *s, const char *what, long lo, long hi);
+
+/* Milliseconds on the monotonic clock. */
+double cli_now_ms(void);
+
+#endif
