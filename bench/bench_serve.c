@@ -176,6 +176,7 @@ static void start_kvd(void)
     snprintf(log, sizeof(log), "%s/kvd.log", C.tmp);
     kvd_pid = fork();
     if (kvd_pid == 0) {
+        setenv("KVD_WORKER_TRACE", "1", 1); /* step times in the log, for the overhead split */
         FILE *f = freopen(log, "w", stderr);
         (void)f;
         execl(path, path, "--model", C.model, "--listen", kvd_ep, "-w", "1", "-t", threads,
@@ -521,10 +522,43 @@ static void warm_up(bool llama)
 
 /* Overhead: the same 1-token request whose whole prompt but its last block is
  * cached, through kvd and in-process. Returns medians in *through, *alone. */
-static void overhead(int gap_ms, double *through, double *alone)
+/* The last n step times (ms) the worker traced into kvd's log; how many found. */
+static int traced_steps(double *out, int n)
+{
+    char path[256], line[512];
+    snprintf(path, sizeof(path), "%s/kvd.log", C.tmp);
+    FILE *f = fopen(path, "r");
+    int k = 0;
+    static double all[1 << 16];
+    while (f && fgets(line, sizeof(line), f)) {
+        const char *p = strstr(line, " tokens, ");
+        if (strncmp(line, "kvd-worker ", 11) == 0 && p && k < (1 << 16))
+            all[k++] = strtod(p + 9, NULL);
+    }
+    if (f)
+        fclose(f);
+    int m = k < n ? k : n;
+    memcpy(out, all + k - m, (size_t)m * sizeof(double));
+    return m;
+}
+
+struct overhead_parts {
+    double through, alone;          /* client to client through kvd; in-process, all of it */
+    double worker_step, own_step;   /* the step itself: in kvd-worker; in-process */
+    double tokenize;                /* template + tokenizer, in-process (kvd does the same) */
+    double kvd_queued;              /* kvd: arrival to dispatch (the tokenizer included) */
+};
+
+static double median_of(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof(double), cmp_d);
+    return n ? v[n / 2] : NAN;
+}
+
+static void overhead(int gap_ms, struct overhead_parts *op)
 {
     enum { N = 31 };
-    double a[N], b[N];
+    double a[N], b[N], tok_ms[N], st[N], q[N];
     /* in-process, as kvd-run does it: set up once */
     char err[512];
     model_t *m = model_load(C.model, err, sizeof(err));
@@ -582,9 +616,7 @@ static void overhead(int gap_ms, double *through, double *alone)
         kvd_generate(c, &gp, &res);
         if (i >= 0) {
             a[i] = now_ms() - t0;
-            if (getenv("KVD_BENCH_DEBUG"))
-                fprintf(stderr, "client %.2f kvd total %.2f ttft %.2f queued %.2f\n", a[i],
-                        res.total_ms, res.ttft_ms, res.queued_ms);
+            q[i] = res.queued_ms;
         }
         kvd_result_free(&res);
 
@@ -597,6 +629,9 @@ static void overhead(int gap_ms, double *through, double *alone)
             tok_encode(tk, t2, tl2, true, ids, tl + 2, &n2) != 0 || n2 != n)
             die("overhead: the prompt changed");
         free(t2);
+        double t_tok = now_ms();
+        if (i >= 0)
+            tok_ms[i] = t_tok - t0;
         int64_t cached = prefix_seq_begin(px, &s, ns, ids, n, NULL);
         for (uint32_t pos = (uint32_t)cached; pos < n; pos += 512) {
             uint32_t k = (uint32_t)n - pos < 512 ? (uint32_t)n - pos : 512;
@@ -604,7 +639,10 @@ static void overhead(int gap_ms, double *through, double *alone)
             struct fwd_seq fs = { ids + pos, k, pos, s.blocks, s.n_blocks, false };
             const float *lg;
             uint32_t rows;
+            double ts = now_ms();
             engine_step(e, &fs, 1, &lg, &rows, err, sizeof(err));
+            if (i >= 0)
+                st[i] = now_ms() - ts;
             prefix_seq_commit(px, &s, ids, pos + k);
             if (pos + k == n) {
                 /* a sampler per request, as kvd-run (and a worker) makes one */
@@ -632,10 +670,30 @@ static void overhead(int gap_ms, double *through, double *alone)
     free(ids);
     tok_destroy(&tk);
     model_destroy(&m);
-    qsort(a, N, sizeof(double), cmp_d);
-    qsort(b, N, sizeof(double), cmp_d);
-    *through = a[N / 2];
-    *alone = b[N / 2];
+    double ws[N];
+    int nw = traced_steps(ws, N); /* one step per request: the last N are this loop's */
+    op->through = median_of(a, N);
+    op->alone = median_of(b, N);
+    op->tokenize = median_of(tok_ms, N);
+    op->own_step = median_of(st, N);
+    op->kvd_queued = median_of(q, N);
+    op->worker_step = nw == N ? median_of(ws, nw) : NAN;
+}
+
+/* What kvd adds beyond the work kvd-run does too (template, tokenizer, one step). */
+static double coordination(const struct overhead_parts *op)
+{
+    return op->through - op->worker_step - op->tokenize;
+}
+
+static void print_overhead(const char *label, const struct overhead_parts *op)
+{
+    printf("1-token request, all cached (%s): through kvd %.2f ms, in-process %.2f ms: "
+           "%.2f ms more\n", label, op->through, op->alone, op->through - op->alone);
+    printf("  split: the step %.2f ms in kvd-worker vs %.2f ms in-process; template + tokenizer "
+           "%.2f ms (kvd: arrival to dispatch %.2f ms); kvd's coordination (messages, "
+           "scheduling, sampler, replies) %.2f ms (target < 1 ms)\n", op->worker_step,
+           op->own_step, op->tokenize, op->kvd_queued, coordination(op));
 }
 
 /* Time to first token of one request alone (a fresh question after the
@@ -747,22 +805,21 @@ int main(int argc, char **argv)
     static struct run on = { .name = "kvd" }, llama = { .name = "llama-server" };
     start_kvd();
     if (C.overhead_only) {
-        double through, alone, through_idle, alone_idle;
-        overhead(0, &through, &alone);
-        overhead(100, &through_idle, &alone_idle);
+        struct overhead_parts busy, idle;
+        overhead(0, &busy);
+        overhead(100, &idle);
         stop_child(&kvd_pid);
-        printf("1-token request, all cached: through kvd %.2f ms, in-process %.2f ms: overhead "
-               "%.2f ms back to back (target < 1 ms); %.2f ms after 100 ms idle\n", through, alone,
-               through - alone, through_idle - alone_idle);
+        print_overhead("back to back", &busy);
+        print_overhead("after 100 ms idle", &idle);
         return 0;
     }
     warm_up(false);
     run_sessions(&on, C.sessions, C.turns, false, false);
     on.blocks = kvd_blocks_held();
     double ttft_cached = ttft_alone(false), ttft_uncached = ttft_alone(true);
-    double through, alone, through_idle, alone_idle;
-    overhead(0, &through, &alone);
-    overhead(100, &through_idle, &alone_idle);
+    struct overhead_parts busy, idle;
+    overhead(0, &busy);
+    overhead(100, &idle);
     stop_child(&kvd_pid);
     bool have_llama = false;
     if (C.llama) {
@@ -790,8 +847,10 @@ int main(int argc, char **argv)
         printf("],\"ttft_alone_cached_ms\":%.1f,\"ttft_alone_uncached_ms\":%.1f", ttft_cached,
                ttft_uncached);
         printf(",\"ttft_cache_ratio\":%.2f,\"tps_vs_llama\":%.3f,\"overhead_ms\":%.3f,"
-               "\"through_kvd_ms\":%.3f,\"in_process_ms\":%.3f,\"overhead_idle_ms\":%.3f}\n",
-               ttft_ratio, tps_ratio, through - alone, through, alone, through_idle - alone_idle);
+               "\"through_kvd_ms\":%.3f,\"in_process_ms\":%.3f,\"overhead_idle_ms\":%.3f,"
+               "\"worker_step_ms\":%.3f,\"in_process_step_ms\":%.3f,\"coordination_ms\":%.3f}\n",
+               ttft_ratio, tps_ratio, busy.through - busy.alone, busy.through, busy.alone,
+               idle.through - idle.alone, busy.worker_step, busy.own_step, coordination(&busy));
         return 0;
     }
     printf("bench-serve: %d sessions x %d turns, one system prompt of ~%d tokens, %d tokens per "
@@ -808,8 +867,7 @@ int main(int argc, char **argv)
     if (have_llama)
         printf("output tokens/s, kvd / llama-server:      %.2fx   (target >= 1.5x; llama-server "
                "-np %d -t %d, prompt cache on)\n", tps_ratio, C.sessions, C.threads);
-    printf("1-token request, all cached: through kvd %.2f ms, in-process %.2f ms: overhead %.2f ms "
-           "back to back (target < 1 ms); %.2f ms after 100 ms idle\n", through, alone,
-           through - alone, through_idle - alone_idle);
+    print_overhead("back to back", &busy);
+    print_overhead("after 100 ms idle", &idle);
     return 0;
 }

@@ -16,6 +16,9 @@
  *                   [--threads T] [--block-tokens B] [--kv-type f16|f32]
  *                   [--step-tokens S] [--max-batch N] [--ctx N] [--step-ms MS]
  *
+ * With $KVD_WORKER_TRACE set, every step's size and time go to stderr (kvd's
+ * log), for benchmarks that split a request's time into compute and the rest.
+ *
  * Heartbeats go out between steps, so a step is kept short: prefill chunks
  * are cut to what the measured cost per token fits into --step-ms (kvd
  * passes an eighth of its hang timeout), never below 16 tokens.
@@ -87,6 +90,7 @@ struct worker {
     struct fwd_seq *batch;
     struct wseq **in_batch;
     double ms_per_token;    /* measured on prefill-sized steps; 0: not yet */
+    bool trace;             /* $KVD_WORKER_TRACE: one stderr line per step */
 };
 
 static volatile sig_atomic_t stop_flag;
@@ -365,6 +369,9 @@ static void run_step(struct worker *w, uint32_t n)
     double t0 = cli_now_ms();
     int rc = engine_step(w->engine, w->batch, n, &logits, &rows, err, sizeof(err));
     w->progress++;
+    if (w->trace)
+        fprintf(stderr, "kvd-worker %u: step %u: %u sequences, %u tokens, %.3f ms\n", w->o.id,
+                (unsigned)w->progress, n, n_tokens, cli_now_ms() - t0);
     if (rc == 0 && n_tokens >= 16) {
         double per = (cli_now_ms() - t0) / n_tokens;
         w->ms_per_token = w->ms_per_token > 0 ? 0.7 * w->ms_per_token + 0.3 * per : per;
@@ -542,6 +549,7 @@ int main(int argc, char **argv)
     struct worker w = { 0 };
     cli_init("kvd-worker");
     parse_args(argc, argv, &w.o);
+    w.trace = getenv("KVD_WORKER_TRACE") != NULL;
     struct sigaction sa = { 0 };
     sa.sa_handler = on_signal;
     sigaction(SIGTERM, &sa, NULL);
