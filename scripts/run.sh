@@ -17,8 +17,9 @@ cmake --build build -j "$(nproc 2>/dev/null || echo 2)" >/dev/null
 question=${1:-"Explain in two sentences what a KV cache is in a language model."}
 run=$(mktemp -d /tmp/kvd-demo-XXXXXX)
 endpoint="ipc://$run/kvd.sock"
+# the KV pool takes kvd's default size: 1 GiB, or half of /dev/shm's free space if less
 build/kvd --model models/SmolLM2-135M-Instruct.Q4_1.gguf --listen "$endpoint" \
-          --kv-memory 256MiB --ctx 4096 --workers 1 2>"$run/kvd.log" &
+          --ctx 4096 --workers 1 2>"$run/kvd.log" &
 kvd_pid=$!
 cleanup() {
   kill -TERM "$kvd_pid" 2>/dev/null || true

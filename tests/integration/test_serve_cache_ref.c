@@ -116,7 +116,7 @@ static void chat_greedy(kvd_client_t *c, const struct kvd_chat_msg *m, size_t n,
 
 static void shared_system_prompt(void)
 {
-    struct sv_kvd *k = sv_start((const char *[]){ "--workers", "1", "--kv-memory", "96MiB",
+    struct sv_kvd *k = sv_start((const char *[]){ "--workers", "1", "--kv-memory", "48MiB",
                                                   "--ctx", "2048", "--worker-timeout", SLOW_OK,
                                                   NULL });
     kvd_client_t *c = sv_client(k, 120000);
@@ -267,7 +267,7 @@ static void *burst_client(void *arg)
 
 static void concurrent_clients(void)
 {
-    struct sv_kvd *k = sv_start((const char *[]){ "--workers", "2", "--kv-memory", "256MiB",
+    struct sv_kvd *k = sv_start((const char *[]){ "--workers", "2", "--kv-memory", "48MiB",
                                                   "--ctx", "1024", "--worker-timeout", SLOW_OK,
                                                   NULL });
     char *sys[N_SYS];

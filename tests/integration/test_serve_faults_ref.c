@@ -745,7 +745,7 @@ int main(void)
     /* short steps, so that a step never looks like a hang to --worker-timeout */
     struct sv_kvd *k = sv_start((const char *[]){ "--workers", "1", "--max-restarts", "5",
                                                   "--worker-timeout", "2000", "--step-tokens", "32",
-                                                  "--kv-memory", "64MiB", "--ctx", "1024",
+                                                  "--kv-memory", "48MiB", "--ctx", "1024",
                                                   "--grace", "4000", NULL });
     worker_faults(k, short_prompt);
     fprintf(stderr, "worker faults: %.1f s\n", ((t1 = sv_now_ms()) - t0) / 1e3);

@@ -506,7 +506,7 @@ int main(void)
 {
     REQUIRE(access(KVD_TEST_MODEL, R_OK) == 0);
     /* a worker heartbeats between steps only: a generous timeout for slow machines */
-    kvd = sv_start((const char *[]){ "--workers", "1", "--kv-memory", "64MiB", "--ctx", "2048",
+    kvd = sv_start((const char *[]){ "--workers", "1", "--kv-memory", "32MiB", "--ctx", "2048",
                                      "--worker-timeout", "30000", NULL });
     arena = wire_arena_new(16u << 20);
     REQUIRE(arena != NULL);

@@ -108,7 +108,7 @@ def _stop_checked(d: Daemon) -> None:
 def kvd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """The daemon most tests share: one worker, 64 MiB of KV, context 2048."""
     d = Daemon(
-        tmp_path_factory.mktemp("kvd"), "--kv-memory", "64MiB", "-w", "1", "--max-queue", "16"
+        tmp_path_factory.mktemp("kvd"), "--kv-memory", "32MiB", "-w", "1", "--max-queue", "16"
     )
     yield d
     _stop_checked(d)
