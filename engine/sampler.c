@@ -90,14 +90,19 @@ sampler_t *sampler_new(const struct sampler_params *p, uint32_t n_vocab, char *e
     s->work = malloc((size_t)n_vocab * sizeof(float));
     if (s->cands == NULL || s->work == NULL)
         goto nomem;
-    uint64_t x = p->seed;
-    for (int i = 0; i < 4; i++)
-        s->rng[i] = splitmix64(&x);
+    sampler_reseed(s, p->seed);
     return s;
 nomem:
     sampler_destroy(&s);
     kvd_seterr(err, errlen, KVD_ENOMEM, "sampler: out of memory");
     return NULL;
+}
+
+void sampler_reseed(sampler_t *s, uint64_t seed)
+{
+    uint64_t x = seed;
+    for (int i = 0; i < 4; i++)
+        s->rng[i] = splitmix64(&x);
 }
 
 void sampler_destroy(sampler_t **sp)

@@ -34,6 +34,12 @@ void sampler_destroy(sampler_t **s);
  * so far (prompt and generated), used by the repetition penalty. */
 int32_t sampler_sample(sampler_t *s, const float *logits, const int32_t *history, size_t n_hist);
 
+/* Restarts the generator from seed (as sampler_new did from p->seed). A
+ * server that reseeds before every draw from (seed, position) makes each
+ * token depend only on its request and position, so that a sequence resumed
+ * elsewhere draws what it would have drawn. */
+void sampler_reseed(sampler_t *s, uint64_t seed);
+
 /* Index of the largest logit, lowest index on a tie. */
 int32_t sampler_argmax(const float *logits, uint32_t n);
 

@@ -66,6 +66,7 @@ struct wseq {
     uint32_t *blocks;       /* block table */
     uint32_t n_blocks, blk_cap;
     sampler_t *smp;
+    uint64_t seed;          /* the request's seed: each draw reseeds from (seed, position) */
     uint32_t max_new;       /* tokens still to generate */
     uint32_t n_new;         /* generated in this assignment */
     bool ignore_eos;
@@ -251,8 +252,7 @@ static void on_assign(struct worker *w, const Kvdw__Assign *a)
             if (p->has_repeat_penalty) sp.repeat_penalty = p->repeat_penalty;
             if (p->has_seed) sp.seed = p->seed;
         }
-        /* a resumed sequence continues its own random stream */
-        sp.seed += a->n_generated;
+        s->seed = sp.seed;
         s->smp = sampler_new(&sp, c->n_vocab, err, sizeof(err));
         if (s->smp == NULL)
             rc = KVD_ERANGE;
@@ -402,6 +402,9 @@ static void run_step(struct worker *w, uint32_t n)
             send_msg(w, &m);
             continue;
         }
+        /* the draw depends on the request and the position only, so a sequence
+         * resumed on another worker continues exactly as it would have */
+        sampler_reseed(s->smp, s->seed ^ (0x9e3779b97f4a7c15ull * (s->n_tok + 1ull)));
         int32_t t = sampler_sample(s->smp, logits + (size_t)k * V, s->tok, s->n_tok);
         s->tok[s->n_tok++] = t;
         s->n_new++;

@@ -4,7 +4,7 @@
  *
  * - A worker SIGKILLed mid-stream: the restarted worker resumes the request;
  *   the stream completes with contiguous chunks and the tokens of an
- *   uninterrupted run. The same for a worker SIGSTOPped mid-stream (declared
+ *   uninterrupted run (sampled with a seed, so the draws must resume too). The same for a worker SIGSTOPped mid-stream (declared
  *   dead after --worker-timeout and SIGKILLed by kvd, so no stopped process
  *   lingers). With one worker and --max-restarts 0 the request fails with
  *   KVD_EUNAVAILABLE instead of hanging, and so do later requests.
@@ -130,6 +130,10 @@ static void worker_faults(struct sv_kvd *k, const char *prompt)
 {
     kvd_client_t *c = sv_client(k, 60000);
     struct kvd_gen_params p = greedy(prompt, 96, true);
+    /* sampled, seeded: a worker reseeds every draw from (seed, position), so a
+     * sequence resumed on another worker draws exactly what it would have */
+    p.temperature = 0.8f;
+    p.seed = 1234;
 
     /* the reference: the same request, uninterrupted */
     struct watch w;

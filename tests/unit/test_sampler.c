@@ -115,5 +115,29 @@ int main(void)
     p = sampler_default_params();
     p.temperature = NAN;
     CHECK(sampler_new(&p, 8, err, sizeof(err)) == NULL);
+    /* reseeding restarts the stream: the same seed draws the same tokens again,
+     * whatever was drawn before, and differs from another seed */
+    {
+        float flat[8] = { 1, 1, 1, 1, 1, 1, 1, 1 };
+        sampler_t *r1 = make(1.0f, 0, 1.0f, 0.0f, 1.0f, 7, 8);
+        sampler_t *r2 = make(1.0f, 0, 1.0f, 0.0f, 1.0f, 99, 8);
+        int32_t first[32], again[32];
+        int differ = 0;
+        for (int i = 0; i < 32; i++)
+            first[i] = sampler_sample(r1, flat, NULL, 0);
+        for (int i = 0; i < 5; i++)
+            sampler_sample(r2, flat, NULL, 0);  /* r2 has drawn before: no matter */
+        sampler_reseed(r2, 7);
+        for (int i = 0; i < 32; i++) {
+            again[i] = sampler_sample(r2, flat, NULL, 0);
+            CHECK_INT(again[i], first[i]);
+        }
+        sampler_reseed(r2, 8);
+        for (int i = 0; i < 32; i++)
+            differ += sampler_sample(r2, flat, NULL, 0) != first[i];
+        CHECK(differ > 0);
+        sampler_destroy(&r1);
+        sampler_destroy(&r2);
+    }
     return CHECK_DONE();
 }
