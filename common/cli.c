@@ -5,6 +5,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 static const char *prog_name = "kvd";
@@ -33,6 +34,31 @@ long cli_long(const char *s, const char *what, long lo, long hi)
     if (errno || end == s || *end != '\0' || v < lo || v > hi)
         cli_die("%s must be an integer in [%ld, %ld], got '%s'", what, lo, hi, s);
     return v;
+}
+
+char *cli_read_stream(FILE *f, const char *name, size_t max_bytes, size_t *len)
+{
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap);
+    for (;;) {
+        if (buf == NULL)
+            cli_die("out of memory reading %s", name);
+        n += fread(buf + n, 1, cap - n - 1, f);
+        if (n < cap - 1)
+            break;
+        if (n > max_bytes)
+            cli_die("%s is larger than %zu bytes", name, max_bytes);
+        cap *= 2;
+        buf = realloc(buf, cap);
+    }
+    if (ferror(f))
+        cli_die("cannot read %s: %s", name, strerror(errno));
+    if (n > max_bytes)
+        cli_die("%s is larger than %zu bytes", name, max_bytes);
+    buf[n] = '\0';
+    if (len)
+        *len = n;
+    return buf;
 }
 
 double cli_now_ms(void)

@@ -6,6 +6,9 @@
 #ifndef KVD_CLI_H
 #define KVD_CLI_H
 
+#include <stddef.h>
+#include <stdio.h>
+
 /* Names the program for cli_die's prefix ("kvd-run: ..."). */
 void cli_init(const char *prog);
 
@@ -14,6 +17,11 @@ void cli_die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn
 
 /* s as an integer in [lo, hi]; anything else dies naming `what`. */
 long cli_long(const char *s, const char *what, long lo, long hi);
+
+/* Reads all of f (named `name` in messages) into a new NUL-terminated buffer;
+ * *len (when given) gets its length. Dies when it cannot read, has no
+ * memory, or the input is longer than max_bytes. */
+char *cli_read_stream(FILE *f, const char *name, size_t max_bytes, size_t *len);
 
 /* Milliseconds on the monotonic clock. */
 double cli_now_ms(void);

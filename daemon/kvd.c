@@ -250,7 +250,7 @@ static void setup(struct kvd *k)
 
     /* the pool */
     struct pool_layout lay;
-    pool_layout_for_model(k->model, o->block_tokens, KERN_F16, &lay);
+    pool_layout_for_model(k->model, o->block_tokens, KERN_F16, true, &lay);
     struct pool_params pp = pool_default_params();
     snprintf(k->pool_name, sizeof(k->pool_name), "%s", o->pool ? o->pool : "");
     if (o->pool == NULL)

@@ -190,8 +190,6 @@ int workers_send(struct kvd *k, int i, Kvdw__ToWorker *m)
 /* A Ready from a routing id: a started worker reporting in, or one started by hand. */
 static void on_ready(struct kvd *k, const uint8_t *rid, size_t len, uint32_t id, const Kvdw__Ready *r)
 {
-    uint8_t fp[16];
-    model_fingerprint(k->model, fp);
     const struct pool_header *h = pool_header(k->pool);
     if (r->fingerprint.len != 16 || memcmp(r->fingerprint.data, h->layout.fingerprint, 16) != 0 ||
         r->block_tokens != k->o.block_tokens) {

@@ -599,10 +599,11 @@ void *pool_block_addr(const pool_t *p, uint32_t id)
 }
 
 void pool_layout_for_model(const struct model *m, uint32_t block_tokens, uint32_t dtype,
-                           struct pool_layout *lay)
+                           bool identify, struct pool_layout *lay)
 {
     memset(lay, 0, sizeof(*lay));
-    model_fingerprint(m, lay->fingerprint);
+    if (identify)
+        model_fingerprint(m, lay->fingerprint);
     lay->n_layer = m->cfg.n_layer;
     lay->n_head_kv = m->cfg.n_head_kv;
     lay->head_dim = m->cfg.head_dim;

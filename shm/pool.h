@@ -155,9 +155,11 @@ typedef struct pool pool_t;
 
 struct model;
 
-/* The layout of a pool for model m (its fingerprint and KV shape). */
+/* The layout of a pool for model m: its KV shape and, when identify is set, its
+ * fingerprint (a hash of all weights, tens of milliseconds); a private pool that
+ * no other process opens may leave the fingerprint zero. */
 void pool_layout_for_model(const struct model *m, uint32_t block_tokens, uint32_t dtype,
-                           struct pool_layout *lay);
+                           bool identify, struct pool_layout *lay);
 
 /* The number written into pool_header.abi by this build. */
 uint32_t pool_abi(void);

@@ -124,24 +124,8 @@ static char *read_file(const char *path, size_t *len)
     FILE *f = fopen(path, "rb");
     if (f == NULL)
         cli_die("cannot open %s: %s", path, strerror(errno));
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap);
-    for (;;) {
-        if (buf == NULL)
-            cli_die("out of memory reading %s", path);
-        n += fread(buf + n, 1, cap - n - 1, f);
-        if (n < cap - 1)
-            break;
-        if (cap > (1u << 30))
-            cli_die("%s is larger than 1 GiB", path);
-        cap *= 2;
-        buf = realloc(buf, cap);
-    }
-    if (ferror(f))
-        cli_die("cannot read %s", path);
+    char *buf = cli_read_stream(f, path, 1u << 30, len);
     fclose(f);
-    buf[n] = '\0';
-    *len = n;
     return buf;
 }
 
@@ -403,7 +387,8 @@ static void runtime_open(struct runtime *rt, const struct options *o, uint32_t n
     rt->step = rt->n_ctx < 512 ? rt->n_ctx : 512;
 
     struct pool_layout lay;
-    pool_layout_for_model(rt->model, (uint32_t)o->block_tokens, o->kv_type, &lay);
+    pool_layout_for_model(rt->model, (uint32_t)o->block_tokens, o->kv_type,
+                          o->pool != NULL, &lay); /* only a shared pool needs the model's identity */
     struct pool_params pp = pool_default_params();
     pp.name = o->pool;
     pp.reuse = true;

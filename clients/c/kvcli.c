@@ -18,6 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cli.h"
 #include "kvd_client.h"
 #include "units.h"
 
@@ -129,34 +130,12 @@ static float parse_float(const char *s, const char *what)
     return v;
 }
 
-/* Reads all of f into a new NUL-terminated buffer; dies on error. */
-static char *read_all(FILE *f, const char *name)
-{
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap);
-    for (;;) {
-        if (buf == NULL)
-            die("out of memory reading %s", name);
-        n += fread(buf + n, 1, cap - n - 1, f);
-        if (n < cap - 1)
-            break;
-        if (cap > (64u << 20))
-            die("%s is larger than 64 MiB", name);
-        cap *= 2;
-        buf = realloc(buf, cap);
-    }
-    if (ferror(f))
-        die("cannot read %s: %s", name, strerror(errno));
-    buf[n] = '\0';
-    return buf;
-}
-
 static char *read_file(const char *path)
 {
     FILE *f = fopen(path, "rb");
     if (f == NULL)
         die("cannot open %s: %s", path, strerror(errno));
-    char *s = read_all(f, path);
+    char *s = cli_read_stream(f, path, 64u << 20, NULL);
     fclose(f);
     return s;
 }
@@ -340,7 +319,7 @@ static void parse_generate(int argc, char **argv, struct options *o)
             die_usage("unexpected argument '%s' (quote the prompt)", argv[optind + 1]);
         o->prompt = argv[optind];
         if (strcmp(o->prompt, "-") == 0)
-            o->prompt = o->prompt_buf = read_all(stdin, "stdin");
+            o->prompt = o->prompt_buf = cli_read_stream(stdin, "stdin", 64u << 20, NULL);
     }
     if (o->system != NULL && !o->chat)
         die_usage("--system and --system-file need --chat");
@@ -557,6 +536,7 @@ static void die_simple(int rc, const char *endpoint, int timeout_ms)
 int main(int argc, char **argv)
 {
     struct options o;
+    cli_init(prog);
     memset(&o, 0, sizeof(o));
     o.stream = true;
     kvd_gen_params_init(&o.gp);
