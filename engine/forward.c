@@ -265,26 +265,31 @@ struct mm_job {
 static void mm_run(void *ctx, int ith, int nth)
 {
     struct mm_job *j = ctx;
+    /* threads take whole groups of KERN_PACK_ROWS rows (what one packed
+     * instruction computes), counted over the parts one after another */
+    const long G = KERN_PACK_ROWS;
     long total = 0;
     for (int i = 0; i < j->n_parts; i++)
-        total += j->part[i].w->rows;
-    long r0, r1;
-    tpool_split(total, ith, nth, &r0, &r1);
+        total += (j->part[i].w->rows + G - 1) / G;
+    long u0, u1;
+    tpool_split(total, ith, nth, &u0, &u1);
     long base = 0;
     for (int i = 0; i < j->n_parts; i++) {
         const struct mm_part *p = &j->part[i];
         const struct model_mat *w = p->w;
-        long lo = r0 > base ? r0 - base : 0, hi = r1 - base < w->rows ? r1 - base : w->rows;
+        const long units = (w->rows + G - 1) / G;
+        long lo = u0 > base ? u0 - base : 0, hi = u1 - base < units ? u1 - base : units;
         if (lo < hi) {
             struct kern_gemm_args g = {
-                .wtype = w->type, .w = w->data, .row_bytes = w->row_bytes, .n = w->cols,
-                .r0 = lo, .r1 = hi, .act = p->act->buf, .act_stride = p->act->stride, .T = j->T,
+                .wtype = w->type, .packed = w->packed, .w = w->data, .row_bytes = w->row_bytes,
+                .n = w->cols, .r0 = lo * G, .r1 = hi * G < w->rows ? hi * G : (long)w->rows,
+                .act = p->act->buf, .act_stride = p->act->stride, .T = j->T,
                 .out = p->out, .ldo = (size_t)w->rows, .add = p->add,
                 .scratch = j->e->gemm_scratch[ith],
             };
             kern_gemm(&g);
         }
-        base += w->rows;
+        base += units;
     }
 }
 

@@ -335,6 +335,8 @@ uint32_t gguf_alignment(const gguf_ctx_t *g) { return g->alignment; }
 const void *gguf_base(const gguf_ctx_t *g) { return g->base; }
 size_t gguf_size(const gguf_ctx_t *g) { return g->size; }
 uint64_t gguf_n_kv(const gguf_ctx_t *g) { return g->n_kv; }
+bool gguf_is_mapped(const gguf_ctx_t *g) { return g->mapped; }
+
 uint64_t gguf_n_tensors(const gguf_ctx_t *g) { return g->n_tensors; }
 
 const struct gguf_kv *gguf_kv_at(const gguf_ctx_t *g, uint64_t i)

@@ -96,6 +96,10 @@ int gguf_get_arr(const gguf_ctx_t *g, const char *key, uint32_t *type,
 int64_t gguf_arr_int(const struct gguf_kv *kv, uint64_t i);
 
 uint64_t gguf_n_tensors(const gguf_ctx_t *g);
+
+/* Whether the tensor data is a read-only mapping of the file (gguf_open),
+ * rather than a caller's buffer. */
+bool gguf_is_mapped(const gguf_ctx_t *g);
 const struct gguf_tensor *gguf_tensor_at(const gguf_ctx_t *g, uint64_t i);
 /* Returns the tensor named name, or NULL. */
 const struct gguf_tensor *gguf_find_tensor(const gguf_ctx_t *g, const char *name);

@@ -4,8 +4,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include "cpu.h"
 #include "err.h"
+#include "gemm.h"
 #include "ops.h"
 #include "quant.h"
 #include "types.h"
@@ -145,6 +149,38 @@ static int load_layer(const gguf_ctx_t *g, const struct model_config *c, uint32_
 
 static uint64_t mat_bytes(const struct model_mat *m) { return (uint64_t)m->rows * m->row_bytes; }
 
+/* Repacks one matrix for the products' fastest path, when there is one, and
+ * lets the kernel drop the file pages it no longer reads (they come back
+ * from the page cache if a slower path is asked for later). */
+static void pack_mat(model_t *m, struct model_mat *w)
+{
+    w->packed = kern_pack(w->type, w->data, w->row_bytes, w->rows, w->cols);
+    if (w->packed == NULL)
+        return;
+    m->packed_bytes += kern_pack_bytes(w->packed);
+    const long page = sysconf(_SC_PAGESIZE);
+    uintptr_t lo = ((uintptr_t)w->data + (uintptr_t)page - 1) & ~(uintptr_t)(page - 1);
+    uintptr_t hi = ((uintptr_t)w->data + (uintptr_t)mat_bytes(w)) & ~(uintptr_t)(page - 1);
+    const bool lookups = w->data == m->tok_embd.data;  /* embedding rows are still read */
+    if (gguf_is_mapped(m->gguf) && !lookups && hi > lo)
+        madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
+/* Every matrix the products read (not the embedding table: its rows are
+ * looked up, not multiplied, unless it doubles as the output matrix). */
+static void pack_weights(model_t *m)
+{
+    if (kern_isa() < KERN_ISA_AVX512VNNI)
+        return;
+    pack_mat(m, &m->output);
+    for (uint32_t i = 0; i < m->cfg.n_layer; i++) {
+        struct model_layer *L = &m->layers[i];
+        struct model_mat *mats[] = { &L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down };
+        for (size_t k = 0; k < sizeof(mats) / sizeof(mats[0]); k++)
+            pack_mat(m, mats[k]);
+    }
+}
+
 model_t *model_from_gguf(gguf_ctx_t **gp, char *err, size_t errlen)
 {
     model_t *m = calloc(1, sizeof(*m));
@@ -207,6 +243,7 @@ model_t *model_from_gguf(gguf_ctx_t **gp, char *err, size_t errlen)
                            mat_bytes(&L->wo) + mat_bytes(&L->w_gate) + mat_bytes(&L->w_up) +
                            mat_bytes(&L->w_down);
     }
+    pack_weights(m);
     return m;
 fail:
     model_destroy(&m);
@@ -226,10 +263,15 @@ void model_destroy(model_t **mp)
     if (mp == NULL || *mp == NULL)
         return;
     model_t *m = *mp;
+    kern_pack_free(&m->output.packed);
     if (m->layers != NULL) {
         for (uint32_t i = 0; i < m->cfg.n_layer; i++) {
-            free(m->layers[i].attn_norm);
-            free(m->layers[i].ffn_norm);
+            struct model_layer *L = &m->layers[i];
+            free(L->attn_norm);
+            free(L->ffn_norm);
+            struct model_mat *mats[] = { &L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down };
+            for (size_t k = 0; k < sizeof(mats) / sizeof(mats[0]); k++)
+                kern_pack_free(&mats[k]->packed);
         }
         free(m->layers);
     }

@@ -28,12 +28,15 @@ struct model_config {
 
 /* A weight matrix: rows of `cols` elements of `type`, row r at data + r * row_bytes.
  * GGUF ne[0] = cols (the input dimension), ne[1] = rows (the output dimension). */
+struct kern_packed;
+
 struct model_mat {
     uint32_t type;          /* enum kern_type */
     int64_t rows;           /* output features */
     int64_t cols;           /* input features */
     size_t row_bytes;       /* bytes per row */
     const void *data;       /* rows * row_bytes, in the file mapping */
+    struct kern_packed *packed; /* the same repacked for the fastest path, or NULL (gemm.h) */
 };
 
 struct model_layer {
@@ -56,6 +59,7 @@ typedef struct model {
     float *output_norm;         /* (n_embd) */
     struct model_layer *layers; /* n_layer entries */
     uint64_t weight_bytes;      /* bytes of all weight matrices */
+    uint64_t packed_bytes;      /* bytes of their repacked copies (owned) */
 } model_t;
 
 /* Loads a llama-family GGUF. Returns NULL with a one-line reason in err on an

@@ -1,8 +1,13 @@
 /* gemm.c - dispatch of the matrix products, and the portable path. */
 #include "gemm.h"
 
+#include <stdlib.h>
+#include <string.h>
+
 #include "cpu.h"
 #include "quant.h"
+#include "quant_blocks.h"
+#include "types.h"
 
 size_t kern_gemm_scratch_bytes(int64_t n, int T)
 {
@@ -28,9 +33,79 @@ static void gemm_c(const struct kern_gemm_args *a)
     }
 }
 
+/* ---- packed weights ---------------------------------------------------------- */
+
+static size_t group_bytes(uint32_t wtype, int64_t nb)
+{
+    size_t per_block = wtype == KERN_Q4_1 ? 256 + 32 + 32 : 512 + 32;
+    return ((size_t)nb * per_block + 63) / 64 * 64;
+}
+
+struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, int64_t rows, int64_t n)
+{
+    if (kern_isa_best() < KERN_ISA_AVX512VNNI || (wtype != KERN_Q4_1 && wtype != KERN_Q8_0) ||
+        n <= 0 || n % 32 != 0 || rows <= 0 || row_bytes != kern_row_bytes(wtype, n))
+        return NULL;
+    const int64_t nb = n / 32, groups = (rows + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
+    struct kern_packed *p = calloc(1, sizeof(*p));
+    if (p == NULL)
+        return NULL;
+    p->wtype = wtype;
+    p->rows = rows;
+    p->n = n;
+    p->group_bytes = group_bytes(wtype, nb);
+    const size_t total = p->group_bytes * (size_t)groups;
+    p->data = aligned_alloc(64, total);
+    if (p->data == NULL) {
+        free(p);
+        return NULL;
+    }
+    memset(p->data, 0, total);  /* padding rows: zero codes, zero scales */
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *g = p->data + (size_t)(r / KERN_PACK_ROWS) * p->group_bytes;
+        const int i = (int)(r % KERN_PACK_ROWS);
+        const uint8_t *row = (const uint8_t *)w + (size_t)r * row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            if (wtype == KERN_Q4_1) {
+                const struct kern_block_q4_1 *blk = (const struct kern_block_q4_1 *)row + b;
+                for (int j = 0; j < 4; j++)
+                    memcpy(g + (size_t)b * 256 + 64 * j + 4 * i, blk->qs + 4 * j, 4);
+                kvd_f16 *d = (kvd_f16 *)(g + (size_t)nb * 256) + b * 16;
+                kvd_f16 *m = (kvd_f16 *)(g + (size_t)nb * 288) + b * 16;
+                d[i] = blk->d;
+                m[i] = blk->m;
+            } else {
+                const struct kern_block_q8_0 *blk = (const struct kern_block_q8_0 *)row + b;
+                for (int k = 0; k < 8; k++)
+                    for (int x = 0; x < 4; x++)
+                        g[(size_t)b * 512 + 64 * k + 4 * i + x] = (uint8_t)(blk->qs[4 * k + x] ^ 0x80);
+                kvd_f16 *d = (kvd_f16 *)(g + (size_t)nb * 512) + b * 16;
+                d[i] = blk->d;
+            }
+        }
+    }
+    return p;
+}
+
+void kern_pack_free(struct kern_packed **pp)
+{
+    if (pp == NULL || *pp == NULL)
+        return;
+    free((*pp)->data);
+    free(*pp);
+    *pp = NULL;
+}
+
+size_t kern_pack_bytes(const struct kern_packed *p)
+{
+    return p ? p->group_bytes * (size_t)((p->rows + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS) : 0;
+}
+
 void kern_gemm_isa(const struct kern_gemm_args *a, int isa)
 {
 #if defined(__x86_64__)
+    if (isa >= KERN_ISA_AVX512VNNI && a->packed != NULL && kern_gemm_packed_vnni(a))
+        return;
     if (isa >= KERN_ISA_AVX512VNNI && kern_gemm_avx512vnni(a))
         return;
     if (isa >= KERN_ISA_AVX2 && kern_gemm_avx2(a))

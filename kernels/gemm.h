@@ -15,8 +15,45 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/*
+ * A weight matrix repacked for the AVX-512 VNNI path (Q4_1 and Q8_0 weights).
+ * Rows go in groups of KERN_PACK_ROWS = 16 (the last group padded with zero
+ * rows). Within a group, block b (32 values) of all 16 rows is stored as
+ * 64-byte slices: slice s holds, for row i, four bytes at 4i, so one load
+ * gives 16 rows' worth of one four-value group and one dpbusd against a
+ * broadcast four activation bytes yields 16 rows' partial dot products.
+ *   Q4_1: codes nb x 4 slices (slice j, row i = bytes qs[4j..4j+3] of row i's
+ *         block: values 4j.. in the low nibbles, 16+4j.. in the high ones),
+ *         then the 16 scales d of every block (f16), then the 16 mins m;
+ *   Q8_0: codes nb x 8 slices (slice k, row i = qs[4k..4k+3] + 128, so the
+ *         codes are unsigned), then the 16 scales d of every block (f16).
+ * Per (row, token) the packed product is
+ *   f = 0; for each block b: f = fma(float(isum_b), d_w[b] * d_a[b], f)
+ *                            (Q4_1: then f = fma(m_w[b], s_a[b], f))
+ * with isum_b exact in int32, whatever rows or tokens share the instructions.
+ */
+#define KERN_PACK_ROWS 16
+
+struct kern_packed {
+    uint32_t wtype;         /* KERN_Q4_1 or KERN_Q8_0 */
+    int64_t rows, n;        /* the matrix: rows x n */
+    size_t group_bytes;     /* bytes per group of 16 rows (a multiple of 64) */
+    uint8_t *data;          /* ceil(rows / 16) groups, 64-byte aligned */
+};
+
+/* Packs a weight matrix (rows of row_bytes) when this CPU's best path has a
+ * packed product for its type and n is a whole number of blocks; else NULL
+ * (also on out of memory: the caller keeps using the rows in place). */
+struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, int64_t rows, int64_t n);
+
+void kern_pack_free(struct kern_packed **p);
+
+/* Bytes a packed matrix holds. */
+size_t kern_pack_bytes(const struct kern_packed *p);
+
 struct kern_gemm_args {
     uint32_t wtype;         /* weight type */
+    const struct kern_packed *packed; /* the same matrix packed, or NULL */
     const uint8_t *w;       /* row 0 of the weight matrix */
     size_t row_bytes;       /* bytes per weight row */
     int64_t n;              /* elements per row (input features) */
@@ -33,7 +70,8 @@ struct kern_gemm_args {
 /* Bytes of per-thread scratch a product over rows of n elements and T tokens needs. */
 size_t kern_gemm_scratch_bytes(int64_t n, int T);
 
-/* Computes the product on the active path. */
+/* Computes the product on the active path: the packed matrix where one is
+ * given and the path is AVX-512 VNNI, else the rows in place. */
 void kern_gemm(const struct kern_gemm_args *a);
 
 /* The same on a given path (tests compare paths). */
@@ -43,5 +81,6 @@ void kern_gemm_isa(const struct kern_gemm_args *a, int isa);
  * type or size they do not handle, and the caller falls back to C). */
 bool kern_gemm_avx2(const struct kern_gemm_args *a);
 bool kern_gemm_avx512vnni(const struct kern_gemm_args *a);
+bool kern_gemm_packed_vnni(const struct kern_gemm_args *a);
 
 #endif

@@ -183,4 +183,206 @@ bool kern_gemm_avx512vnni(const struct kern_gemm_args *a)
         rows512(KERN_UNPACK_U32M, a, av, dav, sa, q, d, m);
     return true;
 }
+/* ---- packed weights (gemm.h): 16 rows per instruction --------------------- */
+
+static inline __m512i bcast4(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* The activations of a packed product, staged once per call: per token the
+ * n int8 values, and per (token, block) the scale d_a and the second term
+ * (Q8_1: s_a as a float; Q8_0: -128 * sum of the block's values, an int32,
+ * which undoes the +128 of the unsigned weight codes). */
+struct pk_acts {
+    const int8_t *av;       /* T x n */
+    const float *da;        /* T x nb */
+    const void *sa;         /* T x nb floats (Q4_1) or int32 (Q8_0) */
+    int64_t n, nb;
+};
+
+/*
+ * R groups of 16 rows (g, g + gs, ...) against NT tokens (from token t0).
+ * Every (row, token) lane sees the same operations in the same order
+ * whatever R and NT are: the integer sums are exact, and the float steps
+ * are one fma per term per block, in block order.
+ */
+static inline __attribute__((always_inline)) void
+pk_tile(const int Q8, const int R, const int NT, const uint8_t *g, size_t gs, const struct pk_acts *A,
+        int t0, float *out, size_t ldo, const __mmask16 *mask, bool add)
+{
+    const int64_t n = A->n, nb = A->nb;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 f[4][8];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++)
+            f[r][t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i acc[4][8];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+            for (int t = 0; t < NT; t++)
+                acc[r][t] = Q8 ? _mm512_set1_epi32(((const int32_t *)A->sa)[(size_t)(t0 + t) * nb + b])
+                               : _mm512_setzero_si512();
+        if (Q8) {
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++)
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const __m512i w = _mm512_load_si512((const void *)(g + r * gs + (size_t)b * 512 + 64 * k));
+#pragma GCC unroll 8
+                    for (int t = 0; t < NT; t++)
+                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], w,
+                                                        bcast4(A->av + (size_t)(t0 + t) * n + 32 * b + 4 * k));
+                }
+        } else {
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++)
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const __m512i v = _mm512_load_si512((const void *)(g + r * gs + (size_t)b * 256 + 64 * j));
+                    const __m512i lo = _mm512_and_si512(v, low);
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#pragma GCC unroll 8
+                    for (int t = 0; t < NT; t++) {
+                        const int8_t *a = A->av + (size_t)(t0 + t) * n + 32 * b + 4 * j;
+                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], lo, bcast4(a));
+                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], hi, bcast4(a + 16));
+                    }
+                }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const uint8_t *sc = g + r * gs + (size_t)nb * (Q8 ? 512 : 256);
+            const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(sc + (size_t)b * 32)));
+#pragma GCC unroll 8
+            for (int t = 0; t < NT; t++)
+                f[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]),
+                                          _mm512_mul_ps(dw, _mm512_set1_ps(A->da[(size_t)(t0 + t) * nb + b])),
+                                          f[r][t]);
+            if (!Q8) {
+                const __m512 mw = _mm512_cvtph_ps(
+                    _mm256_load_si256((const __m256i *)(sc + (size_t)nb * 32 + (size_t)b * 32)));
+#pragma GCC unroll 8
+                for (int t = 0; t < NT; t++)
+                    f[r][t] = _mm512_fmadd_ps(
+                        mw, _mm512_set1_ps(((const float *)A->sa)[(size_t)(t0 + t) * nb + b]), f[r][t]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            float *o = out + (size_t)(t0 + t) * ldo + (size_t)r * KERN_PACK_ROWS;
+            __m512 v = f[r][t];
+            if (add)
+                v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask[r], o), v);
+            _mm512_mask_storeu_ps(o, mask[r], v);
+        }
+}
+
+/* The tiles a call is cut into: R row groups x NT tokens, R * NT <= 8 so that
+ * accumulators stay in registers; small batches take more row groups at once
+ * (independent dependency chains), large ones more tokens (fewer weight loads). */
+#define PK_CASE(Q8, R, NT)                                                                     \
+    case (R) * 16 + (NT):                                                                      \
+        pk_tile(Q8, R, NT, g, gs, A, t0, out, ldo, mask, add);                                 \
+        break
+
+static void pk_dispatch(int Q8, int R, int NT, const uint8_t *g, size_t gs, const struct pk_acts *A, int t0,
+                        float *out, size_t ldo, const __mmask16 *mask, bool add)
+{
+    if (Q8) {
+        switch (R * 16 + NT) {
+        PK_CASE(1, 1, 1); PK_CASE(1, 1, 2); PK_CASE(1, 1, 3); PK_CASE(1, 1, 4);
+        PK_CASE(1, 1, 5); PK_CASE(1, 1, 6); PK_CASE(1, 1, 7); PK_CASE(1, 1, 8);
+        PK_CASE(1, 2, 3); PK_CASE(1, 2, 4); PK_CASE(1, 4, 1); PK_CASE(1, 4, 2);
+        default: break;
+        }
+    } else {
+        switch (R * 16 + NT) {
+        PK_CASE(0, 1, 1); PK_CASE(0, 1, 2); PK_CASE(0, 1, 3); PK_CASE(0, 1, 4);
+        PK_CASE(0, 1, 5); PK_CASE(0, 1, 6); PK_CASE(0, 1, 7); PK_CASE(0, 1, 8);
+        PK_CASE(0, 2, 3); PK_CASE(0, 2, 4); PK_CASE(0, 4, 1); PK_CASE(0, 4, 2);
+        default: break;
+        }
+    }
+}
+
+/* Lanes of group gi that fall in the rows [r0, r1). */
+static __mmask16 group_mask(long gi, long r0, long r1)
+{
+    long lo = gi * KERN_PACK_ROWS, hi = lo + KERN_PACK_ROWS;
+    lo = lo > r0 ? lo : r0;
+    hi = hi < r1 ? hi : r1;
+    if (hi <= lo)
+        return 0;
+    const unsigned width = (unsigned)(hi - lo), shift = (unsigned)(lo - gi * KERN_PACK_ROWS);
+    return (__mmask16)((((1u << width) - 1u)) << shift);
+}
+
+bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
+{
+    const struct kern_packed *pk = a->packed;
+    if (pk == NULL || a->scratch == NULL || pk->wtype != a->wtype || pk->n != a->n || a->T <= 0 ||
+        a->r0 < 0 || a->r1 > pk->rows)
+        return false;
+    const int Q8 = pk->wtype == KERN_Q8_0;
+    const int64_t n = a->n, nb = n / 32;
+    const uint32_t at = kern_vec_dot_type(a->wtype);
+    uint8_t *p = align64(a->scratch);
+    uint32_t *offs = (uint32_t *)p;
+    p = align64(p + (size_t)nb * sizeof(uint32_t));
+    float *da = (float *)p;
+    p = align64(p + (size_t)a->T * nb * sizeof(float));
+    float *sa = (float *)p;
+    p = align64(p + (size_t)a->T * nb * sizeof(float));
+    int8_t *av = (int8_t *)p;
+    for (int t = 0; t < a->T; t++) {
+        const uint8_t *row = a->act + (size_t)t * a->act_stride;
+        float *st = sa + (size_t)t * nb;
+        kern_act_blocks(at, row, n, offs, da + (size_t)t * nb, st);
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(row + offs[b]));
+            _mm256_store_si256((__m256i *)(av + (size_t)t * n + 32 * b), x);
+            if (Q8) {
+                /* -128 * (sum of the 32 values), exact in int32 */
+                const __m256i s16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), x);
+                const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+                __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+                ((int32_t *)st)[b] = -128 * _mm_cvtsi128_si32(h);
+            }
+        }
+    }
+    const struct pk_acts A = { av, da, sa, n, nb };
+    const struct pk_acts *Ap = &A;
+    const size_t gs = pk->group_bytes;
+    const long g_end = (a->r1 + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
+    const int R_want = a->T <= 2 ? 4 : a->T <= 4 ? 2 : 1;
+    for (long gi = a->r0 / KERN_PACK_ROWS; gi < g_end;) {
+        const int R = g_end - gi >= R_want ? R_want : 1;
+        __mmask16 mask[4];
+        for (int r = 0; r < R; r++)
+            mask[r] = group_mask(gi + r, a->r0, a->r1);
+        const uint8_t *g = pk->data + (size_t)gi * gs;
+        float *o = a->out + (size_t)gi * KERN_PACK_ROWS;
+        for (int t0 = 0; t0 < a->T;) {
+            int NT = a->T - t0;
+            if (NT > 8 / R)
+                NT = 8 / R;
+            pk_dispatch(Q8, R, NT, g, gs, Ap, t0, o, a->ldo, mask, a->add);
+            t0 += NT;
+        }
+        gi += R;
+    }
+    return true;
+}
 #endif

@@ -9,6 +9,8 @@
  */
 #include "quant.h"
 
+#include "cpu.h"
+
 #include <math.h>
 #include <stddef.h>
 #include <string.h>
@@ -779,6 +781,10 @@ void kern_quantize_act(uint32_t act_type, const float *src, void *dst, int64_t n
 {
     if (kern_act_row_bytes(act_type, n) == 0)
         return;
+#if defined(__x86_64__)
+    if (kern_isa() >= KERN_ISA_AVX2 && kern_quantize_act_avx2(act_type, src, dst, n))
+        return;
+#endif
     (void)kern_quantize_row(act_type, src, dst, n);
 }
 

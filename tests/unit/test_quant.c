@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "cpu.h"
 #include "err.h"
 #include "f16.h"
 #include "quant.h"
@@ -403,9 +404,53 @@ static void test_errors(void)
         CHECK(out[i] == 0.0f);
 }
 
+/* The AVX2 activation quantizers write the reference's bytes: random rows
+ * at several scales, rows of ties (values that land exactly on k + 0.5 after
+ * scaling), zero rows, tiny and huge values. */
+static void test_act_avx2(void)
+{
+#if defined(__x86_64__)
+    if (kern_isa_best() < KERN_ISA_AVX2)
+        return;
+    enum { N = 256 };
+    static float x[N];
+    static uint8_t ref[N * 2], got[N * 2];
+    const uint32_t types[2] = { KERN_Q8_0, KERN_Q8_1 };
+    int mismatches = 0;
+    for (int round = 0; round < 400; round++) {
+        const int kind = round % 8;
+        for (int i = 0; i < N; i++) {
+            float r = (float)rand() / (float)RAND_MAX * 2.0f - 1.0f;
+            switch (kind) {
+            case 0: x[i] = r; break;
+            case 1: x[i] = r * 1e-30f; break;                     /* tiny: id overflows to 0 or huge */
+            case 2: x[i] = r * 6e4f; break;
+            case 3: x[i] = 0.0f; break;
+            case 4: x[i] = (float)(rand() % 255 - 127) * 0.5f; break;  /* ties after scaling */
+            case 5: x[i] = i % 32 == 0 ? 127.0f : (float)(rand() % 254 - 127) + 0.5f; break;
+            case 6: x[i] = r * 1e-40f; break;                     /* subnormal */
+            default: x[i] = r * (float)(1 << (rand() % 20)); break;
+            }
+        }
+        for (int k = 0; k < 2; k++) {
+            const size_t bytes = kern_act_row_bytes(types[k], N);
+            REQUIRE(kern_quantize_row(types[k], x, ref, N) == 0);
+            memset(got, 0xAA, sizeof(got));
+            CHECK(kern_quantize_act_avx2(types[k], x, got, N));
+            if (memcmp(ref, got, bytes) != 0)
+                mismatches++;
+        }
+    }
+    CHECK_INT(mismatches, 0);
+    CHECK(!kern_quantize_act_avx2(KERN_Q8_K, x, got, N));
+    CHECK(!kern_quantize_act_avx2(KERN_Q8_0, x, got, 48));
+#endif
+}
+
 int main(void)
 {
     test_block_sizes();
+    test_act_avx2();
     test_vectors();
     test_act_q8();
     test_weight_quantizers();
