@@ -10,6 +10,8 @@
 void kern_attn_isa(const struct kern_attn_args *a, int isa)
 {
 #if defined(__x86_64__)
+    if (isa >= KERN_ISA_AVX512VNNI && kern_attn_avx512(a))
+        return;
     if (isa >= KERN_ISA_AVX2 && kern_attn_avx2(a))
         return;
 #endif

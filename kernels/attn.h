@@ -44,4 +44,7 @@ void kern_attn_isa(const struct kern_attn_args *a, int isa);
 /* x86 path; false when it does not handle the shape (head_dim % 8 != 0). */
 int kern_attn_avx2(const struct kern_attn_args *a);
 
+/* AVX-512 path for head_dim 64 and 128; 0 for other shapes. */
+int kern_attn_avx512(const struct kern_attn_args *a);
+
 #endif

@@ -21,8 +21,45 @@ static sampler_t *make(float temp, int top_k, float top_p, float min_p, float re
     return s;
 }
 
+/* The scalar definition: the first index whose value nothing later exceeds. */
+static int32_t argmax_ref(const float *x, uint32_t n)
+{
+    int32_t best = 0;
+    for (uint32_t i = 1; i < n; i++)
+        if (x[i] > x[best])
+            best = (int32_t)i;
+    return best;
+}
+
+/* sampler_argmax (a SIMD path where the CPU has one) against the scalar
+ * definition: ties, NaNs, infinities, every length 1..70, a vocabulary. */
+static void check_argmax(void)
+{
+    static float x[49152 + 7];
+    unsigned seed = 7;
+    int bad = 0;
+    for (int round = 0; round < 3000; round++) {
+        const uint32_t n = round < 2000 ? 1 + (uint32_t)(round % 70) : 49152 + (uint32_t)(round % 7);
+        for (uint32_t i = 0; i < n; i++) {
+            seed = seed * 1103515245u + 12345u;
+            x[i] = (float)((seed >> 16) % 64) - 32.0f;  /* many ties */
+        }
+        seed = seed * 1103515245u + 12345u;
+        switch (round % 5) {
+        case 1: x[(seed >> 8) % n] = NAN; break;
+        case 2: x[0] = NAN; break;
+        case 3: for (uint32_t i = 0; i < n; i++) x[i] = -INFINITY; break;
+        case 4: x[(seed >> 8) % n] = INFINITY; x[n - 1] = INFINITY; break;
+        default: break;
+        }
+        bad += sampler_argmax(x, n) != argmax_ref(x, n);
+    }
+    CHECK_INT(bad, 0);
+}
+
 int main(void)
 {
+    check_argmax();
     float tie[4] = { 0.5f, 2.0f, -1.0f, 2.0f };
     float lg[8] = { 0.5f, 2.0f, -1.0f, 1.95f, 1.9f, 0.0f, -3.0f, 1.0f };
 
