@@ -63,17 +63,29 @@ static inline __m512 reduce16(const __m512 v[16])
                          _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-static inline const uint8_t *kv_row(const struct kern_attn_args *a, const uint8_t *base, int j, size_t row_bytes)
-{
-    return base + a->blocks[j / a->block_tokens] * a->block_stride + (uint64_t)a->kv_head * a->head_stride +
-           (size_t)(j % a->block_tokens) * row_bytes;
-}
-
 static inline __m512 load16(const uint8_t *row, int h, bool half)
 {
     if (half)
         return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 32 * (size_t)h)));
     return _mm512_loadu_ps((const float *)row + 16 * h);
+}
+
+/* Entering block b of the context: ask for block b + 1's K rows (the next
+ * ones read) and block b's V rows (read after the softmax); each block's
+ * rows of one head are contiguous, and a context's blocks are scattered, so
+ * the hardware prefetcher would restart at every block. */
+static inline void prefetch_block(const struct kern_attn_args *a, int b, int n, uint64_t head_off,
+                                  size_t row_bytes)
+{
+    const size_t bytes = (size_t)a->block_tokens * row_bytes;
+    const uint8_t *v = a->v_base + a->blocks[b] * a->block_stride + head_off;
+    for (size_t o = 0; o < bytes; o += 64)
+        _mm_prefetch((const char *)v + o, _MM_HINT_T1);
+    if ((b + 1) * a->block_tokens < n) {
+        const uint8_t *k = a->k_base + a->blocks[b + 1] * a->block_stride + head_off;
+        for (size_t o = 0; o < bytes; o += 64)
+            _mm_prefetch((const char *)k + o, _MM_HINT_T0);
+    }
 }
 
 #define MAX_Q 4  /* query heads per pass */
@@ -99,13 +111,25 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
         vmax[g] = _mm512_set1_ps(-INFINITY);
     const __m512 scale = _mm512_set1_ps(a->scale);
     float kf[16][128] __attribute__((aligned(64)));
+    const uint64_t head_off = (uint64_t)a->kv_head * a->head_stride;
+    int blk = 0, off = 0;  /* the next position's block and row, without a division per row */
     for (int j0 = 0; j0 < n; j0 += 16) {
         const int cnt = n - j0 < 16 ? n - j0 : 16;
         const __mmask16 m = (__mmask16)((1u << cnt) - 1u);
-        for (int p = 0; p < 16; p++)
+        for (int p = 0; p < 16; p++) {
+            const uint8_t *k = NULL;
+            if (p < cnt) {
+                if (off == 0)
+                    prefetch_block(a, blk, n, head_off, row_bytes);
+                k = a->k_base + a->blocks[blk] * a->block_stride + head_off + (size_t)off * row_bytes;
+                if (++off == a->block_tokens) {
+                    off = 0;
+                    blk++;
+                }
+            }
             for (int h = 0; h < HV; h++)
-                _mm512_store_ps(&kf[p][16 * h], p < cnt ? load16(kv_row(a, a->k_base, j0 + p, row_bytes), h, half)
-                                                        : _mm512_setzero_ps());
+                _mm512_store_ps(&kf[p][16 * h], k != NULL ? load16(k, h, half) : _mm512_setzero_ps());
+        }
         for (int g = 0; g < NQ; g++) {
             __m512 acc[16];
             for (int p = 0; p < 16; p++) {
@@ -151,13 +175,15 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
     for (int g = 0; g < NQ; g++)
         for (int h = 0; h < HV; h++)
             acc[g][h] = _mm512_setzero_ps();
-    for (int j = 0; j < n; j++) {
-        const uint8_t *v = kv_row(a, a->v_base, j, row_bytes);
-        for (int h = 0; h < HV; h++) {
-            const __m512 vv = load16(v, h, half);
-            for (int g = 0; g < NQ; g++)
-                acc[g][h] = _mm512_fmadd_ps(_mm512_set1_ps(a->scores[(size_t)g * n + j]), vv, acc[g][h]);
-        }
+    for (int j0 = 0, b = 0; j0 < n; j0 += a->block_tokens, b++) {
+        const uint8_t *v = a->v_base + a->blocks[b] * a->block_stride + head_off;
+        const int end = n - j0 < a->block_tokens ? n : j0 + a->block_tokens;
+        for (int j = j0; j < end; j++, v += row_bytes)
+            for (int h = 0; h < HV; h++) {
+                const __m512 vv = load16(v, h, half);
+                for (int g = 0; g < NQ; g++)
+                    acc[g][h] = _mm512_fmadd_ps(_mm512_set1_ps(a->scores[(size_t)g * n + j]), vv, acc[g][h]);
+            }
     }
     for (int g = 0; g < NQ; g++)
         for (int h = 0; h < HV; h++)
