@@ -898,14 +898,16 @@ static int run_bench(const struct options *o)
                BENCH_DECODE, decode_tps);
         for (int i = 0; i < 3; i++)
             printf("%s{\"batch\":%d,\"tokens_per_s\":%.2f}", i ? "," : "", batches[i], agg[i]);
-        printf("],\"rss_mib\":%.1f}\n", rss_mib());
+        printf("],\"rss_mib\":%.1f,\"packed_weights_mib\":%.1f}\n", rss_mib(),
+               (double)rt.model->packed_bytes / (1 << 20));
     } else {
         printf("threads %d, kernels %s\n", engine_threads(rt.engine), kern_isa_name(kern_isa()));
         printf("prefill %d tokens:        %9.1f tokens/s\n", BENCH_PREFILL, prefill_tps);
         printf("decode batch 1, %d:      %9.1f tokens/s\n", BENCH_DECODE, decode_tps);
         for (int i = 0; i < 3; i++)
             printf("decode batch %-2d (aggregate): %7.1f tokens/s\n", batches[i], agg[i]);
-        printf("resident memory:          %9.1f MiB (weights mapped, KV cache %.1f MiB)\n", rss_mib(),
+        printf("resident memory:          %9.1f MiB (packed weights %.1f MiB, KV cache %.1f MiB)\n",
+               rss_mib(), (double)rt.model->packed_bytes / (1 << 20),
                (double)rt.kv->n_blocks * rt.kv->block_bytes / (1 << 20));
     }
     free(ids);
