@@ -228,7 +228,7 @@ static void setup(struct kvd *k)
 {
     char err[512], note[512];
     struct kvd_options *o = &k->o;
-    k->model = model_load(o->model, err, sizeof(err));
+    k->model = model_load_unpacked(o->model, err, sizeof(err));  /* kvd runs no products */
     if (k->model == NULL)
         cli_die("%s", err);
     k->tok = tok_new_from_gguf(k->model->gguf, err, sizeof(err));

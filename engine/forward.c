@@ -365,9 +365,7 @@ static void rope_run(void *ctx, int ith, int nth)
             for (int h = 0; h < nkv; h++) {
                 uint8_t *dst = base + (size_t)h * kv->head_bytes;
                 if (kv->dtype == KERN_F16) {
-                    kvd_f16 *d16 = (kvd_f16 *)dst + off;
-                    for (int d = 0; d < hd; d++)
-                        d16[d] = kvd_f32_to_f16(src[h * hd + d]);
+                    kern_f32_to_f16_row((kvd_f16 *)dst + off, src + h * hd, hd);
                 } else {
                     memcpy((float *)dst + off, src + h * hd, (size_t)hd * sizeof(float));
                 }

@@ -181,7 +181,7 @@ static void pack_weights(model_t *m)
     }
 }
 
-model_t *model_from_gguf(gguf_ctx_t **gp, char *err, size_t errlen)
+static model_t *from_gguf(gguf_ctx_t **gp, bool pack, char *err, size_t errlen)
 {
     model_t *m = calloc(1, sizeof(*m));
     if (m == NULL) {
@@ -243,19 +243,32 @@ model_t *model_from_gguf(gguf_ctx_t **gp, char *err, size_t errlen)
                            mat_bytes(&L->wo) + mat_bytes(&L->w_gate) + mat_bytes(&L->w_up) +
                            mat_bytes(&L->w_down);
     }
-    pack_weights(m);
+    if (pack)
+        pack_weights(m);
     return m;
 fail:
     model_destroy(&m);
     return NULL;
 }
 
-model_t *model_load(const char *path, char *err, size_t errlen)
+model_t *model_from_gguf(gguf_ctx_t **gp, char *err, size_t errlen)
+{
+    return from_gguf(gp, true, err, errlen);
+}
+
+static model_t *load(const char *path, bool pack, char *err, size_t errlen)
 {
     gguf_ctx_t *g = gguf_open(path, err, errlen);
     if (g == NULL)
         return NULL;
-    return model_from_gguf(&g, err, errlen);
+    return from_gguf(&g, pack, err, errlen);
+}
+
+model_t *model_load(const char *path, char *err, size_t errlen) { return load(path, true, err, errlen); }
+
+model_t *model_load_unpacked(const char *path, char *err, size_t errlen)
+{
+    return load(path, false, err, errlen);
 }
 
 void model_destroy(model_t **mp)

@@ -67,6 +67,12 @@ typedef struct model {
  * tensor, or a tensor type kvd cannot compute with. */
 model_t *model_load(const char *path, char *err, size_t errlen);
 
+/* The same without the packed copies of the weights (gemm.h): for processes
+ * that read the model's metadata, tokenizer and fingerprint but never run
+ * its products (the coordinator). Products on such a model take the slower
+ * in-place path. */
+model_t *model_load_unpacked(const char *path, char *err, size_t errlen);
+
 /* Same, taking ownership of an already parsed GGUF (closed on failure too). */
 model_t *model_from_gguf(gguf_ctx_t **g, char *err, size_t errlen);
 

@@ -1,6 +1,8 @@
 /* ops.c - reference C kernels: RMSNorm, RoPE, SwiGLU, paged attention. */
 #include "ops.h"
 
+#include "cpu.h"
+
 #include <math.h>
 #include <stdbool.h>
 #include <string.h>
@@ -46,10 +48,28 @@ void kern_rope(float *x, int n_heads, int dim, const float *cs)
 
 void kern_swiglu(float *gate, const float *up, int n)
 {
+#if defined(__x86_64__)
+    if (kern_isa() >= KERN_ISA_AVX512VNNI) {
+        kern_swiglu_avx512(gate, up, n);
+        return;
+    }
+#endif
     for (int i = 0; i < n; i++) {
         float g = gate[i];
         gate[i] = g / (1.0f + expf(-g)) * up[i];
     }
+}
+
+void kern_f32_to_f16_row(uint16_t *dst, const float *src, int n)
+{
+#if defined(__x86_64__)
+    if (kern_isa() >= KERN_ISA_AVX512VNNI) {
+        kern_f32_to_f16_avx512(dst, src, n);
+        return;
+    }
+#endif
+    for (int i = 0; i < n; i++)
+        dst[i] = kvd_f32_to_f16(src[i]);
 }
 
 /* Loads element j of a head row of dtype. */

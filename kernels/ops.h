@@ -23,8 +23,16 @@ void kern_rope_angles(float *cs, int dim, int32_t pos, float base);
  * dim by the angles in cs (GGUF llama models use this "normal" RoPE). */
 void kern_rope(float *x, int n_heads, int dim, const float *cs);
 
-/* gate[i] = silu(gate[i]) * up[i]. */
+/* gate[i] = silu(gate[i]) * up[i] (with AVX-512 where the active path has it:
+ * a vector exponential, within a few ulp of expf). */
 void kern_swiglu(float *gate, const float *up, int n);
+
+/* dst[i] = src[i] as IEEE half, rounded to nearest even (kvd_f32_to_f16's bits). */
+void kern_f32_to_f16_row(uint16_t *dst, const float *src, int n);
+
+/* The AVX-512 bodies of the two above (x86 only). */
+void kern_swiglu_avx512(float *gate, const float *up, int n);
+void kern_f32_to_f16_avx512(uint16_t *dst, const float *src, int n);
 
 /*
  * Causal attention of one query head over a paged cache, positions [0, n_ctx).
