@@ -13,8 +13,9 @@
  *                          uses (512-bit VNNI dpbusd, else AVX2 maddubs+madd);
  *                          multiply-adds / time, times N threads
  *
- * With -m MODEL it loads the model as the engine does (packed weights) and
- * prints the floors of a decode step: batch 1 cannot beat
+ * With -m MODEL it loads the model as the engine does (packed weights),
+ * times the engine's own product on each of the model's matrix shapes (one
+ * thread, 1, 8 and 32 tokens), and prints the floors of a decode step: batch 1 cannot beat
  * (weight bytes read) / bandwidth, and batch B cannot beat
  * B x (multiply-adds per token) / peak, whatever the code around them does.
  *
@@ -34,6 +35,8 @@
 #include "cpu.h"
 #include "gemm.h"
 #include "model.h"
+#include "quant.h"
+#include "types.h"
 
 static double now_s(void)
 {
@@ -55,15 +58,22 @@ struct bw_job {
 #if defined(__x86_64__)
 __attribute__((target("avx2"))) static uint64_t read_all(const uint8_t *p, size_t n)
 {
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-    for (size_t i = 0; i < n; i += 128) {
-        a0 = _mm256_xor_si256(a0, _mm256_load_si256((const __m256i *)(p + i)));
-        a1 = _mm256_xor_si256(a1, _mm256_load_si256((const __m256i *)(p + i + 32)));
-        a2 = _mm256_xor_si256(a2, _mm256_load_si256((const __m256i *)(p + i + 64)));
-        a3 = _mm256_xor_si256(a3, _mm256_load_si256((const __m256i *)(p + i + 96)));
+    /* eight independent streams of 32-byte loads per 256 bytes, and the
+     * next lines asked for ahead, as the engine's own loops do */
+    __m256i a[8];
+    for (int k = 0; k < 8; k++)
+        a[k] = _mm256_setzero_si256();
+    for (size_t i = 0; i < n; i += 256) {
+        _mm_prefetch((const char *)p + i + 2048, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + i + 2048 + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + i + 2048 + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + i + 2048 + 192, _MM_HINT_T0);
+        for (int k = 0; k < 8; k++)
+            a[k] = _mm256_xor_si256(a[k], _mm256_load_si256((const __m256i *)(p + i + 32 * k)));
     }
-    a0 = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
-    return (uint64_t)_mm256_extract_epi64(a0, 0);
+    for (int k = 1; k < 8; k++)
+        a[0] = _mm256_xor_si256(a[0], a[k]);
+    return (uint64_t)_mm256_extract_epi64(a[0], 0);
 }
 #else
 static uint64_t read_all(const uint8_t *p, size_t n)
@@ -96,7 +106,7 @@ static void *bw_thread(void *arg)
 /* GB/s read by n threads at once, each over its own `each` bytes. */
 static double bandwidth(int n, size_t each)
 {
-    each = (each + 127) / 128 * 128;
+    each = (each + 255) / 256 * 256;
     pthread_t th[64];
     struct bw_job jobs[64];
     pthread_barrier_t bar;
@@ -172,6 +182,41 @@ __attribute__((target("avx2"))) static double peak_avx2(long iters)
 }
 #endif
 
+/* One thread's rate of the engine's own product (kern_gemm, packed where the
+ * model has packed copies) on matrix w at T tokens, in GMAC/s. */
+static double product_rate(const struct model_mat *w, int T)
+{
+    const uint32_t at = kern_vec_dot_type(w->type);
+    const size_t stride = kern_act_row_bytes(at, w->cols);
+    uint8_t *act = malloc(stride * (size_t)T);
+    float *x = malloc((size_t)w->cols * sizeof(float));
+    float *out = malloc((size_t)w->rows * (size_t)T * sizeof(float));
+    void *scratch = aligned_alloc(64, (kern_gemm_scratch_bytes(w->cols, T) + 63) / 64 * 64);
+    if (act == NULL || x == NULL || out == NULL || scratch == NULL) {
+        fprintf(stderr, "out of memory\n");
+        exit(1);
+    }
+    for (int t = 0; t < T; t++) {
+        for (int64_t i = 0; i < w->cols; i++)
+            x[i] = (float)((i * 7919 + t * 104729) % 2001) / 1000.0f - 1.0f;
+        kern_quantize_act(at, x, act + (size_t)t * stride, w->cols);
+    }
+    struct kern_gemm_args g = { .wtype = w->type, .packed = w->packed, .w = w->data,
+                                .row_bytes = w->row_bytes, .n = w->cols, .r0 = 0, .r1 = (long)w->rows,
+                                .act = act, .act_stride = stride, .T = T, .out = out,
+                                .ldo = (size_t)w->rows, .scratch = scratch };
+    kern_gemm(&g);
+    long reps = 0;
+    const double t0 = now_s();
+    double t;
+    do {
+        kern_gemm(&g);
+        reps++;
+    } while ((t = now_s() - t0) < 0.3);
+    free(act); free(x); free(out); free(scratch);
+    return (double)w->rows * (double)w->cols * T * reps / t / 1e9;
+}
+
 /* Multiply-adds per token of the model's matrix products, and bytes of the
  * weights a step reads (packed copies where the engine made them). */
 static void model_costs(const model_t *m, double *macs, double *bytes)
@@ -240,10 +285,33 @@ int main(int argc, char **argv)
     if (m == NULL)
         return 0;
     const double t_mem = bytes / (bw_ws * 1e9), t_mac = macs / (peak * threads * 1e9);
+    const struct model_mat *shapes[] = { &m->layers[0].wq, &m->layers[0].wk, &m->layers[0].w_gate,
+                                         &m->layers[0].w_down, &m->output };
+    printf("engine's product, 1 thread (GMAC/s, %% of the instruction's peak):\n");
+    printf("  %-10s %-12s %10s %10s %10s\n", "weights", "shape", "T=1", "T=8", "T=32");
+    double sum32 = 0, macs32 = 0;
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
+        const struct model_mat *w = shapes[i];
+        double r[3];
+        const int Ts[3] = { 1, 8, 32 };
+        for (int k = 0; k < 3; k++)
+            r[k] = product_rate(w, Ts[k]);
+        char shape[32];
+        snprintf(shape, sizeof(shape), "%lldx%lld", (long long)w->rows, (long long)w->cols);
+        printf("  %-10s %-12s %5.0f %3.0f%% %5.0f %3.0f%% %5.0f %3.0f%%\n",
+               kern_type_info(w->type)->name, shape, r[0], 100 * r[0] / peak, r[1], 100 * r[1] / peak,
+               r[2], 100 * r[2] / peak);
+        const double wm = (double)w->rows * (double)w->cols;
+        sum32 += wm / r[2];
+        macs32 += wm;
+    }
+    const double rate32 = macs32 / sum32;  /* the shapes weighted by their multiply-adds */
     printf("model: %.1f M multiply-adds per token, %.1f MB of weights per step%s\n", macs / 1e6, bytes / 1e6,
            m->packed_bytes ? " (packed)" : "");
     printf("floor, decode batch 1:  %.0f tokens/s (weights / bandwidth; products alone %.0f)\n",
            1.0 / (t_mem > t_mac ? t_mem : t_mac), 1.0 / t_mac);
+    printf("products at the engine's rate (%.0f GMAC/s per thread at T=32): %.3f ms per token on %d threads\n",
+           rate32, macs / (rate32 * 1e9 * threads) * 1e3, threads);
     for (int B = 8; B <= 32; B *= 4) {
         const double t = B * t_mac > t_mem ? B * t_mac : t_mem;
         printf("floor, decode batch %-2d: %.0f tokens/s (%s)\n", B, B / t,
