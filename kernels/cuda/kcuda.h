@@ -1,0 +1,229 @@
+/*
+ * kcuda.h - the CUDA kernels of kvd, callable from C.
+ *
+ * Every kernel here has a C reference twin in kernels/ (named with each
+ * function) and a test in tests/gpu that holds it against the twin. Callers
+ * never see CUDA headers: streams are opaque, memory comes from the small
+ * allocation API below, and results are the KVD_E* codes of err.h.
+ *
+ * Device pointers: every `const T *` or `T *` argument of a kernel launch is
+ * device memory unless its comment says host. Launch functions check their
+ * arguments, enqueue the kernel on `stream` (NULL: the default stream) and
+ * return at once; errors of the launch itself are returned, errors of the
+ * kernel's execution surface at the next kcuda_sync().
+ *
+ * The KV cache on the device has exactly the layout of the host cache
+ * (engine/kvcache.h, shm/pool.h): block b of layer l holds
+ *     [K=0,V=1][kv_head][token in block][head_dim]
+ * at  base + b * block_stride + (l * 2 + which) * n_head_kv * head_stride,
+ * so a block written by either backend means the same to the other.
+ *
+ * Numerics: fp32 accumulation everywhere. Each output depends only on its own
+ * inputs, never on the batch it ran in (per-token reduction orders are fixed
+ * by the shapes alone). Attention is computed in splits of a fixed number of
+ * positions whose partial results merge in split order; decode and prefill
+ * attention give each (token, head) the same bits, so a prefix computed in a
+ * prefill chunk and one decoded token by token agree exactly.
+ */
+#ifndef KVD_KCUDA_H
+#define KVD_KCUDA_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct CUstream_st *kcuda_stream_t;  /* a CUDA stream; NULL is the default stream */
+
+/* ---- devices and memory ------------------------------------------------------ */
+
+struct kcuda_info {
+    char name[96];          /* "NVIDIA H200" */
+    int major, minor;       /* compute capability */
+    int sm_count;           /* multiprocessors */
+    uint64_t mem_bytes;     /* global memory */
+    double mem_clock_khz;   /* memory clock (0 when the runtime does not say) */
+    int bus_bits;           /* memory bus width (0 when the runtime does not say) */
+};
+
+/* Number of usable CUDA devices; 0 when there is no driver, no device, or the
+ * driver is too old for this build's runtime, with the reason in why (which
+ * may be NULL). Never fails otherwise. */
+int kcuda_device_count(char *why, size_t whylen);
+
+/* Makes dev the calling thread's device and fills *info (may be NULL).
+ * 0, KVD_EUNAVAILABLE (no such device) or KVD_EINTERNAL. */
+int kcuda_device_open(int dev, struct kcuda_info *info);
+
+/* The message of the last CUDA failure seen by this thread ("" if none). */
+const char *kcuda_last_error(void);
+
+/* Device memory, 256-byte aligned; NULL when out of memory. kcuda_free accepts NULL. */
+void *kcuda_malloc(size_t bytes);
+void kcuda_free(void *p);
+
+/* Synchronous copies between host and device, and device-to-device on a stream.
+ * 0 or KVD_EINTERNAL. */
+int kcuda_upload(void *dst_dev, const void *src_host, size_t bytes);
+int kcuda_download(void *dst_host, const void *src_dev, size_t bytes);
+int kcuda_copy(void *dst_dev, const void *src_dev, size_t bytes, kcuda_stream_t stream);
+int kcuda_memset(void *dst_dev, int byte, size_t bytes, kcuda_stream_t stream);
+
+/* Waits for all work on the device; 0, or KVD_EINTERNAL when a kernel failed. */
+int kcuda_sync(void);
+
+/* Elapsed-time measurement on a stream (CUDA events). */
+typedef struct kcuda_timer kcuda_timer_t;
+kcuda_timer_t *kcuda_timer_new(void);
+void kcuda_timer_destroy(kcuda_timer_t **t);
+void kcuda_timer_start(kcuda_timer_t *t, kcuda_stream_t stream);
+/* Records the end, waits for it, returns milliseconds since the start (negative on error). */
+double kcuda_timer_stop(kcuda_timer_t *t, kcuda_stream_t stream);
+
+/* ---- the KV cache and attention -------------------------------------------- */
+
+#define KCUDA_ATTN_SPLIT 256    /* default positions per attention split */
+#define KCUDA_MAX_GROUP 8       /* most query heads per KV head */
+
+/* One layer of the paged cache (F16 only), as kern_attn_args describes it. */
+struct kcuda_kv {
+    uint8_t *k;             /* K of this layer in block 0 (kv_block_ptr(kv, 0, layer, 0)) */
+    uint8_t *v;             /* V of this layer in block 0 */
+    uint64_t block_stride;  /* bytes between blocks (kvcache.block_bytes) */
+    uint64_t head_stride;   /* bytes between KV heads of a block (kvcache.head_bytes) */
+    int block_tokens;       /* positions per block */
+    int head_dim;           /* 64 or 128 */
+    int n_head;             /* query heads */
+    int n_head_kv;          /* KV heads; n_head / n_head_kv <= KCUDA_MAX_GROUP */
+};
+
+/* One sequence of a step: n_tok new tokens at positions pos .. pos+n_tok-1,
+ * whose K/V are already in the cache (kcuda_rope_kv ran first). */
+struct kcuda_seq {
+    int32_t row;            /* row of its first token in q and out */
+    int32_t n_tok;          /* new tokens, >= 1 (exactly 1 for decode) */
+    int32_t pos;            /* position of the first new token (tokens cached before it) */
+    uint32_t table;         /* index of its block table's first entry in `tables` */
+};
+
+struct kcuda_attn_args {
+    struct kcuda_kv kv;     /* the layer */
+    float *out;             /* (rows, n_head * head_dim): row i, head h at out + (i*n_head + h)*head_dim */
+    const float *q;         /* (rows, n_head * head_dim), rotated; same layout */
+    const struct kcuda_seq *seqs; /* (n_seq) */
+    int n_seq;
+    const uint32_t *tables; /* block tables: seq s's logical block j at tables[seqs[s].table + j] */
+    int max_tok;            /* host: >= every n_tok (sizes the prefill grid) */
+    int max_ctx;            /* host: >= every pos + n_tok (sizes the decode grid) */
+    float scale;            /* 1 / sqrt(head_dim) */
+    int split;              /* positions per split, a multiple of 32; 0: KCUDA_ATTN_SPLIT.
+                             * Must stay the same for all calls whose results must agree. */
+    float *scratch;         /* decode: kcuda_attn_scratch_bytes() bytes (NULL when that is 0) */
+};
+
+/* Bytes of decode scratch for n_seq sequences of at most max_ctx positions. */
+size_t kcuda_attn_scratch_bytes(int n_seq, int n_head, int head_dim, int max_ctx, int split);
+
+/*
+ * Decode attention, twin of kern_attn / kern_attn_paged over an F16 cache: one
+ * query token per sequence (n_tok == 1) attending to positions [0, pos].
+ * One warp per (sequence, KV head, split) loads each K/V tile once for all
+ * query heads of its group; sequences longer than one split are merged by
+ * log-sum-exp in a second kernel. KVD_EINVAL for a bad argument,
+ * KVD_EUNSUPPORTED for a head_dim other than 64/128 or a group above 8.
+ */
+int kcuda_attn_decode(const struct kcuda_attn_args *a, kcuda_stream_t stream);
+
+/*
+ * Prefill attention, causal over the paged cache: token i of sequence s
+ * attends to [0, pos + i], the prefix cached before the chunk included.
+ * Gives each (token, head) the same bits as kcuda_attn_decode would with the
+ * same split. Needs no scratch. Errors as kcuda_attn_decode.
+ */
+int kcuda_attn_prefill(const struct kcuda_attn_args *a, kcuda_stream_t stream);
+
+/*
+ * RoPE of q (in place) and k, and the K/V write into the cache: twin of
+ * kern_rope_angles + kern_rope + the F16 store of the CPU forward step.
+ *   q:     (T, n_head * head_dim), rotated in place
+ *   k, v:  (T, n_head_kv * head_dim) new keys and values (k is not modified)
+ *   pos:   (T) position of each token
+ *   block: (T) physical block of each token's position (its table's entry pos / block_tokens)
+ *   step:  powf(rope_base, -2.0f / head_dim), computed on the host as the C twin does
+ */
+struct kcuda_rope_args {
+    struct kcuda_kv kv;     /* the layer written */
+    float *q;
+    const float *k;
+    const float *v;
+    const int32_t *pos;
+    const uint32_t *block;
+    int T;                  /* tokens */
+    float step;
+};
+int kcuda_rope_kv(const struct kcuda_rope_args *a, kcuda_stream_t stream);
+
+/* ---- matrix products ------------------------------------------------------- */
+
+/*
+ * out[t * ldo + r] (=, or += when add) the dot product of weight row r with
+ * activation row t, for r < rows, t < T: twin of kern_gemm / kern_vec_dot.
+ * Weights: KERN_Q4_1 (activations Q8_1), KERN_Q8_0 (activations Q8_0) or
+ * KERN_F16 (activations F32): kern_vec_dot_type(wtype), made by
+ * kcuda_quantize_act. Integer dot per block, the block's float terms as the C
+ * twin forms them, fp32 sums. One warp per weight row, tokens in groups of up
+ * to 8 that share the unpacked row; a token's result never depends on T.
+ * Alignment: w and act 4 bytes (Q4_1), 2 (Q8_0), 16 (F16, with n % 8 == 0
+ * and act_stride % 16 == 0).
+ */
+struct kcuda_gemm_args {
+    uint32_t wtype;         /* enum kern_type of the weights */
+    const void *w;          /* rows x row_bytes */
+    size_t row_bytes;       /* bytes per weight row */
+    int64_t rows;           /* output features */
+    int64_t n;              /* input features (a multiple of 32 for quantized types) */
+    const void *act;        /* T activation rows */
+    size_t act_stride;      /* bytes between activation rows */
+    int T;                  /* tokens */
+    float *out;
+    size_t ldo;             /* floats between output rows (tokens) */
+    bool add;               /* accumulate (residual) instead of storing */
+};
+int kcuda_gemm(const struct kcuda_gemm_args *a, kcuda_stream_t stream);
+
+/* Quantizes T rows of n floats (row t at x + t * ldx) into activation rows of
+ * act_type (KERN_Q8_0, KERN_Q8_1 or KERN_F32) at dst + t * dst_stride: twin of
+ * kern_quantize_act, bit for bit. n % 32 == 0 for the Q8 types. */
+int kcuda_quantize_act(uint32_t act_type, const float *x, size_t ldx, void *dst, size_t dst_stride,
+                       int64_t n, int T, kcuda_stream_t stream);
+
+/* out[t * n ..] = row ids[t] of a (n_rows, n) matrix of type (F32, F16, Q4_0,
+ * Q4_1, Q8_0) dequantized: twin of kern_dequantize_row, bit for bit (the
+ * token embedding lookup). Ids must be < n_rows (the engine checks them). */
+int kcuda_get_rows(uint32_t type, const void *w, size_t row_bytes, int64_t n, const int32_t *ids,
+                   int T, float *out, kcuda_stream_t stream);
+
+/* ---- element-wise and reductions ------------------------------------------- */
+
+/* out row i = x row (rows ? rows[i] : i), RMS-normalized and scaled by w (n):
+ * twin of kern_rmsnorm (sum of squares in double). out may alias x when rows is NULL. */
+int kcuda_rmsnorm(float *out, const float *x, const float *w, const int32_t *rows, int n, int T,
+                  float eps, kcuda_stream_t stream);
+
+/* gate[i] = silu(gate[i]) * up[i] for T rows of n: twin of kern_swiglu. */
+int kcuda_swiglu(float *gate, const float *up, int64_t n, int T, kcuda_stream_t stream);
+
+/* ids[t] = index of the largest of the n logits of row t (rows ld floats
+ * apart), lowest index on a tie: twin of sampler_argmax, NaNs included (a NaN
+ * is never chosen, except at index 0, which then wins as in the twin). */
+int kcuda_argmax(int32_t *ids, const float *logits, int64_t n, size_t ld, int T,
+                 kcuda_stream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,92 @@
+/*
+ * kcuda_impl.cuh - what the CUDA kernel files share: error reporting, warp
+ * reductions, f16 unpacking and asynchronous copies into shared memory.
+ * Internal to kernels/cuda.
+ */
+#ifndef KVD_KCUDA_IMPL_CUH
+#define KVD_KCUDA_IMPL_CUH
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "err.h"
+#include "kcuda.h"
+
+/* Records the message of a failed CUDA call for kcuda_last_error(); returns code. */
+int kcuda__fail(int code, cudaError_t e, const char *what);
+
+/* KVD_EINTERNAL with the launch error of the last kernel, or 0. */
+int kcuda__launched(const char *what);
+
+#define KCUDA_FULL 0xffffffffu
+
+/* Largest of v over the warp; every lane gets the same value. */
+__device__ __forceinline__ float kc_warp_max(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(KCUDA_FULL, v, o));
+    return v;
+}
+
+/* Sum of v over the warp by a butterfly: every lane adds the same pairs (a + b
+ * and b + a are the same float), so every lane gets the same bits, and the
+ * order depends on nothing but the lane numbers. */
+__device__ __forceinline__ float kc_warp_sum(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v = __fadd_rn(v, __shfl_xor_sync(KCUDA_FULL, v, o));
+    return v;
+}
+
+__device__ __forceinline__ int kc_warp_sum_int(int v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(KCUDA_FULL, v, o);
+    return v;
+}
+
+/* IEEE half bits to float (exact). */
+__device__ __forceinline__ float kc_half(uint32_t bits)
+{
+    return __half2float(__ushort_as_half((unsigned short)(bits & 0xffffu)));
+}
+
+/* Float to half bits, round to nearest even (as kvd_f32_to_f16). */
+__device__ __forceinline__ uint16_t kc_half_bits(float f)
+{
+    return __half_as_ushort(__float2half_rn(f));
+}
+
+/* The 8 halves of a 16-byte chunk as floats, in memory order. */
+__device__ __forceinline__ void kc_unpack8(uint4 u, float f[8])
+{
+    const uint32_t w[4] = { u.x, u.y, u.z, u.w };
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = kc_half(w[i]);
+        f[2 * i + 1] = kc_half(w[i] >> 16);
+    }
+}
+
+/* Copies 16 bytes from global to shared memory without passing through
+ * registers (sm_80+); src_bytes 0 fills the destination with zeros and reads
+ * nothing. Both addresses 16-byte aligned. */
+__device__ __forceinline__ void kc_cp_async16(void *smem, const void *gmem, int src_bytes)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes)
+                 : "memory");
+}
+
+/* Waits for every cp.async this thread issued. Other threads' copies are
+ * visible after a barrier (__syncwarp or __syncthreads) that follows. */
+__device__ __forceinline__ void kc_cp_async_wait_all()
+{
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+#endif

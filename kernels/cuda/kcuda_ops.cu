@@ -1,0 +1,233 @@
+/*
+ * kcuda_ops.cu - the element-wise and per-row kernels of the forward step:
+ * RMSNorm, RoPE fused with the K/V write into the paged cache, SwiGLU and
+ * greedy token choice (twins: kern_rmsnorm, kern_rope_angles + kern_rope +
+ * the F16 store of engine/forward.c, kern_swiglu, sampler_argmax).
+ *
+ * Each follows its twin's float operations with explicit rounding
+ * intrinsics; what may differ is the order of the sum of squares (double
+ * here, as in the twin) and the last bit of the CUDA libm's sin, cos and exp.
+ */
+#include <limits.h>
+#include <math.h>
+
+#include "kcuda_impl.cuh"
+
+namespace {
+
+constexpr int ROW_THREADS = 256;
+
+/* Sum of a double over the block (ROW_THREADS threads) in a fixed order;
+ * every thread gets the result. */
+__device__ __forceinline__ double block_sum(double v)
+{
+    __shared__ double part[ROW_THREADS / 32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(KCUDA_FULL, v, o);
+    if (threadIdx.x % 32 == 0)
+        part[threadIdx.x / 32] = v;
+    __syncthreads();
+    double s = 0.0;
+#pragma unroll
+    for (int i = 0; i < ROW_THREADS / 32; i++)
+        s += part[i];
+    return s;
+}
+
+__global__ void __launch_bounds__(ROW_THREADS) rmsnorm_kernel(float *out, const float *x, const float *w,
+                                                              const int32_t *rows, int n, float eps)
+{
+    const int t = blockIdx.x;
+    const float *xr = x + (size_t)(rows ? rows[t] : t) * n;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < n; i += ROW_THREADS)
+        ss += (double)xr[i] * (double)xr[i];
+    ss = block_sum(ss);
+    const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / n), eps)));
+    float *o = out + (size_t)t * n;
+    for (int i = threadIdx.x; i < n; i += ROW_THREADS)
+        o[i] = __fmul_rn(__fmul_rn(xr[i], scale), w[i]);
+}
+
+struct RopeParams {
+    uint8_t *k_cache, *v_cache;
+    uint64_t block_stride, head_stride;
+    int block_tokens, head_dim, n_head, n_head_kv;
+    float *q;
+    const float *k, *v;
+    const int32_t *pos;
+    const uint32_t *block;
+    float step;
+};
+
+/* One block per token: the RoPE angles of its position once in shared memory,
+ * then every pair of q (rotated in place), k (rotated, stored as f16) and v
+ * (stored as f16). */
+__global__ void __launch_bounds__(ROW_THREADS) rope_kv_kernel(const RopeParams p)
+{
+    __shared__ float cs[512];   /* cos, sin of each pair: head_dim <= 512 */
+    const int t = blockIdx.x, D = p.head_dim, half = D / 2;
+    const int32_t pos = p.pos[t];
+    for (int i = threadIdx.x; i < half; i += ROW_THREADS) {
+        /* the angle of pair i is pos * step^i, multiplied out one step at a
+         * time in f32 as kern_rope_angles does */
+        float theta = (float)pos;
+        for (int j = 0; j < i; j++)
+            theta = __fmul_rn(theta, p.step);
+        float s, c;
+        sincosf(theta, &s, &c);
+        cs[2 * i] = c;
+        cs[2 * i + 1] = s;
+    }
+    __syncthreads();
+    const uint64_t row_off = (uint64_t)p.block[t] * p.block_stride + (uint64_t)(pos % p.block_tokens) * D * 2;
+    const int pairs = (p.n_head + 2 * p.n_head_kv) * half;
+    for (int idx = threadIdx.x; idx < pairs; idx += ROW_THREADS) {
+        const int h = idx / half, i = idx % half;
+        const float c = cs[2 * i], s = cs[2 * i + 1];
+        if (h < p.n_head) {
+            float *x = p.q + ((size_t)t * p.n_head + h) * D + 2 * i;
+            const float a = x[0], b = x[1];
+            x[0] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+            x[1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+        } else if (h < p.n_head + p.n_head_kv) {
+            const int kh = h - p.n_head;
+            const float *x = p.k + ((size_t)t * p.n_head_kv + kh) * D + 2 * i;
+            const float a = x[0], b = x[1];
+            const float ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+            const float rb = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+            uint32_t *dst = reinterpret_cast<uint32_t *>(p.k_cache + row_off + kh * p.head_stride + 4 * i);
+            *dst = (uint32_t)kc_half_bits(ra) | (uint32_t)kc_half_bits(rb) << 16;
+        } else {
+            const int vh = h - p.n_head - p.n_head_kv;
+            const float *x = p.v + ((size_t)t * p.n_head_kv + vh) * D + 2 * i;
+            uint32_t *dst = reinterpret_cast<uint32_t *>(p.v_cache + row_off + vh * p.head_stride + 4 * i);
+            *dst = (uint32_t)kc_half_bits(x[0]) | (uint32_t)kc_half_bits(x[1]) << 16;
+        }
+    }
+}
+
+__global__ void swiglu_kernel(float *gate, const float *up, size_t count)
+{
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (size_t)gridDim.x * blockDim.x) {
+        const float g = gate[i];
+        gate[i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), up[i]);
+    }
+}
+
+/* (v, i) beats (bv, bi): larger value, or the same value at a lower index.
+ * NaN never beats anything. */
+__device__ __forceinline__ bool beats(float v, int i, float bv, int bi)
+{
+    return v > bv || (v == bv && i < bi);
+}
+
+__global__ void __launch_bounds__(ROW_THREADS) argmax_kernel(int32_t *ids, const float *logits, long n, size_t ld)
+{
+    __shared__ float sv[ROW_THREADS / 32];
+    __shared__ int si[ROW_THREADS / 32];
+    const float *row = logits + (size_t)blockIdx.x * ld;
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+    for (long i = threadIdx.x; i < n; i += ROW_THREADS) {
+        const float v = row[i];
+        if (beats(v, (int)i, bv, bi)) {
+            bv = v;
+            bi = (int)i;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(KCUDA_FULL, bv, o);
+        const int oi = __shfl_xor_sync(KCUDA_FULL, bi, o);
+        if (beats(ov, oi, bv, bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+    if (threadIdx.x % 32 == 0) {
+        sv[threadIdx.x / 32] = bv;
+        si[threadIdx.x / 32] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < ROW_THREADS / 32; w++)
+            if (beats(sv[w], si[w], bv, bi)) {
+                bv = sv[w];
+                bi = si[w];
+            }
+        /* the twin scans from index 0 and nothing beats a NaN there: index 0;
+         * so do rows with no number at all */
+        ids[blockIdx.x] = isnan(row[0]) || bi == INT_MAX ? 0 : bi;
+    }
+}
+
+} /* namespace */
+
+extern "C" int kcuda_rmsnorm(float *out, const float *x, const float *w, const int32_t *rows, int n, int T,
+                             float eps, kcuda_stream_t stream)
+{
+    if (n <= 0 || T < 0 || out == NULL || x == NULL || w == NULL)
+        return KVD_EINVAL;
+    if (T == 0)
+        return 0;
+    rmsnorm_kernel<<<(unsigned)T, ROW_THREADS, 0, stream>>>(out, x, w, rows, n, eps);
+    return kcuda__launched("rmsnorm");
+}
+
+extern "C" int kcuda_rope_kv(const struct kcuda_rope_args *a, kcuda_stream_t stream)
+{
+    const kcuda_kv *kv = &a->kv;
+    if (a->T < 0 || kv->head_dim <= 0 || kv->head_dim % 2 || kv->head_dim > 512 || kv->n_head <= 0 ||
+        kv->n_head_kv <= 0 || kv->block_tokens <= 0)
+        return KVD_EINVAL;
+    if (a->T == 0)
+        return 0;
+    if (a->q == NULL || a->k == NULL || a->v == NULL || a->pos == NULL || a->block == NULL || kv->k == NULL ||
+        kv->v == NULL)
+        return KVD_EINVAL;
+    if (((uintptr_t)kv->k | (uintptr_t)kv->v | kv->block_stride | kv->head_stride) % 4)
+        return KVD_EINVAL;
+    RopeParams p;
+    p.k_cache = kv->k;
+    p.v_cache = kv->v;
+    p.block_stride = kv->block_stride;
+    p.head_stride = kv->head_stride;
+    p.block_tokens = kv->block_tokens;
+    p.head_dim = kv->head_dim;
+    p.n_head = kv->n_head;
+    p.n_head_kv = kv->n_head_kv;
+    p.q = a->q;
+    p.k = a->k;
+    p.v = a->v;
+    p.pos = a->pos;
+    p.block = a->block;
+    p.step = a->step;
+    rope_kv_kernel<<<(unsigned)a->T, ROW_THREADS, 0, stream>>>(p);
+    return kcuda__launched("rope and KV write");
+}
+
+extern "C" int kcuda_swiglu(float *gate, const float *up, int64_t n, int T, kcuda_stream_t stream)
+{
+    if (n <= 0 || T < 0 || gate == NULL || up == NULL)
+        return KVD_EINVAL;
+    const size_t count = (size_t)n * (size_t)T;
+    if (count == 0)
+        return 0;
+    size_t blocks = (count + 255) / 256;
+    if (blocks > 65536)
+        blocks = 65536;
+    swiglu_kernel<<<(unsigned)blocks, 256, 0, stream>>>(gate, up, count);
+    return kcuda__launched("swiglu");
+}
+
+extern "C" int kcuda_argmax(int32_t *ids, const float *logits, int64_t n, size_t ld, int T, kcuda_stream_t stream)
+{
+    if (n <= 0 || n > INT_MAX || T < 0 || ld < (size_t)n || ids == NULL || logits == NULL)
+        return KVD_EINVAL;
+    if (T == 0)
+        return 0;
+    argmax_kernel<<<(unsigned)T, ROW_THREADS, 0, stream>>>(ids, logits, (long)n, ld);
+    return kcuda__launched("argmax");
+}

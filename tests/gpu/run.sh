@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# tests/gpu/run.sh - builds kvd with the CUDA backend (Release, its own build
+# directory), runs every GPU test (ctest -L gpu) and the GPU benchmark, and
+# prints a short table last. Run from anywhere: bash tests/gpu/run.sh
+#
+# Environment:
+#   KVD_GPU_BUILD  build directory (default: build-gpu in the repository)
+#   JOBS           parallel build jobs (default: the CPU count)
+#   OUT            when set, logs and the summary are written there as well
+# Exit status: 0 when every GPU test passed; 1 when one failed, the build
+# failed, or the tests skipped although nvidia-smi lists a GPU.
+set -u
+root=$(cd "$(dirname "$0")/../.." && pwd)
+build=${KVD_GPU_BUILD:-$root/build-gpu}
+jobs=${JOBS:-$(nproc)}
+logs=$build/gpu-logs
+t0=$(date +%s)
+
+case ":$PATH:" in
+*:/usr/local/cuda/bin:*) ;;
+*) [ -x /usr/local/cuda/bin/nvcc ] && PATH=$PATH:/usr/local/cuda/bin ;;
+esac
+
+step() { printf '\n== %s (%ds)\n' "$*" $(($(date +%s) - t0)); }
+
+mkdir -p "$build" || exit 1
+rm -rf "$logs"
+mkdir -p "$logs"
+
+step "device"
+gpu_listed=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >"$logs/nvidia-smi.txt" 2>&1; then
+    cat "$logs/nvidia-smi.txt"
+    grep -q '^GPU ' "$logs/nvidia-smi.txt" && gpu_listed=1
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>/dev/null
+else
+    echo "nvidia-smi: not available"
+fi
+command -v nvcc >/dev/null 2>&1 && nvcc --version | tail -2
+
+step "configure ($build)"
+gen=()
+command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
+# a Ninja cache from another generator would refuse; start over then
+if [ -f "$build/CMakeCache.txt" ] && ! grep -q "CMAKE_GENERATOR:INTERNAL=${gen[1]:-Unix Makefiles}" "$build/CMakeCache.txt"; then
+    rm -rf "$build/CMakeCache.txt" "$build/CMakeFiles"
+fi
+if ! cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DKVD_CUDA=ON \
+        -DCMAKE_CUDA_FLAGS="-t0" >"$logs/configure.log" 2>&1; then
+    tail -30 "$logs/configure.log"
+    echo "run.sh: configure failed (the whole project configures: libzmq, protobuf-c, lz4, xxhash are needed)"
+    status=1
+fi
+
+status=${status:-0}
+if [ "$status" = 0 ]; then
+    step "build (-j$jobs)"
+    if ! cmake --build "$build" -j "$jobs" --target test_gpu_attn test_gpu_ops bench-gpu >"$logs/build.log" 2>&1; then
+        grep -E "error|Error" "$logs/build.log" | head -30
+        echo "run.sh: build failed (full log: $logs/build.log)"
+        status=1
+    else
+        tail -1 "$logs/build.log"
+    fi
+fi
+
+tests_ok=0
+if [ "$status" = 0 ]; then
+    step "ctest -L gpu"
+    (cd "$build" && ctest -L gpu -V -j2 --timeout 300) >"$logs/ctest.log" 2>&1
+    rc=$?
+    # each test's own summary lines, then ctest's verdicts
+    grep -E '^[0-9]+: (device|skip|decode|prefill|gemm|quantize|get_rows|rmsnorm|swiglu|rope|argmax|[0-9]+ checks)' \
+        "$logs/ctest.log" | sed 's/^[0-9]*: /  /'
+    grep -E 'Test +#[0-9]+: ' "$logs/ctest.log"
+    if [ $rc -ne 0 ]; then
+        grep -E 'CHECK|REQUIRE|failed|EMU|error' "$logs/ctest.log" | head -40
+        status=1
+    elif grep -q 'Skipped' "$logs/ctest.log"; then
+        if [ $gpu_listed = 1 ]; then
+            echo "run.sh: the GPU tests skipped although nvidia-smi lists a GPU:"
+            grep -E 'skip:' "$logs/ctest.log" | head -2
+            status=1
+        fi
+    else
+        tests_ok=1
+    fi
+
+    step "bench-gpu"
+    timeout 300 "$build/bench-gpu" >"$logs/bench.log" 2>&1
+    brc=$?
+    sed -n '1,/^== GPU summary/p' "$logs/bench.log" | grep -v '^== GPU summary'
+    [ $brc -ne 0 ] && [ $brc -ne 77 ] && echo "run.sh: bench-gpu exited with $brc"
+fi
+
+# the short table, last
+{
+    printf '\n==== kvd GPU run: %s, %ds ====\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" $(($(date +%s) - t0))
+    head -1 "$logs/nvidia-smi.txt" 2>/dev/null
+    if [ -f "$logs/ctest.log" ]; then
+        echo "tests:"
+        grep -E 'Test +#[0-9]+: ' "$logs/ctest.log" | sed -E 's/^ *[0-9]+\/[0-9]+ +Test +#[0-9]+: /  /; s/ \.+/ /'
+    fi
+    [ -f "$logs/bench.log" ] && sed -n '/^== GPU summary/,$p' "$logs/bench.log"
+    [ "$status" = 0 ] && [ $tests_ok = 1 ] && echo "result: GPU tests passed"
+    [ "$status" = 0 ] && [ $tests_ok = 0 ] && echo "result: GPU tests skipped (no usable GPU)"
+    [ "$status" != 0 ] && echo "result: FAILED (logs in $logs)"
+} | tee "$logs/summary.txt"
+
+if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT/gpu-run" && cp "$logs"/* "$OUT/gpu-run/" 2>/dev/null
+fi
+exit "$status"

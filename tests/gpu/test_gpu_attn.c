@@ -1,0 +1,410 @@
+/*
+ * test_gpu_attn.c - the CUDA paged attention kernels against their C twin
+ * (kern_attn_paged) and an exact reference.
+ *
+ * Random F16 caches in the engine's block layout (layer 1 of 2, block tables
+ * that scatter and reuse physical blocks), four head shapes (GQA groups of
+ * 3, 4, 1 and 7; head dims 64 and 128; blocks of 16 and 32 positions), decode
+ * batches of 1 to 200 sequences with contexts from 1 to 32768 positions, and
+ * prefill chunks after cached prefixes. Each (token, head) is checked:
+ *   - against an exact attention (double, same f16 inputs, query rounded to
+ *     f16 as the twin does): normwise relative error within 1e-4, which is
+ *     what fp32 accumulation must give;
+ *   - against the C twin: error relative to the scale of the values the
+ *     output averages (max over dims of sum_j p_j |v_j|) within 1e-3. The twin
+ *     rounds probabilities to f16 (as llama.cpp's CPU path does), which alone
+ *     costs up to ~7e-4 of the output's own norm when long contexts average
+ *     out to small outputs, so the output's norm is no fair yardstick there;
+ *     the worst normwise difference is printed as well;
+ * and for invariance, bit for bit: a sequence decoded alone equals the same
+ * sequence in a batch, and prefill equals decoding each token of the chunk.
+ * Exits 77 (skip) where no CUDA device is usable.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "f16.h"
+#include "kcuda.h"
+#include "ops.h"
+#include "types.h"
+
+#define TOL_EXACT 1e-4  /* normwise, against the exact attention */
+#define TOL_TWIN 1e-3   /* against the C twin, relative to the averaged values' scale */
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+
+static uint32_t rng_u32(void)
+{
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return (uint32_t)((rng_state * 0x2545f4914f6cdd1dull) >> 32);
+}
+
+/* Uniform in [-1, 1). */
+static float frand(void) { return (float)((double)rng_u32() / 2147483648.0 - 1.0); }
+
+struct shape {
+    const char *name;
+    int n_head, n_kv, head_dim, block_tokens, n_blocks;
+};
+
+/* A two-layer cache on host and device; tests use layer 1. */
+struct cache {
+    struct shape s;
+    size_t head_bytes, block_bytes, bytes;
+    uint8_t *host, *dev;
+    uint8_t *hk, *hv;       /* layer 1 K and V in block 0, host */
+    struct kcuda_kv kv;     /* the same on the device */
+};
+
+static int cache_init(struct cache *c, const struct shape *s)
+{
+    memset(c, 0, sizeof(*c));
+    c->s = *s;
+    c->head_bytes = (size_t)s->block_tokens * s->head_dim * 2;
+    c->block_bytes = 2 * 2 * (size_t)s->n_kv * c->head_bytes;
+    c->bytes = c->block_bytes * s->n_blocks;
+    c->host = malloc(c->bytes);
+    c->dev = kcuda_malloc(c->bytes);
+    if (c->host == NULL || c->dev == NULL)
+        return -1;
+    kvd_f16 *h = (kvd_f16 *)c->host;
+    for (size_t i = 0; i < c->bytes / 2; i++)
+        h[i] = kvd_f32_to_f16(frand() * 2.0f);
+    if (kcuda_upload(c->dev, c->host, c->bytes))
+        return -1;
+    const size_t lk = 2 * (size_t)s->n_kv * c->head_bytes, lv = 3 * (size_t)s->n_kv * c->head_bytes;
+    c->hk = c->host + lk;
+    c->hv = c->host + lv;
+    c->kv = (struct kcuda_kv){
+        .k = c->dev + lk, .v = c->dev + lv, .block_stride = c->block_bytes, .head_stride = c->head_bytes,
+        .block_tokens = s->block_tokens, .head_dim = s->head_dim, .n_head = s->n_head, .n_head_kv = s->n_kv,
+    };
+    return 0;
+}
+
+static void cache_fini(struct cache *c)
+{
+    free(c->host);
+    kcuda_free(c->dev);
+}
+
+/* A batch: sequences with their block tables and query rows. */
+struct batch {
+    int n_seq, rows;
+    struct kcuda_seq *seqs;
+    uint32_t *tables;
+    int n_tables;
+    float *q;               /* (rows, n_head * head_dim) */
+};
+
+/* Builds a batch of n sequences; seq i has n_tok[i] new tokens at pos[i].
+ * qscale sets how peaked attention is (small: nearly uniform). */
+static void batch_make(struct batch *b, const struct cache *c, int n, const int *pos, const int *n_tok,
+                       float qscale)
+{
+    memset(b, 0, sizeof(*b));
+    b->n_seq = n;
+    b->seqs = calloc((size_t)n, sizeof(*b->seqs));
+    for (int i = 0; i < n; i++) {
+        const int blocks = (pos[i] + n_tok[i] + c->s.block_tokens - 1) / c->s.block_tokens;
+        b->seqs[i] = (struct kcuda_seq){ .row = b->rows, .n_tok = n_tok[i], .pos = pos[i],
+                                          .table = (uint32_t)b->n_tables };
+        b->rows += n_tok[i];
+        b->n_tables += blocks;
+    }
+    b->tables = malloc((size_t)b->n_tables * sizeof(uint32_t));
+    for (int j = 0; j < b->n_tables; j++)
+        b->tables[j] = rng_u32() % (uint32_t)c->s.n_blocks;
+    const size_t qn = (size_t)b->rows * c->s.n_head * c->s.head_dim;
+    b->q = malloc(qn * sizeof(float));
+    for (size_t i = 0; i < qn; i++)
+        b->q[i] = frand() * qscale;
+}
+
+static void batch_free(struct batch *b)
+{
+    free(b->seqs);
+    free(b->tables);
+    free(b->q);
+}
+
+/* Runs decode (every n_tok 1) or prefill on the device; returns the output rows. */
+static float *gpu_attn(const struct cache *c, const struct batch *b, int prefill, int split)
+{
+    const size_t row_floats = (size_t)c->s.n_head * c->s.head_dim;
+    const size_t qbytes = (size_t)b->rows * row_floats * sizeof(float);
+    int max_tok = 1, max_ctx = 1;
+    for (int i = 0; i < b->n_seq; i++) {
+        max_tok = b->seqs[i].n_tok > max_tok ? b->seqs[i].n_tok : max_tok;
+        const int end = b->seqs[i].pos + b->seqs[i].n_tok;
+        max_ctx = end > max_ctx ? end : max_ctx;
+    }
+    const size_t scratch = kcuda_attn_scratch_bytes(b->n_seq, c->s.n_head, c->s.head_dim, max_ctx, split);
+    float *out = malloc(qbytes);
+    void *dq = kcuda_malloc(qbytes), *dout = kcuda_malloc(qbytes);
+    void *dseqs = kcuda_malloc((size_t)b->n_seq * sizeof(struct kcuda_seq));
+    void *dtab = kcuda_malloc((size_t)b->n_tables * sizeof(uint32_t));
+    void *dscr = scratch ? kcuda_malloc(scratch) : NULL;
+    REQUIRE(out && dq && dout && dseqs && dtab && (scratch == 0 || dscr));
+    REQUIRE(kcuda_upload(dq, b->q, qbytes) == 0);
+    REQUIRE(kcuda_upload(dseqs, b->seqs, (size_t)b->n_seq * sizeof(struct kcuda_seq)) == 0);
+    REQUIRE(kcuda_upload(dtab, b->tables, (size_t)b->n_tables * sizeof(uint32_t)) == 0);
+    REQUIRE(kcuda_memset(dout, 0xff, qbytes, NULL) == 0);  /* NaN: rows left unwritten show */
+    struct kcuda_attn_args a = {
+        .kv = c->kv, .out = dout, .q = dq, .seqs = dseqs, .n_seq = b->n_seq, .tables = dtab,
+        .max_tok = max_tok, .max_ctx = max_ctx, .scale = 1.0f / sqrtf((float)c->s.head_dim), .split = split,
+        .scratch = dscr,
+    };
+    int rc = prefill ? kcuda_attn_prefill(&a, NULL) : kcuda_attn_decode(&a, NULL);
+    if (rc != 0)
+        fprintf(stderr, "attention launch failed: %d %s\n", rc, kcuda_last_error());
+    REQUIRE(rc == 0);
+    rc = kcuda_sync();
+    if (rc != 0)
+        fprintf(stderr, "attention kernel failed: %s\n", kcuda_last_error());
+    REQUIRE(rc == 0);
+    REQUIRE(kcuda_download(out, dout, qbytes) == 0);
+    kcuda_free(dq);
+    kcuda_free(dout);
+    kcuda_free(dseqs);
+    kcuda_free(dtab);
+    kcuda_free(dscr);
+    return out;
+}
+
+/* Exact attention of one head in double over the cache's f16 data; scale_out[d]
+ * gets sum_j p_j |v_j[d]|. */
+static void attn_exact(double *out, double *vscale, const float *q, const struct cache *c, int kvh,
+                       const uint32_t *table, int n_ctx)
+{
+    const int D = c->s.head_dim, bt = c->s.block_tokens;
+    double qh[KERN_MAX_HEAD_DIM];
+    for (int d = 0; d < D; d++)
+        qh[d] = kvd_f16_to_f32(kvd_f32_to_f16(q[d]));
+    double *s = malloc((size_t)n_ctx * sizeof(double));
+    double mx = -INFINITY;
+    for (int j = 0; j < n_ctx; j++) {
+        const size_t off = (size_t)table[j / bt] * c->block_bytes + (size_t)kvh * c->head_bytes +
+                           (size_t)(j % bt) * D * 2;
+        const kvd_f16 *k = (const kvd_f16 *)(c->hk + off);
+        double a = 0.0;
+        for (int d = 0; d < D; d++)
+            a += qh[d] * kvd_f16_to_f32(k[d]);
+        s[j] = a / sqrt((double)D);
+        mx = s[j] > mx ? s[j] : mx;
+    }
+    double sum = 0.0;
+    for (int j = 0; j < n_ctx; j++) {
+        s[j] = exp(s[j] - mx);
+        sum += s[j];
+    }
+    for (int d = 0; d < D; d++)
+        out[d] = vscale[d] = 0.0;
+    for (int j = 0; j < n_ctx; j++) {
+        const size_t off = (size_t)table[j / bt] * c->block_bytes + (size_t)kvh * c->head_bytes +
+                           (size_t)(j % bt) * D * 2;
+        const kvd_f16 *v = (const kvd_f16 *)(c->hv + off);
+        const double p = s[j] / sum;
+        for (int d = 0; d < D; d++) {
+            const double x = kvd_f16_to_f32(v[d]);
+            out[d] += p * x;
+            vscale[d] += p * fabs(x);
+        }
+    }
+    free(s);
+}
+
+struct worst {
+    double exact, twin, twin_norm;
+};
+
+/* Checks row `row` (its token at position qp of sequence seq) of a GPU output
+ * against the twin and the exact attention, every head. */
+static void check_row(struct worst *w, const struct cache *c, const struct batch *b, int seq, int row, int qp,
+                      const float *gpu)
+{
+    const int D = c->s.head_dim, G = c->s.n_head / c->s.n_kv, n_ctx = qp + 1;
+    const uint32_t *table = b->tables + b->seqs[seq].table;
+    float *scores = malloc((size_t)n_ctx * sizeof(float));
+    for (int h = 0; h < c->s.n_head; h++) {
+        const size_t off = ((size_t)row * c->s.n_head + h) * D;
+        const float *q = b->q + off, *g = gpu + off;
+        float twin[KERN_MAX_HEAD_DIM];
+        double ex[KERN_MAX_HEAD_DIM], vs[KERN_MAX_HEAD_DIM];
+        kern_attn_paged(twin, q, c->hk, c->hv, table, n_ctx, c->s.block_tokens, D, h / G, c->block_bytes,
+                        c->head_bytes, KERN_F16, 1.0f / sqrtf((float)D), scores, NULL);
+        attn_exact(ex, vs, q, c, h / G, table, n_ctx);
+        double ex_max = 0, vs_max = 0, tw_max = 0, e_ex = 0, e_tw = 0;
+        for (int d = 0; d < D; d++) {
+            ex_max = fmax(ex_max, fabs(ex[d]));
+            vs_max = fmax(vs_max, vs[d]);
+            tw_max = fmax(tw_max, fabs(twin[d]));
+            e_ex = fmax(e_ex, fabs(g[d] - ex[d]));
+            e_tw = fmax(e_tw, fabs(g[d] - twin[d]));
+            if (isnan(g[d]))
+                e_ex = e_tw = INFINITY;
+        }
+        const double r_ex = e_ex / fmax(ex_max, 1e-30), r_tw = e_tw / fmax(vs_max, 1e-30);
+        if (r_ex > TOL_EXACT || r_tw > TOL_TWIN)
+            fprintf(stderr, "  %s seq %d row %d head %d ctx %d: vs exact %.3g, vs twin %.3g\n", c->s.name, seq,
+                    row, h, n_ctx, r_ex, r_tw);
+        CHECK(r_ex <= TOL_EXACT);
+        CHECK(r_tw <= TOL_TWIN);
+        w->exact = fmax(w->exact, r_ex);
+        w->twin = fmax(w->twin, r_tw);
+        w->twin_norm = fmax(w->twin_norm, e_tw / fmax(tw_max, 1e-30));
+    }
+    free(scores);
+}
+
+static void report(const char *what, const struct cache *c, const struct worst *w)
+{
+    printf("%-34s %-5s vs exact %.2e  vs twin %.2e (normwise %.2e)\n", what, c->s.name, w->exact, w->twin,
+           w->twin_norm);
+}
+
+/* Decode of n sequences with the given contexts; every row checked, and each
+ * of the first few sequences run alone must give the same bits. */
+static void test_decode(const struct cache *c, int n, const int *ctx, float qscale, int split, const char *what)
+{
+    int *pos = malloc((size_t)n * sizeof(int)), *one = malloc((size_t)n * sizeof(int));
+    for (int i = 0; i < n; i++) {
+        pos[i] = ctx[i] - 1;
+        one[i] = 1;
+    }
+    struct batch b;
+    batch_make(&b, c, n, pos, one, qscale);
+    float *out = gpu_attn(c, &b, 0, split);
+    struct worst w = { 0 };
+    for (int i = 0; i < n; i++)
+        check_row(&w, c, &b, i, i, pos[i], out);
+    report(what, c, &w);
+
+    /* batch invariance: the same sequence alone */
+    const size_t row_floats = (size_t)c->s.n_head * c->s.head_dim;
+    for (int i = 0; i < n && i < 3; i++) {
+        struct batch s1 = { .n_seq = 1, .rows = 1, .n_tables = b.n_tables };
+        struct kcuda_seq sq = { .row = 0, .n_tok = 1, .pos = pos[i], .table = b.seqs[i].table };
+        s1.seqs = &sq;
+        s1.tables = b.tables;
+        s1.q = b.q + (size_t)i * row_floats;
+        float *alone = gpu_attn(c, &s1, 0, split);
+        CHECK(memcmp(alone, out + (size_t)i * row_floats, row_floats * sizeof(float)) == 0);
+        free(alone);
+    }
+    free(out);
+    batch_free(&b);
+    free(pos);
+    free(one);
+}
+
+/* Prefill of chunks (pos[i], n_tok[i]): rows checked against the twin (all of
+ * them, or a sample in chunks after long prefixes), and every row against
+ * decoding its token alone, bit for bit. */
+static void test_prefill(const struct cache *c, int n, const int *pos, const int *n_tok, int split,
+                         const char *what)
+{
+    struct batch b;
+    batch_make(&b, c, n, pos, n_tok, 2.0f);
+    float *out = gpu_attn(c, &b, 1, split);
+    struct worst w = { 0 };
+    for (int i = 0; i < n; i++) {
+        const int long_ctx = pos[i] + n_tok[i] > 8192;
+        for (int t = 0; t < n_tok[i]; t++)
+            if (!long_ctx || t == 0 || t == n_tok[i] / 2 || t == n_tok[i] - 1)
+                check_row(&w, c, &b, i, b.seqs[i].row + t, pos[i] + t, out);
+    }
+    report(what, c, &w);
+
+    /* the same tokens as decode steps, one sequence each */
+    struct batch d = { .n_seq = b.rows, .rows = b.rows, .tables = b.tables, .n_tables = b.n_tables, .q = b.q };
+    d.seqs = calloc((size_t)b.rows, sizeof(*d.seqs));
+    for (int i = 0; i < n; i++)
+        for (int t = 0; t < n_tok[i]; t++) {
+            const int r = b.seqs[i].row + t;
+            d.seqs[r] = (struct kcuda_seq){ .row = r, .n_tok = 1, .pos = pos[i] + t, .table = b.seqs[i].table };
+        }
+    float *dec = gpu_attn(c, &d, 0, split);
+    const size_t floats = (size_t)b.rows * c->s.n_head * c->s.head_dim;
+    size_t differ = 0;
+    for (size_t i = 0; i < floats; i++)
+        differ += memcmp(&dec[i], &out[i], sizeof(float)) != 0;
+    if (differ)
+        fprintf(stderr, "  %s %s: %zu of %zu prefill values differ from decode\n", c->s.name, what, differ, floats);
+    CHECK(differ == 0);
+    free(d.seqs);
+    free(dec);
+    free(out);
+    batch_free(&b);
+}
+
+static void rand_ctx(int *ctx, int n, int lo, int hi)
+{
+    for (int i = 0; i < n; i++)
+        ctx[i] = lo + (int)(rng_u32() % (uint32_t)(hi - lo + 1));
+}
+
+int main(void)
+{
+    char why[256];
+    if (kcuda_device_count(why, sizeof(why)) == 0) {
+        printf("skip: %s\n", why);
+        return KVD_TEST_SKIP;
+    }
+    struct kcuda_info info;
+    REQUIRE(kcuda_device_open(0, &info) == 0);
+    printf("device: %s (sm_%d%d, %d SMs)\n", info.name, info.major, info.minor, info.sm_count);
+
+    static const struct shape shapes[] = {
+        { "9/3", 9, 3, 64, 16, 2100 },      /* SmolLM2-135M */
+        { "32/8", 32, 8, 128, 16, 420 },    /* Llama-3-8B */
+        { "4/4", 4, 4, 64, 32, 300 },       /* multi-head, 32-position blocks */
+        { "14/2", 14, 2, 64, 16, 600 },     /* groups of 7 */
+    };
+    int ctx[256];
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+        struct cache c;
+        REQUIRE(cache_init(&c, &shapes[si]) == 0);
+        const int max_ctx = c.s.n_blocks * c.s.block_tokens;
+        if (si == 0) {
+            static const int single[] = { 1, 7, 16, 33, 300, 4097, 32768 };
+            for (size_t i = 0; i < sizeof(single) / sizeof(single[0]); i++) {
+                char what[64];
+                snprintf(what, sizeof(what), "decode batch 1 ctx %d", single[i]);
+                test_decode(&c, 1, &single[i], 3.0f, 0, what);
+            }
+            static const int mixed[] = { 1, 31, 32, 33, 257, 1000, 5000, 32768 };
+            test_decode(&c, 8, mixed, 3.0f, 0, "decode batch 8 mixed");
+            test_decode(&c, 8, mixed, 0.3f, 0, "decode batch 8 mixed, flat");
+            rand_ctx(ctx, 64, 1, 3000);
+            test_decode(&c, 64, ctx, 2.0f, 0, "decode batch 64 ctx 1..3000");
+            rand_ctx(ctx, 200, 1, 600);
+            test_decode(&c, 200, ctx, 2.0f, 0, "decode batch 200 ctx 1..600");
+            rand_ctx(ctx, 16, 1, 2000);
+            test_decode(&c, 16, ctx, 2.0f, 64, "decode batch 16, split 64");
+            static const int pp[] = { 0, 0, 5, 1000, 32700 }, pn[] = { 1, 37, 100, 77, 68 };
+            test_prefill(&c, 5, pp, pn, 0, "prefill 5 chunks");
+            static const int qp[] = { 0, 300 }, qn[] = { 150, 90 };
+            test_prefill(&c, 2, qp, qn, 64, "prefill 2 chunks, split 64");
+        } else {
+            static const int few[] = { 1, 100, 1000, 3000, 6000 };
+            int n5 = 0;
+            for (int i = 0; i < 5; i++)
+                if (few[i] <= max_ctx)
+                    ctx[n5++] = few[i];
+            test_decode(&c, n5, ctx, 3.0f, 0, "decode batch 5");
+            rand_ctx(ctx, 33, 1, max_ctx < 2000 ? max_ctx : 2000);
+            test_decode(&c, 33, ctx, 2.0f, 0, "decode batch 33 ctx 1..2000");
+            const int pp[] = { 0, 3000 }, pn[] = { 130, 45 };
+            test_prefill(&c, 2, pp, pn, 0, "prefill 2 chunks");
+        }
+        cache_fini(&c);
+    }
+    return CHECK_DONE();
+}

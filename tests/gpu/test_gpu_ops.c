@@ -1,0 +1,464 @@
+/*
+ * test_gpu_ops.c - the CUDA matrix products and per-row kernels against their
+ * C twins.
+ *
+ *   activation quantization (Q8_0, Q8_1)   bit for bit (kern_quantize_act)
+ *   row lookup (F32, F16, Q4_0, Q4_1, Q8_0) bit for bit (kern_dequantize_row)
+ *   products Q4_1, Q8_0, F16               normwise relative error within 1e-3
+ *                                          per token (kern_matmul), residual
+ *                                          add, and batch invariance bit for bit
+ *   RMSNorm, SwiGLU                        relative error within 1e-5
+ *   RoPE + K/V write                       q within 1e-5; cache: V exact, K
+ *                                          within one f16 step, nothing else touched
+ *   argmax                                 identical ids (ties, NaN, -inf rows)
+ *
+ * Shapes are SmolLM2-135M's (576 wide, 1536 feed-forward, 192 KV rows, a
+ * 49152-row output head) and a few odd ones; batches of 1 to 13 tokens.
+ * Exits 77 (skip) where no CUDA device is usable.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "f16.h"
+#include "kcuda.h"
+#include "ops.h"
+#include "quant.h"
+#include "sampler.h"
+#include "types.h"
+
+static uint64_t rng_state = 0x243f6a8885a308d3ull;
+
+static uint32_t rng_u32(void)
+{
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return (uint32_t)((rng_state * 0x2545f4914f6cdd1dull) >> 32);
+}
+
+static float frand(void) { return (float)((double)rng_u32() / 2147483648.0 - 1.0); }
+
+/* Device copy of a host buffer (REQUIREs success). */
+static void *to_dev(const void *h, size_t bytes)
+{
+    void *d = kcuda_malloc(bytes);
+    REQUIRE(d != NULL);
+    REQUIRE(kcuda_upload(d, h, bytes) == 0);
+    return d;
+}
+
+static void from_dev(void *h, const void *d, size_t bytes)
+{
+    int rc = kcuda_sync();
+    if (rc)
+        fprintf(stderr, "kernel failed: %s\n", kcuda_last_error());
+    REQUIRE(rc == 0);
+    REQUIRE(kcuda_download(h, d, bytes) == 0);
+}
+
+/* Largest |a - b| over max |b| for n values (NaN in a counts as infinite). */
+static double normwise(const float *a, const float *b, size_t n)
+{
+    double e = 0, m = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(a[i]) != isnan(b[i]))
+            return INFINITY;
+        e = fmax(e, fabs((double)a[i] - b[i]));
+        m = fmax(m, fabs((double)b[i]));
+    }
+    return e / fmax(m, 1e-30);
+}
+
+/* ---- activation quantization ------------------------------------------------- */
+
+static void test_quantize(void)
+{
+    const int n = 576, T = 5, ldx = 600;
+    float *x = malloc((size_t)T * ldx * sizeof(float));
+    for (int i = 0; i < T * ldx; i++)
+        x[i] = frand() * (i % 7 == 0 ? 20.0f : 1.0f);
+    for (int i = 0; i < 64; i++)    /* a zero block and a tiny one */
+        x[ldx + i] = i < 32 ? 0.0f : frand() * 1e-30f;
+    const uint32_t types[] = { KERN_Q8_0, KERN_Q8_1 };
+    float *dx = to_dev(x, (size_t)T * ldx * sizeof(float));
+    for (int ti = 0; ti < 2; ti++) {
+        const size_t rb = kern_act_row_bytes(types[ti], n), stride = rb + 8;
+        uint8_t *ref = calloc((size_t)T, stride), *got = calloc((size_t)T, stride);
+        for (int t = 0; t < T; t++)
+            kern_quantize_act(types[ti], x + (size_t)t * ldx, ref + t * stride, n);
+        void *dd = to_dev(got, (size_t)T * stride);
+        REQUIRE(kcuda_quantize_act(types[ti], dx, ldx, dd, stride, n, T, NULL) == 0);
+        from_dev(got, dd, (size_t)T * stride);
+        CHECK(memcmp(ref, got, (size_t)T * stride) == 0);
+        printf("quantize %s: %s\n", kern_type_info(types[ti])->name,
+               memcmp(ref, got, (size_t)T * stride) == 0 ? "bit-exact" : "DIFFERS");
+        kcuda_free(dd);
+        free(ref);
+        free(got);
+    }
+    kcuda_free(dx);
+    free(x);
+}
+
+/* ---- row lookup --------------------------------------------------------------- */
+
+static void test_get_rows(void)
+{
+    const int n = 576, rows = 50, T = 4;
+    const int32_t ids[] = { 0, 49, 7, 7 };
+    const uint32_t types[] = { KERN_F32, KERN_F16, KERN_Q4_0, KERN_Q4_1, KERN_Q8_0 };
+    float *src = malloc((size_t)n * sizeof(float));
+    void *dids = to_dev(ids, sizeof(ids));
+    for (size_t ti = 0; ti < sizeof(types) / sizeof(types[0]); ti++) {
+        const size_t rb = kern_row_bytes(types[ti], n);
+        uint8_t *w = malloc(rb * rows);
+        for (int r = 0; r < rows; r++) {
+            for (int i = 0; i < n; i++)
+                src[i] = frand() * 0.1f;
+            REQUIRE(kern_quantize_row(types[ti], src, w + r * rb, n) == 0);
+        }
+        float *ref = malloc((size_t)T * n * sizeof(float)), *got = malloc((size_t)T * n * sizeof(float));
+        for (int t = 0; t < T; t++)
+            REQUIRE(kern_dequantize_row(types[ti], w + ids[t] * rb, ref + (size_t)t * n, n) == 0);
+        void *dw = to_dev(w, rb * rows), *dout = kcuda_malloc((size_t)T * n * sizeof(float));
+        REQUIRE(kcuda_get_rows(types[ti], dw, rb, n, dids, T, dout, NULL) == 0);
+        from_dev(got, dout, (size_t)T * n * sizeof(float));
+        CHECK(memcmp(ref, got, (size_t)T * n * sizeof(float)) == 0);
+        printf("get_rows %s: %s\n", kern_type_info(types[ti])->name,
+               memcmp(ref, got, (size_t)T * n * sizeof(float)) == 0 ? "bit-exact" : "DIFFERS");
+        kcuda_free(dw);
+        kcuda_free(dout);
+        free(w);
+        free(ref);
+        free(got);
+    }
+    kcuda_free(dids);
+    free(src);
+}
+
+/* ---- matrix products ----------------------------------------------------------- */
+
+/* out (T, rows) on the device for activations act (host bytes, T rows). */
+static float *gpu_gemm(uint32_t wtype, const void *dw, size_t row_bytes, int64_t rows, int64_t n,
+                       const uint8_t *act, size_t act_stride, int T, const float *init, bool add)
+{
+    const size_t ob = (size_t)T * rows * sizeof(float);
+    float *out = malloc(ob);
+    void *da = to_dev(act, act_stride * T), *dout = to_dev(init, ob);
+    struct kcuda_gemm_args g = {
+        .wtype = wtype, .w = dw, .row_bytes = row_bytes, .rows = rows, .n = n, .act = da, .act_stride = act_stride,
+        .T = T, .out = dout, .ldo = (size_t)rows, .add = add,
+    };
+    int rc = kcuda_gemm(&g, NULL);
+    if (rc)
+        fprintf(stderr, "gemm launch: %d %s\n", rc, kcuda_last_error());
+    REQUIRE(rc == 0);
+    from_dev(out, dout, ob);
+    kcuda_free(da);
+    kcuda_free(dout);
+    return out;
+}
+
+static void test_gemm_shape(uint32_t wtype, int64_t rows, int64_t n, const int *Ts, int nT)
+{
+    const size_t rb = kern_row_bytes(wtype, n);
+    const uint32_t at = kern_vec_dot_type(wtype);
+    const size_t ab = kern_act_row_bytes(at, n);
+    const size_t astride = (ab + 15) / 16 * 16;
+    uint8_t *w = malloc(rb * rows);
+    float *src = malloc((size_t)n * sizeof(float));
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < n; i++)
+            src[i] = frand() * 0.05f;
+        REQUIRE(kern_quantize_row(wtype, src, w + r * rb, n) == 0);
+    }
+    void *dw = to_dev(w, rb * rows);
+    int maxT = 0;
+    for (int i = 0; i < nT; i++)
+        maxT = Ts[i] > maxT ? Ts[i] : maxT;
+    uint8_t *act = calloc((size_t)maxT, astride);
+    for (int t = 0; t < maxT; t++) {
+        for (int64_t i = 0; i < n; i++)
+            src[i] = frand() * (t % 3 == 0 ? 4.0f : 1.0f);
+        kern_quantize_act(at, src, act + t * astride, n);
+    }
+    float *ref = malloc((size_t)maxT * rows * sizeof(float)), *init = malloc((size_t)maxT * rows * sizeof(float));
+    kern_matmul(wtype, w, rows, n, act, maxT, astride, ref);
+    for (size_t i = 0; i < (size_t)maxT * rows; i++)
+        init[i] = frand();
+    float *one = gpu_gemm(wtype, dw, rb, rows, n, act, astride, 1, init, false);   /* token 0 alone */
+    double worst = 0;
+    for (int i = 0; i < nT; i++) {
+        const int T = Ts[i];
+        for (int add = 0; add < 2; add++) {
+            float *got = gpu_gemm(wtype, dw, rb, rows, n, act, astride, T, init, add);
+            for (int t = 0; t < T; t++) {
+                const float *g = got + (size_t)t * rows;
+                const float *c = ref + (size_t)t * rows;
+                double e;
+                if (add) {
+                    /* the residual: init + product, against init + twin */
+                    double em = 0, m = 0;
+                    for (int64_t r = 0; r < rows; r++) {
+                        const double want = (double)init[t * rows + r] + c[r];
+                        em = fmax(em, fabs(g[r] - want));
+                        m = fmax(m, fabs(want));
+                    }
+                    e = em / fmax(m, 1e-30);
+                } else {
+                    e = normwise(g, c, (size_t)rows);
+                }
+                if (e > 1e-3)
+                    fprintf(stderr, "  %s %lldx%lld T %d token %d add %d: %.3g\n", kern_type_info(wtype)->name,
+                            (long long)rows, (long long)n, T, t, add, e);
+                CHECK(e <= 1e-3);
+                worst = fmax(worst, e);
+            }
+            if (!add)   /* batch invariance: token 0 as when alone */
+                CHECK(memcmp(got, one, (size_t)rows * sizeof(float)) == 0);
+            free(got);
+        }
+    }
+    printf("gemm %-4s %6lld x %-5lld T up to %2d: worst normwise %.2e\n", kern_type_info(wtype)->name,
+           (long long)rows, (long long)n, maxT, worst);
+    free(one);
+    kcuda_free(dw);
+    free(w);
+    free(src);
+    free(act);
+    free(ref);
+    free(init);
+}
+
+static void test_gemm(void)
+{
+    static const int Ts[] = { 1, 2, 3, 5, 8, 13 };
+    const int nT = sizeof(Ts) / sizeof(Ts[0]);
+    test_gemm_shape(KERN_Q4_1, 576, 576, Ts, nT);
+    test_gemm_shape(KERN_Q4_1, 192, 576, Ts, nT);
+    test_gemm_shape(KERN_Q4_1, 1536, 576, Ts, nT);
+    test_gemm_shape(KERN_Q4_1, 576, 1536, Ts, nT);
+    test_gemm_shape(KERN_Q4_1, 37, 4096, Ts, nT);
+    test_gemm_shape(KERN_Q8_0, 576, 576, Ts, nT);
+    test_gemm_shape(KERN_Q8_0, 33, 1056, Ts, nT);
+    test_gemm_shape(KERN_F16, 576, 576, Ts, nT);
+    test_gemm_shape(KERN_F16, 35, 1544, Ts, nT);
+    static const int Th[] = { 1, 3 };
+    test_gemm_shape(KERN_Q8_0, 49152, 576, Th, 2);  /* SmolLM2's output head */
+}
+
+/* ---- RMSNorm, SwiGLU -------------------------------------------------------------- */
+
+static void test_rows(void)
+{
+    const int n = 576, T = 6, ff = 1536;
+    const int32_t pick[] = { 5, 0, 3 };
+    float *x = malloc((size_t)T * n * sizeof(float)), *w = malloc((size_t)n * sizeof(float));
+    for (int i = 0; i < T * n; i++)
+        x[i] = frand() * (float)(1 + i / n);
+    for (int i = 0; i < n; i++)
+        w[i] = 1.0f + frand() * 0.5f;
+    float *ref = malloc((size_t)T * n * sizeof(float)), *got = malloc((size_t)T * n * sizeof(float));
+    void *dx = to_dev(x, (size_t)T * n * sizeof(float)), *dw = to_dev(w, (size_t)n * sizeof(float));
+    void *dout = kcuda_malloc((size_t)T * n * sizeof(float)), *dpick = to_dev(pick, sizeof(pick));
+    /* all rows, then a picked subset (the final norm of the rows that need logits) */
+    for (int t = 0; t < T; t++)
+        kern_rmsnorm(ref + (size_t)t * n, x + (size_t)t * n, w, n, 1e-5f);
+    REQUIRE(kcuda_rmsnorm(dout, dx, dw, NULL, n, T, 1e-5f, NULL) == 0);
+    from_dev(got, dout, (size_t)T * n * sizeof(float));
+    double e = 0;
+    for (int i = 0; i < T * n; i++)
+        e = fmax(e, fabs(got[i] - ref[i]) / (fabs(ref[i]) + 1e-30));
+    for (int i = 0; i < 3; i++)
+        kern_rmsnorm(ref + (size_t)i * n, x + (size_t)pick[i] * n, w, n, 1e-5f);
+    REQUIRE(kcuda_rmsnorm(dout, dx, dw, dpick, n, 3, 1e-5f, NULL) == 0);
+    from_dev(got, dout, (size_t)3 * n * sizeof(float));
+    for (int i = 0; i < 3 * n; i++)
+        e = fmax(e, fabs(got[i] - ref[i]) / (fabs(ref[i]) + 1e-30));
+    printf("rmsnorm: worst relative %.2e\n", e);
+    CHECK(e <= 1e-5);
+
+    float *g = malloc((size_t)T * ff * sizeof(float)), *u = malloc((size_t)T * ff * sizeof(float));
+    float *gref = malloc((size_t)T * ff * sizeof(float));
+    for (int i = 0; i < T * ff; i++) {
+        g[i] = frand() * 12.0f;
+        u[i] = frand() * 3.0f;
+    }
+    memcpy(gref, g, (size_t)T * ff * sizeof(float));
+    for (int t = 0; t < T; t++)
+        kern_swiglu(gref + (size_t)t * ff, u + (size_t)t * ff, ff);
+    void *dg = to_dev(g, (size_t)T * ff * sizeof(float)), *du = to_dev(u, (size_t)T * ff * sizeof(float));
+    REQUIRE(kcuda_swiglu(dg, du, ff, T, NULL) == 0);
+    from_dev(g, dg, (size_t)T * ff * sizeof(float));
+    e = 0;
+    for (int i = 0; i < T * ff; i++)
+        e = fmax(e, fabs(g[i] - gref[i]) / (fabs(gref[i]) + 1e-30));
+    printf("swiglu: worst relative %.2e\n", e);
+    CHECK(e <= 1e-5);
+    kcuda_free(dx);
+    kcuda_free(dw);
+    kcuda_free(dout);
+    kcuda_free(dpick);
+    kcuda_free(dg);
+    kcuda_free(du);
+    free(x);
+    free(w);
+    free(ref);
+    free(got);
+    free(g);
+    free(u);
+    free(gref);
+}
+
+/* ---- RoPE and the K/V write ------------------------------------------------------- */
+
+#define ROPE_T 9
+
+static void test_rope(int n_head, int n_kv, int D, int bt)
+{
+    const int T = ROPE_T, n_blocks = 40, n_layer = 2, layer = 1;
+    const int32_t pos[ROPE_T] = { 0, 1, 15, 16, 17, 300, 4097, 32767, 100000 };
+    const float base = 10000.0f;
+    const size_t head_bytes = (size_t)bt * D * 2, block_bytes = 2 * (size_t)n_layer * n_kv * head_bytes;
+    const size_t cache_bytes = block_bytes * n_blocks;
+    uint8_t *cref = malloc(cache_bytes), *cgot = malloc(cache_bytes);
+    for (size_t i = 0; i < cache_bytes; i++)
+        cref[i] = (uint8_t)rng_u32();
+    uint32_t block[ROPE_T];
+    for (int t = 0; t < T; t++)
+        block[t] = (uint32_t)((t * 7 + 3) % n_blocks);     /* distinct blocks */
+    const size_t qn = (size_t)T * n_head * D, kn = (size_t)T * n_kv * D;
+    float *q = malloc(qn * sizeof(float)), *k = malloc(kn * sizeof(float)), *v = malloc(kn * sizeof(float));
+    for (size_t i = 0; i < qn; i++)
+        q[i] = frand() * 4.0f;
+    for (size_t i = 0; i < kn; i++) {
+        k[i] = frand() * 4.0f;
+        v[i] = frand() * 4.0f;
+    }
+    void *dcache = to_dev(cref, cache_bytes), *dq = to_dev(q, qn * sizeof(float));
+    void *dk = to_dev(k, kn * sizeof(float)), *dv = to_dev(v, kn * sizeof(float));
+    void *dpos = to_dev(pos, sizeof(pos)), *dblock = to_dev(block, sizeof(block));
+
+    /* the C path: angles, rotation, f16 store (as engine/forward.c) */
+    float cs[KERN_MAX_HEAD_DIM];
+    uint8_t *lk = cref + (size_t)layer * 2 * n_kv * head_bytes, *lv = lk + (size_t)n_kv * head_bytes;
+    for (int t = 0; t < T; t++) {
+        kern_rope_angles(cs, D, pos[t], base);
+        kern_rope(q + (size_t)t * n_head * D, n_head, D, cs);
+        kern_rope(k + (size_t)t * n_kv * D, n_kv, D, cs);
+        const size_t off = (size_t)block[t] * block_bytes + (size_t)(pos[t] % bt) * D * 2;
+        for (int h = 0; h < n_kv; h++)
+            for (int d = 0; d < D; d++) {
+                const kvd_f16 hk = kvd_f32_to_f16(k[((size_t)t * n_kv + h) * D + d]);
+                const kvd_f16 hv = kvd_f32_to_f16(v[((size_t)t * n_kv + h) * D + d]);
+                memcpy(lk + off + h * head_bytes + 2 * d, &hk, 2);
+                memcpy(lv + off + h * head_bytes + 2 * d, &hv, 2);
+            }
+    }
+    uint8_t *dlk = (uint8_t *)dcache + (size_t)layer * 2 * n_kv * head_bytes;
+    struct kcuda_rope_args a = {
+        .kv = { .k = dlk, .v = dlk + (size_t)n_kv * head_bytes, .block_stride = block_bytes,
+                .head_stride = head_bytes, .block_tokens = bt, .head_dim = D, .n_head = n_head, .n_head_kv = n_kv },
+        .q = dq, .k = dk, .v = dv, .pos = dpos, .block = dblock, .T = T,
+        .step = powf(base, -2.0f / (float)D),
+    };
+    REQUIRE(kcuda_rope_kv(&a, NULL) == 0);
+    float *qg = malloc(qn * sizeof(float));
+    from_dev(qg, dq, qn * sizeof(float));
+    REQUIRE(kcuda_download(cgot, dcache, cache_bytes) == 0);
+    double eq = 0;
+    for (int t = 0; t < T; t++)
+        eq = fmax(eq, normwise(qg + (size_t)t * n_head * D, q + (size_t)t * n_head * D, (size_t)n_head * D));
+    CHECK(eq <= 1e-5);
+    /* the cache: V halves equal, K halves within one f16 step, the rest untouched */
+    size_t bad = 0, steps = 0;
+    for (size_t i = 0; i < cache_bytes; i += 2) {
+        kvd_f16 a16, b16;
+        memcpy(&a16, cgot + i, 2);
+        memcpy(&b16, cref + i, 2);
+        if (a16 == b16)
+            continue;
+        const size_t in_block = i % block_bytes;
+        const int is_k = in_block >= (size_t)layer * 2 * n_kv * head_bytes &&
+                         in_block < (size_t)(layer * 2 + 1) * n_kv * head_bytes;
+        const int diff = abs((int)a16 - (int)b16);
+        if (is_k && diff == 1 && (a16 & 0x8000) == (b16 & 0x8000))
+            steps++;
+        else
+            bad++;
+    }
+    printf("rope %d/%d/%d: q worst normwise %.2e; cache: %zu K halves one f16 step apart, %zu wrong\n", n_head,
+           n_kv, D, eq, steps, bad);
+    CHECK(bad == 0);
+    kcuda_free(dcache);
+    kcuda_free(dq);
+    kcuda_free(dk);
+    kcuda_free(dv);
+    kcuda_free(dpos);
+    kcuda_free(dblock);
+    free(cref);
+    free(cgot);
+    free(q);
+    free(k);
+    free(v);
+    free(qg);
+}
+
+/* ---- argmax ------------------------------------------------------------------------ */
+
+static void test_argmax(void)
+{
+    const int n = 49152, T = 8;
+    const size_t ld = n + 16;
+    float *l = malloc((size_t)T * ld * sizeof(float));
+    for (size_t i = 0; i < (size_t)T * ld; i++)
+        l[i] = frand() * 10.0f;
+    l[1 * ld + 100] = l[1 * ld + 40000] = 50.0f;            /* a tie: lowest index */
+    for (int i = 0; i < n; i++)
+        l[2 * ld + i] = 1.5f;                               /* all equal: 0 */
+    l[3 * ld + 0] = NAN;                                    /* NaN first: 0, as the twin */
+    l[4 * ld + 5] = NAN;                                    /* NaN inside: never chosen */
+    l[4 * ld + 6] = 99.0f;
+    for (int i = 0; i < n; i++)
+        l[5 * ld + i] = -INFINITY;                          /* nothing finite */
+    l[6 * ld + n - 1] = 1e30f;                              /* the last */
+    int32_t got[8], *dids = kcuda_malloc(sizeof(got));
+    void *dl = to_dev(l, (size_t)T * ld * sizeof(float));
+    REQUIRE(dids != NULL);
+    REQUIRE(kcuda_argmax(dids, dl, n, ld, T, NULL) == 0);
+    from_dev(got, dids, sizeof(got));
+    int same = 0;
+    for (int t = 0; t < T; t++) {
+        const int32_t want = sampler_argmax(l + (size_t)t * ld, (uint32_t)n);
+        CHECK_INT(got[t], want);
+        same += got[t] == want;
+    }
+    printf("argmax: %d of %d rows agree\n", same, T);
+    kcuda_free(dids);
+    kcuda_free(dl);
+    free(l);
+}
+
+int main(void)
+{
+    char why[256];
+    if (kcuda_device_count(why, sizeof(why)) == 0) {
+        printf("skip: %s\n", why);
+        return KVD_TEST_SKIP;
+    }
+    struct kcuda_info info;
+    REQUIRE(kcuda_device_open(0, &info) == 0);
+    printf("device: %s (sm_%d%d, %d SMs)\n", info.name, info.major, info.minor, info.sm_count);
+    test_quantize();
+    test_get_rows();
+    test_gemm();
+    test_rows();
+    test_rope(9, 3, 64, 16);
+    test_rope(32, 8, 128, 32);
+    test_argmax();
+    return CHECK_DONE();
+}
