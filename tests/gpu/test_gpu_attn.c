@@ -273,7 +273,7 @@ static void report(const char *what, const struct cache *c, const struct worst *
  * of the first few sequences run alone must give the same bits. */
 static void test_decode(const struct cache *c, int n, const int *ctx, float qscale, int split, const char *what)
 {
-    int *pos = malloc((size_t)n * sizeof(int)), *one = malloc((size_t)n * sizeof(int));
+    int *pos = calloc((size_t)n, sizeof(int)), *one = calloc((size_t)n, sizeof(int));
     for (int i = 0; i < n; i++) {
         pos[i] = ctx[i] - 1;
         one[i] = 1;
