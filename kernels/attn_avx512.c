@@ -19,29 +19,9 @@
 #include <string.h>
 
 #include "attn.h"
+#include "exp512.h"
 #include "ops.h"
 #include "types.h"
-
-/* e^x for x <= 0, sixteen at a time (the same polynomial as the AVX2 path). */
-static inline __m512 exp16(__m512 x)
-{
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps((__mmask16)~under, p, _mm512_castsi512_ps(e));
-}
 
 /* Sixteen vectors in, one out: lane i = the sum of the lanes of v[i]. */
 static inline __m512 reduce16(const __m512 v[16])
@@ -151,7 +131,7 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
         __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
         for (int j = 0; j < n; j += 16) {
             const __mmask16 m = (__mmask16)(n - j >= 16 ? 0xFFFFu : (1u << (n - j)) - 1u);
-            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + j), vmx)));
+            const __m512 e = _mm512_maskz_mov_ps(m, kern_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + j), vmx)));
             _mm512_mask_storeu_ps(sc + j, m, e);
             s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
             s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm512_extractf32x8_ps(e, 1)));
