@@ -9,6 +9,11 @@
 #include <stddef.h>
 #include <stdio.h>
 
+/* Exit status of a worker that cannot run in its configuration (no usable
+ * GPU, no GPU engine in this build): kvd reports it and does not restart the
+ * worker (EX_CONFIG of sysexits.h). cli_die exits with 1. */
+#define CLI_EXIT_UNUSABLE 78
+
 /* Names the program for cli_die's prefix ("kvd-run: ..."). */
 void cli_init(const char *prog);
 

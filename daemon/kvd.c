@@ -2,13 +2,16 @@
  * kvd.c - kvd, the coordinator: options, sockets, signals, the event loop.
  *
  *   kvd --model M [--workers N] [--listen ENDPOINT]... [--kv-memory SIZE] ...
+ *   kvd --model M --gpu N [--workers-per-gpu K] ...
  *
  * kvd loads the model's tokenizer and chat template, creates the KV pool in
  * shared memory and its prefix cache, binds a ROUTER for clients (by default
  * ipc:// in a private 0700 runtime directory; tcp:// only on the addresses
  * given, never all interfaces unless --allow-remote) and a ROUTER for workers,
  * starts N kvd-worker processes (restarting those that die) and accepts
- * workers started by hand on the worker endpoint. SIGTERM drains: new
+ * workers started by hand on the worker endpoint. With --gpu the pool's KV
+ * data lives in that GPU's memory instead of shared memory (gpu.c), and the
+ * workers it starts compute there. SIGTERM drains: new
  * requests are refused, running ones get --grace milliseconds to finish,
  * the rest are cancelled, workers are stopped, every block is released, and
  * kvd exits 0.
@@ -87,6 +90,9 @@ static void usage(FILE *f)
           "      --worker-timeout MS  no heartbeat or progress for this long: dead (default 5000)\n"
           "      --grace MS           SIGTERM: time running requests get to finish (default 10000)\n"
           "      --max-restarts N     restarts per worker (default 10; -1: unlimited)\n"
+          "      --gpu N              keep the KV pool in the memory of CUDA device N and start\n"
+          "                           GPU workers (default --kv-memory: 1GiB or half the free memory)\n"
+          "      --workers-per-gpu K  GPU workers to start with --gpu (default 1; 0: external only)\n"
           "  -v, --verbose\n",
           f);
 }
@@ -94,7 +100,7 @@ static void usage(FILE *f)
 static void parse_args(int argc, char **argv, struct kvd_options *o)
 {
     enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
-           OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS };
+           OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -114,6 +120,8 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "worker-timeout", required_argument, NULL, OPT_WTIMEOUT },
         { "grace", required_argument, NULL, OPT_GRACE },
         { "max-restarts", required_argument, NULL, OPT_RESTARTS },
+        { "gpu", required_argument, NULL, OPT_GPU },
+        { "workers-per-gpu", required_argument, NULL, OPT_WPG },
         { NULL, 0, NULL, 0 },
     };
     memset(o, 0, sizeof(*o));
@@ -126,12 +134,18 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     o->worker_timeout_ms = 5000;
     o->grace_ms = 10000;
     o->max_restarts = 10;
+    o->gpu = -1;
+    o->workers_per_gpu = -1;
+    bool workers_given = false;
     opterr = 0;
     int c;
     while ((c = getopt_long(argc, argv, ":m:w:l:c:t:vh", longs, NULL)) != -1) {
         switch (c) {
         case 'm': o->model = optarg; break;
-        case 'w': o->n_workers = (int)cli_long(optarg, "--workers", 0, KVD_MAX_WORKERS); break;
+        case 'w':
+            o->n_workers = (int)cli_long(optarg, "--workers", 0, KVD_MAX_WORKERS);
+            workers_given = true;
+            break;
         case 'l':
             if (o->n_listen == KVD_MAX_LISTEN)
                 cli_die("at most %d --listen endpoints", KVD_MAX_LISTEN);
@@ -157,12 +171,22 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
             break;
         case OPT_GRACE: o->grace_ms = (uint32_t)cli_long(optarg, "--grace", 0, 3600000); break;
         case OPT_RESTARTS: o->max_restarts = (int)cli_long(optarg, "--max-restarts", -1, 1000000); break;
+        case OPT_GPU: o->gpu = (int)cli_long(optarg, "--gpu", 0, 1023); break;
+        case OPT_WPG:
+            o->workers_per_gpu = (int)cli_long(optarg, "--workers-per-gpu", 0, KVD_MAX_WORKERS);
+            break;
         case ':': cli_die("option %s needs a value", argv[optind - 1]);
         default: cli_die("unknown option %s (see --help)", argv[optind - 1]);
         }
     }
     if (optind < argc)
         cli_die("unexpected argument '%s' (see --help)", argv[optind]);
+    if (o->workers_per_gpu >= 0 && o->gpu < 0)
+        cli_die("--workers-per-gpu needs --gpu N");
+    if (o->gpu >= 0 && workers_given)
+        cli_die("with --gpu, give the number of workers as --workers-per-gpu");
+    if (o->gpu >= 0)
+        o->n_workers = o->workers_per_gpu >= 0 ? o->workers_per_gpu : 1;
 }
 
 /* ---- set-up -------------------------------------------------------------------------------- */
@@ -258,7 +282,12 @@ static void setup(struct kvd *k)
     pp.name = k->pool_name;
     pp.reuse = o->pool != NULL;
     pp.unlink_on_close = o->pool == NULL;
-    pp.kv_bytes = o->kv_bytes ? o->kv_bytes : default_kv_bytes();
+    pp.kv_bytes = o->kv_bytes ? o->kv_bytes : o->gpu >= 0 ? gpu_default_kv_bytes(k)
+                                                          : default_kv_bytes();
+    if (o->gpu >= 0) {
+        pp.kv_where = POOL_KV_DEVICE;
+        pp.kv_device = o->gpu;
+    }
     struct pool_capacity cap;
     if (pool_plan(&lay, &pp, &cap, err, sizeof(err)) != 0)
         cli_die("%s", err);
@@ -312,8 +341,27 @@ static void setup(struct kvd *k)
     check_endpoint(k, k->worker_ep);
     if (zmq_bind(k->wsock, k->worker_ep) != 0)
         cli_die("cannot listen for workers on %s: %s", k->worker_ep, zmq_strerror(errno));
-    kvd_log(k, "workers connect to %s (kvd-worker --pool %s --connect %s --model %s --id N)",
-            k->worker_ep, k->pool_name, k->worker_ep, o->model);
+    if (o->gpu >= 0) {
+        /* the device memory's socket: in the runtime directory, private either way */
+        char dir[4096];
+        if (k->run_dir[0]) {
+            snprintf(dir, sizeof(dir), "%s", k->run_dir);
+        } else {
+            char path[4096];
+            snprintf(path, sizeof(path), "%s", kvd_default_endpoint(def, sizeof(def)));
+            if (strncmp(path, "ipc://", 6) != 0)
+                snprintf(path, sizeof(path), "ipc:///tmp/kvd-%u/kvd.sock", (unsigned)getuid());
+            snprintf(dir, sizeof(dir), "%s", dirname(path + 6));
+            private_dir(dir);
+        }
+        gpu_setup(k, dir);
+        kvd_log(k, "workers connect to %s (kvd-worker --pool %s --connect %s --model %s --id N "
+                "--gpu %d --gpu-socket %s)", k->worker_ep, k->pool_name, k->worker_ep, o->model,
+                o->gpu, k->gpu_sock);
+    } else {
+        kvd_log(k, "workers connect to %s (kvd-worker --pool %s --connect %s --model %s --id N)",
+                k->worker_ep, k->pool_name, k->worker_ep, o->model);
+    }
 }
 
 /* ---- the loop -------------------------------------------------------------------------------- */
@@ -366,13 +414,16 @@ static void loop(struct kvd *k, int sfd)
     bool cancelled = false;
     double cancel_deadline = 0;
     while (!k->stop) {
-        zmq_pollitem_t items[3] = {
+        zmq_pollitem_t items[4] = {
             { k->clients, 0, ZMQ_POLLIN, 0 },
             { k->wsock, 0, ZMQ_POLLIN, 0 },
             { NULL, sfd, ZMQ_POLLIN, 0 },
+            { NULL, k->gpu_fd, ZMQ_POLLIN, 0 },
         };
-        if (zmq_poll(items, 3, 50) < 0 && errno != EINTR)
+        if (zmq_poll(items, k->gpu_fd >= 0 ? 4 : 3, 50) < 0 && errno != EINTR)
             cli_die("poll: %s", zmq_strerror(errno));
+        if (k->gpu_fd >= 0 && (items[3].revents & ZMQ_POLLIN))
+            gpu_serve(k);
         if (items[2].revents & ZMQ_POLLIN) {
             struct signalfd_siginfo si;
             while (read(sfd, &si, sizeof(si)) == (ssize_t)sizeof(si))
@@ -408,6 +459,7 @@ int main(int argc, char **argv)
     if (k == NULL)
         cli_die("out of memory");
     parse_args(argc, argv, &k->o);
+    gpu_probe(k); /* a GPU that is not there fails now, not after the model loads */
     srandom((unsigned)time(NULL) ^ (unsigned)getpid());
     /* signals arrive through a descriptor the loop polls */
     sigset_t set;
@@ -451,10 +503,12 @@ int main(int argc, char **argv)
             unlink(k->o.listen[i] + 6);
     prefix_destroy(&k->px);
     pool_close(&k->pool);
+    gpu_fini(k);
     chat_template_destroy(&k->chat);
     tok_destroy(&k->tok);
     model_destroy(&k->model);
     close(sfd);
+    int status = k->exit_status;
     free(k);
-    return 0;
+    return status;
 }

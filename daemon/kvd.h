@@ -4,6 +4,7 @@
  *   kvd.c       options, sockets, signals, the event loop, stats, shutdown
  *   requests.c  client requests: admission, prompts, dispatch, output, finish
  *   workers.c   worker processes: spawn, register, heartbeats, death, messages
+ *   gpu.c       --gpu: the pool's KV data in device memory, handed to workers
  *
  * kvd is single-threaded: one zmq_poll loop owns every structure here, so
  * nothing locks. It is the only writer of the pool's metadata (shm/prefix.h);
@@ -47,6 +48,8 @@ struct kvd_options {
     uint32_t worker_timeout_ms;     /* --worker-timeout: no heartbeat or progress -> dead */
     uint32_t grace_ms;              /* --grace: how long SIGTERM lets requests finish */
     int max_restarts;               /* --max-restarts per worker slot */
+    int gpu;                        /* --gpu: CUDA device holding the KV pool; -1: host memory */
+    int workers_per_gpu;            /* --workers-per-gpu (-1: not given) */
     bool verbose;                   /* -v */
 };
 
@@ -114,6 +117,7 @@ struct worker {
     uint64_t tokens;                /* tokens it computed */
     uint32_t restarts;
     double restart_at;              /* ms: when a dead spawned worker may be started again */
+    bool unusable;                  /* exited with CLI_EXIT_UNUSABLE: never restarted */
 };
 
 struct kvd_stats_counters {
@@ -122,6 +126,8 @@ struct kvd_stats_counters {
     uint64_t preemptions;
     uint64_t bad_messages;
 };
+
+struct kcuda_vmm;
 
 struct kvd {
     struct kvd_options o;
@@ -133,6 +139,11 @@ struct kvd {
     tok_t *tok;
     chat_template_t *chat;          /* NULL when the model has none */
     pool_t *pool;
+    struct kcuda_vmm *vmm;          /* --gpu: the pool's KV data on the device; NULL otherwise */
+    int gpu_fd;                     /* --gpu: listening socket that hands workers the memory, else -1 */
+    char gpu_sock[108];             /* its path (a sockaddr_un's sun_path) */
+    char gpu_name[96];              /* --gpu: the device's name */
+    uint64_t gpu_free;              /* --gpu: its free memory when kvd started */
     prefix_t *px;
     uint32_t n_ctx;                 /* context in effect */
     void *zctx;
@@ -148,6 +159,7 @@ struct kvd {
     bool draining;                  /* SIGTERM: no new work */
     double drain_deadline;
     bool stop;                      /* leave the loop */
+    int exit_status;                /* main's: 1 when kvd stops because no worker can run */
 };
 
 void kvd_log(const struct kvd *k, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -182,5 +194,12 @@ int workers_alive(const struct kvd *k);
 bool workers_can_come_back(const struct kvd *k);
 void workers_stop(struct kvd *k);
 int workers_send(struct kvd *k, int w, Kvdw__ToWorker *m);
+
+/* gpu.c: the pool's device memory and the socket that hands it to workers */
+void gpu_probe(struct kvd *k);
+uint64_t gpu_default_kv_bytes(const struct kvd *k);
+void gpu_setup(struct kvd *k, const char *run_dir);
+void gpu_serve(struct kvd *k);
+void gpu_fini(struct kvd *k);
 
 #endif

@@ -26,7 +26,7 @@ static int slot_by_rid(const struct kvd *k, const uint8_t *rid, size_t len)
 static int spawn(struct kvd *k, int i)
 {
     struct worker *w = &k->workers[i];
-    char path[4200], id[16], threads[16], bt[16], step[16], batch[16], ctx[16], step_ms[16];
+    char path[4200], id[16], threads[16], bt[16], step[16], batch[16], ctx[16], step_ms[16], gpu[16];
     snprintf(path, sizeof(path), "%s/kvd-worker", k->exe_dir);
     snprintf(id, sizeof(id), "%u", w->id);
     int t = k->o.threads;
@@ -44,10 +44,12 @@ static int spawn(struct kvd *k, int i)
     /* steps short enough that heartbeats and progress come well within the timeout */
     uint32_t sm = k->o.worker_timeout_ms / 8;
     snprintf(step_ms, sizeof(step_ms), "%u", sm < 10 ? 10 : sm > 500 ? 500 : sm);
+    snprintf(gpu, sizeof(gpu), "%d", k->o.gpu);
     char *argv[] = { path, "--model", (char *)k->o.model, "--pool", k->pool_name, "--connect",
                      k->worker_ep, "--id", id, "--threads", threads, "--block-tokens", bt,
                      "--step-tokens", step, "--max-batch", batch, "--ctx", ctx, "--step-ms", step_ms,
-                     NULL };
+                     /* GPU workers: the device and where kvd hands out its memory */
+                     k->o.gpu >= 0 ? "--gpu" : NULL, gpu, "--gpu-socket", k->gpu_sock, NULL };
     fflush(NULL);
     pid_t parent = getpid();
     pid_t pid = fork();
@@ -104,21 +106,66 @@ bool workers_can_come_back(const struct kvd *k)
     return false;
 }
 
+/* True once process pid has exited (reaping it when it is our child). */
+static bool process_gone(pid_t pid)
+{
+    int st;
+    pid_t r = waitpid(pid, &st, WNOHANG);
+    if (r == pid)
+        return true;
+    if (r == 0)
+        return false;
+    /* not our child (a worker started by hand): gone when absent or a zombie,
+     * which has closed its descriptors and so its GPU context */
+    char path[64], buf[256];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return true;
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *p = strrchr(buf, ')');
+    return p == NULL || p[1] == 0 || p[2] == 'Z' || p[2] == 'X';
+}
+
+/* GPU pools: a killed worker's kernels may still be writing into its pending
+ * blocks until the driver has torn its context down, which is done when the
+ * process is gone. Waits for that (bounded) before the blocks are reused. */
+static void wait_gone(struct kvd *k, struct worker *w)
+{
+    double until = cli_now_ms() + 10000;
+    while (!process_gone(w->pid)) {
+        if (cli_now_ms() > until) {
+            kvd_log(k, "worker %u (pid %d): still there 10 s after SIGKILL; releasing its blocks "
+                    "anyway", w->id, (int)w->pid);
+            return;
+        }
+        usleep(2000);
+    }
+    if (w->spawned)
+        w->pid = 0; /* reaped here: no kill() on a recycled pid */
+}
+
 /* Declares worker i dead: makes sure it can write nothing more, hands its
  * sequences back, and schedules a restart for the ones kvd started. */
 static void lose(struct kvd *k, int i, const char *why)
 {
     struct worker *w = &k->workers[i];
     bool was_alive = w->alive;
-    if (w->pid > 0)
+    if (w->pid > 0) {
         kill(w->pid, SIGKILL); /* a hung or stopped worker must never write again */
+        if (pool_kv_device(k->pool) >= 0 && was_alive)
+            wait_gone(k, w);
+    }
     w->alive = false;
     kvd_log(k, "worker %u (pid %d): %s", w->id, (int)w->pid, why);
     if (was_alive)
         req_on_worker_lost(k, i);
     w->running = 0;
     w->starved = 0;
-    if (w->spawned && !k->draining && (k->o.max_restarts < 0 || (int)w->restarts < k->o.max_restarts)) {
+    if (w->spawned && !k->draining && !w->unusable &&
+        (k->o.max_restarts < 0 || (int)w->restarts < k->o.max_restarts)) {
         double backoff = 200.0 * (1u << (w->restarts < 5 ? w->restarts : 5));
         w->restart_at = cli_now_ms() + backoff;
     } else {
@@ -135,14 +182,35 @@ void workers_reap(struct kvd *k)
             struct worker *w = &k->workers[i];
             if (!w->used || w->pid != pid)
                 continue;
-            char why[96];
+            char why[160];
             if (WIFSIGNALED(st))
                 snprintf(why, sizeof(why), "killed by signal %d", WTERMSIG(st));
+            else if (WEXITSTATUS(st) == CLI_EXIT_UNUSABLE && w->spawned)
+                snprintf(why, sizeof(why), "cannot run in this configuration (its reason is above); "
+                         "not restarted");
             else
                 snprintf(why, sizeof(why), "exited with status %d", WEXITSTATUS(st));
             w->pid = 0; /* reaped: no kill() on a recycled pid */
+            w->unusable |= WIFEXITED(st) && WEXITSTATUS(st) == CLI_EXIT_UNUSABLE && w->spawned;
             lose(k, i, why);
         }
+    }
+    /* kvd started workers and none of them can ever run: serving nothing
+     * forever would hide the reason, so stop and say so */
+    bool any = false, all_unusable = true;
+    for (int i = 0; i < KVD_MAX_WORKERS; i++) {
+        const struct worker *w = &k->workers[i];
+        if (!w->used)
+            continue;
+        if (w->spawned)
+            any = true;
+        if (w->alive || (w->spawned && !w->unusable))
+            all_unusable = false;
+    }
+    if (any && all_unusable && !k->stop) {
+        kvd_log(k, "no worker can run (see the reasons above); stopping");
+        k->exit_status = 1;
+        k->stop = true;
     }
 }
 

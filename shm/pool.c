@@ -29,6 +29,8 @@ struct pool {
     bool huge;              /* huge pages advised and enabled for shmem */
     bool fresh;             /* this open made the segment: its metadata is empty */
     char name[POOL_NAME_MAX + 2]; /* "/name", or "" when anonymous */
+    uint8_t *dev_base;      /* device pool: where this process mapped the KV data; NULL before */
+    uint64_t dev_bytes;     /* bytes mapped at dev_base */
 };
 
 struct pool_params pool_default_params(void)
@@ -77,8 +79,11 @@ static uint64_t layout_block_bytes(const struct pool_layout *lay)
     return 2ull * lay->n_layer * lay->n_head_kv * lay->head_dim * lay->block_tokens * elem;
 }
 
-/* Offsets of a segment of n blocks. */
-static void layout_offsets(const struct pool_layout *lay, uint32_t n, struct pool_header *h)
+#define MAX_DEVICE 1023  /* largest CUDA device index a header may name */
+
+/* Offsets of a segment of n blocks; a device pool's segment ends with its metadata. */
+static void layout_offsets(const struct pool_layout *lay, uint32_t n, bool on_device,
+                           struct pool_header *h)
 {
     uint64_t bb = layout_block_bytes(lay);
     h->n_blocks = n;
@@ -89,8 +94,19 @@ static void layout_offsets(const struct pool_layout *lay, uint32_t n, struct poo
     h->buckets_off = align_up(h->tokens_off + (uint64_t)n * lay->block_tokens * 4, 64);
     uint64_t meta_end = h->buckets_off + (uint64_t)h->n_buckets * 4;
     uint64_t data_bytes = (uint64_t)n * bb;
+    h->kv_bytes = data_bytes;
+    if (on_device) {
+        h->data_off = align_up(meta_end, PAGE_ALIGN);
+        h->total_bytes = h->data_off;
+        return;
+    }
     h->data_off = align_up(meta_end, data_bytes >= 64ull * HUGE_ALIGN ? HUGE_ALIGN : PAGE_ALIGN);
     h->total_bytes = h->data_off + data_bytes;
+}
+
+static bool params_on_device(const struct pool_params *p)
+{
+    return p->kv_where == POOL_KV_DEVICE;
 }
 
 int pool_plan(const struct pool_layout *lay, const struct pool_params *p,
@@ -99,6 +115,12 @@ int pool_plan(const struct pool_layout *lay, const struct pool_params *p,
     int rc = layout_check(lay, err, errlen);
     if (rc)
         return rc;
+    if (p->kv_where != 0 && p->kv_where != POOL_KV_HOST && p->kv_where != POOL_KV_DEVICE)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "pool: unknown KV location %u", p->kv_where);
+    bool dev = params_on_device(p);
+    if (dev && (p->kv_device < 0 || p->kv_device > MAX_DEVICE))
+        return kvd_seterr(err, errlen, KVD_EINVAL, "pool: device %d is out of range (0..%d)",
+                          p->kv_device, MAX_DEVICE);
     uint64_t bb = layout_block_bytes(lay);
     uint64_t over = sizeof(struct pool_block) + (uint64_t)lay->block_tokens * 4 + 8;
     uint64_t n;
@@ -109,11 +131,12 @@ int pool_plan(const struct pool_layout *lay, const struct pool_params *p,
                               "pool: the KV budget is zero (give a size or a block count)");
         n = p->n_blocks;
     } else {
-        n = p->kv_bytes / (bb + over);
+        /* a device budget buys blocks alone: the metadata is host memory */
+        n = p->kv_bytes / (dev ? bb : bb + over);
         if (n > UINT32_MAX - 1)
             n = UINT32_MAX - 1;
-        while (n > 0) {
-            layout_offsets(lay, (uint32_t)n, &h);
+        while (n > 0 && !dev) {
+            layout_offsets(lay, (uint32_t)n, false, &h);
             if (h.total_bytes <= p->kv_bytes)
                 break;
             /* step down by the excess in whole blocks, at least one */
@@ -121,17 +144,19 @@ int pool_plan(const struct pool_layout *lay, const struct pool_params *p,
             n = over_by < n ? n - over_by : 0;
         }
         if (n == 0) {
-            layout_offsets(lay, 1, &h);
+            layout_offsets(lay, 1, dev, &h);
             return kvd_seterr(err, errlen, KVD_EINVAL,
                               "pool: a budget of %llu bytes is smaller than one block "
-                              "(%llu bytes with its metadata)",
-                              (unsigned long long)p->kv_bytes, (unsigned long long)h.total_bytes);
+                              "(%llu bytes%s)",
+                              (unsigned long long)p->kv_bytes,
+                              (unsigned long long)(dev ? bb : h.total_bytes),
+                              dev ? "" : " with its metadata");
         }
     }
     if (n > UINT32_MAX - 1)
         return kvd_seterr(err, errlen, KVD_ERANGE, "pool: %llu blocks is too many",
                           (unsigned long long)n);
-    layout_offsets(lay, (uint32_t)n, &h);
+    layout_offsets(lay, (uint32_t)n, dev, &h);
     uint64_t elem = lay->dtype == KERN_F32 ? 4 : 2;
     cap->bytes_per_token = 2ull * lay->n_layer * lay->n_head_kv * lay->head_dim * elem;
     cap->block_bytes = bb;
@@ -139,17 +164,24 @@ int pool_plan(const struct pool_layout *lay, const struct pool_params *p,
     cap->n_blocks = (uint32_t)n;
     cap->n_tokens = n * lay->block_tokens;
     cap->total_bytes = h.total_bytes;
+    cap->data_bytes = h.kv_bytes;
+    cap->kv_device = dev ? p->kv_device : -1;
     return 0;
 }
 
 void pool_describe(const struct pool_layout *lay, const struct pool_capacity *cap, uint32_t ctx,
                    char *buf, size_t len)
 {
-    char total[32], blk[32];
+    char total[32], blk[32], meta[32], where[64] = "";
+    if (cap->kv_device >= 0)
+        snprintf(where, sizeof(where), " on GPU %d (+ %s of metadata in host memory)",
+                 cap->kv_device, kvd_format_bytes(cap->total_bytes, meta, sizeof(meta)));
     int n = snprintf(buf, len,
-                     "%s: %u blocks of %u tokens (%s each) = %llu tokens at %llu bytes/token "
+                     "%s%s: %u blocks of %u tokens (%s each) = %llu tokens at %llu bytes/token "
                      "(2 x %u layers x %u KV heads x %u dims x %u B)",
-                     kvd_format_bytes(cap->total_bytes, total, sizeof(total)), cap->n_blocks,
+                     kvd_format_bytes(cap->kv_device >= 0 ? cap->data_bytes : cap->total_bytes,
+                                      total, sizeof(total)),
+                     where, cap->n_blocks,
                      lay->block_tokens, kvd_format_bytes(cap->block_bytes, blk, sizeof(blk)),
                      (unsigned long long)cap->n_tokens, (unsigned long long)cap->bytes_per_token,
                      lay->n_layer, lay->n_head_kv, lay->head_dim, lay->dtype == KERN_F32 ? 4 : 2);
@@ -190,12 +222,17 @@ static int header_check(const struct pool_header *h, uint64_t size, const struct
                           l->dtype == KERN_F32 ? "f32" : "f16", lay->dtype == KERN_F32 ? "f32" : "f16");
     if (h->n_blocks == 0 || h->n_blocks == UINT32_MAX)
         return kvd_seterr(err, errlen, KVD_EFORMAT, "corrupt header (block count %u)", h->n_blocks);
+    bool dev = h->kv_where == POOL_KV_DEVICE;
+    if (!(h->kv_where == POOL_KV_HOST && h->kv_device == -1) &&
+        !(dev && h->kv_device >= 0 && h->kv_device <= MAX_DEVICE))
+        return kvd_seterr(err, errlen, KVD_EFORMAT, "corrupt header (KV location %u, device %d)",
+                          h->kv_where, h->kv_device);
     struct pool_header want;
-    layout_offsets(lay, h->n_blocks, &want);
+    layout_offsets(lay, h->n_blocks, dev, &want);
     if (h->n_buckets != want.n_buckets || h->block_bytes != want.block_bytes ||
         h->records_off != want.records_off || h->tokens_off != want.tokens_off ||
         h->buckets_off != want.buckets_off || h->data_off != want.data_off ||
-        h->total_bytes != want.total_bytes)
+        h->total_bytes != want.total_bytes || h->kv_bytes != want.kv_bytes)
         return kvd_seterr(err, errlen, KVD_EFORMAT, "corrupt header (offsets do not match its layout)");
     if (h->total_bytes > size)
         return kvd_seterr(err, errlen, KVD_EFORMAT,
@@ -248,14 +285,29 @@ static uint8_t *map_segment(int fd, size_t size, int prot)
 
 static void advise_huge(pool_t *p, const struct pool_header *h)
 {
-    if (h->data_off % HUGE_ALIGN != 0)
+    if (h->kv_where != POOL_KV_HOST || h->data_off % HUGE_ALIGN != 0)
         return;
     if (madvise(p->base + h->data_off, h->total_bytes - h->data_off, MADV_HUGEPAGE) == 0)
         p->huge = shmem_thp_enabled();
 }
 
+/* Fills buf with random bytes; 0 or KVD_EIO. */
+static int random_bytes(void *buf, size_t len)
+{
+    size_t got = 0;
+    while (got < len) {
+        ssize_t r = getrandom((uint8_t *)buf + got, len - got, 0);
+        if (r < 0 && errno != EINTR)
+            return KVD_EIO;
+        if (r > 0)
+            got += (size_t)r;
+    }
+    return 0;
+}
+
 /* Writes a fresh, empty header (state INIT) for n blocks. */
-static int header_init(struct pool_header *h, const struct pool_layout *lay, uint32_t n)
+static int header_init(struct pool_header *h, const struct pool_layout *lay, uint32_t n,
+                       const struct pool_params *pp)
 {
     memset(h, 0, sizeof(*h));
     h->magic = POOL_MAGIC;
@@ -265,15 +317,13 @@ static int header_init(struct pool_header *h, const struct pool_layout *lay, uin
     h->owner_pid = (int32_t)getpid();
     h->generation = 1;
     h->layout = *lay;
-    layout_offsets(lay, n, h);
-    size_t got = 0;
-    while (got < POOL_SECRET_BYTES) {
-        ssize_t r = getrandom(h->secret + got, POOL_SECRET_BYTES - got, 0);
-        if (r < 0 && errno != EINTR)
-            return KVD_EIO;
-        if (r > 0)
-            got += (size_t)r;
-    }
+    bool dev = params_on_device(pp);
+    layout_offsets(lay, n, dev, h);
+    h->kv_where = dev ? POOL_KV_DEVICE : POOL_KV_HOST;
+    h->kv_device = dev ? pp->kv_device : -1;
+    if (random_bytes(h->secret, POOL_SECRET_BYTES) != 0 ||
+        random_bytes(&h->instance, sizeof(h->instance)) != 0)
+        return KVD_EIO;
     /* records stay all-zero; prefix_new builds the free list of a fresh pool */
     h->cache.free_head = POOL_NONE;
     h->cache.lru_head = POOL_NONE;
@@ -339,7 +389,7 @@ static int open_locked(const char *name, int *fd_out, bool *created, char *err, 
 /* Decides whether the existing segment behind fd can be adopted; 1 yes, 0 no
  * (why in reason). */
 static int can_adopt(int fd, const struct pool_layout *lay, uint32_t n_blocks, bool reuse,
-                     char *reason, size_t rlen)
+                     bool on_device, char *reason, size_t rlen)
 {
     struct stat st;
     if (fstat(fd, &st) != 0 || (uint64_t)st.st_size < POOL_HEADER_BYTES) {
@@ -365,6 +415,11 @@ static int can_adopt(int fd, const struct pool_layout *lay, uint32_t n_blocks, b
         snprintf(reason, rlen, "%s", why);
     else if (!reuse)
         snprintf(reason, rlen, "a fresh pool was asked for");
+    else if (h->kv_where == POOL_KV_DEVICE)
+        snprintf(reason, rlen, "its KV data was in GPU %d's memory, which did not outlive its owner",
+                 h->kv_device);
+    else if (on_device)
+        snprintf(reason, rlen, "its KV data is in host memory; this owner keeps it on a GPU");
     else if (h->n_blocks != n_blocks)
         snprintf(reason, rlen, "it holds %u blocks, not %u", h->n_blocks, n_blocks);
     else
@@ -400,7 +455,8 @@ pool_t *pool_create(const struct pool_layout *lay, const struct pool_params *pp,
         }
         char reason[300] = "";
         if (!created) {
-            adopt = can_adopt(p->fd, lay, cap.n_blocks, pp->reuse, reason, sizeof(reason)) == 1;
+            adopt = can_adopt(p->fd, lay, cap.n_blocks, pp->reuse, params_on_device(pp), reason,
+                              sizeof(reason)) == 1;
             if (!adopt) {
                 /* Replace it with a new object, so that any process still mapping
                  * the old memory keeps it intact; we hold the old one's lock while
@@ -447,9 +503,13 @@ pool_t *pool_create(const struct pool_layout *lay, const struct pool_params *pp,
     if (adopt) {
         h->owner_pid = (int32_t)getpid();
         h->generation++;
+        if (random_bytes(&h->instance, sizeof(h->instance)) != 0) {
+            kvd_seterr(err, errlen, KVD_EIO, "pool: cannot read random bytes for its instance");
+            goto fail_unlink;
+        }
         h->state = POOL_STATE_LIVE;
     } else {
-        if (header_init(h, lay, cap.n_blocks) != 0) {
+        if (header_init(h, lay, cap.n_blocks, pp) != 0) {
             kvd_seterr(err, errlen, KVD_EIO, "pool: cannot read random bytes for the secret");
             goto fail_unlink;
         }
@@ -581,7 +641,26 @@ uint32_t *pool_buckets(const pool_t *p)
 
 void *pool_data(const pool_t *p)
 {
+    if (pool_header(p)->kv_where == POOL_KV_DEVICE)
+        return p->dev_base;
     return p->base + pool_header(p)->data_off;
+}
+
+int pool_kv_device(const pool_t *p)
+{
+    const struct pool_header *h = pool_header(p);
+    return h->kv_where == POOL_KV_DEVICE ? h->kv_device : -1;
+}
+
+int pool_set_device_kv(pool_t *p, void *base, uint64_t bytes)
+{
+    if (pool_header(p)->kv_where != POOL_KV_DEVICE)
+        return KVD_ESTATE;
+    if (base == NULL || bytes < pool_data_bytes(p))
+        return KVD_EINVAL;
+    p->dev_base = base;
+    p->dev_bytes = bytes;
+    return 0;
 }
 
 uint64_t pool_data_bytes(const pool_t *p)
@@ -595,6 +674,8 @@ void *pool_block_addr(const pool_t *p, uint32_t id)
     const struct pool_header *h = pool_header(p);
     if (id >= h->n_blocks)
         return NULL;
+    if (h->kv_where == POOL_KV_DEVICE)
+        return p->dev_base ? p->dev_base + (uint64_t)id * h->block_bytes : NULL;
     return p->base + h->data_off + (uint64_t)id * h->block_bytes;
 }
 

@@ -24,10 +24,35 @@
  * prefixes survive. A pool left LIVE by a dead owner is never trusted: the
  * next owner replaces it with an empty one.
  *
- * Backends: host memory here (POSIX shm_open + mmap, transparent huge pages
- * advised; an anonymous shared mapping when the pool has no name). The GPU
- * backend keeps the header and metadata in this segment and the KV data in
- * device memory; pool_block_addr() is the one place that difference shows.
+ * Where the KV data lives (pool_header.kv_where, chosen at creation):
+ *
+ *   POOL_KV_HOST    in this segment, after the metadata (POSIX shm_open +
+ *                   mmap, transparent huge pages advised; an anonymous shared
+ *                   mapping when the pool has no name).
+ *   POOL_KV_DEVICE  in the memory of CUDA device kv_device. The segment holds
+ *                   the header and metadata only, exactly as for a host pool.
+ *                   This module never touches CUDA: the owner allocates the
+ *                   device memory (kernels/cuda/kcuda_vmm.h), passes it to
+ *                   the workers of that GPU as a file descriptor
+ *                   (shm/fdpass.h), and each process that maps it tells its
+ *                   pool where with pool_set_device_kv(). pool_block_addr()
+ *                   and pool_data() then return device addresses, valid in
+ *                   that process only, and NULL before.
+ *
+ * Device memory does not outlive its owner, so a device pool's cache is never
+ * adopted by a later owner: it always starts empty.
+ *
+ * Ordering across processes (device pools). A kernel launch returns before
+ * the kernel runs, and a commit message travels faster than the GPU works. A
+ * worker therefore reports a block as written (Commit, a token chunk, Done)
+ * only after the kernels that wrote its K/V have completed: it synchronizes
+ * the stream that ran them (or waits for an event recorded after them)
+ * first. Completed kernel writes are visible to every later kernel on that
+ * device, in any process, so a block kvd marks committed can be read by any
+ * worker it is handed to next. A worker that kvd declares dead is killed and
+ * reaped (kvd waits up to 10 s) before its pending blocks are handed out
+ * again: the driver stops a process's kernels as the process goes, and until
+ * then they could still be writing into those blocks.
  */
 #ifndef KVD_POOL_H
 #define KVD_POOL_H
@@ -38,11 +63,17 @@
 #include <stdint.h>
 
 #define POOL_MAGIC UINT64_C(0x314c4f4f5044564b) /* "KVDPOOL1" in little-endian bytes */
-#define POOL_VERSION 1u
+#define POOL_VERSION 2u                        /* 2: KV location and instance in the header */
 #define POOL_NONE UINT32_MAX                   /* "no block" in every block-id field */
 #define POOL_SECRET_BYTES 192u                  /* keyed-hash secret (>= XXH3's 136) */
 #define POOL_HEADER_BYTES 4096u
 #define POOL_NAME_MAX 200u                      /* longest segment name */
+
+/* Where a pool's KV data lives (pool_header.kv_where). */
+enum pool_kv_where {
+    POOL_KV_HOST = 1,       /* in the segment, at data_off */
+    POOL_KV_DEVICE = 2,     /* in the memory of CUDA device kv_device */
+};
 
 enum pool_state {
     POOL_STATE_INIT = 1,    /* being written by its creator */
@@ -95,14 +126,22 @@ struct pool_header {
     uint64_t records_off;   /* struct pool_block[n_blocks] */
     uint64_t tokens_off;    /* int32_t[n_blocks][block_tokens] */
     uint64_t buckets_off;   /* uint32_t[n_buckets]: first block of each chain */
-    uint64_t data_off;      /* KV blocks (host backend; 2 MiB aligned) */
+    uint64_t data_off;      /* KV blocks of a host pool (2 MiB aligned when large); a
+                             * device pool: the end of the metadata */
     uint64_t total_bytes;   /* size of the segment */
     uint8_t secret[POOL_SECRET_BYTES]; /* random per pool, keys the prefix hash */
     struct pool_cache_state cache;
+    uint32_t kv_where;      /* enum pool_kv_where */
+    int32_t kv_device;      /* POOL_KV_DEVICE: CUDA device index; -1 for a host pool */
+    uint64_t kv_bytes;      /* KV data: n_blocks x block_bytes, wherever it lives */
+    uint64_t instance;      /* random, new at every owner open: ties memory passed to the
+                             * workers (fdpass_msg.instance) to this pool and this owner */
 };
 static_assert(sizeof(struct pool_header) <= POOL_HEADER_BYTES, "header fits its page");
 static_assert(offsetof(struct pool_header, layout) == 32, "pool_header is part of the ABI");
 static_assert(offsetof(struct pool_header, secret) == 128, "pool_header is part of the ABI");
+static_assert(offsetof(struct pool_header, kv_where) == 424, "pool_header is part of the ABI");
+static_assert(sizeof(struct pool_header) == 448, "pool_header is part of the ABI");
 
 /* Block states (pool_block.state). */
 enum pool_block_state {
@@ -137,6 +176,9 @@ struct pool_params {
     uint32_t n_blocks;      /* block count when kv_bytes is 0 */
     bool reuse;             /* owner: adopt a CLOSED pool with the same layout and keep its cache */
     bool unlink_on_close;   /* owner: remove the name when closing */
+    uint32_t kv_where;      /* 0 or POOL_KV_HOST: KV in the segment; POOL_KV_DEVICE: on kv_device,
+                             * and kv_bytes then budgets the device memory alone */
+    int32_t kv_device;      /* POOL_KV_DEVICE: CUDA device index (0..1023) */
 };
 
 struct pool_params pool_default_params(void);
@@ -149,6 +191,8 @@ struct pool_capacity {
     uint32_t n_blocks;         /* blocks */
     uint64_t n_tokens;         /* n_blocks x block_tokens */
     uint64_t total_bytes;      /* segment size */
+    uint64_t data_bytes;       /* KV data: n_blocks x block_bytes */
+    int32_t kv_device;         /* -1: the KV data is in the segment; else the device holding it */
 };
 
 typedef struct pool pool_t;
@@ -166,9 +210,10 @@ uint32_t pool_abi(void);
 
 /*
  * Computes what a budget (p->kv_bytes, or p->n_blocks blocks when it is 0)
- * holds for a layout. KVD_EINVAL with a reason for a zero budget, a budget
- * smaller than one block, or a layout out of range; KVD_ERANGE past 2^32-1
- * blocks.
+ * holds for a layout. A host pool's budget covers the whole segment; a device
+ * pool's covers its KV data on the device (the metadata is host memory).
+ * KVD_EINVAL with a reason for a zero budget, a budget smaller than one
+ * block, a layout or device out of range; KVD_ERANGE past 2^32-1 blocks.
  */
 int pool_plan(const struct pool_layout *lay, const struct pool_params *p,
               struct pool_capacity *cap, char *err, size_t errlen);
@@ -211,12 +256,27 @@ struct pool_header *pool_header(const pool_t *p);   /* read-only mapping for wor
 struct pool_block *pool_records(const pool_t *p);   /* n_blocks records */
 int32_t *pool_tokens(const pool_t *p);              /* n_blocks x block_tokens ids */
 uint32_t *pool_buckets(const pool_t *p);            /* n_buckets chain heads */
-void *pool_data(const pool_t *p);                   /* start of KV block 0 (host backend) */
+void *pool_data(const pool_t *p);                   /* start of KV block 0 (see pool_block_addr) */
 uint64_t pool_data_bytes(const pool_t *p);          /* n_blocks x block_bytes */
 const char *pool_name(const pool_t *p);             /* NULL for an anonymous pool */
 bool pool_huge_pages(const pool_t *p);              /* huge pages were advised and granted */
 
-/* Address of block id's KV data, or NULL when id is out of range. */
+/* The CUDA device holding the KV data, or -1 when it is in the segment. */
+int pool_kv_device(const pool_t *p);
+
+/*
+ * Device pools: records where this process mapped the KV data (base, a device
+ * address, and the bytes mapped there, at least pool_data_bytes()). The
+ * mapping belongs to the caller and must outlive every use of the addresses
+ * this pool hands out. 0, KVD_ESTATE for a host pool, KVD_EINVAL for a NULL
+ * base or too few bytes.
+ */
+int pool_set_device_kv(pool_t *p, void *base, uint64_t bytes);
+
+/* Address of block id's KV data: in this process's mapping of the segment
+ * (host pool) or of the device memory (device pool, after pool_set_device_kv;
+ * a device address). NULL when id is out of range or the device memory is not
+ * mapped yet. */
 void *pool_block_addr(const pool_t *p, uint32_t id);
 
 #endif

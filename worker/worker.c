@@ -15,6 +15,14 @@
  * Usage: kvd-worker --model M --pool NAME --connect ENDPOINT --id N
  *                   [--threads T] [--block-tokens B] [--kv-type f16|f32]
  *                   [--step-tokens S] [--max-batch N] [--ctx N] [--step-ms MS]
+ *                   [--gpu N --gpu-socket PATH]
+ *
+ * With --gpu the pool's KV data is in the memory of GPU N: the worker gets it
+ * from kvd over the Unix socket PATH and computes with the GPU engine
+ * (worker_gpu.h). A worker that cannot run that way (no usable device, no GPU
+ * engine in this build) exits with CLI_EXIT_UNUSABLE, which kvd reports and
+ * does not restart. A GPU step's kernels complete before the worker reports
+ * any block they wrote (wgpu_fence).
  *
  * With $KVD_WORKER_TRACE set, every step's size and time go to stderr (kvd's
  * log), for benchmarks that split a request's time into compute and the rest.
@@ -46,6 +54,7 @@
 #include "tok.h"
 #include "types.h"
 #include "wire.h"
+#include "worker_gpu.h"
 
 #define HEARTBEAT_MS 250
 
@@ -55,6 +64,8 @@ struct options {
     int threads;
     uint32_t block_tokens, kv_type, step_tokens, max_batch, ctx;
     uint32_t step_ms;       /* aim: no step longer than this (heartbeats wait for steps) */
+    int gpu;                /* --gpu: CUDA device holding the pool's KV data; -1: CPU */
+    const char *gpu_socket; /* --gpu-socket: where kvd hands out the device memory */
 };
 
 /* One sequence kvd assigned. */
@@ -80,7 +91,8 @@ struct worker {
     tok_t *tok;
     pool_t *pool;
     kvcache_t *kv;
-    engine_t *engine;
+    engine_t *engine;       /* the CPU engine; NULL with --gpu */
+    wgpu_t *gpu;            /* --gpu: the device pool and the GPU engine; NULL on the CPU */
     void *zctx, *sock;
     struct wseq **seqs;     /* running sequences, in arrival order */
     uint32_t n_seqs;
@@ -367,7 +379,15 @@ static void run_step(struct worker *w, uint32_t n)
     for (uint32_t k = 0; k < n; k++)
         n_tokens += w->batch[k].n_tokens;
     double t0 = cli_now_ms();
-    int rc = engine_step(w->engine, w->batch, n, &logits, &rows, err, sizeof(err));
+    int rc = w->gpu ? wgpu_step(w->gpu, w->batch, n, &logits, &rows, err, sizeof(err))
+                    : engine_step(w->engine, w->batch, n, &logits, &rows, err, sizeof(err));
+    /* nothing below may tell kvd a block is written before the kernels that
+     * wrote it have completed */
+    bool gpu_broken = false;
+    if (rc == 0 && w->gpu) {
+        rc = wgpu_fence(w->gpu, err, sizeof(err));
+        gpu_broken = rc != 0; /* a failed kernel poisons this process's CUDA context */
+    }
     w->progress++;
     if (w->trace)
         fprintf(stderr, "kvd-worker %u: step %u: %u sequences, %u tokens, %.3f ms\n", w->o.id,
@@ -384,6 +404,9 @@ static void run_step(struct worker *w, uint32_t n)
             if (i >= 0)
                 remove_seq(w, (uint32_t)i);
         }
+        if (gpu_broken)
+            cli_die("GPU %d: %s (exiting: kvd restarts this worker with a fresh context)", w->o.gpu,
+                    err);
         return;
     }
     const uint32_t V = w->model->cfg.n_vocab;
@@ -437,7 +460,7 @@ static void run_step(struct worker *w, uint32_t n)
 static void parse_args(int argc, char **argv, struct options *o)
 {
     enum { OPT_POOL = 256, OPT_CONNECT, OPT_ID, OPT_BLOCK, OPT_KVTYPE, OPT_STEP, OPT_BATCH,
-           OPT_STEP_MS };
+           OPT_STEP_MS, OPT_GPU, OPT_GPU_SOCKET };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "threads", required_argument, NULL, 't' },
@@ -450,6 +473,8 @@ static void parse_args(int argc, char **argv, struct options *o)
         { "step-tokens", required_argument, NULL, OPT_STEP },
         { "max-batch", required_argument, NULL, OPT_BATCH },
         { "step-ms", required_argument, NULL, OPT_STEP_MS },
+        { "gpu", required_argument, NULL, OPT_GPU },
+        { "gpu-socket", required_argument, NULL, OPT_GPU_SOCKET },
         { NULL, 0, NULL, 0 },
     };
     memset(o, 0, sizeof(*o));
@@ -458,6 +483,7 @@ static void parse_args(int argc, char **argv, struct options *o)
     o->step_tokens = 256;
     o->max_batch = 64;
     o->step_ms = 500;
+    o->gpu = -1;
     int c;
     opterr = 0;
     while ((c = getopt_long(argc, argv, ":m:t:c:", longs, NULL)) != -1) {
@@ -473,23 +499,53 @@ static void parse_args(int argc, char **argv, struct options *o)
         case OPT_STEP: o->step_tokens = (uint32_t)strtoul(optarg, NULL, 10); break;
         case OPT_BATCH: o->max_batch = (uint32_t)strtoul(optarg, NULL, 10); break;
         case OPT_STEP_MS: o->step_ms = (uint32_t)strtoul(optarg, NULL, 10); break;
+        case OPT_GPU: o->gpu = (int)cli_long(optarg, "--gpu", 0, 1023); break;
+        case OPT_GPU_SOCKET: o->gpu_socket = optarg; break;
         default: cli_die("bad argument %s (usage: kvd-worker --model M --pool NAME --connect ENDPOINT "
                      "--id N [--threads T] [--ctx N] [--block-tokens B] [--kv-type f16|f32] "
-                     "[--step-tokens S] [--max-batch N])", argv[optind - 1]);
+                     "[--step-tokens S] [--max-batch N] [--gpu N --gpu-socket PATH])",
+                     argv[optind - 1]);
         }
     }
     if (!o->model || !o->pool || !o->endpoint)
         cli_die("--model, --pool and --connect are required");
+    if ((o->gpu >= 0) != (o->gpu_socket != NULL))
+        cli_die("--gpu and --gpu-socket go together (kvd passes both)");
     if (o->step_tokens < 1 || o->step_tokens > 4096 || o->max_batch < 1 || o->max_batch > 4096 ||
         o->threads < 0 || o->threads > 256 || o->step_ms < 10 || o->step_ms > 600000)
         cli_die("--step-tokens, --max-batch, --threads or --step-ms out of range");
+}
+
+/* Prints why this worker cannot run here and exits so that kvd does not
+ * restart it. */
+static void __attribute__((noreturn)) unusable(const struct worker *w, const char *why)
+{
+    fprintf(stderr, "kvd-worker %u: %s\n", w->o.id, why);
+    exit(CLI_EXIT_UNUSABLE);
+}
+
+/* --gpu: maps the pool's device memory from kvd and starts the GPU engine. */
+static void setup_gpu(struct worker *w)
+{
+    char err[512];
+    w->gpu = wgpu_open(w->pool, w->o.gpu, w->o.gpu_socket, err, sizeof(err));
+    if (w->gpu == NULL)
+        unusable(w, err);
+    struct engine_params ep = engine_default_params();
+    ep.max_tokens = w->o.step_tokens;
+    ep.max_ctx = w->o.ctx;
+    ep.n_threads = w->o.threads;
+    if (wgpu_engine_start(w->gpu, w->model, &ep, err, sizeof(err)) != 0)
+        unusable(w, err);
 }
 
 static void setup(struct worker *w)
 {
     char err[512];
     const struct options *o = &w->o;
-    w->model = model_load(o->model, err, sizeof(err));
+    /* a GPU engine uploads the weights as the file has them: no CPU packing */
+    w->model = o->gpu >= 0 ? model_load_unpacked(o->model, err, sizeof(err))
+                           : model_load(o->model, err, sizeof(err));
     if (w->model == NULL)
         cli_die("%s", err);
     w->tok = tok_new_from_gguf(w->model->gguf, err, sizeof(err));
@@ -502,21 +558,30 @@ static void setup(struct worker *w)
     w->pool = pool_attach(o->pool, &lay, err, sizeof(err));
     if (w->pool == NULL)
         cli_die("%s", err);
-    struct kv_params kp = kv_default_params();
-    kp.block_tokens = o->block_tokens;
-    kp.dtype = o->kv_type;
-    kp.n_blocks = pool_header(w->pool)->n_blocks;
-    w->kv = kvcache_wrap(&w->model->cfg, &kp, pool_data(w->pool), pool_data_bytes(w->pool), err,
-                         sizeof(err));
-    if (w->kv == NULL)
-        cli_die("%s", err);
-    struct engine_params ep = engine_default_params();
-    ep.max_tokens = o->step_tokens;
-    ep.max_ctx = w->o.ctx;
-    ep.n_threads = o->threads;
-    w->engine = engine_new(w->model, w->kv, &ep, err, sizeof(err));
-    if (w->engine == NULL)
-        cli_die("%s", err);
+    if (o->gpu >= 0) {
+        setup_gpu(w);
+    } else {
+        if (pool_kv_device(w->pool) >= 0) {
+            snprintf(err, sizeof(err), "pool %s keeps its KV data on GPU %d: start the worker with "
+                     "--gpu %d", o->pool, pool_kv_device(w->pool), pool_kv_device(w->pool));
+            unusable(w, err);
+        }
+        struct kv_params kp = kv_default_params();
+        kp.block_tokens = o->block_tokens;
+        kp.dtype = o->kv_type;
+        kp.n_blocks = pool_header(w->pool)->n_blocks;
+        w->kv = kvcache_wrap(&w->model->cfg, &kp, pool_data(w->pool), pool_data_bytes(w->pool), err,
+                             sizeof(err));
+        if (w->kv == NULL)
+            cli_die("%s", err);
+        struct engine_params ep = engine_default_params();
+        ep.max_tokens = o->step_tokens;
+        ep.max_ctx = w->o.ctx;
+        ep.n_threads = o->threads;
+        w->engine = engine_new(w->model, w->kv, &ep, err, sizeof(err));
+        if (w->engine == NULL)
+            cli_die("%s", err);
+    }
     w->batch = calloc(o->max_batch, sizeof(*w->batch));
     w->in_batch = calloc(o->max_batch, sizeof(*w->in_batch));
     w->arena = wire_arena_new(4 * (size_t)WIRE_MAX_FRAME + (1u << 20)); /* grows as needed */
@@ -592,6 +657,7 @@ int main(int argc, char **argv)
     zmq_ctx_term(w.zctx);
     engine_destroy(&w.engine);
     kvcache_destroy(&w.kv);
+    wgpu_close(&w.gpu);
     pool_close(&w.pool);
     tok_destroy(&w.tok);
     model_destroy(&w.model);

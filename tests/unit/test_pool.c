@@ -342,6 +342,136 @@ static void test_persisted_cache(void)
     pool_unlink(name);
 }
 
+/* Worker side of a device pool: attaches, sees where the KV data lives, has
+ * no block addresses until it says where it mapped the device memory. */
+static int worker_device(void *arg)
+{
+    uint8_t *fake = arg; /* stands in for a device mapping: only addresses are computed */
+    char err[256];
+    pool_t *p = pool_attach(name, &lay, err, sizeof(err));
+    if (p == NULL) {
+        fprintf(stderr, "attach: %s\n", err);
+        return 2;
+    }
+    const struct pool_header *h = pool_header(p);
+    if (pool_kv_device(p) != 3 || h->kv_where != POOL_KV_DEVICE || h->total_bytes != h->data_off)
+        return 3;
+    if (pool_block_addr(p, 0) != NULL || pool_data(p) != NULL)
+        return 4;
+    if (pool_set_device_kv(p, fake, pool_data_bytes(p) - 1) != KVD_EINVAL)
+        return 5;
+    if (pool_set_device_kv(p, fake, pool_data_bytes(p)) != 0)
+        return 6;
+    if (pool_block_addr(p, 5) != fake + 5 * h->block_bytes || pool_data(p) != fake ||
+        pool_block_addr(p, h->n_blocks) != NULL)
+        return 7;
+    pool_close(&p);
+    return 0;
+}
+
+static void test_device_pool(void)
+{
+    char err[256], note[256];
+    pool_unlink(name);
+    /* planning: a device budget buys blocks alone; the metadata is host memory */
+    struct pool_params pp = params(0);
+    pp.kv_where = POOL_KV_DEVICE;
+    pp.kv_device = 3;
+    struct pool_capacity cap;
+    uint64_t bb = 2ull * lay.n_layer * lay.n_head_kv * lay.head_dim * lay.block_tokens * 2;
+    pp.kv_bytes = 100 * bb + 7;
+    REQUIRE(pool_plan(&lay, &pp, &cap, err, sizeof(err)) == 0);
+    CHECK_INT(cap.n_blocks, 100);
+    CHECK_INT(cap.data_bytes, 100 * bb);
+    CHECK_INT(cap.kv_device, 3);
+    CHECK(cap.total_bytes < 100 * bb); /* the segment holds no KV data */
+    char line[512];
+    pool_describe(&lay, &cap, 0, line, sizeof(line));
+    check_has(line, "on GPU 3");
+    pp.kv_bytes = bb - 1;
+    CHECK_INT(pool_plan(&lay, &pp, &cap, err, sizeof(err)), KVD_EINVAL);
+    check_has(err, "smaller than one block");
+    pp.kv_bytes = 0;
+    pp.n_blocks = 16;
+    pp.kv_device = -1;
+    CHECK_INT(pool_plan(&lay, &pp, &cap, err, sizeof(err)), KVD_EINVAL);
+    check_has(err, "device -1");
+    pp.kv_device = 3;
+    pp.kv_where = 9;
+    CHECK_INT(pool_plan(&lay, &pp, &cap, err, sizeof(err)), KVD_EINVAL);
+    pp.kv_where = POOL_KV_DEVICE;
+    /* a host pool says so */
+    struct pool_params hp = params(16);
+    pool_t *p = pool_create(&lay, &hp, NULL, 0, err, sizeof(err));
+    REQUIRE(p != NULL);
+    CHECK_INT(pool_kv_device(p), -1);
+    CHECK_INT(pool_header(p)->kv_where, POOL_KV_HOST);
+    CHECK_INT(pool_header(p)->kv_bytes, pool_data_bytes(p));
+    CHECK_INT(pool_set_device_kv(p, (void *)p, 1 << 20), KVD_ESTATE);
+    uint64_t host_instance = pool_header(p)->instance;
+    pool_close(&p);
+
+    /* a device pool replaces a closed host pool of that name even with reuse */
+    pp.reuse = true;
+    p = pool_create(&lay, &pp, note, sizeof(note), err, sizeof(err));
+    REQUIRE(p != NULL);
+    check_has(note, "host memory");
+    CHECK(pool_is_fresh(p));
+    const struct pool_header *h = pool_header(p);
+    CHECK_INT(h->kv_where, POOL_KV_DEVICE);
+    CHECK_INT(h->kv_device, 3);
+    CHECK_INT(h->kv_bytes, 16 * bb);
+    CHECK_INT(h->total_bytes, h->data_off);
+    CHECK(h->instance != host_instance);
+    CHECK(pool_block_addr(p, 0) == NULL);
+    CHECK(!pool_huge_pages(p));
+    uint8_t *fake = malloc(pool_data_bytes(p));
+    REQUIRE(fake != NULL);
+    CHECK_INT(pool_set_device_kv(p, NULL, pool_data_bytes(p)), KVD_EINVAL);
+    CHECK_INT(in_child(worker_device, fake), 0);
+    CHECK_INT(pool_set_device_kv(p, fake, pool_data_bytes(p)), 0);
+    CHECK(pool_block_addr(p, 2) == fake + 2 * bb);
+    /* the metadata works as for any pool */
+    prefix_t *px = prefix_new(p, note, sizeof(note), err, sizeof(err));
+    REQUIRE(px != NULL);
+    CHECK_INT(prefix_check(px, err, sizeof(err)), 0);
+    prefix_destroy(&px);
+    pool_close(&p);
+
+    /* its cache is never adopted: the device memory died with its owner */
+    p = pool_create(&lay, &pp, note, sizeof(note), err, sizeof(err));
+    REQUIRE(p != NULL);
+    CHECK(pool_is_fresh(p));
+    check_has(note, "did not outlive its owner");
+    pool_close(&p);
+    /* nor does a host owner adopt it */
+    hp.reuse = true;
+    p = pool_create(&lay, &hp, note, sizeof(note), err, sizeof(err));
+    REQUIRE(p != NULL);
+    CHECK(pool_is_fresh(p));
+    CHECK_INT(pool_kv_device(p), -1);
+    pool_close(&p);
+
+    /* a corrupt KV location is refused */
+    pp.reuse = false;
+    p = pool_create(&lay, &pp, NULL, 0, err, sizeof(err));
+    REQUIRE(p != NULL);
+    pool_header(p)->kv_device = -5;
+    CHECK(pool_attach(name, &lay, err, sizeof(err)) == NULL);
+    check_has(err, "KV location");
+    pool_header(p)->kv_device = 3;
+    pool_header(p)->kv_bytes++;
+    CHECK(pool_attach(name, &lay, err, sizeof(err)) == NULL);
+    check_has(err, "offsets");
+    pool_header(p)->kv_bytes--;
+    pool_t *w = pool_attach(name, &lay, err, sizeof(err));
+    CHECK(w != NULL);
+    pool_close(&w);
+    pool_close(&p);
+    free(fake);
+    pool_unlink(name);
+}
+
 int main(void)
 {
     snprintf(name, sizeof(name), "kvd-test-pool-%d", (int)getpid());
@@ -352,5 +482,6 @@ int main(void)
     test_sizes();
     test_lifecycle();
     test_persisted_cache();
+    test_device_pool();
     return CHECK_DONE();
 }

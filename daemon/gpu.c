@@ -1,0 +1,130 @@
+/*
+ * gpu.c - kvd --gpu N: the KV pool's data in the memory of GPU N.
+ *
+ * kvd checks the device before anything else (a missing GPU fails in
+ * milliseconds, not after the model has loaded), creates the pool with its
+ * KV data "on device N" (the metadata stays in shared memory), allocates that
+ * data with the VMM API (kernels/cuda/kcuda_vmm.h) and keeps the allocation
+ * until it exits, so that no worker's death can free it. Workers connect to
+ * a Unix socket in kvd's private runtime directory and each gets the
+ * allocation's descriptor with a header naming the device, size and pool
+ * (shm/fdpass.h); a restarted worker connects again and gets it again. Only
+ * processes of this user may connect (the directory is 0700, and the peer's
+ * uid is checked).
+ */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "err.h"
+#include "fdpass.h"
+#include "kcuda_vmm.h"
+#include "kvd.h"
+#include "units.h"
+
+void gpu_probe(struct kvd *k)
+{
+    k->gpu_fd = -1;
+    if (k->o.gpu < 0)
+        return;
+    char why[512];
+    struct kcuda_vmm_dev info;
+    if (kcuda_vmm_probe(k->o.gpu, &info, why, sizeof(why)) != 0)
+        cli_die("--gpu %d: %s", k->o.gpu, why);
+    snprintf(k->gpu_name, sizeof(k->gpu_name), "%s", info.name);
+    k->gpu_free = info.free_bytes;
+}
+
+uint64_t gpu_default_kv_bytes(const struct kvd *k)
+{
+    /* 1 GiB, or half of what is free when that is less: the workers need room
+     * for their weights and scratch on the same device */
+    uint64_t want = 1ull << 30;
+    if (k->gpu_free / 2 < want)
+        want = k->gpu_free / 2;
+    return want;
+}
+
+/* Gives back the pool (removing its name) and the device memory, then dies
+ * with "kvd: --gpu N: message". */
+static void __attribute__((noreturn, format(printf, 2, 3))) setup_fail(struct kvd *k,
+                                                                       const char *fmt, ...)
+{
+    char msg[768];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    prefix_destroy(&k->px);
+    pool_close(&k->pool);
+    kcuda_vmm_destroy(&k->vmm);
+    cli_die("--gpu %d: %s", k->o.gpu, msg);
+}
+
+void gpu_setup(struct kvd *k, const char *run_dir)
+{
+    if (k->o.gpu < 0)
+        return;
+    char err[512];
+    uint64_t bytes = pool_data_bytes(k->pool);
+    k->vmm = kcuda_vmm_create(k->o.gpu, bytes, err, sizeof(err));
+    if (k->vmm == NULL)
+        setup_fail(k, "%s", err);
+    if (pool_set_device_kv(k->pool, kcuda_vmm_ptr(k->vmm), kcuda_vmm_bytes(k->vmm)) != 0)
+        setup_fail(k, "the device memory does not fit the pool");
+    int n = snprintf(k->gpu_sock, sizeof(k->gpu_sock), "%s/gpu%d-%d.sock", run_dir, k->o.gpu,
+                     (int)getpid());
+    if (n < 0 || (size_t)n >= sizeof(k->gpu_sock))
+        setup_fail(k, "the runtime directory %s is too long a path for a Unix socket (set "
+                   "XDG_RUNTIME_DIR or KVD_ENDPOINT to a shorter one)", run_dir);
+    k->gpu_fd = fdpass_listen(k->gpu_sock, err, sizeof(err));
+    if (k->gpu_fd < 0)
+        setup_fail(k, "%s", err);
+    char sz[32];
+    kvd_log(k, "GPU %d (%s): %s of KV data in device memory; workers get it from %s", k->o.gpu,
+            k->gpu_name[0] ? k->gpu_name : "?",
+            kvd_format_bytes(kcuda_vmm_bytes(k->vmm), sz, sizeof(sz)), k->gpu_sock);
+}
+
+/* Hands the device memory to every worker waiting on the socket. */
+void gpu_serve(struct kvd *k)
+{
+    if (k->gpu_fd < 0)
+        return;
+    const struct pool_header *h = pool_header(k->pool);
+    struct fdpass_msg m = {
+        .magic = FDPASS_MAGIC, .version = FDPASS_VERSION, .kind = FDPASS_KIND_CUDA_VMM,
+        .bytes = kcuda_vmm_bytes(k->vmm), .device = k->o.gpu, .generation = h->generation,
+        .instance = h->instance,
+    };
+    char err[256];
+    for (;;) {
+        int c = fdpass_accept(k->gpu_fd, err, sizeof(err));
+        if (c == KVD_ETIMEOUT)
+            return;
+        if (c < 0) {
+            kvd_log(k, "GPU socket: %s", err);
+            if (c != KVD_EPROTOCOL)
+                return; /* a failing socket is retried at the next poll */
+            continue;
+        }
+        if (fdpass_send(c, &m, kcuda_vmm_fd(k->vmm), err, sizeof(err)) != 0)
+            kvd_log(k, "GPU socket: %s", err);
+        else if (k->o.verbose)
+            kvd_log(k, "GPU socket: handed the device memory to a worker");
+        close(c);
+    }
+}
+
+void gpu_fini(struct kvd *k)
+{
+    if (k->gpu_fd >= 0) {
+        close(k->gpu_fd);
+        unlink(k->gpu_sock);
+        k->gpu_fd = -1;
+    }
+    /* every worker is stopped by now: nothing else uses the memory */
+    kcuda_vmm_destroy(&k->vmm);
+}

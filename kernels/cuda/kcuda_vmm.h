@@ -1,0 +1,101 @@
+/*
+ * kcuda_vmm.h - device memory that several processes share: CUDA virtual
+ * memory management (cuMemCreate) exported as a POSIX file descriptor.
+ *
+ * A GPU pool's KV data lives in one such allocation. The coordinator creates
+ * it and keeps it for its whole life; it sends the descriptor
+ * (kcuda_vmm_fd) to each worker of that GPU over a Unix socket
+ * (shm/fdpass.h); a worker imports it and gets its own mapping of the same
+ * memory. The memory lives while any process holds a mapping or a handle, so
+ * a worker that dies takes nothing with it.
+ *
+ * The driver API is never linked: its functions are looked up at run time
+ * through the runtime's cudaGetDriverEntryPointByVersion, so programs that
+ * use this start on machines without a GPU or a driver and fail here with a
+ * reason. A build without CUDA (-DKVD_CUDA=OFF) links a stand-in whose every
+ * call fails with "built without CUDA" (kcuda_vmm_none.c).
+ *
+ * Plain C: no CUDA header is needed to use this one. Device addresses are
+ * `void *` as everywhere in kcuda.h. CUDA is not fork-safe: a process that
+ * used any of this must exec before its children touch CUDA.
+ */
+#ifndef KVD_KCUDA_VMM_H
+#define KVD_KCUDA_VMM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kcuda.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kcuda_vmm kcuda_vmm_t;
+
+/* What kcuda_vmm_probe found out about a device. */
+struct kcuda_vmm_dev {
+    char name[96];          /* "NVIDIA H200" */
+    uint64_t total_bytes;   /* device memory */
+    uint64_t free_bytes;    /* free device memory when probed */
+    uint64_t granularity;   /* allocation sizes are rounded up to this */
+};
+
+/*
+ * Checks that device dev can hold a shared pool: a driver and the device are
+ * there, it supports virtual memory management and POSIX file descriptor
+ * handles, and the driver has every entry point used here. Makes dev the
+ * calling thread's current device. 0 and *info (may be NULL), or a negative
+ * KVD_E* with a one-line reason in why that starts "no usable CUDA device: "
+ * (KVD_EUNAVAILABLE: no driver, no device, no such device; KVD_EUNSUPPORTED:
+ * no VMM or descriptor support, a driver too old) or, in a build without
+ * CUDA, "built without CUDA" (KVD_EUNSUPPORTED).
+ */
+int kcuda_vmm_probe(int dev, struct kcuda_vmm_dev *info, char *why, size_t whylen);
+
+/*
+ * Allocates at least bytes of memory on device dev (rounded up to the
+ * allocation granularity), maps it read-write into this process and exports
+ * it as a descriptor. The memory is not cleared. NULL with a reason (as
+ * kcuda_vmm_probe's, or the driver's error for an allocation that fails).
+ */
+kcuda_vmm_t *kcuda_vmm_create(int dev, uint64_t bytes, char *err, size_t errlen);
+
+/*
+ * Maps the allocation behind fd (exported by kcuda_vmm_create in another
+ * process; bytes is its size as that process reports it) read-write into this
+ * process. The memory must live on device dev as this process numbers its
+ * devices. fd is borrowed: the caller closes it, the import does not need it
+ * afterwards. NULL with a reason for a descriptor that is not a CUDA
+ * allocation, one on another device, or a size that does not match.
+ */
+kcuda_vmm_t *kcuda_vmm_import(int dev, int fd, uint64_t bytes, char *err, size_t errlen);
+
+/* Unmaps and releases this process's hold on the memory; the memory itself
+ * goes when the last process lets go. Waits for this process's work on the
+ * device first. Accepts NULL and sets *m to NULL. */
+void kcuda_vmm_destroy(kcuda_vmm_t **m);
+
+void *kcuda_vmm_ptr(const kcuda_vmm_t *m);      /* device address of the mapping */
+uint64_t kcuda_vmm_bytes(const kcuda_vmm_t *m); /* bytes mapped (the rounded size) */
+int kcuda_vmm_device(const kcuda_vmm_t *m);     /* device index */
+
+/* The exported descriptor of a created allocation (close-on-exec), owned by
+ * m: send it, do not close it. -1 for an imported one. */
+int kcuda_vmm_fd(const kcuda_vmm_t *m);
+
+/*
+ * Waits until every kernel and copy this process queued on stream (NULL:
+ * on the whole current device) has completed, so that
+ * its writes can be reported to other processes (see "Ordering across
+ * processes" in shm/pool.h). 0, or KVD_EINTERNAL with the reason when a
+ * queued kernel failed.
+ */
+int kcuda_vmm_fence(kcuda_stream_t stream, char *err, size_t errlen);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

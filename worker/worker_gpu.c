@@ -1,0 +1,153 @@
+/* worker_gpu.c - kvd-worker's device KV pool and the GPU engine seam. */
+#include "worker_gpu.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "err.h"
+#include "fdpass.h"
+#include "kcuda_vmm.h"
+
+struct wgpu {
+    pool_t *pool;           /* borrowed: the pool whose KV data this maps */
+    int dev;                /* CUDA device index */
+    kcuda_vmm_t *mem;       /* this process's mapping of kvd's allocation */
+    wgpu_engine_t *engine;  /* the GPU engine once started; NULL before */
+};
+
+/* Checks kvd's message against the pool this worker attached. */
+static int check_msg(const struct fdpass_msg *m, const pool_t *pool, int dev, char *err,
+                     size_t errlen)
+{
+    const struct pool_header *h = pool_header(pool);
+    if (m->kind != FDPASS_KIND_CUDA_VMM)
+        return kvd_seterr(err, errlen, KVD_EPROTOCOL,
+                          "kvd sent a descriptor of kind %u, not device memory", m->kind);
+    if (m->device != dev)
+        return kvd_seterr(err, errlen, KVD_EPROTOCOL, "kvd sent memory of GPU %d, not GPU %d",
+                          m->device, dev);
+    if (m->generation != h->generation || m->instance != h->instance)
+        return kvd_seterr(err, errlen, KVD_ESTATE,
+                          "kvd's device memory belongs to another pool than %s (generation %llu, "
+                          "not %llu): is the socket another kvd's?",
+                          pool_name(pool) ? pool_name(pool) : "(anonymous)",
+                          (unsigned long long)m->generation, (unsigned long long)h->generation);
+    if (m->bytes < pool_data_bytes(pool))
+        return kvd_seterr(err, errlen, KVD_EFORMAT,
+                          "kvd's device memory holds %llu bytes; the pool's blocks need %llu",
+                          (unsigned long long)m->bytes, (unsigned long long)pool_data_bytes(pool));
+    return 0;
+}
+
+wgpu_t *wgpu_open(pool_t *pool, int dev, const char *socket_path, char *err, size_t errlen)
+{
+    int where = pool_kv_device(pool);
+    if (where != dev) {
+        if (where < 0)
+            kvd_seterr(err, errlen, KVD_ESTATE,
+                       "pool %s keeps its KV data in host memory: start the worker without --gpu",
+                       pool_name(pool) ? pool_name(pool) : "(anonymous)");
+        else
+            kvd_seterr(err, errlen, KVD_ESTATE, "pool %s keeps its KV data on GPU %d, not GPU %d",
+                       pool_name(pool) ? pool_name(pool) : "(anonymous)", where, dev);
+        return NULL;
+    }
+    char why[384];
+    if (kcuda_vmm_probe(dev, NULL, why, sizeof(why)) != 0) {
+        kvd_seterr(err, errlen, KVD_EUNAVAILABLE, "--gpu %d: %s", dev, why);
+        return NULL;
+    }
+    wgpu_t *g = calloc(1, sizeof(*g));
+    if (g == NULL) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "out of memory");
+        return NULL;
+    }
+    g->pool = pool;
+    g->dev = dev;
+    int s = fdpass_connect(socket_path, WGPU_CONNECT_MS, why, sizeof(why));
+    if (s < 0) {
+        kvd_seterr(err, errlen, s, "cannot reach kvd for the pool's device memory: %s", why);
+        goto fail;
+    }
+    struct fdpass_msg m;
+    int fd;
+    int rc = fdpass_recv(s, &m, &fd, WGPU_CONNECT_MS, why, sizeof(why));
+    close(s);
+    if (rc != 0) {
+        kvd_seterr(err, errlen, rc, "no device memory from kvd: %s", why);
+        goto fail;
+    }
+    rc = check_msg(&m, pool, dev, err, errlen);
+    if (rc == 0) {
+        g->mem = kcuda_vmm_import(dev, fd, m.bytes, why, sizeof(why));
+        if (g->mem == NULL)
+            rc = kvd_seterr(err, errlen, KVD_EINTERNAL, "cannot map kvd's device memory: %s", why);
+    }
+    close(fd); /* the import holds its own reference */
+    if (rc != 0)
+        goto fail;
+    rc = pool_set_device_kv(pool, kcuda_vmm_ptr(g->mem), kcuda_vmm_bytes(g->mem));
+    if (rc != 0) {
+        kvd_seterr(err, errlen, rc, "the mapped device memory does not fit the pool");
+        goto fail;
+    }
+    return g;
+fail:
+    wgpu_close(&g);
+    return NULL;
+}
+
+void *wgpu_kv_base(const wgpu_t *g)
+{
+    return kcuda_vmm_ptr(g->mem);
+}
+
+uint64_t wgpu_kv_bytes(const wgpu_t *g)
+{
+    return kcuda_vmm_bytes(g->mem);
+}
+
+int wgpu_fence(wgpu_t *g, char *err, size_t errlen)
+{
+    (void)g;
+    /* the whole device: whatever streams the engine uses, every kernel this
+     * process queued so far has completed when this returns */
+    return kcuda_vmm_fence(NULL, err, errlen);
+}
+
+/* The GPU engine is behind the seam of worker_gpu.h (wgpu_engine_new and
+ * friends), implemented in worker_gpu_engine_none.c until one is built in. */
+
+int wgpu_engine_start(wgpu_t *g, const model_t *m, const struct engine_params *p, char *err,
+                      size_t errlen)
+{
+    if (g->engine != NULL)
+        return kvd_seterr(err, errlen, KVD_ESTATE, "the GPU engine is already started");
+    const struct pool_header *h = pool_header(g->pool);
+    g->engine = wgpu_engine_new(m, g->dev, wgpu_kv_base(g), h->n_blocks, h->layout.block_tokens, p,
+                                err, errlen);
+    return g->engine ? 0 : KVD_EUNSUPPORTED;
+}
+
+int wgpu_step(wgpu_t *g, const struct fwd_seq *seqs, uint32_t n_seqs, const float **logits,
+              uint32_t *n_rows, char *err, size_t errlen)
+{
+    if (g->engine == NULL) {
+        *logits = NULL;
+        *n_rows = 0;
+        return kvd_seterr(err, errlen, KVD_ESTATE, "the GPU engine is not started");
+    }
+    return wgpu_engine_step(g->engine, seqs, n_seqs, logits, n_rows, err, errlen);
+}
+
+void wgpu_close(wgpu_t **gp)
+{
+    if (gp == NULL || *gp == NULL)
+        return;
+    wgpu_t *g = *gp;
+    wgpu_engine_destroy(&g->engine); /* before the memory it computes in goes */
+    kcuda_vmm_destroy(&g->mem);
+    free(g);
+    *gp = NULL;
+}

@@ -1,0 +1,99 @@
+/*
+ * worker_gpu.h - kvd-worker's GPU side (--gpu N): the pool's KV data in device
+ * memory, received from kvd, and the seam where the GPU engine plugs in.
+ *
+ * Start-up: the worker attaches the pool's metadata by name as any worker
+ * does (shm/pool.h), then wgpu_open() connects to kvd's descriptor socket,
+ * receives the device allocation (shm/fdpass.h), checks that it belongs to
+ * this pool (device, generation, instance, size), imports and maps it
+ * (kernels/cuda/kcuda_vmm.h) and tells the pool where it is mapped, so that
+ * pool_block_addr() gives device addresses. kvd keeps the allocation for its
+ * whole life; a worker that dies or restarts only drops its own mapping.
+ *
+ * The engine: wgpu_engine_start() and wgpu_step() have the contract of
+ * engine_new() and engine_step() (engine/forward.h) over the device pool.
+ * They reach the GPU engine through the seam at the end of this header,
+ * implemented by worker_gpu_engine_none.c until the GPU engine is built into
+ * this program: then they fail with "GPU engine not built", and the worker
+ * exits with CLI_EXIT_UNUSABLE, which kvd reports and does not restart.
+ *
+ * Ordering: after every step, and before the worker sends anything that says
+ * a block is written (Commit, TokenChunk, Done), it calls wgpu_fence(), which
+ * returns once the step's kernels have completed ("Ordering across processes"
+ * in shm/pool.h).
+ */
+#ifndef KVD_WORKER_GPU_H
+#define KVD_WORKER_GPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "forward.h"
+#include "model.h"
+#include "pool.h"
+
+typedef struct wgpu wgpu_t;
+
+/* How long a worker waits for kvd's descriptor socket and its message. */
+#define WGPU_CONNECT_MS 10000
+
+/*
+ * Receives pool's device memory for device dev from kvd's socket at
+ * socket_path and maps it (pool is borrowed and must outlive the result; it
+ * must be a device pool on dev). NULL with a one-line reason: no usable
+ * device, built without CUDA, kvd unreachable, a message that is malformed
+ * or meant for another pool or device, an import that fails.
+ */
+wgpu_t *wgpu_open(pool_t *pool, int dev, const char *socket_path, char *err, size_t errlen);
+
+/* Stops the engine and unmaps this process's view of the memory (kvd still
+ * holds it). Accepts NULL and sets *g to NULL. */
+void wgpu_close(wgpu_t **g);
+
+/* The device address of the KV data (what the GPU engine takes as its base)
+ * and the bytes mapped there. */
+void *wgpu_kv_base(const wgpu_t *g);
+uint64_t wgpu_kv_bytes(const wgpu_t *g);
+
+/*
+ * Creates the GPU engine for model m over the device pool (as engine_new;
+ * m must outlive g). 0, or a negative KVD_E* with a reason: KVD_EUNSUPPORTED
+ * "GPU engine not built" while this program has none.
+ */
+int wgpu_engine_start(wgpu_t *g, const model_t *m, const struct engine_params *p, char *err,
+                      size_t errlen);
+
+/* One step, as engine_step(): logits are host memory, valid until the next
+ * step. The step's kernels may still be running when it returns. */
+int wgpu_step(wgpu_t *g, const struct fwd_seq *seqs, uint32_t n_seqs, const float **logits,
+              uint32_t *n_rows, char *err, size_t errlen);
+
+/* Returns once every kernel of the steps so far has completed: their K/V
+ * writes are in device memory for every process. 0 or KVD_EINTERNAL. */
+int wgpu_fence(wgpu_t *g, char *err, size_t errlen);
+
+/* ---- SEAM: the GPU engine ----------------------------------------------------------------
+ *
+ * What kvd-worker needs of a GPU engine, and the one place it is called. A
+ * build links exactly one implementation: worker_gpu_engine_none.c ("GPU
+ * engine not built") today; a worker_gpu_engine.c over engine/gpu_engine.h
+ * where the CUDA backend is built (worker/CMakeLists.txt chooses).
+ */
+typedef struct wgpu_engine wgpu_engine_t;
+
+/* An engine for model m (borrowed for the call) on device dev, computing in
+ * the pool's device memory: kv_blocks blocks of block_tokens positions from
+ * kv_base, laid out as kernels/cuda/kcuda.h says, borrowed (kvd owns it; it
+ * outlives the engine). p as for engine_new. NULL with a reason. */
+wgpu_engine_t *wgpu_engine_new(const model_t *m, int dev, void *kv_base, uint32_t kv_blocks,
+                               uint32_t block_tokens, const struct engine_params *p, char *err,
+                               size_t errlen);
+
+/* One step, as engine_step (logits in host memory, valid until the next). */
+int wgpu_engine_step(wgpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
+                     const float **logits, uint32_t *n_rows, char *err, size_t errlen);
+
+/* Frees the engine (never the borrowed KV memory); accepts NULL, sets *e to NULL. */
+void wgpu_engine_destroy(wgpu_engine_t **e);
+
+#endif

@@ -1,0 +1,46 @@
+/*
+ * worker_gpu_engine_none.c - the GPU engine seam of worker_gpu.h in a
+ * kvd-worker built without a GPU engine: the worker maps the GPU pool, then
+ * says it has nothing to compute with, and exits with CLI_EXIT_UNUSABLE.
+ *
+ * To build the engine in, add worker_gpu_engine.c with these three functions
+ * over engine/gpu_engine.h (gpu_engine_new with params.kv_base = kv_base,
+ * kv_blocks, block_tokens, max_tokens and max_ctx from p; gpu_engine_step;
+ * gpu_engine_destroy) and have worker/CMakeLists.txt compile it instead of
+ * this file, linking kvd_gpu, wherever that target exists.
+ */
+#include "err.h"
+#include "worker_gpu.h"
+
+wgpu_engine_t *wgpu_engine_new(const model_t *m, int dev, void *kv_base, uint32_t kv_blocks,
+                               uint32_t block_tokens, const struct engine_params *p, char *err,
+                               size_t errlen)
+{
+    (void)m;
+    (void)dev;
+    (void)kv_base;
+    (void)kv_blocks;
+    (void)block_tokens;
+    (void)p;
+    kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+               "GPU engine not built: this kvd-worker can map the GPU pool but has no engine to "
+               "compute with it");
+    return NULL;
+}
+
+int wgpu_engine_step(wgpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
+                     const float **logits, uint32_t *n_rows, char *err, size_t errlen)
+{
+    (void)e;
+    (void)seqs;
+    (void)n_seqs;
+    *logits = NULL;
+    *n_rows = 0;
+    return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "GPU engine not built");
+}
+
+void wgpu_engine_destroy(wgpu_engine_t **e)
+{
+    if (e != NULL)
+        *e = NULL; /* none can have been made */
+}
