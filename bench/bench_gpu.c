@@ -10,7 +10,14 @@
  *      with the default split of the context (256 positions) and with 512;
  *   3. matrix-vector products of SmolLM2's shapes (Q4_1 layers, Q8_0 output
  *      head) against the lower bound weight bytes / copy bandwidth, for 1 and 8
- *      tokens.
+ *      tokens;
+ *   4. the whole decode step of the GPU engine (engine/gpu_engine.h) on a
+ *      random model of SmolLM2-135M's shape (Q4_1 layers, Q8_0 tied
+ *      embeddings) at batch {1, 16, 64, 256}, every sequence at context 512,
+ *      greedy tokens computed on the device (gpu_engine_step_argmax): host
+ *      wall time of the step (layout, uploads, kernels, the ids back), with
+ *      CUDA graphs and kernel by kernel, against the lower bound (weight bytes
+ *      + batch x context x KV bytes per token) / copy bandwidth.
  * Every timed run starts with the L2 cache flushed (a 256 MiB read), so small
  * cases are measured from memory, as a real step meets them; times are medians.
  * Prints a table; exits 77 where no CUDA device is usable. Benchmarks never
@@ -22,7 +29,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <time.h>
+#include <unistd.h>
+
+#include "gpu_engine.h"
 #include "kcuda.h"
+#include "kvcache.h"
+#include "mkmodel.h"
+#include "model.h"
 #include "quant.h"
 #include "types.h"
 
@@ -299,6 +313,142 @@ static int bench_mv(kcuda_timer_t *t, double copy_gbs, struct mv_row *out)
     return n_rows;
 }
 
+/* ---- the whole decode step ------------------------------------------------------------ */
+
+#define STEP_CTX 512
+#define STEP_RUNS 15
+
+struct step_row {
+    int batch;
+    double weight_mb, kv_mb, bound_us;
+    double graph_us, eager_us;  /* medians */
+    double first_us;            /* the first step with graphs on: records the graph */
+};
+
+static double now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+
+/* One step of the batch, timed from the host, after an L2 flush. */
+static double step_us(gpu_engine_t *e, const struct fwd_seq *f, int B)
+{
+    char err[256];
+    const int32_t *ids;
+    uint32_t rows;
+    if (kcuda_argmax(flush_ids, flush_buf, FLUSH_BYTES / 4 / 64, FLUSH_BYTES / 4 / 64, 64, NULL) || kcuda_sync())
+        die("flush");
+    const double t0 = now_us();
+    if (gpu_engine_step_argmax(e, f, (uint32_t)B, &ids, &rows, err, sizeof(err))) {
+        fprintf(stderr, "bench-gpu: step: %s\n", err);
+        exit(1);
+    }
+    return now_us() - t0;
+}
+
+static double step_median(gpu_engine_t *e, const struct fwd_seq *f, int B)
+{
+    double us[STEP_RUNS];
+    for (int i = 0; i < 2; i++)
+        step_us(e, f, B);
+    for (int i = 0; i < STEP_RUNS; i++)
+        us[i] = step_us(e, f, B);
+    qsort(us, STEP_RUNS, sizeof(double), cmp_double);
+    return us[STEP_RUNS / 2];
+}
+
+static int bench_step(double copy_gbs, struct step_row *rows, char *graph_note, size_t note_len)
+{
+    static const int batches[] = { 1, 16, 64, 256 };
+    const int max_b = 256, bps = STEP_CTX / 16 + 1;
+    char dir[] = "/tmp/kvd-bench-gpu-XXXXXX", path[64], err[256];
+    if (mkdtemp(dir) == NULL)
+        die("temporary directory");
+    snprintf(path, sizeof(path), "%s/smollm2.gguf", dir);
+    struct mkmodel_params mp = mkmodel_default_params();
+    mp.n_layer = 30;
+    mp.n_embd = 576;
+    mp.n_head = 9;
+    mp.n_head_kv = 3;
+    mp.n_ff = 1536;
+    mp.n_vocab = 49152;
+    mp.n_ctx = 2048;
+    mp.rope_freq_base = 100000.0f;
+    mp.wtype = KERN_Q4_1;
+    mp.embd_type = KERN_Q8_0;
+    mp.tied = true;
+    if (mkmodel_write(&mp, path, err, sizeof(err))) {
+        fprintf(stderr, "bench-gpu: mkmodel: %s\n", err);
+        exit(1);
+    }
+    model_t *m = model_load(path, err, sizeof(err));
+    unlink(path);
+    rmdir(dir);
+    if (m == NULL) {
+        fprintf(stderr, "bench-gpu: model: %s\n", err);
+        exit(1);
+    }
+    struct gpu_engine_params gp = gpu_engine_default_params();
+    gp.max_tokens = max_b;
+    gp.max_ctx = 2048;
+    gp.kv_blocks = (uint32_t)(max_b * bps);
+    gp.graphs = 1;
+    gpu_engine_t *e = gpu_engine_new(m, 0, &gp, err, sizeof(err));
+    if (e == NULL) {
+        fprintf(stderr, "bench-gpu: gpu engine: %s\n", err);
+        exit(1);
+    }
+    struct gpu_engine_kv kvi;
+    gpu_engine_kv_info(e, &kvi);
+    /* the cache as if prefilled: halves of ~1.06 everywhere (the step's time
+     * does not depend on the values) */
+    if (kcuda_memset(kvi.base, 0x3c, (size_t)kvi.n_blocks * kvi.block_bytes, NULL) || kcuda_sync())
+        die("cache fill");
+    uint32_t *tables = malloc((size_t)max_b * bps * sizeof(uint32_t));
+    int32_t *tok = malloc((size_t)max_b * sizeof(int32_t));
+    struct fwd_seq *f = malloc((size_t)max_b * sizeof(struct fwd_seq));
+    if (tables == NULL || tok == NULL || f == NULL)
+        die("host allocation");
+    for (int i = 0; i < max_b * bps; i++)   /* sequence s owns every max_b-th block: scattered */
+        tables[i] = (uint32_t)((i % bps) * max_b + i / bps);
+    for (int s = 0; s < max_b; s++) {
+        tok[s] = (int32_t)(3 + rng_u32() % 49000);
+        f[s] = (struct fwd_seq){ .tokens = &tok[s], .n_tokens = 1, .pos = STEP_CTX - 1,
+                                 .blocks = tables + (size_t)s * bps, .n_blocks = (uint32_t)bps };
+    }
+    const double weight_bytes = (double)gpu_engine_weight_bytes(e);
+    const double kv_tok = (double)kv_bytes_per_token(&m->cfg, KERN_F16);
+    int n = 0;
+    for (size_t bi = 0; bi < sizeof(batches) / sizeof(batches[0]); bi++) {
+        const int B = batches[bi];
+        struct step_row *r = &rows[n++];
+        r->batch = B;
+        r->weight_mb = weight_bytes / 1e6;
+        r->kv_mb = (double)B * STEP_CTX * kv_tok / 1e6;
+        r->bound_us = (weight_bytes + (double)B * STEP_CTX * kv_tok) / (copy_gbs * 1e9) * 1e6;
+        gpu_engine_set_graphs(e, true);
+        r->first_us = step_us(e, f, B);
+        r->graph_us = step_median(e, f, B);
+        gpu_engine_set_graphs(e, false);
+        r->eager_us = step_median(e, f, B);
+        printf("  decode step batch %3d ctx %d: graphs %8.1f us, kernel by kernel %8.1f us, bound %7.1f us "
+               "(first step with graphs %.1f us)\n", B, STEP_CTX, r->graph_us, r->eager_us, r->bound_us, r->first_us);
+        fflush(stdout);
+    }
+    struct gpu_engine_graph_stats st;
+    gpu_engine_graph_stats(e, &st);
+    snprintf(graph_note, note_len, "%llu graphs recorded, %llu replays%s%s", (unsigned long long)st.captures,
+             (unsigned long long)st.replays, st.why_disabled[0] ? "; " : "", st.why_disabled);
+    gpu_engine_destroy(&e);
+    model_destroy(&m);
+    free(tables);
+    free(tok);
+    free(f);
+    return n;
+}
+
 int main(void)
 {
     char why[256];
@@ -326,6 +476,9 @@ int main(void)
     const int na = bench_attn(t, copy_gbs, arows);
     struct mv_row mrows[16];
     const int nm = bench_mv(t, copy_gbs, mrows);
+    struct step_row srows[4];
+    char graph_note[256];
+    const int ns = bench_step(copy_gbs, srows, graph_note, sizeof(graph_note));
 
     printf("\n== GPU summary: %s ==\n", info.name);
     printf("copy bandwidth %.0f GB/s\n", copy_gbs);
@@ -347,6 +500,16 @@ int main(void)
         printf("  %-11s %-12s %-4s %2d %9.1f %9.2f %9.2f  %6.1f%%\n", r->name, shape, kern_type_info(r->type)->name,
                r->T, r->kb, r->us, r->bound_us, 100 * r->bound_us / r->us);
     }
+    printf("decode step, SmolLM2-shaped random model (Q4_1), context %d, greedy ids on the device, host wall time, "
+           "L2 flushed:\n", STEP_CTX);
+    printf("  batch  weights MB   KV MB  bound us  graphs us  of bound  kernels us  of bound  graph gain  tok/s\n");
+    for (int i = 0; i < ns; i++) {
+        const struct step_row *r = &srows[i];
+        printf("  %5d %11.1f %7.1f %9.1f %10.1f  %6.1f%% %11.1f  %6.1f%%  %9.2fx %7.0f\n", r->batch, r->weight_mb,
+               r->kv_mb, r->bound_us, r->graph_us, 100 * r->bound_us / r->graph_us, r->eager_us,
+               100 * r->bound_us / r->eager_us, r->eager_us / r->graph_us, r->batch / (r->graph_us * 1e-6));
+    }
+    printf("  (%s)\n", graph_note);
     kcuda_free(flush_buf);
     kcuda_free(flush_ids);
     kcuda_timer_destroy(&t);

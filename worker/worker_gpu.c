@@ -8,6 +8,7 @@
 #include "err.h"
 #include "fdpass.h"
 #include "kcuda_vmm.h"
+#include "types.h"
 
 struct wgpu {
     pool_t *pool;           /* borrowed: the pool whose KV data this maps */
@@ -125,8 +126,11 @@ int wgpu_engine_start(wgpu_t *g, const model_t *m, const struct engine_params *p
     if (g->engine != NULL)
         return kvd_seterr(err, errlen, KVD_ESTATE, "the GPU engine is already started");
     const struct pool_header *h = pool_header(g->pool);
-    g->engine = wgpu_engine_new(m, g->dev, wgpu_kv_base(g), h->n_blocks, h->layout.block_tokens, p,
-                                err, errlen);
+    /* the GPU kernels address an f16 cache; the pool must hold what they expect */
+    if (h->layout.dtype != KERN_F16)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "the GPU engine needs an f16 KV pool");
+    g->engine = wgpu_engine_new(m, g->dev, wgpu_kv_base(g), wgpu_kv_bytes(g), h->n_blocks,
+                                h->layout.block_tokens, p, err, errlen);
     return g->engine ? 0 : KVD_EUNSUPPORTED;
 }
 

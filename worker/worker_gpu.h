@@ -83,10 +83,10 @@ typedef struct wgpu_engine wgpu_engine_t;
 
 /* An engine for model m (borrowed for the call) on device dev, computing in
  * the pool's device memory: kv_blocks blocks of block_tokens positions from
- * kv_base, laid out as kernels/cuda/kcuda.h says, borrowed (kvd owns it; it
- * outlives the engine). p as for engine_new. NULL with a reason. */
-wgpu_engine_t *wgpu_engine_new(const model_t *m, int dev, void *kv_base, uint32_t kv_blocks,
-                               uint32_t block_tokens, const struct engine_params *p, char *err,
+ * kv_base (kv_bytes mapped there), laid out as kernels/cuda/kcuda.h says,
+ * borrowed (kvd owns it; it outlives the engine). p as for engine_new. NULL with a reason. */
+wgpu_engine_t *wgpu_engine_new(const model_t *m, int dev, void *kv_base, uint64_t kv_bytes,
+                               uint32_t kv_blocks, uint32_t block_tokens, const struct engine_params *p, char *err,
                                size_t errlen);
 
 /* One step, as engine_step (logits in host memory, valid until the next). */

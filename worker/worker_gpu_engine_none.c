@@ -3,22 +3,20 @@
  * kvd-worker built without a GPU engine: the worker maps the GPU pool, then
  * says it has nothing to compute with, and exits with CLI_EXIT_UNUSABLE.
  *
- * To build the engine in, add worker_gpu_engine.c with these three functions
- * over engine/gpu_engine.h (gpu_engine_new with params.kv_base = kv_base,
- * kv_blocks, block_tokens, max_tokens and max_ctx from p; gpu_engine_step;
- * gpu_engine_destroy) and have worker/CMakeLists.txt compile it instead of
- * this file, linking kvd_gpu, wherever that target exists.
+ * Where the CUDA backend is built, worker_gpu_engine.c (over
+ * engine/gpu_engine.h) takes this file's place.
  */
 #include "err.h"
 #include "worker_gpu.h"
 
-wgpu_engine_t *wgpu_engine_new(const model_t *m, int dev, void *kv_base, uint32_t kv_blocks,
-                               uint32_t block_tokens, const struct engine_params *p, char *err,
+wgpu_engine_t *wgpu_engine_new(const model_t *m, int dev, void *kv_base, uint64_t kv_bytes,
+                               uint32_t kv_blocks, uint32_t block_tokens, const struct engine_params *p, char *err,
                                size_t errlen)
 {
     (void)m;
     (void)dev;
     (void)kv_base;
+    (void)kv_bytes;
     (void)kv_blocks;
     (void)block_tokens;
     (void)p;

@@ -38,6 +38,13 @@ else
 fi
 command -v nvcc >/dev/null 2>&1 && nvcc --version | tail -2
 
+step "dependencies"
+# a GPU machine that can fetch nothing: Debian packages carried in .gpudeps
+# (tests/gpu/fetch-deps.sh) are unpacked into a private prefix when needed
+kvd_deps_root=$root
+# shellcheck source=tests/gpu/deps-env.sh
+. "$root/tests/gpu/deps-env.sh"
+
 step "configure ($build)"
 gen=()
 command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
@@ -48,14 +55,18 @@ fi
 if ! cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DKVD_CUDA=ON \
         -DCMAKE_CUDA_FLAGS="-t0" >"$logs/configure.log" 2>&1; then
     tail -30 "$logs/configure.log"
-    echo "run.sh: configure failed (the whole project configures: libzmq, protobuf-c, lz4, xxhash are needed)"
+    echo "run.sh: configure failed (the whole project configures: libzmq, protobuf-c, lz4, xxhash are"
+    echo "needed; where they cannot be installed, run tests/gpu/fetch-deps.sh elsewhere and carry .gpudeps)"
     status=1
 fi
 
 status=${status:-0}
 if [ "$status" = 0 ]; then
     step "build (-j$jobs)"
-    if ! cmake --build "$build" -j "$jobs" --target test_gpu_attn test_gpu_ops bench-gpu >"$logs/build.log" 2>&1; then
+    # every GPU test program (tests/gpu/test_*.c; ctest -L gpu runs them all) and the benchmark
+    targets=$(for f in "$root"/tests/gpu/test_*.c; do basename "$f" .c; done)
+    # shellcheck disable=SC2086
+    if ! cmake --build "$build" -j "$jobs" --target $targets bench-gpu test_kvd_gpu >"$logs/build.log" 2>&1; then
         grep -E "error|Error" "$logs/build.log" | head -30
         echo "run.sh: build failed (full log: $logs/build.log)"
         status=1
@@ -67,10 +78,11 @@ fi
 tests_ok=0
 if [ "$status" = 0 ]; then
     step "ctest -L gpu"
-    (cd "$build" && ctest -L gpu -V -j2 --timeout 300) >"$logs/ctest.log" 2>&1
+    # the GPU tests, and kvd --gpu end to end (its workers on the shared device pool)
+    (cd "$build" && ctest -R '^gpu\.|^integration\.kvd_gpu$' -V -j2 --timeout 300) >"$logs/ctest.log" 2>&1
     rc=$?
     # each test's own summary lines, then ctest's verdicts
-    grep -E '^[0-9]+: (device|skip|decode|prefill|gemm|quantize|get_rows|rmsnorm|swiglu|rope|argmax|[0-9]+ checks)' \
+    grep -E '^[0-9]+: (device|skip|decode|prefill|gemm|quantize|get_rows|rmsnorm|swiglu|rope|argmax|engine|pool|import|allocation|kvd --gpu|[0-9]+ checks)' \
         "$logs/ctest.log" | sed 's/^[0-9]*: /  /'
     grep -E 'Test +#[0-9]+: ' "$logs/ctest.log"
     if [ $rc -ne 0 ]; then
@@ -100,6 +112,10 @@ fi
     if [ -f "$logs/ctest.log" ]; then
         echo "tests:"
         grep -E 'Test +#[0-9]+: ' "$logs/ctest.log" | sed -E 's/^ *[0-9]+\/[0-9]+ +Test +#[0-9]+: /  /; s/ \.+/ /'
+    fi
+    if [ -f "$logs/ctest.log" ] && grep -q '^[0-9]*: engine ' "$logs/ctest.log"; then
+        echo "GPU engine against the CPU engine (test_gpu_engine):"
+        grep -E '^[0-9]+: engine ' "$logs/ctest.log" | sed 's/^[0-9]*: /  /'
     fi
     [ -f "$logs/bench.log" ] && sed -n '/^== GPU summary/,$p' "$logs/bench.log"
     [ "$status" = 0 ] && [ $tests_ok = 1 ] && echo "result: GPU tests passed"

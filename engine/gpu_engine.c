@@ -1,0 +1,958 @@
+/*
+ * gpu_engine.c - the forward step on one CUDA device: the kernels of
+ * kernels/cuda/kcuda.h in the order engine/forward.c runs their C twins.
+ *
+ * A step is laid out on the host (token ids, positions, the physical block of
+ * each position, the rows that give logits, the sequences and their block
+ * tables), uploaded in two copies, then computed with no further host work:
+ * embeddings, per layer RMSNorm, Q/K/V products, RoPE with the K/V write,
+ * attention (decode kernel for one-token sequences, prefill kernel for
+ * chunks), output product, RMSNorm, gate/up, SwiGLU, down product; final norm
+ * of the rows that give logits and the output head. All of it on the engine's
+ * own stream; the host waits once, for the results.
+ */
+#include "gpu_engine.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "err.h"
+#include "kcuda.h"
+#include "kcuda_engine.h"
+#include "quant.h"
+#include "types.h"
+
+#define ACT_SLOTS 3     /* distinct activation formats one input may be quantized to */
+#define GRAPH_SLOTS 32  /* recorded decode graphs kept (least recently used goes) */
+
+/* A weight matrix on the device. */
+struct gmat {
+    uint32_t type;          /* enum kern_type */
+    int64_t rows;           /* output features */
+    int64_t cols;           /* input features */
+    size_t row_bytes;       /* bytes per row */
+    const void *w;          /* device: rows * row_bytes */
+};
+
+struct glayer {
+    const float *attn_norm; /* device (n_embd) */
+    const float *ffn_norm;  /* device (n_embd) */
+    struct gmat wq, wk, wv, wo, w_gate, w_up, w_down;
+};
+
+/* Activation rows quantized for one weight type (device, max_tokens rows). */
+struct act_slot {
+    uint32_t type;          /* activation type; UINT32_MAX when unused this input */
+    size_t stride;          /* bytes per row */
+    uint8_t *buf;           /* device */
+};
+
+/* Activation rows as a product reads them. */
+struct act_ref {
+    const void *buf;        /* device */
+    size_t stride;          /* bytes per row */
+};
+
+/* Offsets of the per-step arrays inside the meta buffers (host and device). */
+struct meta_layout {
+    size_t tok_id;          /* int32 (max_tokens) */
+    size_t tok_pos;         /* int32 (max_tokens) */
+    size_t tok_block;       /* uint32 (max_tokens): physical block of each token's position */
+    size_t out_row;         /* int32 (max_tokens): token rows that give logits */
+    size_t dec;             /* struct kcuda_seq (max_tokens): one-token sequences */
+    size_t pf;              /* struct kcuda_seq (max_tokens): chunks of several tokens */
+    size_t bytes;           /* the whole buffer */
+};
+
+/* What a step enqueues depends on these alone (a graph's key is the decode part). */
+struct step_shape {
+    uint32_t T;             /* tokens */
+    uint32_t rows;          /* rows of logits */
+    uint32_t n_dec;         /* sequences decoding one token */
+    uint32_t n_pf;          /* sequences adding a chunk of several tokens */
+    uint32_t dec_ctx;       /* decode grid context: a power of two >= every decode context */
+    uint32_t pf_tok;        /* longest chunk */
+};
+
+struct graph_slot {
+    kcuda_graph_t *g;       /* NULL: free */
+    uint32_t n_dec;         /* key: sequences (= tokens = rows), padded to a bucket */
+    uint32_t dec_ctx;       /* key: context bucket */
+    uint64_t used;          /* step counter at last use */
+};
+
+struct gpu_engine {
+    struct model_config cfg;
+    struct gpu_engine_params p;     /* resolved: no zeros left */
+    int device;
+    kcuda_stream_t stream;
+
+    /* weights */
+    uint8_t *weights;               /* device: every matrix and norm */
+    uint64_t weight_bytes;          /* bytes used in it */
+    struct gmat tok_embd;           /* (n_vocab, n_embd) */
+    struct gmat output;             /* (n_vocab, n_embd); shares tok_embd's memory when tied */
+    const float *output_norm;       /* device (n_embd) */
+    struct glayer *layers;          /* host array of n_layer */
+
+    /* the cache */
+    uint8_t *kv;                    /* device: kv_blocks * block_bytes */
+    bool kv_owned;
+    uint64_t block_bytes, head_bytes;
+
+    /* activations, device, max_tokens rows */
+    float *x;                       /* (T, n_embd) residual stream */
+    float *xb;                      /* (T, max(n_embd, q_dim)) normed input / attention output */
+    float *q, *k, *v;               /* (T, q_dim), (T, kv_dim), (T, kv_dim) */
+    float *gate, *up;               /* (T, n_ff) */
+    float *logits;                  /* (T, n_vocab) */
+    int32_t *ids;                   /* (T) greedy tokens */
+    float *attn_scratch;            /* decode partials, or NULL when one split covers max_ctx */
+    struct act_slot act[ACT_SLOTS];
+
+    /* per-step layout */
+    struct meta_layout ml;
+    uint8_t *meta_dev, *meta_host;  /* ml.bytes each (host page-locked) */
+    uint32_t *tables_dev, *tables_host; /* block tables, tables_cap entries each */
+    size_t tables_cap;
+
+    /* results on the host (page-locked) */
+    float *logits_host;             /* (logits_cap, n_vocab) */
+    uint32_t logits_cap;
+    int32_t *ids_host;              /* (max_tokens) */
+
+    float rope_step;                /* powf(rope_base, -2 / head_dim), as kern_rope_angles */
+    float attn_scale;               /* 1 / sqrt(head_dim) */
+    int split;                      /* attention split */
+
+    /* graphs */
+    bool graphs;                    /* record decode steps */
+    struct graph_slot slots[GRAPH_SLOTS];
+    uint64_t step_no;
+    struct gpu_engine_graph_stats stats;
+};
+
+struct gpu_engine_params gpu_engine_default_params(void)
+{
+    struct gpu_engine_params p = {
+        .max_tokens = 512, .max_ctx = 0, .block_tokens = 16, .kv_blocks = 1024,
+        .kv_base = NULL, .kv_bytes = 0, .attn_split = 0, .graphs = -1,
+    };
+    return p;
+}
+
+const struct model_config *gpu_engine_config(const gpu_engine_t *e) { return &e->cfg; }
+uint64_t gpu_engine_weight_bytes(const gpu_engine_t *e) { return e->weight_bytes; }
+
+void gpu_engine_kv_info(const gpu_engine_t *e, struct gpu_engine_kv *out)
+{
+    out->base = e->kv;
+    out->n_blocks = e->p.kv_blocks;
+    out->block_tokens = e->p.block_tokens;
+    out->block_bytes = e->block_bytes;
+    out->head_bytes = e->head_bytes;
+    out->owned = e->kv_owned;
+}
+
+void gpu_engine_graph_stats(const gpu_engine_t *e, struct gpu_engine_graph_stats *out)
+{
+    *out = e->stats;
+    out->enabled = e->graphs;
+}
+
+void gpu_engine_set_graphs(gpu_engine_t *e, bool on)
+{
+    if (on && !kcuda_graphs_supported()) {
+        snprintf(e->stats.why_disabled, sizeof(e->stats.why_disabled),
+                 "this build cannot record CUDA graphs");
+        on = false;
+    }
+    e->graphs = on;
+    if (on)
+        e->stats.why_disabled[0] = '\0';
+}
+
+static void graphs_drop(gpu_engine_t *e)
+{
+    for (int i = 0; i < GRAPH_SLOTS; i++)
+        kcuda_graph_destroy(&e->slots[i].g);
+}
+
+void gpu_engine_destroy(gpu_engine_t **ep)
+{
+    if (ep == NULL || *ep == NULL)
+        return;
+    gpu_engine_t *e = *ep;
+    kcuda_set_device(e->device);
+    kcuda_stream_destroy(&e->stream);   /* waits for anything in flight */
+    graphs_drop(e);
+    kcuda_free(e->weights);
+    free(e->layers);
+    if (e->kv_owned)
+        kcuda_free(e->kv);
+    kcuda_free(e->x);
+    kcuda_free(e->xb);
+    kcuda_free(e->q);
+    kcuda_free(e->k);
+    kcuda_free(e->v);
+    kcuda_free(e->gate);
+    kcuda_free(e->up);
+    kcuda_free(e->logits);
+    kcuda_free(e->ids);
+    kcuda_free(e->attn_scratch);
+    for (int i = 0; i < ACT_SLOTS; i++)
+        kcuda_free(e->act[i].buf);
+    kcuda_free(e->meta_dev);
+    kcuda_host_free(e->meta_host);
+    kcuda_free(e->tables_dev);
+    kcuda_host_free(e->tables_host);
+    kcuda_host_free(e->logits_host);
+    kcuda_host_free(e->ids_host);
+    free(e);
+    *ep = NULL;
+}
+
+/* ---- set-up -------------------------------------------------------------------- */
+
+static bool gemm_type_ok(const struct model_mat *w)
+{
+    switch (w->type) {
+    case KERN_Q4_1:
+    case KERN_Q8_0:
+        return w->cols % 32 == 0;
+    case KERN_F16:
+        return w->cols % 8 == 0;
+    default:
+        return false;
+    }
+}
+
+/* Checks that the kernels can run this model; 0 or KVD_EUNSUPPORTED with err. */
+static int check_model(const model_t *m, char *err, size_t errlen)
+{
+    const struct model_config *c = &m->cfg;
+    if (c->head_dim != 64 && c->head_dim != 128)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                          "gpu engine: head dimension %u is not supported (64 or 128)", c->head_dim);
+    if (c->n_head_kv == 0 || c->n_head % c->n_head_kv != 0 || c->n_head / c->n_head_kv > KCUDA_MAX_GROUP)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                          "gpu engine: %u query heads over %u KV heads is not supported (at most %d per KV head)",
+                          c->n_head, c->n_head_kv, KCUDA_MAX_GROUP);
+    switch (m->tok_embd.type) {
+    case KERN_F32: case KERN_F16: case KERN_Q4_0: case KERN_Q4_1: case KERN_Q8_0:
+        break;
+    default:
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                          "gpu engine: token_embd.weight of type %s is not supported (F32, F16, Q4_0, Q4_1, Q8_0)",
+                          kern_type_info(m->tok_embd.type)->name);
+    }
+    if (!gemm_type_ok(&m->output))
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                          "gpu engine: the output matrix of type %s is not supported (Q4_1, Q8_0, F16)",
+                          kern_type_info(m->output.type)->name);
+    for (uint32_t l = 0; l < c->n_layer; l++) {
+        const struct model_layer *L = &m->layers[l];
+        const struct model_mat *mats[7] = { &L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down };
+        for (int i = 0; i < 7; i++)
+            if (!gemm_type_ok(mats[i]))
+                return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                                  "gpu engine: layer %u has a matrix of type %s (%lld wide); the GPU "
+                                  "products take Q4_1, Q8_0 and F16", l, kern_type_info(mats[i]->type)->name,
+                                  (long long)mats[i]->cols);
+    }
+    return 0;
+}
+
+/* Places host arrays in the device weight buffer: a first pass (base NULL)
+ * only sums the sizes; the second uploads. */
+struct placer {
+    uint8_t *base;          /* device buffer, NULL while sizing */
+    size_t off;             /* bytes placed so far */
+    int rc;                 /* first upload failure */
+};
+
+static const void *place(struct placer *pl, const void *host, size_t bytes)
+{
+    const size_t at = (pl->off + 255) / 256 * 256;
+    pl->off = at + bytes;
+    if (pl->base == NULL || pl->rc)
+        return NULL;
+    if (kcuda_upload(pl->base + at, host, bytes))
+        pl->rc = KVD_EINTERNAL;
+    return pl->base + at;
+}
+
+static void place_mat(struct placer *pl, const struct model_mat *src, struct gmat *dst)
+{
+    dst->type = src->type;
+    dst->rows = src->rows;
+    dst->cols = src->cols;
+    dst->row_bytes = src->row_bytes;
+    dst->w = place(pl, src->data, (size_t)src->rows * src->row_bytes);
+}
+
+static void place_model(struct placer *pl, gpu_engine_t *e, const model_t *m)
+{
+    const size_t norm = (size_t)m->cfg.n_embd * sizeof(float);
+    place_mat(pl, &m->tok_embd, &e->tok_embd);
+    if (m->output.data == m->tok_embd.data)
+        e->output = e->tok_embd;
+    else
+        place_mat(pl, &m->output, &e->output);
+    e->output_norm = place(pl, m->output_norm, norm);
+    for (uint32_t l = 0; l < m->cfg.n_layer; l++) {
+        const struct model_layer *L = &m->layers[l];
+        struct glayer *G = &e->layers[l];
+        G->attn_norm = place(pl, L->attn_norm, norm);
+        G->ffn_norm = place(pl, L->ffn_norm, norm);
+        place_mat(pl, &L->wq, &G->wq);
+        place_mat(pl, &L->wk, &G->wk);
+        place_mat(pl, &L->wv, &G->wv);
+        place_mat(pl, &L->wo, &G->wo);
+        place_mat(pl, &L->w_gate, &G->w_gate);
+        place_mat(pl, &L->w_up, &G->w_up);
+        place_mat(pl, &L->w_down, &G->w_down);
+    }
+}
+
+static void *dev_alloc(size_t bytes, bool *ok)
+{
+    void *p = kcuda_malloc(bytes);
+    if (p == NULL)
+        *ok = false;
+    return p;
+}
+
+/* Resolves defaults and checks the parameters against the model; 0 or KVD_EINVAL. */
+static int resolve_params(struct gpu_engine_params *p, const struct model_config *c, char *err, size_t errlen)
+{
+    if (p->max_tokens == 0)
+        p->max_tokens = 512;
+    if (p->max_ctx == 0)
+        p->max_ctx = c->n_ctx_train;
+    if (p->block_tokens == 0)
+        p->block_tokens = 16;
+    if (p->kv_blocks == 0 && p->kv_base == NULL)
+        p->kv_blocks = 1024;
+    if (p->attn_split == 0)
+        p->attn_split = KCUDA_ATTN_SPLIT;
+    if (p->max_tokens > 65536 || p->max_ctx > (1u << 22))
+        return kvd_seterr(err, errlen, KVD_EINVAL, "gpu engine: step of %u tokens or context of %u is too large",
+                          p->max_tokens, p->max_ctx);
+    if (p->max_ctx == 0)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "gpu engine: the model names no context length");
+    if (p->block_tokens > 4096)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "gpu engine: block size %u is out of range (1..4096)",
+                          p->block_tokens);
+    if (p->kv_blocks == 0)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "gpu engine: a cache needs at least one block");
+    if (p->attn_split % 32 != 0 || p->attn_split > (1u << 20))
+        return kvd_seterr(err, errlen, KVD_EINVAL,
+                          "gpu engine: attention split %u is not a multiple of 32", p->attn_split);
+    if (((uintptr_t)p->kv_base) % 16 != 0)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "gpu engine: the KV base is not 16-byte aligned");
+    return 0;
+}
+
+gpu_engine_t *gpu_engine_new(const model_t *m, int device, const struct gpu_engine_params *pp,
+                             char *err, size_t errlen)
+{
+    const struct model_config *c = &m->cfg;
+    struct gpu_engine_params p = pp ? *pp : gpu_engine_default_params();
+    if (resolve_params(&p, c, err, errlen) || check_model(m, err, errlen))
+        return NULL;
+    char why[256];
+    int n_dev = kcuda_device_count(why, sizeof(why));
+    if (device < 0 || device >= n_dev) {
+        if (n_dev == 0)
+            kvd_seterr(err, errlen, KVD_EUNAVAILABLE, "gpu engine: %s", why);
+        else
+            kvd_seterr(err, errlen, KVD_EUNAVAILABLE, "gpu engine: no CUDA device %d (%d found)", device, n_dev);
+        return NULL;
+    }
+    if (kcuda_device_open(device, NULL)) {
+        kvd_seterr(err, errlen, KVD_EINTERNAL, "gpu engine: cannot open device %d: %s", device, kcuda_last_error());
+        return NULL;
+    }
+    gpu_engine_t *e = calloc(1, sizeof(*e));
+    struct glayer *layers = calloc(c->n_layer ? c->n_layer : 1, sizeof(*layers));
+    if (e == NULL || layers == NULL) {
+        free(e);
+        free(layers);
+        kvd_seterr(err, errlen, KVD_ENOMEM, "gpu engine: out of memory");
+        return NULL;
+    }
+    e->cfg = *c;
+    e->p = p;
+    e->device = device;
+    e->layers = layers;
+    e->split = (int)p.attn_split;
+    e->rope_step = powf(c->rope_base, -2.0f / (float)c->head_dim);
+    e->attn_scale = 1.0f / sqrtf((float)c->head_dim);
+    if (kcuda_stream_new(&e->stream)) {
+        kvd_seterr(err, errlen, KVD_EINTERNAL, "gpu engine: %s", kcuda_last_error());
+        goto fail;
+    }
+
+    /* weights: size, allocate, upload */
+    struct placer pl = { 0 };
+    place_model(&pl, e, m);
+    e->weight_bytes = pl.off;
+    pl = (struct placer){ .base = kcuda_malloc(e->weight_bytes) };
+    e->weights = pl.base;
+    if (e->weights == NULL) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "gpu engine: no device memory for %llu bytes of weights",
+                   (unsigned long long)e->weight_bytes);
+        goto fail;
+    }
+    place_model(&pl, e, m);
+    if (pl.rc) {
+        kvd_seterr(err, errlen, KVD_EINTERNAL, "gpu engine: weight upload failed: %s", kcuda_last_error());
+        goto fail;
+    }
+
+    /* the cache */
+    e->head_bytes = (uint64_t)p.block_tokens * c->head_dim * 2;
+    e->block_bytes = 2ull * c->n_layer * c->n_head_kv * e->head_bytes;
+    const uint64_t kv_bytes = (uint64_t)p.kv_blocks * e->block_bytes;
+    if (p.kv_base != NULL) {
+        if (p.kv_bytes != 0 && p.kv_bytes / e->block_bytes < p.kv_blocks) {
+            kvd_seterr(err, errlen, KVD_ERANGE, "gpu engine: %llu bytes at the KV base cannot hold %u blocks of %llu",
+                       (unsigned long long)p.kv_bytes, p.kv_blocks, (unsigned long long)e->block_bytes);
+            goto fail;
+        }
+        e->kv = p.kv_base;
+    } else {
+        e->kv = kcuda_malloc(kv_bytes);
+        e->kv_owned = true;
+        if (e->kv == NULL || kcuda_memset(e->kv, 0, kv_bytes, e->stream)) {
+            kvd_seterr(err, errlen, KVD_ENOMEM, "gpu engine: no device memory for %u KV blocks (%llu bytes)",
+                       p.kv_blocks, (unsigned long long)kv_bytes);
+            goto fail;
+        }
+    }
+
+    /* activations and per-step buffers */
+    const size_t T = p.max_tokens;
+    const size_t qd = (size_t)c->n_head * c->head_dim, kvd = (size_t)c->n_head_kv * c->head_dim;
+    size_t widest = c->n_embd > qd ? c->n_embd : qd;
+    if (c->n_ff > widest)
+        widest = c->n_ff;
+    bool ok = true;
+    e->x = dev_alloc(T * c->n_embd * sizeof(float), &ok);
+    e->xb = dev_alloc(T * (c->n_embd > qd ? c->n_embd : qd) * sizeof(float), &ok);
+    e->q = dev_alloc(T * qd * sizeof(float), &ok);
+    e->k = dev_alloc(T * kvd * sizeof(float), &ok);
+    e->v = dev_alloc(T * kvd * sizeof(float), &ok);
+    e->gate = dev_alloc(T * c->n_ff * sizeof(float), &ok);
+    e->up = dev_alloc(T * c->n_ff * sizeof(float), &ok);
+    e->logits = dev_alloc(T * c->n_vocab * sizeof(float), &ok);
+    e->ids = dev_alloc(T * sizeof(int32_t), &ok);
+    const size_t scratch = kcuda_attn_scratch_bytes((int)T, (int)c->n_head, (int)c->head_dim, (int)p.max_ctx,
+                                                    e->split);
+    if (scratch > 0)
+        e->attn_scratch = dev_alloc(scratch, &ok);
+    /* an activation row is at most as wide as its floats; rows 16-byte aligned */
+    const size_t act_stride = (widest * sizeof(float) + 15) / 16 * 16;
+    for (int i = 0; i < ACT_SLOTS; i++) {
+        e->act[i].type = UINT32_MAX;
+        e->act[i].buf = dev_alloc(T * act_stride, &ok);
+    }
+    struct meta_layout *ml = &e->ml;
+    size_t off = 0;
+#define META(field, bytes) (ml->field = off, off += ((bytes) + 255) / 256 * 256)
+    META(tok_id, T * sizeof(int32_t));
+    META(tok_pos, T * sizeof(int32_t));
+    META(tok_block, T * sizeof(uint32_t));
+    META(out_row, T * sizeof(int32_t));
+    META(dec, T * sizeof(struct kcuda_seq));
+    META(pf, T * sizeof(struct kcuda_seq));
+#undef META
+    ml->bytes = off;
+    e->meta_dev = dev_alloc(ml->bytes, &ok);
+    e->meta_host = kcuda_host_alloc(ml->bytes);
+    e->ids_host = kcuda_host_alloc(T * sizeof(int32_t));
+    /* block tables: room for max_tokens sequences of up to 4096 positions
+     * at first; grown on demand */
+    const uint32_t ctx0 = p.max_ctx < 4096 ? p.max_ctx : 4096;
+    e->tables_cap = T * ((ctx0 + p.block_tokens - 1) / p.block_tokens);
+    e->tables_dev = dev_alloc(e->tables_cap * sizeof(uint32_t), &ok);
+    e->tables_host = kcuda_host_alloc(e->tables_cap * sizeof(uint32_t));
+    if (!ok || e->meta_host == NULL || e->ids_host == NULL || e->tables_host == NULL) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "gpu engine: out of memory for step buffers (%zu tokens)", T);
+        goto fail;
+    }
+    memset(e->meta_host, 0, ml->bytes);
+    /* the weights went up on the legacy stream, which this engine's stream
+     * does not wait for (and a copy from pageable memory may return before
+     * its last bytes land): wait for the whole device once */
+    if (kcuda_sync() || kcuda_stream_sync(e->stream)) {
+        kvd_seterr(err, errlen, KVD_EINTERNAL, "gpu engine: %s", kcuda_last_error());
+        goto fail;
+    }
+
+    bool graphs = p.graphs != 0;
+    if (p.graphs < 0) {
+        const char *env = getenv("KVD_CUDA_GRAPHS");
+        graphs = !(env != NULL && strcmp(env, "0") == 0);
+    }
+    if (!graphs)
+        snprintf(e->stats.why_disabled, sizeof(e->stats.why_disabled), "turned off (%s)",
+                 p.graphs == 0 ? "parameter" : "KVD_CUDA_GRAPHS=0");
+    else
+        gpu_engine_set_graphs(e, true);
+    return e;
+
+fail:
+    gpu_engine_destroy(&e);
+    return NULL;
+}
+
+/* ---- the step ------------------------------------------------------------------- */
+
+/* The checks of engine_step, with its messages. */
+static int check_batch(const gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
+                       uint32_t *T_out, uint32_t *rows_out, uint64_t *tables_out, char *err, size_t errlen)
+{
+    const uint32_t bt = e->p.block_tokens;
+    uint64_t T = 0, rows = 0, tables = 0;
+    if (n_seqs == 0 || seqs == NULL)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "engine: empty batch");
+    for (uint32_t s = 0; s < n_seqs; s++) {
+        const struct fwd_seq *q = &seqs[s];
+        if (q->n_tokens == 0 || q->tokens == NULL)
+            return kvd_seterr(err, errlen, KVD_EINVAL, "engine: sequence %u has no tokens", s);
+        uint64_t end = (uint64_t)q->pos + q->n_tokens;
+        if (end > e->p.max_ctx)
+            return kvd_seterr(err, errlen, KVD_ETOOLONG,
+                              "engine: sequence %u reaches position %llu, past the context of %u",
+                              s, (unsigned long long)end, e->p.max_ctx);
+        uint64_t need = (end + bt - 1) / bt;
+        if (q->blocks == NULL || q->n_blocks < need)
+            return kvd_seterr(err, errlen, KVD_ERANGE,
+                              "engine: sequence %u needs %llu blocks, its table has %u",
+                              s, (unsigned long long)need, q->n_blocks);
+        for (uint64_t b = 0; b < need; b++)
+            if (q->blocks[b] >= e->p.kv_blocks)
+                return kvd_seterr(err, errlen, KVD_ERANGE,
+                                  "engine: sequence %u names block %u of %u", s, q->blocks[b],
+                                  e->p.kv_blocks);
+        for (uint32_t i = 0; i < q->n_tokens; i++)
+            if (q->tokens[i] < 0 || (uint32_t)q->tokens[i] >= e->cfg.n_vocab)
+                return kvd_seterr(err, errlen, KVD_ERANGE,
+                                  "engine: token id %d is outside the vocabulary (0..%u)",
+                                  q->tokens[i], e->cfg.n_vocab - 1);
+        T += q->n_tokens;
+        rows += q->all_logits ? q->n_tokens : 1;
+        tables += need;
+    }
+    if (T > e->p.max_tokens)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "engine: step of %llu tokens exceeds %u",
+                          (unsigned long long)T, e->p.max_tokens);
+    *T_out = (uint32_t)T;
+    *rows_out = (uint32_t)rows;
+    *tables_out = tables;
+    return 0;
+}
+
+/* Grows the block-table buffers to hold n entries (dropping recorded graphs,
+ * which hold the old address). 0 or KVD_ENOMEM. */
+static int tables_reserve(gpu_engine_t *e, uint64_t n)
+{
+    if (n <= e->tables_cap)
+        return 0;
+    size_t cap = e->tables_cap * 2 > n ? e->tables_cap * 2 : (size_t)n;
+    uint32_t *d = kcuda_malloc(cap * sizeof(uint32_t));
+    uint32_t *h = kcuda_host_alloc(cap * sizeof(uint32_t));
+    if (d == NULL || h == NULL) {
+        kcuda_free(d);
+        kcuda_host_free(h);
+        return KVD_ENOMEM;
+    }
+    graphs_drop(e);
+    kcuda_free(e->tables_dev);
+    kcuda_host_free(e->tables_host);
+    e->tables_dev = d;
+    e->tables_host = h;
+    e->tables_cap = cap;
+    return 0;
+}
+
+/* The batch size a decode graph is recorded for: n rounded up to a power of
+ * two up to 8, a multiple of 8 up to 64, of 32 beyond (at most max_tokens),
+ * so that batches that change by a few sequences reuse a recording; the extra
+ * rows cost little in a step that reads every weight anyway. */
+static uint32_t decode_bucket(uint32_t n, uint32_t max_tokens)
+{
+    uint32_t b;
+    if (n <= 8) {
+        b = 1;
+        while (b < n)
+            b *= 2;
+    } else if (n <= 64) {
+        b = (n + 7) / 8 * 8;
+    } else {
+        b = (n + 31) / 32 * 32;
+    }
+    return b < max_tokens ? b : max_tokens;
+}
+
+/* Lays the step out in the host meta buffers; fills *s. Rows past the
+ * batch's own (padding) may follow; the caller returns only its own. */
+static void layout_step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, struct step_shape *s)
+{
+    const struct meta_layout *ml = &e->ml;
+    int32_t *tok_id = (int32_t *)(e->meta_host + ml->tok_id);
+    int32_t *tok_pos = (int32_t *)(e->meta_host + ml->tok_pos);
+    uint32_t *tok_block = (uint32_t *)(e->meta_host + ml->tok_block);
+    int32_t *out_row = (int32_t *)(e->meta_host + ml->out_row);
+    struct kcuda_seq *dec = (struct kcuda_seq *)(e->meta_host + ml->dec);
+    struct kcuda_seq *pf = (struct kcuda_seq *)(e->meta_host + ml->pf);
+    const uint32_t bt = e->p.block_tokens;
+    uint32_t t = 0, r = 0, nd = 0, np = 0, max_dec_ctx = 0, max_pf = 0;
+    size_t ntab = 0;
+    for (uint32_t i = 0; i < n_seqs; i++) {
+        const struct fwd_seq *q = &seqs[i];
+        const uint32_t need = (q->pos + q->n_tokens + bt - 1) / bt;
+        const struct kcuda_seq ks = { .row = (int32_t)t, .n_tok = (int32_t)q->n_tokens, .pos = (int32_t)q->pos,
+                                      .table = (uint32_t)ntab };
+        memcpy(e->tables_host + ntab, q->blocks, (size_t)need * sizeof(uint32_t));
+        ntab += need;
+        if (q->n_tokens == 1) {
+            dec[nd++] = ks;
+            if (q->pos + 1 > max_dec_ctx)
+                max_dec_ctx = q->pos + 1;
+        } else {
+            pf[np++] = ks;
+            if (q->n_tokens > max_pf)
+                max_pf = q->n_tokens;
+        }
+        for (uint32_t j = 0; j < q->n_tokens; j++, t++) {
+            const uint32_t pos = q->pos + j;
+            tok_id[t] = q->tokens[j];
+            tok_pos[t] = (int32_t)pos;
+            tok_block[t] = q->blocks[pos / bt];
+            if (q->all_logits || j + 1 == q->n_tokens)
+                out_row[r++] = (int32_t)t;
+        }
+    }
+    /* the decode grid is sized by a power of two (at least one split, at most
+     * max_ctx), so that recorded graphs serve every context up to it */
+    uint32_t ctx = 0;
+    if (nd > 0) {
+        ctx = (uint32_t)e->split;
+        while (ctx < max_dec_ctx)
+            ctx *= 2;
+        if (ctx > e->p.max_ctx)
+            ctx = e->p.max_ctx;
+    }
+    /* A decode step that will run as a graph is padded to a bucket of batch
+     * sizes with copies of its first token: same id, position, block and
+     * table, so a copy computes the same bits and writes the same K/V bytes
+     * to the same place as the original (a benign duplicate write, and only
+     * into a block the caller gave). Their rows are computed, never returned. */
+    if (e->graphs && np == 0) {
+        const uint32_t want = decode_bucket(nd, e->p.max_tokens);
+        for (; t < want; t++, r++, nd++) {
+            tok_id[t] = tok_id[0];
+            tok_pos[t] = tok_pos[0];
+            tok_block[t] = tok_block[0];
+            out_row[r] = (int32_t)t;
+            dec[nd] = dec[0];
+            dec[nd].row = (int32_t)t;
+        }
+    }
+    *s = (struct step_shape){ .T = t, .rows = r, .n_dec = nd, .n_pf = np, .dec_ctx = ctx, .pf_tok = max_pf };
+}
+
+/* The per-layer view of the cache the kernels take. */
+static struct kcuda_kv layer_kv(const gpu_engine_t *e, uint32_t l)
+{
+    const struct model_config *c = &e->cfg;
+    struct kcuda_kv kv = {
+        .k = e->kv + (size_t)(l * 2) * c->n_head_kv * e->head_bytes,
+        .v = e->kv + (size_t)(l * 2 + 1) * c->n_head_kv * e->head_bytes,
+        .block_stride = e->block_bytes,
+        .head_stride = e->head_bytes,
+        .block_tokens = (int)e->p.block_tokens,
+        .head_dim = (int)c->head_dim,
+        .n_head = (int)c->n_head,
+        .n_head_kv = (int)c->n_head_kv,
+    };
+    return kv;
+}
+
+/* The rows of src (T x n floats) in the format weight type wtype consumes,
+ * quantizing them on first use; `fresh` forgets the formats of the previous
+ * input. F32 activations are src itself. */
+static int acts_for(gpu_engine_t *e, uint32_t wtype, const float *src, int n, int T, bool fresh,
+                    struct act_ref *out)
+{
+    if (fresh)
+        for (int i = 0; i < ACT_SLOTS; i++)
+            e->act[i].type = UINT32_MAX;
+    const uint32_t at = kern_vec_dot_type(wtype);
+    if (at == KERN_F32) {
+        *out = (struct act_ref){ src, (size_t)n * sizeof(float) };
+        return 0;
+    }
+    int i;
+    for (i = 0; i < ACT_SLOTS; i++) {
+        if (e->act[i].type == at) {
+            *out = (struct act_ref){ e->act[i].buf, e->act[i].stride };
+            return 0;
+        }
+        if (e->act[i].type == UINT32_MAX)
+            break;
+    }
+    struct act_slot *s = &e->act[i < ACT_SLOTS ? i : ACT_SLOTS - 1];
+    s->type = at;
+    s->stride = (kern_act_row_bytes(at, n) + 15) / 16 * 16;
+    *out = (struct act_ref){ s->buf, s->stride };
+    return kcuda_quantize_act(at, src, (size_t)n, s->buf, s->stride, n, T, e->stream);
+}
+
+static int gemm(gpu_engine_t *e, const struct gmat *w, struct act_ref a, int T, float *out, bool add)
+{
+    const struct kcuda_gemm_args g = {
+        .wtype = w->type, .w = w->w, .row_bytes = w->row_bytes, .rows = w->rows, .n = w->cols,
+        .act = a.buf, .act_stride = a.stride, .T = T, .out = out, .ldo = (size_t)w->rows, .add = add,
+    };
+    return kcuda_gemm(&g, e->stream);
+}
+
+/* Enqueues the whole forward step of shape s (its meta already laid out,
+ * or about to be uploaded before this runs). 0 or the first launch error. */
+static int run_forward(gpu_engine_t *e, const struct step_shape *s)
+{
+    const struct model_config *c = &e->cfg;
+    const int T = (int)s->T, ne = (int)c->n_embd, qd = (int)(c->n_head * c->head_dim), ff = (int)c->n_ff;
+    const struct meta_layout *ml = &e->ml;
+    const int32_t *tok_id = (const int32_t *)(e->meta_dev + ml->tok_id);
+    const int32_t *tok_pos = (const int32_t *)(e->meta_dev + ml->tok_pos);
+    const uint32_t *tok_block = (const uint32_t *)(e->meta_dev + ml->tok_block);
+    const int32_t *out_row = (const int32_t *)(e->meta_dev + ml->out_row);
+    kcuda_stream_t st = e->stream;
+    struct act_ref a;
+    int rc;
+#define TRY(call) do { if ((rc = (call)) != 0) return rc; } while (0)
+    TRY(kcuda_get_rows(e->tok_embd.type, e->tok_embd.w, e->tok_embd.row_bytes, ne, tok_id, T, e->x, st));
+    for (uint32_t l = 0; l < c->n_layer; l++) {
+        const struct glayer *L = &e->layers[l];
+        const struct kcuda_kv kv = layer_kv(e, l);
+        /* attention */
+        TRY(kcuda_rmsnorm(e->xb, e->x, L->attn_norm, NULL, ne, T, c->rms_eps, st));
+        TRY(acts_for(e, L->wq.type, e->xb, ne, T, true, &a));
+        TRY(gemm(e, &L->wq, a, T, e->q, false));
+        TRY(acts_for(e, L->wk.type, e->xb, ne, T, false, &a));
+        TRY(gemm(e, &L->wk, a, T, e->k, false));
+        TRY(acts_for(e, L->wv.type, e->xb, ne, T, false, &a));
+        TRY(gemm(e, &L->wv, a, T, e->v, false));
+        const struct kcuda_rope_args ra = {
+            .kv = kv, .q = e->q, .k = e->k, .v = e->v, .pos = tok_pos, .block = tok_block, .T = T,
+            .step = e->rope_step,
+        };
+        TRY(kcuda_rope_kv(&ra, st));
+        struct kcuda_attn_args aa = {
+            .kv = kv, .out = e->xb, .q = e->q, .tables = e->tables_dev, .scale = e->attn_scale,
+            .split = e->split, .scratch = e->attn_scratch, .max_ctx = (int)e->p.max_ctx,
+        };
+        if (s->n_dec > 0) {
+            aa.seqs = (const struct kcuda_seq *)(e->meta_dev + ml->dec);
+            aa.n_seq = (int)s->n_dec;
+            aa.max_tok = 1;
+            aa.max_ctx = (int)s->dec_ctx;
+            TRY(kcuda_attn_decode(&aa, st));
+        }
+        if (s->n_pf > 0) {
+            aa.seqs = (const struct kcuda_seq *)(e->meta_dev + ml->pf);
+            aa.n_seq = (int)s->n_pf;
+            aa.max_tok = (int)s->pf_tok;
+            aa.max_ctx = (int)e->p.max_ctx;
+            TRY(kcuda_attn_prefill(&aa, st));
+        }
+        TRY(acts_for(e, L->wo.type, e->xb, qd, T, true, &a));
+        TRY(gemm(e, &L->wo, a, T, e->x, true));
+        /* feed-forward */
+        TRY(kcuda_rmsnorm(e->xb, e->x, L->ffn_norm, NULL, ne, T, c->rms_eps, st));
+        TRY(acts_for(e, L->w_gate.type, e->xb, ne, T, true, &a));
+        TRY(gemm(e, &L->w_gate, a, T, e->gate, false));
+        TRY(acts_for(e, L->w_up.type, e->xb, ne, T, false, &a));
+        TRY(gemm(e, &L->w_up, a, T, e->up, false));
+        TRY(kcuda_swiglu(e->gate, e->up, ff, T, st));
+        TRY(acts_for(e, L->w_down.type, e->gate, ff, T, true, &a));
+        TRY(gemm(e, &L->w_down, a, T, e->x, true));
+    }
+    /* final norm of the rows that give logits, then the output head */
+    const int R = (int)s->rows;
+    TRY(kcuda_rmsnorm(e->xb, e->x, e->output_norm, out_row, ne, R, c->rms_eps, st));
+    TRY(acts_for(e, e->output.type, e->xb, ne, R, true, &a));
+    TRY(gemm(e, &e->output, a, R, e->logits, false));
+#undef TRY
+    return 0;
+}
+
+/* The recorded graph for a decode shape, recording it on a miss; NULL when
+ * graphs are off or recording failed (then off for good, with the reason). */
+static kcuda_graph_t *graph_for(gpu_engine_t *e, const struct step_shape *s, int *rc)
+{
+    *rc = 0;
+    struct graph_slot *hit = NULL, *victim = &e->slots[0];
+    for (int i = 0; i < GRAPH_SLOTS; i++) {
+        struct graph_slot *g = &e->slots[i];
+        if (g->g != NULL && g->n_dec == s->n_dec && g->dec_ctx == s->dec_ctx) {
+            hit = g;
+            break;
+        }
+        if (victim->g != NULL && (g->g == NULL || g->used < victim->used))
+            victim = g;
+    }
+    if (hit != NULL) {
+        hit->used = e->step_no;
+        return hit->g;
+    }
+    if (kcuda_capture_begin(e->stream)) {
+        snprintf(e->stats.why_disabled, sizeof(e->stats.why_disabled), "capture failed: %s", kcuda_last_error());
+        e->graphs = false;
+        return NULL;
+    }
+    const int frc = run_forward(e, s);
+    kcuda_graph_t *g = NULL;
+    const int crc = kcuda_capture_end(e->stream, frc == 0, &g);
+    if (frc != 0) {
+        *rc = frc;              /* a launch was refused: the step fails as it would eagerly */
+        return NULL;
+    }
+    if (crc != 0) {
+        snprintf(e->stats.why_disabled, sizeof(e->stats.why_disabled), "capture failed: %s", kcuda_last_error());
+        e->graphs = false;
+        return NULL;
+    }
+    kcuda_graph_destroy(&victim->g);
+    *victim = (struct graph_slot){ .g = g, .n_dec = s->n_dec, .dec_ctx = s->dec_ctx, .used = e->step_no };
+    e->stats.captures++;
+    return g;
+}
+
+/* Runs a checked, laid-out step up to its logits on the device. */
+static int enqueue_step(gpu_engine_t *e, const struct step_shape *s, size_t n_tables)
+{
+    kcuda_graph_t *g = NULL;
+    int rc;
+    if (e->graphs && s->n_pf == 0) {
+        g = graph_for(e, s, &rc);
+        if (rc)
+            return rc;
+    }
+    rc = kcuda_upload_async(e->meta_dev, e->meta_host, e->ml.bytes, e->stream);
+    if (rc == 0)
+        rc = kcuda_upload_async(e->tables_dev, e->tables_host, n_tables * sizeof(uint32_t), e->stream);
+    if (rc)
+        return rc;
+    if (g != NULL) {
+        e->stats.replays++;
+        return kcuda_graph_launch(g, e->stream);
+    }
+    e->stats.eager_steps++;
+    return run_forward(e, s);
+}
+
+static int step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, bool argmax,
+                uint32_t *n_rows, char *err, size_t errlen)
+{
+    const struct model_config *c = &e->cfg;
+    uint32_t T = 0, rows = 0;
+    uint64_t n_tables = 0;
+    int rc = check_batch(e, seqs, n_seqs, &T, &rows, &n_tables, err, errlen);
+    if (rc)
+        return rc;
+    if (tables_reserve(e, n_tables))
+        return kvd_seterr(err, errlen, KVD_ENOMEM, "engine: out of memory for block tables");
+    if (!argmax && rows > e->logits_cap) {
+        float *nl = kcuda_host_alloc((size_t)rows * c->n_vocab * sizeof(float));
+        if (nl == NULL)
+            return kvd_seterr(err, errlen, KVD_ENOMEM, "engine: out of memory for logits");
+        kcuda_host_free(e->logits_host);
+        e->logits_host = nl;
+        e->logits_cap = rows;
+    }
+    if (kcuda_set_device(e->device))
+        return kvd_seterr(err, errlen, KVD_EINTERNAL, "gpu engine: %s", kcuda_last_error());
+    e->step_no++;
+    struct step_shape s;
+    layout_step(e, seqs, n_seqs, &s);
+    rc = enqueue_step(e, &s, (size_t)n_tables);
+    if (rc == 0 && argmax) {
+        rc = kcuda_argmax(e->ids, e->logits, c->n_vocab, c->n_vocab, (int)rows, e->stream);
+        if (rc == 0)
+            rc = kcuda_download_async(e->ids_host, e->ids, (size_t)rows * sizeof(int32_t), e->stream);
+    } else if (rc == 0) {
+        rc = kcuda_download_async(e->logits_host, e->logits, (size_t)rows * c->n_vocab * sizeof(float),
+                                  e->stream);
+    }
+    /* wait even after a failed launch: earlier work may still use the buffers */
+    const int src = kcuda_stream_sync(e->stream);
+    if (rc == 0)
+        rc = src;
+    if (rc)
+        return kvd_seterr(err, errlen, rc, "gpu engine: step failed: %s",
+                          kcuda_last_error()[0] ? kcuda_last_error() : kvd_strerror(rc));
+    *n_rows = rows;
+    return 0;
+}
+
+int gpu_engine_step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
+                    const float **logits, uint32_t *n_rows, char *err, size_t errlen)
+{
+    int rc = step(e, seqs, n_seqs, false, n_rows, err, errlen);
+    if (rc == 0)
+        *logits = e->logits_host;
+    return rc;
+}
+
+int gpu_engine_step_argmax(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
+                           const int32_t **ids, uint32_t *n_rows, char *err, size_t errlen)
+{
+    int rc = step(e, seqs, n_seqs, true, n_rows, err, errlen);
+    if (rc == 0)
+        *ids = e->ids_host;
+    return rc;
+}
+
+int gpu_engine_fence(gpu_engine_t *e, char *err, size_t errlen)
+{
+    if (kcuda_set_device(e->device) || kcuda_stream_sync(e->stream))
+        return kvd_seterr(err, errlen, KVD_EINTERNAL, "gpu engine: %s", kcuda_last_error());
+    return 0;
+}
+
+/* ---- the cache from the host ------------------------------------------------------ */
+
+static int kv_copy(gpu_engine_t *e, uint32_t block, void *host, bool up, char *err, size_t errlen)
+{
+    if (block >= e->p.kv_blocks)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "gpu engine: block %u of %u", block, e->p.kv_blocks);
+    if (kcuda_set_device(e->device))
+        return kvd_seterr(err, errlen, KVD_EINTERNAL, "gpu engine: %s", kcuda_last_error());
+    uint8_t *dev = e->kv + (size_t)block * e->block_bytes;
+    int rc = up ? kcuda_upload_async(dev, host, e->block_bytes, e->stream)
+                : kcuda_download_async(host, dev, e->block_bytes, e->stream);
+    const int src = kcuda_stream_sync(e->stream);
+    if (rc == 0)
+        rc = src;
+    if (rc)
+        return kvd_seterr(err, errlen, KVD_EINTERNAL, "gpu engine: KV copy failed: %s", kcuda_last_error());
+    return 0;
+}
+
+int gpu_engine_kv_read(gpu_engine_t *e, uint32_t block, void *dst, char *err, size_t errlen)
+{
+    return kv_copy(e, block, dst, false, err, errlen);
+}
+
+int gpu_engine_kv_write(gpu_engine_t *e, uint32_t block, const void *src, char *err, size_t errlen)
+{
+    return kv_copy(e, block, (void *)src, true, err, errlen);
+}
