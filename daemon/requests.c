@@ -247,18 +247,35 @@ static void stop_request(struct kvd *k, struct request *r, int why, int fail_cod
 
 /* ---- admission ---------------------------------------------------------------------------------- */
 
+/* Appends a token's bytes to the request's text. A NUL byte (a byte token
+ * can decode to one) becomes U+FFFD: text travels as C strings, and a NUL
+ * would cut the chunks and the final text at different places; the token
+ * ids carry the exact output. */
 static int append_text(struct request *r, const char *s, size_t n)
 {
-    if (r->text_len + n + 1 > r->text_cap) {
-        size_t cap = (r->text_len + n + 1) * 2;
+    size_t nul = 0;
+    for (size_t i = 0; i < n; i++)
+        nul += s[i] == '\0';
+    const size_t add = n + 2 * nul;
+    if (r->text_len + add + 1 > r->text_cap) {
+        size_t cap = (r->text_len + add + 1) * 2;
         char *t = realloc(r->text, cap);
         if (t == NULL)
             return KVD_ENOMEM;
         r->text = t;
         r->text_cap = cap;
     }
-    memcpy(r->text + r->text_len, s, n);
-    r->text_len += n;
+    char *d = r->text + r->text_len;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] == '\0') {
+            *d++ = (char)0xEF;
+            *d++ = (char)0xBF;
+            *d++ = (char)0xBD;
+        } else {
+            *d++ = s[i];
+        }
+    }
+    r->text_len += add;
     r->text[r->text_len] = '\0';
     return 0;
 }

@@ -82,7 +82,7 @@ if [ "$status" = 0 ]; then
     (cd "$build" && ctest -R '^gpu\.|^integration\.kvd_gpu$' -V -j2 --timeout 300) >"$logs/ctest.log" 2>&1
     rc=$?
     # each test's own summary lines, then ctest's verdicts
-    grep -E '^[0-9]+: (device|skip|decode|prefill|gemm|quantize|get_rows|rmsnorm|swiglu|rope|argmax|engine|pool|import|allocation|kvd --gpu|[0-9]+ checks)' \
+    grep -E '^[0-9]+: (device|skip|decode|prefill|gemm|quantize|get_rows|rmsnorm|swiglu|rope|argmax|engine|pool|import|allocation|kvd --gpu|serve|[0-9]+ checks)' \
         "$logs/ctest.log" | sed 's/^[0-9]*: /  /'
     grep -E 'Test +#[0-9]+: ' "$logs/ctest.log"
     if [ $rc -ne 0 ]; then
@@ -103,6 +103,10 @@ if [ "$status" = 0 ]; then
     brc=$?
     sed -n '1,/^== GPU summary/p' "$logs/bench.log" | grep -v '^== GPU summary'
     [ $brc -ne 0 ] && [ $brc -ne 77 ] && echo "run.sh: bench-gpu exited with $brc"
+
+    step "serving: tokens/s with 1, 2 and 4 workers on one GPU"
+    timeout 290 "$build/tests/test_gpu_serve" --bench >"$logs/serve-bench.log" 2>&1
+    grep -E '^serve bench|skip' "$logs/serve-bench.log"
 fi
 
 # the short table, last
@@ -118,6 +122,7 @@ fi
         grep -E '^[0-9]+: engine ' "$logs/ctest.log" | sed 's/^[0-9]*: /  /'
     fi
     [ -f "$logs/bench.log" ] && sed -n '/^== GPU summary/,$p' "$logs/bench.log"
+    [ -f "$logs/serve-bench.log" ] && grep -E '^serve bench' "$logs/serve-bench.log"
     [ "$status" = 0 ] && [ $tests_ok = 1 ] && echo "result: GPU tests passed"
     [ "$status" = 0 ] && [ $tests_ok = 0 ] && echo "result: GPU tests skipped (no usable GPU)"
     [ "$status" != 0 ] && echo "result: FAILED (logs in $logs)"

@@ -1,0 +1,331 @@
+/*
+ * test_gpu_serve.c - kvd --gpu end to end: several workers on one GPU share
+ * one device pool, and any of them continues a prefix another one computed.
+ *
+ * A SmolLM2-shaped synthetic model (30 layers, Q4_1; kvd-mkmodel's writer)
+ * is served by `kvd --gpu 0 --workers-per-gpu 2`. Request A (a 600-token
+ * prefix and a question, 160 tokens out) keeps one worker busy; request B
+ * (the same prefix, another question) arrives meanwhile and so goes to the
+ * other worker. B must find the prefix's 37 full blocks cached (592 tokens),
+ * and its tokens must equal the same request run with the cache bypassed;
+ * both workers must have produced tokens.
+ *
+ *   test_gpu_serve            on GPU 0; exits 77 (skip) where none is usable
+ *   test_gpu_serve --cpu      the same scenario over two CPU workers (checks
+ *                             this program itself where there is no GPU)
+ *   test_gpu_serve --bench    aggregate output tokens/s of 32 concurrent
+ *                             requests with 1, 2 and 4 workers on GPU 0
+ */
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "err.h"
+#include "kcuda.h"
+#include "kvd_client.h"
+#include "mkmodel.h"
+#include "types.h"
+
+#define PREFIX 600
+#define QUESTION 8
+
+static bool cpu_mode;
+static char dir[64] = "/tmp/kvd-gpu-serve-XXXXXX";
+static char model_path[128], ep[160];
+
+static double now_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
+}
+
+static void write_model(void)
+{
+    struct mkmodel_params p = mkmodel_default_params();
+    p.n_layer = 30;
+    p.n_embd = 576;
+    p.n_head = 9;
+    p.n_head_kv = 3;
+    p.n_ff = 1536;
+    p.n_vocab = 8192;
+    p.n_ctx = 2048;
+    p.wtype = KERN_Q4_1;
+    p.embd_type = KERN_Q8_0;
+    p.tied = true;
+    p.seed = 7;
+    snprintf(model_path, sizeof(model_path), "%s/smollm2-shape.gguf", dir);
+    char err[256];
+    int rc = mkmodel_write(&p, model_path, err, sizeof(err));
+    if (rc != 0)
+        fprintf(stderr, "mkmodel: %s\n", err);
+    REQUIRE(rc == 0);
+}
+
+/* Starts kvd with `workers` workers; returns its pid once they are all up. */
+static pid_t start_kvd(int workers, const char *log)
+{
+    char n[16];
+    snprintf(n, sizeof(n), "%d", workers);
+    snprintf(ep, sizeof(ep), "ipc://%s/kvd.sock", dir);
+    char bin[512];
+    snprintf(bin, sizeof(bin), "%s/kvd", KVD_BIN_DIR);
+    fflush(NULL);
+    pid_t pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        if (fd < 0)
+            _exit(126);
+        dup2(fd, 1);
+        dup2(fd, 2);
+        if (cpu_mode)
+            execl(bin, bin, "--model", model_path, "--listen", ep, "--workers", n, "--kv-memory", "48MiB",
+                  "--ctx", "2048", "--max-restarts", "0", (char *)NULL);
+        else
+            execl(bin, bin, "--model", model_path, "--listen", ep, "--gpu", "0", "--workers-per-gpu", n,
+                  "--kv-memory", "1GiB", "--ctx", "2048", "--max-restarts", "0", (char *)NULL);
+        _exit(127);
+    }
+    char err[256];
+    kvd_client_t *c = kvd_client_new(ep, 500, err, sizeof(err));
+    REQUIRE(c != NULL);
+    bool ok = false;
+    uint32_t alive = 0;
+    for (double until = now_ms() + 120000; now_ms() < until;) {
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid) {
+            fprintf(stderr, "kvd exited during start-up (status %d); its log: %s\n", st, log);
+            REQUIRE(0);
+        }
+        if (kvd_health(c, &ok, &alive) == 0 && ok && alive >= (uint32_t)workers)
+            break;
+        ok = false;
+        usleep(50000);
+    }
+    kvd_client_destroy(&c);
+    if (!ok)
+        fprintf(stderr, "kvd's workers did not come up; its log: %s\n", log);
+    REQUIRE(ok);
+    return pid;
+}
+
+static int stop_kvd(pid_t pid)
+{
+    kill(pid, SIGTERM);
+    int st = 0;
+    for (int i = 0; i < 300; i++) {
+        if (waitpid(pid, &st, WNOHANG) == pid)
+            return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        usleep(100000);
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, &st, 0);
+    return -1;
+}
+
+static void prompt_ids(int32_t *ids, int question)
+{
+    for (int i = 0; i < PREFIX; i++)
+        ids[i] = 3 + (int32_t)(((uint32_t)i * 7919u + 13u) % 8000u);
+    for (int i = 0; i < QUESTION; i++)
+        ids[PREFIX + i] = 3 + (int32_t)(((uint32_t)(question * 101 + i) * 104729u) % 8000u);
+}
+
+static struct kvd_gen_params greedy(const int32_t *ids, size_t n, uint32_t max_tokens)
+{
+    struct kvd_gen_params p;
+    kvd_gen_params_init(&p);
+    p.token_ids = ids;
+    p.n_token_ids = n;
+    p.max_tokens = max_tokens;
+    p.temperature = 0;
+    p.ignore_eos = true;
+    return p;
+}
+
+/* ---- request A, streamed in a thread ---------------------------------------------------- */
+
+struct job_a {
+    atomic_bool started;
+    int rc;
+    struct kvd_result r;
+};
+
+static int on_chunk_a(void *user, const char *text, size_t len, const int32_t *tokens, size_t n, uint32_t seq)
+{
+    (void)text; (void)len; (void)tokens; (void)n; (void)seq;
+    atomic_store(&((struct job_a *)user)->started, true);
+    return 0;
+}
+
+static void *run_a(void *arg)
+{
+    struct job_a *j = arg;
+    static int32_t ids[PREFIX + QUESTION];
+    prompt_ids(ids, 1);
+    char err[256];
+    kvd_client_t *c = kvd_client_new(ep, 120000, err, sizeof(err));
+    if (c == NULL) {
+        j->rc = KVD_ENOMEM;
+        return NULL;
+    }
+    struct kvd_gen_params p = greedy(ids, PREFIX + QUESTION, 160);
+    j->rc = kvd_generate_stream(c, &p, on_chunk_a, j, &j->r);
+    kvd_client_destroy(&c);
+    return NULL;
+}
+
+static void test_shared_prefix(void)
+{
+    char log[128];
+    snprintf(log, sizeof(log), "%s/kvd.log", dir);
+    pid_t pid = start_kvd(2, log);
+    static struct job_a a;
+    pthread_t t;
+    REQUIRE(pthread_create(&t, NULL, run_a, &a) == 0);
+    for (double until = now_ms() + 60000; !atomic_load(&a.started) && now_ms() < until;)
+        usleep(2000);
+    CHECK(atomic_load(&a.started));
+
+    /* B while A decodes: the less loaded worker takes it */
+    char err[256];
+    kvd_client_t *c = kvd_client_new(ep, 120000, err, sizeof(err));
+    REQUIRE(c != NULL);
+    static int32_t ids[PREFIX + QUESTION];
+    prompt_ids(ids, 2);
+    struct kvd_gen_params p = greedy(ids, PREFIX + QUESTION, 24);
+    struct kvd_result b, fresh;
+    int rc = kvd_generate(c, &p, &b);
+    CHECK_INT(rc, 0);
+    pthread_join(t, NULL);
+    if (a.rc != 0)
+        fprintf(stderr, "request A: %s (%s)\n", kvd_strerror(a.rc), a.r.error);
+    CHECK_INT(a.rc, 0);
+    CHECK_INT(a.r.n_tokens, 160);
+    p.no_cache = true;
+    int rc2 = kvd_generate(c, &p, &fresh);
+    CHECK_INT(rc2, 0);
+    printf("serve: A %zu tokens; B %zu tokens, %u of %u prompt tokens cached; B without the cache %zu tokens, %u cached\n",
+           a.r.n_tokens, b.n_tokens, b.cached_prompt_tokens, b.prompt_tokens, fresh.n_tokens,
+           fresh.cached_prompt_tokens);
+    CHECK(b.cached_prompt_tokens >= PREFIX / 16 * 16);
+    CHECK_INT(fresh.cached_prompt_tokens, 0);
+    CHECK_INT(b.n_tokens, 24);
+    CHECK(rc == 0 && rc2 == 0 && b.n_tokens == fresh.n_tokens &&
+          memcmp(b.tokens, fresh.tokens, b.n_tokens * sizeof(int32_t)) == 0);
+    struct kvd_stats s;
+    CHECK_INT(kvd_stats(c, &s), 0);
+    CHECK_INT(s.n_workers, 2);
+    for (uint32_t i = 0; i < s.n_workers; i++)
+        printf("serve: worker %u: %llu tokens\n", s.workers[i].id, (unsigned long long)s.workers[i].tokens);
+    CHECK(s.n_workers == 2 && s.workers[0].tokens > 0 && s.workers[1].tokens > 0);
+    CHECK_INT(s.blocks_in_use, 0);
+    kvd_result_free(&b);
+    kvd_result_free(&fresh);
+    kvd_result_free(&a.r);
+    kvd_client_destroy(&c);
+    CHECK_INT(stop_kvd(pid), 0);
+    if (check_failures)
+        fprintf(stderr, "kvd's log: %s\n", log);
+    else
+        unlink(log);
+}
+
+/* ---- --bench: tokens/s with 1, 2 and 4 workers ------------------------------------------- */
+
+#define BENCH_CLIENTS 32
+#define BENCH_PROMPT 128
+#define BENCH_OUT 64
+
+struct bench_job {
+    int i;
+    int rc;
+    size_t tokens;
+};
+
+static void *bench_client(void *arg)
+{
+    struct bench_job *j = arg;
+    int32_t ids[BENCH_PROMPT];
+    for (int k = 0; k < BENCH_PROMPT; k++)  /* distinct prompts: no shared prefix */
+        ids[k] = 3 + (int32_t)(((uint32_t)(j->i * 7 + 1) * 2654435761u + (uint32_t)k * 40503u) % 8000u);
+    char err[256];
+    kvd_client_t *c = kvd_client_new(ep, 300000, err, sizeof(err));
+    if (c == NULL) {
+        j->rc = KVD_ENOMEM;
+        return NULL;
+    }
+    struct kvd_gen_params p = greedy(ids, BENCH_PROMPT, BENCH_OUT);
+    struct kvd_result r;
+    j->rc = kvd_generate(c, &p, &r);
+    j->tokens = j->rc == 0 ? r.n_tokens : 0;
+    if (j->rc == 0)
+        kvd_result_free(&r);
+    kvd_client_destroy(&c);
+    return NULL;
+}
+
+static void bench(void)
+{
+    const int counts[3] = { 1, 2, 4 };
+    double rate[3];
+    for (int w = 0; w < 3; w++) {
+        char log[128];
+        snprintf(log, sizeof(log), "%s/kvd-bench-%d.log", dir, counts[w]);
+        pid_t pid = start_kvd(counts[w], log);
+        pthread_t th[BENCH_CLIENTS];
+        struct bench_job jobs[BENCH_CLIENTS];
+        const double t0 = now_ms();
+        for (int i = 0; i < BENCH_CLIENTS; i++) {
+            jobs[i] = (struct bench_job){ .i = i };
+            REQUIRE(pthread_create(&th[i], NULL, bench_client, &jobs[i]) == 0);
+        }
+        size_t total = 0;
+        for (int i = 0; i < BENCH_CLIENTS; i++) {
+            pthread_join(th[i], NULL);
+            CHECK_INT(jobs[i].rc, 0);
+            total += jobs[i].tokens;
+        }
+        const double ms = now_ms() - t0;
+        rate[w] = (double)total / (ms / 1e3);
+        printf("serve bench: %d worker%s on one GPU: %zu output tokens of %d requests in %.0f ms: %.0f tok/s\n",
+               counts[w], counts[w] > 1 ? "s" : "", total, BENCH_CLIENTS, ms, rate[w]);
+        CHECK_INT(stop_kvd(pid), 0);
+    }
+    printf("serve bench: 2 workers / 1: %.2fx, 4 workers / 1: %.2fx\n", rate[1] / rate[0], rate[2] / rate[0]);
+}
+
+int main(int argc, char **argv)
+{
+    cpu_mode = argc > 1 && strcmp(argv[1], "--cpu") == 0;
+    const bool bench_mode = argc > 1 && strcmp(argv[1], "--bench") == 0;
+    if (!cpu_mode) {
+        char why[256];
+        if (kcuda_device_count(why, sizeof(why)) == 0) {
+            printf("skip: %s\n", why);
+            return KVD_TEST_SKIP;
+        }
+    }
+    alarm(bench_mode ? 280 : 240);
+    REQUIRE(mkdtemp(dir) != NULL);
+    write_model();
+    if (bench_mode)
+        bench();
+    else
+        test_shared_prefix();
+    unlink(model_path);
+    rmdir(dir);
+    return CHECK_DONE();
+}
