@@ -468,45 +468,48 @@ static void merge_run(void *ctx, int ith, int nth)
 
 /* ---- the step ---------------------------------------------------------------- */
 
-static int check_batch(const engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
-                       uint32_t *T_out, uint32_t *rows_out, char *err, size_t errlen)
+int fwd_check_batch(const struct fwd_limits *lim, const struct fwd_seq *seqs, uint32_t n_seqs,
+                    uint32_t *T_out, uint32_t *rows_out, uint64_t *tables_out, char *err, size_t errlen)
 {
-    const kvcache_t *kv = e->kv;
-    uint64_t T = 0, rows = 0;
-    if (n_seqs == 0)
+    const uint32_t bt = lim->block_tokens;
+    uint64_t T = 0, rows = 0, tables = 0;
+    if (n_seqs == 0 || seqs == NULL)
         return kvd_seterr(err, errlen, KVD_EINVAL, "engine: empty batch");
     for (uint32_t s = 0; s < n_seqs; s++) {
         const struct fwd_seq *q = &seqs[s];
         if (q->n_tokens == 0 || q->tokens == NULL)
             return kvd_seterr(err, errlen, KVD_EINVAL, "engine: sequence %u has no tokens", s);
         uint64_t end = (uint64_t)q->pos + q->n_tokens;
-        if (end > e->p.max_ctx)
+        if (end > lim->max_ctx)
             return kvd_seterr(err, errlen, KVD_ETOOLONG,
                               "engine: sequence %u reaches position %llu, past the context of %u",
-                              s, (unsigned long long)end, e->p.max_ctx);
-        uint64_t need = (end + kv->block_tokens - 1) / kv->block_tokens;
+                              s, (unsigned long long)end, lim->max_ctx);
+        uint64_t need = (end + bt - 1) / bt;
         if (q->blocks == NULL || q->n_blocks < need)
             return kvd_seterr(err, errlen, KVD_ERANGE,
                               "engine: sequence %u needs %llu blocks, its table has %u",
                               s, (unsigned long long)need, q->n_blocks);
         for (uint64_t b = 0; b < need; b++)
-            if (q->blocks[b] >= kv->n_blocks)
+            if (q->blocks[b] >= lim->n_blocks)
                 return kvd_seterr(err, errlen, KVD_ERANGE,
                                   "engine: sequence %u names block %u of %u", s, q->blocks[b],
-                                  kv->n_blocks);
+                                  lim->n_blocks);
         for (uint32_t i = 0; i < q->n_tokens; i++)
-            if (q->tokens[i] < 0 || (uint32_t)q->tokens[i] >= e->m->cfg.n_vocab)
+            if (q->tokens[i] < 0 || (uint32_t)q->tokens[i] >= lim->n_vocab)
                 return kvd_seterr(err, errlen, KVD_ERANGE,
                                   "engine: token id %d is outside the vocabulary (0..%u)",
-                                  q->tokens[i], e->m->cfg.n_vocab - 1);
+                                  q->tokens[i], lim->n_vocab - 1);
         T += q->n_tokens;
         rows += q->all_logits ? q->n_tokens : 1;
+        tables += need;
     }
-    if (T > e->p.max_tokens)
+    if (T > lim->max_tokens)
         return kvd_seterr(err, errlen, KVD_ERANGE, "engine: step of %llu tokens exceeds %u",
-                          (unsigned long long)T, e->p.max_tokens);
+                          (unsigned long long)T, lim->max_tokens);
     *T_out = (uint32_t)T;
     *rows_out = (uint32_t)rows;
+    if (tables_out != NULL)
+        *tables_out = tables;
     return 0;
 }
 
@@ -516,7 +519,9 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
     const model_t *m = e->m;
     const struct model_config *c = &m->cfg;
     uint32_t T = 0, rows = 0;
-    int rc = check_batch(e, seqs, n_seqs, &T, &rows, err, errlen);
+    const struct fwd_limits lim = { e->p.max_ctx, e->p.max_tokens, e->kv->block_tokens, e->kv->n_blocks,
+                                    c->n_vocab };
+    int rc = fwd_check_batch(&lim, seqs, n_seqs, &T, &rows, NULL, err, errlen);
     if (rc)
         return rc;
     if (rows > e->logits_cap) {

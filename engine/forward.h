@@ -49,6 +49,23 @@ engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params
 
 void engine_destroy(engine_t **e);
 
+/* What a step's batch is checked against. */
+struct fwd_limits {
+    uint32_t max_ctx;       /* positions a sequence may reach */
+    uint32_t max_tokens;    /* tokens in one step */
+    uint32_t block_tokens;  /* positions per KV block */
+    uint32_t n_blocks;      /* blocks in the cache */
+    uint32_t n_vocab;       /* token ids are below this */
+};
+
+/* The checks every engine (CPU and GPU) makes before a step, with the same
+ * messages: 0 with the step's tokens, logits rows and block-table entries
+ * (tables may be NULL); else KVD_EINVAL (empty batch or sequence),
+ * KVD_ETOOLONG (past max_ctx) or KVD_ERANGE (short table, block or token
+ * id out of range, too many tokens) and the reason in err. */
+int fwd_check_batch(const struct fwd_limits *lim, const struct fwd_seq *seqs, uint32_t n_seqs,
+                    uint32_t *T_out, uint32_t *rows_out, uint64_t *tables_out, char *err, size_t errlen);
+
 /*
  * Runs one step. Returns 0 and points *logits at n_rows rows of n_vocab
  * floats (sequence order; all_logits sequences give n_tokens rows, others

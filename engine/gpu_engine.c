@@ -512,51 +512,6 @@ fail:
 
 /* ---- the step ------------------------------------------------------------------- */
 
-/* The checks of engine_step, with its messages. */
-static int check_batch(const gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
-                       uint32_t *T_out, uint32_t *rows_out, uint64_t *tables_out, char *err, size_t errlen)
-{
-    const uint32_t bt = e->p.block_tokens;
-    uint64_t T = 0, rows = 0, tables = 0;
-    if (n_seqs == 0 || seqs == NULL)
-        return kvd_seterr(err, errlen, KVD_EINVAL, "engine: empty batch");
-    for (uint32_t s = 0; s < n_seqs; s++) {
-        const struct fwd_seq *q = &seqs[s];
-        if (q->n_tokens == 0 || q->tokens == NULL)
-            return kvd_seterr(err, errlen, KVD_EINVAL, "engine: sequence %u has no tokens", s);
-        uint64_t end = (uint64_t)q->pos + q->n_tokens;
-        if (end > e->p.max_ctx)
-            return kvd_seterr(err, errlen, KVD_ETOOLONG,
-                              "engine: sequence %u reaches position %llu, past the context of %u",
-                              s, (unsigned long long)end, e->p.max_ctx);
-        uint64_t need = (end + bt - 1) / bt;
-        if (q->blocks == NULL || q->n_blocks < need)
-            return kvd_seterr(err, errlen, KVD_ERANGE,
-                              "engine: sequence %u needs %llu blocks, its table has %u",
-                              s, (unsigned long long)need, q->n_blocks);
-        for (uint64_t b = 0; b < need; b++)
-            if (q->blocks[b] >= e->p.kv_blocks)
-                return kvd_seterr(err, errlen, KVD_ERANGE,
-                                  "engine: sequence %u names block %u of %u", s, q->blocks[b],
-                                  e->p.kv_blocks);
-        for (uint32_t i = 0; i < q->n_tokens; i++)
-            if (q->tokens[i] < 0 || (uint32_t)q->tokens[i] >= e->cfg.n_vocab)
-                return kvd_seterr(err, errlen, KVD_ERANGE,
-                                  "engine: token id %d is outside the vocabulary (0..%u)",
-                                  q->tokens[i], e->cfg.n_vocab - 1);
-        T += q->n_tokens;
-        rows += q->all_logits ? q->n_tokens : 1;
-        tables += need;
-    }
-    if (T > e->p.max_tokens)
-        return kvd_seterr(err, errlen, KVD_ERANGE, "engine: step of %llu tokens exceeds %u",
-                          (unsigned long long)T, e->p.max_tokens);
-    *T_out = (uint32_t)T;
-    *rows_out = (uint32_t)rows;
-    *tables_out = tables;
-    return 0;
-}
-
 /* Grows the block-table buffers to hold n entries (dropping recorded graphs,
  * which hold the old address). 0 or KVD_ENOMEM. */
 static int tables_reserve(gpu_engine_t *e, uint64_t n)
@@ -865,7 +820,9 @@ static int step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, bo
     const struct model_config *c = &e->cfg;
     uint32_t T = 0, rows = 0;
     uint64_t n_tables = 0;
-    int rc = check_batch(e, seqs, n_seqs, &T, &rows, &n_tables, err, errlen);
+    const struct fwd_limits lim = { e->p.max_ctx, e->p.max_tokens, e->p.block_tokens, e->p.kv_blocks,
+                                    e->cfg.n_vocab };
+    int rc = fwd_check_batch(&lim, seqs, n_seqs, &T, &rows, &n_tables, err, errlen);
     if (rc)
         return rc;
     if (tables_reserve(e, n_tables))
