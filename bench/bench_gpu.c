@@ -17,7 +17,10 @@
  *      greedy tokens computed on the device (gpu_engine_step_argmax): host
  *      wall time of the step (layout, uploads, kernels, the ids back), with
  *      CUDA graphs and kernel by kernel, against the lower bound (weight bytes
- *      + batch x context x KV bytes per token) / copy bandwidth.
+ *      + batch x context x KV bytes per token) / copy bandwidth; and the same
+ *      step with tokens sampled (the server's defaults) on the device
+ *      (gpu_engine_step_sample) against logits copied to the host and sampled
+ *      there.
  * Every timed run starts with the L2 cache flushed (a 256 MiB read), so small
  * cases are measured from memory, as a real step meets them; times are medians.
  * Prints a table; exits 77 where no CUDA device is usable. Benchmarks never
@@ -38,6 +41,7 @@
 #include "mkmodel.h"
 #include "model.h"
 #include "quant.h"
+#include "sampler.h"
 #include "types.h"
 
 #define FLUSH_BYTES (256u << 20)
@@ -323,7 +327,15 @@ struct step_row {
     double weight_mb, kv_mb, bound_us;
     double graph_us, eager_us;  /* medians */
     double first_us;            /* the first step with graphs on: records the graph */
+    double sample_us;           /* graphs, tokens sampled on the device (median) */
+    double host_us;             /* graphs, logits to the host and sampled there (median) */
 };
+
+/* How a timed step chooses its tokens. */
+enum choice { CHOOSE_ARGMAX, CHOOSE_DEVICE, CHOOSE_HOST };
+static enum choice choice = CHOOSE_ARGMAX;
+static const struct sampler_draw *const *draw_of;   /* CHOOSE_DEVICE: one per row */
+static sampler_t *host_smp;                          /* CHOOSE_HOST */
 
 static double now_us(void)
 {
@@ -341,7 +353,21 @@ static double step_us(gpu_engine_t *e, const struct fwd_seq *f, int B)
     if (kcuda_argmax(flush_ids, flush_buf, FLUSH_BYTES / 4 / 64, FLUSH_BYTES / 4 / 64, 64, NULL) || kcuda_sync())
         die("flush");
     const double t0 = now_us();
-    if (gpu_engine_step_argmax(e, f, (uint32_t)B, &ids, &rows, err, sizeof(err))) {
+    int rc;
+    if (choice == CHOOSE_DEVICE) {
+        rc = gpu_engine_step_sample(e, f, (uint32_t)B, draw_of, &ids, &rows, err, sizeof(err));
+    } else if (choice == CHOOSE_HOST) {
+        const float *logits;
+        rc = gpu_engine_step(e, f, (uint32_t)B, &logits, &rows, err, sizeof(err));
+        const uint32_t V = gpu_engine_config(e)->n_vocab;
+        for (uint32_t r = 0; rc == 0 && r < rows; r++) {
+            sampler_reseed(host_smp, r);
+            sampler_sample(host_smp, logits + (size_t)r * V, NULL, 0);
+        }
+    } else {
+        rc = gpu_engine_step_argmax(e, f, (uint32_t)B, &ids, &rows, err, sizeof(err));
+    }
+    if (rc) {
         fprintf(stderr, "bench-gpu: step: %s\n", err);
         exit(1);
     }
@@ -418,6 +444,20 @@ static int bench_step(double copy_gbs, struct step_row *rows, char *graph_note, 
         f[s] = (struct fwd_seq){ .tokens = &tok[s], .n_tokens = 1, .pos = STEP_CTX - 1,
                                  .blocks = tables + (size_t)s * bps, .n_blocks = (uint32_t)bps };
     }
+    /* sampled choice with the server's defaults (temperature 0.8, top-k 40,
+     * top-p 0.95, min-p 0.05): on the device, or the logits to the host */
+    struct sampler_params sp = sampler_default_params();
+    host_smp = sampler_new(&sp, 49152, err, sizeof(err));
+    struct sampler_draw *draws = malloc((size_t)max_b * sizeof(*draws));
+    const struct sampler_draw **dp = malloc((size_t)max_b * sizeof(*dp));
+    if (host_smp == NULL || draws == NULL || dp == NULL)
+        die("sampler");
+    for (int s = 0; s < max_b; s++) {
+        sampler_reseed(host_smp, (uint64_t)s);
+        sampler_plan(host_smp, NULL, 0, &draws[s]);
+        dp[s] = &draws[s];
+    }
+    draw_of = dp;
     const double weight_bytes = (double)gpu_engine_weight_bytes(e);
     const double kv_tok = (double)kv_bytes_per_token(&m->cfg, KERN_F16);
     int n = 0;
@@ -431,10 +471,16 @@ static int bench_step(double copy_gbs, struct step_row *rows, char *graph_note, 
         gpu_engine_set_graphs(e, true);
         r->first_us = step_us(e, f, B);
         r->graph_us = step_median(e, f, B);
+        choice = CHOOSE_DEVICE;
+        r->sample_us = step_median(e, f, B);
+        choice = CHOOSE_HOST;
+        r->host_us = step_median(e, f, B);
+        choice = CHOOSE_ARGMAX;
         gpu_engine_set_graphs(e, false);
         r->eager_us = step_median(e, f, B);
         printf("  decode step batch %3d ctx %d: graphs %8.1f us, kernel by kernel %8.1f us, bound %7.1f us "
-               "(first step with graphs %.1f us)\n", B, STEP_CTX, r->graph_us, r->eager_us, r->bound_us, r->first_us);
+               "(first step with graphs %.1f us); sampled on the device %.1f us, logits to the host %.1f us\n", B,
+               STEP_CTX, r->graph_us, r->eager_us, r->bound_us, r->first_us, r->sample_us, r->host_us);
         fflush(stdout);
     }
     struct gpu_engine_graph_stats st;
@@ -443,6 +489,9 @@ static int bench_step(double copy_gbs, struct step_row *rows, char *graph_note, 
              (unsigned long long)st.replays, st.why_disabled[0] ? "; " : "", st.why_disabled);
     gpu_engine_destroy(&e);
     model_destroy(&m);
+    sampler_destroy(&host_smp);
+    free(draws);
+    free(dp);
     free(tables);
     free(tok);
     free(f);
@@ -510,6 +559,13 @@ int main(void)
                100 * r->bound_us / r->eager_us, r->eager_us / r->graph_us, r->batch / (r->graph_us * 1e-6));
     }
     printf("  (%s)\n", graph_note);
+    printf("token choice in that step (graphs), sampled with temperature 0.8, top-k 40, top-p 0.95, min-p 0.05:\n");
+    printf("  batch  greedy us  sampled on device us  logits to host + host sampler us  device gain\n");
+    for (int i = 0; i < ns; i++) {
+        const struct step_row *r = &srows[i];
+        printf("  %5d %10.1f %21.1f %33.1f %11.2fx\n", r->batch, r->graph_us, r->sample_us, r->host_us,
+               r->host_us / r->sample_us);
+    }
     kcuda_free(flush_buf);
     kcuda_free(flush_ids);
     kcuda_timer_destroy(&t);

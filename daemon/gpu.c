@@ -11,6 +11,11 @@
  * (shm/fdpass.h); a restarted worker connects again and gets it again. Only
  * processes of this user may connect (the directory is 0700, and the peer's
  * uid is checked).
+ *
+ * The model's weights go up once per GPU, the same way: kvd uploads them into
+ * a second VMM allocation (engine/gpu_engine.h's gpu_weights_upload) and
+ * sends its descriptor after the KV memory's; every worker maps it and its
+ * engine borrows it, so N workers hold one copy, not N.
  */
 #include <errno.h>
 #include <stdarg.h>
@@ -20,6 +25,9 @@
 
 #include "err.h"
 #include "fdpass.h"
+#ifdef KVD_HAVE_GPU_ENGINE
+#include "gpu_engine.h"
+#endif
 #include "kcuda_vmm.h"
 #include "kvd.h"
 #include "units.h"
@@ -60,6 +68,7 @@ static void __attribute__((noreturn, format(printf, 2, 3))) setup_fail(struct kv
     prefix_destroy(&k->px);
     pool_close(&k->pool);
     kcuda_vmm_destroy(&k->vmm);
+    kcuda_vmm_destroy(&k->wvmm);
     cli_die("--gpu %d: %s", k->o.gpu, msg);
 }
 
@@ -74,6 +83,17 @@ void gpu_setup(struct kvd *k, const char *run_dir)
         setup_fail(k, "%s", err);
     if (pool_set_device_kv(k->pool, kcuda_vmm_ptr(k->vmm), kcuda_vmm_bytes(k->vmm)) != 0)
         setup_fail(k, "the device memory does not fit the pool");
+#ifdef KVD_HAVE_GPU_ENGINE
+    const uint64_t wbytes = gpu_weights_bytes(k->model);
+    k->wvmm = kcuda_vmm_create(k->o.gpu, wbytes, err, sizeof(err));
+    if (k->wvmm == NULL)
+        setup_fail(k, "weights: %s", err);
+    if (gpu_weights_upload(k->model, k->o.gpu, kcuda_vmm_ptr(k->wvmm), kcuda_vmm_bytes(k->wvmm), err,
+                           sizeof(err)) != 0)
+        setup_fail(k, "%s", err);
+#else
+    setup_fail(k, "this kvd was built without the GPU engine");
+#endif
     int n = snprintf(k->gpu_sock, sizeof(k->gpu_sock), "%s/gpu%d-%d.sock", run_dir, k->o.gpu,
                      (int)getpid());
     if (n < 0 || (size_t)n >= sizeof(k->gpu_sock))
@@ -83,12 +103,14 @@ void gpu_setup(struct kvd *k, const char *run_dir)
     if (k->gpu_fd < 0)
         setup_fail(k, "%s", err);
     char sz[32];
-    kvd_log(k, "GPU %d (%s): %s of KV data in device memory; workers get it from %s", k->o.gpu,
-            k->gpu_name[0] ? k->gpu_name : "?",
-            kvd_format_bytes(kcuda_vmm_bytes(k->vmm), sz, sizeof(sz)), k->gpu_sock);
+    char wsz[32];
+    kvd_log(k, "GPU %d (%s): %s of KV data and %s of weights (one copy for all its workers) in device "
+            "memory; workers get them from %s", k->o.gpu, k->gpu_name[0] ? k->gpu_name : "?",
+            kvd_format_bytes(kcuda_vmm_bytes(k->vmm), sz, sizeof(sz)),
+            kvd_format_bytes(kcuda_vmm_bytes(k->wvmm), wsz, sizeof(wsz)), k->gpu_sock);
 }
 
-/* Hands the device memory to every worker waiting on the socket. */
+/* Hands the device memory, KV then weights, to every worker waiting on the socket. */
 void gpu_serve(struct kvd *k)
 {
     if (k->gpu_fd < 0)
@@ -99,6 +121,9 @@ void gpu_serve(struct kvd *k)
         .bytes = kcuda_vmm_bytes(k->vmm), .device = k->o.gpu, .generation = h->generation,
         .instance = h->instance,
     };
+    struct fdpass_msg wm = m;
+    wm.kind = FDPASS_KIND_CUDA_WEIGHTS;
+    wm.bytes = kcuda_vmm_bytes(k->wvmm);
     char err[256];
     for (;;) {
         int c = fdpass_accept(k->gpu_fd, err, sizeof(err));
@@ -110,7 +135,8 @@ void gpu_serve(struct kvd *k)
                 return; /* a failing socket is retried at the next poll */
             continue;
         }
-        if (fdpass_send(c, &m, kcuda_vmm_fd(k->vmm), err, sizeof(err)) != 0)
+        if (fdpass_send(c, &m, kcuda_vmm_fd(k->vmm), err, sizeof(err)) != 0 ||
+            fdpass_send(c, &wm, kcuda_vmm_fd(k->wvmm), err, sizeof(err)) != 0)
             kvd_log(k, "GPU socket: %s", err);
         else if (k->o.verbose)
             kvd_log(k, "GPU socket: handed the device memory to a worker");
@@ -127,4 +153,5 @@ void gpu_fini(struct kvd *k)
     }
     /* every worker is stopped by now: nothing else uses the memory */
     kcuda_vmm_destroy(&k->vmm);
+    kcuda_vmm_destroy(&k->wvmm);
 }

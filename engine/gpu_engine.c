@@ -90,7 +90,7 @@ struct gpu_engine {
     kcuda_stream_t stream;
 
     /* weights */
-    uint8_t *weights;               /* device: every matrix and norm */
+    uint8_t *weights;               /* device: every matrix and norm; NULL when borrowed */
     uint64_t weight_bytes;          /* bytes used in it */
     struct gmat tok_embd;           /* (n_vocab, n_embd) */
     struct gmat output;             /* (n_vocab, n_embd); shares tok_embd's memory when tied */
@@ -127,6 +127,14 @@ struct gpu_engine {
     float attn_scale;               /* 1 / sqrt(head_dim) */
     int split;                      /* attention split */
 
+    /* token choice on the device */
+    struct kcuda_draw *draws_host, *draws_dev; /* (max_tokens) each; host page-locked */
+    int32_t *pen_host, *pen_dev;    /* penalized ids of a step's draws, pen_cap each */
+    size_t pen_cap;
+    uint8_t *pen_seen;              /* host bitmap (n_vocab bits): a row's ids so far */
+    sampler_t *host_smp;            /* scratch for the draws the device does not take */
+    uint32_t *host_rows;            /* (max_tokens) rows whose draw runs on the host */
+
     /* graphs */
     bool graphs;                    /* record decode steps */
     struct graph_slot slots[GRAPH_SLOTS];
@@ -138,13 +146,15 @@ struct gpu_engine_params gpu_engine_default_params(void)
 {
     struct gpu_engine_params p = {
         .max_tokens = 512, .max_ctx = 0, .block_tokens = 16, .kv_blocks = 1024,
-        .kv_base = NULL, .kv_bytes = 0, .attn_split = 0, .graphs = -1,
+        .kv_base = NULL, .kv_bytes = 0, .attn_split = 0, .graphs = -1, .weights_base = NULL,
+        .weights_bytes = 0,
     };
     return p;
 }
 
 const struct model_config *gpu_engine_config(const gpu_engine_t *e) { return &e->cfg; }
 uint64_t gpu_engine_weight_bytes(const gpu_engine_t *e) { return e->weight_bytes; }
+bool gpu_engine_weights_borrowed(const gpu_engine_t *e) { return e->weights == NULL; }
 
 void gpu_engine_kv_info(const gpu_engine_t *e, struct gpu_engine_kv *out)
 {
@@ -210,6 +220,13 @@ void gpu_engine_destroy(gpu_engine_t **ep)
     kcuda_host_free(e->tables_host);
     kcuda_host_free(e->logits_host);
     kcuda_host_free(e->ids_host);
+    kcuda_free(e->draws_dev);
+    kcuda_host_free(e->draws_host);
+    kcuda_free(e->pen_dev);
+    kcuda_host_free(e->pen_host);
+    free(e->pen_seen);
+    free(e->host_rows);
+    sampler_destroy(&e->host_smp);
     free(e);
     *ep = NULL;
 }
@@ -269,6 +286,7 @@ static int check_model(const model_t *m, char *err, size_t errlen)
  * only sums the sizes; the second uploads. */
 struct placer {
     uint8_t *base;          /* device buffer, NULL while sizing */
+    bool upload;            /* copy the data (else only point into base: borrowed weights) */
     size_t off;             /* bytes placed so far */
     int rc;                 /* first upload failure */
 };
@@ -279,7 +297,7 @@ static const void *place(struct placer *pl, const void *host, size_t bytes)
     pl->off = at + bytes;
     if (pl->base == NULL || pl->rc)
         return NULL;
-    if (kcuda_upload(pl->base + at, host, bytes))
+    if (pl->upload && kcuda_upload(pl->base + at, host, bytes))
         pl->rc = KVD_EINTERNAL;
     return pl->base + at;
 }
@@ -315,6 +333,54 @@ static void place_model(struct placer *pl, gpu_engine_t *e, const model_t *m)
         place_mat(pl, &L->w_up, &G->w_up);
         place_mat(pl, &L->w_down, &G->w_down);
     }
+}
+
+/* Lays m out (and uploads it when base is set and upload) with a scratch
+ * engine; returns the bytes the layout takes. */
+static uint64_t place_alone(const model_t *m, void *base, bool upload, int *rc)
+{
+    gpu_engine_t *e = calloc(1, sizeof(*e));
+    struct glayer *layers = calloc(m->cfg.n_layer ? m->cfg.n_layer : 1, sizeof(*layers));
+    if (e == NULL || layers == NULL) {
+        free(e);
+        free(layers);
+        *rc = KVD_ENOMEM;
+        return 0;
+    }
+    e->layers = layers;
+    struct placer pl = { .base = base, .upload = upload };
+    place_model(&pl, e, m);
+    *rc = pl.rc;
+    free(layers);
+    free(e);
+    return pl.off;
+}
+
+uint64_t gpu_weights_bytes(const model_t *m)
+{
+    int rc;
+    return place_alone(m, NULL, false, &rc);
+}
+
+int gpu_weights_upload(const model_t *m, int device, void *base, uint64_t bytes, char *err, size_t errlen)
+{
+    int rc = check_model(m, err, errlen);
+    if (rc)
+        return rc;
+    const uint64_t need = gpu_weights_bytes(m);
+    if (base == NULL || bytes < need)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "gpu weights: %llu bytes cannot hold the model's %llu",
+                          (unsigned long long)bytes, (unsigned long long)need);
+    if (kcuda_set_device(device))
+        return kvd_seterr(err, errlen, KVD_EUNAVAILABLE, "gpu weights: device %d: %s", device, kcuda_last_error());
+    place_alone(m, base, true, &rc);
+    /* a copy from pageable memory may return before its last bytes land */
+    if (rc == 0 && kcuda_sync())
+        rc = KVD_EINTERNAL;
+    if (rc)
+        return kvd_seterr(err, errlen, rc, "gpu weights: upload failed: %s",
+                          rc == KVD_ENOMEM ? "out of memory" : kcuda_last_error());
+    return 0;
 }
 
 static void *dev_alloc(size_t bytes, bool *ok)
@@ -400,12 +466,23 @@ gpu_engine_t *gpu_engine_new(const model_t *m, int device, const struct gpu_engi
     struct placer pl = { 0 };
     place_model(&pl, e, m);
     e->weight_bytes = pl.off;
-    pl = (struct placer){ .base = kcuda_malloc(e->weight_bytes) };
-    e->weights = pl.base;
-    if (e->weights == NULL) {
-        kvd_seterr(err, errlen, KVD_ENOMEM, "gpu engine: no device memory for %llu bytes of weights",
-                   (unsigned long long)e->weight_bytes);
-        goto fail;
+    if (p.weights_base != NULL) {
+        /* borrowed: laid out by gpu_weights_upload, from the same model */
+        if (p.weights_bytes < e->weight_bytes) {
+            kvd_seterr(err, errlen, KVD_ERANGE,
+                       "gpu engine: the shared weights hold %llu bytes; this model takes %llu",
+                       (unsigned long long)p.weights_bytes, (unsigned long long)e->weight_bytes);
+            goto fail;
+        }
+        pl = (struct placer){ .base = p.weights_base, .upload = false };
+    } else {
+        pl = (struct placer){ .base = kcuda_malloc(e->weight_bytes), .upload = true };
+        e->weights = pl.base;
+        if (e->weights == NULL) {
+            kvd_seterr(err, errlen, KVD_ENOMEM, "gpu engine: no device memory for %llu bytes of weights",
+                       (unsigned long long)e->weight_bytes);
+            goto fail;
+        }
     }
     place_model(&pl, e, m);
     if (pl.rc) {
@@ -474,13 +551,20 @@ gpu_engine_t *gpu_engine_new(const model_t *m, int device, const struct gpu_engi
     e->meta_dev = dev_alloc(ml->bytes, &ok);
     e->meta_host = kcuda_host_alloc(ml->bytes);
     e->ids_host = kcuda_host_alloc(T * sizeof(int32_t));
+    e->draws_dev = dev_alloc(T * sizeof(struct kcuda_draw), &ok);
+    e->draws_host = kcuda_host_alloc(T * sizeof(struct kcuda_draw));
+    e->host_rows = malloc(T * sizeof(uint32_t));
+    e->pen_seen = calloc((c->n_vocab + 7) / 8, 1);
+    struct sampler_params sp = sampler_default_params();
+    e->host_smp = sampler_new(&sp, c->n_vocab, NULL, 0);
     /* block tables: room for max_tokens sequences of up to 4096 positions
      * at first; grown on demand */
     const uint32_t ctx0 = p.max_ctx < 4096 ? p.max_ctx : 4096;
     e->tables_cap = T * ((ctx0 + p.block_tokens - 1) / p.block_tokens);
     e->tables_dev = dev_alloc(e->tables_cap * sizeof(uint32_t), &ok);
     e->tables_host = kcuda_host_alloc(e->tables_cap * sizeof(uint32_t));
-    if (!ok || e->meta_host == NULL || e->ids_host == NULL || e->tables_host == NULL) {
+    if (!ok || e->meta_host == NULL || e->ids_host == NULL || e->tables_host == NULL || e->draws_host == NULL ||
+        e->host_rows == NULL || e->pen_seen == NULL || e->host_smp == NULL) {
         kvd_seterr(err, errlen, KVD_ENOMEM, "gpu engine: out of memory for step buffers (%zu tokens)", T);
         goto fail;
     }
@@ -814,8 +898,82 @@ static int enqueue_step(gpu_engine_t *e, const struct step_shape *s, size_t n_ta
     return run_forward(e, s);
 }
 
-static int step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, bool argmax,
-                uint32_t *n_rows, char *err, size_t errlen)
+/* The step's draws in the kernel's form (host buffers), and the rows left to
+ * the host in e->host_rows; 0, KVD_EINVAL for a bad draw or KVD_ENOMEM. */
+static int lay_out_draws(gpu_engine_t *e, const struct sampler_draw *const *draws, uint32_t rows,
+                         uint32_t *n_pen, uint32_t *n_host, char *err, size_t errlen)
+{
+    const uint32_t V = e->cfg.n_vocab;
+    size_t total = 0;
+    for (uint32_t r = 0; r < rows; r++) {
+        const struct sampler_draw *d = draws[r];
+        if (d == NULL)
+            continue;
+        if (!(d->u >= 0.0 && d->u < 1.0) || d->top_k < 0 || isnan(d->temperature) ||
+            (d->n_penalized > 0 && d->penalized == NULL))
+            return kvd_seterr(err, errlen, KVD_EINVAL, "gpu engine: draw %u is out of range", r);
+        total += d->n_penalized;
+    }
+    if (total > e->pen_cap) {
+        const size_t cap = total > 2 * e->pen_cap ? total : 2 * e->pen_cap;
+        int32_t *h = kcuda_host_alloc(cap * sizeof(int32_t));
+        int32_t *dv = kcuda_malloc(cap * sizeof(int32_t));
+        if (h == NULL || dv == NULL) {
+            kcuda_host_free(h);
+            kcuda_free(dv);
+            return kvd_seterr(err, errlen, KVD_ENOMEM, "gpu engine: out of memory for penalized ids");
+        }
+        kcuda_host_free(e->pen_host);
+        kcuda_free(e->pen_dev);
+        e->pen_host = h;
+        e->pen_dev = dv;
+        e->pen_cap = cap;
+    }
+    uint32_t np = 0, nh = 0;
+    for (uint32_t r = 0; r < rows; r++) {
+        const struct sampler_draw *d = draws[r];
+        struct kcuda_draw *k = &e->draws_host[r];
+        *k = (struct kcuda_draw){ .row = -1 };
+        if (d == NULL)
+            continue;
+        /* each id once and in range: the kernel changes them in parallel */
+        uint32_t i;
+        for (i = 0; i < d->n_penalized; i++) {
+            const int32_t id = d->penalized[i];
+            if (id < 0 || (uint32_t)id >= V || (e->pen_seen[id / 8] >> (id % 8) & 1))
+                break;
+            e->pen_seen[id / 8] |= (uint8_t)(1u << (id % 8));
+        }
+        for (uint32_t j = 0; j < i; j++)
+            e->pen_seen[d->penalized[j] / 8] = 0;
+        if (i < d->n_penalized)
+            return kvd_seterr(err, errlen, KVD_EINVAL,
+                              "gpu engine: draw %u penalizes token %d twice or outside the vocabulary", r,
+                              (int)d->penalized[i]);
+        /* the twin's k; more than the kernel keeps goes to the host */
+        const uint32_t kk = d->top_k > 0 && (uint32_t)d->top_k < V ? (uint32_t)d->top_k : V;
+        if (d->temperature > 0.0f && kk > KCUDA_SAMPLE_MAX_K) {
+            e->host_rows[nh++] = r;
+            continue;
+        }
+        *k = (struct kcuda_draw){
+            .row = (int32_t)r, .top_k = (int32_t)kk, .temperature = d->temperature, .top_p = d->top_p,
+            .min_p = d->min_p, .repeat_penalty = d->repeat_penalty, .log_min_p = d->log_min_p, .u = d->u,
+            .pen_off = np, .n_pen = d->n_penalized,
+        };
+        if (d->n_penalized > 0)
+            memcpy(e->pen_host + np, d->penalized, d->n_penalized * sizeof(int32_t));
+        np += d->n_penalized;
+    }
+    *n_pen = np;
+    *n_host = nh;
+    return 0;
+}
+
+enum step_mode { STEP_LOGITS, STEP_ARGMAX, STEP_SAMPLE };
+
+static int step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, enum step_mode mode,
+                const struct sampler_draw *const *draws, uint32_t *n_rows, char *err, size_t errlen)
 {
     const struct model_config *c = &e->cfg;
     uint32_t T = 0, rows = 0;
@@ -825,15 +983,20 @@ static int step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, bo
     int rc = fwd_check_batch(&lim, seqs, n_seqs, &T, &rows, &n_tables, err, errlen);
     if (rc)
         return rc;
+    uint32_t n_pen = 0, n_host = 0;
+    if (mode == STEP_SAMPLE && (rc = lay_out_draws(e, draws, rows, &n_pen, &n_host, err, errlen)) != 0)
+        return rc;
     if (tables_reserve(e, n_tables))
         return kvd_seterr(err, errlen, KVD_ENOMEM, "engine: out of memory for block tables");
-    if (!argmax && rows > e->logits_cap) {
-        float *nl = kcuda_host_alloc((size_t)rows * c->n_vocab * sizeof(float));
+    /* logits come to the host: every row, or the rows sampled there */
+    const uint32_t to_host = mode == STEP_LOGITS ? rows : mode == STEP_SAMPLE ? n_host : 0;
+    if (to_host > e->logits_cap) {
+        float *nl = kcuda_host_alloc((size_t)to_host * c->n_vocab * sizeof(float));
         if (nl == NULL)
             return kvd_seterr(err, errlen, KVD_ENOMEM, "engine: out of memory for logits");
         kcuda_host_free(e->logits_host);
         e->logits_host = nl;
-        e->logits_cap = rows;
+        e->logits_cap = to_host;
     }
     if (kcuda_set_device(e->device))
         return kvd_seterr(err, errlen, KVD_EINTERNAL, "gpu engine: %s", kcuda_last_error());
@@ -841,10 +1004,22 @@ static int step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, bo
     struct step_shape s;
     layout_step(e, seqs, n_seqs, &s);
     rc = enqueue_step(e, &s, (size_t)n_tables);
-    if (rc == 0 && argmax) {
-        rc = kcuda_argmax(e->ids, e->logits, c->n_vocab, c->n_vocab, (int)rows, e->stream);
+    const size_t V = c->n_vocab;
+    if (rc == 0 && mode == STEP_ARGMAX) {
+        rc = kcuda_argmax(e->ids, e->logits, c->n_vocab, V, (int)rows, e->stream);
         if (rc == 0)
             rc = kcuda_download_async(e->ids_host, e->ids, (size_t)rows * sizeof(int32_t), e->stream);
+    } else if (rc == 0 && mode == STEP_SAMPLE) {
+        rc = kcuda_upload_async(e->draws_dev, e->draws_host, (size_t)rows * sizeof(struct kcuda_draw), e->stream);
+        if (rc == 0 && n_pen > 0)
+            rc = kcuda_upload_async(e->pen_dev, e->pen_host, (size_t)n_pen * sizeof(int32_t), e->stream);
+        if (rc == 0)
+            rc = kcuda_sample(e->ids, e->logits, c->n_vocab, V, e->draws_dev, (int)rows, e->pen_dev, e->stream);
+        if (rc == 0)
+            rc = kcuda_download_async(e->ids_host, e->ids, (size_t)rows * sizeof(int32_t), e->stream);
+        for (uint32_t j = 0; rc == 0 && j < n_host; j++)
+            rc = kcuda_download_async(e->logits_host + j * V, e->logits + (size_t)e->host_rows[j] * V,
+                                      V * sizeof(float), e->stream);
     } else if (rc == 0) {
         rc = kcuda_download_async(e->logits_host, e->logits, (size_t)rows * c->n_vocab * sizeof(float),
                                   e->stream);
@@ -856,6 +1031,10 @@ static int step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, bo
     if (rc)
         return kvd_seterr(err, errlen, rc, "gpu engine: step failed: %s",
                           kcuda_last_error()[0] ? kcuda_last_error() : kvd_strerror(rc));
+    for (uint32_t j = 0; j < n_host; j++) {
+        const uint32_t r = e->host_rows[j];
+        e->ids_host[r] = sampler_pick(e->host_smp, draws[r], e->logits_host + j * V);
+    }
     *n_rows = rows;
     return 0;
 }
@@ -863,7 +1042,7 @@ static int step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, bo
 int gpu_engine_step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
                     const float **logits, uint32_t *n_rows, char *err, size_t errlen)
 {
-    int rc = step(e, seqs, n_seqs, false, n_rows, err, errlen);
+    int rc = step(e, seqs, n_seqs, STEP_LOGITS, NULL, n_rows, err, errlen);
     if (rc == 0)
         *logits = e->logits_host;
     return rc;
@@ -872,7 +1051,19 @@ int gpu_engine_step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs
 int gpu_engine_step_argmax(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
                            const int32_t **ids, uint32_t *n_rows, char *err, size_t errlen)
 {
-    int rc = step(e, seqs, n_seqs, true, n_rows, err, errlen);
+    int rc = step(e, seqs, n_seqs, STEP_ARGMAX, NULL, n_rows, err, errlen);
+    if (rc == 0)
+        *ids = e->ids_host;
+    return rc;
+}
+
+int gpu_engine_step_sample(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
+                           const struct sampler_draw *const *draws, const int32_t **ids, uint32_t *n_rows,
+                           char *err, size_t errlen)
+{
+    if (draws == NULL)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "gpu engine: no draws");
+    int rc = step(e, seqs, n_seqs, STEP_SAMPLE, draws, n_rows, err, errlen);
     if (rc == 0)
         *ids = e->ids_host;
     return rc;

@@ -4,7 +4,8 @@
  *
  * gpu_engine_new uploads every weight matrix once, as the GGUF stores it
  * (Q4_1, Q8_0 or F16 layers; the embedding table as F32, F16, Q4_0, Q4_1 or
- * Q8_0; norms as f32), and sets up a paged F16 KV cache in device memory with
+ * Q8_0; norms as f32), or borrows a copy another process uploaded
+ * (gpu_weights_upload, shared through a VMM allocation), and sets up a paged F16 KV cache in device memory with
  * exactly the layout of kvcache.h: block b of layer l holds
  *     [K=0,V=1][kv_head][token in block][head_dim]
  * at base + b * block_bytes + (l * 2 + which) * n_head_kv * head_bytes, so a
@@ -39,6 +40,7 @@
 
 #include "forward.h"
 #include "model.h"
+#include "sampler.h"
 
 struct gpu_engine_params {
     uint32_t max_tokens;    /* most tokens in one step (device scratch), default 512 */
@@ -54,6 +56,11 @@ struct gpu_engine_params {
                              * Engines whose results must agree use the same value. */
     int graphs;             /* 1: record decode steps as graphs, 0: never;
                              * -1 (default): yes unless KVD_CUDA_GRAPHS=0 */
+    void *weights_base;     /* NULL: the engine uploads its own copy; else device memory
+                             * where gpu_weights_upload put this model's weights, borrowed
+                             * (it must outlive the engine): engines of several processes
+                             * share one copy */
+    uint64_t weights_bytes; /* with weights_base: the bytes there, checked against the model */
 };
 
 struct gpu_engine_params gpu_engine_default_params(void);
@@ -90,6 +97,20 @@ struct gpu_engine_graph_stats {
 gpu_engine_t *gpu_engine_new(const model_t *m, int device, const struct gpu_engine_params *p,
                              char *err, size_t errlen);
 
+/* The device bytes of model m's weights in the engine's layout (every matrix
+ * as the GGUF stores it, norms as f32, 256-byte aligned). */
+uint64_t gpu_weights_bytes(const model_t *m);
+
+/*
+ * Uploads m's weights to device memory at base on device `device` (bytes
+ * there, at least gpu_weights_bytes(m)) in the layout an engine reads through
+ * params.weights_base, and waits until they are there. This is how the
+ * workers of a GPU share one copy: kvd uploads into a VMM allocation, each
+ * worker maps it and borrows it. 0, or KVD_EUNSUPPORTED (a model the kernels
+ * cannot compute), KVD_ERANGE (too few bytes), KVD_EINTERNAL with a reason.
+ */
+int gpu_weights_upload(const model_t *m, int device, void *base, uint64_t bytes, char *err, size_t errlen);
+
 /* Frees device and host memory (never a borrowed cache); accepts NULL and sets *e to NULL. */
 void gpu_engine_destroy(gpu_engine_t **e);
 
@@ -111,6 +132,23 @@ int gpu_engine_step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs
 int gpu_engine_step_argmax(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
                            const int32_t **ids, uint32_t *n_rows, char *err, size_t errlen);
 
+/*
+ * The same, choosing each row's token on the device: draws[i] is what
+ * sampler_pick would do with row i (engine/sampler.h's plan), NULL when row i
+ * needs no token (its id is -1); there are n_rows of them, as many as the
+ * step gives rows. Greedy draws, and sampled ones that keep at most
+ * KCUDA_SAMPLE_MAX_K (1024) candidates, run on the device (kcuda_sample) and
+ * the logits never leave it; a sampled draw with top-k off or larger copies
+ * its row to the host and runs sampler_pick there. Either way the id is
+ * sampler_pick's for that row (see kcuda_sample for the one exception).
+ * KVD_EINVAL for a draw out of range (a penalized id twice or outside the
+ * vocabulary, u outside [0, 1), a negative top-k). *ids points at n_rows
+ * ids, valid until the next call.
+ */
+int gpu_engine_step_sample(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
+                           const struct sampler_draw *const *draws, const int32_t **ids, uint32_t *n_rows,
+                           char *err, size_t errlen);
+
 /* Returns once every kernel this engine enqueued has completed, so that its
  * K/V writes are visible to every process mapping the cache. Steps already
  * wait for their results, so after a step this returns at once; it exists for
@@ -131,6 +169,9 @@ void gpu_engine_set_graphs(gpu_engine_t *e, bool on);
 
 /* Bytes of weights on the device (matrices and norms). */
 uint64_t gpu_engine_weight_bytes(const gpu_engine_t *e);
+
+/* Whether the weights are borrowed (params.weights_base) rather than the engine's own. */
+bool gpu_engine_weights_borrowed(const gpu_engine_t *e);
 
 const struct model_config *gpu_engine_config(const gpu_engine_t *e);
 

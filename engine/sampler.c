@@ -23,6 +23,8 @@ struct sampler {
     uint64_t rng[4];        /* xoshiro256** state */
     struct cand *cands;     /* (n_vocab) */
     float *work;            /* (n_vocab) penalized logits */
+    int32_t *pen;           /* penalized ids of the last plan */
+    size_t pen_cap;
 };
 
 struct sampler_params sampler_default_params(void)
@@ -92,7 +94,10 @@ sampler_t *sampler_new(const struct sampler_params *p, uint32_t n_vocab, char *e
     s->n_vocab = n_vocab;
     s->cands = malloc((size_t)n_vocab * sizeof(*s->cands));
     s->work = malloc((size_t)n_vocab * sizeof(float));
-    if (s->cands == NULL || s->work == NULL)
+    /* distinct in-range ids of the window: at most the window, at most the vocabulary */
+    s->pen_cap = (uint32_t)p->repeat_last_n < n_vocab ? (uint32_t)p->repeat_last_n : n_vocab;
+    s->pen = malloc((s->pen_cap ? s->pen_cap : 1) * sizeof(int32_t));
+    if (s->cands == NULL || s->work == NULL || s->pen == NULL)
         goto nomem;
     sampler_reseed(s, p->seed);
     return s;
@@ -115,6 +120,7 @@ void sampler_destroy(sampler_t **sp)
         return;
     free((*sp)->cands);
     free((*sp)->work);
+    free((*sp)->pen);
     free(*sp);
     *sp = NULL;
 }
@@ -173,26 +179,49 @@ static int cand_cmp(const void *a, const void *b)
     return (x->id > y->id) - (x->id < y->id);
 }
 
-int32_t sampler_sample(sampler_t *s, const float *logits, const int32_t *history, size_t n_hist)
+void sampler_plan(sampler_t *s, const int32_t *history, size_t n_hist, struct sampler_draw *d)
 {
     const struct sampler_params *p = &s->p;
-    const uint32_t n = s->n_vocab;
-    float *w = s->work;
-    memcpy(w, logits, n * sizeof(float));
+    *d = (struct sampler_draw){
+        .temperature = p->temperature, .top_k = p->top_k, .top_p = p->top_p, .min_p = p->min_p,
+        .log_min_p = p->min_p > 0.0f ? log(p->min_p) : 0.0, .repeat_penalty = p->repeat_penalty,
+    };
     if (p->repeat_penalty != 1.0f && history != NULL) {
-        size_t from = n_hist > (size_t)p->repeat_last_n ? n_hist - (size_t)p->repeat_last_n : 0;
+        const size_t from = n_hist > (size_t)p->repeat_last_n ? n_hist - (size_t)p->repeat_last_n : 0;
         /* each distinct token of the window is penalized once */
-        for (size_t i = from; i < n_hist; i++) {
-            int32_t id = history[i];
-            if (id < 0 || (uint32_t)id >= n)
+        uint32_t np = 0;
+        for (size_t i = from; i < n_hist && np < s->pen_cap; i++) {
+            const int32_t id = history[i];
+            if (id < 0 || (uint32_t)id >= s->n_vocab)
                 continue;
             bool seen = false;
             for (size_t j = from; j < i && !seen; j++)
                 seen = history[j] == id;
-            if (seen)
-                continue;
-            w[id] = w[id] > 0.0f ? w[id] / p->repeat_penalty : w[id] * p->repeat_penalty;
+            if (!seen)
+                s->pen[np++] = id;
         }
+        d->n_penalized = np;
+        d->penalized = s->pen;
+    }
+    if (p->temperature > 0.0f)
+        d->u = rng_uniform(s->rng);
+}
+
+int32_t sampler_sample(sampler_t *s, const float *logits, const int32_t *history, size_t n_hist)
+{
+    struct sampler_draw d;
+    sampler_plan(s, history, n_hist, &d);
+    return sampler_pick(s, &d, logits);
+}
+
+int32_t sampler_pick(sampler_t *s, const struct sampler_draw *p, const float *logits)
+{
+    const uint32_t n = s->n_vocab;
+    float *w = s->work;
+    memcpy(w, logits, n * sizeof(float));
+    for (uint32_t i = 0; i < p->n_penalized; i++) {
+        const int32_t id = p->penalized[i];
+        w[id] = w[id] > 0.0f ? w[id] / p->repeat_penalty : w[id] * p->repeat_penalty;
     }
     if (p->temperature <= 0.0f)
         return sampler_argmax(w, n);
@@ -223,7 +252,7 @@ int32_t sampler_sample(sampler_t *s, const float *logits, const int32_t *history
         }
     }
     if (p->min_p > 0.0f) {
-        double floor_logit = c[0].logit + log(p->min_p);
+        double floor_logit = c[0].logit + p->log_min_p;
         size_t keep = 1;
         while (keep < k && c[keep].logit >= floor_logit)
             keep++;
@@ -238,7 +267,7 @@ int32_t sampler_sample(sampler_t *s, const float *logits, const int32_t *history
         c[i].logit = (float)e;
         total += e;
     }
-    double u = rng_uniform(s->rng) * total, acc = 0.0;
+    double u = p->u * total, acc = 0.0;
     for (size_t i = 0; i < k; i++) {
         acc += c[i].logit;
         if (u < acc)

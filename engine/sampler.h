@@ -40,6 +40,33 @@ int32_t sampler_sample(sampler_t *s, const float *logits, const int32_t *history
  * elsewhere draws what it would have drawn. */
 void sampler_reseed(sampler_t *s, uint64_t seed);
 
+/*
+ * One draw spelled out. sampler_sample is sampler_plan (the penalized ids of
+ * the history, the next uniform of the generator) followed by sampler_pick
+ * (penalty, truncations, temperature and the choice over one row of logits).
+ * The plan points into no logits, so the pick can run where the logits are:
+ * kcuda_sample (kernels/cuda/kcuda.h) is sampler_pick's twin on the GPU.
+ */
+struct sampler_draw {
+    float temperature;      /* <= 0: greedy (argmax of the penalized row) */
+    int32_t top_k;          /* 0: off */
+    float top_p;            /* 1: off */
+    float min_p;            /* 0: off */
+    double log_min_p;       /* log(min_p) when min_p > 0 */
+    float repeat_penalty;   /* applied to the ids below */
+    double u;               /* the draw, uniform in [0, 1); 0 when greedy */
+    uint32_t n_penalized;   /* distinct in-range ids of the window, in order of first use */
+    const int32_t *penalized; /* owned by the sampler; valid until its next plan */
+};
+
+/* Fills *d for the next token: takes the generator's next uniform (only when
+ * the temperature is above 0, as sampler_sample does). */
+void sampler_plan(sampler_t *s, const int32_t *history, size_t n_hist, struct sampler_draw *d);
+
+/* Picks a token from n_vocab logits (not modified) as d says; s lends its
+ * scratch (any sampler of the same vocabulary will do). */
+int32_t sampler_pick(sampler_t *s, const struct sampler_draw *d, const float *logits);
+
 /* Index of the largest logit, lowest index on a tie. */
 int32_t sampler_argmax(const float *logits, uint32_t n);
 

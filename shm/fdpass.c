@@ -216,7 +216,8 @@ int fdpass_recv(int sock, struct fdpass_msg *m, int *fd_out, int timeout_ms, cha
                         FDPASS_VERSION);
         goto fail;
     }
-    if ((h.kind != FDPASS_KIND_CUDA_VMM && h.kind != FDPASS_KIND_MEMORY) || h.reserved != 0 ||
+    if ((h.kind != FDPASS_KIND_CUDA_VMM && h.kind != FDPASS_KIND_MEMORY && h.kind != FDPASS_KIND_CUDA_WEIGHTS) ||
+        h.reserved != 0 ||
         h.bytes == 0 || h.device < -1) {
         rc = kvd_seterr(err, errlen, KVD_EFORMAT,
                         "fdpass: malformed header (kind %u, %llu bytes, device %d)", h.kind,

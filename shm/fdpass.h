@@ -2,10 +2,11 @@
  * fdpass.h - handing a file descriptor to another process over a Unix domain
  * socket (SCM_RIGHTS), with a small fixed header that says what it is.
  *
- * This is how a GPU pool's KV memory reaches the workers: the coordinator
- * exports its device allocation (kernels/cuda/kcuda_vmm.h) as a POSIX file
- * descriptor and sends it to every worker of that GPU that connects to its
- * socket; the kernel duplicates the descriptor into the receiver. Plain
+ * This is how a GPU pool's KV memory and the model's weights reach the
+ * workers: the coordinator exports its device allocations
+ * (kernels/cuda/kcuda_vmm.h) as POSIX file descriptors and sends them to
+ * every worker of that GPU that connects to its socket, one message each;
+ * the kernel duplicates each descriptor into the receiver. Plain
  * POSIX: nothing here knows about CUDA, and any descriptor (a memfd, a pipe)
  * travels the same way.
  *
@@ -30,6 +31,8 @@
 enum fdpass_kind {
     FDPASS_KIND_CUDA_VMM = 1,   /* a CUDA VMM allocation (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) */
     FDPASS_KIND_MEMORY = 2,     /* host memory that can be mmap()ed (memfd, shm) */
+    FDPASS_KIND_CUDA_WEIGHTS = 3, /* a CUDA VMM allocation holding a model's weights as
+                                 * gpu_weights_upload lays them out (engine/gpu_engine.h) */
 };
 
 /* The header sent with the descriptor. Fixed size and byte order (the peer is

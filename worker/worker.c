@@ -102,6 +102,8 @@ struct worker {
     wire_arena_t *arena;
     struct fwd_seq *batch;
     struct wseq **in_batch;
+    struct sampler_draw *draws;     /* --gpu: each batch slot's draw, chosen on the device */
+    const struct sampler_draw **draw_of; /* --gpu: &draws[k], or NULL where no token is due */
     double ms_per_token;    /* measured on prefill-sized steps; 0: not yet */
     bool trace;             /* $KVD_WORKER_TRACE: one stderr line per step */
 };
@@ -373,13 +375,27 @@ static uint32_t plan_step(struct worker *w)
 static void run_step(struct worker *w, uint32_t n)
 {
     char err[256];
-    const float *logits;
+    const float *logits = NULL;
+    const int32_t *ids = NULL;
     uint32_t rows;
     uint32_t n_tokens = 0;
     for (uint32_t k = 0; k < n; k++)
         n_tokens += w->batch[k].n_tokens;
+    if (w->gpu) {
+        /* the device chooses the tokens: plan each due draw first, exactly as
+         * the host would just before sampling (below) */
+        for (uint32_t k = 0; k < n; k++) {
+            struct wseq *s = w->in_batch[k];
+            w->draw_of[k] = NULL;
+            if (s->pos + s->chunk < s->n_tok)
+                continue;               /* a prefill chunk: no token yet */
+            sampler_reseed(s->smp, s->seed ^ (0x9e3779b97f4a7c15ull * (s->n_tok + 1ull)));
+            sampler_plan(s->smp, s->tok, s->n_tok, &w->draws[k]);
+            w->draw_of[k] = &w->draws[k];
+        }
+    }
     double t0 = cli_now_ms();
-    int rc = w->gpu ? wgpu_step(w->gpu, w->batch, n, &logits, &rows, err, sizeof(err))
+    int rc = w->gpu ? wgpu_step_sample(w->gpu, w->batch, n, w->draw_of, &ids, &rows, err, sizeof(err))
                     : engine_step(w->engine, w->batch, n, &logits, &rows, err, sizeof(err));
     /* nothing below may tell kvd a block is written before the kernels that
      * wrote it have completed */
@@ -427,8 +443,13 @@ static void run_step(struct worker *w, uint32_t n)
         }
         /* the draw depends on the request and the position only, so a sequence
          * resumed on another worker continues exactly as it would have */
-        sampler_reseed(s->smp, s->seed ^ (0x9e3779b97f4a7c15ull * (s->n_tok + 1ull)));
-        int32_t t = sampler_sample(s->smp, logits + (size_t)k * V, s->tok, s->n_tok);
+        int32_t t;
+        if (ids != NULL) {
+            t = ids[k];
+        } else {
+            sampler_reseed(s->smp, s->seed ^ (0x9e3779b97f4a7c15ull * (s->n_tok + 1ull)));
+            t = sampler_sample(s->smp, logits + (size_t)k * V, s->tok, s->n_tok);
+        }
         s->tok[s->n_tok++] = t;
         s->n_new++;
         Kvdw__TokenChunk tc = KVDW__TOKEN_CHUNK__INIT;
@@ -584,8 +605,10 @@ static void setup(struct worker *w)
     }
     w->batch = calloc(o->max_batch, sizeof(*w->batch));
     w->in_batch = calloc(o->max_batch, sizeof(*w->in_batch));
+    w->draws = calloc(o->max_batch, sizeof(*w->draws));
+    w->draw_of = calloc(o->max_batch, sizeof(*w->draw_of));
     w->arena = wire_arena_new(4 * (size_t)WIRE_MAX_FRAME + (1u << 20)); /* grows as needed */
-    if (w->batch == NULL || w->in_batch == NULL || w->arena == NULL)
+    if (w->batch == NULL || w->in_batch == NULL || w->draws == NULL || w->draw_of == NULL || w->arena == NULL)
         cli_die("out of memory");
 
     w->zctx = zmq_ctx_new();
@@ -652,6 +675,8 @@ int main(int argc, char **argv)
     free(w.seqs);
     free(w.batch);
     free(w.in_batch);
+    free(w.draws);
+    free(w.draw_of);
     wire_arena_destroy(&w.arena);
     zmq_close(w.sock);
     zmq_ctx_term(w.zctx);

@@ -13,18 +13,19 @@
 struct wgpu {
     pool_t *pool;           /* borrowed: the pool whose KV data this maps */
     int dev;                /* CUDA device index */
-    kcuda_vmm_t *mem;       /* this process's mapping of kvd's allocation */
+    kcuda_vmm_t *mem;       /* this process's mapping of kvd's KV allocation */
+    kcuda_vmm_t *weights;   /* and of its copy of the model's weights */
     wgpu_engine_t *engine;  /* the GPU engine once started; NULL before */
 };
 
-/* Checks kvd's message against the pool this worker attached. */
-static int check_msg(const struct fdpass_msg *m, const pool_t *pool, int dev, char *err,
+/* Checks kvd's message (of the kind expected) against the pool this worker attached. */
+static int check_msg(const struct fdpass_msg *m, uint32_t kind, const pool_t *pool, int dev, char *err,
                      size_t errlen)
 {
     const struct pool_header *h = pool_header(pool);
-    if (m->kind != FDPASS_KIND_CUDA_VMM)
-        return kvd_seterr(err, errlen, KVD_EPROTOCOL,
-                          "kvd sent a descriptor of kind %u, not device memory", m->kind);
+    if (m->kind != kind)
+        return kvd_seterr(err, errlen, KVD_EPROTOCOL, "kvd sent a descriptor of kind %u, not %s", m->kind,
+                          kind == FDPASS_KIND_CUDA_VMM ? "the KV device memory" : "the weights' device memory");
     if (m->device != dev)
         return kvd_seterr(err, errlen, KVD_EPROTOCOL, "kvd sent memory of GPU %d, not GPU %d",
                           m->device, dev);
@@ -34,7 +35,7 @@ static int check_msg(const struct fdpass_msg *m, const pool_t *pool, int dev, ch
                           "not %llu): is the socket another kvd's?",
                           pool_name(pool) ? pool_name(pool) : "(anonymous)",
                           (unsigned long long)m->generation, (unsigned long long)h->generation);
-    if (m->bytes < pool_data_bytes(pool))
+    if (kind == FDPASS_KIND_CUDA_VMM && m->bytes < pool_data_bytes(pool))
         return kvd_seterr(err, errlen, KVD_EFORMAT,
                           "kvd's device memory holds %llu bytes; the pool's blocks need %llu",
                           (unsigned long long)m->bytes, (unsigned long long)pool_data_bytes(pool));
@@ -71,21 +72,27 @@ wgpu_t *wgpu_open(pool_t *pool, int dev, const char *socket_path, char *err, siz
         kvd_seterr(err, errlen, s, "cannot reach kvd for the pool's device memory: %s", why);
         goto fail;
     }
-    struct fdpass_msg m;
-    int fd;
-    int rc = fdpass_recv(s, &m, &fd, WGPU_CONNECT_MS, why, sizeof(why));
+    /* two messages: the KV data, then the weights */
+    kcuda_vmm_t **into[2] = { &g->mem, &g->weights };
+    static const uint32_t kinds[2] = { FDPASS_KIND_CUDA_VMM, FDPASS_KIND_CUDA_WEIGHTS };
+    int rc = 0;
+    for (int i = 0; i < 2 && rc == 0; i++) {
+        struct fdpass_msg m;
+        int fd;
+        rc = fdpass_recv(s, &m, &fd, WGPU_CONNECT_MS, why, sizeof(why));
+        if (rc != 0) {
+            kvd_seterr(err, errlen, rc, "no %s from kvd: %s", i ? "weights" : "device memory", why);
+            break;
+        }
+        rc = check_msg(&m, kinds[i], pool, dev, err, errlen);
+        if (rc == 0) {
+            *into[i] = kcuda_vmm_import(dev, fd, m.bytes, why, sizeof(why));
+            if (*into[i] == NULL)
+                rc = kvd_seterr(err, errlen, KVD_EINTERNAL, "cannot map kvd's device memory: %s", why);
+        }
+        close(fd); /* the import holds its own reference */
+    }
     close(s);
-    if (rc != 0) {
-        kvd_seterr(err, errlen, rc, "no device memory from kvd: %s", why);
-        goto fail;
-    }
-    rc = check_msg(&m, pool, dev, err, errlen);
-    if (rc == 0) {
-        g->mem = kcuda_vmm_import(dev, fd, m.bytes, why, sizeof(why));
-        if (g->mem == NULL)
-            rc = kvd_seterr(err, errlen, KVD_EINTERNAL, "cannot map kvd's device memory: %s", why);
-    }
-    close(fd); /* the import holds its own reference */
     if (rc != 0)
         goto fail;
     rc = pool_set_device_kv(pool, kcuda_vmm_ptr(g->mem), kcuda_vmm_bytes(g->mem));
@@ -129,20 +136,25 @@ int wgpu_engine_start(wgpu_t *g, const model_t *m, const struct engine_params *p
     /* the GPU kernels address an f16 cache; the pool must hold what they expect */
     if (h->layout.dtype != KERN_F16)
         return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "the GPU engine needs an f16 KV pool");
-    g->engine = wgpu_engine_new(m, g->dev, wgpu_kv_base(g), wgpu_kv_bytes(g), h->n_blocks,
-                                h->layout.block_tokens, p, err, errlen);
+    const struct wgpu_mem mem = {
+        .kv_base = wgpu_kv_base(g), .kv_bytes = wgpu_kv_bytes(g), .kv_blocks = h->n_blocks,
+        .block_tokens = h->layout.block_tokens, .weights_base = kcuda_vmm_ptr(g->weights),
+        .weights_bytes = kcuda_vmm_bytes(g->weights),
+    };
+    g->engine = wgpu_engine_new(m, g->dev, &mem, p, err, errlen);
     return g->engine ? 0 : KVD_EUNSUPPORTED;
 }
 
-int wgpu_step(wgpu_t *g, const struct fwd_seq *seqs, uint32_t n_seqs, const float **logits,
-              uint32_t *n_rows, char *err, size_t errlen)
+int wgpu_step_sample(wgpu_t *g, const struct fwd_seq *seqs, uint32_t n_seqs,
+                     const struct sampler_draw *const *draws, const int32_t **ids, uint32_t *n_rows, char *err,
+                     size_t errlen)
 {
     if (g->engine == NULL) {
-        *logits = NULL;
+        *ids = NULL;
         *n_rows = 0;
         return kvd_seterr(err, errlen, KVD_ESTATE, "the GPU engine is not started");
     }
-    return wgpu_engine_step(g->engine, seqs, n_seqs, logits, n_rows, err, errlen);
+    return wgpu_engine_step_sample(g->engine, seqs, n_seqs, draws, ids, n_rows, err, errlen);
 }
 
 void wgpu_close(wgpu_t **gp)
@@ -152,6 +164,7 @@ void wgpu_close(wgpu_t **gp)
     wgpu_t *g = *gp;
     wgpu_engine_destroy(&g->engine); /* before the memory it computes in goes */
     kcuda_vmm_destroy(&g->mem);
+    kcuda_vmm_destroy(&g->weights);
     free(g);
     *gp = NULL;
 }

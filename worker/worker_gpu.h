@@ -4,14 +4,18 @@
  *
  * Start-up: the worker attaches the pool's metadata by name as any worker
  * does (shm/pool.h), then wgpu_open() connects to kvd's descriptor socket,
- * receives the device allocation (shm/fdpass.h), checks that it belongs to
- * this pool (device, generation, instance, size), imports and maps it
- * (kernels/cuda/kcuda_vmm.h) and tells the pool where it is mapped, so that
- * pool_block_addr() gives device addresses. kvd keeps the allocation for its
- * whole life; a worker that dies or restarts only drops its own mapping.
+ * receives the device allocations (shm/fdpass.h): the KV data, then the
+ * model's weights, checks that they belong to this pool (device,
+ * generation, instance, size), imports and maps them
+ * (kernels/cuda/kcuda_vmm.h) and tells the pool where the KV data is mapped,
+ * so that pool_block_addr() gives device addresses. The engine borrows the
+ * weights: one copy per GPU, whatever the number of workers. kvd keeps both
+ * allocations for its whole life; a worker that dies or restarts only drops
+ * its own mappings.
  *
- * The engine: wgpu_engine_start() and wgpu_step() have the contract of
- * engine_new() and engine_step() (engine/forward.h) over the device pool.
+ * The engine: wgpu_engine_start() and wgpu_step_sample() have the contract
+ * of engine_new() and engine_step() (engine/forward.h) over the device pool,
+ * the step choosing tokens on the device rather than returning logits.
  * They reach the GPU engine through the seam at the end of this header,
  * implemented by worker_gpu_engine_none.c until the GPU engine is built into
  * this program: then they fail with "GPU engine not built", and the worker
@@ -31,6 +35,7 @@
 #include "forward.h"
 #include "model.h"
 #include "pool.h"
+#include "sampler.h"
 
 typedef struct wgpu wgpu_t;
 
@@ -63,10 +68,13 @@ uint64_t wgpu_kv_bytes(const wgpu_t *g);
 int wgpu_engine_start(wgpu_t *g, const model_t *m, const struct engine_params *p, char *err,
                       size_t errlen);
 
-/* One step, as engine_step(): logits are host memory, valid until the next
- * step. The step's kernels may still be running when it returns. */
-int wgpu_step(wgpu_t *g, const struct fwd_seq *seqs, uint32_t n_seqs, const float **logits,
-              uint32_t *n_rows, char *err, size_t errlen);
+/* One step, choosing each sequence's token on the device: as
+ * gpu_engine_step_sample (engine/gpu_engine.h), draws[i] for row i (NULL:
+ * no token wanted, id -1). *ids is valid until the next step. The step's
+ * kernels may still be running when it returns. */
+int wgpu_step_sample(wgpu_t *g, const struct fwd_seq *seqs, uint32_t n_seqs,
+                     const struct sampler_draw *const *draws, const int32_t **ids, uint32_t *n_rows, char *err,
+                     size_t errlen);
 
 /* Returns once every kernel of the steps so far has completed: their K/V
  * writes are in device memory for every process. 0 or KVD_EINTERNAL. */
@@ -81,19 +89,28 @@ int wgpu_fence(wgpu_t *g, char *err, size_t errlen);
  */
 typedef struct wgpu_engine wgpu_engine_t;
 
-/* An engine for model m (borrowed for the call) on device dev, computing in
- * the pool's device memory: kv_blocks blocks of block_tokens positions from
- * kv_base (kv_bytes mapped there), laid out as kernels/cuda/kcuda.h says,
- * borrowed (kvd owns it; it outlives the engine). p as for engine_new. NULL with a reason. */
-wgpu_engine_t *wgpu_engine_new(const model_t *m, int dev, void *kv_base, uint64_t kv_bytes,
-                               uint32_t kv_blocks, uint32_t block_tokens, const struct engine_params *p, char *err,
-                               size_t errlen);
+/* The device memory an engine computes in, all of it borrowed (kvd owns it;
+ * it outlives the engine). */
+struct wgpu_mem {
+    void *kv_base;          /* the pool's KV data, laid out as kernels/cuda/kcuda.h says */
+    uint64_t kv_bytes;      /* bytes mapped there */
+    uint32_t kv_blocks;     /* blocks */
+    uint32_t block_tokens;  /* positions per block */
+    void *weights_base;     /* the model's weights as gpu_weights_upload lays them out */
+    uint64_t weights_bytes; /* bytes mapped there */
+};
 
-/* One step, as engine_step (logits in host memory, valid until the next). */
-int wgpu_engine_step(wgpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
-                     const float **logits, uint32_t *n_rows, char *err, size_t errlen);
+/* An engine for model m (borrowed for the call) on device dev over mem; p as
+ * for engine_new. NULL with a reason. */
+wgpu_engine_t *wgpu_engine_new(const model_t *m, int dev, const struct wgpu_mem *mem,
+                               const struct engine_params *p, char *err, size_t errlen);
 
-/* Frees the engine (never the borrowed KV memory); accepts NULL, sets *e to NULL. */
+/* One step, as gpu_engine_step_sample. */
+int wgpu_engine_step_sample(wgpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
+                            const struct sampler_draw *const *draws, const int32_t **ids, uint32_t *n_rows,
+                            char *err, size_t errlen);
+
+/* Frees the engine (never the borrowed memory); accepts NULL, sets *e to NULL. */
 void wgpu_engine_destroy(wgpu_engine_t **e);
 
 #endif

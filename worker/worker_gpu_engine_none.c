@@ -9,16 +9,12 @@
 #include "err.h"
 #include "worker_gpu.h"
 
-wgpu_engine_t *wgpu_engine_new(const model_t *m, int dev, void *kv_base, uint64_t kv_bytes,
-                               uint32_t kv_blocks, uint32_t block_tokens, const struct engine_params *p, char *err,
-                               size_t errlen)
+wgpu_engine_t *wgpu_engine_new(const model_t *m, int dev, const struct wgpu_mem *mem,
+                               const struct engine_params *p, char *err, size_t errlen)
 {
     (void)m;
     (void)dev;
-    (void)kv_base;
-    (void)kv_bytes;
-    (void)kv_blocks;
-    (void)block_tokens;
+    (void)mem;
     (void)p;
     kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
                "GPU engine not built: this kvd-worker can map the GPU pool but has no engine to "
@@ -26,13 +22,15 @@ wgpu_engine_t *wgpu_engine_new(const model_t *m, int dev, void *kv_base, uint64_
     return NULL;
 }
 
-int wgpu_engine_step(wgpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
-                     const float **logits, uint32_t *n_rows, char *err, size_t errlen)
+int wgpu_engine_step_sample(wgpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
+                            const struct sampler_draw *const *draws, const int32_t **ids, uint32_t *n_rows,
+                            char *err, size_t errlen)
 {
     (void)e;
     (void)seqs;
     (void)n_seqs;
-    *logits = NULL;
+    (void)draws;
+    *ids = NULL;
     *n_rows = 0;
     return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "GPU engine not built");
 }

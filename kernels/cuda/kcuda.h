@@ -222,6 +222,39 @@ int kcuda_swiglu(float *gate, const float *up, int64_t n, int T, kcuda_stream_t 
 int kcuda_argmax(int32_t *ids, const float *logits, int64_t n, size_t ld, int T,
                  kcuda_stream_t stream);
 
+/* ---- token choice ------------------------------------------------------------ */
+
+#define KCUDA_SAMPLE_MAX_K 1024 /* most candidates a sampled draw keeps */
+
+/* One draw over one row of logits: struct sampler_draw (engine/sampler.h)
+ * with its penalized ids in a device array. */
+struct kcuda_draw {
+    int32_t row;            /* row of logits; < 0: no draw (its id is -1) */
+    int32_t top_k;          /* candidates kept: the twin's k (top_k, or n when that is off or
+                             * larger), 1 .. KCUDA_SAMPLE_MAX_K when temperature > 0 */
+    float temperature;      /* <= 0: greedy */
+    float top_p;            /* 1: off */
+    float min_p;            /* 0: off */
+    float repeat_penalty;
+    double log_min_p;       /* log(min_p) as the host computed it */
+    double u;               /* uniform in [0, 1) */
+    uint32_t pen_off;       /* the row's penalized ids: pen[pen_off .. pen_off + n_pen) */
+    uint32_t n_pen;         /* distinct, each < n */
+};
+
+/*
+ * ids[i] = the token draw i chooses from its row of logits (rows ld floats
+ * apart, n per row), for i < R: twin of sampler_pick. The penalty is applied
+ * to the row in place. Greedy draws are kcuda_argmax's; sampled ones keep the
+ * twin's k best (larger logit, then lower id), its top-p and min-p cuts and
+ * its temperature, and add the probabilities in its order, so the choice is
+ * the twin's unless u falls within a rounding error (the last bit of the
+ * CUDA libm's exp) of a boundary between two tokens. A row with NaNs gets
+ * some valid id. One block of KCUDA_SAMPLE_MAX_K threads per draw.
+ */
+int kcuda_sample(int32_t *ids, float *logits, int64_t n, size_t ld, const struct kcuda_draw *draws, int R,
+                 const int32_t *pen, kcuda_stream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -123,14 +123,15 @@ __device__ __forceinline__ bool beats(float v, int i, float bv, int bi)
     return v > bv || (v == bv && i < bi);
 }
 
-__global__ void __launch_bounds__(ROW_THREADS) argmax_kernel(int32_t *ids, const float *logits, long n, size_t ld)
+/* Index of the largest of n values at row, lowest index on a tie, as
+ * sampler_argmax: valid in thread 0 only. NT threads, all of them calling. */
+template <int NT> __device__ int block_argmax(const float *row, long n)
 {
-    __shared__ float sv[ROW_THREADS / 32];
-    __shared__ int si[ROW_THREADS / 32];
-    const float *row = logits + (size_t)blockIdx.x * ld;
+    __shared__ float sv[NT / 32];
+    __shared__ int si[NT / 32];
     float bv = -INFINITY;
     int bi = INT_MAX;
-    for (long i = threadIdx.x; i < n; i += ROW_THREADS) {
+    for (long i = threadIdx.x; i < n; i += NT) {
         const float v = row[i];
         if (beats(v, (int)i, bv, bi)) {
             bv = v;
@@ -151,15 +152,249 @@ __global__ void __launch_bounds__(ROW_THREADS) argmax_kernel(int32_t *ids, const
         si[threadIdx.x / 32] = bi;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < ROW_THREADS / 32; w++)
-            if (beats(sv[w], si[w], bv, bi)) {
-                bv = sv[w];
-                bi = si[w];
+    if (threadIdx.x != 0)
+        return 0;
+    for (int w = 1; w < NT / 32; w++)
+        if (beats(sv[w], si[w], bv, bi)) {
+            bv = sv[w];
+            bi = si[w];
+        }
+    /* the twin scans from index 0 and nothing beats a NaN there: index 0;
+     * so do rows with no number at all */
+    return isnan(row[0]) || bi == INT_MAX ? 0 : bi;
+}
+
+__global__ void __launch_bounds__(ROW_THREADS) argmax_kernel(int32_t *ids, const float *logits, long n, size_t ld)
+{
+    const int best = block_argmax<ROW_THREADS>(logits + (size_t)blockIdx.x * ld, n);
+    if (threadIdx.x == 0)
+        ids[blockIdx.x] = best;
+}
+
+/* ---- sampling: the twin of sampler_pick -------------------------------------- */
+
+constexpr int SAMPLE_THREADS = KCUDA_SAMPLE_MAX_K;  /* one candidate per thread */
+
+/* An unsigned key in the order the twin's comparison gives floats: larger
+ * value, larger key; -0 and +0 equal; NaN below everything (the twin's qsort
+ * has no order for NaN; this one picks a fixed one). */
+__device__ __forceinline__ uint32_t order_key(float v)
+{
+    if (isnan(v))
+        return 0;
+    if (v == 0.0f)
+        v = 0.0f;
+    const uint32_t b = __float_as_uint(v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+/* Exclusive prefix sum of v over the block's SAMPLE_THREADS threads, in
+ * thread order; *total gets the sum. Every thread calls. */
+__device__ int block_excl_scan(int v, int *total)
+{
+    __shared__ int warp_sum[SAMPLE_THREADS / 32];
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_sync(KCUDA_FULL, x, lane >= o ? lane - o : 0);
+        if (lane >= o)
+            x += y;
+    }
+    __syncthreads();                    /* warp_sum may still be read by a previous call */
+    if (lane == 31)
+        warp_sum[w] = x;
+    __syncthreads();
+    int before = 0, all = 0;
+    for (int i = 0; i < SAMPLE_THREADS / 32; i++) {
+        before += i < w ? warp_sum[i] : 0;
+        all += warp_sum[i];
+    }
+    *total = all;
+    return before + x - v;
+}
+
+/* Candidate a comes before b: larger key, or the same key at a lower id (the
+ * twin's cand_cmp). */
+__device__ __forceinline__ bool cand_before(uint32_t ka, int32_t ia, uint32_t kb, int32_t ib)
+{
+    return ka > kb || (ka == kb && ia < ib);
+}
+
+/* One block per draw: the penalty on the row (in place), then greedy or the
+ * k best candidates in the twin's order (radix select of the k-th key, ties
+ * taken by lowest id, a bitonic sort), the exponentials in parallel and the
+ * twin's sums in its order by one thread. */
+__global__ void __launch_bounds__(SAMPLE_THREADS) sample_kernel(int32_t *ids, float *logits, long n, size_t ld,
+                                                                 const struct kcuda_draw *draws,
+                                                                 const int32_t *pen)
+{
+    __shared__ unsigned hist[256];
+    __shared__ uint32_t s_prefix;
+    __shared__ int s_remaining;
+    __shared__ uint32_t ckey[SAMPLE_THREADS];
+    __shared__ int32_t cid[SAMPLE_THREADS];
+    __shared__ double e1[SAMPLE_THREADS];
+    __shared__ double e2[SAMPLE_THREADS];
+    __shared__ int s_k;
+    const struct kcuda_draw d = draws[blockIdx.x];
+    const int tid = threadIdx.x;
+    if (d.row < 0) {
+        if (tid == 0)
+            ids[blockIdx.x] = -1;
+        return;
+    }
+    float *row = logits + (size_t)d.row * ld;
+    for (uint32_t i = tid; i < d.n_pen; i += SAMPLE_THREADS) {
+        const int32_t id = pen[d.pen_off + i];     /* distinct: no two threads share one */
+        const float w = row[id];
+        row[id] = w > 0.0f ? __fdiv_rn(w, d.repeat_penalty) : __fmul_rn(w, d.repeat_penalty);
+    }
+    __syncthreads();
+    if (!(d.temperature > 0.0f)) {
+        const int best = block_argmax<SAMPLE_THREADS>(row, n);
+        if (tid == 0)
+            ids[blockIdx.x] = best;
+        return;
+    }
+    const int k = d.top_k;                          /* 1 .. min(n, SAMPLE_THREADS), checked by the host */
+
+    /* the k-th largest key, 8 bits at a time from the top */
+    uint32_t prefix = 0, mask = 0;
+    int remaining = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = tid; i < 256; i += SAMPLE_THREADS)
+            hist[i] = 0;
+        __syncthreads();
+        for (long i = tid; i < n; i += SAMPLE_THREADS) {
+            const uint32_t key = order_key(row[i]);
+            if ((key & mask) == prefix)
+                atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (tid == 0) {
+            int rem = remaining, b = 255;
+            for (; b > 0; b--) {
+                if ((int)hist[b] >= rem)
+                    break;
+                rem -= (int)hist[b];
             }
-        /* the twin scans from index 0 and nothing beats a NaN there: index 0;
-         * so do rows with no number at all */
-        ids[blockIdx.x] = isnan(row[0]) || bi == INT_MAX ? 0 : bi;
+            s_prefix = prefix | ((uint32_t)b << shift);
+            s_remaining = rem;
+        }
+        __syncthreads();
+        prefix = s_prefix;
+        remaining = s_remaining;
+        mask |= 255u << shift;
+    }
+    /* gather: every key above the k-th, and the lowest ids of those equal to
+     * it; each thread scans a contiguous range so that ids come in order */
+    const long chunk = (n + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
+    const long lo = (long)tid * chunk, hi = lo + chunk < n ? lo + chunk : n;
+    int n_gt = 0, n_eq = 0;
+    for (long i = lo; i < hi; i++) {
+        const uint32_t key = order_key(row[i]);
+        n_gt += key > prefix;
+        n_eq += key == prefix;
+    }
+    int all_gt, all_eq;
+    int at_gt = block_excl_scan(n_gt, &all_gt);
+    int at_eq = all_gt + block_excl_scan(n_eq, &all_eq);
+    ckey[tid] = 0;                                  /* padding sorts last: key 0, largest id */
+    cid[tid] = INT_MAX;
+    __syncthreads();
+    for (long i = lo; i < hi; i++) {
+        const uint32_t key = order_key(row[i]);
+        if (key > prefix) {
+            ckey[at_gt] = key;
+            cid[at_gt++] = (int32_t)i;
+        } else if (key == prefix && at_eq < k) {
+            ckey[at_eq] = key;
+            cid[at_eq++] = (int32_t)i;
+        }
+    }
+    /* bitonic sort of the padded power of two into the twin's order */
+    int P = 1;
+    while (P < k)
+        P *= 2;
+    for (int size = 2; size <= P; size <<= 1) {
+        for (int stride = size / 2; stride > 0; stride >>= 1) {
+            __syncthreads();
+            const int j = tid ^ stride;
+            if (tid < P && j > tid) {
+                const bool up = (tid & size) == 0;  /* this pair ends in the twin's order */
+                const bool swap = up ? cand_before(ckey[j], cid[j], ckey[tid], cid[tid])
+                                     : cand_before(ckey[tid], cid[tid], ckey[j], cid[j]);
+                if (swap) {
+                    const uint32_t tk = ckey[tid];
+                    const int32_t ti = cid[tid];
+                    ckey[tid] = ckey[j];
+                    cid[tid] = cid[j];
+                    ckey[j] = tk;
+                    cid[j] = ti;
+                }
+            }
+        }
+    }
+    __syncthreads();
+
+    /* the twin's arithmetic: exponentials in parallel, each sum in its order */
+    const double top = (double)row[cid[0]];
+    const float mine = tid < k ? row[cid[tid]] : 0.0f;
+    if (tid < k)
+        e1[tid] = exp((double)mine - top);
+    __syncthreads();
+    if (tid == 0) {
+        double sum = 0.0;
+        for (int i = 0; i < k; i++)
+            sum += e1[i];
+        e2[0] = sum;
+    }
+    __syncthreads();
+    if (d.top_p < 1.0f && tid < k)
+        e1[tid] = e1[tid] / e2[0];
+    __syncthreads();
+    if (tid == 0) {
+        int kk = k;
+        if (d.top_p < 1.0f) {
+            double cum = 0.0;
+            for (int i = 0; i < kk; i++) {
+                cum += e1[i];
+                if (cum >= (double)d.top_p) {
+                    kk = i + 1;
+                    break;
+                }
+            }
+        }
+        if (d.min_p > 0.0f) {
+            const double floor_logit = top + d.log_min_p;
+            int keep = 1;
+            while (keep < kk && (double)row[cid[keep]] >= floor_logit)
+                keep++;
+            kk = keep;
+        }
+        s_k = kk;
+    }
+    __syncthreads();
+    const int kk = s_k;
+    if (tid < kk)
+        e2[tid] = exp(((double)mine - top) / (double)d.temperature);
+    __syncthreads();
+    if (tid == 0) {
+        double total = 0.0;
+        for (int i = 0; i < kk; i++)
+            total += e2[i];
+        const double u = d.u * total;
+        double acc = 0.0;
+        int32_t pick = cid[kk - 1];
+        for (int i = 0; i < kk; i++) {
+            acc += (double)(float)e2[i];
+            if (u < acc) {
+                pick = cid[i];
+                break;
+            }
+        }
+        ids[blockIdx.x] = pick;
     }
 }
 
@@ -220,6 +455,17 @@ extern "C" int kcuda_swiglu(float *gate, const float *up, int64_t n, int T, kcud
         blocks = 65536;
     swiglu_kernel<<<(unsigned)blocks, 256, 0, stream>>>(gate, up, count);
     return kcuda__launched("swiglu");
+}
+
+extern "C" int kcuda_sample(int32_t *ids, float *logits, int64_t n, size_t ld, const struct kcuda_draw *draws,
+                            int R, const int32_t *pen, kcuda_stream_t stream)
+{
+    if (n <= 0 || n > INT_MAX || R < 0 || ld < (size_t)n || ids == NULL || logits == NULL || draws == NULL)
+        return KVD_EINVAL;
+    if (R == 0)
+        return 0;
+    sample_kernel<<<(unsigned)R, SAMPLE_THREADS, 0, stream>>>(ids, logits, (long)n, ld, draws, pen);
+    return kcuda__launched("sample");
 }
 
 extern "C" int kcuda_argmax(int32_t *ids, const float *logits, int64_t n, size_t ld, int T, kcuda_stream_t stream)

@@ -177,7 +177,7 @@ extern "C" int kcuda_vmm_probe(int dev, struct kcuda_vmm_dev *info, char *why, s
         return kvd_seterr(why, whylen, KVD_EUNSUPPORTED,
                           NO_DEVICE "device %d cannot export memory as a POSIX file descriptor "
                           "(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)", dev);
-    uint64_t g;
+    uint64_t g = 0;
     int rc = granularity(dev, true, &g, why, whylen);
     if (rc)
         return rc;
@@ -305,7 +305,7 @@ extern "C" kcuda_vmm_t *kcuda_vmm_import(int dev, int fd, uint64_t bytes, char *
         kvd_seterr(err, errlen, KVD_EINVAL, "import: descriptor %d is not open", fd);
         return NULL;
     }
-    uint64_t g;
+    uint64_t g = 0;
     if (granularity(dev, false, &g, err, errlen) != 0)
         return NULL;
     if (bytes == 0 || bytes % g != 0) {

@@ -31,7 +31,10 @@
  *     4.9e-4 (f16). The bound leaves a factor of two over the worst;
  *   - greedy agreement wherever the CPU's margin between its best two logits
  *     exceeds twice the bound (elsewhere a flip is legitimate; counted);
- *   - the device argmax equals sampler_argmax over the GPU's own logits;
+ *   - the device argmax equals sampler_argmax over the GPU's own logits, and
+ *     the device's sampled choice (gpu_engine_step_sample) equals
+ *     sampler_pick's over them (greedy, sampled, a draw left to the host, a
+ *     row without one); draws out of range are refused;
  *   - the K/V cache: the GPU's blocks against the CPU's, position by position
  *     for the positions written, normwise per layer (largest difference over
  *     the largest value): layer 0 within two f16 steps (its inputs differ
@@ -43,7 +46,8 @@
  *     alone in fresh blocks, in one chunk and in chunks of 13 (logits of every
  *     position), gives the logits the batched run gave at those positions and
  *     the same cache bytes; decode steps replayed as CUDA graphs and run kernel
- *     by kernel agree; a second engine borrowing the first one's cache
+ *     by kernel agree; a second engine borrowing the first one's cache, and
+ *     weights uploaded apart (gpu_weights_upload, as kvd shares them),
  *     continues a sequence the first one computed, to the same bits;
  *   - bad input (token id >= vocab, block id >= blocks, past the context, too
  *     many tokens, an empty batch, a short block table): the CPU engine's
@@ -459,6 +463,66 @@ static void check_replays(struct rig *r)
     for (int s = 0; s < r->n_seq; s++)
         CHECK_INT(ids[s], sampler_argmax(eager + (size_t)s * V, V));
 
+    /* the device's sampled tokens: sampler_pick's over the same logits, for
+     * greedy and sampled draws, one left to the host (top-k off), one row
+     * without a draw */
+    {
+        static const struct sampler_params kinds[4] = {
+            { 0.0f, 40, 0.95f, 0.05f, 1.5f, 64, 1 },
+            { 0.8f, 40, 0.95f, 0.05f, 1.1f, 64, 2 },
+            { 1.0f, 0, 0.9f, 0.0f, 1.0f, 64, 3 },
+            { 1.2f, 1024, 1.0f, 0.02f, 1.0f, 64, 4 },
+        };
+        sampler_t *smp[MAX_SEQ] = { NULL }, *scratch = NULL;
+        struct sampler_draw dr[MAX_SEQ];
+        const struct sampler_draw *dp[MAX_SEQ];
+        for (int s = 0; s < r->n_seq; s++) {
+            dp[s] = NULL;
+            if (s == 4)
+                continue;           /* no draw: -1 */
+            smp[s] = sampler_new(&kinds[s % 4], V, err, sizeof(err));
+            REQUIRE(smp[s] != NULL);
+            const struct seqst *q = &r->seq[s];
+            sampler_plan(smp[s], q->hist, q->len, &dr[s]);
+            dp[s] = &dr[s];
+        }
+        scratch = sampler_new(&kinds[0], V, err, sizeof(err));
+        REQUIRE(scratch != NULL);
+        int rc = gpu_engine_step_sample(r->ge, f, (uint32_t)r->n_seq, dp, &ids, &rows, err, sizeof(err));
+        if (rc)
+            fprintf(stderr, "gpu_engine_step_sample: %s\n", err);
+        REQUIRE(rc == 0 && rows == (uint32_t)r->n_seq);
+        for (int s = 0; s < r->n_seq; s++)
+            CHECK_INT(ids[s], dp[s] ? sampler_pick(scratch, dp[s], eager + (size_t)s * V) : -1);
+        /* a draw that penalizes an id twice, or outside the vocabulary, or
+         * whose u is not in [0, 1): refused before anything runs */
+        if (r->n_seq >= 2) {
+            struct sampler_draw bad = dr[1];
+            const int32_t twice[2] = { 3, 3 }, outside[1] = { (int32_t)V };
+            bad.penalized = twice;
+            bad.n_penalized = 2;
+            dp[1] = &bad;
+            CHECK_INT(gpu_engine_step_sample(r->ge, f, (uint32_t)r->n_seq, dp, &ids, &rows, err, sizeof(err)),
+                      KVD_EINVAL);
+            CHECK(strstr(err, "twice or outside") != NULL);
+            bad.penalized = outside;
+            bad.n_penalized = 1;
+            CHECK_INT(gpu_engine_step_sample(r->ge, f, (uint32_t)r->n_seq, dp, &ids, &rows, err, sizeof(err)),
+                      KVD_EINVAL);
+            bad = dr[1];
+            bad.u = 1.0;
+            CHECK_INT(gpu_engine_step_sample(r->ge, f, (uint32_t)r->n_seq, dp, &ids, &rows, err, sizeof(err)),
+                      KVD_EINVAL);
+            dp[1] = &dr[1];
+            /* and the engine goes on */
+            REQUIRE(gpu_engine_step_sample(r->ge, f, (uint32_t)r->n_seq, dp, &ids, &rows, err, sizeof(err)) == 0);
+            CHECK_INT(ids[1], sampler_pick(scratch, dp[1], eager + V));
+        }
+        for (int s = 0; s < MAX_SEQ; s++)
+            sampler_destroy(&smp[s]);
+        sampler_destroy(&scratch);
+    }
+
     /* a second engine borrowing this one's cache continues every sequence */
     struct gpu_engine_kv kvi;
     gpu_engine_kv_info(r->ge, &kvi);
@@ -471,10 +535,23 @@ static void check_replays(struct rig *r)
     CHECK(gpu_engine_new(r->m, 0, &gp, err, sizeof(err)) == NULL);
     CHECK(strstr(err, "cannot hold") != NULL);
     gp.kv_bytes = (uint64_t)kvi.n_blocks * kvi.block_bytes;
+    /* ... and weights uploaded apart, as kvd shares them between workers */
+    const uint64_t wb = gpu_weights_bytes(r->m);
+    CHECK(wb == gpu_engine_weight_bytes(r->ge));
+    void *wdev = kcuda_malloc(wb);
+    REQUIRE(wdev != NULL);
+    CHECK_INT(gpu_weights_upload(r->m, 0, wdev, wb - 1, err, sizeof(err)), KVD_ERANGE);
+    CHECK_INT(gpu_weights_upload(r->m, 0, wdev, wb, err, sizeof(err)), 0);
+    gp.weights_base = wdev;
+    gp.weights_bytes = wb - 256;                                    /* short: refused */
+    CHECK(gpu_engine_new(r->m, 0, &gp, err, sizeof(err)) == NULL);
+    CHECK(strstr(err, "shared weights hold") != NULL);
+    gp.weights_bytes = wb;
     gpu_engine_t *g2 = gpu_engine_new(r->m, 0, &gp, err, sizeof(err));
     if (g2 == NULL)
-        fprintf(stderr, "gpu_engine_new (borrowed cache): %s\n", err);
+        fprintf(stderr, "gpu_engine_new (borrowed cache and weights): %s\n", err);
     REQUIRE(g2 != NULL);
+    CHECK(gpu_engine_weights_borrowed(g2) && !gpu_engine_weights_borrowed(r->ge));
     struct gpu_engine_kv k2;
     gpu_engine_kv_info(g2, &k2);
     CHECK(!k2.owned && k2.base == kvi.base && k2.block_bytes == kvi.block_bytes);
@@ -482,6 +559,7 @@ static void check_replays(struct rig *r)
     CHECK(memcmp(eager, rec, bytes) == 0);
     CHECK_INT(gpu_engine_fence(g2, err, sizeof(err)), 0);
     gpu_engine_destroy(&g2);
+    kcuda_free(wdev);                                               /* never freed by g2 */
     free(eager);
     free(rec);
     free(replay);

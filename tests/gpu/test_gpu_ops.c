@@ -11,6 +11,8 @@
  *   RoPE + K/V write                       q within 1e-5; cache: V exact, K
  *                                          within one f16 step, nothing else touched
  *   argmax                                 identical ids (ties, NaN, -inf rows)
+ *   sampled choice                         identical ids to sampler_pick (greedy and
+ *                                          sampled, penalties, top-k/p, min-p, ties)
  *
  * Shapes are SmolLM2-135M's (576 wide, 1536 feed-forward, 192 KV rows, a
  * 49152-row output head) and a few odd ones; batches of 1 to 13 tokens.
@@ -443,6 +445,145 @@ static void test_argmax(void)
     free(l);
 }
 
+/* ---- sampled choice -------------------------------------------------------------- */
+
+struct sample_case {
+    float temperature;
+    int32_t top_k;
+    float top_p, min_p, penalty;
+};
+
+/* Draws of every case over rows of n logits (each draw its own copy of a
+ * row: the kernel penalizes in place) against sampler_pick on the host. */
+static void sample_cases(uint32_t n, int kind)
+{
+    static const struct sample_case cases[] = {
+        { 0.0f, 40, 0.95f, 0.05f, 1.3f },       /* greedy after a penalty */
+        { 0.8f, 40, 0.95f, 0.05f, 1.0f },       /* the defaults */
+        { 0.8f, 40, 0.95f, 0.05f, 1.3f },
+        { 1.0f, 1, 1.0f, 0.0f, 1.0f },
+        { 1.5f, 1024, 1.0f, 0.0f, 1.0f },       /* the most the device keeps */
+        { 0.7f, 200, 0.5f, 0.0f, 0.8f },        /* a penalty below 1 */
+        { 1.0f, 0, 0.9f, 0.1f, 1.1f },          /* top-k off: the whole row (small n only) */
+        { 2.0f, 37, 1.0f, 0.3f, 1.0f },
+    };
+    const int n_cases = (int)(sizeof(cases) / sizeof(cases[0]));
+    const int seeds = 6, R = n_cases * seeds;
+    const size_t ld = n + 8;
+    float *base = malloc(ld * sizeof(float)), *l = malloc((size_t)R * ld * sizeof(float));
+    struct kcuda_draw *kd = calloc((size_t)R + 1, sizeof(*kd));
+    struct sampler_draw *hd = calloc((size_t)R, sizeof(*hd));
+    int32_t *pen = malloc((size_t)R * 64 * sizeof(int32_t)), *want = malloc((size_t)R * sizeof(int32_t));
+    int32_t *got = malloc(((size_t)R + 1) * sizeof(int32_t));
+    REQUIRE(base && l && kd && hd && pen && want && got);
+    for (uint32_t i = 0; i < n; i++) {
+        switch (kind) {
+        case 0: base[i] = frand() * 8.0f; break;                        /* spread */
+        case 1: base[i] = roundf(frand() * 6.0f) * 0.5f; break;          /* many exact ties */
+        default: base[i] = (i % 3 == 0 ? -0.0f : 0.0f) + (i % 97 == 0 ? 3.0f : 0.0f); break; /* -0 vs +0 */
+        }
+    }
+    char err[128];
+    sampler_t *scratch = NULL;
+    struct sampler_params sp = sampler_default_params();
+    scratch = sampler_new(&sp, n, err, sizeof(err));
+    REQUIRE(scratch != NULL);
+    uint32_t np = 0;
+    int r = 0, on_device = 0;
+    for (int c = 0; c < n_cases; c++) {
+        const struct sample_case *sc = &cases[c];
+        const uint32_t kk = sc->top_k > 0 && (uint32_t)sc->top_k < n ? (uint32_t)sc->top_k : n;
+        for (int sd = 0; sd < seeds; sd++, r++) {
+            memcpy(l + (size_t)r * ld, base, n * sizeof(float));
+            sp = sampler_default_params();
+            sp.temperature = sc->temperature;
+            sp.top_k = sc->top_k;
+            sp.top_p = sc->top_p;
+            sp.min_p = sc->min_p;
+            sp.repeat_penalty = sc->penalty;
+            sp.seed = 1000u * (uint64_t)c + (uint64_t)sd;
+            sampler_t *smp = sampler_new(&sp, n, err, sizeof(err));
+            REQUIRE(smp != NULL);
+            int32_t hist[48];
+            for (int i = 0; i < 48; i++)
+                hist[i] = (int32_t)(rng_u32() % (i % 4 == 0 ? 8u : n));   /* repeats, and ids near the top */
+            sampler_plan(smp, hist, 48, &hd[r]);
+            want[r] = sampler_pick(scratch, &hd[r], base);
+            if (sc->temperature > 0.0f && kk > KCUDA_SAMPLE_MAX_K) {
+                kd[r] = (struct kcuda_draw){ .row = -1 };   /* the engine keeps these on the host */
+                want[r] = -1;
+            } else {
+                kd[r] = (struct kcuda_draw){
+                    .row = r, .top_k = (int32_t)kk, .temperature = hd[r].temperature, .top_p = hd[r].top_p,
+                    .min_p = hd[r].min_p, .repeat_penalty = hd[r].repeat_penalty, .log_min_p = hd[r].log_min_p,
+                    .u = hd[r].u, .pen_off = np, .n_pen = hd[r].n_penalized,
+                };
+                memcpy(pen + np, hd[r].penalized, hd[r].n_penalized * sizeof(int32_t));
+                np += hd[r].n_penalized;
+                on_device++;
+            }
+            sampler_destroy(&smp);
+        }
+    }
+    kd[R] = (struct kcuda_draw){ .row = -1 };   /* no draw: -1 */
+    void *dl = to_dev(l, (size_t)R * ld * sizeof(float));
+    void *dd = to_dev(kd, ((size_t)R + 1) * sizeof(*kd));
+    void *dp = to_dev(pen, (np ? np : 1) * sizeof(int32_t));
+    int32_t *dids = kcuda_malloc(((size_t)R + 1) * sizeof(int32_t));
+    REQUIRE(dids != NULL);
+    REQUIRE(kcuda_sample(dids, dl, n, ld, dd, R + 1, dp, NULL) == 0);
+    from_dev(got, dids, ((size_t)R + 1) * sizeof(int32_t));
+    int same = 0;
+    for (int i = 0; i < R; i++) {
+        if (got[i] != want[i] && same + 5 > i)
+            fprintf(stderr, "sample n=%u kind %d draw %d (case %d): got %d, want %d\n", n, kind, i, i / seeds,
+                    got[i], want[i]);
+        CHECK_INT(got[i], want[i]);
+        same += got[i] == want[i];
+    }
+    CHECK_INT(got[R], -1);
+    printf("sample n=%u rows %d: %d of %d draws agree (%d on the device)\n", n, kind, same, R, on_device);
+    sampler_destroy(&scratch);
+    kcuda_free(dl);
+    kcuda_free(dd);
+    kcuda_free(dp);
+    kcuda_free(dids);
+    free(base);
+    free(l);
+    free(kd);
+    free(hd);
+    free(pen);
+    free(want);
+    free(got);
+}
+
+static void test_sample(void)
+{
+    for (int kind = 0; kind < 3; kind++) {
+        sample_cases(49152, kind);
+        sample_cases(1000, kind);
+    }
+    sample_cases(37, 0);
+    /* a NaN in the row: some valid id, no fault */
+    const uint32_t n = 4096;
+    float *l = malloc(n * sizeof(float));
+    REQUIRE(l != NULL);
+    for (uint32_t i = 0; i < n; i++)
+        l[i] = i % 5 == 0 ? NAN : frand();
+    const struct kcuda_draw d = { .row = 0, .top_k = 100, .temperature = 1.0f, .top_p = 0.9f, .min_p = 0.0f,
+                                  .repeat_penalty = 1.0f, .u = 0.5 };
+    void *dl = to_dev(l, n * sizeof(float)), *dd = to_dev(&d, sizeof(d));
+    int32_t *dids = kcuda_malloc(sizeof(int32_t)), id = -2;
+    REQUIRE(dids != NULL);
+    REQUIRE(kcuda_sample(dids, dl, n, n, dd, 1, NULL, NULL) == 0);
+    from_dev(&id, dids, sizeof(id));
+    CHECK(id >= 0 && (uint32_t)id < n);
+    kcuda_free(dl);
+    kcuda_free(dd);
+    kcuda_free(dids);
+    free(l);
+}
+
 int main(void)
 {
     char why[256];
@@ -460,5 +601,6 @@ int main(void)
     test_rope(9, 3, 64, 16);
     test_rope(32, 8, 128, 32);
     test_argmax();
+    test_sample();
     return CHECK_DONE();
 }

@@ -8,7 +8,9 @@
  * (the same prefix, another question) arrives meanwhile and so goes to the
  * other worker. B must find the prefix's 37 full blocks cached (592 tokens),
  * and its tokens must equal the same request run with the cache bypassed;
- * both workers must have produced tokens.
+ * so must two sampled requests (one chosen on the device, one with top-k off,
+ * chosen on the host); both workers must have produced tokens, and (GPU)
+ * kvd must have uploaded the weights once for both.
  *
  *   test_gpu_serve            on GPU 0; exits 77 (skip) where none is usable
  *   test_gpu_serve --cpu      the same scenario over two CPU workers (checks
@@ -225,6 +227,36 @@ static void test_shared_prefix(void)
     CHECK_INT(b.n_tokens, 24);
     CHECK(rc == 0 && rc2 == 0 && b.n_tokens == fresh.n_tokens &&
           memcmp(b.tokens, fresh.tokens, b.n_tokens * sizeof(int32_t)) == 0);
+    /* sampled requests (tokens chosen on the device: top-k 40; and on the
+     * host: top-k off over this 8192-token vocabulary) continue the cached
+     * prefix exactly as they run without it: each draw depends only on the
+     * request's seed, its position and the logits' bits */
+    for (int v = 0; v < 2; v++) {
+        struct kvd_gen_params sp = greedy(ids, PREFIX + QUESTION, 24);
+        sp.temperature = 0.9f;
+        sp.top_k = v == 0 ? 40 : 0;
+        sp.top_p = 0.95f;
+        sp.min_p = 0.02f;
+        sp.repeat_penalty = 1.15f;
+        sp.seed = 4242 + v;
+        struct kvd_result cached, bypass;
+        CHECK_INT(kvd_generate(c, &sp, &cached), 0);
+        sp.no_cache = true;
+        CHECK_INT(kvd_generate(c, &sp, &bypass), 0);
+        printf("serve: sampled (top-k %d): %zu tokens, %u cached; without the cache %zu tokens; %s\n", sp.top_k,
+               cached.n_tokens, cached.cached_prompt_tokens, bypass.n_tokens,
+               cached.n_tokens == bypass.n_tokens &&
+                       memcmp(cached.tokens, bypass.tokens, cached.n_tokens * sizeof(int32_t)) == 0
+                   ? "equal"
+                   : "DIFFERENT");
+        CHECK(cached.cached_prompt_tokens >= PREFIX / 16 * 16);
+        CHECK(cached.n_tokens == 24 && bypass.n_tokens == 24 &&
+              memcmp(cached.tokens, bypass.tokens, 24 * sizeof(int32_t)) == 0);
+        /* and a sampled run is not the greedy one */
+        CHECK(memcmp(cached.tokens, b.tokens, 24 * sizeof(int32_t)) != 0);
+        kvd_result_free(&cached);
+        kvd_result_free(&bypass);
+    }
     struct kvd_stats s;
     CHECK_INT(kvd_stats(c, &s), 0);
     CHECK_INT(s.n_workers, 2);
@@ -237,6 +269,16 @@ static void test_shared_prefix(void)
     kvd_result_free(&a.r);
     kvd_client_destroy(&c);
     CHECK_INT(stop_kvd(pid), 0);
+    if (!cpu_mode) {
+        /* the weights went up once, into memory both workers mapped */
+        char text[16384] = "";
+        FILE *f = fopen(log, "r");
+        if (f != NULL) {
+            text[fread(text, 1, sizeof(text) - 1, f)] = '\0';
+            fclose(f);
+        }
+        CHECK(strstr(text, "of weights (one copy for all its workers)") != NULL);
+    }
     if (check_failures)
         fprintf(stderr, "kvd's log: %s\n", log);
     else

@@ -176,5 +176,25 @@ int main(void)
         sampler_destroy(&r1);
         sampler_destroy(&r2);
     }
+    /* a plan and a pick are a sample: the plan lists each penalized id once,
+     * in range, and another sampler of the vocabulary picks the same token */
+    {
+        float row[16];
+        for (int i = 0; i < 16; i++)
+            row[i] = (float)((i * 7) % 5) - 1.5f;
+        const int32_t window[10] = { 3, 3, -1, 9, 40, 3, 9, 12, 0, 12 };
+        sampler_t *x = make(0.9f, 6, 0.9f, 0.02f, 1.4f, 5, 16), *y = make(0.9f, 6, 0.9f, 0.02f, 1.4f, 5, 16);
+        sampler_t *scratch = make(0.0f, 0, 1.0f, 0.0f, 1.0f, 0, 16);
+        for (int i = 0; i < 50; i++) {
+            struct sampler_draw d;
+            sampler_plan(y, window, 10, &d);
+            CHECK_INT(d.n_penalized, 4);    /* 3, 9, 12, 0 (window 64) */
+            CHECK(d.u >= 0.0 && d.u < 1.0);
+            CHECK_INT(sampler_pick(scratch, &d, row), sampler_sample(x, row, window, 10));
+        }
+        sampler_destroy(&x);
+        sampler_destroy(&y);
+        sampler_destroy(&scratch);
+    }
     return CHECK_DONE();
 }
