@@ -82,7 +82,7 @@ if [ "$status" = 0 ]; then
     (cd "$build" && ctest -R '^gpu\.|^integration\.kvd_gpu$' -V -j2 --timeout 300) >"$logs/ctest.log" 2>&1
     rc=$?
     # each test's own summary lines, then ctest's verdicts
-    grep -E '^[0-9]+: (device|skip|decode|prefill|gemm|quantize|get_rows|rmsnorm|swiglu|rope|argmax|engine|pool|import|allocation|kvd --gpu|serve|[0-9]+ checks)' \
+    grep -E '^[0-9]+: (device|skip|decode|prefill|gemm|quantize|get_rows|rmsnorm|swiglu|rope|argmax|sample|engine|pool|import|allocation|kvd --gpu|serve|[0-9]+ checks)' \
         "$logs/ctest.log" | sed 's/^[0-9]*: /  /'
     grep -E 'Test +#[0-9]+: ' "$logs/ctest.log"
     if [ $rc -ne 0 ]; then

@@ -18,8 +18,8 @@
  *      /dev/null, a closed descriptor, a size larger than the allocation or
  *      not a whole granule; an allocation larger than the device fails too.
  *   6. kvd --gpu 0 with a small random model and two GPU workers: kvd
- *      allocates the pool on the device, each worker receives and maps it
- *      over kvd's socket, then either says Ready (a GPU engine is built in)
+ *      allocates the pool on the device and uploads the weights once, each
+ *      worker receives and maps both over kvd's socket, then either says Ready (a GPU engine is built in)
  *      or exits with "GPU engine not built", which kvd reports before
  *      stopping with status 1. Nothing may fail on the way to that point.
  *
@@ -252,6 +252,9 @@ static void test_kvd(void)
     snprintf(log, sizeof(log), "%s/kvd.log", dir);
     snprintf(ep, sizeof(ep), "ipc://%s/kvd.sock", dir);
     struct mkmodel_params mp = mkmodel_default_params();
+    mp.n_embd = 128;        /* head dimension 64: a shape the GPU kernels compute */
+    mp.n_head = 2;
+    mp.n_head_kv = 1;
     char err[256];
     REQUIRE(mkmodel_write(&mp, model, err, sizeof(err)) == 0);
     fflush(NULL);
@@ -296,10 +299,12 @@ static void test_kvd(void)
     int not_built = count(text, "GPU engine not built");
     printf("kvd --gpu 0: exit status %d, %d workers reported \"GPU engine not built\"%s\n", status,
            not_built, engine ? ", workers ready (a GPU engine is built in)" : "");
-    CHECK(strstr(text, "of KV data in device memory") != NULL);
+    CHECK(strstr(text, "of KV data and") != NULL);
+    CHECK(strstr(text, "of weights (one copy for all its workers) in device memory") != NULL);
     CHECK_INT(count(text, "handed the device memory to a worker"), 2);
     CHECK(strstr(text, "cannot reach kvd") == NULL);
     CHECK(strstr(text, "no device memory from kvd") == NULL);
+    CHECK(strstr(text, "no weights from kvd") == NULL);
     CHECK(strstr(text, "cannot map kvd's device memory") == NULL);
     CHECK(strstr(text, "belongs to another pool") == NULL);
     if (engine) {
