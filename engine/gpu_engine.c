@@ -983,6 +983,9 @@ static int step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, en
     int rc = fwd_check_batch(&lim, seqs, n_seqs, &T, &rows, &n_tables, err, errlen);
     if (rc)
         return rc;
+    /* this engine's device before anything is allocated or enqueued */
+    if (kcuda_set_device(e->device))
+        return kvd_seterr(err, errlen, KVD_EINTERNAL, "gpu engine: %s", kcuda_last_error());
     uint32_t n_pen = 0, n_host = 0;
     if (mode == STEP_SAMPLE && (rc = lay_out_draws(e, draws, rows, &n_pen, &n_host, err, errlen)) != 0)
         return rc;
@@ -998,8 +1001,6 @@ static int step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, en
         e->logits_host = nl;
         e->logits_cap = to_host;
     }
-    if (kcuda_set_device(e->device))
-        return kvd_seterr(err, errlen, KVD_EINTERNAL, "gpu engine: %s", kcuda_last_error());
     e->step_no++;
     struct step_shape s;
     layout_step(e, seqs, n_seqs, &s);

@@ -18,7 +18,10 @@ struct wgpu {
     wgpu_engine_t *engine;  /* the GPU engine once started; NULL before */
 };
 
-/* Checks kvd's message (of the kind expected) against the pool this worker attached. */
+/* Checks kvd's message (of the kind expected) against the pool this worker
+ * attached. The weights need no check of their model: the pool attached only
+ * because this worker's model has the pool's fingerprint, and kvd uploaded
+ * the model it made the pool for; the engine checks their size. */
 static int check_msg(const struct fdpass_msg *m, uint32_t kind, const pool_t *pool, int dev, char *err,
                      size_t errlen)
 {

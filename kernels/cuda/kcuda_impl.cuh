@@ -72,6 +72,7 @@ __device__ __forceinline__ void kc_unpack8(uint4 u, float f[8])
     }
 }
 
+#ifndef KVD_CUDA_EMU
 /* Copies 16 bytes from global to shared memory without passing through
  * registers (sm_80+); src_bytes 0 fills the destination with zeros and reads
  * nothing. Both addresses 16-byte aligned. */
@@ -88,5 +89,14 @@ __device__ __forceinline__ void kc_cp_async_wait_all()
 {
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
+#else
+/* The CPU emulation of tests/gpu/emu: the copy is queued per thread and done
+ * at the wait, so a read before the wait sees stale data there too. */
+__device__ __forceinline__ void kc_cp_async16(void *smem, const void *gmem, int src_bytes)
+{
+    emu_cp_async(smem, gmem, src_bytes);
+}
+__device__ __forceinline__ void kc_cp_async_wait_all() { emu_cp_wait(); }
+#endif
 
 #endif

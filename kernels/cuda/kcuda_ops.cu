@@ -225,7 +225,7 @@ __device__ __forceinline__ bool cand_before(uint32_t ka, int32_t ia, uint32_t kb
  * k best candidates in the twin's order (radix select of the k-th key, ties
  * taken by lowest id, a bitonic sort), the exponentials in parallel and the
  * twin's sums in its order by one thread. */
-__global__ void __launch_bounds__(SAMPLE_THREADS) sample_kernel(int32_t *ids, float *logits, long n, size_t ld,
+__global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(int32_t *ids, float *logits, long n, size_t ld,
                                                                  const struct kcuda_draw *draws,
                                                                  const int32_t *pen)
 {
@@ -266,10 +266,17 @@ __global__ void __launch_bounds__(SAMPLE_THREADS) sample_kernel(int32_t *ids, fl
         for (int i = tid; i < 256; i += SAMPLE_THREADS)
             hist[i] = 0;
         __syncthreads();
-        for (long i = tid; i < n; i += SAMPLE_THREADS) {
-            const uint32_t key = order_key(row[i]);
-            if ((key & mask) == prefix)
-                atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        /* a row's keys share few top bytes: lanes with the same bucket add
+         * once, through their lowest lane (every lane takes part in every
+         * round: the loop's bound is the block's) */
+        for (long base = 0; base < n; base += SAMPLE_THREADS) {
+            const long i = base + tid;
+            const uint32_t key = i < n ? order_key(row[i]) : 0;
+            const bool match = i < n && (key & mask) == prefix;
+            const unsigned bucket = match ? (key >> shift) & 255u : 256u;
+            const unsigned peers = __match_any_sync(KCUDA_FULL, bucket);
+            if (match && tid % 32 == __ffs((int)peers) - 1)
+                atomicAdd(&hist[bucket], (unsigned)__popc(peers));
         }
         __syncthreads();
         if (tid == 0) {

@@ -1,0 +1,3 @@
+/* The CUDA half-precision header, as the emulation provides it. */
+#pragma once
+#include "emu_cuda.h"

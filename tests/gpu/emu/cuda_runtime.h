@@ -1,0 +1,3 @@
+/* The CUDA runtime header, as the emulation provides it. */
+#pragma once
+#include "emu_cuda.h"

@@ -1,0 +1,285 @@
+/*
+ * emu_rt.cpp - the CUDA emulation's run time (emu_cuda.h): a block's threads
+ * as fibers on their own stacks, switched by a few lines of x86-64 assembly at
+ * barriers and shuffles; the scheduler that releases a barrier once every
+ * live thread of the block (or warp) has reached it; and the runtime API the
+ * kernels' host code calls (memory, copies, streams, events, graphs).
+ *
+ * Environment: EMU_ORDER=reverse runs each step's threads from the last to
+ * the first (a result that changes with it is a race); EMU_NOGRAPH=1 refuses
+ * graph capture, as a device without it; EMU_NODEV=1 reports no device.
+ */
+#include <map>
+
+#include "emu_cuda.h"
+
+dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+extern "C" void emu_switch(void **save, void *to);
+asm(R"(
+.text
+.globl emu_switch
+.type emu_switch,@function
+emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+)");
+
+namespace {
+struct CpReq { void *dst; const void *src; int bytes; };
+struct Fiber {
+    void *sp = nullptr;
+    char *stack = nullptr;
+    bool done = false;
+    int wait = 0;               /* 0 ready, 1 warp barrier, 2 block barrier, 3 shuffle */
+    std::vector<CpReq> pending;
+};
+constexpr size_t STACK = 256 << 10;
+std::vector<Fiber> F;
+int NT, cur;
+void *main_sp;
+const std::function<void()> *g_body;
+uint64_t xslot[32][32];
+std::map<uintptr_t, size_t> allocs;
+long long barriers;
+}
+
+void emu_fail(const char *what)
+{
+    fprintf(stderr, "EMU FAILURE: %s (block %u,%u,%u thread %u)\n", what, blockIdx.x, blockIdx.y, blockIdx.z,
+            threadIdx.x);
+    abort();
+}
+
+static void check_dev(const void *p, size_t n, const char *what)
+{
+    auto it = allocs.upper_bound((uintptr_t)p);
+    if (it == allocs.begin()) emu_fail(what);
+    --it;
+    if ((uintptr_t)p + n > it->first + it->second) emu_fail(what);
+}
+
+static void trampoline()
+{
+    (*g_body)();
+    if (!F[cur].pending.empty()) emu_fail("thread exited with cp.async pending");
+    F[cur].done = true;
+    emu_switch(&F[cur].sp, main_sp);
+    abort();
+}
+
+void emu_barrier(int kind)
+{
+    barriers++;
+    F[cur].wait = kind;
+    emu_switch(&F[cur].sp, main_sp);
+}
+
+uint64_t emu_exchange(uint64_t v, int src)
+{
+    const int w = cur / 32, lane = cur % 32;
+    xslot[w][lane] = v;
+    emu_barrier(3);
+    const uint64_t r = xslot[w][src];
+    emu_barrier(3);
+    return r;
+}
+
+unsigned emu_match_any(uint64_t v)
+{
+    const int w = cur / 32, lane = cur % 32;
+    xslot[w][lane] = v;
+    emu_barrier(3);
+    unsigned m = 0;
+    for (int l = 0; l < 32; l++)
+        m |= (xslot[w][l] == v ? 1u : 0u) << l;
+    emu_barrier(3);
+    return m;
+}
+
+void emu_cp_async(void *dst, const void *src, int bytes)
+{
+    if ((uintptr_t)dst % 16 || (uintptr_t)src % 16) emu_fail("misaligned cp.async");
+    if (bytes != 0 && bytes != 16) emu_fail("cp.async size");
+    if (bytes) check_dev(src, 16, "cp.async reads outside an allocation");
+    F[cur].pending.push_back({ dst, src, bytes });
+}
+
+void emu_cp_wait()
+{
+    for (auto &r : F[cur].pending) {
+        if (r.bytes) memcpy(r.dst, r.src, 16);
+        else memset(r.dst, 0, 16);
+    }
+    F[cur].pending.clear();
+}
+
+static void run_block()
+{
+    static const bool reverse = getenv("EMU_ORDER") != nullptr && strcmp(getenv("EMU_ORDER"), "reverse") == 0;
+    unsigned mx;
+    asm volatile("stmxcsr %0" : "=m"(mx));
+    for (int i = 0; i < NT; i++) {
+        Fiber &f = F[i];
+        if (!f.stack) f.stack = (char *)malloc(STACK);
+        uintptr_t A = ((uintptr_t)(f.stack + STACK) & ~(uintptr_t)15) - 16;
+        *(void **)A = (void *)trampoline;
+        for (int k = 1; k <= 6; k++) *(uint64_t *)(A - 8 * k) = 0;
+        *(uint32_t *)(A - 56) = mx;
+        *(uint16_t *)(A - 52) = 0x037f;
+        f.sp = (void *)(A - 56);
+        f.done = false;
+        f.wait = 0;
+        f.pending.clear();
+    }
+    for (;;) {
+        for (int k = 0; k < NT; k++) {
+            const int i = reverse ? NT - 1 - k : k;
+            if (F[i].done || F[i].wait) continue;
+            cur = i;
+            threadIdx = dim3((unsigned)i);
+            emu_switch(&main_sp, F[i].sp);
+        }
+        int live = 0, at_block = 0;
+        for (int i = 0; i < NT; i++)
+            if (!F[i].done) { live++; at_block += F[i].wait == 2; }
+        if (live == 0) return;
+        bool released = false;
+        if (at_block == live) {
+            for (int i = 0; i < NT; i++) F[i].wait = 0;
+            continue;
+        }
+        for (int w = 0; w * 32 < NT; w++) {
+            int n = 0, n1 = 0, n3 = 0, dead = 0;
+            for (int l = 0; l < 32 && w * 32 + l < NT; l++) {
+                const Fiber &f = F[w * 32 + l];
+                if (f.done) { dead++; continue; }
+                n++; n1 += f.wait == 1; n3 += f.wait == 3;
+            }
+            if (n == 0) continue;
+            if (n1 == n || n3 == n) {
+                if (n3 == n && (dead || n != 32)) emu_fail("shuffle with exited lanes");
+                for (int l = 0; l < 32 && w * 32 + l < NT; l++) F[w * 32 + l].wait = 0;
+                released = true;
+            } else if (n1 + n3 > 0 && (n1 + n3 != n || (n1 && n3))) {
+                fprintf(stderr, "warp %d: %d live, %d at syncwarp, %d at shuffle\n", w, n, n1, n3);
+                emu_fail("divergent warp barrier");
+            }
+        }
+        if (!released) emu_fail("deadlock");
+    }
+}
+
+bool emu_capturing;
+std::vector<emu_node> emu_captured;
+
+void emu_run_grid(dim3 grid, dim3 block, const std::function<void()> &body)
+{
+    if (emu_capturing) { emu_captured.push_back({ grid, block, body }); return; }
+    if (getenv("EMU_SKIP")) return;
+    if (block.y != 1 || block.z != 1) emu_fail("2-D blocks");
+    NT = (int)block.x;
+    if ((int)F.size() < NT) F.resize(NT);
+    g_body = &body;
+    gridDim = grid;
+    blockDim = block;
+    for (unsigned z = 0; z < grid.z; z++)
+        for (unsigned y = 0; y < grid.y; y++)
+            for (unsigned x = 0; x < grid.x; x++) {
+                blockIdx = dim3(x, y, z);
+                run_block();
+            }
+}
+
+cudaError_t cudaGetDeviceCount(int *n) { *n = getenv("EMU_NODEV") ? 0 : 1; return *n ? cudaSuccess : cudaErrorInvalidValue; }
+cudaError_t cudaSetDevice(int) { return cudaSuccess; }
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int)
+{
+    memset(p, 0, sizeof(*p));
+    strcpy(p->name, "CPU emulation");
+    p->major = 9; p->minor = 0; p->multiProcessorCount = 132; p->totalGlobalMem = 1ull << 34;
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr, int) { *v = 0; return cudaSuccess; }
+const char *cudaGetErrorString(cudaError_t) { return "emulated error"; }
+const char *cudaGetErrorName(cudaError_t) { return "cudaErrorEmulated"; }
+cudaError_t cudaGetLastError() { return cudaSuccess; }
+cudaError_t cudaMalloc(void **p, size_t n)
+{
+    n = (n + 255) / 256 * 256;
+    *p = aligned_alloc(256, n);
+    if (!*p) return cudaErrorMemoryAllocation;
+    memset(*p, 0xa5, n);
+    allocs[(uintptr_t)*p] = n;
+    return cudaSuccess;
+}
+cudaError_t cudaFree(void *p) { allocs.erase((uintptr_t)p); free(p); return cudaSuccess; }
+cudaError_t cudaMemcpy(void *d, const void *s, size_t n, cudaMemcpyKind) { memmove(d, s, n); return cudaSuccess; }
+cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, cudaMemcpyKind k, cudaStream_t) { if (emu_capturing) emu_fail("copy during capture"); return cudaMemcpy(d, s, n, k); }
+cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t) { if (emu_capturing) emu_fail("copy during capture"); memset(d, v, n); return cudaSuccess; }
+cudaError_t cudaMemcpy2DAsync(void *d, size_t dp, const void *s, size_t sp, size_t w, size_t h, cudaMemcpyKind, cudaStream_t)
+{
+    if (emu_capturing) emu_fail("copy during capture");
+    for (size_t i = 0; i < h; i++) memcpy((char *)d + i * dp, (const char *)s + i * sp, w);
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+struct emu_event { int x; };
+cudaError_t cudaEventCreate(cudaEvent_t *e) { *e = new emu_event; return cudaSuccess; }
+cudaError_t cudaEventDestroy(cudaEvent_t e) { delete e; return cudaSuccess; }
+cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t, cudaEvent_t) { *ms = 1.0f; return cudaSuccess; }
+/* ---- streams, page-locked memory, graphs ---- */
+
+struct CUstream_st { int x; };
+struct emu_graph { std::vector<emu_node> nodes; };
+struct emu_graph_exec { std::vector<emu_node> nodes; };
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) { *s = new CUstream_st; return cudaSuccess; }
+cudaError_t cudaStreamDestroy(cudaStream_t s) { delete s; return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaMallocHost(void **p, size_t n) { *p = malloc(n); memset(*p, 0x5a, n); return *p ? cudaSuccess : cudaErrorMemoryAllocation; }
+cudaError_t cudaFreeHost(void *p) { free(p); return cudaSuccess; }
+/* capture records kernel launches (the only work the engine captures); a
+ * launch replays them in order with the arguments they had when recorded */
+cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode)
+{
+    if (getenv("EMU_NOGRAPH")) return cudaErrorNotSupported;
+    if (emu_capturing) return cudaErrorInvalidValue;
+    emu_capturing = true; emu_captured.clear(); return cudaSuccess;
+}
+cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t *g)
+{
+    if (!emu_capturing) { *g = nullptr; return cudaErrorInvalidValue; }
+    emu_capturing = false;
+    *g = new emu_graph{ std::move(emu_captured) };
+    emu_captured.clear();
+    return cudaSuccess;
+}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *e, cudaGraph_t g, unsigned long long) { *e = new emu_graph_exec{ g->nodes }; return cudaSuccess; }
+cudaError_t cudaGraphLaunch(cudaGraphExec_t e, cudaStream_t)
+{
+    for (auto &n : e->nodes) emu_run_grid(n.grid, n.block, n.body);
+    return cudaSuccess;
+}
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t e) { delete e; return cudaSuccess; }
+cudaError_t cudaGraphDestroy(cudaGraph_t g) { delete g; return cudaSuccess; }
