@@ -7,6 +7,8 @@
 #   KVD_GPU_BUILD  build directory (default: build-gpu in the repository)
 #   JOBS           parallel build jobs (default: the CPU count)
 #   OUT            when set, logs and the summary are written there as well
+#   KVD_GPU_MPS    0: skip the serving benchmark under MPS (run where
+#                  nvidia-cuda-mps-control exists)
 # Exit status: 0 when every GPU test passed; 1 when one failed, the build
 # failed, or the tests skipped although nvidia-smi lists a GPU.
 set -u
@@ -107,6 +109,24 @@ if [ "$status" = 0 ]; then
     step "serving: tokens/s with 1, 2 and 4 workers on one GPU"
     timeout 290 "$build/tests/test_gpu_serve" --bench >"$logs/serve-bench.log" 2>&1
     grep -E '^serve bench|skip' "$logs/serve-bench.log"
+
+    # the same under MPS, where the machine has it: without it the workers'
+    # kernels take turns on the GPU; with it they run side by side. A private
+    # control daemon for this run only, told to quit afterwards.
+    if [ "${KVD_GPU_MPS:-1}" = 1 ] && [ $gpu_listed = 1 ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+        step "serving under MPS"
+        mps=$(mktemp -d /tmp/kvd-mps-XXXXXX)
+        mkdir -p "$mps/pipe" "$mps/log"
+        if CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log \
+                nvidia-cuda-mps-control -d >"$logs/mps.log" 2>&1; then
+            CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log \
+                timeout 150 "$build/tests/test_gpu_serve" --bench >"$logs/serve-bench-mps.log" 2>&1
+            grep -E '^serve bench' "$logs/serve-bench-mps.log" | sed 's/^serve bench/serve bench (MPS)/'
+            echo quit | CUDA_MPS_PIPE_DIRECTORY=$mps/pipe timeout 20 nvidia-cuda-mps-control >>"$logs/mps.log" 2>&1
+        else
+            echo "run.sh: MPS did not start ($(head -1 "$logs/mps.log"))"
+        fi
+    fi
 fi
 
 # the short table, last
@@ -123,6 +143,9 @@ fi
     fi
     [ -f "$logs/bench.log" ] && sed -n '/^== GPU summary/,$p' "$logs/bench.log"
     [ -f "$logs/serve-bench.log" ] && grep -E '^serve bench' "$logs/serve-bench.log"
+    [ -f "$logs/serve-bench-mps.log" ] && grep -E '^serve bench' "$logs/serve-bench-mps.log" |
+        sed 's/^serve bench/serve bench (MPS)/'
+
     [ "$status" = 0 ] && [ $tests_ok = 1 ] && echo "result: GPU tests passed"
     [ "$status" = 0 ] && [ $tests_ok = 0 ] && echo "result: GPU tests skipped (no usable GPU)"
     [ "$status" != 0 ] && echo "result: FAILED (logs in $logs)"
