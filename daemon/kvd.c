@@ -459,9 +459,10 @@ int main(int argc, char **argv)
     if (k == NULL)
         cli_die("out of memory");
     parse_args(argc, argv, &k->o);
-    gpu_probe(k); /* a GPU that is not there fails now, not after the model loads */
-    srandom((unsigned)time(NULL) ^ (unsigned)getpid());
-    /* signals arrive through a descriptor the loop polls */
+    /* signals arrive through a descriptor the loop polls. Blocked before
+     * anything starts a thread (CUDA's driver does, in gpu_probe): a thread
+     * that did not inherit the mask would take SIGTERM's default action and
+     * kill kvd without its shutdown */
     sigset_t set;
     sigemptyset(&set);
     sigaddset(&set, SIGTERM);
@@ -472,6 +473,8 @@ int main(int argc, char **argv)
     if (sfd < 0)
         cli_die("signalfd: %s", strerror(errno));
     signal(SIGPIPE, SIG_IGN);
+    gpu_probe(k); /* a GPU that is not there fails now, not after the model loads */
+    srandom((unsigned)time(NULL) ^ (unsigned)getpid());
     char exe[4096];
     ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
     if (n <= 0)

@@ -58,7 +58,13 @@ struct kcuda_vmm {
 static bool resolve(const char *name, void **fn)
 {
     cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
     cudaError_t e = cudaGetDriverEntryPointByVersion(name, fn, DRIVER_ABI, cudaEnableDefault, &q);
+#else
+    /* toolkits before 12.5: the entry point of this runtime's version, whose
+     * ABI for these functions is the one DRIVER_ABI names */
+    cudaError_t e = cudaGetDriverEntryPoint(name, fn, cudaEnableDefault, &q);
+#endif
     if (e == cudaSuccess && q == cudaDriverEntryPointSuccess && *fn != NULL)
         return true;
     *fn = NULL;

@@ -8,15 +8,31 @@
 #   JOBS           parallel build jobs (default: the CPU count)
 #   OUT            when set, logs and the summary are written there as well
 #   KVD_GPU_MPS    0: skip the serving benchmark under MPS (run where
-#                  nvidia-cuda-mps-control exists)
+#                  nvidia-cuda-mps-control exists and time is left)
+#   KVD_GPU_BUDGET seconds the whole run may take (default 450): later steps
+#                  get what is left, and are skipped when too little is
 # Exit status: 0 when every GPU test passed; 1 when one failed, the build
 # failed, or the tests skipped although nvidia-smi lists a GPU.
 set -u
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${KVD_GPU_BUILD:-$root/build-gpu}
 jobs=${JOBS:-$(nproc)}
-logs=$build/gpu-logs
 t0=$(date +%s)
+deadline=$((t0 + ${KVD_GPU_BUDGET:-450}))
+# with OUT set the logs are written there as they come, so that a run cut
+# short still leaves them
+if [ -n "${OUT:-}" ]; then logs=$OUT/gpu-run; else logs=$build/gpu-logs; fi
+
+# seconds left before the deadline, less a reserve
+left() { echo $((deadline - $(date +%s) - ${1:-0})); }
+# a timeout of at most $1 seconds within what is left (less reserve $2); 0: none left
+budget() {
+    local l
+    l=$(left "${2:-0}")
+    [ "$l" -gt "$1" ] && l=$1
+    [ "$l" -lt 0 ] && l=0
+    echo "$l"
+}
 
 case ":$PATH:" in
 *:/usr/local/cuda/bin:*) ;;
@@ -39,6 +55,14 @@ else
     echo "nvidia-smi: not available"
 fi
 command -v nvcc >/dev/null 2>&1 && nvcc --version | tail -2
+if ! command -v cmake >/dev/null 2>&1; then
+    echo "run.sh: cmake is not installed here; nothing can be built"
+    exit 1
+fi
+# build for this GPU alone (CI builds every architecture)
+cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .')
+arch=()
+case "$cc" in [0-9][0-9]|[0-9][0-9][0-9]) arch=(-DCMAKE_CUDA_ARCHITECTURES="$cc") ;; esac
 
 step "dependencies"
 # a GPU machine that can fetch nothing: Debian packages carried in .gpudeps
@@ -54,8 +78,8 @@ command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
 if [ -f "$build/CMakeCache.txt" ] && ! grep -q "CMAKE_GENERATOR:INTERNAL=${gen[1]:-Unix Makefiles}" "$build/CMakeCache.txt"; then
     rm -rf "$build/CMakeCache.txt" "$build/CMakeFiles"
 fi
-if ! cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DKVD_CUDA=ON \
-        -DCMAKE_CUDA_FLAGS="-t0" >"$logs/configure.log" 2>&1; then
+if ! cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DKVD_CUDA=ON "${arch[@]}" \
+        -DKVD_GPU_EMU=OFF -DCMAKE_CUDA_FLAGS="-t0" >"$logs/configure.log" 2>&1; then
     tail -30 "$logs/configure.log"
     echo "run.sh: configure failed (the whole project configures: libzmq, protobuf-c, lz4, xxhash are"
     echo "needed; where they cannot be installed, run tests/gpu/fetch-deps.sh elsewhere and carry .gpudeps)"
@@ -81,8 +105,11 @@ tests_ok=0
 if [ "$status" = 0 ]; then
     step "ctest -L gpu"
     # the GPU tests, and kvd --gpu end to end (its workers on the shared device pool)
-    (cd "$build" && ctest -R '^gpu\.|^integration\.kvd_gpu$' -V -j2 --timeout 300) >"$logs/ctest.log" 2>&1
+    # most of what is left, keeping ~3 minutes for the benchmarks
+    (cd "$build" && timeout "$(budget 330 150)" ctest -R '^gpu\.|^integration\.kvd_gpu$' -V -j2 --timeout 240) \
+        >"$logs/ctest.log" 2>&1
     rc=$?
+    [ $rc = 124 ] && echo "run.sh: the tests ran out of time (budget ${KVD_GPU_BUDGET:-450} s)"
     # each test's own summary lines, then ctest's verdicts
     grep -E '^[0-9]+: (device|skip|decode|prefill|gemm|quantize|get_rows|rmsnorm|swiglu|rope|argmax|sample|engine|pool|import|allocation|kvd --gpu|serve|[0-9]+ checks)' \
         "$logs/ctest.log" | sed 's/^[0-9]*: /  /'
@@ -101,27 +128,33 @@ if [ "$status" = 0 ]; then
     fi
 
     step "bench-gpu"
-    timeout 300 "$build/bench-gpu" >"$logs/bench.log" 2>&1
+    timeout "$(budget 200 50)" "$build/bench-gpu" >"$logs/bench.log" 2>&1
     brc=$?
     sed -n '1,/^== GPU summary/p' "$logs/bench.log" | grep -v '^== GPU summary'
     [ $brc -ne 0 ] && [ $brc -ne 77 ] && echo "run.sh: bench-gpu exited with $brc"
 
     step "serving: tokens/s with 1, 2 and 4 workers on one GPU"
-    timeout 290 "$build/tests/test_gpu_serve" --bench >"$logs/serve-bench.log" 2>&1
-    grep -E '^serve bench|skip' "$logs/serve-bench.log"
+    if [ "$(left 40)" -gt 0 ]; then
+        timeout "$(budget 200 5)" "$build/tests/test_gpu_serve" --bench >"$logs/serve-bench.log" 2>&1
+        grep -E '^serve bench|skip' "$logs/serve-bench.log" || tail -3 "$logs/serve-bench.log"
+    else
+        echo "run.sh: no time left for it"
+    fi
 
     # the same under MPS, where the machine has it: without it the workers'
     # kernels take turns on the GPU; with it they run side by side. A private
     # control daemon for this run only, told to quit afterwards.
-    if [ "${KVD_GPU_MPS:-1}" = 1 ] && [ $gpu_listed = 1 ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+    if [ "${KVD_GPU_MPS:-1}" = 1 ] && [ $gpu_listed = 1 ] && [ "$(left 60)" -gt 0 ] &&
+        command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
         step "serving under MPS"
         mps=$(mktemp -d /tmp/kvd-mps-XXXXXX)
         mkdir -p "$mps/pipe" "$mps/log"
         if CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log \
                 nvidia-cuda-mps-control -d >"$logs/mps.log" 2>&1; then
             CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log \
-                timeout 150 "$build/tests/test_gpu_serve" --bench >"$logs/serve-bench-mps.log" 2>&1
-            grep -E '^serve bench' "$logs/serve-bench-mps.log" | sed 's/^serve bench/serve bench (MPS)/'
+                timeout "$(budget 150 25)" "$build/tests/test_gpu_serve" --bench >"$logs/serve-bench-mps.log" 2>&1
+            grep -E '^serve bench' "$logs/serve-bench-mps.log" | sed 's/^serve bench/serve bench (MPS)/' ||
+                tail -3 "$logs/serve-bench-mps.log"
             echo quit | CUDA_MPS_PIPE_DIRECTORY=$mps/pipe timeout 20 nvidia-cuda-mps-control >>"$logs/mps.log" 2>&1
         else
             echo "run.sh: MPS did not start ($(head -1 "$logs/mps.log"))"
@@ -149,9 +182,7 @@ fi
     [ "$status" = 0 ] && [ $tests_ok = 1 ] && echo "result: GPU tests passed"
     [ "$status" = 0 ] && [ $tests_ok = 0 ] && echo "result: GPU tests skipped (no usable GPU)"
     [ "$status" != 0 ] && echo "result: FAILED (logs in $logs)"
+    true
 } | tee "$logs/summary.txt"
 
-if [ -n "${OUT:-}" ]; then
-    mkdir -p "$OUT/gpu-run" && cp "$logs"/* "$OUT/gpu-run/" 2>/dev/null
-fi
 exit "$status"
