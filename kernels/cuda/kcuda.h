@@ -177,7 +177,8 @@ int kcuda_rope_kv(const struct kcuda_rope_args *a, kcuda_stream_t stream);
  * twin forms them, fp32 sums. One warp per weight row, tokens in groups of up
  * to 8 that share the unpacked row; a token's result never depends on T.
  * Alignment: w and act 4 bytes (Q4_1), 2 (Q8_0), 16 (F16, with n % 8 == 0
- * and act_stride % 16 == 0).
+ * and act_stride % 16 == 0). ldo >= rows when T > 1 (KVD_EINVAL otherwise);
+ * out must not overlap w or act (they are read through the read-only cache).
  */
 struct kcuda_gemm_args {
     uint32_t wtype;         /* enum kern_type of the weights */

@@ -211,8 +211,10 @@ __device__ __forceinline__ void tile_step(SplitState<D, R> &st, const float *sq,
         for (int r = 0; r < R; r++) {
             const float pk = __shfl_sync(KCUDA_FULL, p[r], k);
 #pragma unroll
-            for (int i = 0; i < DPL; i++)
-                st.acc[r][i] = __fmaf_rn(pk, vf[i], st.acc[r][i]);
+            for (int i = 0; i < DPL; i++)   /* a key of weight 0 adds nothing, even an
+                                             * infinite value (a masked key of prefill
+                                             * must leave the same bits as no key) */
+                st.acc[r][i] = pk != 0.0f ? __fmaf_rn(pk, vf[i], st.acc[r][i]) : st.acc[r][i];
         }
     }
 }
@@ -252,8 +254,10 @@ __global__ void __launch_bounds__(DecodeWarps<D>::value * 32) decode_kernel(cons
     const kcuda_seq seq = p.seqs[s];
     const int n_ctx = seq.pos + 1;
     const int n_split = (n_ctx + p.split - 1) / p.split;
-    if (split >= n_split || n_split > p.max_split)
-        return;                 /* past this sequence's context (or past max_ctx: a caller bug) */
+    if (n_split > p.max_split)
+        __trap();               /* a context past the grid's max_ctx: a caller bug, not a result */
+    if (split >= n_split)
+        return;                 /* past this sequence's context */
 
     const bool valid[1] = { true };
     load_queries<D, G, G>(sq[warp], p.q, p.n_head, kvh, seq.row, valid, lane);
@@ -317,7 +321,9 @@ __global__ void __launch_bounds__(128) merge_kernel(const Params p)
         return;
     const kcuda_seq seq = p.seqs[s];
     const int n_split = (seq.pos + 1 + p.split - 1) / p.split;
-    if (n_split <= 1 || n_split > p.max_split)
+    if (n_split > p.max_split)
+        __trap();               /* as in decode_kernel */
+    if (n_split <= 1)
         return;
     float M = -INFINITY, L = 0.0f, O[DPL];
 #pragma unroll
@@ -351,6 +357,8 @@ __global__ void __launch_bounds__(PF_WARPS * 32) prefill_kernel(const Params p)
     const kcuda_seq seq = p.seqs[blockIdx.z];
     const int kvh = blockIdx.y;
     const int tile0 = blockIdx.x * QT;
+    if (seq.n_tok > (int)gridDim.x * QT)
+        __trap();               /* a chunk longer than max_tok: tokens nobody would compute */
     if (tile0 >= seq.n_tok)
         return;                 /* the whole block */
     const int tok_end = min(seq.n_tok, tile0 + QT);

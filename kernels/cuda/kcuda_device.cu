@@ -60,6 +60,19 @@ extern "C" int kcuda_device_open(int dev, struct kcuda_info *info)
     cudaError_t e = cudaSetDevice(dev);
     if (e != cudaSuccess)
         return kcuda__fail(KVD_EINTERNAL, e, "cudaSetDevice");
+    /* the kernels use cp.async and are built for sm_80 and later: an older
+     * device would fail every launch with "no kernel image" */
+    int major = 0, minor = 0;
+    e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    if (e != cudaSuccess)
+        return kcuda__fail(KVD_EINTERNAL, e, "cudaDeviceGetAttribute");
+    if (major < 8) {
+        snprintf(last_error, sizeof(last_error),
+                 "device %d has compute capability %d.%d; kvd's kernels need 8.0 or later", dev, major, minor);
+        return KVD_EUNSUPPORTED;
+    }
     if (info == NULL)
         return 0;
     cudaDeviceProp p;
@@ -93,10 +106,12 @@ extern "C" void *kcuda_malloc(size_t bytes)
     return p;
 }
 
+/* Frees and teardown calls report nothing; their failure must not stay
+ * pending and be blamed on the next launch (kcuda__launched). */
 extern "C" void kcuda_free(void *p)
 {
-    if (p != NULL)
-        cudaFree(p);
+    if (p != NULL && cudaFree(p) != cudaSuccess)
+        (void)cudaGetLastError();
 }
 
 extern "C" int kcuda_upload(void *dst, const void *src, size_t bytes)
@@ -162,7 +177,8 @@ extern "C" void kcuda_timer_destroy(kcuda_timer_t **tp)
 
 extern "C" void kcuda_timer_start(kcuda_timer_t *t, kcuda_stream_t stream)
 {
-    cudaEventRecord(t->start, stream);
+    if (cudaEventRecord(t->start, stream) != cudaSuccess)
+        (void)cudaGetLastError();   /* kcuda_timer_stop then reports the failure */
 }
 
 extern "C" double kcuda_timer_stop(kcuda_timer_t *t, kcuda_stream_t stream)

@@ -299,6 +299,8 @@ extern "C" int kcuda_gemm(const struct kcuda_gemm_args *a, kcuda_stream_t stream
         return 0;
     if (a->w == NULL || a->act == NULL || a->out == NULL)
         return KVD_EINVAL;
+    if (a->T > 1 && a->ldo < (size_t)a->rows)
+        return KVD_EINVAL;      /* tokens' output rows would overlap */
     if (a->rows > 0x7fffffffL * GEMM_WARPS || a->T > 65535L * GEMM_TOK)
         return KVD_ERANGE;
     GemmParams p = {};

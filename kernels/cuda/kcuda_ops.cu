@@ -245,6 +245,8 @@ __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(int32_t *ids,
         return;
     }
     float *row = logits + (size_t)d.row * ld;
+    if (d.n_pen > 0 && pen == nullptr)
+        __trap();                                   /* a draw the host did not lay out */
     for (uint32_t i = tid; i < d.n_pen; i += SAMPLE_THREADS) {
         const int32_t id = pen[d.pen_off + i];     /* distinct: no two threads share one */
         const float w = row[id];
@@ -257,7 +259,9 @@ __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(int32_t *ids,
             ids[blockIdx.x] = best;
         return;
     }
-    const int k = d.top_k;                          /* 1 .. min(n, SAMPLE_THREADS), checked by the host */
+    /* 1 .. min(n, SAMPLE_THREADS) as the host lays draws out; held there
+     * whatever the draw says, so that no write leaves the candidate arrays */
+    const int k = max(1, min(d.top_k, (int)min(n, (long)SAMPLE_THREADS)));
 
     /* the k-th largest key, 8 bits at a time from the top */
     uint32_t prefix = 0, mask = 0;

@@ -55,8 +55,8 @@ extern "C" void *kcuda_host_alloc(size_t bytes)
 
 extern "C" void kcuda_host_free(void *p)
 {
-    if (p != NULL)
-        cudaFreeHost(p);
+    if (p != NULL && cudaFreeHost(p) != cudaSuccess)
+        (void)cudaGetLastError();   /* not to be blamed on the next launch */
 }
 
 extern "C" int kcuda_upload_async(void *dst, const void *src, size_t bytes, kcuda_stream_t s)
@@ -122,7 +122,8 @@ extern "C" void kcuda_graph_destroy(kcuda_graph_t **g)
 {
     if (g == NULL || *g == NULL)
         return;
-    cudaGraphExecDestroy((*g)->exec);
+    if (cudaGraphExecDestroy((*g)->exec) != cudaSuccess)
+        (void)cudaGetLastError();
     delete *g;
     *g = NULL;
 }

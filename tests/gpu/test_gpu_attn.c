@@ -17,7 +17,8 @@
  *     out to small outputs, so the output's norm is no fair yardstick there;
  *     the worst normwise difference is printed as well;
  * and for invariance, bit for bit: a sequence decoded alone equals the same
- * sequence in a batch, and prefill equals decoding each token of the chunk.
+ * sequence in a batch, and prefill equals decoding each token of the chunk,
+ * also when a value in the chunk has overflowed f16 (+inf).
  * Exits 77 (skip) where no CUDA device is usable.
  */
 #include <math.h>
@@ -344,6 +345,48 @@ static void test_prefill(const struct cache *c, int n, const int *pos, const int
     batch_free(&b);
 }
 
+/* A value that overflowed f16 (+inf) at position 35 of a 40-token chunk:
+ * the chunk's earlier tokens, for which that key is masked, stay finite and
+ * equal to decoding them alone (a masked key adds nothing, not 0 * inf);
+ * every token agrees with decode bit for bit. */
+static void test_prefill_inf(struct cache *c)
+{
+    const int pos = 0, n_tok = 40, at = 35;
+    struct batch b;
+    batch_make(&b, c, 1, &pos, &n_tok, 2.0f);
+    for (int j = 0; j < b.n_tables; j++)
+        b.tables[j] = (uint32_t)j;                  /* distinct blocks: one position holds the inf */
+    const int bt = c->s.block_tokens, D = c->s.head_dim;
+    kvd_f16 *v0 = (kvd_f16 *)(c->hv + (size_t)b.tables[at / bt] * c->block_bytes) + (size_t)(at % bt) * D;
+    kvd_f16 saved[128];
+    memcpy(saved, v0, (size_t)D * sizeof(kvd_f16));
+    for (int i = 0; i < D; i++)
+        v0[i] = 0x7c00;                             /* +inf in KV head 0 */
+    REQUIRE(kcuda_upload(c->dev, c->host, c->bytes) == 0);
+    float *out = gpu_attn(c, &b, 1, 0);
+    struct batch d = { .n_seq = n_tok, .rows = n_tok, .tables = b.tables, .n_tables = b.n_tables, .q = b.q };
+    d.seqs = calloc((size_t)n_tok, sizeof(*d.seqs));
+    for (int t = 0; t < n_tok; t++)
+        d.seqs[t] = (struct kcuda_seq){ .row = t, .n_tok = 1, .pos = pos + t, .table = 0 };
+    float *dec = gpu_attn(c, &d, 0, 0);
+    const size_t per_tok = (size_t)c->s.n_head * D;
+    size_t differ = 0, nonfinite_before = 0;
+    for (size_t i = 0; i < (size_t)n_tok * per_tok; i++) {
+        differ += memcmp(&dec[i], &out[i], sizeof(float)) != 0;
+        nonfinite_before += i < (size_t)at * per_tok && !isfinite(out[i]);
+    }
+    printf("prefill with an infinite value at position %d: %zu values differ from decode, %zu not finite "
+           "before it\n", at, differ, nonfinite_before);
+    CHECK(differ == 0);
+    CHECK(nonfinite_before == 0);
+    memcpy(v0, saved, (size_t)D * sizeof(kvd_f16));
+    REQUIRE(kcuda_upload(c->dev, c->host, c->bytes) == 0);
+    free(d.seqs);
+    free(dec);
+    free(out);
+    batch_free(&b);
+}
+
 static void rand_ctx(int *ctx, int n, int lo, int hi)
 {
     for (int i = 0; i < n; i++)
@@ -392,6 +435,7 @@ int main(void)
             test_prefill(&c, 5, pp, pn, 0, "prefill 5 chunks");
             static const int qp[] = { 0, 300 }, qn[] = { 150, 90 };
             test_prefill(&c, 2, qp, qn, 64, "prefill 2 chunks, split 64");
+            test_prefill_inf(&c);
         } else {
             static const int few[] = { 1, 100, 1000, 3000, 6000 };
             int n5 = 0;

@@ -219,7 +219,11 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int)
     p->major = 9; p->minor = 0; p->multiProcessorCount = 132; p->totalGlobalMem = 1ull << 34;
     return cudaSuccess;
 }
-cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr, int) { *v = 0; return cudaSuccess; }
+cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr a, int)
+{
+    *v = a == cudaDevAttrComputeCapabilityMajor ? 9 : 0;   /* an sm_90 device */
+    return cudaSuccess;
+}
 const char *cudaGetErrorString(cudaError_t) { return "emulated error"; }
 const char *cudaGetErrorName(cudaError_t) { return "cudaErrorEmulated"; }
 cudaError_t cudaGetLastError() { return cudaSuccess; }
