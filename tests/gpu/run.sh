@@ -141,6 +141,26 @@ if [ "$status" = 0 ]; then
         echo "run.sh: no time left for it"
     fi
 
+    # what no emulation shows: races, barrier misuse and bad accesses on the
+    # device itself, every kernel on small shapes
+    if command -v compute-sanitizer >/dev/null 2>&1 && [ $gpu_listed = 1 ]; then
+        step "compute-sanitizer (racecheck, synccheck, memcheck) on small shapes"
+        for tool in racecheck synccheck memcheck; do
+            for prog in test_gpu_attn test_gpu_ops; do
+                if [ "$(left 60)" -le 0 ]; then
+                    echo "  $tool $prog: no time left"
+                    continue
+                fi
+                timeout "$(budget 60 50)" compute-sanitizer --tool $tool --error-exitcode 3 \
+                    "$build/tests/$prog" --quick >"$logs/sanitize-$tool-$prog.log" 2>&1
+                src=$?
+                printf '  %-9s %-14s %s\n' $tool $prog "$(case $src in 0) echo clean ;; 3) echo "ERRORS (see sanitize-$tool-$prog.log)" ;; 124) echo "out of time" ;; *) echo "exit $src" ;; esac)"
+                [ $src = 3 ] && { grep -m5 -E 'Error|Race|Hazard|Invalid' "$logs/sanitize-$tool-$prog.log"; status=1; }
+            done
+        done | tee "$logs/sanitize.txt"
+        grep -q ERRORS "$logs/sanitize.txt" && status=1
+    fi
+
     # the same under MPS, where the machine has it: without it the workers'
     # kernels take turns on the GPU; with it they run side by side. A private
     # control daemon for this run only, told to quit afterwards.
@@ -176,6 +196,7 @@ fi
     fi
     [ -f "$logs/bench.log" ] && sed -n '/^== GPU summary/,$p' "$logs/bench.log"
     [ -f "$logs/serve-bench.log" ] && grep -E '^serve bench' "$logs/serve-bench.log"
+    [ -f "$logs/sanitize.txt" ] && { echo "compute-sanitizer:"; cat "$logs/sanitize.txt"; }
     [ -f "$logs/serve-bench-mps.log" ] && grep -E '^serve bench' "$logs/serve-bench-mps.log" |
         sed 's/^serve bench/serve bench (MPS)/'
 

@@ -19,9 +19,11 @@
  * and for invariance, bit for bit: a sequence decoded alone equals the same
  * sequence in a batch, and prefill equals decoding each token of the chunk,
  * also when a value in the chunk has overflowed f16 (+inf).
+ * `--quick`: a few small cases of each kernel (for compute-sanitizer).
  * Exits 77 (skip) where no CUDA device is usable.
  */
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -393,8 +395,9 @@ static void rand_ctx(int *ctx, int n, int lo, int hi)
         ctx[i] = lo + (int)(rng_u32() % (uint32_t)(hi - lo + 1));
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    const bool quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     char why[256];
     if (kcuda_device_count(why, sizeof(why)) == 0) {
         printf("skip: %s\n", why);
@@ -411,6 +414,18 @@ int main(void)
         { "14/2", 14, 2, 64, 16, 600 },     /* groups of 7 */
     };
     int ctx[256];
+    if (quick) {
+        /* both kernels, the merge and the masked-key case, small: for compute-sanitizer (run.sh) */
+        struct cache c;
+        REQUIRE(cache_init(&c, &shapes[0]) == 0);
+        static const int mixed[] = { 1, 31, 32, 33, 257, 700 };
+        test_decode(&c, 6, mixed, 3.0f, 0, "decode batch 6 mixed");
+        static const int qp[] = { 0, 300 }, qn[] = { 50, 20 };
+        test_prefill(&c, 2, qp, qn, 64, "prefill 2 chunks, split 64");
+        test_prefill_inf(&c);
+        cache_fini(&c);
+        return CHECK_DONE();
+    }
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
         struct cache c;
         REQUIRE(cache_init(&c, &shapes[si]) == 0);

@@ -16,6 +16,7 @@
  *
  * Shapes are SmolLM2-135M's (576 wide, 1536 feed-forward, 192 KV rows, a
  * 49152-row output head) and a few odd ones; batches of 1 to 13 tokens.
+ * `--quick`: every kernel once on small shapes (for compute-sanitizer).
  * Exits 77 (skip) where no CUDA device is usable.
  */
 #include <math.h>
@@ -584,7 +585,7 @@ static void test_sample(void)
     free(l);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
     char why[256];
     if (kcuda_device_count(why, sizeof(why)) == 0) {
@@ -594,6 +595,20 @@ int main(void)
     struct kcuda_info info;
     REQUIRE(kcuda_device_open(0, &info) == 0);
     printf("device: %s (sm_%d%d, %d SMs)\n", info.name, info.major, info.minor, info.sm_count);
+    if (argc > 1 && strcmp(argv[1], "--quick") == 0) {
+        /* every kernel once on small shapes: for compute-sanitizer (run.sh) */
+        static const int Ts[] = { 1, 3, 9 };
+        test_quantize();
+        test_get_rows();
+        test_gemm_shape(KERN_Q4_1, 192, 576, Ts, 3);
+        test_gemm_shape(KERN_Q8_0, 33, 1056, Ts, 3);
+        test_gemm_shape(KERN_F16, 35, 1544, Ts, 3);
+        test_rows();
+        test_rope(9, 3, 64, 16);
+        test_argmax();
+        sample_cases(1000, 1);
+        return CHECK_DONE();
+    }
     test_quantize();
     test_get_rows();
     test_gemm();
