@@ -299,30 +299,48 @@ __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(int32_t *ids,
         mask |= 255u << shift;
     }
     /* gather: every key above the k-th, and the lowest ids of those equal to
-     * it; each thread scans a contiguous range so that ids come in order */
-    const long chunk = (n + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
-    const long lo = (long)tid * chunk, hi = lo + chunk < n ? lo + chunk : n;
-    int n_gt = 0, n_eq = 0;
-    for (long i = lo; i < hi; i++) {
-        const uint32_t key = order_key(row[i]);
-        n_gt += key > prefix;
-        n_eq += key == prefix;
+     * it, in id order. Warp w scans its contiguous range 32 consecutive
+     * elements at a time (coalesced); a lane's place is the count of matches
+     * before it: in the warps before, in the rounds before, in the lanes
+     * before (ballots) */
+    constexpr int NW = SAMPLE_THREADS / 32;
+    const int lane = tid % 32, wid = tid / 32;
+    const unsigned lanes_below = (1u << lane) - 1u;
+    const long span = ((n + NW - 1) / NW + 31) / 32 * 32;
+    const long lo = (long)wid * span, hi = lo + span < n ? lo + span : n;
+    int n_gt = 0, n_eq = 0;                         /* this warp's (every lane has them) */
+    for (long base = lo; base < hi; base += 32) {   /* the same rounds for the whole warp */
+        const long i = base + lane;
+        const uint32_t key = i < hi ? order_key(row[i]) : 0;
+        n_gt += __popc(__ballot_sync(KCUDA_FULL, i < hi && key > prefix));
+        n_eq += __popc(__ballot_sync(KCUDA_FULL, i < hi && key == prefix));
     }
     int all_gt, all_eq;
-    int at_gt = block_excl_scan(n_gt, &all_gt);
-    int at_eq = all_gt + block_excl_scan(n_eq, &all_eq);
+    const int gt_before = block_excl_scan(lane == 0 ? n_gt : 0, &all_gt);   /* lane 0: the warps before */
+    const int eq_before = block_excl_scan(lane == 0 ? n_eq : 0, &all_eq);
+    int at_gt = __shfl_sync(KCUDA_FULL, gt_before, 0);
+    int at_eq = all_gt + __shfl_sync(KCUDA_FULL, eq_before, 0);
     ckey[tid] = 0;                                  /* padding sorts last: key 0, largest id */
     cid[tid] = INT_MAX;
     __syncthreads();
-    for (long i = lo; i < hi; i++) {
-        const uint32_t key = order_key(row[i]);
-        if (key > prefix) {
-            ckey[at_gt] = key;
-            cid[at_gt++] = (int32_t)i;
-        } else if (key == prefix && at_eq < k) {
-            ckey[at_eq] = key;
-            cid[at_eq++] = (int32_t)i;
+    for (long base = lo; base < hi; base += 32) {
+        const long i = base + lane;
+        const uint32_t key = i < hi ? order_key(row[i]) : 0;
+        const bool gt = i < hi && key > prefix, eq = i < hi && key == prefix;
+        const unsigned mg = __ballot_sync(KCUDA_FULL, gt), me = __ballot_sync(KCUDA_FULL, eq);
+        if (gt) {
+            const int at = at_gt + __popc(mg & lanes_below);
+            ckey[at] = key;
+            cid[at] = (int32_t)i;
+        } else if (eq) {
+            const int at = at_eq + __popc(me & lanes_below);
+            if (at < k) {
+                ckey[at] = key;
+                cid[at] = (int32_t)i;
+            }
         }
+        at_gt += __popc(mg);
+        at_eq += __popc(me);
     }
     /* bitonic sort of the padded power of two into the twin's order */
     int P = 1;

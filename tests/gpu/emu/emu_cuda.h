@@ -140,6 +140,12 @@ inline unsigned __match_any_sync(unsigned mask, unsigned v)
     if (mask != 0xffffffffu) emu_fail("partial mask");
     return emu_match_any(v);
 }
+unsigned emu_ballot(bool pred);
+inline unsigned __ballot_sync(unsigned mask, int pred)
+{
+    if (mask != 0xffffffffu) emu_fail("partial mask");
+    return emu_ballot(pred != 0);
+}
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 /* cp.async: queued per thread, done at the wait */

@@ -116,6 +116,18 @@ unsigned emu_match_any(uint64_t v)
     return m;
 }
 
+unsigned emu_ballot(bool pred)
+{
+    const int w = cur / 32, lane = cur % 32;
+    xslot[w][lane] = pred;
+    emu_barrier(3);
+    unsigned m = 0;
+    for (int l = 0; l < 32; l++)
+        m |= (xslot[w][l] ? 1u : 0u) << l;
+    emu_barrier(3);
+    return m;
+}
+
 void emu_cp_async(void *dst, const void *src, int bytes)
 {
     if ((uintptr_t)dst % 16 || (uintptr_t)src % 16) emu_fail("misaligned cp.async");
