@@ -753,13 +753,39 @@ static int acts_for(gpu_engine_t *e, uint32_t wtype, const float *src, int n, in
     return kcuda_quantize_act(at, src, (size_t)n, s->buf, s->stride, n, T, e->stream);
 }
 
-static int gemm(gpu_engine_t *e, const struct gmat *w, struct act_ref a, int T, float *out, bool add)
+static struct kcuda_gemm_args gemm_args(const struct gmat *w, struct act_ref a, int T, float *out, bool add)
 {
-    const struct kcuda_gemm_args g = {
+    return (struct kcuda_gemm_args){
         .wtype = w->type, .w = w->w, .row_bytes = w->row_bytes, .rows = w->rows, .n = w->cols,
         .act = a.buf, .act_stride = a.stride, .T = T, .out = out, .ldo = (size_t)w->rows, .add = add,
     };
+}
+
+static int gemm(gpu_engine_t *e, const struct gmat *w, struct act_ref a, int T, float *out, bool add)
+{
+    const struct kcuda_gemm_args g = gemm_args(w, a, T, out, add);
     return kcuda_gemm(&g, e->stream);
+}
+
+/* Products of n matrices with the same input src (n floats wide): one launch
+ * when they share their type and width (the same bits as one by one: fewer
+ * kernels per step), else one each. */
+static int gemm_same_input(gpu_engine_t *e, const struct gmat *const *w, float *const *out, int n_mat,
+                           const float *src, int n, int T)
+{
+    bool one = true;
+    for (int i = 1; i < n_mat; i++)
+        one = one && w[i]->type == w[0]->type && w[i]->cols == w[0]->cols;
+    struct kcuda_gemm_args g[KCUDA_GEMM_MAX_MATS];
+    struct act_ref a;
+    int rc = 0;
+    for (int i = 0; i < n_mat && rc == 0; i++) {
+        rc = acts_for(e, w[i]->type, src, n, T, i == 0, &a);
+        g[i] = gemm_args(w[i], a, T, out[i], false);
+        if (rc == 0 && !one)
+            rc = kcuda_gemm(&g[i], e->stream);
+    }
+    return rc == 0 && one ? kcuda_gemm_n(g, n_mat, e->stream) : rc;
 }
 
 /* Enqueues the whole forward step of shape s (its meta already laid out,
@@ -783,12 +809,9 @@ static int run_forward(gpu_engine_t *e, const struct step_shape *s)
         const struct kcuda_kv kv = layer_kv(e, l);
         /* attention */
         TRY(kcuda_rmsnorm(e->xb, e->x, L->attn_norm, NULL, ne, T, c->rms_eps, st));
-        TRY(acts_for(e, L->wq.type, e->xb, ne, T, true, &a));
-        TRY(gemm(e, &L->wq, a, T, e->q, false));
-        TRY(acts_for(e, L->wk.type, e->xb, ne, T, false, &a));
-        TRY(gemm(e, &L->wk, a, T, e->k, false));
-        TRY(acts_for(e, L->wv.type, e->xb, ne, T, false, &a));
-        TRY(gemm(e, &L->wv, a, T, e->v, false));
+        const struct gmat *qkv[3] = { &L->wq, &L->wk, &L->wv };
+        float *const qkv_out[3] = { e->q, e->k, e->v };
+        TRY(gemm_same_input(e, qkv, qkv_out, 3, e->xb, ne, T));
         const struct kcuda_rope_args ra = {
             .kv = kv, .q = e->q, .k = e->k, .v = e->v, .pos = tok_pos, .block = tok_block, .T = T,
             .step = e->rope_step,
@@ -816,10 +839,9 @@ static int run_forward(gpu_engine_t *e, const struct step_shape *s)
         TRY(gemm(e, &L->wo, a, T, e->x, true));
         /* feed-forward */
         TRY(kcuda_rmsnorm(e->xb, e->x, L->ffn_norm, NULL, ne, T, c->rms_eps, st));
-        TRY(acts_for(e, L->w_gate.type, e->xb, ne, T, true, &a));
-        TRY(gemm(e, &L->w_gate, a, T, e->gate, false));
-        TRY(acts_for(e, L->w_up.type, e->xb, ne, T, false, &a));
-        TRY(gemm(e, &L->w_up, a, T, e->up, false));
+        const struct gmat *gu[2] = { &L->w_gate, &L->w_up };
+        float *const gu_out[2] = { e->gate, e->up };
+        TRY(gemm_same_input(e, gu, gu_out, 2, e->xb, ne, T));
         TRY(kcuda_swiglu(e->gate, e->up, ff, T, st));
         TRY(acts_for(e, L->w_down.type, e->gate, ff, T, true, &a));
         TRY(gemm(e, &L->w_down, a, T, e->x, true));

@@ -195,6 +195,13 @@ struct kcuda_gemm_args {
 };
 int kcuda_gemm(const struct kcuda_gemm_args *a, kcuda_stream_t stream);
 
+/* n_mat (1..KCUDA_GEMM_MAX_MATS) products in one launch, each exactly as
+ * kcuda_gemm would compute it (same bits): a[i] may differ only in w,
+ * row_bytes, rows, out and ldo; KVD_EINVAL when the type, width,
+ * activations, T or add differ. For Q, K and V of a layer, or gate and up. */
+#define KCUDA_GEMM_MAX_MATS 3
+int kcuda_gemm_n(const struct kcuda_gemm_args *a, int n_mat, kcuda_stream_t stream);
+
 /* Quantizes T rows of n floats (row t at x + t * ldx) into activation rows of
  * act_type (KERN_Q8_0, KERN_Q8_1 or KERN_F32) at dst + t * dst_stride: twin of
  * kern_quantize_act, bit for bit. n % 32 == 0 for the Q8 types. */

@@ -3,7 +3,8 @@
  * lookup (twins: kern_vec_dot / kern_gemm, kern_quantize_act,
  * kern_dequantize_row).
  *
- * Products: one warp per weight row. Lane i takes blocks i, i+32, ... of the
+ * Products: one warp per weight row (the rows of up to three matrices that
+ * share their activations in one launch). Lane i takes blocks i, i+32, ... of the
  * row, unpacks each once into registers and multiplies it with the same block
  * of up to 8 tokens' activation rows (integer dot products with __dp4a, then
  * the block's float terms exactly as the C twin forms them), summing its
@@ -20,17 +21,25 @@ namespace {
 
 constexpr int GEMM_WARPS = 4;   /* rows per block */
 constexpr int GEMM_TOK = 8;     /* most tokens per pass over a row */
+constexpr int GEMM_MATS = KCUDA_GEMM_MAX_MATS;
 
-struct GemmParams {
+/* One matrix of a launch: its rows take grid blocks blk0, blk0 + 1, ... */
+struct GemmMat {
     const uint8_t *w;
     size_t row_bytes;
     long rows;
+    float *out;
+    size_t ldo;
+    unsigned blk0;
+};
+
+struct GemmParams {
+    GemmMat m[GEMM_MATS];       /* matrices of the same type and width, one after another */
+    int n_mat;
     int nb;                     /* blocks per row (Q types) or 8-element chunks (F16) */
     const uint8_t *act;
     size_t act_stride;
     int T;
-    float *out;
-    size_t ldo;
     int add;
 };
 
@@ -66,35 +75,57 @@ __device__ __forceinline__ uint32_t ld16(const uint8_t *p)
     return __ldg(reinterpret_cast<const unsigned short *>(p));
 }
 
-/* Stores the warp's sums of NT tokens for row r. */
+/* What every product kernel starts with: the matrix and row of this warp
+ * (the grid's blocks run over the matrices' rows one after another), the
+ * block's tokens, zeroed sums. False for a warp past the matrix's last row. */
 template <int NT>
-__device__ __forceinline__ void store_row(const GemmParams &p, long r, int t0, int nt, float (&acc)[NT], int lane)
-{
+struct GemmRow {
+    GemmMat m;
+    long r;
+    int t0, nt, lane;
+    float acc[NT];
+
+    __device__ __forceinline__ bool start(const GemmParams &p)
+    {
+        m = p.m[0];
+        if (p.n_mat > 1 && blockIdx.x >= p.m[1].blk0)
+            m = p.m[1];
+        if (p.n_mat > 2 && blockIdx.x >= p.m[2].blk0)
+            m = p.m[2];
+        lane = threadIdx.x % 32;
+        r = (long)(blockIdx.x - m.blk0) * GEMM_WARPS + threadIdx.x / 32;
+        t0 = blockIdx.y * NT;
+        nt = min(NT, p.T - t0);
 #pragma unroll
-    for (int t = 0; t < NT; t++) {
-        const float v = kc_warp_sum(acc[t]);
-        if (lane == 0 && t < nt) {
-            float *o = p.out + (size_t)(t0 + t) * p.ldo + r;
-            *o = p.add ? __fadd_rn(*o, v) : v;
+        for (int t = 0; t < NT; t++)
+            acc[t] = 0.0f;
+        return r < m.rows;
+    }
+
+    /* Adds the lanes' sums and stores (or adds to) the row's outputs. */
+    __device__ __forceinline__ void store(const GemmParams &p)
+    {
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            const float v = kc_warp_sum(acc[t]);
+            if (lane == 0 && t < nt) {
+                float *o = m.out + (size_t)(t0 + t) * m.ldo + r;
+                *o = p.add ? __fadd_rn(*o, v) : v;
+            }
         }
     }
-}
+};
 
 /* Q4_1 weights x Q8_1 activations: sum += d_w*d_a*isum + m_w*s_a per block. */
 template <int NT>
 __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_q4_1(const GemmParams p)
 {
-    const int lane = threadIdx.x % 32;
-    const long r = (long)blockIdx.x * GEMM_WARPS + threadIdx.x / 32;
-    if (r >= p.rows)
+    GemmRow<NT> g;
+    if (!g.start(p))
         return;
-    const int t0 = blockIdx.y * NT, nt = min(NT, p.T - t0);
-    float acc[NT];
-#pragma unroll
-    for (int t = 0; t < NT; t++)
-        acc[t] = 0.0f;
-    const uint8_t *wr = p.w + (size_t)r * p.row_bytes;
-    for (int b = lane; b < p.nb; b += 32) {
+    const int t0 = g.t0, nt = g.nt;
+    const uint8_t *wr = g.m.w + (size_t)g.r * g.m.row_bytes;
+    for (int b = g.lane; b < p.nb; b += 32) {
         const uint8_t *wb = wr + (size_t)b * sizeof(struct kern_block_q4_1);
         const uint32_t dm = ld32(wb);
         const float dw = kc_half(dm), mw = kc_half(dm >> 16);
@@ -118,28 +149,23 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_q4_1(const GemmParams p)
                 }
                 const float v = __fadd_rn(__fmul_rn(__fmul_rn(dw, kc_half(ds)), (float)si),
                                           __fmul_rn(mw, kc_half(ds >> 16)));
-                acc[t] = __fadd_rn(acc[t], v);
+                g.acc[t] = __fadd_rn(g.acc[t], v);
             }
         }
     }
-    store_row<NT>(p, r, t0, nt, acc, lane);
+    g.store(p);
 }
 
 /* Q8_0 weights x Q8_0 activations: sum += d_w*d_a*isum per block. */
 template <int NT>
 __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_q8_0(const GemmParams p)
 {
-    const int lane = threadIdx.x % 32;
-    const long r = (long)blockIdx.x * GEMM_WARPS + threadIdx.x / 32;
-    if (r >= p.rows)
+    GemmRow<NT> g;
+    if (!g.start(p))
         return;
-    const int t0 = blockIdx.y * NT, nt = min(NT, p.T - t0);
-    float acc[NT];
-#pragma unroll
-    for (int t = 0; t < NT; t++)
-        acc[t] = 0.0f;
-    const uint8_t *wr = p.w + (size_t)r * p.row_bytes;
-    for (int b = lane; b < p.nb; b += 32) {
+    const int t0 = g.t0, nt = g.nt;
+    const uint8_t *wr = g.m.w + (size_t)g.r * g.m.row_bytes;
+    for (int b = g.lane; b < p.nb; b += 32) {
         const uint8_t *wb = wr + (size_t)b * sizeof(struct kern_block_q8_0);
         const float dw = kc_half(ld16(wb));
         int q[8];
@@ -155,28 +181,23 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_q8_0(const GemmParams p)
                 for (int j = 0; j < 8; j++)
                     si = __dp4a(q[j], ld32_2(ab + 2 + 4 * j), si);
                 const float v = __fmul_rn(__fmul_rn(dw, kc_half(ld16(ab))), (float)si);
-                acc[t] = __fadd_rn(acc[t], v);
+                g.acc[t] = __fadd_rn(g.acc[t], v);
             }
         }
     }
-    store_row<NT>(p, r, t0, nt, acc, lane);
+    g.store(p);
 }
 
 /* F16 weights x F32 activations: lane i takes 8-element chunks i, i+32, ... */
 template <int NT>
 __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_f16(const GemmParams p)
 {
-    const int lane = threadIdx.x % 32;
-    const long r = (long)blockIdx.x * GEMM_WARPS + threadIdx.x / 32;
-    if (r >= p.rows)
+    GemmRow<NT> g;
+    if (!g.start(p))
         return;
-    const int t0 = blockIdx.y * NT, nt = min(NT, p.T - t0);
-    float acc[NT];
-#pragma unroll
-    for (int t = 0; t < NT; t++)
-        acc[t] = 0.0f;
-    const uint4 *wr = reinterpret_cast<const uint4 *>(p.w + (size_t)r * p.row_bytes);
-    for (int c = lane; c < p.nb; c += 32) {
+    const int t0 = g.t0, nt = g.nt;
+    const uint4 *wr = reinterpret_cast<const uint4 *>(g.m.w + (size_t)g.r * g.m.row_bytes);
+    for (int c = g.lane; c < p.nb; c += 32) {
         float wf[8];
         kc_unpack8(__ldg(wr + c), wf);
 #pragma unroll
@@ -184,7 +205,7 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_f16(const GemmParams p)
             if (t < nt) {
                 const float4 *a = reinterpret_cast<const float4 *>(p.act + (size_t)(t0 + t) * p.act_stride) + 2 * c;
                 const float4 a0 = __ldg(a), a1 = __ldg(a + 1);
-                float x = acc[t];
+                float x = g.acc[t];
                 x = __fmaf_rn(wf[0], a0.x, x);
                 x = __fmaf_rn(wf[1], a0.y, x);
                 x = __fmaf_rn(wf[2], a0.z, x);
@@ -193,17 +214,17 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_f16(const GemmParams p)
                 x = __fmaf_rn(wf[5], a1.y, x);
                 x = __fmaf_rn(wf[6], a1.z, x);
                 x = __fmaf_rn(wf[7], a1.w, x);
-                acc[t] = x;
+                g.acc[t] = x;
             }
         }
     }
-    store_row<NT>(p, r, t0, nt, acc, lane);
+    g.store(p);
 }
 
 template <int NT>
-static void launch_gemm(uint32_t wtype, const GemmParams &p, cudaStream_t st)
+static void launch_gemm(uint32_t wtype, const GemmParams &p, unsigned blocks, cudaStream_t st)
 {
-    const dim3 grid((unsigned)((p.rows + GEMM_WARPS - 1) / GEMM_WARPS), (unsigned)((p.T + NT - 1) / NT));
+    const dim3 grid(blocks, (unsigned)((p.T + NT - 1) / NT));
     switch (wtype) {
     case KERN_Q4_1: gemm_q4_1<NT><<<grid, GEMM_WARPS * 32, 0, st>>>(p); break;
     case KERN_Q8_0: gemm_q8_0<NT><<<grid, GEMM_WARPS * 32, 0, st>>>(p); break;
@@ -291,60 +312,82 @@ __global__ void __launch_bounds__(256) get_rows_kernel(uint32_t type, const uint
 
 } /* namespace */
 
-extern "C" int kcuda_gemm(const struct kcuda_gemm_args *a, kcuda_stream_t stream)
+/* Checks one product's arguments against the launch's shared ones; 0 or a KVD_E* code. */
+static int gemm_check(const struct kcuda_gemm_args *a, const struct kcuda_gemm_args *first)
 {
     if (a->T < 0 || a->rows < 0 || a->n <= 0)
         return KVD_EINVAL;
-    if (a->T == 0 || a->rows == 0)
-        return 0;
+    if (a->wtype != first->wtype || a->n != first->n || a->act != first->act ||
+        a->act_stride != first->act_stride || a->T != first->T || a->add != first->add)
+        return KVD_EINVAL;      /* one launch: the same activations, type, width and mode */
     if (a->w == NULL || a->act == NULL || a->out == NULL)
         return KVD_EINVAL;
     if (a->T > 1 && a->ldo < (size_t)a->rows)
         return KVD_EINVAL;      /* tokens' output rows would overlap */
     if (a->rows > 0x7fffffffL * GEMM_WARPS || a->T > 65535L * GEMM_TOK)
         return KVD_ERANGE;
-    GemmParams p = {};
-    p.w = static_cast<const uint8_t *>(a->w);
-    p.row_bytes = a->row_bytes;
-    p.rows = (long)a->rows;
-    p.act = static_cast<const uint8_t *>(a->act);
-    p.act_stride = a->act_stride;
-    p.T = a->T;
-    p.out = a->out;
-    p.ldo = a->ldo;
-    p.add = a->add;
     const uintptr_t wa = (uintptr_t)a->w, aa = (uintptr_t)a->act;
     switch (a->wtype) {
     case KERN_Q4_1:
         if (a->n % 32 || a->row_bytes < row_bytes_of(KERN_Q4_1, a->n) ||
             a->act_stride < row_bytes_of(KERN_Q8_1, a->n) || (wa | aa | a->row_bytes | a->act_stride) % 4)
             return KVD_EINVAL;
-        p.nb = (int)(a->n / 32);
-        break;
+        return 0;
     case KERN_Q8_0:
         if (a->n % 32 || a->row_bytes < row_bytes_of(KERN_Q8_0, a->n) ||
             a->act_stride < row_bytes_of(KERN_Q8_0, a->n) || (wa | aa | a->row_bytes | a->act_stride) % 2)
             return KVD_EINVAL;
-        p.nb = (int)(a->n / 32);
-        break;
+        return 0;
     case KERN_F16:
         if (a->n % 8 || a->row_bytes < (size_t)a->n * 2 || a->act_stride < (size_t)a->n * 4 ||
             (wa | aa | a->row_bytes | a->act_stride) % 16)
             return KVD_EINVAL;
-        p.nb = (int)(a->n / 8);
-        break;
+        return 0;
     default:
         return KVD_EUNSUPPORTED;
     }
-    if (a->T >= 8)
-        launch_gemm<8>(a->wtype, p, stream);
-    else if (a->T >= 4)
-        launch_gemm<4>(a->wtype, p, stream);
-    else if (a->T >= 2)
-        launch_gemm<2>(a->wtype, p, stream);
+}
+
+extern "C" int kcuda_gemm_n(const struct kcuda_gemm_args *a, int n_mat, kcuda_stream_t stream)
+{
+    if (a == NULL || n_mat < 1 || n_mat > GEMM_MATS)
+        return KVD_EINVAL;
+    GemmParams p = {};
+    uint64_t blocks = 0;
+    for (int i = 0; i < n_mat; i++) {
+        const int rc = gemm_check(&a[i], &a[0]);
+        if (rc)
+            return rc;
+        p.m[p.n_mat] = GemmMat{ static_cast<const uint8_t *>(a[i].w), a[i].row_bytes, (long)a[i].rows,
+                                a[i].out, a[i].ldo, (unsigned)blocks };
+        if (a[i].rows > 0)
+            p.n_mat++;          /* an empty product takes no blocks */
+        blocks += (uint64_t)(a[i].rows + GEMM_WARPS - 1) / GEMM_WARPS;
+    }
+    if (a[0].T == 0 || p.n_mat == 0)
+        return 0;
+    if (blocks > 0x7fffffffu)
+        return KVD_ERANGE;
+    p.act = static_cast<const uint8_t *>(a[0].act);
+    p.act_stride = a[0].act_stride;
+    p.T = a[0].T;
+    p.add = a[0].add;
+    p.nb = (int)(a[0].wtype == KERN_F16 ? a[0].n / 8 : a[0].n / 32);
+    const unsigned nb = (unsigned)blocks;
+    if (p.T >= 8)
+        launch_gemm<8>(a[0].wtype, p, nb, stream);
+    else if (p.T >= 4)
+        launch_gemm<4>(a[0].wtype, p, nb, stream);
+    else if (p.T >= 2)
+        launch_gemm<2>(a[0].wtype, p, nb, stream);
     else
-        launch_gemm<1>(a->wtype, p, stream);
+        launch_gemm<1>(a[0].wtype, p, nb, stream);
     return kcuda__launched("matrix product");
+}
+
+extern "C" int kcuda_gemm(const struct kcuda_gemm_args *a, kcuda_stream_t stream)
+{
+    return kcuda_gemm_n(a, 1, stream);
 }
 
 extern "C" int kcuda_quantize_act(uint32_t act_type, const float *x, size_t ldx, void *dst, size_t dst_stride,

@@ -6,7 +6,9 @@
  *   row lookup (F32, F16, Q4_0, Q4_1, Q8_0) bit for bit (kern_dequantize_row)
  *   products Q4_1, Q8_0, F16               normwise relative error within 1e-3
  *                                          per token (kern_matmul), residual
- *                                          add, and batch invariance bit for bit
+ *                                          add, and batch invariance bit for bit;
+ *                                          three in one launch (kcuda_gemm_n) bit
+ *                                          for bit as three launches
  *   RMSNorm, SwiGLU                        relative error within 1e-5
  *   RoPE + K/V write                       q within 1e-5; cache: V exact, K
  *                                          within one f16 step, nothing else touched
@@ -26,6 +28,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "err.h"
 #include "f16.h"
 #include "kcuda.h"
 #include "ops.h"
@@ -237,6 +240,89 @@ static void test_gemm_shape(uint32_t wtype, int64_t rows, int64_t n, const int *
     free(init);
 }
 
+/* Three products of one input in one launch (Q, K, V of SmolLM2's shape;
+ * an empty one among them) give the bits of three launches; mixed types are
+ * refused. */
+static void test_gemm_multi(uint32_t wtype, int T)
+{
+    const int64_t n = 576, rows[3] = { 576, 192, 192 };
+    const size_t rb = kern_row_bytes(wtype, n);
+    const uint32_t at = kern_vec_dot_type(wtype);
+    const size_t astride = (kern_act_row_bytes(at, n) + 15) / 16 * 16;
+    float *src = malloc((size_t)n * sizeof(float));
+    uint8_t *act = calloc((size_t)T, astride);
+    REQUIRE(src && act);
+    for (int t = 0; t < T; t++) {
+        for (int64_t i = 0; i < n; i++)
+            src[i] = frand();
+        kern_quantize_act(at, src, act + t * astride, n);
+    }
+    void *da = to_dev(act, astride * T);
+    struct kcuda_gemm_args g[3];
+    void *dw[3];
+    float *sep[3], *dsep[3], *dall[3];
+    for (int m = 0; m < 3; m++) {
+        uint8_t *w = malloc(rb * rows[m]);
+        REQUIRE(w != NULL);
+        for (int64_t r = 0; r < rows[m]; r++) {
+            for (int64_t i = 0; i < n; i++)
+                src[i] = frand() * 0.05f;
+            REQUIRE(kern_quantize_row(wtype, src, w + r * rb, n) == 0);
+        }
+        dw[m] = to_dev(w, rb * rows[m]);
+        free(w);
+        const size_t ob = (size_t)T * rows[m] * sizeof(float);
+        sep[m] = malloc(ob);
+        dsep[m] = kcuda_malloc(ob);
+        dall[m] = kcuda_malloc(ob);
+        REQUIRE(sep[m] && dsep[m] && dall[m]);
+        g[m] = (struct kcuda_gemm_args){
+            .wtype = wtype, .w = dw[m], .row_bytes = rb, .rows = rows[m], .n = n, .act = da, .act_stride = astride,
+            .T = T, .out = dsep[m], .ldo = (size_t)rows[m], .add = false,
+        };
+        REQUIRE(kcuda_gemm(&g[m], NULL) == 0);
+        g[m].out = dall[m];
+    }
+    REQUIRE(kcuda_gemm_n(g, 3, NULL) == 0);
+    int same = 1;
+    for (int m = 0; m < 3; m++) {
+        const size_t ob = (size_t)T * rows[m] * sizeof(float);
+        float *all = malloc(ob);
+        from_dev(sep[m], dsep[m], ob);
+        from_dev(all, dall[m], ob);
+        same &= memcmp(all, sep[m], ob) == 0;
+        free(all);
+    }
+    CHECK(same);
+    /* an empty product in the middle takes no blocks */
+    struct kcuda_gemm_args g2[3] = { g[0], g[1], g[2] };
+    g2[1].rows = 0;
+    REQUIRE(kcuda_gemm_n(g2, 3, NULL) == 0);
+    float *last = malloc((size_t)T * rows[2] * sizeof(float));
+    from_dev(last, dall[2], (size_t)T * rows[2] * sizeof(float));
+    CHECK(memcmp(last, sep[2], (size_t)T * rows[2] * sizeof(float)) == 0);
+    free(last);
+    /* products that cannot share a launch */
+    g2[1] = g[1];
+    g2[1].wtype = wtype == KERN_Q4_1 ? KERN_Q8_0 : KERN_Q4_1;
+    CHECK_INT(kcuda_gemm_n(g2, 3, NULL), KVD_EINVAL);
+    g2[1] = g[1];
+    g2[1].T = T + 1;
+    CHECK_INT(kcuda_gemm_n(g2, 3, NULL), KVD_EINVAL);
+    CHECK_INT(kcuda_gemm_n(g, 4, NULL), KVD_EINVAL);
+    printf("gemm %-4s x3 in one launch, T %d: %s\n", kern_type_info(wtype)->name, T,
+           same ? "the bits of three launches" : "DIFFERS");
+    for (int m = 0; m < 3; m++) {
+        kcuda_free(dw[m]);
+        kcuda_free(dsep[m]);
+        kcuda_free(dall[m]);
+        free(sep[m]);
+    }
+    kcuda_free(da);
+    free(src);
+    free(act);
+}
+
 static void test_gemm(void)
 {
     static const int Ts[] = { 1, 2, 3, 5, 8, 13 };
@@ -252,6 +338,10 @@ static void test_gemm(void)
     test_gemm_shape(KERN_F16, 35, 1544, Ts, nT);
     static const int Th[] = { 1, 3 };
     test_gemm_shape(KERN_Q8_0, 49152, 576, Th, 2);  /* SmolLM2's output head */
+    test_gemm_multi(KERN_Q4_1, 1);
+    test_gemm_multi(KERN_Q4_1, 11);
+    test_gemm_multi(KERN_Q8_0, 3);
+    test_gemm_multi(KERN_F16, 9);
 }
 
 /* ---- RMSNorm, SwiGLU -------------------------------------------------------------- */
@@ -603,6 +693,7 @@ int main(int argc, char **argv)
         test_gemm_shape(KERN_Q4_1, 192, 576, Ts, 3);
         test_gemm_shape(KERN_Q8_0, 33, 1056, Ts, 3);
         test_gemm_shape(KERN_F16, 35, 1544, Ts, 3);
+        test_gemm_multi(KERN_Q4_1, 9);
         test_rows();
         test_rope(9, 3, 64, 16);
         test_argmax();
