@@ -7,7 +7,9 @@
  * tables), uploaded in two copies, then computed with no further host work:
  * embeddings, per layer RMSNorm, Q/K/V products, RoPE with the K/V write,
  * attention (decode kernel for one-token sequences, prefill kernel for
- * chunks), output product, RMSNorm, gate/up, SwiGLU, down product; final norm
+ * chunks), output product, RMSNorm, gate/up, SwiGLU, down product (RMSNorm
+ * and SwiGLU quantize the next products' input in the same kernel; Q/K/V and
+ * gate/up are one launch each); final norm
  * of the rows that give logits and the output head. All of it on the engine's
  * own stream; the host waits once, for the results.
  */
@@ -753,6 +755,35 @@ static int acts_for(gpu_engine_t *e, uint32_t wtype, const float *src, int n, in
     return kcuda_quantize_act(at, src, (size_t)n, s->buf, s->stride, n, T, e->stream);
 }
 
+/* Claims a fresh activation slot for type-`wtype` products of n-wide rows
+ * that a fused kernel is about to fill; NULL when that type takes f32 rows
+ * (nothing to fuse). */
+static struct act_slot *act_claim(gpu_engine_t *e, uint32_t wtype, int n)
+{
+    const uint32_t at = kern_vec_dot_type(wtype);
+    if (at != KERN_Q8_0 && at != KERN_Q8_1)
+        return NULL;
+    for (int i = 0; i < ACT_SLOTS; i++)
+        e->act[i].type = UINT32_MAX;
+    struct act_slot *s = &e->act[0];
+    s->type = at;
+    s->stride = (kern_act_row_bytes(at, n) + 15) / 16 * 16;
+    return s;
+}
+
+/* xb = RMSNorm(x) * w, quantized in the same kernel for the products of type
+ * wtype that follow (one launch less). */
+static int norm_for(gpu_engine_t *e, const float *w, uint32_t wtype, int T)
+{
+    const int ne = (int)e->cfg.n_embd;
+    for (int i = 0; i < ACT_SLOTS; i++)     /* a new input: no format of the last one is valid */
+        e->act[i].type = UINT32_MAX;
+    const struct act_slot *s = ne % 32 == 0 ? act_claim(e, wtype, ne) : NULL;
+    if (s == NULL)
+        return kcuda_rmsnorm(e->xb, e->x, w, NULL, ne, T, e->cfg.rms_eps, e->stream);
+    return kcuda_rmsnorm_quant(e->xb, e->x, w, ne, T, e->cfg.rms_eps, s->type, s->buf, s->stride, e->stream);
+}
+
 static struct kcuda_gemm_args gemm_args(const struct gmat *w, struct act_ref a, int T, float *out, bool add)
 {
     return (struct kcuda_gemm_args){
@@ -771,7 +802,7 @@ static int gemm(gpu_engine_t *e, const struct gmat *w, struct act_ref a, int T, 
  * when they share their type and width (the same bits as one by one: fewer
  * kernels per step), else one each. */
 static int gemm_same_input(gpu_engine_t *e, const struct gmat *const *w, float *const *out, int n_mat,
-                           const float *src, int n, int T)
+                           const float *src, int n, int T, bool fresh)
 {
     bool one = true;
     for (int i = 1; i < n_mat; i++)
@@ -780,7 +811,7 @@ static int gemm_same_input(gpu_engine_t *e, const struct gmat *const *w, float *
     struct act_ref a;
     int rc = 0;
     for (int i = 0; i < n_mat && rc == 0; i++) {
-        rc = acts_for(e, w[i]->type, src, n, T, i == 0, &a);
+        rc = acts_for(e, w[i]->type, src, n, T, fresh && i == 0, &a);
         g[i] = gemm_args(w[i], a, T, out[i], false);
         if (rc == 0 && !one)
             rc = kcuda_gemm(&g[i], e->stream);
@@ -808,10 +839,10 @@ static int run_forward(gpu_engine_t *e, const struct step_shape *s)
         const struct glayer *L = &e->layers[l];
         const struct kcuda_kv kv = layer_kv(e, l);
         /* attention */
-        TRY(kcuda_rmsnorm(e->xb, e->x, L->attn_norm, NULL, ne, T, c->rms_eps, st));
+        TRY(norm_for(e, L->attn_norm, L->wq.type, T));
         const struct gmat *qkv[3] = { &L->wq, &L->wk, &L->wv };
         float *const qkv_out[3] = { e->q, e->k, e->v };
-        TRY(gemm_same_input(e, qkv, qkv_out, 3, e->xb, ne, T));
+        TRY(gemm_same_input(e, qkv, qkv_out, 3, e->xb, ne, T, false));
         const struct kcuda_rope_args ra = {
             .kv = kv, .q = e->q, .k = e->k, .v = e->v, .pos = tok_pos, .block = tok_block, .T = T,
             .step = e->rope_step,
@@ -838,12 +869,18 @@ static int run_forward(gpu_engine_t *e, const struct step_shape *s)
         TRY(acts_for(e, L->wo.type, e->xb, qd, T, true, &a));
         TRY(gemm(e, &L->wo, a, T, e->x, true));
         /* feed-forward */
-        TRY(kcuda_rmsnorm(e->xb, e->x, L->ffn_norm, NULL, ne, T, c->rms_eps, st));
+        TRY(norm_for(e, L->ffn_norm, L->w_gate.type, T));
         const struct gmat *gu[2] = { &L->w_gate, &L->w_up };
         float *const gu_out[2] = { e->gate, e->up };
-        TRY(gemm_same_input(e, gu, gu_out, 2, e->xb, ne, T));
-        TRY(kcuda_swiglu(e->gate, e->up, ff, T, st));
-        TRY(acts_for(e, L->w_down.type, e->gate, ff, T, true, &a));
+        TRY(gemm_same_input(e, gu, gu_out, 2, e->xb, ne, T, false));
+        const struct act_slot *ds = ff % 32 == 0 ? act_claim(e, L->w_down.type, ff) : NULL;
+        if (ds != NULL) {       /* SwiGLU and the down product's input in one kernel */
+            TRY(kcuda_swiglu_quant(e->gate, e->up, ff, T, ds->type, ds->buf, ds->stride, st));
+            a = (struct act_ref){ ds->buf, ds->stride };
+        } else {
+            TRY(kcuda_swiglu(e->gate, e->up, ff, T, st));
+            TRY(acts_for(e, L->w_down.type, e->gate, ff, T, true, &a));
+        }
         TRY(gemm(e, &L->w_down, a, T, e->x, true));
     }
     /* final norm of the rows that give logits, then the output head */

@@ -224,6 +224,15 @@ int kcuda_rmsnorm(float *out, const float *x, const float *w, const int32_t *row
 /* gate[i] = silu(gate[i]) * up[i] for T rows of n: twin of kern_swiglu. */
 int kcuda_swiglu(float *gate, const float *up, int64_t n, int T, kcuda_stream_t stream);
 
+/* kcuda_rmsnorm (rows NULL), or kcuda_swiglu, followed by kcuda_quantize_act
+ * of the result into act (act_type KERN_Q8_0 or KERN_Q8_1, rows act_stride
+ * bytes apart), in one kernel and with the same bits as the two: the input
+ * of the next products without a launch of its own. n % 32 == 0. */
+int kcuda_rmsnorm_quant(float *out, const float *x, const float *w, int n, int T, float eps,
+                        uint32_t act_type, void *act, size_t act_stride, kcuda_stream_t stream);
+int kcuda_swiglu_quant(float *gate, const float *up, int64_t n, int T, uint32_t act_type, void *act,
+                       size_t act_stride, kcuda_stream_t stream);
+
 /* ids[t] = index of the largest of the n logits of row t (rows ld floats
  * apart), lowest index on a tie: twin of sampler_argmax, NaNs included (a NaN
  * is never chosen, except at index 0, which then wins as in the twin). */

@@ -234,8 +234,7 @@ static void launch_gemm(uint32_t wtype, const GemmParams &p, unsigned blocks, cu
 
 /* ---- activation quantization: one warp per 32-element block ------------------- */
 
-/* Q8_0 / Q8_1 as kern_quantize_act: d = amax/127, q = roundf(x * (1/d)),
- * d stored as f16; Q8_1 adds s = f16(sum(q) * d) with d unrounded. */
+/* Q8_0 / Q8_1 as kern_quantize_act (kc_quantize_block32). */
 __global__ void __launch_bounds__(128) quantize_q8(const float *x, size_t ldx, uint8_t *dst, size_t dst_stride,
                                                    int nb, int T, int with_sum)
 {
@@ -246,27 +245,7 @@ __global__ void __launch_bounds__(128) quantize_q8(const float *x, size_t ldx, u
     const long t = idx / nb;
     const int b = (int)(idx % nb);
     const float v = x[(size_t)t * ldx + (size_t)b * 32 + lane];
-    const float amax = kc_warp_max(fabsf(v));
-    const float d = __fdiv_rn(amax, 127.0f);
-    float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
-    if (!isfinite(id))
-        id = 0.0f;
-    const int q = (int)roundf(__fmul_rn(v, id));
-    const int bytes = with_sum ? (int)sizeof(struct kern_block_q8_1) : (int)sizeof(struct kern_block_q8_0);
-    uint8_t *blk = dst + (size_t)t * dst_stride + (size_t)b * bytes;
-    const int off = with_sum ? 4 : 2;
-    blk[off + lane] = (uint8_t)(int8_t)q;
-    const int sum = kc_warp_sum_int(q);
-    if (lane == 0) {
-        const uint16_t dh = kc_half_bits(d);
-        blk[0] = (uint8_t)dh;
-        blk[1] = (uint8_t)(dh >> 8);
-        if (with_sum) {
-            const uint16_t sh = kc_half_bits(__fmul_rn((float)sum, d));
-            blk[2] = (uint8_t)sh;
-            blk[3] = (uint8_t)(sh >> 8);
-        }
-    }
+    kc_quantize_block32(v, lane, dst + (size_t)t * dst_stride + (size_t)b * kc_act_block_bytes(with_sum), with_sum);
 }
 
 /* ---- row lookup: one block per token --------------------------------------------- */

@@ -12,6 +12,7 @@
 
 #include "err.h"
 #include "kcuda.h"
+#include "quant_blocks.h"
 
 /* Records the message of a failed CUDA call for kcuda_last_error(); returns code. */
 int kcuda__fail(int code, cudaError_t e, const char *what);
@@ -59,6 +60,39 @@ __device__ __forceinline__ float kc_half(uint32_t bits)
 __device__ __forceinline__ uint16_t kc_half_bits(float f)
 {
     return __half_as_ushort(__float2half_rn(f));
+}
+
+/* Lane `lane` of a warp holding element `lane` of a 32-element block: writes
+ * the block as kern_quantize_act does (Q8_0, or Q8_1 when with_sum): d =
+ * amax/127, q = roundf(x * (1/d)), d as f16; Q8_1 adds s = f16(sum(q) * d)
+ * with d unrounded. Every lane of the warp calls it. */
+__device__ __forceinline__ void kc_quantize_block32(float v, int lane, uint8_t *blk, bool with_sum)
+{
+    const float amax = kc_warp_max(fabsf(v));
+    const float d = __fdiv_rn(amax, 127.0f);
+    float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    if (!isfinite(id))
+        id = 0.0f;
+    const int q = (int)roundf(__fmul_rn(v, id));
+    const int off = with_sum ? 4 : 2;
+    blk[off + lane] = (uint8_t)(int8_t)q;
+    const int sum = kc_warp_sum_int(q);
+    if (lane == 0) {
+        const uint16_t dh = kc_half_bits(d);
+        blk[0] = (uint8_t)dh;
+        blk[1] = (uint8_t)(dh >> 8);
+        if (with_sum) {
+            const uint16_t sh = kc_half_bits(__fmul_rn((float)sum, d));
+            blk[2] = (uint8_t)sh;
+            blk[3] = (uint8_t)(sh >> 8);
+        }
+    }
+}
+
+/* Bytes of one 32-element activation block of Q8_0 or (with_sum) Q8_1. */
+__host__ __device__ __forceinline__ int kc_act_block_bytes(bool with_sum)
+{
+    return with_sum ? (int)sizeof(struct kern_block_q8_1) : (int)sizeof(struct kern_block_q8_0);
 }
 
 /* The 8 halves of a 16-byte chunk as floats, in memory order. */

@@ -12,6 +12,7 @@
 #include <math.h>
 
 #include "kcuda_impl.cuh"
+#include "types.h"
 
 namespace {
 
@@ -48,6 +49,30 @@ __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_kernel(float *out, const 
     float *o = out + (size_t)t * n;
     for (int i = threadIdx.x; i < n; i += ROW_THREADS)
         o[i] = __fmul_rn(__fmul_rn(xr[i], scale), w[i]);
+}
+
+/* rmsnorm_kernel, then each 32-element block of the output quantized to
+ * act (kc_quantize_block32): warp w holds elements w*32 + k*ROW_THREADS, one
+ * whole block per round (n % 32 == 0). */
+__global__ void __launch_bounds__(ROW_THREADS) rmsnorm_quant_kernel(float *out, const float *x, const float *w,
+                                                                    int n, float eps, uint8_t *act,
+                                                                    size_t act_stride, int with_sum)
+{
+    const int t = blockIdx.x;
+    const float *xr = x + (size_t)t * n;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < n; i += ROW_THREADS)
+        ss += (double)xr[i] * (double)xr[i];
+    ss = block_sum(ss);
+    const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / n), eps)));
+    float *o = out + (size_t)t * n;
+    uint8_t *a = act + (size_t)t * act_stride;
+    const int bb = kc_act_block_bytes(with_sum);
+    for (int i = threadIdx.x; i < n; i += ROW_THREADS) {   /* the same rounds for a whole warp */
+        const float y = __fmul_rn(__fmul_rn(xr[i], scale), w[i]);
+        o[i] = y;
+        kc_quantize_block32(y, i % 32, a + (size_t)(i / 32) * bb, with_sum);
+    }
 }
 
 struct RopeParams {
@@ -114,6 +139,25 @@ __global__ void swiglu_kernel(float *gate, const float *up, size_t count)
         const float g = gate[i];
         gate[i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), up[i]);
     }
+}
+
+/* swiglu_kernel, then the result quantized to act: one warp per 32-element
+ * block of one token (n % 32 == 0). */
+__global__ void __launch_bounds__(128) swiglu_quant_kernel(float *gate, const float *up, int n, int T,
+                                                           uint8_t *act, size_t act_stride, int with_sum)
+{
+    const int lane = threadIdx.x % 32, nb = n / 32;
+    const long idx = (long)blockIdx.x * 4 + threadIdx.x / 32;
+    if (idx >= (long)nb * T)
+        return;                 /* a whole warp */
+    const long t = idx / nb;
+    const int b = (int)(idx % nb);
+    const size_t i = (size_t)t * n + (size_t)b * 32 + lane;
+    const float g = gate[i];
+    const float y = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), up[i]);
+    gate[i] = y;
+    kc_quantize_block32(y, lane, act + (size_t)t * act_stride + (size_t)b * kc_act_block_bytes(with_sum),
+                        with_sum);
 }
 
 /* (v, i) beats (bv, bi): larger value, or the same value at a lower index.
@@ -438,6 +482,52 @@ extern "C" int kcuda_rmsnorm(float *out, const float *x, const float *w, const i
         return 0;
     rmsnorm_kernel<<<(unsigned)T, ROW_THREADS, 0, stream>>>(out, x, w, rows, n, eps);
     return kcuda__launched("rmsnorm");
+}
+
+/* The bytes of an activation row of n elements of type Q8_0 or Q8_1, or 0 for another type. */
+static size_t act_row_bytes(uint32_t act_type, int64_t n)
+{
+    if (act_type != KERN_Q8_0 && act_type != KERN_Q8_1)
+        return 0;
+    return (size_t)(n / 32) * (size_t)kc_act_block_bytes(act_type == KERN_Q8_1);
+}
+
+extern "C" int kcuda_rmsnorm_quant(float *out, const float *x, const float *w, int n, int T, float eps,
+                                   uint32_t act_type, void *act, size_t act_stride, kcuda_stream_t stream)
+{
+    if (n <= 0 || n % 32 || T < 0 || out == NULL || x == NULL || w == NULL || act == NULL)
+        return KVD_EINVAL;
+    const size_t rb = act_row_bytes(act_type, n);
+    if (rb == 0)
+        return KVD_EUNSUPPORTED;
+    if (act_stride < rb)
+        return KVD_EINVAL;
+    if (T == 0)
+        return 0;
+    rmsnorm_quant_kernel<<<(unsigned)T, ROW_THREADS, 0, stream>>>(out, x, w, n, eps, static_cast<uint8_t *>(act),
+                                                                  act_stride, act_type == KERN_Q8_1);
+    return kcuda__launched("rmsnorm and quantization");
+}
+
+extern "C" int kcuda_swiglu_quant(float *gate, const float *up, int64_t n, int T, uint32_t act_type, void *act,
+                                  size_t act_stride, kcuda_stream_t stream)
+{
+    if (n <= 0 || n % 32 || n > INT_MAX || T < 0 || gate == NULL || up == NULL || act == NULL)
+        return KVD_EINVAL;
+    const size_t rb = act_row_bytes(act_type, n);
+    if (rb == 0)
+        return KVD_EUNSUPPORTED;
+    if (act_stride < rb)
+        return KVD_EINVAL;
+    const long blocks = (long)(n / 32) * T;
+    if (blocks == 0)
+        return 0;
+    if ((blocks + 3) / 4 > 0x7fffffffL)
+        return KVD_ERANGE;
+    swiglu_quant_kernel<<<(unsigned)((blocks + 3) / 4), 128, 0, stream>>>(gate, up, (int)n, T,
+                                                                         static_cast<uint8_t *>(act), act_stride,
+                                                                         act_type == KERN_Q8_1);
+    return kcuda__launched("swiglu and quantization");
 }
 
 extern "C" int kcuda_rope_kv(const struct kcuda_rope_args *a, kcuda_stream_t stream)

@@ -9,7 +9,9 @@
  *                                          add, and batch invariance bit for bit;
  *                                          three in one launch (kcuda_gemm_n) bit
  *                                          for bit as three launches
- *   RMSNorm, SwiGLU                        relative error within 1e-5
+ *   RMSNorm, SwiGLU                        relative error within 1e-5; fused
+ *                                          with the next quantization: the
+ *                                          bits of the two kernels
  *   RoPE + K/V write                       q within 1e-5; cache: V exact, K
  *                                          within one f16 step, nothing else touched
  *   argmax                                 identical ids (ties, NaN, -inf rows)
@@ -407,6 +409,77 @@ static void test_rows(void)
     free(gref);
 }
 
+/* The fused kernels give the bits of the two they replace: RMSNorm then
+ * quantization (Q8_0, Q8_1), SwiGLU then quantization. */
+static void test_fused(void)
+{
+    const int n = 576, T = 5, ff = 1536;
+    float *x = malloc((size_t)T * ff * sizeof(float)), *w = malloc((size_t)n * sizeof(float));
+    float *u = malloc((size_t)T * ff * sizeof(float));
+    REQUIRE(x && w && u);
+    for (int i = 0; i < T * ff; i++) {
+        x[i] = frand() * (float)(1 + i % 7);
+        u[i] = frand() * 3.0f;
+    }
+    x[7] = 0.0f;                                    /* a row block with a zero, one all zero */
+    for (int i = 64; i < 96; i++)
+        x[i] = 0.0f;
+    for (int i = 0; i < n; i++)
+        w[i] = 1.0f + frand() * 0.5f;
+    const uint32_t types[2] = { KERN_Q8_0, KERN_Q8_1 };
+    int same = 1;
+    for (int k = 0; k < 2; k++) {
+        const size_t stride = (kern_act_row_bytes(types[k], ff) + 15) / 16 * 16;
+        const size_t ob = (size_t)T * ff * sizeof(float), ab = (size_t)T * stride;
+        uint8_t *a1 = calloc(1, ab), *a2 = calloc(1, ab);
+        float *o1 = malloc(ob), *o2 = malloc(ob);
+        REQUIRE(a1 && a2 && o1 && o2);
+        void *dx = to_dev(x, (size_t)T * n * sizeof(float)), *dw = to_dev(w, (size_t)n * sizeof(float));
+        void *do1 = kcuda_malloc(ob), *do2 = kcuda_malloc(ob), *da1 = to_dev(a1, ab), *da2 = to_dev(a2, ab);
+        REQUIRE(do1 && do2);
+        /* RMSNorm: two kernels, then one */
+        REQUIRE(kcuda_rmsnorm(do1, dx, dw, NULL, n, T, 1e-5f, NULL) == 0);
+        REQUIRE(kcuda_quantize_act(types[k], do1, (size_t)n, da1, stride, n, T, NULL) == 0);
+        REQUIRE(kcuda_rmsnorm_quant(do2, dx, dw, n, T, 1e-5f, types[k], da2, stride, NULL) == 0);
+        from_dev(o1, do1, (size_t)T * n * sizeof(float));
+        from_dev(o2, do2, (size_t)T * n * sizeof(float));
+        from_dev(a1, da1, ab);
+        from_dev(a2, da2, ab);
+        same &= memcmp(o1, o2, (size_t)T * n * sizeof(float)) == 0 && memcmp(a1, a2, ab) == 0;
+        /* SwiGLU */
+        void *dg1 = to_dev(x, ob), *dg2 = to_dev(x, ob), *du = to_dev(u, ob);
+        REQUIRE(kcuda_swiglu(dg1, du, ff, T, NULL) == 0);
+        REQUIRE(kcuda_quantize_act(types[k], dg1, (size_t)ff, da1, stride, ff, T, NULL) == 0);
+        REQUIRE(kcuda_swiglu_quant(dg2, du, ff, T, types[k], da2, stride, NULL) == 0);
+        from_dev(o1, dg1, ob);
+        from_dev(o2, dg2, ob);
+        from_dev(a1, da1, ab);
+        from_dev(a2, da2, ab);
+        same &= memcmp(o1, o2, ob) == 0 && memcmp(a1, a2, ab) == 0;
+        CHECK_INT(kcuda_rmsnorm_quant(do2, dx, dw, n, T, 1e-5f, KERN_F32, da2, stride, NULL), KVD_EUNSUPPORTED);
+        CHECK_INT(kcuda_swiglu_quant(dg2, du, ff - 16, T, types[k], da2, stride, NULL), KVD_EINVAL);
+        kcuda_free(dx);
+        kcuda_free(dw);
+        kcuda_free(do1);
+        kcuda_free(do2);
+        kcuda_free(da1);
+        kcuda_free(da2);
+        kcuda_free(dg1);
+        kcuda_free(dg2);
+        kcuda_free(du);
+        free(a1);
+        free(a2);
+        free(o1);
+        free(o2);
+    }
+    CHECK(same);
+    printf("fused rmsnorm+quantize, swiglu+quantize (Q8_0, Q8_1): %s\n",
+           same ? "the bits of the two kernels each" : "DIFFER");
+    free(x);
+    free(w);
+    free(u);
+}
+
 /* ---- RoPE and the K/V write ------------------------------------------------------- */
 
 #define ROPE_T 9
@@ -695,6 +768,7 @@ int main(int argc, char **argv)
         test_gemm_shape(KERN_F16, 35, 1544, Ts, 3);
         test_gemm_multi(KERN_Q4_1, 9);
         test_rows();
+        test_fused();
         test_rope(9, 3, 64, 16);
         test_argmax();
         sample_cases(1000, 1);
@@ -704,6 +778,7 @@ int main(int argc, char **argv)
     test_get_rows();
     test_gemm();
     test_rows();
+    test_fused();
     test_rope(9, 3, 64, 16);
     test_rope(32, 8, 128, 32);
     test_argmax();
