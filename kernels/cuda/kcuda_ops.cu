@@ -36,16 +36,22 @@ __device__ __forceinline__ double block_sum(double v)
     return s;
 }
 
+/* 1 / sqrt(mean of squares + eps) of a row of n (sum in double, as the twin). */
+__device__ __forceinline__ float rms_scale(const float *xr, int n, float eps)
+{
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < n; i += ROW_THREADS)
+        ss += (double)xr[i] * (double)xr[i];
+    ss = block_sum(ss);
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / n), eps)));
+}
+
 __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_kernel(float *out, const float *x, const float *w,
                                                               const int32_t *rows, int n, float eps)
 {
     const int t = blockIdx.x;
     const float *xr = x + (size_t)(rows ? rows[t] : t) * n;
-    double ss = 0.0;
-    for (int i = threadIdx.x; i < n; i += ROW_THREADS)
-        ss += (double)xr[i] * (double)xr[i];
-    ss = block_sum(ss);
-    const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / n), eps)));
+    const float scale = rms_scale(xr, n, eps);
     float *o = out + (size_t)t * n;
     for (int i = threadIdx.x; i < n; i += ROW_THREADS)
         o[i] = __fmul_rn(__fmul_rn(xr[i], scale), w[i]);
@@ -60,11 +66,7 @@ __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_quant_kernel(float *out, 
 {
     const int t = blockIdx.x;
     const float *xr = x + (size_t)t * n;
-    double ss = 0.0;
-    for (int i = threadIdx.x; i < n; i += ROW_THREADS)
-        ss += (double)xr[i] * (double)xr[i];
-    ss = block_sum(ss);
-    const float scale = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn((float)(ss / n), eps)));
+    const float scale = rms_scale(xr, n, eps);
     float *o = out + (size_t)t * n;
     uint8_t *a = act + (size_t)t * act_stride;
     const int bb = kc_act_block_bytes(with_sum);
@@ -484,24 +486,24 @@ extern "C" int kcuda_rmsnorm(float *out, const float *x, const float *w, const i
     return kcuda__launched("rmsnorm");
 }
 
-/* The bytes of an activation row of n elements of type Q8_0 or Q8_1, or 0 for another type. */
-static size_t act_row_bytes(uint32_t act_type, int64_t n)
+/* Checks where a fused kernel puts its quantized rows: 0, KVD_EUNSUPPORTED
+ * for a type other than Q8_0/Q8_1, KVD_EINVAL for rows too short. */
+static int act_check(uint32_t act_type, int64_t n, const void *act, size_t act_stride)
 {
     if (act_type != KERN_Q8_0 && act_type != KERN_Q8_1)
-        return 0;
-    return (size_t)(n / 32) * (size_t)kc_act_block_bytes(act_type == KERN_Q8_1);
+        return KVD_EUNSUPPORTED;
+    const size_t rb = (size_t)(n / 32) * (size_t)kc_act_block_bytes(act_type == KERN_Q8_1);
+    return act == NULL || act_stride < rb ? KVD_EINVAL : 0;
 }
 
 extern "C" int kcuda_rmsnorm_quant(float *out, const float *x, const float *w, int n, int T, float eps,
                                    uint32_t act_type, void *act, size_t act_stride, kcuda_stream_t stream)
 {
-    if (n <= 0 || n % 32 || T < 0 || out == NULL || x == NULL || w == NULL || act == NULL)
+    if (n <= 0 || n % 32 || T < 0 || out == NULL || x == NULL || w == NULL)
         return KVD_EINVAL;
-    const size_t rb = act_row_bytes(act_type, n);
-    if (rb == 0)
-        return KVD_EUNSUPPORTED;
-    if (act_stride < rb)
-        return KVD_EINVAL;
+    const int rc = act_check(act_type, n, act, act_stride);
+    if (rc)
+        return rc;
     if (T == 0)
         return 0;
     rmsnorm_quant_kernel<<<(unsigned)T, ROW_THREADS, 0, stream>>>(out, x, w, n, eps, static_cast<uint8_t *>(act),
@@ -512,13 +514,11 @@ extern "C" int kcuda_rmsnorm_quant(float *out, const float *x, const float *w, i
 extern "C" int kcuda_swiglu_quant(float *gate, const float *up, int64_t n, int T, uint32_t act_type, void *act,
                                   size_t act_stride, kcuda_stream_t stream)
 {
-    if (n <= 0 || n % 32 || n > INT_MAX || T < 0 || gate == NULL || up == NULL || act == NULL)
+    if (n <= 0 || n % 32 || n > INT_MAX || T < 0 || gate == NULL || up == NULL)
         return KVD_EINVAL;
-    const size_t rb = act_row_bytes(act_type, n);
-    if (rb == 0)
-        return KVD_EUNSUPPORTED;
-    if (act_stride < rb)
-        return KVD_EINVAL;
+    const int rc = act_check(act_type, n, act, act_stride);
+    if (rc)
+        return rc;
     const long blocks = (long)(n / 32) * T;
     if (blocks == 0)
         return 0;

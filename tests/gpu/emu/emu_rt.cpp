@@ -104,27 +104,33 @@ uint64_t emu_exchange(uint64_t v, int src)
     return r;
 }
 
-unsigned emu_match_any(uint64_t v)
+/* Every lane's v, for a warp-wide vote (every lane of the warp calls). */
+static void warp_values(uint64_t v, uint64_t all[32])
 {
     const int w = cur / 32, lane = cur % 32;
     xslot[w][lane] = v;
     emu_barrier(3);
+    memcpy(all, xslot[w], sizeof(xslot[w]));
+    emu_barrier(3);
+}
+
+unsigned emu_match_any(uint64_t v)
+{
+    uint64_t all[32];
+    warp_values(v, all);
     unsigned m = 0;
     for (int l = 0; l < 32; l++)
-        m |= (xslot[w][l] == v ? 1u : 0u) << l;
-    emu_barrier(3);
+        m |= (all[l] == v ? 1u : 0u) << l;
     return m;
 }
 
 unsigned emu_ballot(bool pred)
 {
-    const int w = cur / 32, lane = cur % 32;
-    xslot[w][lane] = pred;
-    emu_barrier(3);
+    uint64_t all[32];
+    warp_values(pred, all);
     unsigned m = 0;
     for (int l = 0; l < 32; l++)
-        m |= (xslot[w][l] ? 1u : 0u) << l;
-    emu_barrier(3);
+        m |= (all[l] != 0 ? 1u : 0u) << l;
     return m;
 }
 
