@@ -447,7 +447,7 @@ static int bench_step(double copy_gbs, struct step_row *rows, char *graph_note, 
     /* sampled choice with the server's defaults (temperature 0.8, top-k 40,
      * top-p 0.95, min-p 0.05): on the device, or the logits to the host */
     struct sampler_params sp = sampler_default_params();
-    host_smp = sampler_new(&sp, 49152, err, sizeof(err));
+    host_smp = sampler_new(&sp, m->cfg.n_vocab, err, sizeof(err));
     struct sampler_draw *draws = malloc((size_t)max_b * sizeof(*draws));
     const struct sampler_draw **dp = malloc((size_t)max_b * sizeof(*dp));
     if (host_smp == NULL || draws == NULL || dp == NULL)

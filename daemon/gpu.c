@@ -47,8 +47,9 @@ void gpu_probe(struct kvd *k)
 
 uint64_t gpu_default_kv_bytes(const struct kvd *k)
 {
-    /* 1 GiB, or half of what is free when that is less: the workers need room
-     * for their weights and scratch on the same device */
+    /* 1 GiB, or half of what is free when that is less: the weights (one
+     * copy, kvd's) and every worker's context and scratch need room on the
+     * same device */
     uint64_t want = 1ull << 30;
     if (k->gpu_free / 2 < want)
         want = k->gpu_free / 2;

@@ -140,7 +140,8 @@ struct kvd {
     chat_template_t *chat;          /* NULL when the model has none */
     pool_t *pool;
     struct kcuda_vmm *vmm;          /* --gpu: the pool's KV data on the device; NULL otherwise */
-    struct kcuda_vmm *wvmm;         /* --gpu: the model's weights on the device, shared by its workers */
+    struct kcuda_vmm *wvmm;         /* --gpu: the model's weights on the device, shared by its
+                                     * workers; NULL otherwise */
     int gpu_fd;                     /* --gpu: listening socket that hands workers the memory, else -1 */
     char gpu_sock[108];             /* its path (a sockaddr_un's sun_path) */
     char gpu_name[96];              /* --gpu: the device's name */

@@ -132,7 +132,7 @@ struct gpu_engine {
     /* token choice on the device */
     struct kcuda_draw *draws_host, *draws_dev; /* (max_tokens) each; host page-locked */
     int32_t *pen_host, *pen_dev;    /* penalized ids of a step's draws, pen_cap each */
-    size_t pen_cap;
+    size_t pen_cap;                 /* ids the two buffers hold */
     uint8_t *pen_seen;              /* host bitmap (n_vocab bits): a row's ids so far */
     sampler_t *host_smp;            /* scratch for the draws the device does not take */
     uint32_t *host_rows;            /* (max_tokens) rows whose draw runs on the host */
@@ -727,7 +727,9 @@ static struct kcuda_kv layer_kv(const gpu_engine_t *e, uint32_t l)
 
 /* The rows of src (T x n floats) in the format weight type wtype consumes,
  * quantizing them on first use; `fresh` forgets the formats of the previous
- * input. F32 activations are src itself. */
+ * input. F32 activations are src itself. Slots are known by type alone: every
+ * new input (even in the same buffer) must start fresh, or come after
+ * norm_for / act_claim, which clear them. */
 static int acts_for(gpu_engine_t *e, uint32_t wtype, const float *src, int n, int T, bool fresh,
                     struct act_ref *out)
 {
@@ -798,11 +800,11 @@ static int gemm(gpu_engine_t *e, const struct gmat *w, struct act_ref a, int T, 
     return kcuda_gemm(&g, e->stream);
 }
 
-/* Products of n matrices with the same input src (n floats wide): one launch
- * when they share their type and width (the same bits as one by one: fewer
- * kernels per step), else one each. */
+/* Products of n_mat matrices with the input that norm_for just made (src,
+ * rows of n floats): one launch when they share their type and width (the
+ * same bits as one by one: fewer kernels per step), else one each. */
 static int gemm_same_input(gpu_engine_t *e, const struct gmat *const *w, float *const *out, int n_mat,
-                           const float *src, int n, int T, bool fresh)
+                           const float *src, int n, int T)
 {
     bool one = true;
     for (int i = 1; i < n_mat; i++)
@@ -811,7 +813,7 @@ static int gemm_same_input(gpu_engine_t *e, const struct gmat *const *w, float *
     struct act_ref a;
     int rc = 0;
     for (int i = 0; i < n_mat && rc == 0; i++) {
-        rc = acts_for(e, w[i]->type, src, n, T, fresh && i == 0, &a);
+        rc = acts_for(e, w[i]->type, src, n, T, false, &a);     /* norm_for cleared the slots */
         g[i] = gemm_args(w[i], a, T, out[i], false);
         if (rc == 0 && !one)
             rc = kcuda_gemm(&g[i], e->stream);
@@ -842,7 +844,7 @@ static int run_forward(gpu_engine_t *e, const struct step_shape *s)
         TRY(norm_for(e, L->attn_norm, L->wq.type, T));
         const struct gmat *qkv[3] = { &L->wq, &L->wk, &L->wv };
         float *const qkv_out[3] = { e->q, e->k, e->v };
-        TRY(gemm_same_input(e, qkv, qkv_out, 3, e->xb, ne, T, false));
+        TRY(gemm_same_input(e, qkv, qkv_out, 3, e->xb, ne, T));
         const struct kcuda_rope_args ra = {
             .kv = kv, .q = e->q, .k = e->k, .v = e->v, .pos = tok_pos, .block = tok_block, .T = T,
             .step = e->rope_step,
@@ -872,7 +874,7 @@ static int run_forward(gpu_engine_t *e, const struct step_shape *s)
         TRY(norm_for(e, L->ffn_norm, L->w_gate.type, T));
         const struct gmat *gu[2] = { &L->w_gate, &L->w_up };
         float *const gu_out[2] = { e->gate, e->up };
-        TRY(gemm_same_input(e, gu, gu_out, 2, e->xb, ne, T, false));
+        TRY(gemm_same_input(e, gu, gu_out, 2, e->xb, ne, T));
         const struct act_slot *ds = ff % 32 == 0 ? act_claim(e, L->w_down.type, ff) : NULL;
         if (ds != NULL) {       /* SwiGLU and the down product's input in one kernel */
             TRY(kcuda_swiglu_quant(e->gate, e->up, ff, T, ds->type, ds->buf, ds->stride, st));

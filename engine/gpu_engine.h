@@ -5,8 +5,9 @@
  * gpu_engine_new uploads every weight matrix once, as the GGUF stores it
  * (Q4_1, Q8_0 or F16 layers; the embedding table as F32, F16, Q4_0, Q4_1 or
  * Q8_0; norms as f32), or borrows a copy another process uploaded
- * (gpu_weights_upload, shared through a VMM allocation), and sets up a paged F16 KV cache in device memory with
- * exactly the layout of kvcache.h: block b of layer l holds
+ * (gpu_weights_upload, shared through a VMM allocation), and sets up a paged
+ * F16 KV cache in device memory with exactly the layout of kvcache.h: block
+ * b of layer l holds
  *     [K=0,V=1][kv_head][token in block][head_dim]
  * at base + b * block_bytes + (l * 2 + which) * n_head_kv * head_bytes, so a
  * block id, and a block's bytes, mean the same to the CPU engine, to this one
@@ -111,7 +112,8 @@ uint64_t gpu_weights_bytes(const model_t *m);
  */
 int gpu_weights_upload(const model_t *m, int device, void *base, uint64_t bytes, char *err, size_t errlen);
 
-/* Frees device and host memory (never a borrowed cache); accepts NULL and sets *e to NULL. */
+/* Frees device and host memory (never a borrowed cache nor borrowed weights);
+ * accepts NULL and sets *e to NULL. */
 void gpu_engine_destroy(gpu_engine_t **e);
 
 /*
@@ -142,7 +144,8 @@ int gpu_engine_step_argmax(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t
  * its row to the host and runs sampler_pick there. Either way the id is
  * sampler_pick's for that row (see kcuda_sample for the one exception).
  * KVD_EINVAL for a draw out of range (a penalized id twice or outside the
- * vocabulary, u outside [0, 1), a negative top-k). *ids points at n_rows
+ * vocabulary, u outside [0, 1), a negative top-k, a NaN temperature),
+ * KVD_ENOMEM when the penalized ids find no room. *ids points at n_rows
  * ids, valid until the next call.
  */
 int gpu_engine_step_sample(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,

@@ -24,7 +24,7 @@ struct sampler {
     struct cand *cands;     /* (n_vocab) */
     float *work;            /* (n_vocab) penalized logits */
     int32_t *pen;           /* penalized ids of the last plan */
-    size_t pen_cap;
+    size_t pen_cap;         /* ids pen holds: min(repeat_last_n, n_vocab) */
 };
 
 struct sampler_params sampler_default_params(void)

@@ -5,6 +5,7 @@ set -euo pipefail
 
 need=()
 command -v cc >/dev/null || need+=(gcc libc6-dev)
+command -v c++ >/dev/null || need+=(g++)   # the CPU emulation of the CUDA kernels (tests/gpu/emu)
 command -v make >/dev/null || need+=(make)
 command -v cmake >/dev/null || need+=(cmake)
 command -v ninja >/dev/null || need+=(ninja-build)

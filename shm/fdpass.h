@@ -25,7 +25,7 @@
 #include <stdint.h>
 
 #define FDPASS_MAGIC UINT64_C(0x315350444644564b) /* "KVDFDPS1" in little-endian bytes */
-#define FDPASS_VERSION 1u
+#define FDPASS_VERSION 2u   /* 2: kvd sends the weights' allocation after the KV one */
 
 /* What the descriptor is (fdpass_msg.kind). */
 enum fdpass_kind {

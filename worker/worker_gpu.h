@@ -6,7 +6,8 @@
  * does (shm/pool.h), then wgpu_open() connects to kvd's descriptor socket,
  * receives the device allocations (shm/fdpass.h): the KV data, then the
  * model's weights, checks that they belong to this pool (device,
- * generation, instance, size), imports and maps them
+ * generation, instance; the KV memory's size here, the weights' size by the
+ * engine), imports and maps them
  * (kernels/cuda/kcuda_vmm.h) and tells the pool where the KV data is mapped,
  * so that pool_block_addr() gives device addresses. The engine borrows the
  * weights: one copy per GPU, whatever the number of workers. kvd keeps both
@@ -16,10 +17,11 @@
  * The engine: wgpu_engine_start() and wgpu_step_sample() have the contract
  * of engine_new() and engine_step() (engine/forward.h) over the device pool,
  * the step choosing tokens on the device rather than returning logits.
- * They reach the GPU engine through the seam at the end of this header,
- * implemented by worker_gpu_engine_none.c until the GPU engine is built into
- * this program: then they fail with "GPU engine not built", and the worker
- * exits with CLI_EXIT_UNUSABLE, which kvd reports and does not restart.
+ * They reach the GPU engine through the seam at the end of this header:
+ * worker_gpu_engine.c where the CUDA backend is built, else
+ * worker_gpu_engine_none.c, whose calls fail with "GPU engine not built" (the
+ * worker then exits with CLI_EXIT_UNUSABLE, which kvd reports and does not
+ * restart; a kvd of such a build refuses --gpu before starting any).
  *
  * Ordering: after every step, and before the worker sends anything that says
  * a block is written (Commit, TokenChunk, Done), it calls wgpu_fence(), which
@@ -83,9 +85,10 @@ int wgpu_fence(wgpu_t *g, char *err, size_t errlen);
 /* ---- SEAM: the GPU engine ----------------------------------------------------------------
  *
  * What kvd-worker needs of a GPU engine, and the one place it is called. A
- * build links exactly one implementation: worker_gpu_engine_none.c ("GPU
- * engine not built") today; a worker_gpu_engine.c over engine/gpu_engine.h
- * where the CUDA backend is built (worker/CMakeLists.txt chooses).
+ * build links exactly one implementation: worker_gpu_engine.c over
+ * engine/gpu_engine.h where the CUDA backend is built, else
+ * worker_gpu_engine_none.c ("GPU engine not built"); worker/CMakeLists.txt
+ * chooses.
  */
 typedef struct wgpu_engine wgpu_engine_t;
 

@@ -1,8 +1,10 @@
 /*
  * kcuda.h - the CUDA kernels of kvd, callable from C.
  *
- * Every kernel here has a C reference twin in kernels/ (named with each
- * function) and a test in tests/gpu that holds it against the twin. Callers
+ * Every kernel here has a C reference twin, named with each function (in
+ * kernels/, or engine/sampler.c for the token choice), and a test in
+ * tests/gpu that holds it against the twin; the fused and multi-matrix
+ * launches are held against the separate kernels they replace, bit for bit. Callers
  * never see CUDA headers: streams are opaque, memory comes from the small
  * allocation API below, and results are the KVD_E* codes of err.h.
  *
@@ -252,7 +254,7 @@ struct kcuda_draw {
     float temperature;      /* <= 0: greedy */
     float top_p;            /* 1: off */
     float min_p;            /* 0: off */
-    float repeat_penalty;
+    float repeat_penalty;   /* divides positive, multiplies negative logits of the ids below */
     double log_min_p;       /* log(min_p) as the host computed it */
     double u;               /* uniform in [0, 1) */
     uint32_t pen_off;       /* the row's penalized ids: pen[pen_off .. pen_off + n_pen) */

@@ -25,12 +25,12 @@ constexpr int GEMM_MATS = KCUDA_GEMM_MAX_MATS;
 
 /* One matrix of a launch: its rows take grid blocks blk0, blk0 + 1, ... */
 struct GemmMat {
-    const uint8_t *w;
-    size_t row_bytes;
-    long rows;
-    float *out;
-    size_t ldo;
-    unsigned blk0;
+    const uint8_t *w;           /* rows x row_bytes */
+    size_t row_bytes;           /* bytes per weight row */
+    long rows;                  /* output features */
+    float *out;                 /* token t's outputs at out + t * ldo */
+    size_t ldo;                 /* floats between tokens' output rows */
+    unsigned blk0;              /* the grid block of its first GEMM_WARPS rows */
 };
 
 struct GemmParams {
@@ -80,10 +80,11 @@ __device__ __forceinline__ uint32_t ld16(const uint8_t *p)
  * block's tokens, zeroed sums. False for a warp past the matrix's last row. */
 template <int NT>
 struct GemmRow {
-    GemmMat m;
-    long r;
-    int t0, nt, lane;
-    float acc[NT];
+    GemmMat m;                  /* this warp's matrix */
+    long r;                     /* its row */
+    int t0, nt;                 /* the block's first token, how many (<= NT) */
+    int lane;                   /* this thread's lane */
+    float acc[NT];              /* the lane's sums, one per token */
 
     __device__ __forceinline__ bool start(const GemmParams &p)
     {
@@ -299,6 +300,8 @@ static int gemm_check(const struct kcuda_gemm_args *a, const struct kcuda_gemm_a
     if (a->wtype != first->wtype || a->n != first->n || a->act != first->act ||
         a->act_stride != first->act_stride || a->T != first->T || a->add != first->add)
         return KVD_EINVAL;      /* one launch: the same activations, type, width and mode */
+    if (a->T == 0 || a->rows == 0)
+        return 0;               /* nothing to compute, nothing to check */
     if (a->w == NULL || a->act == NULL || a->out == NULL)
         return KVD_EINVAL;
     if (a->T > 1 && a->ldo < (size_t)a->rows)

@@ -12,7 +12,8 @@
  * divergent or as a deadlock) but not timing: a race between two barriers
  * shows only where the order of threads matters (EMU_ORDER=reverse runs each
  * step's threads in the other order). Device memory is host memory whose
- * allocations are tracked (cp.async and __ldg check bounds and alignment);
+ * allocations are tracked (cp.async checks bounds and alignment, __ldg
+ * alignment);
  * streams run synchronously; graph capture records launches and a graph
  * launch replays them. Float intrinsics round as the device does (_rn);
  * libm's exp, sin and cos stand in for CUDA's, which may differ in the
@@ -165,7 +166,8 @@ void emu_launch(void (*k)(P...), dim3 grid, dim3 block, size_t, cudaStream_t, A.
 }
 
 /* streams, page-locked memory and graphs (kcuda_stream.cu): streams run
- * synchronously; graph capture is refused, as on a device without it */
+ * synchronously; capture records launches and a graph launch replays them
+ * (EMU_NOGRAPH=1 refuses capture, as a device without it) */
 enum { cudaStreamNonBlocking = 1 };
 enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal = 0, cudaStreamCaptureModeThreadLocal = 1 };
 typedef struct emu_graph *cudaGraph_t;
