@@ -13,6 +13,9 @@
  * kvd must have uploaded the weights once for both.
  *
  *   test_gpu_serve            on GPU 0; exits 77 (skip) where none is usable
+ *   test_gpu_serve --small    the same on a 2-layer model of head dimension 64,
+ *                             with patient worker timeouts: for the CPU
+ *                             emulation of CUDA (ctest emu.gpu_serve)
  *   test_gpu_serve --cpu      the same scenario over two CPU workers (checks
  *                             this program itself where there is no GPU)
  *   test_gpu_serve --bench    aggregate output tokens/s of 32 concurrent
@@ -42,7 +45,7 @@
 #define PREFIX 600
 #define QUESTION 8
 
-static bool cpu_mode;
+static bool cpu_mode, small_model;
 static char dir[64] = "/tmp/kvd-gpu-serve-XXXXXX";
 static char model_path[128], ep[160];
 
@@ -56,11 +59,11 @@ static double now_ms(void)
 static void write_model(void)
 {
     struct mkmodel_params p = mkmodel_default_params();
-    p.n_layer = 30;
-    p.n_embd = 576;
-    p.n_head = 9;
-    p.n_head_kv = 3;
-    p.n_ff = 1536;
+    p.n_layer = small_model ? 2 : 30;
+    p.n_embd = small_model ? 128 : 576;
+    p.n_head = small_model ? 2 : 9;
+    p.n_head_kv = small_model ? 1 : 3;
+    p.n_ff = small_model ? 256 : 1536;
     p.n_vocab = 8192;
     p.n_ctx = 2048;
     p.wtype = KERN_Q4_1;
@@ -95,6 +98,10 @@ static pid_t start_kvd(int workers, const char *log)
         if (cpu_mode)
             execl(bin, bin, "--model", model_path, "--listen", ep, "--workers", n, "--kv-memory", "48MiB",
                   "--ctx", "2048", "--max-restarts", "0", (char *)NULL);
+        else if (small_model)   /* the emulation: steps take seconds */
+            execl(bin, bin, "--model", model_path, "--listen", ep, "--gpu", "0", "--workers-per-gpu", n,
+                  "--kv-memory", "64MiB", "--ctx", "2048", "--max-restarts", "0", "--worker-timeout", "300000",
+                  (char *)NULL);
         else
             execl(bin, bin, "--model", model_path, "--listen", ep, "--gpu", "0", "--workers-per-gpu", n,
                   "--kv-memory", "1GiB", "--ctx", "2048", "--max-restarts", "0", (char *)NULL);
@@ -352,6 +359,7 @@ static void bench(void)
 int main(int argc, char **argv)
 {
     cpu_mode = argc > 1 && strcmp(argv[1], "--cpu") == 0;
+    small_model = argc > 1 && strcmp(argv[1], "--small") == 0;
     const bool bench_mode = argc > 1 && strcmp(argv[1], "--bench") == 0;
     if (!cpu_mode) {
         char why[256];
@@ -360,7 +368,7 @@ int main(int argc, char **argv)
             return KVD_TEST_SKIP;
         }
     }
-    alarm(bench_mode ? 280 : 240);
+    alarm(small_model ? 1100 : bench_mode ? 280 : 240);
     REQUIRE(mkdtemp(dir) != NULL);
     write_model();
     if (bench_mode)

@@ -256,6 +256,16 @@ cudaError_t cudaMalloc(void **p, size_t n)
     return cudaSuccess;
 }
 cudaError_t cudaFree(void *p) { allocs.erase((uintptr_t)p); free(p); return cudaSuccess; }
+
+/* Memory that is device memory to the kernels without coming from cudaMalloc
+ * (the shared allocations of emu_vmm.cpp): known to the bounds checks. */
+void emu_register(void *p, size_t n, bool add)
+{
+    if (add)
+        allocs[(uintptr_t)p] = n;
+    else
+        allocs.erase((uintptr_t)p);
+}
 cudaError_t cudaMemcpy(void *d, const void *s, size_t n, cudaMemcpyKind) { memmove(d, s, n); return cudaSuccess; }
 cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, cudaMemcpyKind k, cudaStream_t) { if (emu_capturing) emu_fail("copy during capture"); return cudaMemcpy(d, s, n, k); }
 cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t) { if (emu_capturing) emu_fail("copy during capture"); memset(d, v, n); return cudaSuccess; }
