@@ -8,9 +8,10 @@
  *      as a fraction of the copy bandwidth, for batch {1, 8, 64, 256} x context
  *      {512, 4K, 32K} (the target is >= 70% where batch x context >= 64 x 1024),
  *      with the default split of the context (256 positions) and with 512;
- *   3. matrix-vector products of SmolLM2's shapes (Q4_1 layers, Q8_0 output
- *      head) against the lower bound weight bytes / copy bandwidth, for 1 and 8
- *      tokens;
+ *   3. matrix products of SmolLM2's shapes (Q4_1 layers, Q8_0 output head)
+ *      for 1, 8, 64 and 256 tokens: time against the lower bound weight bytes /
+ *      copy bandwidth (the bound of small batches), and multiply-adds per
+ *      second (what bounds large ones);
  *   4. the whole decode step of the GPU engine (engine/gpu_engine.h) on a
  *      random model of SmolLM2-135M's shape (Q4_1 layers, Q8_0 tied
  *      embeddings) at batch {1, 16, 64, 256}, every sequence at context 512,
@@ -237,7 +238,7 @@ static int bench_attn(kcuda_timer_t *t, double copy_gbs, struct attn_row *rows)
     return n;
 }
 
-/* ---- matrix-vector products --------------------------------------------------------- */
+/* ---- matrix products ---------------------------------------------------------------- */
 
 struct mv_case {
     struct kcuda_gemm_args g;
@@ -265,27 +266,28 @@ static int bench_mv(kcuda_timer_t *t, double copy_gbs, struct mv_row *out)
         { "down", KERN_Q4_1, 576, 1536 },
         { "output head", KERN_Q8_0, 49152, 576 },
     };
-    static const int Ts[] = { 1, 8 };
+    static const int Ts[] = { 1, 8, 64, 256 };
+    enum { MAX_T = 256 };
     int n_rows = 0;
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
         const uint32_t wt = shapes[si].type, at = kern_vec_dot_type(wt);
         const int64_t rows = shapes[si].rows, n = shapes[si].n;
         const size_t rb = kern_row_bytes(wt, n), wbytes = rb * (size_t)rows;
         uint8_t *w = malloc(wbytes);
-        float *x = malloc((size_t)n * 8 * sizeof(float));
+        float *x = malloc((size_t)n * MAX_T * sizeof(float));
         for (int64_t r = 0; r < rows; r++) {
             for (int64_t i = 0; i < n; i++)
                 x[i] = frand() * 0.05f;
             kern_quantize_row(wt, x, w + (size_t)r * rb, n);
         }
-        for (int64_t i = 0; i < n * 8; i++)
+        for (int64_t i = 0; i < n * MAX_T; i++)
             x[i] = frand();
-        void *dw = dev_alloc(wbytes), *dx = dev_alloc((size_t)n * 8 * sizeof(float));
+        void *dw = dev_alloc(wbytes), *dx = dev_alloc((size_t)n * MAX_T * sizeof(float));
         const size_t astride = (kern_act_row_bytes(at, n) + 15) / 16 * 16;
-        void *dact = dev_alloc(astride * 8), *dout = dev_alloc((size_t)rows * 8 * sizeof(float));
-        if (kcuda_upload(dw, w, wbytes) || kcuda_upload(dx, x, (size_t)n * 8 * sizeof(float)))
+        void *dact = dev_alloc(astride * MAX_T), *dout = dev_alloc((size_t)rows * MAX_T * sizeof(float));
+        if (kcuda_upload(dw, w, wbytes) || kcuda_upload(dx, x, (size_t)n * MAX_T * sizeof(float)))
             die("upload");
-        if (kcuda_quantize_act(at, dx, (size_t)n, dact, astride, n, 8, NULL))
+        if (kcuda_quantize_act(at, dx, (size_t)n, dact, astride, n, MAX_T, NULL))
             die("activation quantization");
         for (size_t ti = 0; ti < sizeof(Ts) / sizeof(Ts[0]); ti++) {
             struct mv_case c = { .g = {
@@ -303,8 +305,9 @@ static int bench_mv(kcuda_timer_t *t, double copy_gbs, struct mv_row *out)
             r->us = ms * 1e3;
             /* reading the weights once at the copy rate (bytes read + written / s) */
             r->bound_us = wbytes / (copy_gbs * 1e9) * 1e6;
-            printf("  %-11s %5lld x %-5lld %s T %d: %7.2f us (bound %6.2f us)\n", r->name, (long long)rows,
-                   (long long)n, kern_type_info(wt)->name, r->T, r->us, r->bound_us);
+            printf("  %-11s %5lld x %-5lld %s T %3d: %8.2f us (bound %6.2f us), %6.2f T multiply-adds/s\n", r->name,
+                   (long long)rows, (long long)n, kern_type_info(wt)->name, r->T, r->us, r->bound_us,
+                   (double)rows * n * r->T / (r->us * 1e-6) / 1e12);
             fflush(stdout);
         }
         kcuda_free(dw);
@@ -523,7 +526,7 @@ int main(void)
     fflush(stdout);
     struct attn_row arows[12];
     const int na = bench_attn(t, copy_gbs, arows);
-    struct mv_row mrows[16];
+    struct mv_row mrows[24];
     const int nm = bench_mv(t, copy_gbs, mrows);
     struct step_row srows[4];
     char graph_note[256];
@@ -540,14 +543,15 @@ int main(void)
                r->gbs, 100 * r->frac, target ? (r->frac >= 0.70 ? ">=70% ok" : ">=70% MISSED") : "-",
                100 * r->frac512);
     }
-    printf("matrix-vector products (weights read once), L2 flushed:\n");
-    printf("  %-11s %-12s type  T  weight KB   time us  bound us  of bound\n", "matrix", "shape");
+    printf("matrix products (bound: the weights read once), L2 flushed; tera multiply-adds per second:\n");
+    printf("  %-11s %-12s type    T  weight KB   time us  bound us  of bound   TMAC/s\n", "matrix", "shape");
     for (int i = 0; i < nm; i++) {
         const struct mv_row *r = &mrows[i];
         char shape[32];
         snprintf(shape, sizeof(shape), "%lldx%lld", (long long)r->rows, (long long)r->n);
-        printf("  %-11s %-12s %-4s %2d %9.1f %9.2f %9.2f  %6.1f%%\n", r->name, shape, kern_type_info(r->type)->name,
-               r->T, r->kb, r->us, r->bound_us, 100 * r->bound_us / r->us);
+        printf("  %-11s %-12s %-4s %4d %9.1f %9.2f %9.2f  %6.1f%%  %7.2f\n", r->name, shape,
+               kern_type_info(r->type)->name, r->T, r->kb, r->us, r->bound_us, 100 * r->bound_us / r->us,
+               (double)r->rows * r->n * r->T / (r->us * 1e-6) / 1e12);
     }
     printf("decode step, SmolLM2-shaped random model (Q4_1), context %d, greedy ids on the device, host wall time, "
            "L2 flushed:\n", STEP_CTX);

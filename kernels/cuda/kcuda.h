@@ -176,10 +176,11 @@ int kcuda_rope_kv(const struct kcuda_rope_args *a, kcuda_stream_t stream);
  * Weights: KERN_Q4_1 (activations Q8_1), KERN_Q8_0 (activations Q8_0) or
  * KERN_F16 (activations F32): kern_vec_dot_type(wtype), made by
  * kcuda_quantize_act. Integer dot per block, the block's float terms as the C
- * twin forms them, fp32 sums. One warp per weight row, tokens in groups of up
- * to 8 that share the unpacked row; a token's result never depends on T.
- * Alignment: w and act 4 bytes (Q4_1), 2 (Q8_0), 16 (F16, with n % 8 == 0
- * and act_stride % 16 == 0). ldo >= rows when T > 1 (KVD_EINVAL otherwise);
+ * twin forms them, fp32 sums. Each warp takes one or two weight rows and
+ * tokens in groups of up to 16 that share the unpacked rows, with the
+ * activations staged in shared memory; a token's result never depends on T.
+ * Alignment: act and act_stride 16 bytes; w and row_bytes 4 bytes (Q4_1), 2
+ * (Q8_0), 16 (F16, with n % 8 == 0). ldo >= rows when T > 1 (KVD_EINVAL otherwise);
  * out must not overlap w or act (they are read through the read-only cache).
  */
 struct kcuda_gemm_args {

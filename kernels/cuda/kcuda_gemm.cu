@@ -3,13 +3,23 @@
  * lookup (twins: kern_vec_dot / kern_gemm, kern_quantize_act,
  * kern_dequantize_row).
  *
- * Products: one warp per weight row (the rows of up to three matrices that
- * share their activations in one launch). Lane i takes blocks i, i+32, ... of the
- * row, unpacks each once into registers and multiplies it with the same block
- * of up to 8 tokens' activation rows (integer dot products with __dp4a, then
- * the block's float terms exactly as the C twin forms them), summing its
- * blocks in order; a butterfly adds the lanes. The order of every token's sum
- * depends only on n, so a token's result is the same in any batch.
+ * Products: a block of GEMM_WARPS warps takes R weight rows per warp (the rows
+ * of up to three matrices that share their activations in one launch) and NT
+ * tokens. It walks the rows in chunks of 32 quantization blocks (F16: of 32
+ * 8-element chunks): lane i takes block c0 + i of each of its rows, the block
+ * copies the chunk's activations of its NT tokens into shared memory once
+ * (16-byte cp.async, coalesced), and every lane multiplies its unpacked weight
+ * blocks with them there (integer dot products with __dp4a, then the block's
+ * float terms exactly as the C twin forms them). A lane sums its blocks in
+ * order (i, i + 32, ...) and a butterfly adds the lanes, so the order of every
+ * sum depends only on n: a token's result is the same in any batch, and the
+ * same whatever NT and R a launch picks.
+ *
+ * Why shared memory: a lane's activation block is 36 bytes (Q8_1), so the same
+ * reads straight from global memory touch nine 128-byte lines per warp and
+ * instruction, nine times per block and token, from every warp of the block.
+ * Staged, they are conflict-free shared loads; and a warp with R = 2 rows
+ * reads each once for both.
  */
 #include <math.h>
 
@@ -19,9 +29,13 @@
 
 namespace {
 
-constexpr int GEMM_WARPS = 4;   /* rows per block */
-constexpr int GEMM_TOK = 8;     /* most tokens per pass over a row */
+constexpr int GEMM_WARPS = 4;   /* warps per block */
+constexpr int GEMM_TOK = 16;    /* most tokens per pass over a row */
 constexpr int GEMM_MATS = KCUDA_GEMM_MAX_MATS;
+
+/* Bytes of one staged token row of a chunk: 32 blocks of up to 36 bytes and
+ * the layouts' padding (see act_at), a multiple of 16. */
+constexpr int STAGE_ROW = 1168;
 
 /* One matrix of a launch: its rows take grid blocks blk0, blk0 + 1, ... */
 struct GemmMat {
@@ -30,15 +44,15 @@ struct GemmMat {
     long rows;                  /* output features */
     float *out;                 /* token t's outputs at out + t * ldo */
     size_t ldo;                 /* floats between tokens' output rows */
-    unsigned blk0;              /* the grid block of its first GEMM_WARPS rows */
+    unsigned blk0;              /* the grid block of its first rows */
 };
 
 struct GemmParams {
     GemmMat m[GEMM_MATS];       /* matrices of the same type and width, one after another */
     int n_mat;
     int nb;                     /* blocks per row (Q types) or 8-element chunks (F16) */
-    const uint8_t *act;
-    size_t act_stride;
+    const uint8_t *act;         /* 16-byte aligned */
+    size_t act_stride;          /* a multiple of 16 */
     int T;
     int add;
 };
@@ -75,162 +89,261 @@ __device__ __forceinline__ uint32_t ld16(const uint8_t *p)
     return __ldg(reinterpret_cast<const unsigned short *>(p));
 }
 
-/* What every product kernel starts with: the matrix and row of this warp
- * (the grid's blocks run over the matrices' rows one after another), the
- * block's tokens, zeroed sums. False for a warp past the matrix's last row. */
-template <int NT>
-struct GemmRow {
-    GemmMat m;                  /* this warp's matrix */
-    long r;                     /* its row */
-    int t0, nt;                 /* the block's first token, how many (<= NT) */
-    int lane;                   /* this thread's lane */
-    float acc[NT];              /* the lane's sums, one per token */
+__device__ __forceinline__ uint32_t lds32(const uint8_t *p)
+{
+    return *reinterpret_cast<const uint32_t *>(p);
+}
 
-    __device__ __forceinline__ bool start(const GemmParams &p)
-    {
-        m = p.m[0];
-        if (p.n_mat > 1 && blockIdx.x >= p.m[1].blk0)
-            m = p.m[1];
-        if (p.n_mat > 2 && blockIdx.x >= p.m[2].blk0)
-            m = p.m[2];
-        lane = threadIdx.x % 32;
-        r = (long)(blockIdx.x - m.blk0) * GEMM_WARPS + threadIdx.x / 32;
-        t0 = blockIdx.y * NT;
-        nt = min(NT, p.T - t0);
+/*
+ * What each weight type needs: its activation block's size (ABYTES), where a
+ * lane's activation block lies in a staged token row (act_at), and a Block
+ * that holds one weight block unpacked in registers and forms its float term
+ * with one token's staged activations.
+ *
+ * The staged layouts keep a warp's 32 reads of one word on 32 distinct banks:
+ * Q8_1 blocks are 9 words apart (9 is odd); Q8_0 blocks are 8.5 words apart,
+ * which puts lanes 0-15 on the even banks below 16 and the odd ones above, so
+ * lanes 16-31 are moved 8 words on to land on the other 16; F32 chunks are 8
+ * words apart, and 4 more words after every 4 chunks spread the 16-byte reads
+ * of 8 lanes (one shared-memory wavefront) over all banks.
+ */
+template <uint32_t WT> struct Weights;
+
+template <> struct Weights<KERN_Q4_1> {
+    static constexpr int ABYTES = sizeof(struct kern_block_q8_1);
+    /* shift of the staged bytes of 16-byte unit u of a token's chunk */
+    static __device__ __forceinline__ int pad(int) { return 0; }
+    static __device__ __forceinline__ int act_at(int lane) { return lane * ABYTES; }
+
+    struct Block {
+        float dw, mw;
+        int lo[4], hi[4];       /* codes of elements 4j..4j+3 and 16+4j.. */
+
+        __device__ __forceinline__ void load(const uint8_t *row, int b)
+        {
+            const uint8_t *wb = row + (size_t)b * sizeof(struct kern_block_q4_1);
+            const uint32_t dm = ld32(wb);
+            dw = kc_half(dm);
+            mw = kc_half(dm >> 16);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const uint32_t q = ld32(wb + 4 + 4 * j);
+                lo[j] = (int)(q & 0x0F0F0F0Fu);
+                hi[j] = (int)((q >> 4) & 0x0F0F0F0Fu);
+            }
+        }
+
+        /* d_w*d_a*isum + m_w*s_a */
+        __device__ __forceinline__ float term(const uint8_t *ab) const
+        {
+            const uint32_t ds = lds32(ab);
+            int si = 0;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                si = __dp4a(lo[j], (int)lds32(ab + 4 + 4 * j), si);
+                si = __dp4a(hi[j], (int)lds32(ab + 20 + 4 * j), si);
+            }
+            return __fadd_rn(__fmul_rn(__fmul_rn(dw, kc_half(ds)), (float)si), __fmul_rn(mw, kc_half(ds >> 16)));
+        }
+    };
+};
+
+template <> struct Weights<KERN_Q8_0> {
+    static constexpr int ABYTES = sizeof(struct kern_block_q8_0);
+    static __device__ __forceinline__ int pad(int u) { return u >= 16 * ABYTES / 16 ? 32 : 0; }
+    static __device__ __forceinline__ int act_at(int lane) { return lane * ABYTES + (lane >= 16 ? 32 : 0); }
+
+    struct Block {
+        float dw;
+        int q[8];
+
+        __device__ __forceinline__ void load(const uint8_t *row, int b)
+        {
+            const uint8_t *wb = row + (size_t)b * sizeof(struct kern_block_q8_0);
+            dw = kc_half(ld16(wb));
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                q[j] = ld32_2(wb + 2 + 4 * j);
+        }
+
+        /* d_w*d_a*isum; the 34-byte block is read as the 9 aligned words
+         * around it and realigned with funnel shifts */
+        __device__ __forceinline__ float term(const uint8_t *ab) const
+        {
+            const uint32_t sh = (uint32_t)((uintptr_t)ab & 3) * 8;     /* 0 or 16 */
+            const uint8_t *a4 = ab - ((uintptr_t)ab & 3);
+            uint32_t wd[9];
+#pragma unroll
+            for (int k = 0; k < 9; k++)
+                wd[k] = lds32(a4 + 4 * k);
+            int si = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                si = __dp4a(q[j], (int)__funnelshift_rc(wd[j], wd[j + 1], sh + 16), si);
+            return __fmul_rn(__fmul_rn(dw, kc_half(wd[0] >> sh)), (float)si);
+        }
+    };
+};
+
+template <> struct Weights<KERN_F16> {
+    static constexpr int ABYTES = 32;   /* 8 floats */
+    static __device__ __forceinline__ int pad(int u) { return 16 * (u / 8); }
+    static __device__ __forceinline__ int act_at(int lane) { return lane * ABYTES + 16 * (lane / 4); }
+
+    struct Block {
+        float wf[8];
+
+        __device__ __forceinline__ void load(const uint8_t *row, int c)
+        {
+            kc_unpack8(__ldg(reinterpret_cast<const uint4 *>(row) + c), wf);
+        }
+
+        /* a running sum, not a term: the F16 product adds into acc in place */
+        __device__ __forceinline__ float fma_into(const uint8_t *ab, float x) const
+        {
+            const float4 a0 = *reinterpret_cast<const float4 *>(ab);
+            const float4 a1 = *reinterpret_cast<const float4 *>(ab + 16);
+            x = __fmaf_rn(wf[0], a0.x, x);
+            x = __fmaf_rn(wf[1], a0.y, x);
+            x = __fmaf_rn(wf[2], a0.z, x);
+            x = __fmaf_rn(wf[3], a0.w, x);
+            x = __fmaf_rn(wf[4], a1.x, x);
+            x = __fmaf_rn(wf[5], a1.y, x);
+            x = __fmaf_rn(wf[6], a1.z, x);
+            x = __fmaf_rn(wf[7], a1.w, x);
+            return x;
+        }
+    };
+};
+
+/* The F16 product folds each chunk into the running sum with fmas (as its twin
+ * does); the quantized ones add the block's term. */
+template <uint32_t WT, class B> __device__ __forceinline__ float accumulate(const B &w, const uint8_t *ab, float acc)
+{
+    if constexpr (WT == KERN_F16)
+        return w.fma_into(ab, acc);
+    else
+        return __fadd_rn(acc, w.term(ab));
+}
+
+/*
+ * Copies activation blocks [c0, c0 + nblk) of tokens t0 .. t0 + nt - 1 into
+ * tile (token t's at tile + t * STAGE_ROW, 16-byte unit u at 16u + pad(u)):
+ * all threads of the block, consecutive threads on consecutive units. A
+ * partial last unit reads only the row's bytes.
+ */
+template <uint32_t WT, int NT>
+__device__ __forceinline__ void stage(uint8_t *tile, const GemmParams &p, int t0, int nt, int c0, int nblk)
+{
+    constexpr int AB = Weights<WT>::ABYTES;
+    constexpr int UNITS = (32 * AB + 15) / 16;     /* per token, a whole chunk */
+    const int bytes = nblk * AB;
+    const uint8_t *src0 = p.act + (size_t)t0 * p.act_stride + (size_t)c0 * AB;
+    for (int i = threadIdx.x; i < nt * UNITS; i += GEMM_WARPS * 32) {
+        const int t = i / UNITS, u = i % UNITS;
+        const int left = bytes - 16 * u;
+        if (left <= 0)
+            continue;           /* past a partial chunk: never read */
+        kc_cp_async16(tile + t * STAGE_ROW + 16 * u + Weights<WT>::pad(u), src0 + (size_t)t * p.act_stride + 16 * u,
+                      left < 16 ? left : 16);
+    }
+}
+
+/*
+ * The product kernel for weight type WT: NT tokens, R rows per warp. Warps
+ * past their matrix's last row still take part in every copy and barrier.
+ */
+template <uint32_t WT, int NT, int R>
+__global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_kernel(const GemmParams p)
+{
+    using W = Weights<WT>;
+    __shared__ __align__(16) uint8_t tile[NT * STAGE_ROW];
+
+    GemmMat m = p.m[0];
+    if (p.n_mat > 1 && blockIdx.x >= p.m[1].blk0)
+        m = p.m[1];
+    if (p.n_mat > 2 && blockIdx.x >= p.m[2].blk0)
+        m = p.m[2];
+    const int lane = threadIdx.x % 32;
+    const long r0 = ((long)(blockIdx.x - m.blk0) * GEMM_WARPS + threadIdx.x / 32) * R;
+    const int t0 = blockIdx.y * NT, nt = min(NT, p.T - t0);
+    bool live[R];
+    const uint8_t *wrow[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        live[r] = r0 + r < m.rows;
+        wrow[r] = m.w + (size_t)(r0 + r) * m.row_bytes;
+    }
+    float acc[R][NT];
+#pragma unroll
+    for (int r = 0; r < R; r++)
 #pragma unroll
         for (int t = 0; t < NT; t++)
-            acc[t] = 0.0f;
-        return r < m.rows;
-    }
+            acc[r][t] = 0.0f;
 
-    /* Adds the lanes' sums and stores (or adds to) the row's outputs. */
-    __device__ __forceinline__ void store(const GemmParams &p)
-    {
+    for (int c0 = 0; c0 < p.nb; c0 += 32) {
+        const int nblk = min(32, p.nb - c0);
+        const bool mine = lane < nblk;
+        typename W::Block w[R];
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            if (mine && live[r])
+                w[r].load(wrow[r], c0 + lane);      /* in flight across the copy below */
+        __syncthreads();        /* every warp is done with the previous chunk */
+        stage<WT, NT>(tile, p, t0, nt, c0, nblk);
+        kc_cp_async_wait_all();
+        __syncthreads();
+        if (!mine)
+            continue;
+        const uint8_t *ab = tile + W::act_at(lane);
 #pragma unroll
         for (int t = 0; t < NT; t++) {
-            const float v = kc_warp_sum(acc[t]);
+            if (t < nt) {
+#pragma unroll
+                for (int r = 0; r < R; r++)
+                    if (live[r])
+                        acc[r][t] = accumulate<WT>(w[r], ab + t * STAGE_ROW, acc[r][t]);
+            }
+        }
+    }
+
+    /* the lanes' sums added by a butterfly; stored (or added to) */
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (!live[r])
+            continue;           /* uniform over the warp */
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            const float v = kc_warp_sum(acc[r][t]);
             if (lane == 0 && t < nt) {
-                float *o = m.out + (size_t)(t0 + t) * m.ldo + r;
+                float *o = m.out + (size_t)(t0 + t) * m.ldo + r0 + r;
                 *o = p.add ? __fadd_rn(*o, v) : v;
             }
         }
     }
-};
-
-/* Q4_1 weights x Q8_1 activations: sum += d_w*d_a*isum + m_w*s_a per block. */
-template <int NT>
-__global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_q4_1(const GemmParams p)
-{
-    GemmRow<NT> g;
-    if (!g.start(p))
-        return;
-    const int t0 = g.t0, nt = g.nt;
-    const uint8_t *wr = g.m.w + (size_t)g.r * g.m.row_bytes;
-    for (int b = g.lane; b < p.nb; b += 32) {
-        const uint8_t *wb = wr + (size_t)b * sizeof(struct kern_block_q4_1);
-        const uint32_t dm = ld32(wb);
-        const float dw = kc_half(dm), mw = kc_half(dm >> 16);
-        int lo[4], hi[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const uint32_t q = ld32(wb + 4 + 4 * j);     /* codes of elements 4j..4j+3 and 16+4j.. */
-            lo[j] = (int)(q & 0x0F0F0F0Fu);
-            hi[j] = (int)((q >> 4) & 0x0F0F0F0Fu);
-        }
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            if (t < nt) {
-                const uint8_t *ab = p.act + (size_t)(t0 + t) * p.act_stride + (size_t)b * sizeof(struct kern_block_q8_1);
-                const uint32_t ds = ld32(ab);
-                int si = 0;
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    si = __dp4a(lo[j], (int)ld32(ab + 4 + 4 * j), si);
-                    si = __dp4a(hi[j], (int)ld32(ab + 20 + 4 * j), si);
-                }
-                const float v = __fadd_rn(__fmul_rn(__fmul_rn(dw, kc_half(ds)), (float)si),
-                                          __fmul_rn(mw, kc_half(ds >> 16)));
-                g.acc[t] = __fadd_rn(g.acc[t], v);
-            }
-        }
-    }
-    g.store(p);
 }
 
-/* Q8_0 weights x Q8_0 activations: sum += d_w*d_a*isum per block. */
-template <int NT>
-__global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_q8_0(const GemmParams p)
+/* Tokens per pass and rows per warp for T tokens: two rows per warp once the
+ * shared-memory reads, not the weights, bound the product. */
+struct Shape { int nt, r; };
+static Shape shape_for(int T)
 {
-    GemmRow<NT> g;
-    if (!g.start(p))
-        return;
-    const int t0 = g.t0, nt = g.nt;
-    const uint8_t *wr = g.m.w + (size_t)g.r * g.m.row_bytes;
-    for (int b = g.lane; b < p.nb; b += 32) {
-        const uint8_t *wb = wr + (size_t)b * sizeof(struct kern_block_q8_0);
-        const float dw = kc_half(ld16(wb));
-        int q[8];
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-            q[j] = ld32_2(wb + 2 + 4 * j);
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            if (t < nt) {
-                const uint8_t *ab = p.act + (size_t)(t0 + t) * p.act_stride + (size_t)b * sizeof(struct kern_block_q8_0);
-                int si = 0;
-#pragma unroll
-                for (int j = 0; j < 8; j++)
-                    si = __dp4a(q[j], ld32_2(ab + 2 + 4 * j), si);
-                const float v = __fmul_rn(__fmul_rn(dw, kc_half(ld16(ab))), (float)si);
-                g.acc[t] = __fadd_rn(g.acc[t], v);
-            }
-        }
-    }
-    g.store(p);
+    if (T >= 16) return { 16, 2 };
+    if (T >= 8) return { 8, 2 };
+    if (T >= 4) return { 4, 1 };
+    if (T >= 2) return { 2, 1 };
+    return { 1, 1 };
 }
 
-/* F16 weights x F32 activations: lane i takes 8-element chunks i, i+32, ... */
-template <int NT>
-__global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_f16(const GemmParams p)
+template <uint32_t WT>
+static void launch_type(Shape s, const GemmParams &p, dim3 grid, cudaStream_t st)
 {
-    GemmRow<NT> g;
-    if (!g.start(p))
-        return;
-    const int t0 = g.t0, nt = g.nt;
-    const uint4 *wr = reinterpret_cast<const uint4 *>(g.m.w + (size_t)g.r * g.m.row_bytes);
-    for (int c = g.lane; c < p.nb; c += 32) {
-        float wf[8];
-        kc_unpack8(__ldg(wr + c), wf);
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            if (t < nt) {
-                const float4 *a = reinterpret_cast<const float4 *>(p.act + (size_t)(t0 + t) * p.act_stride) + 2 * c;
-                const float4 a0 = __ldg(a), a1 = __ldg(a + 1);
-                float x = g.acc[t];
-                x = __fmaf_rn(wf[0], a0.x, x);
-                x = __fmaf_rn(wf[1], a0.y, x);
-                x = __fmaf_rn(wf[2], a0.z, x);
-                x = __fmaf_rn(wf[3], a0.w, x);
-                x = __fmaf_rn(wf[4], a1.x, x);
-                x = __fmaf_rn(wf[5], a1.y, x);
-                x = __fmaf_rn(wf[6], a1.z, x);
-                x = __fmaf_rn(wf[7], a1.w, x);
-                g.acc[t] = x;
-            }
-        }
-    }
-    g.store(p);
-}
-
-template <int NT>
-static void launch_gemm(uint32_t wtype, const GemmParams &p, unsigned blocks, cudaStream_t st)
-{
-    const dim3 grid(blocks, (unsigned)((p.T + NT - 1) / NT));
-    switch (wtype) {
-    case KERN_Q4_1: gemm_q4_1<NT><<<grid, GEMM_WARPS * 32, 0, st>>>(p); break;
-    case KERN_Q8_0: gemm_q8_0<NT><<<grid, GEMM_WARPS * 32, 0, st>>>(p); break;
-    default: gemm_f16<NT><<<grid, GEMM_WARPS * 32, 0, st>>>(p); break;
-    }
+    const int thr = GEMM_WARPS * 32;
+    if (s.nt == 16) gemm_kernel<WT, 16, 2><<<grid, thr, 0, st>>>(p);
+    else if (s.nt == 8) gemm_kernel<WT, 8, 2><<<grid, thr, 0, st>>>(p);
+    else if (s.nt == 4) gemm_kernel<WT, 4, 1><<<grid, thr, 0, st>>>(p);
+    else if (s.nt == 2) gemm_kernel<WT, 2, 1><<<grid, thr, 0, st>>>(p);
+    else gemm_kernel<WT, 1, 1><<<grid, thr, 0, st>>>(p);
 }
 
 /* ---- activation quantization: one warp per 32-element block ------------------- */
@@ -309,20 +422,22 @@ static int gemm_check(const struct kcuda_gemm_args *a, const struct kcuda_gemm_a
     if (a->rows > 0x7fffffffL * GEMM_WARPS || a->T > 65535L * GEMM_TOK)
         return KVD_ERANGE;
     const uintptr_t wa = (uintptr_t)a->w, aa = (uintptr_t)a->act;
+    if ((aa | a->act_stride) % 16)
+        return KVD_EINVAL;      /* activations are staged with 16-byte copies */
     switch (a->wtype) {
     case KERN_Q4_1:
         if (a->n % 32 || a->row_bytes < row_bytes_of(KERN_Q4_1, a->n) ||
-            a->act_stride < row_bytes_of(KERN_Q8_1, a->n) || (wa | aa | a->row_bytes | a->act_stride) % 4)
+            a->act_stride < row_bytes_of(KERN_Q8_1, a->n) || (wa | a->row_bytes) % 4)
             return KVD_EINVAL;
         return 0;
     case KERN_Q8_0:
         if (a->n % 32 || a->row_bytes < row_bytes_of(KERN_Q8_0, a->n) ||
-            a->act_stride < row_bytes_of(KERN_Q8_0, a->n) || (wa | aa | a->row_bytes | a->act_stride) % 2)
+            a->act_stride < row_bytes_of(KERN_Q8_0, a->n) || (wa | a->row_bytes) % 2)
             return KVD_EINVAL;
         return 0;
     case KERN_F16:
         if (a->n % 8 || a->row_bytes < (size_t)a->n * 2 || a->act_stride < (size_t)a->n * 4 ||
-            (wa | aa | a->row_bytes | a->act_stride) % 16)
+            (wa | a->row_bytes) % 16)
             return KVD_EINVAL;
         return 0;
     default:
@@ -334,6 +449,8 @@ extern "C" int kcuda_gemm_n(const struct kcuda_gemm_args *a, int n_mat, kcuda_st
 {
     if (a == NULL || n_mat < 1 || n_mat > GEMM_MATS)
         return KVD_EINVAL;
+    const Shape shape = shape_for(a[0].T);
+    const long rows_per_block = (long)GEMM_WARPS * shape.r;
     GemmParams p = {};
     uint64_t blocks = 0;
     for (int i = 0; i < n_mat; i++) {
@@ -344,7 +461,7 @@ extern "C" int kcuda_gemm_n(const struct kcuda_gemm_args *a, int n_mat, kcuda_st
                                 a[i].out, a[i].ldo, (unsigned)blocks };
         if (a[i].rows > 0)
             p.n_mat++;          /* an empty product takes no blocks */
-        blocks += (uint64_t)(a[i].rows + GEMM_WARPS - 1) / GEMM_WARPS;
+        blocks += (uint64_t)(a[i].rows + rows_per_block - 1) / rows_per_block;
     }
     if (a[0].T == 0 || p.n_mat == 0)
         return 0;
@@ -355,15 +472,12 @@ extern "C" int kcuda_gemm_n(const struct kcuda_gemm_args *a, int n_mat, kcuda_st
     p.T = a[0].T;
     p.add = a[0].add;
     p.nb = (int)(a[0].wtype == KERN_F16 ? a[0].n / 8 : a[0].n / 32);
-    const unsigned nb = (unsigned)blocks;
-    if (p.T >= 8)
-        launch_gemm<8>(a[0].wtype, p, nb, stream);
-    else if (p.T >= 4)
-        launch_gemm<4>(a[0].wtype, p, nb, stream);
-    else if (p.T >= 2)
-        launch_gemm<2>(a[0].wtype, p, nb, stream);
-    else
-        launch_gemm<1>(a[0].wtype, p, nb, stream);
+    const dim3 grid((unsigned)blocks, (unsigned)((p.T + shape.nt - 1) / shape.nt));
+    switch (a[0].wtype) {
+    case KERN_Q4_1: launch_type<KERN_Q4_1>(shape, p, grid, stream); break;
+    case KERN_Q8_0: launch_type<KERN_Q8_0>(shape, p, grid, stream); break;
+    default: launch_type<KERN_F16>(shape, p, grid, stream); break;
+    }
     return kcuda__launched("matrix product");
 }
 

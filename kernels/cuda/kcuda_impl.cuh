@@ -108,8 +108,9 @@ __device__ __forceinline__ void kc_unpack8(uint4 u, float f[8])
 
 #ifndef KVD_CUDA_EMU
 /* Copies 16 bytes from global to shared memory without passing through
- * registers (sm_80+); src_bytes 0 fills the destination with zeros and reads
- * nothing. Both addresses 16-byte aligned. */
+ * registers (sm_80+). Only the first src_bytes (0..16) are read; the rest of
+ * the 16 destination bytes are filled with zeros. Both addresses 16-byte
+ * aligned. */
 __device__ __forceinline__ void kc_cp_async16(void *smem, const void *gmem, int src_bytes)
 {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);

@@ -19,7 +19,7 @@
  *                                          sampled, penalties, top-k/p, min-p, ties)
  *
  * Shapes are SmolLM2-135M's (576 wide, 1536 feed-forward, 192 KV rows, a
- * 49152-row output head) and a few odd ones; batches of 1 to 13 tokens.
+ * 49152-row output head) and a few odd ones; batches of 1 to 35 tokens.
  * `--quick`: every kernel once on small shapes (for compute-sanitizer).
  * Exits 77 (skip) where no CUDA device is usable.
  */
@@ -198,7 +198,14 @@ static void test_gemm_shape(uint32_t wtype, int64_t rows, int64_t n, const int *
     kern_matmul(wtype, w, rows, n, act, maxT, astride, ref);
     for (size_t i = 0; i < (size_t)maxT * rows; i++)
         init[i] = frand();
-    float *one = gpu_gemm(wtype, dw, rb, rows, n, act, astride, 1, init, false);   /* token 0 alone */
+    /* every token alone, for batch invariance */
+    float *one = malloc((size_t)maxT * rows * sizeof(float));
+    REQUIRE(one != NULL);
+    for (int t = 0; t < maxT; t++) {
+        float *alone = gpu_gemm(wtype, dw, rb, rows, n, act + (size_t)t * astride, astride, 1, init, false);
+        memcpy(one + (size_t)t * rows, alone, (size_t)rows * sizeof(float));
+        free(alone);
+    }
     double worst = 0;
     for (int i = 0; i < nT; i++) {
         const int T = Ts[i];
@@ -226,8 +233,8 @@ static void test_gemm_shape(uint32_t wtype, int64_t rows, int64_t n, const int *
                 CHECK(e <= 1e-3);
                 worst = fmax(worst, e);
             }
-            if (!add)   /* batch invariance: token 0 as when alone */
-                CHECK(memcmp(got, one, (size_t)rows * sizeof(float)) == 0);
+            if (!add)   /* batch invariance: every token as when alone */
+                CHECK(memcmp(got, one, (size_t)T * rows * sizeof(float)) == 0);
             free(got);
         }
     }
@@ -247,7 +254,7 @@ static void test_gemm_shape(uint32_t wtype, int64_t rows, int64_t n, const int *
  * refused. */
 static void test_gemm_multi(uint32_t wtype, int T)
 {
-    const int64_t n = 576, rows[3] = { 576, 192, 192 };
+    const int64_t n = 576, rows[3] = { 576, 37, 192 };   /* 37: a matrix ending mid-block */
     const size_t rb = kern_row_bytes(wtype, n);
     const uint32_t at = kern_vec_dot_type(wtype);
     const size_t astride = (kern_act_row_bytes(at, n) + 15) / 16 * 16;
@@ -312,6 +319,13 @@ static void test_gemm_multi(uint32_t wtype, int T)
     g2[1].T = T + 1;
     CHECK_INT(kcuda_gemm_n(g2, 3, NULL), KVD_EINVAL);
     CHECK_INT(kcuda_gemm_n(g, 4, NULL), KVD_EINVAL);
+    /* activations are staged with 16-byte copies: rows 16-byte aligned */
+    struct kcuda_gemm_args odd = g[0];
+    odd.act_stride = astride + 4;
+    CHECK_INT(kcuda_gemm(&odd, NULL), KVD_EINVAL);
+    odd = g[0];
+    odd.act = (const uint8_t *)da + 4;
+    CHECK_INT(kcuda_gemm(&odd, NULL), KVD_EINVAL);
     printf("gemm %-4s x3 in one launch, T %d: %s\n", kern_type_info(wtype)->name, T,
            same ? "the bits of three launches" : "DIFFERS");
     for (int m = 0; m < 3; m++) {
@@ -327,7 +341,7 @@ static void test_gemm_multi(uint32_t wtype, int T)
 
 static void test_gemm(void)
 {
-    static const int Ts[] = { 1, 2, 3, 5, 8, 13 };
+    static const int Ts[] = { 1, 2, 3, 5, 8, 13, 16, 35 };    /* every tokens-per-pass, and part passes */
     const int nT = sizeof(Ts) / sizeof(Ts[0]);
     test_gemm_shape(KERN_Q4_1, 576, 576, Ts, nT);
     test_gemm_shape(KERN_Q4_1, 192, 576, Ts, nT);
@@ -342,6 +356,7 @@ static void test_gemm(void)
     test_gemm_shape(KERN_Q8_0, 49152, 576, Th, 2);  /* SmolLM2's output head */
     test_gemm_multi(KERN_Q4_1, 1);
     test_gemm_multi(KERN_Q4_1, 11);
+    test_gemm_multi(KERN_Q4_1, 21);
     test_gemm_multi(KERN_Q8_0, 3);
     test_gemm_multi(KERN_F16, 9);
 }

@@ -102,6 +102,12 @@ inline int __dp4a(int a, int b, int c)
         c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
     return c;
 }
+/* (hi:lo) >> min(shift, 32), the low 32 bits */
+inline unsigned __funnelshift_rc(unsigned lo, unsigned hi, unsigned shift)
+{
+    const unsigned s = shift < 32 ? shift : 32;
+    return (unsigned)((((uint64_t)hi << 32) | lo) >> s);
+}
 void emu_fail(const char *what);
 template <class T> inline T __ldg(const T *p)
 {

@@ -139,16 +139,16 @@ unsigned emu_ballot(bool pred)
 void emu_cp_async(void *dst, const void *src, int bytes)
 {
     if ((uintptr_t)dst % 16 || (uintptr_t)src % 16) emu_fail("misaligned cp.async");
-    if (bytes != 0 && bytes != 16) emu_fail("cp.async size");
-    if (bytes) check_dev(src, 16, "cp.async reads outside an allocation");
+    if (bytes < 0 || bytes > 16) emu_fail("cp.async size");
+    if (bytes) check_dev(src, (size_t)bytes, "cp.async reads outside an allocation");
     F[cur].pending.push_back({ dst, src, bytes });
 }
 
 void emu_cp_wait()
 {
     for (auto &r : F[cur].pending) {
-        if (r.bytes) memcpy(r.dst, r.src, 16);
-        else memset(r.dst, 0, 16);
+        memcpy(r.dst, r.src, (size_t)r.bytes);     /* the rest of the 16 bytes zero-filled */
+        memset((char *)r.dst + r.bytes, 0, (size_t)(16 - r.bytes));
     }
     F[cur].pending.clear();
 }
