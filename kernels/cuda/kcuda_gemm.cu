@@ -77,13 +77,6 @@ __device__ __forceinline__ uint32_t ld32(const uint8_t *p)
     return __ldg(reinterpret_cast<const unsigned int *>(p));
 }
 
-/* A 32-bit word from 2-byte aligned memory (Q8_0 blocks are 34 bytes). */
-__device__ __forceinline__ int ld32_2(const uint8_t *p)
-{
-    const unsigned short *h = reinterpret_cast<const unsigned short *>(p);
-    return (int)((uint32_t)__ldg(h) | (uint32_t)__ldg(h + 1) << 16);
-}
-
 __device__ __forceinline__ uint32_t ld16(const uint8_t *p)
 {
     return __ldg(reinterpret_cast<const unsigned short *>(p));
@@ -96,9 +89,10 @@ __device__ __forceinline__ uint32_t lds32(const uint8_t *p)
 
 /*
  * What each weight type needs: its activation block's size (ABYTES), where a
- * lane's activation block lies in a staged token row (act_at), and a Block
- * that holds one weight block unpacked in registers and forms its float term
- * with one token's staged activations.
+ * lane's activation block lies in a staged token row (act_at), an Act that
+ * holds one token's activation block in registers (read once from shared
+ * memory for all rows of the warp), and a Block that holds one weight block
+ * unpacked in registers and folds its product with an Act into a row's sum.
  *
  * The staged layouts keep a warp's 32 reads of one word on 32 distinct banks:
  * Q8_1 blocks are 9 words apart (9 is odd); Q8_0 blocks are 8.5 words apart,
@@ -115,9 +109,26 @@ template <> struct Weights<KERN_Q4_1> {
     static __device__ __forceinline__ int pad(int) { return 0; }
     static __device__ __forceinline__ int act_at(int lane) { return lane * ABYTES; }
 
+    struct Act {
+        float da, sa;           /* the block's scale and scale * sum of its codes */
+        int lo[4], hi[4];       /* codes of elements 4j..4j+3 and 16+4j.. */
+
+        __device__ __forceinline__ void load(const uint8_t *ab)
+        {
+            const uint32_t ds = lds32(ab);
+            da = kc_half(ds);
+            sa = kc_half(ds >> 16);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                lo[j] = (int)lds32(ab + 4 + 4 * j);
+                hi[j] = (int)lds32(ab + 20 + 4 * j);
+            }
+        }
+    };
+
     struct Block {
         float dw, mw;
-        int lo[4], hi[4];       /* codes of elements 4j..4j+3 and 16+4j.. */
+        int lo[4], hi[4];
 
         __device__ __forceinline__ void load(const uint8_t *row, int b)
         {
@@ -133,25 +144,54 @@ template <> struct Weights<KERN_Q4_1> {
             }
         }
 
-        /* d_w*d_a*isum + m_w*s_a */
-        __device__ __forceinline__ float term(const uint8_t *ab) const
+        /* sum + d_w*d_a*isum + m_w*s_a */
+        __device__ __forceinline__ float add_to(const Act &a, float sum) const
         {
-            const uint32_t ds = lds32(ab);
             int si = 0;
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                si = __dp4a(lo[j], (int)lds32(ab + 4 + 4 * j), si);
-                si = __dp4a(hi[j], (int)lds32(ab + 20 + 4 * j), si);
+                si = __dp4a(lo[j], a.lo[j], si);
+                si = __dp4a(hi[j], a.hi[j], si);
             }
-            return __fadd_rn(__fmul_rn(__fmul_rn(dw, kc_half(ds)), (float)si), __fmul_rn(mw, kc_half(ds >> 16)));
+            return __fadd_rn(sum, __fadd_rn(__fmul_rn(__fmul_rn(dw, a.da), (float)si), __fmul_rn(mw, a.sa)));
         }
     };
 };
+
+/*
+ * A Q8_0 block (34 bytes, so only 2-byte aligned) as its 8 words of codes and
+ * its scale, from the 9 aligned words around it realigned with funnel shifts:
+ * w0..w7 the words at a4, a4 + 4, ...; w8 the half at a4 + 32 (the word there
+ * when the block starts 2 bytes past a4: never a byte past the block).
+ */
+__device__ __forceinline__ void q8_0_words(const uint32_t (&w)[9], uint32_t sh, float &d, int (&q)[8])
+{
+    d = kc_half(w[0] >> sh);
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        q[j] = (int)__funnelshift_rc(w[j], w[j + 1], sh + 16);
+}
 
 template <> struct Weights<KERN_Q8_0> {
     static constexpr int ABYTES = sizeof(struct kern_block_q8_0);
     static __device__ __forceinline__ int pad(int u) { return u >= 16 * ABYTES / 16 ? 32 : 0; }
     static __device__ __forceinline__ int act_at(int lane) { return lane * ABYTES + (lane >= 16 ? 32 : 0); }
+
+    struct Act {
+        float da;
+        int q[8];
+
+        __device__ __forceinline__ void load(const uint8_t *ab)
+        {
+            const uint32_t sh = (uint32_t)((uintptr_t)ab & 3) * 8;     /* 0 or 16 */
+            const uint8_t *a4 = ab - ((uintptr_t)ab & 3);
+            uint32_t w[9];
+#pragma unroll
+            for (int k = 0; k < 9; k++)
+                w[k] = lds32(a4 + 4 * k);   /* the staged row has room past its last block */
+            q8_0_words(w, sh, da, q);
+        }
+    };
 
     struct Block {
         float dw;
@@ -160,27 +200,24 @@ template <> struct Weights<KERN_Q8_0> {
         __device__ __forceinline__ void load(const uint8_t *row, int b)
         {
             const uint8_t *wb = row + (size_t)b * sizeof(struct kern_block_q8_0);
-            dw = kc_half(ld16(wb));
+            const uint32_t sh = (uint32_t)((uintptr_t)wb & 3) * 8;
+            const uint8_t *a4 = wb - ((uintptr_t)wb & 3);
+            uint32_t w[9];
 #pragma unroll
-            for (int j = 0; j < 8; j++)
-                q[j] = ld32_2(wb + 2 + 4 * j);
+            for (int k = 0; k < 8; k++)
+                w[k] = ld32(a4 + 4 * k);
+            w[8] = sh ? ld32(a4 + 32) : ld16(a4 + 32);
+            q8_0_words(w, sh, dw, q);
         }
 
-        /* d_w*d_a*isum; the 34-byte block is read as the 9 aligned words
-         * around it and realigned with funnel shifts */
-        __device__ __forceinline__ float term(const uint8_t *ab) const
+        /* sum + d_w*d_a*isum */
+        __device__ __forceinline__ float add_to(const Act &a, float sum) const
         {
-            const uint32_t sh = (uint32_t)((uintptr_t)ab & 3) * 8;     /* 0 or 16 */
-            const uint8_t *a4 = ab - ((uintptr_t)ab & 3);
-            uint32_t wd[9];
-#pragma unroll
-            for (int k = 0; k < 9; k++)
-                wd[k] = lds32(a4 + 4 * k);
             int si = 0;
 #pragma unroll
             for (int j = 0; j < 8; j++)
-                si = __dp4a(q[j], (int)__funnelshift_rc(wd[j], wd[j + 1], sh + 16), si);
-            return __fmul_rn(__fmul_rn(dw, kc_half(wd[0] >> sh)), (float)si);
+                si = __dp4a(q[j], a.q[j], si);
+            return __fadd_rn(sum, __fmul_rn(__fmul_rn(dw, a.da), (float)si));
         }
     };
 };
@@ -190,6 +227,16 @@ template <> struct Weights<KERN_F16> {
     static __device__ __forceinline__ int pad(int u) { return 16 * (u / 8); }
     static __device__ __forceinline__ int act_at(int lane) { return lane * ABYTES + 16 * (lane / 4); }
 
+    struct Act {
+        float4 a0, a1;
+
+        __device__ __forceinline__ void load(const uint8_t *ab)
+        {
+            a0 = *reinterpret_cast<const float4 *>(ab);
+            a1 = *reinterpret_cast<const float4 *>(ab + 16);
+        }
+    };
+
     struct Block {
         float wf[8];
 
@@ -198,33 +245,21 @@ template <> struct Weights<KERN_F16> {
             kc_unpack8(__ldg(reinterpret_cast<const uint4 *>(row) + c), wf);
         }
 
-        /* a running sum, not a term: the F16 product adds into acc in place */
-        __device__ __forceinline__ float fma_into(const uint8_t *ab, float x) const
+        /* the chunk folded into the running sum with fmas, as its twin does */
+        __device__ __forceinline__ float add_to(const Act &a, float x) const
         {
-            const float4 a0 = *reinterpret_cast<const float4 *>(ab);
-            const float4 a1 = *reinterpret_cast<const float4 *>(ab + 16);
-            x = __fmaf_rn(wf[0], a0.x, x);
-            x = __fmaf_rn(wf[1], a0.y, x);
-            x = __fmaf_rn(wf[2], a0.z, x);
-            x = __fmaf_rn(wf[3], a0.w, x);
-            x = __fmaf_rn(wf[4], a1.x, x);
-            x = __fmaf_rn(wf[5], a1.y, x);
-            x = __fmaf_rn(wf[6], a1.z, x);
-            x = __fmaf_rn(wf[7], a1.w, x);
+            x = __fmaf_rn(wf[0], a.a0.x, x);
+            x = __fmaf_rn(wf[1], a.a0.y, x);
+            x = __fmaf_rn(wf[2], a.a0.z, x);
+            x = __fmaf_rn(wf[3], a.a0.w, x);
+            x = __fmaf_rn(wf[4], a.a1.x, x);
+            x = __fmaf_rn(wf[5], a.a1.y, x);
+            x = __fmaf_rn(wf[6], a.a1.z, x);
+            x = __fmaf_rn(wf[7], a.a1.w, x);
             return x;
         }
     };
 };
-
-/* The F16 product folds each chunk into the running sum with fmas (as its twin
- * does); the quantized ones add the block's term. */
-template <uint32_t WT, class B> __device__ __forceinline__ float accumulate(const B &w, const uint8_t *ab, float acc)
-{
-    if constexpr (WT == KERN_F16)
-        return w.fma_into(ab, acc);
-    else
-        return __fadd_rn(acc, w.term(ab));
-}
 
 /*
  * Copies activation blocks [c0, c0 + nblk) of tokens t0 .. t0 + nt - 1 into
@@ -244,7 +279,7 @@ __device__ __forceinline__ void stage(uint8_t *tile, const GemmParams &p, int t0
         const int left = bytes - 16 * u;
         if (left <= 0)
             continue;           /* past a partial chunk: never read */
-        kc_cp_async16(tile + t * STAGE_ROW + 16 * u + Weights<WT>::pad(u), src0 + (size_t)t * p.act_stride + 16 * u,
+        kc_cp_async16_ca(tile + t * STAGE_ROW + 16 * u + Weights<WT>::pad(u), src0 + (size_t)t * p.act_stride + 16 * u,
                       left < 16 ? left : 16);
     }
 }
@@ -299,10 +334,12 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_kernel(const GemmParams 
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             if (t < nt) {
+                typename W::Act a;
+                a.load(ab + t * STAGE_ROW);     /* once for the warp's rows */
 #pragma unroll
                 for (int r = 0; r < R; r++)
                     if (live[r])
-                        acc[r][t] = accumulate<WT>(w[r], ab + t * STAGE_ROW, acc[r][t]);
+                        acc[r][t] = w[r].add_to(a, acc[r][t]);
             }
         }
     }

@@ -118,6 +118,14 @@ __device__ __forceinline__ void kc_cp_async16(void *smem, const void *gmem, int 
                  : "memory");
 }
 
+/* The same through L1, for data that other blocks on the SM read too. */
+__device__ __forceinline__ void kc_cp_async16_ca(void *smem, const void *gmem, int src_bytes)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes)
+                 : "memory");
+}
+
 /* Waits for every cp.async this thread issued. Other threads' copies are
  * visible after a barrier (__syncwarp or __syncthreads) that follows. */
 __device__ __forceinline__ void kc_cp_async_wait_all()
@@ -128,6 +136,10 @@ __device__ __forceinline__ void kc_cp_async_wait_all()
 /* The CPU emulation of tests/gpu/emu: the copy is queued per thread and done
  * at the wait, so a read before the wait sees stale data there too. */
 __device__ __forceinline__ void kc_cp_async16(void *smem, const void *gmem, int src_bytes)
+{
+    emu_cp_async(smem, gmem, src_bytes);
+}
+__device__ __forceinline__ void kc_cp_async16_ca(void *smem, const void *gmem, int src_bytes)
 {
     emu_cp_async(smem, gmem, src_bytes);
 }
