@@ -90,6 +90,7 @@ struct request {
     uint32_t chunk_seq;             /* next Chunk.seq */
     int finish;                     /* Kvd__FinishReason once decided, else 0 */
     bool preempted;                 /* released to make room; requeued on Done */
+    uint32_t workers_lost;          /* workers that died (or were killed) while serving it */
     uint32_t lease_want;            /* positions its worker asked for and is waiting for */
     bool failed;                    /* ends with an error reply instead of a Final */
     int fail_code;                  /* Kvd__ErrorCode */

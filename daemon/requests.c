@@ -820,13 +820,25 @@ void req_on_done(struct kvd *k, int w, uint64_t seq_id, int reason, uint32_t n_w
     req_dispatch(k);
 }
 
+/* A request whose workers die this many times is failed rather than resumed
+ * again: one that brings its worker down every time would otherwise take
+ * every worker down, one after another. */
+#define MAX_WORKERS_LOST 3
+
 void req_on_worker_lost(struct kvd *k, int w)
 {
     struct request *r = k->active;
     while (r) {
         struct request *next = r->next;
-        if (r->worker == w)
-            let_go(k, r, -1, NULL); /* resumes elsewhere unless it was stopping */
+        if (r->worker == w) {
+            if (++r->workers_lost >= MAX_WORKERS_LOST && !r->failed && !r->finish) {
+                r->failed = true;
+                r->fail_code = KVD__ERROR_CODE__ERR_INTERNAL;
+                snprintf(r->fail_msg, sizeof(r->fail_msg),
+                         "%u workers died while serving this request; not retried again", r->workers_lost);
+            }
+            let_go(k, r, -1, NULL); /* resumes elsewhere unless it was stopping or failed */
+        }
         r = next;
     }
     retry_leases(k);

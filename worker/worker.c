@@ -372,6 +372,18 @@ static uint32_t plan_step(struct worker *w)
     return n;
 }
 
+/* Exits once what is queued for kvd has gone (2 s at most): a failed batch's
+ * Done messages must reach kvd, which would otherwise take the requests for
+ * those of a worker that died and resume them elsewhere. */
+static void exit_flushed(struct worker *w, int status)
+{
+    int linger = 2000;
+    zmq_setsockopt(w->sock, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_close(w->sock);
+    zmq_ctx_term(w->zctx);
+    exit(status);
+}
+
 static void run_step(struct worker *w, uint32_t n)
 {
     char err[256];
@@ -400,9 +412,17 @@ static void run_step(struct worker *w, uint32_t n)
     /* nothing below may tell kvd a block is written before the kernels that
      * wrote it have completed */
     bool gpu_broken = false;
-    if (rc == 0 && w->gpu) {
-        rc = wgpu_fence(w->gpu, err, sizeof(err));
-        gpu_broken = rc != 0; /* a failed kernel poisons this process's CUDA context */
+    if (w->gpu) {
+        /* a failed kernel poisons this process's CUDA context: every later
+         * call fails too, the fence included. A step refused for its input,
+         * or a failure that left the context usable, passes the fence. */
+        char ferr[256];
+        int frc = wgpu_fence(w->gpu, ferr, sizeof(ferr));
+        gpu_broken = frc != 0;
+        if (rc == 0 && frc != 0) {
+            rc = frc;
+            snprintf(err, sizeof(err), "%s", ferr);
+        }
     }
     w->progress++;
     if (w->trace)
@@ -420,9 +440,11 @@ static void run_step(struct worker *w, uint32_t n)
             if (i >= 0)
                 remove_seq(w, (uint32_t)i);
         }
-        if (gpu_broken)
-            cli_die("GPU %d: %s (exiting: kvd restarts this worker with a fresh context)", w->o.gpu,
-                    err);
+        if (gpu_broken) {
+            fprintf(stderr, "kvd-worker: GPU %d: %s (exiting: kvd restarts this worker with a fresh context)\n",
+                    w->o.gpu, err);
+            exit_flushed(w, 1);
+        }
         return;
     }
     const uint32_t V = w->model->cfg.n_vocab;

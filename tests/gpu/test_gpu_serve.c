@@ -20,6 +20,13 @@
  *                             this program itself where there is no GPU)
  *   test_gpu_serve --bench    aggregate output tokens/s of 32 concurrent
  *                             requests with 1, 2 and 4 workers on GPU 0
+ *   test_gpu_serve --fault    (the emulation only: it injects the fault) a
+ *                             kernel of one worker faults mid-request, as an
+ *                             illegal address does: that request fails with
+ *                             the device's error, the worker exits and kvd
+ *                             restarts it, no block is lost, and requests on
+ *                             both workers then run as without the fault
+ *                             (ctest emu.gpu_fault)
  */
 #include <fcntl.h>
 #include <pthread.h>
@@ -46,6 +53,7 @@
 #define QUESTION 8
 
 static bool cpu_mode, small_model;
+static const char *max_restarts = "0";
 static char dir[64] = "/tmp/kvd-gpu-serve-XXXXXX";
 static char model_path[128], ep[160];
 
@@ -100,7 +108,7 @@ static pid_t start_kvd(int workers, const char *log)
                   "--ctx", "2048", "--max-restarts", "0", (char *)NULL);
         else if (small_model)   /* the emulation: steps take seconds */
             execl(bin, bin, "--model", model_path, "--listen", ep, "--gpu", "0", "--workers-per-gpu", n,
-                  "--kv-memory", "64MiB", "--ctx", "2048", "--max-restarts", "0", "--worker-timeout", "300000",
+                  "--kv-memory", "64MiB", "--ctx", "2048", "--max-restarts", max_restarts, "--worker-timeout", "300000",
                   (char *)NULL);
         else
             execl(bin, bin, "--model", model_path, "--listen", ep, "--gpu", "0", "--workers-per-gpu", n,
@@ -292,6 +300,131 @@ static void test_shared_prefix(void)
         unlink(log);
 }
 
+/* ---- --fault: a device fault in one worker -------------------------------------------- */
+
+struct job_g {
+    int32_t ids[48];
+    int rc;
+    struct kvd_result r;
+};
+
+static void *run_g(void *arg)
+{
+    struct job_g *j = arg;
+    char err[256];
+    kvd_client_t *c = kvd_client_new(ep, 300000, err, sizeof(err));
+    if (c == NULL) {
+        j->rc = KVD_ENOMEM;
+        return NULL;
+    }
+    struct kvd_gen_params p = greedy(j->ids, 48, 16);
+    j->rc = kvd_generate(c, &p, &j->r);
+    kvd_client_destroy(&c);
+    return NULL;
+}
+
+static void short_prompt(int32_t *ids, int which)
+{
+    for (int i = 0; i < 48; i++)
+        ids[i] = 3 + (int32_t)(((uint32_t)(which * 977 + i) * 7919u + 5u) % 8000u);
+}
+
+static void test_fault(void)
+{
+    char log[128], fault[128];
+    snprintf(log, sizeof(log), "%s/kvd.log", dir);
+    snprintf(fault, sizeof(fault), "%s/fault", dir);
+    int fd = open(fault, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    REQUIRE(fd >= 0);
+    close(fd);
+    /* the worker that runs its 120th kernel first faults there: a 2-layer step
+     * is ~25 kernels, so that is a few decode steps into the first request */
+    setenv("EMU_FAULT_FILE", fault, 1);
+    setenv("EMU_FAULT_LAUNCH", "120", 1);
+    max_restarts = "1";
+    pid_t pid = start_kvd(2, log);
+    char err[256];
+    kvd_client_t *c = kvd_client_new(ep, 300000, err, sizeof(err));
+    REQUIRE(c != NULL);
+
+    struct job_g f = { .rc = 0 };
+    short_prompt(f.ids, 0);
+    struct kvd_gen_params p = greedy(f.ids, 48, 32);
+    f.rc = kvd_generate(c, &p, &f.r);
+    printf("fault: the request on the faulting worker: %s (%s)\n", kvd_strerror(f.rc), f.r.error);
+    CHECK(f.rc != 0);
+    CHECK(strstr(f.r.error, "illegal memory access") != NULL);
+    CHECK(access(fault, F_OK) != 0);    /* the fault did happen */
+
+    /* kvd restarts the worker that exited */
+    struct kvd_stats s;
+    uint32_t restarts = 0, alive = 0;
+    for (double until = now_ms() + 120000; now_ms() < until; usleep(100000)) {
+        if (kvd_stats(c, &s) != 0)
+            continue;
+        restarts = alive = 0;
+        for (uint32_t i = 0; i < s.n_workers; i++) {
+            restarts += s.workers[i].restarts;
+            alive += s.workers[i].alive;
+        }
+        if (restarts >= 1 && alive == 2)
+            break;
+    }
+    printf("fault: workers alive %u, restarts %u\n", alive, restarts);
+    CHECK_INT(restarts, 1);
+    CHECK_INT(alive, 2);
+
+    /* two requests at once (one on each worker), then each again without the
+     * cache: all succeed, and equal */
+    static struct job_g g[2];
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++) {
+        short_prompt(g[i].ids, 1 + i);
+        REQUIRE(pthread_create(&t[i], NULL, run_g, &g[i]) == 0);
+    }
+    for (int i = 0; i < 2; i++)
+        pthread_join(t[i], NULL);
+    for (int i = 0; i < 2; i++) {
+        if (g[i].rc != 0)
+            fprintf(stderr, "request %d after the fault: %s (%s)\n", i, kvd_strerror(g[i].rc), g[i].r.error);
+        CHECK_INT(g[i].rc, 0);
+        struct kvd_gen_params q = greedy(g[i].ids, 48, 16);
+        q.no_cache = true;
+        struct kvd_result fresh;
+        CHECK_INT(kvd_generate(c, &q, &fresh), 0);
+        CHECK(g[i].rc == 0 && g[i].r.n_tokens == 16 && fresh.n_tokens == 16 &&
+              memcmp(g[i].r.tokens, fresh.tokens, 16 * sizeof(int32_t)) == 0);
+        kvd_result_free(&fresh);
+        kvd_result_free(&g[i].r);
+    }
+    /* the first request again: its prefix blocks were committed before the
+     * fault, or freed with the dead worker; either way the answer is right */
+    struct kvd_result again, fresh;
+    CHECK_INT(kvd_generate(c, &p, &again), 0);
+    p.no_cache = true;
+    CHECK_INT(kvd_generate(c, &p, &fresh), 0);
+    CHECK(again.n_tokens == 32 && fresh.n_tokens == 32 &&
+          memcmp(again.tokens, fresh.tokens, 32 * sizeof(int32_t)) == 0);
+    CHECK_INT(kvd_stats(c, &s), 0);
+    printf("fault: afterwards %llu requests done, %llu failed; blocks in use %u, pending %u\n",
+           (unsigned long long)s.requests_done, (unsigned long long)s.requests_failed, s.blocks_in_use,
+           s.blocks_pending);
+    CHECK_INT(s.requests_failed, 1);
+    CHECK_INT(s.blocks_in_use, 0);
+    CHECK_INT(s.blocks_pending, 0);
+    CHECK(s.workers[0].tokens > 0 && s.workers[1].tokens > 0);
+    kvd_result_free(&again);
+    kvd_result_free(&fresh);
+    kvd_result_free(&f.r);
+    kvd_client_destroy(&c);
+    CHECK_INT(stop_kvd(pid), 0);
+    unsetenv("EMU_FAULT_FILE");
+    if (check_failures)
+        fprintf(stderr, "kvd's log: %s\n", log);
+    else
+        unlink(log);
+}
+
 /* ---- --bench: tokens/s with 1, 2 and 4 workers ------------------------------------------- */
 
 #define BENCH_CLIENTS 32
@@ -359,8 +492,15 @@ static void bench(void)
 int main(int argc, char **argv)
 {
     cpu_mode = argc > 1 && strcmp(argv[1], "--cpu") == 0;
-    small_model = argc > 1 && strcmp(argv[1], "--small") == 0;
+    const bool fault_mode = argc > 1 && strcmp(argv[1], "--fault") == 0;
+    small_model = fault_mode || (argc > 1 && strcmp(argv[1], "--small") == 0);
     const bool bench_mode = argc > 1 && strcmp(argv[1], "--bench") == 0;
+#ifndef KVD_CUDA_EMU_BUILD
+    if (fault_mode) {
+        printf("skip: --fault needs the emulation, which injects the fault\n");
+        return KVD_TEST_SKIP;
+    }
+#endif
     if (!cpu_mode) {
         char why[256];
         if (kcuda_device_count(why, sizeof(why)) == 0) {
@@ -373,6 +513,8 @@ int main(int argc, char **argv)
     write_model();
     if (bench_mode)
         bench();
+    else if (fault_mode)
+        test_fault();
     else
         test_shared_prefix();
     unlink(model_path);

@@ -7,7 +7,10 @@
  *   uninterrupted run (sampled with a seed, so the draws must resume too). The same for a worker SIGSTOPped mid-stream (declared
  *   dead after --worker-timeout and SIGKILLed by kvd, so no stopped process
  *   lingers). With one worker and --max-restarts 0 the request fails with
- *   KVD_EUNAVAILABLE instead of hanging, and so do later requests.
+ *   KVD_EUNAVAILABLE instead of hanging, and so do later requests. A request
+ *   whose worker is killed every time it resumes fails at the third death
+ *   (ERR_INTERNAL, with the reason) instead of taking down worker after
+ *   worker, and the restarted worker serves the next request.
  * - A client that disappears mid-stream: kvd cancels its request and holds no
  *   block for it.
  * - Past the queue (--max-queue 2 --max-batch 1): ERR_OVERLOADED with a retry
@@ -245,6 +248,67 @@ static void worker_gone(const char *prompt)
     struct kvd_stats s;
     CHECK(sv_wait_idle(k, &s, 5000));
     CHECK_INT(s.requests_failed, 1);
+    kvd_client_destroy(&c);
+    CHECK_INT(sv_stop(k, 20000), 0);
+}
+
+/* ---- a request that takes its worker down every time ---------------------------------- */
+
+struct poison {
+    struct sv_kvd *k;
+    uint32_t next_kill;         /* the chunk at which to kill the serving worker */
+    pid_t killed[4];            /* the workers killed so far */
+    int kills;
+};
+
+static int on_chunk_poison(void *user, const char *text, size_t len, const int32_t *t, size_t n, uint32_t seq)
+{
+    struct poison *pz = user;
+    (void)text;
+    (void)len;
+    (void)t;
+    (void)n;
+    if (seq < pz->next_kill || pz->kills >= 4)
+        return 0;
+    /* the worker that serves it now: alive, and not one already killed (chunks
+     * of a killed worker may still be on their way) */
+    pid_t pid = worker_pid(pz->k, NULL);
+    if (pid <= 0 || (pz->kills > 0 && pid == pz->killed[pz->kills - 1]))
+        return 0;
+    kill(pid, SIGKILL);
+    pz->killed[pz->kills++] = pid;
+    pz->next_kill = seq + 4;
+    return 0;
+}
+
+/* Resumed after each worker death, but not forever: the third death fails
+ * it with a clear error, and the service goes on. */
+static void poison_request(const char *prompt)
+{
+    struct sv_kvd *k = sv_start((const char *[]){ "--workers", "1", "--max-restarts", "5",
+                                                  "--worker-timeout", SLOW_OK, "--kv-memory", "32MiB",
+                                                  "--ctx", "1024", "--step-tokens", "32", NULL });
+    kvd_client_t *c = sv_client(k, 60000);
+    struct kvd_gen_params p = greedy(prompt, 400, true);
+    struct poison pz = { .k = k, .next_kill = 4 };
+    struct kvd_result r;
+    int rc = kvd_generate_stream(c, &p, on_chunk_poison, &pz, &r);
+    fprintf(stderr, "a request whose worker dies every time: %s (%s) after %d kills\n", kvd_strerror(rc),
+            r.error, pz.kills);
+    CHECK_INT(pz.kills, 3);
+    CHECK_INT(rc, KVD_EINTERNAL);
+    CHECK(strstr(r.error, "3 workers died while serving this request") != NULL);
+    kvd_result_free(&r);
+    /* a restarted worker serves the next request */
+    CHECK(wait_worker(k, 30000) > 0);
+    struct kvd_gen_params q = greedy(prompt, 8, true);
+    CHECK_INT(kvd_generate(c, &q, &r), 0);
+    CHECK_INT(r.n_tokens, 8);
+    kvd_result_free(&r);
+    struct kvd_stats s;
+    CHECK(sv_wait_idle(k, &s, 5000));
+    CHECK_INT(s.requests_failed, 1);
+    CHECK_INT(s.blocks_in_use, 0);
     kvd_client_destroy(&c);
     CHECK_INT(sv_stop(k, 20000), 0);
 }
@@ -764,6 +828,9 @@ int main(void)
 
     worker_gone(short_prompt);
     fprintf(stderr, "no worker left: %.1f s\n", ((t1 = sv_now_ms()) - t0) / 1e3);
+    poison_request(short_prompt);
+    fprintf(stderr, "a request whose worker dies every time: %.1f s\n", ((t0 = sv_now_ms()) - t1) / 1e3);
+    t1 = t0;
     overload(short_prompt);
     fprintf(stderr, "overload: %.1f s\n", ((t0 = sv_now_ms()) - t1) / 1e3);
     small_pool();

@@ -7,9 +7,12 @@
  *
  * Environment: EMU_ORDER=reverse runs each step's threads from the last to
  * the first (a result that changes with it is a race); EMU_NOGRAPH=1 refuses
- * graph capture, as a device without it; EMU_NODEV=1 reports no device.
+ * graph capture, as a device without it; EMU_NODEV=1 reports no device;
+ * EMU_FAULT_FILE and EMU_FAULT_LAUNCH inject a device fault (below).
  */
 #include <map>
+
+#include <unistd.h>
 
 #include "emu_cuda.h"
 
@@ -212,9 +215,39 @@ static void run_block()
 bool emu_capturing;
 std::vector<emu_node> emu_captured;
 
+/*
+ * An injected device fault, to test what a process does with a CUDA context
+ * that a kernel has broken: with EMU_FAULT_FILE naming a file and
+ * EMU_FAULT_LAUNCH=N, the process whose N-th kernel is about to run while the
+ * file exists removes it (so one process of several faults) and from then on
+ * behaves as a context after an illegal address: no kernel or copy runs, and
+ * every synchronizing call and cudaGetLastError report the error, for good.
+ */
+static bool faulted;
+static long launches;
+
+static bool fault_now()
+{
+    static const char *file = getenv("EMU_FAULT_FILE");
+    static const long at = getenv("EMU_FAULT_LAUNCH") ? atol(getenv("EMU_FAULT_LAUNCH")) : 0;
+    if (faulted)
+        return true;
+    if (file == nullptr || at <= 0 || ++launches < at)
+        return false;
+    if (unlink(file) == 0) {
+        fprintf(stderr, "emulation: device fault injected at kernel %ld (pid %d)\n", launches, (int)getpid());
+        faulted = true;
+    }
+    return faulted;
+}
+
+static cudaError_t status() { return faulted ? cudaErrorIllegalAddress : cudaSuccess; }
+
 void emu_run_grid(dim3 grid, dim3 block, const std::function<void()> &body)
 {
     if (emu_capturing) { emu_captured.push_back({ grid, block, body }); return; }
+    if (fault_now())
+        return;
     if (block.y != 1 || block.z != 1) emu_fail("2-D blocks");
     NT = (int)block.x;
     if ((int)F.size() < NT) F.resize(NT);
@@ -243,9 +276,12 @@ cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr a, int)
     *v = a == cudaDevAttrComputeCapabilityMajor ? 9 : 0;   /* an sm_90 device */
     return cudaSuccess;
 }
-const char *cudaGetErrorString(cudaError_t) { return "emulated error"; }
+const char *cudaGetErrorString(cudaError_t e)
+{
+    return e == cudaErrorIllegalAddress ? "an illegal memory access was encountered (emulated)" : "emulated error";
+}
 const char *cudaGetErrorName(cudaError_t) { return "cudaErrorEmulated"; }
-cudaError_t cudaGetLastError() { return cudaSuccess; }
+cudaError_t cudaGetLastError() { return status(); }
 cudaError_t cudaMalloc(void **p, size_t n)
 {
     n = (n + 255) / 256 * 256;
@@ -266,21 +302,33 @@ void emu_register(void *p, size_t n, bool add)
     else
         allocs.erase((uintptr_t)p);
 }
-cudaError_t cudaMemcpy(void *d, const void *s, size_t n, cudaMemcpyKind) { memmove(d, s, n); return cudaSuccess; }
+cudaError_t cudaMemcpy(void *d, const void *s, size_t n, cudaMemcpyKind)
+{
+    if (faulted) return status();
+    memmove(d, s, n);
+    return cudaSuccess;
+}
 cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, cudaMemcpyKind k, cudaStream_t) { if (emu_capturing) emu_fail("copy during capture"); return cudaMemcpy(d, s, n, k); }
-cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t) { if (emu_capturing) emu_fail("copy during capture"); memset(d, v, n); return cudaSuccess; }
+cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t)
+{
+    if (emu_capturing) emu_fail("copy during capture");
+    if (faulted) return status();
+    memset(d, v, n);
+    return cudaSuccess;
+}
 cudaError_t cudaMemcpy2DAsync(void *d, size_t dp, const void *s, size_t sp, size_t w, size_t h, cudaMemcpyKind, cudaStream_t)
 {
     if (emu_capturing) emu_fail("copy during capture");
+    if (faulted) return status();
     for (size_t i = 0; i < h; i++) memcpy((char *)d + i * dp, (const char *)s + i * sp, w);
     return cudaSuccess;
 }
-cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize() { return status(); }
 struct emu_event { int x; };
 cudaError_t cudaEventCreate(cudaEvent_t *e) { *e = new emu_event; return cudaSuccess; }
 cudaError_t cudaEventDestroy(cudaEvent_t e) { delete e; return cudaSuccess; }
 cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventSynchronize(cudaEvent_t) { return status(); }
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t, cudaEvent_t) { *ms = 1.0f; return cudaSuccess; }
 /* ---- streams, page-locked memory, graphs ---- */
 
@@ -289,7 +337,7 @@ struct emu_graph { std::vector<emu_node> nodes; };
 struct emu_graph_exec { std::vector<emu_node> nodes; };
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) { *s = new CUstream_st; return cudaSuccess; }
 cudaError_t cudaStreamDestroy(cudaStream_t s) { delete s; return cudaSuccess; }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return status(); }
 cudaError_t cudaMallocHost(void **p, size_t n)
 {
     *p = malloc(n);
@@ -319,7 +367,7 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t *e, cudaGraph_t g, unsigned lon
 cudaError_t cudaGraphLaunch(cudaGraphExec_t e, cudaStream_t)
 {
     for (auto &n : e->nodes) emu_run_grid(n.grid, n.block, n.body);
-    return cudaSuccess;
+    return status();
 }
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t e) { delete e; return cudaSuccess; }
 cudaError_t cudaGraphDestroy(cudaGraph_t g) { delete g; return cudaSuccess; }

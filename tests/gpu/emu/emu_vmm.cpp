@@ -113,8 +113,11 @@ extern "C" int kcuda_vmm_fd(const kcuda_vmm_t *m) { return m->fd; }
 
 extern "C" int kcuda_vmm_fence(kcuda_stream_t stream, char *err, size_t errlen)
 {
-    (void)stream;
-    (void)err;
-    (void)errlen;
-    return 0;   /* the emulation's kernels have finished when their launch returns */
+    /* the emulation's kernels have finished when their launch returns; what
+     * is left to report is a fault (emu_rt.cpp), as kcuda_vmm.cu does */
+    cudaError_t e = stream ? cudaStreamSynchronize((cudaStream_t)stream) : cudaDeviceSynchronize();
+    if (e == cudaSuccess)
+        return 0;
+    return kvd_seterr(err, errlen, KVD_EINTERNAL, "GPU work failed before its writes could be reported: %s",
+                      cudaGetErrorString(e));
 }
