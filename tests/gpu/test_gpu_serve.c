@@ -25,8 +25,10 @@
  *                             illegal address does: that request fails with
  *                             the device's error, the worker exits and kvd
  *                             restarts it, no block is lost, and requests on
- *                             both workers then run as without the fault
- *                             (ctest emu.gpu_fault)
+ *                             both workers then run as without the fault;
+ *                             then a worker SIGKILLed mid-request: the
+ *                             request resumes on the other one with the
+ *                             tokens of the uncached run (ctest emu.gpu_fault)
  */
 #include <fcntl.h>
 #include <pthread.h>
@@ -329,6 +331,32 @@ static void short_prompt(int32_t *ids, int which)
         ids[i] = 3 + (int32_t)(((uint32_t)(which * 977 + i) * 7919u + 5u) % 8000u);
 }
 
+/* Kills the worker serving the request when chunk `at` arrives. */
+struct kill_at {
+    int32_t ids[48];
+    uint32_t at;
+    pid_t victim;
+};
+
+static int on_chunk_kill(void *user, const char *text, size_t len, const int32_t *tokens, size_t n, uint32_t seq)
+{
+    struct kill_at *k = user;
+    (void)text; (void)len; (void)tokens; (void)n;
+    if (seq != k->at)
+        return 0;
+    char err[256];
+    kvd_client_t *c = kvd_client_new(ep, 10000, err, sizeof(err));
+    struct kvd_stats s;
+    if (c != NULL && kvd_stats(c, &s) == 0)
+        for (uint32_t i = 0; i < s.n_workers; i++)
+            if (s.workers[i].alive && s.workers[i].running > 0)
+                k->victim = s.workers[i].pid;
+    kvd_client_destroy(&c);
+    if (k->victim > 0)
+        kill(k->victim, SIGKILL);
+    return 0;
+}
+
 static void test_fault(void)
 {
     char log[128], fault[128];
@@ -415,6 +443,30 @@ static void test_fault(void)
     CHECK(s.workers[0].tokens > 0 && s.workers[1].tokens > 0);
     kvd_result_free(&again);
     kvd_result_free(&fresh);
+
+    /* a GPU worker SIGKILLed mid-request: the request resumes on the other
+     * one from the shared device pool and returns what the uncached run does */
+    struct kill_at k = { .at = 3 };
+    short_prompt(k.ids, 9);
+    struct kvd_gen_params kp = greedy(k.ids, 48, 32);
+    kp.no_cache = true;
+    struct kvd_result ref, killed;
+    CHECK_INT(kvd_generate(c, &kp, &ref), 0);
+    kp.no_cache = false;
+    CHECK_INT(kvd_generate_stream(c, &kp, on_chunk_kill, &k, &killed), 0);
+    printf("fault: a worker killed at chunk %u (pid %d): %zu tokens, %s the uncached run\n", k.at, (int)k.victim,
+           killed.n_tokens,
+           killed.n_tokens == ref.n_tokens && memcmp(killed.tokens, ref.tokens, ref.n_tokens * sizeof(int32_t)) == 0
+               ? "equal to"
+               : "DIFFERENT from");
+    CHECK(k.victim > 0);
+    CHECK(killed.n_tokens == 32 && ref.n_tokens == 32 &&
+          memcmp(killed.tokens, ref.tokens, 32 * sizeof(int32_t)) == 0);
+    CHECK_INT(kvd_stats(c, &s), 0);
+    CHECK_INT(s.blocks_in_use, 0);
+    kvd_result_free(&ref);
+    kvd_result_free(&killed);
+
     kvd_result_free(&f.r);
     kvd_client_destroy(&c);
     CHECK_INT(stop_kvd(pid), 0);
