@@ -267,7 +267,7 @@ template <> struct Weights<KERN_F16> {
  * all threads of the block, consecutive threads on consecutive units. A
  * partial last unit reads only the row's bytes.
  */
-template <uint32_t WT, int NT>
+template <uint32_t WT>
 __device__ __forceinline__ void stage(uint8_t *tile, const GemmParams &p, int t0, int nt, int c0, int nblk)
 {
     constexpr int AB = Weights<WT>::ABYTES;
@@ -279,8 +279,8 @@ __device__ __forceinline__ void stage(uint8_t *tile, const GemmParams &p, int t0
         const int left = bytes - 16 * u;
         if (left <= 0)
             continue;           /* past a partial chunk: never read */
-        kc_cp_async16_ca(tile + t * STAGE_ROW + 16 * u + Weights<WT>::pad(u), src0 + (size_t)t * p.act_stride + 16 * u,
-                      left < 16 ? left : 16);
+        kc_cp_async16_ca(tile + t * STAGE_ROW + 16 * u + Weights<WT>::pad(u),
+                         src0 + (size_t)t * p.act_stride + 16 * u, left < 16 ? left : 16);
     }
 }
 
@@ -325,7 +325,7 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_kernel(const GemmParams 
             if (mine && live[r])
                 w[r].load(wrow[r], c0 + lane);      /* in flight across the copy below */
         __syncthreads();        /* every warp is done with the previous chunk */
-        stage<WT, NT>(tile, p, t0, nt, c0, nblk);
+        stage<WT>(tile, p, t0, nt, c0, nblk);
         kc_cp_async_wait_all();
         __syncthreads();
         if (!mine)
