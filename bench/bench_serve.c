@@ -25,8 +25,12 @@
  * the engine (kvd-run's path: template, tokenizer, cache, one step, sampler),
  * alternating, medians of 31.
  *
+ * With --sampled, the kvd run is repeated with kvd's default sampling
+ * (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05; a seed per request),
+ * and the ratio of its output tokens/s to the greedy run's is printed.
+ *
  * Usage: bench-serve [-m MODEL] [--llama-server PATH] [--sessions S] [--turns T]
- *                    [--system-tokens L] [--max-tokens N] [-t THREADS] [--json]
+ *                    [--system-tokens L] [--max-tokens N] [-t THREADS] [--sampled] [--json]
  */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -66,6 +70,7 @@ struct cfg {
     int sessions, turns, max_tokens, threads, system_tokens;
     bool json;
     bool overhead_only;     /* only the daemon-overhead measurement */
+    bool sampled;           /* also a run with kvd's default sampling (--sampled) */
     char bin_dir[4096], tmp[64];
 };
 
@@ -217,6 +222,7 @@ struct session_arg {
     int session, turns;
     bool no_cache;
     bool llama;
+    bool sampled;           /* kvd's default sampling, seeded, instead of greedy */
 };
 
 struct first_chunk {
@@ -248,7 +254,10 @@ static void *kvd_session(void *p)
         gp.messages = msgs;
         gp.n_messages = nm;
         gp.max_tokens = (uint32_t)C.max_tokens;
-        gp.temperature = 0;
+        if (a->sampled)
+            gp.seed = (uint64_t)(a->session * 100 + t + 1);    /* the server's default sampling */
+        else
+            gp.temperature = 0;
         gp.ignore_eos = true;
         gp.no_cache = a->no_cache;
         struct kvd_result res;
@@ -494,14 +503,14 @@ static bool start_llama(void)
 
 /* ---- runs ------------------------------------------------------------------------------------- */
 
-static void run_sessions(struct run *r, int sessions, int turns, bool no_cache, bool llama)
+static void run_sessions(struct run *r, int sessions, int turns, bool no_cache, bool llama, bool sampled)
 {
     pthread_t th[MAX_SESSIONS];
     struct session_arg args[MAX_SESSIONS];
     pthread_mutex_init(&r->mu, NULL);
     double t0 = now_ms();
     for (int i = 0; i < sessions; i++) {
-        args[i] = (struct session_arg){ r, i, turns, no_cache, llama };
+        args[i] = (struct session_arg){ r, i, turns, no_cache, llama, sampled };
         pthread_create(&th[i], NULL, llama ? llama_session : kvd_session, &args[i]);
     }
     for (int i = 0; i < sessions; i++)
@@ -513,7 +522,7 @@ static void warm_up(bool llama)
 {
     struct run w = { .name = "warm-up" };
     pthread_mutex_init(&w.mu, NULL);
-    struct session_arg a = { &w, 999, 1, false, llama };
+    struct session_arg a = { &w, 999, 1, false, llama, false };
     if (llama)
         llama_session(&a);
     else
@@ -777,8 +786,9 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "-t") && v) C.threads = atoi(argv[++i]);
         else if (!strcmp(a, "--json")) C.json = true;
         else if (!strcmp(a, "--overhead-only")) C.overhead_only = true;
+        else if (!strcmp(a, "--sampled")) C.sampled = true;
         else die("usage: bench-serve [-m MODEL] [--llama-server PATH] [--sessions S] [--turns T] "
-                 "[--system-tokens L] [--max-tokens N] [--text FILE] [-t THREADS] [--json]");
+                 "[--system-tokens L] [--max-tokens N] [--text FILE] [-t THREADS] [--sampled] [--json]");
     }
     if (C.sessions < 1 || C.sessions > MAX_SESSIONS || C.turns < 1 || C.turns > MAX_TURNS)
         die("--sessions 1..%d, --turns 1..%d", MAX_SESSIONS, MAX_TURNS);
@@ -802,7 +812,8 @@ int main(int argc, char **argv)
     fclose(f);
     system_prompt[got] = 0;
 
-    static struct run on = { .name = "kvd" }, llama = { .name = "llama-server" };
+    static struct run on = { .name = "kvd" }, llama = { .name = "llama-server" },
+                      sampled = { .name = "kvd, sampled" };
     start_kvd();
     if (C.overhead_only) {
         struct overhead_parts busy, idle;
@@ -814,8 +825,12 @@ int main(int argc, char **argv)
         return 0;
     }
     warm_up(false);
-    run_sessions(&on, C.sessions, C.turns, false, false);
+    run_sessions(&on, C.sessions, C.turns, false, false, false);
     on.blocks = kvd_blocks_held();
+    if (C.sampled) {
+        run_sessions(&sampled, C.sessions, C.turns, false, false, true);
+        sampled.blocks = kvd_blocks_held();
+    }
     double ttft_cached = ttft_alone(false), ttft_uncached = ttft_alone(true);
     struct overhead_parts busy, idle;
     overhead(0, &busy);
@@ -825,7 +840,7 @@ int main(int argc, char **argv)
     if (C.llama) {
         if (start_llama()) {
             warm_up(true);
-            run_sessions(&llama, C.sessions, C.turns, false, true);
+            run_sessions(&llama, C.sessions, C.turns, false, true, false);
             have_llama = true;
         } else {
             fprintf(stderr, "bench-serve: llama-server did not start (see %s/llama.log)\n", C.tmp);
@@ -844,6 +859,8 @@ int main(int argc, char **argv)
         print_run(&on, true);
         if (have_llama)
             print_run(&llama, false);
+        if (C.sampled)
+            print_run(&sampled, false);
         printf("],\"ttft_alone_cached_ms\":%.1f,\"ttft_alone_uncached_ms\":%.1f", ttft_cached,
                ttft_uncached);
         printf(",\"ttft_cache_ratio\":%.2f,\"tps_vs_llama\":%.3f,\"overhead_ms\":%.3f,"
@@ -862,6 +879,13 @@ int main(int argc, char **argv)
     print_run(&on, true);
     if (have_llama)
         print_run(&llama, false);
+    if (C.sampled) {
+        print_run(&sampled, false);
+        uint64_t gs;
+        totals(&sampled, &p, &c, &gs, &ok);
+        printf("output tokens/s, sampled (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05) / greedy: "
+               "%.2fx\n", (gs / (sampled.wall_ms / 1e3)) / (g1 / (on.wall_ms / 1e3)));
+    }
     printf("TTFT alone (new question after the system prompt): cached %.1f ms, cache bypassed "
            "%.1f ms: %.1fx   (target >= 20x)\n", ttft_cached, ttft_uncached, ttft_ratio);
     if (have_llama)

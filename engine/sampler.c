@@ -22,6 +22,7 @@ struct sampler {
     uint32_t n_vocab;
     uint64_t rng[4];        /* xoshiro256** state */
     struct cand *cands;     /* (n_vocab) */
+    struct cand *spare;     /* (n_vocab) the radix sort's other buffer */
     float *work;            /* (n_vocab) penalized logits */
     int32_t *pen;           /* penalized ids of the last plan */
     size_t pen_cap;         /* ids pen holds: min(repeat_last_n, n_vocab) */
@@ -93,11 +94,12 @@ sampler_t *sampler_new(const struct sampler_params *p, uint32_t n_vocab, char *e
     s->p = *p;
     s->n_vocab = n_vocab;
     s->cands = malloc((size_t)n_vocab * sizeof(*s->cands));
+    s->spare = malloc((size_t)n_vocab * sizeof(*s->spare));
     s->work = malloc((size_t)n_vocab * sizeof(float));
     /* distinct in-range ids of the window: at most the window, at most the vocabulary */
     s->pen_cap = (uint32_t)p->repeat_last_n < n_vocab ? (uint32_t)p->repeat_last_n : n_vocab;
     s->pen = malloc((s->pen_cap ? s->pen_cap : 1) * sizeof(int32_t));
-    if (s->cands == NULL || s->work == NULL || s->pen == NULL)
+    if (s->cands == NULL || s->spare == NULL || s->work == NULL || s->pen == NULL)
         goto nomem;
     sampler_reseed(s, p->seed);
     return s;
@@ -119,6 +121,7 @@ void sampler_destroy(sampler_t **sp)
     if (sp == NULL || *sp == NULL)
         return;
     free((*sp)->cands);
+    free((*sp)->spare);
     free((*sp)->work);
     free((*sp)->pen);
     free(*sp);
@@ -214,28 +217,32 @@ int32_t sampler_sample(sampler_t *s, const float *logits, const int32_t *history
     return sampler_pick(s, &d, logits);
 }
 
-int32_t sampler_pick(sampler_t *s, const struct sampler_draw *p, const float *logits)
+/* The penalized row in s->work; returns false for a greedy draw, with *id set. */
+static bool penalize(sampler_t *s, const struct sampler_draw *p, const float *logits, int32_t *id)
 {
-    const uint32_t n = s->n_vocab;
     float *w = s->work;
-    memcpy(w, logits, n * sizeof(float));
+    memcpy(w, logits, s->n_vocab * sizeof(float));
     for (uint32_t i = 0; i < p->n_penalized; i++) {
-        const int32_t id = p->penalized[i];
-        w[id] = w[id] > 0.0f ? w[id] / p->repeat_penalty : w[id] * p->repeat_penalty;
+        const int32_t t = p->penalized[i];
+        w[t] = w[t] > 0.0f ? w[t] / p->repeat_penalty : w[t] * p->repeat_penalty;
     }
-    if (p->temperature <= 0.0f)
-        return sampler_argmax(w, n);
-
-    struct cand *c = s->cands;
-    for (uint32_t i = 0; i < n; i++) {
-        c[i].id = (int32_t)i;
-        c[i].logit = w[i];
+    if (p->temperature <= 0.0f) {
+        *id = sampler_argmax(w, s->n_vocab);
+        return false;
     }
-    qsort(c, n, sizeof(*c), cand_cmp);
-    size_t k = n;
-    if (p->top_k > 0 && (uint32_t)p->top_k < k)
-        k = (size_t)p->top_k;
+    return true;
+}
 
+/* k, the candidates top-k keeps (all of them when it is off) */
+static size_t keep_k(const struct sampler_draw *p, uint32_t n)
+{
+    return p->top_k > 0 && (uint32_t)p->top_k < n ? (size_t)p->top_k : n;
+}
+
+/* Truncations (top-p, min-p over the k best, in cand_cmp's order in c),
+ * temperature and the draw. */
+static int32_t draw_from(const struct sampler_draw *p, struct cand *c, size_t k)
+{
     /* probabilities at temperature 1 for the truncations (llama.cpp applies
      * top-p and min-p before temperature) */
     double sum = 0.0;
@@ -274,4 +281,120 @@ int32_t sampler_pick(sampler_t *s, const struct sampler_draw *p, const float *lo
             return c[i].id;
     }
     return c[k - 1].id;
+}
+
+/* a before b in cand_cmp's order (neither NaN) */
+static inline bool ahead(float la, int32_t ia, float lb, int32_t ib)
+{
+    return la > lb || (la == lb && ia < ib);
+}
+
+static void sift_down(struct cand *h, size_t k, size_t i)
+{
+    /* h is a heap whose root is the last in cand_cmp's order */
+    for (;;) {
+        size_t worst = i, l = 2 * i + 1, r = l + 1;
+        if (l < k && ahead(h[worst].logit, h[worst].id, h[l].logit, h[l].id))
+            worst = l;
+        if (r < k && ahead(h[worst].logit, h[worst].id, h[r].logit, h[r].id))
+            worst = r;
+        if (worst == i)
+            return;
+        const struct cand t = h[i];
+        h[i] = h[worst];
+        h[worst] = t;
+        i = worst;
+    }
+}
+
+/* The k best of w (n values, none NaN) into c[0..k), in cand_cmp's order: a
+ * heap of the k best so far, whose root (the worst of them) each newcomer
+ * must beat, then a sort of the k. */
+static void best_by_heap(struct cand *c, const float *w, uint32_t n, size_t k)
+{
+    for (size_t i = 0; i < k; i++)
+        c[i] = (struct cand){ (int32_t)i, w[i] };
+    for (size_t i = k / 2; i-- > 0;)
+        sift_down(c, k, i);
+    for (uint32_t i = (uint32_t)k; i < n; i++) {
+        if (ahead(w[i], (int32_t)i, c[0].logit, c[0].id)) {
+            c[0] = (struct cand){ (int32_t)i, w[i] };
+            sift_down(c, k, 0);
+        }
+    }
+    qsort(c, k, sizeof(*c), cand_cmp);
+}
+
+/* Descending float order as ascending unsigned keys; -0 is +0 (cand_cmp
+ * finds them equal, and then the ids decide). */
+static inline uint32_t desc_key(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    if (u == 0x80000000u)
+        u = 0;
+    const uint32_t asc = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ~asc;
+}
+
+/* All n of w (none NaN) into c in cand_cmp's order: a stable radix sort on
+ * the keys, four passes of 8 bits, from candidates in id order (so equal
+ * logits stay in id order). */
+static void all_by_radix(struct cand *c, struct cand *spare, const float *w, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        c[i] = (struct cand){ (int32_t)i, w[i] };
+    struct cand *from = c, *to = spare;
+    for (int shift = 0; shift < 32; shift += 8) {
+        uint32_t count[257] = { 0 };
+        for (uint32_t i = 0; i < n; i++)
+            count[((desc_key(from[i].logit) >> shift) & 0xff) + 1]++;
+        for (int b = 0; b < 256; b++)
+            count[b + 1] += count[b];
+        for (uint32_t i = 0; i < n; i++)
+            to[count[(desc_key(from[i].logit) >> shift) & 0xff]++] = from[i];
+        struct cand *t = from;
+        from = to;
+        to = t;
+    }
+    /* an even number of passes: the result is back in c */
+}
+
+/* Top-k up to this many is a heap selection; more, or off, a radix sort. */
+#define HEAP_K_MAX 2048
+
+int32_t sampler_pick(sampler_t *s, const struct sampler_draw *p, const float *logits)
+{
+    int32_t id;
+    if (!penalize(s, p, logits, &id))
+        return id;
+    const uint32_t n = s->n_vocab;
+    const float *w = s->work;
+    bool nan = false;
+    for (uint32_t i = 0; i < n; i++)
+        nan |= w[i] != w[i];
+    const size_t k = keep_k(p, n);
+    if (nan) {
+        /* no total order: the definition's sort, whatever it makes of them */
+        for (uint32_t i = 0; i < n; i++)
+            s->cands[i] = (struct cand){ (int32_t)i, w[i] };
+        qsort(s->cands, n, sizeof(*s->cands), cand_cmp);
+    } else if (k <= HEAP_K_MAX && k < n) {
+        best_by_heap(s->cands, w, n, k);
+    } else {
+        all_by_radix(s->cands, s->spare, w, n);
+    }
+    return draw_from(p, s->cands, k);
+}
+
+int32_t sampler_pick_sorted(sampler_t *s, const struct sampler_draw *p, const float *logits)
+{
+    int32_t id;
+    if (!penalize(s, p, logits, &id))
+        return id;
+    const uint32_t n = s->n_vocab;
+    for (uint32_t i = 0; i < n; i++)
+        s->cands[i] = (struct cand){ (int32_t)i, s->work[i] };
+    qsort(s->cands, n, sizeof(*s->cands), cand_cmp);
+    return draw_from(p, s->cands, keep_k(p, n));
 }

@@ -64,8 +64,15 @@ struct sampler_draw {
 void sampler_plan(sampler_t *s, const int32_t *history, size_t n_hist, struct sampler_draw *d);
 
 /* Picks a token from n_vocab logits (not modified) as d says; s lends its
- * scratch (any sampler of the same vocabulary will do). */
+ * scratch (any sampler of the same vocabulary will do). The candidates are
+ * ordered by logit (descending; equal logits by id) and only the top-k are
+ * kept: they are selected with a heap (top-k up to 2048) or the row is radix
+ * sorted, in both cases into exactly the order of a full sort. */
 int32_t sampler_pick(sampler_t *s, const struct sampler_draw *d, const float *logits);
+
+/* The same by the definition: the whole row sorted with qsort, then cut to
+ * top-k. The same ids as sampler_pick for every draw (unit.sampler checks). */
+int32_t sampler_pick_sorted(sampler_t *s, const struct sampler_draw *d, const float *logits);
 
 /* Index of the largest logit, lowest index on a tie. */
 int32_t sampler_argmax(const float *logits, uint32_t n);

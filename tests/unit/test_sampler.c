@@ -57,6 +57,75 @@ static void check_argmax(void)
     CHECK_INT(bad, 0);
 }
 
+/* xorshift for the rows below */
+static uint64_t rs = 0x243f6a8885a308d3ull;
+static uint32_t rnd(void)
+{
+    rs ^= rs << 13;
+    rs ^= rs >> 7;
+    rs ^= rs << 17;
+    return (uint32_t)(rs >> 32);
+}
+
+/*
+ * sampler_pick (heap selection of the top-k, or a radix sort of the row)
+ * against sampler_pick_sorted (the whole row through qsort): the same ids for
+ * the same draws, over rows that are spread, coarse (many exact ties), mixed
+ * -0/+0, with infinities, with a NaN, and top-k on both sides of the heap's
+ * limit, at the vocabulary's size and off.
+ */
+static void pick_against_sort(void)
+{
+    static const uint32_t vocab[] = { 1, 2, 7, 100, 3000, 49152 };
+    static const int32_t ks[] = { 0, 1, 2, 40, 1023, 2048, 2049, 2999, 3000, 49151, 49152, 60000 };
+    static float row[49152];
+    int n_cases = 0, differ = 0;
+    for (size_t vi = 0; vi < sizeof(vocab) / sizeof(vocab[0]); vi++) {
+        const uint32_t n = vocab[vi];
+        sampler_t *a = make(0.0f, 0, 1.0f, 0.0f, 1.0f, 0, n), *b = make(0.0f, 0, 1.0f, 0.0f, 1.0f, 0, n);
+        for (int kind = 0; kind < 5; kind++) {
+            for (uint32_t i = 0; i < n; i++) {
+                const uint32_t r = rnd();
+                switch (kind) {
+                case 0: row[i] = (float)(r % 2000001) / 1e5f - 10.0f; break;       /* spread */
+                case 1: row[i] = (float)(r % 7) - 3.0f; break;                     /* coarse: ties */
+                case 2: row[i] = (r & 1) ? -0.0f : 0.0f; break;                    /* only zeros */
+                case 3: row[i] = r % 50 == 0 ? INFINITY : r % 50 == 1 ? -INFINITY
+                                                                     : (float)(r % 1000) / 100.0f; break;
+                default: row[i] = (float)(r % 3000) / 300.0f; break;               /* NaN below */
+                }
+            }
+            if (kind == 4)
+                row[rnd() % n] = NAN;
+            for (size_t ki = 0; ki < sizeof(ks) / sizeof(ks[0]); ki++) {
+                if (ks[ki] > (int32_t)n + 1 && ks[ki] != 60000)
+                    continue;
+                for (int v = 0; v < 4; v++) {
+                    const int32_t pen[3] = { 0, (int32_t)(n / 2), (int32_t)(n - 1) };
+                    struct sampler_draw d = {
+                        .temperature = v == 3 ? 1.5f : 0.7f, .top_k = ks[ki], .top_p = v == 1 ? 0.5f : v == 2 ? 0.9f : 1.0f,
+                        .min_p = v == 2 ? 0.05f : 0.0f, .log_min_p = v == 2 ? log(0.05) : 0.0,
+                        .repeat_penalty = v == 3 ? 1.3f : 1.0f, .u = (double)(rnd() >> 8) * 0x1.0p-24,
+                        .n_penalized = v == 3 && n >= 3 ? 3 : 0, .penalized = pen,
+                    };
+                    const int32_t x = sampler_pick(a, &d, row), y = sampler_pick_sorted(b, &d, row);
+                    n_cases++;
+                    if (x != y) {
+                        if (differ++ < 5)
+                            fprintf(stderr, "  vocab %u kind %d top-k %d variant %d: pick %d, sorted %d\n", n, kind,
+                                    ks[ki], v, x, y);
+                    }
+                }
+            }
+        }
+        sampler_destroy(&a);
+        sampler_destroy(&b);
+    }
+    printf("sampler_pick against the full sort: %d draws, %d differ\n", n_cases, differ);
+    CHECK_INT(differ, 0);
+    CHECK(n_cases > 500);
+}
+
 int main(void)
 {
     check_argmax();
@@ -196,5 +265,6 @@ int main(void)
         sampler_destroy(&y);
         sampler_destroy(&scratch);
     }
+    pick_against_sort();
     return CHECK_DONE();
 }
