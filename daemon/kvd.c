@@ -27,6 +27,7 @@
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -399,6 +400,25 @@ static void drain_socket(struct kvd *k, void *sock, bool from_workers)
     zmq_msg_close(&body);
 }
 
+/* A worker that exited on its own may have sent its last messages just before
+ * (the Done of a batch whose step broke its GPU context: it flushes them
+ * before exiting): they are read before the exit is handled, or its requests
+ * would be taken for those of a crashed worker and resumed. Waits at most
+ * 500 ms, and stops at the first 50 ms with nothing more. */
+static void drain_before_reap(struct kvd *k)
+{
+    siginfo_t si;
+    memset(&si, 0, sizeof(si));
+    if (waitid(P_ALL, 0, &si, WEXITED | WNOHANG | WNOWAIT) != 0 || si.si_pid == 0 || si.si_code != CLD_EXITED)
+        return;     /* none exited, or one was killed: it flushed nothing */
+    for (double until = cli_now_ms() + 500; cli_now_ms() < until;) {
+        zmq_pollitem_t it = { k->wsock, 0, ZMQ_POLLIN, 0 };
+        if (zmq_poll(&it, 1, 50) <= 0)
+            break;
+        drain_socket(k, k->wsock, true);
+    }
+}
+
 static void start_drain(struct kvd *k)
 {
     if (k->draining)
@@ -434,6 +454,7 @@ static void loop(struct kvd *k, int sfd)
             drain_socket(k, k->wsock, true);
         if (items[0].revents & ZMQ_POLLIN)
             drain_socket(k, k->clients, false);
+        drain_before_reap(k);
         workers_reap(k);
         workers_tick(k);
         req_tick(k);
