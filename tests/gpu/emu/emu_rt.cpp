@@ -220,10 +220,12 @@ std::vector<emu_node> emu_captured;
  * that a kernel has broken: with EMU_FAULT_FILE naming a file and
  * EMU_FAULT_LAUNCH=N, the process whose N-th kernel is about to run while the
  * file exists removes it (so one process of several faults) and from then on
- * behaves as a context after an illegal address: no kernel or copy runs, and
- * every synchronizing call and cudaGetLastError report the error, for good.
+ * behaves as a context after an illegal address: no kernel or copy runs; as on
+ * a GPU, the launch itself reports nothing, the next synchronizing call (or
+ * copy) reports the error, and from then on every such call and
+ * cudaGetLastError do, for good.
  */
-static bool faulted;
+static bool faulted, observed;
 static long launches;
 
 static bool fault_now()
@@ -241,7 +243,12 @@ static bool fault_now()
     return faulted;
 }
 
-static cudaError_t status() { return faulted ? cudaErrorIllegalAddress : cudaSuccess; }
+/* what a synchronizing call returns (and after which the error is known) */
+static cudaError_t status()
+{
+    observed = faulted;
+    return faulted ? cudaErrorIllegalAddress : cudaSuccess;
+}
 
 void emu_run_grid(dim3 grid, dim3 block, const std::function<void()> &body)
 {
@@ -281,7 +288,7 @@ const char *cudaGetErrorString(cudaError_t e)
     return e == cudaErrorIllegalAddress ? "an illegal memory access was encountered (emulated)" : "emulated error";
 }
 const char *cudaGetErrorName(cudaError_t) { return "cudaErrorEmulated"; }
-cudaError_t cudaGetLastError() { return status(); }
+cudaError_t cudaGetLastError() { return observed ? cudaErrorIllegalAddress : cudaSuccess; }
 cudaError_t cudaMalloc(void **p, size_t n)
 {
     n = (n + 255) / 256 * 256;
@@ -367,7 +374,7 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t *e, cudaGraph_t g, unsigned lon
 cudaError_t cudaGraphLaunch(cudaGraphExec_t e, cudaStream_t)
 {
     for (auto &n : e->nodes) emu_run_grid(n.grid, n.block, n.body);
-    return status();
+    return observed ? cudaErrorIllegalAddress : cudaSuccess;   /* as a launch: the fault shows later */
 }
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t e) { delete e; return cudaSuccess; }
 cudaError_t cudaGraphDestroy(cudaGraph_t g) { delete g; return cudaSuccess; }
