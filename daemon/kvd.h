@@ -111,6 +111,7 @@ struct worker {
     size_t rid_len;
     uint32_t max_batch;             /* from Ready */
     uint32_t running;               /* sequences assigned */
+    bool isolating;                 /* runs a suspect request alone (see MAX_WORKERS_LOST) */
     uint32_t starved;               /* of them, waiting for blocks kvd owes them */
     uint64_t progress;              /* last heartbeat's counter */
     double last_heartbeat;          /* ms */

@@ -467,12 +467,27 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, uint6
 
 /* ---- dispatch ------------------------------------------------------------------------------------ */
 
-static int pick_worker(struct kvd *k)
+/* A request whose workers die this many times is failed rather than resumed
+ * again: one that brings its worker down every time would otherwise take
+ * every worker down, one after another. From SUSPECT_AFTER deaths on it runs
+ * alone on an idle worker, so that requests that merely shared a batch with
+ * it are not taken down with it again. */
+#define MAX_WORKERS_LOST 3
+#define SUSPECT_AFTER 2
+
+static bool suspect(const struct request *r)
+{
+    return r->workers_lost >= SUSPECT_AFTER;
+}
+
+static int pick_worker(struct kvd *k, const struct request *r)
 {
     int best = -1;
     for (int i = 0; i < KVD_MAX_WORKERS; i++) {
         const struct worker *w = &k->workers[i];
-        if (!w->used || !w->alive || w->draining || w->running >= w->max_batch)
+        if (!w->used || !w->alive || w->draining || w->running >= w->max_batch || w->isolating)
+            continue;
+        if (suspect(r) && w->running > 0)
             continue;
         if (best < 0 || w->running < k->workers[best].running)
             best = i;
@@ -492,7 +507,7 @@ static uint64_t want_positions(const struct kvd *k, uint64_t n)
  * -1 r finished (it can never fit). */
 static int start(struct kvd *k, struct request *r)
 {
-    int w = pick_worker(k);
+    int w = pick_worker(k, r);
     if (w < 0)
         return 0;
     uint32_t wait = POOL_NONE;
@@ -556,6 +571,7 @@ static int start(struct kvd *k, struct request *r)
     struct worker *wk = &k->workers[w];
     if (wk->running++ == 0)
         wk->last_progress = cli_now_ms();
+    wk->isolating = suspect(r);
     workers_send(k, w, &m);
     return 1;
 }
@@ -769,8 +785,8 @@ static void let_go(struct kvd *k, struct request *r, int reason, const char *err
 {
     list_remove(&k->active, r);
     k->n_active--;
-    if (r->worker >= 0 && k->workers[r->worker].running > 0)
-        k->workers[r->worker].running--;
+    if (r->worker >= 0 && k->workers[r->worker].running > 0 && --k->workers[r->worker].running == 0)
+        k->workers[r->worker].isolating = false;
     unstarve(k, r);
     r->worker = -1;
     prefix_seq_release(k->px, &r->ps);
@@ -819,11 +835,6 @@ void req_on_done(struct kvd *k, int w, uint64_t seq_id, int reason, uint32_t n_w
     retry_leases(k);
     req_dispatch(k);
 }
-
-/* A request whose workers die this many times is failed rather than resumed
- * again: one that brings its worker down every time would otherwise take
- * every worker down, one after another. */
-#define MAX_WORKERS_LOST 3
 
 void req_on_worker_lost(struct kvd *k, int w)
 {

@@ -163,6 +163,7 @@ static void lose(struct kvd *k, int i, const char *why)
     if (was_alive)
         req_on_worker_lost(k, i);
     w->running = 0;
+    w->isolating = false;
     w->starved = 0;
     if (w->spawned && !k->draining && !w->unusable &&
         (k->o.max_restarts < 0 || (int)w->restarts < k->o.max_restarts)) {
@@ -296,6 +297,7 @@ static void on_ready(struct kvd *k, const uint8_t *rid, size_t len, uint32_t id,
     w->draining = false;
     w->max_batch = r->max_batch ? r->max_batch : 1;
     w->running = 0;
+    w->isolating = false;
     w->starved = 0;
     w->progress = 0;
     w->last_heartbeat = w->last_progress = cli_now_ms();

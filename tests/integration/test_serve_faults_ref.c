@@ -10,7 +10,9 @@
  *   KVD_EUNAVAILABLE instead of hanging, and so do later requests. A request
  *   whose worker is killed every time it resumes fails at the third death
  *   (ERR_INTERNAL, with the reason) instead of taking down worker after
- *   worker, and the restarted worker serves the next request.
+ *   worker; a request batched with it at the first two deaths then runs
+ *   alone and completes with its uninterrupted tokens; the restarted worker
+ *   serves the next request.
  * - A client that disappears mid-stream: kvd cancels its request and holds no
  *   block for it.
  * - Past the queue (--max-queue 2 --max-batch 1): ERR_OVERLOADED with a retry
@@ -281,14 +283,49 @@ static int on_chunk_poison(void *user, const char *text, size_t len, const int32
     return 0;
 }
 
+struct bystander {
+    struct sv_kvd *k;
+    const char *prompt;
+    atomic_int started;
+    int rc;
+    struct kvd_result r;
+};
+
+static int on_chunk_bystander(void *user, const char *text, size_t len, const int32_t *t, size_t n,
+                              uint32_t seq)
+{
+    (void)text; (void)len; (void)t; (void)n; (void)seq;
+    atomic_store(&((struct bystander *)user)->started, 1);
+    return 0;
+}
+
+static void *run_bystander(void *arg)
+{
+    struct bystander *b = arg;
+    kvd_client_t *c = sv_client(b->k, 120000);
+    struct kvd_gen_params p = greedy(b->prompt, 400, true);
+    b->rc = kvd_generate_stream(c, &p, on_chunk_bystander, b, &b->r);
+    kvd_client_destroy(&c);
+    return NULL;
+}
+
 /* Resumed after each worker death, but not forever: the third death fails
- * it with a clear error, and the service goes on. */
-static void poison_request(const char *prompt)
+ * it with a clear error, and the service goes on. A request batched with it
+ * when the first two deaths came runs alone from then on, so it is not
+ * taken down with it a third time, and completes. */
+static void poison_request(const char *prompt, const char *other)
 {
     struct sv_kvd *k = sv_start((const char *[]){ "--workers", "1", "--max-restarts", "5",
                                                   "--worker-timeout", SLOW_OK, "--kv-memory", "32MiB",
                                                   "--ctx", "1024", "--step-tokens", "32", NULL });
     kvd_client_t *c = sv_client(k, 60000);
+    static struct bystander by;
+    by = (struct bystander){ .k = k, .prompt = other };
+    pthread_t th;
+    REQUIRE(pthread_create(&th, NULL, run_bystander, &by) == 0);
+    for (double until = sv_now_ms() + 30000; !atomic_load(&by.started) && sv_now_ms() < until;)
+        sv_sleep_ms(5);
+    CHECK(atomic_load(&by.started));
     struct kvd_gen_params p = greedy(prompt, 400, true);
     struct poison pz = { .k = k, .next_kill = 4 };
     struct kvd_result r;
@@ -299,6 +336,17 @@ static void poison_request(const char *prompt)
     CHECK_INT(rc, KVD_EINTERNAL);
     CHECK(strstr(r.error, "3 workers died while serving this request") != NULL);
     kvd_result_free(&r);
+    pthread_join(th, NULL);
+    fprintf(stderr, "  the request batched with it: %s, %zu tokens\n", kvd_strerror(by.rc), by.r.n_tokens);
+    CHECK_INT(by.rc, 0);
+    CHECK_INT(by.r.n_tokens, 400);
+    struct kvd_gen_params bp = greedy(other, 400, true);
+    bp.no_cache = true;
+    struct kvd_result alone;
+    CHECK_INT(kvd_generate(c, &bp, &alone), 0);
+    CHECK(same(by.r.tokens, by.r.n_tokens, alone.tokens, alone.n_tokens));
+    kvd_result_free(&alone);
+    kvd_result_free(&by.r);
     /* a restarted worker serves the next request */
     CHECK(wait_worker(k, 30000) > 0);
     struct kvd_gen_params q = greedy(prompt, 8, true);
@@ -808,7 +856,7 @@ static void small_pool(void)
 int main(void)
 {
     REQUIRE(access(KVD_TEST_MODEL, R_OK) == 0);
-    char *short_prompt = sv_slice(300, 200);
+    char *short_prompt = sv_slice(300, 200), *other_prompt = sv_slice(900, 150);
     char *long_prompt = sv_slice(0, 3500);
     double t0 = sv_now_ms(), t1;
 
@@ -828,7 +876,7 @@ int main(void)
 
     worker_gone(short_prompt);
     fprintf(stderr, "no worker left: %.1f s\n", ((t1 = sv_now_ms()) - t0) / 1e3);
-    poison_request(short_prompt);
+    poison_request(short_prompt, other_prompt);
     fprintf(stderr, "a request whose worker dies every time: %.1f s\n", ((t0 = sv_now_ms()) - t1) / 1e3);
     t1 = t0;
     overload(short_prompt);
@@ -837,6 +885,7 @@ int main(void)
     fprintf(stderr, "small pool: %.1f s\n", (sv_now_ms() - t0) / 1e3);
 
     free(short_prompt);
+    free(other_prompt);
     free(long_prompt);
     sv_pass();
     return CHECK_DONE();
