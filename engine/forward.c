@@ -58,6 +58,7 @@ struct engine {
     void **gemm_scratch;    /* (n_threads) per-thread scratch of the matrix products */
     float *logits;          /* (logits_cap, n_vocab) */
     uint32_t logits_cap;    /* rows logits can hold */
+    uint64_t progress;      /* atomic: parallel jobs completed (engine_progress) */
 };
 
 struct engine_params engine_default_params(void)
@@ -68,6 +69,11 @@ struct engine_params engine_default_params(void)
 
 const model_t *engine_model(const engine_t *e) { return e->m; }
 int engine_threads(const engine_t *e) { return e->n_threads; }
+
+uint64_t engine_progress(const engine_t *e)
+{
+    return __atomic_load_n(&e->progress, __ATOMIC_RELAXED);
+}
 
 static void *xmalloc_arr(size_t n, size_t size)
 {
@@ -195,15 +201,24 @@ engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params
 
 /* ---- parallel jobs ---------------------------------------------------------- */
 
+/* Runs one job of the step on every thread of the pool and counts it done. */
+static void run_job(engine_t *e, tpool_fn fn, void *ctx)
+{
+    tpool_run(e->pool, fn, ctx);
+    __atomic_fetch_add(&e->progress, 1, __ATOMIC_RELAXED);
+}
+
 /* Runs a per-token job (norm, quantization, RoPE) on the pool, or on this
  * thread alone when a handful of tokens would not repay waking the others.
  * Each token's result is the same either way. */
 static void run_rows(engine_t *e, tpool_fn fn, void *ctx, uint32_t T)
 {
-    if (T <= 4)
+    if (T <= 4) {
         fn(ctx, 0, 1);
-    else
-        tpool_run(e->pool, fn, ctx);
+        __atomic_fetch_add(&e->progress, 1, __ATOMIC_RELAXED);
+    } else {
+        run_job(e, fn, ctx);
+    }
 }
 
 /* Quantizes rows [0, T) of src (stride n floats) into slot. */
@@ -298,7 +313,7 @@ static void matmul(engine_t *e, struct mm_part *parts, int n, int T)
     struct mm_job j = { .e = e, .n_parts = n, .T = T };
     for (int i = 0; i < n; i++)
         j.part[i] = parts[i];
-    tpool_run(e->pool, mm_run, &j);
+    run_job(e, mm_run, &j);
 }
 
 /* RMSNorm of T rows. */
@@ -582,9 +597,9 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
         struct rope_job rj = { e, seqs, l, (int)T };
         run_rows(e, rope_run, &rj, T);
         struct attn_job aj = { e, seqs, l, (int)T };
-        tpool_run(e->pool, attn_run, &aj);
+        run_job(e, attn_run, &aj);
         if (split)
-            tpool_run(e->pool, merge_run, &aj);
+            run_job(e, merge_run, &aj);
         struct mm_part o = { &L->wo, acts_for(e, L->wo.type, e->xb, qd, (int)T, true), e->x, true };
         matmul(e, &o, 1, (int)T);
         /* feed-forward */

@@ -79,4 +79,9 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
 const model_t *engine_model(const engine_t *e);
 int engine_threads(const engine_t *e);
 
+/* Parallel jobs completed (a few per layer of every step): it grows while a
+ * step runs and never goes back, so a watcher can tell a long step from a
+ * stuck one. Safe to read from any thread. */
+uint64_t engine_progress(const engine_t *e);
+
 #endif

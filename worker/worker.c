@@ -9,7 +9,7 @@
  * it reports what it wrote (Commit), the tokens it sampled (TokenChunk) and
  * the sequences it let go (Done). It writes K/V only into blocks kvd gave it,
  * asks for more (LeaseRequest) before a sequence runs out, and heartbeats
- * with a progress counter (steps completed) so that kvd can tell a hung
+ * with a progress counter (work completed) so that kvd can tell a hung
  * worker from a busy one.
  *
  * Usage: kvd-worker --model M --pool NAME --connect ENDPOINT --id N
@@ -26,13 +26,22 @@
  *
  * With $KVD_WORKER_TRACE set, every step's size and time go to stderr (kvd's
  * log), for benchmarks that split a request's time into compute and the rest.
+ * With $KVD_WORKER_STALL_FILE set, a step does not start while that file
+ * exists, heartbeats going on: how tests make a worker that is alive but
+ * stuck, which kvd must declare hung.
  *
- * Heartbeats go out between steps, so a step is kept short: prefill chunks
- * are cut to what the measured cost per token fits into --step-ms (kvd
- * passes an eighth of its hang timeout), never below 16 tokens.
+ * Heartbeats do not wait for steps: while a step computes, the socket is lent
+ * to a heartbeat thread that keeps the 250 ms beat and reports the engine's
+ * progress, which grows a few times per layer. So a step may take as long as
+ * a slow or busy CPU makes it and the worker still looks alive, and busy,
+ * to kvd; a stopped or hung one does not (no beat, or no progress). Prefill
+ * chunks are still cut to what the measured cost per token fits into
+ * --step-ms (kvd passes an eighth of its hang timeout), never below 16
+ * tokens, so that the decode tokens of running sequences do not wait long.
  */
 #include <errno.h>
 #include <getopt.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -85,6 +94,19 @@ struct wseq {
     uint32_t chunk;         /* tokens it runs in the current step */
 };
 
+/* The heartbeat thread. The socket belongs to the loop, except while a step
+ * runs: then it is lent to this thread (lent = true), which beats on its own
+ * clock. The mutex hands it over with the full memory barrier that ZeroMQ
+ * asks of a socket that changes threads. */
+struct beat {
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;      /* wakes the thread: lent, or quit */
+    bool lent;              /* the thread owns the socket (a step is running) */
+    bool quit;
+    bool started;
+};
+
 struct worker {
     struct options o;
     model_t *model;
@@ -96,7 +118,7 @@ struct worker {
     void *zctx, *sock;
     struct wseq **seqs;     /* running sequences, in arrival order */
     uint32_t n_seqs;
-    uint64_t progress;      /* steps completed */
+    uint64_t progress;      /* steps completed (heartbeats add the engine's jobs) */
     double last_hb;
     bool draining;
     wire_arena_t *arena;
@@ -106,6 +128,8 @@ struct worker {
     const struct sampler_draw **draw_of; /* --gpu: &draws[k], or NULL where no token is due */
     double ms_per_token;    /* measured on prefill-sized steps; 0: not yet */
     bool trace;             /* $KVD_WORKER_TRACE: one stderr line per step */
+    const char *stall_file; /* $KVD_WORKER_STALL_FILE: no step while it exists */
+    struct beat beat;       /* heartbeats while a step runs */
 };
 
 static volatile sig_atomic_t stop_flag;
@@ -133,12 +157,15 @@ static void send_msg(struct worker *w, Kvdw__FromWorker *m)
     free(buf);
 }
 
+/* Sends a heartbeat; the caller owns the socket (the loop, or the heartbeat
+ * thread during a step). Progress counts steps and, within them, the
+ * engine's jobs: it grows while a step computes. */
 static void send_heartbeat(struct worker *w)
 {
     Kvdw__FromWorker m = KVDW__FROM_WORKER__INIT;
     Kvdw__Heartbeat hb = KVDW__HEARTBEAT__INIT;
     hb.has_progress = hb.has_running = true;
-    hb.progress = w->progress;
+    hb.progress = w->progress + (w->engine ? engine_progress(w->engine) : 0);
     hb.running = w->n_seqs;
     m.body_case = KVDW__FROM_WORKER__BODY_HEARTBEAT;
     m.heartbeat = &hb;
@@ -171,6 +198,89 @@ static void send_lease(struct worker *w, struct wseq *s, uint32_t n_positions)
     m.lease = &l;
     send_msg(w, &m);
     s->leasing = true;
+}
+
+/* ---- heartbeats during a step ------------------------------------------------------------ */
+
+static void *beat_main(void *arg)
+{
+    struct worker *w = arg;
+    struct beat *b = &w->beat;
+    pthread_mutex_lock(&b->mu);
+    while (!b->quit) {
+        if (!b->lent) {
+            pthread_cond_wait(&b->cv, &b->mu);
+            continue;
+        }
+        double due = w->last_hb + HEARTBEAT_MS;
+        if (cli_now_ms() >= due) {
+            send_heartbeat(w);
+            due = w->last_hb + HEARTBEAT_MS;
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        long ns = (long)((due - cli_now_ms()) * 1e6);
+        if (ns < 1000000)
+            ns = 1000000;
+        ts.tv_sec += ns / 1000000000L;
+        ts.tv_nsec += ns % 1000000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&b->cv, &b->mu, &ts);
+    }
+    pthread_mutex_unlock(&b->mu);
+    return NULL;
+}
+
+/* Starts the heartbeat thread, with every signal blocked in it so that
+ * SIGTERM still interrupts the loop's poll. */
+static void beat_start(struct worker *w)
+{
+    struct beat *b = &w->beat;
+    pthread_mutex_init(&b->mu, NULL);
+    pthread_cond_init(&b->cv, NULL);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int rc = pthread_create(&b->thread, NULL, beat_main, w);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0)
+        cli_die("cannot start the heartbeat thread: %s", strerror(rc));
+    b->started = true;
+}
+
+/* Lends the socket to the heartbeat thread for the step about to run. */
+static void beat_lend(struct worker *w)
+{
+    pthread_mutex_lock(&w->beat.mu);
+    w->beat.lent = true;
+    pthread_cond_signal(&w->beat.cv);
+    pthread_mutex_unlock(&w->beat.mu);
+}
+
+/* Takes the socket back once the step is done (waits for a beat being sent). */
+static void beat_reclaim(struct worker *w)
+{
+    pthread_mutex_lock(&w->beat.mu);
+    w->beat.lent = false;
+    pthread_mutex_unlock(&w->beat.mu);
+}
+
+static void beat_stop(struct worker *w)
+{
+    struct beat *b = &w->beat;
+    if (!b->started)
+        return;
+    pthread_mutex_lock(&b->mu);
+    b->quit = true;
+    pthread_cond_signal(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+    pthread_join(b->thread, NULL);
+    pthread_cond_destroy(&b->cv);
+    pthread_mutex_destroy(&b->mu);
+    b->started = false;
 }
 
 /* ---- sequences --------------------------------------------------------------------------- */
@@ -407,6 +517,9 @@ static void run_step(struct worker *w, uint32_t n)
         }
     }
     double t0 = cli_now_ms();
+    beat_lend(w);
+    while (w->stall_file && access(w->stall_file, F_OK) == 0 && !stop_flag)
+        usleep(10000);
     int rc = w->gpu ? wgpu_step_sample(w->gpu, w->batch, n, w->draw_of, &ids, &rows, err, sizeof(err))
                     : engine_step(w->engine, w->batch, n, &logits, &rows, err, sizeof(err));
     /* nothing below may tell kvd a block is written before the kernels that
@@ -424,6 +537,7 @@ static void run_step(struct worker *w, uint32_t n)
             snprintf(err, sizeof(err), "%s", ferr);
         }
     }
+    beat_reclaim(w);
     w->progress++;
     if (w->trace)
         fprintf(stderr, "kvd-worker %u: step %u: %u sequences, %u tokens, %.3f ms\n", w->o.id,
@@ -663,12 +777,14 @@ int main(int argc, char **argv)
     cli_init("kvd-worker");
     parse_args(argc, argv, &w.o);
     w.trace = getenv("KVD_WORKER_TRACE") != NULL;
+    w.stall_file = getenv("KVD_WORKER_STALL_FILE");
     struct sigaction sa = { 0 };
     sa.sa_handler = on_signal;
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
     setup(&w);
     send_heartbeat(&w);
+    beat_start(&w);
     zmq_msg_t msg;
     zmq_msg_init(&msg);
     while (!stop_flag && !(w.draining && w.n_seqs == 0)) {
@@ -689,6 +805,7 @@ int main(int argc, char **argv)
             run_step(&w, n);
     }
     zmq_msg_close(&msg);
+    beat_stop(&w);
     /* let go of everything still held, so that kvd can release it */
     while (w.n_seqs > 0) {
         send_done(&w, w.seqs[0], KVDW__DONE_REASON__DONE_CANCELLED, NULL);
