@@ -465,7 +465,9 @@ static void loop(struct kvd *k, int sfd)
             else if (!cancelled && now > k->drain_deadline) {
                 req_cancel_all(k, "kvd is shutting down");
                 cancelled = true;
-                cancel_deadline = now + 2000;
+                /* workers confirm when their step in progress ends: wait
+                 * --worker-timeout for that (at least 2 s), then stop them */
+                cancel_deadline = now + (k->o.worker_timeout_ms > 2000 ? k->o.worker_timeout_ms : 2000);
             } else if (cancelled && now > cancel_deadline) {
                 k->stop = true; /* workers that do not answer are stopped below */
             }

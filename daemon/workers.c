@@ -1,5 +1,6 @@
 /* workers.c - kvd's worker processes: spawn, register, watch, restart. */
 #include <errno.h>
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,7 +13,9 @@
 
 #include "kvd.h"
 
-#define READY_TIMEOUT_MS 60000.0   /* a started worker must say Ready within this */
+/* a started worker must say Ready within this, or --worker-timeout if longer
+ * (it loads the model first: a slow disk or CPU takes longer) */
+#define READY_TIMEOUT_MS 60000.0
 
 static int slot_by_rid(const struct kvd *k, const uint8_t *rid, size_t len)
 {
@@ -234,7 +237,8 @@ void workers_tick(struct kvd *k)
                 snprintf(why, sizeof(why), "no progress for %.0f ms with work: declared hung", stuck);
                 lose(k, i, why);
             }
-        } else if (w->spawned && w->pid > 0 && now - w->last_heartbeat > READY_TIMEOUT_MS) {
+        } else if (w->spawned && w->pid > 0 &&
+                   now - w->last_heartbeat > fmax(READY_TIMEOUT_MS, k->o.worker_timeout_ms)) {
             lose(k, i, "never became ready");
         } else if (w->spawned && w->pid == 0 && w->restart_at > 0 && now >= w->restart_at &&
                    !k->draining) {

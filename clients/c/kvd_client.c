@@ -48,7 +48,6 @@
 #define ARENA_SLACK (1u << 20)          /* arena budget beyond 4 bytes per frame byte (wire.c) */
 #define SMALL_ARENA (4u << 20)          /* budget of the client's reusable arena */
 #define SMALL_FRAME ((SMALL_ARENA - ARENA_SLACK) / 4) /* frames it takes; larger get their own */
-#define CANCEL_WAIT_MS 2000             /* how long a cancelled generate waits for its end */
 #define MAX_OUTPUT_BYTES (256u << 20)   /* text one generate may collect */
 #define SOCKET_HWM 100000               /* messages queued per direction */
 
@@ -752,12 +751,11 @@ static int generate(kvd_client_t *c, const struct kvd_gen_params *p, bool stream
         inbox_release(c, &in);
         if (rc <= 0)
             break;
-        /* each message restarts the wait; a cancelled request gets a short,
-         * fixed while to say how it ended */
-        if (!st.cancelled)
+        /* each message restarts the wait; a cancelled request gets one more
+         * wait, not restarted, to say how it ended: kvd confirms once the
+         * worker's step in progress is over, seconds on a slow CPU */
+        if (!st.cancelled || !was_cancelled)
             deadline = now_ms() + c->timeout_ms;
-        else if (!was_cancelled)
-            deadline = now_ms() + (c->timeout_ms < CANCEL_WAIT_MS ? c->timeout_ms : CANCEL_WAIT_MS);
     }
     if (st.cancelled && (rc == KVD_ETIMEOUT || rc == KVD_EIO)) {
         rc = kvd_seterr(out->error, sizeof(out->error), KVD_ECANCELLED,
