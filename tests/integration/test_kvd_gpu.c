@@ -74,7 +74,7 @@ static void test_kvd(void)
         CHECK(strncmp(last, "kvd: --gpu 0: ", 14) == 0);
         char *nl = strchr(last, '\n');
         CHECK(nl != NULL && nl[1] == '\0'); /* one line */
-        CHECK(ms < 5000);
+        CHECK(ms < 120000); /* a bound on a hang (a probe waiting for a device), not a speed */
         CHECK(strstr(last, "/nonexistent") == NULL);
     } else {
         printf("kvd --gpu 0: a GPU is usable here; it got past the device check: %s", last);

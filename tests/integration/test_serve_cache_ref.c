@@ -29,10 +29,6 @@
 
 #define BLOCK 16
 #define MAX_PROMPT 4096
-/* A worker heartbeats between steps only, and a 256-token prefill step takes
- * seconds on a slow or busy CPU (or under sanitizers): a generous timeout, so
- * that a busy worker is never taken for a hung one here. */
-#define SLOW_OK "30000"
 
 static model_t *model;
 static tok_t *tok;
@@ -117,9 +113,9 @@ static void chat_greedy(kvd_client_t *c, const struct kvd_chat_msg *m, size_t n,
 static void shared_system_prompt(void)
 {
     struct sv_kvd *k = sv_start((const char *[]){ "--workers", "1", "--kv-memory", "48MiB",
-                                                  "--ctx", "2048", "--worker-timeout", SLOW_OK,
-                                                  NULL });
-    kvd_client_t *c = sv_client(k, 120000);
+                                                  "--ctx", "2048", "--worker-timeout",
+                                                  SV_WORKER_TIMEOUT, NULL });
+    kvd_client_t *c = sv_client(k, SV_WAIT_MS);
 
     /* a system prompt of about 1,000 tokens */
     char *sys = sv_slice(0, 4900);
@@ -195,7 +191,7 @@ static void shared_system_prompt(void)
     CHECK(same_tokens(&re, &rf));
 
     struct kvd_stats s;
-    CHECK(sv_wait_idle(k, &s, 10000));
+    CHECK(sv_wait_idle(k, &s, SV_WAIT_MS));
     sv_print_stats("after the sessions", &s);
     CHECK_INT(s.requests_done, 6);
     CHECK_INT(s.requests_failed, 0);
@@ -213,7 +209,7 @@ static void shared_system_prompt(void)
     kvd_result_free(&rd);
     kvd_client_destroy(&c);
     free(sys);
-    CHECK_INT(sv_stop(k, 20000), 0);
+    CHECK_INT(sv_stop(k, SV_WAIT_MS), 0);
 }
 
 /* ---- 2. 32 concurrent clients ------------------------------------------------------ */
@@ -247,7 +243,7 @@ static void *burst_client(void *arg)
 {
     struct job *j = arg;
     char err[256];
-    kvd_client_t *c = kvd_client_new(j->k->ep, 180000, err, sizeof(err));
+    kvd_client_t *c = kvd_client_new(j->k->ep, SV_WAIT_MS, err, sizeof(err));
     pthread_barrier_wait(j->start);
     if (c == NULL) {
         j->rc = KVD_ENOMEM;
@@ -268,8 +264,8 @@ static void *burst_client(void *arg)
 static void concurrent_clients(void)
 {
     struct sv_kvd *k = sv_start((const char *[]){ "--workers", "2", "--kv-memory", "48MiB",
-                                                  "--ctx", "1024", "--worker-timeout", SLOW_OK,
-                                                  NULL });
+                                                  "--ctx", "1024", "--worker-timeout",
+                                                  SV_WORKER_TIMEOUT, NULL });
     char *sys[N_SYS];
     for (int g = 0; g < N_SYS; g++)
         sys[g] = sv_slice(6000 + (size_t)g * 1700, 450);
@@ -300,7 +296,7 @@ static void concurrent_clients(void)
 
     /* each request alone, one after another */
     double t0 = sv_now_ms();
-    kvd_client_t *c = sv_client(k, 120000);
+    kvd_client_t *c = sv_client(k, SV_WAIT_MS);
     for (int i = 0; i < N_REQ; i++) {
         chat_greedy(c, jobs[i].m, 2, GEN, "solo", false, &solo[i]);
         CHECK_INT(solo[i].prompt_tokens, n_toks[i]);
@@ -361,7 +357,7 @@ static void concurrent_clients(void)
     }
 
     struct kvd_stats s;
-    CHECK(sv_wait_idle(k, &s, 10000));
+    CHECK(sv_wait_idle(k, &s, SV_WAIT_MS));
     sv_print_stats("after the burst", &s);
     CHECK_INT(s.requests_done, 2 * N_REQ);
     CHECK_INT(s.requests_failed, 0);
@@ -378,7 +374,7 @@ static void concurrent_clients(void)
     }
     for (int g = 0; g < N_SYS; g++)
         free(sys[g]);
-    CHECK_INT(sv_stop(k, 20000), 0);
+    CHECK_INT(sv_stop(k, SV_WAIT_MS), 0);
 }
 
 int main(void)

@@ -33,7 +33,7 @@ static void still_serving(const char *name)
     m.body_case = KVD__CLIENT_REQUEST__BODY_HEALTH;
     m.health = &h;
     sv_send_msg(sock, &m);
-    Kvd__ServerReply *r = sv_recv(sock, arena, 15000);
+    Kvd__ServerReply *r = sv_recv(sock, arena, SV_WAIT_MS);
     if (r == NULL || r->body_case != KVD__SERVER_REPLY__BODY_HEALTH || r->request_id != health_id)
         fprintf(stderr, "%s: kvd did not answer the health request after it (%s)\n", name,
                 r == NULL ? "no reply" : "another reply first");
@@ -60,7 +60,7 @@ static void expect(const char *name, int code, uint64_t id, uint64_t bad_before)
 {
     n_cases++;
     if (code >= 0) {
-        Kvd__ServerReply *r = sv_recv(sock, arena, 15000);
+        Kvd__ServerReply *r = sv_recv(sock, arena, SV_WAIT_MS);
         if (r == NULL)
             fprintf(stderr, "%s: no reply\n", name);
         REQUIRE(r != NULL);
@@ -128,7 +128,7 @@ static void gen_init(struct gen *x, uint64_t id, const char *prompt)
 /* A greedy request through the client library; returns its tokens (malloc'd). */
 static int32_t *normal_request(size_t *n)
 {
-    kvd_client_t *c = sv_client(kvd, 60000);
+    kvd_client_t *c = sv_client(kvd, SV_WAIT_MS);
     struct kvd_gen_params p;
     kvd_gen_params_init(&p);
     p.prompt = "The capital of France is";
@@ -356,7 +356,7 @@ static void duplicate_id(void)
     v.g.max_tokens = 900;
     v.g.has_ignore_eos = v.g.ignore_eos = true;
     sv_send_msg(sock, &v.m);
-    Kvd__ServerReply *r = sv_recv(sock, arena, 15000);
+    Kvd__ServerReply *r = sv_recv(sock, arena, SV_WAIT_MS);
     REQUIRE(r != NULL);
     CHECK_INT(r->request_id, 500);
     CHECK_INT(r->body_case, KVD__SERVER_REPLY__BODY_ACCEPTED);
@@ -373,7 +373,7 @@ static void duplicate_id(void)
     sv_send_msg(sock, &m);
     bool acc = false, fin = false;
     while (!(acc && fin)) {
-        r = sv_recv(sock, arena, 15000);
+        r = sv_recv(sock, arena, SV_WAIT_MS);
         REQUIRE(r != NULL);
         if (r->request_id == 501) {
             CHECK_INT(r->body_case, KVD__SERVER_REPLY__BODY_ACCEPTED);
@@ -404,7 +404,7 @@ static void flood(void)
     sv_send_msg(sock, &m);
     int errors = 0;
     for (;;) {
-        Kvd__ServerReply *r = sv_recv(sock, arena, 15000);
+        Kvd__ServerReply *r = sv_recv(sock, arena, SV_WAIT_MS);
         REQUIRE(r != NULL);
         if (r->body_case == KVD__SERVER_REPLY__BODY_HEALTH) {
             CHECK_INT(r->request_id, health_id);
@@ -467,7 +467,7 @@ static void fake_worker(void)
     free(buf);
 
     /* kvd reads them in order; poll until all three are counted */
-    double until = sv_now_ms() + 10000;
+    double until = sv_now_ms() + SV_WAIT_MS;
     uint64_t grew = 0;
     while ((grew = bad_messages() - before) < 3 && sv_now_ms() < until)
         sv_sleep_ms(20);
@@ -505,9 +505,8 @@ static void oversized_frame(void)
 int main(void)
 {
     REQUIRE(access(KVD_TEST_MODEL, R_OK) == 0);
-    /* a worker heartbeats between steps only: a generous timeout for slow machines */
     kvd = sv_start((const char *[]){ "--workers", "1", "--kv-memory", "32MiB", "--ctx", "2048",
-                                     "--worker-timeout", "30000", NULL });
+                                     "--worker-timeout", SV_WORKER_TIMEOUT, NULL });
     arena = wire_arena_new(16u << 20);
     REQUIRE(arena != NULL);
     size_t n_ref;
@@ -531,7 +530,7 @@ int main(void)
     size_t n_after;
     int32_t *after = normal_request(&n_after);
     CHECK(n_after == n_ref && memcmp(after, ref, n_ref * sizeof(int32_t)) == 0);
-    CHECK(sv_wait_idle(kvd, &s1, 10000));
+    CHECK(sv_wait_idle(kvd, &s1, SV_WAIT_MS));
     sv_print_stats("after the malformed input", &s1);
     CHECK(s1.bad_messages > s0.bad_messages);
     CHECK(s1.bad_messages - s0.bad_messages >= 5033);
@@ -543,7 +542,7 @@ int main(void)
     wire_arena_destroy(&arena);
     zmq_ctx_term(sv_zctx);
     sv_zctx = NULL;
-    CHECK_INT(sv_stop(kvd, 20000), 0);
+    CHECK_INT(sv_stop(kvd, SV_WAIT_MS), 0);
     sv_pass();
     return CHECK_DONE();
 }
