@@ -34,7 +34,6 @@ from .results import (
 
 PROTOCOL_VERSION = 1            # ClientRequest.version ("must be 1")
 DEFAULT_TIMEOUT = 30.0          # seconds without a message before Timeout
-CANCEL_WAIT = 2.0               # seconds a cancelled stream waits for its Final
 MAX_FRAME = 16 << 20            # largest frame kvd sends or takes (WIRE_MAX_FRAME, ZMQ_MAXMSGSIZE)
 SOCKET_HWM = 100_000            # messages queued per direction
 

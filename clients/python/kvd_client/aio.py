@@ -381,7 +381,7 @@ class AsyncStream(AsyncIterator[Chunk]):
 
     async def aclose(self) -> None:
         """Ends the stream; before its end, cancels the request at kvd and
-        waits a moment (at most 2 s) for kvd to confirm."""
+        waits (at most the client's timeout) for kvd to confirm."""
         if not self._started:
             self._started = self._finished = True
             return
@@ -393,7 +393,9 @@ class AsyncStream(AsyncIterator[Chunk]):
             return
         client._cancel_nowait(self.request_id)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(client.timeout, _wire.CANCEL_WAIT)
+        # kvd confirms once the worker's step in progress is over: one more
+        # wait of the client's timeout for that
+        deadline = loop.time() + client.timeout
         try:
             while not self._finished:
                 left = deadline - loop.time()

@@ -421,7 +421,7 @@ class Stream(Iterator[Chunk]):
 
     def close(self) -> None:
         """Ends the stream. Before its end, the request is cancelled at kvd
-        and the stream waits a moment (at most 2 s) for kvd to confirm, so
+        and the stream waits (at most the client's timeout) for kvd to confirm, so
         that ``result`` says what came (finish_reason "cancelled")."""
         if not self._started:
             self._started = self._finished = True
@@ -433,8 +433,9 @@ class Stream(Iterator[Chunk]):
             self._finished = True
             return
         client._cancel_nowait(self.request_id)
-        wait = min(client.timeout, _wire.CANCEL_WAIT)
-        deadline = time.monotonic() + wait
+        # kvd confirms once the worker's step in progress is over (seconds on
+        # a slow CPU): one more wait of the client's timeout for that
+        deadline = time.monotonic() + client.timeout
         try:
             while not self._finished:
                 left = deadline - time.monotonic()
