@@ -33,12 +33,23 @@ def _path(var: str, default: str) -> Path:
 BIN_DIR = _path("KVD_BIN_DIR", "build")
 MODEL = _path("KVD_MODEL", "models/SmolLM2-135M-Instruct.Q4_1.gguf")
 
+# Seconds: the longest wait for what must come (a reply, a start, an exit). An
+# upper bound that fails a hung test, never a speed: a slow or busy machine
+# (KVD_ISA=c under load) only takes longer to get there. A daemon that computes
+# waits longer still where it prefills slowly (Daemon.patience).
+PATIENCE = 300.0
+# Seconds: a bound on a short client timeout (0.3 s) firing, for a daemon that
+# never answers. Far above it, yet under the clients' 30 s default, so that a
+# timeout the client ignored still fails.
+TIMEOUT_BOUND = 15.0
+
 # A system prompt of some 700 tokens: long enough that its cached blocks show.
 LONG_SYSTEM = " ".join(
     f"Rule {i}: when the user asks about topic number {i}, answer briefly, politely and in "
     f"plain English, and cite section {i * 7 % 50} of the handbook."
-    for i in range(1, 31)
+    for i in range(1, 21)
 )
+CTX = 2048
 
 
 class Daemon:
@@ -57,18 +68,19 @@ class Daemon:
         self._log = open(self.log_path, "wb")
         cmd = [
             str(BIN_DIR / "kvd"), "--model", str(MODEL), "--listen", self.endpoint,
-            "--ctx", "2048", *args,
+            "--ctx", str(CTX), *args,
         ]
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT
         )
+        self.patience = PATIENCE  #: seconds to wait for any one reply (measure_patience)
         self._wait_ready(ready)
 
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-4000:]
 
-    def _wait_ready(self, ready: str, limit: float = 60.0) -> None:
+    def _wait_ready(self, ready: str, limit: float = PATIENCE) -> None:
         deadline = time.monotonic() + limit
         with kvd_client.Client(self.endpoint, timeout=0.5) as c:
             while time.monotonic() < deadline:
@@ -86,12 +98,24 @@ class Daemon:
         self.proc.kill()
         pytest.fail(f"kvd was not ready in {limit:g} s:\n{self.log()}")
 
+    def measure_patience(self) -> None:
+        """Sets patience from this daemon's speed: 4 times what prefilling the
+        whole context would take at the speed of a short prefill measured now,
+        or PATIENCE if that is longer. A reply can come no sooner than the
+        prefill before it, so a slow machine must wait longer."""
+        prompt = " ".join(f"w{i}" for i in range(32))   # some 64 tokens
+        t = time.monotonic()
+        with kvd_client.Client(self.endpoint, timeout=PATIENCE) as c:
+            r = c.generate(prompt, max_tokens=1, no_cache=True)
+        per_token = (time.monotonic() - t) / max(r.usage.prompt_tokens, 1)
+        self.patience = max(PATIENCE, 4 * CTX * per_token)
+
     def stop(self) -> int:
-        """SIGTERM, then the exit status (killed after 30 s)."""
+        """SIGTERM, then the exit status (killed after PATIENCE)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=PATIENCE)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -106,10 +130,11 @@ def _stop_checked(d: Daemon) -> None:
 
 @pytest.fixture(scope="session")
 def kvd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """The daemon most tests share: one worker, 64 MiB of KV, context 2048."""
+    """The daemon most tests share: one worker, 32 MiB of KV, context 2048."""
     d = Daemon(
         tmp_path_factory.mktemp("kvd"), "--kv-memory", "32MiB", "-w", "1", "--max-queue", "16"
     )
+    d.measure_patience()
     yield d
     _stop_checked(d)
 
@@ -128,7 +153,7 @@ def kvd_full(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 
 @pytest.fixture
 def client(kvd: Daemon) -> Iterator[kvd_client.Client]:
-    with kvd_client.Client(kvd.endpoint, timeout=60) as c:
+    with kvd_client.Client(kvd.endpoint, timeout=kvd.patience) as c:
         yield c
 
 

@@ -24,8 +24,9 @@ def greedy(namespace: str) -> dict[str, object]:
 
 def kvcli_json(d: Daemon, *args: str) -> dict[str, object]:
     out = subprocess.run(
-        [str(BIN_DIR / "kvcli"), "-e", d.endpoint, "--timeout", "60000", "generate", *args],
-        check=True, capture_output=True, timeout=120,
+        [str(BIN_DIR / "kvcli"), "-e", d.endpoint, "--timeout", str(int(d.patience * 1000)),
+         "generate", *args],
+        check=True, capture_output=True, timeout=2 * d.patience,
     )
     result: dict[str, object] = json.loads(out.stdout)
     return result
@@ -112,8 +113,10 @@ def test_cached_prompt_tokens_grow(client: Client, namespace: str) -> None:
         second.usage.cached_prompt_tokens)
 
 
-def _wait_idle(client: Client, limit: float = 10.0) -> kvd_client.Stats:
-    deadline = time.monotonic() + limit
+def _wait_idle(client: Client) -> kvd_client.Stats:
+    """The stats once kvd holds nothing for any request (or after the
+    client's timeout: an upper bound)."""
+    deadline = time.monotonic() + client.timeout
     while True:
         s = client.stats()
         if (s.requests_running, s.blocks_in_use, s.blocks_pending) == (0, 0, 0):

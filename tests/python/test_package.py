@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import BIN_DIR, ROOT, Daemon
+from conftest import BIN_DIR, PATIENCE, ROOT, Daemon
 
 import kvd_client
 from kvd_client import kvd_pb2
@@ -35,7 +35,7 @@ def test_mypy_strict(tmp_path: Path) -> None:
         [sys.executable, "-m", "mypy", "--config-file", str(SOURCE / "pyproject.toml"),
          "--cache-dir", str(tmp_path / ".mypy_cache"), str(pkg),
          *sorted(str(p) for p in Path(__file__).parent.glob("*.py"))],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, capture_output=True, text=True, timeout=2 * PATIENCE,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Success" in out.stdout
@@ -67,18 +67,27 @@ def test_default_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
         kvd_client.Client("ipc:///tmp/x", timeout=0)
 
 
-def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+def patient(d: Daemon) -> list[str]:
+    """The CLIs' option for d.patience as the longest wait for a message (their
+    default is 30 s)."""
+    return ["--timeout", str(int(d.patience * 1000))]
+
+
+def run_cli(*args: str, stdin: str | None = None,
+            limit: float = 2 * PATIENCE) -> subprocess.CompletedProcess[str]:
+    """python -m kvd_client; limit (seconds) only catches a hang."""
     return subprocess.run([sys.executable, "-m", "kvd_client", *args], input=stdin,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=limit)
 
 
 def test_cli_json_matches_kvcli(kvd: Daemon, namespace: str) -> None:
     args = ["-e", kvd.endpoint, "--chat", "--system", "Answer in one word.", "-n", "12",
             "--temp", "0", "--namespace", namespace, "--json", "What color is the sky?"]
-    py = run_cli(*args)
+    py = run_cli(*patient(kvd), *args, limit=2 * kvd.patience)
     assert py.returncode == 0, py.stderr
-    c = subprocess.run([str(BIN_DIR / "kvcli"), "-e", kvd.endpoint, "generate", *args[2:]],
-                       capture_output=True, text=True, timeout=120, check=True)
+    c = subprocess.run([str(BIN_DIR / "kvcli"), "-e", kvd.endpoint, *patient(kvd), "generate",
+                        *args[2:]],
+                       capture_output=True, text=True, timeout=2 * kvd.patience, check=True)
     mine, ref = json.loads(py.stdout), json.loads(c.stdout)
     assert list(mine) == list(ref)
     for key in ("text", "tokens", "finish_reason", "chunks"):
@@ -88,25 +97,26 @@ def test_cli_json_matches_kvcli(kvd: Daemon, namespace: str) -> None:
 
 
 def test_cli_streams_text(kvd: Daemon, namespace: str) -> None:
-    with kvd_client.Client(kvd.endpoint, timeout=60) as c:
+    with kvd_client.Client(kvd.endpoint, timeout=kvd.patience) as c:
         ref = c.generate("The capital of France is", max_tokens=8, temperature=0,
                          namespace=namespace)
-    common = ["-e", kvd.endpoint, "-n", "8", "--temp", "0", "--namespace", namespace]
-    out = run_cli(*common, "The capital of France is")
+    common = ["-e", kvd.endpoint, *patient(kvd), "-n", "8", "--temp", "0", "--namespace", namespace]
+    out = run_cli(*common, "The capital of France is", limit=2 * kvd.patience)
     assert out.returncode == 0, out.stderr
     assert out.stdout == ref.text + "\n"
-    out = run_cli(*common, "--no-stream", "-", stdin="The capital of France is")
+    out = run_cli(*common, "--no-stream", "-", stdin="The capital of France is",
+                  limit=2 * kvd.patience)
     assert out.stdout == ref.text + "\n"
 
 
 def test_cli_errors(kvd: Daemon, kvd_full: Daemon, dead_endpoint: str) -> None:
-    out = run_cli("-e", kvd_full.endpoint, "Hi")
+    out = run_cli("-e", kvd_full.endpoint, *patient(kvd_full), "Hi")
     assert out.returncode == 1
     assert out.stderr.startswith("python -m kvd_client: Overloaded: ")
     assert "retry after" in out.stderr and out.stderr.count("\n") == 1
     out = run_cli("-e", dead_endpoint, "--timeout", "300", "Hi")
     assert out.returncode == 1 and "is it running?" in out.stderr
-    out = run_cli("-e", kvd.endpoint, "--top-p", "7", "Hi")
+    out = run_cli("-e", kvd.endpoint, *patient(kvd), "--top-p", "7", "Hi")
     assert out.returncode == 1 and "BadRequest" in out.stderr and "top_p" in out.stderr
     for bad in (["--system", "x", "Hi"], [], ["-n", "0", "Hi"], ["--prompt-ids", "1,2", "Hi"]):
         out = run_cli("-e", kvd.endpoint, *bad)

@@ -23,6 +23,13 @@
         fprintf(stderr, "%s:%d: '%s' not in '%s'\n", __FILE__, __LINE__, n_, \
                 h_ ? h_ : "(null)"); } } while (0)
 
+/* Upper bounds that fail a hung test, never speeds: PATIENCE_MS for what the
+ * fake answers at once; TIMEOUT_BOUND_MS for a 300 ms timeout to fire, far
+ * above it yet under the client's 30 s default, so that a timeout ignored
+ * still fails. */
+#define PATIENCE_MS 60000
+#define TIMEOUT_BOUND_MS 15000
+
 static const char UNSET[] = " temp=- top_k=- top_p=- min_p=- rep=- seed=- max=-";
 
 /* ---- no daemon ------------------------------------------------------------------------ */
@@ -87,8 +94,8 @@ static void test_no_daemon(void)
     double dt = fake_kvd_now_ms() - t0;
     CHECK_INT(rc, KVD_ETIMEOUT);
     CHECK_HAS(r.error, "kvd-test-nobody-here");
-    /* a bound against hanging, not a timing test */
-    CHECK(dt >= 250 && dt < 5000);
+    /* not before the timeout; the upper bound only catches a hang */
+    CHECK(dt >= 250 && dt < TIMEOUT_BOUND_MS);
     kvd_result_free(&r);
 
     struct kvd_stats s;
@@ -264,6 +271,7 @@ struct seen {
     uint32_t seqs[8];
     int32_t tokens[8];
     uint32_t cancel_after;  /* return non-zero after this many calls (0: never) */
+    double cancel_at_ms;    /* return non-zero at this fake_kvd_now_ms() or later (0: never) */
 };
 
 static int on_chunk(void *user, const char *text, size_t len, const int32_t *tokens,
@@ -277,7 +285,8 @@ static int on_chunk(void *user, const char *text, size_t len, const int32_t *tok
         s->tokens[s->calls] = n_tokens > 0 ? tokens[0] : -1;
     }
     s->calls++;
-    return s->cancel_after > 0 && s->calls >= s->cancel_after;
+    return (s->cancel_after > 0 && s->calls >= s->cancel_after) ||
+           (s->cancel_at_ms > 0 && fake_kvd_now_ms() >= s->cancel_at_ms);
 }
 
 static int gen_seen(kvd_client_t *c, const char *prompt, struct seen *s, struct kvd_result *r)
@@ -391,7 +400,7 @@ static void test_protocol_errors(kvd_client_t *c)
         struct kvd_result r;
         CHECK_INT(gen_text(c, cases[i].prompt, cases[i].stream, &r), KVD_EPROTOCOL);
         CHECK_HAS(r.error, cases[i].why);
-        CHECK(fake_kvd_saw_cancel(fake, r.request_id, 2000));
+        CHECK(fake_kvd_saw_cancel(fake, r.request_id, PATIENCE_MS));
         kvd_result_free(&r);
         CHECK_INT(gen_text(c, "stream", true, &r), 0);
         CHECK_STR(r.text, "Hello");
@@ -419,17 +428,24 @@ static void test_cancel_and_timeout(kvd_client_t *c)
     double t0 = fake_kvd_now_ms();
     CHECK_INT(gen_text(c, "silent", true, &r), KVD_ETIMEOUT);
     double dt = fake_kvd_now_ms() - t0;
-    CHECK(dt >= 250 && dt < 5000);
-    CHECK(fake_kvd_saw_cancel(fake, r.request_id, 2000));
+    CHECK(dt >= 250 && dt < TIMEOUT_BOUND_MS);
+    CHECK(fake_kvd_saw_cancel(fake, r.request_id, PATIENCE_MS));
     kvd_result_free(&r);
     kvd_client_set_timeout(c, 0);   /* back to the default */
 
-    /* a slow stream keeps a short timeout alive: it restarts per message */
-    kvd_client_set_timeout(c, 200);
+    /* a slow stream keeps a short timeout alive: it restarts per message.
+     * Chunks 20 ms apart, a 1 s timeout, cancelled once the stream has lasted
+     * 2.5 timeouts (by the clock, not by a count of chunks, which a busy
+     * machine delays) */
+    kvd_client_set_timeout(c, 1000);
     memset(&s, 0, sizeof(s));
-    s.cancel_after = 25;            /* 25 chunks, 20 ms apart: 500 ms in all */
+    t0 = fake_kvd_now_ms();
+    s.cancel_at_ms = t0 + 2500;
     CHECK_INT(gen_seen(c, "slow", &s, &r), KVD_ECANCELLED);
-    CHECK_INT(s.calls, 25);
+    dt = fake_kvd_now_ms() - t0;
+    CHECK(dt >= 2500);
+    CHECK(s.calls >= 2 && s.calls < 400);
+    CHECK(r.chunks >= s.calls);     /* chunks may pass the cancel on the way */
     kvd_result_free(&r);
     kvd_client_set_timeout(c, 0);
 
@@ -484,7 +500,7 @@ int main(void)
 
     fake = fake_kvd_start();
     REQUIRE(fake != NULL);
-    kvd_client_t *c = connect_fake(5000);
+    kvd_client_t *c = connect_fake(PATIENCE_MS);
     test_request_fields(c);
     test_bad_params(c);
     test_stream(c);

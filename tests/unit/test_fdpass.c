@@ -13,16 +13,30 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
+
+#include <linux/sockios.h>
 
 #include "check.h"
 #include "err.h"
 #include "fdpass.h"
 
 #define PAGE 4096
+/* the longest wait for a peer that is sending: an upper bound that fails a
+ * hung test, never a speed */
+#define PATIENCE_MS 60000
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
 
 static void check_has(const char *s, const char *needle)
 {
@@ -104,7 +118,7 @@ static void test_memfd(void)
         struct fdpass_msg m;
         int fd;
         char err[256];
-        if (fdpass_recv(sv[1], &m, &fd, 5000, err, sizeof(err)) != 0) {
+        if (fdpass_recv(sv[1], &m, &fd, PATIENCE_MS, err, sizeof(err)) != 0) {
             fprintf(stderr, "child: %s\n", err);
             _exit(2);
         }
@@ -159,7 +173,12 @@ static void test_pipe_stream(void)
         struct fdpass_msg m = good_msg(1);
         m.kind = FDPASS_KIND_MEMORY;
         send_raw(sv[1], &m, 10, pp[1], 1);
-        usleep(20000);
+        /* the rest once the parent has read those (nothing is left unread
+         * in the socket), so that it surely gets the header in two pieces */
+        int unread = 0;
+        for (double end = now_ms() + PATIENCE_MS;
+             ioctl(sv[1], SIOCOUTQ, &unread) == 0 && unread > 0 && now_ms() < end;)
+            usleep(1000);
         send_raw(sv[1], (uint8_t *)&m + 10, sizeof(m) - 10, -1, 0);
         _exit(0);
     }
@@ -168,7 +187,7 @@ static void test_pipe_stream(void)
     struct fdpass_msg m;
     int fd;
     char err[256];
-    int rc = fdpass_recv(sv[0], &m, &fd, 5000, err, sizeof(err));
+    int rc = fdpass_recv(sv[0], &m, &fd, PATIENCE_MS, err, sizeof(err));
     if (rc)
         fprintf(stderr, "%s\n", err);
     REQUIRE(rc == 0);
@@ -194,11 +213,14 @@ static void expect_bad(enum bad what, int code, const char *needle)
     int sv[2];
     int type = what == BAD_STREAM_CUT ? SOCK_STREAM : SOCK_SEQPACKET;
     REQUIRE(socketpair(AF_UNIX, type, 0, sv) == 0);
+    int go[2];  /* closed by the parent when it is done: a silent child waits for that */
+    REQUIRE(pipe(go) == 0);
     fflush(NULL);
     pid_t pid = fork();
     REQUIRE(pid >= 0);
     if (pid == 0) {
         close(sv[0]);
+        close(go[1]);
         int mfd = memfd_create("kvd-fdpass-bad", 0);
         struct fdpass_msg m = good_msg(PAGE);
         uint8_t big[sizeof(m) + 16] = { 0 };
@@ -214,21 +236,28 @@ static void expect_bad(enum bad what, int code, const char *needle)
         case BAD_NOFD: send_raw(sv[1], &m, sizeof(m), -1, 0); break;
         case BAD_TWOFDS: send_raw(sv[1], &m, sizeof(m), mfd, 2); break;
         case BAD_CLOSE: break;
-        case BAD_SILENT: usleep(400000); break;
+        case BAD_SILENT: {  /* silent, yet there, until the parent has timed out */
+            char c;
+            while (read(go[0], &c, 1) < 0 && errno == EINTR)
+                ;
+            break;
+        }
         case BAD_STREAM_CUT: send_raw(sv[1], &m, 30, mfd, 1); break;
         }
         _exit(0);
     }
     close(sv[1]);
+    close(go[0]);
     int before = open_fds();
     struct fdpass_msg m;
     int fd = 123;
     char err[256] = "";
-    int timeout = what == BAD_SILENT ? 100 : 5000;
+    int timeout = what == BAD_SILENT ? 100 : PATIENCE_MS;
     CHECK_INT(fdpass_recv(sv[0], &m, &fd, timeout, err, sizeof(err)), code);
     CHECK_INT(fd, -1);
     check_has(err, needle);
     CHECK_INT(open_fds(), before); /* whatever arrived was closed */
+    close(go[1]);
     CHECK_INT(wait_child(pid), 0);
     close(sv[0]);
 }
@@ -281,12 +310,12 @@ static void test_listen(void)
         REQUIRE(pid >= 0);
         if (pid == 0) {
             char e[256];
-            int s = fdpass_connect(path, 5000, e, sizeof(e));
+            int s = fdpass_connect(path, PATIENCE_MS, e, sizeof(e));
             if (s < 0)
                 _exit(2);
             struct fdpass_msg m;
             int fd;
-            if (fdpass_recv(s, &m, &fd, 5000, e, sizeof(e)) != 0)
+            if (fdpass_recv(s, &m, &fd, PATIENCE_MS, e, sizeof(e)) != 0)
                 _exit(3);
             char buf[8] = { 0 };
             if (pread(fd, buf, 5, 0) != 5 || memcmp(buf, "hello", 5) != 0)
@@ -294,7 +323,7 @@ static void test_listen(void)
             _exit(0);
         }
         int c = -1;
-        for (int i = 0; i < 500 && c < 0; i++) {
+        for (double end = now_ms() + PATIENCE_MS; c < 0 && now_ms() < end;) {
             c = fdpass_accept(lfd, err, sizeof(err));
             if (c == KVD_ETIMEOUT)
                 usleep(10000);
