@@ -84,7 +84,7 @@ static pid_t the_worker(struct sv_kvd *k, uint32_t *restarts)
 
 static pid_t wait_new_worker(struct sv_kvd *k, pid_t old, uint32_t *restarts)
 {
-    double until = sv_now_ms() + 120000;
+    double until = sv_now_ms() + SV_WAIT_MS;
     pid_t pid;
     while (((pid = the_worker(k, restarts)) == 0 || pid == old) && sv_now_ms() < until)
         sv_sleep_ms(50);
@@ -104,7 +104,7 @@ static int32_t *prompt_ids(uint32_t n, uint32_t salt)
 static int generate_ids(struct sv_kvd *k, const int32_t *ids, uint32_t n, uint32_t max_tokens,
                         struct kvd_result *r)
 {
-    kvd_client_t *c = sv_client(k, 30 * 60 * 1000); /* a bound for a hung test only */
+    kvd_client_t *c = sv_client(k, SV_WAIT_MS);
     struct kvd_gen_params p;
     kvd_gen_params_init(&p);
     p.token_ids = ids;
@@ -196,7 +196,7 @@ int main(void)
     /* SIGSTOP: no heartbeats, declared dead within a bound, restarted */
     CHECK(kill(w0, SIGSTOP) == 0);
     double t_stop = sv_now_ms();
-    CHECK(wait_log(k, "no heartbeat for", 1, 120000));
+    CHECK(wait_log(k, "no heartbeat for", 1, SV_WAIT_MS));
     fprintf(stderr, "stopped worker declared dead after %.0f ms\n", sv_now_ms() - t_stop);
     /* the last beat came at most one heartbeat period (250 ms) before the stop */
     CHECK(sv_now_ms() - t_stop >= TIMEOUT_MS - 300);
@@ -238,7 +238,7 @@ int main(void)
     struct bg_req hr = { .k = k, .ids = sh, .n = 40, .rc = -1 };
     pthread_t th;
     REQUIRE(pthread_create(&th, NULL, bg_run, &hr) == 0);
-    CHECK(wait_log(k, "no progress for", 1, 120000));
+    CHECK(wait_log(k, "no progress for", 1, SV_WAIT_MS));
     CHECK_INT(log_count(k, "no heartbeat for"), 1); /* it was beating all along */
     unlink(stall);
     pthread_join(th, NULL);
@@ -250,10 +250,10 @@ int main(void)
     CHECK_INT(restarts, 2);
 
     struct kvd_stats s;
-    CHECK(sv_wait_idle(k, &s, 60000));
+    CHECK(sv_wait_idle(k, &s, SV_WAIT_MS));
     sv_print_stats("end", &s);
     CHECK_INT(s.blocks_in_use, 0);
-    CHECK_INT(sv_stop(k, 60000), 0);
+    CHECK_INT(sv_stop(k, SV_WAIT_MS), 0);
     free(cal);
     free(lng);
     free(sh);
