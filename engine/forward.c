@@ -213,12 +213,11 @@ static void run_job(engine_t *e, tpool_fn fn, void *ctx)
  * Each token's result is the same either way. */
 static void run_rows(engine_t *e, tpool_fn fn, void *ctx, uint32_t T)
 {
-    if (T <= 4) {
+    if (T <= 4)
         fn(ctx, 0, 1);
-        __atomic_fetch_add(&e->progress, 1, __ATOMIC_RELAXED);
-    } else {
-        run_job(e, fn, ctx);
-    }
+    else
+        tpool_run(e->pool, fn, ctx);
+    __atomic_fetch_add(&e->progress, 1, __ATOMIC_RELAXED);
 }
 
 /* Quantizes rows [0, T) of src (stride n floats) into slot. */

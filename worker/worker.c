@@ -218,7 +218,7 @@ static void *beat_main(void *arg)
             due = w->last_hb + HEARTBEAT_MS;
         }
         struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
+        clock_gettime(CLOCK_MONOTONIC, &ts);
         long ns = (long)((due - cli_now_ms()) * 1e6);
         if (ns < 1000000)
             ns = 1000000;
@@ -240,7 +240,11 @@ static void beat_start(struct worker *w)
 {
     struct beat *b = &w->beat;
     pthread_mutex_init(&b->mu, NULL);
-    pthread_cond_init(&b->cv, NULL);
+    pthread_condattr_t ca;  /* timed waits on the monotonic clock: a clock step moves no beat */
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&b->cv, &ca);
+    pthread_condattr_destroy(&ca);
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
