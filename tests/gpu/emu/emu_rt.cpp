@@ -30,14 +30,8 @@ emu_switch:
     pushq %r13
     pushq %r14
     pushq %r15
-    subq $8, %rsp
-    stmxcsr (%rsp)
-    fnstcw 4(%rsp)
     movq %rsp, (%rdi)
     movq %rsi, %rsp
-    ldmxcsr (%rsp)
-    fldcw 4(%rsp)
-    addq $8, %rsp
     popq %r15
     popq %r14
     popq %r13
@@ -56,14 +50,16 @@ struct Fiber {
     char *stack = nullptr;
     bool done = false;
     int wait = 0;               /* 0 ready, 1 warp barrier, 2 block barrier, 3 shuffle */
+    unsigned xgen = 0;          /* exchanges this thread has made: picks xslot's half */
     std::vector<CpReq> pending;
 };
 constexpr size_t STACK = 256 << 10;
 std::vector<Fiber> F;
-int NT, cur;
+int NT, cur, pos;               /* threads in the block; the one running; its place in the round */
+bool reverse;                   /* EMU_ORDER=reverse */
 void *main_sp;
 const std::function<void()> *g_body;
-uint64_t xslot[32][32];
+uint64_t xslot[2][32][32];      /* [exchange parity][warp][lane] */
 std::map<uintptr_t, size_t> allocs;
 long long barriers;
 }
@@ -83,12 +79,32 @@ static void check_dev(const void *p, size_t n, const char *what)
     if ((uintptr_t)p + n > it->first + it->second) emu_fail(what);
 }
 
+/*
+ * The running thread stops (it waits, or it has exited): on to the next
+ * ready thread of this round, or back to the scheduler when none is left.
+ * Nothing becomes ready during a round, so going from thread to thread is
+ * the order the scheduler would run them in, at one switch a thread.
+ */
+static void yield()
+{
+    Fiber &me = F[cur];
+    while (++pos < NT) {
+        const int i = reverse ? NT - 1 - pos : pos;
+        if (F[i].done || F[i].wait) continue;
+        cur = i;
+        threadIdx = dim3((unsigned)i);
+        emu_switch(&me.sp, F[i].sp);
+        return;
+    }
+    emu_switch(&me.sp, main_sp);
+}
+
 static void trampoline()
 {
     (*g_body)();
     if (!F[cur].pending.empty()) emu_fail("thread exited with cp.async pending");
     F[cur].done = true;
-    emu_switch(&F[cur].sp, main_sp);
+    yield();
     abort();
 }
 
@@ -96,27 +112,32 @@ void emu_barrier(int kind)
 {
     barriers++;
     F[cur].wait = kind;
-    emu_switch(&F[cur].sp, main_sp);
+    yield();
 }
 
+/*
+ * A warp-wide exchange of one value per lane. The slots alternate between
+ * two halves, so one barrier is enough: a lane can write exchange k+1's
+ * value only after every lane reached exchange k+1's barrier, that is after
+ * every lane has read what exchange k left in the other half.
+ */
 uint64_t emu_exchange(uint64_t v, int src)
 {
     const int w = cur / 32, lane = cur % 32;
-    xslot[w][lane] = v;
+    uint64_t *slot = xslot[F[cur].xgen++ & 1][w];
+    slot[lane] = v;
     emu_barrier(3);
-    const uint64_t r = xslot[w][src];
-    emu_barrier(3);
-    return r;
+    return slot[src];
 }
 
 /* Every lane's v, for a warp-wide vote (every lane of the warp calls). */
 static void warp_values(uint64_t v, uint64_t all[32])
 {
     const int w = cur / 32, lane = cur % 32;
-    xslot[w][lane] = v;
+    uint64_t *slot = xslot[F[cur].xgen++ & 1][w];
+    slot[lane] = v;
     emu_barrier(3);
-    memcpy(all, xslot[w], sizeof(xslot[w]));
-    emu_barrier(3);
+    memcpy(all, slot, 32 * sizeof(*slot));
 }
 
 unsigned emu_match_any(uint64_t v)
@@ -158,29 +179,27 @@ void emu_cp_wait()
 
 static void run_block()
 {
-    static const bool reverse = getenv("EMU_ORDER") != nullptr && strcmp(getenv("EMU_ORDER"), "reverse") == 0;
-    unsigned mx;
-    asm volatile("stmxcsr %0" : "=m"(mx));
     for (int i = 0; i < NT; i++) {
         Fiber &f = F[i];
         if (!f.stack) f.stack = (char *)malloc(STACK);
         uintptr_t A = ((uintptr_t)(f.stack + STACK) & ~(uintptr_t)15) - 16;
         *(void **)A = (void *)trampoline;
         for (int k = 1; k <= 6; k++) *(uint64_t *)(A - 8 * k) = 0;
-        *(uint32_t *)(A - 56) = mx;
-        *(uint16_t *)(A - 52) = 0x037f;
-        f.sp = (void *)(A - 56);
+        f.sp = (void *)(A - 48);
         f.done = false;
         f.wait = 0;
+        f.xgen = 0;
         f.pending.clear();
     }
     for (;;) {
-        for (int k = 0; k < NT; k++) {
-            const int i = reverse ? NT - 1 - k : k;
+        /* a round: the first ready thread, which hands on to the next (yield) */
+        for (pos = 0; pos < NT; pos++) {
+            const int i = reverse ? NT - 1 - pos : pos;
             if (F[i].done || F[i].wait) continue;
             cur = i;
             threadIdx = dim3((unsigned)i);
             emu_switch(&main_sp, F[i].sp);
+            break;
         }
         int live = 0, at_block = 0;
         for (int i = 0; i < NT; i++)
@@ -256,6 +275,8 @@ void emu_run_grid(dim3 grid, dim3 block, const std::function<void()> &body)
     if (fault_now())
         return;
     if (block.y != 1 || block.z != 1) emu_fail("2-D blocks");
+    static const bool rev = getenv("EMU_ORDER") != nullptr && strcmp(getenv("EMU_ORDER"), "reverse") == 0;
+    reverse = rev;
     NT = (int)block.x;
     if ((int)F.size() < NT) F.resize(NT);
     g_body = &body;
