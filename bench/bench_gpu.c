@@ -462,7 +462,7 @@ static int bench_step(double copy_gbs, struct step_row *rows, char *graph_note, 
     }
     draw_of = dp;
     const double weight_bytes = (double)gpu_engine_weight_bytes(e);
-    const double kv_tok = (double)kv_bytes_per_token(&m->cfg, KERN_F16);
+    const double kv_tok = (double)kv_bytes_per_token(&m->cfg, KERN_F16, KERN_F16);
     int n = 0;
     for (size_t bi = 0; bi < sizeof(batches) / sizeof(batches[0]); bi++) {
         const int B = batches[bi];

@@ -71,7 +71,7 @@ static double median(double *v, int n)
 static struct pool_layout smollm_layout(void)
 {
     struct pool_layout lay = { .n_layer = 30, .n_head_kv = 3, .head_dim = 64, .block_tokens = BT,
-                               .dtype = KERN_F16 };
+                               .k_type = KERN_F16, .v_type = KERN_F16 };
     memset(lay.fingerprint, 0x42, sizeof(lay.fingerprint));
     return lay;
 }
@@ -176,7 +176,7 @@ static void bench_waste(struct waste_result *r)
     pool_t *p;
     prefix_t *px;
     struct pool_layout tiny = { .n_layer = 1, .n_head_kv = 1, .head_dim = 1, .block_tokens = BT,
-                                .dtype = KERN_F16 };
+                                .k_type = KERN_F16, .v_type = KERN_F16 };
     open_pool(&tiny, (uint32_t)blocks, &p, &px);
     struct pool_layout lay = smollm_layout();
     struct pool_params pp = pool_default_params();
@@ -274,7 +274,7 @@ static void bench_reuse(const char *path, int threads, struct reuse_result *r)
         exit(1);
     }
     struct pool_layout lay;
-    pool_layout_for_model(m, BT, KERN_F16, false, &lay);
+    pool_layout_for_model(m, BT, KERN_F16, KERN_F16, 0, false, &lay);
     pool_t *p;
     prefix_t *px;
     open_pool(&lay, 2 * REUSE_PROMPT / BT + 8, &p, &px);

@@ -85,6 +85,10 @@ static void usage(FILE *f)
           "  -c, --ctx N              longest sequence (default: 4096, at most the model's)\n"
           "  -t, --threads N          threads per worker (default: CPUs / workers)\n"
           "      --block-tokens N     KV block size (default 16)\n"
+          "      --kv-type T          K and V element type: f16 (default), f32, q8_0, q4_0\n"
+          "      --k-type T, --v-type T  the type of K or of V alone\n"
+          "      --kv-rotate on|off|auto  Walsh-Hadamard rotation of K and V before\n"
+          "                           quantization (default auto: the 4-bit halves)\n"
           "      --step-tokens N      a worker's token budget per step (default 256)\n"
           "      --max-batch N        sequences per worker (default 64)\n"
           "      --max-queue N        queued requests before OVERLOADED (default 256)\n"
@@ -101,7 +105,8 @@ static void usage(FILE *f)
 static void parse_args(int argc, char **argv, struct kvd_options *o)
 {
     enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
-           OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG };
+           OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
+           OPT_ROTATE };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -115,6 +120,10 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "pool", required_argument, NULL, OPT_POOL },
         { "kv-memory", required_argument, NULL, OPT_KVMEM },
         { "block-tokens", required_argument, NULL, OPT_BT },
+        { "kv-type", required_argument, NULL, OPT_KVTYPE },
+        { "k-type", required_argument, NULL, OPT_KTYPE },
+        { "v-type", required_argument, NULL, OPT_VTYPE },
+        { "kv-rotate", required_argument, NULL, OPT_ROTATE },
         { "step-tokens", required_argument, NULL, OPT_STEP },
         { "max-batch", required_argument, NULL, OPT_BATCH },
         { "max-queue", required_argument, NULL, OPT_QUEUE },
@@ -138,6 +147,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     o->gpu = -1;
     o->workers_per_gpu = -1;
     bool workers_given = false;
+    const char *kv_type = NULL, *k_type = NULL, *v_type = NULL, *rotate = NULL;
     opterr = 0;
     int c;
     while ((c = getopt_long(argc, argv, ":m:w:l:c:t:vh", longs, NULL)) != -1) {
@@ -164,6 +174,10 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
                 cli_die("--kv-memory must be a size such as 512MiB or 2G, got '%s'", optarg);
             break;
         case OPT_BT: o->block_tokens = (uint32_t)cli_long(optarg, "--block-tokens", 1, 4096); break;
+        case OPT_KVTYPE: kv_type = optarg; break;
+        case OPT_KTYPE: k_type = optarg; break;
+        case OPT_VTYPE: v_type = optarg; break;
+        case OPT_ROTATE: rotate = optarg; break;
         case OPT_STEP: o->step_tokens = (uint32_t)cli_long(optarg, "--step-tokens", 1, 4096); break;
         case OPT_BATCH: o->max_batch = (uint32_t)cli_long(optarg, "--max-batch", 1, 4096); break;
         case OPT_QUEUE: o->max_queue = (uint32_t)cli_long(optarg, "--max-queue", 0, 1 << 20); break;
@@ -188,6 +202,12 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         cli_die("with --gpu, give the number of workers as --workers-per-gpu");
     if (o->gpu >= 0)
         o->n_workers = o->workers_per_gpu >= 0 ? o->workers_per_gpu : 1;
+    char err[256];
+    if (kv_params_from_flags(&o->kv, kv_type, k_type, v_type, rotate, err, sizeof(err)) != 0)
+        cli_die("%s", err);
+    if (o->gpu >= 0 && (o->kv.k_type != KERN_F16 || o->kv.v_type != KERN_F16 || o->kv.rotate != 0))
+        cli_die("--gpu: the GPU engine runs over an f16 KV pool only, for now (quantized and "
+                "rotated KV blocks run on CPU workers)");
 }
 
 /* ---- set-up -------------------------------------------------------------------------------- */
@@ -275,7 +295,7 @@ static void setup(struct kvd *k)
 
     /* the pool */
     struct pool_layout lay;
-    pool_layout_for_model(k->model, o->block_tokens, KERN_F16, true, &lay);
+    pool_layout_for_model(k->model, o->block_tokens, o->kv.k_type, o->kv.v_type, o->kv.rotate, true, &lay);
     struct pool_params pp = pool_default_params();
     snprintf(k->pool_name, sizeof(k->pool_name), "%s", o->pool ? o->pool : "");
     if (o->pool == NULL)
@@ -360,8 +380,10 @@ static void setup(struct kvd *k)
                 "--gpu %d --gpu-socket %s)", k->worker_ep, k->pool_name, k->worker_ep, o->model,
                 o->gpu, k->gpu_sock);
     } else {
-        kvd_log(k, "workers connect to %s (kvd-worker --pool %s --connect %s --model %s --id N)",
-                k->worker_ep, k->pool_name, k->worker_ep, o->model);
+        kvd_log(k, "workers connect to %s (kvd-worker --pool %s --connect %s --model %s --id N "
+                "--block-tokens %u --k-type %s --v-type %s --kv-rotate %s)",
+                k->worker_ep, k->pool_name, k->worker_ep, o->model, o->block_tokens,
+                kv_type_name(o->kv.k_type), kv_type_name(o->kv.v_type), kv_rotate_arg(o->kv.rotate));
     }
 }
 

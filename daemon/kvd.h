@@ -20,6 +20,7 @@
 
 #include "chat.h"
 #include "cli.h"
+#include "kvcache.h"
 #include "model.h"
 #include "pool.h"
 #include "prefix.h"
@@ -42,6 +43,8 @@ struct kvd_options {
     int threads;                    /* --threads per worker (0: CPUs / workers) */
     uint32_t ctx;                   /* --ctx: longest sequence */
     uint32_t block_tokens;          /* --block-tokens */
+    struct kv_params kv;            /* --kv-type, --k-type, --v-type, --kv-rotate: its types
+                                     * and rotation (block_tokens, n_blocks unused) */
     uint32_t step_tokens;           /* --step-tokens: a worker's token budget per step */
     uint32_t max_batch;             /* --max-batch: sequences per worker */
     uint32_t max_queue;             /* --max-queue: queued requests before OVERLOADED */

@@ -50,6 +50,9 @@ static int spawn(struct kvd *k, int i)
     snprintf(gpu, sizeof(gpu), "%d", k->o.gpu);
     char *argv[] = { path, "--model", (char *)k->o.model, "--pool", k->pool_name, "--connect",
                      k->worker_ep, "--id", id, "--threads", threads, "--block-tokens", bt,
+                     "--k-type", (char *)kv_type_name(k->o.kv.k_type),
+                     "--v-type", (char *)kv_type_name(k->o.kv.v_type),
+                     "--kv-rotate", (char *)kv_rotate_arg(k->o.kv.rotate),
                      "--step-tokens", step, "--max-batch", batch, "--ctx", ctx, "--step-ms", step_ms,
                      /* GPU workers: the device and where kvd hands out its memory */
                      k->o.gpu >= 0 ? "--gpu" : NULL, gpu, "--gpu-socket", k->gpu_sock, NULL };

@@ -347,13 +347,27 @@ static void swiglu_run(void *ctx, int ith, int nth)
         kern_swiglu(e->gate + (size_t)t * ff, e->up + (size_t)t * ff, ff);
 }
 
-/* RoPE on q and k, then the chunk's K/V written into the cache. */
+/* RoPE on q and k, then the chunk's K/V written into the cache: rotated
+ * (kern_hadamard) where the cache stores them rotated, with the queries
+ * rotated alike, and converted to the cache's types once, here. */
 struct rope_job {
     engine_t *e;
     const struct fwd_seq *seqs;
     uint32_t layer;
     int T;
 };
+
+/* Stores one head's row src[hd] as `type` at dst (f32 copied, f16 rounded,
+ * q8_0 / q4_0 quantized per 32 values). */
+static void kv_store_row(uint8_t *dst, const float *src, int hd, uint32_t type)
+{
+    switch (type) {
+    case KERN_F16: kern_f32_to_f16_row((kvd_f16 *)dst, src, hd); break;
+    case KERN_F32: memcpy(dst, src, (size_t)hd * sizeof(float)); break;
+    case KERN_Q8_0: kern_quantize_act(KERN_Q8_0, src, dst, hd); break;
+    default: kern_quantize_row(type, src, dst, hd); break;
+    }
+}
 
 static void rope_run(void *ctx, int ith, int nth)
 {
@@ -366,26 +380,45 @@ static void rope_run(void *ctx, int ith, int nth)
     tpool_split(j->T, ith, nth, &t0, &t1);
     for (long t = t0; t < t1; t++) {
         const float *cs = e->rope + (size_t)t * hd;
+        float *q = e->q + (size_t)t * c->n_head * hd;
         float *k = e->k + (size_t)t * nkv * hd, *v = e->v + (size_t)t * nkv * hd;
-        kern_rope(e->q + (size_t)t * c->n_head * hd, (int)c->n_head, hd, cs);
+        kern_rope(q, (int)c->n_head, hd, cs);
         kern_rope(k, nkv, hd, cs);
+        if (kv->rotate & KV_ROT_K) {
+            for (uint32_t h = 0; h < c->n_head; h++)
+                kern_hadamard(q + (size_t)h * hd, hd);
+            for (int h = 0; h < nkv; h++)
+                kern_hadamard(k + (size_t)h * hd, hd);
+        }
+        if (kv->rotate & KV_ROT_V)
+            for (int h = 0; h < nkv; h++)
+                kern_hadamard(v + (size_t)h * hd, hd);
         const struct fwd_seq *s = &j->seqs[e->tok_seq[t]];
         uint32_t pos = (uint32_t)e->tok_pos[t];
         uint32_t block = s->blocks[pos / kv->block_tokens];
-        size_t off = (size_t)(pos % kv->block_tokens) * hd;
+        const uint32_t in_block = pos % kv->block_tokens;
         for (int which = 0; which < 2; which++) {
             uint8_t *base = kv_block_ptr(kv, block, j->layer, which);
             const float *src = which ? v : k;
-            for (int h = 0; h < nkv; h++) {
-                uint8_t *dst = base + (size_t)h * kv->head_bytes;
-                if (kv->dtype == KERN_F16) {
-                    kern_f32_to_f16_row((kvd_f16 *)dst + off, src + h * hd, hd);
-                } else {
-                    memcpy((float *)dst + off, src + h * hd, (size_t)hd * sizeof(float));
-                }
-            }
+            const size_t row = which ? kv->v_row_bytes : kv->k_row_bytes;
+            const uint32_t type = which ? kv->v_type : kv->k_type;
+            for (int h = 0; h < nkv; h++)
+                kv_store_row(base + (size_t)h * kv_head_bytes(kv, which) + in_block * row,
+                             src + (size_t)h * hd, hd, type);
         }
     }
+}
+
+/* Attention outputs over a rotated V cache rotated back, head by head. */
+static void unrotate_run(void *ctx, int ith, int nth)
+{
+    engine_t *e = ctx;
+    const int hd = (int)e->m->cfg.head_dim, nh = (int)e->m->cfg.n_head;
+    long t0, t1;
+    tpool_split((long)e->step_T, ith, nth, &t0, &t1);
+    for (long t = t0; t < t1; t++)
+        for (int h = 0; h < nh; h++)
+            kern_hadamard(e->xb + ((size_t)t * nh + (size_t)h) * hd, hd);
 }
 
 /* Attention of every (token, query head) pair. */
@@ -411,8 +444,10 @@ static void attn_run(void *ctx, int ith, int nth)
         .block_tokens = (int)bt,
         .head_dim = hd,
         .block_stride = kv->block_bytes,
-        .head_stride = kv->head_bytes,
-        .kv_dtype = kv->dtype,
+        .k_head_stride = kv->k_head_bytes,
+        .v_head_stride = kv->v_head_bytes,
+        .k_type = kv->k_type,
+        .v_type = kv->v_type,
         .scale = 1.0f / sqrtf((float)hd),
         .scores = e->scores + (size_t)ith * group * e->p.max_ctx,
     };
@@ -599,6 +634,8 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
         run_job(e, attn_run, &aj);
         if (split)
             run_job(e, merge_run, &aj);
+        if (e->kv->rotate & KV_ROT_V)
+            run_rows(e, unrotate_run, e, T);
         struct mm_part o = { &L->wo, acts_for(e, L->wo.type, e->xb, qd, (int)T, true), e->x, true };
         matmul(e, &o, 1, (int)T);
         /* feed-forward */

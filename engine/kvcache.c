@@ -5,27 +5,150 @@
 #include <string.h>
 
 #include "err.h"
+#include "ops.h"
 #include "types.h"
 
 struct kv_params kv_default_params(void)
 {
-    struct kv_params p = { .block_tokens = 16, .n_blocks = 1024, .dtype = KERN_F16 };
+    struct kv_params p = { .block_tokens = 16, .n_blocks = 1024, .k_type = KERN_F16,
+                           .v_type = KERN_F16, .rotate = 0 };
     return p;
 }
 
-uint64_t kv_bytes_per_token(const struct model_config *c, uint32_t dtype)
+/* ---- the KV types ---------------------------------------------------------- */
+
+static const struct {
+    uint32_t type;
+    const char *name;
+} kv_types[] = {
+    { KERN_F16, "f16" }, { KERN_F32, "f32" }, { KERN_Q8_0, "q8_0" }, { KERN_Q4_0, "q4_0" },
+};
+
+bool kv_type_ok(uint32_t type)
 {
-    uint64_t elem = dtype == KERN_F32 ? 4 : 2;
-    return 2ull * c->n_layer * c->n_head_kv * c->head_dim * elem;
+    for (size_t i = 0; i < sizeof(kv_types) / sizeof(kv_types[0]); i++)
+        if (kv_types[i].type == type)
+            return true;
+    return false;
+}
+
+const char *kv_type_name(uint32_t type)
+{
+    for (size_t i = 0; i < sizeof(kv_types) / sizeof(kv_types[0]); i++)
+        if (kv_types[i].type == type)
+            return kv_types[i].name;
+    return "?";
+}
+
+int kv_type_parse(const char *name, uint32_t *type)
+{
+    for (size_t i = 0; i < sizeof(kv_types) / sizeof(kv_types[0]); i++)
+        if (strcmp(kv_types[i].name, name) == 0) {
+            *type = kv_types[i].type;
+            return 0;
+        }
+    return KVD_EINVAL;
+}
+
+uint32_t kv_rotate_default(uint32_t k_type, uint32_t v_type)
+{
+    return (k_type == KERN_Q4_0 ? KV_ROT_K : 0u) | (v_type == KERN_Q4_0 ? KV_ROT_V : 0u);
+}
+
+int kv_rotate_parse(const char *s, uint32_t k_type, uint32_t v_type, uint32_t *rotate)
+{
+    if (strcmp(s, "on") == 0)
+        *rotate = KV_ROT_K | KV_ROT_V;
+    else if (strcmp(s, "off") == 0)
+        *rotate = 0;
+    else if (strcmp(s, "auto") == 0)
+        *rotate = kv_rotate_default(k_type, v_type);
+    else if (strcmp(s, "kv") == 0)
+        *rotate = KV_ROT_K | KV_ROT_V;
+    else if (strcmp(s, "k") == 0)
+        *rotate = KV_ROT_K;
+    else if (strcmp(s, "v") == 0)
+        *rotate = KV_ROT_V;
+    else
+        return KVD_EINVAL;
+    return 0;
+}
+
+const char *kv_rotate_name(uint32_t rotate)
+{
+    static const char *const names[4] = { "off", "K", "V", "K+V" };
+    return names[rotate & 3u];
+}
+
+const char *kv_rotate_arg(uint32_t rotate)
+{
+    static const char *const args[4] = { "off", "k", "v", "kv" };
+    return args[rotate & 3u];
+}
+
+int kv_params_from_flags(struct kv_params *p, const char *kv_type, const char *k_type,
+                         const char *v_type, const char *rotate, char *err, size_t errlen)
+{
+    const char *flag[3] = { "--kv-type", "--k-type", "--v-type" };
+    const char *val[3] = { kv_type, k_type, v_type };
+    uint32_t t[3] = { KERN_F16, 0, 0 };
+    for (int i = 0; i < 3; i++)
+        if (val[i] != NULL && kv_type_parse(val[i], &t[i]) != 0)
+            return kvd_seterr(err, errlen, KVD_EINVAL, "%s must be f16, f32, q8_0 or q4_0, got '%s'",
+                              flag[i], val[i]);
+    p->k_type = k_type != NULL ? t[1] : t[0];
+    p->v_type = v_type != NULL ? t[2] : t[0];
+    if (kv_rotate_parse(rotate != NULL ? rotate : "auto", p->k_type, p->v_type, &p->rotate) != 0)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "--kv-rotate must be on, off or auto, got '%s'", rotate);
+    return 0;
+}
+
+int kv_format_check(uint32_t head_dim, uint32_t k_type, uint32_t v_type, uint32_t rotate,
+                    char *err, size_t errlen)
+{
+    for (int which = 0; which < 2; which++) {
+        const uint32_t t = which ? v_type : k_type;
+        if (!kv_type_ok(t))
+            return kvd_seterr(err, errlen, KVD_EINVAL,
+                              "kvcache: the %s type must be f16, f32, q8_0 or q4_0 (type id %u)",
+                              which ? "V" : "K", t);
+        if (kv_row_bytes(t, head_dim) == 0)
+            return kvd_seterr(err, errlen, KVD_EINVAL,
+                              "kvcache: a %s cache needs a head size that is a multiple of 32 (this "
+                              "model's is %u)", kv_type_name(t), head_dim);
+    }
+    if (rotate & ~(uint32_t)(KV_ROT_K | KV_ROT_V))
+        return kvd_seterr(err, errlen, KVD_EINVAL, "kvcache: unknown rotation flags %#x", rotate);
+    if (rotate && (head_dim > KERN_MAX_HEAD_DIM || (head_dim & (head_dim - 1)) != 0))
+        return kvd_seterr(err, errlen, KVD_EINVAL,
+                          "kvcache: rotation needs a head size that is a power of two (this "
+                          "model's is %u)", head_dim);
+    return 0;
+}
+
+size_t kv_row_bytes(uint32_t type, uint32_t head_dim)
+{
+    if (!kv_type_ok(type) || head_dim == 0)
+        return 0;
+    return kern_row_bytes(type, head_dim);
+}
+
+uint64_t kv_token_bytes(uint32_t n_layer, uint32_t n_head_kv, uint32_t head_dim, uint32_t k_type,
+                        uint32_t v_type)
+{
+    return (uint64_t)n_layer * n_head_kv * (kv_row_bytes(k_type, head_dim) + kv_row_bytes(v_type, head_dim));
+}
+
+uint64_t kv_bytes_per_token(const struct model_config *c, uint32_t k_type, uint32_t v_type)
+{
+    return kv_token_bytes(c->n_layer, c->n_head_kv, c->head_dim, k_type, v_type);
 }
 
 static kvcache_t *kv_make(const struct model_config *c, const struct kv_params *p,
                           char *err, size_t errlen)
 {
-    if (p->dtype != KERN_F16 && p->dtype != KERN_F32) {
-        kvd_seterr(err, errlen, KVD_EINVAL, "kvcache: KV type must be f16 or f32");
+    if (kv_format_check(c->head_dim, p->k_type, p->v_type, p->rotate, err, errlen))
         return NULL;
-    }
     if (p->block_tokens == 0 || p->block_tokens > 4096) {
         kvd_seterr(err, errlen, KVD_EINVAL, "kvcache: block size %u is out of range (1..4096)",
                    p->block_tokens);
@@ -45,10 +168,15 @@ static kvcache_t *kv_make(const struct model_config *c, const struct kv_params *
     kv->head_dim = c->head_dim;
     kv->block_tokens = p->block_tokens;
     kv->n_blocks = p->n_blocks;
-    kv->dtype = p->dtype;
-    kv->elem_bytes = p->dtype == KERN_F32 ? 4 : 2;
-    kv->head_bytes = (size_t)p->block_tokens * c->head_dim * kv->elem_bytes;
-    kv->block_bytes = 2 * (size_t)c->n_layer * c->n_head_kv * kv->head_bytes;
+    kv->k_type = p->k_type;
+    kv->v_type = p->v_type;
+    kv->rotate = p->rotate;
+    kv->k_row_bytes = kv_row_bytes(p->k_type, c->head_dim);
+    kv->v_row_bytes = kv_row_bytes(p->v_type, c->head_dim);
+    kv->k_head_bytes = (size_t)p->block_tokens * kv->k_row_bytes;
+    kv->v_head_bytes = (size_t)p->block_tokens * kv->v_row_bytes;
+    kv->layer_bytes = (size_t)c->n_head_kv * (kv->k_head_bytes + kv->v_head_bytes);
+    kv->block_bytes = (size_t)c->n_layer * kv->layer_bytes;
     kv->free_ids = malloc((size_t)p->n_blocks * sizeof(uint32_t));
     if (kv->free_ids == NULL) {
         free(kv);

@@ -5,10 +5,16 @@
  * layers, so one block id means the same thing to every layer (and, once the
  * pool lives in shared memory, to every process). Inside a block the layout is
  *
- *     [layer][K=0,V=1][kv_head][token in block][head_dim]
+ *     [layer][K=0,V=1][kv_head][token in block][one head's row]
  *
- * so that attention streams one head's keys contiguously. A sequence reaches
- * its blocks through a block table: logical block i -> physical block id.
+ * so that attention streams one head's keys contiguously. A row is head_dim
+ * values of the K (or V) type: f32, f16, or the quantized q8_0 / q4_0, whose
+ * rows are head_dim / 32 blocks of quant_blocks.h (34 and 18 bytes: one f16
+ * scale per 32 values of one head of one token). K and V may have different
+ * types, so their halves of a layer may differ in size. With rotation (below)
+ * a row holds the head's values times the orthonormal Walsh-Hadamard matrix.
+ * A sequence reaches its blocks through a block table: logical block i ->
+ * physical block id.
  *
  * This module only addresses and stores; who may use which block is decided by
  * the caller (kvd-run's simple free list here, the coordinator's allocator in
@@ -23,21 +29,89 @@
 
 #include "model.h"
 
+/* Rotation flags (kv_params.rotate): which of K and V are stored rotated by
+ * the orthonormal Walsh-Hadamard matrix H of the head size (kern_hadamard).
+ * H is symmetric and its own inverse, so q.k is unchanged when q is rotated
+ * too, and the attention output over rotated V is rotated back by H. It
+ * spreads an outlier channel over the whole head before quantization. */
+enum {
+    KV_ROT_K = 1,           /* K rows rotated; queries are rotated to meet them */
+    KV_ROT_V = 2,           /* V rows rotated; attention outputs are rotated back */
+};
+
 struct kv_params {
     uint32_t block_tokens;  /* positions per block (default 16) */
     uint32_t n_blocks;      /* blocks in the cache */
-    uint32_t dtype;         /* KERN_F16 (default) or KERN_F32 */
+    uint32_t k_type;        /* KERN_F16 (default), KERN_F32, KERN_Q8_0 or KERN_Q4_0 */
+    uint32_t v_type;        /* the same choices, for V */
+    uint32_t rotate;        /* KV_ROT_K | KV_ROT_V (kv_rotate_default) */
 };
 
 struct kv_params kv_default_params(void);
+
+/* ---- the KV types ---------------------------------------------------------- */
+
+/* True for a type a cache may hold: f32, f16, q8_0, q4_0. */
+bool kv_type_ok(uint32_t type);
+
+/* "f32", "f16", "q8_0", "q4_0"; "?" for anything else. */
+const char *kv_type_name(uint32_t type);
+
+/* Parses a type name as above into *type; KVD_EINVAL for anything else. */
+int kv_type_parse(const char *name, uint32_t *type);
+
+/* The rotation used unless asked otherwise: the 4-bit halves are rotated. */
+uint32_t kv_rotate_default(uint32_t k_type, uint32_t v_type);
+
+/* Parses --kv-rotate's value: "on" (rotate K and V), "off", "auto"
+ * (kv_rotate_default), or exactly "k", "v", "kv" (what kv_rotate_arg
+ * writes); 0 or KVD_EINVAL. */
+int kv_rotate_parse(const char *s, uint32_t k_type, uint32_t v_type, uint32_t *rotate);
+
+/* "K+V", "K", "V" or "off", for people. */
+const char *kv_rotate_name(uint32_t rotate);
+
+/* "kv", "k", "v" or "off": the --kv-rotate value that gives exactly this. */
+const char *kv_rotate_arg(uint32_t rotate);
+
+/* The KV types from the command-line flags every tool takes (NULL where a flag
+ * was not given): --kv-type T sets both, --k-type / --v-type one each (over
+ * --kv-type), --kv-rotate on|off|auto (default auto). Fills p->k_type,
+ * p->v_type and p->rotate; KVD_EINVAL with the flag named in err. */
+int kv_params_from_flags(struct kv_params *p, const char *kv_type, const char *k_type,
+                         const char *v_type, const char *rotate, char *err, size_t errlen);
+
+/* The flags' help text, one option a line, for a tool's --help. */
+#define KV_FLAGS_HELP                                                                          \
+    "      --kv-type T        K and V element type: f16 (default), f32, q8_0, q4_0\n"           \
+    "      --k-type T, --v-type T  the type of K or of V alone\n"                               \
+    "      --kv-rotate on|off|auto  Walsh-Hadamard rotation before quantization\n"              \
+    "                         (auto, the default: the 4-bit halves)\n"
+
+/* Checks that a head of head_dim values can be stored as k_type / v_type with
+ * that rotation (quantized types need head_dim % 32 == 0, rotation a power of
+ * two up to KERN_MAX_HEAD_DIM); 0 or KVD_EINVAL with the reason in err. */
+int kv_format_check(uint32_t head_dim, uint32_t k_type, uint32_t v_type, uint32_t rotate,
+                    char *err, size_t errlen);
+
+/* Bytes of one head of one token of a type (0 for a type or size it cannot hold). */
+size_t kv_row_bytes(uint32_t type, uint32_t head_dim);
+
+/* Bytes of KV per token: layers x kv_heads x (K row + V row). */
+uint64_t kv_token_bytes(uint32_t n_layer, uint32_t n_head_kv, uint32_t head_dim, uint32_t k_type,
+                        uint32_t v_type);
 
 typedef struct kvcache {
     uint32_t n_layer, n_head_kv, head_dim; /* shape, copied from the model */
     uint32_t block_tokens;  /* positions per block */
     uint32_t n_blocks;      /* blocks in mem */
-    uint32_t dtype;         /* KERN_F16 or KERN_F32 */
-    size_t elem_bytes;      /* 2 or 4 */
-    size_t head_bytes;      /* one head of one block: block_tokens * head_dim * elem */
+    uint32_t k_type, v_type;/* element types of K and V (kv_type_ok) */
+    uint32_t rotate;        /* KV_ROT_K | KV_ROT_V */
+    size_t k_row_bytes;     /* one head of one token of K */
+    size_t v_row_bytes;     /* the same of V */
+    size_t k_head_bytes;    /* one K head of one layer of a block: block_tokens rows */
+    size_t v_head_bytes;    /* the same of V */
+    size_t layer_bytes;     /* one layer of a block: n_head_kv * (k_head_bytes + v_head_bytes) */
     size_t block_bytes;     /* all layers, K and V */
     uint8_t *mem;           /* n_blocks * block_bytes */
     bool owned;             /* mem is ours to free */
@@ -45,8 +119,8 @@ typedef struct kvcache {
     uint32_t n_free;        /* entries in free_ids */
 } kvcache_t;
 
-/* Bytes of KV per token for a model: 2 x layers x kv_heads x head_dim x elem. */
-uint64_t kv_bytes_per_token(const struct model_config *c, uint32_t dtype);
+/* Bytes of KV per token for a model with these types (kv_token_bytes). */
+uint64_t kv_bytes_per_token(const struct model_config *c, uint32_t k_type, uint32_t v_type);
 
 /* Allocates a cache of p->n_blocks blocks for model config c; NULL + err on bad
  * parameters or no memory. */
@@ -62,8 +136,14 @@ void kvcache_destroy(kvcache_t **kv);
 /* Start of the K (which = 0) or V (which = 1) heads of one layer of a block. */
 static inline uint8_t *kv_block_ptr(const kvcache_t *kv, uint32_t block, uint32_t layer, int which)
 {
-    return kv->mem + (size_t)block * kv->block_bytes +
-           ((size_t)layer * 2 + (size_t)which) * kv->n_head_kv * kv->head_bytes;
+    return kv->mem + (size_t)block * kv->block_bytes + (size_t)layer * kv->layer_bytes +
+           (which ? kv->n_head_kv * kv->k_head_bytes : 0);
+}
+
+/* Bytes between the KV heads of K (which = 0) or V (which = 1) in a block. */
+static inline size_t kv_head_bytes(const kvcache_t *kv, int which)
+{
+    return which ? kv->v_head_bytes : kv->k_head_bytes;
 }
 
 /* The simple free list for single-process use: takes one block id into *id

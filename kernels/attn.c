@@ -1,11 +1,80 @@
-/* attn.c - dispatch of grouped attention; the C path is kern_attn_paged per head. */
+/* attn.c - grouped paged attention: the C reference (kern_attn_paged, one
+ * head at a time), the dispatch to the SIMD paths, and the merge of split
+ * position ranges. */
 #include "attn.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <stddef.h>
+#include <string.h>
 
 #include "cpu.h"
+#include "f16.h"
 #include "ops.h"
+#include "quant.h"
+#include "types.h"
+
+/* Row j of the context for KV head h: its block, then its place in the block. */
+static inline const uint8_t *attn_row(const uint8_t *base, const struct kern_attn_args *a,
+                                      uint64_t head_stride, size_t row_bytes, int j)
+{
+    return base + a->blocks[j / a->block_tokens] * a->block_stride + (uint64_t)a->kv_head * head_stride +
+           (size_t)(j % a->block_tokens) * row_bytes;
+}
+
+void kern_attn_paged(const struct kern_attn_args *a, int i)
+{
+    const int hd = a->head_dim, n_ctx = a->n_ctx;
+    const size_t k_row = kern_row_bytes(a->k_type, hd), v_row = kern_row_bytes(a->v_type, hd);
+    const float *q = a->q + (size_t)i * hd;
+    float *out = a->out + (size_t)i * hd, *scores = a->scores;
+    float qh[KERN_MAX_HEAD_DIM], row[KERN_MAX_HEAD_DIM];
+    uint8_t qq[KERN_MAX_HEAD_DIM / KERN_QK32 * sizeof(struct kern_block_q8_0)];
+    const bool k_quant = a->k_type == KERN_Q8_0 || a->k_type == KERN_Q4_0;
+    if (a->k_type == KERN_F16) {
+        for (int d = 0; d < hd; d++)
+            qh[d] = kvd_f16_to_f32(kvd_f32_to_f16(q[d]));
+        q = qh;
+    } else if (k_quant) {
+        kern_quantize_act(KERN_Q8_0, q, qq, hd);
+    }
+    float max = -INFINITY;
+    for (int j = 0; j < n_ctx; j++) {
+        const uint8_t *k = attn_row(a->k_base, a, a->k_head_stride, k_row, j);
+        float s = 0.0f;
+        if (k_quant) {
+            s = kern_vec_dot(a->k_type, hd, k, qq);
+        } else {
+            kern_dequantize_row(a->k_type, k, row, hd);
+            for (int d = 0; d < hd; d++)
+                s += q[d] * row[d];
+        }
+        s *= a->scale;
+        scores[j] = s;
+        if (s > max)
+            max = s;
+    }
+    double sum = 0.0;
+    for (int j = 0; j < n_ctx; j++) {
+        float e = expf(scores[j] - max);
+        scores[j] = e;
+        sum += e;
+    }
+    const float inv = (float)(1.0 / sum);
+    if (a->stats != NULL) {
+        a->stats[2 * i] = max;
+        a->stats[2 * i + 1] = (float)sum;
+    }
+    const bool half = a->v_type == KERN_F16;
+    for (int d = 0; d < hd; d++)
+        out[d] = 0.0f;
+    for (int j = 0; j < n_ctx; j++) {
+        kern_dequantize_row(a->v_type, attn_row(a->v_base, a, a->v_head_stride, v_row, j), row, hd);
+        const float p = half ? kvd_f16_to_f32(kvd_f32_to_f16(scores[j] * inv)) : scores[j] * inv;
+        for (int d = 0; d < hd; d++)
+            out[d] += p * row[d];
+    }
+}
 
 void kern_attn_isa(const struct kern_attn_args *a, int isa)
 {
@@ -16,10 +85,7 @@ void kern_attn_isa(const struct kern_attn_args *a, int isa)
         return;
 #endif
     for (int i = 0; i < a->n_q; i++)
-        kern_attn_paged(a->out + (size_t)i * a->head_dim, a->q + (size_t)i * a->head_dim, a->k_base,
-                        a->v_base, a->blocks, a->n_ctx, a->block_tokens, a->head_dim, a->kv_head,
-                        a->block_stride, a->head_stride, a->kv_dtype, a->scale, a->scores,
-                        a->stats ? a->stats + 2 * i : NULL);
+        kern_attn_paged(a, i);
 }
 
 void kern_attn(const struct kern_attn_args *a)

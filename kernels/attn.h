@@ -24,8 +24,10 @@ struct kern_attn_args {
     int head_dim;
     int kv_head;
     uint64_t block_stride;  /* bytes between blocks */
-    uint64_t head_stride;   /* bytes between KV heads of a block */
-    uint32_t kv_dtype;      /* KERN_F16 or KERN_F32 */
+    uint64_t k_head_stride; /* bytes between the K heads of a block */
+    uint64_t v_head_stride; /* bytes between the V heads of a block */
+    uint32_t k_type;        /* KERN_F16, KERN_F32, KERN_Q8_0 or KERN_Q4_0 */
+    uint32_t v_type;        /* the same choices, for V */
     float scale;            /* 1 / sqrt(head_dim) */
     float *scores;          /* scratch: n_q * n_ctx floats */
     float *stats;           /* NULL, or n_q pairs: largest score, sum of exp(score - largest) */
@@ -41,10 +43,33 @@ void kern_attn_merge(float *out, const float *outs, size_t stride, const float *
 void kern_attn(const struct kern_attn_args *a);
 void kern_attn_isa(const struct kern_attn_args *a, int isa);
 
-/* x86 path; false when it does not handle the shape (head_dim % 8 != 0). */
+/*
+ * The C reference: causal attention of query head i of a (q + i * head_dim,
+ * out + i * head_dim, stats + 2 * i) over positions [0, n_ctx) of the paged
+ * cache. Block b of KV head h starts at k_base + b * block_stride + h *
+ * k_head_stride (V likewise); a row is head_dim values of the K (V) type.
+ *   scores:  scratch of n_ctx floats
+ * Scores are q.k * scale, softmax in f32 with the sum in double, then the
+ * probability-weighted sum of V in position order. The query meets K in K's
+ * precision, as llama.cpp's CPU attention does:
+ *   f16 K:   q rounded to f16, products of halves summed in f32;
+ *   f32 K:   f32 products;
+ *   q8_0/q4_0 K: q quantized to q8_0 (kern_quantize_act), and q.k is
+ *            kern_vec_dot of the K row with it: integer sums per 32-value
+ *            block, scaled and summed in block order, exact in the integers.
+ * Over f16 V the probabilities are rounded to f16 too; over quantized V each
+ * row is dequantized (d * code) and accumulated in f32.
+ * head_dim <= KERN_MAX_HEAD_DIM. When stats is not NULL it receives the
+ * largest score and the sum of exp(score - largest), for merging the results
+ * of several position ranges (see kern_attn_merge).
+ */
+void kern_attn_paged(const struct kern_attn_args *a, int i);
+
+/* x86 path; false when it does not handle the shape (head_dim % 8 != 0) or
+ * the types (K and V both f16 or both f32). */
 int kern_attn_avx2(const struct kern_attn_args *a);
 
-/* AVX-512 path for head_dim 64 and 128; 0 for other shapes. */
+/* AVX-512 path for head_dim 64 and 128; 0 for other shapes and types. */
 int kern_attn_avx512(const struct kern_attn_args *a);
 
 #endif

@@ -61,9 +61,10 @@ static inline float round_half(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROU
 int kern_attn_avx2(const struct kern_attn_args *a)
 {
     const int hd = a->head_dim;
-    if (hd % 8 != 0 || hd > KERN_MAX_HEAD_DIM)
+    if (hd % 8 != 0 || hd > KERN_MAX_HEAD_DIM || a->k_type != a->v_type ||
+        (a->k_type != KERN_F16 && a->k_type != KERN_F32))
         return 0;
-    const bool half = a->kv_dtype == KERN_F16;
+    const bool half = a->k_type == KERN_F16;
     const size_t row_bytes = (size_t)hd * (half ? 2 : 4);
     for (int q0 = 0; q0 < a->n_q; q0 += MAX_Q) {
         const int nq = a->n_q - q0 < MAX_Q ? a->n_q - q0 : MAX_Q;
@@ -78,7 +79,7 @@ int kern_attn_avx2(const struct kern_attn_args *a)
         /* scores, reading each K row once for the group */
         for (int j = 0; j < a->n_ctx; j++) {
             const uint8_t *k = a->k_base + a->blocks[j / a->block_tokens] * a->block_stride +
-                               (uint64_t)a->kv_head * a->head_stride +
+                               (uint64_t)a->kv_head * a->k_head_stride +
                                (size_t)(j % a->block_tokens) * row_bytes;
             for (int g = 0; g < nq; g++) {
                 __m256 acc = _mm256_setzero_ps();
@@ -127,7 +128,7 @@ int kern_attn_avx2(const struct kern_attn_args *a)
                 acc[g][d] = _mm256_setzero_ps();
         for (int j = 0; j < a->n_ctx; j++) {
             const uint8_t *v = a->v_base + a->blocks[j / a->block_tokens] * a->block_stride +
-                               (uint64_t)a->kv_head * a->head_stride +
+                               (uint64_t)a->kv_head * a->v_head_stride +
                                (size_t)(j % a->block_tokens) * row_bytes;
             for (int d = 0; d < hd; d += 8) {
                 const __m256 vv = load8(v, d, half);

@@ -54,16 +54,17 @@ static inline __m512 load16(const uint8_t *row, int h, bool half)
  * ones read) and block b's V rows (read after the softmax); each block's
  * rows of one head are contiguous, and a context's blocks are scattered, so
  * the hardware prefetcher would restart at every block. */
-static inline void prefetch_block(const struct kern_attn_args *a, int b, int n, uint64_t head_off,
-                                  size_t row_bytes)
+static inline void prefetch_block(const struct kern_attn_args *a, int b, int n, uint64_t k_off,
+                                  uint64_t v_off, size_t k_row_bytes, size_t v_row_bytes)
 {
-    const size_t bytes = (size_t)a->block_tokens * row_bytes;
-    const uint8_t *v = a->v_base + a->blocks[b] * a->block_stride + head_off;
-    for (size_t o = 0; o < bytes; o += 64)
+    const size_t k_bytes = (size_t)a->block_tokens * k_row_bytes;
+    const size_t v_bytes = (size_t)a->block_tokens * v_row_bytes;
+    const uint8_t *v = a->v_base + a->blocks[b] * a->block_stride + v_off;
+    for (size_t o = 0; o < v_bytes; o += 64)
         _mm_prefetch((const char *)v + o, _MM_HINT_T1);
     if ((b + 1) * a->block_tokens < n) {
-        const uint8_t *k = a->k_base + a->blocks[b + 1] * a->block_stride + head_off;
-        for (size_t o = 0; o < bytes; o += 64)
+        const uint8_t *k = a->k_base + a->blocks[b + 1] * a->block_stride + k_off;
+        for (size_t o = 0; o < k_bytes; o += 64)
             _mm_prefetch((const char *)k + o, _MM_HINT_T0);
     }
 }
@@ -74,7 +75,7 @@ static inline void prefetch_block(const struct kern_attn_args *a, int b, int n, 
 static inline __attribute__((always_inline)) void
 attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
 {
-    const bool half = a->kv_dtype == KERN_F16;
+    const bool half = a->k_type == KERN_F16;
     const int hd = 16 * HV, n = a->n_ctx;
     const size_t row_bytes = (size_t)hd * (half ? 2 : 4);
     __m512 qv[MAX_Q][8];
@@ -91,7 +92,8 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
         vmax[g] = _mm512_set1_ps(-INFINITY);
     const __m512 scale = _mm512_set1_ps(a->scale);
     float kf[16][128] __attribute__((aligned(64)));
-    const uint64_t head_off = (uint64_t)a->kv_head * a->head_stride;
+    const uint64_t k_off = (uint64_t)a->kv_head * a->k_head_stride;
+    const uint64_t v_off = (uint64_t)a->kv_head * a->v_head_stride;
     int blk = 0, off = 0;  /* the next position's block and row, without a division per row */
     for (int j0 = 0; j0 < n; j0 += 16) {
         const int cnt = n - j0 < 16 ? n - j0 : 16;
@@ -100,8 +102,8 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
             const uint8_t *k = NULL;
             if (p < cnt) {
                 if (off == 0)
-                    prefetch_block(a, blk, n, head_off, row_bytes);
-                k = a->k_base + a->blocks[blk] * a->block_stride + head_off + (size_t)off * row_bytes;
+                    prefetch_block(a, blk, n, k_off, v_off, row_bytes, row_bytes);
+                k = a->k_base + a->blocks[blk] * a->block_stride + k_off + (size_t)off * row_bytes;
                 if (++off == a->block_tokens) {
                     off = 0;
                     blk++;
@@ -156,7 +158,7 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
         for (int h = 0; h < HV; h++)
             acc[g][h] = _mm512_setzero_ps();
     for (int j0 = 0, b = 0; j0 < n; j0 += a->block_tokens, b++) {
-        const uint8_t *v = a->v_base + a->blocks[b] * a->block_stride + head_off;
+        const uint8_t *v = a->v_base + a->blocks[b] * a->block_stride + v_off;
         const int end = n - j0 < a->block_tokens ? n : j0 + a->block_tokens;
         for (int j = j0; j < end; j++, v += row_bytes)
             for (int h = 0; h < HV; h++) {
@@ -178,7 +180,8 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
 int kern_attn_avx512(const struct kern_attn_args *a)
 {
     const int hd = a->head_dim;
-    if (hd != 64 && hd != 128)
+    if ((hd != 64 && hd != 128) || a->k_type != a->v_type ||
+        (a->k_type != KERN_F16 && a->k_type != KERN_F32))
         return 0;
     const int HV = hd / 16;
     for (int q0 = 0; q0 < a->n_q; q0 += MAX_Q) {

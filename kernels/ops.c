@@ -1,4 +1,4 @@
-/* ops.c - reference C kernels: RMSNorm, RoPE, SwiGLU, paged attention. */
+/* ops.c - reference C kernels: RMSNorm, RoPE, SwiGLU, the f16 row conversion, the Hadamard rotation. */
 #include "ops.h"
 
 #include "cpu.h"
@@ -72,66 +72,16 @@ void kern_f32_to_f16_row(uint16_t *dst, const float *src, int n)
         dst[i] = kvd_f32_to_f16(src[i]);
 }
 
-/* Loads element j of a head row of dtype. */
-static inline float kv_at(const uint8_t *row, int j, uint32_t dtype)
+void kern_hadamard(float *x, int n)
 {
-    if (dtype == KERN_F16) {
-        kvd_f16 h;
-        memcpy(&h, row + 2 * (size_t)j, 2);
-        return kvd_f16_to_f32(h);
-    }
-    float f;
-    memcpy(&f, row + 4 * (size_t)j, 4);
-    return f;
-}
-
-void kern_attn_paged(float *out, const float *q, const uint8_t *k_base, const uint8_t *v_base,
-                     const uint32_t *blocks, int n_ctx, int block_tokens, int head_dim,
-                     int kv_head, uint64_t block_stride, uint64_t head_stride,
-                     uint32_t kv_dtype, float scale, float *scores, float *stats)
-{
-    const size_t elem = kv_dtype == KERN_F16 ? 2 : 4;
-    const size_t row_bytes = (size_t)head_dim * elem;
-    /* q.k and p.v are computed in the cache's precision: over an f16 cache
-     * the query and the probabilities are rounded to f16 too (products of
-     * halves, f32 sums), as llama.cpp's CPU attention does */
-    const bool half = kv_dtype == KERN_F16;
-    float qh[KERN_MAX_HEAD_DIM];
-    if (half) {
-        for (int d = 0; d < head_dim; d++)
-            qh[d] = kvd_f16_to_f32(kvd_f32_to_f16(q[d]));
-        q = qh;
-    }
-    float max = -INFINITY;
-    for (int j = 0; j < n_ctx; j++) {
-        const uint8_t *k = k_base + blocks[j / block_tokens] * block_stride +
-                           (uint64_t)kv_head * head_stride + (size_t)(j % block_tokens) * row_bytes;
-        float s = 0.0f;
-        for (int d = 0; d < head_dim; d++)
-            s += q[d] * kv_at(k, d, kv_dtype);
-        s *= scale;
-        scores[j] = s;
-        if (s > max)
-            max = s;
-    }
-    double sum = 0.0;
-    for (int j = 0; j < n_ctx; j++) {
-        float e = expf(scores[j] - max);
-        scores[j] = e;
-        sum += e;
-    }
-    const float inv = (float)(1.0 / sum);
-    if (stats != NULL) {
-        stats[0] = max;
-        stats[1] = (float)sum;
-    }
-    for (int d = 0; d < head_dim; d++)
-        out[d] = 0.0f;
-    for (int j = 0; j < n_ctx; j++) {
-        const uint8_t *v = v_base + blocks[j / block_tokens] * block_stride +
-                           (uint64_t)kv_head * head_stride + (size_t)(j % block_tokens) * row_bytes;
-        const float p = half ? kvd_f16_to_f32(kvd_f32_to_f16(scores[j] * inv)) : scores[j] * inv;
-        for (int d = 0; d < head_dim; d++)
-            out[d] += p * kv_at(v, d, kv_dtype);
-    }
+    for (int h = 1; h < n; h *= 2)
+        for (int i = 0; i < n; i += 2 * h)
+            for (int j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+    const float s = (float)(1.0 / sqrt((double)n));
+    for (int i = 0; i < n; i++)
+        x[i] *= s;
 }

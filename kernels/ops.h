@@ -34,26 +34,10 @@ void kern_f32_to_f16_row(uint16_t *dst, const float *src, int n);
 void kern_swiglu_avx512(float *gate, const float *up, int n);
 void kern_f32_to_f16_avx512(uint16_t *dst, const float *src, int n);
 
-/*
- * Causal attention of one query head over a paged cache, positions [0, n_ctx).
- *   q:           (head_dim) query, already rotated
- *   k_base, v_base: K and V of this layer in block 0; block b of head h starts at
- *                base + b * block_stride + h * head_stride (bytes)
- *   blocks:      block table, ceil(n_ctx / block_tokens) entries
- *   kv_dtype:    KERN_F16 or KERN_F32
- *   scores:      scratch of n_ctx floats
- *   out:         (head_dim) result
- * Scores are q.k * scale, softmax in f32 with the sum in double, then the
- * probability-weighted sum of V in position order. Over an f16 cache the
- * query and the probabilities are rounded to f16 as well (products of halves,
- * sums in f32), which is what llama.cpp's CPU attention does.
- * head_dim <= KERN_MAX_HEAD_DIM. When stats is not NULL it receives the
- * largest score and the sum of exp(score - largest), for merging the results
- * of several position ranges (see kern_attn_merge).
- */
-void kern_attn_paged(float *out, const float *q, const uint8_t *k_base, const uint8_t *v_base,
-                     const uint32_t *blocks, int n_ctx, int block_tokens, int head_dim,
-                     int kv_head, uint64_t block_stride, uint64_t head_stride,
-                     uint32_t kv_dtype, float scale, float *scores, float *stats);
+/* In-place orthonormal Walsh-Hadamard transform of x[n], n a power of two
+ * up to KERN_MAX_HEAD_DIM: x = H x / sqrt(n) with H the Sylvester Hadamard
+ * matrix. Symmetric and its own inverse; a fixed order of operations, so the
+ * same input gives the same bits everywhere. */
+void kern_hadamard(float *x, int n);
 
 #endif

@@ -1,6 +1,8 @@
 /* pool.c - the KV pool's segment: sizing, creation, adoption, attachment. */
 #include "pool.h"
 
+#include "kvcache.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -68,15 +70,20 @@ static int layout_check(const struct pool_layout *lay, char *err, size_t errlen)
     if (lay->block_tokens == 0 || lay->block_tokens > 4096)
         return kvd_seterr(err, errlen, KVD_EINVAL, "pool: block size %u is out of range (1..4096)",
                           lay->block_tokens);
-    if (lay->dtype != KERN_F16 && lay->dtype != KERN_F32)
-        return kvd_seterr(err, errlen, KVD_EINVAL, "pool: KV type must be f16 or f32");
+    char why[160];
+    if (kv_format_check(lay->head_dim, lay->k_type, lay->v_type, lay->rotate, why, sizeof(why)))
+        return kvd_seterr(err, errlen, KVD_EINVAL, "pool: %s", why);
     return 0;
+}
+
+static uint64_t layout_token_bytes(const struct pool_layout *lay)
+{
+    return kv_token_bytes(lay->n_layer, lay->n_head_kv, lay->head_dim, lay->k_type, lay->v_type);
 }
 
 static uint64_t layout_block_bytes(const struct pool_layout *lay)
 {
-    uint64_t elem = lay->dtype == KERN_F32 ? 4 : 2;
-    return 2ull * lay->n_layer * lay->n_head_kv * lay->head_dim * lay->block_tokens * elem;
+    return layout_token_bytes(lay) * lay->block_tokens;
 }
 
 #define MAX_DEVICE 1023  /* largest CUDA device index a header may name */
@@ -157,8 +164,7 @@ int pool_plan(const struct pool_layout *lay, const struct pool_params *p,
         return kvd_seterr(err, errlen, KVD_ERANGE, "pool: %llu blocks is too many",
                           (unsigned long long)n);
     layout_offsets(lay, (uint32_t)n, dev, &h);
-    uint64_t elem = lay->dtype == KERN_F32 ? 4 : 2;
-    cap->bytes_per_token = 2ull * lay->n_layer * lay->n_head_kv * lay->head_dim * elem;
+    cap->bytes_per_token = layout_token_bytes(lay);
     cap->block_bytes = bb;
     cap->overhead_per_block = over;
     cap->n_blocks = (uint32_t)n;
@@ -178,13 +184,15 @@ void pool_describe(const struct pool_layout *lay, const struct pool_capacity *ca
                  cap->kv_device, kvd_format_bytes(cap->total_bytes, meta, sizeof(meta)));
     int n = snprintf(buf, len,
                      "%s%s: %u blocks of %u tokens (%s each) = %llu tokens at %llu bytes/token "
-                     "(2 x %u layers x %u KV heads x %u dims x %u B)",
+                     "(%u layers x %u KV heads x %u dims, K %s + V %s%s%s)",
                      kvd_format_bytes(cap->kv_device >= 0 ? cap->data_bytes : cap->total_bytes,
                                       total, sizeof(total)),
                      where, cap->n_blocks,
                      lay->block_tokens, kvd_format_bytes(cap->block_bytes, blk, sizeof(blk)),
                      (unsigned long long)cap->n_tokens, (unsigned long long)cap->bytes_per_token,
-                     lay->n_layer, lay->n_head_kv, lay->head_dim, lay->dtype == KERN_F32 ? 4 : 2);
+                     lay->n_layer, lay->n_head_kv, lay->head_dim, kv_type_name(lay->k_type),
+                     kv_type_name(lay->v_type), lay->rotate ? ", rotated " : "",
+                     lay->rotate ? kv_rotate_name(lay->rotate) : "");
     if (ctx && n > 0 && (size_t)n < len) {
         uint64_t per_seq = (ctx + lay->block_tokens - 1) / lay->block_tokens;
         uint64_t fit = cap->n_blocks / per_seq;
@@ -217,9 +225,13 @@ static int header_check(const struct pool_header *h, uint64_t size, const struct
     if (l->block_tokens != lay->block_tokens)
         return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "made with blocks of %u tokens, not %u",
                           l->block_tokens, lay->block_tokens);
-    if (l->dtype != lay->dtype)
-        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "made with KV type %s, not %s",
-                          l->dtype == KERN_F32 ? "f32" : "f16", lay->dtype == KERN_F32 ? "f32" : "f16");
+    if (l->k_type != lay->k_type || l->v_type != lay->v_type)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "made with KV types K %s / V %s, not K %s / V %s",
+                          kv_type_name(l->k_type), kv_type_name(l->v_type), kv_type_name(lay->k_type),
+                          kv_type_name(lay->v_type));
+    if (l->rotate != lay->rotate)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "made with rotation %s, not %s",
+                          kv_rotate_name(l->rotate), kv_rotate_name(lay->rotate));
     if (h->n_blocks == 0 || h->n_blocks == UINT32_MAX)
         return kvd_seterr(err, errlen, KVD_EFORMAT, "corrupt header (block count %u)", h->n_blocks);
     bool dev = h->kv_where == POOL_KV_DEVICE;
@@ -679,8 +691,8 @@ void *pool_block_addr(const pool_t *p, uint32_t id)
     return p->base + h->data_off + (uint64_t)id * h->block_bytes;
 }
 
-void pool_layout_for_model(const struct model *m, uint32_t block_tokens, uint32_t dtype,
-                           bool identify, struct pool_layout *lay)
+void pool_layout_for_model(const struct model *m, uint32_t block_tokens, uint32_t k_type,
+                           uint32_t v_type, uint32_t rotate, bool identify, struct pool_layout *lay)
 {
     memset(lay, 0, sizeof(*lay));
     if (identify)
@@ -689,5 +701,7 @@ void pool_layout_for_model(const struct model *m, uint32_t block_tokens, uint32_
     lay->n_head_kv = m->cfg.n_head_kv;
     lay->head_dim = m->cfg.head_dim;
     lay->block_tokens = block_tokens;
-    lay->dtype = dtype;
+    lay->k_type = (uint16_t)k_type;
+    lay->v_type = (uint16_t)v_type;
+    lay->rotate = rotate;
 }

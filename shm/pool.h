@@ -63,7 +63,7 @@
 #include <stdint.h>
 
 #define POOL_MAGIC UINT64_C(0x314c4f4f5044564b) /* "KVDPOOL1" in little-endian bytes */
-#define POOL_VERSION 2u                        /* 2: KV location and instance in the header */
+#define POOL_VERSION 3u                        /* 3: K and V types and rotation in the layout */
 #define POOL_NONE UINT32_MAX                   /* "no block" in every block-id field */
 #define POOL_SECRET_BYTES 192u                  /* keyed-hash secret (>= XXH3's 136) */
 #define POOL_HEADER_BYTES 4096u
@@ -88,9 +88,11 @@ struct pool_layout {
     uint32_t n_head_kv;     /* KV heads */
     uint32_t head_dim;      /* per-head size */
     uint32_t block_tokens;  /* positions per block */
-    uint32_t dtype;         /* KERN_F16 or KERN_F32 */
+    uint16_t k_type;        /* K's element type: KERN_F16, KERN_F32, KERN_Q8_0 or KERN_Q4_0 */
+    uint16_t v_type;        /* V's, the same choices */
+    uint32_t rotate;        /* KV_ROT_K | KV_ROT_V (kvcache.h): halves stored rotated */
 };
-static_assert(sizeof(struct pool_layout) == 36, "pool_layout is part of the ABI");
+static_assert(sizeof(struct pool_layout) == 40, "pool_layout is part of the ABI");
 
 /* The prefix cache's shared state (written by shm/prefix.c only). */
 struct pool_cache_state {
@@ -121,7 +123,6 @@ struct pool_header {
     struct pool_layout layout;
     uint32_t n_blocks;      /* KV blocks */
     uint32_t n_buckets;     /* index buckets (a power of two) */
-    uint32_t pad0;
     uint64_t block_bytes;   /* bytes of one KV block, all layers, K and V */
     uint64_t records_off;   /* struct pool_block[n_blocks] */
     uint64_t tokens_off;    /* int32_t[n_blocks][block_tokens] */
@@ -185,7 +186,7 @@ struct pool_params pool_default_params(void);
 
 /* The capacity a budget buys. */
 struct pool_capacity {
-    uint64_t bytes_per_token;  /* 2 x layers x kv_heads x head_dim x elem */
+    uint64_t bytes_per_token;  /* layers x kv_heads x (K row + V row) (kv_token_bytes) */
     uint64_t block_bytes;      /* KV bytes of one block */
     uint64_t overhead_per_block; /* record + token ids + bucket share */
     uint32_t n_blocks;         /* blocks */
@@ -202,8 +203,8 @@ struct model;
 /* The layout of a pool for model m: its KV shape and, when identify is set, its
  * fingerprint (a hash of all weights, tens of milliseconds); a private pool that
  * no other process opens may leave the fingerprint zero. */
-void pool_layout_for_model(const struct model *m, uint32_t block_tokens, uint32_t dtype,
-                           bool identify, struct pool_layout *lay);
+void pool_layout_for_model(const struct model *m, uint32_t block_tokens, uint32_t k_type,
+                           uint32_t v_type, uint32_t rotate, bool identify, struct pool_layout *lay);
 
 /* The number written into pool_header.abi by this build. */
 uint32_t pool_abi(void);

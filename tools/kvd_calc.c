@@ -19,13 +19,14 @@
 #include "cli.h"
 #include "err.h"
 #include "gguf.h"
+#include "kvcache.h"
 #include "pool.h"
 #include "types.h"
 #include "units.h"
 
 static void usage(FILE *f)
 {
-    fputs("usage: kvd-calc -m MODEL [--ctx N] [--batch B] [--kv-type f16|f32] [--kv-memory SIZE]\n"
+    fputs("usage: kvd-calc -m MODEL [--ctx N] [--batch B] [--kv-type T] [--kv-memory SIZE]\n"
           "       kvd-calc --layers L --kv-heads H --head-dim D [same options]\n"
           "\n"
           "  -m, --model FILE       GGUF model of the llama family to read the shape from\n"
@@ -34,7 +35,7 @@ static void usage(FILE *f)
           "      --head-dim D       dimensions per head      (instead of -m)\n"
           "  -c, --ctx N            tokens per sequence (default: the model's context, or 4096)\n"
           "  -b, --batch B          sequences (default 1)\n"
-          "      --kv-type T        f16 (default) or f32\n"
+          KV_FLAGS_HELP
           "      --block-tokens N   tokens per KV block (default 16)\n"
           "      --kv-memory SIZE   also show what a pool of SIZE (\"2GiB\") holds\n"
           "      --json             one JSON object\n",
@@ -80,7 +81,7 @@ static void shape_from_gguf(const char *path, struct pool_layout *lay, uint32_t 
 
 int main(int argc, char **argv)
 {
-    enum { OPT_LAYERS = 256, OPT_HEADS, OPT_DIM, OPT_TYPE, OPT_BLOCK, OPT_MEM, OPT_JSON };
+    enum { OPT_LAYERS = 256, OPT_HEADS, OPT_DIM, OPT_TYPE, OPT_KTYPE, OPT_VTYPE, OPT_ROTATE, OPT_BLOCK, OPT_MEM, OPT_JSON };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "ctx", required_argument, NULL, 'c' },
@@ -90,6 +91,9 @@ int main(int argc, char **argv)
         { "kv-heads", required_argument, NULL, OPT_HEADS },
         { "head-dim", required_argument, NULL, OPT_DIM },
         { "kv-type", required_argument, NULL, OPT_TYPE },
+        { "k-type", required_argument, NULL, OPT_KTYPE },
+        { "v-type", required_argument, NULL, OPT_VTYPE },
+        { "kv-rotate", required_argument, NULL, OPT_ROTATE },
         { "block-tokens", required_argument, NULL, OPT_BLOCK },
         { "kv-memory", required_argument, NULL, OPT_MEM },
         { "json", no_argument, NULL, OPT_JSON },
@@ -97,7 +101,8 @@ int main(int argc, char **argv)
     };
     cli_init("kvd-calc");
     const char *model = NULL;
-    struct pool_layout lay = { .block_tokens = 16, .dtype = KERN_F16 };
+    struct pool_layout lay = { .block_tokens = 16 };
+    const char *kv_flags[4] = { NULL, NULL, NULL, NULL };
     long ctx = 0, batch = 1;
     uint64_t kv_bytes = 0;
     bool json = false, have_mem = false;
@@ -113,14 +118,10 @@ int main(int argc, char **argv)
         case OPT_HEADS: lay.n_head_kv = (uint32_t)cli_long(optarg, "--kv-heads", 1, 1024); break;
         case OPT_DIM: lay.head_dim = (uint32_t)cli_long(optarg, "--head-dim", 1, 4096); break;
         case OPT_BLOCK: lay.block_tokens = (uint32_t)cli_long(optarg, "--block-tokens", 1, 4096); break;
-        case OPT_TYPE:
-            if (strcmp(optarg, "f16") == 0)
-                lay.dtype = KERN_F16;
-            else if (strcmp(optarg, "f32") == 0)
-                lay.dtype = KERN_F32;
-            else
-                cli_die("--kv-type must be f16 or f32, got '%s'", optarg);
-            break;
+        case OPT_TYPE: kv_flags[0] = optarg; break;
+        case OPT_KTYPE: kv_flags[1] = optarg; break;
+        case OPT_VTYPE: kv_flags[2] = optarg; break;
+        case OPT_ROTATE: kv_flags[3] = optarg; break;
         case OPT_MEM:
             if (kvd_parse_size(optarg, &kv_bytes) != 0)
                 cli_die("--kv-memory must be a size such as 512MiB or 2G, got '%s'", optarg);
@@ -133,6 +134,13 @@ int main(int argc, char **argv)
     }
     if (optind < argc)
         cli_die("unexpected argument '%s' (see --help)", argv[optind]);
+    struct kv_params kp;
+    char err[512];
+    if (kv_params_from_flags(&kp, kv_flags[0], kv_flags[1], kv_flags[2], kv_flags[3], err, sizeof(err)) != 0)
+        cli_die("%s", err);
+    lay.k_type = (uint16_t)kp.k_type;
+    lay.v_type = (uint16_t)kp.v_type;
+    lay.rotate = kp.rotate;
     uint32_t ctx_train = 0;
     if (model != NULL) {
         if (lay.n_layer || lay.n_head_kv || lay.head_dim)
@@ -144,8 +152,9 @@ int main(int argc, char **argv)
     if (ctx == 0)
         ctx = ctx_train ? ctx_train : 4096;
 
-    const uint64_t per_elem = lay.dtype == KERN_F32 ? 4 : 2;
-    const uint64_t per_token = 2ull * lay.n_layer * lay.n_head_kv * lay.head_dim * per_elem;
+    if (kv_format_check(lay.head_dim, lay.k_type, lay.v_type, lay.rotate, err, sizeof(err)) != 0)
+        cli_die("%s", err);
+    const uint64_t per_token = kv_token_bytes(lay.n_layer, lay.n_head_kv, lay.head_dim, lay.k_type, lay.v_type);
     const uint64_t tokens = (uint64_t)ctx * (uint64_t)batch;
     const uint64_t bytes = per_token * tokens;
     const uint64_t blocks_per_seq = ((uint64_t)ctx + lay.block_tokens - 1) / lay.block_tokens;
@@ -153,7 +162,7 @@ int main(int argc, char **argv)
     const uint64_t paged = blocks_per_seq * (uint64_t)batch * lay.block_tokens * per_token;
 
     struct pool_capacity cap;
-    char line[512] = "", err[512];
+    char line[512] = "";
     if (have_mem) {
         struct pool_params pp = pool_default_params();
         pp.kv_bytes = kv_bytes;
@@ -162,10 +171,10 @@ int main(int argc, char **argv)
         pool_describe(&lay, &cap, (uint32_t)ctx, line, sizeof(line));
     }
     if (json) {
-        printf("{\"layers\":%u,\"kv_heads\":%u,\"head_dim\":%u,\"bytes_per_element\":%llu,"
+        printf("{\"layers\":%u,\"kv_heads\":%u,\"head_dim\":%u,\"k_type\":\"%s\",\"v_type\":\"%s\","
                "\"bytes_per_token\":%llu,\"ctx\":%ld,\"batch\":%ld,\"tokens\":%llu,\"bytes\":%llu,"
                "\"block_tokens\":%u,\"blocks\":%llu,\"paged_bytes\":%llu",
-               lay.n_layer, lay.n_head_kv, lay.head_dim, (unsigned long long)per_elem,
+               lay.n_layer, lay.n_head_kv, lay.head_dim, kv_type_name(lay.k_type), kv_type_name(lay.v_type),
                (unsigned long long)per_token, ctx, batch, (unsigned long long)tokens,
                (unsigned long long)bytes, lay.block_tokens,
                (unsigned long long)(blocks_per_seq * (uint64_t)batch), (unsigned long long)paged);
@@ -179,21 +188,27 @@ int main(int argc, char **argv)
         return 0;
     }
     char b1[32], b2[32];
-    printf("shape:           %u layers, %u KV heads, head dim %u, %s\n", lay.n_layer, lay.n_head_kv,
-           lay.head_dim, lay.dtype == KERN_F32 ? "f32" : "f16");
-    printf("per token:       2 x %u x %u x %u x %llu B = %llu bytes (%s)\n", lay.n_layer,
-           lay.n_head_kv, lay.head_dim, (unsigned long long)per_elem,
+    printf("shape:           %u layers, %u KV heads, head dim %u, K %s, V %s\n", lay.n_layer,
+           lay.n_head_kv, lay.head_dim, kv_type_name(lay.k_type), kv_type_name(lay.v_type));
+    printf("per token:       %u x %u x (%zu B of K + %zu B of V) = %llu bytes (%s)\n", lay.n_layer,
+           lay.n_head_kv, kv_row_bytes(lay.k_type, lay.head_dim), kv_row_bytes(lay.v_type, lay.head_dim),
            (unsigned long long)per_token, kvd_format_bytes(per_token, b1, sizeof(b1)));
     printf("%ld x %ld tokens:  %llu bytes (%s); paged in blocks of %u: %llu blocks, %s\n", batch,
            ctx, (unsigned long long)bytes, kvd_format_bytes(bytes, b1, sizeof(b1)),
            lay.block_tokens, (unsigned long long)(blocks_per_seq * (uint64_t)batch),
            kvd_format_bytes(paged, b2, sizeof(b2)));
-    printf("other types:     f32 %s", kvd_format_bytes(bytes / per_elem * 4, b1, sizeof(b1)));
-    printf(", f16 %s", kvd_format_bytes(bytes / per_elem * 2, b1, sizeof(b1)));
-    /* 8-bit and 4-bit blocks of 32 values carry one f16 scale each (Q8_0, Q4_0) */
-    printf(", 8-bit %s", kvd_format_bytes(bytes / per_elem * 34 / 32, b1, sizeof(b1)));
-    printf(", 4-bit %s (the engine stores f16 or f32 today)\n",
-           kvd_format_bytes(bytes / per_elem * 18 / 32, b1, sizeof(b1)));
+    /* the same tokens with K and V both of each type (q8_0 and q4_0 rows carry
+     * one f16 scale per 32 values: 34 and 18 bytes a block) */
+    static const uint32_t others[] = { KERN_F32, KERN_F16, KERN_Q8_0, KERN_Q4_0 };
+    const char *sep = "other types:     ";
+    for (size_t i = 0; i < sizeof(others) / sizeof(others[0]); i++) {
+        const uint64_t b = kv_token_bytes(lay.n_layer, lay.n_head_kv, lay.head_dim, others[i], others[i]) * tokens;
+        if (b == 0)
+            continue;   /* a quantized type the head size does not divide into */
+        printf("%s%s %s", sep, kv_type_name(others[i]), kvd_format_bytes(b, b1, sizeof(b1)));
+        sep = ", ";
+    }
+    printf("\n");
     if (have_mem)
         printf("pool:            %s\n", line);
     return 0;

@@ -53,7 +53,8 @@ struct options {
     int n_ctx;                  /* --ctx: context (generation) or window (perplexity) */
     int n_threads;              /* -t */
     int block_tokens;           /* --block-tokens */
-    uint32_t kv_type;           /* --kv-type */
+    struct kv_params kv;        /* --kv-type, --k-type, --v-type, --kv-rotate: types, rotation */
+    const char *kv_flags[4];    /* the values of those four flags as given (NULL: not given) */
     bool chat;                  /* --chat */
     bool json;                  /* --json */
     bool special;               /* --special */
@@ -91,7 +92,7 @@ static void usage(FILE *f)
           "                         with --perplexity the window (default 512)\n"
           "  -t, --threads N        threads (default: all CPUs)\n"
           "      --block-tokens N   KV block size in tokens (default 16)\n"
-          "      --kv-type f16|f32  KV cache element type (default f16)\n"
+          KV_FLAGS_HELP
           "      --kv-memory SIZE   KV pool size (\"512MiB\", \"2G\"; default: one context)\n"
           "      --pool NAME        keep the KV pool in shared memory under NAME: a later\n"
           "                         run with the same model and pool reuses its cached\n"
@@ -132,7 +133,7 @@ static char *read_file(const char *path, size_t *len)
 enum {
     OPT_TEMP = 256, OPT_TOPK, OPT_TOPP, OPT_MINP, OPT_REPEAT, OPT_SEED, OPT_STOP, OPT_CHAT,
     OPT_SYSTEM, OPT_SYSTEM_FILE, OPT_JSON, OPT_TOKENIZE, OPT_SPECIAL, OPT_PPL, OPT_BLOCK,
-    OPT_KVTYPE, OPT_IGNORE_EOS, OPT_BENCH, OPT_BENCH_FILE, OPT_PROMPT_IDS, OPT_POOL, OPT_NS,
+    OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE, OPT_ROTATE, OPT_IGNORE_EOS, OPT_BENCH, OPT_BENCH_FILE, OPT_PROMPT_IDS, OPT_POOL, OPT_NS,
     OPT_KVMEM, OPT_LOGITS_OUT,
 };
 
@@ -188,6 +189,9 @@ static void parse_args(int argc, char **argv, struct options *o)
         { "perplexity", required_argument, NULL, OPT_PPL },
         { "block-tokens", required_argument, NULL, OPT_BLOCK },
         { "kv-type", required_argument, NULL, OPT_KVTYPE },
+        { "k-type", required_argument, NULL, OPT_KTYPE },
+        { "v-type", required_argument, NULL, OPT_VTYPE },
+        { "kv-rotate", required_argument, NULL, OPT_ROTATE },
         { "ignore-eos", no_argument, NULL, OPT_IGNORE_EOS },
         { "bench", no_argument, NULL, OPT_BENCH },
         { "bench-file", required_argument, NULL, OPT_BENCH_FILE },
@@ -203,7 +207,6 @@ static void parse_args(int argc, char **argv, struct options *o)
     o->model = getenv("KVD_MODEL") ? getenv("KVD_MODEL") : DEFAULT_MODEL;
     o->n_predict = 256;
     o->block_tokens = 16;
-    o->kv_type = KERN_F16;
     o->sp = sampler_default_params();
     o->ns = "";
     opterr = 0;
@@ -266,14 +269,10 @@ static void parse_args(int argc, char **argv, struct options *o)
         case OPT_SPECIAL: o->special = true; break;
         case OPT_PPL: o->ppl_file = optarg; break;
         case OPT_BLOCK: o->block_tokens = (int)cli_long(optarg, "--block-tokens", 1, 4096); break;
-        case OPT_KVTYPE:
-            if (strcmp(optarg, "f16") == 0)
-                o->kv_type = KERN_F16;
-            else if (strcmp(optarg, "f32") == 0)
-                o->kv_type = KERN_F32;
-            else
-                cli_die("--kv-type must be f16 or f32, got '%s'", optarg);
-            break;
+        case OPT_KVTYPE: o->kv_flags[0] = optarg; break;
+        case OPT_KTYPE: o->kv_flags[1] = optarg; break;
+        case OPT_VTYPE: o->kv_flags[2] = optarg; break;
+        case OPT_ROTATE: o->kv_flags[3] = optarg; break;
         case OPT_IGNORE_EOS: o->ignore_eos = true; break;
         case OPT_BENCH: o->bench = true; break;
         case OPT_BENCH_FILE: o->bench_file = optarg; break;
@@ -283,6 +282,10 @@ static void parse_args(int argc, char **argv, struct options *o)
     }
     if (optind < argc)
         cli_die("unexpected argument '%s' (see --help)", argv[optind]);
+    char kv_err[256];
+    if (kv_params_from_flags(&o->kv, o->kv_flags[0], o->kv_flags[1], o->kv_flags[2], o->kv_flags[3],
+                             kv_err, sizeof(kv_err)) != 0)
+        cli_die("%s", kv_err);
     if (o->prompt != NULL && o->prompt_ids != NULL)
         cli_die("-p/--file and --prompt-ids exclude each other");
     if (o->prompt_ids != NULL && o->chat)
@@ -387,7 +390,7 @@ static void runtime_open(struct runtime *rt, const struct options *o, uint32_t n
     rt->step = rt->n_ctx < 512 ? rt->n_ctx : 512;
 
     struct pool_layout lay;
-    pool_layout_for_model(rt->model, (uint32_t)o->block_tokens, o->kv_type,
+    pool_layout_for_model(rt->model, (uint32_t)o->block_tokens, o->kv.k_type, o->kv.v_type, o->kv.rotate,
                           o->pool != NULL, &lay); /* only a shared pool needs the model's identity */
     struct pool_params pp = pool_default_params();
     pp.name = o->pool;
@@ -419,7 +422,9 @@ static void runtime_open(struct runtime *rt, const struct options *o, uint32_t n
     }
     struct kv_params kp = kv_default_params();
     kp.block_tokens = lay.block_tokens;
-    kp.dtype = lay.dtype;
+    kp.k_type = lay.k_type;
+    kp.v_type = lay.v_type;
+    kp.rotate = lay.rotate;
     kp.n_blocks = cap.n_blocks;
     rt->kv = kvcache_wrap(c, &kp, pool_data(rt->pool), pool_data_bytes(rt->pool), err, sizeof(err));
     if (rt->kv == NULL)

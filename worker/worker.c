@@ -71,7 +71,8 @@ struct options {
     const char *model, *pool, *endpoint;
     uint32_t id;
     int threads;
-    uint32_t block_tokens, kv_type, step_tokens, max_batch, ctx;
+    uint32_t block_tokens, step_tokens, max_batch, ctx;
+    struct kv_params kv;    /* --kv-type, --k-type, --v-type, --kv-rotate (the types and rotation) */
     uint32_t step_ms;       /* aim: no step longer than this (heartbeats wait for steps) */
     int gpu;                /* --gpu: CUDA device holding the pool's KV data; -1: CPU */
     const char *gpu_socket; /* --gpu-socket: where kvd hands out the device memory */
@@ -620,8 +621,8 @@ static void run_step(struct worker *w, uint32_t n)
 
 static void parse_args(int argc, char **argv, struct options *o)
 {
-    enum { OPT_POOL = 256, OPT_CONNECT, OPT_ID, OPT_BLOCK, OPT_KVTYPE, OPT_STEP, OPT_BATCH,
-           OPT_STEP_MS, OPT_GPU, OPT_GPU_SOCKET };
+    enum { OPT_POOL = 256, OPT_CONNECT, OPT_ID, OPT_BLOCK, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE, OPT_ROTATE,
+           OPT_STEP, OPT_BATCH, OPT_STEP_MS, OPT_GPU, OPT_GPU_SOCKET };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "threads", required_argument, NULL, 't' },
@@ -631,6 +632,9 @@ static void parse_args(int argc, char **argv, struct options *o)
         { "id", required_argument, NULL, OPT_ID },
         { "block-tokens", required_argument, NULL, OPT_BLOCK },
         { "kv-type", required_argument, NULL, OPT_KVTYPE },
+        { "k-type", required_argument, NULL, OPT_KTYPE },
+        { "v-type", required_argument, NULL, OPT_VTYPE },
+        { "kv-rotate", required_argument, NULL, OPT_ROTATE },
         { "step-tokens", required_argument, NULL, OPT_STEP },
         { "max-batch", required_argument, NULL, OPT_BATCH },
         { "step-ms", required_argument, NULL, OPT_STEP_MS },
@@ -640,7 +644,7 @@ static void parse_args(int argc, char **argv, struct options *o)
     };
     memset(o, 0, sizeof(*o));
     o->block_tokens = 16;
-    o->kv_type = KERN_F16;
+    const char *kv_type = NULL, *k_type = NULL, *v_type = NULL, *rotate = NULL;
     o->step_tokens = 256;
     o->max_batch = 64;
     o->step_ms = 500;
@@ -656,20 +660,27 @@ static void parse_args(int argc, char **argv, struct options *o)
         case OPT_CONNECT: o->endpoint = optarg; break;
         case OPT_ID: o->id = (uint32_t)strtoul(optarg, NULL, 10); break;
         case OPT_BLOCK: o->block_tokens = (uint32_t)strtoul(optarg, NULL, 10); break;
-        case OPT_KVTYPE: o->kv_type = strcmp(optarg, "f32") == 0 ? KERN_F32 : KERN_F16; break;
+        case OPT_KVTYPE: kv_type = optarg; break;
+        case OPT_KTYPE: k_type = optarg; break;
+        case OPT_VTYPE: v_type = optarg; break;
+        case OPT_ROTATE: rotate = optarg; break;
         case OPT_STEP: o->step_tokens = (uint32_t)strtoul(optarg, NULL, 10); break;
         case OPT_BATCH: o->max_batch = (uint32_t)strtoul(optarg, NULL, 10); break;
         case OPT_STEP_MS: o->step_ms = (uint32_t)strtoul(optarg, NULL, 10); break;
         case OPT_GPU: o->gpu = (int)cli_long(optarg, "--gpu", 0, 1023); break;
         case OPT_GPU_SOCKET: o->gpu_socket = optarg; break;
         default: cli_die("bad argument %s (usage: kvd-worker --model M --pool NAME --connect ENDPOINT "
-                     "--id N [--threads T] [--ctx N] [--block-tokens B] [--kv-type f16|f32] "
+                     "--id N [--threads T] [--ctx N] [--block-tokens B] [--kv-type T] [--k-type T] "
+                     "[--v-type T] [--kv-rotate on|off|auto] "
                      "[--step-tokens S] [--max-batch N] [--gpu N --gpu-socket PATH])",
                      argv[optind - 1]);
         }
     }
     if (!o->model || !o->pool || !o->endpoint)
         cli_die("--model, --pool and --connect are required");
+    char err[256];
+    if (kv_params_from_flags(&o->kv, kv_type, k_type, v_type, rotate, err, sizeof(err)) != 0)
+        cli_die("%s", err);
     if ((o->gpu >= 0) != (o->gpu_socket != NULL))
         cli_die("--gpu and --gpu-socket go together (kvd passes both)");
     if (o->step_tokens < 1 || o->step_tokens > 4096 || o->max_batch < 1 || o->max_batch > 4096 ||
@@ -715,7 +726,7 @@ static void setup(struct worker *w)
     if (w->o.ctx == 0 || w->o.ctx > w->model->cfg.n_ctx_train)
         w->o.ctx = w->model->cfg.n_ctx_train;
     struct pool_layout lay;
-    pool_layout_for_model(w->model, o->block_tokens, o->kv_type, true, &lay);
+    pool_layout_for_model(w->model, o->block_tokens, o->kv.k_type, o->kv.v_type, o->kv.rotate, true, &lay);
     w->pool = pool_attach(o->pool, &lay, err, sizeof(err));
     if (w->pool == NULL)
         cli_die("%s", err);
@@ -729,7 +740,9 @@ static void setup(struct worker *w)
         }
         struct kv_params kp = kv_default_params();
         kp.block_tokens = o->block_tokens;
-        kp.dtype = o->kv_type;
+        kp.k_type = o->kv.k_type;
+        kp.v_type = o->kv.v_type;
+        kp.rotate = o->kv.rotate;
         kp.n_blocks = pool_header(w->pool)->n_blocks;
         w->kv = kvcache_wrap(&w->model->cfg, &kp, pool_data(w->pool), pool_data_bytes(w->pool), err,
                              sizeof(err));

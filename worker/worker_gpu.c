@@ -8,6 +8,7 @@
 #include "err.h"
 #include "fdpass.h"
 #include "kcuda_vmm.h"
+#include "kvcache.h"
 #include "types.h"
 
 struct wgpu {
@@ -137,8 +138,12 @@ int wgpu_engine_start(wgpu_t *g, const model_t *m, const struct engine_params *p
         return kvd_seterr(err, errlen, KVD_ESTATE, "the GPU engine is already started");
     const struct pool_header *h = pool_header(g->pool);
     /* the GPU kernels address an f16 cache; the pool must hold what they expect */
-    if (h->layout.dtype != KERN_F16)
-        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "the GPU engine needs an f16 KV pool");
+    if (h->layout.k_type != KERN_F16 || h->layout.v_type != KERN_F16 || h->layout.rotate != 0)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                          "the GPU engine needs an f16 KV pool (this one holds K %s, V %s%s): "
+                          "quantized KV blocks run on the CPU engine only, for now",
+                          kv_type_name(h->layout.k_type), kv_type_name(h->layout.v_type),
+                          h->layout.rotate ? ", rotated" : "");
     const struct wgpu_mem mem = {
         .kv_base = wgpu_kv_base(g), .kv_bytes = wgpu_kv_bytes(g), .kv_blocks = h->n_blocks,
         .block_tokens = h->layout.block_tokens, .weights_base = kcuda_vmm_ptr(g->weights),

@@ -31,6 +31,7 @@
 
 #include "check.h"
 #include "f16.h"
+#include "attn.h"
 #include "kcuda.h"
 #include "ops.h"
 #include "types.h"
@@ -240,8 +241,13 @@ static void check_row(struct worst *w, const struct cache *c, const struct batch
         const float *q = b->q + off, *g = gpu + off;
         float twin[KERN_MAX_HEAD_DIM];
         double ex[KERN_MAX_HEAD_DIM], vs[KERN_MAX_HEAD_DIM];
-        kern_attn_paged(twin, q, c->hk, c->hv, table, n_ctx, c->s.block_tokens, D, h / G, c->block_bytes,
-                        c->head_bytes, KERN_F16, 1.0f / sqrtf((float)D), scores, NULL);
+        const struct kern_attn_args ta = {
+            .out = twin, .q = q, .n_q = 1, .k_base = c->hk, .v_base = c->hv, .blocks = table, .n_ctx = n_ctx,
+            .block_tokens = c->s.block_tokens, .head_dim = D, .kv_head = h / G, .block_stride = c->block_bytes,
+            .k_head_stride = c->head_bytes, .v_head_stride = c->head_bytes, .k_type = KERN_F16,
+            .v_type = KERN_F16, .scale = 1.0f / sqrtf((float)D), .scores = scores,
+        };
+        kern_attn_paged(&ta, 0);
         attn_exact(ex, vs, q, c, h / G, table, n_ctx);
         double ex_max = 0, vs_max = 0, tw_max = 0, e_ex = 0, e_tw = 0;
         for (int d = 0; d < D; d++) {

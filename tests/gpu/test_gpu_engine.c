@@ -363,12 +363,12 @@ static void compare_kv(struct rig *r, int s)
         for (uint32_t l = 0; l < kv->n_layer; l++)
             for (int which = 0; which < 2; which++)
                 for (uint32_t h = 0; h < nkv; h++) {
-                    const size_t off = (size_t)(kv_block_ptr(kv, 0, l, which) - kv->mem) + h * kv->head_bytes;
+                    const size_t off = (size_t)(kv_block_ptr(kv, 0, l, which) - kv->mem) + h * kv_head_bytes(kv, which);
                     const kvd_f16 *cp = (const kvd_f16 *)(kv_block_ptr(kv, q->blocks[0][b], l, which) +
-                                                          h * kv->head_bytes);
+                                                          h * kv_head_bytes(kv, which));
                     const kvd_f16 *gp = (const kvd_f16 *)(g + off);
                     const kvd_f16 *yp = (const kvd_f16 *)(kv_block_ptr(r->kv2, q->blocks[0][b], l, which) +
-                                                          h * kv->head_bytes);
+                                                          h * kv_head_bytes(kv, which));
                     for (uint32_t i = 0; i < n_pos * hd; i++) {
                         const double c = kvd_f16_to_f32(cp[i]), x = kvd_f16_to_f32(gp[i]);
                         diff[l] = fmax(diff[l], fabs(x - c));
@@ -381,7 +381,7 @@ static void compare_kv(struct rig *r, int s)
             for (uint32_t l = 0; l < kv->n_layer; l++)
                 for (int which = 0; which < 2; which++)
                     for (uint32_t h = 0; h < nkv; h++) {
-                        const size_t off = (size_t)(kv_block_ptr(kv, 0, l, which) - kv->mem) + h * kv->head_bytes;
+                        const size_t off = (size_t)(kv_block_ptr(kv, 0, l, which) - kv->mem) + h * kv_head_bytes(kv, which);
                         cmp_sets++;
                         same_sets += memcmp(g + off, g2 + off, (size_t)n_pos * hd * 2) == 0;
                     }

@@ -2,7 +2,11 @@
  * test_attn.c - grouped paged attention: the SIMD path against the C
  * reference (within a tolerance) over f16 and f32 caches, several group sizes
  * and context lengths not multiple of the block; and grouping invariance:
- * heads run together give the same bits as heads run one by one.
+ * heads run together give the same bits as heads run one by one. Over q8_0
+ * and q4_0 caches (K and V of either type): every path against an exact
+ * attention in double over the same quantized values (the query quantized to
+ * q8_0 as the kernels do), and the SIMD paths' scores against the C
+ * reference's bit for bit (integer dot products).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -12,6 +16,7 @@
 #include "check.h"
 #include "cpu.h"
 #include "f16.h"
+#include "quant.h"
 #include "types.h"
 
 #define HD 64
@@ -20,6 +25,110 @@
 #define KVH 2          /* KV heads per block */
 
 static float frand(void) { return (float)rand() / (float)RAND_MAX * 2.0f - 1.0f; }
+
+/* The attention of q over rows [0, n) of a quantized cache in double: the
+ * reference every path is held to. */
+static void attn_exact_q(double *out, const float *q, const uint8_t *kmem, const uint8_t *vmem,
+                         const uint32_t *blocks, int n, size_t k_row, size_t v_row, size_t k_head,
+                         size_t v_head, size_t block_stride, uint32_t kt, uint32_t vt, double scale)
+{
+    uint8_t qq[HD / 32 * sizeof(struct kern_block_q8_0)];
+    float qf[HD], kf[HD], vf[HD];
+    kern_quantize_row(KERN_Q8_0, q, qq, HD);
+    kern_dequantize_row(KERN_Q8_0, qq, qf, HD);
+    double *s = malloc((size_t)n * sizeof(double)), mx = -INFINITY, sum = 0;
+    for (int j = 0; j < n; j++) {
+        const size_t at = blocks[j / BT] * block_stride + k_head + (size_t)(j % BT) * k_row;
+        kern_dequantize_row(kt, kmem + at, kf, HD);
+        double d = 0;
+        for (int i = 0; i < HD; i++)
+            d += (double)qf[i] * kf[i];
+        s[j] = d * scale;
+        mx = s[j] > mx ? s[j] : mx;
+    }
+    for (int j = 0; j < n; j++)
+        sum += (s[j] = exp(s[j] - mx));
+    for (int i = 0; i < HD; i++)
+        out[i] = 0;
+    for (int j = 0; j < n; j++) {
+        const size_t at = blocks[j / BT] * block_stride + v_head + (size_t)(j % BT) * v_row;
+        kern_dequantize_row(vt, vmem + at, vf, HD);
+        for (int i = 0; i < HD; i++)
+            out[i] += s[j] / sum * vf[i];
+    }
+    free(s);
+}
+
+/* Caches of K and V of quantized types (q8_0, q4_0, and f16 beside them). */
+static void test_quantized(void)
+{
+    const uint32_t types[][2] = { { KERN_Q8_0, KERN_Q8_0 }, { KERN_Q4_0, KERN_Q4_0 },
+                                  { KERN_Q8_0, KERN_Q4_0 }, { KERN_Q4_0, KERN_Q8_0 } };
+    const int ctxs[] = { 1, 15, 16, 33, 300, 1200 };
+    for (size_t ti = 0; ti < sizeof(types) / sizeof(types[0]); ti++) {
+        const uint32_t kt = types[ti][0], vt = types[ti][1];
+        const size_t k_row = kern_row_bytes(kt, HD), v_row = kern_row_bytes(vt, HD);
+        const size_t k_head = BT * k_row, v_head = BT * v_row;
+        const size_t block_stride = KVH * (k_head + v_head);
+        uint8_t *mem = malloc(NB * block_stride);
+        float row[HD];
+        for (int b = 0; b < NB; b++)
+            for (int h = 0; h < KVH; h++)
+                for (int t = 0; t < BT; t++) {
+                    for (int i = 0; i < HD; i++)    /* channel 5 an outlier, as real keys have */
+                        row[i] = frand() * (i == 5 ? 8.0f : 1.0f);
+                    kern_quantize_row(kt, row, mem + b * block_stride + h * k_head + t * k_row, HD);
+                    for (int i = 0; i < HD; i++)
+                        row[i] = frand();
+                    kern_quantize_row(vt, row, mem + b * block_stride + KVH * k_head + h * v_head + t * v_row, HD);
+                }
+        uint32_t blocks[NB];
+        for (int i = 0; i < NB; i++)
+            blocks[i] = (uint32_t)((i * 37 + 11) % NB);
+        for (size_t ci = 0; ci < sizeof(ctxs) / sizeof(ctxs[0]); ci++) {
+            const int n_ctx = ctxs[ci], G = 3;
+            float q[3 * HD], ref[3 * HD], got[3 * HD], one[HD];
+            double ex[3][HD];
+            float *scores = malloc((size_t)3 * n_ctx * sizeof(float));
+            for (int i = 0; i < G * HD; i++)
+                q[i] = frand() * 3.0f;
+            struct kern_attn_args a = {
+                .out = ref, .q = q, .n_q = G, .k_base = mem, .v_base = mem + KVH * k_head,
+                .blocks = blocks, .n_ctx = n_ctx, .block_tokens = BT, .head_dim = HD, .kv_head = 1,
+                .block_stride = block_stride, .k_head_stride = k_head, .v_head_stride = v_head,
+                .k_type = kt, .v_type = vt, .scale = 0.125f, .scores = scores,
+            };
+            for (int g = 0; g < G; g++)
+                attn_exact_q(ex[g], q + g * HD, mem, mem + KVH * k_head, blocks, n_ctx, k_row, v_row,
+                             k_head, v_head, block_stride, kt, vt, 0.125);
+            for (int isa = KERN_ISA_C; isa <= (int)kern_isa_best(); isa++) {
+                a.out = isa == KERN_ISA_C ? ref : got;
+                kern_attn_isa(&a, isa);
+                double worst = 0, norm = 0;
+                for (int g = 0; g < G; g++)
+                    for (int i = 0; i < HD; i++) {
+                        worst = fmax(worst, fabs(a.out[g * HD + i] - ex[g][i]));
+                        norm = fmax(norm, fabs(ex[g][i]));
+                    }
+                if (worst > 1e-4 * fmax(norm, 0.05))
+                    fprintf(stderr, "K %s V %s ctx %d on %s: worst difference %.2e (output %.2e)\n",
+                            kern_type_info(kt)->name, kern_type_info(vt)->name, n_ctx,
+                            kern_isa_name((enum kern_isa)isa), worst, norm);
+                CHECK(worst <= 1e-4 * fmax(norm, 0.05));
+                for (int g = 0; g < G; g++) {
+                    struct kern_attn_args b = a;
+                    b.out = one;
+                    b.q = q + g * HD;
+                    b.n_q = 1;
+                    kern_attn_isa(&b, isa);
+                    CHECK(memcmp(one, a.out + g * HD, sizeof(one)) == 0);
+                }
+            }
+            free(scores);
+        }
+        free(mem);
+    }
+}
 
 int main(void)
 {
@@ -53,8 +162,9 @@ int main(void)
                 struct kern_attn_args a = {
                     .out = ref, .q = q, .n_q = G, .k_base = mem, .v_base = mem + KVH * head_stride,
                     .blocks = blocks, .n_ctx = n_ctx, .block_tokens = BT, .head_dim = HD,
-                    .kv_head = 1, .block_stride = block_stride, .head_stride = head_stride,
-                    .kv_dtype = dtype, .scale = 0.125f, .scores = scores,
+                    .kv_head = 1, .block_stride = block_stride, .k_head_stride = head_stride,
+                    .v_head_stride = head_stride, .k_type = dtype, .v_type = dtype, .scale = 0.125f,
+                    .scores = scores,
                 };
                 kern_attn_isa(&a, KERN_ISA_C);
                 double worst = 0;
@@ -81,5 +191,6 @@ int main(void)
             }
         free(mem);
     }
+    test_quantized();
     return CHECK_DONE();
 }

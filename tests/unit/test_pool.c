@@ -14,6 +14,7 @@
 
 #include "check.h"
 #include "err.h"
+#include "kvcache.h"
 #include "pool.h"
 #include "prefix.h"
 #include "types.h"
@@ -65,7 +66,7 @@ static void test_sizes(void)
 
     /* the seed's example: 32 layers, 8 KV heads, dim 128, f16 -> 128 KiB a token */
     struct pool_layout big = { .n_layer = 32, .n_head_kv = 8, .head_dim = 128,
-                               .block_tokens = 16, .dtype = KERN_F16 };
+                               .block_tokens = 16, .k_type = KERN_F16, .v_type = KERN_F16 };
     struct pool_params p = pool_default_params();
     p.kv_bytes = 537ull * 1000 * 1000;
     struct pool_capacity cap;
@@ -89,8 +90,20 @@ static void test_sizes(void)
     p.n_blocks = 4;
     CHECK_INT(pool_plan(&bad, &p, &cap, err, sizeof(err)), KVD_EINVAL);
     bad = big;
-    bad.dtype = KERN_Q4_0;
+    bad.k_type = KERN_Q4_1;                         /* not a KV type */
     CHECK_INT(pool_plan(&bad, &p, &cap, err, sizeof(err)), KVD_EINVAL);
+    check_has(err, "K type must be");
+    bad = big;
+    bad.v_type = KERN_Q4_0;                         /* a KV type: sizes follow it */
+    const uint64_t budget = p.kv_bytes;
+    p.kv_bytes = 0;
+    REQUIRE(pool_plan(&bad, &p, &cap, err, sizeof(err)) == 0);
+    CHECK_INT(cap.n_blocks, 4);
+    CHECK_INT(cap.block_bytes, cap.bytes_per_token * 16);
+    CHECK_INT(cap.bytes_per_token, (uint64_t)big.n_layer * big.n_head_kv * (big.head_dim * 2 + big.head_dim / 32 * 18));
+    bad.rotate = 8;                                 /* unknown rotation flag */
+    CHECK_INT(pool_plan(&bad, &p, &cap, err, sizeof(err)), KVD_EINVAL);
+    p.kv_bytes = budget;
     /* a fixed budget never yields a segment larger than itself */
     for (uint64_t b = 3u << 20; b < (64u << 20); b = b * 5 / 3) {
         p.kv_bytes = b;
@@ -200,9 +213,17 @@ static void test_lifecycle(void)
     CHECK(pool_attach(name, &other, err, sizeof(err)) == NULL);
     check_has(err, "blocks of 4 tokens, not 8");
     other = lay;
-    other.dtype = KERN_F32;
+    other.v_type = KERN_F32;
     CHECK(pool_attach(name, &other, err, sizeof(err)) == NULL);
-    check_has(err, "KV type f16, not f32");
+    check_has(err, "KV types K f16 / V f16, not K f16 / V f32");
+    other = lay;
+    other.k_type = KERN_Q8_0;
+    other.rotate = KV_ROT_K;
+    CHECK(pool_attach(name, &other, err, sizeof(err)) == NULL);
+    check_has(err, "not K q8_0 / V f16");
+    other.k_type = lay.k_type;
+    CHECK(pool_attach(name, &other, err, sizeof(err)) == NULL);
+    check_has(err, "made with rotation off, not K");
 
     /* a prefix cache only runs in the owner */
     pool_t *w = pool_attach(name, &lay, err, sizeof(err));
@@ -476,7 +497,7 @@ int main(void)
 {
     snprintf(name, sizeof(name), "kvd-test-pool-%d", (int)getpid());
     lay = (struct pool_layout){ .n_layer = 2, .n_head_kv = 2, .head_dim = 8, .block_tokens = 4,
-                                .dtype = KERN_F16 };
+                                .k_type = KERN_F16, .v_type = KERN_F16 };
     for (int i = 0; i < 16; i++)
         lay.fingerprint[i] = (uint8_t)(i * 7 + 1);
     test_sizes();

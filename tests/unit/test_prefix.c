@@ -133,7 +133,8 @@ static pool_t *pool_open_small(void)
     lay.n_head_kv = 1;
     lay.head_dim = 4;
     lay.block_tokens = BT;
-    lay.dtype = KERN_F16;
+    lay.k_type = KERN_F16;
+    lay.v_type = KERN_F16;
     struct pool_params p = pool_default_params();
     p.name = NULL;
     p.kv_bytes = 0;
