@@ -4,7 +4,11 @@
  * For each query head: scores q.k * scale (eight-lane products of the K row,
  * converted from f16 in registers, summed as hsum8), softmax with the sum in
  * double, then out += p * v row by row in position order. Over an f16 cache
- * q and p are rounded to f16 first, as in the C reference.
+ * q and p are rounded to f16 first, as in the C reference. Over a q8_0 or
+ * q4_0 K the query is quantized to q8_0 and each block's integer dot product
+ * comes from vpmaddubsw + vpmaddwd, then the scaled block sums are added with
+ * the C reference's float operations, so the scores are its bits; a q8_0 or
+ * q4_0 V row is dequantized in registers (d * code).
  */
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -13,8 +17,43 @@
 #include <string.h>
 
 #include "attn.h"
+#include "f16.h"
 #include "ops.h"
+#include "quant.h"
 #include "types.h"
+
+static inline bool quantized(uint32_t t) { return t == KERN_Q8_0 || t == KERN_Q4_0; }
+
+/* The f16 scale at the start of a q8_0 / q4_0 block, as a float. */
+static inline float block_scale(const uint8_t *blk)
+{
+    uint16_t h;
+    memcpy(&h, blk, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline int hsum8i(__m256i v)
+{
+    __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    x = _mm_add_epi32(x, _mm_unpackhi_epi64(x, x));
+    return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 1)));
+}
+
+/* Sum over a block of K codes times the query's q8_0 codes qs[32]: q8_0 K by
+ * vpmaddubsw of |k| with q carrying k's sign; q4_0 K (codes 0..15) straight,
+ * less 8 times the sum of the query's codes (qsum). Exact. */
+static inline int block_dot(const uint8_t *blk, uint32_t type, __m256i q, int qsum)
+{
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (type == KERN_Q8_0) {
+        const __m256i k = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(k, k), _mm256_sign_epi8(q, k));
+        return hsum8i(_mm256_madd_epi16(p, ones));
+    }
+    const __m128i x = _mm_loadu_si128((const __m128i *)(blk + 2)), lo4 = _mm_set1_epi8(0x0F);
+    const __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), lo4), _mm_and_si128(x, lo4));
+    return hsum8i(_mm256_madd_epi16(_mm256_maddubs_epi16(c, q), ones)) - 8 * qsum;
+}
 
 static inline float hsum8(__m256 v)
 {
@@ -61,19 +100,37 @@ static inline float round_half(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROU
 int kern_attn_avx2(const struct kern_attn_args *a)
 {
     const int hd = a->head_dim;
-    if (hd % 8 != 0 || hd > KERN_MAX_HEAD_DIM || a->k_type != a->v_type ||
-        (a->k_type != KERN_F16 && a->k_type != KERN_F32))
+    if (hd % 8 != 0 || hd > KERN_MAX_HEAD_DIM)
         return 0;
-    const bool half = a->k_type == KERN_F16;
-    const size_t row_bytes = (size_t)hd * (half ? 2 : 4);
+    for (int w = 0; w < 2; w++) {
+        const uint32_t t = w ? a->v_type : a->k_type;
+        if (t != KERN_F16 && t != KERN_F32 && !(quantized(t) && hd % 32 == 0))
+            return 0;
+    }
+    const bool half = a->k_type == KERN_F16, v_half = a->v_type == KERN_F16;
+    const bool k_quant = quantized(a->k_type), v_quant = quantized(a->v_type);
+    const size_t row_bytes = kern_row_bytes(a->k_type, hd), v_row_bytes = kern_row_bytes(a->v_type, hd);
+    const int nb = hd / 32;
+    const size_t k_blk = k_quant ? row_bytes / (size_t)nb : 0, v_blk = v_quant ? v_row_bytes / (size_t)nb : 0;
     for (int q0 = 0; q0 < a->n_q; q0 += MAX_Q) {
         const int nq = a->n_q - q0 < MAX_Q ? a->n_q - q0 : MAX_Q;
         float qh[MAX_Q][KERN_MAX_HEAD_DIM];
+        struct kern_block_q8_0 qq[MAX_Q][KERN_MAX_HEAD_DIM / 32];
+        int qsum[MAX_Q][KERN_MAX_HEAD_DIM / 32];
         float max[MAX_Q];
         for (int g = 0; g < nq; g++) {
             const float *q = a->q + (size_t)(q0 + g) * hd;
-            for (int d = 0; d < hd; d++)
-                qh[g][d] = half ? round_half(q[d]) : q[d];
+            if (k_quant) {
+                kern_quantize_act(KERN_Q8_0, q, qq[g], hd);
+                for (int b = 0; b < nb; b++) {
+                    qsum[g][b] = 0;
+                    for (int i = 0; i < 32; i++)
+                        qsum[g][b] += qq[g][b].qs[i];
+                }
+            } else {
+                for (int d = 0; d < hd; d++)
+                    qh[g][d] = half ? round_half(q[d]) : q[d];
+            }
             max[g] = -INFINITY;
         }
         /* scores, reading each K row once for the group */
@@ -82,10 +139,23 @@ int kern_attn_avx2(const struct kern_attn_args *a)
                                (uint64_t)a->kv_head * a->k_head_stride +
                                (size_t)(j % a->block_tokens) * row_bytes;
             for (int g = 0; g < nq; g++) {
-                __m256 acc = _mm256_setzero_ps();
-                for (int d = 0; d < hd; d += 8)
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(&qh[g][d]), load8(k, d, half), acc);
-                const float s = hsum8(acc) * a->scale;
+                float s;
+                if (k_quant) {  /* kern_vec_dot's float operations, in its order */
+                    s = 0.0f;
+                    for (int b = 0; b < nb; b++) {
+                        const uint8_t *kb = k + (size_t)b * k_blk;
+                        const __m256i qv = _mm256_loadu_si256((const __m256i *)qq[g][b].qs);
+                        const float si = (float)block_dot(kb, a->k_type, qv, qsum[g][b]);
+                        const float dk = block_scale(kb), dq = kvd_f16_to_f32(qq[g][b].d);
+                        s += a->k_type == KERN_Q8_0 ? dk * dq * si : si * dk * dq;
+                    }
+                    s *= a->scale;
+                } else {
+                    __m256 acc = _mm256_setzero_ps();
+                    for (int d = 0; d < hd; d += 8)
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(&qh[g][d]), load8(k, d, half), acc);
+                    s = hsum8(acc) * a->scale;
+                }
                 a->scores[(size_t)g * a->n_ctx + j] = s;
                 if (s > max[g])
                     max[g] = s;
@@ -114,12 +184,12 @@ int kern_attn_avx2(const struct kern_attn_args *a)
             const __m256 vinv = _mm256_set1_ps(inv);
             for (j = 0; j + 8 <= a->n_ctx; j += 8) {
                 __m256 pv = _mm256_mul_ps(_mm256_loadu_ps(sc + j), vinv);
-                if (half)
+                if (v_half)
                     pv = _mm256_cvtph_ps(_mm256_cvtps_ph(pv, _MM_FROUND_TO_NEAREST_INT));
                 _mm256_storeu_ps(sc + j, pv);
             }
             for (; j < a->n_ctx; j++)
-                sc[j] = half ? round_half(sc[j] * inv) : sc[j] * inv;
+                sc[j] = v_half ? round_half(sc[j] * inv) : sc[j] * inv;
         }
         /* out = sum p v, reading each V row once for the group */
         __m256 acc[MAX_Q][KERN_MAX_HEAD_DIM / 8];
@@ -129,9 +199,25 @@ int kern_attn_avx2(const struct kern_attn_args *a)
         for (int j = 0; j < a->n_ctx; j++) {
             const uint8_t *v = a->v_base + a->blocks[j / a->block_tokens] * a->block_stride +
                                (uint64_t)a->kv_head * a->v_head_stride +
-                               (size_t)(j % a->block_tokens) * row_bytes;
+                               (size_t)(j % a->block_tokens) * v_row_bytes;
             for (int d = 0; d < hd; d += 8) {
-                const __m256 vv = load8(v, d, half);
+                __m256 vv;
+                if (v_quant) {  /* d * code, as kern_dequantize_row */
+                    const uint8_t *vb = v + (size_t)(d / 32) * v_blk;
+                    const int e = d % 32;
+                    if (a->v_type == KERN_Q8_0) {
+                        vv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(vb + 2 + e))));
+                    } else {
+                        __m128i c = _mm_loadl_epi64((const __m128i *)(vb + 2 + e % 16));
+                        if (e >= 16)
+                            c = _mm_srli_epi16(c, 4);
+                        c = _mm_and_si128(c, _mm_set1_epi8(0x0F));
+                        vv = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(c), _mm256_set1_epi32(8)));
+                    }
+                    vv = _mm256_mul_ps(_mm256_set1_ps(block_scale(vb)), vv);
+                } else {
+                    vv = load8(v, d, v_half);
+                }
                 for (int g = 0; g < nq; g++)
                     acc[g][d / 8] = _mm256_fmadd_ps(_mm256_set1_ps(a->scores[(size_t)g * a->n_ctx + j]),
                                                     vv, acc[g][d / 8]);

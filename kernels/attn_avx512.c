@@ -2,15 +2,16 @@
  * attn_avx512.c - grouped paged attention with AVX-512, for head sizes of
  * 64 and 128 (the llama family's).
  *
- * Positions go sixteen at a time. Their K rows are converted to floats once
- * for the whole group of query heads; each head's sixteen dot products are
- * sixteen-lane partial sums reduced together by one transpose-and-add tree,
- * so a score costs a few instructions instead of a horizontal sum. Softmax
- * runs sixteen lanes wide (its sum in double), then out += p v position by
- * position with one V row load for all heads. A partial group at the end of
- * the context goes through the same instructions with its missing rows
- * zeroed and its lanes masked, and every head's result is computed the same
- * way whatever heads share the call.
+ * Positions go sixteen at a time. Their K rows are converted once for the
+ * whole group of query heads (to floats, or from q8_0 / q4_0 to int16 codes);
+ * each head's sixteen dot products are sixteen-lane partial sums reduced
+ * together by one transpose-and-add tree, so a score costs a few
+ * instructions instead of a horizontal sum. Softmax runs sixteen lanes wide
+ * (its sum in double), then out += p v position by position with one V row
+ * conversion for all heads. A partial group at the end of the context goes
+ * through the same instructions with its missing rows zeroed and its lanes
+ * masked, and every head's result is computed the same way whatever heads
+ * share the call.
  */
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -20,8 +21,15 @@
 
 #include "attn.h"
 #include "exp512.h"
+#include "f16.h"
 #include "ops.h"
+#include "quant.h"
 #include "types.h"
+
+static inline bool kv_simd_type(uint32_t t)
+{
+    return t == KERN_F16 || t == KERN_F32 || t == KERN_Q8_0 || t == KERN_Q4_0;
+}
 
 /* Sixteen vectors in, one out: lane i = the sum of the lanes of v[i]. */
 static inline __m512 reduce16(const __m512 v[16])
@@ -71,13 +79,104 @@ static inline void prefetch_block(const struct kern_attn_args *a, int b, int n, 
 
 #define MAX_Q 4  /* query heads per pass */
 
-/* HV = head_dim / 16 (4 or 8), NQ query heads (1..MAX_Q). */
+/* Sixteen vectors of int32 in, one out: lane i = the sum of the lanes of v[i]
+ * (exact in any order: reduce16's tree on integers). */
+static inline __m512i reduce16i(const __m512i v[16])
+{
+    __m512i t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
+                                _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]),
+                                _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+    const __m512i x01 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                         _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i x23 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                         _mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* The f16 scale at the start of a q8_0 / q4_0 block, as a float. */
+static inline float block_scale(const uint8_t *blk)
+{
+    uint16_t h;
+    memcpy(&h, blk, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Dword e of every lane of four vectors, gathered: z[i] holds in its 128-bit
+ * lane L the dwords of some row r(i, L); afterwards t[e] lane 4L + i holds
+ * dword e of row r(i, L) (a 4x4 dword transpose in each 128-bit lane). */
+static inline void transpose4(const __m512i z[4], __m512i t[4])
+{
+    const __m512i a0 = _mm512_unpacklo_epi32(z[0], z[1]), a1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i a2 = _mm512_unpacklo_epi32(z[2], z[3]), a3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    t[0] = _mm512_unpacklo_epi64(a0, a2);
+    t[1] = _mm512_unpackhi_epi64(a0, a2);
+    t[2] = _mm512_unpacklo_epi64(a1, a3);
+    t[3] = _mm512_unpackhi_epi64(a1, a3);
+}
+
+/* 16 bytes at offset `at` of the rows of positions i, i+4, i+8, i+12 (rows[]), one per 128-bit lane. */
+static inline __m512i rows4(const uint8_t *const rows[16], int i, size_t at)
+{
+    __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rows[i] + at)));
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(rows[i + 4] + at)), 1);
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(rows[i + 8] + at)), 2);
+    return _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(rows[i + 12] + at)), 3);
+}
+
+/*
+ * The codes of block `blk_at` (byte offset in the row) of sixteen K rows,
+ * transposed for vpdpbusd: t[e] lane p holds, as four unsigned bytes, the
+ * codes of elements 4e .. 4e+3 of position p's block (q8_0 codes + 128, q4_0
+ * codes as stored, 0..15). Its scales go to d[p].
+ */
+static inline void codes_t(const uint8_t *const rows[16], size_t blk_at, uint32_t type, __m512i t[8],
+                           float d[16])
+{
+    for (int p = 0; p < 16; p++)
+        d[p] = block_scale(rows[p] + blk_at);
+    __m512i z[4];
+    if (type == KERN_Q8_0) {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        for (int half = 0; half < 2; half++) {
+            for (int i = 0; i < 4; i++)
+                z[i] = rows4(rows, i, blk_at + 2 + 16 * (size_t)half);
+            transpose4(z, t + 4 * half);
+            for (int e = 0; e < 4; e++)
+                t[4 * half + e] = _mm512_xor_si512(t[4 * half + e], flip);
+        }
+        return;
+    }
+    for (int i = 0; i < 4; i++)
+        z[i] = rows4(rows, i, blk_at + 2);
+    __m512i u[4];
+    transpose4(z, u);
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    for (int e = 0; e < 4; e++) {
+        t[e] = _mm512_and_si512(u[e], lo4);                           /* elements 4e .. 4e+3 */
+        t[4 + e] = _mm512_and_si512(_mm512_srli_epi16(u[e], 4), lo4); /* elements 16+4e .. */
+    }
+}
+
+/* Values 16h .. 16h+15 of an f16 or f32 V row, as floats. */
+static inline __m512 load_v16(const uint8_t *row, int h, bool half)
+{
+    return load16(row, h, half);
+}
+
+/* Scores of NQ heads over an f16 or f32 K: q (rounded to f16 over f16) times
+ * sixteen K rows converted once for all heads. */
 static inline __attribute__((always_inline)) void
-attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
+scores_float(const int HV, const int NQ, const struct kern_attn_args *a, int q0, __m512 vmax[MAX_Q])
 {
     const bool half = a->k_type == KERN_F16;
     const int hd = 16 * HV, n = a->n_ctx;
     const size_t row_bytes = (size_t)hd * (half ? 2 : 4);
+    const size_t v_row_bytes = kern_row_bytes(a->v_type, hd);
     __m512 qv[MAX_Q][8];
     for (int g = 0; g < NQ; g++)
         for (int h = 0; h < HV; h++) {
@@ -86,10 +185,6 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
                 x = _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             qv[g][h] = x;
         }
-    /* scores */
-    __m512 vmax[MAX_Q];
-    for (int g = 0; g < NQ; g++)
-        vmax[g] = _mm512_set1_ps(-INFINITY);
     const __m512 scale = _mm512_set1_ps(a->scale);
     float kf[16][128] __attribute__((aligned(64)));
     const uint64_t k_off = (uint64_t)a->kv_head * a->k_head_stride;
@@ -102,7 +197,7 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
             const uint8_t *k = NULL;
             if (p < cnt) {
                 if (off == 0)
-                    prefetch_block(a, blk, n, k_off, v_off, row_bytes, row_bytes);
+                    prefetch_block(a, blk, n, k_off, v_off, row_bytes, v_row_bytes);
                 k = a->k_base + a->blocks[blk] * a->block_stride + k_off + (size_t)off * row_bytes;
                 if (++off == a->block_tokens) {
                     off = 0;
@@ -125,7 +220,139 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
             vmax[g] = _mm512_mask_max_ps(vmax[g], m, vmax[g], sc);
         }
     }
-    /* softmax per head */
+}
+
+/* Scores of NQ heads over a q8_0 or q4_0 K: each query quantized to q8_0 as
+ * the C reference does; per 32-value block, sixteen positions' codes are
+ * transposed once for all heads (codes_t) so that eight vpdpbusd give the
+ * sixteen integer dot products in the lanes, corrected for the codes' offset
+ * (128 or 8 times the sum of the query's codes); then the scaled block sums
+ * are added in block order with the C reference's float operations
+ * (kern_vec_dot), so every score has its bits exactly. */
+static inline __attribute__((always_inline)) void
+scores_quant(const int HV, const int NQ, const struct kern_attn_args *a, int q0, __m512 vmax[MAX_Q])
+{
+    const int hd = 16 * HV, n = a->n_ctx, NB = HV / 2;
+    const bool q8 = a->k_type == KERN_Q8_0;
+    const size_t row_bytes = kern_row_bytes(a->k_type, hd), blk_bytes = row_bytes / (size_t)NB;
+    const size_t v_row_bytes = kern_row_bytes(a->v_type, hd);
+    int32_t qw[MAX_Q][4][8];   /* the query's codes, four a dword */
+    __m512i qcorr[MAX_Q][4];   /* offset x sum of the query block's codes */
+    __m512 qd[MAX_Q][4];       /* the query blocks' scales */
+    for (int g = 0; g < NQ; g++) {
+        struct kern_block_q8_0 qq[4];
+        kern_quantize_act(KERN_Q8_0, a->q + (size_t)(q0 + g) * hd, qq, hd);
+        for (int b = 0; b < NB; b++) {
+            int sum = 0;
+            for (int i = 0; i < 32; i++)
+                sum += qq[b].qs[i];
+            memcpy(qw[g][b], qq[b].qs, 32);
+            qcorr[g][b] = _mm512_set1_epi32((q8 ? 128 : 8) * sum);
+            qd[g][b] = _mm512_set1_ps(kvd_f16_to_f32(qq[b].d));
+        }
+    }
+    const __m512 scale = _mm512_set1_ps(a->scale);
+    const uint64_t k_off = (uint64_t)a->kv_head * a->k_head_stride;
+    const uint64_t v_off = (uint64_t)a->kv_head * a->v_head_stride;
+    static const uint8_t zero_row[4 * sizeof(struct kern_block_q8_0)];
+    int blk = 0, off = 0;
+    for (int j0 = 0; j0 < n; j0 += 16) {
+        const int cnt = n - j0 < 16 ? n - j0 : 16;
+        const __mmask16 m = (__mmask16)((1u << cnt) - 1u);
+        const uint8_t *rows[16];
+        for (int p = 0; p < 16; p++) {
+            if (p >= cnt) {
+                rows[p] = zero_row;     /* scale 0: a score of 0 in a masked lane */
+                continue;
+            }
+            if (off == 0)
+                prefetch_block(a, blk, n, k_off, v_off, row_bytes, v_row_bytes);
+            rows[p] = a->k_base + a->blocks[blk] * a->block_stride + k_off + (size_t)off * row_bytes;
+            if (++off == a->block_tokens) {
+                off = 0;
+                blk++;
+            }
+        }
+        __m512 sum[MAX_Q];
+        for (int g = 0; g < NQ; g++)
+            sum[g] = _mm512_setzero_ps();
+        for (int b = 0; b < NB; b++) {
+            __m512i t[8];
+            float kd[16] __attribute__((aligned(64)));
+            codes_t(rows, (size_t)b * blk_bytes, a->k_type, t, kd);
+            const __m512 dk = _mm512_load_ps(kd);
+            for (int g = 0; g < NQ; g++) {
+                __m512i acc = _mm512_setzero_si512();
+                for (int e = 0; e < 8; e++)
+                    acc = _mm512_dpbusd_epi32(acc, t[e], _mm512_set1_epi32(qw[g][b][e]));
+                const __m512 si = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, qcorr[g][b]));
+                /* kern_vec_dot's order: q8_0 (dk * dq) * si, q4_0 (si * dk) * dq */
+                const __m512 tm = q8 ? _mm512_mul_ps(_mm512_mul_ps(dk, qd[g][b]), si)
+                                     : _mm512_mul_ps(_mm512_mul_ps(si, dk), qd[g][b]);
+                sum[g] = _mm512_add_ps(sum[g], tm);
+            }
+        }
+        for (int g = 0; g < NQ; g++) {
+            const __m512 sc = _mm512_mul_ps(sum[g], scale);
+            _mm512_mask_storeu_ps(a->scores + (size_t)g * n + j0, m, sc);
+            vmax[g] = _mm512_mask_max_ps(vmax[g], m, vmax[g], sc);
+        }
+    }
+}
+
+/* out += p v over a q8_0 or q4_0 V: each row's codes converted to floats and
+ * scaled (d * code, kern_dequantize_row's values) once for all heads. */
+static inline __attribute__((always_inline)) void
+values_quant(const int HV, const int NQ, const struct kern_attn_args *a, __m512 acc[MAX_Q][8])
+{
+    const int hd = 16 * HV, n = a->n_ctx, NB = HV / 2;
+    const bool q8 = a->v_type == KERN_Q8_0;
+    const size_t row_bytes = kern_row_bytes(a->v_type, hd), blk_bytes = row_bytes / (size_t)NB;
+    const uint64_t v_off = (uint64_t)a->kv_head * a->v_head_stride;
+    const __m128i lo4 = _mm_set1_epi8(0x0F);
+    const __m512i eight = _mm512_set1_epi32(8);
+    for (int j0 = 0, b = 0; j0 < n; j0 += a->block_tokens, b++) {
+        const uint8_t *v = a->v_base + a->blocks[b] * a->block_stride + v_off;
+        const int end = n - j0 < a->block_tokens ? n : j0 + a->block_tokens;
+        for (int j = j0; j < end; j++, v += row_bytes)
+            for (int k = 0; k < NB; k++) {
+                const uint8_t *blk = v + (size_t)k * blk_bytes;
+                const __m512 d = _mm512_set1_ps(block_scale(blk));
+                __m512i c0, c1;
+                if (q8) {
+                    c0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)));
+                    c1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)));
+                } else {
+                    const __m128i x = _mm_loadu_si128((const __m128i *)(blk + 2));
+                    c0 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(x, lo4)), eight);
+                    c1 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(x, 4), lo4)), eight);
+                }
+                const __m512 v0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(c0));
+                const __m512 v1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(c1));
+                for (int g = 0; g < NQ; g++) {
+                    const __m512 p = _mm512_set1_ps(a->scores[(size_t)g * n + j]);
+                    acc[g][2 * k] = _mm512_fmadd_ps(p, v0, acc[g][2 * k]);
+                    acc[g][2 * k + 1] = _mm512_fmadd_ps(p, v1, acc[g][2 * k + 1]);
+                }
+            }
+    }
+}
+
+/* HV = head_dim / 16 (4 or 8), NQ query heads (1..MAX_Q). */
+static inline __attribute__((always_inline)) void
+attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
+{
+    const int hd = 16 * HV, n = a->n_ctx;
+    /* scores */
+    __m512 vmax[MAX_Q];
+    for (int g = 0; g < NQ; g++)
+        vmax[g] = _mm512_set1_ps(-INFINITY);
+    if (a->k_type == KERN_F16 || a->k_type == KERN_F32)
+        scores_float(HV, NQ, a, q0, vmax);
+    else
+        scores_quant(HV, NQ, a, q0, vmax);
+    /* softmax per head; over an f16 V the probabilities are rounded to f16 */
+    const bool half = a->v_type == KERN_F16;
     for (int g = 0; g < NQ; g++) {
         float *sc = a->scores + (size_t)g * n;
         const float mx = _mm512_reduce_max_ps(vmax[g]);
@@ -152,20 +379,26 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
             _mm512_mask_storeu_ps(sc + j, m, pv);
         }
     }
-    /* out = sum p v */
+    /* out = sum p v, each V row converted once for all heads */
     __m512 acc[MAX_Q][8];
     for (int g = 0; g < NQ; g++)
         for (int h = 0; h < HV; h++)
             acc[g][h] = _mm512_setzero_ps();
-    for (int j0 = 0, b = 0; j0 < n; j0 += a->block_tokens, b++) {
-        const uint8_t *v = a->v_base + a->blocks[b] * a->block_stride + v_off;
-        const int end = n - j0 < a->block_tokens ? n : j0 + a->block_tokens;
-        for (int j = j0; j < end; j++, v += row_bytes)
-            for (int h = 0; h < HV; h++) {
-                const __m512 vv = load16(v, h, half);
-                for (int g = 0; g < NQ; g++)
-                    acc[g][h] = _mm512_fmadd_ps(_mm512_set1_ps(a->scores[(size_t)g * n + j]), vv, acc[g][h]);
-            }
+    if (a->v_type == KERN_Q8_0 || a->v_type == KERN_Q4_0) {
+        values_quant(HV, NQ, a, acc);
+    } else {
+        const size_t v_row_bytes = kern_row_bytes(a->v_type, hd);
+        const uint64_t v_off = (uint64_t)a->kv_head * a->v_head_stride;
+        for (int j0 = 0, b = 0; j0 < n; j0 += a->block_tokens, b++) {
+            const uint8_t *v = a->v_base + a->blocks[b] * a->block_stride + v_off;
+            const int end = n - j0 < a->block_tokens ? n : j0 + a->block_tokens;
+            for (int j = j0; j < end; j++, v += v_row_bytes)
+                for (int h = 0; h < HV; h++) {
+                    const __m512 vv = load_v16(v, h, half);
+                    for (int g = 0; g < NQ; g++)
+                        acc[g][h] = _mm512_fmadd_ps(_mm512_set1_ps(a->scores[(size_t)g * n + j]), vv, acc[g][h]);
+                }
+        }
     }
     for (int g = 0; g < NQ; g++)
         for (int h = 0; h < HV; h++)
@@ -180,8 +413,7 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
 int kern_attn_avx512(const struct kern_attn_args *a)
 {
     const int hd = a->head_dim;
-    if ((hd != 64 && hd != 128) || a->k_type != a->v_type ||
-        (a->k_type != KERN_F16 && a->k_type != KERN_F32))
+    if ((hd != 64 && hd != 128) || !kv_simd_type(a->k_type) || !kv_simd_type(a->v_type))
         return 0;
     const int HV = hd / 16;
     for (int q0 = 0; q0 < a->n_q; q0 += MAX_Q) {
