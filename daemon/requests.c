@@ -869,7 +869,7 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t
     s.has_requests_failed = s.has_prompt_tokens = s.has_cached_prompt_tokens = true;
     s.has_completion_tokens = s.has_blocks_total = s.has_blocks_free = s.has_blocks_cached = true;
     s.has_blocks_in_use = s.has_blocks_pending = s.has_evictions = s.has_preemptions = true;
-    s.has_bad_messages = s.has_block_tokens = s.has_block_bytes = true;
+    s.has_bad_messages = s.has_block_tokens = s.has_block_bytes = s.has_kv_bytes_per_token = true;
     s.requests_running = k->n_active;
     s.requests_queued = k->n_queued;
     s.requests_done = k->st.done;
@@ -887,6 +887,10 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t
     s.bad_messages = k->st.bad_messages;
     s.block_tokens = k->o.block_tokens;
     s.block_bytes = ps.block_bytes;
+    s.kv_bytes_per_token = ps.block_bytes / k->o.block_tokens;
+    char kv_type[64];
+    kv_describe(&k->o.kv, kv_type, sizeof(kv_type));
+    s.kv_type = kv_type;
     size_t n = 0;
     for (int i = 0; i < KVD_MAX_WORKERS; i++) {
         const struct worker *w = &k->workers[i];

@@ -1,6 +1,7 @@
 /* kvcache.c - storage and addressing of paged K/V blocks. */
 #include "kvcache.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -84,6 +85,12 @@ const char *kv_rotate_arg(uint32_t rotate)
 {
     static const char *const args[4] = { "off", "k", "v", "kv" };
     return args[rotate & 3u];
+}
+
+void kv_describe(const struct kv_params *p, char *buf, size_t len)
+{
+    snprintf(buf, len, "K %s, V %s%s%s", kv_type_name(p->k_type), kv_type_name(p->v_type),
+             p->rotate ? ", rotated " : "", p->rotate ? kv_rotate_name(p->rotate) : "");
 }
 
 int kv_params_from_flags(struct kv_params *p, const char *kv_type, const char *k_type,

@@ -74,6 +74,9 @@ const char *kv_rotate_name(uint32_t rotate);
 /* "kv", "k", "v" or "off": the --kv-rotate value that gives exactly this. */
 const char *kv_rotate_arg(uint32_t rotate);
 
+/* "K q8_0, V q4_0, rotated V" (or "K f16, V f16") into buf. */
+void kv_describe(const struct kv_params *p, char *buf, size_t len);
+
 /* The KV types from the command-line flags every tool takes (NULL where a flag
  * was not given): --kv-type T sets both, --k-type / --v-type one each (over
  * --kv-type), --kv-rotate on|off|auto (default auto). Fills p->k_type,

@@ -6,6 +6,7 @@
  * prints token ids (--tokenize), or the perplexity of a file (--perplexity).
  * Every bad argument or input ends with one line on stderr and exit status 1.
  */
+#include <assert.h>
 #include <errno.h>
 #include <getopt.h>
 #include <math.h>
@@ -20,6 +21,7 @@
 #include "cli.h"
 #include "cpu.h"
 #include "err.h"
+#include "f16.h"
 #include "forward.h"
 #include "kvcache.h"
 #include "model.h"
@@ -47,6 +49,9 @@ struct options {
     char *system_buf;           /* owned copy read from --system-file */
     const char *tokenize;       /* --tokenize TEXT */
     const char *ppl_file;       /* --perplexity FILE */
+    const char *kld_base;       /* --kl-divergence-base FILE: save the log-probabilities */
+    const char *kld;            /* --kl-divergence FILE: compare with those saved */
+    int chunks;                 /* --chunks: windows of the perplexity text (0: all) */
     const char *stops[MAX_STOPS]; /* --stop */
     int n_stops;
     int n_predict;              /* -n */
@@ -103,6 +108,11 @@ static void usage(FILE *f)
           "      --tokenize TEXT    print TEXT's token ids as a JSON array\n"
           "      --special          parse special tokens in the text (--tokenize, -p)\n"
           "      --perplexity FILE  print the perplexity of FILE\n"
+          "      --chunks N         score only the first N windows of it\n"
+          "      --kl-divergence-base OUT  with --perplexity: save every scored position's\n"
+          "                         log-probabilities (f16) to OUT\n"
+          "      --kl-divergence BASE  with --perplexity: KL divergence, same-top-token share\n"
+          "                         and perplexity against BASE (e.g. another --kv-type)\n"
           "      --bench            measure prefill (512 tokens), decode at batch 1 (128\n"
           "                         tokens) and aggregate decode at batch 1, 8 and 32\n"
           "      --bench-file F     text the benchmark prompts are cut from\n",
@@ -133,7 +143,7 @@ static char *read_file(const char *path, size_t *len)
 enum {
     OPT_TEMP = 256, OPT_TOPK, OPT_TOPP, OPT_MINP, OPT_REPEAT, OPT_SEED, OPT_STOP, OPT_CHAT,
     OPT_SYSTEM, OPT_SYSTEM_FILE, OPT_JSON, OPT_TOKENIZE, OPT_SPECIAL, OPT_PPL, OPT_BLOCK,
-    OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE, OPT_ROTATE, OPT_IGNORE_EOS, OPT_BENCH, OPT_BENCH_FILE, OPT_PROMPT_IDS, OPT_POOL, OPT_NS,
+    OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE, OPT_ROTATE, OPT_CHUNKS, OPT_KLD_BASE, OPT_KLD, OPT_IGNORE_EOS, OPT_BENCH, OPT_BENCH_FILE, OPT_PROMPT_IDS, OPT_POOL, OPT_NS,
     OPT_KVMEM, OPT_LOGITS_OUT,
 };
 
@@ -187,6 +197,9 @@ static void parse_args(int argc, char **argv, struct options *o)
         { "tokenize", required_argument, NULL, OPT_TOKENIZE },
         { "special", no_argument, NULL, OPT_SPECIAL },
         { "perplexity", required_argument, NULL, OPT_PPL },
+        { "chunks", required_argument, NULL, OPT_CHUNKS },
+        { "kl-divergence-base", required_argument, NULL, OPT_KLD_BASE },
+        { "kl-divergence", required_argument, NULL, OPT_KLD },
         { "block-tokens", required_argument, NULL, OPT_BLOCK },
         { "kv-type", required_argument, NULL, OPT_KVTYPE },
         { "k-type", required_argument, NULL, OPT_KTYPE },
@@ -268,6 +281,9 @@ static void parse_args(int argc, char **argv, struct options *o)
         case OPT_TOKENIZE: o->tokenize = optarg; break;
         case OPT_SPECIAL: o->special = true; break;
         case OPT_PPL: o->ppl_file = optarg; break;
+        case OPT_CHUNKS: o->chunks = (int)cli_long(optarg, "--chunks", 1, 1 << 20); break;
+        case OPT_KLD_BASE: o->kld_base = optarg; break;
+        case OPT_KLD: o->kld = optarg; break;
         case OPT_BLOCK: o->block_tokens = (int)cli_long(optarg, "--block-tokens", 1, 4096); break;
         case OPT_KVTYPE: o->kv_flags[0] = optarg; break;
         case OPT_KTYPE: o->kv_flags[1] = optarg; break;
@@ -295,6 +311,10 @@ static void parse_args(int argc, char **argv, struct options *o)
         cli_die("nothing to do: give -p PROMPT, -f FILE, --prompt-ids, --tokenize TEXT, --perplexity FILE or --bench (see --help)");
     if (modes > 1)
         cli_die("-p, --tokenize, --perplexity and --bench exclude each other");
+    if ((o->kld_base != NULL || o->kld != NULL) && o->ppl_file == NULL)
+        cli_die("--kl-divergence-base and --kl-divergence need --perplexity FILE");
+    if (o->kld_base != NULL && o->kld != NULL)
+        cli_die("--kl-divergence-base and --kl-divergence exclude each other");
     if (o->system != NULL && !o->chat)
         cli_die("--system and --system-file need --chat");
     if (!o->seed_set)
@@ -482,6 +502,15 @@ static void seq_release(struct runtime *rt, struct seq *s)
     s->pos = 0;
 }
 
+/* "kv":{...}: the cache's types, rotation and bytes per token (a JSON member). */
+static void json_kv(FILE *f, const struct runtime *rt)
+{
+    const kvcache_t *kv = rt->kv;
+    fprintf(f, "\"kv\":{\"k_type\":\"%s\",\"v_type\":\"%s\",\"rotate\":\"%s\",\"bytes_per_token\":%llu}",
+            kv_type_name(kv->k_type), kv_type_name(kv->v_type), kv_rotate_arg(kv->rotate),
+            (unsigned long long)kv_bytes_per_token(&rt->model->cfg, kv->k_type, kv->v_type));
+}
+
 /* ---- modes ------------------------------------------------------------------------- */
 
 static int run_tokenize(const struct options *o)
@@ -503,9 +532,47 @@ static int run_tokenize(const struct options *o)
     return 0;
 }
 
+/*
+ * The KL-divergence base file (--kl-divergence-base), little-endian:
+ *   struct kld_header, then for each scored position (window by window,
+ *   positions [ctx/2, ctx-1) of each) the log-probabilities of every token
+ *   under the base run, as f16 (n_vocab of them). A log-probability near 0
+ *   (the likely tokens, which carry the divergence) keeps ~11 bits there.
+ */
+#define KLD_MAGIC UINT64_C(0x31444c4b2d44564b) /* "KVD-KLD1" */
+struct kld_header {
+    uint64_t magic;         /* KLD_MAGIC */
+    uint32_t n_vocab;       /* log-probabilities per position */
+    uint32_t ctx;           /* window */
+    uint64_t n_windows;     /* windows scored */
+    uint64_t positions;     /* scored positions that follow */
+    uint64_t tokens_hash;   /* FNV-1a of the windows' token ids: the same text, cut the same way */
+    double nll;             /* the base run's summed negative log-likelihood */
+    char kv_type[48];       /* the base run's KV types (informational) */
+};
+static_assert(sizeof(struct kld_header) == 96, "the KLD file header is an on-disk format");
+
+static uint64_t fnv1a(uint64_t h, const void *p, size_t n)
+{
+    const uint8_t *b = p;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * UINT64_C(0x100000001b3);
+    return h;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
 /* Perplexity as llama.cpp's perplexity tool computes it: non-overlapping
  * windows of n_ctx tokens, each from an empty cache (first token replaced by
- * BOS when the model adds one), scoring positions [n_ctx/2, n_ctx - 1). */
+ * BOS when the model adds one), scoring positions [n_ctx/2, n_ctx - 1). With
+ * --kl-divergence-base the scored positions' log-probabilities are saved;
+ * with --kl-divergence they are compared with this run's (typically over
+ * another KV type): mean and 99th percentile of KL(base || this), the share
+ * of positions whose most likely token is unchanged, and both perplexities. */
 static int run_perplexity(const struct options *o)
 {
     struct runtime rt;
@@ -519,13 +586,56 @@ static int run_perplexity(const struct options *o)
             o->ppl_file, n, win, 2 * win);
     const uint32_t nv = rt.model->cfg.n_vocab;
     size_t n_win = n / win, scored = 0;
+    if (o->chunks > 0 && (size_t)o->chunks < n_win)
+        n_win = (size_t)o->chunks;
     double nll = 0.0, t0 = cli_now_ms();
     int32_t *w = malloc(win * sizeof(int32_t));
     float *lg = malloc((size_t)win * nv * sizeof(float));
-    if (w == NULL || lg == NULL)
+    double *lp = malloc((size_t)nv * sizeof(double));
+    kvd_f16 *row16 = malloc((size_t)nv * sizeof(kvd_f16));
+    if (w == NULL || lg == NULL || lp == NULL || row16 == NULL)
         cli_die("out of memory");
-    struct seq s = { 0 };
     const uint32_t first = win / 2;
+    const uint64_t positions = (uint64_t)n_win * (win - 1 - first);
+    uint64_t hash = UINT64_C(0xcbf29ce484222325);
+    for (size_t k = 0; k < n_win; k++)
+        hash = fnv1a(hash, ids + k * win, win * sizeof(int32_t));
+    char kv_type[48];
+    kv_describe(&o->kv, kv_type, sizeof(kv_type));
+
+    /* the base file: written (--kl-divergence-base) or read (--kl-divergence) */
+    FILE *kf = NULL;
+    struct kld_header kh;
+    double *kld = NULL, base_nll = 0;
+    size_t same_top = 0;
+    if (o->kld_base != NULL) {
+        kf = fopen(o->kld_base, "wb");
+        if (kf == NULL)
+            cli_die("cannot write %s: %s", o->kld_base, strerror(errno));
+        memset(&kh, 0, sizeof(kh));
+        kh = (struct kld_header){ .magic = KLD_MAGIC, .n_vocab = nv, .ctx = win, .n_windows = n_win,
+                                  .positions = positions, .tokens_hash = hash };
+        snprintf(kh.kv_type, sizeof(kh.kv_type), "%s", kv_type);
+        if (fwrite(&kh, sizeof(kh), 1, kf) != 1)
+            cli_die("cannot write %s: %s", o->kld_base, strerror(errno));
+    } else if (o->kld != NULL) {
+        kf = fopen(o->kld, "rb");
+        if (kf == NULL)
+            cli_die("cannot read %s: %s", o->kld, strerror(errno));
+        if (fread(&kh, sizeof(kh), 1, kf) != 1 || kh.magic != KLD_MAGIC)
+            cli_die("%s is not a kvd-run KL-divergence base file", o->kld);
+        if (kh.n_vocab != nv || kh.ctx != win || kh.n_windows != n_win || kh.positions != positions ||
+            kh.tokens_hash != hash)
+            cli_die("%s was made from another model, text, --ctx or --chunks (its: %u tokens of "
+                    "vocabulary, windows of %u, %llu windows)", o->kld, kh.n_vocab, kh.ctx,
+                    (unsigned long long)kh.n_windows);
+        kh.kv_type[sizeof(kh.kv_type) - 1] = '\0';
+        kld = malloc((size_t)positions * sizeof(double));
+        if (kld == NULL)
+            cli_die("out of memory");
+    }
+
+    struct seq s = { 0 };
     for (size_t k = 0; k < n_win; k++) {
         memcpy(w, ids + k * win, win * sizeof(int32_t));
         if (tok_add_bos(rt.tok))
@@ -541,25 +651,95 @@ static int run_perplexity(const struct options *o)
         for (uint32_t j = first; j + 1 < win; j++) {
             const float *row = lg + (size_t)j * nv;
             float max = row[0];
+            uint32_t top = 0;
             for (uint32_t v = 1; v < nv; v++)
-                max = row[v] > max ? row[v] : max;
+                if (row[v] > max) {
+                    max = row[v];
+                    top = v;
+                }
             double sum = 0.0;
             for (uint32_t v = 0; v < nv; v++)
                 sum += exp((double)row[v] - max);
-            nll += -(((double)row[w[j + 1]] - max) - log(sum));
+            const double lse = log(sum);
+            nll += -(((double)row[w[j + 1]] - max) - lse);
+            if (kf != NULL && o->kld_base != NULL) {
+                for (uint32_t v = 0; v < nv; v++)
+                    row16[v] = kvd_f32_to_f16((float)(((double)row[v] - max) - lse));
+                if (fwrite(row16, sizeof(kvd_f16), nv, kf) != nv)
+                    cli_die("cannot write %s: %s", o->kld_base, strerror(errno));
+            } else if (kf != NULL) {
+                if (fread(row16, sizeof(kvd_f16), nv, kf) != nv)
+                    cli_die("%s is truncated", o->kld);
+                /* the base distribution, renormalized after its f16 rounding */
+                double bmax = -INFINITY, bsum = 0.0, d = 0.0;
+                uint32_t btop = 0;
+                for (uint32_t v = 0; v < nv; v++) {
+                    lp[v] = kvd_f16_to_f32(row16[v]);
+                    if (lp[v] > bmax) {
+                        bmax = lp[v];
+                        btop = v;
+                    }
+                }
+                for (uint32_t v = 0; v < nv; v++)
+                    bsum += exp(lp[v] - bmax);
+                const double blse = bmax + log(bsum);
+                for (uint32_t v = 0; v < nv; v++) {
+                    const double lb = lp[v] - blse;
+                    d += exp(lb) * (lb - (((double)row[v] - max) - lse));
+                }
+                kld[scored] = d > 0 ? d : 0;
+                same_top += btop == top;
+                base_nll += -(lp[w[j + 1]] - blse);
+            }
             scored++;
         }
         if (!o->json)
             fprintf(stderr, "[%zu/%zu] running perplexity %.4f\n", k + 1, n_win, exp(nll / scored));
     }
     double ppl = exp(nll / scored), ms = cli_now_ms() - t0;
-    if (o->json)
-        printf("{\"perplexity\":%.6f,\"windows\":%zu,\"ctx\":%u,\"tokens_scored\":%zu,\"ms\":%.1f}\n",
+    if (kf != NULL && o->kld_base != NULL) {
+        kh.nll = nll;
+        if (fseek(kf, 0, SEEK_SET) != 0 || fwrite(&kh, sizeof(kh), 1, kf) != 1 || fclose(kf) != 0)
+            cli_die("cannot write %s: %s", o->kld_base, strerror(errno));
+    } else if (kf != NULL) {
+        fclose(kf);
+    }
+    if (kld != NULL) {
+        double mean = 0.0;
+        for (size_t i = 0; i < scored; i++)
+            mean += kld[i];
+        mean /= (double)scored;
+        qsort(kld, scored, sizeof(double), cmp_double);
+        const double p99 = kld[(size_t)((double)(scored - 1) * 0.99)];
+        const double ppl_base = exp(kh.nll / (double)scored);
+        const double same = 100.0 * (double)same_top / (double)scored;
+        if (o->json)
+            printf("{\"kld_mean\":%.6g,\"kld_p99\":%.6g,\"same_top1_pct\":%.3f,\"perplexity\":%.6f,"
+                   "\"perplexity_base\":%.6f,\"perplexity_delta_pct\":%.4f,\"positions\":%zu,"
+                   "\"windows\":%zu,\"ctx\":%u,\"base_kv\":\"%s\",",
+                   mean, p99, same, ppl, ppl_base, 100.0 * (ppl / ppl_base - 1.0), scored, n_win, win,
+                   kh.kv_type);
+        else
+            printf("KL divergence against %s (%s): mean %.6f, 99th percentile %.6f; same top token "
+                   "%.2f%% of %zu positions; perplexity %.4f against %.4f (%+.3f%%)\n",
+                   o->kld, kh.kv_type, mean, p99, same, scored, ppl, ppl_base,
+                   100.0 * (ppl / ppl_base - 1.0));
+        (void)base_nll;
+    } else if (o->json) {
+        printf("{\"perplexity\":%.6f,\"windows\":%zu,\"ctx\":%u,\"tokens_scored\":%zu,\"ms\":%.1f,",
                ppl, n_win, win, scored, ms);
-    else
+    } else {
         printf("perplexity: %.4f\n", ppl);
+    }
+    if (o->json) {
+        json_kv(stdout, &rt);
+        printf("}\n");
+    }
     seq_release(&rt, &s);
     prefix_seq_fini(&s.ps);
+    free(kld);
+    free(row16);
+    free(lp);
     free(w);
     free(lg);
     free(ids);
@@ -755,10 +935,12 @@ static int run_generate(const struct options *o)
         json_str(stdout, out, out_len);
         printf(",\"cached_prompt_tokens\":%lld", (long long)n_cached);
         printf(",\"finish_reason\":\"%s\",\"timings\":{\"load_ms\":%.1f,\"prefill_ms\":%.1f,"
-               "\"decode_ms\":%.1f,\"prefill_tokens_per_s\":%.2f,\"decode_tokens_per_s\":%.2f}}\n",
+               "\"decode_ms\":%.1f,\"prefill_tokens_per_s\":%.2f,\"decode_tokens_per_s\":%.2f},",
                finish, rt.load_ms, t_prefill, t_decode,
                t_prefill > 0 ? n_prompt / (t_prefill / 1e3) : 0.0,
                t_decode > 0 ? n_gen / (t_decode / 1e3) : 0.0);
+        json_kv(stdout, &rt);
+        printf("}\n");
     } else {
         if (out_len > printed)
             fwrite(out + printed, 1, out_len - printed, stdout);
@@ -903,8 +1085,10 @@ static int run_bench(const struct options *o)
                BENCH_DECODE, decode_tps);
         for (int i = 0; i < 3; i++)
             printf("%s{\"batch\":%d,\"tokens_per_s\":%.2f}", i ? "," : "", batches[i], agg[i]);
-        printf("],\"rss_mib\":%.1f,\"packed_weights_mib\":%.1f}\n", rss_mib(),
+        printf("],\"rss_mib\":%.1f,\"packed_weights_mib\":%.1f,", rss_mib(),
                (double)rt.model->packed_bytes / (1 << 20));
+        json_kv(stdout, &rt);
+        printf("}\n");
     } else {
         printf("threads %d, kernels %s\n", engine_threads(rt.engine), kern_isa_name(kern_isa()));
         printf("prefill %d tokens:        %9.1f tokens/s\n", BENCH_PREFILL, prefill_tps);

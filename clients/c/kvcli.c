@@ -481,14 +481,16 @@ static int cmd_stats(kvd_client_t *c, bool json)
                "\"requests_failed\":%llu,\"prompt_tokens\":%llu,\"cached_prompt_tokens\":%llu,"
                "\"completion_tokens\":%llu,\"blocks_total\":%u,\"blocks_free\":%u,"
                "\"blocks_cached\":%u,\"blocks_in_use\":%u,\"blocks_pending\":%u,"
-               "\"block_tokens\":%u,\"block_bytes\":%llu,\"evictions\":%llu,"
+               "\"block_tokens\":%u,\"block_bytes\":%llu,\"kv_bytes_per_token\":%llu,"
+               "\"kv_type\":\"%s\",\"evictions\":%llu,"
                "\"preemptions\":%llu,\"bad_messages\":%llu,\"workers\":[",
                (unsigned long long)s.requests_running, (unsigned long long)s.requests_queued,
                (unsigned long long)s.requests_done, (unsigned long long)s.requests_failed,
                (unsigned long long)s.prompt_tokens, (unsigned long long)s.cached_prompt_tokens,
                (unsigned long long)s.completion_tokens, s.blocks_total, s.blocks_free,
                s.blocks_cached, s.blocks_in_use, s.blocks_pending, s.block_tokens,
-               (unsigned long long)s.block_bytes, (unsigned long long)s.evictions,
+               (unsigned long long)s.block_bytes, (unsigned long long)s.kv_bytes_per_token,
+               s.kv_type, (unsigned long long)s.evictions,
                (unsigned long long)s.preemptions, (unsigned long long)s.bad_messages);
         for (uint32_t i = 0; i < s.n_workers; i++) {
             const struct kvd_worker_stats *w = &s.workers[i];
@@ -512,6 +514,8 @@ static int cmd_stats(kvd_client_t *c, bool json)
     printf("blocks    %u of %u tokens (%s each): %u free, %u cached, %u in use, %u pending\n",
            s.blocks_total, s.block_tokens, kvd_format_bytes(s.block_bytes, bytes, sizeof(bytes)),
            s.blocks_free, s.blocks_cached, s.blocks_in_use, s.blocks_pending);
+    printf("kv        %s, %llu bytes per token\n", s.kv_type[0] ? s.kv_type : "?",
+           (unsigned long long)s.kv_bytes_per_token);
     printf("events    %llu evictions, %llu preemptions, %llu bad messages\n",
            (unsigned long long)s.evictions, (unsigned long long)s.preemptions,
            (unsigned long long)s.bad_messages);

@@ -31,6 +31,7 @@
  */
 #include "kvd_client.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -830,6 +831,13 @@ static void take_stats(const Kvd__Stats *s, struct kvd_stats *out)
     out->blocks_pending = s->blocks_pending;
     out->block_tokens = s->block_tokens;
     out->block_bytes = s->block_bytes;
+    out->kv_bytes_per_token = s->kv_bytes_per_token;
+    /* a description from the server: letters, digits, '_', ',', '+' and spaces only */
+    size_t n = 0;
+    for (const char *p = s->kv_type; p != NULL && *p != '\0' && n + 1 < sizeof(out->kv_type); p++)
+        if (isalnum((unsigned char)*p) || *p == '_' || *p == ',' || *p == '+' || *p == ' ')
+            out->kv_type[n++] = *p;
+    out->kv_type[n] = '\0';
     out->evictions = s->evictions;
     out->preemptions = s->preemptions;
     out->bad_messages = s->bad_messages;

@@ -136,6 +136,8 @@ struct kvd_stats {
     uint32_t blocks_total, blocks_free, blocks_cached, blocks_in_use, blocks_pending;
     uint32_t block_tokens;
     uint64_t block_bytes;
+    uint64_t kv_bytes_per_token;    /* K and V of one token, all layers */
+    char kv_type[48];               /* the pool's types: "K q8_0, V q4_0, rotated V" */
     uint64_t evictions, preemptions, bad_messages;
     struct kvd_worker_stats workers[64];
     uint32_t n_workers;             /* entries of workers used */

@@ -376,6 +376,8 @@ def to_stats(s: kvd_pb2.Stats) -> Stats:
         blocks_pending=s.blocks_pending,
         block_tokens=s.block_tokens,
         block_bytes=s.block_bytes,
+        kv_bytes_per_token=s.kv_bytes_per_token,
+        kv_type=s.kv_type,
         evictions=s.evictions,
         preemptions=s.preemptions,
         bad_messages=s.bad_messages,

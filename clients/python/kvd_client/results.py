@@ -125,6 +125,8 @@ class Stats:
     blocks_pending: int           #: allocated, not yet written
     block_tokens: int
     block_bytes: int
+    kv_bytes_per_token: int       #: K and V of one token, all layers
+    kv_type: str                  #: the pool's types: "K q8_0, V q4_0, rotated V"
     evictions: int
     preemptions: int
     bad_messages: int
