@@ -88,7 +88,7 @@ static void usage(FILE *f)
           "      --kv-type T          K and V element type: f16 (default), f32, q8_0, q4_0\n"
           "      --k-type T, --v-type T  the type of K or of V alone\n"
           "      --kv-rotate on|off|auto  Walsh-Hadamard rotation of K and V before\n"
-          "                           quantization (default auto: the 4-bit halves)\n"
+          "                           quantization (default auto: the quantized halves)\n"
           "      --step-tokens N      a worker's token budget per step (default 256)\n"
           "      --max-batch N        sequences per worker (default 64)\n"
           "      --max-queue N        queued requests before OVERLOADED (default 256)\n"

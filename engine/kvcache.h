@@ -60,7 +60,7 @@ const char *kv_type_name(uint32_t type);
 /* Parses a type name as above into *type; KVD_EINVAL for anything else. */
 int kv_type_parse(const char *name, uint32_t *type);
 
-/* The rotation used unless asked otherwise: the 4-bit halves are rotated. */
+/* The rotation used unless asked otherwise: the quantized halves are rotated. */
 uint32_t kv_rotate_default(uint32_t k_type, uint32_t v_type);
 
 /* Parses --kv-rotate's value: "on" (rotate K and V), "off", "auto"
@@ -89,7 +89,7 @@ int kv_params_from_flags(struct kv_params *p, const char *kv_type, const char *k
     "      --kv-type T        K and V element type: f16 (default), f32, q8_0, q4_0\n"           \
     "      --k-type T, --v-type T  the type of K or of V alone\n"                               \
     "      --kv-rotate on|off|auto  Walsh-Hadamard rotation before quantization\n"              \
-    "                         (auto, the default: the 4-bit halves)\n"
+    "                         (auto, the default: the quantized halves)\n"
 
 /* Checks that a head of head_dim values can be stored as k_type / v_type with
  * that rotation (quantized types need head_dim % 32 == 0, rotation a power of
