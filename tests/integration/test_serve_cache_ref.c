@@ -9,6 +9,9 @@
  *    and its greedy output equals that of the same request with the cache
  *    bypassed (no_cache), which reports nothing cached. The next turn of the
  *    first session finds its history cached, generated tokens included.
+ *    The same once more over a pool of quantized, rotated blocks (K q8_0, V
+ *    q4_0): the cached and the uncached request still return the same tokens,
+ *    and the stats name the types and their bytes per token.
  * 2. 32 concurrent clients (4 system prompts x 8 questions, two workers):
  *    every request completes, and its tokens equal those of the same request
  *    run alone; requests that share a system prompt compute it once (the
@@ -110,11 +113,13 @@ static void chat_greedy(kvd_client_t *c, const struct kvd_chat_msg *m, size_t n,
 
 /* ---- 1. a shared system prompt ----------------------------------------------------- */
 
-static void shared_system_prompt(void)
+static void shared_system_prompt(const char *k_type, const char *v_type)
 {
     struct sv_kvd *k = sv_start((const char *[]){ "--workers", "1", "--kv-memory", "48MiB",
                                                   "--ctx", "2048", "--worker-timeout",
-                                                  SV_WORKER_TIMEOUT, NULL });
+                                                  SV_WORKER_TIMEOUT, "--k-type", k_type,
+                                                  "--v-type", v_type, NULL });
+    fprintf(stderr, "== K %s, V %s\n", k_type, v_type);
     kvd_client_t *c = sv_client(k, SV_WAIT_MS);
 
     /* a system prompt of about 1,000 tokens */
@@ -193,6 +198,16 @@ static void shared_system_prompt(void)
     struct kvd_stats s;
     CHECK(sv_wait_idle(k, &s, SV_WAIT_MS));
     sv_print_stats("after the sessions", &s);
+    /* the pool's types, and their bytes: 30 layers x 3 KV heads x (K row + V row) */
+    char want[48];
+    const bool quant = strcmp(k_type, "f16") != 0 || strcmp(v_type, "f16") != 0;
+    snprintf(want, sizeof(want), "K %s, V %s%s", k_type, v_type, quant ? ", rotated K+V" : "");
+    fprintf(stderr, "kv: %s, %llu bytes per token\n", s.kv_type, (unsigned long long)s.kv_bytes_per_token);
+    CHECK(strcmp(s.kv_type, want) == 0);
+    const uint64_t row[2] = { strcmp(k_type, "q8_0") == 0 ? 68u : strcmp(k_type, "q4_0") == 0 ? 36u : 128u,
+                              strcmp(v_type, "q8_0") == 0 ? 68u : strcmp(v_type, "q4_0") == 0 ? 36u : 128u };
+    CHECK_INT(s.kv_bytes_per_token, 30 * 3 * (row[0] + row[1]));
+    CHECK_INT(s.block_bytes, 16 * s.kv_bytes_per_token);
     CHECK_INT(s.requests_done, 6);
     CHECK_INT(s.requests_failed, 0);
     CHECK_INT(s.prompt_tokens, na + 3 * nb + 2 * nt);
@@ -382,8 +397,11 @@ int main(void)
     REQUIRE(access(KVD_TEST_MODEL, R_OK) == 0);
     load_tokenizer();
     double t0 = sv_now_ms();
-    shared_system_prompt();
+    shared_system_prompt("f16", "f16");
     fprintf(stderr, "shared system prompt: %.1f s\n", (sv_now_ms() - t0) / 1e3);
+    t0 = sv_now_ms();
+    shared_system_prompt("q8_0", "q4_0");
+    fprintf(stderr, "shared system prompt over q8_0 / q4_0 blocks: %.1f s\n", (sv_now_ms() - t0) / 1e3);
     t0 = sv_now_ms();
     concurrent_clients();
     fprintf(stderr, "concurrent clients: %.1f s\n", (sv_now_ms() - t0) / 1e3);
