@@ -66,6 +66,7 @@ struct options {
     bool ignore_eos;            /* --ignore-eos */
     bool bench;                 /* --bench */
     const char *bench_file;     /* --bench-file: the text the benchmark's prompts come from */
+    int bench_ctx;              /* --bench-ctx N: decode after N tokens of context instead */
     bool seed_set;
     struct sampler_params sp;
 };
@@ -115,7 +116,9 @@ static void usage(FILE *f)
           "                         and perplexity against BASE (e.g. another --kv-type)\n"
           "      --bench            measure prefill (512 tokens), decode at batch 1 (128\n"
           "                         tokens) and aggregate decode at batch 1, 8 and 32\n"
-          "      --bench-file F     text the benchmark prompts are cut from\n",
+          "      --bench-file F     text the benchmark prompts are cut from\n"
+          "      --bench-ctx N      with --bench: decode at batch 1 and 8 after N tokens\n"
+          "                         of context instead (the KV types' cost)\n",
           f);
 }
 
@@ -143,7 +146,7 @@ static char *read_file(const char *path, size_t *len)
 enum {
     OPT_TEMP = 256, OPT_TOPK, OPT_TOPP, OPT_MINP, OPT_REPEAT, OPT_SEED, OPT_STOP, OPT_CHAT,
     OPT_SYSTEM, OPT_SYSTEM_FILE, OPT_JSON, OPT_TOKENIZE, OPT_SPECIAL, OPT_PPL, OPT_BLOCK,
-    OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE, OPT_ROTATE, OPT_CHUNKS, OPT_KLD_BASE, OPT_KLD, OPT_IGNORE_EOS, OPT_BENCH, OPT_BENCH_FILE, OPT_PROMPT_IDS, OPT_POOL, OPT_NS,
+    OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE, OPT_ROTATE, OPT_CHUNKS, OPT_KLD_BASE, OPT_KLD, OPT_IGNORE_EOS, OPT_BENCH, OPT_BENCH_FILE, OPT_BENCH_CTX, OPT_PROMPT_IDS, OPT_POOL, OPT_NS,
     OPT_KVMEM, OPT_LOGITS_OUT,
 };
 
@@ -208,6 +211,7 @@ static void parse_args(int argc, char **argv, struct options *o)
         { "ignore-eos", no_argument, NULL, OPT_IGNORE_EOS },
         { "bench", no_argument, NULL, OPT_BENCH },
         { "bench-file", required_argument, NULL, OPT_BENCH_FILE },
+        { "bench-ctx", required_argument, NULL, OPT_BENCH_CTX },
         { "file", required_argument, NULL, 'f' },
         { "prompt-ids", required_argument, NULL, OPT_PROMPT_IDS },
         { "pool", required_argument, NULL, OPT_POOL },
@@ -292,6 +296,7 @@ static void parse_args(int argc, char **argv, struct options *o)
         case OPT_IGNORE_EOS: o->ignore_eos = true; break;
         case OPT_BENCH: o->bench = true; break;
         case OPT_BENCH_FILE: o->bench_file = optarg; break;
+        case OPT_BENCH_CTX: o->bench_ctx = (int)cli_long(optarg, "--bench-ctx", 16, 1 << 20); break;
         case ':': cli_die("option %s needs a value", argv[optind - 1]);
         default: cli_die("unknown option %s (see --help)", argv[optind - 1]);
         }
@@ -311,6 +316,8 @@ static void parse_args(int argc, char **argv, struct options *o)
         cli_die("nothing to do: give -p PROMPT, -f FILE, --prompt-ids, --tokenize TEXT, --perplexity FILE or --bench (see --help)");
     if (modes > 1)
         cli_die("-p, --tokenize, --perplexity and --bench exclude each other");
+    if (o->bench_ctx > 0 && !o->bench)
+        cli_die("--bench-ctx goes with --bench");
     if ((o->kld_base != NULL || o->kld != NULL) && o->ppl_file == NULL)
         cli_die("--kl-divergence-base and --kl-divergence need --perplexity FILE");
     if (o->kld_base != NULL && o->kld != NULL)
@@ -989,11 +996,12 @@ static const char bench_text[] =
 
 /* Batch decode: B sequences with 128-token prompts (not timed), then 64 steps of
  * one token each for all B at once. Returns aggregate tokens per second. */
-static double bench_batch(struct runtime *rt, const int32_t *ids, size_t n_ids, int B)
+static double bench_batch(struct runtime *rt, const int32_t *ids, size_t n_ids, int B, int prompt,
+                          int steps)
 {
     char err[256];
     const uint32_t V = rt->model->cfg.n_vocab;
-    const size_t H = BENCH_BATCH_PROMPT + BENCH_BATCH_STEPS; /* history per sequence */
+    const size_t H = (size_t)prompt + (size_t)steps; /* history per sequence */
     struct seq *s = calloc((size_t)B, sizeof(*s));
     int32_t *hist = malloc((size_t)B * H * sizeof(int32_t));
     struct fwd_seq *fs = malloc((size_t)B * sizeof(*fs));
@@ -1003,13 +1011,13 @@ static double bench_batch(struct runtime *rt, const int32_t *ids, size_t n_ids, 
     uint32_t rows;
     for (int b = 0; b < B; b++) {
         int32_t *h = hist + (size_t)b * H;
-        for (int i = 0; i < BENCH_BATCH_PROMPT; i++)
+        for (int i = 0; i < prompt; i++)
             h[i] = ids[((size_t)16 * b + i) % n_ids];
-        seq_feed(rt, &s[b], h, BENCH_BATCH_PROMPT, rt->step, false, &lg, &rows);
+        seq_feed(rt, &s[b], h, (uint32_t)prompt, rt->step, false, &lg, &rows);
         h[s[b].pos] = sampler_argmax(lg, V);
     }
     double t0 = cli_now_ms();
-    for (int step = 0; step < BENCH_BATCH_STEPS; step++) {
+    for (int step = 0; step < steps; step++) {
         for (int b = 0; b < B; b++) {
             int32_t *h = hist + (size_t)b * H;
             if (prefix_seq_grow(rt->px, &s[b].ps, s[b].pos + 1, h, s[b].pos + 1) != 0)
@@ -1035,7 +1043,33 @@ static double bench_batch(struct runtime *rt, const int32_t *ids, size_t n_ids, 
     free(s);
     free(hist);
     free(fs);
-    return B * BENCH_BATCH_STEPS / (ms / 1e3);
+    return B * steps / (ms / 1e3);
+}
+
+/* --bench --bench-ctx N: decode after a context of N tokens, at batch 1 and 8
+ * (each sequence its own text, so nothing is shared): what reading the cache
+ * costs a step, the KV types' difference. */
+static int run_bench_ctx(const struct options *o, struct runtime *rt, const int32_t *ids, size_t n_ids)
+{
+    const int ctx = o->bench_ctx, batches[2] = { 1, 8 }, steps[2] = { 32, 16 };
+    double tps[2];
+    for (int i = 0; i < 2; i++)
+        tps[i] = bench_batch(rt, ids, n_ids, batches[i], ctx, steps[i]);
+    if (o->json) {
+        printf("{\"threads\":%d,\"isa\":\"%s\",\"ctx\":%d,\"decode\":[", engine_threads(rt->engine),
+               kern_isa_name(kern_isa()), ctx);
+        for (int i = 0; i < 2; i++)
+            printf("%s{\"batch\":%d,\"tokens_per_s\":%.2f}", i ? "," : "", batches[i], tps[i]);
+        printf("],");
+        json_kv(stdout, rt);
+        printf("}\n");
+    } else {
+        printf("threads %d, kernels %s, K %s, V %s\n", engine_threads(rt->engine), kern_isa_name(kern_isa()),
+               kv_type_name(rt->kv->k_type), kv_type_name(rt->kv->v_type));
+        for (int i = 0; i < 2; i++)
+            printf("decode batch %d after %d tokens: %9.1f tokens/s\n", batches[i], ctx, tps[i]);
+    }
+    return 0;
 }
 
 static int run_bench(const struct options *o)
@@ -1043,12 +1077,21 @@ static int run_bench(const struct options *o)
     struct runtime rt;
     /* room for the batch-32 run: 32 x (128 + 64) positions, plus slack */
     uint32_t need = 32 * (BENCH_BATCH_PROMPT + BENCH_BATCH_STEPS) + 1024;
-    runtime_open(&rt, o, 2048, need);
+    if (o->bench_ctx > 0)   /* 8 sequences of bench_ctx + 16 tokens, and slack */
+        need = 8 * ((uint32_t)o->bench_ctx + 64) + 1024;
+    runtime_open(&rt, o, o->bench_ctx > 0 ? (uint32_t)o->bench_ctx + 64 : 2048, need);
     size_t len = sizeof(bench_text) - 1, n_ids;
     char *text = o->bench_file ? read_file(o->bench_file, &len) : strdup(bench_text);
     int32_t *ids = encode(rt.tok, text, len, true, &n_ids);
     if (n_ids == 0)
         cli_die("the benchmark text has no tokens");
+    if (o->bench_ctx > 0) {
+        run_bench_ctx(o, &rt, ids, n_ids);
+        free(ids);
+        free(text);
+        runtime_close(&rt);
+        return 0;
+    }
     const uint32_t V = rt.model->cfg.n_vocab;
     int32_t hist[BENCH_PREFILL + BENCH_DECODE + 1];
     for (int i = 0; i < BENCH_PREFILL; i++)
@@ -1076,7 +1119,7 @@ static int run_bench(const struct options *o)
     const int batches[3] = { 1, 8, 32 };
     double agg[3];
     for (int i = 0; i < 3; i++)
-        agg[i] = bench_batch(&rt, ids, n_ids, batches[i]);
+        agg[i] = bench_batch(&rt, ids, n_ids, batches[i], BENCH_BATCH_PROMPT, BENCH_BATCH_STEPS);
     double prefill_tps = BENCH_PREFILL / (prefill_ms / 1e3), decode_tps = BENCH_DECODE / (decode_ms / 1e3);
     if (o->json) {
         printf("{\"threads\":%d,\"isa\":\"%s\",\"prefill_tokens\":%d,\"prefill_tokens_per_s\":%.2f,"
