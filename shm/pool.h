@@ -8,7 +8,7 @@
  *     header (4 KiB) | block records | block token ids | index buckets | KV data
  *
  * The header names the layout (model fingerprint, layers, KV heads, head dim,
- * block tokens, KV dtype, block count) and the build (ABI version and struct
+ * block tokens, K and V types and rotation, block count) and the build (ABI version and struct
  * sizes). Opening a segment whose header does not match is an error, never a
  * silent misread.
  *

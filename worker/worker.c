@@ -13,7 +13,7 @@
  * worker from a busy one.
  *
  * Usage: kvd-worker --model M --pool NAME --connect ENDPOINT --id N
- *                   [--threads T] [--block-tokens B] [--kv-type f16|f32]
+ *                   [--threads T] [--block-tokens B] [--kv-type T] [--k-type T] [--v-type T] [--kv-rotate R]
  *                   [--step-tokens S] [--max-batch N] [--ctx N] [--step-ms MS]
  *                   [--gpu N --gpu-socket PATH]
  *
