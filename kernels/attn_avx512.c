@@ -79,25 +79,6 @@ static inline void prefetch_block(const struct kern_attn_args *a, int b, int n, 
 
 #define MAX_Q 4  /* query heads per pass */
 
-/* Sixteen vectors of int32 in, one out: lane i = the sum of the lanes of v[i]
- * (exact in any order: reduce16's tree on integers). */
-static inline __m512i reduce16i(const __m512i v[16])
-{
-    __m512i t[8], u[4];
-    for (int i = 0; i < 8; i++)
-        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]),
-                                _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++)
-        u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]),
-                                _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
-    const __m512i x01 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                         _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512i x23 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                         _mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_i32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 /* The f16 scale at the start of a q8_0 / q4_0 block, as a float. */
 static inline float block_scale(const uint8_t *blk)
 {
@@ -160,12 +141,6 @@ static inline void codes_t(const uint8_t *const rows[16], size_t blk_at, uint32_
         t[e] = _mm512_and_si512(u[e], lo4);                           /* elements 4e .. 4e+3 */
         t[4 + e] = _mm512_and_si512(_mm512_srli_epi16(u[e], 4), lo4); /* elements 16+4e .. */
     }
-}
-
-/* Values 16h .. 16h+15 of an f16 or f32 V row, as floats. */
-static inline __m512 load_v16(const uint8_t *row, int h, bool half)
-{
-    return load16(row, h, half);
 }
 
 /* Scores of NQ heads over an f16 or f32 K: q (rounded to f16 over f16) times
@@ -394,7 +369,7 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
             const int end = n - j0 < a->block_tokens ? n : j0 + a->block_tokens;
             for (int j = j0; j < end; j++, v += v_row_bytes)
                 for (int h = 0; h < HV; h++) {
-                    const __m512 vv = load_v16(v, h, half);
+                    const __m512 vv = load16(v, h, half);
                     for (int g = 0; g < NQ; g++)
                         acc[g][h] = _mm512_fmadd_ps(_mm512_set1_ps(a->scores[(size_t)g * n + j]), vv, acc[g][h]);
                 }
