@@ -38,6 +38,18 @@ int main(void)
                      &out, NULL), 0);
     CHECK_INT(field(out, "bytes"), 4LL * 2 * 536870912LL);
     free(out);
+    /* quantized halves: 34 bytes (q8_0) and 18 bytes (q4_0) per 32 values */
+    CHECK_INT(tu_run((char *[]){ CALC, "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
+                                 "--ctx", "4096", "--kv-type", "q8_0", "--json", NULL }, &out, NULL), 0);
+    CHECK_INT(field(out, "bytes_per_token"), 32 * 8 * 2 * 4 * 34);
+    free(out);
+    CHECK_INT(tu_run((char *[]){ CALC, "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
+                                 "--ctx", "4096", "--k-type", "q8_0", "--v-type", "q4_0",
+                                 "--kv-memory", "1GiB", "--json", NULL }, &out, NULL), 0);
+    CHECK_INT(field(out, "bytes_per_token"), 32 * 8 * 4 * (34 + 18));
+    CHECK(field(out, "sequences") == (1LL << 30) / (4096LL * 32 * 8 * 4 * (34 + 18)) ||
+          field(out, "sequences") == (1LL << 30) / (4096LL * 32 * 8 * 4 * (34 + 18)) - 1);
+    free(out);
 
     /* the shape of a GGUF: 3 layers, 2 KV heads, head dim 16 */
     char dir[] = "/tmp/kvd-test-calc-XXXXXX", model[128], err[256];
@@ -71,6 +83,12 @@ int main(void)
     free(out);
     CHECK_INT(tu_run_ex((char *[]){ CALC, "-m", model, "--kv-memory", "lots", NULL }, &out, NULL, 1), 1);
     CHECK(strstr(out, "must be a size") != NULL);
+    free(out);
+    CHECK_INT(tu_run_ex((char *[]){ CALC, "-m", model, "--kv-type", "q4_0", NULL }, &out, NULL, 1), 1);
+    CHECK(strstr(out, "multiple of 32") != NULL);   /* head dim 16 */
+    free(out);
+    CHECK_INT(tu_run_ex((char *[]){ CALC, "-m", model, "--v-type", "bf16", NULL }, &out, NULL, 1), 1);
+    CHECK(strstr(out, "--v-type must be f16, f32, q8_0 or q4_0") != NULL);
     free(out);
     CHECK_INT(tu_run_ex((char *[]){ CALC, "-m", "/nonexistent.gguf", NULL }, &out, NULL, 1), 1);
     CHECK(strncmp(out, "kvd-calc: ", 10) == 0);
