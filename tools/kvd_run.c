@@ -613,7 +613,7 @@ static int run_perplexity(const struct options *o)
     /* the base file: written (--kl-divergence-base) or read (--kl-divergence) */
     FILE *kf = NULL;
     struct kld_header kh;
-    double *kld = NULL, base_nll = 0;
+    double *kld = NULL;
     size_t same_top = 0;
     if (o->kld_base != NULL) {
         kf = fopen(o->kld_base, "wb");
@@ -696,7 +696,6 @@ static int run_perplexity(const struct options *o)
                 }
                 kld[scored] = d > 0 ? d : 0;
                 same_top += btop == top;
-                base_nll += -(lp[w[j + 1]] - blse);
             }
             scored++;
         }
@@ -731,7 +730,6 @@ static int run_perplexity(const struct options *o)
                    "%.2f%% of %zu positions; perplexity %.4f against %.4f (%+.3f%%)\n",
                    o->kld, kh.kv_type, mean, p99, same, scored, ppl, ppl_base,
                    100.0 * (ppl / ppl_base - 1.0));
-        (void)base_nll;
     } else if (o->json) {
         printf("{\"perplexity\":%.6f,\"windows\":%zu,\"ctx\":%u,\"tokens_scored\":%zu,\"ms\":%.1f,",
                ppl, n_win, win, scored, ms);
