@@ -48,6 +48,7 @@ for ((r = 1; r <= runs; r++)); do
   clone="$dir/clone-$r"
   rm -rf "$clone"
   git clone -q "$root" "$clone"
+  git -C "$clone" checkout -q "$commit"   # every run tests the same commit
   if [ -f "$root/models/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
     mkdir -p "$clone/models"
     cp "$root/models/SmolLM2-135M-Instruct.Q4_1.gguf" "$clone/models/"
