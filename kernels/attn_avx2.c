@@ -39,20 +39,36 @@ static inline int hsum8i(__m256i v)
     return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 1)));
 }
 
-/* Sum over a block of K codes times the query's q8_0 codes qs[32]: q8_0 K by
- * vpmaddubsw of |k| with q carrying k's sign; q4_0 K (codes 0..15) straight,
- * less 8 times the sum of the query's codes (qsum). Exact. */
-static inline int block_dot(const uint8_t *blk, uint32_t type, __m256i q, int qsum)
+/* A K block made ready once for every head of the group: the unsigned operand
+ * of vpmaddubsw (|k| for q8_0, the codes 0..15 for q4_0), k itself (q8_0:
+ * its signs go onto the query), and the scale. */
+struct kblock {
+    __m256i u, k;
+    float d;
+};
+
+static inline void kblock_load(struct kblock *kb, const uint8_t *blk, uint32_t type)
 {
-    const __m256i ones = _mm256_set1_epi16(1);
+    kb->d = block_scale(blk);
     if (type == KERN_Q8_0) {
-        const __m256i k = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(k, k), _mm256_sign_epi8(q, k));
-        return hsum8i(_mm256_madd_epi16(p, ones));
+        kb->k = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        kb->u = _mm256_sign_epi8(kb->k, kb->k);
+        return;
     }
     const __m128i x = _mm_loadu_si128((const __m128i *)(blk + 2)), lo4 = _mm_set1_epi8(0x0F);
-    const __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), lo4), _mm_and_si128(x, lo4));
-    return hsum8i(_mm256_madd_epi16(_mm256_maddubs_epi16(c, q), ones)) - 8 * qsum;
+    kb->u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), lo4), _mm_and_si128(x, lo4));
+    kb->k = kb->u;
+}
+
+/* Sum over a K block of its codes times the query's q8_0 codes q: q8_0 by
+ * vpmaddubsw of |k| with q carrying k's sign; q4_0 straight, less 8 times the
+ * sum of the query's codes (qsum). Exact. */
+static inline int block_dot(const struct kblock *kb, bool q8, __m256i q, int qsum)
+{
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (q8)
+        return hsum8i(_mm256_madd_epi16(_mm256_maddubs_epi16(kb->u, _mm256_sign_epi8(q, kb->k)), ones));
+    return hsum8i(_mm256_madd_epi16(_mm256_maddubs_epi16(kb->u, q), ones)) - 8 * qsum;
 }
 
 static inline float hsum8(__m256 v)
@@ -117,6 +133,7 @@ int kern_attn_avx2(const struct kern_attn_args *a)
         float qh[MAX_Q][KERN_MAX_HEAD_DIM];
         struct kern_block_q8_0 qq[MAX_Q][KERN_MAX_HEAD_DIM / 32];
         int qsum[MAX_Q][KERN_MAX_HEAD_DIM / 32];
+        float qd[MAX_Q][KERN_MAX_HEAD_DIM / 32];
         float max[MAX_Q];
         for (int g = 0; g < nq; g++) {
             const float *q = a->q + (size_t)(q0 + g) * hd;
@@ -126,6 +143,7 @@ int kern_attn_avx2(const struct kern_attn_args *a)
                     qsum[g][b] = 0;
                     for (int i = 0; i < 32; i++)
                         qsum[g][b] += qq[g][b].qs[i];
+                    qd[g][b] = kvd_f16_to_f32(qq[g][b].d);
                 }
             } else {
                 for (int d = 0; d < hd; d++)
@@ -138,16 +156,19 @@ int kern_attn_avx2(const struct kern_attn_args *a)
             const uint8_t *k = a->k_base + a->blocks[j / a->block_tokens] * a->block_stride +
                                (uint64_t)a->kv_head * a->k_head_stride +
                                (size_t)(j % a->block_tokens) * row_bytes;
+            struct kblock kb[KERN_MAX_HEAD_DIM / 32];
+            if (k_quant)
+                for (int b = 0; b < nb; b++)
+                    kblock_load(&kb[b], k + (size_t)b * k_blk, a->k_type);
+            const bool q8 = a->k_type == KERN_Q8_0;
             for (int g = 0; g < nq; g++) {
                 float s;
                 if (k_quant) {  /* kern_vec_dot's float operations, in its order */
                     s = 0.0f;
                     for (int b = 0; b < nb; b++) {
-                        const uint8_t *kb = k + (size_t)b * k_blk;
                         const __m256i qv = _mm256_loadu_si256((const __m256i *)qq[g][b].qs);
-                        const float si = (float)block_dot(kb, a->k_type, qv, qsum[g][b]);
-                        const float dk = block_scale(kb), dq = kvd_f16_to_f32(qq[g][b].d);
-                        s += a->k_type == KERN_Q8_0 ? dk * dq * si : si * dk * dq;
+                        const float si = (float)block_dot(&kb[b], q8, qv, qsum[g][b]);
+                        s += q8 ? kb[b].d * qd[g][b] * si : si * kb[b].d * qd[g][b];
                     }
                     s *= a->scale;
                 } else {
