@@ -124,6 +124,47 @@ int main(void)
     CHECK_INT(RUN("-m", model, "-p", "hello", "-n", "4", "--temp", "0"), 0);
     CHECK(strstr(last, "generated in") != NULL);
 
+    /* quantized KV blocks in a kept pool (head dim 32): a second run continues the
+     * cached prefix with the same tokens; other types or rotation are refused */
+    char model32[160], pname[64], shm[96];
+    snprintf(model32, sizeof(model32), "%s/m32.gguf", dir);
+    snprintf(pname, sizeof(pname), "kvd-test-run-%d", (int)getpid());
+    snprintf(shm, sizeof(shm), "/dev/shm/%s", pname);
+    struct mkmodel_params p32 = p;
+    p32.n_embd = 128;
+    REQUIRE(mkmodel_write(&p32, model32, err, sizeof(err)) == 0);
+    CHECK_INT(RUN("-m", model32, "-p", "hello there, general", "-n", "8", "--temp", "0", "--json",
+                  "--ignore-eos", "--block-tokens", "4", "--kv-type", "q4_0", "--pool", pname,
+                  "--kv-memory", "4MiB"), 0);
+    int32_t q1[64], q2[64];
+    CHECK_INT(tu_json_ids(last, "tokens", q1, 64), 8);
+    CHECK(strstr(last, "\"cached_prompt_tokens\":0") != NULL);
+    CHECK(strstr(last, "\"k_type\":\"q4_0\",\"v_type\":\"q4_0\",\"rotate\":\"kv\"") != NULL);
+    char bpt[64];   /* layers x KV heads x 2 rows of one 18-byte block */
+    snprintf(bpt, sizeof(bpt), "\"bytes_per_token\":%u}", p32.n_layer * p32.n_head_kv * 2 * 18);
+    CHECK(strstr(last, bpt) != NULL);
+    CHECK_INT(RUN("-m", model32, "-p", "hello there, general", "-n", "8", "--temp", "0", "--json",
+                  "--ignore-eos", "--block-tokens", "4", "--kv-type", "q4_0", "--pool", pname,
+                  "--kv-memory", "4MiB"), 0);
+    CHECK_INT(tu_json_ids(last, "tokens", q2, 64), 8);
+    CHECK(memcmp(q1, q2, sizeof(int32_t) * 8) == 0);
+    CHECK(strstr(last, "\"cached_prompt_tokens\":0") == NULL);
+    /* a pool of other types or rotation is not adopted: it is replaced, and the
+     * note names the difference (its cache could not be read as this run's) */
+    CHECK_INT(RUN("-m", model32, "-p", "hello there, general", "-n", "2", "--block-tokens", "4",
+                  "--kv-type", "q8_0", "--pool", pname, "--kv-memory", "4MiB", "--json"), 0);
+    CHECK(strstr(last, "replaced pool") != NULL);
+    CHECK(strstr(last, "made with KV types K q4_0 / V q4_0, not K q8_0 / V q8_0") != NULL);
+    CHECK(strstr(last, "\"cached_prompt_tokens\":0") != NULL);
+    CHECK_INT(RUN("-m", model32, "-p", "hello there, general", "-n", "2", "--block-tokens", "4",
+                  "--kv-type", "q8_0", "--kv-rotate", "off", "--pool", pname, "--kv-memory", "4MiB",
+                  "--json"), 0);
+    CHECK(strstr(last, "made with rotation K+V, not off") != NULL);
+    CHECK(strstr(last, "\"cached_prompt_tokens\":0") != NULL);
+    unlink(shm);
+    /* a head of 16 cannot be cut into blocks of 32 */
+    expect_error(RUN("-m", model, "-p", "x", "--kv-type", "q8_0"), "multiple of 32");
+
     /* errors: one line, exit 1 */
     expect_error(RUN("-m", model), "nothing to do");
     expect_error(RUN("-m", "/nonexistent.gguf", "-p", "x"), "cannot open");
