@@ -293,6 +293,36 @@ static void quant_sym(const float *x, int half, int qmax, kvd_f16 *d_out, uint8_
     *d_out = kvd_f32_to_f16(d);
 }
 
+void kern_quantize_q4_0_lsq(const float *src, void *dst, int64_t n)
+{
+    struct kern_block_q4_0 *b = dst;
+    for (int64_t i = 0; i < n / 32; i++, src += 32) {
+        const float max = signed_absmax(src, 32, NULL);
+        int8_t best[32] = { 0 };
+        double best_score = -1.0, best_d = 0.0;
+        /* candidate inverse scales around the one that maps max to -8 */
+        for (int k = -9; k <= 9 && max != 0.0f; k++) {
+            const float is = -(8.0f + 0.1f * (float)k) / max;
+            int8_t l[32];
+            double sxl = 0.0, sll = 0.0;
+            for (int j = 0; j < 32; j++) {
+                l[j] = (int8_t)(clampi((int)(is * src[j] + 8.5f), 0, 15) - 8);
+                sxl += (double)src[j] * l[j];
+                sll += (double)l[j] * l[j];
+            }
+            /* the least-squares scale for these codes leaves sum x^2 - sxl^2 / sll */
+            if (sll > 0 && sxl * sxl / sll > best_score) {
+                best_score = sxl * sxl / sll;
+                best_d = sxl / sll;
+                memcpy(best, l, sizeof(best));
+            }
+        }
+        b[i].d = kvd_f32_to_f16((float)best_d);
+        for (int j = 0; j < 16; j++)
+            b[i].qs[j] = (uint8_t)((best[j] + 8) | (best[j + 16] + 8) << 4);
+    }
+}
+
 /* Q4_1/Q5_1: min and max map to codes 0 and qmax. */
 static void quant_asym(const float *x, int qmax, kvd_f16 *d_out, kvd_f16 *m_out, uint8_t *codes)
 {

@@ -41,6 +41,12 @@ int kern_dequantize_row(uint32_t type, const void *src, float *dst, int64_t n);
  * must be finite. Returns 0, KVD_EINVAL, KVD_EUNSUPPORTED as above. */
 int kern_quantize_row(uint32_t type, const float *src, void *dst, int64_t n);
 
+/* Q4_0 for KV blocks, written once per token: per block of 32, the codes of
+ * 19 scales around max/-8 (max the element of largest magnitude) are tried
+ * and the one whose least-squares scale leaves the smallest squared error is
+ * kept, with that scale. n a multiple of 32; deterministic. */
+void kern_quantize_q4_0_lsq(const float *src, void *dst, int64_t n);
+
 /* The activation type a weight type's dot product consumes: Q8_0 for Q4_0,
  * Q5_0, Q8_0; Q8_1 for Q4_1, Q5_1; Q8_K for Q4_K, Q5_K, Q6_K; F32 for F32,
  * F16, BF16. KERN_TYPE_LIMIT for a type kvd has no dot product for. */
