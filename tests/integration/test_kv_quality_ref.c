@@ -9,7 +9,7 @@
  *    most likely token the same at SAME_Q8 of the positions; q4_0 within
  *    KLD_Q4; and the rotation at least halves q4_0's divergence. For scale,
  *    measured on an AVX-512 machine: an f32 cache differs from the f16 one by
- *    0.0036, q8_0 by 0.0040 (0.0050 not rotated), q4_0 by 0.045 (0.158 not
+ *    0.0036, q8_0 by 0.0040 (0.0050 not rotated), q4_0 by 0.039 (0.137 not
  *    rotated).
  * 2. The greedy continuations of the ten committed chat prompts
  *    (tests/data/greedy_ref.tsv) over a q8_0 cache against the f16 cache's,
