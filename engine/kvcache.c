@@ -25,20 +25,24 @@ static const struct {
     { KERN_F16, "f16" }, { KERN_F32, "f32" }, { KERN_Q8_0, "q8_0" }, { KERN_Q4_0, "q4_0" },
 };
 
-bool kv_type_ok(uint32_t type)
-{
-    for (size_t i = 0; i < sizeof(kv_types) / sizeof(kv_types[0]); i++)
-        if (kv_types[i].type == type)
-            return true;
-    return false;
-}
-
-const char *kv_type_name(uint32_t type)
+/* The name of a KV type, NULL for a type a cache cannot hold. */
+static const char *kv_type_find(uint32_t type)
 {
     for (size_t i = 0; i < sizeof(kv_types) / sizeof(kv_types[0]); i++)
         if (kv_types[i].type == type)
             return kv_types[i].name;
-    return "?";
+    return NULL;
+}
+
+bool kv_type_ok(uint32_t type)
+{
+    return kv_type_find(type) != NULL;
+}
+
+const char *kv_type_name(uint32_t type)
+{
+    const char *name = kv_type_find(type);
+    return name != NULL ? name : "?";
 }
 
 int kv_type_parse(const char *name, uint32_t *type)
@@ -65,23 +69,23 @@ uint32_t kv_rotate_default(uint32_t k_type, uint32_t v_type)
     return (kv_quantized(k_type) ? KV_ROT_K : 0u) | (kv_quantized(v_type) ? KV_ROT_V : 0u);
 }
 
+/* --kv-rotate's exact values, indexed by the flags they give (kv_rotate_arg). */
+static const char *const rotate_args[4] = { "off", "k", "v", "kv" };
+
 int kv_rotate_parse(const char *s, uint32_t k_type, uint32_t v_type, uint32_t *rotate)
 {
-    if (strcmp(s, "on") == 0)
-        *rotate = KV_ROT_K | KV_ROT_V;
-    else if (strcmp(s, "off") == 0)
-        *rotate = 0;
-    else if (strcmp(s, "auto") == 0)
+    if (strcmp(s, "auto") == 0) {
         *rotate = kv_rotate_default(k_type, v_type);
-    else if (strcmp(s, "kv") == 0)
-        *rotate = KV_ROT_K | KV_ROT_V;
-    else if (strcmp(s, "k") == 0)
-        *rotate = KV_ROT_K;
-    else if (strcmp(s, "v") == 0)
-        *rotate = KV_ROT_V;
-    else
-        return KVD_EINVAL;
-    return 0;
+        return 0;
+    }
+    if (strcmp(s, "on") == 0)
+        s = "kv";
+    for (uint32_t r = 0; r < 4; r++)
+        if (strcmp(s, rotate_args[r]) == 0) {
+            *rotate = r;
+            return 0;
+        }
+    return KVD_EINVAL;
 }
 
 const char *kv_rotate_name(uint32_t rotate)
@@ -92,8 +96,7 @@ const char *kv_rotate_name(uint32_t rotate)
 
 const char *kv_rotate_arg(uint32_t rotate)
 {
-    static const char *const args[4] = { "off", "k", "v", "kv" };
-    return args[rotate & 3u];
+    return rotate_args[rotate & 3u];
 }
 
 void kv_describe(const struct kv_params *p, char *buf, size_t len)
