@@ -206,7 +206,8 @@ static int bench_attn(kcuda_timer_t *t, double copy_gbs, struct attn_row *rows)
                 die("upload");
             struct attn_case c = { .a = {
                 .kv = { .k = pool, .v = pool + (size_t)A_KV * head_bytes, .block_stride = block_bytes,
-                        .head_stride = head_bytes, .block_tokens = A_BT, .head_dim = A_DIM, .n_head = A_HEADS,
+                        .k_head_stride = head_bytes, .v_head_stride = head_bytes, .k_type = KERN_F16,
+                        .v_type = KERN_F16, .block_tokens = A_BT, .head_dim = A_DIM, .n_head = A_HEADS,
                         .n_head_kv = A_KV },
                 .out = dout, .q = dq, .seqs = dseqs, .n_seq = B, .tables = dtab, .max_tok = 1, .max_ctx = ctx,
                 .scale = 0.125f, .split = 0, .scratch = dscr,

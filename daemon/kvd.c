@@ -205,9 +205,8 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     char err[256];
     if (kv_params_from_flags(&o->kv, kv_type, k_type, v_type, rotate, err, sizeof(err)) != 0)
         cli_die("%s", err);
-    if (o->gpu >= 0 && (o->kv.k_type != KERN_F16 || o->kv.v_type != KERN_F16 || o->kv.rotate != 0))
-        cli_die("--gpu: the GPU engine runs over an f16 KV pool only, for now (quantized and "
-                "rotated KV blocks run on CPU workers)");
+    if (o->gpu >= 0 && (o->kv.k_type == KERN_F32 || o->kv.v_type == KERN_F32))
+        cli_die("--gpu: the GPU engine reads f16, q8_0 and q4_0 KV blocks, not f32");
 }
 
 /* ---- set-up -------------------------------------------------------------------------------- */

@@ -23,8 +23,11 @@
 #include "err.h"
 #include "kcuda.h"
 #include "kcuda_engine.h"
+#include "kvcache.h"
 #include "quant.h"
 #include "types.h"
+
+_Static_assert(KV_ROT_K == KCUDA_ROT_K && KV_ROT_V == KCUDA_ROT_V, "one meaning of the rotation flags");
 
 #define ACT_SLOTS 3     /* distinct activation formats one input may be quantized to */
 #define GRAPH_SLOTS 32  /* recorded decode graphs kept (least recently used goes) */
@@ -102,7 +105,7 @@ struct gpu_engine {
     /* the cache */
     uint8_t *kv;                    /* device: kv_blocks * block_bytes */
     bool kv_owned;
-    uint64_t block_bytes, head_bytes;
+    uint64_t block_bytes, k_head_bytes, v_head_bytes;
 
     /* activations, device, max_tokens rows */
     float *x;                       /* (T, n_embd) residual stream */
@@ -148,6 +151,7 @@ struct gpu_engine_params gpu_engine_default_params(void)
 {
     struct gpu_engine_params p = {
         .max_tokens = 512, .max_ctx = 0, .block_tokens = 16, .kv_blocks = 1024,
+        .k_type = KERN_F16, .v_type = KERN_F16, .rotate = 0,
         .kv_base = NULL, .kv_bytes = 0, .attn_split = 0, .graphs = -1, .weights_base = NULL,
         .weights_bytes = 0,
     };
@@ -164,7 +168,8 @@ void gpu_engine_kv_info(const gpu_engine_t *e, struct gpu_engine_kv *out)
     out->n_blocks = e->p.kv_blocks;
     out->block_tokens = e->p.block_tokens;
     out->block_bytes = e->block_bytes;
-    out->head_bytes = e->head_bytes;
+    out->k_head_bytes = e->k_head_bytes;
+    out->v_head_bytes = e->v_head_bytes;
     out->owned = e->kv_owned;
 }
 
@@ -421,6 +426,14 @@ static int resolve_params(struct gpu_engine_params *p, const struct model_config
                           "gpu engine: attention split %u is not a multiple of 32", p->attn_split);
     if (((uintptr_t)p->kv_base) % 16 != 0)
         return kvd_seterr(err, errlen, KVD_EINVAL, "gpu engine: the KV base is not 16-byte aligned");
+    if (!kv_type_ok(p->k_type) || !kv_type_ok(p->v_type) || p->k_type == KERN_F32 || p->v_type == KERN_F32 ||
+        (p->rotate & ~(uint32_t)(KV_ROT_K | KV_ROT_V)) != 0)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                          "gpu engine: KV types K %s / V %s (rotation %s): the kernels read f16, q8_0 and q4_0",
+                          kv_type_name(p->k_type), kv_type_name(p->v_type), kv_rotate_name(p->rotate));
+    char why[160];
+    if (kv_format_check(c->head_dim, p->k_type, p->v_type, p->rotate, why, sizeof(why)) != 0)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "gpu engine: %s", why);
     return 0;
 }
 
@@ -493,8 +506,9 @@ gpu_engine_t *gpu_engine_new(const model_t *m, int device, const struct gpu_engi
     }
 
     /* the cache */
-    e->head_bytes = (uint64_t)p.block_tokens * c->head_dim * 2;
-    e->block_bytes = 2ull * c->n_layer * c->n_head_kv * e->head_bytes;
+    e->k_head_bytes = (uint64_t)p.block_tokens * kv_row_bytes(p.k_type, c->head_dim);
+    e->v_head_bytes = (uint64_t)p.block_tokens * kv_row_bytes(p.v_type, c->head_dim);
+    e->block_bytes = (uint64_t)c->n_layer * c->n_head_kv * (e->k_head_bytes + e->v_head_bytes);
     const uint64_t kv_bytes = (uint64_t)p.kv_blocks * e->block_bytes;
     if (p.kv_base != NULL) {
         if (p.kv_bytes != 0 && p.kv_bytes / e->block_bytes < p.kv_blocks) {
@@ -712,11 +726,16 @@ static void layout_step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_
 static struct kcuda_kv layer_kv(const gpu_engine_t *e, uint32_t l)
 {
     const struct model_config *c = &e->cfg;
+    const uint64_t layer_bytes = (uint64_t)c->n_head_kv * (e->k_head_bytes + e->v_head_bytes);
     struct kcuda_kv kv = {
-        .k = e->kv + (size_t)(l * 2) * c->n_head_kv * e->head_bytes,
-        .v = e->kv + (size_t)(l * 2 + 1) * c->n_head_kv * e->head_bytes,
+        .k = e->kv + l * layer_bytes,
+        .v = e->kv + l * layer_bytes + (uint64_t)c->n_head_kv * e->k_head_bytes,
         .block_stride = e->block_bytes,
-        .head_stride = e->head_bytes,
+        .k_head_stride = e->k_head_bytes,
+        .v_head_stride = e->v_head_bytes,
+        .k_type = e->p.k_type,
+        .v_type = e->p.v_type,
+        .rotate = e->p.rotate,
         .block_tokens = (int)e->p.block_tokens,
         .head_dim = (int)c->head_dim,
         .n_head = (int)c->n_head,
@@ -868,6 +887,8 @@ static int run_forward(gpu_engine_t *e, const struct step_shape *s)
             aa.max_ctx = (int)e->p.max_ctx;
             TRY(kcuda_attn_prefill(&aa, st));
         }
+        if (kv.rotate & KV_ROT_V)     /* the outputs meet wo unrotated */
+            TRY(kcuda_hadamard(e->xb, (int64_t)T * c->n_head, (int)c->head_dim, st));
         TRY(acts_for(e, L->wo.type, e->xb, qd, T, true, &a));
         TRY(gemm(e, &L->wo, a, T, e->x, true));
         /* feed-forward */

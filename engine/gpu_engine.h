@@ -6,12 +6,13 @@
  * (Q4_1, Q8_0 or F16 layers; the embedding table as F32, F16, Q4_0, Q4_1 or
  * Q8_0; norms as f32), or borrows a copy another process uploaded
  * (gpu_weights_upload, shared through a VMM allocation), and sets up a paged
- * F16 KV cache in device memory with exactly the layout of kvcache.h: block
- * b of layer l holds
- *     [K=0,V=1][kv_head][token in block][head_dim]
- * at base + b * block_bytes + (l * 2 + which) * n_head_kv * head_bytes, so a
- * block id, and a block's bytes, mean the same to the CPU engine, to this one
- * and to every process mapping a shared pool. The cache is allocated by the
+ * KV cache in device memory (K and V each F16, Q8_0 or Q4_0, optionally
+ * Hadamard-rotated, as kv_params describes it) with exactly the layout of
+ * kvcache.h: block b of layer l holds
+ *     [K heads][V heads], each head [token in block][row of its type]
+ * at base + b * block_bytes + l * n_head_kv * (k_head_bytes + v_head_bytes),
+ * so a block id, and a block's bytes, mean the same to the CPU engine, to
+ * this one and to every process mapping a shared pool. The cache is allocated by the
  * engine, or borrowed from the caller (a device pool allocated elsewhere).
  *
  * gpu_engine_step takes the batches engine_step takes (struct fwd_seq: prefill
@@ -48,6 +49,9 @@ struct gpu_engine_params {
     uint32_t max_ctx;       /* longest sequence, default the model's training context */
     uint32_t block_tokens;  /* positions per KV block, default 16 */
     uint32_t kv_blocks;     /* blocks in the cache, default 1024 */
+    uint32_t k_type;        /* KERN_F16 (default), KERN_Q8_0 or KERN_Q4_0 */
+    uint32_t v_type;        /* the same choices, for V */
+    uint32_t rotate;        /* KV_ROT_K | KV_ROT_V: halves stored Hadamard-rotated (default 0) */
     void *kv_base;          /* NULL: the engine allocates (and zeroes) the cache; else
                              * device memory of >= kv_blocks * block bytes, 16-byte
                              * aligned, borrowed (it must outlive the engine) */
@@ -74,7 +78,8 @@ struct gpu_engine_kv {
     uint32_t n_blocks;      /* blocks */
     uint32_t block_tokens;  /* positions per block */
     uint64_t block_bytes;   /* bytes per block (all layers, K and V) */
-    uint64_t head_bytes;    /* one KV head of one layer of one block */
+    uint64_t k_head_bytes;  /* one K head of one layer of one block */
+    uint64_t v_head_bytes;  /* one V head of one layer of one block */
     bool owned;             /* allocated by the engine */
 };
 

@@ -137,16 +137,12 @@ int wgpu_engine_start(wgpu_t *g, const model_t *m, const struct engine_params *p
     if (g->engine != NULL)
         return kvd_seterr(err, errlen, KVD_ESTATE, "the GPU engine is already started");
     const struct pool_header *h = pool_header(g->pool);
-    /* the GPU kernels address an f16 cache; the pool must hold what they expect */
-    if (h->layout.k_type != KERN_F16 || h->layout.v_type != KERN_F16 || h->layout.rotate != 0)
-        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
-                          "the GPU engine needs an f16 KV pool (this one holds K %s, V %s%s): "
-                          "quantized KV blocks run on the CPU engine only, for now",
-                          kv_type_name(h->layout.k_type), kv_type_name(h->layout.v_type),
-                          h->layout.rotate ? ", rotated" : "");
+    /* the engine reads the pool's KV types and rotation from its header, and
+     * refuses what its kernels cannot read (an f32 cache) */
     const struct wgpu_mem mem = {
         .kv_base = wgpu_kv_base(g), .kv_bytes = wgpu_kv_bytes(g), .kv_blocks = h->n_blocks,
-        .block_tokens = h->layout.block_tokens, .weights_base = kcuda_vmm_ptr(g->weights),
+        .block_tokens = h->layout.block_tokens, .k_type = h->layout.k_type, .v_type = h->layout.v_type,
+        .rotate = h->layout.rotate, .weights_base = kcuda_vmm_ptr(g->weights),
         .weights_bytes = kcuda_vmm_bytes(g->weights),
     };
     g->engine = wgpu_engine_new(m, g->dev, &mem, p, err, errlen);

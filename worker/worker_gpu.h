@@ -99,6 +99,8 @@ struct wgpu_mem {
     uint64_t kv_bytes;      /* bytes mapped there */
     uint32_t kv_blocks;     /* blocks */
     uint32_t block_tokens;  /* positions per block */
+    uint32_t k_type, v_type;/* the pool's KV types (KERN_F16, KERN_Q8_0, KERN_Q4_0) */
+    uint32_t rotate;        /* KV_ROT_K | KV_ROT_V */
     void *weights_base;     /* the model's weights as gpu_weights_upload lays them out */
     uint64_t weights_bytes; /* bytes mapped there */
 };

@@ -17,6 +17,9 @@ wgpu_engine_t *wgpu_engine_new(const model_t *m, int dev, const struct wgpu_mem 
     gp.kv_bytes = mem->kv_bytes;        /* checked against kv_blocks x block bytes */
     gp.kv_blocks = mem->kv_blocks;
     gp.block_tokens = mem->block_tokens;
+    gp.k_type = mem->k_type;
+    gp.v_type = mem->v_type;
+    gp.rotate = mem->rotate;
     gp.weights_base = mem->weights_base;
     gp.weights_bytes = mem->weights_bytes; /* checked against the model's layout */
     if (p != NULL) {

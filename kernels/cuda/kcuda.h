@@ -16,8 +16,10 @@
  *
  * The KV cache on the device has exactly the layout of the host cache
  * (engine/kvcache.h, shm/pool.h): block b of layer l holds
- *     [K=0,V=1][kv_head][token in block][head_dim]
- * at  base + b * block_stride + (l * 2 + which) * n_head_kv * head_stride,
+ *     [K heads][V heads], each head [token in block][row]
+ * where a row is head_dim values of that half's type (F16, or Q8_0 / Q4_0
+ * blocks of 32 values with their scales), at
+ *     base + b * block_stride + l * n_head_kv * (k_head_stride + v_head_stride),
  * so a block written by either backend means the same to the other.
  *
  * Numerics: fp32 accumulation everywhere. Each output depends only on its own
@@ -90,12 +92,22 @@ double kcuda_timer_stop(kcuda_timer_t *t, kcuda_stream_t stream);
 #define KCUDA_ATTN_SPLIT 256    /* default positions per attention split */
 #define KCUDA_MAX_GROUP 8       /* most query heads per KV head */
 
-/* One layer of the paged cache (F16 only), as kern_attn_args describes it. */
+/* Rotation flags of a cache, the values of kvcache.h's KV_ROT_K / KV_ROT_V. */
+#define KCUDA_ROT_K 1u
+#define KCUDA_ROT_V 2u
+
+/* One layer of the paged cache, as kern_attn_args describes it. */
 struct kcuda_kv {
     uint8_t *k;             /* K of this layer in block 0 (kv_block_ptr(kv, 0, layer, 0)) */
     uint8_t *v;             /* V of this layer in block 0 */
     uint64_t block_stride;  /* bytes between blocks (kvcache.block_bytes) */
-    uint64_t head_stride;   /* bytes between KV heads of a block (kvcache.head_bytes) */
+    uint64_t k_head_stride; /* bytes between K heads of a block (kvcache.k_head_bytes) */
+    uint64_t v_head_stride; /* bytes between V heads of a block (kvcache.v_head_bytes) */
+    uint32_t k_type;        /* KERN_F16, KERN_Q8_0 or KERN_Q4_0 (set it: KERN_F16 is not 0) */
+    uint32_t v_type;        /* the same choices, for V */
+    uint32_t rotate;        /* KCUDA_ROT_K | KCUDA_ROT_V: halves stored Hadamard-rotated;
+                             * read by kcuda_rope_kv only (the queries meet K rotated, and
+                             * the caller rotates outputs back with kcuda_hadamard) */
     int block_tokens;       /* positions per block */
     int head_dim;           /* 64 or 128 */
     int n_head;             /* query heads */
@@ -130,12 +142,16 @@ struct kcuda_attn_args {
 size_t kcuda_attn_scratch_bytes(int n_seq, int n_head, int head_dim, int max_ctx, int split);
 
 /*
- * Decode attention, twin of kern_attn / kern_attn_paged over an F16 cache: one
- * query token per sequence (n_tok == 1) attending to positions [0, pos].
+ * Decode attention, twin of kern_attn / kern_attn_paged: one query token per
+ * sequence (n_tok == 1) attending to positions [0, pos].
  * One warp per (sequence, KV head, split) loads each K/V tile once for all
  * query heads of its group; sequences longer than one split are merged by
- * log-sum-exp in a second kernel. KVD_EINVAL for a bad argument,
- * KVD_EUNSUPPORTED for a head_dim other than 64/128 or a group above 8.
+ * log-sum-exp in a second kernel. The query meets K in K's precision, as in
+ * the twin: rounded to f16 over F16 K; over Q8_0 / Q4_0 K quantized to Q8_0
+ * once per row, and q.k summed as integer dot products (dp4a) per 32-value
+ * block, scaled by both blocks' scales. V rows are dequantized in registers.
+ * KVD_EINVAL for a bad argument, KVD_EUNSUPPORTED for a head_dim other than
+ * 64/128, a group above 8 or a K/V type other than F16, Q8_0 and Q4_0.
  */
 int kcuda_attn_decode(const struct kcuda_attn_args *a, kcuda_stream_t stream);
 
@@ -149,7 +165,12 @@ int kcuda_attn_prefill(const struct kcuda_attn_args *a, kcuda_stream_t stream);
 
 /*
  * RoPE of q (in place) and k, and the K/V write into the cache: twin of
- * kern_rope_angles + kern_rope + the F16 store of the CPU forward step.
+ * kern_rope_angles + kern_rope + the K/V store of the CPU forward step
+ * (engine/forward.c rope_run): halves named in kv.rotate are rotated by the
+ * orthonormal Walsh-Hadamard transform first (and q with K), then each row is
+ * stored as its type: F16 rounded; Q8_0 as kern_quantize_act; Q4_0 with the
+ * least-squares scale search of kern_quantize_q4_0_lsq. Rotation and Q8_0 need
+ * head_dim 64 or 128 (KVD_EUNSUPPORTED otherwise).
  *   q:     (T, n_head * head_dim), rotated in place
  *   k, v:  (T, n_head_kv * head_dim) new keys and values (k is not modified)
  *   pos:   (T) position of each token
@@ -167,6 +188,11 @@ struct kcuda_rope_args {
     float step;
 };
 int kcuda_rope_kv(const struct kcuda_rope_args *a, kcuda_stream_t stream);
+
+/* The orthonormal Walsh-Hadamard transform (twin of kern_hadamard) of each of
+ * the n consecutive vectors of head_dim (64 or 128) floats at x, in place: the
+ * attention outputs over a rotated V cache rotated back. */
+int kcuda_hadamard(float *x, int64_t n, int head_dim, kcuda_stream_t stream);
 
 /* ---- matrix products ------------------------------------------------------- */
 

@@ -1,6 +1,7 @@
 /*
- * kcuda_attn.cu - paged attention over an F16 cache: decode, prefill and the
- * log-sum-exp merge (twins: kern_attn_paged, kern_attn, kern_attn_merge).
+ * kcuda_attn.cu - paged attention over an F16, Q8_0 or Q4_0 cache (K and V
+ * each their own type): decode, prefill and the log-sum-exp merge (twins:
+ * kern_attn_paged, kern_attn, kern_attn_merge).
  *
  * The unit of work is one warp holding R query rows (the heads of one KV head's
  * group, for one or more tokens) over one split of positions [s*C, s*C + C).
@@ -11,6 +12,13 @@
  *     each lane's running share of the sum, rescaled when m grows;
  *   - values: lane i owns head_dim/32 output dimensions and adds p * v over
  *     the tile's keys in key order.
+ * Over quantized K the rows' queries are held as Q8_0 (int8 codes, the f16
+ * scale of each 32-value block and the codes' sum) and lane i's score is a sum
+ * over blocks of dp4a integer dot products times both scales, in block order
+ * as kern_vec_dot sums them; Q4_0 codes c are used as c - 8 by subtracting
+ * 8 * (the query block's code sum). Quantized rows are staged in shared memory
+ * as they are stored (no f32 or f16 copy) and V values are dequantized in
+ * registers (d * code), as the twin's kern_dequantize_row gives them.
  * At the end of a split the lanes' sums are added by a butterfly, and the
  * split's (m, l, acc) is folded into the row's merged state in split order:
  *     M' = max(M, m);  L = L e^(M-M') + l e^(m-M');  O = O e^(M-M') + acc e^(m-M')
@@ -40,7 +48,9 @@ template <int D> struct DecodeWarps { static constexpr int value = D == 64 ? 4 :
 /* What every kernel of this file reads. */
 struct Params {
     const uint8_t *k, *v;       /* layer's K and V in block 0 */
-    uint64_t block_stride, head_stride;
+    uint64_t block_stride, k_head_stride, v_head_stride;
+    uint32_t k_type, v_type;
+    int k_row, v_row;           /* bytes of one token's row of one head */
     int block_tokens, n_head, n_head_kv;
     const kcuda_seq *seqs;
     int n_seq;
@@ -88,39 +98,71 @@ __device__ __forceinline__ void fold(float &M, float &L, float (&O)[DPL], float 
 }
 
 /*
- * Stages keys [t0, t0 + 32) of one KV head into shared tiles of 32 rows of D
- * halves (K into dk, V into dv), 16-byte chunks swizzled by (chunk ^ (key & 7))
- * so that lanes reading their own row, or all lanes reading one row, hit
- * distinct banks. Keys at or past `end` are zero-filled without being read.
- * NTHR threads (tid < NTHR, whole warps) share the copy: lane i of every warp
- * finds key t0+i in the block table once, and the warp's copies take its
- * offset from that lane, for K and V alike.
+ * Stages keys [t0, t0 + 32) of one KV head's K or V (its rows at base +
+ * head_off in each block) into a shared tile. Keys at or past `end` are
+ * zero-filled without being read. NTHR threads (tid < NTHR, whole warps)
+ * share the copy.
+ *   F16: 32 rows of D halves, 16-byte chunks swizzled by (chunk ^ (key & 7))
+ *   so that lanes reading their own row, or all lanes reading one row, hit
+ *   distinct banks. Lane i of every warp finds key t0+i in the block table
+ *   once, and the warp's copies take its offset from that lane.
+ *   Q8_0 / Q4_0: the 32 rows as stored, row_bytes apart (a multiple of 4),
+ *   one warp per key copying 4-byte words.
  */
 template <int D, int NTHR>
-__device__ __forceinline__ void tile_load(uint4 *dk, uint4 *dv, const uint8_t *kbase, const uint8_t *vbase,
+__device__ __forceinline__ void half_load(uint4 *dst, const uint8_t *base, uint32_t type, int row_bytes,
                                           uint64_t head_off, const uint32_t *table, int bt,
                                           uint64_t block_stride, int t0, int end, int tid)
 {
-    constexpr int CH = D / 8;
-    static_assert(TILE * CH % NTHR == 0 && NTHR % 32 == 0, "the copy splits evenly over whole warps");
-    const int kp = t0 + tid % 32;
-    uint64_t off = 0;
-    if (kp < end) {
-        const int b = kp / bt;
-        off = (uint64_t)__ldg(table + b) * block_stride + head_off + (uint64_t)(kp - b * bt) * (D * 2);
-    }
-    const uint32_t off_lo = (uint32_t)off, off_hi = (uint32_t)(off >> 32);
+    static_assert(NTHR % 32 == 0, "whole warps");
+    if (type == KERN_F16) {
+        constexpr int CH = D / 8;
+        static_assert(TILE * CH % NTHR == 0, "the copy splits evenly over whole warps");
+        const int kp = t0 + tid % 32;
+        uint64_t off = 0;
+        if (kp < end) {
+            const int b = kp / bt;
+            off = (uint64_t)__ldg(table + b) * block_stride + head_off + (uint64_t)(kp - b * bt) * (D * 2);
+        }
+        const uint32_t off_lo = (uint32_t)off, off_hi = (uint32_t)(off >> 32);
 #pragma unroll
-    for (int j = 0; j < TILE * CH / NTHR; j++) {
-        const int i = tid + j * NTHR;
-        const int key = i / CH, c = i % CH;
-        const uint64_t o = (uint64_t)__shfl_sync(KCUDA_FULL, off_lo, key) |
-                           (uint64_t)__shfl_sync(KCUDA_FULL, off_hi, key) << 32;
-        const bool in = t0 + key < end;
-        const int slot = key * CH + (c ^ (key & 7));
-        kc_cp_async16(dk + slot, in ? kbase + o + c * 16 : kbase, in ? 16 : 0);
-        kc_cp_async16(dv + slot, in ? vbase + o + c * 16 : vbase, in ? 16 : 0);
+        for (int j = 0; j < TILE * CH / NTHR; j++) {
+            const int i = tid + j * NTHR;
+            const int key = i / CH, c = i % CH;
+            const uint64_t o = (uint64_t)__shfl_sync(KCUDA_FULL, off_lo, key) |
+                               (uint64_t)__shfl_sync(KCUDA_FULL, off_hi, key) << 32;
+            const bool in = t0 + key < end;
+            kc_cp_async16(dst + key * CH + (c ^ (key & 7)), in ? base + o + c * 16 : base, in ? 16 : 0);
+        }
+        return;
     }
+    uint32_t *d32 = reinterpret_cast<uint32_t *>(dst);
+    const int words = row_bytes / 4;
+    for (int key = tid / 32; key < TILE; key += NTHR / 32) {
+        const int kp = t0 + key;
+        uint32_t *row = d32 + key * words;
+        if (kp < end) {
+            const int b = kp / bt;
+            const uint32_t *src = reinterpret_cast<const uint32_t *>(
+                base + (uint64_t)__ldg(table + b) * block_stride + head_off + (uint64_t)(kp - b * bt) * row_bytes);
+            for (int w = tid % 32; w < words; w += 32)
+                row[w] = __ldg(src + w);
+        } else {
+            for (int w = tid % 32; w < words; w += 32)
+                row[w] = 0;
+        }
+    }
+}
+
+/* K and V of keys [t0, t0 + 32) of KV head kvh (see half_load). */
+template <int D, int NTHR>
+__device__ __forceinline__ void tile_load(uint4 *dk, uint4 *dv, const Params &p, int kvh, const uint32_t *table,
+                                          int t0, int end, int tid)
+{
+    half_load<D, NTHR>(dk, p.k, p.k_type, p.k_row, (uint64_t)kvh * p.k_head_stride, table, p.block_tokens,
+                       p.block_stride, t0, end, tid);
+    half_load<D, NTHR>(dv, p.v, p.v_type, p.v_row, (uint64_t)kvh * p.v_head_stride, table, p.block_tokens,
+                       p.block_stride, t0, end, tid);
 }
 
 /* This lane's D/32 dimensions of key k of a swizzled tile, as floats. */
@@ -143,43 +185,134 @@ __device__ __forceinline__ void tile_dims(const uint4 *tile, int k, int lane, fl
     }
 }
 
+/* This lane's D/32 dimensions of key k of a tile of Q8_0 / Q4_0 rows (row_bytes
+ * apart), dequantized as d * code (Q4_0: code - 8), the twin's values. */
+template <int D>
+__device__ __forceinline__ void tile_dims_q(const uint4 *tile, int k, int lane, uint32_t type, int row_bytes,
+                                            float (&vf)[D / 32])
+{
+    constexpr int DPL = D / 32;
+    const int j0 = lane * DPL, o = j0 % 32;
+    const int bb = type == KERN_Q8_0 ? (int)sizeof(kern_block_q8_0) : (int)sizeof(kern_block_q4_0);
+    const uint8_t *blk = reinterpret_cast<const uint8_t *>(tile) + k * row_bytes + (j0 / 32) * bb;
+    const float d = kc_half(*reinterpret_cast<const uint16_t *>(blk));
+    const uint8_t *qs = blk + 2;
+#pragma unroll
+    for (int i = 0; i < DPL; i++) {
+        const int j = o + i;
+        const int c = type == KERN_Q8_0 ? (int)(int8_t)qs[j] : (j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4) - 8;
+        vf[i] = __fmul_rn(d, (float)c);
+    }
+}
+
+/* The query rows of a quantized-K warp, inside the float area sq of R*D
+ * floats: int8 codes (row r at byte r*D), then each block's scale as a float
+ * (the f16 value) and the sum of its codes. */
+template <int D, int R> struct QQuery {
+    static constexpr int NB = D / 32;
+    int8_t *qs;
+    float *d;
+    int *sum;
+    __device__ __forceinline__ explicit QQuery(float *sq)
+        : qs(reinterpret_cast<int8_t *>(sq)), d(sq + R * D / 4), sum(reinterpret_cast<int *>(sq + R * D / 4 + R * NB))
+    {
+    }
+};
+
+/* Lane `lane`'s score of the tile's key `lane` against R quantized query rows:
+ * per 32-value block the integer dot product by dp4a, then scaled and summed
+ * in block order as kern_vec_dot sums it (Q8_0: (dk * dq) * si; Q4_0:
+ * (si * dk) * dq, codes c - 8). */
+template <int D, int R>
+__device__ __forceinline__ void scores_q(float (&s)[R], const QQuery<D, R> &qq, const uint4 *sk, uint32_t type,
+                                         int row_bytes, int lane)
+{
+    const uint8_t *row = reinterpret_cast<const uint8_t *>(sk) + lane * row_bytes;
+#pragma unroll
+    for (int b = 0; b < D / 32; b++) {
+        if (type == KERN_Q8_0) {
+            const uint16_t *h = reinterpret_cast<const uint16_t *>(row + b * (int)sizeof(kern_block_q8_0));
+            const float dk = kc_half(h[0]);
+            int w[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                w[i] = (int)((uint32_t)h[1 + 2 * i] | (uint32_t)h[2 + 2 * i] << 16);
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const int *qw = reinterpret_cast<const int *>(qq.qs + r * D + b * 32);
+                int si = 0;
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    si = __dp4a(w[i], qw[i], si);
+                s[r] = __fadd_rn(s[r], __fmul_rn(__fmul_rn(dk, qq.d[r * (D / 32) + b]), (float)si));
+            }
+        } else {
+            const uint16_t *h = reinterpret_cast<const uint16_t *>(row + b * (int)sizeof(kern_block_q4_0));
+            const float dk = kc_half(h[0]);
+            int lo[4], hi[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const uint32_t u = (uint32_t)h[1 + 2 * i] | (uint32_t)h[2 + 2 * i] << 16;
+                lo[i] = (int)(u & 0x0F0F0F0Fu);         /* values 4i .. 4i+3 */
+                hi[i] = (int)((u >> 4) & 0x0F0F0F0Fu);  /* values 16+4i .. 16+4i+3 */
+            }
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const int *qw = reinterpret_cast<const int *>(qq.qs + r * D + b * 32);
+                int si = 0;
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    si = __dp4a(lo[i], qw[i], si);
+                    si = __dp4a(hi[i], qw[4 + i], si);
+                }
+                si -= 8 * qq.sum[r * (D / 32) + b];
+                s[r] = __fadd_rn(s[r], __fmul_rn(__fmul_rn((float)si, dk), qq.d[r * (D / 32) + b]));
+            }
+        }
+    }
+}
+
 /*
- * One tile for R rows: sq holds the rows' f16-rounded queries (row r at
- * sq + r*D), sk/sv the tile. Row r sees keys <= qp[r]; a row with qp[r] < t0
+ * One tile for R rows: sq holds the rows' queries (f16-rounded floats, row r
+ * at sq + r*D, over F16 K; a QQuery over quantized K), sk/sv the tile. Row r sees keys <= qp[r]; a row with qp[r] < t0
  * is left exactly as it was. n_keys (uniform) bounds the keys whose values are
  * read; keys past a row's qp get probability 0 and leave its sums unchanged.
  */
 template <int D, int R>
-__device__ __forceinline__ void tile_step(SplitState<D, R> &st, const float *sq, const uint4 *sk,
-                                          const uint4 *sv, const int (&qp)[R], int t0, int n_keys,
-                                          float scale, int lane)
+__device__ __forceinline__ void tile_step(SplitState<D, R> &st, float *sq, const uint4 *sk, const uint4 *sv,
+                                          const int (&qp)[R], int t0, int n_keys, const Params &pr, int lane)
 {
     constexpr int CH = D / 8, DPL = D / 32;
     const int key = t0 + lane;
+    const float scale = pr.scale;
 
     /* scores of this lane's key against every row, dimensions in order */
     float s[R];
 #pragma unroll
     for (int r = 0; r < R; r++)
         s[r] = 0.0f;
+    if (pr.k_type != KERN_F16) {
+        scores_q<D, R>(s, QQuery<D, R>(sq), sk, pr.k_type, pr.k_row, lane);
+    } else {
 #pragma unroll
-    for (int c = 0; c < CH; c++) {
-        float kf[8];
-        kc_unpack8(sk[lane * CH + (c ^ (lane & 7))], kf);
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            const float4 a = *reinterpret_cast<const float4 *>(sq + r * D + c * 8);
-            const float4 b = *reinterpret_cast<const float4 *>(sq + r * D + c * 8 + 4);
-            float x = s[r];
-            x = __fmaf_rn(a.x, kf[0], x);
-            x = __fmaf_rn(a.y, kf[1], x);
-            x = __fmaf_rn(a.z, kf[2], x);
-            x = __fmaf_rn(a.w, kf[3], x);
-            x = __fmaf_rn(b.x, kf[4], x);
-            x = __fmaf_rn(b.y, kf[5], x);
-            x = __fmaf_rn(b.z, kf[6], x);
-            x = __fmaf_rn(b.w, kf[7], x);
-            s[r] = x;
+        for (int c = 0; c < CH; c++) {
+            float kf[8];
+            kc_unpack8(sk[lane * CH + (c ^ (lane & 7))], kf);
+    #pragma unroll
+            for (int r = 0; r < R; r++) {
+                const float4 a = *reinterpret_cast<const float4 *>(sq + r * D + c * 8);
+                const float4 b = *reinterpret_cast<const float4 *>(sq + r * D + c * 8 + 4);
+                float x = s[r];
+                x = __fmaf_rn(a.x, kf[0], x);
+                x = __fmaf_rn(a.y, kf[1], x);
+                x = __fmaf_rn(a.z, kf[2], x);
+                x = __fmaf_rn(a.w, kf[3], x);
+                x = __fmaf_rn(b.x, kf[4], x);
+                x = __fmaf_rn(b.y, kf[5], x);
+                x = __fmaf_rn(b.z, kf[6], x);
+                x = __fmaf_rn(b.w, kf[7], x);
+                s[r] = x;
+            }
         }
     }
 
@@ -206,7 +339,10 @@ __device__ __forceinline__ void tile_step(SplitState<D, R> &st, const float *sq,
 #pragma unroll 2
     for (int k = 0; k < n_keys; k++) {
         float vf[DPL];
-        tile_dims<D>(sv, k, lane, vf);
+        if (pr.v_type == KERN_F16)
+            tile_dims<D>(sv, k, lane, vf);
+        else
+            tile_dims_q<D>(sv, k, lane, pr.v_type, pr.v_row, vf);
 #pragma unroll
         for (int r = 0; r < R; r++) {
             const float pk = __shfl_sync(KCUDA_FULL, p[r], k);
@@ -219,19 +355,47 @@ __device__ __forceinline__ void tile_step(SplitState<D, R> &st, const float *sq,
     }
 }
 
-/* Loads R rows' queries (row r = token r / G, head g = r % G of KV head kvh),
- * rounded to f16 as the C twin rounds them; rows of invalid tokens get zeros. */
+/* Loads R rows' queries (row r = token r / G, head g = r % G of KV head kvh)
+ * as the C twin meets K with them: rounded to f16 over F16 K; over quantized K
+ * quantized to Q8_0 as kern_quantize_act does (a QQuery). Rows of invalid
+ * tokens get zeros. */
 template <int D, int G, int R>
 __device__ __forceinline__ void load_queries(float *sq, const float *q, int n_head, int kvh, int row0,
-                                             const bool (&valid)[R / G], int lane)
+                                             const bool (&valid)[R / G], uint32_t k_type, int lane)
 {
+    if (k_type == KERN_F16) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const int j = r / G, g = r % G;
+            const float *src = q + ((size_t)(row0 + j) * n_head + (size_t)kvh * G + g) * D;
+#pragma unroll
+            for (int d = lane; d < D; d += 32)
+                sq[r * D + d] = valid[j] ? __half2float(__float2half_rn(src[d])) : 0.0f;
+        }
+        return;
+    }
+    const QQuery<D, R> qq(sq);
 #pragma unroll
     for (int r = 0; r < R; r++) {
         const int j = r / G, g = r % G;
         const float *src = q + ((size_t)(row0 + j) * n_head + (size_t)kvh * G + g) * D;
 #pragma unroll
-        for (int d = lane; d < D; d += 32)
-            sq[r * D + d] = valid[j] ? __half2float(__float2half_rn(src[d])) : 0.0f;
+        for (int b = 0; b < D / 32; b++) {
+            /* kc_quantize_block32's arithmetic, kept as floats and codes */
+            const float v = valid[j] ? src[b * 32 + lane] : 0.0f;
+            const float amax = kc_warp_max(fabsf(v));
+            const float d = __fdiv_rn(amax, 127.0f);
+            float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+            if (!isfinite(id))
+                id = 0.0f;
+            const int c = (int)roundf(__fmul_rn(v, id));
+            qq.qs[r * D + b * 32 + lane] = (int8_t)c;
+            const int sum = kc_warp_sum_int(c);
+            if (lane == 0) {
+                qq.d[r * (D / 32) + b] = __half2float(__float2half_rn(d));
+                qq.sum[r * (D / 32) + b] = sum;
+            }
+        }
     }
 }
 
@@ -260,7 +424,7 @@ __global__ void __launch_bounds__(DecodeWarps<D>::value * 32) decode_kernel(cons
         return;                 /* past this sequence's context */
 
     const bool valid[1] = { true };
-    load_queries<D, G, G>(sq[warp], p.q, p.n_head, kvh, seq.row, valid, lane);
+    load_queries<D, G, G>(sq[warp], p.q, p.n_head, kvh, seq.row, valid, p.k_type, lane);
     int qp[G];
 #pragma unroll
     for (int r = 0; r < G; r++)
@@ -269,14 +433,13 @@ __global__ void __launch_bounds__(DecodeWarps<D>::value * 32) decode_kernel(cons
     SplitState<D, G> st;
     split_init(st);
     const uint32_t *table = p.tables + seq.table;
-    const uint64_t head_off = (uint64_t)kvh * p.head_stride;
     const int k0 = split * p.split, k1 = min(k0 + p.split, n_ctx);
+    __syncwarp();               /* the queries are in shared memory */
     for (int t0 = k0; t0 < k1; t0 += TILE) {
-        tile_load<D, 32>(sk[warp], sv[warp], p.k, p.v, head_off, table, p.block_tokens, p.block_stride, t0, k1,
-                         lane);
+        tile_load<D, 32>(sk[warp], sv[warp], p, kvh, table, t0, k1, lane);
         kc_cp_async_wait_all();
         __syncwarp();
-        tile_step<D, G>(st, sq[warp], sk[warp], sv[warp], qp, t0, min(TILE, k1 - t0), p.scale, lane);
+        tile_step<D, G>(st, sq[warp], sk[warp], sv[warp], qp, t0, min(TILE, k1 - t0), p, lane);
         __syncwarp();
     }
 
@@ -369,7 +532,7 @@ __global__ void __launch_bounds__(PF_WARPS * 32) prefill_kernel(const Params p)
 #pragma unroll
     for (int j = 0; j < QTW; j++)
         valid[j] = first + j < tok_end;
-    load_queries<D, G, R>(sq[warp], p.q, p.n_head, kvh, seq.row + first, valid, lane);
+    load_queries<D, G, R>(sq[warp], p.q, p.n_head, kvh, seq.row + first, valid, p.k_type, lane);
     int qp[R];
     int qp_max = -1;
 #pragma unroll
@@ -388,19 +551,17 @@ __global__ void __launch_bounds__(PF_WARPS * 32) prefill_kernel(const Params p)
             O[r][i] = 0.0f;
     }
     const uint32_t *table = p.tables + seq.table;
-    const uint64_t head_off = (uint64_t)kvh * p.head_stride;
     for (int s0 = 0; s0 < kv_end; s0 += p.split) {
         SplitState<D, R> st;
         split_init(st);
         const int k1 = min(s0 + p.split, kv_end);
         for (int t0 = s0; t0 < k1; t0 += TILE) {
             __syncthreads();    /* the previous tile is consumed (and sq written) */
-            tile_load<D, PF_WARPS * 32>(sk, sv, p.k, p.v, head_off, table, p.block_tokens, p.block_stride, t0,
-                                        k1, threadIdx.x);
+            tile_load<D, PF_WARPS * 32>(sk, sv, p, kvh, table, t0, k1, threadIdx.x);
             kc_cp_async_wait_all();
             __syncthreads();
             if (t0 <= qp_max)
-                tile_step<D, R>(st, sq[warp], sk, sv, qp, t0, min(TILE, k1 - t0), p.scale, lane);
+                tile_step<D, R>(st, sq[warp], sk, sv, qp, t0, min(TILE, k1 - t0), p, lane);
         }
 #pragma unroll
         for (int r = 0; r < R; r++)
@@ -439,17 +600,27 @@ static int prepare(const kcuda_attn_args *a, Params *p)
         return KVD_EUNSUPPORTED;
     if (kv->n_head / kv->n_head_kv > KCUDA_MAX_GROUP)
         return KVD_EUNSUPPORTED;
+    const int k_row = kcuda_kv_row_bytes(kv->k_type, kv->head_dim), v_row = kcuda_kv_row_bytes(kv->v_type, kv->head_dim);
+    if (k_row == 0 || v_row == 0)
+        return KVD_EUNSUPPORTED;
     const int split = split_of(a);
     if (split <= 0 || split % TILE != 0)
         return KVD_EINVAL;
-    /* 16-byte copies into shared memory need 16-byte aligned rows */
-    if (((uintptr_t)kv->k | (uintptr_t)kv->v | kv->block_stride | kv->head_stride) % 16 != 0)
+    /* F16 rows go by 16-byte copies into shared memory, quantized rows by 4-byte words */
+    const uint64_t k_align = kv->k_type == KERN_F16 ? 16 : 4, v_align = kv->v_type == KERN_F16 ? 16 : 4;
+    if (((uintptr_t)kv->k | kv->block_stride | kv->k_head_stride) % k_align != 0 ||
+        ((uintptr_t)kv->v | kv->block_stride | kv->v_head_stride) % v_align != 0)
         return KVD_EINVAL;
     *p = Params{};
     p->k = kv->k;
     p->v = kv->v;
     p->block_stride = kv->block_stride;
-    p->head_stride = kv->head_stride;
+    p->k_head_stride = kv->k_head_stride;
+    p->v_head_stride = kv->v_head_stride;
+    p->k_type = kv->k_type;
+    p->v_type = kv->v_type;
+    p->k_row = k_row;
+    p->v_row = v_row;
     p->block_tokens = kv->block_tokens;
     p->n_head = kv->n_head;
     p->n_head_kv = kv->n_head_kv;

@@ -13,6 +13,7 @@
 #include "err.h"
 #include "kcuda.h"
 #include "quant_blocks.h"
+#include "types.h"
 
 /* Records the message of a failed CUDA call for kcuda_last_error(); returns code. */
 int kcuda__fail(int code, cudaError_t e, const char *what);
@@ -87,6 +88,21 @@ __device__ __forceinline__ void kc_quantize_block32(float v, int lane, uint8_t *
             blk[3] = (uint8_t)(sh >> 8);
         }
     }
+}
+
+/* Bytes of one head's row of head_dim values in a KV cache of `type` (F16,
+ * Q8_0, Q4_0), or 0 for a type or width the attention kernels cannot read. */
+__host__ __device__ __forceinline__ int kcuda_kv_row_bytes(uint32_t type, int head_dim)
+{
+    if (type == KERN_F16)
+        return head_dim * 2;
+    if (head_dim % 32 != 0)
+        return 0;
+    if (type == KERN_Q8_0)
+        return head_dim / 32 * (int)sizeof(struct kern_block_q8_0);
+    if (type == KERN_Q4_0)
+        return head_dim / 32 * (int)sizeof(struct kern_block_q4_0);
+    return 0;
 }
 
 /* Bytes of one 32-element activation block of Q8_0 or (with_sum) Q8_1. */

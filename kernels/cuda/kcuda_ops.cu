@@ -1,8 +1,10 @@
 /*
  * kcuda_ops.cu - the element-wise and per-row kernels of the forward step:
- * RMSNorm, RoPE fused with the K/V write into the paged cache, SwiGLU and
- * greedy token choice (twins: kern_rmsnorm, kern_rope_angles + kern_rope +
- * the F16 store of engine/forward.c, kern_swiglu, sampler_argmax).
+ * RMSNorm, RoPE fused with the K/V write into the paged cache (with the
+ * Walsh-Hadamard rotation and Q8_0 / Q4_0 quantization of a quantized cache),
+ * SwiGLU and greedy token choice (twins: kern_rmsnorm, kern_rope_angles +
+ * kern_rope + the K/V store of engine/forward.c, kern_hadamard, kern_swiglu,
+ * sampler_argmax).
  *
  * Each follows its twin's float operations with explicit rounding
  * intrinsics; what may differ is the order of the sum of squares (double
@@ -79,7 +81,9 @@ __global__ void __launch_bounds__(ROW_THREADS) rmsnorm_quant_kernel(float *out, 
 
 struct RopeParams {
     uint8_t *k_cache, *v_cache;
-    uint64_t block_stride, head_stride;
+    uint64_t block_stride, k_head_stride, v_head_stride;
+    uint32_t k_type, v_type, rotate;
+    int k_row, v_row;
     int block_tokens, head_dim, n_head, n_head_kv;
     float *q;
     const float *k, *v;
@@ -88,26 +92,33 @@ struct RopeParams {
     float step;
 };
 
-/* One block per token: the RoPE angles of its position once in shared memory,
- * then every pair of q (rotated in place), k (rotated, stored as f16) and v
- * (stored as f16). */
-__global__ void __launch_bounds__(ROW_THREADS) rope_kv_kernel(const RopeParams p)
+/* cos and sin of each RoPE pair of position pos into cs (the block's
+ * threads share the work; a barrier follows): the angle of pair i is
+ * pos * step^i, multiplied out one step at a time in f32 as kern_rope_angles
+ * does. */
+__device__ __forceinline__ void rope_angles(float *cs, int32_t pos, int half, float step)
 {
-    __shared__ float cs[512];   /* cos, sin of each pair: head_dim <= 512 */
-    const int t = blockIdx.x, D = p.head_dim, half = D / 2;
-    const int32_t pos = p.pos[t];
     for (int i = threadIdx.x; i < half; i += ROW_THREADS) {
-        /* the angle of pair i is pos * step^i, multiplied out one step at a
-         * time in f32 as kern_rope_angles does */
         float theta = (float)pos;
         for (int j = 0; j < i; j++)
-            theta = __fmul_rn(theta, p.step);
+            theta = __fmul_rn(theta, step);
         float s, c;
         sincosf(theta, &s, &c);
         cs[2 * i] = c;
         cs[2 * i + 1] = s;
     }
     __syncthreads();
+}
+
+/* One block per token: the RoPE angles of its position once in shared memory,
+ * then every pair of q (rotated in place), k (rotated, stored as f16) and v
+ * (stored as f16). The cache of rope_kvq_kernel's kinds goes there instead. */
+__global__ void __launch_bounds__(ROW_THREADS) rope_kv_kernel(const RopeParams p)
+{
+    __shared__ float cs[512];   /* cos, sin of each pair: head_dim <= 512 */
+    const int t = blockIdx.x, D = p.head_dim, half = D / 2;
+    const int32_t pos = p.pos[t];
+    rope_angles(cs, pos, half, p.step);
     const uint64_t row_off = (uint64_t)p.block[t] * p.block_stride + (uint64_t)(pos % p.block_tokens) * D * 2;
     const int pairs = (p.n_head + 2 * p.n_head_kv) * half;
     for (int idx = threadIdx.x; idx < pairs; idx += ROW_THREADS) {
@@ -124,15 +135,170 @@ __global__ void __launch_bounds__(ROW_THREADS) rope_kv_kernel(const RopeParams p
             const float a = x[0], b = x[1];
             const float ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
             const float rb = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
-            uint32_t *dst = reinterpret_cast<uint32_t *>(p.k_cache + row_off + kh * p.head_stride + 4 * i);
+            uint32_t *dst = reinterpret_cast<uint32_t *>(p.k_cache + row_off + kh * p.k_head_stride + 4 * i);
             *dst = (uint32_t)kc_half_bits(ra) | (uint32_t)kc_half_bits(rb) << 16;
         } else {
             const int vh = h - p.n_head - p.n_head_kv;
             const float *x = p.v + ((size_t)t * p.n_head_kv + vh) * D + 2 * i;
-            uint32_t *dst = reinterpret_cast<uint32_t *>(p.v_cache + row_off + vh * p.head_stride + 4 * i);
+            uint32_t *dst = reinterpret_cast<uint32_t *>(p.v_cache + row_off + vh * p.v_head_stride + 4 * i);
             *dst = (uint32_t)kc_half_bits(x[0]) | (uint32_t)kc_half_bits(x[1]) << 16;
         }
     }
+}
+
+/* The orthonormal Walsh-Hadamard transform of a vector of D values held by a
+ * warp (lane holds element lane + 32*i in v[i]), as kern_hadamard computes
+ * it: stages h = 1, 2, 4, ... in order, x[j] = a + b and x[j+h] = a - b for
+ * the pair (j, j+h), then every value times 1/sqrt(D). Bit for bit the
+ * twin's values. */
+template <int D>
+__device__ __forceinline__ void warp_hadamard(float (&v)[D / 32], int lane)
+{
+    constexpr int NV = D / 32;
+#pragma unroll
+    for (int h = 1; h < 32; h <<= 1)
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            const float o = __shfl_xor_sync(KCUDA_FULL, v[i], h);
+            v[i] = lane & h ? __fsub_rn(o, v[i]) : __fadd_rn(v[i], o);
+        }
+#pragma unroll
+    for (int h = 1; h < NV; h <<= 1)
+#pragma unroll
+        for (int i = 0; i < NV; i++)
+            if (!(i & h)) {
+                const float a = v[i], b = v[i + h];
+                v[i] = __fadd_rn(a, b);
+                v[i + h] = __fsub_rn(a, b);
+            }
+    const float s = (float)(1.0 / sqrt((double)D));
+#pragma unroll
+    for (int i = 0; i < NV; i++)
+        v[i] = __fmul_rn(v[i], s);
+}
+
+/* Lane `lane` of a warp holding element `lane` of a 32-value block: writes the
+ * block as Q4_0 at blk as kern_quantize_q4_0_lsq does: for 19 inverse scales
+ * -(8 + k/10) / max around the one that maps the signed largest value to -8,
+ * the codes, and the least-squares scale for them (sums in double); the
+ * candidate keeping the most of sum x^2 wins, the first on a tie. */
+__device__ __forceinline__ void quantize_q4_0_lsq32(float x, int lane, uint8_t *blk)
+{
+    const float ax = fabsf(x);
+    const float amax = kc_warp_max(ax);
+    const unsigned at = __ballot_sync(KCUDA_FULL, ax == amax);
+    const float max = amax > 0.0f ? __shfl_sync(KCUDA_FULL, x, __ffs((int)at) - 1) : 0.0f;
+    int best = 0;
+    double best_score = -1.0, best_d = 0.0;
+    for (int k = -9; k <= 9 && max != 0.0f; k++) {
+        const float is = -__fdiv_rn(__fadd_rn(8.0f, __fmul_rn(0.1f, (float)k)), max);
+        int l = (int)__fadd_rn(__fmul_rn(is, x), 8.5f);
+        l = (l < 0 ? 0 : l > 15 ? 15 : l) - 8;
+        double sxl = (double)x * l;
+        int sll = l * l;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            sxl += __shfl_xor_sync(KCUDA_FULL, sxl, o);
+            sll += __shfl_xor_sync(KCUDA_FULL, sll, o);
+        }
+        if (sll > 0 && sxl * sxl / sll > best_score) {  /* the same on every lane */
+            best_score = sxl * sxl / sll;
+            best_d = sxl / sll;
+            best = l;
+        }
+    }
+    const int up = __shfl_sync(KCUDA_FULL, best, (lane + 16) % 32);
+    if (lane < 16)
+        blk[2 + lane] = (uint8_t)((best + 8) | (up + 8) << 4);
+    if (lane == 0) {
+        const uint16_t dh = kc_half_bits((float)best_d);
+        blk[0] = (uint8_t)dh;
+        blk[1] = (uint8_t)(dh >> 8);
+    }
+}
+
+/* Stores a warp's vector v (see warp_hadamard) as one row of `type` at row. */
+template <int D>
+__device__ __forceinline__ void store_kv_row(uint8_t *row, uint32_t type, const float (&v)[D / 32], int lane)
+{
+#pragma unroll
+    for (int i = 0; i < D / 32; i++) {
+        if (type == KERN_F16)
+            reinterpret_cast<uint16_t *>(row)[lane + 32 * i] = kc_half_bits(v[i]);
+        else if (type == KERN_Q8_0)
+            kc_quantize_block32(v[i], lane, row + i * sizeof(kern_block_q8_0), false);
+        else
+            quantize_q4_0_lsq32(v[i], lane, row + i * sizeof(kern_block_q4_0));
+    }
+}
+
+/* rope_kv_kernel for a cache with a quantized or rotated half: one block per
+ * token, one warp per vector (each query head, K head and V head): RoPE of q
+ * and k as rope_kv_kernel computes it (the pair's other value from the
+ * neighbouring lane), the Hadamard rotation where kv.rotate asks (q and K
+ * with KV_ROT_K, V with KV_ROT_V), then q back in place and K/V into the
+ * cache as their types. */
+template <int D>
+__global__ void __launch_bounds__(ROW_THREADS) rope_kvq_kernel(const RopeParams p)
+{
+    constexpr int NV = D / 32;
+    __shared__ float cs[D];
+    const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int32_t pos = p.pos[t];
+    rope_angles(cs, pos, D / 2, p.step);
+    const uint64_t in_block = (uint64_t)(pos % p.block_tokens), block_off = (uint64_t)p.block[t] * p.block_stride;
+    const int n_vec = p.n_head + 2 * p.n_head_kv;
+    for (int vec = warp; vec < n_vec; vec += ROW_THREADS / 32) {
+        const bool is_v = vec >= p.n_head + p.n_head_kv, is_q = vec < p.n_head;
+        const int kh = vec - p.n_head, vh = kh - p.n_head_kv;
+        const float *src = is_q ? p.q + ((size_t)t * p.n_head + vec) * D
+                         : is_v ? p.v + ((size_t)t * p.n_head_kv + vh) * D
+                                : p.k + ((size_t)t * p.n_head_kv + kh) * D;
+        float v[NV];
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            const int e = lane + 32 * i;
+            const float x = src[e], o = __shfl_xor_sync(KCUDA_FULL, x, 1);
+            if (is_v) {
+                v[i] = x;
+            } else {
+                const float c = cs[e & ~1], s = cs[e | 1];
+                v[i] = e & 1 ? __fadd_rn(__fmul_rn(o, s), __fmul_rn(x, c))
+                             : __fsub_rn(__fmul_rn(x, c), __fmul_rn(o, s));
+            }
+        }
+        if (p.rotate & (is_v ? KCUDA_ROT_V : KCUDA_ROT_K))
+            warp_hadamard<D>(v, lane);
+        if (is_q) {
+            float *dst = p.q + ((size_t)t * p.n_head + vec) * D;
+#pragma unroll
+            for (int i = 0; i < NV; i++)
+                dst[lane + 32 * i] = v[i];
+        } else if (is_v) {
+            store_kv_row<D>(p.v_cache + block_off + vh * p.v_head_stride + in_block * p.v_row, p.v_type, v, lane);
+        } else {
+            store_kv_row<D>(p.k_cache + block_off + kh * p.k_head_stride + in_block * p.k_row, p.k_type, v, lane);
+        }
+    }
+}
+
+/* One warp per vector of D floats: kern_hadamard in place (warp_hadamard). */
+template <int D>
+__global__ void __launch_bounds__(128) hadamard_kernel(float *x, long n)
+{
+    const long vec = (long)blockIdx.x * 4 + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (vec >= n)
+        return;
+    float *row = x + vec * D;
+    float v[D / 32];
+#pragma unroll
+    for (int i = 0; i < D / 32; i++)
+        v[i] = row[lane + 32 * i];
+    warp_hadamard<D>(v, lane);
+#pragma unroll
+    for (int i = 0; i < D / 32; i++)
+        row[lane + 32 * i] = v[i];
 }
 
 __global__ void swiglu_kernel(float *gate, const float *up, size_t count)
@@ -541,13 +707,24 @@ extern "C" int kcuda_rope_kv(const struct kcuda_rope_args *a, kcuda_stream_t str
     if (a->q == NULL || a->k == NULL || a->v == NULL || a->pos == NULL || a->block == NULL || kv->k == NULL ||
         kv->v == NULL)
         return KVD_EINVAL;
-    if (((uintptr_t)kv->k | (uintptr_t)kv->v | kv->block_stride | kv->head_stride) % 4)
+    if (((uintptr_t)kv->k | (uintptr_t)kv->v | kv->block_stride | kv->k_head_stride | kv->v_head_stride) % 4)
         return KVD_EINVAL;
+    const bool plain = kv->k_type == KERN_F16 && kv->v_type == KERN_F16 && kv->rotate == 0;
+    const int k_row = kcuda_kv_row_bytes(kv->k_type, kv->head_dim), v_row = kcuda_kv_row_bytes(kv->v_type, kv->head_dim);
+    if (k_row == 0 || v_row == 0 || (kv->rotate & ~(uint32_t)(KCUDA_ROT_K | KCUDA_ROT_V)) != 0 ||
+        (!plain && kv->head_dim != 64 && kv->head_dim != 128))
+        return KVD_EUNSUPPORTED;
     RopeParams p;
     p.k_cache = kv->k;
     p.v_cache = kv->v;
     p.block_stride = kv->block_stride;
-    p.head_stride = kv->head_stride;
+    p.k_head_stride = kv->k_head_stride;
+    p.v_head_stride = kv->v_head_stride;
+    p.k_type = kv->k_type;
+    p.v_type = kv->v_type;
+    p.rotate = kv->rotate;
+    p.k_row = k_row;
+    p.v_row = v_row;
     p.block_tokens = kv->block_tokens;
     p.head_dim = kv->head_dim;
     p.n_head = kv->n_head;
@@ -558,8 +735,29 @@ extern "C" int kcuda_rope_kv(const struct kcuda_rope_args *a, kcuda_stream_t str
     p.pos = a->pos;
     p.block = a->block;
     p.step = a->step;
-    rope_kv_kernel<<<(unsigned)a->T, ROW_THREADS, 0, stream>>>(p);
+    if (plain)
+        rope_kv_kernel<<<(unsigned)a->T, ROW_THREADS, 0, stream>>>(p);
+    else if (kv->head_dim == 64)
+        rope_kvq_kernel<64><<<(unsigned)a->T, ROW_THREADS, 0, stream>>>(p);
+    else
+        rope_kvq_kernel<128><<<(unsigned)a->T, ROW_THREADS, 0, stream>>>(p);
     return kcuda__launched("rope and KV write");
+}
+
+extern "C" int kcuda_hadamard(float *x, int64_t n, int head_dim, kcuda_stream_t stream)
+{
+    if (n < 0 || x == NULL || (head_dim != 64 && head_dim != 128))
+        return n == 0 ? 0 : KVD_EINVAL;
+    if (n == 0)
+        return 0;
+    if ((n + 3) / 4 > 0x7fffffffL)
+        return KVD_ERANGE;
+    const unsigned blocks = (unsigned)((n + 3) / 4);
+    if (head_dim == 64)
+        hadamard_kernel<64><<<blocks, 128, 0, stream>>>(x, (long)n);
+    else
+        hadamard_kernel<128><<<blocks, 128, 0, stream>>>(x, (long)n);
+    return kcuda__launched("hadamard");
 }
 
 extern "C" int kcuda_swiglu(float *gate, const float *up, int64_t n, int T, kcuda_stream_t stream)

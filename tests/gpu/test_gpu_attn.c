@@ -6,10 +6,13 @@
  * that scatter and reuse physical blocks), four head shapes (GQA groups of
  * 3, 4, 1 and 7; head dims 64 and 128; blocks of 16 and 32 positions), decode
  * batches of 1 to 200 sequences with contexts from 1 to 32768 positions, and
- * prefill chunks after cached prefixes. Each (token, head) is checked:
- *   - against an exact attention (double, same f16 inputs, query rounded to
- *     f16 as the twin does): normwise relative error within 1e-4, which is
- *     what fp32 accumulation must give;
+ * prefill chunks after cached prefixes; then caches with quantized halves
+ * (K/V q8_0/q8_0, f16/q4_0, q4_0/q4_0, q8_0/q4_0) on the head dims 64 and 128.
+ * Each (token, head) is checked:
+ *   - against an exact attention (double, the cache's values as stored, the
+ *     query as the twin meets K with it: rounded to f16 over F16 K, quantized
+ *     to Q8_0 over Q8_0 / Q4_0 K): normwise relative error within 1e-4, which
+ *     is what fp32 accumulation must give;
  *   - against the C twin: error relative to the scale of the values the
  *     output averages (max over dims of sum_j p_j |v_j|) within 1e-3. The twin
  *     rounds probabilities to f16 (as llama.cpp's CPU path does), which alone
@@ -34,6 +37,7 @@
 #include "attn.h"
 #include "kcuda.h"
 #include "ops.h"
+#include "quant.h"
 #include "types.h"
 
 #define TOL_EXACT 1e-4  /* normwise, against the exact attention */
@@ -60,36 +64,72 @@ struct shape {
 /* A two-layer cache on host and device; tests use layer 1. */
 struct cache {
     struct shape s;
-    size_t head_bytes, block_bytes, bytes;
+    uint32_t k_type, v_type;
+    size_t k_row, v_row, k_head, v_head, block_bytes, bytes;
     uint8_t *host, *dev;
     uint8_t *hk, *hv;       /* layer 1 K and V in block 0, host */
     struct kcuda_kv kv;     /* the same on the device */
 };
 
-static int cache_init(struct cache *c, const struct shape *s)
+/* Fills n rows of `type` at dst with values uniform in [-2, 2), a few of
+ * them 8x larger (quantized rows: each stored as the engine stores it). */
+static void fill_rows(uint8_t *dst, size_t n, int D, uint32_t type)
+{
+    const size_t row = kern_row_bytes(type, D);
+    float x[KERN_MAX_HEAD_DIM];
+    for (size_t r = 0; r < n; r++, dst += row) {
+        for (int d = 0; d < D; d++)
+            x[d] = frand() * (rng_u32() % 29 == 0 ? 16.0f : 2.0f);
+        if (type == KERN_F16)
+            kern_f32_to_f16_row((kvd_f16 *)dst, x, D);
+        else if (type == KERN_Q8_0)
+            kern_quantize_act(KERN_Q8_0, x, dst, D);
+        else
+            kern_quantize_q4_0_lsq(x, dst, D);
+    }
+}
+
+static int cache_init(struct cache *c, const struct shape *s, uint32_t k_type, uint32_t v_type)
 {
     memset(c, 0, sizeof(*c));
     c->s = *s;
-    c->head_bytes = (size_t)s->block_tokens * s->head_dim * 2;
-    c->block_bytes = 2 * 2 * (size_t)s->n_kv * c->head_bytes;
+    c->k_type = k_type;
+    c->v_type = v_type;
+    c->k_row = kern_row_bytes(k_type, s->head_dim);
+    c->v_row = kern_row_bytes(v_type, s->head_dim);
+    c->k_head = (size_t)s->block_tokens * c->k_row;
+    c->v_head = (size_t)s->block_tokens * c->v_row;
+    const size_t layer = (size_t)s->n_kv * (c->k_head + c->v_head);
+    c->block_bytes = 2 * layer;
     c->bytes = c->block_bytes * s->n_blocks;
     c->host = malloc(c->bytes);
     c->dev = kcuda_malloc(c->bytes);
     if (c->host == NULL || c->dev == NULL)
         return -1;
-    kvd_f16 *h = (kvd_f16 *)c->host;
-    for (size_t i = 0; i < c->bytes / 2; i++)
-        h[i] = kvd_f32_to_f16(frand() * 2.0f);
+    const size_t rows = (size_t)s->n_kv * s->block_tokens;
+    for (size_t b = 0; b < 2 * (size_t)s->n_blocks; b++) {     /* each layer of each block */
+        fill_rows(c->host + b * layer, rows, s->head_dim, k_type);
+        fill_rows(c->host + b * layer + s->n_kv * c->k_head, rows, s->head_dim, v_type);
+    }
     if (kcuda_upload(c->dev, c->host, c->bytes))
         return -1;
-    const size_t lk = 2 * (size_t)s->n_kv * c->head_bytes, lv = 3 * (size_t)s->n_kv * c->head_bytes;
+    const size_t lk = layer, lv = layer + (size_t)s->n_kv * c->k_head;
     c->hk = c->host + lk;
     c->hv = c->host + lv;
     c->kv = (struct kcuda_kv){
-        .k = c->dev + lk, .v = c->dev + lv, .block_stride = c->block_bytes, .head_stride = c->head_bytes,
-        .block_tokens = s->block_tokens, .head_dim = s->head_dim, .n_head = s->n_head, .n_head_kv = s->n_kv,
+        .k = c->dev + lk, .v = c->dev + lv, .block_stride = c->block_bytes, .k_head_stride = c->k_head,
+        .v_head_stride = c->v_head, .k_type = k_type, .v_type = v_type, .block_tokens = s->block_tokens,
+        .head_dim = s->head_dim, .n_head = s->n_head, .n_head_kv = s->n_kv,
     };
     return 0;
+}
+
+/* The name of a cache's types, for reports. */
+static const char *types_name(const struct cache *c)
+{
+    static char buf[32];
+    snprintf(buf, sizeof(buf), "%s/%s", kern_type_info(c->k_type)->name, kern_type_info(c->v_type)->name);
+    return buf;
 }
 
 static void cache_fini(struct cache *c)
@@ -189,17 +229,26 @@ static void attn_exact(double *out, double *vscale, const float *q, const struct
 {
     const int D = c->s.head_dim, bt = c->s.block_tokens;
     double qh[KERN_MAX_HEAD_DIM];
-    for (int d = 0; d < D; d++)
-        qh[d] = kvd_f16_to_f32(kvd_f32_to_f16(q[d]));
+    float row[KERN_MAX_HEAD_DIM];
+    if (c->k_type == KERN_F16) {
+        for (int d = 0; d < D; d++)
+            qh[d] = kvd_f16_to_f32(kvd_f32_to_f16(q[d]));
+    } else {
+        uint8_t qq[KERN_MAX_HEAD_DIM / 32 * sizeof(struct kern_block_q8_0)];
+        kern_quantize_act(KERN_Q8_0, q, qq, D);
+        kern_dequantize_row(KERN_Q8_0, qq, row, D);
+        for (int d = 0; d < D; d++)
+            qh[d] = row[d];
+    }
     double *s = malloc((size_t)n_ctx * sizeof(double));
     double mx = -INFINITY;
     for (int j = 0; j < n_ctx; j++) {
-        const size_t off = (size_t)table[j / bt] * c->block_bytes + (size_t)kvh * c->head_bytes +
-                           (size_t)(j % bt) * D * 2;
-        const kvd_f16 *k = (const kvd_f16 *)(c->hk + off);
+        const size_t off = (size_t)table[j / bt] * c->block_bytes + (size_t)kvh * c->k_head +
+                           (size_t)(j % bt) * c->k_row;
+        kern_dequantize_row(c->k_type, c->hk + off, row, D);
         double a = 0.0;
         for (int d = 0; d < D; d++)
-            a += qh[d] * kvd_f16_to_f32(k[d]);
+            a += qh[d] * row[d];
         s[j] = a / sqrt((double)D);
         mx = s[j] > mx ? s[j] : mx;
     }
@@ -211,12 +260,12 @@ static void attn_exact(double *out, double *vscale, const float *q, const struct
     for (int d = 0; d < D; d++)
         out[d] = vscale[d] = 0.0;
     for (int j = 0; j < n_ctx; j++) {
-        const size_t off = (size_t)table[j / bt] * c->block_bytes + (size_t)kvh * c->head_bytes +
-                           (size_t)(j % bt) * D * 2;
-        const kvd_f16 *v = (const kvd_f16 *)(c->hv + off);
+        const size_t off = (size_t)table[j / bt] * c->block_bytes + (size_t)kvh * c->v_head +
+                           (size_t)(j % bt) * c->v_row;
+        kern_dequantize_row(c->v_type, c->hv + off, row, D);
         const double p = s[j] / sum;
         for (int d = 0; d < D; d++) {
-            const double x = kvd_f16_to_f32(v[d]);
+            const double x = row[d];
             out[d] += p * x;
             vscale[d] += p * fabs(x);
         }
@@ -244,8 +293,8 @@ static void check_row(struct worst *w, const struct cache *c, const struct batch
         const struct kern_attn_args ta = {
             .out = twin, .q = q, .n_q = 1, .k_base = c->hk, .v_base = c->hv, .blocks = table, .n_ctx = n_ctx,
             .block_tokens = c->s.block_tokens, .head_dim = D, .kv_head = h / G, .block_stride = c->block_bytes,
-            .k_head_stride = c->head_bytes, .v_head_stride = c->head_bytes, .k_type = KERN_F16,
-            .v_type = KERN_F16, .scale = 1.0f / sqrtf((float)D), .scores = scores,
+            .k_head_stride = c->k_head, .v_head_stride = c->v_head, .k_type = c->k_type,
+            .v_type = c->v_type, .scale = 1.0f / sqrtf((float)D), .scores = scores,
         };
         kern_attn_paged(&ta, 0);
         attn_exact(ex, vs, q, c, h / G, table, n_ctx);
@@ -261,8 +310,8 @@ static void check_row(struct worst *w, const struct cache *c, const struct batch
         }
         const double r_ex = e_ex / fmax(ex_max, 1e-30), r_tw = e_tw / fmax(vs_max, 1e-30);
         if (r_ex > TOL_EXACT || r_tw > TOL_TWIN)
-            fprintf(stderr, "  %s seq %d row %d head %d ctx %d: vs exact %.3g, vs twin %.3g\n", c->s.name, seq,
-                    row, h, n_ctx, r_ex, r_tw);
+            fprintf(stderr, "  %s %s seq %d row %d head %d ctx %d: vs exact %.3g, vs twin %.3g\n", c->s.name,
+                    types_name(c), seq, row, h, n_ctx, r_ex, r_tw);
         CHECK(r_ex <= TOL_EXACT);
         CHECK(r_tw <= TOL_TWIN);
         w->exact = fmax(w->exact, r_ex);
@@ -274,8 +323,8 @@ static void check_row(struct worst *w, const struct cache *c, const struct batch
 
 static void report(const char *what, const struct cache *c, const struct worst *w)
 {
-    printf("%-34s %-5s vs exact %.2e  vs twin %.2e (normwise %.2e)\n", what, c->s.name, w->exact, w->twin,
-           w->twin_norm);
+    printf("%-34s %-5s %-9s vs exact %.2e  vs twin %.2e (normwise %.2e)\n", what, c->s.name, types_name(c),
+           w->exact, w->twin, w->twin_norm);
 }
 
 /* Decode of n sequences with the given contexts; every row checked, and each
@@ -345,7 +394,8 @@ static void test_prefill(const struct cache *c, int n, const int *pos, const int
     for (size_t i = 0; i < floats; i++)
         differ += memcmp(&dec[i], &out[i], sizeof(float)) != 0;
     if (differ)
-        fprintf(stderr, "  %s %s: %zu of %zu prefill values differ from decode\n", c->s.name, what, differ, floats);
+        fprintf(stderr, "  %s %s %s: %zu of %zu prefill values differ from decode\n", c->s.name, types_name(c), what,
+                differ, floats);
     CHECK(differ == 0);
     free(d.seqs);
     free(dec);
@@ -365,6 +415,7 @@ static void test_prefill_inf(struct cache *c)
     for (int j = 0; j < b.n_tables; j++)
         b.tables[j] = (uint32_t)j;                  /* distinct blocks: one position holds the inf */
     const int bt = c->s.block_tokens, D = c->s.head_dim;
+    REQUIRE(c->v_type == KERN_F16);
     kvd_f16 *v0 = (kvd_f16 *)(c->hv + (size_t)b.tables[at / bt] * c->block_bytes) + (size_t)(at % bt) * D;
     kvd_f16 saved[128];
     memcpy(saved, v0, (size_t)D * sizeof(kvd_f16));
@@ -423,18 +474,22 @@ int main(int argc, char **argv)
     if (quick) {
         /* both kernels, the merge and the masked-key case, small: for compute-sanitizer (run.sh) */
         struct cache c;
-        REQUIRE(cache_init(&c, &shapes[0]) == 0);
+        REQUIRE(cache_init(&c, &shapes[0], KERN_F16, KERN_F16) == 0);
         static const int mixed[] = { 1, 31, 32, 33, 257, 700 };
         test_decode(&c, 6, mixed, 3.0f, 0, "decode batch 6 mixed");
         static const int qp[] = { 0, 300 }, qn[] = { 50, 20 };
         test_prefill(&c, 2, qp, qn, 64, "prefill 2 chunks, split 64");
         test_prefill_inf(&c);
         cache_fini(&c);
+        REQUIRE(cache_init(&c, &shapes[0], KERN_Q4_0, KERN_Q8_0) == 0);
+        test_decode(&c, 6, mixed, 3.0f, 0, "decode batch 6 mixed");
+        test_prefill(&c, 2, qp, qn, 64, "prefill 2 chunks, split 64");
+        cache_fini(&c);
         return CHECK_DONE();
     }
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
         struct cache c;
-        REQUIRE(cache_init(&c, &shapes[si]) == 0);
+        REQUIRE(cache_init(&c, &shapes[si], KERN_F16, KERN_F16) == 0);
         const int max_ctx = c.s.n_blocks * c.s.block_tokens;
         if (si == 0) {
             static const int single[] = { 1, 7, 16, 33, 300, 4097, 32768 };
@@ -471,5 +526,21 @@ int main(int argc, char **argv)
         }
         cache_fini(&c);
     }
+    /* quantized halves: each pair on the 64- and 128-wide shapes */
+    static const uint32_t pairs[][2] = {
+        { KERN_Q8_0, KERN_Q8_0 }, { KERN_F16, KERN_Q4_0 }, { KERN_Q4_0, KERN_Q4_0 }, { KERN_Q8_0, KERN_Q4_0 },
+    };
+    for (size_t pi = 0; pi < sizeof(pairs) / sizeof(pairs[0]); pi++)
+        for (size_t si = 0; si < 2; si++) {
+            struct cache c;
+            REQUIRE(cache_init(&c, &shapes[si], pairs[pi][0], pairs[pi][1]) == 0);
+            static const int mixed[] = { 1, 31, 33, 257, 1000, 4100 };
+            test_decode(&c, 6, mixed, 3.0f, 0, "decode batch 6 mixed");
+            rand_ctx(ctx, 24, 1, 1200);
+            test_decode(&c, 24, ctx, 2.0f, 64, "decode batch 24, split 64");
+            static const int pp[] = { 0, 5, 700 }, pn[] = { 37, 70, 45 };
+            test_prefill(&c, 3, pp, pn, 0, "prefill 3 chunks");
+            cache_fini(&c);
+        }
     return CHECK_DONE();
 }

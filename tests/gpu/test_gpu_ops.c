@@ -12,8 +12,10 @@
  *   RMSNorm, SwiGLU                        relative error within 1e-5; fused
  *                                          with the next quantization: the
  *                                          bits of the two kernels
- *   RoPE + K/V write                       q within 1e-5; cache: V exact, K
- *                                          within one f16 step, nothing else touched
+ *   RoPE + K/V write (F16, Q8_0, Q4_0,     q within 1e-5; cache: V rows exact, K
+ *   with and without rotation)             rows within one quantization step,
+ *                                          nothing else touched
+ *   Walsh-Hadamard rotation                bit for bit (kern_hadamard)
  *   argmax                                 identical ids (ties, NaN, -inf rows)
  *   sampled choice                         identical ids to sampler_pick (greedy and
  *                                          sampled, penalties, top-k/p, min-p, ties)
@@ -499,12 +501,48 @@ static void test_fused(void)
 
 #define ROPE_T 9
 
-static void test_rope(int n_head, int n_kv, int D, int bt)
+/* One head's row of `type` from src, as engine/forward.c stores it. */
+static void store_row(uint8_t *dst, const float *src, int D, uint32_t type)
+{
+    if (type == KERN_F16)
+        kern_f32_to_f16_row((kvd_f16 *)dst, src, D);
+    else if (type == KERN_Q8_0)
+        kern_quantize_act(KERN_Q8_0, src, dst, D);
+    else
+        kern_quantize_q4_0_lsq(src, dst, D);
+}
+
+/* Largest |a - b| over a row's dequantized values, in units of the row's
+ * quantization step (its largest block scale; an f16 row: its largest value
+ * times 2^-10). */
+static double row_steps(const uint8_t *a, const uint8_t *b, int D, uint32_t type)
+{
+    float fa[KERN_MAX_HEAD_DIM], fb[KERN_MAX_HEAD_DIM];
+    kern_dequantize_row(type, a, fa, D);
+    kern_dequantize_row(type, b, fb, D);
+    double diff = 0, step = 0;
+    for (int d = 0; d < D; d++) {
+        diff = fmax(diff, fabs((double)fa[d] - fb[d]));
+        step = fmax(step, fabs((double)fb[d]));
+    }
+    step *= type == KERN_F16 ? 1.0 / 1024 : type == KERN_Q8_0 ? 1.0 / 127 : 1.0 / 7;
+    return diff / fmax(step, 1e-30);
+}
+
+/* RoPE and the K/V write into a cache of types k_type / v_type with rotation
+ * flags rot, against the C path (kern_rope_angles, kern_rope, kern_hadamard,
+ * the store of engine/forward.c): q within 1e-5 normwise, V rows the same
+ * bytes (no RoPE before them: rotation and quantization are exact twins), K
+ * rows within one quantization step (RoPE's sin and cos may differ in the
+ * last bit), and every other byte of the cache untouched. */
+static void test_rope(int n_head, int n_kv, int D, int bt, uint32_t k_type, uint32_t v_type, uint32_t rot)
 {
     const int T = ROPE_T, n_blocks = 40, n_layer = 2, layer = 1;
     const int32_t pos[ROPE_T] = { 0, 1, 15, 16, 17, 300, 4097, 32767, 100000 };
     const float base = 10000.0f;
-    const size_t head_bytes = (size_t)bt * D * 2, block_bytes = 2 * (size_t)n_layer * n_kv * head_bytes;
+    const size_t k_row = kern_row_bytes(k_type, D), v_row = kern_row_bytes(v_type, D);
+    const size_t k_head = (size_t)bt * k_row, v_head = (size_t)bt * v_row;
+    const size_t layer_bytes = (size_t)n_kv * (k_head + v_head), block_bytes = (size_t)n_layer * layer_bytes;
     const size_t cache_bytes = block_bytes * n_blocks;
     uint8_t *cref = malloc(cache_bytes), *cgot = malloc(cache_bytes);
     for (size_t i = 0; i < cache_bytes; i++)
@@ -520,30 +558,37 @@ static void test_rope(int n_head, int n_kv, int D, int bt)
         k[i] = frand() * 4.0f;
         v[i] = frand() * 4.0f;
     }
+    for (int d = 0; d < D; d += 7)
+        v[d] *= 40.0f;                  /* outliers in token 0's first head */
     void *dcache = to_dev(cref, cache_bytes), *dq = to_dev(q, qn * sizeof(float));
     void *dk = to_dev(k, kn * sizeof(float)), *dv = to_dev(v, kn * sizeof(float));
     void *dpos = to_dev(pos, sizeof(pos)), *dblock = to_dev(block, sizeof(block));
 
-    /* the C path: angles, rotation, f16 store (as engine/forward.c) */
+    /* the C path, as engine/forward.c's rope_run */
     float cs[KERN_MAX_HEAD_DIM];
-    uint8_t *lk = cref + (size_t)layer * 2 * n_kv * head_bytes, *lv = lk + (size_t)n_kv * head_bytes;
+    const size_t lk = (size_t)layer * layer_bytes, lv = lk + (size_t)n_kv * k_head;
     for (int t = 0; t < T; t++) {
+        float *qt = q + (size_t)t * n_head * D, *kt = k + (size_t)t * n_kv * D, *vt = v + (size_t)t * n_kv * D;
         kern_rope_angles(cs, D, pos[t], base);
-        kern_rope(q + (size_t)t * n_head * D, n_head, D, cs);
-        kern_rope(k + (size_t)t * n_kv * D, n_kv, D, cs);
-        const size_t off = (size_t)block[t] * block_bytes + (size_t)(pos[t] % bt) * D * 2;
-        for (int h = 0; h < n_kv; h++)
-            for (int d = 0; d < D; d++) {
-                const kvd_f16 hk = kvd_f32_to_f16(k[((size_t)t * n_kv + h) * D + d]);
-                const kvd_f16 hv = kvd_f32_to_f16(v[((size_t)t * n_kv + h) * D + d]);
-                memcpy(lk + off + h * head_bytes + 2 * d, &hk, 2);
-                memcpy(lv + off + h * head_bytes + 2 * d, &hv, 2);
-            }
+        kern_rope(qt, n_head, D, cs);
+        kern_rope(kt, n_kv, D, cs);
+        for (int h = 0; h < n_head && (rot & KCUDA_ROT_K); h++)
+            kern_hadamard(qt + (size_t)h * D, D);
+        for (int h = 0; h < n_kv; h++) {
+            if (rot & KCUDA_ROT_K)
+                kern_hadamard(kt + (size_t)h * D, D);
+            if (rot & KCUDA_ROT_V)
+                kern_hadamard(vt + (size_t)h * D, D);
+            const size_t b0 = (size_t)block[t] * block_bytes, in = (size_t)(pos[t] % bt);
+            store_row(cref + b0 + lk + h * k_head + in * k_row, kt + (size_t)h * D, D, k_type);
+            store_row(cref + b0 + lv + h * v_head + in * v_row, vt + (size_t)h * D, D, v_type);
+        }
     }
-    uint8_t *dlk = (uint8_t *)dcache + (size_t)layer * 2 * n_kv * head_bytes;
+    uint8_t *dl = (uint8_t *)dcache + lk;
     struct kcuda_rope_args a = {
-        .kv = { .k = dlk, .v = dlk + (size_t)n_kv * head_bytes, .block_stride = block_bytes,
-                .head_stride = head_bytes, .block_tokens = bt, .head_dim = D, .n_head = n_head, .n_head_kv = n_kv },
+        .kv = { .k = dl, .v = dl + (size_t)n_kv * k_head, .block_stride = block_bytes, .k_head_stride = k_head,
+                .v_head_stride = v_head, .k_type = k_type, .v_type = v_type, .rotate = rot, .block_tokens = bt,
+                .head_dim = D, .n_head = n_head, .n_head_kv = n_kv },
         .q = dq, .k = dk, .v = dv, .pos = dpos, .block = dblock, .T = T,
         .step = powf(base, -2.0f / (float)D),
     };
@@ -555,26 +600,25 @@ static void test_rope(int n_head, int n_kv, int D, int bt)
     for (int t = 0; t < T; t++)
         eq = fmax(eq, normwise(qg + (size_t)t * n_head * D, q + (size_t)t * n_head * D, (size_t)n_head * D));
     CHECK(eq <= 1e-5);
-    /* the cache: V halves equal, K halves within one f16 step, the rest untouched */
-    size_t bad = 0, steps = 0;
-    for (size_t i = 0; i < cache_bytes; i += 2) {
-        kvd_f16 a16, b16;
-        memcpy(&a16, cgot + i, 2);
-        memcpy(&b16, cref + i, 2);
-        if (a16 == b16)
-            continue;
-        const size_t in_block = i % block_bytes;
-        const int is_k = in_block >= (size_t)layer * 2 * n_kv * head_bytes &&
-                         in_block < (size_t)(layer * 2 + 1) * n_kv * head_bytes;
-        const int diff = abs((int)a16 - (int)b16);
-        if (is_k && diff == 1 && (a16 & 0x8000) == (b16 & 0x8000))
-            steps++;
-        else
-            bad++;
-    }
-    printf("rope %d/%d/%d: q worst normwise %.2e; cache: %zu K halves one f16 step apart, %zu wrong\n", n_head,
-           n_kv, D, eq, steps, bad);
-    CHECK(bad == 0);
+    /* the rows written, then everything else */
+    size_t v_differ = 0;
+    double k_steps = 0;
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < n_kv; h++) {
+            const size_t b0 = (size_t)block[t] * block_bytes, in = (size_t)(pos[t] % bt);
+            const size_t ko = b0 + lk + h * k_head + in * k_row, vo = b0 + lv + h * v_head + in * v_row;
+            v_differ += memcmp(cgot + vo, cref + vo, v_row) != 0;
+            k_steps = fmax(k_steps, row_steps(cgot + ko, cref + ko, D, k_type));
+            memcpy(cgot + ko, cref + ko, k_row);
+            memcpy(cgot + vo, cref + vo, v_row);
+        }
+    const int untouched = memcmp(cgot, cref, cache_bytes) == 0;
+    printf("rope %d/%d/%d K %s V %s rotation %u: q worst normwise %.2e; V rows differing %zu; K rows within "
+           "%.2f steps; rest %s\n", n_head, n_kv, D, kern_type_info(k_type)->name, kern_type_info(v_type)->name, rot, eq,
+           v_differ, k_steps, untouched ? "untouched" : "CHANGED");
+    CHECK(v_differ == 0);
+    CHECK(k_steps <= 1.0);
+    CHECK(untouched);
     kcuda_free(dcache);
     kcuda_free(dq);
     kcuda_free(dk);
@@ -587,6 +631,26 @@ static void test_rope(int n_head, int n_kv, int D, int bt)
     free(k);
     free(v);
     free(qg);
+}
+
+/* kcuda_hadamard against kern_hadamard: the same bits. */
+static void test_hadamard(int D)
+{
+    const int n = 37;
+    float *x = malloc((size_t)n * D * sizeof(float)), *got = malloc((size_t)n * D * sizeof(float));
+    for (int i = 0; i < n * D; i++)
+        x[i] = frand() * (i % 13 == 0 ? 50.0f : 1.0f);
+    void *dx = to_dev(x, (size_t)n * D * sizeof(float));
+    REQUIRE(kcuda_hadamard(dx, n, D, NULL) == 0);
+    from_dev(got, dx, (size_t)n * D * sizeof(float));
+    for (int r = 0; r < n; r++)
+        kern_hadamard(x + (size_t)r * D, D);
+    const int same = memcmp(got, x, (size_t)n * D * sizeof(float)) == 0;
+    printf("hadamard of %d vectors of %d: %s\n", n, D, same ? "the twin's bits" : "DIFFER");
+    CHECK(same);
+    kcuda_free(dx);
+    free(x);
+    free(got);
 }
 
 /* ---- argmax ------------------------------------------------------------------------ */
@@ -784,7 +848,9 @@ int main(int argc, char **argv)
         test_gemm_multi(KERN_Q4_1, 9);
         test_rows();
         test_fused();
-        test_rope(9, 3, 64, 16);
+        test_rope(9, 3, 64, 16, KERN_F16, KERN_F16, 0);
+        test_rope(9, 3, 64, 16, KERN_Q4_0, KERN_Q8_0, KCUDA_ROT_K | KCUDA_ROT_V);
+        test_hadamard(64);
         test_argmax();
         sample_cases(1000, 1);
         return CHECK_DONE();
@@ -794,8 +860,15 @@ int main(int argc, char **argv)
     test_gemm();
     test_rows();
     test_fused();
-    test_rope(9, 3, 64, 16);
-    test_rope(32, 8, 128, 32);
+    test_rope(9, 3, 64, 16, KERN_F16, KERN_F16, 0);
+    test_rope(32, 8, 128, 32, KERN_F16, KERN_F16, 0);
+    test_rope(9, 3, 64, 16, KERN_Q8_0, KERN_Q8_0, 0);
+    test_rope(9, 3, 64, 16, KERN_Q8_0, KERN_Q8_0, KCUDA_ROT_K | KCUDA_ROT_V);
+    test_rope(9, 3, 64, 16, KERN_F16, KERN_Q4_0, KCUDA_ROT_V);
+    test_rope(32, 8, 128, 32, KERN_Q4_0, KERN_Q4_0, KCUDA_ROT_K | KCUDA_ROT_V);
+    test_rope(32, 8, 128, 16, KERN_F16, KERN_F16, KCUDA_ROT_K);
+    test_hadamard(64);
+    test_hadamard(128);
     test_argmax();
     test_sample();
     return CHECK_DONE();
