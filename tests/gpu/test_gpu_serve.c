@@ -19,6 +19,9 @@
  *                             emulation of CUDA (ctest emu.gpu_serve)
  *   test_gpu_serve --cpu      the same scenario over two CPU workers (checks
  *                             this program itself where there is no GPU)
+ *   ... --kv-type T           the pool's KV type (default f16): ctest
+ *                             gpu.serve_q4 and emu.gpu_serve_q4 run the
+ *                             scenario over a q4_0 pool (rotated)
  *   test_gpu_serve --bench    aggregate output tokens/s of 32 concurrent
  *                             requests with 1, 2 and 4 workers on GPU 0
  *   test_gpu_serve --fault    (the emulation only: it injects the fault) a
@@ -64,6 +67,7 @@
 
 static bool cpu_mode, small_model;
 static const char *max_restarts = "0";
+static const char *kv_type = "f16";    /* --kv-type T: kvd's pool type */
 static char dir[64] = "/tmp/kvd-gpu-serve-XXXXXX";
 static char model_path[128], ep[160];
 
@@ -119,15 +123,16 @@ static pid_t start_kvd(int workers, const char *log)
         dup2(fd, 2);
         if (cpu_mode)
             execl(bin, bin, "--model", model_path, "--listen", ep, "--workers", n, "--kv-memory", "48MiB",
-                  "--ctx", "2048", "--max-restarts", "0", "--worker-timeout", WORKER_TIMEOUT, (char *)NULL);
+                  "--ctx", "2048", "--max-restarts", "0", "--worker-timeout", WORKER_TIMEOUT, "--kv-type", kv_type,
+                  (char *)NULL);
         else if (small_model)   /* the emulation: steps take seconds */
             execl(bin, bin, "--model", model_path, "--listen", ep, "--gpu", "0", "--workers-per-gpu", n,
                   "--kv-memory", "64MiB", "--ctx", "2048", "--max-restarts", max_restarts, "--worker-timeout",
-                  WORKER_TIMEOUT, (char *)NULL);
+                  WORKER_TIMEOUT, "--kv-type", kv_type, (char *)NULL);
         else
             execl(bin, bin, "--model", model_path, "--listen", ep, "--gpu", "0", "--workers-per-gpu", n,
                   "--kv-memory", "1GiB", "--ctx", "2048", "--max-restarts", "0", "--worker-timeout",
-                  WORKER_TIMEOUT, (char *)NULL);
+                  WORKER_TIMEOUT, "--kv-type", kv_type, (char *)NULL);
         _exit(127);
     }
     char err[256];
@@ -302,6 +307,10 @@ static void test_shared_prefix(void)
             break;
     }
     CHECK_INT(s.n_workers, 2);
+    printf("serve: pool of %s, %llu bytes per token\n", s.kv_type, (unsigned long long)s.kv_bytes_per_token);
+    char want[32];
+    snprintf(want, sizeof(want), "K %s, V %s", kv_type, kv_type);
+    CHECK(strncmp(s.kv_type, want, strlen(want)) == 0);
     for (uint32_t i = 0; i < s.n_workers; i++)
         printf("serve: worker %u: %llu tokens\n", s.workers[i].id, (unsigned long long)s.workers[i].tokens);
     CHECK(s.n_workers == 2 && s.workers[0].tokens > 0 && s.workers[1].tokens > 0);
@@ -568,10 +577,23 @@ static void bench(void)
 
 int main(int argc, char **argv)
 {
-    cpu_mode = argc > 1 && strcmp(argv[1], "--cpu") == 0;
-    const bool fault_mode = argc > 1 && strcmp(argv[1], "--fault") == 0;
-    small_model = fault_mode || (argc > 1 && strcmp(argv[1], "--small") == 0);
-    const bool bench_mode = argc > 1 && strcmp(argv[1], "--bench") == 0;
+    bool fault_mode = false, bench_mode = false;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--kv-type") == 0 && i + 1 < argc)
+            kv_type = argv[++i];    /* e.g. q4_0: the pool's blocks quantized (and rotated) */
+        else if (strcmp(argv[i], "--cpu") == 0)
+            cpu_mode = true;
+        else if (strcmp(argv[i], "--fault") == 0)
+            fault_mode = small_model = true;
+        else if (strcmp(argv[i], "--small") == 0)
+            small_model = true;
+        else if (strcmp(argv[i], "--bench") == 0)
+            bench_mode = true;
+        else {
+            fprintf(stderr, "usage: test_gpu_serve [--cpu | --small | --bench | --fault] [--kv-type T]\n");
+            return 2;
+        }
+    }
 #ifndef KVD_CUDA_EMU_BUILD
     if (fault_mode) {
         printf("skip: --fault needs the emulation, which injects the fault\n");
