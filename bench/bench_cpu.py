@@ -31,10 +31,19 @@ Not part of CI: it needs llama-cpp-python (which compiles llama.cpp on install, 
 two cores) and numpy, and it prints times, which tests never assert on. Machines are noisy: trust
 the ratios more than the absolute numbers, and run nothing else meanwhile.
 
+--kv-ctx N measures something else: decode at batch 1 and 8 after N tokens of context (e.g. 4096),
+for each KV cache type of --kv-types (default f16,q8_0,q4_0; K and V the same type), kvd (kvd-run
+--bench --bench-ctx N --kv-type T) against llama.cpp (type_k = type_v = T, flash attention on for
+every type, as llama.cpp's quantized V cache requires): sequence b's context is the N tokens from
+token 16*b of the text (wrapping), prefilled, not timed; then 32 steps at batch 1 and 16 at batch 8,
+one token per sequence per step, timed. kvd rotates its q4_0 blocks (its default); llama.cpp has no
+rotation.
+
     pip install llama-cpp-python numpy
     python3 bench/bench_cpu.py [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--threads 2]
                                [--rounds 3] [--kvd build/kvd-run] [--text tests/data/ppl_text.txt]
                                [--json OUT] [--only-llama | --only-kvd]
+                               [--kv-ctx N [--kv-types f16,q8_0,q4_0]]
 """
 
 import argparse
@@ -314,6 +323,117 @@ def llama_worker(a):
     }))
 
 
+def llama_ctx_worker(a):
+    """--kv-ctx: llama.cpp's decode at batch 1 and 8 after a.kv_ctx tokens over a cache of a.kv_type."""
+    import numpy as np
+    import llama_cpp
+
+    gtype = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+             "q4_0": llama_cpp.GGML_TYPE_Q4_0}[a.kv_type]
+    N, ctx_n = a.threads, a.kv_ctx
+    llm = llama_cpp.Llama(model_path=a.model, n_ctx=256, n_threads=N, n_threads_batch=N, verbose=False)
+    n_vocab = llm.n_vocab()
+    with open(a.text, "rb") as f:
+        toks = llm.tokenize(f.read(), add_bos=False, special=True)
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx = 8 * (ctx_n + 64)
+    cp.n_batch = cp.n_ubatch = N_BATCH
+    cp.n_seq_max = 8
+    cp.n_threads = cp.n_threads_batch = N
+    cp.type_k = cp.type_v = gtype
+    cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    cp.no_perf = True
+    bctx = llama_cpp.llama_init_from_model(llm._model.model, cp)
+    if not bctx:
+        raise SystemExit("llama_init_from_model failed")
+    bmem = llama_cpp.llama_get_memory(bctx)
+    batch = llama_cpp.llama_batch_init(N_BATCH, 0, 1)
+
+    def decode(entries):
+        for k, (tok, pos, seq, lg) in enumerate(entries):
+            batch.token[k], batch.pos[k], batch.n_seq_id[k] = tok, pos, 1
+            batch.seq_id[k][0] = seq
+            batch.logits[k] = 1 if lg else 0
+        batch.n_tokens = len(entries)
+        if llama_cpp.llama_decode(bctx, batch) != 0:
+            raise SystemExit("llama_decode failed")
+
+    rows = []
+    for B, steps in ((1, 32), (8, 16)):
+        llama_cpp.llama_memory_clear(bmem, True)
+        nxt = []
+        for b in range(B):
+            ids = [toks[(16 * b + i) % len(toks)] for i in range(ctx_n)]
+            for s0 in range(0, ctx_n, N_BATCH):
+                part = ids[s0:s0 + N_BATCH]
+                decode([(t, s0 + k, b, s0 + k == ctx_n - 1) for k, t in enumerate(part)])
+            p = llama_cpp.llama_get_logits_ith(bctx, len(ids[s0:]) - 1)
+            nxt.append(int(np.ctypeslib.as_array(p, shape=(n_vocab,)).argmax()))
+        t0 = time.perf_counter()
+        for step in range(steps):
+            decode([(nxt[b], ctx_n + step, b, True) for b in range(B)])
+            lg = np.ctypeslib.as_array(llama_cpp.llama_get_logits(bctx), shape=(B, n_vocab))
+            nxt = [int(x) for x in lg.argmax(axis=1)]
+        llama_cpp.llama_synchronize(bctx)
+        rows.append({"batch": B, "tokens_per_s": B * steps / (time.perf_counter() - t0)})
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(bctx)
+    print(json.dumps({"ctx": ctx_n, "kv_type": a.kv_type, "decode": rows,
+                      "llama_cpp_python": llama_cpp.__version__}))
+
+
+def kv_ctx_main(a):
+    """--kv-ctx: decode after a long context per KV type, kvd against llama.cpp."""
+    types = [t.strip() for t in a.kv_types.split(",") if t.strip()]
+    res = {t: {"kvd": [], "llama_cpp": []} for t in types}
+    for r in range(a.rounds):
+        for t in types:
+            if not a.only_llama:
+                wait_quiet(a.wait_quiet, "kvd")
+                cmd = [a.kvd, "-m", a.model, "--bench", "--bench-ctx", str(a.kv_ctx), "--bench-file", a.text,
+                       "-t", str(a.threads), "--kv-type", t, "--json"]
+                p, _, wall = run_child(cmd)
+                if p.returncode != 0:
+                    raise RuntimeError(f"{' '.join(cmd)} exited with {p.returncode}:\n{p.stderr[-2000:]}")
+                res[t]["kvd"].append(parse_json_output(p.stdout, "kvd-run")["decode"])
+                print(f"round {r + 1} {t} kvd: {wall:.0f} s", file=sys.stderr, flush=True)
+            if not a.only_kvd:
+                wait_quiet(a.wait_quiet, "llama.cpp")
+                cmd = [sys.executable, os.path.abspath(__file__), "--llama-ctx-worker", "--model", a.model,
+                       "--threads", str(a.threads), "--text", a.text, "--kv-ctx", str(a.kv_ctx), "--kv-type", t]
+                p, _, wall = run_child(cmd)
+                if p.returncode != 0:
+                    raise RuntimeError(f"the llama.cpp worker exited with {p.returncode}:\n{p.stderr[-3000:]}")
+                res[t]["llama_cpp"].append(parse_json_output(p.stdout, "the llama.cpp worker")["decode"])
+                print(f"round {r + 1} {t} llama.cpp: {wall:.0f} s", file=sys.stderr, flush=True)
+
+    def med(runs, i):
+        return statistics.median(x[i]["tokens_per_s"] for x in runs) if runs else None
+
+    print(f"CPU: {cpu_name()}, threads {a.threads}, rounds {a.rounds} (medians); decode after {a.kv_ctx} "
+          f"tokens of context, tokens/s")
+    print("| K/V | kvd b1 | llama.cpp b1 | kvd/llama.cpp | kvd b8 | llama.cpp b8 | kvd/llama.cpp "
+          "| kvd b1 against its f16 | llama.cpp b1 against its f16 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    base = types[0]
+    table_rows = {}
+    for t in types:
+        k1, l1 = med(res[t]["kvd"], 0), med(res[t]["llama_cpp"], 0)
+        k8, l8 = med(res[t]["kvd"], 1), med(res[t]["llama_cpp"], 1)
+        kb, lb = med(res[base]["kvd"], 0), med(res[base]["llama_cpp"], 0)
+
+        def ratio(x, y):
+            return f"{x / y:.2f}x" if x and y else "n/a"
+        print(f"| {t} | {fmt(k1)} | {fmt(l1)} | {ratio(k1, l1)} | {fmt(k8)} | {fmt(l8)} | {ratio(k8, l8)} "
+              f"| {ratio(k1, kb)} | {ratio(l1, lb)} |")
+        table_rows[t] = {"kvd_b1": k1, "llama_b1": l1, "kvd_b8": k8, "llama_b8": l8}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"cpu": cpu_name(), "threads": a.threads, "rounds": a.rounds, "ctx": a.kv_ctx,
+                       "raw": res, "median": table_rows}, f, indent=1)
+            f.write("\n")
+
+
 # ---------------------------------------------------------------- running the two sides
 
 def run_child(cmd):
@@ -404,7 +524,12 @@ def main():
                     help="llama.cpp batch context with one unified KV buffer (default: per-sequence)")
     ap.add_argument("--wait-quiet", type=float, default=120, metavar="S",
                     help="before each run wait up to S seconds for idle CPUs (default 120)")
+    ap.add_argument("--kv-ctx", type=int, metavar="N",
+                    help="decode after N tokens of context per KV type (see the top of this file)")
+    ap.add_argument("--kv-types", default="f16,q8_0,q4_0", help="with --kv-ctx (default f16,q8_0,q4_0)")
     ap.add_argument("--llama-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--llama-ctx-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kv-type", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.threads < 1 or a.rounds < 1:
         ap.error("--threads and --rounds must be at least 1")
@@ -415,12 +540,18 @@ def main():
     if a.llama_worker:
         llama_worker(a)
         return
+    if a.llama_ctx_worker:
+        llama_ctx_worker(a)
+        return
     for path, what in ((a.model, "model"), (a.text, "text")):
         if not os.path.isfile(path):
             ap.error(f"{what} {path} not found")
     if not a.only_llama and not os.access(a.kvd, os.X_OK):
         ap.error(f"{a.kvd} is not an executable (build kvd, or pass --kvd or --only-llama)")
 
+    if a.kv_ctx:
+        kv_ctx_main(a)
+        return
     raw = {"kvd": [], "llama_cpp": []}
     busy = {"kvd": [], "llama_cpp": []}
     for r in range(a.rounds):               # alternate: kvd, llama.cpp, kvd, llama.cpp, ...

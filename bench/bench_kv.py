@@ -14,12 +14,17 @@ Capacity (kvd-calc): concurrent sequences of 4,096 tokens that a 1 GiB pool hold
 Speed (kvd-run --bench --bench-ctx 4096): decode tokens/s at batch 1 and 8 after 4,096 tokens of
 context, per type, and the ratio to f16 (attention reads fewer bytes from a quantized cache).
 
-The llama.cpp columns of the issue (its own quantized cache, side by side) are not measured here:
-they need llama-cpp-python, which compiles llama.cpp (see bench_cpu.py).
+--llama adds llama.cpp's columns to the quality tables: the same measurement of llama.cpp's own
+quantized cache (llama-cpp-python: type_k / type_v, flash attention on, as its quantized V cache
+requires), on the same model file, text and windows, each type against llama.cpp's own f16 cache,
+with the base log-probabilities rounded to f16 as kvd-run stores them. llama.cpp has no rotation:
+its q8_0 and q4_0 columns stand beside both of kvd's rows of that type. It needs llama-cpp-python
+and numpy (`pip install llama-cpp-python numpy`; the install compiles llama.cpp, tens of minutes on
+two cores), in the Python that runs this script.
 
     python3 bench/bench_kv.py [--kvd-run build/kvd-run] [--kvd-calc build/kvd-calc]
                               [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--threads 2]
-                              [--chunks 2] [--skip-quality] [--skip-speed] [--json OUT]
+                              [--chunks 2] [--llama] [--skip-quality] [--skip-speed] [--json OUT]
 """
 
 import argparse
@@ -42,6 +47,88 @@ TYPES = [
     ("q4_0", ["--kv-type", "q4_0", "--kv-rotate", "off"]),
 ]
 SPEED_TYPES = [("f16", [])] + [t for t in TYPES if t[0] != "f32"]
+
+# llama.cpp's ggml type ids, and which of kvd's rows each of its types stands beside
+GGML_F16, GGML_Q4_0, GGML_Q8_0 = 1, 2, 8
+LLAMA_TYPES = {
+    "q8_0": (GGML_Q8_0, GGML_Q8_0),
+    "K f16, V q4_0": (GGML_F16, GGML_Q4_0),
+    "q4_0": (GGML_Q4_0, GGML_Q4_0),
+}
+
+
+def llama_key(label):
+    """The llama.cpp type pair beside kvd's row `label` (None for f32)."""
+    key = label.replace(" (rotated)", "")
+    return key if key in LLAMA_TYPES else None
+
+
+def llama_worker(spec):
+    """Runs in its own process: llama.cpp's KLD of each type pair in spec against its f16 cache."""
+    import numpy as np
+    import llama_cpp
+
+    with open(spec["text"], "rb") as f:
+        text = f.read()
+    ctx, chunks, first = spec["ctx"], spec["chunks"], spec["ctx"] // 2
+
+    def make(tk, tv):
+        return llama_cpp.Llama(model_path=spec["model"], n_ctx=ctx, n_batch=512, n_ubatch=512,
+                               n_threads=spec["threads"], n_threads_batch=spec["threads"], logits_all=True,
+                               flash_attn=True, type_k=tk, type_v=tv, verbose=False)
+
+    def log_probs(llm, ids):
+        """Per window: the log-probabilities (float64) of the scored positions and their targets."""
+        bos = llm.metadata.get("tokenizer.ggml.add_bos_token", "false") == "true"
+        for k in range(chunks):
+            w = list(ids[k * ctx:(k + 1) * ctx])
+            if bos:
+                w[0] = llm.token_bos()
+            llm.reset()
+            llm.eval(w)
+            logits = np.asarray(llm.scores[first:ctx - 1], dtype=np.float64)
+            m = logits.max(axis=1, keepdims=True)
+            lp = logits - m - np.log(np.exp(logits - m).sum(axis=1, keepdims=True))
+            yield lp, np.asarray(w[first + 1:ctx])
+
+    base = make(GGML_F16, GGML_F16)
+    ids = base.tokenize(text, add_bos=False, special=False)
+    n_win = len(ids) // ctx
+    chunks = min(chunks, n_win) if chunks > 0 else n_win
+    base_lp, nll_base = [], 0.0
+    for lp, tgt in log_probs(base, ids):
+        nll_base -= lp[np.arange(len(tgt)), tgt].sum()
+        base_lp.append(lp.astype(np.float16))   # stored as kvd-run stores its base
+    del base
+    positions = sum(len(b) for b in base_lp)
+    out = {"tokens": len(ids), "positions": positions, "perplexity_f16": float(np.exp(nll_base / positions)),
+           "rows": {}}
+    for key in spec["types"]:
+        llm = make(*LLAMA_TYPES[key])
+        klds, same, nll = [], 0, 0.0
+        for (lp, tgt), b16 in zip(log_probs(llm, ids), base_lp):
+            b = b16.astype(np.float64)
+            bm = b.max(axis=1, keepdims=True)
+            lb = b - bm - np.log(np.exp(b - bm).sum(axis=1, keepdims=True))
+            klds.append(np.maximum((np.exp(lb) * (lb - lp)).sum(axis=1), 0.0))
+            same += int((b16.argmax(axis=1) == lp.argmax(axis=1)).sum())
+            nll -= lp[np.arange(len(tgt)), tgt].sum()
+        del llm
+        kld = np.sort(np.concatenate(klds))
+        ppl = float(np.exp(nll / positions))
+        out["rows"][key] = {"kld_mean": float(kld.mean()), "kld_p99": float(kld[int((len(kld) - 1) * 0.99)]),
+                            "same_top1_pct": 100.0 * same / positions, "perplexity": ppl,
+                            "perplexity_delta_pct": 100.0 * (ppl / out["perplexity_f16"] - 1.0)}
+        print(f"  llama.cpp ctx {ctx} {key}: KLD {out['rows'][key]['kld_mean']:.5f}", file=sys.stderr)
+    return out
+
+
+def llama_quality(args, text, ctx):
+    spec = {"model": args.model, "text": text, "ctx": ctx, "chunks": args.chunks, "threads": args.threads,
+            "types": list(LLAMA_TYPES)}
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--llama-worker", json.dumps(spec)],
+                         check=True, stdout=subprocess.PIPE, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def run_json(cmd):
@@ -94,7 +181,12 @@ def main():
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--llama", action="store_true", help="add llama.cpp's columns (needs llama-cpp-python)")
+    ap.add_argument("--llama-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.llama_worker:
+        print(json.dumps(llama_worker(json.loads(args.llama_worker))))
+        return
 
     result = {"cpu": "", "threads": args.threads}
     try:
@@ -111,8 +203,11 @@ def main():
                     for name in LICENSES:
                         with open(os.path.join("/usr/share/common-licenses", name)) as f:
                             out.write(f.read() + "\n")
-            result["quality"] = [quality(args, os.path.join(ROOT, "tests", "data", "ppl_text.txt"), 512, tmp),
-                                 quality(args, long_text, 4096, tmp)]
+            texts = [(os.path.join(ROOT, "tests", "data", "ppl_text.txt"), 512), (long_text, 4096)]
+            result["quality"] = [quality(args, text, ctx, tmp) for text, ctx in texts]
+            if args.llama:
+                for q, (text, ctx) in zip(result["quality"], texts):
+                    q["llama"] = llama_quality(args, text, ctx)
         result["capacity"] = capacity(args)
         if not args.skip_speed:
             result["speed"] = speed(args)
@@ -120,11 +215,27 @@ def main():
     print(f"CPU: {result['cpu']}, {args.threads} threads\n")
     for q in result.get("quality", []):
         print(f"Quality at ctx {q['ctx']} ({q['positions']} positions, f16 perplexity {q['perplexity_f16']:.4f}):\n")
-        print("| K/V against f16 | mean KLD | p99 KLD | same top-1 | perplexity |")
-        print("|---|---|---|---|---|")
+        lq = q.get("llama")
+        if lq is None:
+            print("| K/V against f16 | mean KLD | p99 KLD | same top-1 | perplexity |")
+            print("|---|---|---|---|---|")
+        else:
+            print(f"(llama.cpp: {lq['positions']} positions, its f16 perplexity {lq['perplexity_f16']:.4f})\n")
+            print("| K/V against f16 | mean KLD | p99 KLD | same top-1 | perplexity "
+                  "| llama.cpp mean KLD | p99 KLD | same top-1 | perplexity | KLD kvd / llama.cpp |")
+            print("|---|---|---|---|---|---|---|---|---|---|")
         for r in q["rows"]:
-            print(f"| {r['label']} | {r['kld_mean']:.5f} | {r['kld_p99']:.5f} | {r['same_top1_pct']:.2f}% "
-                  f"| {r['perplexity_delta_pct']:+.2f}% |")
+            line = (f"| {r['label']} | {r['kld_mean']:.5f} | {r['kld_p99']:.5f} | {r['same_top1_pct']:.2f}% "
+                    f"| {r['perplexity_delta_pct']:+.2f}% |")
+            if lq is not None:
+                key = llama_key(r["label"])
+                lr = lq["rows"].get(key) if key else None
+                if lr is None:
+                    line += " – | – | – | – | – |"
+                else:
+                    line += (f" {lr['kld_mean']:.5f} | {lr['kld_p99']:.5f} | {lr['same_top1_pct']:.2f}% "
+                             f"| {lr['perplexity_delta_pct']:+.2f}% | {r['kld_mean'] / lr['kld_mean']:.2f} |")
+            print(line)
         print()
     f16 = result["capacity"][0]
     print("Capacity, 4,096-token sequences in a 1 GiB pool:\n")
