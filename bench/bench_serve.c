@@ -29,8 +29,18 @@
  * (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05; a seed per request),
  * and the ratio of its output tokens/s to the greedy run's is printed.
  *
+ * With --kv-types LIST (e.g. f16,q8_0) it measures memory pressure instead:
+ * for each KV type, kvd with --kv-memory SIZE (default 1 GiB) and that type
+ * serves the workload, and the table gives, beside the run's numbers, the
+ * preemptions (sequences whose blocks were taken back and recomputed later)
+ * and evictions of kvd's stats. --distinct gives every session its own system
+ * prompt (a line naming the session before the text), so that nothing is
+ * shared and every session holds its own blocks: a pool too small for the
+ * f16 run then shows what a smaller KV type buys.
+ *
  * Usage: bench-serve [-m MODEL] [--llama-server PATH] [--sessions S] [--turns T]
  *                    [--system-tokens L] [--max-tokens N] [-t THREADS] [--sampled] [--json]
+ *        bench-serve --kv-types LIST [--kv-memory SIZE] [--distinct] [--sessions S] ...
  */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -71,6 +81,10 @@ struct cfg {
     bool json;
     bool overhead_only;     /* only the daemon-overhead measurement */
     bool sampled;           /* also a run with kvd's default sampling (--sampled) */
+    const char *kv_types;   /* --kv-types: the memory-pressure runs, one per type */
+    const char *kv_memory;  /* --kv-memory: kvd's pool size (default 1 GiB) */
+    const char *kv_type;    /* the type kvd runs with now */
+    bool distinct;          /* --distinct: a system prompt per session */
     char bin_dir[4096], tmp[64];
 };
 
@@ -185,7 +199,8 @@ static void start_kvd(void)
         FILE *f = freopen(log, "w", stderr);
         (void)f;
         execl(path, path, "--model", C.model, "--listen", kvd_ep, "-w", "1", "-t", threads,
-              "--kv-memory", "1073741824", "--ctx", "4096", "--max-batch", "64", (char *)NULL);
+              "--kv-memory", C.kv_memory, "--kv-type", C.kv_type, "--ctx", "4096", "--max-batch", "64",
+              (char *)NULL);
         _exit(127);
     }
     kvd_client_t *c = kvd_client_new(kvd_ep, 500, NULL, 0);
@@ -245,7 +260,12 @@ static void *kvd_session(void *p)
     char q[MAX_TURNS][256];
     char *answers[MAX_TURNS] = { 0 };
     size_t nm = 0;
-    msgs[nm++] = (struct kvd_chat_msg){ "system", system_prompt };
+    char *own = NULL;       /* --distinct: this session's system prompt */
+    if (C.distinct && !a->llama) {
+        own = malloc(strlen(system_prompt) + 64);
+        sprintf(own, "This is session %d of the benchmark.\n%s", a->session, system_prompt);
+    }
+    msgs[nm++] = (struct kvd_chat_msg){ "system", own ? own : system_prompt };
     for (int t = 0; t < a->turns; t++) {
         question(a->session, t, q[t], sizeof(q[t]));
         msgs[nm++] = (struct kvd_chat_msg){ "user", q[t] };
@@ -274,6 +294,7 @@ static void *kvd_session(void *p)
     }
     for (int t = 0; t < a->turns; t++)
         free(answers[t]);
+    free(own);
     kvd_client_destroy(&c);
     return NULL;
 }
@@ -754,6 +775,46 @@ static void print_run(const struct run *r, bool first)
            pct(r, 0.5), pct(r, 0.99), tps, prompt ? 100.0 * cached / prompt : 0.0, r->blocks);
 }
 
+/* --kv-types: the workload once per KV type, each on a fresh kvd with a pool
+ * of --kv-memory; kvd's preemptions and evictions beside the run's numbers. */
+static void pressure_runs(void)
+{
+    char types[256];
+    snprintf(types, sizeof(types), "%s", C.kv_types);
+    printf("bench-serve: %d sessions x %d turns, %s system prompt%s of ~%d tokens, %d tokens per answer "
+           "(greedy), %d threads, kvd --kv-memory %s\n", C.sessions, C.turns,
+           C.distinct ? "a distinct" : "one shared", C.distinct ? " per session" : "", C.system_tokens,
+           C.max_tokens, C.threads, C.kv_memory);
+    printf("| %-10s | %-9s | %-9s | %-9s | %-8s | %-7s | %-11s | %-9s | %-15s |\n", "KV type", "ok/reqs",
+           "TTFT p50", "TTFT p99", "out tok/s", "hit", "preemptions", "evictions", "bytes per token");
+    printf("|------------|-----------|-----------|-----------|----------|---------|-------------|-----------|"
+           "-----------------|\n");
+    for (char *save = NULL, *t = strtok_r(types, ",", &save); t != NULL; t = strtok_r(NULL, ",", &save)) {
+        C.kv_type = t;
+        start_kvd();
+        static struct run r;
+        memset(&r, 0, sizeof(r));
+        r.name = t;
+        warm_up(false);
+        run_sessions(&r, C.sessions, C.turns, false, false, false);
+        kvd_client_t *c = kvd_client_new(kvd_ep, 5000, NULL, 0);
+        struct kvd_stats st;
+        memset(&st, 0, sizeof(st));
+        if (c == NULL || kvd_stats(c, &st) != 0)
+            fprintf(stderr, "bench-serve: no stats from kvd (%s)\n", t);
+        kvd_client_destroy(&c);
+        stop_child(&kvd_pid);
+        uint64_t prompt, cached, gen;
+        int ok;
+        totals(&r, &prompt, &cached, &gen, &ok);
+        printf("| %-10s | %4d/%-4d | %9.1f | %9.1f | %8.1f | %6.1f%% | %11llu | %9llu | %15llu |\n", t, ok,
+               r.n, pct(&r, 0.5), pct(&r, 0.99), gen / (r.wall_ms / 1e3),
+               prompt ? 100.0 * cached / prompt : 0.0, (unsigned long long)st.preemptions,
+               (unsigned long long)st.evictions, (unsigned long long)st.kv_bytes_per_token);
+        fflush(stdout);
+    }
+}
+
 static uint32_t kvd_blocks_held(void)
 {
     kvd_client_t *c = kvd_client_new(kvd_ep, 5000, NULL, 0);
@@ -774,6 +835,8 @@ int main(int argc, char **argv)
     C.max_tokens = 32;
     C.threads = 2;
     C.system_tokens = 2000;
+    C.kv_memory = "1073741824";
+    C.kv_type = "f16";
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "-m") && v) C.model = argv[++i];
@@ -787,8 +850,12 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--json")) C.json = true;
         else if (!strcmp(a, "--overhead-only")) C.overhead_only = true;
         else if (!strcmp(a, "--sampled")) C.sampled = true;
+        else if (!strcmp(a, "--kv-types") && v) C.kv_types = argv[++i];
+        else if (!strcmp(a, "--kv-memory") && v) C.kv_memory = argv[++i];
+        else if (!strcmp(a, "--distinct")) C.distinct = true;
         else die("usage: bench-serve [-m MODEL] [--llama-server PATH] [--sessions S] [--turns T] "
-                 "[--system-tokens L] [--max-tokens N] [--text FILE] [-t THREADS] [--sampled] [--json]");
+                 "[--system-tokens L] [--max-tokens N] [--text FILE] [-t THREADS] [--sampled] [--json] "
+                 "[--kv-types LIST [--kv-memory SIZE] [--distinct]]");
     }
     if (C.sessions < 1 || C.sessions > MAX_SESSIONS || C.turns < 1 || C.turns > MAX_TURNS)
         die("--sessions 1..%d, --turns 1..%d", MAX_SESSIONS, MAX_TURNS);
@@ -812,6 +879,10 @@ int main(int argc, char **argv)
     fclose(f);
     system_prompt[got] = 0;
 
+    if (C.kv_types != NULL) {
+        pressure_runs();
+        return 0;
+    }
     static struct run on = { .name = "kvd" }, llama = { .name = "llama-server" },
                       sampled = { .name = "kvd, sampled" };
     start_kvd();
