@@ -156,21 +156,28 @@ static int run_attn(void *ctx)
 }
 
 struct attn_row {
+    uint32_t type;          /* K and V type */
     int batch, ctx;
     double kv_mb, us, gbs, frac;
     double frac512;         /* the same with splits of 512 positions */
 };
 
-static int bench_attn(kcuda_timer_t *t, double copy_gbs, struct attn_row *rows)
+/* Decode attention over a cache of `type` (K and V alike): every (batch,
+ * context) pair, or with `few` batches 8 and 64 at 4,096 positions. */
+static int bench_attn(kcuda_timer_t *t, double copy_gbs, struct attn_row *rows, uint32_t type, bool few)
 {
-    static const int batches[] = { 1, 8, 64, 256 }, ctxs[] = { 512, 4096, 32768 };
-    const size_t head_bytes = (size_t)A_BT * A_DIM * 2, block_bytes = 2 * (size_t)A_KV * head_bytes;
+    static const int all_b[] = { 1, 8, 64, 256 }, all_c[] = { 512, 4096, 32768 }, few_b[] = { 8, 64 },
+                     few_c[] = { 4096 };
+    const int *batches = few ? few_b : all_b, *ctxs = few ? few_c : all_c;
+    const int n_b = few ? 2 : 4, n_c = few ? 1 : 3;
+    const size_t row = kern_row_bytes(type, A_DIM);
+    const size_t head_bytes = (size_t)A_BT * row, block_bytes = 2 * (size_t)A_KV * head_bytes;
     const int max_b = 256, max_ctx = 32768;
     const size_t n_blocks = (size_t)max_b * max_ctx / A_BT;
     /* one layer per block: the blocks a step reads for one layer are laid out
      * as in the full pool (2 KiB of one head's keys, then its values, per block) */
     uint8_t *pool = dev_alloc(n_blocks * block_bytes);
-    if (kcuda_memset(pool, 0x3c, n_blocks * block_bytes, NULL))     /* halves of ~1.06 */
+    if (kcuda_memset(pool, 0x3c, n_blocks * block_bytes, NULL))     /* halves (and scales) of ~1.06 */
         die("pool fill");
     uint32_t *perm = malloc(n_blocks * sizeof(uint32_t));
     for (size_t i = 0; i < n_blocks; i++)
@@ -196,8 +203,8 @@ static int bench_attn(kcuda_timer_t *t, double copy_gbs, struct attn_row *rows)
     void *dscr = dev_alloc(scratch);
     struct kcuda_seq seqs[256];
     int n = 0;
-    for (size_t bi = 0; bi < sizeof(batches) / sizeof(batches[0]); bi++)
-        for (size_t ci = 0; ci < sizeof(ctxs) / sizeof(ctxs[0]); ci++) {
+    for (int bi = 0; bi < n_b; bi++)
+        for (int ci = 0; ci < n_c; ci++) {
             const int B = batches[bi], ctx = ctxs[ci];
             for (int s = 0; s < B; s++)
                 seqs[s] = (struct kcuda_seq){ .row = s, .n_tok = 1, .pos = ctx - 1,
@@ -206,8 +213,8 @@ static int bench_attn(kcuda_timer_t *t, double copy_gbs, struct attn_row *rows)
                 die("upload");
             struct attn_case c = { .a = {
                 .kv = { .k = pool, .v = pool + (size_t)A_KV * head_bytes, .block_stride = block_bytes,
-                        .k_head_stride = head_bytes, .v_head_stride = head_bytes, .k_type = KERN_F16,
-                        .v_type = KERN_F16, .block_tokens = A_BT, .head_dim = A_DIM, .n_head = A_HEADS,
+                        .k_head_stride = head_bytes, .v_head_stride = head_bytes, .k_type = type,
+                        .v_type = type, .block_tokens = A_BT, .head_dim = A_DIM, .n_head = A_HEADS,
                         .n_head_kv = A_KV },
                 .out = dout, .q = dq, .seqs = dseqs, .n_seq = B, .tables = dtab, .max_tok = 1, .max_ctx = ctx,
                 .scale = 0.125f, .split = 0, .scratch = dscr,
@@ -215,8 +222,9 @@ static int bench_attn(kcuda_timer_t *t, double copy_gbs, struct attn_row *rows)
             const double ms = time_median(run_attn, &c, t);
             c.a.split = 512;
             const double ms512 = time_median(run_attn, &c, t);
-            const double bytes = (double)B * ctx * A_KV * A_DIM * 2 * 2;
+            const double bytes = (double)B * ctx * A_KV * row * 2;
             struct attn_row *r = &rows[n++];
+            r->type = type;
             r->batch = B;
             r->ctx = ctx;
             r->kv_mb = bytes / 1e6;
@@ -224,8 +232,8 @@ static int bench_attn(kcuda_timer_t *t, double copy_gbs, struct attn_row *rows)
             r->gbs = bytes / (ms * 1e-3) / 1e9;
             r->frac = r->gbs / copy_gbs;
             r->frac512 = bytes / (ms512 * 1e-3) / 1e9 / copy_gbs;
-            printf("  attention batch %3d ctx %5d: %8.1f us  %7.1f GB/s  %5.1f%% of copy (split 512: %5.1f%%)\n",
-                   B, ctx, r->us, r->gbs, 100 * r->frac, 100 * r->frac512);
+            printf("  attention %s batch %3d ctx %5d: %8.1f us  %7.1f GB/s  %5.1f%% of copy (split 512: %5.1f%%)\n",
+                   kern_type_info(type)->name, B, ctx, r->us, r->gbs, 100 * r->frac, 100 * r->frac512);
             fflush(stdout);
         }
     kcuda_free(pool);
@@ -525,8 +533,10 @@ int main(void)
     const double copy_gbs = copy_bandwidth(t, info.mem_bytes);
     printf("copy bandwidth: %.1f GB/s (bytes read + written, device to device)\n", copy_gbs);
     fflush(stdout);
-    struct attn_row arows[12];
-    const int na = bench_attn(t, copy_gbs, arows);
+    struct attn_row arows[12], qrows[4];
+    const int na = bench_attn(t, copy_gbs, arows, KERN_F16, false);
+    int nq = bench_attn(t, copy_gbs, qrows, KERN_Q8_0, true);
+    nq += bench_attn(t, copy_gbs, qrows + nq, KERN_Q4_0, true);
     struct mv_row mrows[24];
     const int nm = bench_mv(t, copy_gbs, mrows);
     struct step_row srows[4];
@@ -543,6 +553,17 @@ int main(void)
         printf("  %5d %5d %7.1f %9.1f %7.0f  %6.1f%%  %-12s  %6.1f%%\n", r->batch, r->ctx, r->kv_mb, r->us,
                r->gbs, 100 * r->frac, target ? (r->frac >= 0.70 ? ">=70% ok" : ">=70% MISSED") : "-",
                100 * r->frac512);
+    }
+    printf("the same over quantized KV blocks (K and V alike), against F16 at the same batch and context:\n");
+    printf("  type  batch   ctx   KV MB   time us    GB/s  of copy  time against F16\n");
+    for (int i = 0; i < nq; i++) {
+        const struct attn_row *r = &qrows[i];
+        double f16_us = 0;
+        for (int j = 0; j < na; j++)
+            if (arows[j].batch == r->batch && arows[j].ctx == r->ctx)
+                f16_us = arows[j].us;
+        printf("  %-4s %6d %5d %7.1f %9.1f %7.0f  %6.1f%%  %.2fx faster\n", kern_type_info(r->type)->name, r->batch,
+               r->ctx, r->kv_mb, r->us, r->gbs, 100 * r->frac, f16_us / r->us);
     }
     printf("matrix products (bound: the weights read once), L2 flushed; tera multiply-adds per second:\n");
     printf("  %-11s %-12s type    T  weight KB   time us  bound us  of bound   TMAC/s\n", "matrix", "shape");
