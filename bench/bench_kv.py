@@ -17,8 +17,8 @@ context, per type, and the ratio to f16 (attention reads fewer bytes from a quan
 --llama adds llama.cpp's columns to the quality tables: the same measurement of llama.cpp's own
 quantized cache (llama-cpp-python: type_k / type_v, flash attention on, as its quantized V cache
 requires), on the same model file, text and windows, each type against llama.cpp's own f16 cache,
-with the base log-probabilities rounded to f16 as kvd-run stores them. llama.cpp has no rotation:
-its q8_0 and q4_0 columns stand beside both of kvd's rows of that type. It needs llama-cpp-python
+with the base log-probabilities rounded to f16 as kvd-run stores them. llama.cpp rotates quantized
+halves too (its default); its unrotated rows run with LLAMA_ATTN_ROT_DISABLE=1. It needs llama-cpp-python
 and numpy (`pip install llama-cpp-python numpy`; the install compiles llama.cpp, tens of minutes on
 two cores), in the Python that runs this script.
 
@@ -48,19 +48,22 @@ TYPES = [
 ]
 SPEED_TYPES = [("f16", [])] + [t for t in TYPES if t[0] != "f32"]
 
-# llama.cpp's ggml type ids, and which of kvd's rows each of its types stands beside
+# llama.cpp's ggml type ids, and its configuration beside each of kvd's rows: (type_k, type_v,
+# rotated). llama.cpp rotates quantized K and V by a Hadamard transform by default as well
+# (attn_rot_k / attn_rot_v); LLAMA_ATTN_ROT_DISABLE=1 turns that off, for the unrotated rows.
 GGML_F16, GGML_Q4_0, GGML_Q8_0 = 1, 2, 8
 LLAMA_TYPES = {
-    "q8_0": (GGML_Q8_0, GGML_Q8_0),
-    "K f16, V q4_0": (GGML_F16, GGML_Q4_0),
-    "q4_0": (GGML_Q4_0, GGML_Q4_0),
+    "q8_0 (rotated)": (GGML_Q8_0, GGML_Q8_0, True),
+    "q8_0": (GGML_Q8_0, GGML_Q8_0, False),
+    "K f16, V q4_0 (rotated)": (GGML_F16, GGML_Q4_0, True),
+    "q4_0 (rotated)": (GGML_Q4_0, GGML_Q4_0, True),
+    "q4_0": (GGML_Q4_0, GGML_Q4_0, False),
 }
 
 
 def llama_key(label):
-    """The llama.cpp type pair beside kvd's row `label` (None for f32)."""
-    key = label.replace(" (rotated)", "")
-    return key if key in LLAMA_TYPES else None
+    """The llama.cpp configuration beside kvd's row `label` (None for f32)."""
+    return label if label in LLAMA_TYPES else None
 
 
 def llama_worker(spec):
@@ -104,7 +107,12 @@ def llama_worker(spec):
     out = {"tokens": len(ids), "positions": positions, "perplexity_f16": float(np.exp(nll_base / positions)),
            "rows": {}}
     for key in spec["types"]:
-        llm = make(*LLAMA_TYPES[key])
+        tk, tv, rotated = LLAMA_TYPES[key]
+        if rotated:
+            os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
+        else:
+            os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"
+        llm = make(tk, tv)
         klds, same, nll = [], 0, 0.0
         for (lp, tgt), b16 in zip(log_probs(llm, ids), base_lp):
             b = b16.astype(np.float64)
