@@ -381,16 +381,10 @@ __device__ __forceinline__ void load_queries(float *sq, const float *q, int n_he
         const float *src = q + ((size_t)(row0 + j) * n_head + (size_t)kvh * G + g) * D;
 #pragma unroll
         for (int b = 0; b < D / 32; b++) {
-            /* kc_quantize_block32's arithmetic, kept as floats and codes */
-            const float v = valid[j] ? src[b * 32 + lane] : 0.0f;
-            const float amax = kc_warp_max(fabsf(v));
-            const float d = __fdiv_rn(amax, 127.0f);
-            float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
-            if (!isfinite(id))
-                id = 0.0f;
-            const int c = (int)roundf(__fmul_rn(v, id));
+            float d;
+            int sum;
+            const int c = kc_quant32(valid[j] ? src[b * 32 + lane] : 0.0f, &d, &sum);
             qq.qs[r * D + b * 32 + lane] = (int8_t)c;
-            const int sum = kc_warp_sum_int(c);
             if (lane == 0) {
                 qq.d[r * (D / 32) + b] = __half2float(__float2half_rn(d));
                 qq.sum[r * (D / 32) + b] = sum;

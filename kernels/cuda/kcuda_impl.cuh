@@ -63,11 +63,11 @@ __device__ __forceinline__ uint16_t kc_half_bits(float f)
     return __half_as_ushort(__float2half_rn(f));
 }
 
-/* Lane `lane` of a warp holding element `lane` of a 32-element block: writes
- * the block as kern_quantize_act does (Q8_0, or Q8_1 when with_sum): d =
- * amax/127, q = roundf(x * (1/d)), d as f16; Q8_1 adds s = f16(sum(q) * d)
- * with d unrounded. Every lane of the warp calls it. */
-__device__ __forceinline__ void kc_quantize_block32(float v, int lane, uint8_t *blk, bool with_sum)
+/* kern_quantize_act's arithmetic for one value v of a 32-value block held by
+ * a warp (one value a lane): returns v's code q = roundf(v * (1/d)) and gives
+ * every lane the block's scale d = amax/127 (unrounded) and the sum of its
+ * codes. Every lane of the warp calls it. */
+__device__ __forceinline__ int kc_quant32(float v, float *d_out, int *sum_out)
 {
     const float amax = kc_warp_max(fabsf(v));
     const float d = __fdiv_rn(amax, 127.0f);
@@ -75,9 +75,22 @@ __device__ __forceinline__ void kc_quantize_block32(float v, int lane, uint8_t *
     if (!isfinite(id))
         id = 0.0f;
     const int q = (int)roundf(__fmul_rn(v, id));
+    *d_out = d;
+    *sum_out = kc_warp_sum_int(q);
+    return q;
+}
+
+/* Lane `lane` of a warp holding element `lane` of a 32-element block: writes
+ * the block as kern_quantize_act does (Q8_0, or Q8_1 when with_sum): d =
+ * amax/127, q = roundf(x * (1/d)), d as f16; Q8_1 adds s = f16(sum(q) * d)
+ * with d unrounded. Every lane of the warp calls it. */
+__device__ __forceinline__ void kc_quantize_block32(float v, int lane, uint8_t *blk, bool with_sum)
+{
+    float d;
+    int sum;
+    const int q = kc_quant32(v, &d, &sum);
     const int off = with_sum ? 4 : 2;
     blk[off + lane] = (uint8_t)(int8_t)q;
-    const int sum = kc_warp_sum_int(q);
     if (lane == 0) {
         const uint16_t dh = kc_half_bits(d);
         blk[0] = (uint8_t)dh;

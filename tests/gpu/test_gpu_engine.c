@@ -729,6 +729,42 @@ static void scenario(struct rig *r, const uint32_t *prompts, const uint32_t *fir
     fflush(stdout);
 }
 
+/* The "q4_1" model: 2 layers, 256 wide, 4 heads over 2 KV heads of 64, Q4_1
+ * layers, Q8_0 tied embeddings. */
+static struct mkmodel_params small_q4_1(uint64_t seed)
+{
+    struct mkmodel_params p = mkmodel_default_params();
+    p.n_embd = 256;
+    p.n_head = 4;
+    p.n_head_kv = 2;
+    p.n_ff = 512;
+    p.n_vocab = 1024;
+    p.n_ctx = MAX_POS;
+    p.wtype = KERN_Q4_1;
+    p.embd_type = KERN_Q8_0;
+    p.tied = true;
+    p.seed = seed;
+    return p;
+}
+
+/* The "f16" model: 2 layers, 256 wide, 2 heads over 1 KV head of 128, F16
+ * layers and embeddings, a separate output matrix. */
+static struct mkmodel_params small_f16(uint64_t seed)
+{
+    struct mkmodel_params p = mkmodel_default_params();
+    p.n_embd = 256;
+    p.n_head = 2;
+    p.n_head_kv = 1;
+    p.n_ff = 384;
+    p.n_vocab = 700;
+    p.n_ctx = MAX_POS;
+    p.wtype = KERN_F16;
+    p.embd_type = KERN_F16;
+    p.tied = false;
+    p.seed = seed;
+    return p;
+}
+
 int main(int argc, char **argv)
 {
     char why[256];
@@ -744,17 +780,7 @@ int main(int argc, char **argv)
 
     struct rig r;
     {
-        struct mkmodel_params p = mkmodel_default_params();
-        p.n_embd = 256;
-        p.n_head = 4;
-        p.n_head_kv = 2;
-        p.n_ff = 512;
-        p.n_vocab = 1024;
-        p.n_ctx = MAX_POS;
-        p.wtype = KERN_Q4_1;
-        p.embd_type = KERN_Q8_0;
-        p.tied = true;
-        p.seed = 11;
+        struct mkmodel_params p = small_q4_1(11);
         rig_open(&r, "q4_1", &p, 0, NULL);
         /* seq 4 passes one attention split (256 positions) */
         const uint32_t prompts[] = { 45, 17, 1, 33, 300 }, first[] = { 45, 10, 1, 33, 150 };
@@ -762,17 +788,7 @@ int main(int argc, char **argv)
         rig_close(&r);
     }
     {
-        struct mkmodel_params p = mkmodel_default_params();
-        p.n_embd = 256;
-        p.n_head = 2;
-        p.n_head_kv = 1;
-        p.n_ff = 384;
-        p.n_vocab = 700;
-        p.n_ctx = MAX_POS;
-        p.wtype = KERN_F16;
-        p.embd_type = KERN_F16;
-        p.tied = false;
-        p.seed = 12;
+        struct mkmodel_params p = small_f16(12);
         rig_open(&r, "f16", &p, 64, NULL);
         const uint32_t prompts[] = { 70, 3, 130 }, first[] = { 33, 3, 130 };
         scenario(&r, prompts, first, 3, 4, false);
@@ -781,17 +797,7 @@ int main(int argc, char **argv)
     /* quantized caches: K q8_0 / V q4_0 with both halves rotated on the q4_1
      * model (head dim 64), K/V q4_0 rotated on the f16 one (head dim 128) */
     {
-        struct mkmodel_params p = mkmodel_default_params();
-        p.n_embd = 256;
-        p.n_head = 4;
-        p.n_head_kv = 2;
-        p.n_ff = 512;
-        p.n_vocab = 1024;
-        p.n_ctx = MAX_POS;
-        p.wtype = KERN_Q4_1;
-        p.embd_type = KERN_Q8_0;
-        p.tied = true;
-        p.seed = 14;
+        struct mkmodel_params p = small_q4_1(14);
         struct kv_params kp = kv_default_params();
         kp.k_type = KERN_Q8_0;
         kp.v_type = KERN_Q4_0;
@@ -803,17 +809,7 @@ int main(int argc, char **argv)
         rig_close(&r);
     }
     {
-        struct mkmodel_params p = mkmodel_default_params();
-        p.n_embd = 256;
-        p.n_head = 2;
-        p.n_head_kv = 1;
-        p.n_ff = 384;
-        p.n_vocab = 700;
-        p.n_ctx = MAX_POS;
-        p.wtype = KERN_F16;
-        p.embd_type = KERN_F16;
-        p.tied = false;
-        p.seed = 15;
+        struct mkmodel_params p = small_f16(15);
         struct kv_params kp = kv_default_params();
         kp.k_type = kp.v_type = KERN_Q4_0;
         kp.rotate = kv_rotate_default(kp.k_type, kp.v_type);
