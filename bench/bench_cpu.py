@@ -169,6 +169,20 @@ def medians(runs):
 
 # ---------------------------------------------------------------- the llama.cpp side (worker process)
 
+def llama_decode_entries(llama_cpp, bctx, batch, entries):
+    """One llama_decode of entries (token, pos, seq, want_logits) through batch."""
+    for k, (tok, pos, seq, lg) in enumerate(entries):
+        batch.token[k] = tok
+        batch.pos[k] = pos
+        batch.n_seq_id[k] = 1
+        batch.seq_id[k][0] = seq
+        batch.logits[k] = 1 if lg else 0
+    batch.n_tokens = len(entries)
+    rc = llama_cpp.llama_decode(bctx, batch)
+    if rc != 0:
+        raise SystemExit(f"llama_decode returned {rc}")
+
+
 def llama_worker(a):
     """Runs the benchmark procedure on llama.cpp once; prints one JSON object shaped like kvd's."""
     import ctypes
@@ -247,21 +261,8 @@ def llama_worker(a):
     bmem = llama_cpp.llama_get_memory(bctx)
     batch = llama_cpp.llama_batch_init(N_BATCH, 0, 1)
 
-    def fill(entries):
-        """entries: (token, pos, seq, want_logits) -> batch"""
-        for k, (tok, pos, seq, lg) in enumerate(entries):
-            batch.token[k] = tok
-            batch.pos[k] = pos
-            batch.n_seq_id[k] = 1
-            batch.seq_id[k][0] = seq
-            batch.logits[k] = 1 if lg else 0
-        batch.n_tokens = len(entries)
-
     def decode(entries):
-        fill(entries)
-        rc = llama_cpp.llama_decode(bctx, batch)
-        if rc != 0:
-            raise SystemExit(f"llama_decode returned {rc}")
+        llama_decode_entries(llama_cpp, bctx, batch, entries)
 
     batch_rows = []
     check = {}
@@ -350,13 +351,7 @@ def llama_ctx_worker(a):
     batch = llama_cpp.llama_batch_init(N_BATCH, 0, 1)
 
     def decode(entries):
-        for k, (tok, pos, seq, lg) in enumerate(entries):
-            batch.token[k], batch.pos[k], batch.n_seq_id[k] = tok, pos, 1
-            batch.seq_id[k][0] = seq
-            batch.logits[k] = 1 if lg else 0
-        batch.n_tokens = len(entries)
-        if llama_cpp.llama_decode(bctx, batch) != 0:
-            raise SystemExit("llama_decode failed")
+        llama_decode_entries(llama_cpp, bctx, batch, entries)
 
     rows = []
     for B, steps in ((1, 32), (8, 16)):
