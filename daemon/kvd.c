@@ -34,6 +34,7 @@
 #include <zmq.h>
 
 #include "cli.h"
+#include "http.h"
 #include "kvd.h"
 #include "kvd_client.h"
 #include "types.h"
@@ -98,6 +99,10 @@ static void usage(FILE *f)
           "      --gpu N              keep the KV pool in the memory of CUDA device N and start\n"
           "                           GPU workers (default --kv-memory: 1GiB or half the free memory)\n"
           "      --workers-per-gpu K  GPU workers to start with --gpu (default 1; 0: external only)\n"
+          "      --http HOST:PORT     serve the OpenAI-compatible HTTP API there too, repeatable\n"
+          "                           (loopback addresses unless --allow-remote)\n"
+          "      --max-body SIZE      largest HTTP request body (default 16MiB)\n"
+          "      --served-model-name NAME  the model's name over HTTP (default: the file's name)\n"
           "  -v, --verbose\n",
           f);
 }
@@ -106,7 +111,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
 {
     enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
            OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
-           OPT_ROTATE };
+           OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -124,6 +129,9 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "k-type", required_argument, NULL, OPT_KTYPE },
         { "v-type", required_argument, NULL, OPT_VTYPE },
         { "kv-rotate", required_argument, NULL, OPT_ROTATE },
+        { "http", required_argument, NULL, OPT_HTTP },
+        { "max-body", required_argument, NULL, OPT_MAXBODY },
+        { "served-model-name", required_argument, NULL, OPT_MODELNAME },
         { "step-tokens", required_argument, NULL, OPT_STEP },
         { "max-batch", required_argument, NULL, OPT_BATCH },
         { "max-queue", required_argument, NULL, OPT_QUEUE },
@@ -146,6 +154,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     o->max_restarts = 10;
     o->gpu = -1;
     o->workers_per_gpu = -1;
+    o->max_body = 16u << 20;
     bool workers_given = false;
     const char *kv_type = NULL, *k_type = NULL, *v_type = NULL, *rotate = NULL;
     opterr = 0;
@@ -178,6 +187,19 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         case OPT_KTYPE: k_type = optarg; break;
         case OPT_VTYPE: v_type = optarg; break;
         case OPT_ROTATE: rotate = optarg; break;
+        case OPT_HTTP:
+            if (o->n_http == KVD_MAX_HTTP)
+                cli_die("at most %d --http addresses", KVD_MAX_HTTP);
+            o->http[o->n_http++] = optarg;
+            break;
+        case OPT_MAXBODY: {
+            uint64_t v;
+            if (kvd_parse_size(optarg, &v) != 0 || v < 1024 || v > (1u << 30))
+                cli_die("--max-body must be a size from 1KiB to 1GiB, got '%s'", optarg);
+            o->max_body = (uint32_t)v;
+            break;
+        }
+        case OPT_MODELNAME: o->model_name = optarg; break;
         case OPT_STEP: o->step_tokens = (uint32_t)cli_long(optarg, "--step-tokens", 1, 4096); break;
         case OPT_BATCH: o->max_batch = (uint32_t)cli_long(optarg, "--max-batch", 1, 4096); break;
         case OPT_QUEUE: o->max_queue = (uint32_t)cli_long(optarg, "--max-queue", 0, 1 << 20); break;
@@ -358,6 +380,19 @@ static void setup(struct kvd *k)
         snprintf(k->worker_ep, sizeof(k->worker_ep), "ipc://%s/workers-%d.sock", k->run_dir,
                  (int)getpid());
     }
+    /* the HTTP layer reaches kvd as a client over ipc://: the first such endpoint,
+     * else one of its own in the runtime directory */
+    for (int i = 0; i < o->n_listen && !k->http_ep[0]; i++)
+        if (strncmp(o->listen[i], "ipc://", 6) == 0)
+            snprintf(k->http_ep, sizeof(k->http_ep), "%s", o->listen[i]);
+    if (o->n_http > 0 && !k->http_ep[0]) {
+        char path[4096];
+        snprintf(path, sizeof(path), "%s", kvd_default_endpoint(def, sizeof(def)) + 6);
+        snprintf(k->http_ep, sizeof(k->http_ep), "ipc://%s/http-%d.sock", dirname(path), (int)getpid());
+        check_endpoint(k, k->http_ep);
+        if (zmq_bind(k->clients, k->http_ep) != 0)
+            cli_die("cannot listen on %s: %s", k->http_ep, zmq_strerror(errno));
+    }
     check_endpoint(k, k->worker_ep);
     if (zmq_bind(k->wsock, k->worker_ep) != 0)
         cli_die("cannot listen for workers on %s: %s", k->worker_ep, zmq_strerror(errno));
@@ -383,6 +418,36 @@ static void setup(struct kvd *k)
                 "--block-tokens %u --k-type %s --v-type %s --kv-rotate %s)",
                 k->worker_ep, k->pool_name, k->worker_ep, o->model, o->block_tokens,
                 kv_type_name(o->kv.k_type), kv_type_name(o->kv.v_type), kv_rotate_arg(o->kv.rotate));
+    }
+}
+
+/* The HTTP front ends of --http: loopback addresses unless --allow-remote. */
+static void http_setup(struct kvd *k)
+{
+    const struct kvd_options *o = &k->o;
+    char name[256];
+    if (o->model_name != NULL) {
+        snprintf(name, sizeof(name), "%s", o->model_name);
+    } else {
+        const char *base = strrchr(o->model, '/');
+        snprintf(name, sizeof(name), "%s", base ? base + 1 : o->model);
+        const size_t n = strlen(name);
+        if (n > 5 && strcmp(name + n - 5, ".gguf") == 0)
+            name[n - 5] = '\0';
+    }
+    for (int i = 0; i < o->n_http; i++) {
+        const char *h = o->http[i];
+        const bool loopback = strncmp(h, "127.", 4) == 0 || strncmp(h, "localhost:", 10) == 0;
+        if (!loopback && !o->allow_remote)
+            cli_die("--http %s is not a loopback address (127.x.x.x or localhost); give --allow-remote to "
+                    "serve other machines", h);
+        const struct http_params hp = { .bind = h, .kvd_endpoint = k->http_ep, .model_id = name,
+                                        .max_body = o->max_body, .block_tokens = o->block_tokens };
+        char err[256];
+        k->http[i] = http_start(&hp, err, sizeof(err));
+        if (k->http[i] == NULL)
+            cli_die("%s", err);
+        kvd_log(k, "HTTP on %s (OpenAI-compatible API, model '%s')", h, name);
     }
 }
 
@@ -445,6 +510,8 @@ static void start_drain(struct kvd *k)
     if (k->draining)
         return;
     k->draining = true;
+    for (int i = 0; i < k->o.n_http; i++)
+        http_quiesce(k->http[i]);
     k->drain_deadline = cli_now_ms() + k->o.grace_ms;
     kvd_log(k, "draining: %u running, %u queued; %u ms to finish", k->n_active, k->n_queued,
             k->o.grace_ms);
@@ -529,8 +596,11 @@ int main(int argc, char **argv)
     setup(k);
     if (workers_start(k) != 0)
         cli_die("cannot start workers: %s", strerror(errno));
+    http_setup(k);
     kvd_log(k, "ready: model %s, %d workers, context %u", k->o.model, k->o.n_workers, k->n_ctx);
     loop(k, sfd);
+    for (int i = 0; i < k->o.n_http; i++)
+        http_stop(&k->http[i]);
 
     workers_stop(k);
     req_release_all(k);
@@ -548,6 +618,8 @@ int main(int argc, char **argv)
     for (int i = 0; i < k->o.n_listen; i++)
         if (strncmp(k->o.listen[i], "ipc://", 6) == 0)
             unlink(k->o.listen[i] + 6);
+    if (strstr(k->http_ep, "/http-") != NULL)
+        unlink(k->http_ep + 6);
     prefix_destroy(&k->px);
     pool_close(&k->pool);
     gpu_fini(k);

@@ -29,6 +29,7 @@
 
 #define KVD_MAX_WORKERS 64
 #define KVD_MAX_LISTEN 8
+#define KVD_MAX_HTTP 4
 #define KVD_RID_MAX 256          /* bytes of a ZeroMQ routing id */
 
 struct kvd_options {
@@ -54,6 +55,10 @@ struct kvd_options {
     int gpu;                        /* --gpu: CUDA device holding the KV pool; -1: host memory */
     int workers_per_gpu;            /* --workers-per-gpu (-1: not given) */
     bool verbose;                   /* -v */
+    const char *http[KVD_MAX_HTTP]; /* --http HOST:PORT: the OpenAI-compatible API (daemon/http.h) */
+    int n_http;
+    uint32_t max_body;              /* --max-body: largest HTTP request body, bytes */
+    const char *model_name;         /* --served-model-name (default: the file's name, no .gguf) */
 };
 
 enum req_state {
@@ -148,6 +153,8 @@ struct kvd {
     struct kcuda_vmm *wvmm;         /* --gpu: the model's weights on the device, shared by its
                                      * workers; NULL otherwise */
     int gpu_fd;                     /* --gpu: listening socket that hands workers the memory, else -1 */
+    struct http_server *http[KVD_MAX_HTTP];
+    char http_ep[4400];             /* the ipc:// endpoint the HTTP layer reaches kvd on */
     char gpu_sock[108];             /* its path (a sockaddr_un's sun_path) */
     char gpu_name[96];              /* --gpu: the device's name */
     uint64_t gpu_free;              /* --gpu: its free memory when kvd started */

@@ -19,6 +19,8 @@ command -v sha256sum >/dev/null || need+=(coreutils)
 [ -f /usr/include/protobuf-c/protobuf-c.h ] || need+=(libprotobuf-c-dev)
 command -v protoc-c >/dev/null || need+=(protobuf-c-compiler)
 [ -f /usr/include/lz4.h ] || need+=(liblz4-dev)
+[ -f /usr/include/microhttpd.h ] || need+=(libmicrohttpd-dev)
+[ -f /usr/include/jansson.h ] || need+=(libjansson-dev)
 
 if [ ${#need[@]} -eq 0 ]; then
   exit 0

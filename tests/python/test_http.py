@@ -1,0 +1,258 @@
+"""kvd's OpenAI-compatible HTTP API (kvd --http), driven by the official `openai` package and by
+plain HTTP for what that package hides (statuses, headers, malformed bodies), against a real kvd
+with the default model."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import kvd_client
+from conftest import LONG_SYSTEM, MODEL, Daemon, _stop_checked
+
+MODEL_ID = MODEL.name.removesuffix(".gguf")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class HttpDaemon:
+    def __init__(self, workdir: Path, *args: str, ready: str = "health") -> None:
+        self.port = free_port()
+        self.d = Daemon(workdir, "--http", f"127.0.0.1:{self.port}", *args, ready=ready)
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.oai = openai.OpenAI(base_url=self.base + "/v1", api_key="none", timeout=self.d.patience,
+                                 max_retries=0)
+
+    def request(self, method: str, path: str, body: bytes | str | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.d.patience)
+        try:
+            h = {"Content-Type": "application/json"} if body is not None else {}
+            h.update(headers or {})
+            c.request(method, path, body=body, headers=h)
+            r = c.getresponse()
+            return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+        finally:
+            c.close()
+
+    def post(self, path: str, obj: object) -> tuple[int, dict[str, str], dict]:
+        status, headers, body = self.request("POST", path, json.dumps(obj))
+        return status, headers, json.loads(body)
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
+    h = HttpDaemon(tmp_path_factory.mktemp("kvd-http"), "--kv-memory", "64MiB", "-w", "1",
+                   "--max-body", "1MiB")
+    h.d.measure_patience()
+    yield h
+    _stop_checked(h.d)
+
+
+CHAT = [{"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Name three colours."}]
+
+
+def test_models_and_probes(api: HttpDaemon) -> None:
+    models = api.oai.models.list()
+    assert [m.id for m in models.data] == [MODEL_ID]
+    for path in ("/health", "/ready"):
+        status, _, body = api.request("GET", path)
+        assert status == 200, body
+        assert json.loads(body)["status"] == "ok"
+
+
+def test_chat_greedy_matches_zeromq_and_stream(api: HttpDaemon) -> None:
+    r = api.oai.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=16, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.model == MODEL_ID
+    text = r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens_details is not None
+    assert r.usage.prompt_tokens_details.cached_tokens is not None
+    with kvd_client.Client(api.d.endpoint, timeout=api.d.patience) as c:
+        z = c.generate(messages=CHAT, max_tokens=16, temperature=0)
+    assert text == z.text
+    # streamed: the same text, a role first, a final usage chunk with no choices, then [DONE]
+    pieces, roles, finish, usage = [], [], None, None
+    stream = api.oai.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=16, temperature=0,
+                                             stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage = chunk.usage
+            continue
+        d = chunk.choices[0].delta
+        if d.role:
+            roles.append(d.role)
+        if d.content:
+            pieces.append(d.content)
+        if chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    assert roles == ["assistant"]
+    assert "".join(pieces) == text
+    assert finish == r.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_completions_prompt_forms(api: HttpDaemon) -> None:
+    r = api.oai.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=8,
+                                   temperature=0)
+    assert r.object == "text_completion" and len(r.choices) == 1
+    with kvd_client.Client(api.d.endpoint, timeout=api.d.patience) as c:
+        z = c.generate("The capital of France is", max_tokens=8, temperature=0)
+    assert r.choices[0].text == z.text
+    # a list of prompts: one choice each, in order
+    r2 = api.oai.completions.create(model=MODEL_ID, prompt=["One, two,", "The capital of France is"],
+                                    max_tokens=8, temperature=0)
+    assert [c.index for c in r2.choices] == [0, 1]
+    assert r2.choices[1].text == z.text
+    # token ids
+    status, _, body = api.post("/v1/completions", {"prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0})
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] == 4
+    # streamed completions give the same text
+    text = "".join(c.choices[0].text for c in api.oai.completions.create(
+        model=MODEL_ID, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True))
+    assert text == z.text
+
+
+def test_shared_system_prompt_is_cached(api: HttpDaemon) -> None:
+    msgs = [{"role": "system", "content": LONG_SYSTEM * 2}, {"role": "user", "content": "Topic 3, please."}]
+    api.oai.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=2, temperature=0)
+    msgs[1]["content"] = "And topic 5?"
+    r = api.oai.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens > 1000
+    assert r.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 48
+
+
+def test_n_with_seed_is_reproducible_and_stop(api: HttpDaemon) -> None:
+    kw = dict(model=MODEL_ID, messages=CHAT, max_tokens=12, temperature=1.0, seed=7, n=3)
+    a = api.oai.chat.completions.create(**kw)
+    b = api.oai.chat.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    greedy = api.oai.completions.create(model=MODEL_ID, prompt="One, two, three, four,", max_tokens=12,
+                                        temperature=0).choices[0].text
+    assert "," in greedy
+    cut = api.oai.completions.create(model=MODEL_ID, prompt="One, two, three, four,", max_tokens=12,
+                                     temperature=0, stop=[","])
+    assert cut.choices[0].text == greedy[:greedy.index(",")]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def error_of(status: int, body: dict, want_status: int, param: str | None = None) -> dict:
+    assert status == want_status, body
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+def test_bad_requests(api: HttpDaemon) -> None:
+    s, _, b = api.post("/v1/chat/completions", {"messages": CHAT, "temperature": "hot"})
+    error_of(s, b, 400, "temperature")
+    s, _, b = api.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": -3})
+    error_of(s, b, 400, "max_tokens")
+    s, _, b = api.post("/v1/chat/completions", {"messages": "hello"})
+    error_of(s, b, 400, "messages")
+    s, _, b = api.post("/v1/chat/completions", {"messages": CHAT, "n": 99})
+    error_of(s, b, 400, "n")
+    s, _, b = api.post("/v1/completions", {"prompt": {"text": "x"}})
+    error_of(s, b, 400, "prompt")
+    s, _, b = api.post("/v1/chat/completions", {"model": "gpt-4", "messages": CHAT})
+    assert error_of(s, b, 404, "model")["code"] == "model_not_found"
+    s, _, b = api.post("/v1/nothing", {})
+    error_of(s, b, 404)
+    s, _, raw = api.request("POST", "/v1/chat/completions", "{not json")
+    error_of(s, json.loads(raw), 400)
+    s, _, raw = api.request("POST", "/v1/chat/completions", "x" * (2 << 20))
+    error_of(s, json.loads(raw), 413)
+    s, _, raw = api.request("POST", "/v1/chat/completions", json.dumps({"messages": CHAT}),
+                            {"Content-Type": "text/plain"})
+    error_of(s, json.loads(raw), 415)
+    # a prompt past the context
+    s, _, b = api.post("/v1/completions", {"prompt": "word " * 5000, "max_tokens": 4})
+    assert error_of(s, b, 400)["code"] == "context_length_exceeded"
+    # unknown fields are ignored, as the peers do
+    s, _, b = api.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "frequency_penalty_x": 1})
+    assert s == 200, b
+    # the openai package sees the same as exceptions
+    with pytest.raises(openai.BadRequestError):
+        api.oai.chat.completions.create(model=MODEL_ID, messages=CHAT, top_p=3)
+    # and the server still answers
+    assert api.request("GET", "/health")[0] == 200
+
+
+def test_dropped_stream_frees_its_blocks(api: HttpDaemon) -> None:
+    c = http.client.HTTPConnection("127.0.0.1", api.port, timeout=api.d.patience)
+    c.request("POST", "/v1/chat/completions", body=json.dumps(
+        {"messages": CHAT, "max_tokens": 2000, "temperature": 0, "stream": True,
+         "ignore_eos": True}), headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    assert r.getheader("Content-Type") == "text/event-stream"
+    first = r.readline()
+    assert first.startswith(b"data: ")
+    c.sock.shutdown(socket.SHUT_RDWR)
+    c.close()
+    with kvd_client.Client(api.d.endpoint, timeout=api.d.patience) as z:
+        deadline = time.monotonic() + api.d.patience
+        while time.monotonic() < deadline:
+            st = z.stats()
+            if st.requests_running == 0 and st.blocks_in_use == 0:
+                break
+            time.sleep(0.1)
+        assert st.requests_running == 0 and st.blocks_in_use == 0
+
+
+def test_metrics(api: HttpDaemon) -> None:
+    def read() -> dict[str, float]:
+        s, _, raw = api.request("GET", "/metrics")
+        assert s == 200
+        out = {}
+        for fam in text_string_to_metric_families(raw.decode()):
+            for sample in fam.samples:
+                out[sample.name] = sample.value
+        return out
+    before = read()
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:cache_config_info", "kvd_blocks_free", "kvd_evictions_total"):
+        assert name in before, name
+    api.oai.completions.create(model=MODEL_ID, prompt="Counting: one, two,", max_tokens=5, temperature=0)
+    after = read()
+    assert after["vllm:generation_tokens_total"] >= before["vllm:generation_tokens_total"] + 5
+    assert after["vllm:prompt_tokens_total"] > before["vllm:prompt_tokens_total"]
+    assert 0.0 <= after["vllm:kv_cache_usage_perc"] <= 1.0
+
+
+def test_overloaded_is_429_with_retry_after(tmp_path: Path) -> None:
+    h = HttpDaemon(tmp_path / "full", "--kv-memory", "16MiB", "-w", "0", "--max-queue", "0", ready="stats")
+    try:
+        s, headers, b = h.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2})
+        error_of(s, b, 429)
+        assert int(headers["retry-after"]) >= 1
+        assert h.request("GET", "/ready")[0] == 503     # no worker
+        assert h.request("GET", "/health")[0] == 200    # but the loop runs
+    finally:
+        _stop_checked(h.d)
