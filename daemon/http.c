@@ -760,43 +760,7 @@ static enum MHD_Result route_models(struct MHD_Connection *c, const struct http_
                      0);
 }
 
-/* Appends to a growing text buffer. */
-struct text {
-    char *s;
-    size_t len, cap;
-};
-
-static void tprintf(struct text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void tprintf(struct text *t, const char *fmt, ...)
-{
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        const size_t room = t->cap - t->len;
-        const int n = vsnprintf(t->s ? t->s + t->len : NULL, room, fmt, ap);
-        va_end(ap);
-        if (n < 0)
-            return;
-        if ((size_t)n < room) {
-            t->len += (size_t)n;
-            return;
-        }
-        const size_t cap = (t->cap + (size_t)n + 1) * 2;
-        char *p = realloc(t->s, cap);
-        if (p == NULL)
-            return;
-        t->s = p;
-        t->cap = cap;
-    }
-}
-
-static void metric(struct text *t, const char *name, const char *type, const char *help, double v)
-{
-    tprintf(t, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, v);
-}
-
-/* Prometheus text: vLLM's names for what a gateway's endpoint picker reads,
- * kvd's own under kvd_. */
+/* /metrics: kvd's statistics in Prometheus' text format (kvd_stats_prometheus). */
 static enum MHD_Result route_metrics(struct MHD_Connection *c, const struct http_server *s)
 {
     kvd_client_t *kc = kvd_client_new(s->endpoint, 5000, NULL, 0);
@@ -805,43 +769,11 @@ static enum MHD_Result route_metrics(struct MHD_Connection *c, const struct http
     kvd_client_destroy(&kc);
     if (rc != 0)
         return send_error(c, 503, "kvd does not answer", NULL, NULL, 0);
-    struct text t = { 0 };
-    const double used = st.blocks_total ? (double)(st.blocks_in_use + st.blocks_pending) / st.blocks_total : 0;
-    metric(&t, "vllm:num_requests_running", "gauge", "Requests being computed.", (double)st.requests_running);
-    metric(&t, "vllm:num_requests_waiting", "gauge", "Requests waiting for a worker.", (double)st.requests_queued);
-    metric(&t, "vllm:kv_cache_usage_perc", "gauge", "Share of KV blocks held by requests (0..1).", used);
-    metric(&t, "vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
-           (double)st.prompt_tokens);
-    metric(&t, "vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
-           (double)st.cached_prompt_tokens);
-    metric(&t, "vllm:num_preemptions_total", "counter", "Requests preempted for KV memory.",
-           (double)st.preemptions);
-    metric(&t, "vllm:prompt_tokens_total", "counter", "Prompt tokens.", (double)st.prompt_tokens);
-    metric(&t, "vllm:generation_tokens_total", "counter", "Generated tokens.", (double)st.completion_tokens);
-    tprintf(&t, "# HELP vllm:cache_config_info The KV cache's configuration.\n"
-                "# TYPE vllm:cache_config_info gauge\n"
-                "vllm:cache_config_info{block_size=\"%u\",num_gpu_blocks=\"%u\",cache_dtype=\"%s\"} 1\n",
-            st.block_tokens, st.blocks_total, st.kv_type);
-    metric(&t, "kvd_requests_done_total", "counter", "Requests finished.", (double)st.requests_done);
-    metric(&t, "kvd_requests_failed_total", "counter", "Requests failed.", (double)st.requests_failed);
-    metric(&t, "kvd_blocks_total", "gauge", "KV blocks in the pool.", st.blocks_total);
-    metric(&t, "kvd_blocks_free", "gauge", "KV blocks free.", st.blocks_free);
-    metric(&t, "kvd_blocks_cached", "gauge", "KV blocks holding cached prefixes, held by nobody.",
-           st.blocks_cached);
-    metric(&t, "kvd_blocks_in_use", "gauge", "KV blocks held by requests.", st.blocks_in_use);
-    metric(&t, "kvd_blocks_pending", "gauge", "KV blocks being written.", st.blocks_pending);
-    metric(&t, "kvd_evictions_total", "counter", "Cached blocks evicted.", (double)st.evictions);
-    metric(&t, "kvd_bad_messages_total", "counter", "Malformed messages refused.", (double)st.bad_messages);
-    metric(&t, "kvd_kv_bytes_per_token", "gauge", "K and V bytes of one token, all layers.",
-           (double)st.kv_bytes_per_token);
-    tprintf(&t, "# HELP kvd_worker_running Requests running on a worker.\n# TYPE kvd_worker_running gauge\n");
-    for (uint32_t i = 0; i < st.n_workers; i++)
-        tprintf(&t, "kvd_worker_running{worker=\"%u\"} %u\n", st.workers[i].id, st.workers[i].running);
-    tprintf(&t, "# HELP kvd_worker_restarts_total Restarts of a worker.\n# TYPE kvd_worker_restarts_total counter\n");
-    for (uint32_t i = 0; i < st.n_workers; i++)
-        tprintf(&t, "kvd_worker_restarts_total{worker=\"%u\"} %u\n", st.workers[i].id, st.workers[i].restarts);
-    enum MHD_Result ok = send_text(c, 200, "text/plain; version=0.0.4", t.s ? t.s : "", t.len, 0);
-    free(t.s);
+    char *text = kvd_stats_prometheus(&st);
+    if (text == NULL)
+        return MHD_NO;
+    enum MHD_Result ok = send_text(c, 200, "text/plain; version=0.0.4", text, strlen(text), 0);
+    free(text);
     return ok;
 }
 

@@ -29,6 +29,7 @@ struct options {
     const char *endpoint;       /* -e; NULL: kvd_default_endpoint() */
     int timeout_ms;             /* --timeout; 0: the library's default */
     bool json;                  /* --json */
+    bool prometheus;            /* stats --prometheus */
     bool chat;                  /* --chat */
     bool stream;                /* not --no-stream */
     const char *system;         /* --system / --system-file contents */
@@ -78,7 +79,7 @@ static void usage(FILE *f)
           "\n"
           "commands:\n"
           "  generate [options] PROMPT  generate a continuation of PROMPT (\"-\": read stdin)\n"
-          "  stats [--json]             the daemon's statistics\n"
+          "  stats [--json | --prometheus]  the daemon's statistics (--prometheus: as /metrics)\n"
           "  health                     print ok / not ok (exit status 0 / 1)\n"
           "\n"
           "global options:\n"
@@ -170,7 +171,7 @@ static int32_t *parse_ids(const char *s, size_t *n)
 enum {
     OPT_TIMEOUT = 256, OPT_CHAT, OPT_SYSTEM, OPT_SYSTEM_FILE, OPT_JSON, OPT_TEMP, OPT_TOPK,
     OPT_TOPP, OPT_MINP, OPT_REPEAT, OPT_SEED, OPT_STOP, OPT_NS, OPT_NO_CACHE, OPT_DEADLINE,
-    OPT_IGNORE_EOS, OPT_NO_STREAM, OPT_IDS,
+    OPT_IGNORE_EOS, OPT_NO_STREAM, OPT_IDS, OPT_PROM,
 };
 
 static int parse_timeout(const char *s)
@@ -183,6 +184,7 @@ static void parse_simple(int argc, char **argv, struct options *o)
 {
     static const struct option longs[] = {
         { "json", no_argument, NULL, OPT_JSON },
+        { "prometheus", no_argument, NULL, OPT_PROM },
         { "endpoint", required_argument, NULL, 'e' },
         { "timeout", required_argument, NULL, OPT_TIMEOUT },
         { "help", no_argument, NULL, 'h' },
@@ -199,6 +201,11 @@ static void parse_simple(int argc, char **argv, struct options *o)
             if (!is_stats)
                 die_usage("%s takes no --json", argv[0]);
             o->json = true;
+            break;
+        case OPT_PROM:
+            if (!is_stats)
+                die_usage("%s takes no --prometheus", argv[0]);
+            o->prometheus = true;
             break;
         case 'h': usage(stdout); exit(0);
         case ':': die_usage("option %s needs a value", argv[optind - 1]);
@@ -470,12 +477,20 @@ static int cmd_generate(kvd_client_t *c, struct options *o)
     die_call(rc, r.error, r.retry_after_ms);
 }
 
-static int cmd_stats(kvd_client_t *c, bool json)
+static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
 {
     struct kvd_stats s;
     int rc = kvd_stats(c, &s);
     if (rc != 0)
         return rc;
+    if (prometheus) {
+        char *text = kvd_stats_prometheus(&s);
+        if (text == NULL)
+            die("out of memory");
+        fputs(text, stdout);
+        free(text);
+        return 0;
+    }
     if (json) {
         printf("{\"requests_running\":%llu,\"requests_queued\":%llu,\"requests_done\":%llu,"
                "\"requests_failed\":%llu,\"prompt_tokens\":%llu,\"cached_prompt_tokens\":%llu,"
@@ -565,7 +580,7 @@ int main(int argc, char **argv)
     if (strcmp(cmd, "generate") == 0) {
         status = cmd_generate(c, &o);
     } else if (strcmp(cmd, "stats") == 0) {
-        int rc = cmd_stats(c, o.json);
+        int rc = cmd_stats(c, o.json, o.prometheus);
         if (rc != 0)
             die_simple(rc, o.endpoint, o.timeout_ms);
         status = 0;

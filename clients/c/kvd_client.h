@@ -145,6 +145,15 @@ struct kvd_stats {
 
 int kvd_stats(kvd_client_t *c, struct kvd_stats *out);
 
+/* The statistics in Prometheus' text format (version 0.0.4), as kvd's HTTP
+ * /metrics serves them: vLLM's names for what an inference gateway reads
+ * (vllm:num_requests_running, vllm:num_requests_waiting,
+ * vllm:kv_cache_usage_perc, vllm:prefix_cache_queries_total and _hits_total in
+ * tokens, vllm:num_preemptions_total, vllm:prompt_tokens_total,
+ * vllm:generation_tokens_total, vllm:cache_config_info), kvd's own under kvd_.
+ * A malloc'd string, or NULL without memory. */
+char *kvd_stats_prometheus(const struct kvd_stats *s);
+
 /* ok: at least one worker is alive. */
 int kvd_health(kvd_client_t *c, bool *ok, uint32_t *workers_alive);
 

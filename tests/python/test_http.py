@@ -7,16 +7,18 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvd_client
-from conftest import LONG_SYSTEM, MODEL, Daemon, _stop_checked
+from conftest import BIN_DIR, LONG_SYSTEM, MODEL, Daemon, _stop_checked
 
 MODEL_ID = MODEL.name.removesuffix(".gguf")
 
@@ -47,9 +49,10 @@ class HttpDaemon:
         finally:
             c.close()
 
-    def post(self, path: str, obj: object) -> tuple[int, dict[str, str], dict]:
+    def post(self, path: str, obj: object) -> tuple[int, dict[str, str], dict[str, Any]]:
         status, headers, body = self.request("POST", path, json.dumps(obj))
-        return status, headers, json.loads(body)
+        out: dict[str, Any] = json.loads(body)
+        return status, headers, out
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +64,8 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
     _stop_checked(h.d)
 
 
-CHAT = [{"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "Name three colours."}]
+CHAT: list[Any] = [{"role": "system", "content": "You are a helpful assistant."},
+                   {"role": "user", "content": "Name three colours."}]
 
 
 def test_models_and_probes(api: HttpDaemon) -> None:
@@ -134,7 +137,8 @@ def test_completions_prompt_forms(api: HttpDaemon) -> None:
 
 
 def test_shared_system_prompt_is_cached(api: HttpDaemon) -> None:
-    msgs = [{"role": "system", "content": LONG_SYSTEM * 2}, {"role": "user", "content": "Topic 3, please."}]
+    msgs: list[Any] = [{"role": "system", "content": LONG_SYSTEM * 2},
+                       {"role": "user", "content": "Topic 3, please."}]
     api.oai.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=2, temperature=0)
     msgs[1]["content"] = "And topic 5?"
     r = api.oai.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=2, temperature=0)
@@ -143,9 +147,8 @@ def test_shared_system_prompt_is_cached(api: HttpDaemon) -> None:
 
 
 def test_n_with_seed_is_reproducible_and_stop(api: HttpDaemon) -> None:
-    kw = dict(model=MODEL_ID, messages=CHAT, max_tokens=12, temperature=1.0, seed=7, n=3)
-    a = api.oai.chat.completions.create(**kw)
-    b = api.oai.chat.completions.create(**kw)
+    a, b = (api.oai.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=12, temperature=1.0,
+                                            seed=7, n=3) for _ in range(2))
     assert [c.index for c in a.choices] == [0, 1, 2]
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
     greedy = api.oai.completions.create(model=MODEL_ID, prompt="One, two, three, four,", max_tokens=12,
@@ -157,9 +160,9 @@ def test_n_with_seed_is_reproducible_and_stop(api: HttpDaemon) -> None:
     assert cut.choices[0].finish_reason == "stop"
 
 
-def error_of(status: int, body: dict, want_status: int, param: str | None = None) -> dict:
+def error_of(status: int, body: dict[str, Any], want_status: int, param: str | None = None) -> dict[str, Any]:
     assert status == want_status, body
-    err = body["error"]
+    err: dict[str, Any] = body["error"]
     assert isinstance(err["message"], str) and err["message"]
     assert set(err) >= {"message", "type", "param", "code"}
     if param is not None:
@@ -228,7 +231,7 @@ def test_metrics(api: HttpDaemon) -> None:
     def read() -> dict[str, float]:
         s, _, raw = api.request("GET", "/metrics")
         assert s == 200
-        out = {}
+        out: dict[str, float] = {}
         for fam in text_string_to_metric_families(raw.decode()):
             for sample in fam.samples:
                 out[sample.name] = sample.value
@@ -244,6 +247,12 @@ def test_metrics(api: HttpDaemon) -> None:
     assert after["vllm:generation_tokens_total"] >= before["vllm:generation_tokens_total"] + 5
     assert after["vllm:prompt_tokens_total"] > before["vllm:prompt_tokens_total"]
     assert 0.0 <= after["vllm:kv_cache_usage_perc"] <= 1.0
+    # kvcli stats --prometheus prints the same families
+    out = subprocess.run([str(BIN_DIR / "kvcli"), "-e", api.d.endpoint, "stats", "--prometheus"], check=True,
+                         capture_output=True, text=True).stdout
+    names = {f.name for f in text_string_to_metric_families(out)}
+    _, _, raw = api.request("GET", "/metrics")
+    assert names == {f.name for f in text_string_to_metric_families(raw.decode())}
 
 
 def test_overloaded_is_429_with_retry_after(tmp_path: Path) -> None:
