@@ -84,10 +84,12 @@ def test_chat_greedy_matches_zeromq_and_stream(api: HttpDaemon) -> None:
     text = r.choices[0].message.content
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason in ("stop", "length")
-    assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 0
-    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    assert r.usage.prompt_tokens_details is not None
-    assert r.usage.prompt_tokens_details.cached_tokens is not None
+    u = r.usage
+    assert u is not None
+    assert u.completion_tokens > 0 and u.prompt_tokens > 0
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details is not None
+    assert u.prompt_tokens_details.cached_tokens is not None
     with kvd_client.Client(api.d.endpoint, timeout=api.d.patience) as c:
         z = c.generate(messages=CHAT, max_tokens=16, temperature=0)
     assert text == z.text
@@ -111,7 +113,7 @@ def test_chat_greedy_matches_zeromq_and_stream(api: HttpDaemon) -> None:
     assert roles == ["assistant"]
     assert "".join(pieces) == text
     assert finish == r.choices[0].finish_reason
-    assert usage is not None and usage.completion_tokens == r.usage.completion_tokens
+    assert usage is not None and usage.completion_tokens == u.completion_tokens
 
 
 def test_completions_prompt_forms(api: HttpDaemon) -> None:
@@ -142,8 +144,11 @@ def test_shared_system_prompt_is_cached(api: HttpDaemon) -> None:
     api.oai.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=2, temperature=0)
     msgs[1]["content"] = "And topic 5?"
     r = api.oai.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=2, temperature=0)
-    assert r.usage.prompt_tokens > 1000
-    assert r.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 48
+    u = r.usage
+    assert u is not None and u.prompt_tokens_details is not None
+    cached = u.prompt_tokens_details.cached_tokens
+    assert u.prompt_tokens > 1000
+    assert cached is not None and cached >= u.prompt_tokens - 48
 
 
 def test_n_with_seed_is_reproducible_and_stop(api: HttpDaemon) -> None:
