@@ -270,3 +270,45 @@ def test_overloaded_is_429_with_retry_after(tmp_path: Path) -> None:
         assert h.request("GET", "/health")[0] == 200    # but the loop runs
     finally:
         _stop_checked(h.d)
+
+
+def open_fds(pid: int) -> int:
+    return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+
+
+def test_bad_http_keeps_serving(api: HttpDaemon) -> None:
+    pid = api.d.proc.pid
+    api.oai.models.list()
+    fds = open_fds(pid)
+    # a 100 MB body: 413, read and dropped
+    s, _, raw = api.request("POST", "/v1/completions", b"{" + b" " * (100 << 20) + b"}")
+    error_of(s, json.loads(raw), 413)
+    # invalid UTF-8 in a prompt
+    s, _, raw = api.request("POST", "/v1/completions", b'{"prompt": "caf\xe9 \xff", "max_tokens": 2}')
+    error_of(s, json.loads(raw), 400)
+    # half requests that never finish (slowloris) while a whole one is served
+    slow = []
+    for i in range(40):
+        c = socket.create_connection(("127.0.0.1", api.port))
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"prompt\"" if i % 2
+                  else b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        slow.append(c)
+    r = api.oai.completions.create(model=MODEL_ID, prompt="Hello", max_tokens=2, temperature=0)
+    assert r.choices[0].text
+    for c in slow:
+        c.close()
+    # 1,000 connections opened and dropped, some with a partial request
+    for i in range(1000):
+        c = socket.create_connection(("127.0.0.1", api.port))
+        if i % 3 == 0:
+            c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Type: application/json\r\n")
+        c.close()
+    assert api.request("GET", "/health")[0] == 200
+    # the descriptors come back, and no block is held
+    deadline = time.monotonic() + 30
+    while open_fds(pid) > fds + 4 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert open_fds(pid) <= fds + 4, f"{open_fds(pid)} descriptors, {fds} before"
+    with kvd_client.Client(api.d.endpoint, timeout=api.d.patience) as z:
+        st = z.stats()
+    assert st.blocks_in_use == 0 and st.requests_running == 0
