@@ -130,11 +130,20 @@ struct worker {
     bool unusable;                  /* exited with CLI_EXIT_UNUSABLE: never restarted */
 };
 
+/* A latency histogram in seconds over KVD_HIST_BOUNDS (requests.c). */
+#define KVD_HIST_N 15
+struct kvd_hist {
+    uint64_t counts[KVD_HIST_N + 1];    /* the last: above the last bound */
+    double sum;
+};
+
 struct kvd_stats_counters {
     uint64_t done, failed;
     uint64_t prompt_tokens, cached_prompt_tokens, completion_tokens;
     uint64_t preemptions;
     uint64_t bad_messages;
+    struct kvd_hist ttft, e2e, queue, itl;
+    uint64_t finished_stop, finished_length, finished_abort;
 };
 
 struct kcuda_vmm;

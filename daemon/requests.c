@@ -167,12 +167,47 @@ static void stream_out(struct kvd *k, struct request *r, bool final)
     r->sent_tokens = n_gen;
 }
 
+/* Upper bounds of the latency histograms, seconds (vLLM's TTFT buckets, cut). */
+static const double hist_bounds[KVD_HIST_N] = { 0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25,
+                                                0.5, 1.0, 2.5, 5.0, 10.0, 20.0 };
+
+/* Adds n observations of v seconds. */
+static void hist_add(struct kvd_hist *h, double v, uint64_t n)
+{
+    int b = 0;
+    while (b < KVD_HIST_N && v > hist_bounds[b])
+        b++;
+    h->counts[b] += n;
+    h->sum += v * (double)n;
+}
+
+/* The latencies and finish reason of a request that ends now. */
+static void observe(struct kvd *k, const struct request *r, double now, uint32_t n_gen)
+{
+    if (r->failed || r->finish == KVD__FINISH_REASON__FINISH_CANCELLED ||
+        r->finish == KVD__FINISH_REASON__FINISH_DEADLINE)
+        k->st.finished_abort++;
+    else if (r->finish == KVD__FINISH_REASON__FINISH_STOP)
+        k->st.finished_stop++;
+    else
+        k->st.finished_length++;
+    if (r->failed)
+        return;
+    hist_add(&k->st.e2e, (now - r->t_arrival) / 1e3, 1);
+    hist_add(&k->st.queue, ((r->t_dispatch > 0 ? r->t_dispatch : now) - r->t_arrival) / 1e3, 1);
+    if (r->t_first > 0)
+        hist_add(&k->st.ttft, (r->t_first - r->t_arrival) / 1e3, 1);
+    if (r->t_first > 0 && n_gen > 1)    /* the mean gap, once per gap */
+        hist_add(&k->st.itl, (r->t_last - r->t_first) / 1e3 / (n_gen - 1), n_gen - 1);
+}
+
 /* Ends r: the final reply (or error), statistics, and its memory. r must be
  * in no list and hold no blocks. */
 static void finish(struct kvd *k, struct request *r)
 {
     double now = cli_now_ms();
     uint32_t n_gen = r->n_tok - r->n_prompt;
+    observe(k, r, now, n_gen);
     if (r->failed) {
         k->st.failed++;
         if (r->rid_len)
@@ -891,6 +926,25 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t
     char kv_type[64];
     kv_describe(&k->o.kv, kv_type, sizeof(kv_type));
     s.kv_type = kv_type;
+    Kvd__Histogram h[4] = { KVD__HISTOGRAM__INIT, KVD__HISTOGRAM__INIT, KVD__HISTOGRAM__INIT,
+                            KVD__HISTOGRAM__INIT };
+    struct kvd_hist *src[4] = { &k->st.ttft, &k->st.e2e, &k->st.queue, &k->st.itl };
+    for (int i = 0; i < 4; i++) {
+        h[i].bounds = (double *)hist_bounds;
+        h[i].n_bounds = KVD_HIST_N;
+        h[i].counts = src[i]->counts;
+        h[i].n_counts = KVD_HIST_N + 1;
+        h[i].has_sum = true;
+        h[i].sum = src[i]->sum;
+    }
+    s.ttft_seconds = &h[0];
+    s.e2e_seconds = &h[1];
+    s.queue_seconds = &h[2];
+    s.itl_seconds = &h[3];
+    s.has_finished_stop = s.has_finished_length = s.has_finished_abort = true;
+    s.finished_stop = k->st.finished_stop;
+    s.finished_length = k->st.finished_length;
+    s.finished_abort = k->st.finished_abort;
     size_t n = 0;
     for (int i = 0; i < KVD_MAX_WORKERS; i++) {
         const struct worker *w = &k->workers[i];

@@ -816,6 +816,22 @@ int kvd_cancel(kvd_client_t *c, uint64_t request_id)
     return rc;
 }
 
+/* A histogram from the daemon, when it is well formed (bounds increasing,
+ * one count more than bounds); else none. */
+static void take_hist(const Kvd__Histogram *h, struct kvd_histogram *out)
+{
+    memset(out, 0, sizeof(*out));
+    if (h == NULL || h->n_bounds == 0 || h->n_bounds > KVD_HIST_MAX || h->n_counts != h->n_bounds + 1)
+        return;
+    for (size_t i = 1; i < h->n_bounds; i++)
+        if (!(h->bounds[i] > h->bounds[i - 1]))
+            return;
+    out->n_bounds = (uint32_t)h->n_bounds;
+    memcpy(out->bounds, h->bounds, h->n_bounds * sizeof(double));
+    memcpy(out->counts, h->counts, h->n_counts * sizeof(uint64_t));
+    out->sum = h->sum;
+}
+
 static void take_stats(const Kvd__Stats *s, struct kvd_stats *out)
 {
     out->requests_running = s->requests_running;
@@ -842,6 +858,13 @@ static void take_stats(const Kvd__Stats *s, struct kvd_stats *out)
     out->evictions = s->evictions;
     out->preemptions = s->preemptions;
     out->bad_messages = s->bad_messages;
+    take_hist(s->ttft_seconds, &out->ttft);
+    take_hist(s->e2e_seconds, &out->e2e);
+    take_hist(s->queue_seconds, &out->queue);
+    take_hist(s->itl_seconds, &out->itl);
+    out->finished_stop = s->finished_stop;
+    out->finished_length = s->finished_length;
+    out->finished_abort = s->finished_abort;
     size_t cap = sizeof(out->workers) / sizeof(out->workers[0]);
     for (size_t i = 0; i < s->n_workers && out->n_workers < cap; i++) {
         const Kvd__WorkerStats *w = s->workers[i];
@@ -950,6 +973,20 @@ static void metric(struct text *t, const char *name, const char *type, const cha
     tprintf(t, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, v);
 }
 
+static void histogram(struct text *t, const char *name, const char *help, const struct kvd_histogram *h)
+{
+    tprintf(t, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (uint32_t i = 0; i < h->n_bounds; i++) {
+        cum += h->counts[i];
+        tprintf(t, "%s_bucket{le=\"%g\"} %llu\n", name, h->bounds[i], (unsigned long long)cum);
+    }
+    if (h->n_bounds > 0)
+        cum += h->counts[h->n_bounds];
+    tprintf(t, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.17g\n%s_count %llu\n", name, (unsigned long long)cum, name,
+            h->sum, name, (unsigned long long)cum);
+}
+
 char *kvd_stats_prometheus(const struct kvd_stats *st)
 {
     struct text t = { 0 };
@@ -970,6 +1007,18 @@ char *kvd_stats_prometheus(const struct kvd_stats *st)
                 "# TYPE vllm:cache_config_info gauge\n"
                 "vllm:cache_config_info{block_size=\"%u\",num_gpu_blocks=\"%u\",cache_dtype=\"%s\"} 1\n",
             st->block_tokens, st->blocks_total, st->kv_type);
+    tprintf(&t, "# HELP vllm:request_success_total Finished requests by finish reason.\n"
+                "# TYPE vllm:request_success_total counter\n"
+                "vllm:request_success_total{finished_reason=\"stop\"} %llu\n"
+                "vllm:request_success_total{finished_reason=\"length\"} %llu\n"
+                "vllm:request_success_total{finished_reason=\"abort\"} %llu\n",
+            (unsigned long long)st->finished_stop, (unsigned long long)st->finished_length,
+            (unsigned long long)st->finished_abort);
+    histogram(&t, "vllm:time_to_first_token_seconds", "Arrival to first token.", &st->ttft);
+    histogram(&t, "vllm:e2e_request_latency_seconds", "Arrival to the final reply.", &st->e2e);
+    histogram(&t, "vllm:request_queue_time_seconds", "Arrival to dispatch.", &st->queue);
+    histogram(&t, "vllm:inter_token_latency_seconds", "Between tokens (a request's mean gap, per gap).",
+              &st->itl);
     metric(&t, "kvd_requests_done_total", "counter", "Requests finished.", (double)st->requests_done);
     metric(&t, "kvd_requests_failed_total", "counter", "Requests failed.", (double)st->requests_failed);
     metric(&t, "kvd_blocks_total", "gauge", "KV blocks in the pool.", st->blocks_total);

@@ -130,6 +130,14 @@ struct kvd_worker_stats {
     uint32_t restarts;
 };
 
+#define KVD_HIST_MAX 32
+struct kvd_histogram {
+    uint32_t n_bounds;              /* 0: the daemon sent none */
+    double bounds[KVD_HIST_MAX];    /* upper bounds, increasing */
+    uint64_t counts[KVD_HIST_MAX + 1];  /* per bucket (not cumulative); the last above every bound */
+    double sum;
+};
+
 struct kvd_stats {
     uint64_t requests_running, requests_queued, requests_done, requests_failed;
     uint64_t prompt_tokens, cached_prompt_tokens, completion_tokens;
@@ -141,6 +149,10 @@ struct kvd_stats {
     uint64_t evictions, preemptions, bad_messages;
     struct kvd_worker_stats workers[64];
     uint32_t n_workers;             /* entries of workers used */
+    /* latencies of finished requests, seconds: time to first token, end to end,
+     * queued, and between tokens (each request's mean gap, once per gap) */
+    struct kvd_histogram ttft, e2e, queue, itl;
+    uint64_t finished_stop, finished_length, finished_abort;   /* by finish reason */
 };
 
 int kvd_stats(kvd_client_t *c, struct kvd_stats *out);

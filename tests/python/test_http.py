@@ -245,13 +245,20 @@ def test_metrics(api: HttpDaemon) -> None:
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                 "vllm:cache_config_info", "kvd_blocks_free", "kvd_evictions_total"):
+                 "vllm:cache_config_info", "kvd_blocks_free", "kvd_evictions_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:request_queue_time_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:request_success_total"):
         assert name in before, name
     api.oai.completions.create(model=MODEL_ID, prompt="Counting: one, two,", max_tokens=5, temperature=0)
     after = read()
     assert after["vllm:generation_tokens_total"] >= before["vllm:generation_tokens_total"] + 5
     assert after["vllm:prompt_tokens_total"] > before["vllm:prompt_tokens_total"]
     assert 0.0 <= after["vllm:kv_cache_usage_perc"] <= 1.0
+    assert after["vllm:e2e_request_latency_seconds_count"] == before["vllm:e2e_request_latency_seconds_count"] + 1
+    assert after["vllm:time_to_first_token_seconds_count"] == before["vllm:time_to_first_token_seconds_count"] + 1
+    assert after["vllm:inter_token_latency_seconds_count"] >= before["vllm:inter_token_latency_seconds_count"] + 4
+    assert after["vllm:e2e_request_latency_seconds_sum"] > before["vllm:e2e_request_latency_seconds_sum"]
     # kvcli stats --prometheus prints the same families
     out = subprocess.run([str(BIN_DIR / "kvcli"), "-e", api.d.endpoint, "stats", "--prometheus"], check=True,
                          capture_output=True, text=True).stdout
