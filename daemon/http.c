@@ -36,12 +36,31 @@
 #define MAX_STOP 8
 #define CLIENT_TIMEOUT_MS 600000    /* the longest wait for kvd's next message */
 
+/* HTTP statuses counted for /metrics (kvd_http_requests_total{code}). */
+static const unsigned counted[] = { 200, 400, 404, 405, 413, 415, 429, 500, 503, 504 };
+#define N_COUNTED (sizeof(counted) / sizeof(counted[0]))
+
 struct http_server {
     struct MHD_Daemon *d;
     struct http_params p;
     char *bind, *endpoint, *model_id;
     time_t created;
+    _Atomic uint64_t by_status[N_COUNTED + 1];  /* the last: any other status */
 };
+
+/* The server whose request this thread is answering (one thread per
+ * connection, so per connection), for the status counters. */
+static __thread struct http_server *tl_server;
+
+static void count_status(unsigned status)
+{
+    if (tl_server == NULL)
+        return;
+    size_t i = 0;
+    while (i < N_COUNTED && counted[i] != status)
+        i++;
+    atomic_fetch_add(&tl_server->by_status[i], 1);
+}
 
 /* One HTTP request as libmicrohttpd delivers it: the body gathered. */
 struct conn {
@@ -66,6 +85,7 @@ static enum MHD_Result send_text(struct MHD_Connection *c, unsigned status, cons
     }
     enum MHD_Result ok = MHD_queue_response(c, status, r);
     MHD_destroy_response(r);
+    count_status(status);
     return ok;
 }
 
@@ -733,6 +753,7 @@ static enum MHD_Result run_stream(struct MHD_Connection *c, const struct http_se
     MHD_add_response_header(resp, "Cache-Control", "no-cache");
     enum MHD_Result ok = MHD_queue_response(c, 200, resp);
     MHD_destroy_response(resp);
+    count_status(200);
     return ok;
 }
 
@@ -772,8 +793,23 @@ static enum MHD_Result route_metrics(struct MHD_Connection *c, const struct http
     char *text = kvd_stats_prometheus(&st);
     if (text == NULL)
         return MHD_NO;
-    enum MHD_Result ok = send_text(c, 200, "text/plain; version=0.0.4", text, strlen(text), 0);
-    free(text);
+    /* and this front end's own: responses by status */
+    size_t len = strlen(text), cap = len + 128 + 64 * (N_COUNTED + 1);
+    char *all = realloc(text, cap);
+    if (all == NULL) {
+        free(text);
+        return MHD_NO;
+    }
+    len += (size_t)snprintf(all + len, cap - len, "# HELP kvd_http_requests_total HTTP responses by status.\n"
+                                                  "# TYPE kvd_http_requests_total counter\n");
+    for (size_t i = 0; i <= N_COUNTED; i++) {
+        char code[8];
+        snprintf(code, sizeof(code), "%u", i < N_COUNTED ? counted[i] : 0u);
+        len += (size_t)snprintf(all + len, cap - len, "kvd_http_requests_total{code=\"%s\"} %llu\n",
+                                i < N_COUNTED ? code : "other", (unsigned long long)atomic_load(&s->by_status[i]));
+    }
+    enum MHD_Result ok = send_text(c, 200, "text/plain; version=0.0.4", all, len, 0);
+    free(all);
     return ok;
 }
 
@@ -782,8 +818,9 @@ static enum MHD_Result route_metrics(struct MHD_Connection *c, const struct http
 static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                               const char *version, const char *upload, size_t *upload_size, void **con_cls)
 {
-    const struct http_server *s = cls;
+    struct http_server *s = cls;
     (void)version;
+    tl_server = s;
     struct conn *cn = *con_cls;
     if (cn == NULL) {
         cn = calloc(1, sizeof(*cn));
