@@ -781,6 +781,80 @@ static enum MHD_Result route_models(struct MHD_Connection *c, const struct http_
                      0);
 }
 
+/* POST /tokenize {"prompt": text} or {"messages": [...]}: {"tokens", "count",
+ * "max_model_len"}; POST /detokenize {"tokens": [...]}: {"prompt"} (vLLM's shapes). */
+static enum MHD_Result route_tokens(struct MHD_Connection *c, const struct http_server *s, json_t *o, bool detok)
+{
+    if (!json_is_object(o))
+        return send_error(c, 400, "the body must be a JSON object", NULL, NULL, 0);
+    json_t *model = json_object_get(o, "model");
+    if (json_is_string(model) && strcmp(json_string_value(model), s->model_id) != 0)
+        return send_error(c, 404, "no such model", "model", "model_not_found", 0);
+    char err[256];
+    kvd_client_t *kc = kvd_client_new(s->endpoint, CLIENT_TIMEOUT_MS, err, sizeof(err));
+    if (kc == NULL)
+        return send_error(c, 503, err, NULL, NULL, 0);
+    enum MHD_Result ok;
+    int rc;
+    if (detok) {
+        json_t *a = json_object_get(o, "tokens");
+        struct prompt p = { 0 };
+        struct bad b = { "", NULL };
+        if (!json_is_array(a) || get_ids(a, "tokens", &p, &b) != 0) {
+            free(p.ids);
+            kvd_client_destroy(&kc);
+            return send_error(c, 400, b.msg[0] ? b.msg : "'tokens' must be a list of token ids", "tokens", NULL, 0);
+        }
+        char *text = NULL;
+        rc = kvd_detokenize(kc, p.ids, p.n_ids, &text, err, sizeof(err));
+        free(p.ids);
+        ok = rc == 0 ? send_json(c, 200, json_pack("{s:s}", "prompt", text), 0)
+                     : send_error(c, status_of(rc, &(const char *){ NULL }), err[0] ? err : kvd_strerror(rc),
+                                  "tokens", NULL, 0);
+        free(text);
+    } else {
+        struct oai_req r = { 0 };
+        struct bad b = { "", NULL };
+        json_t *m = json_object_get(o, "messages");
+        const char *text = json_string_value(json_object_get(o, "prompt"));
+        if (m != NULL) {
+            r.chat = true;
+            r.root = o;
+            unsigned st;
+            json_t *probe = json_pack("{s:O}", "messages", m);   /* parse_request's checks, messages only */
+            r.root = probe;
+            if (parse_request(&r, s, &b, &st) != 0) {
+                free(r.msgs);
+                json_decref(probe);
+                kvd_client_destroy(&kc);
+                return send_error(c, 400, b.msg, b.param, NULL, 0);
+            }
+        } else if (text == NULL) {
+            kvd_client_destroy(&kc);
+            return send_error(c, 400, "give 'prompt' (a string) or 'messages'", "prompt", NULL, 0);
+        }
+        int32_t *ids = NULL;
+        size_t n = 0;
+        uint32_t max_ctx = 0;
+        rc = kvd_tokenize(kc, m ? NULL : text, r.msgs, r.n_msgs, &ids, &n, &max_ctx, err, sizeof(err));
+        free(r.msgs);
+        if (m != NULL)
+            json_decref(r.root);
+        if (rc == 0) {
+            json_t *arr = json_array();
+            for (size_t i = 0; i < n; i++)
+                json_array_append_new(arr, json_integer(ids[i]));
+            ok = send_json(c, 200, json_pack("{s:o, s:I, s:I}", "tokens", arr, "count", (json_int_t)n,
+                                             "max_model_len", (json_int_t)max_ctx), 0);
+        } else {
+            ok = send_error(c, status_of(rc, &(const char *){ NULL }), err[0] ? err : kvd_strerror(rc), NULL, NULL, 0);
+        }
+        free(ids);
+    }
+    kvd_client_destroy(&kc);
+    return ok;
+}
+
 /* /metrics: kvd's statistics in Prometheus' text format (kvd_stats_prometheus). */
 static enum MHD_Result route_metrics(struct MHD_Connection *c, const struct http_server *s)
 {
@@ -862,7 +936,8 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
     if (get && strcmp(url, "/metrics") == 0)
         return route_metrics(c, s);
     const bool chat = strcmp(url, "/v1/chat/completions") == 0, compl = strcmp(url, "/v1/completions") == 0;
-    if (!chat && !compl) {
+    const bool tokz = strcmp(url, "/tokenize") == 0, detok = strcmp(url, "/detokenize") == 0;
+    if (!chat && !compl && !tokz && !detok) {
         char msg[300];
         snprintf(msg, sizeof(msg), "no route %s %.200s", method, url);
         return send_error(c, 404, msg, NULL, NULL, 0);
@@ -880,7 +955,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
     struct oai_req *r = calloc(1, sizeof(*r));
     if (r == NULL)
         return MHD_NO;
-    r->chat = chat;
+    r->chat = chat || tokz;
     json_error_t je;
     r->root = json_loadb(cn->body ? cn->body : "", cn->len, JSON_REJECT_DUPLICATES, &je);
     if (r->root == NULL) {
@@ -889,6 +964,11 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         snprintf(msg, sizeof(msg), "the body is not valid JSON: %s (line %d, column %d)", je.text, je.line,
                  je.column);
         return send_error(c, 400, msg, NULL, NULL, 0);
+    }
+    if (tokz || detok) {
+        enum MHD_Result ok = route_tokens(c, s, r->root, detok);
+        oai_free(r);
+        return ok;
     }
     struct bad b = { "", NULL };
     unsigned status;

@@ -969,6 +969,89 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t
     reply(k, rid, rid_len, id, &m);
 }
 
+/* Appends the UTF-8 in s[0..n) to out, each byte of an invalid sequence as U+FFFD. */
+static void append_utf8(char *out, size_t *len, const char *s, size_t n)
+{
+    size_t i = 0;
+    while (i < n) {
+        const unsigned char c = (unsigned char)s[i];
+        size_t want = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        bool ok = want > 0 && i + want <= n;
+        for (size_t j = 1; ok && j < want; j++)
+            ok = ((unsigned char)s[i + j] >> 6) == 2;
+        if (ok) {
+            memcpy(out + *len, s + i, want);
+            *len += want;
+            i += want;
+        } else {
+            memcpy(out + *len, "\xef\xbf\xbd", 3);
+            *len += 3;
+            i++;
+        }
+    }
+}
+
+/* Tokenize (text or chat, as a generate request's prompt would be) or
+ * detokenize (ids). */
+static void on_tokenize(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id,
+                        const Kvd__TokenizeRequest *t)
+{
+    Kvd__ServerReply m = KVD__SERVER_REPLY__INIT;
+    Kvd__Tokens out = KVD__TOKENS__INIT;
+    out.has_max_context = true;
+    out.max_context = k->n_ctx;
+    struct request tmp;
+    memset(&tmp, 0, sizeof(tmp));
+    char msg[256] = "";
+    char *text = NULL;
+    if (t->n_token_ids > 0) {
+        for (size_t i = 0; i < t->n_token_ids && !msg[0]; i++)
+            if ((uint32_t)t->token_ids[i] >= k->model->cfg.n_vocab)
+                snprintf(msg, sizeof(msg), "token id %d is out of range (the vocabulary has %u tokens)",
+                         t->token_ids[i], k->model->cfg.n_vocab);
+        size_t need = 0;
+        char *raw = NULL;
+        if (!msg[0] && tok_decode(k->tok, t->token_ids, t->n_token_ids, NULL, 0, &need) == KVD_ERANGE) {
+            raw = malloc(need + 1);
+            text = malloc(need * 3 + 1);
+            size_t rl = 0, tl = 0;
+            if (raw == NULL || text == NULL ||
+                tok_decode(k->tok, t->token_ids, t->n_token_ids, raw, need + 1, &rl) != 0) {
+                snprintf(msg, sizeof(msg), "cannot detokenize (out of memory)");
+            } else {
+                append_utf8(text, &tl, raw, rl);
+                text[tl] = '\0';
+                out.text = text;
+            }
+        } else if (!msg[0]) {
+            out.text = "";
+        }
+        free(raw);
+    } else {
+        Kvd__GenerateRequest g = KVD__GENERATE_REQUEST__INIT;
+        g.prompt = t->text;
+        g.messages = t->messages;
+        g.n_messages = t->n_messages;
+        const int code = build_prompt(k, &tmp, &g, msg, sizeof(msg));
+        if (code != 0 && !msg[0])
+            snprintf(msg, sizeof(msg), "cannot tokenize: error %d", code);
+        if (code == 0) {
+            out.token_ids = tmp.tok;
+            out.n_token_ids = tmp.n_tok;
+        }
+    }
+    if (msg[0]) {
+        k->st.bad_messages++;
+        reply_error(k, rid, rid_len, id, KVD__ERROR_CODE__ERR_BAD_REQUEST, msg, 0);
+    } else {
+        m.body_case = KVD__SERVER_REPLY__BODY_TOKENS;
+        m.tokens = &out;
+        reply(k, rid, rid_len, id, &m);
+    }
+    free(tmp.tok);
+    free(text);
+}
+
 static void on_health(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id)
 {
     Kvd__ServerReply m = KVD__SERVER_REPLY__INIT;
@@ -1021,6 +1104,9 @@ void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const void
         break;
     case KVD__CLIENT_REQUEST__BODY_HEALTH:
         on_health(k, rid, rid_len, id);
+        break;
+    case KVD__CLIENT_REQUEST__BODY_TOKENIZE:
+        on_tokenize(k, rid, rid_len, id, m->tokenize);
         break;
     default:
         k->st.bad_messages++;

@@ -479,35 +479,36 @@ static int check_blocks(size_t n, const char *path, char *err, size_t errlen)
 
 /* ---- client requests ----------------------------------------------------------------- */
 
-static int check_messages(const Kvd__GenerateRequest *g, char *err, size_t errlen)
+/* Chat messages of a request (`what`: "generate" or "tokenize"). */
+static int check_messages(Kvd__ChatMessage *const *msgs, size_t n_msgs, const char *what, char *err,
+                          size_t errlen)
 {
-    if (g->n_messages > WIRE_MAX_MESSAGES)
+    if (n_msgs > WIRE_MAX_MESSAGES)
         return kvd_seterr(err, errlen, KVD_ERANGE,
-                          "generate.messages has %zu entries, over the limit of %u",
-                          g->n_messages, WIRE_MAX_MESSAGES);
+                          "%s.messages has %zu entries, over the limit of %u", what, n_msgs, WIRE_MAX_MESSAGES);
     size_t total = 0;
-    for (size_t i = 0; i < g->n_messages; i++) {
-        const Kvd__ChatMessage *c = g->messages[i];
+    for (size_t i = 0; i < n_msgs; i++) {
+        const Kvd__ChatMessage *c = msgs[i];
         if (c == NULL)
-            return kvd_seterr(err, errlen, KVD_EFORMAT, "generate.messages[%zu] is missing", i);
+            return kvd_seterr(err, errlen, KVD_EFORMAT, "%s.messages[%zu] is missing", what, i);
         if (c->role == NULL)
-            return kvd_seterr(err, errlen, KVD_EFORMAT, "generate.messages[%zu] has no role", i);
+            return kvd_seterr(err, errlen, KVD_EFORMAT, "%s.messages[%zu] has no role", what, i);
         if (strcmp(c->role, "system") != 0 && strcmp(c->role, "user") != 0 &&
             strcmp(c->role, "assistant") != 0) {
             char q[48];
             return kvd_seterr(err, errlen, KVD_ERANGE,
-                              "generate.messages[%zu].role = \"%s\" is not system, user or "
+                              "%s.messages[%zu].role = \"%s\" is not system, user or "
                               "assistant",
-                              i, printable(q, sizeof(q), c->role));
+                              what, i, printable(q, sizeof(q), c->role));
         }
         if (c->content == NULL)
-            return kvd_seterr(err, errlen, KVD_EFORMAT, "generate.messages[%zu] has no content", i);
+            return kvd_seterr(err, errlen, KVD_EFORMAT, "%s.messages[%zu] has no content", what, i);
         total += strlen(c->content);
     }
     if (total > WIRE_MAX_PROMPT_BYTES)
         return kvd_seterr(err, errlen, KVD_ETOOLONG,
-                          "generate.messages hold %zu bytes of content, over the limit of %u",
-                          total, WIRE_MAX_PROMPT_BYTES);
+                          "%s.messages hold %zu bytes of content, over the limit of %u",
+                          what, total, WIRE_MAX_PROMPT_BYTES);
     return 0;
 }
 
@@ -569,7 +570,7 @@ static int check_prompt(const Kvd__GenerateRequest *g, char *err, size_t errlen)
                               g->prompt_lz4.len, g->prompt_lz4_size, bound);
     }
     if (msgs)
-        return check_messages(g, err, errlen);
+        return check_messages(g->messages, g->n_messages, "generate", err, errlen);
     if (ids) {
         if (g->n_token_ids > WIRE_MAX_TOKENS)
             return kvd_seterr(err, errlen, KVD_ETOOLONG,
@@ -618,6 +619,24 @@ static int check_generate(const Kvd__GenerateRequest *g, char *err, size_t errle
     return 0;
 }
 
+/* Exactly one of text, messages and token ids, within the prompt limits. */
+static int check_tokenize(const Kvd__TokenizeRequest *t, char *err, size_t errlen)
+{
+    const int forms = (t->text != NULL) + (t->n_messages > 0) + (t->n_token_ids > 0);
+    if (forms != 1)
+        return kvd_seterr(err, errlen, KVD_EFORMAT,
+                          "tokenize needs exactly one of text, messages and token_ids (got %d)", forms);
+    if (t->text != NULL && strlen(t->text) > WIRE_MAX_PROMPT_BYTES)
+        return kvd_seterr(err, errlen, KVD_ETOOLONG, "tokenize.text is over the limit of %u bytes",
+                          WIRE_MAX_PROMPT_BYTES);
+    if (t->n_messages > 0)
+        return check_messages(t->messages, t->n_messages, "tokenize", err, errlen);
+    if (t->n_token_ids > WIRE_MAX_TOKENS)
+        return kvd_seterr(err, errlen, KVD_ETOOLONG, "tokenize.token_ids has %zu ids, over the limit of %u",
+                          t->n_token_ids, WIRE_MAX_TOKENS);
+    return check_tokens(t->token_ids, t->n_token_ids, "tokenize.token_ids", err, errlen);
+}
+
 int wire_check_client_request(const Kvd__ClientRequest *m, char *err, size_t errlen)
 {
     static const char what[] = "ClientRequest";
@@ -645,11 +664,15 @@ int wire_check_client_request(const Kvd__ClientRequest *m, char *err, size_t err
         if (m->health == NULL)
             break;
         return 0;
+    case KVD__CLIENT_REQUEST__BODY_TOKENIZE:
+        if (m->tokenize == NULL)
+            break;
+        return check_tokenize(m->tokenize, err, errlen);
     default:
         break;
     }
     return kvd_seterr(err, errlen, KVD_EFORMAT,
-                      "ClientRequest has no body (generate, cancel, stats or health)");
+                      "ClientRequest has no body (generate, cancel, stats, health or tokenize)");
 }
 
 /* ---- server replies ------------------------------------------------------------------ */
@@ -710,6 +733,10 @@ int wire_check_server_reply(const Kvd__ServerReply *m, char *err, size_t errlen)
         if (m->health->model == NULL)
             return missing("health", "model", err, errlen);
         return 0;
+    case KVD__SERVER_REPLY__BODY_TOKENS:
+        if (m->tokens == NULL)
+            break;
+        return check_token_list(m->tokens->token_ids, m->tokens->n_token_ids, "tokens.token_ids", err, errlen);
     default:
         break;
     }

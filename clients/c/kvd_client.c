@@ -931,6 +931,103 @@ int kvd_health(kvd_client_t *c, bool *ok, uint32_t *workers_alive)
     return rc;
 }
 
+/* ---- tokens ------------------------------------------------------------------------------ */
+
+/* One tokenize call; on success *out is the reply (release `in` after). */
+static int tokenize_call(kvd_client_t *c, Kvd__TokenizeRequest *t, struct inbox *in, const Kvd__Tokens **out,
+                         char *err, size_t errlen)
+{
+    Kvd__ClientRequest req;
+    init_request(&req, take_id(c));
+    req.body_case = KVD__CLIENT_REQUEST__BODY_TOKENIZE;
+    req.tokenize = t;
+    Kvd__ServerReply *r;
+    int rc = call(c, &req, in, &r, NULL, 0);
+    if (rc != 0)
+        return rc;
+    if (r->body_case == KVD__SERVER_REPLY__BODY_TOKENS) {
+        *out = r->tokens;
+        return 0;
+    }
+    rc = r->body_case == KVD__SERVER_REPLY__BODY_ERROR ? take_server_error(r->error, err, errlen) : KVD_EPROTOCOL;
+    inbox_release(c, in);
+    return rc;
+}
+
+int kvd_tokenize(kvd_client_t *c, const char *text, const struct kvd_chat_msg *messages, size_t n_messages,
+                 int32_t **ids, size_t *n_ids, uint32_t *max_context, char *err, size_t errlen)
+{
+    if (err != NULL && errlen > 0)
+        err[0] = '\0';
+    if (c == NULL || ids == NULL || n_ids == NULL || (text == NULL && (messages == NULL || n_messages == 0)))
+        return KVD_EINVAL;
+    *ids = NULL;
+    *n_ids = 0;
+    Kvd__TokenizeRequest t = KVD__TOKENIZE_REQUEST__INIT;
+    Kvd__ChatMessage *msgs = NULL, **ptrs = NULL;
+    if (text != NULL) {
+        t.text = (char *)text;
+    } else {
+        msgs = calloc(n_messages, sizeof(*msgs));
+        ptrs = calloc(n_messages, sizeof(*ptrs));
+        if (msgs == NULL || ptrs == NULL) {
+            free(msgs);
+            free(ptrs);
+            return KVD_ENOMEM;
+        }
+        for (size_t i = 0; i < n_messages; i++) {
+            kvd__chat_message__init(&msgs[i]);
+            msgs[i].role = (char *)messages[i].role;
+            msgs[i].content = (char *)messages[i].content;
+            ptrs[i] = &msgs[i];
+        }
+        t.messages = ptrs;
+        t.n_messages = n_messages;
+    }
+    struct inbox in;
+    const Kvd__Tokens *out;
+    int rc = tokenize_call(c, &t, &in, &out, err, errlen);
+    free(msgs);
+    free(ptrs);
+    if (rc != 0)
+        return rc;
+    *ids = malloc((out->n_token_ids ? out->n_token_ids : 1) * sizeof(int32_t));
+    if (*ids == NULL) {
+        rc = KVD_ENOMEM;
+    } else {
+        memcpy(*ids, out->token_ids, out->n_token_ids * sizeof(int32_t));
+        *n_ids = out->n_token_ids;
+        if (max_context != NULL)
+            *max_context = out->max_context;
+    }
+    inbox_release(c, &in);
+    return rc;
+}
+
+int kvd_detokenize(kvd_client_t *c, const int32_t *ids, size_t n_ids, char **text, char *err, size_t errlen)
+{
+    if (err != NULL && errlen > 0)
+        err[0] = '\0';
+    if (c == NULL || text == NULL || (ids == NULL && n_ids > 0))
+        return KVD_EINVAL;
+    *text = NULL;
+    if (n_ids == 0) {
+        *text = strdup("");
+        return *text ? 0 : KVD_ENOMEM;
+    }
+    Kvd__TokenizeRequest t = KVD__TOKENIZE_REQUEST__INIT;
+    t.token_ids = (int32_t *)ids;
+    t.n_token_ids = n_ids;
+    struct inbox in;
+    const Kvd__Tokens *out;
+    int rc = tokenize_call(c, &t, &in, &out, err, errlen);
+    if (rc != 0)
+        return rc;
+    *text = strdup(out->text ? out->text : "");
+    inbox_release(c, &in);
+    return *text ? 0 : KVD_ENOMEM;
+}
+
 /* ---- Prometheus text ------------------------------------------------------------------------ */
 
 /* A growing text buffer; out of memory leaves it NULL. */

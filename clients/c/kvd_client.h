@@ -166,6 +166,20 @@ int kvd_stats(kvd_client_t *c, struct kvd_stats *out);
  * A malloc'd string, or NULL without memory. */
 char *kvd_stats_prometheus(const struct kvd_stats *s);
 
+/* The token ids kvd would compute for a prompt: text (tokenized as a
+ * generate request's prompt is, a BOS first when the model wants one) or,
+ * with text NULL, chat messages through the model's template. *ids is
+ * malloc'd (free it); *max_context, when not NULL, gets the longest sequence
+ * kvd serves. 0, KVD_EBADREQUEST with kvd's message in err, or a transport
+ * error. */
+int kvd_tokenize(kvd_client_t *c, const char *text, const struct kvd_chat_msg *messages, size_t n_messages,
+                 int32_t **ids, size_t *n_ids, uint32_t *max_context, char *err, size_t errlen);
+
+/* The text of token ids (bytes that are not valid UTF-8 come back as U+FFFD);
+ * *text is malloc'd. Errors as kvd_tokenize (an id out of the vocabulary:
+ * KVD_EBADREQUEST). */
+int kvd_detokenize(kvd_client_t *c, const int32_t *ids, size_t n_ids, char **text, char *err, size_t errlen);
+
 /* ok: at least one worker is alive. */
 int kvd_health(kvd_client_t *c, bool *ok, uint32_t *workers_alive);
 

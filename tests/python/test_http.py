@@ -322,3 +322,25 @@ def test_bad_http_keeps_serving(api: HttpDaemon) -> None:
     with kvd_client.Client(api.d.endpoint, timeout=api.d.patience) as z:
         st = z.stats()
     assert st.blocks_in_use == 0 and st.requests_running == 0
+
+
+def test_tokenize_and_detokenize(api: HttpDaemon) -> None:
+    text = "The capital of France is Paris. Ünïcödé, too."
+    s, _, b = api.post("/tokenize", {"prompt": text})
+    assert s == 200, b
+    assert b["count"] == len(b["tokens"]) > 5 and b["max_model_len"] == 2048
+    r = api.oai.completions.create(model=MODEL_ID, prompt=text, max_tokens=1, temperature=0)
+    assert r.usage is not None and r.usage.prompt_tokens == b["count"]
+    s, _, d = api.post("/detokenize", {"tokens": b["tokens"]})
+    assert s == 200 and d["prompt"].endswith(text)
+    # a chat counts as the chat completion's prompt does
+    s, _, c = api.post("/tokenize", {"messages": CHAT})
+    chat = api.oai.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=1, temperature=0)
+    assert s == 200 and chat.usage is not None and c["count"] == chat.usage.prompt_tokens
+    # bad input
+    s, _, e = api.post("/detokenize", {"tokens": [1, 10 ** 9]})
+    error_of(s, e, 400)
+    s, _, e = api.post("/detokenize", {"tokens": "abc"})
+    error_of(s, e, 400, "tokens")
+    s, _, e = api.post("/tokenize", {"nothing": 1})
+    error_of(s, e, 400, "prompt")
