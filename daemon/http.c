@@ -37,14 +37,20 @@
 #define CLIENT_TIMEOUT_MS 600000    /* the longest wait for kvd's next message */
 
 /* HTTP statuses counted for /metrics (kvd_http_requests_total{code}). */
-static const unsigned counted[] = { 200, 400, 404, 405, 413, 415, 429, 500, 503, 504 };
+static const unsigned counted[] = { 200, 400, 401, 404, 405, 413, 415, 429, 500, 503, 504 };
 #define N_COUNTED (sizeof(counted) / sizeof(counted[0]))
+
+struct api_key {
+    char *key, *tenant;
+};
 
 struct http_server {
     struct MHD_Daemon *d;
     struct http_params p;
     char *bind, *endpoint, *model_id;
     time_t created;
+    struct api_key *keys;   /* --api-keys; NULL: the API is open */
+    size_t n_keys;
     _Atomic uint64_t by_status[N_COUNTED + 1];  /* the last: any other status */
 };
 
@@ -112,6 +118,7 @@ static enum MHD_Result send_error(struct MHD_Connection *c, unsigned status, con
                                   const char *param, const char *code, unsigned retry_after_s)
 {
     const char *type = status == 400 || status == 413 || status == 415 ? "invalid_request_error"
+                     : status == 401 ? "authentication_error"
                      : status == 404 ? "not_found_error"
                      : status == 429 ? "rate_limit_exceeded"
                      : status == 503 ? "service_unavailable"
@@ -164,6 +171,7 @@ struct oai_req {
     const char *stops[MAX_STOP];
     int n;
     bool stream, include_usage;
+    char ns[256];                   /* the cache namespace: the key's tenant, and the request's own */
     char id[40];
     time_t created;
     const char *model;
@@ -445,6 +453,15 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
     r->gp.stop = r->stops;
     if (get_bool(o, "ignore_eos", &r->gp.ignore_eos, b) < 0)     /* vLLM's extension */
         return -1;
+    json_t *ns = json_object_get(o, "namespace");                   /* kvd's: a cache namespace */
+    if (ns != NULL && !json_is_null(ns) && (!json_is_string(ns) || json_string_length(ns) > 128))
+        return bad(b, "namespace", "'namespace' must be a string of at most 128 bytes");
+    if (r->ns[0] || json_is_string(ns)) {
+        /* the tenant's, then the request's inside it: "tenant/namespace" */
+        const size_t at = strlen(r->ns);
+        snprintf(r->ns + at, sizeof(r->ns) - at, "%s%s", at ? "/" : "", json_is_string(ns) ? json_string_value(ns) : "");
+        r->gp.ns = r->ns;
+    }
     json_t *user = json_object_get(o, "user");
     if (user != NULL && !json_is_null(user) && !json_is_string(user))
         return bad(b, "user", "'user' must be a string");
@@ -887,6 +904,70 @@ static enum MHD_Result route_metrics(struct MHD_Connection *c, const struct http
     return ok;
 }
 
+/* ---- API keys ----------------------------------------------------------------------------- */
+
+/* The tenant of "Bearer KEY", or NULL. Every key is compared in full, in time
+ * that depends on the lengths only. */
+static const char *authorize(const struct http_server *s, const char *auth)
+{
+    if (auth == NULL || strncasecmp(auth, "Bearer ", 7) != 0)
+        return NULL;
+    const char *key = auth + 7;
+    const size_t kl = strlen(key);
+    const char *found = NULL;
+    for (size_t i = 0; i < s->n_keys; i++) {
+        const size_t l = strlen(s->keys[i].key);
+        unsigned diff = (unsigned)(l != kl);
+        for (size_t j = 0; j < l; j++)
+            diff |= (unsigned char)s->keys[i].key[j] ^ (unsigned char)(j < kl ? key[j] : 0);
+        if (diff == 0 && found == NULL)
+            found = s->keys[i].tenant;
+    }
+    return found;
+}
+
+/* Reads a file of "KEY TENANT" lines ('#' comments and blank lines skipped);
+ * 0, or -1 with err. */
+static int load_keys(http_server_t *s, const char *path, char *err, size_t errlen)
+{
+    FILE *f = fopen(path, "r");
+    if (f == NULL) {
+        snprintf(err, errlen, "--api-keys %s: %s", path, strerror(errno));
+        return -1;
+    }
+    char line[1024];
+    int lineno = 0, rc = 0;
+    while (rc == 0 && fgets(line, sizeof(line), f) != NULL) {
+        lineno++;
+        char key[512], tenant[512], extra[8];
+        const char *p = line + strspn(line, " \t");
+        if (*p == '#' || *p == '\n' || *p == '\0')
+            continue;
+        if (sscanf(p, "%511s %511s %7s", key, tenant, extra) != 2 || strlen(key) < 8 || strlen(tenant) > 100) {
+            snprintf(err, errlen, "--api-keys %s:%d: want KEY TENANT (a key of 8 or more characters, a tenant "
+                     "of at most 100)", path, lineno);
+            rc = -1;
+            break;
+        }
+        struct api_key *k = realloc(s->keys, (s->n_keys + 1) * sizeof(*k));
+        if (k == NULL) {
+            snprintf(err, errlen, "out of memory");
+            rc = -1;
+            break;
+        }
+        s->keys = k;
+        s->keys[s->n_keys].key = strdup(key);
+        s->keys[s->n_keys].tenant = strdup(tenant);
+        s->n_keys++;
+    }
+    fclose(f);
+    if (rc == 0 && s->n_keys == 0) {
+        snprintf(err, errlen, "--api-keys %s: no keys in the file", path);
+        rc = -1;
+    }
+    return rc;
+}
+
 /* ---- dispatch ------------------------------------------------------------------------------ */
 
 static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
@@ -927,6 +1008,15 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         return MHD_YES;
     }
     const bool get = strcmp(method, "GET") == 0, post = strcmp(method, "POST") == 0;
+    /* with API keys, the API needs one; the probes and /metrics stay open */
+    const char *tenant = NULL;
+    if (s->keys != NULL && (strncmp(url, "/v1/", 4) == 0 || strcmp(url, "/tokenize") == 0 ||
+                            strcmp(url, "/detokenize") == 0)) {
+        tenant = authorize(s, MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization"));
+        if (tenant == NULL)
+            return send_error(c, 401, "a valid API key is needed (Authorization: Bearer KEY)", NULL,
+                              "invalid_api_key", 0);
+    }
     if (get && strcmp(url, "/health") == 0)
         return route_health(c, s, false);
     if (get && strcmp(url, "/ready") == 0)
@@ -955,6 +1045,8 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
     struct oai_req *r = calloc(1, sizeof(*r));
     if (r == NULL)
         return MHD_NO;
+    if (tenant != NULL)
+        snprintf(r->ns, sizeof(r->ns), "tenant:%s", tenant);
     r->chat = chat || tokz;
     json_error_t je;
     r->root = json_loadb(cn->body ? cn->body : "", cn->len, JSON_REJECT_DUPLICATES, &je);
@@ -1050,6 +1142,10 @@ http_server_t *http_start(const struct http_params *p, char *err, size_t errlen)
     s->p.bind = s->bind;
     s->p.kvd_endpoint = s->endpoint;
     s->p.model_id = s->model_id;
+    if (p->api_keys != NULL && load_keys(s, p->api_keys, err, errlen) != 0) {
+        http_stop(&s);
+        return NULL;
+    }
     s->d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG,
                             0, NULL, NULL, handle, s, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
                             MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)120, MHD_OPTION_CONNECTION_LIMIT,
@@ -1082,6 +1178,11 @@ void http_stop(http_server_t **sp)
     free(s->bind);
     free(s->endpoint);
     free(s->model_id);
+    for (size_t i = 0; i < s->n_keys; i++) {
+        free(s->keys[i].key);
+        free(s->keys[i].tenant);
+    }
+    free(s->keys);
     free(s);
     *sp = NULL;
 }

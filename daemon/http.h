@@ -16,7 +16,8 @@
  * (code context_length_exceeded), 404 for an unknown path or model, 413 for a
  * body over the limit, 429 with Retry-After when kvd is overloaded, 503 while
  * it drains or has no worker, 504 past a deadline. A client that goes away in
- * the middle of a stream cancels its request at once.
+ * the middle of a stream cancels its request at once. With API keys, a
+ * missing or unknown key is a 401 (the probes and /metrics stay open).
  */
 #ifndef KVD_HTTP_H
 #define KVD_HTTP_H
@@ -30,6 +31,10 @@ struct http_params {
     const char *model_id;       /* the model's name in responses and /v1/models */
     uint32_t max_body;          /* largest request body in bytes */
     uint32_t block_tokens;      /* for /metrics' cache_config_info */
+    const char *api_keys;       /* NULL, or a file of "KEY TENANT" lines: then the API needs
+                                 * Authorization: Bearer KEY (401 otherwise), and a request's
+                                 * cache namespace is its key's tenant (plus the request's own
+                                 * "namespace" inside it) */
 };
 
 typedef struct http_server http_server_t;

@@ -103,6 +103,8 @@ static void usage(FILE *f)
           "                           (loopback addresses unless --allow-remote)\n"
           "      --max-body SIZE      largest HTTP request body (default 16MiB)\n"
           "      --served-model-name NAME  the model's name over HTTP (default: the file's name)\n"
+          "      --api-keys FILE      HTTP API keys, \"KEY TENANT\" a line: a key is then needed, and\n"
+          "                           each tenant's cache namespace is its own\n"
           "  -v, --verbose\n",
           f);
 }
@@ -111,7 +113,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
 {
     enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
            OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
-           OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME };
+           OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -132,6 +134,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "http", required_argument, NULL, OPT_HTTP },
         { "max-body", required_argument, NULL, OPT_MAXBODY },
         { "served-model-name", required_argument, NULL, OPT_MODELNAME },
+        { "api-keys", required_argument, NULL, OPT_APIKEYS },
         { "step-tokens", required_argument, NULL, OPT_STEP },
         { "max-batch", required_argument, NULL, OPT_BATCH },
         { "max-queue", required_argument, NULL, OPT_QUEUE },
@@ -200,6 +203,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
             break;
         }
         case OPT_MODELNAME: o->model_name = optarg; break;
+        case OPT_APIKEYS: o->api_keys = optarg; break;
         case OPT_STEP: o->step_tokens = (uint32_t)cli_long(optarg, "--step-tokens", 1, 4096); break;
         case OPT_BATCH: o->max_batch = (uint32_t)cli_long(optarg, "--max-batch", 1, 4096); break;
         case OPT_QUEUE: o->max_queue = (uint32_t)cli_long(optarg, "--max-queue", 0, 1 << 20); break;
@@ -218,6 +222,8 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     }
     if (optind < argc)
         cli_die("unexpected argument '%s' (see --help)", argv[optind]);
+    if (o->api_keys != NULL && o->n_http == 0)
+        cli_die("--api-keys goes with --http");
     if (o->workers_per_gpu >= 0 && o->gpu < 0)
         cli_die("--workers-per-gpu needs --gpu N");
     if (o->gpu >= 0 && workers_given)
@@ -442,7 +448,8 @@ static void http_setup(struct kvd *k)
             cli_die("--http %s is not a loopback address (127.x.x.x or localhost); give --allow-remote to "
                     "serve other machines", h);
         const struct http_params hp = { .bind = h, .kvd_endpoint = k->http_ep, .model_id = name,
-                                        .max_body = o->max_body, .block_tokens = o->block_tokens };
+                                        .max_body = o->max_body, .block_tokens = o->block_tokens,
+                                        .api_keys = o->api_keys };
         char err[256];
         k->http[i] = http_start(&hp, err, sizeof(err));
         if (k->http[i] == NULL)

@@ -59,6 +59,7 @@ struct kvd_options {
     int n_http;
     uint32_t max_body;              /* --max-body: largest HTTP request body, bytes */
     const char *model_name;         /* --served-model-name (default: the file's name, no .gguf) */
+    const char *api_keys;           /* --api-keys FILE: "KEY TENANT" lines; the HTTP API needs a key */
 };
 
 enum req_state {

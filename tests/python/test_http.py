@@ -344,3 +344,33 @@ def test_tokenize_and_detokenize(api: HttpDaemon) -> None:
     error_of(s, e, 400, "tokens")
     s, _, e = api.post("/tokenize", {"nothing": 1})
     error_of(s, e, 400, "prompt")
+
+
+def test_api_keys_and_tenants(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# key tenant\nkey-of-alice-0001 alice\nkey-of-bob-00002 bob\n")
+    h = HttpDaemon(tmp_path / "keyed", "--kv-memory", "64MiB", "-w", "1", "--api-keys", str(keys))
+    try:
+        # no key, a wrong key: 401 with the error shape; the probes and /metrics stay open
+        s, _, b = h.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2})
+        assert error_of(s, b, 401)["code"] == "invalid_api_key"
+        s, _, raw = h.request("GET", "/v1/models", headers={"Authorization": "Bearer key-of-alice-0002"})
+        error_of(s, json.loads(raw), 401)
+        for path in ("/health", "/ready", "/metrics"):
+            assert h.request("GET", path)[0] == 200
+        alice = openai.OpenAI(base_url=h.base + "/v1", api_key="key-of-alice-0001", max_retries=0,
+                              timeout=h.d.patience)
+        bob = openai.OpenAI(base_url=h.base + "/v1", api_key="key-of-bob-00002", max_retries=0,
+                            timeout=h.d.patience)
+        msgs: list[Any] = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "Hi."}]
+
+        def cached(c: openai.OpenAI) -> int:
+            r = c.chat.completions.create(model=MODEL_ID, messages=msgs, max_tokens=1, temperature=0)
+            assert r.usage is not None and r.usage.prompt_tokens_details is not None
+            return r.usage.prompt_tokens_details.cached_tokens or 0
+        assert cached(alice) == 0
+        assert cached(alice) > 500          # alice's own prefix
+        assert cached(bob) == 0             # never alice's blocks
+        assert cached(bob) > 500
+    finally:
+        _stop_checked(h.d)
