@@ -46,6 +46,7 @@
 #include <errno.h>
 #include <math.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -85,6 +86,8 @@ struct cfg {
     const char *kv_memory;  /* --kv-memory: kvd's pool size (default 1 GiB) */
     const char *kv_type;    /* the type kvd runs with now */
     bool distinct;          /* --distinct: a system prompt per session */
+    bool http_overhead;     /* --http-overhead: a cached 1-token request over HTTP against ZeroMQ */
+    int http_port;          /* kvd's --http port (0: none) */
     char bin_dir[4096], tmp[64];
 };
 
@@ -198,9 +201,16 @@ static void start_kvd(void)
         setenv("KVD_WORKER_TRACE", "1", 1); /* step times in the log, for the overhead split */
         FILE *f = freopen(log, "w", stderr);
         (void)f;
-        execl(path, path, "--model", C.model, "--listen", kvd_ep, "-w", "1", "-t", threads,
-              "--kv-memory", C.kv_memory, "--kv-type", C.kv_type, "--ctx", "4096", "--max-batch", "64",
-              (char *)NULL);
+        char http[64];
+        snprintf(http, sizeof(http), "127.0.0.1:%d", C.http_port);
+        if (C.http_port > 0)
+            execl(path, path, "--model", C.model, "--listen", kvd_ep, "-w", "1", "-t", threads,
+                  "--kv-memory", C.kv_memory, "--kv-type", C.kv_type, "--ctx", "4096", "--max-batch", "64",
+                  "--http", http, (char *)NULL);
+        else
+            execl(path, path, "--model", C.model, "--listen", kvd_ep, "-w", "1", "-t", threads,
+                  "--kv-memory", C.kv_memory, "--kv-type", C.kv_type, "--ctx", "4096", "--max-batch", "64",
+                  (char *)NULL);
         _exit(127);
     }
     kvd_client_t *c = kvd_client_new(kvd_ep, 500, NULL, 0);
@@ -343,16 +353,21 @@ static void append(char **out, size_t *len, size_t *cap, const char *s)
     *len += n;
 }
 
-static int http_connect(void)
+static int http_connect_port(int port)
 {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons(LLAMA_PORT) };
+    struct sockaddr_in sa = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port) };
     sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
         close(fd);
         return -1;
     }
     return fd;
+}
+
+static int http_connect(void)
+{
+    return http_connect_port(LLAMA_PORT);
 }
 
 static long json_num(const char *s, const char *key)
@@ -815,6 +830,84 @@ static void pressure_runs(void)
     }
 }
 
+/* --http-overhead: the same cached 1-token chat request (the system prompt and
+ * "Say one word.", greedy) through kvd's HTTP API on one kept-alive connection
+ * and through the C client over ZeroMQ, alternating, medians of 31. */
+static void http_overhead(void)
+{
+    char *body = NULL;
+    size_t len = 0, cap = 0;
+    append(&body, &len, &cap, "{\"messages\":[{\"role\":\"system\",\"content\":\"");
+    json_escape(system_prompt, &body, &len, &cap);
+    append(&body, &len, &cap, "\"},{\"role\":\"user\",\"content\":\"Say one word.\"}],"
+                              "\"max_tokens\":1,\"temperature\":0}");
+    char head[256];
+    const int hl = snprintf(head, sizeof(head), "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                            "Content-Type: application/json\r\nContent-Length: %zu\r\n\r\n", len);
+    int fd = http_connect_port(C.http_port);
+    if (fd < 0)
+        die("cannot connect to kvd's HTTP port %d", C.http_port);
+    int one = 1;    /* no Nagle delay on a request's last segment, as HTTP clients set */
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    char *req = malloc((size_t)hl + len);   /* one write: head and body */
+    memcpy(req, head, (size_t)hl);
+    memcpy(req + hl, body, len);
+    kvd_client_t *c = kvd_client_new(kvd_ep, 60000, NULL, 0);
+    struct kvd_chat_msg msgs[2] = { { "system", system_prompt }, { "user", "Say one word." } };
+    enum { N = 31 };
+    double t_http[N + 2], t_zmq[N + 2];
+    char *resp = malloc(1 << 20);
+    for (int i = 0; i < N + 2; i++) {   /* the first two: warm-up, not counted */
+        double t0 = now_ms();
+        if (write(fd, req, (size_t)hl + len) != (ssize_t)((size_t)hl + len))
+            die("HTTP write failed");
+        size_t got = 0;
+        long want = -1;
+        for (;;) {      /* headers, then Content-Length bytes of body */
+            ssize_t n = read(fd, resp + got, (1 << 20) - 1 - got);
+            if (n <= 0)
+                die("HTTP read failed");
+            got += (size_t)n;
+            resp[got] = 0;
+            char *eoh = strstr(resp, "\r\n\r\n");
+            if (eoh != NULL) {
+                if (want < 0) {
+                    char *cl = strcasestr(resp, "Content-Length:");
+                    want = cl ? strtol(cl + 15, NULL, 10) + (long)(eoh + 4 - resp) : -1;
+                    if (strncmp(resp, "HTTP/1.1 200", 12) != 0)
+                        die("kvd's HTTP API answered: %.80s", resp);
+                }
+                if (want >= 0 && (long)got >= want)
+                    break;
+            }
+        }
+        t_http[i] = now_ms() - t0;
+        struct kvd_gen_params gp;
+        kvd_gen_params_init(&gp);
+        gp.messages = msgs;
+        gp.n_messages = 2;
+        gp.max_tokens = 1;
+        gp.temperature = 0;
+        struct kvd_result res;
+        t0 = now_ms();
+        if (kvd_generate(c, &gp, &res) != 0)
+            die("ZeroMQ request failed: %s", res.error);
+        t_zmq[i] = now_ms() - t0;
+        kvd_result_free(&res);
+    }
+    close(fd);
+    kvd_client_destroy(&c);
+    free(resp);
+    free(req);
+    free(body);
+    double d[N];
+    for (int i = 0; i < N; i++)
+        d[i] = t_http[i + 2] - t_zmq[i + 2];
+    const double h = median_of(t_http + 2, N), z = median_of(t_zmq + 2, N), dd = median_of(d, N);
+    printf("cached 1-token chat request, medians of %d: over HTTP %.3f ms, over ZeroMQ %.3f ms; HTTP adds "
+           "%.3f ms (median of the paired differences)   (target < 0.3 ms)\n", N, h, z, dd);
+}
+
 static uint32_t kvd_blocks_held(void)
 {
     kvd_client_t *c = kvd_client_new(kvd_ep, 5000, NULL, 0);
@@ -853,6 +946,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--kv-types") && v) C.kv_types = argv[++i];
         else if (!strcmp(a, "--kv-memory") && v) C.kv_memory = argv[++i];
         else if (!strcmp(a, "--distinct")) C.distinct = true;
+        else if (!strcmp(a, "--http-overhead")) C.http_overhead = true;
         else die("usage: bench-serve [-m MODEL] [--llama-server PATH] [--sessions S] [--turns T] "
                  "[--system-tokens L] [--max-tokens N] [--text FILE] [-t THREADS] [--sampled] [--json] "
                  "[--kv-types LIST [--kv-memory SIZE] [--distinct]]");
@@ -881,6 +975,14 @@ int main(int argc, char **argv)
 
     if (C.kv_types != NULL) {
         pressure_runs();
+        return 0;
+    }
+    if (C.http_overhead) {
+        C.http_port = 18000 + (int)(getpid() % 2000);
+        start_kvd();
+        warm_up(false);
+        http_overhead();
+        stop_child(&kvd_pid);
         return 0;
     }
     static struct run on = { .name = "kvd" }, llama = { .name = "llama-server" },

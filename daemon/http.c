@@ -75,6 +75,46 @@ struct conn {
     bool too_large;
 };
 
+/* ---- kvd's client ------------------------------------------------------------------------- */
+
+/* Each thread (a connection's, or a stream's) keeps one client of kvd for
+ * all its requests, destroyed when the thread ends: a ZeroMQ context and
+ * connection per request would cost more than the rest of the HTTP layer. */
+static pthread_key_t client_key;
+static pthread_once_t client_once = PTHREAD_ONCE_INIT;
+
+static void client_free(void *p)
+{
+    kvd_client_t *c = p;
+    kvd_client_destroy(&c);
+}
+
+static void client_key_make(void)
+{
+    pthread_key_create(&client_key, client_free);
+}
+
+/* This thread's client, with timeout_ms for its calls; NULL with err. */
+static kvd_client_t *client_get(const struct http_server *s, int timeout_ms, char *err, size_t errlen)
+{
+    pthread_once(&client_once, client_key_make);
+    kvd_client_t *c = pthread_getspecific(client_key);
+    if (c == NULL) {
+        c = kvd_client_new(s->endpoint, timeout_ms, err, errlen);
+        if (c == NULL)
+            return NULL;
+        pthread_setspecific(client_key, c);
+    }
+    kvd_client_set_timeout(c, timeout_ms);
+    return c;
+}
+
+/* Done with the client for this request (the thread keeps it). */
+static void client_put(kvd_client_t **c)
+{
+    *c = NULL;
+}
+
 /* ---- responses ---------------------------------------------------------------------------- */
 
 static enum MHD_Result send_text(struct MHD_Connection *c, unsigned status, const char *type, const char *text,
@@ -509,7 +549,7 @@ static void new_id(char *buf, size_t len, const char *prefix)
 static enum MHD_Result run_whole(struct MHD_Connection *c, const struct http_server *s, struct oai_req *r)
 {
     char err[256];
-    kvd_client_t *kc = kvd_client_new(s->endpoint, CLIENT_TIMEOUT_MS, err, sizeof(err));
+    kvd_client_t *kc = client_get(s, CLIENT_TIMEOUT_MS, err, sizeof(err));
     if (kc == NULL)
         return send_error(c, 503, err, NULL, NULL, 0);
     json_t *choices = json_array();
@@ -521,7 +561,7 @@ static enum MHD_Result run_whole(struct MHD_Connection *c, const struct http_ser
         const int rc = kvd_generate(kc, &gp, &res);
         if (rc != 0) {
             json_decref(choices);
-            kvd_client_destroy(&kc);
+            client_put(&kc);
             enum MHD_Result ok = send_kvd_error(c, rc, &res);
             kvd_result_free(&res);
             return ok;
@@ -539,7 +579,7 @@ static enum MHD_Result run_whole(struct MHD_Connection *c, const struct http_ser
         json_array_append_new(choices, ch);
         kvd_result_free(&res);
     }
-    kvd_client_destroy(&kc);
+    client_put(&kc);
     json_t *out = json_pack("{s:s, s:s, s:I, s:s, s:o, s:o}", "id", r->id, "object",
                             r->chat ? "chat.completion" : "text_completion", "created", (json_int_t)r->created,
                             "model", r->model, "choices", choices, "usage", usage_json(prompt, completion, cached));
@@ -651,7 +691,7 @@ static void *stream_main(void *arg)
     struct stream_job *jb = arg;
     struct oai_req *r = jb->r;
     char err[256];
-    kvd_client_t *kc = kvd_client_new(jb->s->endpoint, CLIENT_TIMEOUT_MS, err, sizeof(err));
+    kvd_client_t *kc = client_get(jb->s, CLIENT_TIMEOUT_MS, err, sizeof(err));
     uint64_t prompt = 0, completion = 0, cached = 0;
     const int total = r->n * (int)(r->chat ? 1 : r->n_prompts);
     int rc = kc ? 0 : KVD_EUNAVAILABLE;
@@ -685,7 +725,7 @@ static void *stream_main(void *arg)
             kvd_result_free(&res);
         }
     }
-    kvd_client_destroy(&kc);
+    client_put(&kc);
     if (jb->started && !jb->broken) {
         if (rc == 0 && r->include_usage) {
             json_t *u = json_pack("{s:s, s:s, s:I, s:s, s:[], s:o}", "id", r->id, "object",
@@ -778,11 +818,11 @@ static enum MHD_Result run_stream(struct MHD_Connection *c, const struct http_se
 
 static enum MHD_Result route_health(struct MHD_Connection *c, const struct http_server *s, bool ready)
 {
-    kvd_client_t *kc = kvd_client_new(s->endpoint, 2000, NULL, 0);
+    kvd_client_t *kc = client_get(s, 2000, NULL, 0);
     bool ok = false;
     uint32_t alive = 0;
     const int rc = kc ? kvd_health(kc, &ok, &alive) : KVD_EUNAVAILABLE;
-    kvd_client_destroy(&kc);
+    client_put(&kc);
     if (rc != 0)
         return send_error(c, 503, "kvd does not answer", NULL, NULL, 0);
     if (ready && (!ok || alive == 0))
@@ -808,7 +848,7 @@ static enum MHD_Result route_tokens(struct MHD_Connection *c, const struct http_
     if (json_is_string(model) && strcmp(json_string_value(model), s->model_id) != 0)
         return send_error(c, 404, "no such model", "model", "model_not_found", 0);
     char err[256];
-    kvd_client_t *kc = kvd_client_new(s->endpoint, CLIENT_TIMEOUT_MS, err, sizeof(err));
+    kvd_client_t *kc = client_get(s, CLIENT_TIMEOUT_MS, err, sizeof(err));
     if (kc == NULL)
         return send_error(c, 503, err, NULL, NULL, 0);
     enum MHD_Result ok;
@@ -819,7 +859,7 @@ static enum MHD_Result route_tokens(struct MHD_Connection *c, const struct http_
         struct bad b = { "", NULL };
         if (!json_is_array(a) || get_ids(a, "tokens", &p, &b) != 0) {
             free(p.ids);
-            kvd_client_destroy(&kc);
+            client_put(&kc);
             return send_error(c, 400, b.msg[0] ? b.msg : "'tokens' must be a list of token ids", "tokens", NULL, 0);
         }
         char *text = NULL;
@@ -843,11 +883,11 @@ static enum MHD_Result route_tokens(struct MHD_Connection *c, const struct http_
             if (parse_request(&r, s, &b, &st) != 0) {
                 free(r.msgs);
                 json_decref(probe);
-                kvd_client_destroy(&kc);
+                client_put(&kc);
                 return send_error(c, 400, b.msg, b.param, NULL, 0);
             }
         } else if (text == NULL) {
-            kvd_client_destroy(&kc);
+            client_put(&kc);
             return send_error(c, 400, "give 'prompt' (a string) or 'messages'", "prompt", NULL, 0);
         }
         int32_t *ids = NULL;
@@ -868,17 +908,17 @@ static enum MHD_Result route_tokens(struct MHD_Connection *c, const struct http_
         }
         free(ids);
     }
-    kvd_client_destroy(&kc);
+    client_put(&kc);
     return ok;
 }
 
 /* /metrics: kvd's statistics in Prometheus' text format (kvd_stats_prometheus). */
 static enum MHD_Result route_metrics(struct MHD_Connection *c, const struct http_server *s)
 {
-    kvd_client_t *kc = kvd_client_new(s->endpoint, 5000, NULL, 0);
+    kvd_client_t *kc = client_get(s, 5000, NULL, 0);
     struct kvd_stats st;
     const int rc = kc ? kvd_stats(kc, &st) : KVD_EUNAVAILABLE;
-    kvd_client_destroy(&kc);
+    client_put(&kc);
     if (rc != 0)
         return send_error(c, 503, "kvd does not answer", NULL, NULL, 0);
     char *text = kvd_stats_prometheus(&st);
