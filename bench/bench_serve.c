@@ -38,9 +38,17 @@
  * shared and every session holds its own blocks: a pool too small for the
  * f16 run then shows what a smaller KV type buys.
  *
+ * With --http the same workload goes through kvd's OpenAI-compatible HTTP API
+ * (kvd --http) and, given --llama-server, through llama-server's, both as
+ * streamed POST /v1/chat/completions with usage; the table has both and the
+ * ratio of output tokens/s. --http-overhead measures the HTTP layer alone: a
+ * cached 1-token chat request over HTTP (one kept-alive connection) against
+ * the same over ZeroMQ, alternating, the median of 31 paired differences.
+ *
  * Usage: bench-serve [-m MODEL] [--llama-server PATH] [--sessions S] [--turns T]
  *                    [--system-tokens L] [--max-tokens N] [-t THREADS] [--sampled] [--json]
  *        bench-serve --kv-types LIST [--kv-memory SIZE] [--distinct] [--sessions S] ...
+ *        bench-serve --http [--llama-server PATH] ...    bench-serve --http-overhead
  */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -87,6 +95,7 @@ struct cfg {
     const char *kv_type;    /* the type kvd runs with now */
     bool distinct;          /* --distinct: a system prompt per session */
     bool http_overhead;     /* --http-overhead: a cached 1-token request over HTTP against ZeroMQ */
+    bool http;              /* --http: both servers through their OpenAI chat endpoints */
     int http_port;          /* kvd's --http port (0: none) */
     char bin_dir[4096], tmp[64];
 };
@@ -537,6 +546,118 @@ static bool start_llama(void)
     return false;
 }
 
+/* ---- either server over OpenAI's chat endpoint (--http) ----------------------------------------- */
+
+/* One streamed POST /v1/chat/completions to 127.0.0.1:port (greedy, max_tokens,
+ * end-of-generation ignored, usage asked for); fills s and the answer text. */
+static void oai_request(int port, const struct kvd_chat_msg *m, size_t nm, struct sample *s, char **answer)
+{
+    char *body = NULL;
+    size_t len = 0, cap = 0;
+    append(&body, &len, &cap, "{\"messages\":[");
+    for (size_t i = 0; i < nm; i++) {
+        append(&body, &len, &cap, i ? ",{\"role\":\"" : "{\"role\":\"");
+        append(&body, &len, &cap, m[i].role);
+        append(&body, &len, &cap, "\",\"content\":\"");
+        json_escape(m[i].content, &body, &len, &cap);
+        append(&body, &len, &cap, "\"}");
+    }
+    char tail[192];
+    snprintf(tail, sizeof(tail), "],\"max_tokens\":%d,\"temperature\":0,\"ignore_eos\":true,\"stream\":true,"
+             "\"stream_options\":{\"include_usage\":true}}", C.max_tokens);
+    append(&body, &len, &cap, tail);
+    char head[256];
+    const int hl = snprintf(head, sizeof(head), "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                            "Content-Type: application/json\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n",
+                            len);
+    char *req = malloc((size_t)hl + len);
+    memcpy(req, head, (size_t)hl);
+    memcpy(req + hl, body, len);
+    free(body);
+    *s = (struct sample){ .ttft = -1 };
+    double t0 = now_ms();
+    int fd = http_connect_port(port);
+    if (fd < 0) {
+        free(req);
+        return;
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    if (write(fd, req, (size_t)hl + len) != (ssize_t)((size_t)hl + len)) {
+        close(fd);
+        free(req);
+        return;
+    }
+    free(req);
+    char *resp = NULL, *ans = NULL;
+    size_t rl = 0, rc = 0, al = 0, ac = 0, scanned = 0;
+    char buf[8192];
+    ssize_t n;
+    while ((n = read(fd, buf, sizeof(buf) - 1)) > 0) {
+        buf[n] = 0;
+        append(&resp, &rl, &rc, buf);
+        char *ev;
+        while ((ev = strstr(resp + scanned, "data: ")) != NULL) {
+            char *end = strstr(ev, "\n\n");
+            if (end == NULL)
+                break;
+            *end = 0;
+            if (strncmp(ev + 6, "[DONE]", 6) == 0)
+                s->ok = s->completion > 0;
+            const char *content = strstr(ev, "\"content\":\"");
+            if (content && content[11] != '"') {
+                if (s->ttft < 0)
+                    s->ttft = now_ms() - t0;
+                const char *c0 = content + 11, *c1 = c0;
+                while (*c1 && !(*c1 == '"' && c1[-1] != '\\'))
+                    c1++;
+                char piece[1024];
+                snprintf(piece, sizeof(piece), "%.*s", (int)(c1 - c0), c0);
+                append(&ans, &al, &ac, piece);
+            }
+            const char *usage = strstr(ev, "\"usage\":{");
+            if (usage != NULL) {
+                long pt = json_num(usage, "prompt_tokens"), ct = json_num(usage, "completion_tokens");
+                long cached = json_num(usage, "cached_tokens");
+                if (cached < 0)
+                    cached = json_num(ev, "cache_n");     /* llama-server's timings */
+                s->prompt = (uint32_t)(pt > 0 ? pt : 0);
+                s->completion = (uint32_t)(ct > 0 ? ct : 0);
+                s->cached = (uint32_t)(cached > 0 ? cached : 0);
+            }
+            *end = '\n';
+            scanned = (size_t)(end + 2 - resp);
+        }
+    }
+    close(fd);
+    s->total = now_ms() - t0;
+    free(resp);
+    *answer = ans ? ans : strdup("");
+}
+
+static void *oai_session(void *p)
+{
+    struct session_arg *a = p;
+    struct kvd_chat_msg msgs[2 + 2 * MAX_TURNS];
+    char q[MAX_TURNS][256];
+    char *answers[MAX_TURNS] = { 0 };
+    size_t nm = 0;
+    msgs[nm++] = (struct kvd_chat_msg){ "system", system_prompt };
+    for (int t = 0; t < a->turns; t++) {
+        question(a->session, t, q[t], sizeof(q[t]));
+        msgs[nm++] = (struct kvd_chat_msg){ "user", q[t] };
+        struct sample s;
+        oai_request(a->llama ? LLAMA_PORT : C.http_port, msgs, nm, &s, &answers[t]);
+        if (!s.ok)
+            fprintf(stderr, "bench-serve: a request over HTTP failed (%s)\n", a->llama ? "llama-server" : "kvd");
+        record(a->run, &s);
+        msgs[nm++] = (struct kvd_chat_msg){ "assistant", answers[t] };
+    }
+    for (int t = 0; t < a->turns; t++)
+        free(answers[t]);
+    return NULL;
+}
+
 /* ---- runs ------------------------------------------------------------------------------------- */
 
 static void run_sessions(struct run *r, int sessions, int turns, bool no_cache, bool llama, bool sampled)
@@ -547,7 +668,7 @@ static void run_sessions(struct run *r, int sessions, int turns, bool no_cache, 
     double t0 = now_ms();
     for (int i = 0; i < sessions; i++) {
         args[i] = (struct session_arg){ r, i, turns, no_cache, llama, sampled };
-        pthread_create(&th[i], NULL, llama ? llama_session : kvd_session, &args[i]);
+        pthread_create(&th[i], NULL, C.http ? oai_session : llama ? llama_session : kvd_session, &args[i]);
     }
     for (int i = 0; i < sessions; i++)
         pthread_join(th[i], NULL);
@@ -559,7 +680,9 @@ static void warm_up(bool llama)
     struct run w = { .name = "warm-up" };
     pthread_mutex_init(&w.mu, NULL);
     struct session_arg a = { &w, 999, 1, false, llama, false };
-    if (llama)
+    if (C.http)
+        oai_session(&a);
+    else if (llama)
         llama_session(&a);
     else
         kvd_session(&a);
@@ -908,6 +1031,45 @@ static void http_overhead(void)
            "%.3f ms (median of the paired differences)   (target < 0.3 ms)\n", N, h, z, dd);
 }
 
+/* --http: the workload through kvd's HTTP API and, given --llama-server,
+ * through llama-server's, both over /v1/chat/completions. */
+static void http_runs(void)
+{
+    static struct run k = { .name = "kvd (HTTP)" }, l = { .name = "llama-server (HTTP)" };
+    C.http_port = 18000 + (int)(getpid() % 2000);
+    start_kvd();
+    warm_up(false);
+    run_sessions(&k, C.sessions, C.turns, false, false, false);
+    stop_child(&kvd_pid);
+    bool have_llama = false;
+    if (C.llama) {
+        if (start_llama()) {
+            warm_up(true);
+            run_sessions(&l, C.sessions, C.turns, false, true, false);
+            have_llama = true;
+        } else {
+            fprintf(stderr, "bench-serve: llama-server did not start (see %s/llama.log)\n", C.tmp);
+        }
+        stop_child(&llama_pid);
+    }
+    printf("bench-serve --http: %d sessions x %d turns, one system prompt of ~%d tokens, %d tokens per answer "
+           "(greedy), %d threads per server, both over POST /v1/chat/completions (streamed)\n", C.sessions, C.turns,
+           C.system_tokens, C.max_tokens, C.threads);
+    printf("| %-22s | %-9s | %-9s | %-9s | %-8s | %-7s | %-6s |\n", "run", "ok/reqs", "TTFT p50", "TTFT p99",
+           "out tok/s", "cached", "blocks");
+    printf("|------------------------|-----------|-----------|-----------|----------|---------|--------|\n");
+    print_run(&k, true);
+    if (have_llama) {
+        print_run(&l, false);
+        uint64_t p, c, g1, g2;
+        int ok;
+        totals(&k, &p, &c, &g1, &ok);
+        totals(&l, &p, &c, &g2, &ok);
+        printf("output tokens/s, kvd / llama-server over HTTP: %.2fx\n",
+               (g1 / (k.wall_ms / 1e3)) / (g2 / (l.wall_ms / 1e3)));
+    }
+}
+
 static uint32_t kvd_blocks_held(void)
 {
     kvd_client_t *c = kvd_client_new(kvd_ep, 5000, NULL, 0);
@@ -947,9 +1109,10 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--kv-memory") && v) C.kv_memory = argv[++i];
         else if (!strcmp(a, "--distinct")) C.distinct = true;
         else if (!strcmp(a, "--http-overhead")) C.http_overhead = true;
+        else if (!strcmp(a, "--http")) C.http = true;
         else die("usage: bench-serve [-m MODEL] [--llama-server PATH] [--sessions S] [--turns T] "
                  "[--system-tokens L] [--max-tokens N] [--text FILE] [-t THREADS] [--sampled] [--json] "
-                 "[--kv-types LIST [--kv-memory SIZE] [--distinct]]");
+                 "[--kv-types LIST [--kv-memory SIZE] [--distinct]] [--http] [--http-overhead]");
     }
     if (C.sessions < 1 || C.sessions > MAX_SESSIONS || C.turns < 1 || C.turns > MAX_TURNS)
         die("--sessions 1..%d, --turns 1..%d", MAX_SESSIONS, MAX_TURNS);
@@ -975,6 +1138,10 @@ int main(int argc, char **argv)
 
     if (C.kv_types != NULL) {
         pressure_runs();
+        return 0;
+    }
+    if (C.http) {
+        http_runs();
         return 0;
     }
     if (C.http_overhead) {
