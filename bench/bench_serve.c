@@ -589,13 +589,46 @@ static void oai_request(int port, const struct kvd_chat_msg *m, size_t nm, struc
         return;
     }
     free(req);
-    char *resp = NULL, *ans = NULL;
-    size_t rl = 0, rc = 0, al = 0, ac = 0, scanned = 0;
+    char *resp = NULL, *ans = NULL, *raw = NULL;
+    size_t rl = 0, rc = 0, al = 0, ac = 0, scanned = 0, wl = 0, wc = 0, used = 0;
     char buf[8192];
     ssize_t n;
+    bool in_body = false, chunked = false;
     while ((n = read(fd, buf, sizeof(buf) - 1)) > 0) {
         buf[n] = 0;
-        append(&resp, &rl, &rc, buf);
+        append(&raw, &wl, &wc, buf);
+        /* the body, de-chunked when the server chunks it, into resp */
+        if (!in_body) {
+            char *eoh = strstr(raw, "\r\n\r\n");
+            if (eoh == NULL)
+                continue;
+            in_body = true;
+            const char *te = strcasestr(raw, "Transfer-Encoding: chunked");
+            chunked = te != NULL && te < eoh;
+            used = (size_t)(eoh + 4 - raw);
+        }
+        for (;;) {
+            if (!chunked) {
+                append(&resp, &rl, &rc, raw + used);
+                used = wl;
+                break;
+            }
+            char *eol = strstr(raw + used, "\r\n");
+            if (eol == NULL)
+                break;
+            const size_t size = strtoul(raw + used, NULL, 16);
+            if (wl < (size_t)(eol + 2 - raw) + size + 2)
+                break;      /* the chunk is not all here yet */
+            char *data = eol + 2, keep = data[size];
+            data[size] = 0;
+            append(&resp, &rl, &rc, data);
+            data[size] = keep;
+            used = (size_t)(data + size + 2 - raw);
+            if (size == 0)
+                break;
+        }
+        if (resp == NULL)
+            continue;
         char *ev;
         while ((ev = strstr(resp + scanned, "data: ")) != NULL) {
             char *end = strstr(ev, "\n\n");
@@ -631,6 +664,7 @@ static void oai_request(int port, const struct kvd_chat_msg *m, size_t nm, struc
     }
     close(fd);
     s->total = now_ms() - t0;
+    free(raw);
     free(resp);
     *answer = ans ? ans : strdup("");
 }

@@ -620,20 +620,27 @@ static bool emit(struct stream_job *jb, json_t *j)
         goto out;
     if (!jb->started)
         job_signal_start(jb);
-    const char *parts[3] = { "data: ", s ? s : "[DONE]", "\n\n" };
-    for (int i = 0; i < 3 && !jb->broken; i++) {
-        size_t len = strlen(parts[i]), off = 0;
-        while (off < len) {
-            ssize_t w = write(jb->wfd, parts[i] + off, len - off);
-            if (w < 0 && errno == EINTR)
-                continue;
-            if (w <= 0) {
-                jb->broken = true;
-                break;
-            }
-            off += (size_t)w;
-        }
+    /* one write per event: the pipe hands it on whole (up to PIPE_BUF), one HTTP chunk */
+    const char *payload = s ? s : "[DONE]";
+    const size_t len = strlen(payload) + 8;
+    char *ev = malloc(len + 1);
+    if (ev == NULL) {
+        jb->broken = true;
+        goto out;
     }
+    snprintf(ev, len + 1, "data: %s\n\n", payload);
+    size_t off = 0;
+    while (off < len) {
+        ssize_t w = write(jb->wfd, ev + off, len - off);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0) {
+            jb->broken = true;
+            break;
+        }
+        off += (size_t)w;
+    }
+    free(ev);
 out:
     free(s);
     return !jb->broken;
