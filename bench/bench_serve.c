@@ -487,9 +487,14 @@ static char *chatml(const struct kvd_chat_msg *m, size_t n)
     return s;
 }
 
-static void *llama_session(void *p)
+/* One turn of a chat session over HTTP: the messages so far, the answer back. */
+typedef void (*chat_turn_fn)(const struct session_arg *a, const struct kvd_chat_msg *m, size_t nm, struct sample *s,
+                             char **answer);
+
+/* A session's turns through `turn`: the system prompt, then each question with
+ * the answers before it, as a chat client sends them. */
+static void chat_session(struct session_arg *a, chat_turn_fn turn, const char *who)
 {
-    struct session_arg *a = p;
     struct kvd_chat_msg msgs[2 + 2 * MAX_TURNS];
     char q[MAX_TURNS][256];
     char *answers[MAX_TURNS] = { 0 };
@@ -498,17 +503,30 @@ static void *llama_session(void *p)
     for (int t = 0; t < a->turns; t++) {
         question(a->session, t, q[t], sizeof(q[t]));
         msgs[nm++] = (struct kvd_chat_msg){ "user", q[t] };
-        char *prompt = chatml(msgs, nm);
         struct sample s = { 0 };
-        llama_request(prompt, &s, &answers[t]);
-        free(prompt);
+        turn(a, msgs, nm, &s, &answers[t]);
         if (!s.ok)
-            fprintf(stderr, "bench-serve: llama-server request failed\n");
+            fprintf(stderr, "bench-serve: a %s request failed\n", who);
         record(a->run, &s);
         msgs[nm++] = (struct kvd_chat_msg){ "assistant", answers[t] ? answers[t] : "" };
     }
     for (int t = 0; t < a->turns; t++)
         free(answers[t]);
+}
+
+/* llama-server's /completion, the messages as ChatML text. */
+static void llama_turn(const struct session_arg *a, const struct kvd_chat_msg *m, size_t nm, struct sample *s,
+                       char **answer)
+{
+    (void)a;
+    char *prompt = chatml(m, nm);
+    llama_request(prompt, s, answer);
+    free(prompt);
+}
+
+static void *llama_session(void *p)
+{
+    chat_session(p, llama_turn, "llama-server");
     return NULL;
 }
 
@@ -669,26 +687,17 @@ static void oai_request(int port, const struct kvd_chat_msg *m, size_t nm, struc
     *answer = ans ? ans : strdup("");
 }
 
+/* Either server's /v1/chat/completions (--http). */
+static void oai_turn(const struct session_arg *a, const struct kvd_chat_msg *m, size_t nm, struct sample *s,
+                     char **answer)
+{
+    oai_request(a->llama ? LLAMA_PORT : C.http_port, m, nm, s, answer);
+}
+
 static void *oai_session(void *p)
 {
-    struct session_arg *a = p;
-    struct kvd_chat_msg msgs[2 + 2 * MAX_TURNS];
-    char q[MAX_TURNS][256];
-    char *answers[MAX_TURNS] = { 0 };
-    size_t nm = 0;
-    msgs[nm++] = (struct kvd_chat_msg){ "system", system_prompt };
-    for (int t = 0; t < a->turns; t++) {
-        question(a->session, t, q[t], sizeof(q[t]));
-        msgs[nm++] = (struct kvd_chat_msg){ "user", q[t] };
-        struct sample s;
-        oai_request(a->llama ? LLAMA_PORT : C.http_port, msgs, nm, &s, &answers[t]);
-        if (!s.ok)
-            fprintf(stderr, "bench-serve: a request over HTTP failed (%s)\n", a->llama ? "llama-server" : "kvd");
-        record(a->run, &s);
-        msgs[nm++] = (struct kvd_chat_msg){ "assistant", answers[t] };
-    }
-    for (int t = 0; t < a->turns; t++)
-        free(answers[t]);
+    const struct session_arg *a = p;
+    chat_session(p, oai_turn, a->llama ? "llama-server (HTTP)" : "kvd (HTTP)");
     return NULL;
 }
 
