@@ -7,6 +7,8 @@ import json
 import subprocess
 import time
 
+import pytest
+
 from conftest import BIN_DIR, LONG_SYSTEM, Daemon
 
 import kvd_client
@@ -195,3 +197,18 @@ def test_other_requests_while_a_stream_is_open(client: Client, namespace: str) -
     assert "".join(c.text for c in got_b) == b.result.text
     alone = client.generate("Red, green,", max_tokens=12, temperature=0, namespace=namespace)
     assert alone.token_ids == b.result.token_ids
+
+
+def test_tokenize_and_detokenize(client: Client) -> None:
+    text = "Tokens of a prompt, and back."
+    ids = client.tokenize(text)
+    r = client.generate(text, max_tokens=1, temperature=0)
+    assert len(ids) == r.usage.prompt_tokens
+    assert client.detokenize(ids).endswith(text)
+    chat = [{"role": "user", "content": "Hello there."}]
+    assert len(client.tokenize(messages=chat)) == client.generate(
+        messages=chat, max_tokens=1, temperature=0).usage.prompt_tokens
+    with pytest.raises(kvd_client.BadRequest):
+        client.detokenize([10 ** 9])
+    with pytest.raises(kvd_client.BadRequest):
+        client.tokenize()

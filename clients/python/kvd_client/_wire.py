@@ -115,6 +115,30 @@ def encode_stats(request_id: int) -> bytes:
     return req.SerializeToString()
 
 
+def encode_tokenize(
+    request_id: int,
+    text: str | None = None,
+    messages: Sequence[MessageLike] | None = None,
+    token_ids: Sequence[int] | None = None,
+) -> bytes:
+    """A TokenizeRequest: exactly one of text, messages and token ids (to detokenize)."""
+    given = (text is not None) + (messages is not None) + (token_ids is not None)
+    if given != 1:
+        raise errors.BadRequest("give exactly one of text, messages and token_ids")
+    req = _request(request_id)
+    t = req.tokenize
+    t.SetInParent()
+    if text is not None:
+        t.text = text
+    elif messages is not None:
+        for i, m in enumerate(messages):
+            role, content = _message(i, m)
+            t.messages.add(role=role, content=content)
+    elif token_ids is not None:
+        t.token_ids.extend(int(x) for x in token_ids)
+    return req.SerializeToString()
+
+
 def encode_health(request_id: int) -> bytes:
     """A HealthRequest."""
     req = _request(request_id)

@@ -198,6 +198,19 @@ class AsyncClient:
         r = await self._call(rid, _wire.encode_stats(rid))
         return _wire.to_stats(_wire.expect(r, "stats", rid).stats)
 
+    async def tokenize(self, text: str | None = None, *,
+                       messages: Sequence[MessageLike] | None = None) -> list[int]:
+        """The token ids of a prompt; see :meth:`Client.tokenize`."""
+        rid = self._ids.take()
+        r = await self._call(rid, _wire.encode_tokenize(rid, text=text, messages=messages))
+        return list(_wire.expect(r, "tokens", rid).tokens.token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids; see :meth:`Client.detokenize`."""
+        rid = self._ids.take()
+        r = await self._call(rid, _wire.encode_tokenize(rid, token_ids=token_ids))
+        return str(_wire.expect(r, "tokens", rid).tokens.text)
+
     async def health(self) -> Health:
         """Whether kvd can serve; see :meth:`Client.health`."""
         rid = self._ids.take()

@@ -243,6 +243,19 @@ class Client:
         r = self._call(rid, _wire.encode_stats(rid))
         return _wire.to_stats(_wire.expect(r, "stats", rid).stats)
 
+    def tokenize(self, text: str | None = None, *, messages: Sequence[MessageLike] | None = None) -> list[int]:
+        """The token ids kvd computes for a prompt: text (as a generate prompt is
+        tokenized) or chat messages (through the model's template)."""
+        rid = self._ids.take()
+        r = self._call(rid, _wire.encode_tokenize(rid, text=text, messages=messages))
+        return list(_wire.expect(r, "tokens", rid).tokens.token_ids)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids (bytes that are not UTF-8 come back as U+FFFD)."""
+        rid = self._ids.take()
+        r = self._call(rid, _wire.encode_tokenize(rid, token_ids=token_ids))
+        return str(_wire.expect(r, "tokens", rid).tokens.text)
+
     def health(self) -> Health:
         """Whether kvd can serve (ok: a worker is alive and kvd is not draining)."""
         rid = self._ids.take()
