@@ -522,6 +522,39 @@ static struct kvd_gen_params choice_params(const struct oai_req *r, int index)
     return gp;
 }
 
+/* A JSON string of generated text: as is when it is UTF-8 (kvd sends whole
+ * characters), else with each byte of an invalid sequence as U+FFFD. */
+static json_t *text_json(const char *s, size_t len)
+{
+    if (s == NULL)
+        return json_string("");
+    json_t *j = json_stringn(s, len);
+    if (j != NULL)
+        return j;
+    char *out = malloc(len * 3 + 1);
+    if (out == NULL)
+        return json_string("");
+    size_t o = 0, i = 0;
+    while (i < len) {
+        const unsigned char c = (unsigned char)s[i];
+        const size_t want = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        json_t *probe = want > 0 && i + want <= len ? json_stringn(s + i, want) : NULL;
+        if (probe != NULL) {
+            memcpy(out + o, s + i, want);
+            o += want;
+            i += want;
+            json_decref(probe);
+        } else {
+            memcpy(out + o, "\xef\xbf\xbd", 3);
+            o += 3;
+            i++;
+        }
+    }
+    j = json_stringn(out, o);
+    free(out);
+    return j ? j : json_string("");
+}
+
 static const char *finish_name(int f)
 {
     return f == KVD_FINISH_LENGTH ? "length" : "stop";
@@ -571,11 +604,12 @@ static enum MHD_Result run_whole(struct MHD_Connection *c, const struct http_ser
             cached += res.cached_prompt_tokens;
         }
         completion += res.completion_tokens;
-        json_t *ch = r->chat ? json_pack("{s:i, s:{s:s, s:s}, s:n, s:s}", "index", i, "message", "role",
-                                         "assistant", "content", res.text ? res.text : "", "logprobs",
+        json_t *ch = r->chat ? json_pack("{s:i, s:{s:s, s:o}, s:n, s:s}", "index", i, "message", "role",
+                                         "assistant", "content", text_json(res.text, res.text_len), "logprobs",
                                          "finish_reason", finish_name(res.finish_reason))
-                             : json_pack("{s:i, s:s, s:n, s:s}", "index", i, "text", res.text ? res.text : "",
-                                         "logprobs", "finish_reason", finish_name(res.finish_reason));
+                             : json_pack("{s:i, s:o, s:n, s:s}", "index", i, "text",
+                                         text_json(res.text, res.text_len), "logprobs", "finish_reason",
+                                         finish_name(res.finish_reason));
         json_array_append_new(choices, ch);
         kvd_result_free(&res);
     }
@@ -658,14 +692,14 @@ static json_t *chunk_json(const struct stream_job *jb, const char *role, const c
         if (role)
             json_object_set_new(delta, "role", json_string(role));
         if (text)
-            json_object_set_new(delta, "content", json_stringn(text, len));
+            json_object_set_new(delta, "content", text_json(text, len));
         choice = json_pack("{s:i, s:o, s:n, s:s?}", "index", jb->index, "delta", delta, "logprobs",
                            "finish_reason", finish);
         if (finish == NULL)
             json_object_set_new(choice, "finish_reason", json_null());
     } else {
-        choice = json_pack("{s:i, s:s%, s:n, s:s?}", "index", jb->index, "text", text ? text : "",
-                           text ? len : 0, "logprobs", "finish_reason", finish);
+        choice = json_pack("{s:i, s:o, s:n, s:s?}", "index", jb->index, "text", text_json(text, text ? len : 0),
+                           "logprobs", "finish_reason", finish);
         if (finish == NULL)
             json_object_set_new(choice, "finish_reason", json_null());
     }
