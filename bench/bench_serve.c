@@ -731,6 +731,21 @@ static void warm_up(bool llama)
         kvd_session(&a);
 }
 
+/* The workload on llama-server (started, warmed up, stopped) into r; false
+ * when it did not start. */
+static bool llama_run(struct run *r)
+{
+    bool ok = start_llama();
+    if (ok) {
+        warm_up(true);
+        run_sessions(r, C.sessions, C.turns, false, true, false);
+    } else {
+        fprintf(stderr, "bench-serve: llama-server did not start (see %s/llama.log)\n", C.tmp);
+    }
+    stop_child(&llama_pid);
+    return ok;
+}
+
 /* Overhead: the same 1-token request whose whole prompt but its last block is
  * cached, through kvd and in-process. Returns medians in *through, *alone. */
 /* The last n step times (ms) the worker traced into kvd's log; how many found. */
@@ -1084,17 +1099,7 @@ static void http_runs(void)
     warm_up(false);
     run_sessions(&k, C.sessions, C.turns, false, false, false);
     stop_child(&kvd_pid);
-    bool have_llama = false;
-    if (C.llama) {
-        if (start_llama()) {
-            warm_up(true);
-            run_sessions(&l, C.sessions, C.turns, false, true, false);
-            have_llama = true;
-        } else {
-            fprintf(stderr, "bench-serve: llama-server did not start (see %s/llama.log)\n", C.tmp);
-        }
-        stop_child(&llama_pid);
-    }
+    const bool have_llama = C.llama && llama_run(&l);
     printf("bench-serve --http: %d sessions x %d turns, one system prompt of ~%d tokens, %d tokens per answer "
            "(greedy), %d threads per server, both over POST /v1/chat/completions (streamed)\n", C.sessions, C.turns,
            C.system_tokens, C.max_tokens, C.threads);
@@ -1219,17 +1224,7 @@ int main(int argc, char **argv)
     overhead(0, &busy);
     overhead(100, &idle);
     stop_child(&kvd_pid);
-    bool have_llama = false;
-    if (C.llama) {
-        if (start_llama()) {
-            warm_up(true);
-            run_sessions(&llama, C.sessions, C.turns, false, true, false);
-            have_llama = true;
-        } else {
-            fprintf(stderr, "bench-serve: llama-server did not start (see %s/llama.log)\n", C.tmp);
-        }
-        stop_child(&llama_pid);
-    }
+    const bool have_llama = C.llama && llama_run(&llama);
     double ttft_ratio = ttft_uncached / ttft_cached;
     uint64_t p, c, g1, g2;
     int ok;

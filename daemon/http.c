@@ -917,13 +917,11 @@ static enum MHD_Result route_tokens(struct MHD_Connection *c, const struct http_
         const char *text = json_string_value(json_object_get(o, "prompt"));
         if (m != NULL) {
             r.chat = true;
-            r.root = o;
             unsigned st;
-            json_t *probe = json_pack("{s:O}", "messages", m);   /* parse_request's checks, messages only */
-            r.root = probe;
+            r.root = json_pack("{s:O}", "messages", m);   /* parse_request's checks, messages only */
             if (parse_request(&r, s, &b, &st) != 0) {
                 free(r.msgs);
-                json_decref(probe);
+                json_decref(r.root);
                 client_put(&kc);
                 return send_error(c, 400, b.msg, b.param, NULL, 0);
             }

@@ -370,14 +370,16 @@ static void setup(struct kvd *k)
             cli_die("cannot listen on %s: %s", o->listen[i], zmq_strerror(errno));
         kvd_log(k, "listening on %s", o->listen[i]);
     }
+    /* the first ipc:// client endpoint, if any */
+    const char *first_ipc = NULL;
+    for (int i = 0; i < o->n_listen && !first_ipc; i++)
+        if (strncmp(o->listen[i], "ipc://", 6) == 0)
+            first_ipc = o->listen[i];
     if (o->worker_endpoint) {
         snprintf(k->worker_ep, sizeof(k->worker_ep), "%s", o->worker_endpoint);
     } else {
         /* next to the first ipc endpoint, else in the default runtime directory */
-        const char *base = NULL;
-        for (int i = 0; i < o->n_listen && !base; i++)
-            if (strncmp(o->listen[i], "ipc://", 6) == 0)
-                base = o->listen[i];
+        const char *base = first_ipc;
         if (base == NULL)
             base = kvd_default_endpoint(def, sizeof(def));
         char path[4096];
@@ -388,10 +390,9 @@ static void setup(struct kvd *k)
     }
     /* the HTTP layer reaches kvd as a client over ipc://: the first such endpoint,
      * else one of its own in the runtime directory */
-    for (int i = 0; i < o->n_listen && !k->http_ep[0]; i++)
-        if (strncmp(o->listen[i], "ipc://", 6) == 0)
-            snprintf(k->http_ep, sizeof(k->http_ep), "%s", o->listen[i]);
-    if (o->n_http > 0 && !k->http_ep[0]) {
+    if (first_ipc != NULL) {
+        snprintf(k->http_ep, sizeof(k->http_ep), "%s", first_ipc);
+    } else if (o->n_http > 0) {
         char path[4096];
         snprintf(path, sizeof(path), "%s", kvd_default_endpoint(def, sizeof(def)) + 6);
         snprintf(k->http_ep, sizeof(k->http_ep), "ipc://%s/http-%d.sock", dirname(path), (int)getpid());
