@@ -466,14 +466,23 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
         if (get_bool(so, "include_usage", &r->include_usage, b) < 0)
             return -1;
     }
-    bool lp = false;
-    if (get_bool(o, "logprobs", &lp, b) < 0)
-        return -1;
-    json_t *lpn = json_object_get(o, "logprobs");
-    if (!r->chat && json_is_integer(lpn) && json_integer_value(lpn) > 0)
-        lp = true;
-    if (lp || (json_object_get(o, "top_logprobs") && !json_is_null(json_object_get(o, "top_logprobs"))))
-        return bad(b, "logprobs", "log-probabilities are not returned by this server yet");
+    /* chat: logprobs (bool) and top_logprobs (0..20); completions: logprobs (0..20) */
+    if (r->chat) {
+        bool lp = false;
+        if (get_bool(o, "logprobs", &lp, b) < 0)
+            return -1;
+        if ((rc = get_int(o, "top_logprobs", 0, KVD_MAX_TOP_LOGPROBS, &v, b)) < 0)
+            return -1;
+        if (rc && !lp)
+            return bad(b, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
+        if (lp)
+            r->gp.logprobs = rc ? (int32_t)v : 0;
+    } else {
+        if ((rc = get_int(o, "logprobs", 0, KVD_MAX_TOP_LOGPROBS, &v, b)) < 0)
+            return -1;
+        if (rc)
+            r->gp.logprobs = (int32_t)v;
+    }
     json_t *stop = json_object_get(o, "stop");
     if (json_is_string(stop)) {
         r->stops[r->gp.n_stop++] = json_string_value(stop);
@@ -555,6 +564,66 @@ static json_t *text_json(const char *s, size_t len)
     return j ? j : json_string("");
 }
 
+/* A logprob as JSON: a number, with -9999 for what JSON cannot hold (as
+ * OpenAI writes the logprob of a token with no chance). */
+static json_t *lp_num(float x)
+{
+    return json_real(isfinite(x) ? (double)x : -9999.0);
+}
+
+/* chat's {"token", "logprob", "bytes"}. */
+static json_t *lp_token_json(const char *tok, size_t len, float lp)
+{
+    json_t *bytes = json_array();
+    for (size_t i = 0; i < len; i++)
+        json_array_append_new(bytes, json_integer((unsigned char)tok[i]));
+    return json_pack("{s:o, s:o, s:o}", "token", text_json(tok, len), "logprob", lp_num(lp), "bytes", bytes);
+}
+
+/* chat's logprobs of n tokens: {"content": [...], "refusal": null}. */
+static json_t *chat_logprobs_json(const struct kvd_logprob *lp, size_t n)
+{
+    json_t *content = json_array();
+    for (size_t i = 0; i < n; i++) {
+        json_t *e = lp_token_json(lp[i].token, lp[i].token_len, lp[i].logprob);
+        json_t *top = json_array();
+        for (uint32_t j = 0; j < lp[i].n_top; j++)
+            json_array_append_new(top, lp_token_json(lp[i].top_tokens[j], lp[i].top_token_lens[j],
+                                                     lp[i].top_logprobs[j]));
+        json_object_set_new(e, "top_logprobs", top);
+        json_array_append_new(content, e);
+    }
+    return json_pack("{s:o, s:n}", "content", content, "refusal");
+}
+
+/* completions' logprobs of n tokens: {"tokens", "token_logprobs",
+ * "top_logprobs" (one {token: logprob} object per token), "text_offset"
+ * (characters from the start of the choice's text; *offset carries it on
+ * from chunk to chunk)}. */
+static json_t *completion_logprobs_json(const struct kvd_logprob *lp, size_t n, size_t *offset)
+{
+    json_t *tokens = json_array(), *lps = json_array(), *tops = json_array(), *offs = json_array();
+    for (size_t i = 0; i < n; i++) {
+        json_t *t = text_json(lp[i].token, lp[i].token_len);
+        json_array_append_new(offs, json_integer((json_int_t)*offset));
+        const char *u = json_string_value(t);
+        for (size_t k = 0; u[k]; k++)       /* characters: bytes that start one */
+            *offset += ((unsigned char)u[k] & 0xC0) != 0x80;
+        json_array_append_new(tokens, t);
+        json_array_append_new(lps, lp_num(lp[i].logprob));
+        json_t *top = json_object();
+        for (uint32_t j = 0; j < lp[i].n_top; j++) {
+            json_t *key = text_json(lp[i].top_tokens[j], lp[i].top_token_lens[j]);
+            if (json_object_get(top, json_string_value(key)) == NULL)   /* the likelier of equal texts */
+                json_object_set_new(top, json_string_value(key), lp_num(lp[i].top_logprobs[j]));
+            json_decref(key);
+        }
+        json_array_append_new(tops, top);
+    }
+    return json_pack("{s:o, s:o, s:o, s:o}", "tokens", tokens, "token_logprobs", lps, "top_logprobs", tops,
+                     "text_offset", offs);
+}
+
 static const char *finish_name(int f)
 {
     return f == KVD_FINISH_LENGTH ? "length" : "stop";
@@ -604,11 +673,15 @@ static enum MHD_Result run_whole(struct MHD_Connection *c, const struct http_ser
             cached += res.cached_prompt_tokens;
         }
         completion += res.completion_tokens;
-        json_t *ch = r->chat ? json_pack("{s:i, s:{s:s, s:o}, s:n, s:s}", "index", i, "message", "role",
+        size_t offset = 0;
+        json_t *lp = r->gp.logprobs < 0 ? json_null()
+                     : r->chat           ? chat_logprobs_json(res.logprobs, res.n_logprobs)
+                                         : completion_logprobs_json(res.logprobs, res.n_logprobs, &offset);
+        json_t *ch = r->chat ? json_pack("{s:i, s:{s:s, s:o}, s:o, s:s}", "index", i, "message", "role",
                                          "assistant", "content", text_json(res.text, res.text_len), "logprobs",
-                                         "finish_reason", finish_name(res.finish_reason))
-                             : json_pack("{s:i, s:o, s:n, s:s}", "index", i, "text",
-                                         text_json(res.text, res.text_len), "logprobs", "finish_reason",
+                                         lp, "finish_reason", finish_name(res.finish_reason))
+                             : json_pack("{s:i, s:o, s:o, s:s}", "index", i, "text",
+                                         text_json(res.text, res.text_len), "logprobs", lp, "finish_reason",
                                          finish_name(res.finish_reason));
         json_array_append_new(choices, ch);
         kvd_result_free(&res);
@@ -635,6 +708,7 @@ struct stream_job {
     struct kvd_result res;  /* its result (the message) */
     int index;              /* the choice being generated */
     bool role_sent;
+    size_t text_offset;     /* completions' logprobs: characters of the choice so far */
 };
 
 static void job_signal_start(struct stream_job *j)
@@ -682,24 +756,27 @@ out:
 
 /* A chunk event: chat's delta (role, content, or nothing) or completions'
  * text, with finish_reason when given. */
-static json_t *chunk_json(const struct stream_job *jb, const char *role, const char *text, size_t len,
-                          const char *finish)
+static json_t *chunk_json(struct stream_job *jb, const char *role, const char *text, size_t len,
+                          const struct kvd_logprob *lp, size_t n_lp, const char *finish)
 {
     const struct oai_req *r = jb->r;
     json_t *choice;
+    json_t *lpj = lp == NULL ? json_null()
+                  : r->chat  ? chat_logprobs_json(lp, n_lp)
+                             : completion_logprobs_json(lp, n_lp, &jb->text_offset);
     if (r->chat) {
         json_t *delta = json_object();
         if (role)
             json_object_set_new(delta, "role", json_string(role));
         if (text)
             json_object_set_new(delta, "content", text_json(text, len));
-        choice = json_pack("{s:i, s:o, s:n, s:s?}", "index", jb->index, "delta", delta, "logprobs",
+        choice = json_pack("{s:i, s:o, s:o, s:s?}", "index", jb->index, "delta", delta, "logprobs", lpj,
                            "finish_reason", finish);
         if (finish == NULL)
             json_object_set_new(choice, "finish_reason", json_null());
     } else {
-        choice = json_pack("{s:i, s:o, s:n, s:s?}", "index", jb->index, "text", text_json(text, text ? len : 0),
-                           "logprobs", "finish_reason", finish);
+        choice = json_pack("{s:i, s:o, s:o, s:s?}", "index", jb->index, "text", text_json(text, text ? len : 0),
+                           "logprobs", lpj, "finish_reason", finish);
         if (finish == NULL)
             json_object_set_new(choice, "finish_reason", json_null());
     }
@@ -711,20 +788,20 @@ static json_t *chunk_json(const struct stream_job *jb, const char *role, const c
     return out;
 }
 
-static int on_chunk(void *user, const char *text, size_t len, const int32_t *tokens, size_t n, uint32_t seq)
+static int on_chunk(void *user, const struct kvd_chunk *k)
 {
     struct stream_job *jb = user;
-    (void)tokens;
-    (void)n;
-    (void)seq;
     if (jb->r->chat && !jb->role_sent) {
         jb->role_sent = true;
-        if (!emit(jb, chunk_json(jb, "assistant", "", 0, NULL)))
+        if (!emit(jb, chunk_json(jb, "assistant", "", 0, NULL, 0, NULL)))
             return 1;
     }
-    if (len == 0)
+    if (k->len == 0 && k->logprobs == NULL)
         return 0;
-    return emit(jb, chunk_json(jb, NULL, text, len, NULL)) ? 0 : 1;  /* non-zero: cancel */
+    /* with logprobs, a chunk whose text is held back (a possible stop string)
+     * still goes out: its tokens' logprobs come now, their text later */
+    return emit(jb, chunk_json(jb, NULL, k->text, k->len, k->logprobs, k->logprobs ? k->n_tokens : 0, NULL))
+               ? 0 : 1;  /* non-zero: cancel */
 }
 
 static void *stream_main(void *arg)
@@ -742,8 +819,9 @@ static void *stream_main(void *arg)
         struct kvd_gen_params gp = choice_params(r, i);
         jb->index = i;
         jb->role_sent = false;
+        jb->text_offset = 0;
         struct kvd_result res;
-        rc = kvd_generate_stream(kc, &gp, on_chunk, jb, &res);
+        rc = kvd_generate_chunks(kc, &gp, on_chunk, jb, &res);
         if (rc == 0) {
             if (i % r->n == 0) {
                 prompt += res.prompt_tokens;
@@ -751,8 +829,8 @@ static void *stream_main(void *arg)
             }
             completion += res.completion_tokens;
             if (r->chat && !jb->role_sent)
-                emit(jb, chunk_json(jb, "assistant", "", 0, NULL));
-            emit(jb, chunk_json(jb, NULL, NULL, 0, finish_name(res.finish_reason)));
+                emit(jb, chunk_json(jb, "assistant", "", 0, NULL, 0, NULL));
+            emit(jb, chunk_json(jb, NULL, NULL, 0, NULL, 0, finish_name(res.finish_reason)));
             kvd_result_free(&res);
         } else if (!jb->started) {
             jb->rc = rc;

@@ -24,6 +24,7 @@
 #include "model.h"
 #include "pool.h"
 #include "prefix.h"
+#include "sampler.h"
 #include "tok.h"
 #include "wire.h"
 
@@ -82,6 +83,7 @@ struct request {
     char **stops;                   /* stop strings */
     size_t n_stops;
     bool stream, ignore_eos, no_cache;
+    int32_t logprobs;               /* alternatives per token's logprob; -1: no logprobs */
     prefix_ns_t ns;
     double deadline;                /* absolute ms, 0: none */
     /* tokens: prompt, then generated */
@@ -92,6 +94,8 @@ struct request {
     struct prefix_seq ps;           /* its blocks */
     uint32_t n_written;             /* positions whose K/V the worker reported written */
     /* output */
+    struct sampler_logprobs *lp;    /* with logprobs: one per generated token */
+    uint32_t lp_cap;
     char *text;                     /* everything generated (stop string cut off) */
     size_t text_len, text_cap;
     size_t sent;                    /* bytes of text already streamed */
@@ -197,8 +201,7 @@ void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const void
 void req_dispatch(struct kvd *k);
 void req_tick(struct kvd *k);
 void req_on_commit(struct kvd *k, int w, uint64_t seq_id, uint32_t n_written);
-void req_on_tokens(struct kvd *k, int w, uint64_t seq_id, const int32_t *t, size_t n,
-                   uint32_t n_written);
+void req_on_tokens(struct kvd *k, int w, const Kvdw__TokenChunk *c);
 void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions);
 void req_on_done(struct kvd *k, int w, uint64_t seq_id, int reason, uint32_t n_written,
                  const char *error);

@@ -101,6 +101,7 @@ static void req_free(struct request *r)
         free(r->stops[i]);
     free(r->stops);
     free(r->tok);
+    free(r->lp);
     free(r->text);
     prefix_seq_fini(&r->ps);
     free(r);
@@ -136,6 +137,64 @@ static size_t safe_len(const struct request *r)
     return n < limit ? n : limit;
 }
 
+/* The logprobs of generated tokens [from, to) as messages, with each
+ * token's bytes, all in one allocation (free it); NULL when the request did
+ * not ask or on no memory. */
+static Kvd__TokenLogprob **lp_msgs(const struct kvd *k, const struct request *r, uint32_t from, uint32_t to)
+{
+    if (r->logprobs < 0 || to <= from)
+        return NULL;
+    const size_t n = to - from;
+    const int32_t *gen = r->tok + r->n_prompt;
+    /* first the bytes the pieces need */
+    size_t bytes = 0, n_pieces = 0, pn;
+    char scratch[1];
+    for (size_t i = 0; i < n; i++) {
+        const struct sampler_logprobs *l = &r->lp[from + i];
+        for (uint32_t j = 0; j <= l->n_top; j++) {
+            int32_t id = j == 0 ? gen[from + i] : l->top_id[j - 1];
+            pn = 0;
+            tok_decode_piece(k->tok, id, scratch, 0, &pn);
+            bytes += pn;
+        }
+        n_pieces += 1 + l->n_top;
+    }
+    Kvd__TokenLogprob **v = malloc(n * (sizeof(*v) + sizeof(**v)) + n_pieces * sizeof(ProtobufCBinaryData) + bytes);
+    if (v == NULL)
+        return NULL;
+    Kvd__TokenLogprob *m = (Kvd__TokenLogprob *)(v + n);
+    ProtobufCBinaryData *bins = (ProtobufCBinaryData *)(m + n);
+    uint8_t *at = (uint8_t *)(bins + n_pieces), *end = at + bytes;
+    for (size_t i = 0; i < n; i++) {
+        const struct sampler_logprobs *l = &r->lp[from + i];
+        kvd__token_logprob__init(&m[i]);
+        m[i].has_logprob = true;
+        m[i].logprob = l->logprob;
+        m[i].top_ids = (int32_t *)l->top_id;
+        m[i].n_top_ids = l->n_top;
+        m[i].top_logprobs = (float *)l->top_logprob;
+        m[i].n_top_logprobs = l->n_top;
+        for (uint32_t j = 0; j <= l->n_top; j++) {
+            int32_t id = j == 0 ? gen[from + i] : l->top_id[j - 1];
+            pn = 0;
+            if (tok_decode_piece(k->tok, id, (char *)at, (size_t)(end - at), &pn) != 0)
+                pn = 0;
+            *bins = (ProtobufCBinaryData){ .len = pn, .data = at };
+            at += pn;
+            if (j == 0) {
+                m[i].has_token = true;
+                m[i].token = *bins++;
+            } else {
+                bins++;
+            }
+        }
+        m[i].top_tokens = bins - l->n_top;
+        m[i].n_top_tokens = l->n_top;
+        v[i] = &m[i];
+    }
+    return v;
+}
+
 /* Streams what is new since the last chunk (all of it when final). */
 static void stream_out(struct kvd *k, struct request *r, bool final)
 {
@@ -151,9 +210,13 @@ static void stream_out(struct kvd *k, struct request *r, bool final)
     c.seq = r->chunk_seq++;
     c.token_ids = r->tok + r->n_prompt + r->sent_tokens;
     c.n_token_ids = n_gen - r->sent_tokens;
+    c.logprobs = lp_msgs(k, r, r->sent_tokens, n_gen);
+    c.n_logprobs = c.logprobs ? c.n_token_ids : 0;
     char *txt = malloc(upto > r->sent ? upto - r->sent + 1 : 1);
-    if (txt == NULL)
+    if (txt == NULL) {
+        free(c.logprobs);
         return;
+    }
     size_t tl = upto > r->sent ? upto - r->sent : 0;
     memcpy(txt, r->text + r->sent, tl);
     txt[tl] = '\0';
@@ -163,6 +226,7 @@ static void stream_out(struct kvd *k, struct request *r, bool final)
     if (reply(k, r->rid, r->rid_len, r->client_id, &m) != 0)
         r->rid_len = 0; /* the client is gone: nothing more is sent */
     free(txt);
+    free(c.logprobs);
     r->sent = upto > r->sent ? upto : r->sent;
     r->sent_tokens = n_gen;
 }
@@ -237,10 +301,13 @@ static void finish(struct kvd *k, struct request *r)
         f.token_ids = r->tok + r->n_prompt;
         f.n_token_ids = n_gen;
         f.chunks = r->chunk_seq;
+        f.logprobs = lp_msgs(k, r, 0, n_gen);
+        f.n_logprobs = f.logprobs ? n_gen : 0;
         m.body_case = KVD__SERVER_REPLY__BODY_FINAL;
         m.final = &f;
         if (r->rid_len)
             reply(k, r->rid, r->rid_len, r->client_id, &m);
+        free(f.logprobs);
     }
     k->st.completion_tokens += n_gen;
     req_free(r);
@@ -480,6 +547,7 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, uint6
     r->stream = g->has_stream && g->stream;
     r->ignore_eos = g->has_ignore_eos && g->ignore_eos;
     r->no_cache = g->has_no_cache && g->no_cache;
+    r->logprobs = g->has_logprobs ? (int32_t)g->logprobs : -1;
     const char *ns = g->namespace_ ? g->namespace_ : "";
     r->ns = prefix_namespace(k->px, ns, strlen(ns));
     r->deadline = g->has_deadline_ms && g->deadline_ms ? r->t_arrival + g->deadline_ms : 0;
@@ -589,6 +657,8 @@ static int start(struct kvd *k, struct request *r)
     a.max_new = r->max_tokens > n_gen ? r->max_tokens - n_gen : 0;
     a.ignore_eos = r->ignore_eos;
     a.n_generated = n_gen;
+    a.has_logprobs = r->logprobs >= 0;
+    a.logprobs = r->logprobs >= 0 ? (uint32_t)r->logprobs : 0;
     m.body_case = KVDW__TO_WORKER__BODY_ASSIGN;
     m.assign = &a;
     list_remove(&k->queue, r);
@@ -667,15 +737,49 @@ void req_on_commit(struct kvd *k, int w, uint64_t seq_id, uint32_t n_written)
     req_dispatch(k);
 }
 
-void req_on_tokens(struct kvd *k, int w, uint64_t seq_id, const int32_t *t, size_t n,
-                   uint32_t n_written)
+/* Keeps the logprob the worker sent for generated token i (NaN when it
+ * sent none). */
+static int keep_logprob(struct request *r, uint32_t i, Kvd__TokenLogprob *const *lp, size_t n_lp, size_t at,
+                        uint32_t n_vocab)
 {
-    struct request *r = from_worker(k, w, seq_id);
+    if (i >= r->lp_cap) {
+        uint32_t cap = i * 2 > 16 ? i * 2 : 16;
+        struct sampler_logprobs *v = realloc(r->lp, (size_t)cap * sizeof(*v));
+        if (v == NULL)
+            return KVD_ENOMEM;
+        r->lp = v;
+        r->lp_cap = cap;
+    }
+    struct sampler_logprobs *l = &r->lp[i];
+    l->logprob = NAN;
+    l->n_top = 0;
+    if (at >= n_lp)
+        return 0;
+    const Kvd__TokenLogprob *m = lp[at];
+    if (m->has_logprob)
+        l->logprob = m->logprob;
+    for (size_t j = 0; j < m->n_top_ids && j < SAMPLER_MAX_TOP_LOGPROBS; j++) {
+        if ((uint32_t)m->top_ids[j] >= n_vocab)
+            return KVD_ERANGE;
+        l->top_id[j] = m->top_ids[j];
+        l->top_logprob[j] = m->top_logprobs[j];
+        l->n_top++;
+    }
+    return 0;
+}
+
+void req_on_tokens(struct kvd *k, int w, const Kvdw__TokenChunk *c)
+{
+    const int32_t *t = c->tokens;
+    const size_t n = c->n_tokens;
+    struct request *r = from_worker(k, w, c->seq_id);
     if (r == NULL || r->state != REQ_RUNNING)
         return;
     double now = cli_now_ms();
     for (size_t i = 0; i < n && r->state == REQ_RUNNING; i++) {
-        if ((uint32_t)t[i] >= k->model->cfg.n_vocab || reserve_tokens(r, r->n_tok + 2) != 0) {
+        const uint32_t V = k->model->cfg.n_vocab;
+        if ((uint32_t)t[i] >= V || reserve_tokens(r, r->n_tok + 2) != 0 ||
+            (r->logprobs >= 0 && keep_logprob(r, r->n_tok - r->n_prompt, c->logprobs, c->n_logprobs, i, V))) {
             stop_request(k, r, 0, KVD__ERROR_CODE__ERR_INTERNAL, "the worker sent a bad token");
             return;
         }
@@ -703,7 +807,7 @@ void req_on_tokens(struct kvd *k, int w, uint64_t seq_id, const int32_t *t, size
             }
         }
     }
-    commit(k, r, n_written);
+    commit(k, r, c->n_written);
     if (r->state == REQ_RUNNING)
         stream_out(k, r, false);
 }

@@ -348,8 +348,7 @@ void workers_on_message(struct kvd *k, const uint8_t *rid, size_t rid_len, const
         break;
     case KVDW__FROM_WORKER__BODY_CHUNK:
         w->last_progress = now;
-        req_on_tokens(k, i, m->chunk->seq_id, m->chunk->tokens, m->chunk->n_tokens,
-                      m->chunk->n_written);
+        req_on_tokens(k, i, m->chunk);
         break;
     case KVDW__FROM_WORKER__BODY_LEASE:
         req_on_lease(k, i, m->lease->seq_id, m->lease->n_positions);

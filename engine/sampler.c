@@ -172,6 +172,50 @@ int32_t sampler_argmax(const float *logits, uint32_t n)
     return best;
 }
 
+void sampler_logprobs(const float *logits, uint32_t n_vocab, int32_t chosen, uint32_t n_top,
+                      struct sampler_logprobs *out)
+{
+    if (n_top > SAMPLER_MAX_TOP_LOGPROBS)
+        n_top = SAMPLER_MAX_TOP_LOGPROBS;
+    if (n_top > n_vocab)
+        n_top = n_vocab;
+    out->n_top = 0;
+    /* the top n_top by insertion into a short sorted list: a logit below the
+     * list's last entry (the common case) costs one comparison */
+    float max = -INFINITY;
+    bool nan = false;
+    for (uint32_t i = 0; i < n_vocab; i++) {
+        float l = logits[i];
+        if (isnan(l)) {
+            nan = true;
+            continue;
+        }
+        if (l > max)
+            max = l;
+        uint32_t n = out->n_top;
+        if (n == n_top && (n == 0 || !(l > logits[out->top_id[n - 1]])))
+            continue;
+        uint32_t j = n < n_top ? n : n - 1;
+        while (j > 0 && l > logits[out->top_id[j - 1]]) {
+            out->top_id[j] = out->top_id[j - 1];
+            j--;
+        }
+        out->top_id[j] = (int32_t)i;
+        if (n < n_top)
+            out->n_top++;
+    }
+    double lse = NAN;
+    if (!nan && isfinite(max)) {
+        double sum = 0;
+        for (uint32_t i = 0; i < n_vocab; i++)
+            sum += exp((double)logits[i] - max);
+        lse = max + log(sum);
+    }
+    for (uint32_t j = 0; j < out->n_top; j++)
+        out->top_logprob[j] = (float)((double)logits[out->top_id[j]] - lse);
+    out->logprob = chosen >= 0 && (uint32_t)chosen < n_vocab ? (float)((double)logits[chosen] - lse) : NAN;
+}
+
 /* Descending by logit, ascending id on ties: a total order, so results do not
  * depend on the sort's stability. */
 static int cand_cmp(const void *a, const void *b)

@@ -74,6 +74,24 @@ int32_t sampler_pick(sampler_t *s, const struct sampler_draw *d, const float *lo
  * top-k. The same ids as sampler_pick for every draw (unit.sampler checks). */
 int32_t sampler_pick_sorted(sampler_t *s, const struct sampler_draw *d, const float *logits);
 
+/*
+ * Log-probabilities of a row for a client that asks for them (OpenAI's
+ * logprobs): the log-softmax of the raw logits, before any penalty,
+ * truncation or temperature (vLLM's default), in double and rounded to float.
+ * Fills out with the logprob of `chosen` and the n_top (at most
+ * SAMPLER_MAX_TOP_LOGPROBS) most likely ids, most likely first, equal logits
+ * by id. A row with a NaN or no finite maximum gives NaN everywhere.
+ */
+#define SAMPLER_MAX_TOP_LOGPROBS 20
+struct sampler_logprobs {
+    float logprob;                              /* of the chosen token */
+    uint32_t n_top;
+    int32_t top_id[SAMPLER_MAX_TOP_LOGPROBS];
+    float top_logprob[SAMPLER_MAX_TOP_LOGPROBS];
+};
+void sampler_logprobs(const float *logits, uint32_t n_vocab, int32_t chosen, uint32_t n_top,
+                      struct sampler_logprobs *out);
+
 /* Index of the largest logit, lowest index on a tie. */
 int32_t sampler_argmax(const float *logits, uint32_t n);
 

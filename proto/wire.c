@@ -461,6 +461,29 @@ static int check_token_list(const int32_t *t, size_t n, const char *path, char *
     return check_tokens(t, n, path, err, errlen);
 }
 
+/* None, or one per token: each with as many alternatives (ids >= 0) as
+ * logprobs, at most WIRE_MAX_TOP_LOGPROBS. */
+static int check_logprobs(Kvd__TokenLogprob *const *lp, size_t n, size_t n_tokens, const char *path,
+                          char *err, size_t errlen)
+{
+    if (n != 0 && n != n_tokens)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "%s has %zu entries for %zu tokens", path, n, n_tokens);
+    for (size_t i = 0; i < n; i++) {
+        if (lp[i] == NULL)
+            return kvd_seterr(err, errlen, KVD_EFORMAT, "%s[%zu] is missing", path, i);
+        if (lp[i]->n_top_ids != lp[i]->n_top_logprobs || lp[i]->n_top_ids > WIRE_MAX_TOP_LOGPROBS ||
+            (lp[i]->n_top_tokens != 0 && lp[i]->n_top_tokens != lp[i]->n_top_ids))
+            return kvd_seterr(err, errlen, KVD_ERANGE,
+                              "%s[%zu] has %zu alternatives, %zu logprobs and %zu token texts (at most %u)",
+                              path, i, lp[i]->n_top_ids, lp[i]->n_top_logprobs, lp[i]->n_top_tokens,
+                              WIRE_MAX_TOP_LOGPROBS);
+        int rc = check_tokens(lp[i]->top_ids, lp[i]->n_top_ids, path, err, errlen);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
 static int check_enum(const ProtobufCEnumDescriptor *d, int v, const char *path, char *err,
                       size_t errlen)
 {
@@ -605,6 +628,9 @@ static int check_generate(const Kvd__GenerateRequest *g, char *err, size_t errle
                               "generate.stop[%zu] is %zu bytes, outside [1, %u]",
                               i, n, WIRE_MAX_STOP_BYTES);
     }
+    if (g->has_logprobs && g->logprobs > WIRE_MAX_TOP_LOGPROBS)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "generate.logprobs = %u is over the limit of %u",
+                          g->logprobs, WIRE_MAX_TOP_LOGPROBS);
     if (g->has_deadline_ms && g->deadline_ms > WIRE_MAX_DEADLINE_MS)
         return kvd_seterr(err, errlen, KVD_ERANGE,
                           "generate.deadline_ms = %u is over the limit of %u",
@@ -686,7 +712,9 @@ static int check_final(const Kvd__Final *f, char *err, size_t errlen)
         return rc;
     if (f->text == NULL)
         return missing("final", "text", err, errlen);
-    return check_token_list(f->token_ids, f->n_token_ids, "final.token_ids", err, errlen);
+    if ((rc = check_token_list(f->token_ids, f->n_token_ids, "final.token_ids", err, errlen)))
+        return rc;
+    return check_logprobs(f->logprobs, f->n_logprobs, f->n_token_ids, "final.logprobs", err, errlen);
 }
 
 int wire_check_server_reply(const Kvd__ServerReply *m, char *err, size_t errlen)
@@ -704,8 +732,11 @@ int wire_check_server_reply(const Kvd__ServerReply *m, char *err, size_t errlen)
             break;
         if (m->chunk->text == NULL)
             return missing("chunk", "text", err, errlen);
-        return check_token_list(m->chunk->token_ids, m->chunk->n_token_ids, "chunk.token_ids",
-                                err, errlen);
+        if ((rc = check_token_list(m->chunk->token_ids, m->chunk->n_token_ids, "chunk.token_ids",
+                                   err, errlen)))
+            return rc;
+        return check_logprobs(m->chunk->logprobs, m->chunk->n_logprobs, m->chunk->n_token_ids,
+                              "chunk.logprobs", err, errlen);
     case KVD__SERVER_REPLY__BODY_FINAL:
         if (m->final == NULL)
             break;
@@ -793,8 +824,11 @@ int wire_check_from_worker(const Kvdw__FromWorker *m, char *err, size_t errlen)
             return missing("chunk", "seq_id", err, errlen);
         if (!m->chunk->has_n_written)
             return missing("chunk", "n_written", err, errlen);
-        return check_token_list(m->chunk->tokens, m->chunk->n_tokens, "chunk.tokens", err,
-                                errlen);
+        if ((rc = check_token_list(m->chunk->tokens, m->chunk->n_tokens, "chunk.tokens", err,
+                                   errlen)))
+            return rc;
+        return check_logprobs(m->chunk->logprobs, m->chunk->n_logprobs, m->chunk->n_tokens,
+                              "chunk.logprobs", err, errlen);
     case KVDW__FROM_WORKER__BODY_LEASE:
         if (m->lease == NULL)
             break;
@@ -844,6 +878,9 @@ static int check_assign(const Kvdw__Assign *s, char *err, size_t errlen)
     if (s->has_max_new && s->max_new > WIRE_MAX_NEW_TOKENS)
         return kvd_seterr(err, errlen, KVD_ERANGE, "assign.max_new = %u is over the limit of %u",
                           s->max_new, WIRE_MAX_NEW_TOKENS);
+    if (s->has_logprobs && s->logprobs > WIRE_MAX_TOP_LOGPROBS)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "assign.logprobs = %u is over the limit of %u",
+                          s->logprobs, WIRE_MAX_TOP_LOGPROBS);
     if (s->sampling != NULL)
         return check_sampling(s->sampling, "assign.sampling", err, errlen);
     return 0;

@@ -91,6 +91,7 @@ struct wseq {
     uint32_t max_new;       /* tokens still to generate */
     uint32_t n_new;         /* generated in this assignment */
     bool ignore_eos;
+    int32_t logprobs;       /* alternatives to send with each token's logprob; -1: no logprobs */
     bool leasing;           /* asked kvd for blocks; waits for a Grant */
     uint32_t chunk;         /* tokens it runs in the current step */
 };
@@ -366,6 +367,7 @@ static void on_assign(struct worker *w, const Kvdw__Assign *a)
         s->pos = a->n_cached;
         s->max_new = a->max_new;
         s->ignore_eos = a->ignore_eos;
+        s->logprobs = a->has_logprobs ? (int32_t)a->logprobs : -1;
         rc = push_blocks(s, a->blocks, a->n_blocks, pool_header(w->pool)->n_blocks);
         if (rc)
             snprintf(err, sizeof(err), "a block id is out of range");
@@ -506,9 +508,12 @@ static void run_step(struct worker *w, uint32_t n)
     const int32_t *ids = NULL;
     uint32_t rows;
     uint32_t n_tokens = 0;
-    for (uint32_t k = 0; k < n; k++)
+    bool want_logits = false;       /* a sequence wants logprobs: its row comes to the host */
+    for (uint32_t k = 0; k < n; k++) {
         n_tokens += w->batch[k].n_tokens;
-    if (w->gpu) {
+        want_logits |= w->in_batch[k]->logprobs >= 0;
+    }
+    if (w->gpu && !want_logits) {
         /* the device chooses the tokens: plan each due draw first, exactly as
          * the host would just before sampling (below) */
         for (uint32_t k = 0; k < n; k++) {
@@ -525,8 +530,9 @@ static void run_step(struct worker *w, uint32_t n)
     beat_lend(w);
     while (w->stall_file && access(w->stall_file, F_OK) == 0 && !stop_flag)
         usleep(10000);
-    int rc = w->gpu ? wgpu_step_sample(w->gpu, w->batch, n, w->draw_of, &ids, &rows, err, sizeof(err))
-                    : engine_step(w->engine, w->batch, n, &logits, &rows, err, sizeof(err));
+    int rc = !w->gpu ? engine_step(w->engine, w->batch, n, &logits, &rows, err, sizeof(err))
+             : want_logits ? wgpu_step_logits(w->gpu, w->batch, n, &logits, &rows, err, sizeof(err))
+             : wgpu_step_sample(w->gpu, w->batch, n, w->draw_of, &ids, &rows, err, sizeof(err));
     /* nothing below may tell kvd a block is written before the kernels that
      * wrote it have completed */
     bool gpu_broken = false;
@@ -591,9 +597,23 @@ static void run_step(struct worker *w, uint32_t n)
             sampler_reseed(s->smp, s->seed ^ (0x9e3779b97f4a7c15ull * (s->n_tok + 1ull)));
             t = sampler_sample(s->smp, logits + (size_t)k * V, s->tok, s->n_tok);
         }
+        Kvdw__TokenChunk tc = KVDW__TOKEN_CHUNK__INIT;
+        Kvd__TokenLogprob tl = KVD__TOKEN_LOGPROB__INIT;
+        Kvd__TokenLogprob *tlp = &tl;
+        struct sampler_logprobs lp;
+        if (s->logprobs >= 0 && logits != NULL) {
+            sampler_logprobs(logits + (size_t)k * V, V, t, (uint32_t)s->logprobs, &lp);
+            tl.has_logprob = true;
+            tl.logprob = lp.logprob;
+            tl.top_ids = lp.top_id;
+            tl.n_top_ids = lp.n_top;
+            tl.top_logprobs = lp.top_logprob;
+            tl.n_top_logprobs = lp.n_top;
+            tc.logprobs = &tlp;
+            tc.n_logprobs = 1;
+        }
         s->tok[s->n_tok++] = t;
         s->n_new++;
-        Kvdw__TokenChunk tc = KVDW__TOKEN_CHUNK__INIT;
         tc.has_seq_id = tc.has_n_written = true;
         tc.seq_id = s->id;
         tc.tokens = &t;

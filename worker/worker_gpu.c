@@ -161,6 +161,17 @@ int wgpu_step_sample(wgpu_t *g, const struct fwd_seq *seqs, uint32_t n_seqs,
     return wgpu_engine_step_sample(g->engine, seqs, n_seqs, draws, ids, n_rows, err, errlen);
 }
 
+int wgpu_step_logits(wgpu_t *g, const struct fwd_seq *seqs, uint32_t n_seqs, const float **logits,
+                     uint32_t *n_rows, char *err, size_t errlen)
+{
+    if (g->engine == NULL) {
+        *logits = NULL;
+        *n_rows = 0;
+        return kvd_seterr(err, errlen, KVD_ESTATE, "the GPU engine is not started");
+    }
+    return wgpu_engine_step_logits(g->engine, seqs, n_seqs, logits, n_rows, err, errlen);
+}
+
 void wgpu_close(wgpu_t **gp)
 {
     if (gp == NULL || *gp == NULL)

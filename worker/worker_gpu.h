@@ -78,6 +78,12 @@ int wgpu_step_sample(wgpu_t *g, const struct fwd_seq *seqs, uint32_t n_seqs,
                      const struct sampler_draw *const *draws, const int32_t **ids, uint32_t *n_rows, char *err,
                      size_t errlen);
 
+/* The same, returning every row's logits in host memory instead (as
+ * gpu_engine_step): for steps where a sequence wants its logprobs, which the
+ * worker computes on the host, choosing the tokens there too. */
+int wgpu_step_logits(wgpu_t *g, const struct fwd_seq *seqs, uint32_t n_seqs, const float **logits,
+                     uint32_t *n_rows, char *err, size_t errlen);
+
 /* Returns once every kernel of the steps so far has completed: their K/V
  * writes are in device memory for every process. 0 or KVD_EINTERNAL. */
 int wgpu_fence(wgpu_t *g, char *err, size_t errlen);
@@ -114,6 +120,10 @@ wgpu_engine_t *wgpu_engine_new(const model_t *m, int dev, const struct wgpu_mem 
 int wgpu_engine_step_sample(wgpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
                             const struct sampler_draw *const *draws, const int32_t **ids, uint32_t *n_rows,
                             char *err, size_t errlen);
+
+/* One step, as gpu_engine_step (logits on the host). */
+int wgpu_engine_step_logits(wgpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, const float **logits,
+                            uint32_t *n_rows, char *err, size_t errlen);
 
 /* Frees the engine (never the borrowed memory); accepts NULL, sets *e to NULL. */
 void wgpu_engine_destroy(wgpu_engine_t **e);

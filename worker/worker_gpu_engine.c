@@ -38,6 +38,12 @@ int wgpu_engine_step_sample(wgpu_engine_t *e, const struct fwd_seq *seqs, uint32
     return gpu_engine_step_sample((gpu_engine_t *)e, seqs, n_seqs, draws, ids, n_rows, err, errlen);
 }
 
+int wgpu_engine_step_logits(wgpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, const float **logits,
+                            uint32_t *n_rows, char *err, size_t errlen)
+{
+    return gpu_engine_step((gpu_engine_t *)e, seqs, n_seqs, logits, n_rows, err, errlen);
+}
+
 void wgpu_engine_destroy(wgpu_engine_t **e)
 {
     gpu_engine_t *g = (gpu_engine_t *)*e;

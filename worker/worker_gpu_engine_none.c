@@ -35,6 +35,17 @@ int wgpu_engine_step_sample(wgpu_engine_t *e, const struct fwd_seq *seqs, uint32
     return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "GPU engine not built");
 }
 
+int wgpu_engine_step_logits(wgpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, const float **logits,
+                            uint32_t *n_rows, char *err, size_t errlen)
+{
+    (void)e;
+    (void)seqs;
+    (void)n_seqs;
+    *logits = NULL;
+    *n_rows = 0;
+    return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "GPU engine not built");
+}
+
 void wgpu_engine_destroy(wgpu_engine_t **e)
 {
     if (e != NULL)

@@ -101,6 +101,8 @@ static void usage(FILE *f)
           "      --stop STR             stop at STR (repeatable, up to 16)\n"
           "      --namespace NS         prefix-cache namespace (a convenience, not isolation)\n"
           "      --no-cache             neither use nor fill the prefix cache\n"
+          "      --logprobs N           with --json: each token's logprob and its N (0..20)\n"
+          "                             most likely alternatives, as [id, logprob] pairs\n"
           "      --deadline MS          give up after MS milliseconds at kvd\n"
           "      --ignore-eos           generate past end-of-generation tokens\n"
           "      --no-stream            print the text once it is complete\n"
@@ -170,7 +172,7 @@ static int32_t *parse_ids(const char *s, size_t *n)
 
 enum {
     OPT_TIMEOUT = 256, OPT_CHAT, OPT_SYSTEM, OPT_SYSTEM_FILE, OPT_JSON, OPT_TEMP, OPT_TOPK,
-    OPT_TOPP, OPT_MINP, OPT_REPEAT, OPT_SEED, OPT_STOP, OPT_NS, OPT_NO_CACHE, OPT_DEADLINE,
+    OPT_TOPP, OPT_MINP, OPT_REPEAT, OPT_SEED, OPT_STOP, OPT_NS, OPT_NO_CACHE, OPT_LOGPROBS, OPT_DEADLINE,
     OPT_IGNORE_EOS, OPT_NO_STREAM, OPT_IDS, OPT_PROM,
 };
 
@@ -258,6 +260,7 @@ static void parse_generate(int argc, char **argv, struct options *o)
         { "stop", required_argument, NULL, OPT_STOP },
         { "namespace", required_argument, NULL, OPT_NS },
         { "no-cache", no_argument, NULL, OPT_NO_CACHE },
+        { "logprobs", required_argument, NULL, OPT_LOGPROBS },
         { "deadline", required_argument, NULL, OPT_DEADLINE },
         { "ignore-eos", no_argument, NULL, OPT_IGNORE_EOS },
         { "no-stream", no_argument, NULL, OPT_NO_STREAM },
@@ -297,6 +300,9 @@ static void parse_generate(int argc, char **argv, struct options *o)
             break;
         case OPT_NS: p->ns = optarg; break;
         case OPT_NO_CACHE: p->no_cache = true; break;
+        case OPT_LOGPROBS:
+            p->logprobs = (int32_t)parse_int(optarg, "--logprobs", 0, KVD_MAX_TOP_LOGPROBS);
+            break;
         case OPT_DEADLINE:
             p->deadline_ms = (uint32_t)parse_int(optarg, "--deadline", 1, 24 * 3600 * 1000);
             break;
@@ -382,7 +388,21 @@ static void print_json(const struct kvd_result *r)
     printf(",\"timings\":{\"queued_ms\":%.1f,\"ttft_ms\":%.1f,\"decode_ms\":%.1f,"
            "\"total_ms\":%.1f}",
            r->queued_ms, r->ttft_ms, r->decode_ms, r->total_ms);
-    printf(",\"chunks\":%u,\"request_id\":%llu}\n", r->chunks, (unsigned long long)r->request_id);
+    printf(",\"chunks\":%u,\"request_id\":%llu", r->chunks, (unsigned long long)r->request_id);
+    if (r->logprobs != NULL) {
+        /* exact: %.17g gives back the same double, as Python's float does */
+        printf(",\"logprobs\":[");
+        for (size_t i = 0; i < r->n_logprobs; i++) {
+            const struct kvd_logprob *l = &r->logprobs[i];
+            printf("%s{\"logprob\":%.17g,\"top\":[", i ? "," : "", isfinite(l->logprob) ? (double)l->logprob : -9999.0);
+            for (uint32_t j = 0; j < l->n_top; j++)
+                printf("%s[%d,%.17g]", j ? "," : "", l->top_ids[j],
+                       isfinite(l->top_logprobs[j]) ? (double)l->top_logprobs[j] : -9999.0);
+            printf("]}");
+        }
+        printf("]");
+    }
+    printf("}\n");
 }
 
 /* Reports a failed call: the daemon's message after the code's name, or the

@@ -33,6 +33,7 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -75,7 +76,49 @@ struct output {
     size_t text_len, text_cap;
     int32_t *tokens;            /* n_tokens ids, or NULL */
     size_t n_tokens, tokens_cap;
+    struct kvd_logprob *lp;     /* n_lp logprobs, or NULL */
+    size_t n_lp, lp_cap;
+    struct lp_block *lp_bytes;  /* their token texts: blocks that never move */
 };
+
+/* A block of token texts; the newest block first. */
+struct lp_block {
+    struct lp_block *next;
+    size_t used, cap;
+    char data[];
+};
+
+#define LP_BLOCK_BYTES 16384
+
+static void lp_blocks_free(struct lp_block *b)
+{
+    while (b != NULL) {
+        struct lp_block *next = b->next;
+        free(b);
+        b = next;
+    }
+}
+
+/* A copy of n bytes that stays where it is until the blocks are freed. */
+static const char *lp_keep(struct lp_block **head, const void *bytes, size_t n)
+{
+    struct lp_block *b = *head;
+    if (b == NULL || b->cap - b->used < n) {
+        size_t cap = n > LP_BLOCK_BYTES ? n : LP_BLOCK_BYTES;
+        b = malloc(sizeof(*b) + cap);
+        if (b == NULL)
+            return NULL;
+        b->next = *head;
+        b->used = 0;
+        b->cap = cap;
+        *head = b;
+    }
+    char *p = b->data + b->used;
+    if (n > 0)
+        memcpy(p, bytes, n);
+    b->used += n;
+    return p;
+}
 
 /* ---- small helpers ----------------------------------------------------------------- */
 
@@ -434,6 +477,7 @@ void kvd_gen_params_init(struct kvd_gen_params *p)
     p->min_p = -1.0f;
     p->repeat_penalty = -1.0f;
     p->seed = -1;
+    p->logprobs = -1;
 }
 
 void kvd_result_free(struct kvd_result *r)
@@ -442,6 +486,8 @@ void kvd_result_free(struct kvd_result *r)
         return;
     free(r->text);
     free(r->tokens);
+    free(r->logprobs);
+    lp_blocks_free(r->lp_bytes);
     memset(r, 0, sizeof(*r));
 }
 
@@ -476,6 +522,44 @@ static int output_add(struct output *o, const char *text, size_t len, const int3
     if (n > 0)
         memcpy(o->tokens + o->n_tokens, tokens, n * sizeof(*tokens));
     o->n_tokens += n;
+    return 0;
+}
+
+/* Appends n logprobs (checked by the wire layer: at most
+ * KVD_MAX_TOP_LOGPROBS alternatives each). */
+static int output_add_lp(struct output *o, Kvd__TokenLogprob *const *m, size_t n)
+{
+    if (o->n_lp + n > WIRE_MAX_NEW_TOKENS)
+        return KVD_EPROTOCOL;
+    if (n > 0 && o->n_lp + n > o->lp_cap) {
+        size_t cap = o->lp_cap ? o->lp_cap : 64;
+        while (cap < o->n_lp + n)
+            cap *= 2;
+        struct kvd_logprob *v = realloc(o->lp, cap * sizeof(*v));
+        if (v == NULL)
+            return KVD_ENOMEM;
+        o->lp = v;
+        o->lp_cap = cap;
+    }
+    for (size_t i = 0; i < n; i++) {
+        struct kvd_logprob *l = &o->lp[o->n_lp++];
+        memset(l, 0, sizeof(*l));
+        l->logprob = m[i]->has_logprob ? m[i]->logprob : NAN;
+        l->n_top = (uint32_t)m[i]->n_top_ids;
+        memcpy(l->top_ids, m[i]->top_ids, l->n_top * sizeof(int32_t));
+        memcpy(l->top_logprobs, m[i]->top_logprobs, l->n_top * sizeof(float));
+        l->token_len = m[i]->has_token ? m[i]->token.len : 0;
+        l->token = lp_keep(&o->lp_bytes, m[i]->token.data, l->token_len);
+        for (uint32_t j = 0; l->token != NULL && j < l->n_top; j++) {
+            l->top_token_lens[j] = j < m[i]->n_top_tokens ? m[i]->top_tokens[j].len : 0;
+            l->top_tokens[j] = lp_keep(&o->lp_bytes, j < m[i]->n_top_tokens ? m[i]->top_tokens[j].data : NULL,
+                                       l->top_token_lens[j]);
+            if (l->top_tokens[j] == NULL)
+                return KVD_ENOMEM;
+        }
+        if (l->token == NULL)
+            return KVD_ENOMEM;
+    }
     return 0;
 }
 
@@ -599,6 +683,8 @@ static int gen_msg_build(struct gen_msg *m, const struct kvd_gen_params *p, uint
     g->ignore_eos = p->ignore_eos;
     g->has_no_cache = p->no_cache;
     g->no_cache = p->no_cache;
+    g->has_logprobs = p->logprobs >= 0;
+    g->logprobs = p->logprobs >= 0 ? (uint32_t)p->logprobs : 0;
 
     /* the daemon's own checks, here, so that a bad argument costs no round trip */
     char why[200];
@@ -645,6 +731,10 @@ static int take_final(const Kvd__Final *f, struct output *o, struct kvd_result *
         o->n_tokens = 0;
         rc = output_add(o, "", 0, f->token_ids, f->n_token_ids);
     }
+    if (rc == 0 && f->n_logprobs > 0) {
+        o->n_lp = 0;
+        rc = output_add_lp(o, f->logprobs, f->n_logprobs);
+    }
     if (rc != 0)
         return output_error(rc, out);
     if (f->usage == NULL || !f->usage->has_completion_tokens)
@@ -656,6 +746,7 @@ static int take_final(const Kvd__Final *f, struct output *o, struct kvd_result *
  * with that result. */
 struct gen_state {
     kvd_chunk_fn fn;            /* NULL: no callback */
+    kvd_chunk_cb cb;            /* the same as one struct; NULL: none */
     void *user;
     bool stream;                /* chunks were asked for */
     bool accepted;              /* the Accepted came */
@@ -687,11 +778,18 @@ static int gen_step(kvd_client_t *c, struct gen_state *st, const Kvd__ServerRepl
         const char *text = k->text ? k->text : "";
         size_t len = strlen(text);
         int rc = output_add(&st->o, text, len, k->token_ids, k->n_token_ids);
+        if (rc == 0)
+            rc = output_add_lp(&st->o, k->logprobs, k->n_logprobs);
         if (rc != 0)
             return output_error(rc, out);
         out->chunks++;
-        if (st->fn != NULL && !st->cancelled &&
-            st->fn(st->user, text, len, k->token_ids, k->n_token_ids, k->seq) != 0) {
+        const struct kvd_chunk ck = {
+            .text = text, .len = len, .tokens = k->token_ids, .n_tokens = k->n_token_ids,
+            .logprobs = k->n_logprobs ? st->o.lp + st->o.n_lp - k->n_logprobs : NULL, .seq = k->seq,
+        };
+        if (!st->cancelled &&
+            ((st->fn != NULL && st->fn(st->user, text, len, k->token_ids, k->n_token_ids, k->seq) != 0) ||
+             (st->cb != NULL && st->cb(st->user, &ck) != 0))) {
             st->cancelled = true;
             send_cancel_nowait(c, out->request_id);
         }
@@ -719,7 +817,7 @@ static int gen_step(kvd_client_t *c, struct gen_state *st, const Kvd__ServerRepl
 }
 
 static int generate(kvd_client_t *c, const struct kvd_gen_params *p, bool stream,
-                    kvd_chunk_fn fn, void *user, struct kvd_result *out)
+                    kvd_chunk_fn fn, kvd_chunk_cb cb, void *user, struct kvd_result *out)
 {
     if (out == NULL)
         return KVD_EINVAL;
@@ -736,7 +834,7 @@ static int generate(kvd_client_t *c, const struct kvd_gen_params *p, bool stream
     if (rc != 0)
         return rc;
 
-    struct gen_state st = { .fn = fn, .user = user, .stream = stream };
+    struct gen_state st = { .fn = fn, .cb = cb, .user = user, .stream = stream };
     int64_t deadline = now_ms() + c->timeout_ms;
     for (;;) {
         struct inbox in;
@@ -772,6 +870,9 @@ static int generate(kvd_client_t *c, const struct kvd_gen_params *p, bool stream
     out->text_len = st.o.text_len;
     out->tokens = st.o.tokens;
     out->n_tokens = st.o.n_tokens;
+    out->logprobs = st.o.lp;
+    out->n_logprobs = st.o.n_lp;
+    out->lp_bytes = st.o.lp_bytes;
     return rc;
 }
 
@@ -779,13 +880,19 @@ int kvd_generate(kvd_client_t *c, const struct kvd_gen_params *p, struct kvd_res
 {
     /* chunks are asked for even here: each one restarts the timeout, so a long
      * generation is not mistaken for a daemon that went away */
-    return generate(c, p, true, NULL, NULL, out);
+    return generate(c, p, true, NULL, NULL, NULL, out);
 }
 
 int kvd_generate_stream(kvd_client_t *c, const struct kvd_gen_params *p, kvd_chunk_fn fn,
                         void *user, struct kvd_result *out)
 {
-    return generate(c, p, true, fn, user, out);
+    return generate(c, p, true, fn, NULL, user, out);
+}
+
+int kvd_generate_chunks(kvd_client_t *c, const struct kvd_gen_params *p, kvd_chunk_cb fn,
+                        void *user, struct kvd_result *out)
+{
+    return generate(c, p, true, NULL, fn, user, out);
 }
 
 /* ---- cancel, stats, health ------------------------------------------------------------ */

@@ -69,6 +69,8 @@ struct kvd_gen_params {
     const char *ns;                         /* cache namespace; NULL: default */
     bool ignore_eos;
     bool no_cache;                          /* bypass the prefix cache */
+    int32_t logprobs;                       /* < 0: none (default); 0..20: each output token's
+                                             * logprob and this many most likely alternatives */
 };
 
 /* Fills p with "nothing set" (NULL prompt, negative sampling fields). */
@@ -82,11 +84,33 @@ enum kvd_finish {
     KVD_FINISH_DEADLINE = 4,
 };
 
+#define KVD_MAX_TOP_LOGPROBS 20
+
+/* An output token's log-probability under the model (the log-softmax of the
+ * raw logits, before penalties, truncation and temperature), with the most
+ * likely tokens at its position, most likely first. The token texts are the
+ * tokens' bytes, not NUL-terminated; a token may hold part of a UTF-8
+ * character. They belong to the result (or, in a chunk callback, to the
+ * call's result) and live as long as it does. */
+struct kvd_logprob {
+    float logprob;
+    const char *token;
+    size_t token_len;
+    uint32_t n_top;
+    int32_t top_ids[KVD_MAX_TOP_LOGPROBS];
+    float top_logprobs[KVD_MAX_TOP_LOGPROBS];
+    const char *top_tokens[KVD_MAX_TOP_LOGPROBS];
+    size_t top_token_lens[KVD_MAX_TOP_LOGPROBS];
+};
+
 struct kvd_result {
     char *text;                     /* NUL-terminated output (malloc'd) */
     size_t text_len;
     int32_t *tokens;                /* output token ids (malloc'd) */
     size_t n_tokens;
+    struct kvd_logprob *logprobs;   /* one per output token when asked (malloc'd), else NULL */
+    size_t n_logprobs;
+    void *lp_bytes;                 /* internal: where the logprobs' token texts are */
     int finish_reason;              /* enum kvd_finish */
     uint32_t prompt_tokens;
     uint32_t cached_prompt_tokens;  /* prompt tokens whose K/V came from the cache */
@@ -107,6 +131,17 @@ void kvd_result_free(struct kvd_result *r);
 typedef int (*kvd_chunk_fn)(void *user, const char *text, size_t len, const int32_t *tokens,
                             size_t n_tokens, uint32_t seq);
 
+/* One streamed chunk, as kvd_generate_chunks hands it over. */
+struct kvd_chunk {
+    const char *text;                       /* new text: whole UTF-8 characters */
+    size_t len;
+    const int32_t *tokens;                  /* new token ids */
+    size_t n_tokens;
+    const struct kvd_logprob *logprobs;     /* n_tokens of them when asked, else NULL */
+    uint32_t seq;                           /* from 0 */
+};
+typedef int (*kvd_chunk_cb)(void *user, const struct kvd_chunk *c);
+
 /* Runs a request to its end. 0 and *out filled (free with kvd_result_free),
  * or a negative code: the daemon's error (KVD_EBADREQUEST, KVD_EOVERLOADED,
  * KVD_ETOOLONG, KVD_EDEADLINE, KVD_EUNAVAILABLE, KVD_ESHUTDOWN, ...) with its
@@ -115,6 +150,10 @@ int kvd_generate(kvd_client_t *c, const struct kvd_gen_params *p, struct kvd_res
 
 /* The same, streaming: fn is called per chunk as it arrives. */
 int kvd_generate_stream(kvd_client_t *c, const struct kvd_gen_params *p, kvd_chunk_fn fn,
+                        void *user, struct kvd_result *out);
+
+/* The same, with each chunk in one struct (its logprobs included). */
+int kvd_generate_chunks(kvd_client_t *c, const struct kvd_gen_params *p, kvd_chunk_cb fn,
                         void *user, struct kvd_result *out);
 
 /* Asks the daemon to cancel request_id (one of this client's); 0, or

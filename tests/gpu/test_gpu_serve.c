@@ -35,6 +35,7 @@
  *                             tokens of the uncached run (ctest emu.gpu_fault)
  */
 #include <fcntl.h>
+#include <math.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -298,6 +299,28 @@ static void test_shared_prefix(void)
         CHECK(memcmp(cached.tokens, b.tokens, 24 * sizeof(int32_t)) != 0);
         kvd_result_free(&cached);
         kvd_result_free(&bypass);
+    }
+    /* logprobs: the step's logits come to the host, where the tokens are then
+     * chosen: the same greedy tokens as B, each the likeliest of its row */
+    {
+        struct kvd_gen_params lp = greedy(ids, PREFIX + QUESTION, 24);
+        lp.logprobs = 5;
+        struct kvd_result with;
+        CHECK_INT(kvd_generate(c, &lp, &with), 0);
+        CHECK(with.n_tokens == b.n_tokens && memcmp(with.tokens, b.tokens, b.n_tokens * sizeof(int32_t)) == 0);
+        CHECK_INT(with.n_logprobs, with.n_tokens);
+        int off = 0;
+        for (size_t i = 0; i < with.n_logprobs && i < with.n_tokens; i++) {
+            const struct kvd_logprob *l = &with.logprobs[i];
+            double mass = 0;
+            for (uint32_t j = 0; j < l->n_top; j++)
+                mass += exp(l->top_logprobs[j]);
+            off += !(l->n_top == 5 && l->top_ids[0] == with.tokens[i] && l->top_logprobs[0] == l->logprob &&
+                     l->logprob <= 0 && mass <= 1.0 + 1e-5);
+        }
+        printf("serve: logprobs of %zu tokens, %d not the likeliest or not a distribution\n", with.n_logprobs, off);
+        CHECK_INT(off, 0);
+        kvd_result_free(&with);
     }
     /* idle: A's cancel may be confirmed after the client gave up waiting */
     struct kvd_stats s;

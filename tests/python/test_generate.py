@@ -4,6 +4,7 @@ kvcli's, the prefix cache showing in the usage, cancelling."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import time
 
@@ -78,6 +79,25 @@ def test_generate_equals_stream_equals_kvcli(kvd: Daemon, client: Client, namesp
     assert list(whole.to_dict()["usage"]) == list(usage)
     assert isinstance(ref["timings"], dict)
     assert list(whole.to_dict()["timings"]) == list(ref["timings"])
+
+
+def test_logprobs_client_and_kvcli(kvd: Daemon, client: Client, namespace: str) -> None:
+    r = client.generate(**greedy(namespace), logprobs=3)  # type: ignore[arg-type]
+    assert len(r.logprobs) == len(r.token_ids) > 0
+    for t, lp in zip(r.token_ids, r.logprobs):
+        assert [x.token_id for x in lp.top][0] == t and lp.top[0].logprob == lp.logprob <= 0
+        assert len(lp.top) == 3 and lp.top[0].token == lp.token
+        assert sum(math.exp(x.logprob) for x in lp.top) <= 1 + 1e-5
+    # text of the tokens: the output's bytes (an end-of-generation token's own text after them)
+    assert b"".join(lp.token for lp in r.logprobs).decode("utf-8", "replace").startswith(r.text)
+    # without logprobs, none
+    assert client.generate(**greedy(namespace)).logprobs == []  # type: ignore[arg-type]
+    ref = kvcli_json(kvd, "--chat", "-n", "24", "--temp", "0", "--namespace", namespace,
+                     "--logprobs", "3", "--json", QUESTION)
+    assert ref["tokens"] == r.token_ids
+    assert ref["logprobs"] == r.to_dict()["logprobs"]
+    with pytest.raises(kvd_client.BadRequest):
+        client.generate("x", logprobs=21)
 
 
 def test_prompt_and_token_ids_forms(client: Client, namespace: str) -> None:

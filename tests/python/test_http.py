@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import socket
 import subprocess
 import time
@@ -163,6 +164,68 @@ def test_n_with_seed_is_reproducible_and_stop(api: HttpDaemon) -> None:
                                      temperature=0, stop=[","])
     assert cut.choices[0].text == greedy[:greedy.index(",")]
     assert cut.choices[0].finish_reason == "stop"
+
+
+def test_logprobs(api: HttpDaemon) -> None:
+    """Chat and completions logprobs: each a probability (their alternatives' mass <= 1), the
+    greedy choice the likeliest, the same numbers streamed and not, over HTTP and ZeroMQ."""
+    r = api.oai.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=8, temperature=0,
+                                        logprobs=True, top_logprobs=5)
+    ch = r.choices[0]
+    assert ch.logprobs is not None and ch.logprobs.content is not None
+    content = ch.logprobs.content
+    assert r.usage is not None and len(content) == r.usage.completion_tokens
+    for e in content:
+        assert len(e.top_logprobs) == 5
+        assert e.logprob <= 0
+        assert sum(math.exp(t.logprob) for t in e.top_logprobs) <= 1 + 1e-5
+        tops = [t.logprob for t in e.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob  # greedy
+        assert e.bytes is not None and bytes(e.bytes).decode("utf-8", "replace") == e.token
+    joined = b"".join(bytes(e.bytes or []) for e in content).decode("utf-8", "replace")
+    assert (ch.message.content or "") in joined     # an end-of-turn token may end it
+    # the same over ZeroMQ, token by token
+    with kvd_client.Client(api.d.endpoint, timeout=api.d.patience) as c:
+        z = c.generate(messages=CHAT, max_tokens=8, temperature=0, logprobs=5)
+    assert [lp.logprob for lp in z.logprobs] == [e.logprob for e in content]
+    assert [[t.token_id for t in lp.top] for lp in z.logprobs][0][0] == z.token_ids[0]
+    assert [lp.token for lp in z.logprobs] == [bytes(e.bytes or []) for e in content]
+    # streamed: the same entries, spread over the chunks
+    streamed: list[Any] = []
+    for chunk in api.oai.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=8, temperature=0,
+                                                 logprobs=True, top_logprobs=5, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+            streamed.extend(chunk.choices[0].logprobs.content)
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # without top_logprobs: the chosen token's alone
+    r0 = api.oai.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=3, temperature=0, logprobs=True)
+    assert r0.choices[0].logprobs is not None and r0.choices[0].logprobs.content is not None
+    assert all(e.top_logprobs == [] for e in r0.choices[0].logprobs.content)
+    # completions: tokens, token_logprobs, top_logprobs (token -> logprob), text_offset
+    cr = api.oai.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=6,
+                                    temperature=0, logprobs=3)
+    lp = cr.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs and lp.text_offset is not None
+    assert "".join(lp.tokens) == cr.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for tok, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and max(top.values()) == x and top[tok] == x
+    # sampled: the chosen token's logprob is its own, not necessarily the top one
+    rs = api.oai.completions.create(model=MODEL_ID, prompt="Once upon a time", max_tokens=12, temperature=1.5,
+                                    seed=3, logprobs=20)
+    lps = rs.choices[0].logprobs
+    assert lps is not None and lps.token_logprobs is not None and lps.top_logprobs is not None
+    assert all(x <= max(top.values()) for x, top in zip(lps.token_logprobs, lps.top_logprobs))
+    # out of range and inconsistent
+    s, _, b = api.post("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21})
+    error_of(s, b, 400, "top_logprobs")
+    s, _, b = api.post("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2})
+    error_of(s, b, 400, "top_logprobs")
+    s, _, b = api.post("/v1/chat/completions", {"messages": CHAT, "logprobs": 3})
+    error_of(s, b, 400, "logprobs")
+    s, _, b = api.post("/v1/completions", {"prompt": "x", "logprobs": 21})
+    error_of(s, b, 400, "logprobs")
 
 
 def error_of(status: int, body: dict[str, Any], want_status: int, param: str | None = None) -> dict[str, Any]:

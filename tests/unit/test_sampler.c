@@ -126,9 +126,71 @@ static void pick_against_sort(void)
     CHECK(n_cases > 500);
 }
 
+/* sampler_logprobs against the definition: the log-softmax in long double
+ * and the top-n by a full sort (descending, ids ascending on ties), on rows
+ * with ties, a vocabulary-sized row, n_top 0, 1, 5, 20 and more than the
+ * vocabulary; NaN everywhere for a row with a NaN. */
+static const float *lp_row;
+static int lp_cmp(const void *a, const void *b)
+{
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    if (lp_row[x] != lp_row[y])
+        return lp_row[x] > lp_row[y] ? -1 : 1;
+    return x < y ? -1 : 1;
+}
+
+static void check_logprobs(void)
+{
+    static float x[49152];
+    static int32_t ids[49152];
+    const uint32_t sizes[] = { 1, 3, 8, 25, 49152 };
+    const uint32_t tops[] = { 0, 1, 5, 20, 30 };
+    unsigned seed = 11;
+    for (size_t si = 0; si < sizeof(sizes) / sizeof(sizes[0]); si++) {
+        const uint32_t n = sizes[si];
+        for (uint32_t i = 0; i < n; i++) {
+            seed = seed * 1103515245u + 12345u;
+            x[i] = (float)((seed >> 8) % 64) / 4.0f - 8.0f;  /* coarse: many ties */
+            ids[i] = (int32_t)i;
+        }
+        long double m = -INFINITY, sum = 0;
+        for (uint32_t i = 0; i < n; i++)
+            m = x[i] > m ? x[i] : m;
+        for (uint32_t i = 0; i < n; i++)
+            sum += expl((long double)x[i] - m);
+        const long double lse = m + logl(sum);
+        lp_row = x;
+        qsort(ids, n, sizeof(int32_t), lp_cmp);
+        for (size_t ti = 0; ti < sizeof(tops) / sizeof(tops[0]); ti++) {
+            struct sampler_logprobs lp;
+            const int32_t chosen = (int32_t)(n / 2);
+            sampler_logprobs(x, n, chosen, tops[ti], &lp);
+            uint32_t want = tops[ti] < n ? tops[ti] : n;
+            want = want < SAMPLER_MAX_TOP_LOGPROBS ? want : SAMPLER_MAX_TOP_LOGPROBS;
+            CHECK_INT(lp.n_top, want);
+            CHECK_NEAR(lp.logprob, (double)((long double)x[chosen] - lse), 1e-6);
+            for (uint32_t j = 0; j < lp.n_top; j++) {
+                CHECK_INT(lp.top_id[j], ids[j]);
+                CHECK_NEAR(lp.top_logprob[j], (double)((long double)x[ids[j]] - lse), 1e-6);
+            }
+        }
+    }
+    /* a NaN row: no number is made up */
+    float bad[4] = { 0.0f, NAN, 1.0f, 2.0f };
+    struct sampler_logprobs lp;
+    sampler_logprobs(bad, 4, 3, 2, &lp);
+    CHECK(isnan(lp.logprob));
+    CHECK_INT(lp.n_top, 2);
+    CHECK(isnan(lp.top_logprob[0]));
+    /* a chosen id outside the row */
+    sampler_logprobs(x, 8, 8, 0, &lp);
+    CHECK(isnan(lp.logprob));
+}
+
 int main(void)
 {
     check_argmax();
+    check_logprobs();
     float tie[4] = { 0.5f, 2.0f, -1.0f, 2.0f };
     float lg[8] = { 0.5f, 2.0f, -1.0f, 1.95f, 1.9f, 0.0f, -3.0f, 1.0f };
 

@@ -738,6 +738,11 @@ static void test_client_rejects(void)
     go.deadline_ms = WIRE_MAX_DEADLINE_MS + 1;
     REJECT(CLIENT, &r, KVD_ERANGE, "generate.deadline_ms = 86400001 is over the limit", NULL);
     go.deadline_ms = WIRE_MAX_DEADLINE_MS;
+    go.has_logprobs = 1;
+    go.logprobs = WIRE_MAX_TOP_LOGPROBS + 1;
+    REJECT(CLIENT, &r, KVD_ERANGE, "generate.logprobs = 21 is over the limit of 20", NULL);
+    go.logprobs = WIRE_MAX_TOP_LOGPROBS;
+    ROUNDTRIP(CLIENT, &r, NULL);
     char *ns = repeated_text(WIRE_MAX_NAMESPACE + 1, 'n');
     go.namespace_ = ns;
     REJECT(CLIENT, &r, KVD_ERANGE, "generate.namespace is 257 bytes, over the limit of 256", NULL);
@@ -1062,6 +1067,28 @@ static void test_worker_rejects(void)
     REJECT(FROM_WORKER, &f, KVD_EFORMAT, "chunk has no n_written", NULL);
     tc.has_n_written = 1;
     REJECT(FROM_WORKER, &f, KVD_ERANGE, "chunk.tokens[2] = -2147483648 is negative", NULL);
+    /* logprobs: none or one per token, as many alternatives as their logprobs, at most 20 */
+    bad[2] = 3;
+    int32_t top_ids[21] = { 0 };
+    float top_lp[21] = { 0 };
+    Kvd__TokenLogprob lp = KVD__TOKEN_LOGPROB__INIT, *lps[3] = { &lp, &lp, &lp };
+    lp.top_ids = top_ids;
+    lp.top_logprobs = top_lp;
+    tc.logprobs = lps;
+    tc.n_logprobs = 2;
+    REJECT(FROM_WORKER, &f, KVD_ERANGE, "chunk.logprobs has 2 entries for 3 tokens", NULL);
+    tc.n_logprobs = 3;
+    lp.n_top_ids = 2;
+    lp.n_top_logprobs = 1;
+    REJECT(FROM_WORKER, &f, KVD_ERANGE, "chunk.logprobs[0] has 2 alternatives, 1 logprobs", NULL);
+    lp.n_top_ids = lp.n_top_logprobs = 21;
+    REJECT(FROM_WORKER, &f, KVD_ERANGE, "chunk.logprobs[0] has 21 alternatives", NULL);
+    lp.n_top_ids = lp.n_top_logprobs = 20;
+    top_ids[4] = -1;
+    REJECT(FROM_WORKER, &f, KVD_ERANGE, "chunk.logprobs[4] = -1 is negative", NULL);
+    top_ids[4] = 0;
+    ROUNDTRIP(FROM_WORKER, &f, NULL);
+    tc.n_logprobs = 0;
 
     Kvdw__Done dn = KVDW__DONE__INIT;
     dn.has_seq_id = 1;
@@ -1121,6 +1148,10 @@ static void test_worker_rejects(void)
     as.sampling = &s;
     REJECT(TO_WORKER, &t, KVD_ERANGE, "assign.sampling.top_p = nan", NULL);
     s.top_p = 0.5f;
+    as.has_logprobs = 1;
+    as.logprobs = 21;
+    REJECT(TO_WORKER, &t, KVD_ERANGE, "assign.logprobs = 21 is over the limit of 20", NULL);
+    as.logprobs = 20;
     as.has_seq_id = 0;
     REJECT(TO_WORKER, &t, KVD_EFORMAT, "assign has no seq_id", NULL);
     as.has_seq_id = 1;

@@ -40,6 +40,8 @@ from .results import (
     Result,
     Stats,
     Timings,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     WorkerStats,
 )
@@ -72,7 +74,9 @@ __all__ = [
     "Stream",
     "Timeout",
     "Timings",
+    "TokenLogprob",
     "TooLong",
+    "TopLogprob",
     "Unavailable",
     "Usage",
     "WorkerStats",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, Union
 
@@ -28,6 +28,8 @@ from .results import (
     Result,
     Stats,
     Timings,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     WorkerStats,
 )
@@ -211,6 +213,7 @@ class GenerateParams:
     deadline_ms: int | None = None
     ignore_eos: bool = False
     no_cache: bool = False
+    logprobs: int | None = None
 
     def encode(self, request_id: int) -> bytes:
         """The GenerateRequest, asking for chunks. Raises BadRequest for what
@@ -280,6 +283,8 @@ class GenerateParams:
             g.ignore_eos = True
         if self.no_cache:
             g.no_cache = True
+        if self.logprobs is not None:
+            g.logprobs = _int_in("logprobs", self.logprobs, 0, (1 << 32) - 1)
         try:
             frame = req.SerializeToString()
         except (ValueError, TypeError) as e:  # e.g. a string that is not valid UTF-8
@@ -420,6 +425,20 @@ def to_health(h: kvd_pb2.Health) -> Health:
     return Health(ok=h.ok, workers_alive=h.workers_alive, model=h.model)
 
 
+def to_logprobs(lps: Iterable[kvd_pb2.TokenLogprob]) -> list[TokenLogprob]:
+    return [
+        TokenLogprob(
+            logprob=lp.logprob,
+            token=lp.token,
+            top=[
+                TopLogprob(token_id=i, logprob=x, token=t)
+                for i, x, t in zip(lp.top_ids, lp.top_logprobs, lp.top_tokens)
+            ],
+        )
+        for lp in lps
+    ]
+
+
 class GenerateState:
     """The replies of one generate, in the order kvd promises: Accepted,
     Chunks numbered 0, 1, 2, ..., then one Final (whose chunk count and text
@@ -435,6 +454,7 @@ class GenerateState:
         self.result: Result | None = None
         self._text: list[str] = []
         self._tokens: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
 
     @property
     def done(self) -> bool:
@@ -471,7 +491,9 @@ class GenerateState:
             self.chunks += 1
             self._text.append(c.text)
             self._tokens.extend(c.token_ids)
-            return Chunk(seq=c.seq, text=c.text, token_ids=list(c.token_ids))
+            lps = to_logprobs(c.logprobs)
+            self._logprobs.extend(lps)
+            return Chunk(seq=c.seq, text=c.text, token_ids=list(c.token_ids), logprobs=lps)
         if body == "final":
             self._take_final(r.final)
             return None
@@ -516,4 +538,5 @@ class GenerateState:
             ),
             request_id=rid,
             chunks=self.chunks,
+            logprobs=to_logprobs(f.logprobs) if len(f.logprobs) > 0 else list(self._logprobs),
         )

@@ -137,6 +137,7 @@ class AsyncClient:
         deadline_ms: int | None = None,
         ignore_eos: bool = False,
         no_cache: bool = False,
+        logprobs: int | None = None,
     ) -> Result:
         """Generates a continuation and returns it whole; see
         :meth:`Client.generate`. Cancelling the awaiting task cancels the
@@ -146,6 +147,7 @@ class AsyncClient:
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
             repeat_penalty=repeat_penalty, seed=seed, stop=stop, namespace=namespace,
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
+            logprobs=logprobs,
         )
         async with AsyncStream(self, params) as s:
             async for _ in s:
@@ -171,6 +173,7 @@ class AsyncClient:
         deadline_ms: int | None = None,
         ignore_eos: bool = False,
         no_cache: bool = False,
+        logprobs: int | None = None,
     ) -> AsyncStream:
         """Generates chunk by chunk: returns an :class:`AsyncStream` to use
         with ``async with`` and ``async for`` (not awaited itself); see
@@ -180,6 +183,7 @@ class AsyncClient:
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
             repeat_penalty=repeat_penalty, seed=seed, stop=stop, namespace=namespace,
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
+            logprobs=logprobs,
         )
         return AsyncStream(self, params)
 

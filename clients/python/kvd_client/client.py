@@ -138,6 +138,7 @@ class Client:
         deadline_ms: int | None = None,
         ignore_eos: bool = False,
         no_cache: bool = False,
+        logprobs: int | None = None,
     ) -> Result:
         """Generates a continuation and returns it whole.
 
@@ -162,6 +163,10 @@ class Client:
                 the result has finish_reason "deadline").
             ignore_eos: generate past end-of-generation tokens.
             no_cache: neither use nor fill the prefix cache.
+            logprobs: None (default): none; 0..20: each output token's
+                log-probability (:class:`TokenLogprob`, in ``result.logprobs``
+                and ``chunk.logprobs``) with this many most likely
+                alternatives.
 
         Returns the Result (finish_reason "cancelled" when someone cancelled
         it). Raises BadRequest, Overloaded, TooLong, DeadlineExceeded,
@@ -175,6 +180,7 @@ class Client:
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
             repeat_penalty=repeat_penalty, seed=seed, stop=stop, namespace=namespace,
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
+            logprobs=logprobs,
         )
         with Stream(self, params) as s:
             for _ in s:
@@ -200,6 +206,7 @@ class Client:
         deadline_ms: int | None = None,
         ignore_eos: bool = False,
         no_cache: bool = False,
+        logprobs: int | None = None,
     ) -> Stream:
         """Generates a continuation chunk by chunk: returns a :class:`Stream`
         that yields each :class:`Chunk` as it arrives; ``stream.result`` holds
@@ -224,6 +231,7 @@ class Client:
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
             repeat_penalty=repeat_penalty, seed=seed, stop=stop, namespace=namespace,
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
+            logprobs=logprobs,
         )
         return Stream(self, params)
 

@@ -4,6 +4,7 @@ kvd's replies (the protobuf classes stay inside the package)."""
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,31 @@ class Timings:
     total_ms: float = 0.0    #: arrival to the end
 
 
+def _finite(x: float) -> float:
+    """A logprob as JSON can hold it (-9999 for -inf or NaN, as OpenAI writes it)."""
+    return x if math.isfinite(x) else -9999.0
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    """One of the most likely tokens at a position."""
+
+    token_id: int
+    logprob: float
+    token: bytes     #: its bytes (a token may hold part of a UTF-8 character)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability under the model (the log-softmax of
+    the raw logits, before penalties, truncation and temperature), with the
+    most likely tokens at its position, most likely first."""
+
+    logprob: float
+    token: bytes
+    top: list[TopLogprob] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class Chunk:
     """New output of a streamed request: whole UTF-8 characters (text that
@@ -57,6 +83,7 @@ class Chunk:
     seq: int                                         #: 0, 1, 2, ... per request
     text: str
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  #: one per token id, when asked
 
 
 @dataclass(frozen=True)
@@ -70,11 +97,12 @@ class Result:
     timings: Timings
     request_id: int      #: the id the client gave the request
     chunks: int = 0      #: streamed chunks received
+    logprobs: list[TokenLogprob] = field(default_factory=list)  #: one per token id, when asked
 
     def to_dict(self) -> dict[str, Any]:
         """The result as ``kvcli generate --json`` prints it (same field names
         and order; ``tokens`` holds the token ids)."""
-        return {
+        d: dict[str, Any] = {
             "text": self.text,
             "tokens": list(self.token_ids),
             "finish_reason": self.finish_reason.value,
@@ -93,6 +121,15 @@ class Result:
             "chunks": self.chunks,
             "request_id": self.request_id,
         }
+        if self.logprobs:
+            d["logprobs"] = [
+                {
+                    "logprob": _finite(lp.logprob),
+                    "top": [[t.token_id, _finite(t.logprob)] for t in lp.top],
+                }
+                for lp in self.logprobs
+            ]
+        return d
 
 
 @dataclass(frozen=True)
