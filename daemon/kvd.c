@@ -105,6 +105,9 @@ static void usage(FILE *f)
           "      --served-model-name NAME  the model's name over HTTP (default: the file's name)\n"
           "      --api-keys FILE      HTTP API keys, \"KEY TENANT\" a line: a key is then needed, and\n"
           "                           each tenant's cache namespace is its own\n"
+          "      --kv-events ENDPOINT publish block events there (ZeroMQ PUB, vLLM's msgpack format)\n"
+          "                           for prefix-aware routers (loopback unless --allow-remote)\n"
+          "      --kv-events-topic T  their topic (default kv@HOST@MODEL)\n"
           "  -v, --verbose\n",
           f);
 }
@@ -113,7 +116,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
 {
     enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
            OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
-           OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS };
+           OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS, OPT_EVENTS, OPT_TOPIC };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -135,6 +138,8 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "max-body", required_argument, NULL, OPT_MAXBODY },
         { "served-model-name", required_argument, NULL, OPT_MODELNAME },
         { "api-keys", required_argument, NULL, OPT_APIKEYS },
+        { "kv-events", required_argument, NULL, OPT_EVENTS },
+        { "kv-events-topic", required_argument, NULL, OPT_TOPIC },
         { "step-tokens", required_argument, NULL, OPT_STEP },
         { "max-batch", required_argument, NULL, OPT_BATCH },
         { "max-queue", required_argument, NULL, OPT_QUEUE },
@@ -204,6 +209,8 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         }
         case OPT_MODELNAME: o->model_name = optarg; break;
         case OPT_APIKEYS: o->api_keys = optarg; break;
+        case OPT_EVENTS: o->kv_events = optarg; break;
+        case OPT_TOPIC: o->kv_events_topic = optarg; break;
         case OPT_STEP: o->step_tokens = (uint32_t)cli_long(optarg, "--step-tokens", 1, 4096); break;
         case OPT_BATCH: o->max_batch = (uint32_t)cli_long(optarg, "--max-batch", 1, 4096); break;
         case OPT_QUEUE: o->max_queue = (uint32_t)cli_long(optarg, "--max-queue", 0, 1 << 20); break;
@@ -224,6 +231,8 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         cli_die("unexpected argument '%s' (see --help)", argv[optind]);
     if (o->api_keys != NULL && o->n_http == 0)
         cli_die("--api-keys goes with --http");
+    if (o->kv_events_topic != NULL && o->kv_events == NULL)
+        cli_die("--kv-events-topic goes with --kv-events");
     if (o->workers_per_gpu >= 0 && o->gpu < 0)
         cli_die("--workers-per-gpu needs --gpu N");
     if (o->gpu >= 0 && workers_given)
@@ -428,20 +437,51 @@ static void setup(struct kvd *k)
     }
 }
 
+void kvd_served_name(const struct kvd_options *o, char *name, size_t len)
+{
+    if (o->model_name != NULL) {
+        snprintf(name, len, "%s", o->model_name);
+    } else {
+        const char *base = strrchr(o->model, '/');
+        snprintf(name, len, "%s", base ? base + 1 : o->model);
+        const size_t n = strlen(name);
+        if (n > 5 && strcmp(name + n - 5, ".gguf") == 0)
+            name[n - 5] = '\0';
+    }
+}
+
+/* --kv-events: the publisher, and what the index already holds (an adopted
+ * pool's blocks) announced after an AllBlocksCleared. */
+static void events_setup(struct kvd *k)
+{
+    const struct kvd_options *o = &k->o;
+    if (o->kv_events == NULL)
+        return;
+    check_endpoint(k, o->kv_events);
+    char topic[1024], name[256], host[256];
+    kvd_served_name(o, name, sizeof(name));
+    if (gethostname(host, sizeof(host)) != 0)
+        snprintf(host, sizeof(host), "localhost");
+    host[sizeof(host) - 1] = '\0';
+    if (o->kv_events_topic != NULL)
+        snprintf(topic, sizeof(topic), "%s", o->kv_events_topic);
+    else
+        snprintf(topic, sizeof(topic), "kv@%s@%s", host, name);
+    char err[256];
+    k->events = kv_events_open(k->zctx, o->kv_events, topic, o->gpu >= 0 ? "GPU" : "CPU", k->px, err, sizeof(err));
+    if (k->events == NULL)
+        cli_die("%s", err);
+    kv_events_announce(k->events);
+    kv_events_flush(k->events);
+    kvd_log(k, "block events on %s, topic '%s'", o->kv_events, topic);
+}
+
 /* The HTTP front ends of --http: loopback addresses unless --allow-remote. */
 static void http_setup(struct kvd *k)
 {
     const struct kvd_options *o = &k->o;
     char name[256];
-    if (o->model_name != NULL) {
-        snprintf(name, sizeof(name), "%s", o->model_name);
-    } else {
-        const char *base = strrchr(o->model, '/');
-        snprintf(name, sizeof(name), "%s", base ? base + 1 : o->model);
-        const size_t n = strlen(name);
-        if (n > 5 && strcmp(name + n - 5, ".gguf") == 0)
-            name[n - 5] = '\0';
-    }
+    kvd_served_name(o, name, sizeof(name));
     for (int i = 0; i < o->n_http; i++) {
         const char *h = o->http[i];
         const bool loopback = strncmp(h, "127.", 4) == 0 || strncmp(h, "localhost:", 10) == 0;
@@ -554,6 +594,8 @@ static void loop(struct kvd *k, int sfd)
         workers_reap(k);
         workers_tick(k);
         req_tick(k);
+        if (k->events != NULL)
+            kv_events_flush(k->events);
         if (k->draining) {
             double now = cli_now_ms();
             if (k->n_active == 0 && k->n_queued == 0)
@@ -605,6 +647,7 @@ int main(int argc, char **argv)
     if (workers_start(k) != 0)
         cli_die("cannot start workers: %s", strerror(errno));
     http_setup(k);
+    events_setup(k);
     kvd_log(k, "ready: model %s, %d workers, context %u", k->o.model, k->o.n_workers, k->n_ctx);
     loop(k, sfd);
     for (int i = 0; i < k->o.n_http; i++)
@@ -612,6 +655,7 @@ int main(int argc, char **argv)
 
     workers_stop(k);
     req_release_all(k);
+    kv_events_close(&k->events);
     struct prefix_stats ps;
     prefix_stats(k->px, &ps);
     kvd_log(k, "stopped: %llu requests done, %llu failed; blocks in use %u, pending %u",
@@ -628,6 +672,8 @@ int main(int argc, char **argv)
             unlink(k->o.listen[i] + 6);
     if (strstr(k->http_ep, "/http-") != NULL)
         unlink(k->http_ep + 6);
+    if (k->o.kv_events != NULL && strncmp(k->o.kv_events, "ipc://", 6) == 0)
+        unlink(k->o.kv_events + 6);
     prefix_destroy(&k->px);
     pool_close(&k->pool);
     gpu_fini(k);

@@ -20,6 +20,7 @@
 
 #include "chat.h"
 #include "cli.h"
+#include "events.h"
 #include "kvcache.h"
 #include "model.h"
 #include "pool.h"
@@ -61,6 +62,8 @@ struct kvd_options {
     uint32_t max_body;              /* --max-body: largest HTTP request body, bytes */
     const char *model_name;         /* --served-model-name (default: the file's name, no .gguf) */
     const char *api_keys;           /* --api-keys FILE: "KEY TENANT" lines; the HTTP API needs a key */
+    const char *kv_events;          /* --kv-events ENDPOINT: publish block events (daemon/events.h) */
+    const char *kv_events_topic;    /* --kv-events-topic (default kv@HOST@MODEL, as llm-d expects) */
 };
 
 enum req_state {
@@ -173,6 +176,7 @@ struct kvd {
     char gpu_name[96];              /* --gpu: the device's name */
     uint64_t gpu_free;              /* --gpu: its free memory when kvd started */
     prefix_t *px;
+    kv_events_t *events;            /* --kv-events, else NULL */
     uint32_t n_ctx;                 /* context in effect */
     void *zctx;
     void *clients;                  /* ROUTER bound to every --listen endpoint */
@@ -193,6 +197,9 @@ struct kvd {
 void kvd_log(const struct kvd *k, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* kvd.c */
+/* The model's name for the outside world (HTTP, block events): --served-model-name, else the file's name
+ * without .gguf. */
+void kvd_served_name(const struct kvd_options *o, char *name, size_t len);
 int kvd_send(struct kvd *k, void *sock, const uint8_t *rid, size_t rid_len,
              const ProtobufCMessage *m);
 

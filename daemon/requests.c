@@ -997,7 +997,22 @@ void req_on_worker_lost(struct kvd *k, int w)
 
 /* ---- client messages ------------------------------------------------------------------------------ */
 
-static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id)
+/* Collects the published hashes of findable blocks (Stats.block_hashes). */
+struct hash_list {
+    uint64_t *v;
+    size_t n, cap;
+};
+
+static void add_hash(void *user, prefix_key_t key, const prefix_key_t *parent, const int32_t *tokens)
+{
+    struct hash_list *l = user;
+    (void)parent;
+    (void)tokens;
+    if (l->n < l->cap)
+        l->v[l->n++] = key.lo;
+}
+
+static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id, bool block_hashes)
 {
     struct prefix_stats ps;
     prefix_stats(k->px, &ps);
@@ -1068,9 +1083,21 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t
     }
     s.workers = wp;
     s.n_workers = n;
+    s.has_kv_event_batches = k->events != NULL;
+    s.kv_event_batches = k->events ? kv_events_batches(k->events) : 0;
+    struct hash_list hl = { 0 };
+    if (block_hashes) {
+        hl.cap = ps.n_cached + ps.n_used;     /* findable blocks are committed */
+        hl.v = malloc((hl.cap ? hl.cap : 1) * sizeof(uint64_t));
+        if (hl.v != NULL)
+            prefix_for_each_findable(k->px, add_hash, &hl);
+        s.block_hashes = hl.v;
+        s.n_block_hashes = hl.n;
+    }
     m.body_case = KVD__SERVER_REPLY__BODY_STATS;
     m.stats = &s;
     reply(k, rid, rid_len, id, &m);
+    free(hl.v);
 }
 
 /* Appends the UTF-8 in s[0..n) to out, each byte of an invalid sequence as U+FFFD. */
@@ -1204,7 +1231,7 @@ void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const void
         break;
     }
     case KVD__CLIENT_REQUEST__BODY_STATS:
-        on_stats(k, rid, rid_len, id);
+        on_stats(k, rid, rid_len, id, m->stats->has_block_hashes && m->stats->block_hashes);
         break;
     case KVD__CLIENT_REQUEST__BODY_HEALTH:
         on_health(k, rid, rid_len, id);

@@ -21,6 +21,7 @@ command -v protoc-c >/dev/null || need+=(protobuf-c-compiler)
 [ -f /usr/include/lz4.h ] || need+=(liblz4-dev)
 [ -f /usr/include/microhttpd.h ] || need+=(libmicrohttpd-dev)
 [ -f /usr/include/jansson.h ] || need+=(libjansson-dev)
+[ -f /usr/include/msgpack.h ] || need+=(libmsgpack-dev)
 
 if [ ${#need[@]} -eq 0 ]; then
   exit 0

@@ -21,6 +21,7 @@ struct prefix {
     uint32_t bt;                /* tokens per block */
     uint32_t mask;              /* buckets - 1 */
     prefix_hash_fn hash;        /* key function */
+    struct prefix_observer obs; /* stored / removed NULL: nobody listens */
 };
 
 static const prefix_key_t KEY_ZERO = { 0, 0 };
@@ -234,6 +235,8 @@ static uint32_t evict_pick(const prefix_t *px)
 static void evict_one(prefix_t *px, uint32_t id)
 {
     lru_remove(px, id);
+    if (px->obs.removed)
+        px->obs.removed(px->obs.user, key_get(&px->b[id]));
     index_remove(px, id);
     px->cs->evictions++;
     free_push(px, id);
@@ -395,6 +398,14 @@ void prefix_destroy(prefix_t **pxp)
     *pxp = NULL;
 }
 
+void prefix_set_observer(prefix_t *px, const struct prefix_observer *o)
+{
+    if (o != NULL)
+        px->obs = *o;
+    else
+        memset(&px->obs, 0, sizeof(px->obs));
+}
+
 int prefix_set_hash(prefix_t *px, prefix_hash_fn fn)
 {
     if (px->cs->n_indexed != 0)
@@ -476,6 +487,22 @@ int prefix_seq_grow(prefix_t *px, struct prefix_seq *s, uint64_t n_pos, const in
     return 0;
 }
 
+/* Tells the observer that blocks [from, to) of s became findable. */
+static void notify_stored(prefix_t *px, const struct prefix_seq *s, uint32_t from, uint32_t to,
+                          const int32_t *tokens)
+{
+    enum { RUN = 64 };
+    prefix_key_t keys[RUN];
+    while (from < to) {
+        const uint32_t n = to - from < RUN ? to - from : RUN;
+        for (uint32_t j = 0; j < n; j++)
+            keys[j] = key_get(&px->b[s->blocks[from + j]]);
+        const prefix_key_t parent = from ? key_get(&px->b[s->blocks[from - 1]]) : KEY_ZERO;
+        px->obs.stored(px->obs.user, keys, n, from ? &parent : NULL, tokens + (size_t)from * px->bt);
+        from += n;
+    }
+}
+
 int prefix_seq_commit(prefix_t *px, struct prefix_seq *s, const int32_t *tokens,
                       uint64_t n_written)
 {
@@ -483,6 +510,7 @@ int prefix_seq_commit(prefix_t *px, struct prefix_seq *s, const int32_t *tokens,
         return KVD_ERANGE;
     uint32_t full = (uint32_t)(n_written / px->bt);
     int rc = 0;
+    uint32_t run = UINT32_MAX;      /* first block of the run that became findable */
     for (uint32_t i = s->n_committed; i < full; i++) {
         uint32_t id = s->blocks[i];
         struct pool_block *r = &px->b[id];
@@ -500,13 +528,23 @@ int prefix_seq_commit(prefix_t *px, struct prefix_seq *s, const int32_t *tokens,
         } else {
             seq_try_index(px, s, i, t);
         }
+        const bool findable = r->state == POOL_BLOCK_PENDING && (r->flags & POOL_BLOCK_INDEXED);
         if (r->state == POOL_BLOCK_PENDING) {
             r->state = POOL_BLOCK_COMMITTED;
             px->cs->n_pending--;
             px->cs->n_used++;
         }
         s->n_committed = i + 1;
+        if (findable && run == UINT32_MAX)
+            run = i;
+        if (!findable && run != UINT32_MAX) {
+            if (px->obs.stored)
+                notify_stored(px, s, run, i, tokens);
+            run = UINT32_MAX;
+        }
     }
+    if (run != UINT32_MAX && px->obs.stored)
+        notify_stored(px, s, run, full, tokens);
     return rc;
 }
 
@@ -559,6 +597,7 @@ int prefix_block_info(const prefix_t *px, uint32_t id, struct prefix_block_info 
     if (id >= px->n)
         return KVD_ERANGE;
     const struct pool_block *r = &px->b[id];
+    bi->key = key_get(r);
     bi->state = r->state;
     bi->refs = r->refs;
     bi->indexed = (r->flags & POOL_BLOCK_INDEXED) != 0;
@@ -567,6 +606,20 @@ int prefix_block_info(const prefix_t *px, uint32_t id, struct prefix_block_info 
     bi->n_children = r->n_children;
     bi->tokens = px->tok + (size_t)id * px->bt;
     return 0;
+}
+
+void prefix_for_each_findable(const prefix_t *px,
+                              void (*fn)(void *user, prefix_key_t key, const prefix_key_t *parent,
+                                         const int32_t *tokens),
+                              void *user)
+{
+    for (uint32_t id = 0; id < px->n; id++) {
+        const struct pool_block *r = &px->b[id];
+        if (r->state != POOL_BLOCK_COMMITTED || !(r->flags & POOL_BLOCK_INDEXED))
+            continue;
+        const prefix_key_t parent = r->parent != POOL_NONE ? key_get(&px->b[r->parent]) : KEY_ZERO;
+        fn(user, key_get(r), r->parent != POOL_NONE ? &parent : NULL, px->tok + (size_t)id * px->bt);
+    }
 }
 
 uint32_t prefix_lru(const prefix_t *px, uint32_t *ids, uint32_t cap)

@@ -91,6 +91,7 @@ struct prefix_stats {
 
 /* One block as the allocator sees it (for tests and tools). */
 struct prefix_block_info {
+    prefix_key_t key;       /* its key (meaningful when indexed) */
     uint32_t state;         /* enum pool_block_state */
     uint32_t refs;          /* holders */
     bool indexed;           /* in the index */
@@ -101,6 +102,23 @@ struct prefix_block_info {
 };
 
 typedef struct prefix prefix_t;
+
+/*
+ * Who wants to know what lookups can find (kvd's block events): a block is
+ * findable from the moment it is both indexed and committed until it leaves
+ * the index. stored() gets n consecutive blocks of one chain as they become
+ * findable (by one prefix_seq_commit): their keys, the key of the block
+ * before the first (NULL for a chain's first block) and their n x
+ * block_tokens token ids. removed() gets one block that stopped being
+ * findable (evicted). Both are called from inside the allocator's calls and
+ * must not call back into it.
+ */
+struct prefix_observer {
+    void (*stored)(void *user, const prefix_key_t *keys, uint32_t n, const prefix_key_t *parent,
+                   const int32_t *tokens);
+    void (*removed)(void *user, prefix_key_t key);
+    void *user;
+};
 
 /*
  * Takes charge of the owner's pool p (borrowed; it must outlive the cache).
@@ -115,6 +133,9 @@ prefix_t *prefix_new(pool_t *p, char *note, size_t note_len, char *err, size_t e
 /* Frees the private state; the shared records stay as they are (callers
  * release their sequences first). Accepts NULL and sets *px to NULL. */
 void prefix_destroy(prefix_t **px);
+
+/* Sets (or, with NULL, clears) the observer; o is copied. */
+void prefix_set_observer(prefix_t *px, const struct prefix_observer *o);
 
 /* Replaces the key function (tests force collisions with a weak one); NULL
  * restores XXH3. Only valid while the index is empty: KVD_ESTATE otherwise. */
@@ -192,6 +213,14 @@ void prefix_stats(const prefix_t *px, struct prefix_stats *st);
 
 /* One block's state; KVD_ERANGE for an id out of range. */
 int prefix_block_info(const prefix_t *px, uint32_t id, struct prefix_block_info *bi);
+
+/* Calls fn for every block that lookups can find (indexed and committed), in
+ * id order: its key, its parent's key (NULL for a chain's first block) and
+ * its block_tokens token ids. */
+void prefix_for_each_findable(const prefix_t *px,
+                              void (*fn)(void *user, prefix_key_t key, const prefix_key_t *parent,
+                                         const int32_t *tokens),
+                              void *user);
 
 /* Writes up to cap ids of the LRU list from head (most recent) to tail;
  * returns the list's length. */

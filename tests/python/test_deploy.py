@@ -60,10 +60,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 def test_probes_exist_in_kvd(served: int) -> None:
     container = docs("deployment.yaml")[0]["spec"]["template"]["spec"]["containers"][0]
     ports = {p["containerPort"] for p in container["ports"]}
-    assert ports == {entrypoint_http_port()}
+    args = container["args"]
+    events_port = int(args[args.index("--kv-events") + 1].rsplit(":", 1)[1])
+    assert ports == {entrypoint_http_port(), events_port}
     for probe in ("livenessProbe", "readinessProbe"):
         get = container[probe]["httpGet"]
-        assert get["port"] in ports
+        assert get["port"] == entrypoint_http_port()
         c = http.client.HTTPConnection("127.0.0.1", served, timeout=60)
         c.request("GET", get["path"])
         r = c.getresponse()

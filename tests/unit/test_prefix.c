@@ -493,9 +493,90 @@ struct hist {
     int32_t tok[MAXLEN];    /* a released sequence's tokens */
 };
 
+/* What an observer (kvd's block events) learns: a multiset of keys (weak
+ * hashes give equal keys to different blocks), rebuilt from stored / removed
+ * calls only, and checked against the blocks lookups can find. */
+struct seen {
+    prefix_key_t key[4 * NB];
+    uint32_t count[4 * NB];
+    uint32_t n;
+    uint64_t stored, removed, bad;      /* calls, and those that contradict the pool */
+    prefix_t *px;
+};
+
+static uint32_t seen_find(const struct seen *v, prefix_key_t k)
+{
+    for (uint32_t i = 0; i < v->n; i++)
+        if (v->count[i] > 0 && v->key[i].lo == k.lo && v->key[i].hi == k.hi)
+            return i;
+    return UINT32_MAX;
+}
+
+/* k's slot, made (in a slot no key holds) when k has none. */
+static uint32_t seen_slot(struct seen *v, prefix_key_t k)
+{
+    uint32_t at = seen_find(v, k);
+    if (at != UINT32_MAX)
+        return at;
+    for (at = 0; at < v->n && v->count[at] > 0; at++)
+        ;
+    if (at == 4 * NB)
+        return UINT32_MAX;
+    if (at == v->n)
+        v->n++;
+    v->key[at] = k;
+    v->count[at] = 0;
+    return at;
+}
+
+/* A findable block (indexed, committed) with key k and these tokens; with
+ * parent != NULL its parent's key is *parent, else it has no parent. */
+static bool seen_matches(prefix_t *px, prefix_key_t k, const prefix_key_t *parent, const int32_t *tok)
+{
+    for (uint32_t id = 0; id < NB; id++) {
+        struct prefix_block_info bi, pi;
+        if (prefix_block_info(px, id, &bi) != 0 || !bi.indexed || bi.state != POOL_BLOCK_COMMITTED ||
+            bi.key.lo != k.lo || bi.key.hi != k.hi || memcmp(bi.tokens, tok, BT * sizeof(int32_t)) != 0)
+            continue;
+        if (parent == NULL ? bi.parent == POOL_NONE
+                           : bi.parent != POOL_NONE && prefix_block_info(px, bi.parent, &pi) == 0 &&
+                                 pi.key.lo == parent->lo && pi.key.hi == parent->hi)
+            return true;
+    }
+    return false;
+}
+
+static void seen_stored(void *user, const prefix_key_t *keys, uint32_t n, const prefix_key_t *parent,
+                        const int32_t *tokens)
+{
+    struct seen *v = user;
+    v->stored++;
+    for (uint32_t i = 0; i < n; i++) {
+        if (!seen_matches(v->px, keys[i], i ? &keys[i - 1] : parent, tokens + (size_t)i * BT))
+            v->bad++;
+        uint32_t at = seen_slot(v, keys[i]);
+        if (at == UINT32_MAX)
+            v->bad++;
+        else
+            v->count[at]++;
+    }
+}
+
+static void seen_removed(void *user, prefix_key_t key)
+{
+    struct seen *v = user;
+    v->removed++;
+    uint32_t at = seen_find(v, key);
+    if (at == UINT32_MAX)
+        v->bad++;
+    else
+        v->count[at]--;
+}
+
 struct world {
     pool_t *pool;
     prefix_t *px;
+    struct seen seen;       /* the observer's view */
     prefix_ns_t ns[NNS];
     struct mblock b[NB];    /* the model's blocks */
     uint32_t lru[NB];       /* the model's LRU list, head (most recent) first */
@@ -728,6 +809,22 @@ static void verify(struct world *w)
     EXPECT(st.n_pending, n_pending, "stats.n_pending");
     EXPECT(st.n_indexed, n_indexed, "stats.n_indexed");
     EXPECT(st.evictions, w->evictions, "stats.evictions");
+    /* the observer's multiset of keys is exactly the findable blocks' */
+    EXPECT(w->seen.bad, 0, "observer calls that contradict the pool");
+    uint32_t want[4 * NB] = { 0 }, unseen = 0;
+    for (uint32_t id = 0; id < NB; id++) {
+        struct prefix_block_info bi;
+        if (prefix_block_info(w->px, id, &bi) == 0 && bi.indexed && bi.state == POOL_BLOCK_COMMITTED) {
+            uint32_t at = seen_find(&w->seen, bi.key);
+            if (at == UINT32_MAX)
+                unseen++;
+            else
+                want[at]++;
+        }
+    }
+    EXPECT(unseen, 0, "findable blocks the observer never heard of");
+    for (uint32_t i = 0; i < w->seen.n; i++)
+        EXPECT(w->seen.count[i], want[i], "observer's count of key %u", i);
     if (!w->weak)
         EXPECT(st.collisions, w->collisions0, "stats.collisions under XXH3");
 
@@ -1085,6 +1182,9 @@ static void world_open(struct world *w, uint64_t seed)
     w->pool = pool_open_small();
     w->px = prefix_open(w->pool);
     REQUIRE(prefix_block_tokens(w->px) == BT);
+    w->seen.px = w->px;
+    const struct prefix_observer obs = { .stored = seen_stored, .removed = seen_removed, .user = &w->seen };
+    prefix_set_observer(w->px, &obs);
     for (int i = 0; i < NNS; i++)
         w->ns[i] = ns_of(w->px, i);
     for (uint32_t id = 0; id < NB; id++) {
@@ -1202,12 +1302,15 @@ static void test_random(uint64_t seed, uint64_t n_ops)
             (unsigned long long)w->evict_calls, (unsigned long long)w->evictions);
     fprintf(stderr, "  weak-hash collisions %llu, misses a collision cost %llu\n",
             (unsigned long long)w->weak_collisions, (unsigned long long)w->collision_misses);
+    fprintf(stderr, "  observer: %llu stored runs, %llu removed blocks\n", (unsigned long long)w->seen.stored,
+            (unsigned long long)w->seen.removed);
 
     /* the workload must exercise what it claims to */
     if (check_failures == 0 && n_ops >= 50000) {
         CHECK(w->cached_tokens * 10 >= w->prompt_tokens);
         CHECK(w->begin_hits * 8 >= w->begins);
         CHECK(w->waits > 0);
+        CHECK(w->seen.stored > 0 && w->seen.removed > 0);
         CHECK(w->enospace > 0);
         CHECK(w->evictions > 0);
         CHECK(w->dups > 0);

@@ -110,10 +110,12 @@ def _request(request_id: int) -> kvd_pb2.ClientRequest:
     return req
 
 
-def encode_stats(request_id: int) -> bytes:
-    """A StatsRequest."""
+def encode_stats(request_id: int, block_hashes: bool = False) -> bytes:
+    """A StatsRequest (with the findable blocks' hashes when asked)."""
     req = _request(request_id)
     req.stats.SetInParent()
+    if block_hashes:
+        req.stats.block_hashes = True
     return req.SerializeToString()
 
 
@@ -417,6 +419,8 @@ def to_stats(s: kvd_pb2.Stats) -> Stats:
             )
             for w in s.workers
         ],
+        block_hashes=list(s.block_hashes),
+        kv_event_batches=s.kv_event_batches,
     )
 
 

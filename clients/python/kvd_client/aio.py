@@ -196,10 +196,10 @@ class AsyncClient:
         r = await self._call(rid, _wire.encode_cancel(rid, request_id))
         _wire.expect(r, "accepted", rid)
 
-    async def stats(self) -> Stats:
+    async def stats(self, block_hashes: bool = False) -> Stats:
         """kvd's counters; see :meth:`Client.stats`."""
         rid = self._ids.take()
-        r = await self._call(rid, _wire.encode_stats(rid))
+        r = await self._call(rid, _wire.encode_stats(rid, block_hashes))
         return _wire.to_stats(_wire.expect(r, "stats", rid).stats)
 
     async def tokenize(self, text: str | None = None, *,

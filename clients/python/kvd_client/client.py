@@ -245,10 +245,12 @@ class Client:
         r = self._call(rid, _wire.encode_cancel(rid, request_id))
         _wire.expect(r, "accepted", rid)
 
-    def stats(self) -> Stats:
-        """kvd's counters: requests, tokens, cache hits, blocks, workers."""
+    def stats(self, block_hashes: bool = False) -> Stats:
+        """kvd's counters: requests, tokens, cache hits, blocks, workers (and,
+        with block_hashes, the hashes of every block a lookup can find: what a
+        --kv-events subscriber rebuilds)."""
         rid = self._ids.take()
-        r = self._call(rid, _wire.encode_stats(rid))
+        r = self._call(rid, _wire.encode_stats(rid, block_hashes))
         return _wire.to_stats(_wire.expect(r, "stats", rid).stats)
 
     def tokenize(self, text: str | None = None, *, messages: Sequence[MessageLike] | None = None) -> list[int]:

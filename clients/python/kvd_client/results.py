@@ -168,6 +168,10 @@ class Stats:
     preemptions: int
     bad_messages: int
     workers: list[WorkerStats] = field(default_factory=list)
+    #: with ``stats(block_hashes=True)``: the hashes --kv-events publishes of every block
+    #: a lookup can find (what a subscriber rebuilds), in no order
+    block_hashes: list[int] = field(default_factory=list)
+    kv_event_batches: int = 0     #: --kv-events batches sent
 
     @property
     def hit_rate(self) -> float:
