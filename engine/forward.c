@@ -47,6 +47,8 @@ struct engine {
     float *gate;            /* (T, n_ff) */
     float *up;              /* (T, n_ff) */
     float *rope;            /* (T, head_dim) cos/sin pairs per token */
+    float *rope_swa;        /* the same at the windowed layers' base; NULL when it is rope's */
+    uint64_t *item0_win;    /* (T + 1) first (token, head) item of each token at windowed layers */
     float *scores;          /* (n_threads, group, max_ctx) attention scratch */
     uint32_t chunk;         /* positions per attention range (a multiple of block_tokens) */
     uint32_t *n_range;      /* (T) attention ranges of each token: ceil(n_ctx / chunk) */
@@ -100,6 +102,8 @@ void engine_destroy(engine_t **ep)
     free(e->gate);
     free(e->up);
     free(e->rope);
+    free(e->rope_swa);
+    free(e->item0_win);
     free(e->scores);
     free(e->n_range);
     free(e->item0);
@@ -167,6 +171,9 @@ engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params
     e->gate = xmalloc_arr(T * c->n_ff, sizeof(float));
     e->up = xmalloc_arr(T * c->n_ff, sizeof(float));
     e->rope = xmalloc_arr(T * c->head_dim, sizeof(float));
+    const bool swa = c->swa_window > 0;
+    e->rope_swa = swa && c->rope_base_swa != c->rope_base ? xmalloc_arr(T * c->head_dim, sizeof(float)) : NULL;
+    e->item0_win = swa ? xmalloc_arr(T + 1, sizeof(uint64_t)) : NULL;
     e->scores = xmalloc_arr((size_t)e->n_threads * (c->n_head / c->n_head_kv) * p.max_ctx, sizeof(float));
     uint32_t chunk = p.attn_chunk ? p.attn_chunk : 1024;
     e->chunk = (chunk + kv->block_tokens - 1) / kv->block_tokens * kv->block_tokens;
@@ -178,7 +185,8 @@ engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params
     e->part_stats = max_ranges > 1 ? xmalloc_arr(T * max_ranges * c->n_head * 2, sizeof(float)) : NULL;
     bool ranges_ok = e->n_range && e->item0 && e->slot0 && (max_ranges <= 1 || (e->part && e->part_stats));
     bool ok = e->tok_id && e->tok_pos && e->tok_seq && e->out_tok && e->x && e->xb && e->q &&
-              e->k && e->v && e->gate && e->up && e->rope && e->scores && ranges_ok;
+              e->k && e->v && e->gate && e->up && e->rope && e->scores && ranges_ok &&
+              (!swa || (e->item0_win && (e->rope_swa || c->rope_base_swa == c->rope_base)));
     e->gemm_scratch = calloc((size_t)e->n_threads, sizeof(void *));
     ok = ok && e->gemm_scratch;
     for (int i = 0; ok && i < e->n_threads; i++) {
@@ -336,15 +344,42 @@ static void norm_run(void *ctx, int ith, int nth)
     }
 }
 
-/* gate = silu(gate) * up for the step's e->step_T tokens. */
-static void swiglu_run(void *ctx, int ith, int nth)
+/* gate = act(gate) * up for the step's e->step_T tokens: SiLU (llama) or
+ * GELU (Gemma). */
+static void glu_run(void *ctx, int ith, int nth)
 {
     engine_t *e = ctx;
     const int ff = (int)e->m->cfg.n_ff;
+    const bool gelu = e->m->cfg.arch == MODEL_ARCH_GEMMA3;
     long t0, t1;
     tpool_split((long)e->step_T, ith, nth, &t0, &t1);
-    for (long t = t0; t < t1; t++)
-        kern_swiglu(e->gate + (size_t)t * ff, e->up + (size_t)t * ff, ff);
+    for (long t = t0; t < t1; t++) {
+        if (gelu)
+            kern_geglu(e->gate + (size_t)t * ff, e->up + (size_t)t * ff, ff);
+        else
+            kern_swiglu(e->gate + (size_t)t * ff, e->up + (size_t)t * ff, ff);
+    }
+}
+
+/* Gemma's post-norms: x += rmsnorm(y) * w, row by row (y normed in place). */
+struct post_norm_job {
+    float *x, *y;
+    const float *w;
+    int n, T;
+    float eps;
+};
+
+static void post_norm_run(void *ctx, int ith, int nth)
+{
+    struct post_norm_job *j = ctx;
+    long t0, t1;
+    tpool_split(j->T, ith, nth, &t0, &t1);
+    for (long t = t0; t < t1; t++) {
+        float *y = j->y + (size_t)t * j->n, *x = j->x + (size_t)t * j->n;
+        kern_rmsnorm(y, y, j->w, j->n, j->eps);
+        for (int i = 0; i < j->n; i++)
+            x[i] += y[i];
+    }
 }
 
 /* RoPE on q and k, then the chunk's K/V written into the cache: rotated
@@ -380,12 +415,26 @@ static void rope_run(void *ctx, int ith, int nth)
     const int hd = (int)c->head_dim, nkv = (int)c->n_head_kv;
     long t0, t1;
     tpool_split(j->T, ith, nth, &t0, &t1);
+    const struct model_layer *L = &e->m->layers[j->layer];
+    const bool windowed = model_layer_windowed(c, j->layer);
+    const float *angles = windowed && e->rope_swa ? e->rope_swa : e->rope;
     for (long t = t0; t < t1; t++) {
-        const float *cs = e->rope + (size_t)t * hd;
+        const float *cs = angles + (size_t)t * hd;
         float *q = e->q + (size_t)t * c->n_head * hd;
         float *k = e->k + (size_t)t * nkv * hd, *v = e->v + (size_t)t * nkv * hd;
-        kern_rope(q, (int)c->n_head, hd, cs);
-        kern_rope(k, nkv, hd, cs);
+        if (L->q_norm != NULL) {    /* Gemma: each head's query and key RMS-normed first */
+            for (uint32_t h = 0; h < c->n_head; h++)
+                kern_rmsnorm(q + (size_t)h * hd, q + (size_t)h * hd, L->q_norm, hd, c->rms_eps);
+            for (int h = 0; h < nkv; h++)
+                kern_rmsnorm(k + (size_t)h * hd, k + (size_t)h * hd, L->k_norm, hd, c->rms_eps);
+        }
+        if (c->rope_neox) {
+            kern_rope_neox(q, (int)c->n_head, hd, cs);
+            kern_rope_neox(k, nkv, hd, cs);
+        } else {
+            kern_rope(q, (int)c->n_head, hd, cs);
+            kern_rope(k, nkv, hd, cs);
+        }
         if (kv->rotate & KV_ROT_K) {
             for (uint32_t h = 0; h < c->n_head; h++)
                 kern_hadamard(q + (size_t)h * hd, hd);
@@ -450,9 +499,12 @@ static void attn_run(void *ctx, int ith, int nth)
         .v_head_stride = kv->v_head_bytes,
         .k_type = kv->k_type,
         .v_type = kv->v_type,
-        .scale = 1.0f / sqrtf((float)hd),
+        .scale = c->attn_scale,
         .scores = e->scores + (size_t)ith * group * e->p.max_ctx,
     };
+    /* a windowed layer: one range per token, the window's positions only */
+    const bool windowed = model_layer_windowed(c, j->layer);
+    const uint64_t *item0 = windowed ? e->item0_win : e->item0;
     /* The items are (token, range of positions, query head), in that order;
      * each thread takes a contiguous share and runs the heads of its share
      * that share a KV head together, reading each K/V row once for them. A
@@ -461,14 +513,14 @@ static void attn_run(void *ctx, int ith, int nth)
      * merge_run combines in range order. A head's result is the same bits
      * however heads are grouped or shared out. */
     long i0, i1;
-    tpool_split((long)e->item0[j->T], ith, nth, &i0, &i1);
+    tpool_split((long)item0[j->T], ith, nth, &i0, &i1);
     long t = 0;
-    while (t + 1 < j->T && (long)e->item0[t + 1] <= i0)
+    while (t + 1 < j->T && (long)item0[t + 1] <= i0)
         t++;
     for (long i = i0; i < i1;) {
-        while ((long)e->item0[t + 1] <= i)
+        while ((long)item0[t + 1] <= i)
             t++;
-        const long local = i - (long)e->item0[t];
+        const long local = i - (long)item0[t];
         const int r = (int)(local / nh), h0 = (int)(local % nh), kvh = h0 / group;
         int n_q = (kvh + 1) * group - h0;
         if (i + n_q > i1)
@@ -478,7 +530,17 @@ static void attn_run(void *ctx, int ith, int nth)
         a.n_q = n_q;
         a.q = e->q + (size_t)t * nh * hd + (size_t)h0 * hd;
         a.kv_head = kvh;
-        if (e->n_range[t] == 1) {
+        a.skip = 0;
+        if (windowed) {
+            /* positions [lo, n_ctx): the last swa_window ones */
+            const int lo = n_ctx > (int)c->swa_window ? n_ctx - (int)c->swa_window : 0;
+            const int first = lo / (int)bt * (int)bt;
+            a.out = e->xb + (size_t)t * nh * hd + (size_t)h0 * hd;
+            a.blocks = blocks + first / (int)bt;
+            a.n_ctx = n_ctx - first;
+            a.skip = lo - first;
+            a.stats = NULL;
+        } else if (e->n_range[t] == 1) {
             a.out = e->xb + (size_t)t * nh * hd + (size_t)h0 * hd;
             a.blocks = blocks;
             a.n_ctx = n_ctx;
@@ -502,6 +564,8 @@ static void merge_run(void *ctx, int ith, int nth)
     struct attn_job *j = ctx;
     engine_t *e = j->e;
     const int hd = (int)e->m->cfg.head_dim, nh = (int)e->m->cfg.n_head;
+    if (model_layer_windowed(&e->m->cfg, j->layer))
+        return;     /* a window is one range */
     long i0, i1;
     tpool_split((long)j->T * nh, ith, nth, &i0, &i1);
     for (long i = i0; i < i1; i++) {
@@ -595,11 +659,17 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
             e->tok_seq[t] = s;
             if (seqs[s].all_logits || i + 1 == seqs[s].n_tokens)
                 e->out_tok[r++] = (int32_t)t;
+            float *xt = e->x + (size_t)t * ne;
             kern_dequantize_row(m->tok_embd.type,
                                 (const uint8_t *)m->tok_embd.data +
                                     (size_t)e->tok_id[t] * m->tok_embd.row_bytes,
-                                e->x + (size_t)t * ne, ne);
+                                xt, ne);
+            if (c->emb_scale != 1.0f)
+                for (int d = 0; d < ne; d++)
+                    xt[d] *= c->emb_scale;
             kern_rope_angles(e->rope + (size_t)t * hd, hd, e->tok_pos[t], c->rope_base);
+            if (e->rope_swa != NULL)
+                kern_rope_angles(e->rope_swa + (size_t)t * hd, hd, e->tok_pos[t], c->rope_base_swa);
         }
     }
 
@@ -618,6 +688,9 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
         }
         e->item0[i + 1] = e->item0[i] + (uint64_t)e->n_range[i] * c->n_head;
     }
+    if (e->item0_win != NULL)
+        for (uint32_t i = 0; i <= T; i++)
+            e->item0_win[i] = (uint64_t)i * c->n_head;
 
     for (uint32_t l = 0; l < c->n_layer; l++) {
         const struct model_layer *L = &m->layers[l];
@@ -638,8 +711,14 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
             run_job(e, merge_run, &aj);
         if (e->kv->rotate & KV_ROT_V)
             run_rows(e, unrotate_run, e, T);
-        struct mm_part o = { &L->wo, acts_for(e, L->wo.type, e->xb, qd, (int)T, true), e->x, true };
+        /* the output projection: added to the stream, or (Gemma) normed first */
+        const bool post = L->post_attn_norm != NULL;
+        struct mm_part o = { &L->wo, acts_for(e, L->wo.type, e->xb, qd, (int)T, true), post ? e->up : e->x, !post };
         matmul(e, &o, 1, (int)T);
+        if (post) {
+            struct post_norm_job pj = { e->x, e->up, L->post_attn_norm, ne, (int)T, c->rms_eps };
+            run_rows(e, post_norm_run, &pj, T);
+        }
         /* feed-forward */
         nj = (struct norm_job){ e->xb, e->x, L->ffn_norm, ne, (int)T, c->rms_eps, NULL };
         run_rows(e, norm_run, &nj, T);
@@ -648,10 +727,14 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
             { &L->w_up, acts_for(e, L->w_up.type, e->xb, ne, (int)T, false), e->up, false },
         };
         matmul(e, gu, 2, (int)T);
-        run_rows(e, swiglu_run, e, T);
+        run_rows(e, glu_run, e, T);
         struct mm_part d = { &L->w_down, acts_for(e, L->w_down.type, e->gate, (int)c->n_ff, (int)T, true),
-                             e->x, true };
+                             post ? e->up : e->x, !post };
         matmul(e, &d, 1, (int)T);
+        if (post) {
+            struct post_norm_job pj = { e->x, e->up, L->post_ffn_norm, ne, (int)T, c->rms_eps };
+            run_rows(e, post_norm_run, &pj, T);
+        }
     }
 
     /* final norm of the rows that need logits, then the output matrix */

@@ -1,6 +1,7 @@
 /* model.c - loading and checking llama-family weights from GGUF. */
 #include "model.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,12 +17,19 @@
 
 #include <xxhash.h>
 
-/* Reads a required u32 hyperparameter "llama.<name>". */
-static int need_u32(const gguf_ctx_t *g, const char *name, uint32_t *out, char *err, size_t errlen)
+/* "<arch>.<name>", the key of a hyperparameter of the file's architecture. */
+static const char *arch_key(char *key, size_t len, const char *arch, const char *name)
+{
+    snprintf(key, len, "%s.%s", arch, name);
+    return key;
+}
+
+/* Reads a required u32 hyperparameter "<arch>.<name>". */
+static int need_u32(const gguf_ctx_t *g, const char *arch, const char *name, uint32_t *out, char *err,
+                    size_t errlen)
 {
     char key[128];
-    snprintf(key, sizeof(key), "llama.%s", name);
-    int rc = gguf_get_u32(g, key, out);
+    int rc = gguf_get_u32(g, arch_key(key, sizeof(key), arch, name), out);
     if (rc == KVD_ENOTFOUND)
         return kvd_seterr(err, errlen, KVD_EFORMAT, "model: missing metadata %s", key);
     if (rc != 0 || *out == 0 || *out > (1u << 24))
@@ -29,39 +37,74 @@ static int need_u32(const gguf_ctx_t *g, const char *name, uint32_t *out, char *
     return 0;
 }
 
+/* An optional f32 hyperparameter in (lo, hi): 0 (found or absent: *out kept), or an error. */
+static int opt_f32(const gguf_ctx_t *g, const char *arch, const char *name, float lo, float hi, float *out,
+                   char *err, size_t errlen)
+{
+    char key[128];
+    arch_key(key, sizeof(key), arch, name);
+    if (gguf_find(g, key) == NULL)
+        return 0;
+    if (gguf_get_f32(g, key, out) != 0 || !(*out > lo && *out < hi))
+        return kvd_seterr(err, errlen, KVD_EFORMAT, "model: metadata %s is invalid", key);
+    return 0;
+}
+
 static int read_config(const gguf_ctx_t *g, struct model_config *c, char *err, size_t errlen)
 {
-    struct gguf_str arch;
-    if (gguf_get_str(g, "general.architecture", &arch) != 0)
+    struct gguf_str as;
+    if (gguf_get_str(g, "general.architecture", &as) != 0)
         return kvd_seterr(err, errlen, KVD_EFORMAT, "model: missing general.architecture");
-    if (!gguf_str_eq(arch, "llama"))
+    const char *arch;
+    if (gguf_str_eq(as, "llama")) {
+        c->arch = MODEL_ARCH_LLAMA;
+        arch = "llama";
+    } else if (gguf_str_eq(as, "gemma3")) {
+        c->arch = MODEL_ARCH_GEMMA3;
+        arch = "gemma3";
+    } else {
         return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
-                          "model: architecture '%.*s' is not supported (only 'llama')",
-                          (int)(arch.len > 64 ? 64 : arch.len), arch.ptr);
+                          "model: architecture '%.*s' is not supported (llama, gemma3)",
+                          (int)(as.len > 64 ? 64 : as.len), as.ptr);
+    }
     int rc;
-    if ((rc = need_u32(g, "block_count", &c->n_layer, err, errlen)) ||
-        (rc = need_u32(g, "embedding_length", &c->n_embd, err, errlen)) ||
-        (rc = need_u32(g, "attention.head_count", &c->n_head, err, errlen)) ||
-        (rc = need_u32(g, "feed_forward_length", &c->n_ff, err, errlen)) ||
-        (rc = need_u32(g, "context_length", &c->n_ctx_train, err, errlen)))
+    char key[128];
+    if ((rc = need_u32(g, arch, "block_count", &c->n_layer, err, errlen)) ||
+        (rc = need_u32(g, arch, "embedding_length", &c->n_embd, err, errlen)) ||
+        (rc = need_u32(g, arch, "attention.head_count", &c->n_head, err, errlen)) ||
+        (rc = need_u32(g, arch, "feed_forward_length", &c->n_ff, err, errlen)) ||
+        (rc = need_u32(g, arch, "context_length", &c->n_ctx_train, err, errlen)))
         return rc;
     c->n_head_kv = c->n_head;
-    if (gguf_find(g, "llama.attention.head_count_kv") != NULL &&
-        (rc = need_u32(g, "attention.head_count_kv", &c->n_head_kv, err, errlen)))
+    if (gguf_find(g, arch_key(key, sizeof(key), arch, "attention.head_count_kv")) != NULL &&
+        (rc = need_u32(g, arch, "attention.head_count_kv", &c->n_head_kv, err, errlen)))
         return rc;
     if (c->n_head % c->n_head_kv != 0)
         return kvd_seterr(err, errlen, KVD_EFORMAT,
                           "model: %u query heads are not a multiple of %u KV heads",
                           c->n_head, c->n_head_kv);
-    if (c->n_embd % c->n_head != 0)
-        return kvd_seterr(err, errlen, KVD_EFORMAT,
-                          "model: hidden size %u is not a multiple of %u heads", c->n_embd, c->n_head);
-    c->head_dim = c->n_embd / c->n_head;
     uint32_t v;
-    if (gguf_get_u32(g, "llama.attention.key_length", &v) == 0 && v != c->head_dim)
-        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
-                          "model: key length %u differs from hidden/heads (%u)", v, c->head_dim);
-    if (gguf_get_u32(g, "llama.rope.dimension_count", &v) == 0 && v != c->head_dim)
+    if (c->arch == MODEL_ARCH_GEMMA3) {
+        /* Gemma's heads are as wide as the file says (256 with 640 wide
+         * hidden states), and K and V alike */
+        uint32_t vl;
+        if ((rc = need_u32(g, arch, "attention.key_length", &c->head_dim, err, errlen)) ||
+            (rc = need_u32(g, arch, "attention.value_length", &vl, err, errlen)))
+            return rc;
+        if (vl != c->head_dim)
+            return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "model: key length %u differs from value length %u",
+                              c->head_dim, vl);
+    } else {
+        if (c->n_embd % c->n_head != 0)
+            return kvd_seterr(err, errlen, KVD_EFORMAT,
+                              "model: hidden size %u is not a multiple of %u heads", c->n_embd, c->n_head);
+        c->head_dim = c->n_embd / c->n_head;
+        if (gguf_get_u32(g, arch_key(key, sizeof(key), arch, "attention.key_length"), &v) == 0 &&
+            v != c->head_dim)
+            return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                              "model: key length %u differs from hidden/heads (%u)", v, c->head_dim);
+    }
+    if (gguf_get_u32(g, arch_key(key, sizeof(key), arch, "rope.dimension_count"), &v) == 0 && v != c->head_dim)
         return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
                           "model: partial RoPE (%u of %u dims) is not supported", v, c->head_dim);
     if (c->head_dim % 2 != 0)
@@ -70,19 +113,43 @@ static int read_config(const gguf_ctx_t *g, struct model_config *c, char *err, s
         return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "model: head size %u is larger than %d",
                           c->head_dim, KERN_MAX_HEAD_DIM);
     c->rope_base = 10000.0f;
-    if (gguf_find(g, "llama.rope.freq_base") &&
-        (gguf_get_f32(g, "llama.rope.freq_base", &c->rope_base) != 0 || !(c->rope_base > 1.0f)))
-        return kvd_seterr(err, errlen, KVD_EFORMAT, "model: llama.rope.freq_base is invalid");
+    if ((rc = opt_f32(g, arch, "rope.freq_base", 1.0f, 1e12f, &c->rope_base, err, errlen)))
+        return rc;
+    c->rope_base_swa = c->rope_base;
     c->rms_eps = 1e-5f;
-    if (gguf_find(g, "llama.attention.layer_norm_rms_epsilon") &&
-        (gguf_get_f32(g, "llama.attention.layer_norm_rms_epsilon", &c->rms_eps) != 0 ||
-         !(c->rms_eps > 0.0f && c->rms_eps < 1.0f)))
-        return kvd_seterr(err, errlen, KVD_EFORMAT, "model: RMSNorm epsilon is invalid");
+    if ((rc = opt_f32(g, arch, "attention.layer_norm_rms_epsilon", 0.0f, 1.0f, &c->rms_eps, err, errlen)))
+        return rc;
     struct gguf_str st;
-    if (gguf_get_str(g, "llama.rope.scaling.type", &st) == 0 && !gguf_str_eq(st, "none"))
+    if (gguf_get_str(g, arch_key(key, sizeof(key), arch, "rope.scaling.type"), &st) == 0 &&
+        !gguf_str_eq(st, "none"))
         return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "model: RoPE scaling '%.*s' is not supported",
                           (int)(st.len > 32 ? 32 : st.len), st.ptr);
+    c->attn_scale = 1.0f / sqrtf((float)c->head_dim);
+    c->emb_scale = 1.0f;
+    if (c->arch == MODEL_ARCH_GEMMA3) {
+        /* As llama.cpp's loader has it (the file names only the window):
+         * every sixth layer attends to everything, the five before it to a
+         * window of `sliding_window` positions with RoPE base 10,000; RoPE
+         * rotates the halves (NEOX); embeddings are scaled by sqrt(n_embd);
+         * queries by 1/sqrt(head_dim) (Gemma 3 27B, which scales by
+         * 1/sqrt(n_embd / n_head), has 62 layers: refused below). */
+        if ((rc = need_u32(g, arch, "attention.sliding_window", &c->swa_window, err, errlen)))
+            return rc;
+        if (gguf_find(g, arch_key(key, sizeof(key), arch, "final_logit_softcapping")) != NULL)
+            return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "model: final logit soft-capping is not supported");
+        if (c->n_layer == 62)
+            return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "model: Gemma 3 27B's attention scale is not supported");
+        c->swa_pattern = 6;
+        c->rope_base_swa = 10000.0f;
+        c->rope_neox = true;
+        c->emb_scale = sqrtf((float)c->n_embd);
+    }
     return 0;
+}
+
+bool model_layer_windowed(const struct model_config *c, uint32_t layer)
+{
+    return c->swa_window > 0 && c->swa_pattern > 0 && layer % c->swa_pattern < c->swa_pattern - 1;
 }
 
 /* Finds tensor `name` and checks it is a (rows x cols) matrix of a usable type. */
@@ -133,6 +200,12 @@ static int load_layer(const gguf_ctx_t *g, const struct model_config *c, uint32_
     int64_t kv = (int64_t)c->n_head_kv * c->head_dim, ff = c->n_ff;
     int rc;
 #define NAME(s) (snprintf(nm, sizeof(nm), "blk.%u." s, i), nm)
+    if (c->arch == MODEL_ARCH_GEMMA3 &&
+        ((rc = get_vec(g, NAME("attn_q_norm.weight"), c->head_dim, &L->q_norm, err, errlen)) ||
+         (rc = get_vec(g, NAME("attn_k_norm.weight"), c->head_dim, &L->k_norm, err, errlen)) ||
+         (rc = get_vec(g, NAME("post_attention_norm.weight"), e, &L->post_attn_norm, err, errlen)) ||
+         (rc = get_vec(g, NAME("post_ffw_norm.weight"), e, &L->post_ffn_norm, err, errlen))))
+        return rc;
     if ((rc = get_vec(g, NAME("attn_norm.weight"), e, &L->attn_norm, err, errlen)) ||
         (rc = get_mat(g, NAME("attn_q.weight"), q, e, &L->wq, err, errlen)) ||
         (rc = get_mat(g, NAME("attn_k.weight"), kv, e, &L->wk, err, errlen)) ||
@@ -206,8 +279,9 @@ static model_t *from_gguf(gguf_ctx_t **gp, bool pack, char *err, size_t errlen)
     }
     c->n_vocab = (uint32_t)te->ne[1];
     uint32_t vs;
-    if (gguf_get_u32(g, "llama.vocab_size", &vs) == 0 && vs != c->n_vocab) {
-        kvd_seterr(err, errlen, KVD_EFORMAT, "model: llama.vocab_size %u differs from %u embedding rows",
+    if ((gguf_get_u32(g, "llama.vocab_size", &vs) == 0 || gguf_get_u32(g, "gemma3.vocab_size", &vs) == 0) &&
+        vs != c->n_vocab) {
+        kvd_seterr(err, errlen, KVD_EFORMAT, "model: the vocabulary size %u differs from %u embedding rows",
                    vs, c->n_vocab);
         goto fail;
     }
@@ -282,6 +356,10 @@ void model_destroy(model_t **mp)
             struct model_layer *L = &m->layers[i];
             free(L->attn_norm);
             free(L->ffn_norm);
+            free(L->q_norm);
+            free(L->k_norm);
+            free(L->post_attn_norm);
+            free(L->post_ffn_norm);
             struct model_mat *mats[] = { &L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down };
             for (size_t k = 0; k < sizeof(mats) / sizeof(mats[0]); k++)
                 kern_pack_free(&mats[k]->packed);

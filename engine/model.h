@@ -8,12 +8,19 @@
 #ifndef KVD_MODEL_H
 #define KVD_MODEL_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "gguf.h"
 
+enum model_arch {
+    MODEL_ARCH_LLAMA = 0,   /* llama: pre-norm blocks, SwiGLU, normal RoPE */
+    MODEL_ARCH_GEMMA3 = 1,  /* gemma3: also post-norms, Q/K norms, GELU, NEOX RoPE, sliding windows */
+};
+
 struct model_config {
+    uint32_t arch;          /* enum model_arch */
     uint32_t n_layer;       /* transformer blocks */
     uint32_t n_embd;        /* hidden size */
     uint32_t n_head;        /* query heads */
@@ -24,7 +31,16 @@ struct model_config {
     uint32_t n_ctx_train;   /* context length the model was trained for */
     float rope_base;        /* RoPE frequency base */
     float rms_eps;          /* RMSNorm epsilon */
+    float rope_base_swa;    /* RoPE base of the windowed layers */
+    bool rope_neox;         /* RoPE rotates (x[i], x[i + head_dim/2]) instead of adjacent pairs */
+    float attn_scale;       /* scores are q.k * attn_scale */
+    float emb_scale;        /* embeddings are multiplied by it (Gemma: sqrt(n_embd)) */
+    uint32_t swa_window;    /* windowed layers see the last swa_window positions; 0: none */
+    uint32_t swa_pattern;   /* of each swa_pattern layers, all but the last are windowed */
 };
+
+/* Whether layer `layer` attends to a sliding window (else to everything). */
+bool model_layer_windowed(const struct model_config *c, uint32_t layer);
 
 /* A weight matrix: rows of `cols` elements of `type`, row r at data + r * row_bytes.
  * GGUF ne[0] = cols (the input dimension), ne[1] = rows (the output dimension). */
@@ -41,6 +57,9 @@ struct model_mat {
 
 struct model_layer {
     float *attn_norm;       /* (n_embd) */
+    float *q_norm, *k_norm; /* Gemma: per-head RMSNorm of queries and keys (head_dim), else NULL */
+    float *post_attn_norm;  /* Gemma: RMSNorm of the attention output (n_embd), else NULL */
+    float *post_ffn_norm;   /* Gemma: RMSNorm of the FFN output (n_embd), else NULL */
     struct model_mat wq;    /* (n_head*head_dim, n_embd) */
     struct model_mat wk;    /* (n_head_kv*head_dim, n_embd) */
     struct model_mat wv;    /* (n_head_kv*head_dim, n_embd) */

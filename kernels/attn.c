@@ -39,7 +39,8 @@ void kern_attn_paged(const struct kern_attn_args *a, int i)
         kern_quantize_act(KERN_Q8_0, q, qq, hd);
     }
     float max = -INFINITY;
-    for (int j = 0; j < n_ctx; j++) {
+    const int j0 = a->skip > 0 ? a->skip : 0;
+    for (int j = j0; j < n_ctx; j++) {
         const uint8_t *k = attn_row(a->k_base, a, a->k_head_stride, k_row, j);
         float s = 0.0f;
         if (k_quant) {
@@ -55,7 +56,7 @@ void kern_attn_paged(const struct kern_attn_args *a, int i)
             max = s;
     }
     double sum = 0.0;
-    for (int j = 0; j < n_ctx; j++) {
+    for (int j = j0; j < n_ctx; j++) {
         float e = expf(scores[j] - max);
         scores[j] = e;
         sum += e;
@@ -68,7 +69,7 @@ void kern_attn_paged(const struct kern_attn_args *a, int i)
     const bool half = a->v_type == KERN_F16;
     for (int d = 0; d < hd; d++)
         out[d] = 0.0f;
-    for (int j = 0; j < n_ctx; j++) {
+    for (int j = j0; j < n_ctx; j++) {
         kern_dequantize_row(a->v_type, attn_row(a->v_base, a, a->v_head_stride, v_row, j), row, hd);
         const float p = half ? kvd_f16_to_f32(kvd_f32_to_f16(scores[j] * inv)) : scores[j] * inv;
         for (int d = 0; d < hd; d++)
@@ -79,6 +80,8 @@ void kern_attn_paged(const struct kern_attn_args *a, int i)
 void kern_attn_isa(const struct kern_attn_args *a, int isa)
 {
 #if defined(__x86_64__)
+    if (a->skip > 0)
+        isa = KERN_ISA_C;
     if (isa >= KERN_ISA_AVX512VNNI && kern_attn_avx512(a))
         return;
     if (isa >= KERN_ISA_AVX2 && kern_attn_avx2(a))

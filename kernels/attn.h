@@ -20,6 +20,8 @@ struct kern_attn_args {
     const uint8_t *v_base;  /* V of this layer in block 0 */
     const uint32_t *blocks; /* block table */
     int n_ctx;              /* positions [0, n_ctx) */
+    int skip;               /* positions [0, skip) are not attended (a sliding window's start
+                             * inside blocks[0]); 0 for plain causal attention */
     int block_tokens;
     int head_dim;
     int kv_head;
@@ -45,8 +47,8 @@ void kern_attn_isa(const struct kern_attn_args *a, int isa);
 
 /*
  * The C reference: causal attention of query head i of a (q + i * head_dim,
- * out + i * head_dim, stats + 2 * i) over positions [0, n_ctx) of the paged
- * cache. Block b of KV head h starts at k_base + b * block_stride + h *
+ * out + i * head_dim, stats + 2 * i) over positions [skip, n_ctx) of the paged
+ * cache (the faster paths take skip == 0 only; kern_attn sends the rest here). Block b of KV head h starts at k_base + b * block_stride + h *
  * k_head_stride (V likewise); a row is head_dim values of the K (V) type.
  *   scores:  scratch of n_ctx floats
  * Scores are q.k * scale, softmax in f32 with the sum in double, then the

@@ -46,6 +46,29 @@ void kern_rope(float *x, int n_heads, int dim, const float *cs)
     }
 }
 
+void kern_rope_neox(float *x, int n_heads, int dim, const float *cs)
+{
+    const int half = dim / 2;
+    for (int h = 0; h < n_heads; h++) {
+        float *v = x + (size_t)h * dim;
+        for (int i = 0; i < half; i++) {
+            float c = cs[2 * i], s = cs[2 * i + 1];
+            float a = v[i], b = v[i + half];
+            v[i] = a * c - b * s;
+            v[i + half] = a * s + b * c;
+        }
+    }
+}
+
+void kern_geglu(float *gate, const float *up, int n)
+{
+    const float k = 0.79788456080286535588f;    /* sqrt(2 / pi) */
+    for (int i = 0; i < n; i++) {
+        const float x = gate[i];
+        gate[i] = 0.5f * x * (1.0f + tanhf(k * x * (1.0f + 0.044715f * x * x))) * up[i];
+    }
+}
+
 void kern_swiglu(float *gate, const float *up, int n)
 {
 #if defined(__x86_64__)

@@ -23,6 +23,14 @@ void kern_rope_angles(float *cs, int dim, int32_t pos, float base);
  * dim by the angles in cs (GGUF llama models use this "normal" RoPE). */
 void kern_rope(float *x, int n_heads, int dim, const float *cs);
 
+/* The same angles applied to the pairs (x[i], x[i + dim/2]) of each head
+ * ("NEOX" RoPE: Gemma, and models converted from Hugging Face's rotate_half). */
+void kern_rope_neox(float *x, int n_heads, int dim, const float *cs);
+
+/* gate[i] = gelu(gate[i]) * up[i], GELU in its tanh form
+ * 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Gemma's gated FFN). */
+void kern_geglu(float *gate, const float *up, int n);
+
 /* gate[i] = silu(gate[i]) * up[i] (with AVX-512 where the active path has it:
  * a vector exponential, within a few ulp of expf). */
 void kern_swiglu(float *gate, const float *up, int n);
