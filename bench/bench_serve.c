@@ -789,10 +789,9 @@ static void overhead(int gap_ms, struct overhead_parts *op)
     char err[512];
     model_t *m = model_load(C.model, err, sizeof(err));
     tok_t *tk = m ? tok_new_from_gguf(m->gguf, err, sizeof(err)) : NULL;
-    struct gguf_str tmpl;
-    if (tk == NULL || gguf_get_str(m->gguf, "tokenizer.chat_template", &tmpl) != 0)
+    if (tk == NULL)
         die("overhead: %s", err);
-    chat_template_t *ct = chat_template_new(tmpl.ptr, (size_t)tmpl.len, err, sizeof(err));
+    chat_template_t *ct = chat_template_for_model(m->gguf, err, sizeof(err));
     struct chat_msg cm[2] = { { "system", system_prompt }, { "user", "Say one word." } };
     char *text;
     size_t tl, n;

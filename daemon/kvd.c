@@ -315,12 +315,9 @@ static void setup(struct kvd *k)
     k->tok = tok_new_from_gguf(k->model->gguf, err, sizeof(err));
     if (k->tok == NULL)
         cli_die("%s", err);
-    struct gguf_str tmpl;
-    if (gguf_get_str(k->model->gguf, "tokenizer.chat_template", &tmpl) == 0) {
-        k->chat = chat_template_new(tmpl.ptr, (size_t)tmpl.len, err, sizeof(err));
-        if (k->chat == NULL)
-            kvd_log(k, "chat requests disabled: %s", err);
-    }
+    k->chat = chat_template_for_model(k->model->gguf, err, sizeof(err));
+    if (k->chat == NULL)
+        kvd_log(k, "chat requests disabled: %s", err);
     uint32_t train = k->model->cfg.n_ctx_train;
     k->n_ctx = o->ctx ? o->ctx : 4096;
     if (k->n_ctx > train) {

@@ -9,6 +9,17 @@
  * ); the literal is kept whole and emitted verbatim. When it sits inside the
  * template's message loop it is emitted only before a first message (a
  * conversation with no messages gets none), as the Jinja does.
+ *
+ * A Gemma template is recognized by "<start_of_turn>", and is also what a
+ * gemma3 file without a template gets (Gemma 3 270M ships none). Its format,
+ * as llama.cpp's built-in "gemma" template renders it (Google's Jinja starts
+ * with "{{ bos_token }}", left here to the tokenizer, which adds BOS to Gemma
+ * prompts): a leading system message is no turn of its own but its content,
+ * trimmed, and "\n\n" open the first turn; each message is
+ * "<start_of_turn>ROLE\n" + content, trimmed, + "<end_of_turn>\n" with the
+ * assistant's role named "model"; the generation prompt is
+ * "<start_of_turn>model\n". Trimming strips ASCII whitespace (the system
+ * text too, as llama.cpp does; Google's Jinja keeps it as it is).
  */
 #include "chat.h"
 
@@ -22,7 +33,13 @@
 #define IM_END "<|im_end|>"
 #define SYS_OPEN IM_START "system\n"
 
+enum chat_format { FORMAT_CHATML, FORMAT_GEMMA };
+
+#define TURN_OPEN "<start_of_turn>"
+#define TURN_CLOSE "<end_of_turn>\n"
+
 struct chat_template {
+    int format;                 /* enum chat_format */
     char *default_block;        /* the default system literal, unescaped, or NULL */
     char *default_system;       /* its message text, or NULL */
     bool default_in_loop;       /* emitted only before a first message */
@@ -118,6 +135,8 @@ chat_template_t *chat_template_new(const char *jinja, size_t len, char *err, siz
         kvd_seterr(err, errlen, KVD_EINVAL, "unsupported chat template: the template is empty");
         return NULL;
     }
+    if (find(jinja, len, TURN_OPEN) != NULL)
+        return chat_template_gemma(err, errlen);
     if (find(jinja, len, IM_START) == NULL || find(jinja, len, IM_END) == NULL) {
         /* show the start of the template on one line */
         char snip[61];
@@ -128,7 +147,7 @@ chat_template_t *chat_template_new(const char *jinja, size_t len, char *err, siz
         }
         snip[n] = '\0';
         kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
-                   "unsupported chat template: \"%s%s\" (only ChatML is supported)",
+                   "unsupported chat template: \"%s%s\" (ChatML and Gemma are supported)",
                    snip, len > n ? "..." : "");
         return NULL;
     }
@@ -151,10 +170,31 @@ void chat_template_destroy(chat_template_t **tp)
     *tp = NULL;
 }
 
+chat_template_t *chat_template_gemma(char *err, size_t errlen)
+{
+    struct chat_template *t = calloc(1, sizeof *t);
+    if (t == NULL) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "out of memory");
+        return NULL;
+    }
+    t->format = FORMAT_GEMMA;
+    return t;
+}
+
+chat_template_t *chat_template_for_model(const gguf_ctx_t *g, char *err, size_t errlen)
+{
+    struct gguf_str tmpl, arch;
+    if (gguf_get_str(g, "tokenizer.chat_template", &tmpl) == 0)
+        return chat_template_new(tmpl.ptr, (size_t)tmpl.len, err, errlen);
+    if (gguf_get_str(g, "general.architecture", &arch) == 0 && gguf_str_eq(arch, "gemma3"))
+        return chat_template_gemma(err, errlen);
+    kvd_seterr(err, errlen, KVD_ENOTFOUND, "the model has no chat template (tokenizer.chat_template)");
+    return NULL;
+}
+
 const char *chat_template_format(const chat_template_t *t)
 {
-    (void)t;
-    return "chatml";
+    return t->format == FORMAT_GEMMA ? "gemma" : "chatml";
 }
 
 const char *chat_template_default_system(const chat_template_t *t)
@@ -183,6 +223,60 @@ static bool add_len(size_t *total, size_t k)
     return true;
 }
 
+static bool is_trim_space(char c)
+{
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
+}
+
+/* Appends s without its leading and trailing ASCII whitespace. */
+static void put_trimmed(struct buf *b, const char *s)
+{
+    size_t len = strlen(s);
+    while (len > 0 && is_trim_space(*s))
+        s++, len--;
+    while (len > 0 && is_trim_space(s[len - 1]))
+        len--;
+    memcpy(b->p + b->n, s, len);
+    b->n += len;
+}
+
+/* The Gemma rendering (see the top of this file). */
+static int apply_gemma(const struct chat_msg *msgs, size_t n, bool add_generation_prompt, char **out,
+                       size_t *out_len)
+{
+    for (size_t i = 0; i < n; i++)
+        if (msgs[i].role == NULL || msgs[i].content == NULL)
+            return KVD_EINVAL;
+    const bool system = n > 0 && strcmp(msgs[0].role, "system") == 0;
+    size_t total = 0;
+    bool ok = true;
+    for (size_t i = 0; ok && i < n; i++)
+        ok = add_len(&total, strlen(TURN_OPEN) + strlen(msgs[i].role) + 1 + strlen(msgs[i].content) + 2 +
+                                 strlen(TURN_CLOSE) + 8);
+    if (!ok || !add_len(&total, strlen(TURN_OPEN "model\n")))
+        return KVD_ENOMEM;
+    struct buf b = { malloc(total + 1), 0 };
+    if (b.p == NULL)
+        return KVD_ENOMEM;
+    for (size_t i = system ? 1 : 0; i < n; i++) {
+        put(&b, TURN_OPEN);
+        put(&b, strcmp(msgs[i].role, "assistant") == 0 ? "model" : msgs[i].role);
+        put(&b, "\n");
+        if (system && i == 1) {
+            put_trimmed(&b, msgs[0].content);
+            put(&b, "\n\n");
+        }
+        put_trimmed(&b, msgs[i].content);
+        put(&b, TURN_CLOSE);
+    }
+    if (add_generation_prompt)
+        put(&b, TURN_OPEN "model\n");
+    b.p[b.n] = '\0';
+    *out = b.p;
+    *out_len = b.n;
+    return 0;
+}
+
 int chat_apply(const chat_template_t *t, const struct chat_msg *msgs, size_t n,
                bool add_generation_prompt, char **out, size_t *out_len)
 {
@@ -190,6 +284,8 @@ int chat_apply(const chat_template_t *t, const struct chat_msg *msgs, size_t n,
         return KVD_EINVAL;
     *out = NULL;
     *out_len = 0;
+    if (t->format == FORMAT_GEMMA)
+        return apply_gemma(msgs, n, add_generation_prompt, out, out_len);
     bool first_is_system = n > 0 && msgs[0].role != NULL && strcmp(msgs[0].role, "system") == 0;
     bool with_default = t->default_block != NULL && !first_is_system &&
                         (n > 0 || !t->default_in_loop);

@@ -7,13 +7,17 @@
  * byte for byte what the Jinja renders. Supported: ChatML
  * ("<|im_start|>role\ncontent<|im_end|>\n" per message), including a default
  * system message that the template inserts when the conversation does not
- * start with one (SmolLM2, Qwen). Any other template is refused at load.
+ * start with one (SmolLM2, Qwen); and Gemma ("<start_of_turn>user\n...
+ * <end_of_turn>\n", the system text opening the first user turn; chat.c).
+ * Any other template is refused at load.
  */
 #ifndef KVD_CHAT_H
 #define KVD_CHAT_H
 
 #include <stdbool.h>
 #include <stddef.h>
+
+#include "gguf.h"
 
 /* One message; both strings NUL-terminated and borrowed for the call. */
 struct chat_msg {
@@ -28,6 +32,14 @@ typedef struct chat_template chat_template_t;
  * supported. The template copies what it keeps. */
 chat_template_t *chat_template_new(const char *jinja, size_t len, char *err, size_t errlen);
 
+/* The Gemma format, without a Jinja text to recognize. */
+chat_template_t *chat_template_gemma(char *err, size_t errlen);
+
+/* The template of a model file: its tokenizer.chat_template, else (a gemma3
+ * file without one) the Gemma format; NULL with a reason when it has none or
+ * an unsupported one (KVD_ENOTFOUND's "the model has no chat template"). */
+chat_template_t *chat_template_for_model(const gguf_ctx_t *g, char *err, size_t errlen);
+
 /* Frees the template; accepts NULL and sets *t to NULL. */
 void chat_template_destroy(chat_template_t **t);
 
@@ -38,7 +50,7 @@ void chat_template_destroy(chat_template_t **t);
 int chat_apply(const chat_template_t *t, const struct chat_msg *msgs, size_t n,
                bool add_generation_prompt, char **out, size_t *out_len);
 
-/* The format's name ("chatml"). */
+/* The format's name ("chatml", "gemma"). */
 const char *chat_template_format(const chat_template_t *t);
 
 /* The default system message the template inserts, or NULL when it has none.

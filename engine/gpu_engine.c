@@ -256,6 +256,10 @@ static bool gemm_type_ok(const struct model_mat *w)
 /* Checks that the kernels can run this model; 0 or KVD_EUNSUPPORTED with err. */
 static int check_model(const model_t *m, char *err, size_t errlen)
 {
+    if (m->cfg.arch != MODEL_ARCH_LLAMA)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                          "gpu engine: only llama-architecture models run on the GPU so far (this one runs on "
+                          "the CPU)");
     const struct model_config *c = &m->cfg;
     if (c->head_dim != 64 && c->head_dim != 128)
         return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,

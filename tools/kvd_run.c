@@ -793,12 +793,9 @@ static int run_generate(const struct options *o)
     if (o->prompt_ids != NULL) {
         /* no text */
     } else if (o->chat) {
-        struct gguf_str tmpl;
-        if (gguf_get_str(rt.model->gguf, "tokenizer.chat_template", &tmpl) != 0)
-            cli_die("--chat: the model has no chat template (tokenizer.chat_template)");
-        chat_template_t *ct = chat_template_new(tmpl.ptr, (size_t)tmpl.len, err, sizeof(err));
+        chat_template_t *ct = chat_template_for_model(rt.model->gguf, err, sizeof(err));
         if (ct == NULL)
-            cli_die("%s", err);
+            cli_die("--chat: %s", err);
         struct chat_msg msgs[2];
         size_t nm = 0;
         if (o->system != NULL)
