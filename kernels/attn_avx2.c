@@ -151,8 +151,10 @@ int kern_attn_avx2(const struct kern_attn_args *a)
             }
             max[g] = -INFINITY;
         }
-        /* scores, reading each K row once for the group */
-        for (int j = 0; j < a->n_ctx; j++) {
+        /* scores, reading each K row once for the group; positions
+         * [0, skip) are outside a sliding window */
+        const int j0 = a->skip > 0 ? a->skip : 0;
+        for (int j = j0; j < a->n_ctx; j++) {
             const uint8_t *k = a->k_base + a->blocks[j / a->block_tokens] * a->block_stride +
                                (uint64_t)a->kv_head * a->k_head_stride +
                                (size_t)(j % a->block_tokens) * row_bytes;
@@ -186,7 +188,7 @@ int kern_attn_avx2(const struct kern_attn_args *a)
         for (int g = 0; g < nq; g++) {
             float *sc = a->scores + (size_t)g * a->n_ctx;
             const __m256 mx = _mm256_set1_ps(max[g]);
-            int j = 0;
+            int j = j0;
             for (; j + 8 <= a->n_ctx; j += 8)
                 _mm256_storeu_ps(sc + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mx)));
             for (; j < a->n_ctx; j++) {
@@ -195,7 +197,7 @@ int kern_attn_avx2(const struct kern_attn_args *a)
                 sc[j] = tail[0];
             }
             double sum = 0.0;
-            for (j = 0; j < a->n_ctx; j++)
+            for (j = j0; j < a->n_ctx; j++)
                 sum += sc[j];
             const float inv = (float)(1.0 / sum);
             if (a->stats != NULL) {
@@ -203,7 +205,7 @@ int kern_attn_avx2(const struct kern_attn_args *a)
                 a->stats[2 * (q0 + g) + 1] = (float)sum;
             }
             const __m256 vinv = _mm256_set1_ps(inv);
-            for (j = 0; j + 8 <= a->n_ctx; j += 8) {
+            for (j = j0; j + 8 <= a->n_ctx; j += 8) {
                 __m256 pv = _mm256_mul_ps(_mm256_loadu_ps(sc + j), vinv);
                 if (v_half)
                     pv = _mm256_cvtph_ps(_mm256_cvtps_ph(pv, _MM_FROUND_TO_NEAREST_INT));
@@ -217,7 +219,7 @@ int kern_attn_avx2(const struct kern_attn_args *a)
         for (int g = 0; g < nq; g++)
             for (int d = 0; d < hd / 8; d++)
                 acc[g][d] = _mm256_setzero_ps();
-        for (int j = 0; j < a->n_ctx; j++) {
+        for (int j = j0; j < a->n_ctx; j++) {
             const uint8_t *v = a->v_base + a->blocks[j / a->block_tokens] * a->block_stride +
                                (uint64_t)a->kv_head * a->v_head_stride +
                                (size_t)(j % a->block_tokens) * v_row_bytes;
