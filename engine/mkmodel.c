@@ -514,10 +514,18 @@ int mkmodel_check(const struct mkmodel_params *p, char *err, size_t errlen)
         return kvd_seterr(err, errlen, KVD_EINVAL, "mkmodel: embedding size must be 1..65536, not %u", p->n_embd);
     if (p->n_ff < 1 || p->n_ff > 262144)
         return kvd_seterr(err, errlen, KVD_EINVAL, "mkmodel: feed-forward size must be 1..262144, not %u", p->n_ff);
-    if (p->n_head < 1 || p->n_embd % p->n_head != 0 || (p->n_embd / p->n_head) % 2 != 0)
+    if (p->gemma3 && p->head_dim != 0) {
+        if (p->n_head < 1 || p->head_dim % 2 != 0 || p->head_dim > 512 ||
+            ((uint64_t)p->n_head * p->head_dim) % kern_type_info(p->wtype)->block_elems != 0)
+            return kvd_seterr(err, errlen, KVD_EINVAL, "mkmodel: head width %u must be even, at most 512, and "
+                              "heads x width a whole number of weight blocks", p->head_dim);
+    } else if (p->n_head < 1 || p->n_embd % p->n_head != 0 || (p->n_embd / p->n_head) % 2 != 0) {
         return kvd_seterr(err, errlen, KVD_EINVAL,
                           "mkmodel: %u heads must divide the embedding size %u into an even head dim",
                           p->n_head, p->n_embd);
+    }
+    if (p->gemma3 && p->swa_window < 1)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "mkmodel: a gemma3 model needs a sliding window");
     if (p->n_head_kv < 1 || p->n_head % p->n_head_kv != 0)
         return kvd_seterr(err, errlen, KVD_EINVAL, "mkmodel: %u KV heads must divide %u heads",
                           p->n_head_kv, p->n_head);
@@ -569,24 +577,38 @@ static uint32_t file_type_of(uint32_t t)
 
 /* ---- the model ------------------------------------------------------------------------- */
 
+static uint32_t head_dim_of(const struct mkmodel_params *p)
+{
+    return p->gemma3 && p->head_dim ? p->head_dim : p->n_embd / p->n_head;
+}
+
 static int add_metadata(gguf_writer_t *w, const struct mkmodel_params *p, const struct vocab *v)
 {
-    const uint32_t hd = p->n_embd / p->n_head;
+    const uint32_t hd = head_dim_of(p);
+    const char *arch = p->gemma3 ? "gemma3" : "llama";
+    char key[96];
+#define KEY(name) (snprintf(key, sizeof(key), "%s." name, arch), key)
     int rc = 0;
-    rc = rc ? rc : gguf_writer_set_str(w, "general.architecture", "llama");
-    rc = rc ? rc : gguf_writer_set_str(w, "general.name", "kvd random llama");
+    rc = rc ? rc : gguf_writer_set_str(w, "general.architecture", arch);
+    rc = rc ? rc : gguf_writer_set_str(w, "general.name", p->gemma3 ? "kvd random gemma3" : "kvd random llama");
     rc = rc ? rc : gguf_writer_set_u32(w, "general.file_type", file_type_of(p->wtype));
     rc = rc ? rc : gguf_writer_set_u32(w, "general.quantization_version", 2);
-    rc = rc ? rc : gguf_writer_set_u32(w, "llama.block_count", p->n_layer);
-    rc = rc ? rc : gguf_writer_set_u32(w, "llama.context_length", p->n_ctx);
-    rc = rc ? rc : gguf_writer_set_u32(w, "llama.embedding_length", p->n_embd);
-    rc = rc ? rc : gguf_writer_set_u32(w, "llama.feed_forward_length", p->n_ff);
-    rc = rc ? rc : gguf_writer_set_u32(w, "llama.attention.head_count", p->n_head);
-    rc = rc ? rc : gguf_writer_set_u32(w, "llama.attention.head_count_kv", p->n_head_kv);
-    rc = rc ? rc : gguf_writer_set_f32(w, "llama.rope.freq_base", p->rope_freq_base);
-    rc = rc ? rc : gguf_writer_set_f32(w, "llama.attention.layer_norm_rms_epsilon", p->rms_eps);
-    rc = rc ? rc : gguf_writer_set_u32(w, "llama.rope.dimension_count", hd);
-    rc = rc ? rc : gguf_writer_set_u32(w, "llama.vocab_size", p->n_vocab);
+    rc = rc ? rc : gguf_writer_set_u32(w, KEY("block_count"), p->n_layer);
+    rc = rc ? rc : gguf_writer_set_u32(w, KEY("context_length"), p->n_ctx);
+    rc = rc ? rc : gguf_writer_set_u32(w, KEY("embedding_length"), p->n_embd);
+    rc = rc ? rc : gguf_writer_set_u32(w, KEY("feed_forward_length"), p->n_ff);
+    rc = rc ? rc : gguf_writer_set_u32(w, KEY("attention.head_count"), p->n_head);
+    rc = rc ? rc : gguf_writer_set_u32(w, KEY("attention.head_count_kv"), p->n_head_kv);
+    rc = rc ? rc : gguf_writer_set_f32(w, KEY("rope.freq_base"), p->rope_freq_base);
+    rc = rc ? rc : gguf_writer_set_f32(w, KEY("attention.layer_norm_rms_epsilon"), p->rms_eps);
+    rc = rc ? rc : gguf_writer_set_u32(w, KEY("rope.dimension_count"), hd);
+    rc = rc ? rc : gguf_writer_set_u32(w, KEY("vocab_size"), p->n_vocab);
+    if (p->gemma3) {
+        rc = rc ? rc : gguf_writer_set_u32(w, KEY("attention.key_length"), hd);
+        rc = rc ? rc : gguf_writer_set_u32(w, KEY("attention.value_length"), hd);
+        rc = rc ? rc : gguf_writer_set_u32(w, KEY("attention.sliding_window"), p->swa_window);
+    }
+#undef KEY
 
     rc = rc ? rc : gguf_writer_set_str(w, "tokenizer.ggml.model", "gpt2");
     rc = rc ? rc : gguf_writer_set_str(w, "tokenizer.ggml.pre", "default");
@@ -608,7 +630,7 @@ static int add_metadata(gguf_writer_t *w, const struct mkmodel_params *p, const 
 static int add_weights(gguf_writer_t *w, const struct mkmodel_params *p)
 {
     const int64_t E = p->n_embd, F = p->n_ff, V = p->n_vocab;
-    const int64_t hd = E / p->n_head, Q = p->n_head * hd, KV = p->n_head_kv * hd;
+    const int64_t hd = head_dim_of(p), Q = p->n_head * hd, KV = p->n_head_kv * hd;
     const uint64_t s = p->seed;
     int rc = add_matrix(w, "token_embd.weight", p->embd_type, E, V, s);
     char name[GGUF_WRITER_MAX_NAME + 1];
@@ -623,6 +645,12 @@ static int add_weights(gguf_writer_t *w, const struct mkmodel_params *p)
         rc = rc ? rc : add_matrix(w, BLK("ffn_gate.weight"), p->wtype, E, F, s);
         rc = rc ? rc : add_matrix(w, BLK("ffn_up.weight"), p->wtype, E, F, s);
         rc = rc ? rc : add_matrix(w, BLK("ffn_down.weight"), p->wtype, F, E, s);
+        if (p->gemma3) {
+            rc = rc ? rc : add_norm(w, BLK("attn_q_norm.weight"), hd, s);
+            rc = rc ? rc : add_norm(w, BLK("attn_k_norm.weight"), hd, s);
+            rc = rc ? rc : add_norm(w, BLK("post_attention_norm.weight"), E, s);
+            rc = rc ? rc : add_norm(w, BLK("post_ffw_norm.weight"), E, s);
+        }
     }
 #undef BLK
     rc = rc ? rc : add_norm(w, "output_norm.weight", E, s);

@@ -16,6 +16,8 @@
  * bos = <|im_start|> (1), eos = <|im_end|> (2), unk = <|endoftext|> (0),
  * add_bos false, and SmolLM2's ChatML chat template, as the default model
  * has them. The output depends only on the parameters (seed included).
+ * With gemma3 set, the same vocabulary in a gemma3 file: its keys (the head
+ * width and the sliding window included) and its four extra norms a layer.
  */
 #ifndef KVD_MKMODEL_H
 #define KVD_MKMODEL_H
@@ -44,6 +46,10 @@ struct mkmodel_params {
     bool tied;                  /* true: no output.weight (output reuses token_embd) */
     uint64_t seed;              /* every random choice derives from it */
     const char *chat_template;  /* NULL: SmolLM2's ChatML template */
+    bool gemma3;                /* a gemma3 file: Q/K and post norms, the gemma3.* keys (the
+                                 * vocabulary stays this file's GPT-2 BPE) */
+    uint32_t head_dim;          /* gemma3: the heads' width (any even size); 0: n_embd / n_head */
+    uint32_t swa_window;        /* gemma3: gemma3.attention.sliding_window */
 };
 
 /* 2 layers, 64 wide, 4 heads (2 KV), ff 128, vocab 512, ctx 256, rope base

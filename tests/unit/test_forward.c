@@ -63,18 +63,24 @@ static void ref_norm(float *o, const float *x, const float *w, int n, float eps)
         o[i] = (float)(x[i] * sc * w[i]);
 }
 
-static void ref_rope(float *v, int n_heads, int hd, int pos, float base)
+/* RoPE on pairs (2i, 2i+1), or (i, i + hd/2) with neox. */
+static void ref_rope(float *v, int n_heads, int hd, int pos, float base, bool neox)
 {
     for (int h = 0; h < n_heads; h++)
         for (int i = 0; i < hd / 2; i++) {
             double th = pos * pow(base, -2.0 * i / hd);
-            double a = v[h * hd + 2 * i], b = v[h * hd + 2 * i + 1];
-            v[h * hd + 2 * i] = (float)(a * cos(th) - b * sin(th));
-            v[h * hd + 2 * i + 1] = (float)(a * sin(th) + b * cos(th));
+            const int ia = h * hd + (neox ? i : 2 * i), ib = neox ? ia + hd / 2 : ia + 1;
+            double a = v[ia], b = v[ib];
+            v[ia] = (float)(a * cos(th) - b * sin(th));
+            v[ib] = (float)(a * sin(th) + b * cos(th));
         }
 }
 
-/* Logits (n, n_vocab) of every position of toks, from scratch. */
+/* Logits (n, n_vocab) of every position of toks, from scratch. Gemma 3 as
+ * llama.cpp computes it: embeddings times sqrt(n_embd), per-head Q/K norms
+ * before RoPE (rotating halves), windowed layers that see the last
+ * swa_window positions with their own RoPE base, attention and FFN outputs
+ * RMS-normed before the residual add, GELU (tanh form) gating. */
 static float *ref_forward(const model_t *m, const int32_t *toks, int n)
 {
     const struct model_config *c = &m->cfg;
@@ -87,10 +93,14 @@ static float *ref_forward(const model_t *m, const int32_t *toks, int n)
     float *g = malloc((size_t)F * 4), *u = malloc((size_t)F * 4), *sc = malloc((size_t)n * 4);
     float *logits = malloc((size_t)n * V * 4);
     REQUIRE(x && xb && q && kc && vc && att && tmp && g && u && sc && logits);
+    const bool gemma = c->arch == MODEL_ARCH_GEMMA3;
     for (int t = 0; t < n; t++)
-        memcpy(x + (size_t)t * E, emb + (size_t)toks[t] * E, (size_t)E * 4);
+        for (int i = 0; i < E; i++)
+            x[(size_t)t * E + i] = emb[(size_t)toks[t] * E + i] * (gemma ? sqrtf((float)E) : 1.0f);
     for (int l = 0; l < L; l++) {
         const struct model_layer *ly = &m->layers[l];
+        const bool win = gemma && l % 6 != 5;
+        const float base = win ? 10000.0f : c->rope_base;
         float *wq = dense(&ly->wq), *wk = dense(&ly->wk), *wv = dense(&ly->wv), *wo = dense(&ly->wo);
         float *wg = dense(&ly->w_gate), *wu = dense(&ly->w_up), *wd = dense(&ly->w_down);
         for (int t = 0; t < n; t++) {
@@ -100,8 +110,15 @@ static float *ref_forward(const model_t *m, const int32_t *toks, int n)
             ref_matvec(q, wq, xb, H * D, E);
             ref_matvec(kt, wk, xb, KH * D, E);
             ref_matvec(vt, wv, xb, KH * D, E);
-            ref_rope(q, H, D, t, c->rope_base);
-            ref_rope(kt, KH, D, t, c->rope_base);
+            if (gemma) {
+                for (int h = 0; h < H; h++)
+                    ref_norm(q + h * D, q + h * D, ly->q_norm, D, c->rms_eps);
+                for (int h = 0; h < KH; h++)
+                    ref_norm(kt + h * D, kt + h * D, ly->k_norm, D, c->rms_eps);
+            }
+            ref_rope(q, H, D, t, base, gemma);
+            ref_rope(kt, KH, D, t, base, gemma);
+            const int j0 = win && t + 1 > (int)c->swa_window ? t + 1 - (int)c->swa_window : 0;
             for (int i = 0; i < KH * D; i++) {
                 kt[i] = half(kt[i]);
                 vt[i] = half(vt[i]);
@@ -109,7 +126,7 @@ static float *ref_forward(const model_t *m, const int32_t *toks, int n)
             for (int h = 0; h < H; h++) {
                 int kh = h / (H / KH);
                 double mx = -INFINITY, sum = 0;
-                for (int j = 0; j <= t; j++) {
+                for (int j = j0; j <= t; j++) {
                     const float *kj = kc + ((size_t)l * n + j) * KH * D + kh * D;
                     double s = 0;
                     for (int d = 0; d < D; d++)
@@ -117,25 +134,32 @@ static float *ref_forward(const model_t *m, const int32_t *toks, int n)
                     sc[j] = (float)(s / sqrt((double)D));
                     mx = sc[j] > mx ? sc[j] : mx;
                 }
-                for (int j = 0; j <= t; j++)
+                for (int j = j0; j <= t; j++)
                     sum += exp(sc[j] - mx);
                 for (int d = 0; d < D; d++) {
                     double a = 0;
-                    for (int j = 0; j <= t; j++)
+                    for (int j = j0; j <= t; j++)
                         a += (double)half((float)(exp(sc[j] - mx) / sum)) *
                              vc[((size_t)l * n + j) * KH * D + kh * D + d];
                     att[h * D + d] = (float)a;
                 }
             }
             ref_matvec(tmp, wo, att, E, H * D);
+            if (gemma)
+                ref_norm(tmp, tmp, ly->post_attn_norm, E, c->rms_eps);
             for (int i = 0; i < E; i++)
                 xt[i] += tmp[i];
             ref_norm(xb, xt, ly->ffn_norm, E, c->rms_eps);
             ref_matvec(g, wg, xb, F, E);
             ref_matvec(u, wu, xb, F, E);
-            for (int i = 0; i < F; i++)
-                g[i] = (float)(g[i] / (1.0 + exp(-(double)g[i])) * u[i]);
+            for (int i = 0; i < F; i++) {
+                const double z = g[i];
+                g[i] = gemma ? (float)(0.5 * z * (1.0 + tanh(sqrt(2.0 / M_PI) * (z + 0.044715 * z * z * z))) * u[i])
+                             : (float)(z / (1.0 + exp(-z)) * u[i]);
+            }
             ref_matvec(tmp, wd, g, E, F);
+            if (gemma)
+                ref_norm(tmp, tmp, ly->post_ffn_norm, E, c->rms_eps);
             for (int i = 0; i < E; i++)
                 xt[i] += tmp[i];
         }
@@ -297,6 +321,65 @@ static void test_against_reference(const char *name, uint32_t wtype, uint32_t et
         agree += ia == ib || fabs(a[ia] - a[ib]) < 2 * d;
     }
     CHECK_INT(agree, n);
+    free(ref);
+    free(got);
+    rig_free(&r);
+    model_destroy(&m);
+}
+
+/* A random gemma3 model: 6 layers (5 windowed, 1 global), heads wider than
+ * n_embd / n_head, a window of `window` positions. */
+static model_t *make_gemma(const char *name, uint32_t wtype, uint32_t window, uint32_t head_dim)
+{
+    struct mkmodel_params p = mkmodel_default_params();
+    p.gemma3 = true;
+    p.n_layer = 6;
+    p.n_embd = 128;
+    p.n_head = 4;
+    p.n_head_kv = 1;
+    p.head_dim = head_dim;
+    p.swa_window = window;
+    p.n_ff = 256;
+    p.n_vocab = 400;
+    p.wtype = wtype;
+    p.embd_type = wtype == KERN_F32 ? KERN_F32 : KERN_Q8_0;
+    p.tied = true;
+    p.rope_freq_base = 1e6f;
+    p.seed = 99;
+    return make_model(&p, name);
+}
+
+/* Gemma 3 against the reference: the window seen, and not more. */
+static void test_gemma_against_reference(const char *name, uint32_t wtype, uint32_t kv_type, double rel_tol)
+{
+    kv_half = kv_type == KERN_F16;
+    model_t *m = make_gemma(name, wtype, 7, 48);
+    CHECK(m->cfg.arch == MODEL_ARCH_GEMMA3 && m->cfg.head_dim == 48 && m->cfg.swa_window == 7);
+    CHECK(model_layer_windowed(&m->cfg, 0) && model_layer_windowed(&m->cfg, 4) &&
+          !model_layer_windowed(&m->cfg, 5));
+    const int n = 40;
+    int32_t toks[40];
+    random_tokens(toks, n, m->cfg.n_vocab, 17);
+    float *ref = ref_forward(m, toks, n);
+    struct rig r = rig_new(m, 4, 12, kv_type, 2);
+    uint32_t blocks[10] = { 9, 2, 7, 0, 11, 3, 4, 6, 1, 5 };
+    float *got = run_chunks(&r, toks, n, n, blocks, 10);
+    size_t total = (size_t)n * m->cfg.n_vocab;
+    double scale = max_abs(ref, total), d = max_diff(ref, got, total);
+    fprintf(stderr, "%s: max |logit| %.4f, max diff %.6f (%.2e relative)\n", name, scale, d, d / scale);
+    CHECK(scale > 0.1);
+    CHECK(d / scale <= rel_tol);
+    /* a window of the whole context is another model: the window matters */
+    struct model_config wide = m->cfg;
+    ((model_t *)m)->cfg.swa_window = 1000;
+    float *all = ref_forward(m, toks, n);
+    ((model_t *)m)->cfg = wide;
+    const double seen = max_diff(all + (size_t)8 * m->cfg.n_vocab, ref + (size_t)8 * m->cfg.n_vocab,
+                                 (size_t)(n - 8) * m->cfg.n_vocab);
+    fprintf(stderr, "%s: without the window the logits move by %.4f\n", name, seen);
+    CHECK(seen > 20 * d);
+    CHECK(max_diff(all, ref, (size_t)7 * m->cfg.n_vocab) == 0);    /* not before the window is full */
+    free(all);
     free(ref);
     free(got);
     rig_free(&r);
@@ -498,6 +581,27 @@ int main(void)
     }
     rig_fmt = (struct kv_format){ "f16", KERN_F16, KERN_F16, 0 };
     test_errors(m);
+
+    /* Gemma 3: against the reference (f32 and f16 caches, quantized weights),
+     * and the contract on every path with a window of 7 positions that starts
+     * anywhere in 4-position blocks, over contexts up to 100 positions */
+    test_gemma_against_reference("gemma3-f32", KERN_F32, KERN_F32, 1e-4);
+    test_gemma_against_reference("gemma3-f16kv", KERN_F32, KERN_F16, 5e-4);
+    test_gemma_against_reference("gemma3-q8_0", KERN_Q8_0, KERN_F16, 0.03);
+    model_t *g = make_gemma("gemma3-contract", KERN_Q8_0, 7, 64);
+    for (int isa = (int)kern_isa_best(); isa >= KERN_ISA_C; isa--) {
+        kern_isa_set((enum kern_isa)isa);
+        fprintf(stderr, "numerics contract of gemma3 on the %s path\n", kern_isa_name(kern_isa()));
+        test_paged_equals_contiguous(g);
+        test_chunking(g);
+        test_batch_invariance(g);
+    }
+    kern_isa_set(kern_isa_best());
+    rig_chunk = 16;
+    test_chunking(g);
+    test_batch_invariance(g);
+    rig_chunk = 0;
+    model_destroy(&g);
     model_destroy(&m);
 
     char cmd[300];
