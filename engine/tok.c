@@ -1,12 +1,15 @@
 /*
- * tok.c - GPT-2 byte-level BPE tokenizer (see tok.h).
+ * tok.c - GPT-2 byte-level BPE and SentencePiece BPE tokenizers (see tok.h).
  *
  * Layout: every token keeps three byte strings in three blobs: its text (as
- * the vocabulary spells it, "Ġthe"), its raw bytes (" the"; only for texts
- * made entirely of byte-level characters) and its piece (what decoding
- * writes). Two hash tables map text -> id and raw bytes -> id; a third maps a
- * pair of token ids to the rank of their merge and the id of the result, so
- * BPE works on ids and never builds strings.
+ * the vocabulary spells it, "Ġthe" or "▁the"), its raw bytes (" the"; GPT2
+ * only, for texts made entirely of byte-level characters) and its piece (what
+ * decoding writes). Two hash tables map text -> id and raw bytes -> id; a
+ * third maps a pair of token ids to the rank of their merge and the id of the
+ * result, so BPE works on ids and never builds strings. SPM needs no merge
+ * table: a pair merges when its concatenation is a token, which the text
+ * table answers (adjacent symbols are adjacent bytes of one buffer), and the
+ * token's score orders the merges.
  *
  * Matching llama.cpp: the pre-tokenizers below are written from the regexes
  * llama.cpp uses for each tokenizer.ggml.pre name, with llama.cpp's reading
@@ -20,6 +23,8 @@
 #include "err.h"
 #include "unicode.h"
 
+#include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -67,6 +72,7 @@ static const char *const eog_texts[] = {
     /* fill-in-the-middle pad / repo / file separators, which llama.cpp also stops on */
     "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "<|fim_repo|>", "<|repo_name|>",
     "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>",
+    "</s>",     /* llama.cpp stops on it (and makes it CONTROL) in every vocabulary */
 };
 
 /* Texts that name the end-of-turn token when tokenizer.ggml.eot_token_id is
@@ -106,6 +112,7 @@ struct merge_slot {
 #define MERGE_EMPTY UINT64_MAX
 
 struct tok {
+    enum tok_model model;       /* GPT2 or SPM */
     size_t n;                   /* tokens */
     struct tok_entry *tokens;   /* n entries */
     char *text_blob;            /* all texts */
@@ -113,16 +120,25 @@ struct tok {
     char *piece_blob;           /* decoded pieces */
     struct idmap by_text;       /* text -> id, last duplicate wins */
     struct idmap by_raw;        /* raw bytes -> id */
-    struct merge_slot *merges;  /* open-addressed pair -> merge */
+    float *scores;              /* SPM: n token scores (higher merges first); GPT2: NULL */
+    struct merge_slot *merges;  /* open-addressed pair -> merge (GPT2) */
     size_t merge_mask;          /* slot count - 1 */
-    int32_t byte_tok[256];      /* id of the token of each single byte, or -1 */
+    int32_t byte_tok[256];      /* token each byte falls back to, or -1 (SPM: <0xXX>, else unk) */
     uint32_t byte_cp[256];      /* bytes_to_unicode: byte -> code point */
     int16_t cp_byte[N_BYTE_CPS];/* its inverse, -1 where no byte maps */
     int32_t *specials;          /* control / unknown / user-defined ids, longest text first */
     size_t n_specials;          /* entries in specials */
+    uint32_t *sp_slots;         /* special text -> 1 + its first index in specials; 0 = empty */
+    size_t sp_mask;             /* slot count - 1 */
+    int32_t *sp_next;           /* n_specials: next index in specials with the same text, or -1 */
+    uint32_t *sp_lens;          /* the distinct lengths of special texts, ascending */
+    size_t n_sp_lens;           /* entries in sp_lens */
+    uint8_t sp_start[8192];     /* bit (b0 << 8 | b1): some special text starts with b0 b1 */
+    uint8_t sp_byte[32];        /* bit b: some special text is the one byte b */
     const struct pre_info *pre; /* pre-tokenizer */
     int32_t bos, eos, eot, eom, unk, pad; /* special ids or -1 */
     bool add_bos;               /* callers should prepend bos */
+    bool add_space_prefix;      /* SPM: a space before text at the start or after a special */
 };
 
 void tok_vocab_init(struct tok_vocab *v)
@@ -130,6 +146,7 @@ void tok_vocab_init(struct tok_vocab *v)
     memset(v, 0, sizeof *v);
     v->bos = v->eos = v->eot = v->eom = v->unk = v->pad = -1;
     v->add_bos = -1;
+    v->add_space_prefix = -1;
 }
 
 static uint64_t hash_bytes(const char *s, size_t n)
@@ -345,22 +362,23 @@ static int build_tokens(struct tok *t, const struct tok_vocab *v, char *err, siz
         t->tokens[i].type = (uint8_t)type;
     }
     /* pieces and raw bytes are never longer than the text */
+    bool gpt2 = t->model == TOK_MODEL_GPT2;
     t->text_blob = malloc(total + 1);
-    t->raw_blob = malloc(total + 1);
+    t->raw_blob = gpt2 ? malloc(total + 1) : NULL;
     t->piece_blob = malloc(total + 1);
-    if (t->text_blob == NULL || t->raw_blob == NULL || t->piece_blob == NULL)
+    if (t->text_blob == NULL || (gpt2 && t->raw_blob == NULL) || t->piece_blob == NULL)
         return kvd_seterr(err, errlen, KVD_ENOMEM, "out of memory for %zu bytes of tokens", total);
     size_t raw_n = 0;
     for (size_t i = 0; i < t->n; i++) {
         struct tok_entry *e = &t->tokens[i];
         char *text = t->text_blob + e->text_off;
         memcpy(text, v->texts[i], e->text_len);
-        long r = text_to_raw(t, text, e->text_len, t->raw_blob + raw_n);
+        long r = gpt2 ? text_to_raw(t, text, e->text_len, t->raw_blob + raw_n) : -1;
         e->raw_off = (uint32_t)raw_n;
         e->raw_len = r < 0 ? NO_RAW : (uint32_t)r;
         raw_n += r < 0 ? 0 : (size_t)r;
     }
-    if (idmap_init(&t->by_text, t->n) < 0 || idmap_init(&t->by_raw, t->n) < 0)
+    if (idmap_init(&t->by_text, t->n) < 0 || (gpt2 && idmap_init(&t->by_raw, t->n) < 0))
         return kvd_seterr(err, errlen, KVD_ENOMEM, "out of memory for the token tables");
     for (size_t i = 0; i < t->n; i++) {
         if (t->tokens[i].text_len == 0)
@@ -371,7 +389,18 @@ static int build_tokens(struct tok *t, const struct tok_vocab *v, char *err, siz
     }
     for (int b = 0; b < 256; b++) {
         char c = (char)b;
-        t->byte_tok[b] = idmap_get(t, &t->by_raw, key_raw, &c, 1);
+        if (gpt2) {
+            t->byte_tok[b] = idmap_get(t, &t->by_raw, key_raw, &c, 1);
+            continue;
+        }
+        /* llama.cpp's byte_to_token: <0xXX>, else the byte itself as a text;
+         * where llama.cpp would throw, the unknown token */
+        char hex[7];
+        snprintf(hex, sizeof hex, "<0x%02X>", b);
+        int32_t id = find_text(t, hex, 6);
+        if (id < 0)
+            id = find_text(t, &c, 1);
+        t->byte_tok[b] = id >= 0 ? id : t->unk;
     }
     return 0;
 }
@@ -395,6 +424,41 @@ static void mark_eog(struct tok *t)
             t->tokens[ids[k]].eog = true;
 }
 
+/* U+2581 LOWER ONE EIGHTH BLOCK, SentencePiece's visible space */
+#define SPM_SPACE "\xe2\x96\x81"
+
+/* What decoding a normal SPM token writes: its text with U+2581 as ' '. */
+static size_t spm_text_to_piece(const char *s, size_t len, char *out)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < len;) {
+        if (i + 3 <= len && memcmp(s + i, SPM_SPACE, 3) == 0) {
+            out[n++] = ' ';
+            i += 3;
+        } else {
+            out[n++] = s[i++];
+        }
+    }
+    return n;
+}
+
+/* The byte of an SPM byte token "<0xXX>", or -1 when the text is not of that form. */
+static int spm_byte_value(const char *s, size_t len)
+{
+    if (len != 6 || memcmp(s, "<0x", 3) != 0 || s[5] != '>')
+        return -1;
+    int v = 0;
+    for (int k = 3; k < 5; k++) {
+        char c = s[k];
+        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'A' && c <= 'F' ? c - 'A' + 10 :
+                c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (d < 0)
+            return -1;
+        v = v * 16 + d;
+    }
+    return v;
+}
+
 static void build_pieces(struct tok *t)
 {
     size_t n = 0;
@@ -402,9 +466,19 @@ static void build_pieces(struct tok *t)
         struct tok_entry *e = &t->tokens[i];
         const char *text = t->text_blob + e->text_off;
         e->piece_off = (uint32_t)n;
+        int byte;
         switch (e->type) {
         case TOK_TYPE_NORMAL:
-            e->piece_len = (uint32_t)text_to_piece(t, text, e->text_len, t->piece_blob + n);
+            if (t->model == TOK_MODEL_SPM)
+                e->piece_len = (uint32_t)spm_text_to_piece(text, e->text_len, t->piece_blob + n);
+            else
+                e->piece_len = (uint32_t)text_to_piece(t, text, e->text_len, t->piece_blob + n);
+            break;
+        case TOK_TYPE_BYTE:                         /* SPM: the byte "<0xXX>" stands for */
+            byte = t->model == TOK_MODEL_SPM ? spm_byte_value(text, e->text_len) : -1;
+            if (byte >= 0)
+                t->piece_blob[n] = (char)byte;
+            e->piece_len = byte >= 0;
             break;
         case TOK_TYPE_CONTROL:
         case TOK_TYPE_UNKNOWN:
@@ -412,12 +486,80 @@ static void build_pieces(struct tok *t)
             memcpy(t->piece_blob + n, text, e->text_len);
             e->piece_len = e->text_len;
             break;
-        default:                                    /* unused, byte, undefined */
+        default:                                    /* unused, undefined */
             e->piece_len = 0;
             break;
         }
         n += e->piece_len;
     }
+}
+
+static const char *special_text(const struct tok *t, size_t k, size_t *len)
+{
+    const struct tok_entry *e = &t->tokens[t->specials[k]];
+    *len = e->text_len;
+    return t->text_blob + e->text_off;
+}
+
+/* Returns the index in specials of the first special whose text is s[0..n),
+ * or -1. */
+static int32_t special_find(const struct tok *t, const char *s, size_t n)
+{
+    for (size_t i = (size_t)hash_bytes(s, n) & t->sp_mask;; i = (i + 1) & t->sp_mask) {
+        uint32_t v = t->sp_slots[i];
+        if (v == 0)
+            return -1;
+        size_t kl;
+        const char *k = special_text(t, v - 1, &kl);
+        if (kl == n && memcmp(k, s, n) == 0)
+            return (int32_t)(v - 1);
+    }
+}
+
+/* Indexes the special texts, so that partition() finds the specials a text
+ * holds in one pass instead of searching it for each of them (Gemma has 6,000). */
+static int build_special_index(struct tok *t)
+{
+    size_t cap = pow2_at_least(t->n_specials * 2);
+    t->sp_slots = calloc(cap, sizeof *t->sp_slots);
+    t->sp_next = malloc((t->n_specials ? t->n_specials : 1) * sizeof *t->sp_next);
+    t->sp_lens = malloc((t->n_specials ? t->n_specials : 1) * sizeof *t->sp_lens);
+    if (t->sp_slots == NULL || t->sp_next == NULL || t->sp_lens == NULL)
+        return KVD_ENOMEM;
+    t->sp_mask = cap - 1;
+    for (size_t k = 0; k < t->n_specials; k++) {
+        size_t n;
+        const char *s = special_text(t, k, &n);
+        t->sp_next[k] = -1;
+        int32_t first = special_find(t, s, n);
+        if (first >= 0) {                           /* a later special with the same text */
+            int32_t j = first;
+            while (t->sp_next[j] >= 0)
+                j = t->sp_next[j];
+            t->sp_next[j] = (int32_t)k;
+        } else {
+            size_t i = (size_t)hash_bytes(s, n) & t->sp_mask;
+            while (t->sp_slots[i] != 0)
+                i = (i + 1) & t->sp_mask;
+            t->sp_slots[i] = (uint32_t)k + 1;
+        }
+        unsigned char b0 = (unsigned char)s[0];
+        if (n == 1) {
+            t->sp_byte[b0 >> 3] |= (uint8_t)(1u << (b0 & 7));
+        } else {
+            unsigned two = (unsigned)b0 << 8 | (unsigned char)s[1];
+            t->sp_start[two >> 3] |= (uint8_t)(1u << (two & 7));
+        }
+        /* specials are longest first: lengths come in descending order */
+        if (t->n_sp_lens == 0 || t->sp_lens[t->n_sp_lens - 1] != n)
+            t->sp_lens[t->n_sp_lens++] = (uint32_t)n;
+    }
+    for (size_t a = 0, b = t->n_sp_lens; a + 1 < b; a++, b--) {  /* ascending */
+        uint32_t x = t->sp_lens[a];
+        t->sp_lens[a] = t->sp_lens[b - 1];
+        t->sp_lens[b - 1] = x;
+    }
+    return 0;
 }
 
 static int build_specials(struct tok *t)
@@ -437,7 +579,7 @@ static int build_specials(struct tok *t)
         t->specials[i] = keys[i].id;
     t->n_specials = n;
     free(keys);
-    return 0;
+    return build_special_index(t);
 }
 
 /* Shows at most 40 bytes of a token text in an error message. */
@@ -509,11 +651,20 @@ tok_t *tok_new(const struct tok_vocab *v, char *err, size_t errlen)
         kvd_seterr(err, errlen, KVD_ERANGE, "%zu tokens is too many", v->n_tokens);
         return NULL;
     }
+    if (v->model != TOK_MODEL_GPT2 && v->model != TOK_MODEL_SPM) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "unknown tokenizer model %d", (int)v->model);
+        return NULL;
+    }
+    if (v->model == TOK_MODEL_SPM && v->n_merges > 0) {
+        kvd_seterr(err, errlen, KVD_EINVAL,
+                   "%zu merges for a SentencePiece vocabulary (it merges by score)", v->n_merges);
+        return NULL;
+    }
     if (v->n_merges > 0 && v->merges == NULL) {
         kvd_seterr(err, errlen, KVD_EINVAL, "%zu merges but no merge array", v->n_merges);
         return NULL;
     }
-    const struct pre_info *pre = pre_lookup(v->pre);
+    const struct pre_info *pre = v->model == TOK_MODEL_SPM ? &pre_table[0] : pre_lookup(v->pre);
     if (pre == NULL) {
         kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
                    "unsupported pre-tokenizer '%.64s' (supported: default, gpt-2, smollm, "
@@ -537,6 +688,7 @@ tok_t *tok_new(const struct tok_vocab *v, char *err, size_t errlen)
         kvd_seterr(err, errlen, KVD_ENOMEM, "out of memory");
         return NULL;
     }
+    t->model = v->model;
     t->n = v->n_tokens;
     t->pre = pre;
     t->bos = v->bos;
@@ -545,12 +697,26 @@ tok_t *tok_new(const struct tok_vocab *v, char *err, size_t errlen)
     t->eom = v->eom;
     t->unk = v->unk;
     t->pad = v->pad;
-    t->add_bos = v->add_bos < 0 ? pre->add_bos : v->add_bos != 0;
+    if (t->model == TOK_MODEL_SPM) {
+        t->add_bos = v->add_bos != 0;               /* -1: llama.cpp's SPM default, on */
+        t->add_space_prefix = v->add_space_prefix != 0;
+    } else {
+        t->add_bos = v->add_bos < 0 ? pre->add_bos : v->add_bos != 0;
+    }
     byte_map_init(t);
     t->tokens = calloc(t->n, sizeof *t->tokens);
     if (t->tokens == NULL) {
         kvd_seterr(err, errlen, KVD_ENOMEM, "out of memory for %zu tokens", t->n);
         goto fail;
+    }
+    if (t->model == TOK_MODEL_SPM) {
+        t->scores = malloc(t->n * sizeof *t->scores);
+        if (t->scores == NULL) {
+            kvd_seterr(err, errlen, KVD_ENOMEM, "out of memory for %zu scores", t->n);
+            goto fail;
+        }
+        for (size_t i = 0; i < t->n; i++)
+            t->scores[i] = v->scores ? v->scores[i] : 0.0f;
     }
     if (build_tokens(t, v, err, errlen) < 0)
         goto fail;
@@ -581,7 +747,11 @@ void tok_destroy(tok_t **tp)
     free(t->by_text.slots);
     free(t->by_raw.slots);
     free(t->merges);
+    free(t->scores);
     free(t->specials);
+    free(t->sp_slots);
+    free(t->sp_next);
+    free(t->sp_lens);
     free(t);
     *tp = NULL;
 }
@@ -599,14 +769,14 @@ static bool is_int_type(uint32_t type)
     }
 }
 
-/* Reads an optional token id; -1 when absent. */
-static int gguf_token_id(const gguf_ctx_t *g, const char *key, uint64_t n, int32_t *id,
-                         char *err, size_t errlen)
+/* Reads an optional token id; dflt when absent (-1 when dflt is out of range). */
+static int gguf_token_id(const gguf_ctx_t *g, const char *key, uint64_t n, int32_t dflt,
+                         int32_t *id, char *err, size_t errlen)
 {
     uint32_t v;
     int rc = gguf_get_u32(g, key, &v);
     if (rc == KVD_ENOTFOUND) {
-        *id = -1;
+        *id = dflt >= 0 && (uint64_t)dflt < n ? dflt : -1;
         return 0;
     }
     if (rc < 0)
@@ -649,6 +819,36 @@ static int gguf_str_array(const gguf_ctx_t *g, const char *key, bool required, u
     return 0;
 }
 
+/* Reads tokenizer.ggml.scores (float32 or int32, at least n entries) into a
+ * new array in *scores; NULL when absent. */
+static int gguf_scores(const gguf_ctx_t *g, uint64_t n, float **scores, char *err, size_t errlen)
+{
+    uint32_t type;
+    uint64_t n_scores;
+    const struct gguf_kv *kv;
+    *scores = NULL;
+    int rc = gguf_get_arr(g, "tokenizer.ggml.scores", &type, &n_scores, &kv);
+    if (rc == KVD_ENOTFOUND)
+        return 0;
+    if (rc < 0 || (type != GGUF_VT_FLOAT32 && type != GGUF_VT_INT32))
+        return kvd_seterr(err, errlen, KVD_EFORMAT,
+                          "tokenizer.ggml.scores is not an array of float32 or int32");
+    if (n_scores < n)
+        return kvd_seterr(err, errlen, KVD_EFORMAT,
+                          "tokenizer.ggml.scores has %llu entries for %llu tokens",
+                          (unsigned long long)n_scores, (unsigned long long)n);
+    *scores = malloc((n ? n : 1) * sizeof **scores);
+    if (*scores == NULL)
+        return kvd_seterr(err, errlen, KVD_ENOMEM, "out of memory");
+    for (uint64_t i = 0; i < n; i++) {
+        if (type == GGUF_VT_FLOAT32)
+            memcpy(&(*scores)[i], kv->data + 4 * i, 4);     /* unaligned in the file */
+        else
+            (*scores)[i] = (float)gguf_arr_int(kv, i);
+    }
+    return 0;
+}
+
 tok_t *tok_new_from_gguf(const gguf_ctx_t *g, char *err, size_t errlen)
 {
     struct tok_vocab v;
@@ -657,6 +857,7 @@ tok_t *tok_new_from_gguf(const gguf_ctx_t *g, char *err, size_t errlen)
     const char **texts = NULL, **merges = NULL;
     size_t *text_lens = NULL, *merge_lens = NULL;
     int32_t *types = NULL;
+    float *scores = NULL;
     tok_t *t = NULL;
     uint64_t n_tok = 0, n_merge = 0;
 
@@ -674,13 +875,16 @@ tok_t *tok_new_from_gguf(const gguf_ctx_t *g, char *err, size_t errlen)
         kvd_seterr(err, errlen, KVD_EFORMAT, "tokenizer.ggml.model is not a string");
         return NULL;
     }
-    if (!gguf_str_eq(s, "gpt2")) {
+    if (gguf_str_eq(s, "llama")) {
+        v.model = TOK_MODEL_SPM;
+    } else if (!gguf_str_eq(s, "gpt2")) {
         kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
-                   "unsupported tokenizer model '%.*s' (only 'gpt2' byte-level BPE)",
-                   SHOW(s.len), s.ptr);
+                   "unsupported tokenizer model '%.*s' (only 'gpt2' byte-level BPE and "
+                   "'llama' SentencePiece BPE)", SHOW(s.len), s.ptr);
         return NULL;
     }
-    rc = gguf_get_str(g, "tokenizer.ggml.pre", &s);
+    bool spm = v.model == TOK_MODEL_SPM;
+    rc = spm ? KVD_ENOTFOUND : gguf_get_str(g, "tokenizer.ggml.pre", &s);  /* SPM ignores it */
     if (rc == 0) {
         if (s.len >= sizeof pre || memchr(s.ptr, '\0', (size_t)s.len) != NULL) {
             kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "unsupported pre-tokenizer '%.*s'",
@@ -698,8 +902,10 @@ tok_t *tok_new_from_gguf(const gguf_ctx_t *g, char *err, size_t errlen)
     if (gguf_str_array(g, "tokenizer.ggml.tokens", true, &n_tok, &texts, &text_lens,
                        err, errlen) < 0)
         goto out;
-    if (gguf_str_array(g, "tokenizer.ggml.merges", true, &n_merge, &merges, &merge_lens,
-                       err, errlen) < 0)
+    if (!spm && gguf_str_array(g, "tokenizer.ggml.merges", true, &n_merge, &merges, &merge_lens,
+                               err, errlen) < 0)
+        goto out;
+    if (spm && gguf_scores(g, n_tok, &scores, err, errlen) < 0)
         goto out;
 
     uint32_t type;
@@ -732,12 +938,16 @@ tok_t *tok_new_from_gguf(const gguf_ctx_t *g, char *err, size_t errlen)
         goto out;
     }
 
-    if (gguf_token_id(g, "tokenizer.ggml.bos_token_id", n_tok, &v.bos, err, errlen) < 0 ||
-        gguf_token_id(g, "tokenizer.ggml.eos_token_id", n_tok, &v.eos, err, errlen) < 0 ||
-        gguf_token_id(g, "tokenizer.ggml.eot_token_id", n_tok, &v.eot, err, errlen) < 0 ||
-        gguf_token_id(g, "tokenizer.ggml.eom_token_id", n_tok, &v.eom, err, errlen) < 0 ||
-        gguf_token_id(g, "tokenizer.ggml.unknown_token_id", n_tok, &v.unk, err, errlen) < 0 ||
-        gguf_token_id(g, "tokenizer.ggml.padding_token_id", n_tok, &v.pad, err, errlen) < 0)
+    /* absent ids: none for GPT2, llama.cpp's LLaMA defaults for SPM */
+    if (gguf_token_id(g, "tokenizer.ggml.bos_token_id", n_tok, spm ? 1 : -1, &v.bos,
+                      err, errlen) < 0 ||
+        gguf_token_id(g, "tokenizer.ggml.eos_token_id", n_tok, spm ? 2 : -1, &v.eos,
+                      err, errlen) < 0 ||
+        gguf_token_id(g, "tokenizer.ggml.eot_token_id", n_tok, -1, &v.eot, err, errlen) < 0 ||
+        gguf_token_id(g, "tokenizer.ggml.eom_token_id", n_tok, -1, &v.eom, err, errlen) < 0 ||
+        gguf_token_id(g, "tokenizer.ggml.unknown_token_id", n_tok, spm ? 0 : -1, &v.unk,
+                      err, errlen) < 0 ||
+        gguf_token_id(g, "tokenizer.ggml.padding_token_id", n_tok, -1, &v.pad, err, errlen) < 0)
         goto out;
     bool add_bos;
     rc = gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &add_bos);
@@ -747,11 +957,21 @@ tok_t *tok_new_from_gguf(const gguf_ctx_t *g, char *err, size_t errlen)
         kvd_seterr(err, errlen, KVD_EFORMAT, "tokenizer.ggml.add_bos_token is not a bool");
         goto out;
     }
+    bool add_space_prefix;
+    rc = spm ? gguf_get_bool(g, "tokenizer.ggml.add_space_prefix", &add_space_prefix)
+             : KVD_ENOTFOUND;
+    if (rc == 0) {
+        v.add_space_prefix = add_space_prefix;
+    } else if (rc != KVD_ENOTFOUND) {
+        kvd_seterr(err, errlen, KVD_EFORMAT, "tokenizer.ggml.add_space_prefix is not a bool");
+        goto out;
+    }
 
     v.n_tokens = (size_t)n_tok;
     v.texts = texts;
     v.text_lens = text_lens;
     v.types = types;
+    v.scores = scores;
     v.n_merges = (size_t)n_merge;
     v.merges = merges;
     v.merge_lens = merge_lens;
@@ -762,6 +982,7 @@ out:
     free(merges);
     free(merge_lens);
     free(types);
+    free(scores);
     return t;
 }
 
@@ -780,7 +1001,7 @@ struct sym {
 };
 
 struct bigram {
-    int32_t rank;               /* merge rank: lower pops first */
+    uint32_t rank;              /* merge rank (GPT2) or score_rank() (SPM): lower pops first */
     int32_t left, right;        /* symbol indexes; left breaks rank ties */
     int32_t result;             /* token id of the merge */
     uint32_t len;               /* bytes of left + right when queued (staleness check) */
@@ -802,6 +1023,9 @@ struct work {
     size_t heap_n;              /* entries in heap */
     struct frag *frags, *frags2;/* special-token partition, and the next pass */
     size_t frag_cap, frag_cap2; /* their capacities */
+    char *esc;                  /* SPM: one fragment with ' ' as U+2581 */
+    size_t esc_cap;             /* its capacity */
+    uint8_t *present;           /* per special (index in specials): its text occurs in the text */
 };
 
 struct sink {
@@ -830,6 +1054,8 @@ static void work_free(struct work *w)
     free(w->heap);
     free(w->frags);
     free(w->frags2);
+    free(w->esc);
+    free(w->present);
 }
 
 static int work_reserve_cps(struct work *w, size_t n)
@@ -1141,7 +1367,7 @@ static bool bigram_less(const struct bigram *x, const struct bigram *y)
     return x->rank < y->rank || (x->rank == y->rank && x->left < y->left);
 }
 
-static void heap_push(struct work *w, struct bigram g)
+static inline void heap_push(struct work *w, struct bigram g)
 {
     size_t i = w->heap_n++;
     while (i > 0) {
@@ -1154,7 +1380,7 @@ static void heap_push(struct work *w, struct bigram g)
     w->heap[i] = g;
 }
 
-static struct bigram heap_pop(struct work *w)
+static inline struct bigram heap_pop(struct work *w)
 {
     struct bigram top = w->heap[0];
     struct bigram last = w->heap[--w->heap_n];
@@ -1183,7 +1409,7 @@ static void try_pair(const struct tok *t, struct work *w, int32_t l, int32_t r)
     const struct merge_slot *m = merge_get(t, w->sym[l].id, w->sym[r].id);
     if (m == NULL)
         return;
-    struct bigram g = {m->rank, l, r, m->result, w->sym[l].len + w->sym[r].len};
+    struct bigram g = {(uint32_t)m->rank, l, r, m->result, w->sym[l].len + w->sym[r].len};
     heap_push(w, g);
 }
 
@@ -1267,6 +1493,137 @@ static int encode_raw(const struct tok *t, struct work *w, const char *text, siz
     return 0;
 }
 
+/* ---- SentencePiece BPE ------------------------------------------------------ */
+
+/* Bytes of the character whose first byte is c, as llama.cpp counts them when
+ * it splits SPM text: by the lead byte alone, so a stray continuation byte is
+ * a character of 1 byte and 0xF8..0xFF start one of 4. */
+static size_t spm_char_len(unsigned char c)
+{
+    static const uint8_t len[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 4};
+    return len[c >> 4];
+}
+
+/* The heap key of a token score: higher scores pop first, equal scores tie
+ * (and the leftmost pair wins); -0 equals +0, NaN pops last. */
+static uint32_t score_rank(float f)
+{
+    if (isnan(f))
+        return UINT32_MAX;
+    if (f == 0.0f)
+        f = 0.0f;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u = (u & 0x80000000u) ? ~u : u | 0x80000000u;  /* unsigned order = float order */
+    return ~u;
+}
+
+/* Queues the merge of symbols l and r of s when their concatenation is a
+ * token (of any type, as in llama.cpp). */
+static void spm_try_pair(const struct tok *t, struct work *w, const char *s, int32_t l, int32_t r)
+{
+    if (l < 0 || r < 0)
+        return;
+    uint32_t len = w->sym[l].len + w->sym[r].len;
+    int32_t id = find_text(t, s + w->sym[l].start, len);     /* l and r are adjacent bytes */
+    if (id < 0)
+        return;
+    struct bigram g = {score_rank(t->scores[id]), l, r, id, len};
+    heap_push(w, g);
+}
+
+/* Emits one final symbol s[y.start..+y.len): its token, or one byte token per
+ * byte. (llama.cpp's resegment() would first re-split a symbol that is not a
+ * token along the merges that made it; but a pair merges only when its text is
+ * a token, so every merged symbol is a token and only unmerged characters get
+ * here.) */
+static void spm_emit(const struct tok *t, const unsigned char *s, const struct sym *y,
+                     struct sink *out)
+{
+    int32_t id = y->id >= 0 ? y->id : find_text(t, (const char *)s + y->start, y->len);
+    if (id >= 0) {
+        sink_put(out, id);
+        return;
+    }
+    for (uint32_t i = 0; i < y->len; i++)
+        if (t->byte_tok[s[y->start + i]] >= 0)
+            sink_put(out, t->byte_tok[s[y->start + i]]);
+}
+
+/* Tokenizes one stretch of text that holds no special token, the SentencePiece
+ * way; prefix puts a space before it. */
+static int encode_spm(const struct tok *t, struct work *w, const char *text, size_t len,
+                      bool prefix, struct sink *out)
+{
+    size_t spaces = prefix;
+    for (size_t i = 0; i < len; i++)
+        spaces += text[i] == ' ';
+    if (len > INT32_MAX / 4 || spaces > INT32_MAX / 4)
+        return KVD_ERANGE;
+    size_t n = len + prefix + 2 * spaces;           /* ' ' (1 byte) -> U+2581 (3 bytes) */
+    if (n > INT32_MAX / 4)
+        return KVD_ERANGE;
+    if (n > w->esc_cap) {
+        char *e = realloc(w->esc, n);
+        if (e == NULL)
+            return KVD_ENOMEM;
+        w->esc = e;
+        w->esc_cap = n;
+    }
+    if (n == 0)
+        return 0;
+    if (work_reserve_syms(w, n) < 0)
+        return KVD_ENOMEM;
+    char *s = w->esc;
+    size_t k = 0;
+    if (prefix) {
+        memcpy(s, SPM_SPACE, 3);
+        k = 3;
+    }
+    for (size_t i = 0; i < len; i++) {
+        if (text[i] == ' ') {
+            memcpy(s + k, SPM_SPACE, 3);
+            k += 3;
+        } else {
+            s[k++] = text[i];
+        }
+    }
+
+    int32_t ns = 0;
+    for (size_t i = 0; i < n; ns++) {
+        size_t cl = spm_char_len((unsigned char)s[i]);
+        if (cl > n - i)
+            cl = n - i;                             /* a truncated character at the end */
+        w->sym[ns] = (struct sym){-1, ns - 1, -1, (uint32_t)i, (uint32_t)cl};
+        if (ns > 0)
+            w->sym[ns - 1].next = ns;
+        i += cl;
+    }
+    w->heap_n = 0;
+    for (int32_t i = 1; i < ns; i++)
+        spm_try_pair(t, w, s, i - 1, i);
+    while (w->heap_n > 0) {
+        struct bigram g = heap_pop(w);
+        struct sym *l = &w->sym[g.left], *r = &w->sym[g.right];
+        /* stale: a side was merged away or has grown since it was queued */
+        if (l->len == 0 || r->len == 0 || l->len + r->len != g.len)
+            continue;
+        l->len += r->len;
+        l->id = g.result;
+        r->len = 0;
+        l->next = r->next;
+        if (r->next >= 0)
+            w->sym[r->next].prev = g.left;
+        spm_try_pair(t, w, s, l->prev, g.left);
+        spm_try_pair(t, w, s, g.left, l->next);
+    }
+    for (int32_t i = 0; i >= 0; i = w->sym[i].next)
+        spm_emit(t, (const unsigned char *)s, &w->sym[i], out);
+    return 0;
+}
+
+/* ---- special tokens and the entry points ------------------------------------ */
+
 static int frag_push(struct frag **f, size_t *n, size_t *cap, struct frag x)
 {
     if (*n == *cap) {
@@ -1281,6 +1638,30 @@ static int frag_push(struct frag **f, size_t *n, size_t *cap, struct frag x)
     return 0;
 }
 
+/* Sets w->present[k] for every special k whose text occurs in text[0..len):
+ * one pass over the text, looking up only where a special text could start. */
+static int find_present(const struct tok *t, struct work *w, const char *text, size_t len)
+{
+    w->present = calloc(t->n_specials ? t->n_specials : 1, 1);
+    if (w->present == NULL)
+        return KVD_ENOMEM;
+    const unsigned char *u = (const unsigned char *)text;
+    for (size_t i = 0; i < len; i++) {
+        unsigned two = i + 1 < len ? (unsigned)u[i] << 8 | u[i + 1] : 0;
+        bool one = t->sp_byte[u[i] >> 3] & (1u << (u[i] & 7));
+        bool more = i + 1 < len && (t->sp_start[two >> 3] & (1u << (two & 7)));
+        if (!one && !more)
+            continue;
+        for (size_t j = 0; j < t->n_sp_lens && t->sp_lens[j] <= len - i; j++) {
+            if ((t->sp_lens[j] == 1 && !one) || (t->sp_lens[j] > 1 && !more))
+                continue;
+            for (int32_t k = special_find(t, text + i, t->sp_lens[j]); k >= 0; k = t->sp_next[k])
+                w->present[k] = 1;
+        }
+    }
+    return 0;
+}
+
 /* Cuts special tokens out of the text, the way llama.cpp does: for each
  * special token, longest first, every raw fragment is split at each of its
  * leftmost non-overlapping occurrences. Leaves w->frags[0..*n). */
@@ -1290,10 +1671,12 @@ static int partition(const struct tok *t, struct work *w, const char *text, size
     size_t nf = 0;
     if (len > 0 && frag_push(&w->frags, &nf, &w->frag_cap, (struct frag){0, len, -1}) < 0)
         return KVD_ENOMEM;
+    if (len > 0 && find_present(t, w, text, len) < 0)
+        return KVD_ENOMEM;
     for (size_t k = 0; k < t->n_specials && nf > 0; k++) {
         int32_t id = t->specials[k];
         const struct tok_entry *e = &t->tokens[id];
-        if (!parse_special && e->type != TOK_TYPE_USER_DEFINED)
+        if (!w->present[k] || (!parse_special && e->type != TOK_TYPE_USER_DEFINED))
             continue;
         const char *sp = t->text_blob + e->text_off;
         size_t sl = e->text_len;
@@ -1343,11 +1726,17 @@ int tok_encode(const tok_t *t, const char *text, size_t len, bool parse_special,
     struct sink sink = {out, cap, 0};
     size_t nf = 0;
     int rc = partition(t, &w, text, len, parse_special, &nf);
+    bool after_special = true;                      /* SPM: the start counts as one */
     for (size_t i = 0; rc == 0 && i < nf; i++) {
-        if (w.frags[i].id >= 0)
-            sink_put(&sink, w.frags[i].id);
+        const struct frag *f = &w.frags[i];
+        if (f->id >= 0)
+            sink_put(&sink, f->id);
+        else if (t->model == TOK_MODEL_SPM)
+            rc = encode_spm(t, &w, text + f->off, f->len, t->add_space_prefix && after_special,
+                            &sink);
         else
-            rc = encode_raw(t, &w, text + w.frags[i].off, w.frags[i].len, &sink);
+            rc = encode_raw(t, &w, text + f->off, f->len, &sink);
+        after_special = f->id >= 0;
     }
     work_free(&w);
     if (rc < 0)
@@ -1362,6 +1751,12 @@ int tok_pretokenize(const tok_t *t, const char *text, size_t len,
     if (t == NULL || n_out == NULL || (text == NULL && len > 0) || (ends == NULL && cap > 0))
         return KVD_EINVAL;
     *n_out = 0;
+    if (t->model == TOK_MODEL_SPM) {                /* no pre-tokenizer: one word */
+        *n_out = len > 0;
+        if (len > 0 && cap > 0)
+            ends[0] = len;
+        return len > 0 && cap == 0 ? KVD_ERANGE : 0;
+    }
     struct work w = {0};
     int rc = pretokenize(t, &w, text, len);
     if (rc == 0) {
@@ -1409,9 +1804,15 @@ int tok_decode(const tok_t *t, const int32_t *ids, size_t n_ids, char *buf, size
         if (!valid_id(t, ids[i]))
             return KVD_EINVAL;
         const struct tok_entry *e = &t->tokens[ids[i]];
-        if (total + e->piece_len <= cap && e->piece_len > 0)
-            memcpy(buf + total, t->piece_blob + e->piece_off, e->piece_len);
-        total += e->piece_len;
+        const char *p = t->piece_blob + e->piece_off;
+        size_t pl = e->piece_len;
+        if (i == 0 && t->add_space_prefix && pl > 0 && p[0] == ' ') {
+            p++;                                    /* the space tokenizing put there */
+            pl--;
+        }
+        if (total + pl <= cap && pl > 0)
+            memcpy(buf + total, p, pl);
+        total += pl;
     }
     *n = total;
     return total > cap ? KVD_ERANGE : 0;
@@ -1425,6 +1826,8 @@ int32_t tok_unk(const tok_t *t) { return t->unk; }
 int32_t tok_pad(const tok_t *t) { return t->pad; }
 bool tok_add_bos(const tok_t *t) { return t->add_bos; }
 const char *tok_pre_name(const tok_t *t) { return t->pre->name; }
+enum tok_model tok_model_kind(const tok_t *t) { return t->model; }
+bool tok_add_space_prefix(const tok_t *t) { return t->add_space_prefix; }
 
 bool tok_is_eog(const tok_t *t, int32_t id)
 {

@@ -836,8 +836,8 @@ static void test_gguf(const struct tv *v)
         tok_destroy(&t);
     }
 
-    o = (struct gopt){"llama", "smollm", v->n, true, 5};
-    CHECK(gguf_case(v, &o, "unsupported tokenizer model 'llama'", NULL));
+    o = (struct gopt){"bert", "smollm", v->n, true, 5};
+    CHECK(gguf_case(v, &o, "unsupported tokenizer model 'bert'", NULL));
     o = (struct gopt){"gpt2", "klingon", v->n, true, 5};
     CHECK(gguf_case(v, &o, "unsupported pre-tokenizer 'klingon'", NULL));
     o = (struct gopt){"gpt2", NULL, v->n, true, 5};    /* absent: "default" */
@@ -979,6 +979,357 @@ static void test_chat(void)
     CHECK(chat_template_new("<|im_start|> only", 17, NULL, 0) == NULL);
 }
 
+/* ---- SentencePiece BPE ------------------------------------------------------------ */
+
+#define U "\xe2\x96\x81"        /* U+2581, SentencePiece's space */
+
+/* An SPM vocabulary as arrays, built here. */
+struct sv {
+    char *texts[MAX_TOK];       /* texts, malloc'd */
+    int32_t types[MAX_TOK];     /* TOK_TYPE_* */
+    float scores[MAX_TOK];      /* merge scores, higher first */
+    size_t n;                   /* tokens */
+};
+
+static int32_t sv_add(struct sv *v, const char *text, int type, float score)
+{
+    REQUIRE(v->n < MAX_TOK);
+    v->texts[v->n] = strdup(text);
+    v->types[v->n] = type;
+    v->scores[v->n] = score;
+    return (int32_t)v->n++;
+}
+
+static void sv_free(struct sv *v)
+{
+    for (size_t i = 0; i < v->n; i++)
+        free(v->texts[i]);
+    v->n = 0;
+}
+
+/* <unk> <s> </s> (ids 0, 1, 2: llama.cpp's defaults), the byte tokens
+ * <0x00>..<0xFF> but skip_byte (-1: none skipped), single characters, and
+ * pieces whose scores set the order of merges. */
+static void sv_standard(struct sv *v, int skip_byte)
+{
+    memset(v, 0, sizeof *v);
+    sv_add(v, "<unk>", TOK_TYPE_UNKNOWN, 0);
+    sv_add(v, "<s>", TOK_TYPE_CONTROL, 0);
+    sv_add(v, "</s>", TOK_TYPE_CONTROL, 0);
+    for (int b = 0; b < 256; b++) {
+        char hex[8];
+        snprintf(hex, sizeof hex, "<0x%02X>", b);
+        if (b != skip_byte)
+            sv_add(v, hex, TOK_TYPE_BYTE, 0);
+    }
+    static const char *const chars[] = {U, "a", "b", "c", "d", "e", "f", "g", "h", "i", "j",
+                                        "k", "l", "w", "x", "y", "z"};
+    for (size_t i = 0; i < sizeof chars / sizeof chars[0]; i++)
+        sv_add(v, chars[i], TOK_TYPE_NORMAL, -100.0f - (float)i);
+    sv_add(v, "ab", TOK_TYPE_NORMAL, -1);
+    sv_add(v, "bc", TOK_TYPE_NORMAL, -2);
+    sv_add(v, "abc", TOK_TYPE_NORMAL, -3);      /* made from ab + c */
+    sv_add(v, U "a", TOK_TYPE_NORMAL, -4);
+    sv_add(v, U U, TOK_TYPE_NORMAL, -5);
+    sv_add(v, "aa", TOK_TYPE_NORMAL, -6);
+    sv_add(v, "de", TOK_TYPE_NORMAL, -8);
+    sv_add(v, "ef", TOK_TYPE_NORMAL, -0.25f);   /* outscores de, though to its right */
+    sv_add(v, "gh", TOK_TYPE_NORMAL, -7);
+    sv_add(v, "hi", TOK_TYPE_NORMAL, -7);       /* ties with gh */
+    sv_add(v, "jk", TOK_TYPE_NORMAL, -0.0f);
+    sv_add(v, "kl", TOK_TYPE_NORMAL, 0.0f);     /* ties with jk: -0 == +0 */
+    sv_add(v, "xy", TOK_TYPE_UNUSED, -1);       /* merges like any token */
+    sv_add(v, "xyz", TOK_TYPE_NORMAL, -2);
+    sv_add(v, "<tool>", TOK_TYPE_USER_DEFINED, 0);
+}
+
+static tok_t *sv_build(const struct sv *v, int add_space_prefix, int32_t unk)
+{
+    char err[256] = "";
+    struct tok_vocab vv;
+    tok_vocab_init(&vv);
+    vv.model = TOK_MODEL_SPM;
+    vv.n_tokens = v->n;
+    vv.texts = (const char *const *)v->texts;
+    vv.types = v->types;
+    vv.scores = v->scores;
+    vv.bos = 1;
+    vv.eos = 2;
+    vv.unk = unk;
+    vv.add_space_prefix = add_space_prefix;
+    tok_t *t = tok_new(&vv, err, sizeof err);
+    if (t == NULL)
+        fprintf(stderr, "tok_new (SPM): %s\n", err);
+    return t;
+}
+
+/* decode(ids) == want[0..wl). */
+static bool decodes_to(const tok_t *t, const int32_t *ids, size_t n, const char *want, size_t wl)
+{
+    char buf[256];
+    size_t m = 0;
+    bool ok = tok_decode(t, ids, n, buf, sizeof buf, &m) == 0 && m == wl &&
+              memcmp(buf, want, wl) == 0;
+    if (!ok) {
+        fprintf(stderr, "  decode gave \"");
+        put_escaped(buf, m < sizeof buf ? m : 0);
+        fprintf(stderr, "\", want \"");
+        put_escaped(want, wl);
+        fprintf(stderr, "\"\n");
+    }
+    return ok;
+}
+
+/* decode(encode(text)) is text, byte for byte. */
+static bool spm_round_trips(const tok_t *t, const char *text, size_t len, bool special)
+{
+    int32_t ids[256];
+    size_t n = 0;
+    return tok_encode(t, text, len, special, ids, 256, &n) == 0 &&
+           decodes_to(t, ids, n, text, len);
+}
+
+#define F(s) tok_find(t, s)
+
+static void test_spm(void)
+{
+    struct sv v;
+    sv_standard(&v, -1);
+    tok_t *t = sv_build(&v, 0, 0);
+    REQUIRE(t != NULL);
+    CHECK_INT(tok_model_kind(t), TOK_MODEL_SPM);
+    CHECK(!tok_add_space_prefix(t));
+    CHECK(tok_add_bos(t));                                      /* SPM's default */
+    CHECK(strcmp(tok_pre_name(t), "default") == 0);
+    CHECK(tok_is_eog(t, 2));
+
+    /* the pair whose token scores highest merges first, wherever it is */
+    CHECK_IDS(t, "abc", false, F("abc"));                       /* ab (-1), then abc */
+    CHECK_IDS(t, "bcd", false, F("bc"), F("d"));
+    CHECK_IDS(t, "def", false, F("d"), F("ef"));                /* ef (-0.25) beats de (-8) */
+    CHECK_IDS(t, "cab", false, F("c"), F("ab"));
+    /* ties: the leftmost pair */
+    CHECK_IDS(t, "aaa", false, F("aa"), F("a"));
+    CHECK_IDS(t, "aaaa", false, F("aa"), F("aa"));
+    CHECK_IDS(t, "ghi", false, F("gh"), F("i"));                /* gh -7 == hi -7 */
+    CHECK_IDS(t, "jkl", false, F("jk"), F("l"));                /* jk -0 == kl +0 */
+    /* a merged symbol is always a token, of whatever type (llama.cpp's
+     * resegment() finds it at once): the unused "xy" builds "xyz" and stands
+     * alone where nothing longer forms */
+    CHECK_IDS(t, "xyz", false, F("xyz"));
+    CHECK_IDS(t, "xyw", false, F("xy"), F("w"));
+    CHECK_INT(tok_type(t, F("xy")), TOK_TYPE_UNUSED);
+
+    /* spaces are U+2581, merged like any character */
+    CHECK_IDS(t, " a", false, F(U "a"));
+    CHECK_IDS(t, "a  a", false, F("a"), F(U), F(U "a"));        /* ▁a (-4) before ▁▁ (-5) */
+    CHECK_IDS(t, "a   ", false, F("a"), F(U U), F(U));
+    CHECK_IDS(t, "a", false, F("a"));                           /* add_space_prefix off */
+
+    /* characters that are not tokens fall back to byte tokens */
+    CHECK_IDS(t, "\xc3\xa9", false, F("<0xC3>"), F("<0xA9>"));
+    CHECK_IDS(t, "q", false, F("<0x71>"));
+    /* characters split by lead byte, as llama.cpp splits them: 0xFF starts a
+     * four-byte "character" that swallows "abc"; a truncated one ends the text */
+    CHECK_IDS(t, "\xff" "abcd", false, F("<0xFF>"), F("<0x61>"), F("<0x62>"), F("<0x63>"),
+              F("d"));
+    CHECK_IDS(t, "a\xe2\x96", false, F("a"), F("<0xE2>"), F("<0x96>"));
+    CHECK_IDS(t, "\x80" "a", false, F("<0x80>"), F("a"));
+
+    /* special tokens as in GPT2 */
+    CHECK_IDS(t, "a<s>b", true, F("a"), 1, F("b"));
+    CHECK_IDS(t, "a<s>b", false, F("a"), F("<0x3C>"), F("<0x73>"), F("<0x3E>"), F("b"));
+    CHECK_IDS(t, "a<tool>b", false, F("a"), F("<tool>"), F("b"));   /* user-defined: always */
+    CHECK_IDS(t, "<unk>", true, 0);
+
+    /* decoding: U+2581 as ' ', byte tokens as their byte, specials as text */
+    char buf[64];
+    size_t n = 0;
+    CHECK_INT(tok_decode_piece(t, F(U "a"), buf, sizeof buf, &n), 0);
+    CHECK(n == 2 && memcmp(buf, " a", 2) == 0);
+    CHECK_INT(tok_decode_piece(t, F("<0xC3>"), buf, sizeof buf, &n), 0);
+    CHECK(n == 1 && buf[0] == '\xc3');
+    CHECK_INT(tok_decode_piece(t, 1, buf, sizeof buf, &n), 0);
+    CHECK(n == 3 && memcmp(buf, "<s>", 3) == 0);
+    CHECK_INT(tok_decode_piece(t, F("xy"), buf, sizeof buf, &n), 0);   /* unused: nothing */
+    CHECK_INT(n, 0);
+    static const char *const texts[] = {
+        "abc def  ghi", "  a  ", "caf\xc3\xa9 \xe4\xbd\xa0\xe5\xa5\xbd", "\x80\xbf x\xc3",
+        "a<s>b</s><tool> z", "\xf0\x9f\x98\x80\xe2\x80\x8d", "tab\tnew\nline\r\n",
+    };
+    bool all = true;
+    for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++)
+        all = spm_round_trips(t, texts[i], strlen(texts[i]), false) &&
+              spm_round_trips(t, texts[i], strlen(texts[i]), true) && all;
+    CHECK(all);
+    CHECK(spm_round_trips(t, "nul\0byte", 8, false));
+    /* ...but not where a bad lead byte swallows part of a U+2581: its bytes
+     * fall back to byte tokens and decode as U+2581, as in llama.cpp */
+    int32_t ids[16];
+    CHECK_INT(tok_encode(t, "\xff\xfe\x80 x", 5, false, ids, 16, &n), 0);
+    CHECK(decodes_to(t, ids, n, "\xff\xfe\x80" U "x", 7));
+
+    /* no pre-tokenizer: the text is one word */
+    size_t ends[4];
+    CHECK_INT(tok_pretokenize(t, "ab cd", 5, ends, 4, &n), 0);
+    CHECK(n == 1 && ends[0] == 5);
+    CHECK_INT(tok_pretokenize(t, "", 0, ends, 4, &n), 0);
+    CHECK_INT(n, 0);
+    CHECK_INT(tok_pretokenize(t, "ab", 2, ends, 0, &n), KVD_ERANGE);
+    CHECK_INT(n, 1);
+    tok_destroy(&t);
+
+    /* add_space_prefix: a space before the text and after each special */
+    t = sv_build(&v, 1, 0);
+    REQUIRE(t != NULL);
+    CHECK(tok_add_space_prefix(t));
+    CHECK_IDS(t, "a", false, F(U "a"));
+    CHECK_IDS(t, " a", false, F(U), F(U "a"));                  /* ▁a (-4) before ▁▁ (-5) */
+    CHECK_IDS(t, "a<s>a", true, F(U "a"), 1, F(U "a"));
+    CHECK_IDS(t, "<s>a</s>", true, 1, F(U "a"), 2);
+    CHECK_IDS(t, "a<tool>a", false, F(U "a"), F("<tool>"), F(U "a"));
+    int32_t none[4];
+    CHECK_INT(tok_encode(t, "", 0, false, none, 4, &n), 0);     /* nothing: no text */
+    CHECK_INT(n, 0);
+    /* decoding drops the first piece's leading space only, as llama.cpp does */
+    const int32_t two[2] = {F(U "a"), F(U "a")};
+    CHECK(decodes_to(t, two, 2, "a a", 3));
+    const int32_t bos_a[2] = {1, F(U "a")};
+    CHECK(decodes_to(t, bos_a, 2, "<s> a", 5));
+    CHECK(spm_round_trips(t, "a b  c", 6, false));
+    tok_destroy(&t);
+    sv_free(&v);
+
+    /* a byte without a byte token: the unknown token, or nothing without one */
+    sv_standard(&v, 0xA9);
+    t = sv_build(&v, 0, 0);
+    REQUIRE(t != NULL);
+    CHECK_IDS(t, "\xc3\xa9" "a", false, F("<0xC3>"), 0, F("a"));
+    tok_destroy(&t);
+    t = sv_build(&v, 0, -1);
+    REQUIRE(t != NULL);
+    CHECK_IDS(t, "\xc3\xa9" "a", false, F("<0xC3>"), F("a"));
+    tok_destroy(&t);
+    sv_add(&v, "\xa9", TOK_TYPE_NORMAL, -50);                   /* the byte itself as a text */
+    t = sv_build(&v, 0, 0);
+    REQUIRE(t != NULL);
+    CHECK_IDS(t, "\xc3\xa9", false, F("<0xC3>"), F("\xa9"));
+    tok_destroy(&t);
+    sv_free(&v);
+}
+
+#undef F
+
+/* An SPM vocabulary as GGUF metadata: scores as float32 (or int32 when
+ * int_scores), n_scores of them; add_space_prefix written unless negative. */
+static gguf_ctx_t *sv_gguf(const struct sv *v, struct gb *b, bool int_scores, size_t n_scores,
+                           int add_space_prefix)
+{
+    struct gb kv = {0};
+    gb_kv_str(&kv, "general.architecture", "gemma3");
+    gb_kv_str(&kv, "tokenizer.ggml.model", "llama");
+    gb_kv_str(&kv, "tokenizer.ggml.pre", "not-a-pre-tokenizer");   /* ignored for SPM */
+    gb_kv_strs(&kv, "tokenizer.ggml.tokens", v->texts, v->n);
+    gb_kv_i32s(&kv, "tokenizer.ggml.token_type", v->types, v->n);
+    gb_key(&kv, "tokenizer.ggml.scores", GGUF_VT_ARRAY);
+    gb_u32(&kv, int_scores ? GGUF_VT_INT32 : GGUF_VT_FLOAT32);
+    gb_u64(&kv, n_scores);
+    for (size_t i = 0; i < n_scores; i++) {
+        int32_t si = (int32_t)v->scores[i];
+        gb_put(&kv, int_scores ? (const void *)&si : (const void *)&v->scores[i], 4);
+    }
+    if (add_space_prefix >= 0) {
+        uint8_t flag = (uint8_t)add_space_prefix;
+        gb_key(&kv, "tokenizer.ggml.add_space_prefix", GGUF_VT_BOOL);
+        gb_put(&kv, &flag, 1);
+    }
+    memset(b, 0, sizeof *b);
+    gb_put(b, "GGUF", 4);
+    gb_u32(b, 3);
+    gb_u64(b, 0);
+    gb_u64(b, kv.n_kv);
+    gb_put(b, kv.p, kv.n);
+    free(kv.p);
+    char err[256] = "";
+    gguf_ctx_t *g = gguf_open_buffer(b->p, b->n, err, sizeof err);
+    if (g == NULL)
+        fprintf(stderr, "  gguf_open_buffer: %s\n", err);
+    return g;
+}
+
+/* Loads sv_gguf(...); NULL want = must load; else the error must name want. */
+static tok_t *spm_gguf_case(const struct sv *v, bool int_scores, size_t n_scores, int asp,
+                            const char *want)
+{
+    struct gb b;
+    char err[256] = "";
+    gguf_ctx_t *g = sv_gguf(v, &b, int_scores, n_scores, asp);
+    tok_t *t = g ? tok_new_from_gguf(g, err, sizeof err) : NULL;
+    bool ok = g != NULL && (want == NULL ? t != NULL : t == NULL && contains(err, want));
+    if (!ok)
+        fprintf(stderr, "  tok_new_from_gguf (SPM): %s, error \"%s\", want \"%s\"\n",
+                t ? "accepted" : "rejected", err, want ? want : "success");
+    CHECK(ok);
+    gguf_close(&g);
+    free(b.p);
+    return t;
+}
+
+static void test_spm_gguf(void)
+{
+    struct sv v;
+    sv_standard(&v, -1);
+    /* no id keys: llama.cpp's defaults bos 1, eos 2, unknown 0 */
+    tok_t *t = spm_gguf_case(&v, false, v.n, 0, NULL);
+    if (t != NULL) {
+        CHECK_INT(tok_model_kind(t), TOK_MODEL_SPM);
+        CHECK_INT(tok_bos(t), 1);
+        CHECK_INT(tok_eos(t), 2);
+        CHECK_INT(tok_unk(t), 0);
+        CHECK(tok_add_bos(t));
+        CHECK(!tok_add_space_prefix(t));
+        CHECK_IDS(t, "abc def", false, tok_find(t, "abc"), tok_find(t, U), tok_find(t, "d"),
+                  tok_find(t, "ef"));
+    }
+    tok_destroy(&t);
+    t = spm_gguf_case(&v, false, v.n, -1, NULL);                /* absent: on */
+    if (t != NULL)
+        CHECK(tok_add_space_prefix(t));
+    tok_destroy(&t);
+    t = spm_gguf_case(&v, true, v.n, 0, NULL);                  /* int32 scores */
+    if (t != NULL)
+        CHECK_IDS(t, "abc", false, tok_find(t, "abc"));
+    tok_destroy(&t);
+    t = spm_gguf_case(&v, false, v.n - 1, 0, "tokenizer.ggml.scores has");
+    tok_destroy(&t);
+    sv_free(&v);
+
+    /* tok_new's checks for SPM */
+    sv_standard(&v, -1);
+    struct tok_vocab vv;
+    tok_vocab_init(&vv);
+    vv.model = TOK_MODEL_SPM;
+    vv.n_tokens = v.n;
+    vv.texts = (const char *const *)v.texts;
+    const char *merges[] = {"a b"};
+    vv.merges = merges;
+    vv.n_merges = 1;
+    CHECK(rejects(&vv, "merges for a SentencePiece vocabulary"));
+    vv.n_merges = 0;
+    vv.model = (enum tok_model)7;
+    CHECK(rejects(&vv, "unknown tokenizer model 7"));
+    vv.model = TOK_MODEL_SPM;
+    vv.add_space_prefix = 0;
+    vv.scores = NULL;                                           /* all 0: ties everywhere */
+    char err[256] = "";
+    t = tok_new(&vv, err, sizeof err);
+    REQUIRE(t != NULL);
+    CHECK_IDS(t, "abc", false, tok_find(t, "abc"));             /* ab (leftmost), then abc */
+    CHECK_IDS(t, "bcab", false, tok_find(t, "bc"), tok_find(t, "ab"));
+    tok_destroy(&t);
+    sv_free(&v);
+}
+
 /* ---- the default model ------------------------------------------------------------ */
 
 static void test_model(void)
@@ -1042,6 +1393,8 @@ int main(void)
     test_queries(&v, t);
     test_bad_vocab(&v);
     test_gguf(&v);
+    test_spm();
+    test_spm_gguf();
     test_chat();
     test_model();
 
