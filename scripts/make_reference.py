@@ -7,17 +7,24 @@ those, never this script.
 
     pip install llama-cpp-python jinja2 numpy
     python3 scripts/make_reference.py MODEL.gguf        # SmolLM2-135M-Instruct.Q4_1.gguf
+    python3 scripts/make_reference.py --tokenizer-only MODEL.gguf   # gemma-3-270m-q4_k_m.gguf
 
 Reads   tests/data/tok_strings.txt, tests/data/ppl_text.txt, tests/data/chat_prompts.txt
 Writes  tests/data/tok_vectors.tsv  tokenization of every test string, parse_special 0 and 1
         tests/data/ppl_ref.txt      perplexity of ppl_text.txt as llama.cpp's perplexity tool computes it
         tests/data/greedy_ref.tsv   32-token greedy continuations of the chat prompts, with logit gaps
 
+With --tokenizer-only, for a second model's tokenizer (ARCH = the model's general.architecture):
+Reads   tests/data/tok_strings.txt and tests/data/ARCH/tok_strings_extra.txt (when present)
+Writes  tests/data/ARCH/tok_vectors.tsv  as tok_vectors.tsv, plus a fourth column: llama.cpp's
+        detokenization of the ids (llama_detokenize, remove_special=0, unparse_special=1)
+
 String escaping (inputs and outputs): one string per line; \\n \\t \\r \\\\ and \\xNN (one raw byte)
 are the only escapes; '#' starts a comment line (a string starting with '#' is written \\x23...);
 trailing spaces and all-space strings are written as \\x20 so that editors cannot strip them.
 """
 
+import ctypes
 import hashlib
 import math
 import os
@@ -158,20 +165,56 @@ def last_logits(llm):
 
 # ---------------------------------------------------------------- a) tokenizer vectors
 
-def make_tok_vectors(model_path, head):
+def detokenize(vocab, ids):
+    """llama.cpp's own detokenizer on ids: llama_detokenize(remove_special=0, unparse_special=1),
+    control tokens written as their text; kvd's tok_decode mirrors it. (Llama.detokenize instead
+    joins pieces from a 32-byte buffer and strips a leading space after a BOS itself.)"""
+    v = llama_cpp.llama_model_get_vocab(vocab._model.model)
+    arr = (llama_cpp.llama_token * max(len(ids), 1))(*ids)
+    size = 64 + 16 * len(ids)
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_detokenize(v, arr, len(ids), buf, size, False, True)
+        if n >= 0:
+            return buf.raw[:n]
+        size = -n
+
+
+def make_tok_vectors(model_path, head, out_dir="", extra=None):
+    """Rows for every string of tok_strings.txt (then of extra, a file under tests/data) into
+    out_dir/tok_vectors.tsv; with out_dir, a fourth column holds llama.cpp's detokenization."""
     vocab = llama_cpp.Llama(model_path=model_path, vocab_only=True, verbose=False)
+    lines = read_lines("tok_strings.txt") + (read_lines(extra) if extra else [])
     rows = []
-    for line in read_lines("tok_strings.txt"):
+    for line in lines:
         b = unescape(line)
         for special in (0, 1):
             ids = vocab.tokenize(b, add_bos=False, special=bool(special))
-            rows.append(f"{escape(b)}\t{special}\t{' '.join(map(str, ids))}")
-    with open(os.path.join(DATA, "tok_vectors.tsv"), "w", encoding="utf-8") as f:
-        f.write("\n".join(head + [
-            "# llm.tokenize(bytes, add_bos=False, special=parse_special) on every string of tok_strings.txt",
-            "# columns: escaped string (escaping as in tok_strings.txt) <TAB> parse_special 0|1 <TAB> token ids, space-separated",
+            row = f"{escape(b)}\t{special}\t{' '.join(map(str, ids))}"
+            if out_dir:
+                row += "\t" + escape(detokenize(vocab, ids))
+            rows.append(row)
+    strings = "tok_strings.txt" + (f" and {extra}" if extra else "")
+    columns = ("# columns: escaped string (escaping as in tok_strings.txt) <TAB> parse_special 0|1 "
+               "<TAB> token ids, space-separated")
+    notes = []
+    if out_dir:
+        meta = vocab.metadata
+        columns += " <TAB> escaped detokenization of the ids"
+        notes = [
+            f"# tokenizer: tokenizer.ggml.model {meta.get('tokenizer.ggml.model')}, "
+            f"pre {meta.get('tokenizer.ggml.pre')}, {vocab.n_vocab()} tokens, "
+            f"add_bos_token {meta.get('tokenizer.ggml.add_bos_token')}, "
+            f"add_space_prefix {meta.get('tokenizer.ggml.add_space_prefix')}",
+            "# detokenization: llama_detokenize(ids, remove_special=0, unparse_special=1)",
+        ]
+    path = os.path.join(DATA, out_dir, "tok_vectors.tsv")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(head + notes + [
+            f"# llm.tokenize(bytes, add_bos=False, special=parse_special) on every string of {strings}",
+            columns,
         ] + rows) + "\n")
-    print(f"tok_vectors.tsv: {len(rows)} rows")
+    print(f"{os.path.relpath(path, ROOT)}: {len(lines)} strings, {len(rows)} rows")
 
 
 # ---------------------------------------------------------------- b) perplexity
@@ -318,10 +361,21 @@ def make_greedy_ref(model_path, head):
 
 
 def main():
-    if len(sys.argv) != 2:
+    args = sys.argv[1:]
+    tokenizer_only = "--tokenizer-only" in args
+    args = [a for a in args if a != "--tokenizer-only"]
+    if len(args) != 1 or args[0].startswith("-"):
         sys.exit(__doc__)
-    model_path = sys.argv[1]
+    model_path = args[0]
     head = provenance(model_path, sha256(model_path))
+    if tokenizer_only:
+        vocab = llama_cpp.Llama(model_path=model_path, vocab_only=True, verbose=False)
+        arch = vocab.metadata["general.architecture"]
+        os.makedirs(os.path.join(DATA, arch), exist_ok=True)
+        extra = os.path.join(arch, "tok_strings_extra.txt")
+        make_tok_vectors(model_path, head, arch,
+                         extra if os.path.exists(os.path.join(DATA, extra)) else None)
+        return
     make_tok_vectors(model_path, head)
     make_ppl_ref(model_path, head)
     make_greedy_ref(model_path, head)
