@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Runs kvd's whole test suite, as CI does: installs what is missing, fetches
-# the default model, builds with warnings as errors, runs every test, then
-# rebuilds under AddressSanitizer + UndefinedBehaviorSanitizer and runs the
-# unit tests and fuzz-corpus replays again there.
+# the default model and Gemma 3 270M (whose tokenizer test needs it), builds
+# with warnings as errors, runs every test, then rebuilds under
+# AddressSanitizer + UndefinedBehaviorSanitizer and runs the unit tests and
+# fuzz-corpus replays again there.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
 scripts/install-deps.sh
 scripts/fetch-model.sh
+scripts/fetch-model.sh --model gemma3-270m
 
 jobs=$(nproc 2>/dev/null || echo 2)
 echo "== build (-Werror)"
