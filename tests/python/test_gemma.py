@@ -1,0 +1,60 @@
+"""kvd serving the second model family, Gemma 3 (270M, Q4_K_M; scripts/fetch-model.sh --model
+gemma3-270m): a shared system prompt longer than the 512-token window of its windowed layers is
+cached and continued exactly, through the chat format the file does not ship (kvd's Gemma
+template), over ZeroMQ and HTTP."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import kvd_client
+from conftest import LONG_SYSTEM, ROOT, Daemon, _stop_checked
+
+GEMMA = Path(os.environ.get("KVD_GEMMA3_MODEL") or ROOT / "models" / "gemma-3-270m-q4_k_m.gguf")
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    if not GEMMA.is_file():
+        pytest.fail(f"{GEMMA} is missing: run scripts/fetch-model.sh --model gemma3-270m (or set KVD_GEMMA3_MODEL)")
+    d = Daemon(tmp_path_factory.mktemp("kvd-gemma"), "--model", str(GEMMA), "--kv-memory", "512MiB", "-w", "1")
+    d.measure_patience()
+    yield d
+    _stop_checked(d)
+
+
+def test_shared_prompt_past_the_window_is_cached_exactly(gemma: Daemon) -> None:
+    # some 1,700 tokens: more than three windows of 512, within the daemon's context of 2,048
+    system = " ".join([LONG_SYSTEM] * 2) + " " + LONG_SYSTEM[: len(LONG_SYSTEM) // 2]
+    with kvd_client.Client(gemma.endpoint, timeout=gemma.patience) as c:
+        h = c.health()
+        assert h.ok and "gemma" in h.model
+
+        def ask(q: str, **kw: object) -> kvd_client.Result:
+            return c.generate(messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+                              max_tokens=24, temperature=0, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+        first = ask("Topic 3, please.")
+        assert first.usage.prompt_tokens >= 1500
+        second = ask("And topic 5?")
+        uncached = ask("And topic 5?", no_cache=True)
+    assert first.usage.cached_prompt_tokens == 0
+    assert second.usage.cached_prompt_tokens >= 1472
+    assert uncached.usage.cached_prompt_tokens == 0
+    # the continuation of a cached prefix is the uncached run's, token for token
+    assert second.token_ids == uncached.token_ids
+    assert second.text == uncached.text
+
+
+def test_tokenize_and_chat_format(gemma: Daemon) -> None:
+    with kvd_client.Client(gemma.endpoint, timeout=gemma.patience) as c:
+        ids = c.tokenize(messages=[{"role": "system", "content": " Be brief. "},
+                                   {"role": "user", "content": "Hi"}])
+        text = c.detokenize(ids)
+    # BOS, then the system text trimmed into the first user turn (llama.cpp's Gemma rendering)
+    assert ids[0] == 2
+    assert text.endswith("<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n")
