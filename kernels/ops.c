@@ -62,10 +62,22 @@ void kern_rope_neox(float *x, int n_heads, int dim, const float *cs)
 
 void kern_geglu(float *gate, const float *up, int n)
 {
+    /* at llama.cpp's precision: the input rounded to half, GELU of that
+     * rounded to half (its CPU GELU is a table of halves), the identity from
+     * 10 on and 0 from -10 down */
     const float k = 0.79788456080286535588f;    /* sqrt(2 / pi) */
     for (int i = 0; i < n; i++) {
         const float x = gate[i];
-        gate[i] = 0.5f * x * (1.0f + tanhf(k * x * (1.0f + 0.044715f * x * x))) * up[i];
+        float g;
+        if (x <= -10.0f) {
+            g = 0.0f;
+        } else if (x >= 10.0f) {
+            g = x;
+        } else {
+            const float h = kvd_f16_to_f32(kvd_f32_to_f16(x));
+            g = kvd_f16_to_f32(kvd_f32_to_f16(0.5f * h * (1.0f + tanhf(k * h * (1.0f + 0.044715f * h * h)))));
+        }
+        gate[i] = g * up[i];
     }
 }
 

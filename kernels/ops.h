@@ -28,7 +28,9 @@ void kern_rope(float *x, int n_heads, int dim, const float *cs);
 void kern_rope_neox(float *x, int n_heads, int dim, const float *cs);
 
 /* gate[i] = gelu(gate[i]) * up[i], GELU in its tanh form
- * 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Gemma's gated FFN). */
+ * 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Gemma's gated FFN), at
+ * llama.cpp's precision: of x rounded to half, the result rounded to half
+ * (its CPU GELU is a table of halves); x from 10 up, 0 from -10 down. */
 void kern_geglu(float *gate, const float *up, int n);
 
 /* gate[i] = silu(gate[i]) * up[i] (with AVX-512 where the active path has it:

@@ -8,6 +8,7 @@ those, never this script.
     pip install llama-cpp-python jinja2 numpy
     python3 scripts/make_reference.py MODEL.gguf        # SmolLM2-135M-Instruct.Q4_1.gguf
     python3 scripts/make_reference.py --tokenizer-only MODEL.gguf   # gemma-3-270m-q4_k_m.gguf
+    python3 scripts/make_reference.py --second-model MODEL.gguf     # the same, plus perplexity and greedy
 
 Reads   tests/data/tok_strings.txt, tests/data/ppl_text.txt, tests/data/chat_prompts.txt
 Writes  tests/data/tok_vectors.tsv  tokenization of every test string, parse_special 0 and 1
@@ -18,6 +19,13 @@ With --tokenizer-only, for a second model's tokenizer (ARCH = the model's genera
 Reads   tests/data/tok_strings.txt and tests/data/ARCH/tok_strings_extra.txt (when present)
 Writes  tests/data/ARCH/tok_vectors.tsv  as tok_vectors.tsv, plus a fourth column: llama.cpp's
         detokenization of the ids (llama_detokenize, remove_special=0, unparse_special=1)
+
+With --second-model, also (ARCH as above; the model's window and chat format are its own):
+Reads   tests/data/ppl_text.txt then tests/data/ARCH/ppl_text_extra.txt, tests/data/chat_prompts.txt
+Writes  tests/data/ARCH/ppl_ref.txt     perplexity of the two texts joined, windows of 2,048 tokens
+        tests/data/ARCH/greedy_ref.tsv  16-token greedy continuations of the chat prompts, the prompt
+                                        rendered by llama.cpp's built-in template for the architecture
+                                        when the file ships none (llama_chat_apply_template)
 
 String escaping (inputs and outputs): one string per line; \\n \\t \\r \\\\ and \\xNN (one raw byte)
 are the only escapes; '#' starts a comment line (a string starting with '#' is written \\x23...);
@@ -45,6 +53,7 @@ PPL_WINDOWS = (512, 256)
 GREEDY_TOKENS = 32
 GREEDY_NCTX = 512
 EOG_IDS = {0: "<|endoftext|>", 2: "<|im_end|>"}
+BUILTIN_CHAT = {"gemma3": "gemma"}   # llama.cpp's built-in chat template of an architecture
 VENDORED = {"0.3.36": "ggml-org/llama.cpp@0c1e57098"}   # from llama-cpp-python's CHANGELOG
 
 
@@ -248,15 +257,20 @@ def perplexity(model_path, tokens, n_ctx, add_bos, bos, flash_attn):
     return windows, count, math.exp(nll / count)
 
 
-def make_ppl_ref(model_path, head):
+def make_ppl_ref(model_path, head, out_dir="", windows=PPL_WINDOWS, extra=None):
     vocab = llama_cpp.Llama(model_path=model_path, vocab_only=True, verbose=False)
     add_bos = vocab.metadata.get("tokenizer.ggml.add_bos_token", "false") == "true"
     bos = vocab.token_bos()
     with open(os.path.join(DATA, "ppl_text.txt"), "rb") as f:
         text = f.read()
+    name = "ppl_text.txt"
+    if extra is not None:
+        with open(os.path.join(DATA, extra), "rb") as f:
+            text += b"\n" + f.read()
+        name += f" + newline + {extra}"
     tokens = vocab.tokenize(text, add_bos=add_bos, special=True)
     lines = head + [
-        f"# ppl_text.txt: {len(text)} bytes, {len(tokens)} tokens "
+        f"# {name}: {len(text)} bytes, {len(tokens)} tokens "
         f"(tokenize add_bos={int(add_bos)} from tokenizer.ggml.add_bos_token, parse_special=1, "
         f"as llama-perplexity)",
         "# method: llama.cpp perplexity tool; non-overlapping windows of n_ctx tokens, tail dropped,",
@@ -268,12 +282,12 @@ def make_ppl_ref(model_path, head):
         "#   (what the llama-perplexity CLI's flash_attn=auto picks on a CPU).",
     ]
     for fa in (False, True):
-        for n_ctx in PPL_WINDOWS:
-            windows, count, ppl = perplexity(model_path, tokens, n_ctx, add_bos, bos, fa)
+        for n_ctx in windows:
+            n_win, count, ppl = perplexity(model_path, tokens, n_ctx, add_bos, bos, fa)
             tag = "" if not fa else " fa 1"
-            lines.append(f"ctx {n_ctx} windows {windows} tokens_scored {count} ppl {ppl:.6f}{tag}")
+            lines.append(f"ctx {n_ctx} windows {n_win} tokens_scored {count} ppl {ppl:.6f}{tag}")
             print(lines[-1])
-    with open(os.path.join(DATA, "ppl_ref.txt"), "w", encoding="utf-8") as f:
+    with open(os.path.join(DATA, out_dir, "ppl_ref.txt"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
 
 
@@ -286,22 +300,79 @@ def render_chat(template, system, user):
     return env.from_string(template).render(messages=messages, add_generation_prompt=True)
 
 
-def greedy(llm, prompt_ids):
+def builtin_chat(name, system, user):
+    """llama.cpp's built-in chat template `name` (llama_chat_apply_template) on one exchange."""
+    msgs = ([("system", system)] if system is not None else []) + [("user", user)]
+    arr = (llama_cpp.llama_chat_message * len(msgs))()
+    keep = []
+    for i, (role, content) in enumerate(msgs):
+        keep += [role.encode(), content.encode("utf-8")]
+        arr[i].role, arr[i].content = keep[-2], keep[-1]
+    size = 4096
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_chat_apply_template(name.encode(), arr, len(msgs), True, buf, size)
+        if n < 0:
+            raise RuntimeError(f"llama.cpp has no chat template {name!r}")
+        if n <= size:
+            return buf.raw[:n].decode("utf-8")
+        size = n
+
+
+def greedy(llm, prompt_ids, n_tokens=GREEDY_TOKENS, eog=EOG_IDS):
     """Argmax decoding from an empty cache: prompt in one batch, then one token per step.
     Returns (generated ids, top1-top2 logit gaps); stops after an end-of-generation token."""
     clear(llm)
     llm.eval(prompt_ids)
     out, gaps = [], []
-    for _ in range(GREEDY_TOKENS):
+    for _ in range(n_tokens):
         lg = last_logits(llm)
         tok = int(np.argmax(lg))                 # first maximum, as llama.cpp's greedy sampler
         top = np.partition(lg, -2)
         gaps.append(float(top[-1] - top[-2]))    # 0 on an exact tie
         out.append(tok)
-        if tok in EOG_IDS:
+        if tok in eog:
             break
         llm.eval([tok])
     return out, gaps
+
+
+def make_greedy_ref_second(model_path, head, arch):
+    """The greedy reference of a second model family: its own chat format (the file's template, or
+    llama.cpp's built-in one for the architecture), BOS as the model adds it, 16 tokens."""
+    llm = load(model_path, GREEDY_NCTX * 2, logits_all=False, flash_attn=False)
+    add_bos = llm.metadata.get("tokenizer.ggml.add_bos_token", "false") == "true"
+    template = llm.metadata.get("tokenizer.chat_template")
+    v = llama_cpp.llama_model_get_vocab(llm.model)
+    eog = {i for i in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(v, i)}
+    rows, first = [], None
+    for line in read_lines("chat_prompts.txt"):
+        parts = line.split("\t")
+        system = unescape(parts[0]).decode("utf-8") if len(parts) == 2 else None
+        user = unescape(parts[-1]).decode("utf-8")
+        rendered = (render_chat(template, system, user) if template
+                    else builtin_chat(BUILTIN_CHAT.get(arch, arch), system, user))
+        first = first or rendered
+        prompt_ids = llm.tokenize(rendered.encode("utf-8"), add_bos=add_bos, special=True)
+        gen, gaps = greedy(llm, prompt_ids, 16, eog)
+        rows.append("\t".join(["" if system is None else escape(system.encode("utf-8")),
+                               escape(user.encode("utf-8")), " ".join(map(str, prompt_ids)),
+                               " ".join(map(str, gen)), ",".join(f"{g:.4f}" for g in gaps)]))
+        print(f"{user!r} -> {llm.detokenize(gen, special=True)!r} min gap {min(gaps):.4f}")
+    llm.close()
+    with open(os.path.join(DATA, arch, "greedy_ref.tsv"), "w", encoding="utf-8") as f:
+        f.write("\n".join(head + [
+            "# Greedy (argmax) continuations of tests/data/chat_prompts.txt, 16 tokens.",
+            "# Prompt: " + ("the file's tokenizer.chat_template rendered with jinja2" if template else
+                            f"llama.cpp's built-in '{arch}' chat template (llama_chat_apply_template)") +
+            f", add_generation_prompt; tokenized with add_bos={int(add_bos)}, parse_special=1;",
+            "#   evaluated from an empty cache in one batch, then one token per llm.eval() step;",
+            "#   an end-of-generation token stops the run and is the last generated id.",
+            f"# Settings: n_ctx={GREEDY_NCTX * 2} n_batch={N_BATCH} n_threads={N_THREADS} f16 K/V, flash_attn=0.",
+            "# Rendered prompt of the first row: " + escape(first.encode("utf-8")),
+            "# columns: escaped system (empty: none) <TAB> escaped user <TAB> prompt ids <TAB> generated ids",
+            "#   <TAB> top1-top2 logit gap at each generated position (comma-separated, 4 decimals)",
+        ] + rows) + "\n")
 
 
 def make_greedy_ref(model_path, head):
@@ -363,18 +434,23 @@ def make_greedy_ref(model_path, head):
 def main():
     args = sys.argv[1:]
     tokenizer_only = "--tokenizer-only" in args
-    args = [a for a in args if a != "--tokenizer-only"]
+    second = "--second-model" in args
+    args = [a for a in args if a not in ("--tokenizer-only", "--second-model", "--greedy-only")]
     if len(args) != 1 or args[0].startswith("-"):
         sys.exit(__doc__)
     model_path = args[0]
     head = provenance(model_path, sha256(model_path))
-    if tokenizer_only:
+    if tokenizer_only or second:
         vocab = llama_cpp.Llama(model_path=model_path, vocab_only=True, verbose=False)
         arch = vocab.metadata["general.architecture"]
         os.makedirs(os.path.join(DATA, arch), exist_ok=True)
         extra = os.path.join(arch, "tok_strings_extra.txt")
         make_tok_vectors(model_path, head, arch,
                          extra if os.path.exists(os.path.join(DATA, extra)) else None)
+        if second:
+            if "--greedy-only" not in sys.argv:
+                make_ppl_ref(model_path, head, arch, (2048,), os.path.join(arch, "ppl_text_extra.txt"))
+            make_greedy_ref_second(model_path, head, arch)
         return
     make_tok_vectors(model_path, head)
     make_ppl_ref(model_path, head)

@@ -12,6 +12,12 @@
  * are associated differently (eight or sixteen lanes), at most 6 times, at
  * gaps below 0.3. For scale: llama.cpp itself changes 6 of these 10
  * continuations when its flash attention is switched on.
+ *
+ * A second model family: --model, --model-env, --fetch and --data DIR (its
+ * greedy_ref.tsv, whose prompts its own chat format renders, BOS included
+ * where the model adds one), and --near-tie C,FAST --max-ties C,FAST for its
+ * bounds (Gemma 3 270M, a base model with flat distributions, parts at gaps
+ * up to 0.38).
  */
 #include <math.h>
 #include <string.h>
@@ -21,11 +27,15 @@
 
 #define COMPARE 16
 
+static struct tu_ref ref = { KVD_TEST_MODEL, NULL, NULL, KVD_TEST_DATA };
+
 static void run_path(const char *isa, double near_tie, int max_ties)
 {
     setenv("KVD_ISA", isa, 1);
     fprintf(stderr, "== kernels: KVD_ISA=%s\n", isa);
-    FILE *f = fopen(KVD_TEST_DATA "/greedy_ref.tsv", "r");
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/greedy_ref.tsv", ref.data);
+    FILE *f = fopen(path, "r");
     REQUIRE(f != NULL);
     char *line = NULL;
     size_t cap = 0;
@@ -54,7 +64,7 @@ static void run_path(const char *isa, double near_tie, int max_ties)
         int a = 0;
         argv[a++] = KVD_BIN_DIR "/kvd-run";
         argv[a++] = "-m";
-        argv[a++] = KVD_TEST_MODEL;
+        argv[a++] = (char *)ref.model;
         argv[a++] = "--chat";
         if (slen > 0) {
             argv[a++] = "--system";
@@ -104,9 +114,27 @@ static void run_path(const char *isa, double near_tie, int max_ties)
     CHECK(ties <= max_ties);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
-    run_path("c", 0.15, 3);
-    run_path("avx512vnni", 0.3, 6);  /* the best this CPU has */
+    double tie_c = 0.15, tie_fast = 0.3;
+    int max_c = 3, max_fast = 6;
+    for (int i = 1; i < argc; i++) {
+        if (tu_ref_arg(&ref, argc, argv, &i))
+            continue;
+        if (i + 1 < argc && strcmp(argv[i], "--near-tie") == 0 &&
+            sscanf(argv[i + 1], "%lf,%lf", &tie_c, &tie_fast) == 2) {
+            i++;
+        } else if (i + 1 < argc && strcmp(argv[i], "--max-ties") == 0 &&
+                   sscanf(argv[i + 1], "%d,%d", &max_c, &max_fast) == 2) {
+            i++;
+        } else {
+            fprintf(stderr, "%s: unknown argument %s\n", argv[0], argv[i]);
+            return 2;
+        }
+    }
+    if (!tu_ref_ready(&ref))
+        return 1;
+    run_path("c", tie_c, max_c);
+    run_path("avx512vnni", tie_fast, max_fast);  /* the best this CPU has */
     return CHECK_DONE();
 }

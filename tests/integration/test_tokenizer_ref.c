@@ -38,40 +38,25 @@ static void print_ids(const char *what, const int32_t *ids, size_t n)
 
 int main(int argc, char **argv)
 {
-    const char *model = KVD_TEST_MODEL, *model_env = NULL, *fetch = NULL;
+    struct tu_ref ref = { KVD_TEST_MODEL, NULL, NULL, KVD_TEST_DATA };
     const char *vectors = KVD_TEST_DATA "/tok_vectors.tsv";
     int min_cases = 200;
     for (int i = 1; i < argc; i++) {
-        if (i + 1 >= argc) {
+        if (tu_ref_arg(&ref, argc, argv, &i))
+            continue;
+        if (i + 1 < argc && strcmp(argv[i], "--vectors") == 0) {
+            vectors = argv[++i];
+        } else if (i + 1 < argc && strcmp(argv[i], "--min-cases") == 0) {
+            min_cases = atoi(argv[++i]);
+        } else {
             fprintf(stderr, "usage: %s [--model PATH] [--model-env VAR] [--fetch NAME] "
                     "[--vectors FILE] [--min-cases N]\n", argv[0]);
             return 2;
         }
-        if (strcmp(argv[i], "--model") == 0)
-            model = argv[++i];
-        else if (strcmp(argv[i], "--model-env") == 0)
-            model_env = argv[++i];
-        else if (strcmp(argv[i], "--fetch") == 0)
-            fetch = argv[++i];
-        else if (strcmp(argv[i], "--vectors") == 0)
-            vectors = argv[++i];
-        else if (strcmp(argv[i], "--min-cases") == 0)
-            min_cases = atoi(argv[++i]);
-        else {
-            fprintf(stderr, "%s: unknown argument %s\n", argv[0], argv[i]);
-            return 2;
-        }
     }
-    if (model_env != NULL && getenv(model_env) != NULL && getenv(model_env)[0] != '\0')
-        model = getenv(model_env);
-    if (access(model, R_OK) != 0) {
-        fprintf(stderr, "FAIL: no model at %s: run scripts/fetch-model.sh%s%s", model,
-                fetch ? " --model " : "", fetch ? fetch : "");
-        if (model_env != NULL)
-            fprintf(stderr, " (or set $%s to the model file)", model_env);
-        fprintf(stderr, "\n");
+    if (!tu_ref_ready(&ref))
         return 1;
-    }
+    const char *model = ref.model, *fetch = ref.fetch;
 
     char err[512];
     double t0 = now_ms();

@@ -146,6 +146,48 @@ static inline int tu_run(char *const argv[], char **out, size_t *out_len)
     return tu_run_ex(argv, out, out_len, 0);
 }
 
+/* What a *_ref test runs on: the model and the directory of its reference
+ * data. The defaults are the default model and tests/data; a second model's
+ * tests say --model PATH, --model-env VAR (a variable that overrides PATH),
+ * --fetch NAME (how scripts/fetch-model.sh gets it, for the message) and
+ * --data DIR. */
+struct tu_ref {
+    const char *model, *model_env, *fetch, *data;
+};
+
+/* Takes argv[*i] (and its value) when it is one of the options above: 1, or
+ * 0 when it is not one of them. */
+static inline int tu_ref_arg(struct tu_ref *r, int argc, char **argv, int *i)
+{
+    if (*i + 1 >= argc)
+        return 0;
+    const char **dst = strcmp(argv[*i], "--model") == 0       ? &r->model
+                       : strcmp(argv[*i], "--model-env") == 0 ? &r->model_env
+                       : strcmp(argv[*i], "--fetch") == 0     ? &r->fetch
+                       : strcmp(argv[*i], "--data") == 0      ? &r->data
+                                                              : NULL;
+    if (dst == NULL)
+        return 0;
+    *dst = argv[++*i];
+    return 1;
+}
+
+/* Applies --model-env and checks the model is there: 1, or 0 after saying
+ * how to fetch it (a test then fails, never skips). */
+static inline int tu_ref_ready(struct tu_ref *r)
+{
+    if (r->model_env != NULL && getenv(r->model_env) != NULL && getenv(r->model_env)[0] != '\0')
+        r->model = getenv(r->model_env);
+    if (access(r->model, R_OK) == 0)
+        return 1;
+    fprintf(stderr, "FAIL: no model at %s: run scripts/fetch-model.sh%s%s", r->model, r->fetch ? " --model " : "",
+            r->fetch ? r->fetch : "");
+    if (r->model_env != NULL)
+        fprintf(stderr, " (or set $%s to the model file)", r->model_env);
+    fprintf(stderr, "\n");
+    return 0;
+}
+
 /* Parses the JSON integer array that follows "key": in json into ids. */
 static inline size_t tu_json_ids(const char *json, const char *key, int32_t *ids, size_t cap)
 {
