@@ -43,13 +43,26 @@ static size_t group_bytes(uint32_t wtype, int64_t nb)
 
 struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, int64_t rows, int64_t n)
 {
-    if (kern_isa_best() < KERN_ISA_AVX512VNNI || (wtype != KERN_Q4_1 && wtype != KERN_Q8_0) ||
+    /* Q4_0 and Q5_0 rows are signed codes and one scale per 32 values, like
+     * Q8_0's: they are packed as Q8_0 (their products with Q8_0 activations
+     * are the same integer sums and scales) */
+    const bool as_q8 = wtype == KERN_Q4_0 || wtype == KERN_Q5_0;
+    if (kern_isa_best() < KERN_ISA_AVX512VNNI || (wtype != KERN_Q4_1 && wtype != KERN_Q8_0 && !as_q8) ||
         n <= 0 || n % 32 != 0 || rows <= 0 || row_bytes != kern_row_bytes(wtype, n))
         return NULL;
     const int64_t nb = n / 32, groups = (rows + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
     struct kern_packed *p = calloc(1, sizeof(*p));
-    if (p == NULL)
+    int8_t *codes = as_q8 ? malloc((size_t)n) : NULL;
+    float *scales = as_q8 ? malloc((size_t)nb * sizeof(float)) : NULL;
+    if (p == NULL || (as_q8 && (codes == NULL || scales == NULL))) {
+        free(p);
+        free(codes);
+        free(scales);
         return NULL;
+    }
+    const uint32_t src = wtype;
+    if (as_q8)
+        wtype = KERN_Q8_0;  /* the layout */
     p->wtype = wtype;
     p->rows = rows;
     p->n = n;
@@ -58,6 +71,8 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
     p->data = aligned_alloc(64, total);
     if (p->data == NULL) {
         free(p);
+        free(codes);
+        free(scales);
         return NULL;
     }
     memset(p->data, 0, total);  /* padding rows: zero codes, zero scales */
@@ -65,6 +80,17 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
         uint8_t *g = p->data + (size_t)(r / KERN_PACK_ROWS) * p->group_bytes;
         const int i = (int)(r % KERN_PACK_ROWS);
         const uint8_t *row = (const uint8_t *)w + (size_t)r * row_bytes;
+        if (as_q8) {
+            /* scales came from halves: back to the same halves */
+            kern_unpack_row(src, row, n, codes, scales, NULL);
+            for (int64_t b = 0; b < nb; b++) {
+                for (int k = 0; k < 8; k++)
+                    for (int x = 0; x < 4; x++)
+                        g[(size_t)b * 512 + 64 * k + 4 * i + x] = (uint8_t)(codes[32 * b + 4 * k + x] ^ 0x80);
+                ((kvd_f16 *)(g + (size_t)nb * 512) + b * 16)[i] = kvd_f32_to_f16(scales[b]);
+            }
+            continue;
+        }
         for (int64_t b = 0; b < nb; b++) {
             if (wtype == KERN_Q4_1) {
                 const struct kern_block_q4_1 *blk = (const struct kern_block_q4_1 *)row + b;
@@ -84,6 +110,8 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
             }
         }
     }
+    free(codes);
+    free(scales);
     return p;
 }
 

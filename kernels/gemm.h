@@ -16,7 +16,8 @@
 #include <stdint.h>
 
 /*
- * A weight matrix repacked for the AVX-512 VNNI path (Q4_1 and Q8_0 weights).
+ * A weight matrix repacked for the AVX-512 VNNI path (Q4_1 and Q8_0 weights;
+ * Q4_0 and Q5_0 ones as Q8_0: their signed codes and scales fit it exactly).
  * Rows go in groups of KERN_PACK_ROWS = 16 (the last group padded with zero
  * rows). Within a group, block b (32 values) of all 16 rows is stored as
  * 64-byte slices: slice s holds, for row i, four bytes at 4i, so one load
@@ -35,7 +36,7 @@
 #define KERN_PACK_ROWS 16
 
 struct kern_packed {
-    uint32_t wtype;         /* KERN_Q4_1 or KERN_Q8_0 */
+    uint32_t wtype;         /* the layout: KERN_Q4_1 or KERN_Q8_0 */
     int64_t rows, n;        /* the matrix: rows x n */
     size_t group_bytes;     /* bytes per group of 16 rows (a multiple of 64) */
     uint8_t *data;          /* ceil(rows / 16) groups, 64-byte aligned */

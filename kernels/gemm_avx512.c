@@ -330,7 +330,9 @@ static __mmask16 group_mask(long gi, long r0, long r1)
 bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
 {
     const struct kern_packed *pk = a->packed;
-    if (pk == NULL || a->scratch == NULL || pk->wtype != a->wtype || pk->n != a->n || a->T <= 0 ||
+    /* Q4_0 and Q5_0 weights are packed as Q8_0 (kern_pack) */
+    const bool as_q8 = pk != NULL && pk->wtype == KERN_Q8_0 && (a->wtype == KERN_Q4_0 || a->wtype == KERN_Q5_0);
+    if (pk == NULL || a->scratch == NULL || (pk->wtype != a->wtype && !as_q8) || pk->n != a->n || a->T <= 0 ||
         a->r0 < 0 || a->r1 > pk->rows)
         return false;
     const int Q8 = pk->wtype == KERN_Q8_0;

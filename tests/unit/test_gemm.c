@@ -109,7 +109,7 @@ static void check_type(uint32_t wtype, int64_t n, void *scratch)
     free(wf); free(af); free(w); free(act); free(deq); free(adeq);
 }
 
-/* The packed products (Q4_1, Q8_0 on AVX-512 VNNI): against the C reference
+/* The packed products (Q4_1, Q8_0, and Q4_0 / Q5_0 as Q8_0, on AVX-512 VNNI): against the C reference
  * within the same tolerance, on a matrix whose last group of 16 rows is
  * partial; every tile shape (1..19 tokens: 8-token tiles, tails, the
  * multi-group tiles of 1-4 tokens); each token alone, any row range and
@@ -221,9 +221,13 @@ int main(void)
         check_packed(KERN_Q8_0, 576);
         check_packed(KERN_Q4_1, 32);
         check_packed(KERN_Q8_0, 1536);
+        /* Q4_0 and Q5_0, packed as Q8_0 (Gemma 3's Q4_K_M file is mostly Q5_0) */
+        check_packed(KERN_Q5_0, 640);
+        check_packed(KERN_Q4_0, 576);
+        check_packed(KERN_Q5_0, 32);
         /* types without a packed form, and odd lengths, are left in place */
-        uint8_t w[64] = { 0 };
-        CHECK(kern_pack(KERN_Q4_0, w, kern_row_bytes(KERN_Q4_0, 32), 2, 32) == NULL);
+        uint8_t w[256] = { 0 };
+        CHECK(kern_pack(KERN_Q4_K, w, kern_row_bytes(KERN_Q4_K, 256), 1, 256) == NULL);
         CHECK(kern_pack(KERN_Q8_0, w, 17, 2, 16) == NULL);
     } else {
         CHECK(kern_pack(KERN_Q4_1, (uint8_t[20]){ 0 }, 20, 1, 32) == NULL);
