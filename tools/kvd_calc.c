@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "model.h"
 #include "err.h"
 #include "gguf.h"
 #include "kvcache.h"
@@ -43,6 +44,22 @@ static void usage(FILE *f)
 }
 
 /* Reads layers, KV heads and head dim from a GGUF's metadata. */
+/* The layers of a model that attend to a sliding window, and the window. */
+static uint32_t windowed_layers(const char *path, uint32_t *window)
+{
+    char err[512];
+    model_t *m = model_load_unpacked(path, err, sizeof(err));
+    uint32_t n = 0;
+    *window = 0;
+    if (m == NULL)
+        return 0;   /* the shape alone is read from the file */
+    for (uint32_t l = 0; l < m->cfg.n_layer; l++)
+        n += model_layer_windowed(&m->cfg, l);
+    *window = m->cfg.swa_window;
+    model_destroy(&m);
+    return n;
+}
+
 static void shape_from_gguf(const char *path, struct pool_layout *lay, uint32_t *ctx_train)
 {
     char err[512], key[128];
@@ -211,5 +228,22 @@ int main(int argc, char **argv)
     printf("\n");
     if (have_mem)
         printf("pool:            %s\n", line);
+    uint32_t window = 0;
+    const uint32_t n_win = model ? windowed_layers(model, &window) : 0;
+    if (n_win > 0) {
+        /* the seed's formula per layer group: windowed layers need at most
+         * the window and one block of each sequence */
+        const uint64_t per_layer = per_token / lay.n_layer;
+        const uint64_t keep = (uint64_t)ctx < (uint64_t)window + lay.block_tokens ? (uint64_t)ctx
+                                                                                 : (uint64_t)window + lay.block_tokens;
+        const uint64_t grouped = per_layer * ((uint64_t)(lay.n_layer - n_win) * (uint64_t)ctx + (uint64_t)n_win * keep) *
+                                 (uint64_t)batch;
+        printf("layer groups:    %u full, %u windowed (%u positions): per layer group, %llu x %ld tokens need "
+               "%s, %.1fx less than %s\n", lay.n_layer - n_win, n_win, window, (unsigned long long)batch, ctx,
+               kvd_format_bytes(grouped, b1, sizeof(b1)), (double)bytes / (double)grouped,
+               kvd_format_bytes(bytes, b2, sizeof(b2)));
+        printf("                 (kvd's pool does not keep groups apart yet: every block holds all %u layers)\n",
+               lay.n_layer);
+    }
     return 0;
 }
