@@ -42,6 +42,7 @@ def test_shared_prompt_past_the_window_is_cached_exactly(gemma: Daemon) -> None:
         assert first.usage.prompt_tokens >= 1500
         second = ask("And topic 5?")
         uncached = ask("And topic 5?", no_cache=True)
+    print(f"gemma: prompt {second.usage.prompt_tokens} tokens, {second.usage.cached_prompt_tokens} cached")
     assert first.usage.cached_prompt_tokens == 0
     assert second.usage.cached_prompt_tokens >= 1472
     assert uncached.usage.cached_prompt_tokens == 0
