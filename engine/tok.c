@@ -1413,6 +1413,8 @@ static void try_pair(const struct tok *t, struct work *w, int32_t l, int32_t r)
     heap_push(w, g);
 }
 
+static void merge_queued(const struct tok *t, struct work *w, const char *spm_text);
+
 static void emit_symbol(const struct tok *t, const unsigned char *s, const struct sym *y,
                         struct sink *out)
 {
@@ -1447,21 +1449,7 @@ static void bpe_word(const struct tok *t, struct work *w, const unsigned char *s
     w->heap_n = 0;
     for (size_t i = 1; i < n; i++)
         try_pair(t, w, (int32_t)i - 1, (int32_t)i);
-    while (w->heap_n > 0) {
-        struct bigram g = heap_pop(w);
-        struct sym *l = &w->sym[g.left], *r = &w->sym[g.right];
-        /* stale: a side was merged away or has grown since it was queued */
-        if (l->len == 0 || r->len == 0 || l->len + r->len != g.len)
-            continue;
-        l->len += r->len;
-        l->id = g.result;
-        r->len = 0;
-        l->next = r->next;
-        if (r->next >= 0)
-            w->sym[r->next].prev = g.left;
-        try_pair(t, w, l->prev, g.left);
-        try_pair(t, w, g.left, l->next);
-    }
+    merge_queued(t, w, NULL);
     for (int32_t i = 0; i >= 0; i = w->sym[i].next)
         emit_symbol(t, s, &w->sym[i], out);
 }
@@ -1530,6 +1518,32 @@ static void spm_try_pair(const struct tok *t, struct work *w, const char *s, int
         return;
     struct bigram g = {score_rank(t->scores[id]), l, r, id, len};
     heap_push(w, g);
+}
+
+/* Merges the queued pairs, best first, queueing each merge's new neighbour
+ * pairs: by rank (BPE, spm_text NULL) or by score over spm_text (SPM). */
+static void merge_queued(const struct tok *t, struct work *w, const char *spm_text)
+{
+    while (w->heap_n > 0) {
+        struct bigram g = heap_pop(w);
+        struct sym *l = &w->sym[g.left], *r = &w->sym[g.right];
+        /* stale: a side was merged away or has grown since it was queued */
+        if (l->len == 0 || r->len == 0 || l->len + r->len != g.len)
+            continue;
+        l->len += r->len;
+        l->id = g.result;
+        r->len = 0;
+        l->next = r->next;
+        if (r->next >= 0)
+            w->sym[r->next].prev = g.left;
+        if (spm_text != NULL) {
+            spm_try_pair(t, w, spm_text, l->prev, g.left);
+            spm_try_pair(t, w, spm_text, g.left, l->next);
+        } else {
+            try_pair(t, w, l->prev, g.left);
+            try_pair(t, w, g.left, l->next);
+        }
+    }
 }
 
 /* Emits one final symbol s[y.start..+y.len): its token, or one byte token per
@@ -1602,21 +1616,7 @@ static int encode_spm(const struct tok *t, struct work *w, const char *text, siz
     w->heap_n = 0;
     for (int32_t i = 1; i < ns; i++)
         spm_try_pair(t, w, s, i - 1, i);
-    while (w->heap_n > 0) {
-        struct bigram g = heap_pop(w);
-        struct sym *l = &w->sym[g.left], *r = &w->sym[g.right];
-        /* stale: a side was merged away or has grown since it was queued */
-        if (l->len == 0 || r->len == 0 || l->len + r->len != g.len)
-            continue;
-        l->len += r->len;
-        l->id = g.result;
-        r->len = 0;
-        l->next = r->next;
-        if (r->next >= 0)
-            w->sym[r->next].prev = g.left;
-        spm_try_pair(t, w, s, l->prev, g.left);
-        spm_try_pair(t, w, s, g.left, l->next);
-    }
+    merge_queued(t, w, s);
     for (int32_t i = 0; i >= 0; i = w->sym[i].next)
         spm_emit(t, (const unsigned char *)s, &w->sym[i], out);
     return 0;

@@ -393,6 +393,25 @@ static void test_gemma_against_reference(const char *name, uint32_t wtype, uint3
     model_destroy(&m);
 }
 
+static void test_paged_equals_contiguous(const model_t *m);
+static void test_chunking(const model_t *m);
+static void test_batch_invariance(const model_t *m);
+
+/* The numerics contract on every kernel path this CPU has, for model m (what
+ * says which model and cache it is). */
+static void contract_on_every_path(const model_t *m, const char *what)
+{
+    for (int isa = (int)kern_isa_best(); isa >= KERN_ISA_C; isa--) {
+        kern_isa_set((enum kern_isa)isa);
+        fprintf(stderr, "numerics contract (%s, %s cache) on the %s path\n", what, rig_fmt.name,
+                kern_isa_name(kern_isa()));
+        test_paged_equals_contiguous(m);
+        test_chunking(m);
+        test_batch_invariance(m);
+    }
+    kern_isa_set(kern_isa_best());
+}
+
 /* Paged with a shuffled table equals one big contiguous block, bit for bit. */
 static void test_paged_equals_contiguous(const model_t *m)
 {
@@ -533,14 +552,7 @@ int main(void)
     p.n_vocab = 300;
     model_t *m = make_model(&p, "contract");
     /* the contract holds on every kernel path this CPU has */
-    for (int isa = (int)kern_isa_best(); isa >= KERN_ISA_C; isa--) {
-        kern_isa_set((enum kern_isa)isa);
-        fprintf(stderr, "numerics contract on the %s path\n", kern_isa_name(kern_isa()));
-        test_paged_equals_contiguous(m);
-        test_chunking(m);
-        test_batch_invariance(m);
-    }
-    kern_isa_set(kern_isa_best());
+    contract_on_every_path(m, "llama");
     /* contexts cut into ranges of 16 positions, shared over threads and merged:
      * still batch-, chunking- and thread-invariant */
     rig_chunk = 16;
@@ -572,15 +584,7 @@ int main(void)
         char name[64];
         snprintf(name, sizeof(name), "kv-%s", rig_fmt.name);
         test_against_reference(name, KERN_F32, KERN_F32, 4, 2, true, KERN_F16, quant_tol[f]);
-        for (int isa = (int)kern_isa_best(); isa >= KERN_ISA_C; isa--) {
-            kern_isa_set((enum kern_isa)isa);
-            fprintf(stderr, "numerics contract over a %s cache on the %s path\n", rig_fmt.name,
-                    kern_isa_name(kern_isa()));
-            test_paged_equals_contiguous(m);
-            test_chunking(m);
-            test_batch_invariance(m);
-        }
-        kern_isa_set(kern_isa_best());
+        contract_on_every_path(m, rig_fmt.name);
         rig_chunk = 16;
         test_chunking(m);
         test_batch_invariance(m);
@@ -597,14 +601,7 @@ int main(void)
     test_gemma_against_reference("gemma3-f16kv", KERN_F32, KERN_F16, 1e-3);
     test_gemma_against_reference("gemma3-q8_0", KERN_Q8_0, KERN_F16, 0.03);
     model_t *g = make_gemma("gemma3-contract", KERN_Q8_0, 7, 64);
-    for (int isa = (int)kern_isa_best(); isa >= KERN_ISA_C; isa--) {
-        kern_isa_set((enum kern_isa)isa);
-        fprintf(stderr, "numerics contract of gemma3 on the %s path\n", kern_isa_name(kern_isa()));
-        test_paged_equals_contiguous(g);
-        test_chunking(g);
-        test_batch_invariance(g);
-    }
-    kern_isa_set(kern_isa_best());
+    contract_on_every_path(g, "gemma3");
     rig_chunk = 16;
     test_chunking(g);
     test_batch_invariance(g);

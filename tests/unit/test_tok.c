@@ -771,6 +771,24 @@ struct gopt {
     uint32_t bos;               /* bos_token_id */
 };
 
+/* A GGUF file of the metadata kv (freed) and no tensors, built in b, which
+ * the context then borrows. */
+static gguf_ctx_t *gguf_of_kv(struct gb *b, struct gb *kv)
+{
+    memset(b, 0, sizeof *b);
+    gb_put(b, "GGUF", 4);
+    gb_u32(b, 3);
+    gb_u64(b, 0);                                       /* tensors */
+    gb_u64(b, kv->n_kv);
+    gb_put(b, kv->p, kv->n);
+    free(kv->p);
+    char err[256] = "";
+    gguf_ctx_t *g = gguf_open_buffer(b->p, b->n, err, sizeof err);
+    if (g == NULL)
+        fprintf(stderr, "  gguf_open_buffer: %s\n", err);
+    return g;
+}
+
 /* Writes v as GGUF metadata into b (which the context then borrows). */
 static gguf_ctx_t *tv_gguf(const struct tv *v, struct gb *b, const struct gopt *o)
 {
@@ -785,18 +803,7 @@ static gguf_ctx_t *tv_gguf(const struct tv *v, struct gb *b, const struct gopt *
         gb_kv_strs(&kv, "tokenizer.ggml.merges", v->merges, v->n_merges);
     gb_kv_u32(&kv, "tokenizer.ggml.bos_token_id", o->bos);
     gb_kv_u32(&kv, "tokenizer.ggml.eos_token_id", 'z');
-    memset(b, 0, sizeof *b);
-    gb_put(b, "GGUF", 4);
-    gb_u32(b, 3);
-    gb_u64(b, 0);                                       /* tensors */
-    gb_u64(b, kv.n_kv);
-    gb_put(b, kv.p, kv.n);
-    free(kv.p);
-    char err[256] = "";
-    gguf_ctx_t *g = gguf_open_buffer(b->p, b->n, err, sizeof err);
-    if (g == NULL)
-        fprintf(stderr, "  gguf_open_buffer: %s\n", err);
-    return g;
+    return gguf_of_kv(b, &kv);
 }
 
 /* Loads the GGUF of o; returns whether the outcome is as wanted (NULL `want`
@@ -1243,18 +1250,7 @@ static gguf_ctx_t *sv_gguf(const struct sv *v, struct gb *b, bool int_scores, si
         gb_key(&kv, "tokenizer.ggml.add_space_prefix", GGUF_VT_BOOL);
         gb_put(&kv, &flag, 1);
     }
-    memset(b, 0, sizeof *b);
-    gb_put(b, "GGUF", 4);
-    gb_u32(b, 3);
-    gb_u64(b, 0);
-    gb_u64(b, kv.n_kv);
-    gb_put(b, kv.p, kv.n);
-    free(kv.p);
-    char err[256] = "";
-    gguf_ctx_t *g = gguf_open_buffer(b->p, b->n, err, sizeof err);
-    if (g == NULL)
-        fprintf(stderr, "  gguf_open_buffer: %s\n", err);
-    return g;
+    return gguf_of_kv(b, &kv);
 }
 
 /* Loads sv_gguf(...); NULL want = must load; else the error must name want. */
