@@ -4,6 +4,7 @@
 #include "cpu.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <string.h>
 
@@ -60,23 +61,38 @@ void kern_rope_neox(float *x, int n_heads, int dim, const float *cs)
     }
 }
 
+/* GELU of every half, rounded to a half (kept as f32): llama.cpp's table */
+static float gelu_half[65536];
+static pthread_once_t gelu_once = PTHREAD_ONCE_INIT;
+
+static void gelu_fill(void)
+{
+    const float k = 0.79788456080286535588f;    /* sqrt(2 / pi) */
+    for (uint32_t u = 0; u < 65536; u++) {
+        const float h = kvd_f16_to_f32((uint16_t)u);
+        const float g = 0.5f * h * (1.0f + tanhf(k * h * (1.0f + 0.044715f * h * h)));
+        gelu_half[u] = kvd_f16_to_f32(kvd_f32_to_f16(g));
+    }
+}
+
+const float *kern_gelu_table(void)
+{
+    pthread_once(&gelu_once, gelu_fill);
+    return gelu_half;
+}
+
 void kern_geglu(float *gate, const float *up, int n)
 {
-    /* at llama.cpp's precision: the input rounded to half, GELU of that
-     * rounded to half (its CPU GELU is a table of halves), the identity from
-     * 10 on and 0 from -10 down */
-    const float k = 0.79788456080286535588f;    /* sqrt(2 / pi) */
+    const float *t = kern_gelu_table();
+#if defined(__x86_64__)
+    if (kern_isa() >= KERN_ISA_AVX512VNNI) {
+        kern_geglu_avx512(gate, up, n, t);
+        return;
+    }
+#endif
     for (int i = 0; i < n; i++) {
         const float x = gate[i];
-        float g;
-        if (x <= -10.0f) {
-            g = 0.0f;
-        } else if (x >= 10.0f) {
-            g = x;
-        } else {
-            const float h = kvd_f16_to_f32(kvd_f32_to_f16(x));
-            g = kvd_f16_to_f32(kvd_f32_to_f16(0.5f * h * (1.0f + tanhf(k * h * (1.0f + 0.044715f * h * h)))));
-        }
+        const float g = x <= -10.0f ? 0.0f : x >= 10.0f ? x : t[kvd_f32_to_f16(x)];
         gate[i] = g * up[i];
     }
 }

@@ -30,8 +30,13 @@ void kern_rope_neox(float *x, int n_heads, int dim, const float *cs);
 /* gate[i] = gelu(gate[i]) * up[i], GELU in its tanh form
  * 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Gemma's gated FFN), at
  * llama.cpp's precision: of x rounded to half, the result rounded to half
- * (its CPU GELU is a table of halves); x from 10 up, 0 from -10 down. */
+ * (its CPU GELU is a table of halves, and so is kvd's: the same bits on every
+ * path); x from 10 up, 0 from -10 down. */
 void kern_geglu(float *gate, const float *up, int n);
+
+/* That table: the GELU of each of the 65,536 halves, rounded to a half, as
+ * floats (filled on first use, thread-safe). */
+const float *kern_gelu_table(void);
 
 /* gate[i] = silu(gate[i]) * up[i] (with AVX-512 where the active path has it:
  * a vector exponential, within a few ulp of expf). */
@@ -40,8 +45,10 @@ void kern_swiglu(float *gate, const float *up, int n);
 /* dst[i] = src[i] as IEEE half, rounded to nearest even (kvd_f32_to_f16's bits). */
 void kern_f32_to_f16_row(uint16_t *dst, const float *src, int n);
 
-/* The AVX-512 bodies of the two above (x86 only). */
+/* The AVX-512 bodies of the two above (x86 only), and of kern_geglu (table
+ * lookups by gather). */
 void kern_swiglu_avx512(float *gate, const float *up, int n);
+void kern_geglu_avx512(float *gate, const float *up, int n, const float *table);
 void kern_f32_to_f16_avx512(uint16_t *dst, const float *src, int n);
 
 /* In-place orthonormal Walsh-Hadamard transform of x[n], n a power of two

@@ -49,6 +49,35 @@ static void test_swiglu(void)
     CHECK(fabsf(lim[0]) < 1e-30f && lim[1] == 1000.0f && lim[2] == 0.0f && lim[3] == 0.0f);
 }
 
+/* GELU at llama.cpp's precision, by its definition: the same bits on every
+ * path, whatever the table or the gathers. */
+static void test_geglu(void)
+{
+    enum { N = 4099 };
+    static float gate[N], up[N], got[N];
+    int bad = 0;
+    const float k = 0.79788456080286535588f;
+    for (int round = 0; round < 20; round++) {
+        for (int i = 0; i < N; i++) {
+            const float scale = round < 10 ? 4.0f : 30.0f;     /* both sides of +-10 too */
+            gate[i] = ((float)(next() % 200001) / 100000.0f - 1.0f) * scale;
+            up[i] = (float)(next() % 2001) / 1000.0f - 1.0f;
+        }
+        gate[0] = -10.0f, gate[1] = 10.0f, gate[2] = 9.999f, gate[3] = -0.0f;
+        memcpy(got, gate, sizeof(got));
+        kern_geglu(got, up, N);
+        for (int i = 0; i < N; i++) {
+            const float x = gate[i], h = kvd_f16_to_f32(kvd_f32_to_f16(x));
+            const float g = x <= -10.0f ? 0.0f
+                            : x >= 10.0f ? x
+                                         : kvd_f16_to_f32(kvd_f32_to_f16(
+                                               0.5f * h * (1.0f + tanhf(k * h * (1.0f + 0.044715f * h * h)))));
+            bad += memcmp(&got[i], &(float){ g * up[i] }, sizeof(float)) != 0;
+        }
+    }
+    CHECK_INT(bad, 0);
+}
+
 static void test_f16_row(void)
 {
     enum { N = 1000 };
@@ -81,6 +110,7 @@ int main(void)
         kern_isa_set((enum kern_isa)isa);
         fprintf(stderr, "path %s\n", kern_isa_name(kern_isa()));
         test_swiglu();
+        test_geglu();
         test_f16_row();
     }
     return CHECK_DONE();
