@@ -71,7 +71,7 @@ void kern_attn_paged(const struct kern_attn_args *a, int i);
  * the types (K and V both f16 or both f32). */
 int kern_attn_avx2(const struct kern_attn_args *a);
 
-/* AVX-512 path for head_dim 64 and 128; 0 for other shapes and types. */
+/* AVX-512 path for head_dim 64, 128 and 256; 0 for other shapes and types. */
 int kern_attn_avx512(const struct kern_attn_args *a);
 
 #endif

@@ -1,6 +1,6 @@
 /*
  * attn_avx512.c - grouped paged attention with AVX-512, for head sizes of
- * 64 and 128 (the llama family's).
+ * 64 and 128 (the llama family's) and 256 (Gemma 3's).
  *
  * Positions go sixteen at a time. Their K rows are converted once for the
  * whole group of query heads (to floats, or from q8_0 / q4_0 to int16 codes);
@@ -152,7 +152,7 @@ scores_float(const int HV, const int NQ, const struct kern_attn_args *a, int q0,
     const int hd = 16 * HV, n = a->n_ctx;
     const size_t row_bytes = (size_t)hd * (half ? 2 : 4);
     const size_t v_row_bytes = kern_row_bytes(a->v_type, hd);
-    __m512 qv[MAX_Q][8];
+    __m512 qv[MAX_Q][16];
     for (int g = 0; g < NQ; g++)
         for (int h = 0; h < HV; h++) {
             __m512 x = _mm512_loadu_ps(a->q + (size_t)(q0 + g) * hd + 16 * h);
@@ -161,7 +161,7 @@ scores_float(const int HV, const int NQ, const struct kern_attn_args *a, int q0,
             qv[g][h] = x;
         }
     const __m512 scale = _mm512_set1_ps(a->scale);
-    float kf[16][128] __attribute__((aligned(64)));
+    float kf[16][256] __attribute__((aligned(64)));
     const uint64_t k_off = (uint64_t)a->kv_head * a->k_head_stride;
     const uint64_t v_off = (uint64_t)a->kv_head * a->v_head_stride;
     int blk = 0, off = 0;  /* the next position's block and row, without a division per row */
@@ -211,11 +211,11 @@ scores_quant(const int HV, const int NQ, const struct kern_attn_args *a, int q0,
     const bool q8 = a->k_type == KERN_Q8_0;
     const size_t row_bytes = kern_row_bytes(a->k_type, hd), blk_bytes = row_bytes / (size_t)NB;
     const size_t v_row_bytes = kern_row_bytes(a->v_type, hd);
-    int32_t qw[MAX_Q][4][8];   /* the query's codes, four a dword */
-    __m512i qcorr[MAX_Q][4];   /* offset x sum of the query block's codes */
-    __m512 qd[MAX_Q][4];       /* the query blocks' scales */
+    int32_t qw[MAX_Q][8][8];   /* the query's codes, four a dword */
+    __m512i qcorr[MAX_Q][8];   /* offset x sum of the query block's codes */
+    __m512 qd[MAX_Q][8];       /* the query blocks' scales */
     for (int g = 0; g < NQ; g++) {
-        struct kern_block_q8_0 qq[4];
+        struct kern_block_q8_0 qq[8];
         kern_quantize_act(KERN_Q8_0, a->q + (size_t)(q0 + g) * hd, qq, hd);
         for (int b = 0; b < NB; b++) {
             int sum = 0;
@@ -229,7 +229,7 @@ scores_quant(const int HV, const int NQ, const struct kern_attn_args *a, int q0,
     const __m512 scale = _mm512_set1_ps(a->scale);
     const uint64_t k_off = (uint64_t)a->kv_head * a->k_head_stride;
     const uint64_t v_off = (uint64_t)a->kv_head * a->v_head_stride;
-    static const uint8_t zero_row[4 * sizeof(struct kern_block_q8_0)];
+    static const uint8_t zero_row[8 * sizeof(struct kern_block_q8_0)];
     int blk = 0, off = 0;
     for (int j0 = 0; j0 < n; j0 += 16) {
         const int cnt = n - j0 < 16 ? n - j0 : 16;
@@ -278,7 +278,7 @@ scores_quant(const int HV, const int NQ, const struct kern_attn_args *a, int q0,
 /* out += p v over a q8_0 or q4_0 V: each row's codes converted to floats and
  * scaled (d * code, kern_dequantize_row's values) once for all heads. */
 static inline __attribute__((always_inline)) void
-values_quant(const int HV, const int NQ, const struct kern_attn_args *a, __m512 acc[MAX_Q][8])
+values_quant(const int HV, const int NQ, const struct kern_attn_args *a, __m512 acc[MAX_Q][16])
 {
     const int hd = 16 * HV, n = a->n_ctx, NB = HV / 2;
     const bool q8 = a->v_type == KERN_Q8_0;
@@ -313,7 +313,7 @@ values_quant(const int HV, const int NQ, const struct kern_attn_args *a, __m512 
     }
 }
 
-/* HV = head_dim / 16 (4 or 8), NQ query heads (1..MAX_Q). */
+/* HV = head_dim / 16 (4, 8 or 16), NQ query heads (1..MAX_Q). */
 static inline __attribute__((always_inline)) void
 attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
 {
@@ -355,7 +355,7 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
         }
     }
     /* out = sum p v, each V row converted once for all heads */
-    __m512 acc[MAX_Q][8];
+    __m512 acc[MAX_Q][16];
     for (int g = 0; g < NQ; g++)
         for (int h = 0; h < HV; h++)
             acc[g][h] = _mm512_setzero_ps();
@@ -388,7 +388,7 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
 int kern_attn_avx512(const struct kern_attn_args *a)
 {
     const int hd = a->head_dim;
-    if ((hd != 64 && hd != 128) || !kv_simd_type(a->k_type) || !kv_simd_type(a->v_type))
+    if ((hd != 64 && hd != 128 && hd != 256) || !kv_simd_type(a->k_type) || !kv_simd_type(a->v_type))
         return 0;
     const int HV = hd / 16;
     for (int q0 = 0; q0 < a->n_q; q0 += MAX_Q) {
@@ -396,6 +396,7 @@ int kern_attn_avx512(const struct kern_attn_args *a)
         switch (HV * 8 + nq) {
         PASS(4, 1); PASS(4, 2); PASS(4, 3); PASS(4, 4);
         PASS(8, 1); PASS(8, 2); PASS(8, 3); PASS(8, 4);
+        PASS(16, 1); PASS(16, 2); PASS(16, 3); PASS(16, 4);
         default: return 0;
         }
     }

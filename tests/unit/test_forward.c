@@ -357,11 +357,12 @@ static model_t *make_gemma(const char *name, uint32_t wtype, uint32_t window, ui
 }
 
 /* Gemma 3 against the reference: the window seen, and not more. */
-static void test_gemma_against_reference(const char *name, uint32_t wtype, uint32_t kv_type, double rel_tol)
+static void test_gemma_against_reference(const char *name, uint32_t wtype, uint32_t kv_type, uint32_t head_dim,
+                                         double rel_tol)
 {
     kv_half = kv_type == KERN_F16;
-    model_t *m = make_gemma(name, wtype, 7, 48);
-    CHECK(m->cfg.arch == MODEL_ARCH_GEMMA3 && m->cfg.head_dim == 48 && m->cfg.swa_window == 7);
+    model_t *m = make_gemma(name, wtype, 7, head_dim);
+    CHECK(m->cfg.arch == MODEL_ARCH_GEMMA3 && m->cfg.head_dim == head_dim && m->cfg.swa_window == 7);
     CHECK(model_layer_windowed(&m->cfg, 0) && model_layer_windowed(&m->cfg, 4) &&
           !model_layer_windowed(&m->cfg, 5));
     const int n = 40;
@@ -597,11 +598,18 @@ int main(void)
      * and the contract on every path with a window of 7 positions that starts
      * anywhere in 4-position blocks, over contexts up to 100 positions */
     /* (GELU rounds to halves: a last-bit difference before it can become a half's step) */
-    test_gemma_against_reference("gemma3-f32", KERN_F32, KERN_F32, 5e-4);
-    test_gemma_against_reference("gemma3-f16kv", KERN_F32, KERN_F16, 1e-3);
-    test_gemma_against_reference("gemma3-q8_0", KERN_Q8_0, KERN_F16, 0.03);
-    model_t *g = make_gemma("gemma3-contract", KERN_Q8_0, 7, 64);
+    test_gemma_against_reference("gemma3-f32", KERN_F32, KERN_F32, 48, 5e-4);
+    test_gemma_against_reference("gemma3-f16kv", KERN_F32, KERN_F16, 48, 1e-3);
+    test_gemma_against_reference("gemma3-q8_0", KERN_Q8_0, KERN_F16, 48, 0.03);
+    /* Gemma 3's own head width: the AVX-512 attention at 256 where the CPU has it */
+    test_gemma_against_reference("gemma3-hd256", KERN_F32, KERN_F16, 256, 1e-3);
+    model_t *g = make_gemma("gemma3-contract", KERN_Q8_0, 7, 256);
     contract_on_every_path(g, "gemma3");
+    for (size_t f = 0; f < sizeof(quant) / sizeof(quant[0]); f++) {
+        rig_fmt = quant[f];
+        contract_on_every_path(g, "gemma3");
+    }
+    rig_fmt = (struct kv_format){ "f16", KERN_F16, KERN_F16, 0 };
     rig_chunk = 16;
     test_chunking(g);
     test_batch_invariance(g);
