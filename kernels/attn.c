@@ -80,8 +80,7 @@ void kern_attn_paged(const struct kern_attn_args *a, int i)
 void kern_attn_isa(const struct kern_attn_args *a, int isa)
 {
 #if defined(__x86_64__)
-    /* a window that starts inside a block: the AVX2 path takes it */
-    if (isa >= KERN_ISA_AVX512VNNI && a->skip == 0 && kern_attn_avx512(a))
+    if (isa >= KERN_ISA_AVX512VNNI && kern_attn_avx512(a))
         return;
     if (isa >= KERN_ISA_AVX2 && kern_attn_avx2(a))
         return;

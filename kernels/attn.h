@@ -48,7 +48,7 @@ void kern_attn_isa(const struct kern_attn_args *a, int isa);
 /*
  * The C reference: causal attention of query head i of a (q + i * head_dim,
  * out + i * head_dim, stats + 2 * i) over positions [skip, n_ctx) of the paged
- * cache (the AVX-512 path takes skip == 0 only; kern_attn sends the rest to AVX2). Block b of KV head h starts at k_base + b * block_stride + h *
+ * cache (the SIMD paths take it too). Block b of KV head h starts at k_base + b * block_stride + h *
  * k_head_stride (V likewise); a row is head_dim values of the K (V) type.
  *   scores:  scratch of n_ctx floats
  * Scores are q.k * scale, softmax in f32 with the sum in double, then the

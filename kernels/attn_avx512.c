@@ -1,6 +1,7 @@
 /*
  * attn_avx512.c - grouped paged attention with AVX-512, for head sizes of
- * 64 and 128 (the llama family's) and 256 (Gemma 3's).
+ * 64 and 128 (the llama family's) and 256 (Gemma 3's); a sliding window's
+ * first block is read whole, its positions before the window masked out.
  *
  * Positions go sixteen at a time. Their K rows are converted once for the
  * whole group of query heads (to floats, or from q8_0 / q4_0 to int16 codes);
@@ -78,6 +79,16 @@ static inline void prefetch_block(const struct kern_attn_args *a, int b, int n, 
 }
 
 #define MAX_Q 4  /* query heads per pass */
+
+/* The lanes of positions j0 .. j0 + 15 that attention reads: inside the
+ * context and, in a sliding window, from skip on. */
+static inline __mmask16 live16(int j0, int n, int skip)
+{
+    uint32_t m = n - j0 >= 16 ? 0xFFFFu : (1u << (n - j0)) - 1u;
+    if (j0 < skip)
+        m &= skip - j0 >= 16 ? 0u : 0xFFFFu << (skip - j0);
+    return (__mmask16)m;
+}
 
 /* The f16 scale at the start of a q8_0 / q4_0 block, as a float. */
 static inline float block_scale(const uint8_t *blk)
@@ -167,7 +178,7 @@ scores_float(const int HV, const int NQ, const struct kern_attn_args *a, int q0,
     int blk = 0, off = 0;  /* the next position's block and row, without a division per row */
     for (int j0 = 0; j0 < n; j0 += 16) {
         const int cnt = n - j0 < 16 ? n - j0 : 16;
-        const __mmask16 m = (__mmask16)((1u << cnt) - 1u);
+        const __mmask16 m = live16(j0, n, a->skip);   /* the rows are read either way */
         for (int p = 0; p < 16; p++) {
             const uint8_t *k = NULL;
             if (p < cnt) {
@@ -233,7 +244,7 @@ scores_quant(const int HV, const int NQ, const struct kern_attn_args *a, int q0,
     int blk = 0, off = 0;
     for (int j0 = 0; j0 < n; j0 += 16) {
         const int cnt = n - j0 < 16 ? n - j0 : 16;
-        const __mmask16 m = (__mmask16)((1u << cnt) - 1u);
+        const __mmask16 m = live16(j0, n, a->skip);   /* the rows are read either way */
         const uint8_t *rows[16];
         for (int p = 0; p < 16; p++) {
             if (p >= cnt) {
@@ -334,9 +345,9 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
         const __m512 vmx = _mm512_set1_ps(mx);
         __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
         for (int j = 0; j < n; j += 16) {
-            const __mmask16 m = (__mmask16)(n - j >= 16 ? 0xFFFFu : (1u << (n - j)) - 1u);
+            const __mmask16 m = live16(j, n, a->skip), in = live16(j, n, 0);
             const __m512 e = _mm512_maskz_mov_ps(m, kern_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + j), vmx)));
-            _mm512_mask_storeu_ps(sc + j, m, e);
+            _mm512_mask_storeu_ps(sc + j, in, e);    /* 0 before a window: no weight on those rows */
             s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
             s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm512_extractf32x8_ps(e, 1)));
         }
@@ -347,7 +358,7 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
         }
         const __m512 inv = _mm512_set1_ps((float)(1.0 / sum));
         for (int j = 0; j < n; j += 16) {
-            const __mmask16 m = (__mmask16)(n - j >= 16 ? 0xFFFFu : (1u << (n - j)) - 1u);
+            const __mmask16 m = live16(j, n, 0);
             __m512 pv = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc + j), inv);
             if (half)
                 pv = _mm512_cvtph_ps(_mm512_cvtps_ph(pv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

@@ -26,10 +26,10 @@
 
 static float frand(void) { return (float)rand() / (float)RAND_MAX * 2.0f - 1.0f; }
 
-/* The attention of q over rows [0, n) of a quantized cache in double: the
+/* The attention of q over rows [from, n) of a quantized cache in double: the
  * reference every path is held to. */
 static void attn_exact_q(double *out, const float *q, const uint8_t *kmem, const uint8_t *vmem,
-                         const uint32_t *blocks, int n, size_t k_row, size_t v_row, size_t k_head,
+                         const uint32_t *blocks, int from, int n, size_t k_row, size_t v_row, size_t k_head,
                          size_t v_head, size_t block_stride, uint32_t kt, uint32_t vt, double scale)
 {
     uint8_t qq[HD / 32 * sizeof(struct kern_block_q8_0)];
@@ -37,7 +37,7 @@ static void attn_exact_q(double *out, const float *q, const uint8_t *kmem, const
     kern_quantize_row(KERN_Q8_0, q, qq, HD);
     kern_dequantize_row(KERN_Q8_0, qq, qf, HD);
     double *s = malloc((size_t)n * sizeof(double)), mx = -INFINITY, sum = 0;
-    for (int j = 0; j < n; j++) {
+    for (int j = from; j < n; j++) {
         const size_t at = blocks[j / BT] * block_stride + k_head + (size_t)(j % BT) * k_row;
         kern_dequantize_row(kt, kmem + at, kf, HD);
         double d = 0;
@@ -46,11 +46,11 @@ static void attn_exact_q(double *out, const float *q, const uint8_t *kmem, const
         s[j] = d * scale;
         mx = s[j] > mx ? s[j] : mx;
     }
-    for (int j = 0; j < n; j++)
+    for (int j = from; j < n; j++)
         sum += (s[j] = exp(s[j] - mx));
     for (int i = 0; i < HD; i++)
         out[i] = 0;
-    for (int j = 0; j < n; j++) {
+    for (int j = from; j < n; j++) {
         const size_t at = blocks[j / BT] * block_stride + v_head + (size_t)(j % BT) * v_row;
         kern_dequantize_row(vt, vmem + at, vf, HD);
         for (int i = 0; i < HD; i++)
@@ -85,8 +85,12 @@ static void test_quantized(void)
         uint32_t blocks[NB];
         for (int i = 0; i < NB; i++)
             blocks[i] = (uint32_t)((i * 37 + 11) % NB);
-        for (size_t ci = 0; ci < sizeof(ctxs) / sizeof(ctxs[0]); ci++) {
-            const int n_ctx = ctxs[ci], G = 3;
+        for (size_t ci = 0; ci < 2 * sizeof(ctxs) / sizeof(ctxs[0]); ci++) {
+            /* each context twice: whole, and as a sliding window that starts
+             * inside its first block (skip) */
+            const int n_ctx = ctxs[ci / 2], G = 3, skip = ci % 2 && n_ctx > 11 ? 11 : 0;
+            if (ci % 2 && skip == 0)
+                continue;
             float q[3 * HD], ref[3 * HD], got[3 * HD], one[HD];
             double ex[3][HD];
             float stats[2 * 3], ref_stats[2 * 3];
@@ -97,10 +101,10 @@ static void test_quantized(void)
                 .out = ref, .q = q, .n_q = G, .k_base = mem, .v_base = mem + KVH * k_head,
                 .blocks = blocks, .n_ctx = n_ctx, .block_tokens = BT, .head_dim = HD, .kv_head = 1,
                 .block_stride = block_stride, .k_head_stride = k_head, .v_head_stride = v_head,
-                .k_type = kt, .v_type = vt, .scale = 0.125f, .scores = scores,
+                .k_type = kt, .v_type = vt, .scale = 0.125f, .scores = scores, .skip = skip,
             };
             for (int g = 0; g < G; g++)
-                attn_exact_q(ex[g], q + g * HD, mem, mem + KVH * k_head, blocks, n_ctx, k_row, v_row,
+                attn_exact_q(ex[g], q + g * HD, mem, mem + KVH * k_head, blocks, skip, n_ctx, k_row, v_row,
                              k_head, v_head, block_stride, kt, vt, 0.125);
             for (int isa = KERN_ISA_C; isa <= (int)kern_isa_best(); isa++) {
                 a.out = isa == KERN_ISA_C ? ref : got;
@@ -117,8 +121,8 @@ static void test_quantized(void)
                         norm = fmax(norm, fabs(ex[g][i]));
                     }
                 if (worst > 1e-4 * fmax(norm, 0.05))
-                    fprintf(stderr, "K %s V %s ctx %d on %s: worst difference %.2e (output %.2e)\n",
-                            kern_type_info(kt)->name, kern_type_info(vt)->name, n_ctx,
+                    fprintf(stderr, "K %s V %s ctx %d skip %d on %s: worst difference %.2e (output %.2e)\n",
+                            kern_type_info(kt)->name, kern_type_info(vt)->name, n_ctx, skip,
                             kern_isa_name((enum kern_isa)isa), worst, norm);
                 CHECK(worst <= 1e-4 * fmax(norm, 0.05));
                 for (int g = 0; g < G; g++) {
@@ -159,9 +163,12 @@ int main(void)
         uint32_t blocks[NB];
         for (int i = 0; i < NB; i++)
             blocks[i] = (uint32_t)((i * 37 + 11) % NB);
-        for (size_t ci = 0; ci < sizeof(ctxs) / sizeof(ctxs[0]); ci++)
+        for (size_t ci = 0; ci < 2 * sizeof(ctxs) / sizeof(ctxs[0]); ci++)
             for (size_t gi = 0; gi < sizeof(groups) / sizeof(groups[0]); gi++) {
-                const int n_ctx = ctxs[ci], G = groups[gi];
+                /* each context whole, then as a window starting inside its first block */
+                const int n_ctx = ctxs[ci / 2], G = groups[gi], skip = ci % 2 && n_ctx > 5 ? 5 : 0;
+                if (ci % 2 && skip == 0)
+                    continue;
                 float q[4 * HD], ref[4 * HD], got[4 * HD], one[HD];
                 float *scores = malloc((size_t)4 * n_ctx * sizeof(float));
                 for (int i = 0; i < G * HD; i++)
@@ -171,7 +178,7 @@ int main(void)
                     .blocks = blocks, .n_ctx = n_ctx, .block_tokens = BT, .head_dim = HD,
                     .kv_head = 1, .block_stride = block_stride, .k_head_stride = head_stride,
                     .v_head_stride = head_stride, .k_type = dtype, .v_type = dtype, .scale = 0.125f,
-                    .scores = scores,
+                    .scores = scores, .skip = skip,
                 };
                 kern_attn_isa(&a, KERN_ISA_C);
                 double worst = 0;
@@ -191,8 +198,8 @@ int main(void)
                     }
                 }
                 if (worst > 2e-3)
-                    fprintf(stderr, "%s ctx %d group %d: worst relative difference %.2e\n",
-                            dt ? "f32" : "f16", n_ctx, G, worst);
+                    fprintf(stderr, "%s ctx %d skip %d group %d: worst relative difference %.2e\n",
+                            dt ? "f32" : "f16", n_ctx, skip, G, worst);
                 CHECK(worst <= 2e-3);
                 free(scores);
             }
