@@ -89,6 +89,10 @@ void kern_geglu(float *gate, const float *up, int n)
         kern_geglu_avx512(gate, up, n, t);
         return;
     }
+    if (kern_isa() >= KERN_ISA_AVX2) {
+        kern_geglu_avx2(gate, up, n, t);
+        return;
+    }
 #endif
     for (int i = 0; i < n; i++) {
         const float x = gate[i];

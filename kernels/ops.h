@@ -49,6 +49,7 @@ void kern_f32_to_f16_row(uint16_t *dst, const float *src, int n);
  * lookups by gather). */
 void kern_swiglu_avx512(float *gate, const float *up, int n);
 void kern_geglu_avx512(float *gate, const float *up, int n, const float *table);
+void kern_geglu_avx2(float *gate, const float *up, int n, const float *table);
 void kern_f32_to_f16_avx512(uint16_t *dst, const float *src, int n);
 
 /* In-place orthonormal Walsh-Hadamard transform of x[n], n a power of two
