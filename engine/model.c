@@ -227,10 +227,13 @@ static uint64_t mat_bytes(const struct model_mat *m) { return (uint64_t)m->rows 
  * from the page cache if a slower path is asked for later). */
 static void pack_mat(model_t *m, struct model_mat *w)
 {
-    w->packed = kern_pack(w->type, w->data, w->row_bytes, w->rows, w->cols);
+    if (kern_isa() >= KERN_ISA_AVX512VNNI)
+        w->packed = kern_pack(w->type, w->data, w->row_bytes, w->rows, w->cols);
     if (w->packed == NULL)
+        w->unpacked = kern_unpack_matrix(w->type, w->data, w->row_bytes, w->rows, w->cols);
+    if (w->packed == NULL && w->unpacked == NULL)
         return;
-    m->packed_bytes += kern_pack_bytes(w->packed);
+    m->packed_bytes += kern_pack_bytes(w->packed) + kern_unpacked_bytes(w->unpacked);
     const long page = sysconf(_SC_PAGESIZE);
     uintptr_t lo = ((uintptr_t)w->data + (uintptr_t)page - 1) & ~(uintptr_t)(page - 1);
     uintptr_t hi = ((uintptr_t)w->data + (uintptr_t)mat_bytes(w)) & ~(uintptr_t)(page - 1);
@@ -240,10 +243,11 @@ static void pack_mat(model_t *m, struct model_mat *w)
 }
 
 /* Every matrix the products read (not the embedding table: its rows are
- * looked up, not multiplied, unless it doubles as the output matrix). */
+ * looked up, not multiplied, unless it doubles as the output matrix): packed
+ * for AVX-512 VNNI (Q4_0, Q4_1, Q5_0, Q8_0), K-quants unpacked for AVX2 and up. */
 static void pack_weights(model_t *m)
 {
-    if (kern_isa() < KERN_ISA_AVX512VNNI)
+    if (kern_isa() < KERN_ISA_AVX2)
         return;
     pack_mat(m, &m->output);
     for (uint32_t i = 0; i < m->cfg.n_layer; i++) {
@@ -351,6 +355,7 @@ void model_destroy(model_t **mp)
         return;
     model_t *m = *mp;
     kern_pack_free(&m->output.packed);
+    kern_unpacked_free(&m->output.unpacked);
     if (m->layers != NULL) {
         for (uint32_t i = 0; i < m->cfg.n_layer; i++) {
             struct model_layer *L = &m->layers[i];
@@ -361,8 +366,10 @@ void model_destroy(model_t **mp)
             free(L->post_attn_norm);
             free(L->post_ffn_norm);
             struct model_mat *mats[] = { &L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down };
-            for (size_t k = 0; k < sizeof(mats) / sizeof(mats[0]); k++)
+            for (size_t k = 0; k < sizeof(mats) / sizeof(mats[0]); k++) {
                 kern_pack_free(&mats[k]->packed);
+                kern_unpacked_free(&mats[k]->unpacked);
+            }
         }
         free(m->layers);
     }

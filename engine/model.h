@@ -53,6 +53,7 @@ struct model_mat {
     size_t row_bytes;       /* bytes per row */
     const void *data;       /* rows * row_bytes, in the file mapping */
     struct kern_packed *packed; /* the same repacked for the fastest path, or NULL (gemm.h) */
+    struct kern_unpacked *unpacked; /* K-quants: the same unpacked once for the SIMD paths, or NULL */
 };
 
 struct model_layer {
@@ -78,7 +79,7 @@ typedef struct model {
     float *output_norm;         /* (n_embd) */
     struct model_layer *layers; /* n_layer entries */
     uint64_t weight_bytes;      /* bytes of all weight matrices */
-    uint64_t packed_bytes;      /* bytes of their repacked copies (owned) */
+    uint64_t packed_bytes;      /* bytes of their repacked and unpacked copies (owned) */
 } model_t;
 
 /* Loads a llama-family GGUF. Returns NULL with a one-line reason in err on an

@@ -118,27 +118,28 @@ static void rows512(int kind, const struct kern_gemm_args *a, const int8_t *av, 
         return;
     }
     for (long r = a->r0; r < a->r1; r++) {
-        unpack(a->wtype, a->w + (size_t)r * a->row_bytes, n, q, d, m, &w);
+        take_row(a, r, q, d, m, &w);
         const int8_t *wq = w.q;  /* the unpacked codes, or Q8_0's in place */
         const size_t qs = w.qstride;
+        const float *wd = w.d, *wm = w.m;
         int t = 0;
         for (; t + 4 <= a->T; t += 4) {
             float *o = a->out + (size_t)t * a->ldo + r;
             const int8_t *at = av + (size_t)t * n;
             const float *vt = dav + (size_t)t * 16 * np, *st = sa + (size_t)t * nb;
             if (kind == KERN_UNPACK_S32)
-                tile4(KERN_UNPACK_S32, wq, qs, d, m, np, n, nb, at, vt, st, o, a->ldo, a->add);
+                tile4(KERN_UNPACK_S32, wq, qs, wd, wm, np, n, nb, at, vt, st, o, a->ldo, a->add);
             else
-                tile4(KERN_UNPACK_U32M, wq, qs, d, m, np, n, nb, at, vt, st, o, a->ldo, a->add);
+                tile4(KERN_UNPACK_U32M, wq, qs, wd, wm, np, n, nb, at, vt, st, o, a->ldo, a->add);
         }
         for (; t < a->T; t++) {
             float *o = a->out + (size_t)t * a->ldo + r;
             const int8_t *at = av + (size_t)t * n;
             const float *vt = dav + (size_t)t * 16 * np, *st = sa + (size_t)t * nb;
             if (kind == KERN_UNPACK_S32)
-                tile1(KERN_UNPACK_S32, wq, qs, d, m, np, nb, at, vt, st, o, a->add);
+                tile1(KERN_UNPACK_S32, wq, qs, wd, wm, np, nb, at, vt, st, o, a->add);
             else
-                tile1(KERN_UNPACK_U32M, wq, qs, d, m, np, nb, at, vt, st, o, a->add);
+                tile1(KERN_UNPACK_U32M, wq, qs, wd, wm, np, nb, at, vt, st, o, a->add);
         }
     }
 }
