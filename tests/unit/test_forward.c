@@ -605,7 +605,9 @@ int main(void)
     test_gemma_against_reference("gemma3-hd256", KERN_F32, KERN_F16, 256, 1e-3);
     model_t *g = make_gemma("gemma3-contract", KERN_Q8_0, 7, 256);
     contract_on_every_path(g, "gemma3");
-    for (size_t f = 0; f < sizeof(quant) / sizeof(quant[0]); f++) {
+    /* the quantized caches' kernels at head dim 256: q8_0, and rotated q4_0 (the
+     * other formats add nothing new there, and this test runs under ASan too) */
+    for (size_t f = 0; f < 2; f++) {
         rig_fmt = quant[f];
         contract_on_every_path(g, "gemma3");
     }
