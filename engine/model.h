@@ -53,7 +53,7 @@ struct model_mat {
     size_t row_bytes;       /* bytes per row */
     const void *data;       /* rows * row_bytes, in the file mapping */
     struct kern_packed *packed; /* the same repacked for the fastest path, or NULL (gemm.h) */
-    struct kern_unpacked *unpacked; /* K-quants: the same unpacked once for the SIMD paths, or NULL */
+    struct kern_unpacked *unpacked; /* K-quants, and Q4_0/Q5_0 not packed: unpacked once for the SIMD paths */
 };
 
 struct model_layer {

@@ -117,8 +117,9 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
 
 struct kern_unpacked *kern_unpack_matrix(uint32_t wtype, const void *w, size_t row_bytes, int64_t rows, int64_t n)
 {
-    if (kern_isa_best() < KERN_ISA_AVX2 || (wtype != KERN_Q4_K && wtype != KERN_Q5_K && wtype != KERN_Q6_K) ||
-        n <= 0 || n % 256 != 0 || rows <= 0 || row_bytes != kern_row_bytes(wtype, n))
+    const bool kq = wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_Q6_K;
+    if (kern_isa_best() < KERN_ISA_AVX2 || (!kq && wtype != KERN_Q4_0 && wtype != KERN_Q5_0) || n <= 0 ||
+        n % (kq ? 256 : 32) != 0 || rows <= 0 || row_bytes != kern_row_bytes(wtype, n))
         return NULL;
     struct kern_unpacked *u = calloc(1, sizeof(*u));
     if (u == NULL)

@@ -53,7 +53,8 @@ void kern_pack_free(struct kern_packed **p);
 size_t kern_pack_bytes(const struct kern_packed *p);
 
 /*
- * A K-quant weight matrix (Q4_K, Q5_K, Q6_K) unpacked once, at load: each row's
+ * A weight matrix of a type the SIMD products unpack row by row (the K-quants
+ * Q4_K, Q5_K, Q6_K, and Q4_0 / Q5_0 where they are not packed) unpacked once, at load: each row's
  * codes as int8 (n a row) and its scales as floats (d_stride a row: per 32
  * values, per 16 for Q6_K; m_stride mins, Q4_K / Q5_K), exactly what the SIMD
  * products would otherwise unpack from the row at every product (kern_unpack_row:
@@ -67,8 +68,8 @@ struct kern_unpacked {
     float *d, *m;
 };
 
-/* Unpacks a K-quant matrix when this CPU's best path has SIMD products
- * (AVX2 or better); else NULL (also for other types and on out of memory). */
+/* Unpacks such a matrix when this CPU's best path has SIMD products (AVX2 or
+ * better); else NULL (also for other types and on out of memory). */
 struct kern_unpacked *kern_unpack_matrix(uint32_t wtype, const void *w, size_t row_bytes, int64_t rows, int64_t n);
 void kern_unpacked_free(struct kern_unpacked **u);
 size_t kern_unpacked_bytes(const struct kern_unpacked *u);

@@ -102,10 +102,10 @@ static void check_type(uint32_t wtype, int64_t n, void *scratch)
         run(&add, isa, MAXT, 0, ROWS, acc);
         for (int i = 0; i < MAXT * ROWS; i++)
             CHECK(acc[i] == 1.0f + got[i]);
-        /* a K-quant matrix unpacked at load: the same bits, any batch and row range */
+        /* a matrix unpacked at load: the same bits, any batch and row range */
         struct kern_unpacked *u = kern_unpack_matrix(wtype, w, wrow, ROWS, n);
         const bool kq = wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_Q6_K;
-        CHECK((u != NULL) == (kq && n % 256 == 0));
+        CHECK((u != NULL) == ((kq && n % 256 == 0) || wtype == KERN_Q4_0 || wtype == KERN_Q5_0));
         if (u != NULL) {
             struct kern_gemm_args gu = g;
             gu.unpacked = u;
