@@ -387,6 +387,23 @@ static long json_num(const char *s, const char *key)
     return p ? strtol(p + strlen(pat), NULL, 10) : -1;
 }
 
+/* A streamed event's "content" text, when it has some: appended to the
+ * answer, and the first one's time is the sample's TTFT. */
+static void take_content(const char *ev, struct sample *s, double t0, char **ans, size_t *al, size_t *ac)
+{
+    const char *content = strstr(ev, "\"content\":\"");
+    if (content == NULL || content[11] == '"')
+        return;
+    if (s->ttft < 0)
+        s->ttft = now_ms() - t0;
+    const char *c0 = content + 11, *c1 = c0;
+    while (*c1 && !(*c1 == '"' && c1[-1] != '\\'))
+        c1++;
+    char piece[1024];
+    snprintf(piece, sizeof(piece), "%.*s", (int)(c1 - c0), c0);
+    append(ans, al, ac, piece);
+}
+
 /* One streamed /completion; fills s and the answer text. */
 static void llama_request(const char *prompt, struct sample *s, char **answer)
 {
@@ -429,17 +446,7 @@ static void llama_request(const char *prompt, struct sample *s, char **answer)
             if (end == NULL)
                 break;
             *end = 0;
-            const char *content = strstr(ev, "\"content\":\"");
-            if (content && content[11] != '"') {
-                if (s->ttft < 0)
-                    s->ttft = now_ms() - t0;
-                const char *c0 = content + 11, *c1 = c0;
-                while (*c1 && !(*c1 == '"' && c1[-1] != '\\'))
-                    c1++;
-                char piece[1024];
-                snprintf(piece, sizeof(piece), "%.*s", (int)(c1 - c0), c0);
-                append(&ans, &al, &ac, piece);
-            }
+            take_content(ev, s, t0, &ans, &al, &ac);
             if (strstr(ev, "\"stop\":true")) {
                 long pn = json_num(ev, "prompt_n"), cn = json_num(ev, "cache_n");
                 long tp = json_num(ev, "predicted_n");
@@ -655,17 +662,7 @@ static void oai_request(int port, const struct kvd_chat_msg *m, size_t nm, struc
             *end = 0;
             if (strncmp(ev + 6, "[DONE]", 6) == 0)
                 s->ok = s->completion > 0;
-            const char *content = strstr(ev, "\"content\":\"");
-            if (content && content[11] != '"') {
-                if (s->ttft < 0)
-                    s->ttft = now_ms() - t0;
-                const char *c0 = content + 11, *c1 = c0;
-                while (*c1 && !(*c1 == '"' && c1[-1] != '\\'))
-                    c1++;
-                char piece[1024];
-                snprintf(piece, sizeof(piece), "%.*s", (int)(c1 - c0), c0);
-                append(&ans, &al, &ac, piece);
-            }
+            take_content(ev, s, t0, &ans, &al, &ac);
             const char *usage = strstr(ev, "\"usage\":{");
             if (usage != NULL) {
                 long pt = json_num(usage, "prompt_tokens"), ct = json_num(usage, "completion_tokens");
