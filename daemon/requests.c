@@ -1014,6 +1014,9 @@ static void add_hash(void *user, prefix_key_t key, const prefix_key_t *parent, c
 
 static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id, bool block_hashes)
 {
+    /* what the index holds now is in the batches counted below: none waits for the loop's flush */
+    if (k->events != NULL)
+        kv_events_flush(k->events);
     struct prefix_stats ps;
     prefix_stats(k->px, &ps);
     Kvd__ServerReply m = KVD__SERVER_REPLY__INIT;

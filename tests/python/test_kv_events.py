@@ -96,15 +96,27 @@ class Subscriber:
         else:
             self.problems.append(f"unknown event {tag}")
 
-    def snapshot(self, quiet: float = 0.5) -> set[int]:
-        """The set once no message has come for `quiet` seconds."""
-        last = -1
+    def received(self) -> int:
+        """Batches received so far."""
+        with self._lock:
+            return len(self.seqs)
+
+    def caught_up(self, batches: int, patience: float) -> set[int]:
+        """The set once the batch numbered batches - 1 (kvd has sent `batches`) has come; fails
+        after `patience` seconds without it."""
+        deadline = time.monotonic() + patience
         while True:
-            time.sleep(quiet)
             with self._lock:
-                if len(self.seqs) == last:
+                if self.seqs and self.seqs[-1] >= batches - 1:
                     return set(self.blocks)
-                last = len(self.seqs)
+            assert time.monotonic() < deadline, f"batch {batches - 1} never came ({self.seqs[-3:]})"
+            time.sleep(0.01)
+
+    def start_from(self, blocks: set[int]) -> None:
+        """Takes kvd's own set as the state so far (what came before the subscription took hold
+        is lost to any PUB subscriber)."""
+        with self._lock:
+            self.blocks = set(blocks)
 
     def close(self) -> None:
         self._stop.set()
@@ -124,15 +136,34 @@ def events_kvd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemo
     _stop_checked(d)
 
 
+def idle_stats(c: kvd_client.Client, patience: float) -> kvd_client.Stats:
+    """kvd's stats (with the block hashes) once no request runs and no block is in use."""
+    deadline = time.monotonic() + patience
+    while True:
+        st = c.stats(block_hashes=True)
+        if st.requests_running == 0 and st.blocks_in_use == 0:
+            return st
+        assert time.monotonic() < deadline, "kvd never went idle"
+        time.sleep(0.01)
+
+
 def test_subscriber_rebuilds_the_cache_exactly(events_kvd: tuple[Daemon, str]) -> None:
     d, ep = events_kvd
     sub = Subscriber(ep)
     try:
-        time.sleep(0.3)     # a PUB drops what it sends before the subscription arrives
         with kvd_client.Client(d.endpoint, timeout=d.patience) as c:
-            before = c.stats(block_hashes=True)
-            # the daemon is fresh: what it can find now is empty, and the subscriber agrees
-            assert sub.snapshot() == set(before.block_hashes) == set()
+            # a PUB drops what it sends before a subscription takes hold, and says nothing of
+            # when it does: cache short prompts until one batch arrives; from then on nothing is
+            # lost. The set so far is then kvd's own, taken while idle once every batch is here.
+            deadline = time.monotonic() + d.patience
+            probe = 0
+            while sub.received() == 0:
+                assert time.monotonic() < deadline, "no batch ever reached the subscriber"
+                c.generate(f"Probe {probe}: " + "the subscription is not there yet. " * 3, max_tokens=1)
+                probe += 1
+            st = idle_stats(c, d.patience)
+            sub.caught_up(st.kv_event_batches, d.patience)
+            sub.start_from(set(st.block_hashes))
             # shared system prompts, several namespaces, more distinct prompts than the pool holds
             for round_ in range(2):
                 for i in range(6):
@@ -150,14 +181,9 @@ def test_subscriber_rebuilds_the_cache_exactly(events_kvd: tuple[Daemon, str]) -
             # the same prompt in two namespaces: two chains
             for ns in ("left", "right"):
                 c.generate("The same words in two namespaces. " * 6, max_tokens=2, namespace=ns)
-            # idle, then the truth
-            for _ in range(100):
-                st = c.stats(block_hashes=True)
-                if st.requests_running == 0 and st.blocks_in_use == 0:
-                    break
-                time.sleep(0.05)
-            got = sub.snapshot()
-            st = c.stats(block_hashes=True)
+            # idle, then the truth: the set after kvd's last batch against kvd's own
+            st = idle_stats(c, d.patience)
+            got = sub.caught_up(st.kv_event_batches, d.patience)
         assert st.evictions > 0, "the load must evict for this test to mean anything"
         assert sub.problems == []
         assert sub.counts["BlockStored"] > 0 and sub.counts["BlockRemoved"] > 0
@@ -168,7 +194,7 @@ def test_subscriber_rebuilds_the_cache_exactly(events_kvd: tuple[Daemon, str]) -
         assert sub.topics == {f"kv@{host}@{MODEL.name.removesuffix('.gguf')}"}
         # sequence numbers: consecutive, none lost
         assert sub.seqs == list(range(sub.seqs[0], sub.seqs[0] + len(sub.seqs)))
-        assert st.kv_event_batches >= sub.seqs[-1] + 1
+        assert st.kv_event_batches == sub.seqs[-1] + 1
         # the same prompt in two namespaces is two different chains
         firsts = [tuple(sub.tokens[h]) for h, p in sub.parent.items() if p is None and h in got]
         assert any(firsts.count(t) == 2 for t in firsts)
