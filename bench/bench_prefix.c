@@ -256,7 +256,8 @@ static void prefill(engine_t *e, prefix_t *px, struct prefix_seq *s, const int32
             fprintf(stderr, "bench-prefix: the pool is full\n");
             exit(1);
         }
-        struct fwd_seq fs = { t + i, m, i, s->blocks, s->n_blocks, false };
+        struct fwd_seq fs = { t + i, m, i, s->blocks, s->n_blocks, false,
+                               s->n_parts > 1 ? (const uint32_t *const *)s->tables : NULL };
         if (engine_step(e, &fs, 1, &lg, &rows, err, sizeof(err)) != 0) {
             fprintf(stderr, "bench-prefix: prefill failed: %s\n", err);
             exit(1);
@@ -277,10 +278,11 @@ static void bench_reuse(const char *path, int threads, struct reuse_result *r)
     pool_layout_for_model(m, BT, KERN_F16, KERN_F16, 0, false, &lay);
     pool_t *p;
     prefix_t *px;
-    open_pool(&lay, 2 * REUSE_PROMPT / BT + 8, &p, &px);
+    open_pool(&lay, (2 * REUSE_PROMPT / BT + 8) * lay.parts.n_parts, &p, &px);
     struct kv_params kp = kv_default_params();
     kp.block_tokens = BT;
     kp.n_blocks = pool_header(p)->n_blocks;
+    kp.parts = &lay.parts;
     kvcache_t *kv = kvcache_wrap(&m->cfg, &kp, pool_data(p), pool_data_bytes(p), err, sizeof(err));
     struct engine_params ep = engine_default_params();
     ep.max_ctx = REUSE_PROMPT;

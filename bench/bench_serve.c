@@ -810,6 +810,7 @@ static void overhead(int gap_ms, struct overhead_parts *op)
     prefix_t *px = pool ? prefix_new(pool, NULL, 0, err, sizeof(err)) : NULL;
     struct kv_params kp = kv_default_params();
     kp.n_blocks = pool ? pool_header(pool)->n_blocks : 0;
+    kp.parts = &lay.parts;
     kvcache_t *kv = px ? kvcache_wrap(&m->cfg, &kp, pool_data(pool), pool_data_bytes(pool), err,
                                       sizeof(err)) : NULL;
     struct engine_params ep = engine_default_params();
@@ -858,7 +859,8 @@ static void overhead(int gap_ms, struct overhead_parts *op)
         for (uint32_t pos = (uint32_t)cached; pos < n; pos += 512) {
             uint32_t k = (uint32_t)n - pos < 512 ? (uint32_t)n - pos : 512;
             prefix_seq_grow(px, &s, pos + k, ids, n);
-            struct fwd_seq fs = { ids + pos, k, pos, s.blocks, s.n_blocks, false };
+            struct fwd_seq fs = { ids + pos, k, pos, s.blocks, s.n_blocks, false,
+                                   s.n_parts > 1 ? (const uint32_t *const *)s.tables : NULL };
             const float *lg;
             uint32_t rows;
             double ts = now_ms();

@@ -208,7 +208,7 @@ int main(int argc, char **argv)
             table[i] = i;
         for (long at = 0; at < n_tok; at += 512) {
             const uint32_t k = (uint32_t)(n_tok - at < 512 ? n_tok - at : 512);
-            struct fwd_seq s = { ids + at, k, (uint32_t)at, table, kp.n_blocks, false };
+            struct fwd_seq s = { ids + at, k, (uint32_t)at, table, kp.n_blocks, false, NULL };
             const float *lg;
             uint32_t rows;
             if (engine_step(e, &s, 1, &lg, &rows, err, sizeof(err)) != 0)

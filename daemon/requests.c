@@ -506,7 +506,8 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, uint6
         code = KVD__ERROR_CODE__ERR_BAD_REQUEST;
     }
     const struct pool_header *h = pool_header(k->pool);
-    uint64_t pool_tokens = (uint64_t)h->n_blocks * h->layout.block_tokens;
+    /* a prompt takes a block per part until its windows slide */
+    uint64_t pool_tokens = (uint64_t)h->n_blocks / h->layout.parts.n_parts * h->layout.block_tokens;
     if (code == 0 && r->n_prompt + 1 > k->n_ctx) {
         snprintf(msg, sizeof(msg), "the prompt has %u tokens; the context holds %u", r->n_prompt,
                  k->n_ctx);
@@ -650,8 +651,19 @@ static int start(struct kvd *k, struct request *r)
     a.tokens = r->tok;
     a.n_tokens = r->n_tok;
     a.n_cached = (uint32_t)cached;
-    a.blocks = r->ps.blocks;
-    a.n_blocks = r->ps.n_blocks;
+    uint32_t *flat = NULL;
+    if (r->ps.n_parts > 1) {
+        flat = malloc((size_t)r->ps.n_blocks * r->ps.n_parts * sizeof(*flat));
+        if (flat == NULL) {
+            prefix_seq_release(k->px, &r->ps);
+            return 0;   /* out of memory: try again later */
+        }
+        a.n_blocks = prefix_seq_flat(&r->ps, 0, flat);
+        a.blocks = flat;
+    } else {
+        a.blocks = r->ps.blocks;
+        a.n_blocks = r->ps.n_blocks;
+    }
     a.sampling = &r->sampling;
     uint32_t n_gen = r->n_tok - r->n_prompt;
     a.max_new = r->max_tokens > n_gen ? r->max_tokens - n_gen : 0;
@@ -678,6 +690,7 @@ static int start(struct kvd *k, struct request *r)
         wk->last_progress = cli_now_ms();
     wk->isolating = suspect(r);
     workers_send(k, w, &m);
+    free(flat);
     return 1;
 }
 
@@ -856,11 +869,23 @@ static void grant(struct kvd *k, struct request *r, uint32_t from)
     Kvdw__Grant g = KVDW__GRANT__INIT;
     g.has_seq_id = true;
     g.seq_id = r->seq_id;
-    g.blocks = r->ps.blocks + from;
-    g.n_blocks = r->ps.n_blocks - from;
+    uint32_t *flat = NULL;
+    if (r->ps.n_parts > 1) {
+        flat = malloc(((size_t)r->ps.n_blocks - from) * r->ps.n_parts * sizeof(*flat) + 1);
+        if (flat == NULL) {
+            kvd_log(k, "request %llu: out of memory for a grant", (unsigned long long)r->seq_id);
+            return;     /* its worker asks again when it needs the blocks */
+        }
+        g.n_blocks = prefix_seq_flat(&r->ps, from, flat);
+        g.blocks = flat;
+    } else {
+        g.blocks = r->ps.blocks + from;
+        g.n_blocks = r->ps.n_blocks - from;
+    }
     m.body_case = KVDW__TO_WORKER__BODY_GRANT;
     m.grant = &g;
     workers_send(k, r->worker, &m);
+    free(flat);
 }
 
 void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions)
@@ -1044,7 +1069,7 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t
     s.bad_messages = k->st.bad_messages;
     s.block_tokens = k->o.block_tokens;
     s.block_bytes = ps.block_bytes;
-    s.kv_bytes_per_token = ps.block_bytes / k->o.block_tokens;
+    s.kv_bytes_per_token = ps.block_bytes * pool_header(k->pool)->layout.parts.n_parts / k->o.block_tokens;
     char kv_type[64];
     kv_describe(&k->o.kv, kv_type, sizeof(kv_type));
     s.kv_type = kv_type;

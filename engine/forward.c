@@ -139,6 +139,15 @@ engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params
         kvd_seterr(err, errlen, KVD_EINVAL, "engine: KV cache shape does not match the model");
         return NULL;
     }
+    for (uint32_t l = 0; l < c->n_layer && kv->parts.n_parts > 1; l++) {
+        const uint32_t w = model_layer_windowed(c, l) ? c->swa_window : 0;
+        if (kv->parts.window[kv_part_of(&kv->parts, l)] != w) {
+            kvd_seterr(err, errlen, KVD_EINVAL,
+                       "engine: the KV cache keeps a window of %u for layer %u, which attends to %u",
+                       kv->parts.window[kv_part_of(&kv->parts, l)], l, w);
+            return NULL;
+        }
+    }
     engine_t *e = calloc(1, sizeof(*e));
     if (e == NULL) {
         kvd_seterr(err, errlen, KVD_ENOMEM, "engine: out of memory");
@@ -407,6 +416,12 @@ static void kv_store_row(uint8_t *dst, const float *src, int hd, uint32_t type)
     }
 }
 
+/* The block table that layer `layer` of sequence s reads. */
+static inline const uint32_t *seq_table(const kvcache_t *kv, const struct fwd_seq *s, uint32_t layer)
+{
+    return s->tables != NULL ? s->tables[kv_part_of(&kv->parts, layer)] : s->blocks;
+}
+
 static void rope_run(void *ctx, int ith, int nth)
 {
     struct rope_job *j = ctx;
@@ -447,7 +462,7 @@ static void rope_run(void *ctx, int ith, int nth)
                 kern_hadamard(v + (size_t)h * hd, hd);
         const struct fwd_seq *s = &j->seqs[e->tok_seq[t]];
         uint32_t pos = (uint32_t)e->tok_pos[t];
-        uint32_t block = s->blocks[pos / kv->block_tokens];
+        uint32_t block = seq_table(kv, s, j->layer)[pos / kv->block_tokens];
         const uint32_t in_block = pos % kv->block_tokens;
         for (int which = 0; which < 2; which++) {
             uint8_t *base = kv_block_ptr(kv, block, j->layer, which);
@@ -526,7 +541,7 @@ static void attn_run(void *ctx, int ith, int nth)
         int n_q = (kvh + 1) * group - h0;
         if (i + n_q > i1)
             n_q = (int)(i1 - i);
-        const uint32_t *blocks = j->seqs[e->tok_seq[t]].blocks;
+        const uint32_t *blocks = seq_table(kv, &j->seqs[e->tok_seq[t]], j->layer);
         const int n_ctx = e->tok_pos[t] + 1;
         a.n_q = n_q;
         a.q = e->q + (size_t)t * nh * hd + (size_t)h0 * hd;
@@ -605,11 +620,26 @@ int fwd_check_batch(const struct fwd_limits *lim, const struct fwd_seq *seqs, ui
             return kvd_seterr(err, errlen, KVD_ERANGE,
                               "engine: sequence %u needs %llu blocks, its table has %u",
                               s, (unsigned long long)need, q->n_blocks);
-        for (uint64_t b = 0; b < need; b++)
-            if (q->blocks[b] >= lim->n_blocks)
-                return kvd_seterr(err, errlen, KVD_ERANGE,
-                                  "engine: sequence %u names block %u of %u", s, q->blocks[b],
-                                  lim->n_blocks);
+        const uint32_t n_parts = lim->parts != NULL ? lim->parts->n_parts : 1;
+        if (n_parts > 1 && q->tables == NULL)
+            return kvd_seterr(err, errlen, KVD_EINVAL,
+                              "engine: sequence %u has one block table; the cache has %u parts", s,
+                              n_parts);
+        for (uint32_t part = 0; part < n_parts; part++) {
+            /* the blocks this step reads (a window from its first token's) and writes */
+            const uint32_t *tab = n_parts > 1 ? q->tables[part] : q->blocks;
+            const uint64_t first = n_parts > 1
+                                       ? kv_window_first_block(lim->parts->window[part], q->pos, bt)
+                                       : 0;
+            if (tab == NULL)
+                return kvd_seterr(err, errlen, KVD_EINVAL, "engine: sequence %u lacks part %u's table",
+                                  s, part);
+            for (uint64_t b = first; b < need; b++)
+                if (tab[b] >= lim->n_blocks)
+                    return kvd_seterr(err, errlen, KVD_ERANGE,
+                                      "engine: sequence %u names block %u of %u", s, tab[b],
+                                      lim->n_blocks);
+        }
         for (uint32_t i = 0; i < q->n_tokens; i++)
             if (q->tokens[i] < 0 || (uint32_t)q->tokens[i] >= lim->n_vocab)
                 return kvd_seterr(err, errlen, KVD_ERANGE,
@@ -636,7 +666,7 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
     const struct model_config *c = &m->cfg;
     uint32_t T = 0, rows = 0;
     const struct fwd_limits lim = { e->p.max_ctx, e->p.max_tokens, e->kv->block_tokens, e->kv->n_blocks,
-                                    c->n_vocab };
+                                    c->n_vocab, &e->kv->parts };
     int rc = fwd_check_batch(&lim, seqs, n_seqs, &T, &rows, NULL, err, errlen);
     if (rc)
         return rc;

@@ -27,6 +27,9 @@ struct fwd_seq {
     const uint32_t *blocks; /* block table: logical block -> physical id */
     uint32_t n_blocks;      /* entries; must cover pos + n_tokens positions */
     bool all_logits;        /* logits for every new token, else the last only */
+    const uint32_t *const *tables; /* a cache of several parts (kvparts.h): each part's table of
+                             * n_blocks entries (tables[0] == blocks); entries a windowed
+                             * part no longer reads may be POOL_NONE. NULL: one part */
 };
 
 struct engine_params {
@@ -56,6 +59,7 @@ struct fwd_limits {
     uint32_t block_tokens;  /* positions per KV block */
     uint32_t n_blocks;      /* blocks in the cache */
     uint32_t n_vocab;       /* token ids are below this */
+    const struct kv_parts *parts; /* the cache's parts; NULL: one */
 };
 
 /* The checks every engine (CPU and GPU) makes before a step, with the same

@@ -1065,7 +1065,7 @@ static int step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, en
     uint32_t T = 0, rows = 0;
     uint64_t n_tables = 0;
     const struct fwd_limits lim = { e->p.max_ctx, e->p.max_tokens, e->p.block_tokens, e->p.kv_blocks,
-                                    e->cfg.n_vocab };
+                                    e->cfg.n_vocab, NULL };
     int rc = fwd_check_batch(&lim, seqs, n_seqs, &T, &rows, &n_tables, err, errlen);
     if (rc)
         return rc;

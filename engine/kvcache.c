@@ -163,6 +163,18 @@ uint64_t kv_bytes_per_token(const struct model_config *c, uint32_t k_type, uint3
     return kv_token_bytes(c->n_layer, c->n_head_kv, c->head_dim, k_type, v_type);
 }
 
+void kv_parts_for_model(const struct model_config *c, struct kv_parts *p)
+{
+    if (c->n_layer > KV_MAX_PART_LAYERS) {
+        kv_parts_single(c->n_layer, p);
+        return;
+    }
+    uint32_t window[KV_MAX_PART_LAYERS];
+    for (uint32_t l = 0; l < c->n_layer; l++)
+        window[l] = model_layer_windowed(c, l) ? c->swa_window : 0;
+    kv_parts_plan(c->n_layer, window, p);
+}
+
 static kvcache_t *kv_make(const struct model_config *c, const struct kv_params *p,
                           char *err, size_t errlen)
 {
@@ -177,11 +189,20 @@ static kvcache_t *kv_make(const struct model_config *c, const struct kv_params *
         kvd_seterr(err, errlen, KVD_EINVAL, "kvcache: a cache needs at least one block");
         return NULL;
     }
+    char why[160];
+    if (p->parts != NULL && kv_parts_check(c->n_layer, p->parts, why, sizeof(why)) != 0) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "kvcache: %s", why);
+        return NULL;
+    }
     kvcache_t *kv = calloc(1, sizeof(*kv));
     if (kv == NULL) {
         kvd_seterr(err, errlen, KVD_ENOMEM, "kvcache: out of memory");
         return NULL;
     }
+    if (p->parts != NULL)
+        kv->parts = *p->parts;
+    else
+        kv_parts_single(c->n_layer, &kv->parts);
     kv->n_layer = c->n_layer;
     kv->n_head_kv = c->n_head_kv;
     kv->head_dim = c->head_dim;
@@ -195,7 +216,7 @@ static kvcache_t *kv_make(const struct model_config *c, const struct kv_params *
     kv->k_head_bytes = (size_t)p->block_tokens * kv->k_row_bytes;
     kv->v_head_bytes = (size_t)p->block_tokens * kv->v_row_bytes;
     kv->layer_bytes = (size_t)c->n_head_kv * (kv->k_head_bytes + kv->v_head_bytes);
-    kv->block_bytes = (size_t)c->n_layer * kv->layer_bytes;
+    kv->block_bytes = (size_t)kv->parts.part_layers * kv->layer_bytes;
     kv->free_ids = malloc((size_t)p->n_blocks * sizeof(uint32_t));
     if (kv->free_ids == NULL) {
         free(kv);

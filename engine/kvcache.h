@@ -1,11 +1,13 @@
 /*
  * kvcache.h - the paged KV cache: fixed-size blocks of keys and values.
  *
- * A block holds block_tokens consecutive positions of one sequence for ALL
- * layers, so one block id means the same thing to every layer (and, once the
- * pool lives in shared memory, to every process). Inside a block the layout is
+ * A block holds block_tokens consecutive positions of one sequence for the
+ * layers of one part (common/kvparts.h): all layers for a model without
+ * sliding windows, a part of equal size per attention kind otherwise, and a
+ * sequence has one block table per part. A block id means the same thing in
+ * every process that maps the pool. Inside a block the layout is
  *
- *     [layer][K=0,V=1][kv_head][token in block][one head's row]
+ *     [layer of the part][K=0,V=1][kv_head][token in block][one head's row]
  *
  * so that attention streams one head's keys contiguously. A row is head_dim
  * values of the K (or V) type: f32, f16, or the quantized q8_0 / q4_0, whose
@@ -27,6 +29,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvparts.h"
 #include "model.h"
 
 /* Rotation flags (kv_params.rotate): which of K and V are stored rotated by
@@ -45,9 +48,13 @@ struct kv_params {
     uint32_t k_type;        /* KERN_F16 (default), KERN_F32, KERN_Q8_0 or KERN_Q4_0 */
     uint32_t v_type;        /* the same choices, for V */
     uint32_t rotate;        /* KV_ROT_K | KV_ROT_V (kv_rotate_default) */
+    const struct kv_parts *parts; /* which layers a block holds (copied); NULL: all of them */
 };
 
 struct kv_params kv_default_params(void);
+
+/* The parts of model c's layers: kv_parts_plan over its windows. */
+void kv_parts_for_model(const struct model_config *c, struct kv_parts *p);
 
 /* ---- the KV types ---------------------------------------------------------- */
 
@@ -115,7 +122,8 @@ typedef struct kvcache {
     size_t k_head_bytes;    /* one K head of one layer of a block: block_tokens rows */
     size_t v_head_bytes;    /* the same of V */
     size_t layer_bytes;     /* one layer of a block: n_head_kv * (k_head_bytes + v_head_bytes) */
-    size_t block_bytes;     /* all layers, K and V */
+    size_t block_bytes;     /* a part's layers (parts.part_layers), K and V */
+    struct kv_parts parts;  /* which layers a block holds; one table per part */
     uint8_t *mem;           /* n_blocks * block_bytes */
     bool owned;             /* mem is ours to free */
     uint32_t *free_ids;     /* simple free stack (single-process users) */
@@ -136,10 +144,12 @@ kvcache_t *kvcache_wrap(const struct model_config *c, const struct kv_params *p,
 
 void kvcache_destroy(kvcache_t **kv);
 
-/* Start of the K (which = 0) or V (which = 1) heads of one layer of a block. */
+/* Start of the K (which = 0) or V (which = 1) heads of one layer of a block
+ * of that layer's part. */
 static inline uint8_t *kv_block_ptr(const kvcache_t *kv, uint32_t block, uint32_t layer, int which)
 {
-    return kv->mem + (size_t)block * kv->block_bytes + (size_t)layer * kv->layer_bytes +
+    return kv->mem + (size_t)block * kv->block_bytes +
+           (size_t)kv_slot_of(&kv->parts, layer) * kv->layer_bytes +
            (which ? kv->n_head_kv * kv->k_head_bytes : 0);
 }
 

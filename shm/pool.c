@@ -73,17 +73,22 @@ static int layout_check(const struct pool_layout *lay, char *err, size_t errlen)
     char why[160];
     if (kv_format_check(lay->head_dim, lay->k_type, lay->v_type, lay->rotate, why, sizeof(why)))
         return kvd_seterr(err, errlen, KVD_EINVAL, "pool: %s", why);
+    if (kv_parts_check(lay->n_layer, &lay->parts, why, sizeof(why)))
+        return kvd_seterr(err, errlen, KVD_EINVAL, "pool: %s", why);
     return 0;
 }
 
+/* KV bytes of one token over all layers (the seed's formula). */
 static uint64_t layout_token_bytes(const struct pool_layout *lay)
 {
     return kv_token_bytes(lay->n_layer, lay->n_head_kv, lay->head_dim, lay->k_type, lay->v_type);
 }
 
+/* A block holds one part's layers. */
 static uint64_t layout_block_bytes(const struct pool_layout *lay)
 {
-    return layout_token_bytes(lay) * lay->block_tokens;
+    return kv_token_bytes(lay->parts.part_layers, lay->n_head_kv, lay->head_dim, lay->k_type,
+                          lay->v_type) * lay->block_tokens;
 }
 
 #define MAX_DEVICE 1023  /* largest CUDA device index a header may name */
@@ -116,9 +121,22 @@ static bool params_on_device(const struct pool_params *p)
     return p->kv_where == POOL_KV_DEVICE;
 }
 
+/* A layout whose parts were left zero (made by hand, for a model without
+ * windows) means one part of all layers: *buf with that, else lay itself. */
+static const struct pool_layout *layout_norm(const struct pool_layout *lay, struct pool_layout *buf)
+{
+    if (lay->parts.n_parts != 0)
+        return lay;
+    *buf = *lay;
+    kv_parts_single(lay->n_layer, &buf->parts);
+    return buf;
+}
+
 int pool_plan(const struct pool_layout *lay, const struct pool_params *p,
               struct pool_capacity *cap, char *err, size_t errlen)
 {
+    struct pool_layout lbuf;
+    lay = layout_norm(lay, &lbuf);
     int rc = layout_check(lay, err, errlen);
     if (rc)
         return rc;
@@ -178,6 +196,8 @@ int pool_plan(const struct pool_layout *lay, const struct pool_params *p,
 void pool_describe(const struct pool_layout *lay, const struct pool_capacity *cap, uint32_t ctx,
                    char *buf, size_t len)
 {
+    struct pool_layout lbuf;
+    lay = layout_norm(lay, &lbuf);
     char total[32], blk[32], meta[32], where[64] = "";
     if (cap->kv_device >= 0)
         snprintf(where, sizeof(where), " on GPU %d (+ %s of metadata in host memory)",
@@ -193,8 +213,18 @@ void pool_describe(const struct pool_layout *lay, const struct pool_capacity *ca
                      lay->n_layer, lay->n_head_kv, lay->head_dim, kv_type_name(lay->k_type),
                      kv_type_name(lay->v_type), lay->rotate ? ", rotated " : "",
                      lay->rotate ? kv_rotate_name(lay->rotate) : "");
+    if (lay->parts.n_parts > 1 && n > 0 && (size_t)n < len) {
+        uint32_t windowed = 0;
+        for (uint32_t i = 0; i < lay->parts.n_parts; i++)
+            windowed += lay->parts.window[i] != 0;
+        n += snprintf(buf + n, len - (size_t)n,
+                      "; a block holds %u layers: %u full part%s, %u windowed (window %u)",
+                      lay->parts.part_layers, lay->parts.n_parts - windowed,
+                      lay->parts.n_parts - windowed == 1 ? "" : "s", windowed,
+                      lay->parts.window[lay->parts.n_parts - 1]);
+    }
     if (ctx && n > 0 && (size_t)n < len) {
-        uint64_t per_seq = (ctx + lay->block_tokens - 1) / lay->block_tokens;
+        uint64_t per_seq = kv_parts_blocks_held(&lay->parts, ctx, lay->block_tokens);
         uint64_t fit = cap->n_blocks / per_seq;
         snprintf(buf + n, len - (size_t)n, "; %llu sequence%s of %u tokens fit%s",
                  (unsigned long long)fit, fit == 1 ? "" : "s", ctx,
@@ -232,6 +262,11 @@ static int header_check(const struct pool_header *h, uint64_t size, const struct
     if (l->rotate != lay->rotate)
         return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "made with rotation %s, not %s",
                           kv_rotate_name(l->rotate), kv_rotate_name(lay->rotate));
+    if (memcmp(&l->parts, &lay->parts, sizeof(l->parts)) != 0)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                          "made with blocks of %u parts of %u layers, not %u of %u",
+                          l->parts.n_parts, l->parts.part_layers, lay->parts.n_parts,
+                          lay->parts.part_layers);
     if (h->n_blocks == 0 || h->n_blocks == UINT32_MAX)
         return kvd_seterr(err, errlen, KVD_EFORMAT, "corrupt header (block count %u)", h->n_blocks);
     bool dev = h->kv_where == POOL_KV_DEVICE;
@@ -443,6 +478,8 @@ static int can_adopt(int fd, const struct pool_layout *lay, uint32_t n_blocks, b
 pool_t *pool_create(const struct pool_layout *lay, const struct pool_params *pp,
                     char *replaced, size_t replaced_len, char *err, size_t errlen)
 {
+    struct pool_layout lbuf;
+    lay = layout_norm(lay, &lbuf);
     struct pool_capacity cap;
     if (replaced && replaced_len)
         replaced[0] = 0;
@@ -540,6 +577,8 @@ fail_unlink:
 
 pool_t *pool_attach(const char *name, const struct pool_layout *lay, char *err, size_t errlen)
 {
+    struct pool_layout lbuf;
+    lay = layout_norm(lay, &lbuf);
     char norm[POOL_NAME_MAX + 2];
     if (name == NULL) {
         kvd_seterr(err, errlen, KVD_EINVAL, "pool: an anonymous pool cannot be attached by name");
@@ -704,4 +743,12 @@ void pool_layout_for_model(const struct model *m, uint32_t block_tokens, uint32_
     lay->k_type = (uint16_t)k_type;
     lay->v_type = (uint16_t)v_type;
     lay->rotate = rotate;
+    uint32_t window[KV_MAX_PART_LAYERS];
+    if (m->cfg.n_layer <= KV_MAX_PART_LAYERS) {
+        for (uint32_t l = 0; l < m->cfg.n_layer; l++)
+            window[l] = model_layer_windowed(&m->cfg, l) ? m->cfg.swa_window : 0;
+        kv_parts_plan(m->cfg.n_layer, window, &lay->parts);
+    } else {
+        kv_parts_single(m->cfg.n_layer, &lay->parts);
+    }
 }

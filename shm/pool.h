@@ -62,8 +62,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvparts.h"
+
 #define POOL_MAGIC UINT64_C(0x314c4f4f5044564b) /* "KVDPOOL1" in little-endian bytes */
-#define POOL_VERSION 3u                        /* 3: K and V types and rotation in the layout */
+#define POOL_VERSION 4u                        /* 4: blocks of a part of the layers (kvparts.h) */
 #define POOL_NONE UINT32_MAX                   /* "no block" in every block-id field */
 #define POOL_SECRET_BYTES 192u                  /* keyed-hash secret (>= XXH3's 136) */
 #define POOL_HEADER_BYTES 4096u
@@ -91,8 +93,9 @@ struct pool_layout {
     uint16_t k_type;        /* K's element type: KERN_F16, KERN_F32, KERN_Q8_0 or KERN_Q4_0 */
     uint16_t v_type;        /* V's, the same choices */
     uint32_t rotate;        /* KV_ROT_K | KV_ROT_V (kvcache.h): halves stored rotated */
+    struct kv_parts parts;  /* which layers a block holds; a sequence has a table per part */
 };
-static_assert(sizeof(struct pool_layout) == 40, "pool_layout is part of the ABI");
+static_assert(sizeof(struct pool_layout) == 816, "pool_layout is part of the ABI");
 
 /* The prefix cache's shared state (written by shm/prefix.c only). */
 struct pool_cache_state {
@@ -123,7 +126,7 @@ struct pool_header {
     struct pool_layout layout;
     uint32_t n_blocks;      /* KV blocks */
     uint32_t n_buckets;     /* index buckets (a power of two) */
-    uint64_t block_bytes;   /* bytes of one KV block, all layers, K and V */
+    uint64_t block_bytes;   /* bytes of one KV block: its part's layers, K and V */
     uint64_t records_off;   /* struct pool_block[n_blocks] */
     uint64_t tokens_off;    /* int32_t[n_blocks][block_tokens] */
     uint64_t buckets_off;   /* uint32_t[n_buckets]: first block of each chain */
@@ -140,9 +143,9 @@ struct pool_header {
 };
 static_assert(sizeof(struct pool_header) <= POOL_HEADER_BYTES, "header fits its page");
 static_assert(offsetof(struct pool_header, layout) == 32, "pool_header is part of the ABI");
-static_assert(offsetof(struct pool_header, secret) == 128, "pool_header is part of the ABI");
-static_assert(offsetof(struct pool_header, kv_where) == 424, "pool_header is part of the ABI");
-static_assert(sizeof(struct pool_header) == 448, "pool_header is part of the ABI");
+static_assert(offsetof(struct pool_header, secret) == 904, "pool_header is part of the ABI");
+static_assert(offsetof(struct pool_header, kv_where) == 1200, "pool_header is part of the ABI");
+static_assert(sizeof(struct pool_header) == 1224, "pool_header is part of the ABI");
 
 /* Block states (pool_block.state). */
 enum pool_block_state {
@@ -153,6 +156,7 @@ enum pool_block_state {
 
 /* Block flags (pool_block.flags). */
 #define POOL_BLOCK_INDEXED 1u /* reachable through the index (key, ns, parent, tokens valid) */
+#define POOL_BLOCK_PART 2u    /* indexed as a block of a part other than 0 (prefix.h) */
 
 /* One record per KV block. */
 struct pool_block {
@@ -200,7 +204,8 @@ typedef struct pool pool_t;
 
 struct model;
 
-/* The layout of a pool for model m: its KV shape and, when identify is set, its
+/* The layout of a pool for model m: its KV shape, its parts (kv_parts_plan
+ * over the model's windows) and, when identify is set, its
  * fingerprint (a hash of all weights, tens of milliseconds); a private pool that
  * no other process opens may leave the fingerprint zero. */
 void pool_layout_for_model(const struct model *m, uint32_t block_tokens, uint32_t k_type,

@@ -20,6 +20,8 @@ struct prefix {
     uint32_t n;                 /* blocks */
     uint32_t bt;                /* tokens per block */
     uint32_t mask;              /* buckets - 1 */
+    uint32_t np;                /* parts: block tables per sequence */
+    const struct kv_parts *parts; /* in the header */
     prefix_hash_fn hash;        /* key function */
     struct prefix_observer obs; /* stored / removed NULL: nobody listens */
 };
@@ -68,6 +70,14 @@ static prefix_key_t key_get(const struct pool_block *r)
 {
     prefix_key_t k = { r->key[0], r->key[1] };
     return k;
+}
+
+/* The namespace that part `part`'s blocks are keyed and indexed in: distinct
+ * from every other part's for the same sequence namespace (part 0's is ns). */
+static prefix_ns_t part_ns(prefix_ns_t ns, uint32_t part)
+{
+    ns.lo ^= part;
+    return ns;
 }
 
 prefix_ns_t prefix_namespace(const prefix_t *px, const char *name, size_t len)
@@ -162,7 +172,7 @@ static void index_remove(prefix_t *px, uint32_t id)
     if (*link == id)
         *link = r->hnext;
     r->hnext = POOL_NONE;
-    r->flags &= ~POOL_BLOCK_INDEXED;
+    r->flags &= ~(POOL_BLOCK_INDEXED | POOL_BLOCK_PART);
     if (r->parent != POOL_NONE && px->b[r->parent].n_children > 0)
         px->b[r->parent].n_children--;
     r->parent = POOL_NONE;
@@ -190,7 +200,8 @@ static uint32_t index_find(prefix_t *px, prefix_key_t k, prefix_ns_t ns, uint32_
  * (ids written when ids != NULL). *pending: the pending block that continues
  * them, if any. *last: key of the last block matched. */
 static uint32_t walk(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t n,
-                     uint32_t max_blocks, uint32_t *ids, uint32_t *pending, prefix_key_t *last)
+                     uint32_t max_blocks, uint32_t *ids, uint32_t *pending, prefix_key_t *last,
+                     prefix_key_t *keys)
 {
     uint64_t full = n / px->bt;
     if (max_blocks > full)
@@ -210,6 +221,8 @@ static uint32_t walk(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64
         }
         if (ids)
             ids[i] = id;
+        if (keys)
+            keys[i] = k;
         key = k;
         parent = id;
     }
@@ -235,7 +248,7 @@ static uint32_t evict_pick(const prefix_t *px)
 static void evict_one(prefix_t *px, uint32_t id)
 {
     lru_remove(px, id);
-    if (px->obs.removed)
+    if (px->obs.removed && !(px->b[id].flags & POOL_BLOCK_PART))
         px->obs.removed(px->obs.user, key_get(&px->b[id]));
     index_remove(px, id);
     px->cs->evictions++;
@@ -305,12 +318,58 @@ static int seq_reserve(struct prefix_seq *s, uint64_t need)
         cap *= 2;
     if (cap > UINT32_MAX)
         cap = UINT32_MAX;
-    uint32_t *nb = realloc(s->blocks, cap * sizeof(uint32_t));
-    if (nb == NULL)
-        return KVD_ENOMEM;
-    s->blocks = nb;
+    for (uint32_t p = 0; p < s->n_parts; p++) {
+        uint32_t *nb = realloc(s->tables[p], cap * sizeof(uint32_t));
+        if (nb == NULL)
+            return KVD_ENOMEM;   /* the tables grown so far keep their contents */
+        s->tables[p] = nb;
+    }
+    s->blocks = s->tables[0];
     s->cap = (uint32_t)cap;
     return 0;
+}
+
+/* Gives s (zeroed, or empty) one table per part of px's pool; KVD_ESTATE for
+ * a sequence that holds blocks of a pool with other parts. */
+static int seq_parts_init(const prefix_t *px, struct prefix_seq *s)
+{
+    if (s->n_parts == px->np)
+        return 0;
+    if (s->n_blocks != 0)
+        return KVD_ESTATE;
+    for (uint32_t p = 0; p < KV_MAX_PARTS; p++) {
+        free(s->tables[p]);
+        s->tables[p] = NULL;
+    }
+    s->blocks = NULL;
+    s->cap = 0;
+    s->n_parts = px->np;
+    return 0;
+}
+
+/* Indexes block i of part p >= 1 of s (tokens t) under part 0's block i,
+ * which s indexed: unless a block of that content already hangs there. */
+static void part_try_index(prefix_t *px, struct prefix_seq *s, uint32_t p, uint32_t i,
+                           const int32_t *t)
+{
+    const uint32_t id = s->tables[p][i], spine = s->tables[0][i];
+    if (id == POOL_NONE || (px->b[id].flags & POOL_BLOCK_INDEXED))
+        return;
+    const prefix_ns_t ns = part_ns(s->ns, p);
+    const prefix_key_t k = key_of(px, key_get(&px->b[spine]), ns, t);
+    if (index_find(px, k, ns, spine, t) != POOL_NONE)
+        return;
+    index_insert(px, id, k, ns, spine, t);
+    px->b[id].flags |= POOL_BLOCK_PART;
+}
+
+/* Indexes the other parts' blocks i of s, whose part-0 block s indexed. */
+static void parts_try_index(prefix_t *px, struct prefix_seq *s, uint32_t i, const int32_t *t)
+{
+    if (i >= s->n_indexed)
+        return;
+    for (uint32_t p = 1; p < s->n_parts; p++)
+        part_try_index(px, s, p, i, t);
 }
 
 /* Indexes block i of s (full, tokens t) when its chain allows and no block of
@@ -328,6 +387,7 @@ static void seq_try_index(prefix_t *px, struct prefix_seq *s, uint32_t i, const 
     index_insert(px, s->blocks[i], k, s->ns, parent, t);
     s->n_indexed = i + 1;
     s->key = k;
+    parts_try_index(px, s, i, t);
 }
 
 /* ---- public API ----------------------------------------------------------------------- */
@@ -369,6 +429,8 @@ prefix_t *prefix_new(pool_t *p, char *note, size_t note_len, char *err, size_t e
     px->n = px->h->n_blocks;
     px->bt = px->h->layout.block_tokens;
     px->mask = px->h->n_buckets - 1;
+    px->parts = &px->h->layout.parts;
+    px->np = px->parts->n_parts;
     px->hash = xxh_key;
     if (pool_is_fresh(p)) {
         reset_empty(px);
@@ -427,32 +489,119 @@ void prefix_hash_chain(const prefix_t *px, prefix_ns_t ns, const int32_t *tokens
         keys[i] = k = key_of(px, k, ns, tokens + (size_t)i * px->bt);
 }
 
+/*
+ * Of the m leading part-0 blocks `table` found for tokens, the longest prefix
+ * j <= m that every other part can continue: a full part holds its blocks
+ * [0, j), a windowed one those its window reads from position j x bt on. With
+ * ids (room for n_parts x m, part-major) the blocks of the other parts found.
+ * Each block is looked up once, from the end down, so a hit costs about a
+ * window's lookups per part. 0 when out of memory (a miss, never a wrong hit).
+ */
+static uint32_t parts_match(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint32_t m,
+                            const uint32_t *table, uint32_t *ids)
+{
+    if (px->np == 1 || m == 0)
+        return m;
+    uint8_t *st = calloc((size_t)px->np * m, 1);  /* 0 unknown, 1 present, 2 missing */
+    if (st == NULL)
+        return 0;
+    uint32_t j = m;
+    for (; j > 0; j--) {
+        bool ok = true;
+        for (uint32_t p = 1; p < px->np && ok; p++) {
+            const uint64_t lo = kv_window_first_block(px->parts->window[p], (uint64_t)j * px->bt, px->bt);
+            for (uint64_t i = j; ok && i-- > lo;) {
+                uint8_t *x = &st[(size_t)p * m + i];
+                if (*x == 0) {
+                    const prefix_ns_t pns = part_ns(ns, p);
+                    const int32_t *t = tokens + i * px->bt;
+                    const prefix_key_t k = key_of(px, key_get(&px->b[table[i]]), pns, t);
+                    const uint32_t id = index_find(px, k, pns, table[i], t);
+                    *x = id != POOL_NONE && px->b[id].state == POOL_BLOCK_COMMITTED ? 1 : 2;
+                    if (*x == 1 && ids != NULL)
+                        ids[(size_t)p * m + i] = id;
+                }
+                ok = *x == 1;
+            }
+        }
+        if (ok)
+            break;
+    }
+    free(st);
+    return j;
+}
+
 void prefix_lookup(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t n,
                    uint32_t max_blocks, uint32_t *ids, struct prefix_match *m)
 {
     prefix_key_t last;
-    m->n_blocks = walk(px, ns, tokens, n, max_blocks, ids, &m->pending, &last);
+    if (px->np == 1) {
+        m->n_blocks = walk(px, ns, tokens, n, max_blocks, ids, &m->pending, &last, NULL);
+        return;
+    }
+    uint64_t full = n / px->bt;
+    if (max_blocks > full)
+        max_blocks = (uint32_t)full;
+    uint32_t *table = malloc(((size_t)max_blocks + 1) * sizeof(*table));
+    if (table == NULL) {
+        m->n_blocks = 0;   /* out of memory: a miss, never a wrong hit */
+        m->pending = POOL_NONE;
+    } else {
+        const uint32_t walked = walk(px, ns, tokens, n, max_blocks, table, &m->pending, &last, NULL);
+        m->n_blocks = parts_match(px, ns, tokens, walked, table, NULL);
+        if (m->n_blocks < walked) {
+            m->pending = POOL_NONE; /* what is pending continues part 0 alone */
+            px->cs->hit_blocks -= walked - m->n_blocks;
+        }
+        if (ids)
+            memcpy(ids, table, (size_t)m->n_blocks * sizeof(*ids));
+    }
+    free(table);
 }
 
 int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,
                          const int32_t *tokens, uint64_t n, uint32_t *wait_block)
 {
+    int rc;
     if (wait_block)
         *wait_block = POOL_NONE;
     if (s->n_blocks != 0)
         return KVD_ESTATE;
+    if ((rc = seq_parts_init(px, s)) != 0)
+        return rc;
     s->ns = ns;
     s->n_cached = s->n_committed = s->n_indexed = 0;
     s->chain_open = true;
     s->key = KEY_ZERO;
+    memset(s->first, 0, sizeof(s->first));
     uint64_t max = n ? (n - 1) / px->bt : 0;
     if (max > px->n)
         max = px->n;
-    int rc = seq_reserve(s, max ? max : 1);
+    rc = seq_reserve(s, max ? max : 1);
     if (rc)
         return rc;
     uint32_t pending;
-    uint32_t m = walk(px, ns, tokens, n, (uint32_t)max, s->blocks, &pending, &s->key);
+    uint32_t m = walk(px, ns, tokens, n, (uint32_t)max, s->blocks, &pending, &s->key, NULL);
+    if (px->np > 1 && m > 0) {
+        uint32_t *ids = malloc((size_t)px->np * m * sizeof(*ids));
+        const uint32_t j = ids != NULL ? parts_match(px, ns, tokens, m, s->blocks, ids) : 0;
+        if (j < m) {
+            pending = POOL_NONE;    /* what is pending continues part 0 alone */
+            px->cs->hit_blocks -= m - j;
+            s->key = j ? key_get(&px->b[s->blocks[j - 1]]) : KEY_ZERO;
+        }
+        for (uint32_t p = 1; p < px->np; p++) {
+            const uint64_t lo = kv_window_first_block(px->parts->window[p], (uint64_t)j * px->bt, px->bt);
+            s->first[p] = (uint32_t)lo;
+            for (uint32_t i = 0; i < j; i++) {
+                s->tables[p][i] = i < lo ? POOL_NONE : ids[(size_t)p * m + i];
+                if (i >= lo)
+                    ref_committed(px, s->tables[p][i]);
+            }
+        }
+        free(ids);
+        m = j;
+    }
     for (uint32_t i = 0; i < m; i++)
         ref_committed(px, s->blocks[i]);
     s->n_blocks = s->n_cached = s->n_committed = s->n_indexed = m;
@@ -467,24 +616,46 @@ int prefix_seq_grow(prefix_t *px, struct prefix_seq *s, uint64_t n_pos, const in
     uint64_t need = (n_pos + px->bt - 1) / px->bt;
     if (need <= s->n_blocks)
         return 0;
-    uint64_t k = need - s->n_blocks;
+    int rc = seq_parts_init(px, s);
+    if (rc)
+        return rc;
+    uint64_t k = (need - s->n_blocks) * s->n_parts;
     if (k > (uint64_t)px->cs->n_free + px->cs->n_cached)
         return KVD_ENOSPACE;
-    int rc = seq_reserve(s, need);
+    rc = seq_reserve(s, need);
     if (rc)
         return rc;
     /* allocate (and so evict) everything first: a block of the same content
      * that the duplicate check finds must not be evicted right after */
     uint32_t first = s->n_blocks;
     while (s->n_blocks < need) {
-        uint32_t id = alloc_one(px);
-        if (id == POOL_NONE)
-            return KVD_ENOSPACE; /* unreachable: counted above */
-        s->blocks[s->n_blocks++] = id;
+        for (uint32_t p = 0; p < s->n_parts; p++) {
+            uint32_t id = alloc_one(px);
+            if (id == POOL_NONE)
+                return KVD_ENOSPACE; /* unreachable: counted above */
+            s->tables[p][s->n_blocks] = id;
+        }
+        s->n_blocks++;
     }
     for (uint32_t i = first; i < need && (uint64_t)(i + 1) * px->bt <= n_known; i++)
         seq_try_index(px, s, i, tokens + (size_t)i * px->bt);
     return 0;
+}
+
+/* Releases the blocks that the windowed parts of s no longer read once its
+ * positions [0, n_written) are written (committed ones only), oldest first. */
+static void seq_slide(prefix_t *px, struct prefix_seq *s, uint64_t n_written)
+{
+    for (uint32_t p = 1; p < s->n_parts; p++) {
+        uint64_t lo = kv_window_first_block(px->parts->window[p], n_written, px->bt);
+        if (lo > s->n_committed)
+            lo = s->n_committed;
+        while (s->first[p] < lo) {
+            const uint32_t i = s->first[p]++;
+            unref(px, s->tables[p][i]);
+            s->tables[p][i] = POOL_NONE;
+        }
+    }
 }
 
 /* Tells the observer that blocks [from, to) of s became findable. */
@@ -519,8 +690,13 @@ int prefix_seq_commit(prefix_t *px, struct prefix_seq *s, const int32_t *tokens,
             if (memcmp(px->tok + (size_t)id * px->bt, t, (size_t)px->bt * 4) != 0) {
                 /* the tokens promised at grow time were not the ones written:
                  * unindex this block and the pending ones after it, last first */
-                for (uint32_t j = s->n_indexed; j-- > i;)
+                for (uint32_t j = s->n_indexed; j-- > i;) {
+                    for (uint32_t p = s->n_parts; p-- > 1;)
+                        if (s->tables[p][j] != POOL_NONE &&
+                            (px->b[s->tables[p][j]].flags & POOL_BLOCK_INDEXED))
+                            index_remove(px, s->tables[p][j]);
                     index_remove(px, s->blocks[j]);
+                }
                 s->n_indexed = i;
                 s->chain_open = false;
                 rc = KVD_EINVAL;
@@ -529,8 +705,11 @@ int prefix_seq_commit(prefix_t *px, struct prefix_seq *s, const int32_t *tokens,
             seq_try_index(px, s, i, t);
         }
         const bool findable = r->state == POOL_BLOCK_PENDING && (r->flags & POOL_BLOCK_INDEXED);
-        if (r->state == POOL_BLOCK_PENDING) {
-            r->state = POOL_BLOCK_COMMITTED;
+        for (uint32_t p = 0; p < s->n_parts; p++) {
+            const uint32_t pid = s->tables[p][i];
+            if (pid == POOL_NONE || px->b[pid].state != POOL_BLOCK_PENDING)
+                continue;
+            px->b[pid].state = POOL_BLOCK_COMMITTED;
             px->cs->n_pending--;
             px->cs->n_used++;
         }
@@ -545,13 +724,22 @@ int prefix_seq_commit(prefix_t *px, struct prefix_seq *s, const int32_t *tokens,
     }
     if (run != UINT32_MAX && px->obs.stored)
         notify_stored(px, s, run, full, tokens);
+    seq_slide(px, s, n_written);
     return rc;
 }
 
 void prefix_seq_release(prefix_t *px, struct prefix_seq *s)
 {
-    while (s->n_blocks > 0)
-        unref(px, s->blocks[--s->n_blocks]);
+    /* last first, and a logical block's other parts before its part-0 block:
+     * along every chain a parent is then more recent than its children */
+    while (s->n_blocks > 0) {
+        const uint32_t i = --s->n_blocks;
+        for (uint32_t p = s->n_parts; p-- > 1;)
+            if (i >= s->first[p] && s->tables[p][i] != POOL_NONE)
+                unref(px, s->tables[p][i]);
+        unref(px, s->blocks[i]);
+    }
+    memset(s->first, 0, sizeof(s->first));
     s->n_cached = s->n_committed = s->n_indexed = 0;
     s->chain_open = true;
     s->key = KEY_ZERO;
@@ -559,8 +747,18 @@ void prefix_seq_release(prefix_t *px, struct prefix_seq *s)
 
 void prefix_seq_fini(struct prefix_seq *s)
 {
-    free(s->blocks);
+    for (uint32_t p = 0; p < KV_MAX_PARTS; p++)
+        free(s->tables[p]);
     memset(s, 0, sizeof(*s));
+}
+
+size_t prefix_seq_flat(const struct prefix_seq *s, uint32_t from, uint32_t *out)
+{
+    size_t k = 0;
+    for (uint32_t i = from; i < s->n_blocks; i++)
+        for (uint32_t p = 0; p < s->n_parts; p++)
+            out[k++] = s->tables[p][i];
+    return k;
 }
 
 uint32_t prefix_evict(prefix_t *px, uint32_t n)
@@ -605,6 +803,9 @@ int prefix_block_info(const prefix_t *px, uint32_t id, struct prefix_block_info 
     bi->parent = bi->indexed ? r->parent : POOL_NONE;
     bi->n_children = r->n_children;
     bi->tokens = px->tok + (size_t)id * px->bt;
+    bi->part = bi->indexed && (r->flags & POOL_BLOCK_PART) && r->parent < px->n
+                   ? (uint32_t)(r->ns[0] ^ px->b[r->parent].ns[0])
+                   : 0;
     return 0;
 }
 
@@ -615,7 +816,8 @@ void prefix_for_each_findable(const prefix_t *px,
 {
     for (uint32_t id = 0; id < px->n; id++) {
         const struct pool_block *r = &px->b[id];
-        if (r->state != POOL_BLOCK_COMMITTED || !(r->flags & POOL_BLOCK_INDEXED))
+        if (r->state != POOL_BLOCK_COMMITTED || !(r->flags & POOL_BLOCK_INDEXED) ||
+            (r->flags & POOL_BLOCK_PART))
             continue;
         const prefix_key_t parent = r->parent != POOL_NONE ? key_get(&px->b[r->parent]) : KEY_ZERO;
         fn(user, key_get(r), r->parent != POOL_NONE ? &parent : NULL, px->tok + (size_t)id * px->bt);
@@ -654,8 +856,14 @@ int prefix_check(const prefix_t *px, char *err, size_t errlen)
     for (uint32_t i = 0; i < n; i++) {
         const struct pool_block *r = &b[i];
         bool idx = r->flags & POOL_BLOCK_INDEXED;
-        if (r->flags & ~POOL_BLOCK_INDEXED)
+        if (r->flags & ~(POOL_BLOCK_INDEXED | POOL_BLOCK_PART) ||
+            (r->flags & POOL_BLOCK_PART && !idx))
             FAIL("block %u: unknown flags %#x", i, r->flags);
+        if ((r->flags & POOL_BLOCK_PART) &&
+            (r->parent >= n || (b[r->parent].flags & POOL_BLOCK_PART) ||
+             r->ns[1] != b[r->parent].ns[1] || (r->ns[0] ^ b[r->parent].ns[0]) == 0 ||
+             (r->ns[0] ^ b[r->parent].ns[0]) >= px->np))
+            FAIL("block %u is indexed as another part's but does not hang from a part-0 block", i);
         switch (r->state) {
         case POOL_BLOCK_FREE:
             if (r->refs || idx)

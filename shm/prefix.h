@@ -29,8 +29,24 @@
  * block that is released before it is written leaves the index and is freed.
  * Partial last blocks are never indexed or shared.
  *
+ * Parts (common/kvparts.h). In a pool of several parts a sequence has a block
+ * table per part and logical block i is one block in each. Part 0's blocks
+ * (full attention) form the chain above. Block i of another part hangs from
+ * part 0's block i: that is its parent, its key is chained from that block's
+ * key in a namespace of its part, and it is indexed with it. A windowed part
+ * keeps only the blocks its window still reads: once positions [0, n) are
+ * written, blocks wholly before n + 1 - W are released (to the cache: a later
+ * prompt that ends where the window then was can use them) and the table
+ * holds POOL_NONE there. A cached prefix of j blocks is a hit when part 0
+ * holds all j and every other part holds the ones a continuation reads (a
+ * full part all j, a windowed one its last window); lookups take the longest
+ * such j. Releases put a logical block's other parts before its part-0 block,
+ * so they are evicted first, and a part-0 block is never evicted while a
+ * block hangs from it. Block events (the observer) and the findable set
+ * describe part 0 alone.
+ *
  * Sequences. The coordinator keeps one struct prefix_seq per running sequence
- * (its own memory) with the block table it hands to a worker:
+ * (its own memory) with the block tables it hands to a worker:
  *
  *     prefix_seq_begin   take the longest committed cached prefix
  *     prefix_seq_grow    allocate blocks for more positions (all or nothing)
@@ -59,9 +75,13 @@ typedef prefix_key_t (*prefix_hash_fn)(const uint8_t secret[POOL_SECRET_BYTES],
 /* A running sequence, owned by the caller; zero it, then prefix_seq_begin. */
 struct prefix_seq {
     prefix_ns_t ns;         /* cache namespace (tenant) */
-    uint32_t *blocks;       /* block table: logical -> physical id (heap, grows) */
-    uint32_t n_blocks;      /* entries held */
-    uint32_t cap;           /* allocated entries of blocks */
+    uint32_t *blocks;       /* part 0's block table: logical -> physical id (tables[0]) */
+    uint32_t *tables[KV_MAX_PARTS]; /* each part's table (heap, grows); a windowed part's
+                             * entries before first[part] are POOL_NONE */
+    uint32_t first[KV_MAX_PARTS]; /* the first entry each part still holds */
+    uint32_t n_parts;       /* tables in use (the pool's parts) */
+    uint32_t n_blocks;      /* logical blocks: entries of every table */
+    uint32_t cap;           /* allocated entries of each table */
     uint32_t n_cached;      /* leading blocks taken from the cache by begin */
     uint32_t n_committed;   /* leading blocks committed (cached ones included) */
     uint32_t n_indexed;     /* leading blocks of this sequence that are in the index */
@@ -99,6 +119,8 @@ struct prefix_block_info {
     uint32_t parent;        /* parent block when indexed, else POOL_NONE */
     uint32_t n_children;    /* indexed children */
     const int32_t *tokens;  /* block_tokens ids (meaningful when indexed) */
+    uint32_t part;          /* indexed: the part whose layers it holds (its parent is part
+                             * 0's block of the same positions when part > 0) */
 };
 
 typedef struct prefix prefix_t;
@@ -107,7 +129,7 @@ typedef struct prefix prefix_t;
  * Who wants to know what lookups can find (kvd's block events): a block is
  * findable from the moment it is both indexed and committed until it leaves
  * the index. stored() gets n consecutive blocks of one chain as they become
- * findable (by one prefix_seq_commit): their keys, the key of the block
+ * findable (by one prefix_seq_commit; part 0's blocks only): their keys, the key of the block
  * before the first (NULL for a chain's first block) and their n x
  * block_tokens token ids. removed() gets one block that stopped being
  * findable (evicted). Both are called from inside the allocator's calls and
@@ -204,6 +226,11 @@ void prefix_seq_release(prefix_t *px, struct prefix_seq *s);
 
 /* Frees s's block table (after release). */
 void prefix_seq_fini(struct prefix_seq *s);
+
+/* s's logical blocks [from, n_blocks) as a worker takes them: for each, one
+ * id per part (POOL_NONE where a windowed part let it go), into out (room
+ * for (n_blocks - from) x n_parts ids). Returns the ids written. */
+size_t prefix_seq_flat(const struct prefix_seq *s, uint32_t from, uint32_t *out);
 
 /* Evicts up to n cached blocks from the LRU tail (leaves first); returns how
  * many were freed. */

@@ -44,18 +44,21 @@ static void usage(FILE *f)
 }
 
 /* Reads layers, KV heads and head dim from a GGUF's metadata. */
-/* The layers of a model that attend to a sliding window, and the window. */
-static uint32_t windowed_layers(const char *path, uint32_t *window)
+/* The layers of a model that attend to a sliding window, the window, and
+ * the parts kvd's pool splits the layers into (one part when the model
+ * cannot be loaded: the shape alone is read from the file then). */
+static uint32_t windowed_layers(const char *path, uint32_t *window, struct kv_parts *parts)
 {
     char err[512];
     model_t *m = model_load_unpacked(path, err, sizeof(err));
     uint32_t n = 0;
     *window = 0;
     if (m == NULL)
-        return 0;   /* the shape alone is read from the file */
+        return 0;
     for (uint32_t l = 0; l < m->cfg.n_layer; l++)
         n += model_layer_windowed(&m->cfg, l);
     *window = m->cfg.swa_window;
+    kv_parts_for_model(&m->cfg, parts);
     model_destroy(&m);
     return n;
 }
@@ -168,6 +171,9 @@ int main(int argc, char **argv)
     }
     if (ctx == 0)
         ctx = ctx_train ? ctx_train : 4096;
+    uint32_t window = 0;
+    kv_parts_single(lay.n_layer, &lay.parts);
+    const uint32_t n_win = model ? windowed_layers(model, &window, &lay.parts) : 0;
 
     if (kv_format_check(lay.head_dim, lay.k_type, lay.v_type, lay.rotate, err, sizeof(err)) != 0)
         cli_die("%s", err);
@@ -228,8 +234,6 @@ int main(int argc, char **argv)
     printf("\n");
     if (have_mem)
         printf("pool:            %s\n", line);
-    uint32_t window = 0;
-    const uint32_t n_win = model ? windowed_layers(model, &window) : 0;
     if (n_win > 0) {
         /* the seed's formula per layer group: windowed layers need at most
          * the window and one block of each sequence */
@@ -242,8 +246,16 @@ int main(int argc, char **argv)
                "%s, %.1fx less than %s\n", lay.n_layer - n_win, n_win, window, (unsigned long long)batch, ctx,
                kvd_format_bytes(grouped, b1, sizeof(b1)), (double)bytes / (double)grouped,
                kvd_format_bytes(bytes, b2, sizeof(b2)));
-        printf("                 (kvd's pool does not keep groups apart yet: every block holds all %u layers)\n",
-               lay.n_layer);
+        if (lay.parts.n_parts > 1) {
+            const uint64_t held = kv_parts_blocks_held(&lay.parts, (uint64_t)ctx, lay.block_tokens) *
+                                  (uint64_t)batch;
+            const uint64_t pool_bytes = held * per_layer * lay.parts.part_layers * lay.block_tokens;
+            printf("kvd's pool:      blocks of %u layers, a table per part (%u): %llu x %ld tokens hold %llu "
+                   "blocks, %s, %.1fx less than %s\n",
+                   lay.parts.part_layers, lay.parts.n_parts, (unsigned long long)batch, ctx,
+                   (unsigned long long)held, kvd_format_bytes(pool_bytes, b1, sizeof(b1)),
+                   (double)paged / (double)pool_bytes, kvd_format_bytes(paged, b2, sizeof(b2)));
+        }
     }
     return 0;
 }

@@ -425,14 +425,15 @@ static void runtime_open(struct runtime *rt, const struct options *o, uint32_t n
     pp.kv_bytes = o->kv_bytes;
     if (kv_positions < rt->n_ctx)
         kv_positions = rt->n_ctx;
-    pp.n_blocks = (kv_positions + lay.block_tokens - 1) / lay.block_tokens;
+    /* every part holds a whole prompt's blocks until its chunks are written */
+    pp.n_blocks = (kv_positions + lay.block_tokens - 1) / lay.block_tokens * lay.parts.n_parts;
     struct pool_capacity cap;
     if (pool_plan(&lay, &pp, &cap, err, sizeof(err)) != 0)
         cli_die("%s", err);
-    if (cap.n_tokens < rt->n_ctx)
+    if (cap.n_blocks / lay.parts.n_parts < (rt->n_ctx + lay.block_tokens - 1) / lay.block_tokens)
         cli_die("a KV pool of %llu bytes holds %llu tokens, fewer than one sequence of %u; "
             "raise --kv-memory or lower --ctx", (unsigned long long)o->kv_bytes,
-            (unsigned long long)cap.n_tokens, rt->n_ctx);
+            (unsigned long long)cap.n_tokens / lay.parts.n_parts, rt->n_ctx);
     rt->pool = pool_create(&lay, &pp, note, sizeof(note), err, sizeof(err));
     if (rt->pool == NULL)
         cli_die("%s", err);
@@ -453,6 +454,7 @@ static void runtime_open(struct runtime *rt, const struct options *o, uint32_t n
     kp.v_type = lay.v_type;
     kp.rotate = lay.rotate;
     kp.n_blocks = cap.n_blocks;
+    kp.parts = &lay.parts;
     rt->kv = kvcache_wrap(c, &kp, pool_data(rt->pool), pool_data_bytes(rt->pool), err, sizeof(err));
     if (rt->kv == NULL)
         cli_die("%s", err);
@@ -487,6 +489,12 @@ struct seq {
  * the sequence's whole history from position 0. After each step the written
  * blocks are committed, so full ones become reusable. The logits of the last
  * step are left in *logits (all rows when all_logits). */
+/* The tables a step takes for ps: NULL for a pool of one part. */
+static const uint32_t *const *seq_tables(const struct prefix_seq *ps)
+{
+    return ps->n_parts > 1 ? (const uint32_t *const *)ps->tables : NULL;
+}
+
 static void seq_feed(struct runtime *rt, struct seq *s, const int32_t *hist, uint32_t n,
                      uint32_t chunk, bool all_logits, const float **logits, uint32_t *rows)
 {
@@ -495,7 +503,8 @@ static void seq_feed(struct runtime *rt, struct seq *s, const int32_t *hist, uin
         uint32_t m = n - i < chunk ? n - i : chunk;
         if (prefix_seq_grow(rt->px, &s->ps, s->pos + m, hist, s->pos + m) != 0)
             cli_die("the KV pool is full");
-        struct fwd_seq fs = { hist + s->pos, m, s->pos, s->ps.blocks, s->ps.n_blocks, all_logits };
+        struct fwd_seq fs = { hist + s->pos, m, s->pos, s->ps.blocks, s->ps.n_blocks, all_logits,
+                              seq_tables(&s->ps) };
         if (engine_step(rt->engine, &fs, 1, logits, rows, err, sizeof(err)) != 0)
             cli_die("%s", err);
         s->pos += m;
@@ -1018,7 +1027,7 @@ static double bench_batch(struct runtime *rt, const int32_t *ids, size_t n_ids, 
             if (prefix_seq_grow(rt->px, &s[b].ps, s[b].pos + 1, h, s[b].pos + 1) != 0)
                 cli_die("the KV pool is full");
             fs[b] = (struct fwd_seq){ h + s[b].pos, 1, s[b].pos, s[b].ps.blocks, s[b].ps.n_blocks,
-                                      false };
+                                      false, seq_tables(&s[b].ps) };
         }
         if (engine_step(rt->engine, fs, (uint32_t)B, &lg, &rows, err, sizeof(err)) != 0)
             cli_die("%s", err);

@@ -84,8 +84,8 @@ struct wseq {
     int32_t *tok;           /* history: prompt, then generated tokens */
     uint32_t n_tok, tok_cap;
     uint32_t pos;           /* positions whose K/V are written */
-    uint32_t *blocks;       /* block table */
-    uint32_t n_blocks, blk_cap;
+    uint32_t *tables[KV_MAX_PARTS]; /* a block table per part of the pool (kvparts.h) */
+    uint32_t n_blocks, blk_cap;     /* logical blocks (entries of each table), allocated */
     sampler_t *smp;
     uint64_t seed;          /* the request's seed: each draw reseeds from (seed, position) */
     uint32_t max_new;       /* tokens still to generate */
@@ -297,7 +297,8 @@ static void seq_free(struct wseq *s)
         return;
     sampler_destroy(&s->smp);
     free(s->tok);
-    free(s->blocks);
+    for (uint32_t p = 0; p < KV_MAX_PARTS; p++)
+        free(s->tables[p]);
     free(s);
 }
 
@@ -316,21 +317,34 @@ static void remove_seq(struct worker *w, uint32_t i)
     w->n_seqs--;
 }
 
-static int push_blocks(struct wseq *s, const uint32_t *ids, size_t n, uint32_t n_pool)
+/* Appends logical blocks to s's tables: ids holds, for each, one id per part
+ * of the pool; a windowed part's may be POOL_NONE (a block its window no
+ * longer reads; the engine checks that a step reads none of those). */
+static int push_blocks(struct wseq *s, const uint32_t *ids, size_t n, const pool_t *pool)
 {
+    const struct pool_header *h = pool_header(pool);
+    const struct kv_parts *parts = &h->layout.parts;
+    const uint32_t np = parts->n_parts;
+    if (n % np != 0)
+        return KVD_ERANGE;
     for (size_t i = 0; i < n; i++)
-        if (ids[i] >= n_pool)
+        if (ids[i] >= h->n_blocks && !(ids[i] == POOL_NONE && parts->window[i % np] != 0))
             return KVD_ERANGE;
-    if (s->n_blocks + n > s->blk_cap) {
-        uint32_t cap = (uint32_t)(s->n_blocks + n) * 2;
-        uint32_t *nb = realloc(s->blocks, cap * sizeof(uint32_t));
-        if (nb == NULL)
-            return KVD_ENOMEM;
-        s->blocks = nb;
+    const size_t add = n / np;
+    if (s->n_blocks + add > s->blk_cap) {
+        uint32_t cap = (uint32_t)(s->n_blocks + add) * 2;
+        for (uint32_t p = 0; p < np; p++) {
+            uint32_t *nb = realloc(s->tables[p], cap * sizeof(uint32_t));
+            if (nb == NULL)
+                return KVD_ENOMEM;
+            s->tables[p] = nb;
+        }
         s->blk_cap = cap;
     }
-    memcpy(s->blocks + s->n_blocks, ids, n * sizeof(uint32_t));
-    s->n_blocks += (uint32_t)n;
+    for (size_t i = 0; i < add; i++)
+        for (uint32_t p = 0; p < np; p++)
+            s->tables[p][s->n_blocks + i] = ids[i * np + p];
+    s->n_blocks += (uint32_t)add;
     return 0;
 }
 
@@ -368,7 +382,7 @@ static void on_assign(struct worker *w, const Kvdw__Assign *a)
         s->max_new = a->max_new;
         s->ignore_eos = a->ignore_eos;
         s->logprobs = a->has_logprobs ? (int32_t)a->logprobs : -1;
-        rc = push_blocks(s, a->blocks, a->n_blocks, pool_header(w->pool)->n_blocks);
+        rc = push_blocks(s, a->blocks, a->n_blocks, w->pool);
         if (rc)
             snprintf(err, sizeof(err), "a block id is out of range");
     }
@@ -420,8 +434,7 @@ static void on_message(struct worker *w, const void *buf, size_t len)
         i = find_seq(w, m->grant->seq_id);
         if (i >= 0) {
             struct wseq *s = w->seqs[i];
-            if (push_blocks(s, m->grant->blocks, m->grant->n_blocks,
-                            pool_header(w->pool)->n_blocks) != 0) {
+            if (push_blocks(s, m->grant->blocks, m->grant->n_blocks, w->pool) != 0) {
                 send_done(w, s, KVDW__DONE_REASON__DONE_ERROR, "a granted block is out of range");
                 remove_seq(w, (uint32_t)i);
             } else {
@@ -480,8 +493,10 @@ static uint32_t plan_step(struct worker *w)
             }
             s->chunk = m;
             w->in_batch[n] = s;
-            w->batch[n] = (struct fwd_seq){ s->tok + s->pos, m, s->pos, s->blocks, s->n_blocks,
-                                            false };
+            w->batch[n] = (struct fwd_seq){ s->tok + s->pos, m, s->pos, s->tables[0], s->n_blocks,
+                                            false, NULL };
+            if (pool_header(w->pool)->layout.parts.n_parts > 1)
+                w->batch[n].tables = (const uint32_t *const *)s->tables;
             budget -= m;
             n++;
         }
@@ -720,6 +735,8 @@ static void __attribute__((noreturn)) unusable(const struct worker *w, const cha
 static void setup_gpu(struct worker *w)
 {
     char err[512];
+    if (pool_header(w->pool)->layout.parts.n_parts > 1)
+        unusable(w, "the GPU engine runs pools of one part only (this model has windowed layers)");
     w->gpu = wgpu_open(w->pool, w->o.gpu, w->o.gpu_socket, err, sizeof(err));
     if (w->gpu == NULL)
         unusable(w, err);
@@ -764,6 +781,7 @@ static void setup(struct worker *w)
         kp.v_type = o->kv.v_type;
         kp.rotate = o->kv.rotate;
         kp.n_blocks = pool_header(w->pool)->n_blocks;
+        kp.parts = &pool_header(w->pool)->layout.parts;
         w->kv = kvcache_wrap(&w->model->cfg, &kp, pool_data(w->pool), pool_data_bytes(w->pool), err,
                              sizeof(err));
         if (w->kv == NULL)

@@ -19,6 +19,7 @@
 #include "kvcache.h"
 #include "mkmodel.h"
 #include "model.h"
+#include "pool.h"
 #include "quant.h"
 #include "types.h"
 
@@ -249,7 +250,7 @@ static float *run_chunks(struct rig *r, const int32_t *toks, int n, int chunk, c
     char err[256];
     for (int i = 0; i < n; i += chunk) {
         int m = n - i < chunk ? n - i : chunk;
-        struct fwd_seq s = { toks + i, (uint32_t)m, (uint32_t)i, blocks, n_blocks, true };
+        struct fwd_seq s = { toks + i, (uint32_t)m, (uint32_t)i, blocks, n_blocks, true, NULL };
         const float *lg;
         uint32_t rows;
         int rc = engine_step(r->e, &s, 1, &lg, &rows, err, sizeof(err));
@@ -394,6 +395,166 @@ static void test_gemma_against_reference(const char *name, uint32_t wtype, uint3
     model_destroy(&m);
 }
 
+
+/* ---- a cache of parts (kvparts.h) --------------------------------------------- */
+
+#define PT_BT 4u            /* positions per block */
+#define PT_LOGICAL 50u      /* logical blocks per sequence: 200 positions */
+
+/* One sequence's tables in a cache of parts, and what it has run. */
+struct pt_seq {
+    uint32_t *tab[KV_MAX_PARTS];
+    const int32_t *toks;
+    int n, done, chunk;
+    float *logits;          /* n x V */
+};
+
+static void pt_poison(const kvcache_t *kv, uint32_t id)
+{
+    memset(kv->mem + (size_t)id * kv->block_bytes, 0xff, kv->block_bytes);  /* f16 NaN */
+}
+
+/* Releases (poisons, forgets) the blocks q's windowed parts no longer read. */
+static void pt_slide(const kvcache_t *kv, struct pt_seq *q)
+{
+    for (uint32_t p = 1; p < kv->parts.n_parts; p++) {
+        const uint64_t lo = kv_window_first_block(kv->parts.window[p], (uint64_t)q->done, PT_BT);
+        for (uint64_t b = 0; b < lo; b++)
+            if (q->tab[p][b] != POOL_NONE) {
+                pt_poison(kv, q->tab[p][b]);
+                q->tab[p][b] = POOL_NONE;
+            }
+    }
+}
+
+/* Runs the sequences together, each in its own chunks, sliding after each step. */
+static void pt_run(struct rig *r, struct pt_seq *q, int nq)
+{
+    const uint32_t V = engine_model(r->e)->cfg.n_vocab;
+    char err[256];
+    for (;;) {
+        struct fwd_seq fs[4];
+        int idx[4], k = 0;
+        for (int i = 0; i < nq; i++) {
+            if (q[i].done >= q[i].n)
+                continue;
+            const int m = q[i].n - q[i].done < q[i].chunk ? q[i].n - q[i].done : q[i].chunk;
+            fs[k] = (struct fwd_seq){ q[i].toks + q[i].done, (uint32_t)m, (uint32_t)q[i].done, q[i].tab[0],
+                                      PT_LOGICAL, true, (const uint32_t *const *)q[i].tab };
+            idx[k++] = i;
+        }
+        if (k == 0)
+            return;
+        const float *lg;
+        uint32_t rows;
+        int rc = engine_step(r->e, fs, (uint32_t)k, &lg, &rows, err, sizeof(err));
+        if (rc)
+            fprintf(stderr, "engine_step: %s\n", err);
+        REQUIRE(rc == 0);
+        for (int j = 0; j < k; j++) {
+            struct pt_seq *s = &q[idx[j]];
+            memcpy(s->logits + (size_t)s->done * V, lg, (size_t)fs[j].n_tokens * V * 4);
+            lg += (size_t)fs[j].n_tokens * V;
+            s->done += (int)fs[j].n_tokens;
+            pt_slide(r->kv, s);
+        }
+    }
+}
+
+/*
+ * The contract over a cache of parts: one table per part, and between steps
+ * the windowed parts' blocks that slid out of the window are poisoned (NaN)
+ * and dropped from their tables. The logits stay the one-part cache's, bit
+ * for bit: for sequences 28 times the window, whole, chunked and token by
+ * token, alone and two in a batch. A chunk that starts past the window is a
+ * continuation of a cached prefix whose windowed parts keep only the window.
+ */
+static void test_parts_contract(const model_t *m)
+{
+    const uint32_t V = m->cfg.n_vocab;
+    struct kv_parts parts;
+    kv_parts_for_model(&m->cfg, &parts);
+    CHECK(parts.n_parts == 6 && parts.part_layers == 1 && parts.window[1] == m->cfg.swa_window);
+    const int n = 200, n2 = 150;
+    int32_t toks[200], toks2[150];
+    random_tokens(toks, n, V, 23);
+    random_tokens(toks2, n2, V, 29);
+    /* the one-part reference */
+    struct rig one = rig_new(m, PT_BT, PT_LOGICAL, KERN_F16, 2);
+    uint32_t ident[PT_LOGICAL];
+    for (uint32_t i = 0; i < PT_LOGICAL; i++)
+        ident[i] = (i * 7 + 3) % PT_LOGICAL;
+    float *want = run_chunks(&one, toks, n, n, ident, PT_LOGICAL);
+    float *want2 = run_chunks(&one, toks2, n2, n2, ident, PT_LOGICAL);
+    rig_free(&one);
+
+    char err[256];
+    struct kv_params kp = { .block_tokens = PT_BT, .n_blocks = 2 * parts.n_parts * PT_LOGICAL,
+                            .k_type = rig_fmt.k_type, .v_type = rig_fmt.v_type, .rotate = rig_fmt.rotate,
+                            .parts = &parts };
+    struct rig r;
+    r.kv = kvcache_new(&m->cfg, &kp, err, sizeof(err));
+    REQUIRE(r.kv != NULL);
+    CHECK(r.kv->block_bytes * parts.n_parts == (size_t)m->cfg.n_layer * r.kv->layer_bytes);
+    struct engine_params ep = engine_default_params();
+    ep.max_tokens = 400;    /* both whole sequences in one step */
+    ep.n_threads = 2;
+    ep.attn_chunk = rig_chunk;
+    r.e = engine_new(m, r.kv, &ep, err, sizeof(err));
+    REQUIRE(r.e != NULL);
+    uint32_t store[2][KV_MAX_PARTS][PT_LOGICAL];
+    const int chunks[][2] = { { 200, 150 }, { 23, 9 }, { 1, 64 }, { 61, 1 } };
+    for (size_t c = 0; c < sizeof(chunks) / sizeof(chunks[0]); c++) {
+        memset(r.kv->mem, 0xff, (size_t)r.kv->n_blocks * r.kv->block_bytes);
+        struct pt_seq q[2] = { { .toks = toks, .n = n, .chunk = chunks[c][0] },
+                               { .toks = toks2, .n = n2, .chunk = chunks[c][1] } };
+        for (int i = 0; i < 2; i++) {
+            q[i].logits = malloc((size_t)q[i].n * V * 4);
+            REQUIRE(q[i].logits != NULL);
+            for (uint32_t p = 0; p < parts.n_parts; p++) {
+                q[i].tab[p] = store[i][p];
+                for (uint32_t b = 0; b < PT_LOGICAL; b++)   /* scattered over the cache */
+                    store[i][p][b] = ((uint32_t)i * parts.n_parts + p) * PT_LOGICAL +
+                                     (b * 13 + p) % PT_LOGICAL;
+            }
+        }
+        /* alone, then both in one batch */
+        pt_run(&r, q, 1);
+        CHECK(memcmp(q[0].logits, want, (size_t)n * V * 4) == 0);
+        CHECK(q[0].tab[1][0] == POOL_NONE && q[0].tab[1][PT_LOGICAL - 2] != POOL_NONE);
+        memset(r.kv->mem, 0xff, (size_t)r.kv->n_blocks * r.kv->block_bytes);
+        q[0].done = 0;
+        for (uint32_t p = 0; p < parts.n_parts; p++)
+            for (uint32_t b = 0; b < PT_LOGICAL; b++)
+                store[0][p][b] = p * PT_LOGICAL + (b * 13 + p) % PT_LOGICAL;
+        pt_run(&r, q, 2);
+        CHECK(memcmp(q[0].logits, want, (size_t)n * V * 4) == 0);
+        CHECK(memcmp(q[1].logits, want2, (size_t)n2 * V * 4) == 0);
+        free(q[0].logits);
+        free(q[1].logits);
+    }
+    /* a step that would read a block its windowed part let go is refused */
+    uint32_t *tab[KV_MAX_PARTS];
+    for (uint32_t p = 0; p < parts.n_parts; p++) {
+        tab[p] = store[0][p];
+        for (uint32_t b = 0; b < PT_LOGICAL; b++)
+            store[0][p][b] = p * PT_LOGICAL + b;
+    }
+    store[0][2][40] = POOL_NONE;   /* position 164 reads 158..164: blocks 39..41 */
+    struct fwd_seq fs = { toks + 164, 1, 164, tab[0], PT_LOGICAL, false, (const uint32_t *const *)tab };
+    const float *lg;
+    uint32_t rows;
+    CHECK(engine_step(r.e, &fs, 1, &lg, &rows, err, sizeof(err)) == KVD_ERANGE);
+    store[0][2][40] = 2 * PT_LOGICAL + 40;
+    store[0][2][30] = POOL_NONE;    /* before the window: fine */
+    CHECK(engine_step(r.e, &fs, 1, &lg, &rows, err, sizeof(err)) == 0);
+    fs.tables = NULL;               /* one table for a cache of parts */
+    CHECK(engine_step(r.e, &fs, 1, &lg, &rows, err, sizeof(err)) == KVD_EINVAL);
+    rig_free(&r);
+    free(want);
+    free(want2);
+}
+
 static void test_paged_equals_contiguous(const model_t *m);
 static void test_chunking(const model_t *m);
 static void test_batch_invariance(const model_t *m);
@@ -484,14 +645,14 @@ static void test_batch_invariance(const model_t *m)
     const float *lg;
     uint32_t rows;
     for (int s = 0; s < 8; s++)
-        seqs[s] = (struct fwd_seq){ toks[s], (uint32_t)(s == 0 ? 50 : 5 + 5 * s), 0, tables[s], 8, false };
+        seqs[s] = (struct fwd_seq){ toks[s], (uint32_t)(s == 0 ? 50 : 5 + 5 * s), 0, tables[s], 8, false, NULL };
     REQUIRE(engine_step(r.e, seqs, 8, &lg, &rows, err, sizeof(err)) == 0);
     /* ... then sequence 0's last chunk beside decode tokens and other chunks */
     for (int s = 1; s < 8; s++) {
         uint32_t done = (uint32_t)(5 + 5 * s);
-        seqs[s] = (struct fwd_seq){ toks[s] + done, s % 2 ? 3u : 1u, done, tables[s], 8, s == 3 };
+        seqs[s] = (struct fwd_seq){ toks[s] + done, s % 2 ? 3u : 1u, done, tables[s], 8, s == 3, NULL };
     }
-    seqs[0] = (struct fwd_seq){ toks[0] + 50, 10, 50, tables[0], 8, true };
+    seqs[0] = (struct fwd_seq){ toks[0] + 50, 10, 50, tables[0], 8, true, NULL };
     /* sequence 0 in the middle of the batch */
     struct fwd_seq mixed[8] = { seqs[1], seqs[2], seqs[3], seqs[0], seqs[4], seqs[5], seqs[6], seqs[7] };
     REQUIRE(engine_step(r.e, mixed, 8, &lg, &rows, err, sizeof(err)) == 0);
@@ -511,23 +672,23 @@ static void test_errors(const model_t *m)
     int32_t toks[4] = { 5, 6, 7, (int32_t)m->cfg.n_vocab };
     const float *lg;
     uint32_t rows;
-    struct fwd_seq s = { toks, 4, 0, blocks, 4, false };
+    struct fwd_seq s = { toks, 4, 0, blocks, 4, false, NULL };
     CHECK_INT(engine_step(r.e, &s, 1, &lg, &rows, err, sizeof(err)), KVD_ERANGE);
     CHECK(strstr(err, "vocabulary") != NULL);
     toks[3] = -1;
     CHECK_INT(engine_step(r.e, &s, 1, &lg, &rows, err, sizeof(err)), KVD_ERANGE);
     toks[3] = 8;
     uint32_t bad[1] = { 4 };
-    s = (struct fwd_seq){ toks, 4, 0, bad, 1, false };
+    s = (struct fwd_seq){ toks, 4, 0, bad, 1, false, NULL };
     CHECK_INT(engine_step(r.e, &s, 1, &lg, &rows, err, sizeof(err)), KVD_ERANGE);
-    s = (struct fwd_seq){ toks, 4, 62, blocks, 4, false };  /* 66 positions in 64 */
+    s = (struct fwd_seq){ toks, 4, 62, blocks, 4, false, NULL };  /* 66 positions in 64 */
     CHECK_INT(engine_step(r.e, &s, 1, &lg, &rows, err, sizeof(err)), KVD_ERANGE);
-    s = (struct fwd_seq){ toks, 4, m->cfg.n_ctx_train - 2, blocks, 4, false };
+    s = (struct fwd_seq){ toks, 4, m->cfg.n_ctx_train - 2, blocks, 4, false, NULL };
     CHECK_INT(engine_step(r.e, &s, 1, &lg, &rows, err, sizeof(err)), KVD_ETOOLONG);
-    s = (struct fwd_seq){ toks, 0, 0, blocks, 4, false };
+    s = (struct fwd_seq){ toks, 0, 0, blocks, 4, false, NULL };
     CHECK_INT(engine_step(r.e, &s, 1, &lg, &rows, err, sizeof(err)), KVD_EINVAL);
     CHECK_INT(engine_step(r.e, &s, 0, &lg, &rows, err, sizeof(err)), KVD_EINVAL);
-    s = (struct fwd_seq){ toks, 4, 0, blocks, 4, false };
+    s = (struct fwd_seq){ toks, 4, 0, blocks, 4, false, NULL };
     CHECK_INT(engine_step(r.e, &s, 1, &lg, &rows, err, sizeof(err)), 0);
     rig_free(&r);
 }
@@ -605,6 +766,13 @@ int main(void)
     test_gemma_against_reference("gemma3-hd256", KERN_F32, KERN_F16, 256, 1e-3);
     model_t *g = make_gemma("gemma3-contract", KERN_Q8_0, 7, 256);
     contract_on_every_path(g, "gemma3");
+    for (int isa = (int)kern_isa_best(); isa >= KERN_ISA_C; isa--) {
+        kern_isa_set((enum kern_isa)isa);
+        fprintf(stderr, "numerics contract (gemma3, a cache of parts) on the %s path\n",
+                kern_isa_name(kern_isa()));
+        test_parts_contract(g);
+    }
+    kern_isa_set(kern_isa_best());
     /* the quantized caches' kernels at head dim 256: q8_0, and rotated q4_0 (the
      * other formats add nothing new there, and this test runs under ASan too) */
     for (size_t f = 0; f < 2; f++) {

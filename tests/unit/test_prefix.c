@@ -56,15 +56,9 @@
 
 static const char *const ns_names[NNS] = { "", "tenant-a", "tenant-b" };
 
-/* ---- signatures: the stand-in for K/V ---------------------------------- */
+#include "blocksig.h"
 
-static uint64_t mix64(uint64_t x)
-{
-    x += UINT64_C(0x9e3779b97f4a7c15);
-    x = (x ^ (x >> 30)) * UINT64_C(0xbf58476d1ce4e5b9);
-    x = (x ^ (x >> 27)) * UINT64_C(0x94d049bb133111eb);
-    return x ^ (x >> 31);
-}
+/* ---- signatures: the stand-in for K/V ---------------------------------- */
 
 /* What the K/V of a block ending at position n hold: a function of the
  * namespace and of tokens[0..n). */
@@ -74,25 +68,6 @@ static uint64_t kv_sig(int ns, const int32_t *tok, uint32_t n)
     for (uint32_t i = 0; i < n; i++)
         h = mix64(h ^ (uint32_t)tok[i]);
     return mix64(h ^ n);
-}
-
-static void kv_fill(pool_t *pool, uint32_t id, uint64_t v)
-{
-    uint64_t *d = pool_block_addr(pool, id);
-    REQUIRE(d != NULL);
-    for (uint32_t i = 0; i < BLOCK_BYTES / 8; i++)
-        d[i] = v;
-}
-
-static bool kv_holds(pool_t *pool, uint32_t id, uint64_t v)
-{
-    const uint64_t *d = pool_block_addr(pool, id);
-    if (d == NULL)
-        return false;
-    for (uint32_t i = 0; i < BLOCK_BYTES / 8; i++)
-        if (d[i] != v)
-            return false;
-    return true;
 }
 
 /* ---- weak key functions (forced collisions) ----------------------------- */
