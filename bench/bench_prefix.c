@@ -257,7 +257,7 @@ static void prefill(engine_t *e, prefix_t *px, struct prefix_seq *s, const int32
             exit(1);
         }
         struct fwd_seq fs = { t + i, m, i, s->blocks, s->n_blocks, false,
-                               s->n_parts > 1 ? (const uint32_t *const *)s->tables : NULL };
+                               prefix_seq_tables(s) };
         if (engine_step(e, &fs, 1, &lg, &rows, err, sizeof(err)) != 0) {
             fprintf(stderr, "bench-prefix: prefill failed: %s\n", err);
             exit(1);

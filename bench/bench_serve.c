@@ -860,7 +860,7 @@ static void overhead(int gap_ms, struct overhead_parts *op)
             uint32_t k = (uint32_t)n - pos < 512 ? (uint32_t)n - pos : 512;
             prefix_seq_grow(px, &s, pos + k, ids, n);
             struct fwd_seq fs = { ids + pos, k, pos, s.blocks, s.n_blocks, false,
-                                   s.n_parts > 1 ? (const uint32_t *const *)s.tables : NULL };
+                                   prefix_seq_tables(&s) };
             const float *lg;
             uint32_t rows;
             double ts = now_ms();

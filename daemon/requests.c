@@ -607,6 +607,22 @@ static uint64_t want_positions(const struct kvd *k, uint64_t n)
     return want > k->n_ctx ? (n > k->n_ctx ? n : k->n_ctx) : want;
 }
 
+/* Logical blocks [from, n_blocks) of ps as Assign and Grant carry them: part
+ * 0's table itself for a pool of one part, else a copy (*copy, for the caller
+ * to free) with one id per part for each. NULL when out of memory. */
+static uint32_t *wire_blocks(struct prefix_seq *ps, uint32_t from, size_t *n, uint32_t **copy)
+{
+    *copy = NULL;
+    if (ps->n_parts == 1) {
+        *n = ps->n_blocks - from;
+        return ps->blocks + from;
+    }
+    if ((*copy = malloc(((size_t)ps->n_blocks - from) * ps->n_parts * sizeof(**copy) + 1)) == NULL)
+        return NULL;
+    *n = prefix_seq_flat(ps, from, *copy);
+    return *copy;
+}
+
 /* Tries to start r on a worker. 1 started, 0 not now (no worker or blocks),
  * -1 r finished (it can never fit). */
 static int start(struct kvd *k, struct request *r)
@@ -652,17 +668,9 @@ static int start(struct kvd *k, struct request *r)
     a.n_tokens = r->n_tok;
     a.n_cached = (uint32_t)cached;
     uint32_t *flat = NULL;
-    if (r->ps.n_parts > 1) {
-        flat = malloc((size_t)r->ps.n_blocks * r->ps.n_parts * sizeof(*flat));
-        if (flat == NULL) {
-            prefix_seq_release(k->px, &r->ps);
-            return 0;   /* out of memory: try again later */
-        }
-        a.n_blocks = prefix_seq_flat(&r->ps, 0, flat);
-        a.blocks = flat;
-    } else {
-        a.blocks = r->ps.blocks;
-        a.n_blocks = r->ps.n_blocks;
+    if ((a.blocks = wire_blocks(&r->ps, 0, &a.n_blocks, &flat)) == NULL) {
+        prefix_seq_release(k->px, &r->ps);
+        return 0;   /* out of memory: try again later */
     }
     a.sampling = &r->sampling;
     uint32_t n_gen = r->n_tok - r->n_prompt;
@@ -870,17 +878,10 @@ static void grant(struct kvd *k, struct request *r, uint32_t from)
     g.has_seq_id = true;
     g.seq_id = r->seq_id;
     uint32_t *flat = NULL;
-    if (r->ps.n_parts > 1) {
-        flat = malloc(((size_t)r->ps.n_blocks - from) * r->ps.n_parts * sizeof(*flat) + 1);
-        if (flat == NULL) {
-            kvd_log(k, "request %llu: out of memory for a grant", (unsigned long long)r->seq_id);
-            return;     /* its worker asks again when it needs the blocks */
-        }
-        g.n_blocks = prefix_seq_flat(&r->ps, from, flat);
-        g.blocks = flat;
-    } else {
-        g.blocks = r->ps.blocks + from;
-        g.n_blocks = r->ps.n_blocks - from;
+    if ((g.blocks = wire_blocks(&r->ps, from, &g.n_blocks, &flat)) == NULL) {
+        /* the worker waits for this grant: end the request rather than hang it */
+        stop_request(k, r, 0, KVD__ERROR_CODE__ERR_INTERNAL, "out of memory");
+        return;
     }
     m.body_case = KVDW__TO_WORKER__BODY_GRANT;
     m.grant = &g;

@@ -743,12 +743,5 @@ void pool_layout_for_model(const struct model *m, uint32_t block_tokens, uint32_
     lay->k_type = (uint16_t)k_type;
     lay->v_type = (uint16_t)v_type;
     lay->rotate = rotate;
-    uint32_t window[KV_MAX_PART_LAYERS];
-    if (m->cfg.n_layer <= KV_MAX_PART_LAYERS) {
-        for (uint32_t l = 0; l < m->cfg.n_layer; l++)
-            window[l] = model_layer_windowed(&m->cfg, l) ? m->cfg.swa_window : 0;
-        kv_parts_plan(m->cfg.n_layer, window, &lay->parts);
-    } else {
-        kv_parts_single(m->cfg.n_layer, &lay->parts);
-    }
+    kv_parts_for_model(&m->cfg, &lay->parts);
 }

@@ -200,8 +200,7 @@ static uint32_t index_find(prefix_t *px, prefix_key_t k, prefix_ns_t ns, uint32_
  * (ids written when ids != NULL). *pending: the pending block that continues
  * them, if any. *last: key of the last block matched. */
 static uint32_t walk(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t n,
-                     uint32_t max_blocks, uint32_t *ids, uint32_t *pending, prefix_key_t *last,
-                     prefix_key_t *keys)
+                     uint32_t max_blocks, uint32_t *ids, uint32_t *pending, prefix_key_t *last)
 {
     uint64_t full = n / px->bt;
     if (max_blocks > full)
@@ -221,8 +220,6 @@ static uint32_t walk(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64
         }
         if (ids)
             ids[i] = id;
-        if (keys)
-            keys[i] = k;
         key = k;
         parent = id;
     }
@@ -493,12 +490,13 @@ void prefix_hash_chain(const prefix_t *px, prefix_ns_t ns, const int32_t *tokens
  * Of the m leading part-0 blocks `table` found for tokens, the longest prefix
  * j <= m that every other part can continue: a full part holds its blocks
  * [0, j), a windowed one those its window reads from position j x bt on. With
- * ids (room for n_parts x m, part-major) the blocks of the other parts found.
+ * ids, the blocks of the other parts found: part p's block i at ids[p x
+ * stride + i].
  * Each block is looked up once, from the end down, so a hit costs about a
  * window's lookups per part. 0 when out of memory (a miss, never a wrong hit).
  */
 static uint32_t parts_match(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint32_t m,
-                            const uint32_t *table, uint32_t *ids)
+                            const uint32_t *table, uint32_t *ids, size_t stride)
 {
     if (px->np == 1 || m == 0)
         return m;
@@ -519,7 +517,7 @@ static uint32_t parts_match(prefix_t *px, prefix_ns_t ns, const int32_t *tokens,
                     const uint32_t id = index_find(px, k, pns, table[i], t);
                     *x = id != POOL_NONE && px->b[id].state == POOL_BLOCK_COMMITTED ? 1 : 2;
                     if (*x == 1 && ids != NULL)
-                        ids[(size_t)p * m + i] = id;
+                        ids[(size_t)p * stride + i] = id;
                 }
                 ok = *x == 1;
             }
@@ -531,32 +529,46 @@ static uint32_t parts_match(prefix_t *px, prefix_ns_t ns, const int32_t *tokens,
     return j;
 }
 
+/*
+ * The longest cached prefix of tokens[0..n) that every part can continue, at
+ * most max_blocks blocks: part 0's blocks into table (room for max_blocks),
+ * with ids the other parts' (part-major, room for n_parts x max_blocks). A
+ * pending block continues it only when part 0's whole walk stands. *last: the
+ * key of the last block taken.
+ */
+static uint32_t match(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t n,
+                      uint32_t max_blocks, uint32_t *table, uint32_t *ids, uint32_t *pending,
+                      prefix_key_t *last)
+{
+    const uint32_t m = walk(px, ns, tokens, n, max_blocks, table, pending, last);
+    if (px->np == 1 || m == 0)
+        return m;
+    const uint32_t j = parts_match(px, ns, tokens, m, table, ids, max_blocks);
+    if (j < m) {
+        *pending = POOL_NONE;   /* what is pending continues part 0 alone */
+        px->cs->hit_blocks -= m - j;
+        *last = j ? key_get(&px->b[table[j - 1]]) : KEY_ZERO;
+    }
+    return j;
+}
+
 void prefix_lookup(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t n,
                    uint32_t max_blocks, uint32_t *ids, struct prefix_match *m)
 {
     prefix_key_t last;
-    if (px->np == 1) {
-        m->n_blocks = walk(px, ns, tokens, n, max_blocks, ids, &m->pending, &last, NULL);
-        return;
-    }
     uint64_t full = n / px->bt;
     if (max_blocks > full)
         max_blocks = (uint32_t)full;
-    uint32_t *table = malloc(((size_t)max_blocks + 1) * sizeof(*table));
-    if (table == NULL) {
-        m->n_blocks = 0;   /* out of memory: a miss, never a wrong hit */
+    uint32_t *table = ids;    /* part 0's blocks: parts_match reads them */
+    if (table == NULL && px->np > 1 &&
+        (table = malloc(((size_t)max_blocks + 1) * sizeof(*table))) == NULL) {
+        m->n_blocks = 0;    /* out of memory: a miss, never a wrong hit */
         m->pending = POOL_NONE;
-    } else {
-        const uint32_t walked = walk(px, ns, tokens, n, max_blocks, table, &m->pending, &last, NULL);
-        m->n_blocks = parts_match(px, ns, tokens, walked, table, NULL);
-        if (m->n_blocks < walked) {
-            m->pending = POOL_NONE; /* what is pending continues part 0 alone */
-            px->cs->hit_blocks -= walked - m->n_blocks;
-        }
-        if (ids)
-            memcpy(ids, table, (size_t)m->n_blocks * sizeof(*ids));
+        return;
     }
-    free(table);
+    m->n_blocks = match(px, ns, tokens, n, max_blocks, table, NULL, &m->pending, &last);
+    if (table != ids)
+        free(table);
 }
 
 int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,
@@ -580,28 +592,20 @@ int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,
     rc = seq_reserve(s, max ? max : 1);
     if (rc)
         return rc;
-    uint32_t pending;
-    uint32_t m = walk(px, ns, tokens, n, (uint32_t)max, s->blocks, &pending, &s->key, NULL);
-    if (px->np > 1 && m > 0) {
-        uint32_t *ids = malloc((size_t)px->np * m * sizeof(*ids));
-        const uint32_t j = ids != NULL ? parts_match(px, ns, tokens, m, s->blocks, ids) : 0;
-        if (j < m) {
-            pending = POOL_NONE;    /* what is pending continues part 0 alone */
-            px->cs->hit_blocks -= m - j;
-            s->key = j ? key_get(&px->b[s->blocks[j - 1]]) : KEY_ZERO;
+    uint32_t pending, *ids = NULL;
+    if (px->np > 1 && max > 0 && (ids = malloc((size_t)px->np * max * sizeof(*ids))) == NULL)
+        return KVD_ENOMEM;
+    uint32_t m = match(px, ns, tokens, n, (uint32_t)max, s->blocks, ids, &pending, &s->key);
+    for (uint32_t p = 1; p < px->np; p++) {
+        const uint64_t lo = kv_window_first_block(px->parts->window[p], (uint64_t)m * px->bt, px->bt);
+        s->first[p] = (uint32_t)lo;
+        for (uint32_t i = 0; i < m; i++) {
+            s->tables[p][i] = i < lo ? POOL_NONE : ids[(size_t)p * max + i];
+            if (i >= lo)
+                ref_committed(px, s->tables[p][i]);
         }
-        for (uint32_t p = 1; p < px->np; p++) {
-            const uint64_t lo = kv_window_first_block(px->parts->window[p], (uint64_t)j * px->bt, px->bt);
-            s->first[p] = (uint32_t)lo;
-            for (uint32_t i = 0; i < j; i++) {
-                s->tables[p][i] = i < lo ? POOL_NONE : ids[(size_t)p * m + i];
-                if (i >= lo)
-                    ref_committed(px, s->tables[p][i]);
-            }
-        }
-        free(ids);
-        m = j;
     }
+    free(ids);
     for (uint32_t i = 0; i < m; i++)
         ref_committed(px, s->blocks[i]);
     s->n_blocks = s->n_cached = s->n_committed = s->n_indexed = m;
@@ -735,7 +739,7 @@ void prefix_seq_release(prefix_t *px, struct prefix_seq *s)
     while (s->n_blocks > 0) {
         const uint32_t i = --s->n_blocks;
         for (uint32_t p = s->n_parts; p-- > 1;)
-            if (i >= s->first[p] && s->tables[p][i] != POOL_NONE)
+            if (s->tables[p][i] != POOL_NONE)
                 unref(px, s->tables[p][i]);
         unref(px, s->blocks[i]);
     }

@@ -227,6 +227,13 @@ void prefix_seq_release(prefix_t *px, struct prefix_seq *s);
 /* Frees s's block table (after release). */
 void prefix_seq_fini(struct prefix_seq *s);
 
+/* The tables an engine step takes for s (fwd_seq.tables): NULL for a pool of
+ * one part, whose table is s->blocks alone. */
+static inline const uint32_t *const *prefix_seq_tables(const struct prefix_seq *s)
+{
+    return s->n_parts > 1 ? (const uint32_t *const *)s->tables : NULL;
+}
+
 /* s's logical blocks [from, n_blocks) as a worker takes them: for each, one
  * id per part (POOL_NONE where a windowed part let it go), into out (room
  * for (n_blocks - from) x n_parts ids). Returns the ids written. */

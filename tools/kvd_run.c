@@ -489,12 +489,6 @@ struct seq {
  * the sequence's whole history from position 0. After each step the written
  * blocks are committed, so full ones become reusable. The logits of the last
  * step are left in *logits (all rows when all_logits). */
-/* The tables a step takes for ps: NULL for a pool of one part. */
-static const uint32_t *const *seq_tables(const struct prefix_seq *ps)
-{
-    return ps->n_parts > 1 ? (const uint32_t *const *)ps->tables : NULL;
-}
-
 static void seq_feed(struct runtime *rt, struct seq *s, const int32_t *hist, uint32_t n,
                      uint32_t chunk, bool all_logits, const float **logits, uint32_t *rows)
 {
@@ -504,7 +498,7 @@ static void seq_feed(struct runtime *rt, struct seq *s, const int32_t *hist, uin
         if (prefix_seq_grow(rt->px, &s->ps, s->pos + m, hist, s->pos + m) != 0)
             cli_die("the KV pool is full");
         struct fwd_seq fs = { hist + s->pos, m, s->pos, s->ps.blocks, s->ps.n_blocks, all_logits,
-                              seq_tables(&s->ps) };
+                              prefix_seq_tables(&s->ps) };
         if (engine_step(rt->engine, &fs, 1, logits, rows, err, sizeof(err)) != 0)
             cli_die("%s", err);
         s->pos += m;
@@ -1027,7 +1021,7 @@ static double bench_batch(struct runtime *rt, const int32_t *ids, size_t n_ids, 
             if (prefix_seq_grow(rt->px, &s[b].ps, s[b].pos + 1, h, s[b].pos + 1) != 0)
                 cli_die("the KV pool is full");
             fs[b] = (struct fwd_seq){ h + s[b].pos, 1, s[b].pos, s[b].ps.blocks, s[b].ps.n_blocks,
-                                      false, seq_tables(&s[b].ps) };
+                                      false, prefix_seq_tables(&s[b].ps) };
         }
         if (engine_step(rt->engine, fs, (uint32_t)B, &lg, &rows, err, sizeof(err)) != 0)
             cli_die("%s", err);

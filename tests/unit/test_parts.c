@@ -54,7 +54,7 @@
 static const uint32_t windows[NPART] = { 0, 5, 11 };
 static const char *const ns_names[NNS] = { "", "tenant-a", "tenant-b" };
 
-#include "blocksig.h"
+#include "pooltest.h"
 
 /* ---- signatures ----------------------------------------------------------- */
 
@@ -151,23 +151,6 @@ static pool_t *pool_open_parts(uint32_t n_blocks)
     REQUIRE(pool != NULL);
     REQUIRE(pool_header(pool)->block_bytes == BLOCK_BYTES);
     return pool;
-}
-
-static prefix_t *prefix_open(pool_t *pool)
-{
-    char err[256] = "", note[256] = "";
-    prefix_t *px = prefix_new(pool, note, sizeof(note), err, sizeof(err));
-    REQUIRE(px != NULL);
-    return px;
-}
-
-static int check_ok(const prefix_t *px)
-{
-    char err[256] = "";
-    int rc = prefix_check(px, err, sizeof(err));
-    if (rc != 0)
-        fprintf(stderr, "prefix_check: %s\n", err);
-    return rc;
 }
 
 /* Writes positions [s->n_committed x BT, n) of s (signatures into every full

@@ -56,7 +56,7 @@
 
 static const char *const ns_names[NNS] = { "", "tenant-a", "tenant-b" };
 
-#include "blocksig.h"
+#include "pooltest.h"
 
 /* ---- signatures: the stand-in for K/V ---------------------------------- */
 
@@ -124,28 +124,9 @@ static pool_t *pool_open_small(void)
     return pool;
 }
 
-static prefix_t *prefix_open(pool_t *pool)
-{
-    char err[256] = "", note[256] = "";
-    prefix_t *px = prefix_new(pool, note, sizeof(note), err, sizeof(err));
-    if (px == NULL)
-        fprintf(stderr, "prefix_new: %s\n", err);
-    REQUIRE(px != NULL);
-    return px;
-}
-
 static prefix_ns_t ns_of(const prefix_t *px, int i)
 {
     return prefix_namespace(px, ns_names[i], strlen(ns_names[i]));
-}
-
-static int check_ok(const prefix_t *px)
-{
-    char err[256] = "";
-    int rc = prefix_check(px, err, sizeof(err));
-    if (rc != 0)
-        fprintf(stderr, "prefix_check: %s\n", err);
-    return rc;
 }
 
 /* Computes prompt tokens[0..n) for s (begun in namespace ns with cached
