@@ -31,6 +31,20 @@ static inline int round_even(float x)
 
 static inline int clampi(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
 
+/* v truncated to an int, as (int)v, but defined for every float: NaN is 0 and
+ * what lies beyond an int's range is its end (rows of NaN or infinities come
+ * only from a broken model, and must not be undefined behaviour even then). */
+static inline int f2i(float v)
+{
+    if (!(v == v))
+        return 0;
+    if (v >= 2147483520.0f)
+        return INT32_MAX;
+    if (v <= -2147483648.0f)
+        return INT32_MIN;
+    return (int)v;
+}
+
 static inline uint32_t load_le32(const uint8_t b[4])
 {
     return (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
@@ -257,7 +271,8 @@ static float quant_q8_32(const float *x, kvd_f16 *d_out, int8_t *qs, int *sum_ou
     const float id = inv_or_zero(d);
     int sum = 0;
     for (int j = 0; j < 32; j++) {
-        int q = (int)roundf(x[j] * id);
+        /* a NaN codes as 0 (the block's scale ignores it) */
+        const int q = f2i(roundf(x[j] * id));
         qs[j] = (int8_t)q;
         sum += q;
     }
@@ -289,7 +304,7 @@ static void quant_sym(const float *x, int half, int qmax, kvd_f16 *d_out, uint8_
     const float d = max / (float)-half;
     const float id = inv_or_zero(d);
     for (int j = 0; j < 32; j++)
-        codes[j] = (uint8_t)clampi((int)(x[j] * id + ((float)half + 0.5f)), 0, qmax);
+        codes[j] = (uint8_t)clampi(f2i(x[j] * id + ((float)half + 0.5f)), 0, qmax);
     *d_out = kvd_f32_to_f16(d);
 }
 
@@ -306,7 +321,7 @@ void kern_quantize_q4_0_lsq(const float *src, void *dst, int64_t n)
             int8_t l[32];
             double sxl = 0.0, sll = 0.0;
             for (int j = 0; j < 32; j++) {
-                l[j] = (int8_t)(clampi((int)(is * src[j] + 8.5f), 0, 15) - 8);
+                l[j] = (int8_t)(clampi(f2i(is * src[j] + 8.5f), 0, 15) - 8);
                 sxl += (double)src[j] * l[j];
                 sll += (double)l[j] * l[j];
             }
@@ -331,7 +346,7 @@ static void quant_asym(const float *x, int qmax, kvd_f16 *d_out, kvd_f16 *m_out,
     const float d = (mx - mn) / (float)qmax;
     const float id = inv_or_zero(d);
     for (int j = 0; j < 32; j++)
-        codes[j] = (uint8_t)clampi((int)((x[j] - mn) * id + 0.5f), 0, qmax);
+        codes[j] = (uint8_t)clampi(f2i((x[j] - mn) * id + 0.5f), 0, qmax);
     *d_out = kvd_f32_to_f16(d);
     *m_out = kvd_f32_to_f16(mn);
 }
