@@ -359,6 +359,10 @@ static void setup(struct kvd *k)
         kvd_log(k, "pool %s: %s", k->pool_name, note);
     pool_describe(&lay, &cap, k->n_ctx, err, sizeof(err));
     kvd_log(k, "KV pool %s: %s", k->pool_name, err);
+    k->pool_seq_tokens = (uint64_t)cap.n_blocks * lay.block_tokens;
+    while (k->pool_seq_tokens > 0 &&
+           kv_parts_blocks_held(&lay.parts, k->pool_seq_tokens, lay.block_tokens) > cap.n_blocks)
+        k->pool_seq_tokens -= lay.block_tokens;
     /* the budget wire.c recommends: 4 x the largest frame, slack, and room for an
      * LZ4 prompt decompressed into the arena */
     k->arena = wire_arena_new(4 * (size_t)WIRE_MAX_FRAME + (1u << 20) + WIRE_MAX_PROMPT_BYTES + 16);

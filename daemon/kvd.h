@@ -178,6 +178,8 @@ struct kvd {
     prefix_t *px;
     kv_events_t *events;            /* --kv-events, else NULL */
     uint32_t n_ctx;                 /* context in effect */
+    uint64_t pool_seq_tokens;       /* the longest sequence the pool can hold: every block of a
+                                     * full part, about a window of a windowed one */
     void *zctx;
     void *clients;                  /* ROUTER bound to every --listen endpoint */
     void *wsock;                    /* ROUTER for workers */

@@ -505,9 +505,7 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, uint6
         snprintf(msg, sizeof(msg), "the prompt is empty");
         code = KVD__ERROR_CODE__ERR_BAD_REQUEST;
     }
-    const struct pool_header *h = pool_header(k->pool);
-    /* a prompt takes a block per part until its windows slide */
-    uint64_t pool_tokens = (uint64_t)h->n_blocks / h->layout.parts.n_parts * h->layout.block_tokens;
+    const uint64_t pool_tokens = k->pool_seq_tokens;
     if (code == 0 && r->n_prompt + 1 > k->n_ctx) {
         snprintf(msg, sizeof(msg), "the prompt has %u tokens; the context holds %u", r->n_prompt,
                  k->n_ctx);
@@ -607,6 +605,22 @@ static uint64_t want_positions(const struct kvd *k, uint64_t n)
     return want > k->n_ctx ? (n > k->n_ctx ? n : k->n_ctx) : want;
 }
 
+/* What r may hold blocks for when it asks for n positions with `from`
+ * written. In a pool of parts a long prompt takes its blocks a few steps
+ * ahead at a time: the windowed parts release what the prefill leaves
+ * behind, so a prompt of any length holds about its window there, not a
+ * block per part per position (the worker asks again ahead of need). */
+static uint64_t lease_cap(const struct kvd *k, const struct request *r, uint64_t from, uint64_t n)
+{
+    if (r->ps.n_parts <= 1)
+        return n;
+    uint64_t ahead = from + 2ull * k->o.step_tokens + k->o.block_tokens;
+    const uint64_t held = (uint64_t)r->ps.n_blocks * k->o.block_tokens;
+    if (ahead < held + k->o.block_tokens)
+        ahead = held + k->o.block_tokens;   /* an asking worker always gets a block more */
+    return n < ahead ? n : ahead;
+}
+
 /* Logical blocks [from, n_blocks) of ps as Assign and Grant carry them: part
  * 0's table itself for a pool of one part, else a copy (*copy, for the caller
  * to free) with one id per part for each. NULL when out of memory. */
@@ -646,10 +660,12 @@ static int start(struct kvd *k, struct request *r)
         r->state = REQ_WAITING;
         return 0;
     }
-    int rc = prefix_seq_grow(k->px, &r->ps, want_positions(k, r->n_tok + 1ull), r->tok,
-                             r->no_cache ? 0 : r->n_tok);
+    int rc = prefix_seq_grow(k->px, &r->ps,
+                             lease_cap(k, r, (uint64_t)cached, want_positions(k, r->n_tok + 1ull)),
+                             r->tok, r->no_cache ? 0 : r->n_tok);
     if (rc == KVD_ENOSPACE)
-        rc = prefix_seq_grow(k->px, &r->ps, r->n_tok + 1ull, r->tok, r->no_cache ? 0 : r->n_tok);
+        rc = prefix_seq_grow(k->px, &r->ps, lease_cap(k, r, (uint64_t)cached, r->n_tok + 1ull), r->tok,
+                             r->no_cache ? 0 : r->n_tok);
     if (rc != 0) {
         prefix_seq_release(k->px, &r->ps);
         if (k->n_active == 0) {
@@ -901,7 +917,9 @@ void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions)
     uint32_t before = r->ps.n_blocks;
     const int32_t *known = r->no_cache ? NULL : r->tok;
     uint64_t n_known = r->no_cache ? 0 : r->n_tok;
-    int rc = prefix_seq_grow(k->px, &r->ps, want_positions(k, n_positions), known, n_known);
+    n_positions = (uint32_t)lease_cap(k, r, r->n_written, n_positions);
+    int rc = prefix_seq_grow(k->px, &r->ps, lease_cap(k, r, r->n_written, want_positions(k, n_positions)),
+                             known, n_known);
     if (rc == KVD_ENOSPACE)
         rc = prefix_seq_grow(k->px, &r->ps, n_positions, known, n_known);
     if (rc == 0) {

@@ -530,15 +530,51 @@ static uint32_t parts_match(prefix_t *px, prefix_ns_t ns, const int32_t *tokens,
 }
 
 /*
+ * Part 0's blocks [j, m) of table were found for tokens, but the other parts
+ * cannot continue them: they are recomputed, and a copy of an indexed block
+ * would stay private and close the new sequence's chain. Evicts them, from
+ * the end back, with the other parts' blocks that hang from them, while
+ * nothing else needs them: not held, and no other chain continuing (such a
+ * block could only serve hits that just failed).
+ */
+static void drop_unusable(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, const uint32_t *table,
+                          uint32_t j, uint32_t m)
+{
+    for (uint32_t i = m; i-- > j;) {
+        const uint32_t id = table[i];
+        const struct pool_block *r = &px->b[id];
+        if (r->refs != 0 || r->state != POOL_BLOCK_COMMITTED)
+            return;
+        uint32_t hanging[KV_MAX_PARTS], n = 0;
+        const int32_t *t = tokens + (size_t)i * px->bt;
+        for (uint32_t p = 1; p < px->np; p++) {
+            const prefix_ns_t pns = part_ns(ns, p);
+            const uint32_t c = index_find(px, key_of(px, key_get(r), pns, t), pns, id, t);
+            if (c == POOL_NONE)
+                continue;
+            if (px->b[c].refs != 0 || px->b[c].state != POOL_BLOCK_COMMITTED)
+                return;
+            hanging[n++] = c;
+        }
+        if (r->n_children != n)
+            return;     /* another chain goes on from it */
+        for (uint32_t c = 0; c < n; c++)
+            evict_one(px, hanging[c]);
+        evict_one(px, id);
+    }
+}
+
+/*
  * The longest cached prefix of tokens[0..n) that every part can continue, at
  * most max_blocks blocks: part 0's blocks into table (room for max_blocks),
  * with ids the other parts' (part-major, room for n_parts x max_blocks). A
  * pending block continues it only when part 0's whole walk stands. *last: the
- * key of the last block taken.
+ * key of the last block taken. With drop, part 0's blocks found past the
+ * prefix are evicted where nothing else needs them (drop_unusable).
  */
 static uint32_t match(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t n,
                       uint32_t max_blocks, uint32_t *table, uint32_t *ids, uint32_t *pending,
-                      prefix_key_t *last)
+                      prefix_key_t *last, bool drop)
 {
     const uint32_t m = walk(px, ns, tokens, n, max_blocks, table, pending, last);
     if (px->np == 1 || m == 0)
@@ -548,6 +584,8 @@ static uint32_t match(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint6
         *pending = POOL_NONE;   /* what is pending continues part 0 alone */
         px->cs->hit_blocks -= m - j;
         *last = j ? key_get(&px->b[table[j - 1]]) : KEY_ZERO;
+        if (drop)
+            drop_unusable(px, ns, tokens, table, j, m);
     }
     return j;
 }
@@ -566,7 +604,7 @@ void prefix_lookup(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t
         m->pending = POOL_NONE;
         return;
     }
-    m->n_blocks = match(px, ns, tokens, n, max_blocks, table, NULL, &m->pending, &last);
+    m->n_blocks = match(px, ns, tokens, n, max_blocks, table, NULL, &m->pending, &last, false);
     if (table != ids)
         free(table);
 }
@@ -595,7 +633,7 @@ int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,
     uint32_t pending, *ids = NULL;
     if (px->np > 1 && max > 0 && (ids = malloc((size_t)px->np * max * sizeof(*ids))) == NULL)
         return KVD_ENOMEM;
-    uint32_t m = match(px, ns, tokens, n, (uint32_t)max, s->blocks, ids, &pending, &s->key);
+    const uint32_t m = match(px, ns, tokens, n, (uint32_t)max, s->blocks, ids, &pending, &s->key, true);
     for (uint32_t p = 1; p < px->np; p++) {
         const uint64_t lo = kv_window_first_block(px->parts->window[p], (uint64_t)m * px->bt, px->bt);
         s->first[p] = (uint32_t)lo;

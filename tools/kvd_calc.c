@@ -183,6 +183,10 @@ int main(int argc, char **argv)
     const uint64_t blocks_per_seq = ((uint64_t)ctx + lay.block_tokens - 1) / lay.block_tokens;
     /* paged: whole blocks per sequence; the last one partly empty */
     const uint64_t paged = blocks_per_seq * (uint64_t)batch * lay.block_tokens * per_token;
+    /* kvd's pool: blocks of a part of the layers; the windowed parts keep their window */
+    const uint64_t held_per_seq = kv_parts_blocks_held(&lay.parts, (uint64_t)ctx, lay.block_tokens);
+    const uint64_t part_block_bytes = per_token / lay.n_layer * lay.parts.part_layers * lay.block_tokens;
+    const uint64_t pool_bytes = held_per_seq * (uint64_t)batch * part_block_bytes;
 
     struct pool_capacity cap;
     char line[512] = "";
@@ -206,7 +210,10 @@ int main(int argc, char **argv)
                    "\"sequences\":%llu}",
                    (unsigned long long)kv_bytes, (unsigned long long)cap.total_bytes, cap.n_blocks,
                    (unsigned long long)cap.n_tokens,
-                   (unsigned long long)(cap.n_blocks / blocks_per_seq));
+                   (unsigned long long)(cap.n_blocks / held_per_seq));
+        printf(",\"parts\":{\"parts\":%u,\"part_layers\":%u,\"blocks\":%llu,\"bytes\":%llu}",
+               lay.parts.n_parts, lay.parts.part_layers, (unsigned long long)(held_per_seq * (uint64_t)batch),
+               (unsigned long long)pool_bytes);
         printf("}\n");
         return 0;
     }
@@ -247,13 +254,11 @@ int main(int argc, char **argv)
                kvd_format_bytes(grouped, b1, sizeof(b1)), (double)bytes / (double)grouped,
                kvd_format_bytes(bytes, b2, sizeof(b2)));
         if (lay.parts.n_parts > 1) {
-            const uint64_t held = kv_parts_blocks_held(&lay.parts, (uint64_t)ctx, lay.block_tokens) *
-                                  (uint64_t)batch;
-            const uint64_t pool_bytes = held * per_layer * lay.parts.part_layers * lay.block_tokens;
             printf("kvd's pool:      blocks of %u layers, a table per part (%u): %llu x %ld tokens hold %llu "
                    "blocks, %s, %.1fx less than %s\n",
                    lay.parts.part_layers, lay.parts.n_parts, (unsigned long long)batch, ctx,
-                   (unsigned long long)held, kvd_format_bytes(pool_bytes, b1, sizeof(b1)),
+                   (unsigned long long)(held_per_seq * (uint64_t)batch),
+                   kvd_format_bytes(pool_bytes, b1, sizeof(b1)),
                    (double)paged / (double)pool_bytes, kvd_format_bytes(paged, b2, sizeof(b2)));
         }
     }

@@ -480,15 +480,17 @@ static uint32_t plan_step(struct worker *w)
             struct wseq *s = w->seqs[i];
             uint32_t todo = s->n_tok - s->pos;
             bool decode = todo == 1;
-            if ((pass == 0) != decode || s->leasing)
+            if ((pass == 0) != decode)
                 continue;
             uint32_t m = todo < budget ? todo : budget;
             uint32_t cap = seq_capacity(w, s);
             if (s->pos + m > cap)
                 m = cap > s->pos ? cap - s->pos : 0;
             if (m == 0) {
-                /* ask for blocks up to the end of the history plus the next token */
-                send_lease(w, s, s->n_tok + 1);
+                /* ask for blocks up to the end of the history plus the next token
+                 * (a sequence that asked already runs on what it holds meanwhile) */
+                if (!s->leasing)
+                    send_lease(w, s, s->n_tok + 1);
                 continue;
             }
             s->chunk = m;
@@ -601,6 +603,11 @@ static void run_step(struct worker *w, uint32_t n)
             m.body_case = KVDW__FROM_WORKER__BODY_COMMIT;
             m.commit = &c;
             send_msg(w, &m);
+            /* kvd may hand a long prompt's blocks out a few steps at a time (a
+             * pool of parts): ask for the next ones before they run out */
+            const uint32_t cap = seq_capacity(w, s);
+            if (!s->leasing && cap < s->n_tok + 1 && cap - s->pos < w->o.step_tokens)
+                send_lease(w, s, s->n_tok + 1);
             continue;
         }
         /* the draw depends on the request and the position only, so a sequence

@@ -6,6 +6,7 @@ template), over ZeroMQ and HTTP."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,3 +60,32 @@ def test_tokenize_and_chat_format(gemma: Daemon) -> None:
     # BOS, then the system text trimmed into the first user turn (llama.cpp's Gemma rendering)
     assert ids[0] == 2
     assert text.endswith("<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_a_prompt_the_pool_holds_only_by_its_window(gemma: Daemon, tmp_path: Path) -> None:
+    # A pool of about 440 blocks of 3 layers (21 MiB): one 1,700-token prompt held in every part
+    # at once would take about 650, but its windowed parts keep only their window (and a few
+    # steps ahead, handed out as the prefill goes: --step-tokens 64), so it runs, with the output
+    # of the large pool.
+    system = " ".join([LONG_SYSTEM] * 2) + " " + LONG_SYSTEM[: len(LONG_SYSTEM) // 2]
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Topic 4?"}]
+    small = Daemon(tmp_path, "--model", str(GEMMA), "--kv-memory", "21MiB", "--step-tokens", "64", "-w", "1")
+    try:
+        small.measure_patience()
+        with kvd_client.Client(small.endpoint, timeout=small.patience) as c:
+            st = c.stats()
+            got = c.generate(messages=messages, max_tokens=16, temperature=0, ignore_eos=True)
+            # everything goes back to the cache or the free list once the worker lets go
+            deadline = time.monotonic() + small.patience
+            while (after := c.stats()).blocks_in_use or after.blocks_pending:
+                assert time.monotonic() < deadline, f"blocks still held: {after}"
+                time.sleep(0.05)
+    finally:
+        _stop_checked(small)
+    with kvd_client.Client(gemma.endpoint, timeout=gemma.patience) as c:
+        want = c.generate(messages=messages, max_tokens=16, temperature=0, ignore_eos=True, no_cache=True)
+    parts = 6
+    assert st.blocks_total * st.block_tokens < got.usage.prompt_tokens * parts
+    assert got.usage.prompt_tokens >= 1500
+    assert got.token_ids == want.token_ids
+    assert after.blocks_cached > 0

@@ -296,6 +296,52 @@ static void test_missing_part_block(void)
     pool_close(&pool);
 }
 
+/* A prompt whose part-0 chain outlived its windows' blocks computes that
+ * stretch again, and what it computes is cached for the next request: the
+ * stale part-0 blocks make way instead of turning the new ones into private
+ * copies. */
+static void test_recompute_stays_cached(void)
+{
+    pool_t *pool = pool_open_parts(NB);
+    prefix_t *px = prefix_open(pool);
+    prefix_ns_t ns = prefix_namespace(px, "", 0);
+    int32_t P[41];
+    for (uint32_t i = 0; i < 41; i++)
+        P[i] = (int32_t)(11 * i + 5);
+    struct prefix_seq s;
+    memset(&s, 0, sizeof(s));
+    CHECK(prefix_seq_begin(px, &s, ns, P, 33, NULL) == 0);
+    CHECK(prefix_seq_grow(px, &s, 33, P, 33) == 0);
+    CHECK(seq_write(pool, px, &s, 0, P, 32) == 0);
+    prefix_seq_release(px, &s);
+    /* evict until the windows at 32 are gone while part 0's chain is whole */
+    uint32_t ids[16];
+    struct prefix_match m;
+    for (int guard = 0; guard < 64; guard++) {
+        prefix_lookup(px, ns, P, 33, 8, ids, &m);
+        if (m.n_blocks < 8)
+            break;
+        CHECK(prefix_evict(px, 1) == 1);
+    }
+    CHECK(m.n_blocks < 8);
+    /* the longer prompt: hits what every part continues, computes the rest */
+    const int64_t first = prefix_seq_begin(px, &s, ns, P, 41, NULL);
+    CHECK(first == (int64_t)m.n_blocks * BT);
+    CHECK(check_ok(px) == 0);
+    CHECK(prefix_seq_grow(px, &s, 41, P, 41) == 0);
+    CHECK(seq_write(pool, px, &s, 0, P, 40) == 0);
+    CHECK(s.chain_open && s.n_indexed == 10);
+    prefix_seq_release(px, &s);
+    CHECK(check_ok(px) == 0);
+    /* and the next request finds all of it */
+    CHECK(prefix_seq_begin(px, &s, ns, P, 41, NULL) == 40);
+    CHECK(seq_sigs_ok(pool, &s, 0, P, 10));
+    prefix_seq_release(px, &s);
+    prefix_seq_fini(&s);
+    prefix_destroy(&px);
+    pool_close(&pool);
+}
+
 /* Under a constant key every entry collides; parts still find only their own. */
 static void test_collisions(void)
 {
@@ -543,6 +589,7 @@ int main(int argc, char **argv)
     test_plan();
     test_slide_and_hit();
     test_missing_part_block();
+    test_recompute_stays_cached();
     test_collisions();
     test_random(seed, n_ops);
     return CHECK_DONE();
