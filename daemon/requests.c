@@ -1088,7 +1088,16 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t
     s.bad_messages = k->st.bad_messages;
     s.block_tokens = k->o.block_tokens;
     s.block_bytes = ps.block_bytes;
-    s.kv_bytes_per_token = ps.block_bytes * pool_header(k->pool)->layout.parts.n_parts / k->o.block_tokens;
+    const struct kv_parts *parts = &pool_header(k->pool)->layout.parts;
+    s.kv_bytes_per_token = ps.block_bytes * parts->n_parts / k->o.block_tokens;
+    s.has_kv_parts = s.has_kv_part_layers = s.has_kv_window = s.has_blocks_in_use_windowed = true;
+    s.kv_parts = parts->n_parts;
+    s.kv_part_layers = parts->part_layers;
+    s.kv_window = parts->window[parts->n_parts - 1];
+    for (const struct request *r = k->active; r; r = r->next)
+        for (uint32_t p = 1; p < r->ps.n_parts; p++)
+            if (parts->window[p] != 0)
+                s.blocks_in_use_windowed += r->ps.n_blocks - r->ps.first[p];
     char kv_type[64];
     kv_describe(&k->o.kv, kv_type, sizeof(kv_type));
     s.kv_type = kv_type;

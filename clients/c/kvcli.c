@@ -517,7 +517,8 @@ static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
                "\"completion_tokens\":%llu,\"blocks_total\":%u,\"blocks_free\":%u,"
                "\"blocks_cached\":%u,\"blocks_in_use\":%u,\"blocks_pending\":%u,"
                "\"block_tokens\":%u,\"block_bytes\":%llu,\"kv_bytes_per_token\":%llu,"
-               "\"kv_type\":\"%s\",\"evictions\":%llu,"
+               "\"kv_type\":\"%s\",\"kv_parts\":%u,\"kv_part_layers\":%u,\"kv_window\":%u,"
+               "\"blocks_in_use_windowed\":%u,\"evictions\":%llu,"
                "\"preemptions\":%llu,\"bad_messages\":%llu,\"workers\":[",
                (unsigned long long)s.requests_running, (unsigned long long)s.requests_queued,
                (unsigned long long)s.requests_done, (unsigned long long)s.requests_failed,
@@ -525,7 +526,8 @@ static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
                (unsigned long long)s.completion_tokens, s.blocks_total, s.blocks_free,
                s.blocks_cached, s.blocks_in_use, s.blocks_pending, s.block_tokens,
                (unsigned long long)s.block_bytes, (unsigned long long)s.kv_bytes_per_token,
-               s.kv_type, (unsigned long long)s.evictions,
+               s.kv_type, s.kv_parts, s.kv_part_layers, s.kv_window, s.blocks_in_use_windowed,
+               (unsigned long long)s.evictions,
                (unsigned long long)s.preemptions, (unsigned long long)s.bad_messages);
         for (uint32_t i = 0; i < s.n_workers; i++) {
             const struct kvd_worker_stats *w = &s.workers[i];
@@ -551,6 +553,9 @@ static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
            s.blocks_free, s.blocks_cached, s.blocks_in_use, s.blocks_pending);
     printf("kv        %s, %llu bytes per token\n", s.kv_type[0] ? s.kv_type : "?",
            (unsigned long long)s.kv_bytes_per_token);
+    if (s.kv_parts > 1)
+        printf("parts     %u tables of %u layers, window %u: %u windowed blocks in use\n", s.kv_parts,
+               s.kv_part_layers, s.kv_window, s.blocks_in_use_windowed);
     printf("events    %llu evictions, %llu preemptions, %llu bad messages\n",
            (unsigned long long)s.evictions, (unsigned long long)s.preemptions,
            (unsigned long long)s.bad_messages);

@@ -956,6 +956,10 @@ static void take_stats(const Kvd__Stats *s, struct kvd_stats *out)
     out->block_tokens = s->block_tokens;
     out->block_bytes = s->block_bytes;
     out->kv_bytes_per_token = s->kv_bytes_per_token;
+    out->kv_parts = s->has_kv_parts ? s->kv_parts : 1;
+    out->kv_part_layers = s->kv_part_layers;
+    out->kv_window = s->kv_window;
+    out->blocks_in_use_windowed = s->blocks_in_use_windowed;
     /* a description from the server: letters, digits, '_', ',', '+' and spaces only */
     size_t n = 0;
     for (const char *p = s->kv_type; p != NULL && *p != '\0' && n + 1 < sizeof(out->kv_type); p++)

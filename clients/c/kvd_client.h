@@ -184,6 +184,11 @@ struct kvd_stats {
     uint32_t block_tokens;
     uint64_t block_bytes;
     uint64_t kv_bytes_per_token;    /* K and V of one token, all layers */
+    uint32_t kv_parts;              /* block tables per sequence: 1, or the parts of a model with
+                                     * sliding-window layers (a block holds one part's layers) */
+    uint32_t kv_part_layers;        /* layers a block holds */
+    uint32_t kv_window;             /* the windowed parts' window in positions; 0: none */
+    uint32_t blocks_in_use_windowed;/* blocks of windowed parts that running sequences hold */
     char kv_type[48];               /* the pool's types: "K q8_0, V q4_0, rotated V" */
     uint64_t evictions, preemptions, bad_messages;
     struct kvd_worker_stats workers[64];

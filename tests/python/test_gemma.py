@@ -74,7 +74,14 @@ def test_a_prompt_the_pool_holds_only_by_its_window(gemma: Daemon, tmp_path: Pat
         small.measure_patience()
         with kvd_client.Client(small.endpoint, timeout=small.patience) as c:
             st = c.stats()
-            got = c.generate(messages=messages, max_tokens=16, temperature=0, ignore_eos=True)
+            with c.stream(messages=messages, max_tokens=16, temperature=0, ignore_eos=True) as s:
+                it = iter(s)
+                next(it)    # the prompt is written: the windows have slid
+                during = c.stats()
+                for _ in it:
+                    pass
+            got = s.result
+            assert got is not None
             # everything goes back to the cache or the free list once the worker lets go
             deadline = time.monotonic() + small.patience
             while (after := c.stats()).blocks_in_use or after.blocks_pending:
@@ -84,8 +91,12 @@ def test_a_prompt_the_pool_holds_only_by_its_window(gemma: Daemon, tmp_path: Pat
         _stop_checked(small)
     with kvd_client.Client(gemma.endpoint, timeout=gemma.patience) as c:
         want = c.generate(messages=messages, max_tokens=16, temperature=0, ignore_eos=True, no_cache=True)
-    parts = 6
-    assert st.blocks_total * st.block_tokens < got.usage.prompt_tokens * parts
+    assert (st.kv_parts, st.kv_part_layers, st.kv_window) == (6, 3, 512)
+    assert st.blocks_total * st.block_tokens < got.usage.prompt_tokens * st.kv_parts
+    # while it decodes, each of the 5 windowed parts holds about its window (512 / 16 blocks),
+    # not the prompt's 107 blocks
+    print(f"gemma: {during.blocks_in_use_windowed} windowed blocks held, {during.blocks_in_use} in all")
+    assert 5 * 32 <= during.blocks_in_use_windowed <= 5 * 40
     assert got.usage.prompt_tokens >= 1500
     assert got.token_ids == want.token_ids
     assert after.blocks_cached > 0

@@ -421,6 +421,10 @@ def to_stats(s: kvd_pb2.Stats) -> Stats:
         ],
         block_hashes=list(s.block_hashes),
         kv_event_batches=s.kv_event_batches,
+        kv_parts=s.kv_parts if s.HasField("kv_parts") else 1,
+        kv_part_layers=s.kv_part_layers,
+        kv_window=s.kv_window,
+        blocks_in_use_windowed=s.blocks_in_use_windowed,
     )
 
 

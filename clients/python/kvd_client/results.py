@@ -172,6 +172,11 @@ class Stats:
     #: a lookup can find (what a subscriber rebuilds), in no order
     block_hashes: list[int] = field(default_factory=list)
     kv_event_batches: int = 0     #: --kv-events batches sent
+    #: block tables per sequence: 1, or the parts of a model with sliding-window layers
+    kv_parts: int = 1
+    kv_part_layers: int = 0       #: layers a block holds
+    kv_window: int = 0            #: the windowed parts' window in positions; 0: none
+    blocks_in_use_windowed: int = 0  #: blocks of windowed parts that running sequences hold
 
     @property
     def hit_rate(self) -> float:
