@@ -319,7 +319,10 @@ static void remove_seq(struct worker *w, uint32_t i)
 
 /* Appends logical blocks to s's tables: ids holds, for each, one id per part
  * of the pool; a windowed part's may be POOL_NONE (a block its window no
- * longer reads; the engine checks that a step reads none of those). */
+ * longer reads; the engine checks that a step reads none of those). Blocks
+ * that kvd takes back from a windowed part later (their positions slid out
+ * of every window this sequence will compute) keep their ids here: no later
+ * step reads them. */
 static int push_blocks(struct wseq *s, const uint32_t *ids, size_t n, const pool_t *pool)
 {
     const struct pool_header *h = pool_header(pool);
