@@ -202,14 +202,19 @@ void pool_describe(const struct pool_layout *lay, const struct pool_capacity *ca
     if (cap->kv_device >= 0)
         snprintf(where, sizeof(where), " on GPU %d (+ %s of metadata in host memory)",
                  cap->kv_device, kvd_format_bytes(cap->total_bytes, meta, sizeof(meta)));
+    /* a pool of parts holds a token in a block per part: its count of whole tokens depends
+     * on the windows, so it gives the blocks and the bytes a token takes in all layers */
+    char tokens[48] = "";
+    if (lay->parts.n_parts == 1)
+        snprintf(tokens, sizeof(tokens), " = %llu tokens", (unsigned long long)cap->n_tokens);
     int n = snprintf(buf, len,
-                     "%s%s: %u blocks of %u tokens (%s each) = %llu tokens at %llu bytes/token "
+                     "%s%s: %u blocks of %u tokens (%s each)%s at %llu bytes/token "
                      "(%u layers x %u KV heads x %u dims, K %s + V %s%s%s)",
                      kvd_format_bytes(cap->kv_device >= 0 ? cap->data_bytes : cap->total_bytes,
                                       total, sizeof(total)),
                      where, cap->n_blocks,
                      lay->block_tokens, kvd_format_bytes(cap->block_bytes, blk, sizeof(blk)),
-                     (unsigned long long)cap->n_tokens, (unsigned long long)cap->bytes_per_token,
+                     tokens, (unsigned long long)cap->bytes_per_token,
                      lay->n_layer, lay->n_head_kv, lay->head_dim, kv_type_name(lay->k_type),
                      kv_type_name(lay->v_type), lay->rotate ? ", rotated " : "",
                      lay->rotate ? kv_rotate_name(lay->rotate) : "");
