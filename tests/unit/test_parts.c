@@ -258,6 +258,33 @@ static void test_slide_and_hit(void)
     pool_close(&pool);
 }
 
+/* Writes P[0..32) as one sequence and releases it, then evicts from the LRU
+ * tail until a block the windows at position 32 read is gone (a lookup of
+ * P[0..33) finds fewer than its 8 blocks); returns that lookup. */
+static struct prefix_match write_then_lose_window(pool_t *pool, prefix_t *px, prefix_ns_t ns,
+                                                  const int32_t *P)
+{
+    struct prefix_seq s;
+    memset(&s, 0, sizeof(s));
+    CHECK(prefix_seq_begin(px, &s, ns, P, 33, NULL) == 0);
+    CHECK(prefix_seq_grow(px, &s, 33, P, 33) == 0);
+    CHECK(seq_write(pool, px, &s, 0, P, 32) == 0);
+    prefix_seq_release(px, &s);
+    prefix_seq_fini(&s);
+    uint32_t ids[16];
+    struct prefix_match m;
+    prefix_lookup(px, ns, P, 33, 8, ids, &m);
+    CHECK(m.n_blocks == 8 && m.pending == POOL_NONE);
+    for (int guard = 0; guard < 64; guard++) {
+        prefix_lookup(px, ns, P, 33, 8, ids, &m);
+        if (m.n_blocks < 8)
+            break;
+        CHECK(prefix_evict(px, 1) == 1);
+    }
+    CHECK(m.n_blocks < 8);
+    return m;
+}
+
 /* A windowed block that is gone cuts the hit where that block is needed, and
  * lookups agree with begin. */
 static void test_missing_part_block(void)
@@ -268,24 +295,9 @@ static void test_missing_part_block(void)
     int32_t P[33];
     for (uint32_t i = 0; i < 33; i++)
         P[i] = (int32_t)(7 * i + 3);
+    const struct prefix_match m = write_then_lose_window(pool, px, ns, P);
     struct prefix_seq s;
     memset(&s, 0, sizeof(s));
-    CHECK(prefix_seq_begin(px, &s, ns, P, 33, NULL) == 0);
-    CHECK(prefix_seq_grow(px, &s, 33, P, 33) == 0);
-    CHECK(seq_write(pool, px, &s, 0, P, 32) == 0);
-    prefix_seq_release(px, &s);
-    uint32_t ids[16];
-    struct prefix_match m;
-    prefix_lookup(px, ns, P, 33, 8, ids, &m);
-    CHECK(m.n_blocks == 8 && m.pending == POOL_NONE);
-    /* evict until part 1's block 7 (the last block of the shortest window) is gone */
-    for (int guard = 0; guard < 64; guard++) {
-        prefix_lookup(px, ns, P, 33, 8, ids, &m);
-        if (m.n_blocks < 8)
-            break;
-        CHECK(prefix_evict(px, 1) == 1);
-    }
-    CHECK(m.n_blocks < 8);
     int64_t got = prefix_seq_begin(px, &s, ns, P, 33, NULL);
     CHECK(got == (int64_t)m.n_blocks * BT);
     CHECK(seq_sigs_ok(pool, &s, 0, P, m.n_blocks));
@@ -308,22 +320,10 @@ static void test_recompute_stays_cached(void)
     int32_t P[41];
     for (uint32_t i = 0; i < 41; i++)
         P[i] = (int32_t)(11 * i + 5);
+    /* part 0's chain is whole, the windows at 32 are not */
+    const struct prefix_match m = write_then_lose_window(pool, px, ns, P);
     struct prefix_seq s;
     memset(&s, 0, sizeof(s));
-    CHECK(prefix_seq_begin(px, &s, ns, P, 33, NULL) == 0);
-    CHECK(prefix_seq_grow(px, &s, 33, P, 33) == 0);
-    CHECK(seq_write(pool, px, &s, 0, P, 32) == 0);
-    prefix_seq_release(px, &s);
-    /* evict until the windows at 32 are gone while part 0's chain is whole */
-    uint32_t ids[16];
-    struct prefix_match m;
-    for (int guard = 0; guard < 64; guard++) {
-        prefix_lookup(px, ns, P, 33, 8, ids, &m);
-        if (m.n_blocks < 8)
-            break;
-        CHECK(prefix_evict(px, 1) == 1);
-    }
-    CHECK(m.n_blocks < 8);
     /* the longer prompt: hits what every part continues, computes the rest */
     const int64_t first = prefix_seq_begin(px, &s, ns, P, 41, NULL);
     CHECK(first == (int64_t)m.n_blocks * BT);
