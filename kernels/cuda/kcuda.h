@@ -109,7 +109,7 @@ struct kcuda_kv {
                              * read by kcuda_rope_kv only (the queries meet K rotated, and
                              * the caller rotates outputs back with kcuda_hadamard) */
     int block_tokens;       /* positions per block */
-    int head_dim;           /* 64 or 128 */
+    int head_dim;           /* 64, 128 or 256 */
     int n_head;             /* query heads */
     int n_head_kv;          /* KV heads; n_head / n_head_kv <= KCUDA_MAX_GROUP */
 };
@@ -136,6 +136,8 @@ struct kcuda_attn_args {
     int split;              /* positions per split, a multiple of 32; 0: KCUDA_ATTN_SPLIT.
                              * Must stay the same for all calls whose results must agree. */
     float *scratch;         /* decode: kcuda_attn_scratch_bytes() bytes (NULL when that is 0) */
+    int window;             /* a sliding-window layer: a query at position p sees [p + 1 - window,
+                             * p] (kern_attn's skip); 0: everything before it */
 };
 
 /* Bytes of decode scratch for n_seq sequences of at most max_ctx positions. */
@@ -143,7 +145,9 @@ size_t kcuda_attn_scratch_bytes(int n_seq, int n_head, int head_dim, int max_ctx
 
 /*
  * Decode attention, twin of kern_attn / kern_attn_paged: one query token per
- * sequence (n_tok == 1) attending to positions [0, pos].
+ * sequence (n_tok == 1) attending to positions [0, pos] (with a window, the
+ * last `window` of them: splits wholly before it are not run, tiles wholly
+ * before it not read).
  * One warp per (sequence, KV head, split) loads each K/V tile once for all
  * query heads of its group; sequences longer than one split are merged by
  * log-sum-exp in a second kernel. The query meets K in K's precision, as in
@@ -151,13 +155,15 @@ size_t kcuda_attn_scratch_bytes(int n_seq, int n_head, int head_dim, int max_ctx
  * once per row, and q.k summed as integer dot products (dp4a) per 32-value
  * block, scaled by both blocks' scales. V rows are dequantized in registers.
  * KVD_EINVAL for a bad argument, KVD_EUNSUPPORTED for a head_dim other than
- * 64/128, a group above 8 or a K/V type other than F16, Q8_0 and Q4_0.
+ * 64/128/256, a group above 8 (above 4 at 256 for prefill) or a K/V type other
+ * than F16, Q8_0 and Q4_0.
  */
 int kcuda_attn_decode(const struct kcuda_attn_args *a, kcuda_stream_t stream);
 
 /*
  * Prefill attention, causal over the paged cache: token i of sequence s
- * attends to [0, pos + i], the prefix cached before the chunk included.
+ * attends to [0, pos + i], the prefix cached before the chunk included (with a
+ * window, its last `window` positions).
  * Gives each (token, head) the same bits as kcuda_attn_decode would with the
  * same split. Needs no scratch. Errors as kcuda_attn_decode.
  */

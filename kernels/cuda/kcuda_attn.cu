@@ -39,11 +39,13 @@
 namespace {
 
 constexpr int TILE = 32;        /* keys per tile, one per lane */
-constexpr int PF_ROWS = 8;      /* most rows per prefill warp */
-constexpr int PF_WARPS = 4;     /* warps per prefill block */
 
-/* Warps per decode block: keeps the static shared memory under 48 KiB. */
-template <int D> struct DecodeWarps { static constexpr int value = D == 64 ? 4 : 2; };
+/* Warps per decode block, and a prefill warp's most rows and a block's warps:
+ * they keep the static shared memory under 48 KiB (at head dim 256 a K and a
+ * V tile take 32 KiB). */
+template <int D> struct DecodeWarps { static constexpr int value = D == 64 ? 4 : D == 128 ? 2 : 1; };
+template <int D> struct PfRows { static constexpr int value = D == 256 ? 4 : 8; };
+template <int D> struct PfWarps { static constexpr int value = D == 256 ? 2 : 4; };
 
 /* What every kernel of this file reads. */
 struct Params {
@@ -58,6 +60,7 @@ struct Params {
     const float *q;
     float *out;
     float scale;
+    int window;                 /* a query at p sees [p + 1 - window, p]; 0: [0, p] */
     int split;                  /* positions per split (multiple of TILE) */
     int max_split;              /* decode: splits of the longest sequence */
     float *part_acc;            /* decode: (n_seq, n_head, max_split, D) */
@@ -176,6 +179,8 @@ __device__ __forceinline__ void tile_dims(const uint4 *tile, int k, int lane, fl
         const uint32_t w = *reinterpret_cast<const uint32_t *>(p);
         vf[0] = kc_half(w);
         vf[1] = kc_half(w >> 16);
+    } else if constexpr (DPL == 8) {
+        kc_unpack8(*reinterpret_cast<const uint4 *>(p), vf);
     } else {
         const uint2 w = *reinterpret_cast<const uint2 *>(p);
         vf[0] = kc_half(w.x);
@@ -274,13 +279,15 @@ __device__ __forceinline__ void scores_q(float (&s)[R], const QQuery<D, R> &qq, 
 
 /*
  * One tile for R rows: sq holds the rows' queries (f16-rounded floats, row r
- * at sq + r*D, over F16 K; a QQuery over quantized K), sk/sv the tile. Row r sees keys <= qp[r]; a row with qp[r] < t0
- * is left exactly as it was. n_keys (uniform) bounds the keys whose values are
- * read; keys past a row's qp get probability 0 and leave its sums unchanged.
+ * at sq + r*D, over F16 K; a QQuery over quantized K), sk/sv the tile. Row r
+ * sees keys [lo[r], qp[r]]; a row whose range misses the tile is left exactly
+ * as it was. n_keys (uniform) bounds the keys whose values are read; keys
+ * outside a row's range get probability 0 and leave its sums unchanged.
  */
 template <int D, int R>
 __device__ __forceinline__ void tile_step(SplitState<D, R> &st, float *sq, const uint4 *sk, const uint4 *sv,
-                                          const int (&qp)[R], int t0, int n_keys, const Params &pr, int lane)
+                                          const int (&qp)[R], const int (&lo)[R], int t0, int n_keys,
+                                          const Params &pr, int lane)
 {
     constexpr int CH = D / 8, DPL = D / 32;
     const int key = t0 + lane;
@@ -322,8 +329,8 @@ __device__ __forceinline__ void tile_step(SplitState<D, R> &st, float *sq, const
     for (int r = 0; r < R; r++) {
         float alpha = 1.0f;
         p[r] = 0.0f;
-        if (t0 <= qp[r]) {      /* uniform over the warp */
-            const float sr = key <= qp[r] ? __fmul_rn(s[r], scale) : -INFINITY;
+        if (t0 <= qp[r] && t0 + TILE > lo[r]) {     /* uniform over the warp */
+            const float sr = key <= qp[r] && key >= lo[r] ? __fmul_rn(s[r], scale) : -INFINITY;
             const float mn = fmaxf(st.m[r], kc_warp_max(sr));
             alpha = __expf(st.m[r] - mn);
             p[r] = __expf(sr - mn);
@@ -414,26 +421,30 @@ __global__ void __launch_bounds__(DecodeWarps<D>::value * 32) decode_kernel(cons
     const int n_split = (n_ctx + p.split - 1) / p.split;
     if (n_split > p.max_split)
         __trap();               /* a context past the grid's max_ctx: a caller bug, not a result */
-    if (split >= n_split)
-        return;                 /* past this sequence's context */
+    const int lo0 = p.window > 0 && n_ctx > p.window ? n_ctx - p.window : 0;
+    const int s_first = lo0 / p.split;  /* splits before the window's are not run */
+    if (split >= n_split || split < s_first)
+        return;                 /* past this sequence's context, or before its window */
 
     const bool valid[1] = { true };
     load_queries<D, G, G>(sq[warp], p.q, p.n_head, kvh, seq.row, valid, p.k_type, lane);
-    int qp[G];
+    int qp[G], lo[G];
 #pragma unroll
-    for (int r = 0; r < G; r++)
+    for (int r = 0; r < G; r++) {
         qp[r] = seq.pos;
+        lo[r] = lo0;
+    }
 
     SplitState<D, G> st;
     split_init(st);
     const uint32_t *table = p.tables + seq.table;
     const int k0 = split * p.split, k1 = min(k0 + p.split, n_ctx);
     __syncwarp();               /* the queries are in shared memory */
-    for (int t0 = k0; t0 < k1; t0 += TILE) {
+    for (int t0 = max(k0, lo0 / TILE * TILE); t0 < k1; t0 += TILE) {
         tile_load<D, 32>(sk[warp], sv[warp], p, kvh, table, t0, k1, lane);
         kc_cp_async_wait_all();
         __syncwarp();
-        tile_step<D, G>(st, sq[warp], sk[warp], sv[warp], qp, t0, min(TILE, k1 - t0), p, lane);
+        tile_step<D, G>(st, sq[warp], sk[warp], sv[warp], qp, lo, t0, min(TILE, k1 - t0), p, lane);
         __syncwarp();
     }
 
@@ -441,7 +452,7 @@ __global__ void __launch_bounds__(DecodeWarps<D>::value * 32) decode_kernel(cons
     for (int r = 0; r < G; r++) {
         const float l = kc_warp_sum(st.l[r]);
         const int h = kvh * G + r;
-        if (n_split == 1) {
+        if (n_split - s_first == 1) {
             float M = -INFINITY, L = 0.0f, O[DPL];
 #pragma unroll
             for (int i = 0; i < DPL; i++)
@@ -477,16 +488,18 @@ __global__ void __launch_bounds__(128) merge_kernel(const Params p)
     if (s >= p.n_seq)
         return;
     const kcuda_seq seq = p.seqs[s];
-    const int n_split = (seq.pos + 1 + p.split - 1) / p.split;
+    const int n_ctx = seq.pos + 1;
+    const int n_split = (n_ctx + p.split - 1) / p.split;
     if (n_split > p.max_split)
         __trap();               /* as in decode_kernel */
-    if (n_split <= 1)
+    const int s_first = (p.window > 0 && n_ctx > p.window ? n_ctx - p.window : 0) / p.split;
+    if (n_split - s_first <= 1)
         return;
     float M = -INFINITY, L = 0.0f, O[DPL];
 #pragma unroll
     for (int i = 0; i < DPL; i++)
         O[i] = 0.0f;
-    for (int sp = 0; sp < n_split; sp++) {
+    for (int sp = s_first; sp < n_split; sp++) {
         const size_t idx = ((size_t)s * p.n_head + h) * p.max_split + sp;
         float acc[DPL];
 #pragma unroll
@@ -503,9 +516,11 @@ __global__ void __launch_bounds__(128) merge_kernel(const Params p)
 /* One block per (query tile, KV head, sequence): PF_WARPS warps of QTW tokens
  * each share the K/V tiles; every split of the context is folded in registers. */
 template <int D, int G>
-__global__ void __launch_bounds__(PF_WARPS * 32) prefill_kernel(const Params p)
+__global__ void __launch_bounds__(PfWarps<D>::value * 32) prefill_kernel(const Params p)
 {
-    constexpr int QTW = PF_ROWS / G, R = QTW * G, QT = PF_WARPS * QTW;
+    constexpr int PF_WARPS = PfWarps<D>::value;
+    constexpr int QTW = PfRows<D>::value / G, R = QTW * G, QT = PF_WARPS * QTW;
+    static_assert(QTW >= 1, "a warp holds a whole group");
     constexpr int CH = D / 8, DPL = D / 32;
     __shared__ __align__(16) uint4 sk[TILE * CH];
     __shared__ __align__(16) uint4 sv[TILE * CH];
@@ -527,13 +542,17 @@ __global__ void __launch_bounds__(PF_WARPS * 32) prefill_kernel(const Params p)
     for (int j = 0; j < QTW; j++)
         valid[j] = first + j < tok_end;
     load_queries<D, G, R>(sq[warp], p.q, p.n_head, kvh, seq.row + first, valid, p.k_type, lane);
-    int qp[R];
+    int qp[R], lo[R];
     int qp_max = -1;
 #pragma unroll
     for (int r = 0; r < R; r++) {
         qp[r] = valid[r / G] ? seq.pos + first + r / G : -1;
+        lo[r] = p.window > 0 && qp[r] + 1 > p.window ? qp[r] + 1 - p.window : 0;
         qp_max = max(qp_max, qp[r]);
     }
+    /* the block's first token sees the earliest position any of its rows sees */
+    const int q0 = seq.pos + tile0;
+    const int lo_blk = p.window > 0 && q0 + 1 > p.window ? q0 + 1 - p.window : 0;
 
     float M[R], L[R], O[R][DPL];
 #pragma unroll
@@ -545,21 +564,22 @@ __global__ void __launch_bounds__(PF_WARPS * 32) prefill_kernel(const Params p)
             O[r][i] = 0.0f;
     }
     const uint32_t *table = p.tables + seq.table;
-    for (int s0 = 0; s0 < kv_end; s0 += p.split) {
+    for (int s0 = lo_blk / p.split * p.split; s0 < kv_end; s0 += p.split) {
         SplitState<D, R> st;
         split_init(st);
         const int k1 = min(s0 + p.split, kv_end);
-        for (int t0 = s0; t0 < k1; t0 += TILE) {
+        for (int t0 = max(s0, lo_blk / TILE * TILE); t0 < k1; t0 += TILE) {
             __syncthreads();    /* the previous tile is consumed (and sq written) */
             tile_load<D, PF_WARPS * 32>(sk, sv, p, kvh, table, t0, k1, threadIdx.x);
             kc_cp_async_wait_all();
             __syncthreads();
             if (t0 <= qp_max)
-                tile_step<D, R>(st, sq[warp], sk, sv, qp, t0, min(TILE, k1 - t0), p, lane);
+                tile_step<D, R>(st, sq[warp], sk, sv, qp, lo, t0, min(TILE, k1 - t0), p, lane);
         }
+        /* a split outside a row's range leaves it as it was, as in decode */
 #pragma unroll
         for (int r = 0; r < R; r++)
-            if (s0 <= qp[r])
+            if (s0 <= qp[r] && s0 + p.split > lo[r])
                 fold<DPL>(M[r], L[r], O[r], st.m[r], kc_warp_sum(st.l[r]), st.acc[r]);
     }
 #pragma unroll
@@ -590,8 +610,10 @@ static int prepare(const kcuda_attn_args *a, Params *p)
         return KVD_EINVAL;
     if (kv->n_head_kv <= 0 || kv->n_head <= 0 || kv->n_head % kv->n_head_kv != 0 || kv->block_tokens <= 0)
         return KVD_EINVAL;
-    if (kv->head_dim != 64 && kv->head_dim != 128)
+    if (kv->head_dim != 64 && kv->head_dim != 128 && kv->head_dim != 256)
         return KVD_EUNSUPPORTED;
+    if (a->window < 0)
+        return KVD_EINVAL;
     if (kv->n_head / kv->n_head_kv > KCUDA_MAX_GROUP)
         return KVD_EUNSUPPORTED;
     const int k_row = kcuda_kv_row_bytes(kv->k_type, kv->head_dim), v_row = kcuda_kv_row_bytes(kv->v_type, kv->head_dim);
@@ -624,6 +646,7 @@ static int prepare(const kcuda_attn_args *a, Params *p)
     p->q = a->q;
     p->out = a->out;
     p->scale = a->scale;
+    p->window = a->window;
     p->split = split;
     return 0;
 }
@@ -663,28 +686,34 @@ static int decode_d(const Params &p, int G, cudaStream_t st)
 }
 
 template <int D, int G>
-static void launch_prefill(const Params &p, int max_tok, cudaStream_t st)
+static int launch_prefill(const Params &p, int max_tok, cudaStream_t st)
 {
-    constexpr int QT = PF_WARPS * (PF_ROWS / G);
-    const dim3 grid((unsigned)((max_tok + QT - 1) / QT), (unsigned)p.n_head_kv, (unsigned)p.n_seq);
-    prefill_kernel<D, G><<<grid, PF_WARPS * 32, 0, st>>>(p);
+    if constexpr (G > PfRows<D>::value) {
+        return KVD_EUNSUPPORTED;    /* a warp's rows hold no whole group */
+    } else {
+        constexpr int QT = PfWarps<D>::value * (PfRows<D>::value / G);
+        const dim3 grid((unsigned)((max_tok + QT - 1) / QT), (unsigned)p.n_head_kv, (unsigned)p.n_seq);
+        prefill_kernel<D, G><<<grid, PfWarps<D>::value * 32, 0, st>>>(p);
+        return 0;
+    }
 }
 
 template <int D>
 static int prefill_d(const Params &p, int G, int max_tok, cudaStream_t st)
 {
+    int rc;
     switch (G) {
-    case 1: launch_prefill<D, 1>(p, max_tok, st); break;
-    case 2: launch_prefill<D, 2>(p, max_tok, st); break;
-    case 3: launch_prefill<D, 3>(p, max_tok, st); break;
-    case 4: launch_prefill<D, 4>(p, max_tok, st); break;
-    case 5: launch_prefill<D, 5>(p, max_tok, st); break;
-    case 6: launch_prefill<D, 6>(p, max_tok, st); break;
-    case 7: launch_prefill<D, 7>(p, max_tok, st); break;
-    case 8: launch_prefill<D, 8>(p, max_tok, st); break;
+    case 1: rc = launch_prefill<D, 1>(p, max_tok, st); break;
+    case 2: rc = launch_prefill<D, 2>(p, max_tok, st); break;
+    case 3: rc = launch_prefill<D, 3>(p, max_tok, st); break;
+    case 4: rc = launch_prefill<D, 4>(p, max_tok, st); break;
+    case 5: rc = launch_prefill<D, 5>(p, max_tok, st); break;
+    case 6: rc = launch_prefill<D, 6>(p, max_tok, st); break;
+    case 7: rc = launch_prefill<D, 7>(p, max_tok, st); break;
+    case 8: rc = launch_prefill<D, 8>(p, max_tok, st); break;
     default: return KVD_EUNSUPPORTED;
     }
-    return kcuda__launched("attention prefill");
+    return rc ? rc : kcuda__launched("attention prefill");
 }
 
 } /* namespace */
@@ -718,7 +747,11 @@ extern "C" int kcuda_attn_decode(const struct kcuda_attn_args *a, kcuda_stream_t
         p.part_ml = a->scratch + (size_t)a->n_seq * p.n_head * p.max_split * D;
     }
     const int G = p.n_head / p.n_head_kv;
-    return a->kv.head_dim == 64 ? decode_d<64>(p, G, stream) : decode_d<128>(p, G, stream);
+    switch (a->kv.head_dim) {
+    case 64: return decode_d<64>(p, G, stream);
+    case 128: return decode_d<128>(p, G, stream);
+    default: return decode_d<256>(p, G, stream);
+    }
 }
 
 extern "C" int kcuda_attn_prefill(const struct kcuda_attn_args *a, kcuda_stream_t stream)
@@ -732,6 +765,9 @@ extern "C" int kcuda_attn_prefill(const struct kcuda_attn_args *a, kcuda_stream_
     if (a->max_tok <= 0 || a->n_seq > 65535)
         return KVD_EINVAL;
     const int G = p.n_head / p.n_head_kv;
-    return a->kv.head_dim == 64 ? prefill_d<64>(p, G, a->max_tok, stream)
-                                : prefill_d<128>(p, G, a->max_tok, stream);
+    switch (a->kv.head_dim) {
+    case 64: return prefill_d<64>(p, G, a->max_tok, stream);
+    case 128: return prefill_d<128>(p, G, a->max_tok, stream);
+    default: return prefill_d<256>(p, G, a->max_tok, stream);
+    }
 }

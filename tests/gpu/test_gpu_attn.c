@@ -56,6 +56,16 @@ static uint32_t rng_u32(void)
 /* Uniform in [-1, 1). */
 static float frand(void) { return (float)((double)rng_u32() / 2147483648.0 - 1.0); }
 
+/* The window every attention call of a case runs with (kcuda_attn_args.window;
+ * the twin's skip): 0, or a sliding window's length. */
+static int g_window;
+
+/* The first position a query at qp sees. */
+static int window_lo(int qp)
+{
+    return g_window > 0 && qp + 1 > g_window ? qp + 1 - g_window : 0;
+}
+
 struct shape {
     const char *name;
     int n_head, n_kv, head_dim, block_tokens, n_blocks;
@@ -203,7 +213,7 @@ static float *gpu_attn(const struct cache *c, const struct batch *b, int prefill
     struct kcuda_attn_args a = {
         .kv = c->kv, .out = dout, .q = dq, .seqs = dseqs, .n_seq = b->n_seq, .tables = dtab,
         .max_tok = max_tok, .max_ctx = max_ctx, .scale = 1.0f / sqrtf((float)c->s.head_dim), .split = split,
-        .scratch = dscr,
+        .scratch = dscr, .window = g_window,
     };
     int rc = prefill ? kcuda_attn_prefill(&a, NULL) : kcuda_attn_decode(&a, NULL);
     if (rc != 0)
@@ -225,7 +235,7 @@ static float *gpu_attn(const struct cache *c, const struct batch *b, int prefill
 /* Exact attention of one head in double over the cache's f16 data; scale_out[d]
  * gets sum_j p_j |v_j[d]|. */
 static void attn_exact(double *out, double *vscale, const float *q, const struct cache *c, int kvh,
-                       const uint32_t *table, int n_ctx)
+                       const uint32_t *table, int lo, int n_ctx)
 {
     const int D = c->s.head_dim, bt = c->s.block_tokens;
     double qh[KERN_MAX_HEAD_DIM];
@@ -242,7 +252,7 @@ static void attn_exact(double *out, double *vscale, const float *q, const struct
     }
     double *s = malloc((size_t)n_ctx * sizeof(double));
     double mx = -INFINITY;
-    for (int j = 0; j < n_ctx; j++) {
+    for (int j = lo; j < n_ctx; j++) {
         const size_t off = (size_t)table[j / bt] * c->block_bytes + (size_t)kvh * c->k_head +
                            (size_t)(j % bt) * c->k_row;
         kern_dequantize_row(c->k_type, c->hk + off, row, D);
@@ -253,13 +263,13 @@ static void attn_exact(double *out, double *vscale, const float *q, const struct
         mx = s[j] > mx ? s[j] : mx;
     }
     double sum = 0.0;
-    for (int j = 0; j < n_ctx; j++) {
+    for (int j = lo; j < n_ctx; j++) {
         s[j] = exp(s[j] - mx);
         sum += s[j];
     }
     for (int d = 0; d < D; d++)
         out[d] = vscale[d] = 0.0;
-    for (int j = 0; j < n_ctx; j++) {
+    for (int j = lo; j < n_ctx; j++) {
         const size_t off = (size_t)table[j / bt] * c->block_bytes + (size_t)kvh * c->v_head +
                            (size_t)(j % bt) * c->v_row;
         kern_dequantize_row(c->v_type, c->hv + off, row, D);
@@ -294,10 +304,10 @@ static void check_row(struct worst *w, const struct cache *c, const struct batch
             .out = twin, .q = q, .n_q = 1, .k_base = c->hk, .v_base = c->hv, .blocks = table, .n_ctx = n_ctx,
             .block_tokens = c->s.block_tokens, .head_dim = D, .kv_head = h / G, .block_stride = c->block_bytes,
             .k_head_stride = c->k_head, .v_head_stride = c->v_head, .k_type = c->k_type,
-            .v_type = c->v_type, .scale = 1.0f / sqrtf((float)D), .scores = scores,
+            .v_type = c->v_type, .scale = 1.0f / sqrtf((float)D), .scores = scores, .skip = window_lo(qp),
         };
         kern_attn_paged(&ta, 0);
-        attn_exact(ex, vs, q, c, h / G, table, n_ctx);
+        attn_exact(ex, vs, q, c, h / G, table, window_lo(qp), n_ctx);
         double ex_max = 0, vs_max = 0, tw_max = 0, e_ex = 0, e_tw = 0;
         for (int d = 0; d < D; d++) {
             ex_max = fmax(ex_max, fabs(ex[d]));
@@ -417,7 +427,7 @@ static void test_prefill_inf(struct cache *c)
     const int bt = c->s.block_tokens, D = c->s.head_dim;
     REQUIRE(c->v_type == KERN_F16);
     kvd_f16 *v0 = (kvd_f16 *)(c->hv + (size_t)b.tables[at / bt] * c->block_bytes) + (size_t)(at % bt) * D;
-    kvd_f16 saved[128];
+    kvd_f16 saved[KERN_MAX_HEAD_DIM];
     memcpy(saved, v0, (size_t)D * sizeof(kvd_f16));
     for (int i = 0; i < D; i++)
         v0[i] = 0x7c00;                             /* +inf in KV head 0 */
@@ -469,7 +479,9 @@ int main(int argc, char **argv)
         { "32/8", 32, 8, 128, 16, 420 },    /* Llama-3-8B */
         { "4/4", 4, 4, 64, 32, 300 },       /* multi-head, 32-position blocks */
         { "14/2", 14, 2, 64, 16, 600 },     /* groups of 7 */
+        { "4/1", 4, 1, 256, 16, 300 },      /* Gemma 3 270M: head dim 256, MQA */
     };
+    const struct shape *gemma = &shapes[4];
     int ctx[256];
     if (quick) {
         /* both kernels, the merge and the masked-key case, small: for compute-sanitizer (run.sh) */
@@ -485,9 +497,38 @@ int main(int argc, char **argv)
         test_decode(&c, 6, mixed, 3.0f, 0, "decode batch 6 mixed");
         test_prefill(&c, 2, qp, qn, 64, "prefill 2 chunks, split 64");
         cache_fini(&c);
+        /* head dim 256 under a sliding window of 40 over splits of 64 */
+        REQUIRE(cache_init(&c, gemma, KERN_F16, KERN_F16) == 0);
+        g_window = 40;
+        test_decode(&c, 6, mixed, 3.0f, 64, "decode batch 6 mixed, window 40");
+        test_prefill(&c, 2, qp, qn, 64, "prefill 2 chunks, window 40");
+        g_window = 0;
+        cache_fini(&c);
         return CHECK_DONE();
     }
-    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+    /* head dim 256 (Gemma 3), whole and under sliding windows: one that starts
+     * inside a block and a split (40 over splits of 64: whole splits skipped,
+     * the merge from the window's first), and Gemma's own (512, split default) */
+    static const uint32_t gemma_types[][2] = { { KERN_F16, KERN_F16 }, { KERN_Q8_0, KERN_Q4_0 } };
+    for (size_t ti = 0; ti < 2; ti++) {
+        struct cache c;
+        REQUIRE(cache_init(&c, gemma, gemma_types[ti][0], gemma_types[ti][1]) == 0);
+        static const int windows[] = { 0, 40, 512 };
+        for (size_t wi = 0; wi < 3; wi++) {
+            g_window = windows[wi];
+            const int split = g_window == 40 ? 64 : 0;
+            char what[64];
+            static const int mixed[] = { 1, 39, 40, 41, 300, 1000, 3000 };
+            snprintf(what, sizeof(what), "decode batch 7, window %d", g_window);
+            test_decode(&c, 7, mixed, 3.0f, split, what);
+            static const int pp[] = { 0, 20, 900 }, pn[] = { 70, 45, 33 };
+            snprintf(what, sizeof(what), "prefill 3 chunks, window %d", g_window);
+            test_prefill(&c, 3, pp, pn, split, what);
+        }
+        g_window = 0;
+        cache_fini(&c);
+    }
+    for (size_t si = 0; si < 4; si++) {
         struct cache c;
         REQUIRE(cache_init(&c, &shapes[si], KERN_F16, KERN_F16) == 0);
         const int max_ctx = c.s.n_blocks * c.s.block_tokens;
