@@ -12,6 +12,13 @@
  * gate/up are one launch each); final norm
  * of the rows that give logits and the output head. All of it on the engine's
  * own stream; the host waits once, for the results.
+ *
+ * Gemma 3 adds, as engine/forward.c does: embeddings times sqrt(n_embd), the
+ * per-head RMSNorm of queries and keys before RoPE (NEOX pairs; the windowed
+ * layers' own base), each layer's window in the attention, the outputs of
+ * attention and feed-forward RMS-normed before they join the stream, and GEGLU
+ * through the CPU's table of halves. A layer reads the cache through its
+ * part's block table (common/kvparts.h).
  */
 #include "gpu_engine.h"
 
@@ -24,6 +31,7 @@
 #include "kcuda.h"
 #include "kcuda_engine.h"
 #include "kvcache.h"
+#include "ops.h"
 #include "quant.h"
 #include "types.h"
 
@@ -44,7 +52,13 @@ struct gmat {
 struct glayer {
     const float *attn_norm; /* device (n_embd) */
     const float *ffn_norm;  /* device (n_embd) */
+    const float *q_norm, *k_norm;   /* Gemma: device (head_dim), per-head norms; else NULL */
+    const float *post_attn_norm;    /* Gemma: device (n_embd), norms of the sublayers' */
+    const float *post_ffn_norm;     /* outputs before they join the stream; else NULL */
     struct gmat wq, wk, wv, wo, w_gate, w_up, w_down;
+    float rope_step;        /* powf(its RoPE base, -2 / head_dim), as kern_rope_angles */
+    int window;             /* attends to the last `window` positions; 0: to all */
+    uint32_t part, slot;    /* its part of the cache and place in the part's blocks */
 };
 
 /* Activation rows quantized for one weight type (device, max_tokens rows). */
@@ -64,7 +78,7 @@ struct act_ref {
 struct meta_layout {
     size_t tok_id;          /* int32 (max_tokens) */
     size_t tok_pos;         /* int32 (max_tokens) */
-    size_t tok_block;       /* uint32 (max_tokens): physical block of each token's position */
+    size_t tok_block;       /* uint32 (n_parts x max_tokens): each part's block of each token's position */
     size_t out_row;         /* int32 (max_tokens): token rows that give logits */
     size_t dec;             /* struct kcuda_seq (max_tokens): one-token sequences */
     size_t pf;              /* struct kcuda_seq (max_tokens): chunks of several tokens */
@@ -100,7 +114,9 @@ struct gpu_engine {
     struct gmat tok_embd;           /* (n_vocab, n_embd) */
     struct gmat output;             /* (n_vocab, n_embd); shares tok_embd's memory when tied */
     const float *output_norm;       /* device (n_embd) */
+    const float *gelu;              /* device: kern_gelu_table() (Gemma); NULL for SwiGLU models */
     struct glayer *layers;          /* host array of n_layer */
+    struct kv_parts parts;          /* which layers a block holds (one table per part) */
 
     /* the cache */
     uint8_t *kv;                    /* device: kv_blocks * block_bytes */
@@ -120,15 +136,14 @@ struct gpu_engine {
     /* per-step layout */
     struct meta_layout ml;
     uint8_t *meta_dev, *meta_host;  /* ml.bytes each (host page-locked) */
-    uint32_t *tables_dev, *tables_host; /* block tables, tables_cap entries each */
-    size_t tables_cap;
+    uint32_t *tables_dev, *tables_host; /* block tables: part p's at p * tables_cap, n_parts parts */
+    size_t tables_cap;              /* entries per part */
 
     /* results on the host (page-locked) */
     float *logits_host;             /* (logits_cap, n_vocab) */
     uint32_t logits_cap;
     int32_t *ids_host;              /* (max_tokens) */
 
-    float rope_step;                /* powf(rope_base, -2 / head_dim), as kern_rope_angles */
     float attn_scale;               /* 1 / sqrt(head_dim) */
     int split;                      /* attention split */
 
@@ -153,7 +168,7 @@ struct gpu_engine_params gpu_engine_default_params(void)
         .max_tokens = 512, .max_ctx = 0, .block_tokens = 16, .kv_blocks = 1024,
         .k_type = KERN_F16, .v_type = KERN_F16, .rotate = 0,
         .kv_base = NULL, .kv_bytes = 0, .attn_split = 0, .graphs = -1, .weights_base = NULL,
-        .weights_bytes = 0,
+        .weights_bytes = 0, .parts = NULL,
     };
     return p;
 }
@@ -245,7 +260,11 @@ static bool gemm_type_ok(const struct model_mat *w)
     switch (w->type) {
     case KERN_Q4_1:
     case KERN_Q8_0:
+    case KERN_Q5_0:
         return w->cols % 32 == 0;
+    case KERN_Q4_K:
+    case KERN_Q6_K:
+        return w->cols % 256 == 0;
     case KERN_F16:
         return w->cols % 8 == 0;
     default:
@@ -256,18 +275,20 @@ static bool gemm_type_ok(const struct model_mat *w)
 /* Checks that the kernels can run this model; 0 or KVD_EUNSUPPORTED with err. */
 static int check_model(const model_t *m, char *err, size_t errlen)
 {
-    if (m->cfg.arch != MODEL_ARCH_LLAMA)
+    if (m->cfg.arch != MODEL_ARCH_LLAMA && m->cfg.arch != MODEL_ARCH_GEMMA3)
         return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
-                          "gpu engine: only llama-architecture models run on the GPU so far (this one runs on "
+                          "gpu engine: only llama and gemma3 models run on the GPU so far (this one runs on "
                           "the CPU)");
     const struct model_config *c = &m->cfg;
-    if (c->head_dim != 64 && c->head_dim != 128)
+    if (c->head_dim != 64 && c->head_dim != 128 && c->head_dim != 256)
         return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
-                          "gpu engine: head dimension %u is not supported (64 or 128)", c->head_dim);
-    if (c->n_head_kv == 0 || c->n_head % c->n_head_kv != 0 || c->n_head / c->n_head_kv > KCUDA_MAX_GROUP)
+                          "gpu engine: head dimension %u is not supported (64, 128 or 256)", c->head_dim);
+    /* the prefill kernel keeps up to 4 query heads per KV head at 256 */
+    const uint32_t max_group = c->head_dim == 256 ? 4 : KCUDA_MAX_GROUP;
+    if (c->n_head_kv == 0 || c->n_head % c->n_head_kv != 0 || c->n_head / c->n_head_kv > max_group)
         return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
-                          "gpu engine: %u query heads over %u KV heads is not supported (at most %d per KV head)",
-                          c->n_head, c->n_head_kv, KCUDA_MAX_GROUP);
+                          "gpu engine: %u query heads over %u KV heads is not supported (at most %u per KV head "
+                          "at head dimension %u)", c->n_head, c->n_head_kv, max_group, c->head_dim);
     switch (m->tok_embd.type) {
     case KERN_F32: case KERN_F16: case KERN_Q4_0: case KERN_Q4_1: case KERN_Q8_0:
         break;
@@ -278,8 +299,8 @@ static int check_model(const model_t *m, char *err, size_t errlen)
     }
     if (!gemm_type_ok(&m->output))
         return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
-                          "gpu engine: the output matrix of type %s is not supported (Q4_1, Q8_0, F16)",
-                          kern_type_info(m->output.type)->name);
+                          "gpu engine: the output matrix of type %s is not supported (Q4_1, Q8_0, Q5_0, Q4_K, "
+                          "Q6_K, F16)", kern_type_info(m->output.type)->name);
     for (uint32_t l = 0; l < c->n_layer; l++) {
         const struct model_layer *L = &m->layers[l];
         const struct model_mat *mats[7] = { &L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down };
@@ -287,7 +308,8 @@ static int check_model(const model_t *m, char *err, size_t errlen)
             if (!gemm_type_ok(mats[i]))
                 return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
                                   "gpu engine: layer %u has a matrix of type %s (%lld wide); the GPU "
-                                  "products take Q4_1, Q8_0 and F16", l, kern_type_info(mats[i]->type)->name,
+                                  "products take Q4_1, Q8_0, Q5_0, F16 (widths of 32) and Q4_K, Q6_K (of 256)",
+                                  l, kern_type_info(mats[i]->type)->name,
                                   (long long)mats[i]->cols);
     }
     return 0;
@@ -331,11 +353,18 @@ static void place_model(struct placer *pl, gpu_engine_t *e, const model_t *m)
     else
         place_mat(pl, &m->output, &e->output);
     e->output_norm = place(pl, m->output_norm, norm);
+    /* GEGLU's table goes with the weights, so that borrowers find it there */
+    e->gelu = m->cfg.arch == MODEL_ARCH_GEMMA3 ? place(pl, kern_gelu_table(), 65536 * sizeof(float)) : NULL;
+    const size_t head_norm = (size_t)m->cfg.head_dim * sizeof(float);
     for (uint32_t l = 0; l < m->cfg.n_layer; l++) {
         const struct model_layer *L = &m->layers[l];
         struct glayer *G = &e->layers[l];
         G->attn_norm = place(pl, L->attn_norm, norm);
         G->ffn_norm = place(pl, L->ffn_norm, norm);
+        G->q_norm = L->q_norm != NULL ? place(pl, L->q_norm, head_norm) : NULL;
+        G->k_norm = L->k_norm != NULL ? place(pl, L->k_norm, head_norm) : NULL;
+        G->post_attn_norm = L->post_attn_norm != NULL ? place(pl, L->post_attn_norm, norm) : NULL;
+        G->post_ffn_norm = L->post_ffn_norm != NULL ? place(pl, L->post_ffn_norm, norm) : NULL;
         place_mat(pl, &L->wq, &G->wq);
         place_mat(pl, &L->wk, &G->wk);
         place_mat(pl, &L->wv, &G->wv);
@@ -474,8 +503,34 @@ gpu_engine_t *gpu_engine_new(const model_t *m, int device, const struct gpu_engi
     e->device = device;
     e->layers = layers;
     e->split = (int)p.attn_split;
-    e->rope_step = powf(c->rope_base, -2.0f / (float)c->head_dim);
     e->attn_scale = 1.0f / sqrtf((float)c->head_dim);
+    /* the parts of the cache, each layer's place in them, its window and RoPE */
+    if (p.parts != NULL)
+        e->parts = *p.parts;
+    else
+        kv_parts_single(c->n_layer, &e->parts);
+    e->p.parts = NULL;      /* copied: the caller's may go */
+    char perr[160];
+    if (kv_parts_check(c->n_layer, &e->parts, perr, sizeof(perr)) != 0) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "gpu engine: %s", perr);
+        goto fail;
+    }
+    for (uint32_t l = 0; l < c->n_layer; l++) {
+        struct glayer *G = &e->layers[l];
+        const bool windowed = model_layer_windowed(c, l);
+        const uint32_t w = windowed ? c->swa_window : 0;
+        G->part = kv_part_of(&e->parts, l);
+        G->slot = kv_slot_of(&e->parts, l);
+        if (e->parts.n_parts > 1 && e->parts.window[G->part] != w) {
+            kvd_seterr(err, errlen, KVD_EINVAL,
+                       "gpu engine: the KV cache keeps a window of %u for layer %u, which attends to %u",
+                       e->parts.window[G->part], l, w);
+            goto fail;
+        }
+        G->window = (int)w;
+        const float base = windowed && c->rope_base_swa > 0.0f ? c->rope_base_swa : c->rope_base;
+        G->rope_step = powf(base, -2.0f / (float)c->head_dim);
+    }
     if (kcuda_stream_new(&e->stream)) {
         kvd_seterr(err, errlen, KVD_EINTERNAL, "gpu engine: %s", kcuda_last_error());
         goto fail;
@@ -512,7 +567,7 @@ gpu_engine_t *gpu_engine_new(const model_t *m, int device, const struct gpu_engi
     /* the cache */
     e->k_head_bytes = (uint64_t)p.block_tokens * kv_row_bytes(p.k_type, c->head_dim);
     e->v_head_bytes = (uint64_t)p.block_tokens * kv_row_bytes(p.v_type, c->head_dim);
-    e->block_bytes = (uint64_t)c->n_layer * c->n_head_kv * (e->k_head_bytes + e->v_head_bytes);
+    e->block_bytes = (uint64_t)e->parts.part_layers * c->n_head_kv * (e->k_head_bytes + e->v_head_bytes);
     const uint64_t kv_bytes = (uint64_t)p.kv_blocks * e->block_bytes;
     if (p.kv_base != NULL) {
         if (p.kv_bytes != 0 && p.kv_bytes / e->block_bytes < p.kv_blocks) {
@@ -562,7 +617,7 @@ gpu_engine_t *gpu_engine_new(const model_t *m, int device, const struct gpu_engi
 #define META(field, bytes) (ml->field = off, off += ((bytes) + 255) / 256 * 256)
     META(tok_id, T * sizeof(int32_t));
     META(tok_pos, T * sizeof(int32_t));
-    META(tok_block, T * sizeof(uint32_t));
+    META(tok_block, T * e->parts.n_parts * sizeof(uint32_t));
     META(out_row, T * sizeof(int32_t));
     META(dec, T * sizeof(struct kcuda_seq));
     META(pf, T * sizeof(struct kcuda_seq));
@@ -581,8 +636,8 @@ gpu_engine_t *gpu_engine_new(const model_t *m, int device, const struct gpu_engi
      * at first; grown on demand */
     const uint32_t ctx0 = p.max_ctx < 4096 ? p.max_ctx : 4096;
     e->tables_cap = T * ((ctx0 + p.block_tokens - 1) / p.block_tokens);
-    e->tables_dev = dev_alloc(e->tables_cap * sizeof(uint32_t), &ok);
-    e->tables_host = kcuda_host_alloc(e->tables_cap * sizeof(uint32_t));
+    e->tables_dev = dev_alloc(e->tables_cap * e->parts.n_parts * sizeof(uint32_t), &ok);
+    e->tables_host = kcuda_host_alloc(e->tables_cap * e->parts.n_parts * sizeof(uint32_t));
     if (!ok || e->meta_host == NULL || e->ids_host == NULL || e->tables_host == NULL || e->draws_host == NULL ||
         e->host_rows == NULL || e->pen_seen == NULL || e->host_smp == NULL) {
         kvd_seterr(err, errlen, KVD_ENOMEM, "gpu engine: out of memory for step buffers (%zu tokens)", T);
@@ -616,15 +671,15 @@ fail:
 
 /* ---- the step ------------------------------------------------------------------- */
 
-/* Grows the block-table buffers to hold n entries (dropping recorded graphs,
- * which hold the old address). 0 or KVD_ENOMEM. */
+/* Grows the block-table buffers to hold n entries per part (dropping recorded
+ * graphs, which hold the old addresses). 0 or KVD_ENOMEM. */
 static int tables_reserve(gpu_engine_t *e, uint64_t n)
 {
     if (n <= e->tables_cap)
         return 0;
     size_t cap = e->tables_cap * 2 > n ? e->tables_cap * 2 : (size_t)n;
-    uint32_t *d = kcuda_malloc(cap * sizeof(uint32_t));
-    uint32_t *h = kcuda_host_alloc(cap * sizeof(uint32_t));
+    uint32_t *d = kcuda_malloc(cap * e->parts.n_parts * sizeof(uint32_t));
+    uint32_t *h = kcuda_host_alloc(cap * e->parts.n_parts * sizeof(uint32_t));
     if (d == NULL || h == NULL) {
         kcuda_free(d);
         kcuda_host_free(h);
@@ -658,6 +713,12 @@ static uint32_t decode_bucket(uint32_t n, uint32_t max_tokens)
     return b < max_tokens ? b : max_tokens;
 }
 
+/* The block table of sequence q's part `part`. */
+static inline const uint32_t *seq_part_table(const struct fwd_seq *q, uint32_t part)
+{
+    return q->tables != NULL ? q->tables[part] : q->blocks;
+}
+
 /* Lays the step out in the host meta buffers; fills *s. Rows past the
  * batch's own (padding) may follow; the caller returns only its own. */
 static void layout_step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, struct step_shape *s)
@@ -669,7 +730,7 @@ static void layout_step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_
     int32_t *out_row = (int32_t *)(e->meta_host + ml->out_row);
     struct kcuda_seq *dec = (struct kcuda_seq *)(e->meta_host + ml->dec);
     struct kcuda_seq *pf = (struct kcuda_seq *)(e->meta_host + ml->pf);
-    const uint32_t bt = e->p.block_tokens;
+    const uint32_t bt = e->p.block_tokens, n_parts = e->parts.n_parts, T_cap = e->p.max_tokens;
     uint32_t t = 0, r = 0, nd = 0, np = 0, max_dec_ctx = 0, max_pf = 0;
     size_t ntab = 0;
     for (uint32_t i = 0; i < n_seqs; i++) {
@@ -677,7 +738,11 @@ static void layout_step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_
         const uint32_t need = (q->pos + q->n_tokens + bt - 1) / bt;
         const struct kcuda_seq ks = { .row = (int32_t)t, .n_tok = (int32_t)q->n_tokens, .pos = (int32_t)q->pos,
                                       .table = (uint32_t)ntab };
-        memcpy(e->tables_host + ntab, q->blocks, (size_t)need * sizeof(uint32_t));
+        /* each part's table at the same offset in that part's array (entries
+         * a window no longer reads go as they are: the kernels skip them) */
+        for (uint32_t part = 0; part < n_parts; part++)
+            memcpy(e->tables_host + part * e->tables_cap + ntab, seq_part_table(q, part),
+                   (size_t)need * sizeof(uint32_t));
         ntab += need;
         if (q->n_tokens == 1) {
             dec[nd++] = ks;
@@ -692,7 +757,8 @@ static void layout_step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_
             const uint32_t pos = q->pos + j;
             tok_id[t] = q->tokens[j];
             tok_pos[t] = (int32_t)pos;
-            tok_block[t] = q->blocks[pos / bt];
+            for (uint32_t part = 0; part < n_parts; part++)
+                tok_block[part * T_cap + t] = seq_part_table(q, part)[pos / bt];
             if (q->all_logits || j + 1 == q->n_tokens)
                 out_row[r++] = (int32_t)t;
         }
@@ -717,7 +783,8 @@ static void layout_step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_
         for (; t < want; t++, r++, nd++) {
             tok_id[t] = tok_id[0];
             tok_pos[t] = tok_pos[0];
-            tok_block[t] = tok_block[0];
+            for (uint32_t part = 0; part < n_parts; part++)
+                tok_block[part * T_cap + t] = tok_block[part * T_cap];
             out_row[r] = (int32_t)t;
             dec[nd] = dec[0];
             dec[nd].row = (int32_t)t;
@@ -731,9 +798,10 @@ static struct kcuda_kv layer_kv(const gpu_engine_t *e, uint32_t l)
 {
     const struct model_config *c = &e->cfg;
     const uint64_t layer_bytes = (uint64_t)c->n_head_kv * (e->k_head_bytes + e->v_head_bytes);
+    const uint64_t at = (uint64_t)e->layers[l].slot * layer_bytes;
     struct kcuda_kv kv = {
-        .k = e->kv + l * layer_bytes,
-        .v = e->kv + l * layer_bytes + (uint64_t)c->n_head_kv * e->k_head_bytes,
+        .k = e->kv + at,
+        .v = e->kv + at + (uint64_t)c->n_head_kv * e->k_head_bytes,
         .block_stride = e->block_bytes,
         .k_head_stride = e->k_head_bytes,
         .v_head_stride = e->v_head_bytes,
@@ -859,7 +927,10 @@ static int run_forward(gpu_engine_t *e, const struct step_shape *s)
     struct act_ref a;
     int rc;
 #define TRY(call) do { if ((rc = (call)) != 0) return rc; } while (0)
+    const int hd = (int)c->head_dim;
     TRY(kcuda_get_rows(e->tok_embd.type, e->tok_embd.w, e->tok_embd.row_bytes, ne, tok_id, T, e->x, st));
+    if (c->emb_scale != 1.0f)
+        TRY(kcuda_scale(e->x, c->emb_scale, (int64_t)T * ne, st));
     for (uint32_t l = 0; l < c->n_layer; l++) {
         const struct glayer *L = &e->layers[l];
         const struct kcuda_kv kv = layer_kv(e, l);
@@ -868,14 +939,20 @@ static int run_forward(gpu_engine_t *e, const struct step_shape *s)
         const struct gmat *qkv[3] = { &L->wq, &L->wk, &L->wv };
         float *const qkv_out[3] = { e->q, e->k, e->v };
         TRY(gemm_same_input(e, qkv, qkv_out, 3, e->xb, ne, T));
+        if (L->q_norm != NULL) {    /* Gemma: every head's query and key RMS-normed */
+            TRY(kcuda_rmsnorm(e->q, e->q, L->q_norm, NULL, hd, T * (int)c->n_head, c->rms_eps, st));
+            TRY(kcuda_rmsnorm(e->k, e->k, L->k_norm, NULL, hd, T * (int)c->n_head_kv, c->rms_eps, st));
+        }
         const struct kcuda_rope_args ra = {
-            .kv = kv, .q = e->q, .k = e->k, .v = e->v, .pos = tok_pos, .block = tok_block, .T = T,
-            .step = e->rope_step,
+            .kv = kv, .q = e->q, .k = e->k, .v = e->v, .pos = tok_pos,
+            .block = tok_block + (size_t)L->part * e->p.max_tokens, .T = T, .step = L->rope_step,
+            .neox = c->rope_neox,
         };
         TRY(kcuda_rope_kv(&ra, st));
         struct kcuda_attn_args aa = {
-            .kv = kv, .out = e->xb, .q = e->q, .tables = e->tables_dev, .scale = e->attn_scale,
-            .split = e->split, .scratch = e->attn_scratch, .max_ctx = (int)e->p.max_ctx,
+            .kv = kv, .out = e->xb, .q = e->q, .tables = e->tables_dev + (size_t)L->part * e->tables_cap,
+            .scale = e->attn_scale, .split = e->split, .scratch = e->attn_scratch, .max_ctx = (int)e->p.max_ctx,
+            .window = L->window,
         };
         if (s->n_dec > 0) {
             aa.seqs = (const struct kcuda_seq *)(e->meta_dev + ml->dec);
@@ -893,22 +970,36 @@ static int run_forward(gpu_engine_t *e, const struct step_shape *s)
         }
         if (kv.rotate & KV_ROT_V)     /* the outputs meet wo unrotated */
             TRY(kcuda_hadamard(e->xb, (int64_t)T * c->n_head, (int)c->head_dim, st));
+        /* the output product: added to the stream, or (Gemma) normed first */
         TRY(acts_for(e, L->wo.type, e->xb, qd, T, true, &a));
-        TRY(gemm(e, &L->wo, a, T, e->x, true));
+        if (L->post_attn_norm != NULL) {
+            TRY(gemm(e, &L->wo, a, T, e->up, false));
+            TRY(kcuda_rmsnorm_add(e->x, e->up, L->post_attn_norm, ne, T, c->rms_eps, st));
+        } else {
+            TRY(gemm(e, &L->wo, a, T, e->x, true));
+        }
         /* feed-forward */
         TRY(norm_for(e, L->ffn_norm, L->w_gate.type, T));
         const struct gmat *gu[2] = { &L->w_gate, &L->w_up };
         float *const gu_out[2] = { e->gate, e->up };
         TRY(gemm_same_input(e, gu, gu_out, 2, e->xb, ne, T));
-        const struct act_slot *ds = ff % 32 == 0 ? act_claim(e, L->w_down.type, ff) : NULL;
+        const struct act_slot *ds = ff % 32 == 0 && e->gelu == NULL ? act_claim(e, L->w_down.type, ff) : NULL;
         if (ds != NULL) {       /* SwiGLU and the down product's input in one kernel */
             TRY(kcuda_swiglu_quant(e->gate, e->up, ff, T, ds->type, ds->buf, ds->stride, st));
             a = (struct act_ref){ ds->buf, ds->stride };
         } else {
-            TRY(kcuda_swiglu(e->gate, e->up, ff, T, st));
+            if (e->gelu != NULL)
+                TRY(kcuda_geglu(e->gate, e->up, ff, T, e->gelu, st));
+            else
+                TRY(kcuda_swiglu(e->gate, e->up, ff, T, st));
             TRY(acts_for(e, L->w_down.type, e->gate, ff, T, true, &a));
         }
-        TRY(gemm(e, &L->w_down, a, T, e->x, true));
+        if (L->post_ffn_norm != NULL) {
+            TRY(gemm(e, &L->w_down, a, T, e->up, false));
+            TRY(kcuda_rmsnorm_add(e->x, e->up, L->post_ffn_norm, ne, T, c->rms_eps, st));
+        } else {
+            TRY(gemm(e, &L->w_down, a, T, e->x, true));
+        }
     }
     /* final norm of the rows that give logits, then the output head */
     const int R = (int)s->rows;
@@ -972,8 +1063,9 @@ static int enqueue_step(gpu_engine_t *e, const struct step_shape *s, size_t n_ta
             return rc;
     }
     rc = kcuda_upload_async(e->meta_dev, e->meta_host, e->ml.bytes, e->stream);
-    if (rc == 0)
-        rc = kcuda_upload_async(e->tables_dev, e->tables_host, n_tables * sizeof(uint32_t), e->stream);
+    for (uint32_t part = 0; rc == 0 && part < e->parts.n_parts; part++)
+        rc = kcuda_upload_async(e->tables_dev + part * e->tables_cap, e->tables_host + part * e->tables_cap,
+                                n_tables * sizeof(uint32_t), e->stream);
     if (rc)
         return rc;
     if (g != NULL) {
@@ -1065,7 +1157,7 @@ static int step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, en
     uint32_t T = 0, rows = 0;
     uint64_t n_tables = 0;
     const struct fwd_limits lim = { e->p.max_ctx, e->p.max_tokens, e->p.block_tokens, e->p.kv_blocks,
-                                    e->cfg.n_vocab, NULL };
+                                    e->cfg.n_vocab, &e->parts };
     int rc = fwd_check_batch(&lim, seqs, n_seqs, &T, &rows, &n_tables, err, errlen);
     if (rc)
         return rc;

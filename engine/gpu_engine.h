@@ -3,8 +3,8 @@
  * device.
  *
  * gpu_engine_new uploads every weight matrix once, as the GGUF stores it
- * (Q4_1, Q8_0 or F16 layers; the embedding table as F32, F16, Q4_0, Q4_1 or
- * Q8_0; norms as f32), or borrows a copy another process uploaded
+ * (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K or F16 layers; the embedding table as F32,
+ * F16, Q4_0, Q4_1 or Q8_0; norms as f32), for llama and gemma3 models, or borrows a copy another process uploaded
  * (gpu_weights_upload, shared through a VMM allocation), and sets up a paged
  * KV cache in device memory (K and V each F16, Q8_0 or Q4_0, optionally
  * Hadamard-rotated, as kv_params describes it) with exactly the layout of
@@ -12,7 +12,10 @@
  *     [K heads][V heads], each head [token in block][row of its type]
  * at base + b * block_bytes + l * n_head_kv * (k_head_bytes + v_head_bytes),
  * so a block id, and a block's bytes, mean the same to the CPU engine, to
- * this one and to every process mapping a shared pool. The cache is allocated by the
+ * this one and to every process mapping a shared pool. A cache of several
+ * parts (common/kvparts.h: Gemma's windowed layers apart from its full ones)
+ * holds one part's layers per block, layer l at its slot in its part, and a
+ * step reads each layer through its part's table. The cache is allocated by the
  * engine, or borrowed from the caller (a device pool allocated elsewhere).
  *
  * gpu_engine_step takes the batches engine_step takes (struct fwd_seq: prefill
@@ -66,6 +69,9 @@ struct gpu_engine_params {
                              * (it must outlive the engine): engines of several processes
                              * share one copy */
     uint64_t weights_bytes; /* with weights_base: the bytes there, checked against the model */
+    const struct kv_parts *parts; /* which layers a block holds (kvparts.h; copied), as the
+                             * CPU cache's kv_params.parts: steps then take one block table
+                             * per part (fwd_seq.tables). NULL: one part of all layers */
 };
 
 struct gpu_engine_params gpu_engine_default_params(void);
@@ -77,7 +83,7 @@ struct gpu_engine_kv {
     void *base;             /* device address of block 0 */
     uint32_t n_blocks;      /* blocks */
     uint32_t block_tokens;  /* positions per block */
-    uint64_t block_bytes;   /* bytes per block (all layers, K and V) */
+    uint64_t block_bytes;   /* bytes per block (a part's layers, K and V) */
     uint64_t k_head_bytes;  /* one K head of one layer of one block */
     uint64_t v_head_bytes;  /* one V head of one layer of one block */
     bool owned;             /* allocated by the engine */
@@ -97,8 +103,9 @@ struct gpu_engine_graph_stats {
  * during the call; the engine keeps no pointer into it) and allocates the
  * cache and scratch. NULL with a one-line reason in err: no such device
  * (KVD_EUNAVAILABLE-class reasons), a weight type or shape the kernels
- * cannot compute (head dim other than 64/128, more than 8 query heads per KV
- * head, K-quants...), bad parameters, or not enough device memory.
+ * cannot compute (head dim other than 64/128/256, more than 8 query heads per
+ * KV head (4 at 256), Q5_K...), parts that do not fit the model's windows, bad
+ * parameters, or not enough device memory.
  */
 gpu_engine_t *gpu_engine_new(const model_t *m, int device, const struct gpu_engine_params *p,
                              char *err, size_t errlen);

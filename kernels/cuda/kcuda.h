@@ -175,8 +175,8 @@ int kcuda_attn_prefill(const struct kcuda_attn_args *a, kcuda_stream_t stream);
  * (engine/forward.c rope_run): halves named in kv.rotate are rotated by the
  * orthonormal Walsh-Hadamard transform first (and q with K), then each row is
  * stored as its type: F16 rounded; Q8_0 as kern_quantize_act; Q4_0 with the
- * least-squares scale search of kern_quantize_q4_0_lsq. Rotation and Q8_0 need
- * head_dim 64 or 128 (KVD_EUNSUPPORTED otherwise).
+ * least-squares scale search of kern_quantize_q4_0_lsq. Rotation and the
+ * quantized types need head_dim 64, 128 or 256 (KVD_EUNSUPPORTED otherwise).
  *   q:     (T, n_head * head_dim), rotated in place
  *   k, v:  (T, n_head_kv * head_dim) new keys and values (k is not modified)
  *   pos:   (T) position of each token
@@ -192,11 +192,13 @@ struct kcuda_rope_args {
     const uint32_t *block;
     int T;                  /* tokens */
     float step;
+    bool neox;              /* pairs (i, i + head_dim/2), as kern_rope_neox (Gemma); else
+                             * adjacent pairs (2i, 2i+1), as kern_rope */
 };
 int kcuda_rope_kv(const struct kcuda_rope_args *a, kcuda_stream_t stream);
 
 /* The orthonormal Walsh-Hadamard transform (twin of kern_hadamard) of each of
- * the n consecutive vectors of head_dim (64 or 128) floats at x, in place: the
+ * the n consecutive vectors of head_dim (64, 128 or 256) floats at x, in place: the
  * attention outputs over a rotated V cache rotated back. */
 int kcuda_hadamard(float *x, int64_t n, int head_dim, kcuda_stream_t stream);
 
@@ -205,14 +207,16 @@ int kcuda_hadamard(float *x, int64_t n, int head_dim, kcuda_stream_t stream);
 /*
  * out[t * ldo + r] (=, or += when add) the dot product of weight row r with
  * activation row t, for r < rows, t < T: twin of kern_gemm / kern_vec_dot.
- * Weights: KERN_Q4_1 (activations Q8_1), KERN_Q8_0 (activations Q8_0) or
+ * Weights: KERN_Q4_1 (activations Q8_1), KERN_Q8_0 and KERN_Q5_0 (activations
+ * Q8_0), KERN_Q4_K and KERN_Q6_K (activations Q8_K, n a multiple of 256) or
  * KERN_F16 (activations F32): kern_vec_dot_type(wtype), made by
- * kcuda_quantize_act. Integer dot per block, the block's float terms as the C
+ * kcuda_quantize_act. The K-quants are taken a sub-block of 32 at a time, their
+ * float terms formed per sub-block (the twin: per super-block, in 8 lanes). Integer dot per block, the block's float terms as the C
  * twin forms them, fp32 sums. Each warp takes one or two weight rows and
  * tokens in groups of up to 16 that share the unpacked rows, with the
  * activations staged in shared memory; a token's result never depends on T.
- * Alignment: act and act_stride 16 bytes; w and row_bytes 4 bytes (Q4_1), 2
- * (Q8_0), 16 (F16, with n % 8 == 0). ldo >= rows when T > 1 (KVD_EINVAL otherwise);
+ * Alignment: act and act_stride 16 bytes; w and row_bytes 4 bytes (Q4_1,
+ * Q4_K), 2 (Q8_0, Q5_0), 16 (F16, with n % 8 == 0); Q6_K: w 4, row_bytes 2. ldo >= rows when T > 1 (KVD_EINVAL otherwise);
  * out must not overlap w or act (they are read through the read-only cache).
  */
 struct kcuda_gemm_args {
@@ -238,8 +242,9 @@ int kcuda_gemm(const struct kcuda_gemm_args *a, kcuda_stream_t stream);
 int kcuda_gemm_n(const struct kcuda_gemm_args *a, int n_mat, kcuda_stream_t stream);
 
 /* Quantizes T rows of n floats (row t at x + t * ldx) into activation rows of
- * act_type (KERN_Q8_0, KERN_Q8_1 or KERN_F32) at dst + t * dst_stride: twin of
- * kern_quantize_act, bit for bit. n % 32 == 0 for the Q8 types. */
+ * act_type (KERN_Q8_0, KERN_Q8_1, KERN_Q8_K or KERN_F32) at dst + t * dst_stride:
+ * twin of kern_quantize_act, bit for bit. n % 32 == 0 for Q8_0 / Q8_1, n % 256
+ * for Q8_K. */
 int kcuda_quantize_act(uint32_t act_type, const float *x, size_t ldx, void *dst, size_t dst_stride,
                        int64_t n, int T, kcuda_stream_t stream);
 
@@ -258,6 +263,19 @@ int kcuda_rmsnorm(float *out, const float *x, const float *w, const int32_t *row
 
 /* gate[i] = silu(gate[i]) * up[i] for T rows of n: twin of kern_swiglu. */
 int kcuda_swiglu(float *gate, const float *up, int64_t n, int T, kcuda_stream_t stream);
+
+/* gate[i] = gelu(gate[i]) * up[i] for T rows of n: twin of kern_geglu, bit for
+ * bit. table: a device copy of kern_gelu_table() (65536 floats: GELU of every
+ * half, rounded to a half), read at the half nearest each gate value in
+ * (-10, 10); 0 at or below -10, the value itself at or above 10. */
+int kcuda_geglu(float *gate, const float *up, int64_t n, int T, const float *table, kcuda_stream_t stream);
+
+/* Gemma's norm after a sublayer: y = RMSNorm(y) * w in place, then x += y,
+ * for T rows of n (twin: engine/forward.c's post_norm_run). */
+int kcuda_rmsnorm_add(float *x, float *y, const float *w, int n, int T, float eps, kcuda_stream_t stream);
+
+/* x[i] *= s for count floats (Gemma's embeddings times sqrt(n_embd)). */
+int kcuda_scale(float *x, float s, int64_t count, kcuda_stream_t stream);
 
 /* kcuda_rmsnorm (rows NULL), or kcuda_swiglu, followed by kcuda_quantize_act
  * of the result into act (act_type KERN_Q8_0 or KERN_Q8_1, rows act_stride

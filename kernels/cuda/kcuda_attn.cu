@@ -102,8 +102,9 @@ __device__ __forceinline__ void fold(float &M, float &L, float (&O)[DPL], float 
 
 /*
  * Stages keys [t0, t0 + 32) of one KV head's K or V (its rows at base +
- * head_off in each block) into a shared tile. Keys at or past `end` are
- * zero-filled without being read. NTHR threads (tid < NTHR, whole warps)
+ * head_off in each block) into a shared tile. Keys at or past `end`, and
+ * keys before `beg` (before every window of the tile's queries: their
+ * blocks may have left the table), are zero-filled without being read. NTHR threads (tid < NTHR, whole warps)
  * share the copy.
  *   F16: 32 rows of D halves, 16-byte chunks swizzled by (chunk ^ (key & 7))
  *   so that lanes reading their own row, or all lanes reading one row, hit
@@ -115,7 +116,7 @@ __device__ __forceinline__ void fold(float &M, float &L, float (&O)[DPL], float 
 template <int D, int NTHR>
 __device__ __forceinline__ void half_load(uint4 *dst, const uint8_t *base, uint32_t type, int row_bytes,
                                           uint64_t head_off, const uint32_t *table, int bt,
-                                          uint64_t block_stride, int t0, int end, int tid)
+                                          uint64_t block_stride, int t0, int beg, int end, int tid)
 {
     static_assert(NTHR % 32 == 0, "whole warps");
     if (type == KERN_F16) {
@@ -123,7 +124,7 @@ __device__ __forceinline__ void half_load(uint4 *dst, const uint8_t *base, uint3
         static_assert(TILE * CH % NTHR == 0, "the copy splits evenly over whole warps");
         const int kp = t0 + tid % 32;
         uint64_t off = 0;
-        if (kp < end) {
+        if (kp >= beg && kp < end) {
             const int b = kp / bt;
             off = (uint64_t)__ldg(table + b) * block_stride + head_off + (uint64_t)(kp - b * bt) * (D * 2);
         }
@@ -134,7 +135,7 @@ __device__ __forceinline__ void half_load(uint4 *dst, const uint8_t *base, uint3
             const int key = i / CH, c = i % CH;
             const uint64_t o = (uint64_t)__shfl_sync(KCUDA_FULL, off_lo, key) |
                                (uint64_t)__shfl_sync(KCUDA_FULL, off_hi, key) << 32;
-            const bool in = t0 + key < end;
+            const bool in = t0 + key >= beg && t0 + key < end;
             kc_cp_async16(dst + key * CH + (c ^ (key & 7)), in ? base + o + c * 16 : base, in ? 16 : 0);
         }
         return;
@@ -144,7 +145,7 @@ __device__ __forceinline__ void half_load(uint4 *dst, const uint8_t *base, uint3
     for (int key = tid / 32; key < TILE; key += NTHR / 32) {
         const int kp = t0 + key;
         uint32_t *row = d32 + key * words;
-        if (kp < end) {
+        if (kp >= beg && kp < end) {
             const int b = kp / bt;
             const uint32_t *src = reinterpret_cast<const uint32_t *>(
                 base + (uint64_t)__ldg(table + b) * block_stride + head_off + (uint64_t)(kp - b * bt) * row_bytes);
@@ -157,15 +158,15 @@ __device__ __forceinline__ void half_load(uint4 *dst, const uint8_t *base, uint3
     }
 }
 
-/* K and V of keys [t0, t0 + 32) of KV head kvh (see half_load). */
+/* K and V of keys [t0, t0 + 32) of KV head kvh, those in [beg, end) read (see half_load). */
 template <int D, int NTHR>
 __device__ __forceinline__ void tile_load(uint4 *dk, uint4 *dv, const Params &p, int kvh, const uint32_t *table,
-                                          int t0, int end, int tid)
+                                          int t0, int beg, int end, int tid)
 {
     half_load<D, NTHR>(dk, p.k, p.k_type, p.k_row, (uint64_t)kvh * p.k_head_stride, table, p.block_tokens,
-                       p.block_stride, t0, end, tid);
+                       p.block_stride, t0, beg, end, tid);
     half_load<D, NTHR>(dv, p.v, p.v_type, p.v_row, (uint64_t)kvh * p.v_head_stride, table, p.block_tokens,
-                       p.block_stride, t0, end, tid);
+                       p.block_stride, t0, beg, end, tid);
 }
 
 /* This lane's D/32 dimensions of key k of a swizzled tile, as floats. */
@@ -441,7 +442,7 @@ __global__ void __launch_bounds__(DecodeWarps<D>::value * 32) decode_kernel(cons
     const int k0 = split * p.split, k1 = min(k0 + p.split, n_ctx);
     __syncwarp();               /* the queries are in shared memory */
     for (int t0 = max(k0, lo0 / TILE * TILE); t0 < k1; t0 += TILE) {
-        tile_load<D, 32>(sk[warp], sv[warp], p, kvh, table, t0, k1, lane);
+        tile_load<D, 32>(sk[warp], sv[warp], p, kvh, table, t0, lo0, k1, lane);
         kc_cp_async_wait_all();
         __syncwarp();
         tile_step<D, G>(st, sq[warp], sk[warp], sv[warp], qp, lo, t0, min(TILE, k1 - t0), p, lane);
@@ -570,7 +571,7 @@ __global__ void __launch_bounds__(PfWarps<D>::value * 32) prefill_kernel(const P
         const int k1 = min(s0 + p.split, kv_end);
         for (int t0 = max(s0, lo_blk / TILE * TILE); t0 < k1; t0 += TILE) {
             __syncthreads();    /* the previous tile is consumed (and sq written) */
-            tile_load<D, PF_WARPS * 32>(sk, sv, p, kvh, table, t0, k1, threadIdx.x);
+            tile_load<D, PF_WARPS * 32>(sk, sv, p, kvh, table, t0, lo_blk, k1, threadIdx.x);
             kc_cp_async_wait_all();
             __syncthreads();
             if (t0 <= qp_max)

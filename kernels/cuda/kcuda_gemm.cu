@@ -21,6 +21,7 @@
  * Staged, they are conflict-free shared loads; and a warp with R = 2 rows
  * reads each once for both.
  */
+#include <limits.h>
 #include <math.h>
 
 #include "kcuda_impl.cuh"
@@ -68,6 +69,10 @@ static size_t row_bytes_of(uint32_t type, int64_t n)
     case KERN_Q4_1: return n % 32 ? 0 : (size_t)(n / 32) * sizeof(struct kern_block_q4_1);
     case KERN_Q8_0: return n % 32 ? 0 : (size_t)(n / 32) * sizeof(struct kern_block_q8_0);
     case KERN_Q8_1: return n % 32 ? 0 : (size_t)(n / 32) * sizeof(struct kern_block_q8_1);
+    case KERN_Q5_0: return n % 32 ? 0 : (size_t)(n / 32) * sizeof(struct kern_block_q5_0);
+    case KERN_Q4_K: return n % 256 ? 0 : (size_t)(n / 256) * sizeof(struct kern_block_q4_k);
+    case KERN_Q6_K: return n % 256 ? 0 : (size_t)(n / 256) * sizeof(struct kern_block_q6_k);
+    case KERN_Q8_K: return n % 256 ? 0 : (size_t)(n / 256) * sizeof(struct kern_block_q8_k);
     default: return 0;
     }
 }
@@ -105,6 +110,7 @@ template <uint32_t WT> struct Weights;
 
 template <> struct Weights<KERN_Q4_1> {
     static constexpr int ABYTES = sizeof(struct kern_block_q8_1);
+    static constexpr bool SUPER = false;    /* activation blocks of 32, ABYTES each */
     /* shift of the staged bytes of 16-byte unit u of a token's chunk */
     static __device__ __forceinline__ int pad(int) { return 0; }
     static __device__ __forceinline__ int act_at(int lane) { return lane * ABYTES; }
@@ -174,6 +180,7 @@ __device__ __forceinline__ void q8_0_words(const uint32_t (&w)[9], uint32_t sh, 
 
 template <> struct Weights<KERN_Q8_0> {
     static constexpr int ABYTES = sizeof(struct kern_block_q8_0);
+    static constexpr bool SUPER = false;
     static __device__ __forceinline__ int pad(int u) { return u >= 16 * ABYTES / 16 ? 32 : 0; }
     static __device__ __forceinline__ int act_at(int lane) { return lane * ABYTES + (lane >= 16 ? 32 : 0); }
 
@@ -224,6 +231,7 @@ template <> struct Weights<KERN_Q8_0> {
 
 template <> struct Weights<KERN_F16> {
     static constexpr int ABYTES = 32;   /* 8 floats */
+    static constexpr bool SUPER = false;
     static __device__ __forceinline__ int pad(int u) { return 16 * (u / 8); }
     static __device__ __forceinline__ int act_at(int lane) { return lane * ABYTES + 16 * (lane / 4); }
 
@@ -262,6 +270,210 @@ template <> struct Weights<KERN_F16> {
 };
 
 /*
+ * A Q5_0 block (22 bytes, 2-byte aligned) meets Q8_0 activations staged as
+ * Q8_0's are. Its codes are 5 bits, 0..31, for values code - 16: the dot
+ * products take the codes as they are and subtract 16 times the sum of the
+ * activation codes, the same integer as the twin's sum.
+ */
+template <> struct Weights<KERN_Q5_0> {
+    static constexpr int ABYTES = sizeof(struct kern_block_q8_0);
+    static constexpr bool SUPER = false;
+    static __device__ __forceinline__ int pad(int u) { return Weights<KERN_Q8_0>::pad(u); }
+    static __device__ __forceinline__ int act_at(int lane) { return Weights<KERN_Q8_0>::act_at(lane); }
+    using Act = Weights<KERN_Q8_0>::Act;
+
+    struct Block {
+        float dw;
+        int q[8];               /* codes 0..31 of elements 4j..4j+3 */
+
+        __device__ __forceinline__ void load(const uint8_t *row, int b)
+        {
+            const uint8_t *wb = row + (size_t)b * sizeof(struct kern_block_q5_0);
+            const uint32_t sh = (uint32_t)((uintptr_t)wb & 3) * 8;     /* 0 or 16 */
+            const uint8_t *a4 = wb - ((uintptr_t)wb & 3);
+            uint32_t w[6];
+#pragma unroll
+            for (int k = 0; k < 5; k++)
+                w[k] = ld32(a4 + 4 * k);
+            w[5] = sh ? ld32(a4 + 20) : ld16(a4 + 20);     /* never a byte past the block */
+            dw = kc_half(w[0] >> sh);
+            const uint32_t qh = __funnelshift_rc(w[0], w[1], sh + 16);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const uint32_t qs = __funnelshift_rc(w[j + 1], w[j + 2], sh + 16);
+                q[j] = (int)((qs & 0x0F0F0F0Fu) | spread4(qh >> (4 * j)));
+                q[j + 4] = (int)(((qs >> 4) & 0x0F0F0F0Fu) | spread4(qh >> (16 + 4 * j)));
+            }
+        }
+
+        /* bit i of b (i < 4) to bit 4 of byte i */
+        static __device__ __forceinline__ uint32_t spread4(uint32_t b)
+        {
+            return (b & 1u) << 4 | (b & 2u) << 11 | (b & 4u) << 18 | (b & 8u) << 25;
+        }
+
+        /* sum + d_w*d_a*isum */
+        __device__ __forceinline__ float add_to(const Act &a, float sum) const
+        {
+            int si = 0, sa = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                si = __dp4a(q[j], a.q[j], si);
+                sa = __dp4a(0x01010101, a.q[j], sa);
+            }
+            si -= 16 * sa;
+            return __fadd_rn(sum, __fmul_rn(__fmul_rn(dw, a.da), (float)si));
+        }
+    };
+};
+
+/*
+ * The K-quants (Q4_K, Q6_K) meet Q8_K activations: super-blocks of 256 with
+ * one float scale, 256 codes and the sums of each 16 (292 bytes). A lane
+ * takes a sub-block of 32 elements, so "block" c of a row is sub-block c % 8
+ * of super-block c / 8, and a chunk of 32 is 4 whole super-blocks, staged as
+ * they lie (1168 bytes, a multiple of 16). The sums of the integer products
+ * are exact in any order; the float terms of each sub-block are formed once,
+ * as the twin forms them per super-block, so results differ from the twin's
+ * by float rounding only.
+ */
+struct Q8KAct {
+    float da;                   /* the super-block's scale */
+    int q[8];                   /* codes of elements 4j..4j+3 of the sub-block */
+    int s0, s1;                 /* sums of its first and last 16 codes */
+
+    /* sb: the lane's staged super-block (act_at); the lane takes its sub-block
+     * lane % 8 (block c0 + lane, c0 a multiple of 32) */
+    __device__ __forceinline__ void load(const uint8_t *sb)
+    {
+        const int sub = (int)(threadIdx.x % 8);
+        da = __uint_as_float(lds32(sb));
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            q[j] = (int)lds32(sb + 4 + 32 * sub + 4 * j);
+        const uint32_t bs = lds32(sb + 4 + 256 + 4 * sub);
+        s0 = (int)(int16_t)(bs & 0xffffu);
+        s1 = (int)(int16_t)(bs >> 16);
+    }
+};
+
+/* Eight words of codes at p (2-byte aligned), read as aligned words and
+ * realigned; from a 2-byte offset the last word read ends 2 bytes past the
+ * 32 (callers keep p + 34 inside their block). */
+__device__ __forceinline__ void ld_words8(const uint8_t *p, uint32_t (&q)[8])
+{
+    const uint32_t sh = (uint32_t)((uintptr_t)p & 3) * 8;
+    const uint8_t *a4 = p - ((uintptr_t)p & 3);
+    if (sh == 0) {
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            q[k] = ld32(a4 + 4 * k);
+        return;
+    }
+    uint32_t w[9];
+#pragma unroll
+    for (int k = 0; k < 9; k++)
+        w[k] = ld32(a4 + 4 * k);
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        q[k] = __funnelshift_rc(w[k], w[k + 1], sh);
+}
+
+struct KStage {
+    static constexpr int ABYTES = sizeof(struct kern_block_q8_k);   /* per super-block */
+    static constexpr bool SUPER = true;     /* blocks are sub-blocks of 32 of super-blocks */
+    static __device__ __forceinline__ int pad(int) { return 0; }
+    static __device__ __forceinline__ int act_at(int lane) { return (lane / 8) * ABYTES; }
+    using Act = Q8KAct;
+};
+
+/* Q4_K: element = d * sc * code - dmin * mn per sub-block (codes 0..15, 6-bit
+ * sc and mn): sum + d*da*(sc * isum) - dmin*da*(mn * sum of the activation codes). */
+template <> struct Weights<KERN_Q4_K> : KStage {
+    struct Block {
+        float dw, dmin;
+        int sc, mn;
+        int q[8];
+
+        __device__ __forceinline__ void load(const uint8_t *row, int c)
+        {
+            const uint8_t *wb = row + (size_t)(c / 8) * sizeof(struct kern_block_q4_k);   /* 4-byte aligned */
+            const int sub = c % 8;
+            const uint32_t dm = ld32(wb);
+            dw = kc_half(dm);
+            dmin = kc_half(dm >> 16);
+            /* the 12 scale bytes as k_scale_min reads them */
+            const uint32_t s0 = ld32(wb + 4), s1 = ld32(wb + 8), s2 = ld32(wb + 12);
+            const uint32_t sb[12] = { s0 & 255, s0 >> 8 & 255, s0 >> 16 & 255, s0 >> 24,
+                                      s1 & 255, s1 >> 8 & 255, s1 >> 16 & 255, s1 >> 24,
+                                      s2 & 255, s2 >> 8 & 255, s2 >> 16 & 255, s2 >> 24 };
+            if (sub < 4) {
+                sc = (int)(sb[sub] & 63);
+                mn = (int)(sb[sub + 4] & 63);
+            } else {
+                sc = (int)((sb[sub + 4] & 0x0F) | (sb[sub - 4] >> 6) << 4);
+                mn = (int)((sb[sub + 4] >> 4) | (sb[sub] >> 6) << 4);
+            }
+            const uint8_t *qs = wb + 16 + 32 * (sub / 2);
+            const int shift = 4 * (sub & 1);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                q[j] = (int)((ld32(qs + 4 * j) >> shift) & 0x0F0F0F0Fu);
+        }
+
+        __device__ __forceinline__ float add_to(const Q8KAct &a, float sum) const
+        {
+            int si = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                si = __dp4a(q[j], a.q[j], si);
+            const float t = __fmul_rn(__fmul_rn(dw, a.da), (float)(sc * si));
+            const float m = __fmul_rn(__fmul_rn(dmin, a.da), (float)(mn * (a.s0 + a.s1)));
+            return __fsub_rn(__fadd_rn(sum, t), m);
+        }
+    };
+};
+
+/* Q6_K: element = d * scale[e / 16] * (code - 32) (6-bit codes, int8 scales
+ * per 16): sum + d*da*(sc0 * isum0 + sc1 * isum1) over the sub-block's halves. */
+template <> struct Weights<KERN_Q6_K> : KStage {
+    struct Block {
+        float dw;
+        int sc0, sc1;
+        int q[8];               /* codes 0..63 */
+
+        __device__ __forceinline__ void load(const uint8_t *row, int c)
+        {
+            const uint8_t *wb = row + (size_t)(c / 8) * sizeof(struct kern_block_q6_k);   /* 2-byte aligned */
+            const int sub = c % 8, h = sub / 4, quarter = sub % 4;
+            uint32_t lo[8], hi[8];
+            ld_words8(wb + 64 * h + 32 * (quarter & 1), lo);    /* ql: qh follows */
+            ld_words8(wb + 128 + 32 * h, hi);                   /* qh: the scales follow */
+            const int lsh = 4 * (quarter >> 1), hsh = 2 * quarter;
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                q[j] = (int)(((lo[j] >> lsh) & 0x0F0F0F0Fu) | (((hi[j] >> hsh) & 0x03030303u) << 4));
+            const uint32_t s = ld16(wb + 192 + 2 * sub);
+            sc0 = (int)(int8_t)(s & 255);
+            sc1 = (int)(int8_t)(s >> 8);
+            dw = kc_half(ld16(wb + 208));
+        }
+
+        __device__ __forceinline__ float add_to(const Q8KAct &a, float sum) const
+        {
+            int i0 = 0, i1 = 0;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                i0 = __dp4a(q[j], a.q[j], i0);
+                i1 = __dp4a(q[j + 4], a.q[j + 4], i1);
+            }
+            const int si = sc0 * (i0 - 32 * a.s0) + sc1 * (i1 - 32 * a.s1);
+            return __fadd_rn(sum, __fmul_rn(__fmul_rn(dw, a.da), (float)si));
+        }
+    };
+};
+
+/*
  * Copies activation blocks [c0, c0 + nblk) of tokens t0 .. t0 + nt - 1 into
  * tile (token t's at tile + t * STAGE_ROW, 16-byte unit u at 16u + pad(u)):
  * all threads of the block, consecutive threads on consecutive units. A
@@ -271,9 +483,10 @@ template <uint32_t WT>
 __device__ __forceinline__ void stage(uint8_t *tile, const GemmParams &p, int t0, int nt, int c0, int nblk)
 {
     constexpr int AB = Weights<WT>::ABYTES;
-    constexpr int UNITS = (32 * AB + 15) / 16;     /* per token, a whole chunk */
-    const int bytes = nblk * AB;
-    const uint8_t *src0 = p.act + (size_t)t0 * p.act_stride + (size_t)c0 * AB;
+    constexpr bool SUPER = Weights<WT>::SUPER;     /* AB bytes per 8 blocks (super-block) */
+    constexpr int UNITS = SUPER ? (4 * AB + 15) / 16 : (32 * AB + 15) / 16;    /* per token, a whole chunk */
+    const int bytes = SUPER ? (nblk + 7) / 8 * AB : nblk * AB;
+    const uint8_t *src0 = p.act + (size_t)t0 * p.act_stride + (size_t)(SUPER ? c0 / 8 : c0) * AB;
     for (int i = threadIdx.x; i < nt * UNITS; i += GEMM_WARPS * 32) {
         const int t = i / UNITS, u = i % UNITS;
         const int left = bytes - 16 * u;
@@ -399,6 +612,77 @@ __global__ void __launch_bounds__(128) quantize_q8(const float *x, size_t ldx, u
     kc_quantize_block32(v, lane, dst + (size_t)t * dst_stride + (size_t)b * kc_act_block_bytes(with_sum), with_sum);
 }
 
+/* Q8_K as kern_quantize_act: one warp per super-block of 256, lane l holding
+ * elements l + 32 i. The scale comes from the element of largest magnitude
+ * (the first of equals): iscale = -127 / that element, codes rounded to
+ * nearest even and capped at 127, d = 1 / iscale; an all-zero block is all
+ * zeros. The sums of each 16 codes are summed in half-warps. */
+__global__ void __launch_bounds__(128) quantize_q8_k(const float *x, size_t ldx, uint8_t *dst, size_t dst_stride,
+                                                     int nb, int T)
+{
+    const int lane = threadIdx.x % 32;
+    const long idx = (long)blockIdx.x * 4 + threadIdx.x / 32;
+    if (idx >= (long)nb * T)
+        return;                 /* a whole warp */
+    const long t = idx / nb;
+    const int b = (int)(idx % nb);
+    const float *src = x + (size_t)t * ldx + (size_t)b * 256;
+    uint8_t *blk = dst + (size_t)t * dst_stride + (size_t)b * sizeof(struct kern_block_q8_k);
+    float v[8], amax = 0.0f, max = 0.0f;
+    int at = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        v[i] = src[lane + 32 * i];
+        const float a = fabsf(v[i]);
+        if (a > amax) {
+            amax = a;
+            max = v[i];
+            at = lane + 32 * i;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float oa = __shfl_xor_sync(KCUDA_FULL, amax, o), om = __shfl_xor_sync(KCUDA_FULL, max, o);
+        const int oat = __shfl_xor_sync(KCUDA_FULL, at, o);
+        if (oa > amax || (oa == amax && oat < at)) {
+            amax = oa;
+            max = om;
+            at = oat;
+        }
+    }
+    if (amax == 0.0f) {
+        for (int i = lane; i < (int)sizeof(struct kern_block_q8_k); i += 32)
+            blk[i] = 0;
+        return;
+    }
+    const float iscale = __fdiv_rn(-127.0f, max);
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        /* round half to even by the twin's magic number, then capped */
+        const float r = __fadd_rn(__fmul_rn(iscale, v[i]), 12582912.0f);
+        int q = (int)(__float_as_uint(r) & 0x007fffffu) - 0x00400000;
+        q = q < -128 ? -128 : q > 127 ? 127 : q;
+        blk[4 + lane + 32 * i] = (uint8_t)(int8_t)q;
+        int s = q;              /* the 16-sum of group 2i + lane / 16 */
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1)
+            s += __shfl_xor_sync(KCUDA_FULL, s, o);
+        if (lane % 16 == 0) {
+            const int g = 2 * i + lane / 16;
+            const uint16_t u = (uint16_t)(int16_t)s;
+            blk[260 + 2 * g] = (uint8_t)u;
+            blk[261 + 2 * g] = (uint8_t)(u >> 8);
+        }
+    }
+    if (lane == 0) {
+        const uint32_t d = __float_as_uint(__fdiv_rn(1.0f, iscale));
+        blk[0] = (uint8_t)d;
+        blk[1] = (uint8_t)(d >> 8);
+        blk[2] = (uint8_t)(d >> 16);
+        blk[3] = (uint8_t)(d >> 24);
+    }
+}
+
 /* ---- row lookup: one block per token --------------------------------------------- */
 
 __global__ void __launch_bounds__(256) get_rows_kernel(uint32_t type, const uint8_t *w, size_t row_bytes, long n,
@@ -477,6 +761,18 @@ static int gemm_check(const struct kcuda_gemm_args *a, const struct kcuda_gemm_a
             (wa | a->row_bytes) % 16)
             return KVD_EINVAL;
         return 0;
+    case KERN_Q5_0:
+        if (a->n % 32 || a->row_bytes < row_bytes_of(KERN_Q5_0, a->n) ||
+            a->act_stride < row_bytes_of(KERN_Q8_0, a->n) || (wa | a->row_bytes) % 2)
+            return KVD_EINVAL;
+        return 0;
+    case KERN_Q4_K: case KERN_Q6_K:
+        /* Q6_K rows may start 2 bytes into a word: the first row must not */
+        if (a->n % 256 || a->row_bytes < row_bytes_of(a->wtype, a->n) ||
+            a->act_stride < row_bytes_of(KERN_Q8_K, a->n) || wa % 4 ||
+            a->row_bytes % (a->wtype == KERN_Q4_K ? 4 : 2))
+            return KVD_EINVAL;
+        return 0;
     default:
         return KVD_EUNSUPPORTED;
     }
@@ -513,6 +809,9 @@ extern "C" int kcuda_gemm_n(const struct kcuda_gemm_args *a, int n_mat, kcuda_st
     switch (a[0].wtype) {
     case KERN_Q4_1: launch_type<KERN_Q4_1>(shape, p, grid, stream); break;
     case KERN_Q8_0: launch_type<KERN_Q8_0>(shape, p, grid, stream); break;
+    case KERN_Q5_0: launch_type<KERN_Q5_0>(shape, p, grid, stream); break;
+    case KERN_Q4_K: launch_type<KERN_Q4_K>(shape, p, grid, stream); break;
+    case KERN_Q6_K: launch_type<KERN_Q6_K>(shape, p, grid, stream); break;
     default: launch_type<KERN_F16>(shape, p, grid, stream); break;
     }
     return kcuda__launched("matrix product");
@@ -536,6 +835,14 @@ extern "C" int kcuda_quantize_act(uint32_t act_type, const float *x, size_t ldx,
         cudaError_t e = cudaMemcpy2DAsync(dst, dst_stride, x, ldx * sizeof(float), (size_t)n * sizeof(float),
                                           (size_t)T, cudaMemcpyDeviceToDevice, stream);
         return e == cudaSuccess ? 0 : kcuda__fail(KVD_EINTERNAL, e, "activation copy");
+    }
+    if (act_type == KERN_Q8_K) {
+        if (n % 256 || ldx < (size_t)n || dst_stride < row_bytes_of(act_type, n))
+            return KVD_EINVAL;
+        const long blocks = (long)(n / 256) * T;
+        quantize_q8_k<<<(unsigned)((blocks + 3) / 4), 128, 0, stream>>>(x, ldx, static_cast<uint8_t *>(dst),
+                                                                       dst_stride, (int)(n / 256), T);
+        return kcuda__launched("activation quantization");
     }
     if (act_type != KERN_Q8_0 && act_type != KERN_Q8_1)
         return KVD_EUNSUPPORTED;

@@ -2,9 +2,9 @@
  * kcuda_ops.cu - the element-wise and per-row kernels of the forward step:
  * RMSNorm, RoPE fused with the K/V write into the paged cache (with the
  * Walsh-Hadamard rotation and Q8_0 / Q4_0 quantization of a quantized cache),
- * SwiGLU and greedy token choice (twins: kern_rmsnorm, kern_rope_angles +
- * kern_rope + the K/V store of engine/forward.c, kern_hadamard, kern_swiglu,
- * sampler_argmax).
+ * SwiGLU, GEGLU, Gemma's post-norms and greedy token choice (twins:
+ * kern_rmsnorm, kern_rope_angles + kern_rope / kern_rope_neox + the K/V store of
+ * engine/forward.c, kern_hadamard, kern_swiglu, kern_geglu, sampler_argmax).
  *
  * Each follows its twin's float operations with explicit rounding
  * intrinsics; what may differ is the order of the sum of squares (double
@@ -90,6 +90,7 @@ struct RopeParams {
     const int32_t *pos;
     const uint32_t *block;
     float step;
+    int neox;                   /* pairs (i, i + D/2) instead of (2i, 2i+1) */
 };
 
 /* cos and sin of each RoPE pair of position pos into cs (the block's
@@ -124,19 +125,22 @@ __global__ void __launch_bounds__(ROW_THREADS) rope_kv_kernel(const RopeParams p
     for (int idx = threadIdx.x; idx < pairs; idx += ROW_THREADS) {
         const int h = idx / half, i = idx % half;
         const float c = cs[2 * i], s = cs[2 * i + 1];
+        /* the pair's two elements: adjacent, or half a head apart (NEOX) */
+        const int e0 = p.neox ? i : 2 * i, e1 = p.neox ? i + half : 2 * i + 1;
         if (h < p.n_head) {
-            float *x = p.q + ((size_t)t * p.n_head + h) * D + 2 * i;
-            const float a = x[0], b = x[1];
-            x[0] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-            x[1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+            float *x = p.q + ((size_t)t * p.n_head + h) * D;
+            const float a = x[e0], b = x[e1];
+            x[e0] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+            x[e1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
         } else if (h < p.n_head + p.n_head_kv) {
             const int kh = h - p.n_head;
-            const float *x = p.k + ((size_t)t * p.n_head_kv + kh) * D + 2 * i;
-            const float a = x[0], b = x[1];
+            const float *x = p.k + ((size_t)t * p.n_head_kv + kh) * D;
+            const float a = x[e0], b = x[e1];
             const float ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
             const float rb = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
-            uint32_t *dst = reinterpret_cast<uint32_t *>(p.k_cache + row_off + kh * p.k_head_stride + 4 * i);
-            *dst = (uint32_t)kc_half_bits(ra) | (uint32_t)kc_half_bits(rb) << 16;
+            uint16_t *dst = reinterpret_cast<uint16_t *>(p.k_cache + row_off + kh * p.k_head_stride);
+            dst[e0] = kc_half_bits(ra);
+            dst[e1] = kc_half_bits(rb);
         } else {
             const int vh = h - p.n_head - p.n_head_kv;
             const float *x = p.v + ((size_t)t * p.n_head_kv + vh) * D + 2 * i;
@@ -235,7 +239,8 @@ __device__ __forceinline__ void store_kv_row(uint8_t *row, uint32_t type, const 
 /* rope_kv_kernel for a cache with a quantized or rotated half: one block per
  * token, one warp per vector (each query head, K head and V head): RoPE of q
  * and k as rope_kv_kernel computes it (the pair's other value from the
- * neighbouring lane), the Hadamard rotation where kv.rotate asks (q and K
+ * neighbouring lane, or with NEOX pairs from the lane's own register half a
+ * head away), the Hadamard rotation where kv.rotate asks (q and K
  * with KV_ROT_K, V with KV_ROT_V), then q back in place and K/V into the
  * cache as their types. */
 template <int D>
@@ -256,12 +261,27 @@ __global__ void __launch_bounds__(ROW_THREADS) rope_kvq_kernel(const RopeParams 
                                 : p.k + ((size_t)t * p.n_head_kv + kh) * D;
         float v[NV];
 #pragma unroll
-        for (int i = 0; i < NV; i++) {
-            const int e = lane + 32 * i;
-            const float x = src[e], o = __shfl_xor_sync(KCUDA_FULL, x, 1);
-            if (is_v) {
-                v[i] = x;
-            } else {
+        for (int i = 0; i < NV; i++)
+            v[i] = src[lane + 32 * i];
+        if (!is_v && p.neox) {
+            /* element e pairs with e +- D/2: the same lane, register i ^ (D/64) */
+            float r[NV];
+#pragma unroll
+            for (int i = 0; i < NV; i++) {
+                const int e = lane + 32 * i, up = i & (NV / 2), pi = (e % (D / 2));
+                const float x = v[i], o = v[i ^ (NV / 2)];
+                const float c = cs[2 * pi], s = cs[2 * pi + 1];
+                r[i] = up ? __fadd_rn(__fmul_rn(o, s), __fmul_rn(x, c))
+                          : __fsub_rn(__fmul_rn(x, c), __fmul_rn(o, s));
+            }
+#pragma unroll
+            for (int i = 0; i < NV; i++)
+                v[i] = r[i];
+        } else if (!is_v) {
+#pragma unroll
+            for (int i = 0; i < NV; i++) {
+                const int e = lane + 32 * i;
+                const float x = v[i], o = __shfl_xor_sync(KCUDA_FULL, x, 1);
                 const float c = cs[e & ~1], s = cs[e | 1];
                 v[i] = e & 1 ? __fadd_rn(__fmul_rn(o, s), __fmul_rn(x, c))
                              : __fsub_rn(__fmul_rn(x, c), __fmul_rn(o, s));
@@ -326,6 +346,36 @@ __global__ void __launch_bounds__(128) swiglu_quant_kernel(float *gate, const fl
     gate[i] = y;
     kc_quantize_block32(y, lane, act + (size_t)t * act_stride + (size_t)b * kc_act_block_bytes(with_sum),
                         with_sum);
+}
+
+/* GELU through the twin's table of halves, times up (kern_geglu). */
+__global__ void geglu_kernel(float *gate, const float *up, size_t count, const float *table)
+{
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (size_t)gridDim.x * blockDim.x) {
+        const float x = gate[i];
+        const float g = x <= -10.0f ? 0.0f : x >= 10.0f ? x : __ldg(table + kc_half_bits(x));
+        gate[i] = __fmul_rn(g, up[i]);
+    }
+}
+
+/* One block per row: y = RMSNorm(y) * w, x += y. */
+__global__ void __launch_bounds__(ROW_THREADS) rmsnorm_add_kernel(float *x, float *y, const float *w, int n,
+                                                                  float eps)
+{
+    const int t = blockIdx.x;
+    float *yr = y + (size_t)t * n, *xr = x + (size_t)t * n;
+    const float scale = rms_scale(yr, n, eps);
+    for (int i = threadIdx.x; i < n; i += ROW_THREADS) {
+        const float v = __fmul_rn(__fmul_rn(yr[i], scale), w[i]);
+        yr[i] = v;
+        xr[i] = __fadd_rn(xr[i], v);
+    }
+}
+
+__global__ void scale_kernel(float *x, float s, size_t count)
+{
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (size_t)gridDim.x * blockDim.x)
+        x[i] = __fmul_rn(x[i], s);
 }
 
 /* (v, i) beats (bv, bi): larger value, or the same value at a lower index.
@@ -712,7 +762,7 @@ extern "C" int kcuda_rope_kv(const struct kcuda_rope_args *a, kcuda_stream_t str
     const bool plain = kv->k_type == KERN_F16 && kv->v_type == KERN_F16 && kv->rotate == 0;
     const int k_row = kcuda_kv_row_bytes(kv->k_type, kv->head_dim), v_row = kcuda_kv_row_bytes(kv->v_type, kv->head_dim);
     if (k_row == 0 || v_row == 0 || (kv->rotate & ~(uint32_t)(KCUDA_ROT_K | KCUDA_ROT_V)) != 0 ||
-        (!plain && kv->head_dim != 64 && kv->head_dim != 128))
+        (!plain && kv->head_dim != 64 && kv->head_dim != 128 && kv->head_dim != 256))
         return KVD_EUNSUPPORTED;
     RopeParams p;
     p.k_cache = kv->k;
@@ -735,18 +785,21 @@ extern "C" int kcuda_rope_kv(const struct kcuda_rope_args *a, kcuda_stream_t str
     p.pos = a->pos;
     p.block = a->block;
     p.step = a->step;
+    p.neox = a->neox;
     if (plain)
         rope_kv_kernel<<<(unsigned)a->T, ROW_THREADS, 0, stream>>>(p);
     else if (kv->head_dim == 64)
         rope_kvq_kernel<64><<<(unsigned)a->T, ROW_THREADS, 0, stream>>>(p);
-    else
+    else if (kv->head_dim == 128)
         rope_kvq_kernel<128><<<(unsigned)a->T, ROW_THREADS, 0, stream>>>(p);
+    else
+        rope_kvq_kernel<256><<<(unsigned)a->T, ROW_THREADS, 0, stream>>>(p);
     return kcuda__launched("rope and KV write");
 }
 
 extern "C" int kcuda_hadamard(float *x, int64_t n, int head_dim, kcuda_stream_t stream)
 {
-    if (n < 0 || x == NULL || (head_dim != 64 && head_dim != 128))
+    if (n < 0 || x == NULL || (head_dim != 64 && head_dim != 128 && head_dim != 256))
         return n == 0 ? 0 : KVD_EINVAL;
     if (n == 0)
         return 0;
@@ -755,8 +808,10 @@ extern "C" int kcuda_hadamard(float *x, int64_t n, int head_dim, kcuda_stream_t 
     const unsigned blocks = (unsigned)((n + 3) / 4);
     if (head_dim == 64)
         hadamard_kernel<64><<<blocks, 128, 0, stream>>>(x, (long)n);
-    else
+    else if (head_dim == 128)
         hadamard_kernel<128><<<blocks, 128, 0, stream>>>(x, (long)n);
+    else
+        hadamard_kernel<256><<<blocks, 128, 0, stream>>>(x, (long)n);
     return kcuda__launched("hadamard");
 }
 
@@ -772,6 +827,44 @@ extern "C" int kcuda_swiglu(float *gate, const float *up, int64_t n, int T, kcud
         blocks = 65536;
     swiglu_kernel<<<(unsigned)blocks, 256, 0, stream>>>(gate, up, count);
     return kcuda__launched("swiglu");
+}
+
+extern "C" int kcuda_geglu(float *gate, const float *up, int64_t n, int T, const float *table,
+                           kcuda_stream_t stream)
+{
+    if (n <= 0 || T < 0 || gate == NULL || up == NULL || table == NULL)
+        return KVD_EINVAL;
+    const size_t count = (size_t)n * (size_t)T;
+    if (count == 0)
+        return 0;
+    size_t blocks = (count + 255) / 256;
+    if (blocks > 65536)
+        blocks = 65536;
+    geglu_kernel<<<(unsigned)blocks, 256, 0, stream>>>(gate, up, count, table);
+    return kcuda__launched("geglu");
+}
+
+extern "C" int kcuda_rmsnorm_add(float *x, float *y, const float *w, int n, int T, float eps, kcuda_stream_t stream)
+{
+    if (n <= 0 || T < 0 || x == NULL || y == NULL || w == NULL)
+        return KVD_EINVAL;
+    if (T == 0)
+        return 0;
+    rmsnorm_add_kernel<<<(unsigned)T, ROW_THREADS, 0, stream>>>(x, y, w, n, eps);
+    return kcuda__launched("rmsnorm and add");
+}
+
+extern "C" int kcuda_scale(float *x, float s, int64_t count, kcuda_stream_t stream)
+{
+    if (count < 0 || (x == NULL && count > 0))
+        return KVD_EINVAL;
+    if (count == 0)
+        return 0;
+    size_t blocks = ((size_t)count + 255) / 256;
+    if (blocks > 65536)
+        blocks = 65536;
+    scale_kernel<<<(unsigned)blocks, 256, 0, stream>>>(x, s, (size_t)count);
+    return kcuda__launched("scale");
 }
 
 extern "C" int kcuda_sample(int32_t *ids, float *logits, int64_t n, size_t ld, const struct kcuda_draw *draws,

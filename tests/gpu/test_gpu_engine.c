@@ -93,6 +93,8 @@
 #define BPS 24              /* blocks per sequence and set */
 #define MAX_POS (BPS * 16)
 #define CHUNK 13
+#define MAX_PARTS 6         /* block tables per sequence (the gemma3 models' parts) */
+#define POOL_NONE_ID 0xffffffffu    /* a table entry a window no longer reads */
 
 static char tmpdir[] = "/tmp/kvd-test-gpu-engine-XXXXXX";
 static uint64_t rng_state = 0x1f83d9abfb41bd6bull;
@@ -110,7 +112,8 @@ struct seqst {
     int32_t hist[MAX_POS];  /* its tokens: the prompt, then the greedy tokens fed */
     uint32_t prompt;        /* prompt length */
     uint32_t len;           /* tokens computed so far */
-    uint32_t blocks[SETS][BPS];
+    uint32_t blocks[SETS][MAX_PARTS][BPS];  /* per set, each part's table */
+    const uint32_t *tabs[SETS][MAX_PARTS];  /* a model of several parts: the tables; else NULL */
     float *gpu[MAX_POS];    /* GPU logits of the batched run at each position (NULL: none) */
 };
 
@@ -125,6 +128,7 @@ struct rig {
     uint32_t n_vocab, n_blocks;
     uint32_t split;         /* the GPU engine's attention split (0: default) */
     struct kv_params kvp;   /* both engines' KV types and rotation */
+    struct kv_parts parts;  /* both engines' parts (one for a model without windows) */
     double tol_logits, tol_kv0, tol_kv;
     struct seqst seq[MAX_SEQ];
     int n_seq;
@@ -198,10 +202,14 @@ static void rig_open(struct rig *r, const char *name, const struct mkmodel_param
     r->split = split;
     r->m = make_model(mp, name);
     r->n_vocab = r->m->cfg.n_vocab;
-    r->n_blocks = MAX_SEQ * SETS * BPS + 8;
+    kv_parts_for_model(&r->m->cfg, &r->parts);
+    const uint32_t n_parts = r->parts.n_parts;
+    REQUIRE(n_parts <= MAX_PARTS);
+    r->n_blocks = MAX_SEQ * SETS * BPS * n_parts + 8;
     struct kv_params kp = kvp ? *kvp : kv_default_params();
     kp.n_blocks = r->n_blocks;
     kp.block_tokens = 16;
+    kp.parts = &r->parts;
     r->kvp = kp;
     r->tol_logits = TOL_LOGITS;
     r->tol_kv0 = TOL_KV0;
@@ -224,12 +232,13 @@ static void rig_open(struct rig *r, const char *name, const struct mkmodel_param
     gp.k_type = kp.k_type;
     gp.v_type = kp.v_type;
     gp.rotate = kp.rotate;
+    gp.parts = &r->parts;
     r->ge = gpu_engine_new(r->m, 0, &gp, err, sizeof(err));
     if (r->ge == NULL)
         fprintf(stderr, "gpu_engine_new: %s\n", err);
     REQUIRE(r->ge != NULL);
-    /* scattered block tables, disjoint over sequences and sets */
-    uint32_t perm[MAX_SEQ * SETS * BPS + 8];
+    /* scattered block tables, disjoint over sequences, sets and parts */
+    static uint32_t perm[MAX_SEQ * SETS * BPS * MAX_PARTS + 8];
     for (uint32_t i = 0; i < r->n_blocks; i++)
         perm[i] = i;
     for (uint32_t i = r->n_blocks - 1; i > 0; i--) {
@@ -239,7 +248,12 @@ static void rig_open(struct rig *r, const char *name, const struct mkmodel_param
     }
     for (int s = 0; s < MAX_SEQ; s++)
         for (int k = 0; k < SETS; k++)
-            memcpy(r->seq[s].blocks[k], perm + (size_t)(s * SETS + k) * BPS, sizeof(r->seq[s].blocks[k]));
+            for (uint32_t part = 0; part < n_parts; part++) {
+                memcpy(r->seq[s].blocks[k][part], perm + ((size_t)(s * SETS + k) * n_parts + part) * BPS,
+                       sizeof(r->seq[s].blocks[k][part]));
+                if (n_parts > 1)
+                    r->seq[s].tabs[k][part] = r->seq[s].blocks[k][part];
+            }
 }
 
 static void rig_close(struct rig *r)
@@ -257,8 +271,9 @@ static void rig_close(struct rig *r)
 
 static void fill_seq(struct fwd_seq *f, const struct seqst *q, uint32_t from, uint32_t n, int set, bool all)
 {
-    *f = (struct fwd_seq){ .tokens = q->hist + from, .n_tokens = n, .pos = from, .blocks = q->blocks[set],
-                           .n_blocks = BPS, .all_logits = all };
+    *f = (struct fwd_seq){ .tokens = q->hist + from, .n_tokens = n, .pos = from, .blocks = q->blocks[set][0],
+                           .n_blocks = BPS, .all_logits = all,
+                           .tables = q->tabs[set][0] != NULL ? q->tabs[set] : NULL };
 }
 
 /* One step of the batched run on both engines: compares the logits, keeps the
@@ -341,10 +356,23 @@ static void alone(struct rig *r, int s, int set, uint32_t chunk)
     const uint32_t V = r->n_vocab;
     char err[256];
     int checked = 0, same = 0;
+    /* a windowed part's entries that no window of the step reads any more are
+     * POOL_NONE, as the pool hands them out: the engine must not touch them */
+    uint32_t win[MAX_PARTS][BPS];
+    const uint32_t *wt[MAX_PARTS];
+    memcpy(win, q->blocks[set], sizeof(win));
+    for (int part = 0; part < MAX_PARTS; part++)
+        wt[part] = win[part];
     for (uint32_t from = 0; from < q->len; from += chunk) {
         const uint32_t n = q->len - from < chunk ? q->len - from : chunk;
         struct fwd_seq f;
         fill_seq(&f, q, from, n, set, true);
+        if (f.tables != NULL) {
+            for (uint32_t part = 1; part < r->parts.n_parts; part++)
+                for (uint64_t b = 0; b < kv_window_first_block(r->parts.window[part], from, 16); b++)
+                    win[part][b] = POOL_NONE_ID;
+            f.tables = wt;
+        }
         const float *gl = NULL;
         uint32_t rows = 0;
         int rc = gpu_engine_step(r->ge, &f, 1, &gl, &rows, err, sizeof(err));
@@ -380,38 +408,47 @@ static void compare_kv(struct rig *r, int s)
     REQUIRE(diff != NULL && mag != NULL && ydiff != NULL);
     long same_sets = 0, cmp_sets = 0;
     for (uint32_t b = 0; b * bt < q->len; b++) {
-        REQUIRE(gpu_engine_kv_read(r->ge, q->blocks[0][b], g, err, sizeof(err)) == 0);
-        const uint32_t n_pos = q->len - b * bt < bt ? q->len - b * bt : bt;
-        for (uint32_t l = 0; l < kv->n_layer; l++)
-            for (int which = 0; which < 2; which++)
-                for (uint32_t h = 0; h < nkv; h++) {
-                    const size_t off = (size_t)(kv_block_ptr(kv, 0, l, which) - kv->mem) + h * kv_head_bytes(kv, which);
-                    const uint8_t *cp = kv_block_ptr(kv, q->blocks[0][b], l, which) + h * kv_head_bytes(kv, which);
-                    const uint8_t *gp = g + off;
-                    const uint8_t *yp = kv_block_ptr(r->kv2, q->blocks[0][b], l, which) + h * kv_head_bytes(kv, which);
-                    const uint32_t type = which ? kv->v_type : kv->k_type;
-                    const size_t row = which ? kv->v_row_bytes : kv->k_row_bytes;
-                    for (uint32_t t = 0; t < n_pos; t++) {
-                        kern_dequantize_row(type, cp + t * row, cf, (int64_t)hd);
-                        kern_dequantize_row(type, gp + t * row, gf, (int64_t)hd);
-                        kern_dequantize_row(type, yp + t * row, yf, (int64_t)hd);
-                        for (uint32_t i = 0; i < hd; i++) {
-                            diff[l] = fmax(diff[l], fabs((double)gf[i] - cf[i]));
-                            mag[l] = fmax(mag[l], fabs((double)cf[i]));
-                            ydiff[l] = fmax(ydiff[l], fabs((double)yf[i] - cf[i]));
-                        }
-                    }
-                }
-        for (int set = 1; set < SETS; set++) {
-            REQUIRE(gpu_engine_kv_read(r->ge, q->blocks[set][b], g2, err, sizeof(err)) == 0);
-            for (uint32_t l = 0; l < kv->n_layer; l++)
+        for (uint32_t part = 0; part < kv->parts.n_parts; part++) {
+            const uint32_t blk = q->blocks[0][part][b];
+            REQUIRE(gpu_engine_kv_read(r->ge, blk, g, err, sizeof(err)) == 0);
+            const uint32_t n_pos = q->len - b * bt < bt ? q->len - b * bt : bt;
+            for (uint32_t l = 0; l < kv->n_layer; l++) {
+                if (kv_part_of(&kv->parts, l) != part)
+                    continue;       /* in another part's block */
                 for (int which = 0; which < 2; which++)
                     for (uint32_t h = 0; h < nkv; h++) {
                         const size_t off = (size_t)(kv_block_ptr(kv, 0, l, which) - kv->mem) + h * kv_head_bytes(kv, which);
-                        cmp_sets++;
-                        same_sets += memcmp(g + off, g2 + off,
-                                            (size_t)n_pos * (which ? kv->v_row_bytes : kv->k_row_bytes)) == 0;
+                        const uint8_t *cp = kv_block_ptr(kv, blk, l, which) + h * kv_head_bytes(kv, which);
+                        const uint8_t *gp = g + off;
+                        const uint8_t *yp = kv_block_ptr(r->kv2, blk, l, which) + h * kv_head_bytes(kv, which);
+                        const uint32_t type = which ? kv->v_type : kv->k_type;
+                        const size_t row = which ? kv->v_row_bytes : kv->k_row_bytes;
+                        for (uint32_t t = 0; t < n_pos; t++) {
+                            kern_dequantize_row(type, cp + t * row, cf, (int64_t)hd);
+                            kern_dequantize_row(type, gp + t * row, gf, (int64_t)hd);
+                            kern_dequantize_row(type, yp + t * row, yf, (int64_t)hd);
+                            for (uint32_t i = 0; i < hd; i++) {
+                                diff[l] = fmax(diff[l], fabs((double)gf[i] - cf[i]));
+                                mag[l] = fmax(mag[l], fabs((double)cf[i]));
+                                ydiff[l] = fmax(ydiff[l], fabs((double)yf[i] - cf[i]));
+                            }
+                        }
                     }
+            }
+            for (int set = 1; set < SETS; set++) {
+                REQUIRE(gpu_engine_kv_read(r->ge, q->blocks[set][part][b], g2, err, sizeof(err)) == 0);
+                for (uint32_t l = 0; l < kv->n_layer; l++) {
+                    if (kv_part_of(&kv->parts, l) != part)
+                        continue;
+                    for (int which = 0; which < 2; which++)
+                        for (uint32_t h = 0; h < nkv; h++) {
+                            const size_t off = (size_t)(kv_block_ptr(kv, 0, l, which) - kv->mem) + h * kv_head_bytes(kv, which);
+                            cmp_sets++;
+                            same_sets += memcmp(g + off, g2 + off,
+                                                (size_t)n_pos * (which ? kv->v_row_bytes : kv->k_row_bytes)) == 0;
+                        }
+                }
+            }
         }
     }
     CHECK_INT(same_sets, cmp_sets);
@@ -561,6 +598,7 @@ static void check_replays(struct rig *r)
     gp.k_type = r->kvp.k_type;
     gp.v_type = r->kvp.v_type;
     gp.rotate = r->kvp.rotate;
+    gp.parts = &r->parts;
     gp.kv_bytes = (uint64_t)kvi.n_blocks * kvi.block_bytes - 1;    /* one byte short: refused */
     CHECK(gpu_engine_new(r->m, 0, &gp, err, sizeof(err)) == NULL);
     CHECK(strstr(err, "cannot hold") != NULL);
@@ -601,7 +639,7 @@ static void check_bad_input(struct rig *r)
     struct seqst *q = &r->seq[0];
     int32_t tok[2] = { 5, 7 };
     uint32_t blocks[BPS];
-    memcpy(blocks, q->blocks[2], sizeof(blocks));
+    memcpy(blocks, q->blocks[2][0], sizeof(blocks));
     struct fwd_seq good;
     fill_seq(&good, q, 0, 2, 2, false);
     good.tokens = tok;
@@ -620,6 +658,12 @@ static void check_bad_input(struct rig *r)
     badblocks[0] = r->n_blocks;
     b = good;
     b.blocks = badblocks;
+    const uint32_t *badtabs[MAX_PARTS];
+    if (good.tables != NULL) {                 /* part 0's table is the one named */
+        memcpy(badtabs, good.tables, sizeof(badtabs));
+        badtabs[0] = badblocks;
+        b.tables = badtabs;
+    }
     cases[n_cases++] = b;                      /* block id = blocks */
     b = good;
     b.pos = MAX_POS - 1;
@@ -765,6 +809,30 @@ static struct mkmodel_params small_f16(uint64_t seed)
     return p;
 }
 
+/* A "gemma3" model: 6 layers, 256 wide, 4 heads over 1 KV head of 256,
+ * feed-forward 512, the first five layers in a window of 40 positions and
+ * the sixth over everything (6 parts of one layer), wtype layers, Q8_0 tied
+ * embeddings. */
+static struct mkmodel_params small_gemma3(uint64_t seed, uint32_t wtype)
+{
+    struct mkmodel_params p = mkmodel_default_params();
+    p.gemma3 = true;
+    p.n_layer = 6;
+    p.n_embd = 256;
+    p.n_head = 4;
+    p.n_head_kv = 1;
+    p.head_dim = 256;
+    p.n_ff = 512;
+    p.n_vocab = 1024;
+    p.n_ctx = MAX_POS;
+    p.swa_window = 40;
+    p.wtype = wtype;
+    p.embd_type = KERN_Q8_0;
+    p.tied = true;
+    p.seed = seed;
+    return p;
+}
+
 int main(int argc, char **argv)
 {
     char why[256];
@@ -817,6 +885,34 @@ int main(int argc, char **argv)
         r.tol_kv0 = r.tol_kv = TOL_KV_Q4;
         const uint32_t prompts[] = { 70, 3, 130 }, first[] = { 33, 3, 130 };
         scenario(&r, prompts, first, 3, 4, false);
+        rig_close(&r);
+    }
+    /* Gemma 3's layer, windows and weight types (Q5_0, Q4_K, Q6_K), its cache
+     * in parts; sequences well past the window */
+    {
+        struct mkmodel_params p = small_gemma3(16, KERN_Q4_K);
+        rig_open(&r, "gemma3-q4_k", &p, 64, NULL);
+        const uint32_t prompts[] = { 60, 17, 1, 150 }, first[] = { 45, 10, 1, 70 };
+        scenario(&r, prompts, first, 4, 5, true);
+        rig_close(&r);
+    }
+    {
+        struct mkmodel_params p = small_gemma3(17, KERN_Q5_0);
+        struct kv_params kp = kv_default_params();
+        kp.k_type = KERN_Q8_0;
+        kp.v_type = KERN_Q4_0;
+        kp.rotate = kv_rotate_default(kp.k_type, kp.v_type);
+        rig_open(&r, "gemma3-q5_0-kq8_0-vq4_0", &p, 0, &kp);
+        r.tol_kv0 = r.tol_kv = TOL_KV_Q4;
+        const uint32_t prompts[] = { 90, 3, 44 }, first[] = { 50, 3, 44 };
+        scenario(&r, prompts, first, 3, 4, false);
+        rig_close(&r);
+    }
+    {
+        struct mkmodel_params p = small_gemma3(18, KERN_Q6_K);
+        rig_open(&r, "gemma3-q6_k", &p, 0, NULL);
+        const uint32_t prompts[] = { 41, 100 }, first[] = { 30, 100 };
+        scenario(&r, prompts, first, 2, 4, false);
         rig_close(&r);
     }
     if (!small) {

@@ -2,18 +2,22 @@
  * test_gpu_ops.c - the CUDA matrix products and per-row kernels against their
  * C twins.
  *
- *   activation quantization (Q8_0, Q8_1)   bit for bit (kern_quantize_act)
+ *   activation quantization (Q8_0, Q8_1,   bit for bit (kern_quantize_act)
+ *   Q8_K)
  *   row lookup (F32, F16, Q4_0, Q4_1, Q8_0) bit for bit (kern_dequantize_row)
- *   products Q4_1, Q8_0, F16               normwise relative error within 1e-3
+ *   products Q4_1, Q8_0, F16, Q5_0,        normwise relative error within 1e-3
+ *   Q4_K, Q6_K (Gemma 3's)
  *                                          per token (kern_matmul), residual
  *                                          add, and batch invariance bit for bit;
  *                                          three in one launch (kcuda_gemm_n) bit
  *                                          for bit as three launches
- *   RMSNorm, SwiGLU                        relative error within 1e-5; fused
+ *   RMSNorm, SwiGLU, post-norm + add       relative error within 1e-5; fused
  *                                          with the next quantization: the
  *                                          bits of the two kernels
+ *   GEGLU, scale                           bit for bit (kern_geglu, x * s)
  *   RoPE + K/V write (F16, Q8_0, Q4_0,     q within 1e-5; cache: V rows exact, K
- *   with and without rotation)             rows within one quantization step,
+ *   with and without rotation; NEOX        rows within one quantization step,
+ *   pairs; head dim 64, 128, 256)
  *                                          nothing else touched
  *   Walsh-Hadamard rotation                bit for bit (kern_hadamard)
  *   argmax                                 identical ids (ties, NaN, -inf rows)
@@ -26,6 +30,7 @@
  * Exits 77 (skip) where no CUDA device is usable.
  */
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -87,15 +92,22 @@ static double normwise(const float *a, const float *b, size_t n)
 
 static void test_quantize(void)
 {
-    const int n = 576, T = 5, ldx = 600;
+    const int T = 5, ldx = 800;
     float *x = malloc((size_t)T * ldx * sizeof(float));
     for (int i = 0; i < T * ldx; i++)
         x[i] = frand() * (i % 7 == 0 ? 20.0f : 1.0f);
     for (int i = 0; i < 64; i++)    /* a zero block and a tiny one */
         x[ldx + i] = i < 32 ? 0.0f : frand() * 1e-30f;
-    const uint32_t types[] = { KERN_Q8_0, KERN_Q8_1 };
+    for (int i = 0; i < 256; i++)   /* a zero super-block (Q8_K) */
+        x[2 * ldx + 256 + i] = 0.0f;
+    x[3 * ldx + 5] = 30.0f;         /* two elements of the same largest magnitude: the first wins */
+    x[3 * ldx + 77] = -30.0f;
+    x[3 * ldx + 300] = -30.0f;
+    x[3 * ldx + 400] = 30.0f;
+    const uint32_t types[] = { KERN_Q8_0, KERN_Q8_1, KERN_Q8_K };
     float *dx = to_dev(x, (size_t)T * ldx * sizeof(float));
-    for (int ti = 0; ti < 2; ti++) {
+    for (int ti = 0; ti < 3; ti++) {
+        const int n = types[ti] == KERN_Q8_K ? 768 : 576;
         const size_t rb = kern_act_row_bytes(types[ti], n), stride = rb + 8;
         uint8_t *ref = calloc((size_t)T, stride), *got = calloc((size_t)T, stride);
         for (int t = 0; t < T; t++)
@@ -361,6 +373,15 @@ static void test_gemm(void)
     test_gemm_multi(KERN_Q4_1, 21);
     test_gemm_multi(KERN_Q8_0, 3);
     test_gemm_multi(KERN_F16, 9);
+    /* Gemma 3 270M's: Q5_0 (Q/K/V, gate/up), Q4_K and Q6_K (output, down) */
+    test_gemm_shape(KERN_Q5_0, 1024, 640, Ts, nT);
+    test_gemm_shape(KERN_Q5_0, 37, 640, Ts, nT);
+    test_gemm_shape(KERN_Q4_K, 640, 1024, Ts, nT);
+    test_gemm_shape(KERN_Q4_K, 33, 2048, Ts, nT);
+    test_gemm_shape(KERN_Q6_K, 640, 2048, Ts, nT);
+    test_gemm_shape(KERN_Q6_K, 35, 768, Ts, nT);     /* rows of 630 bytes: every other 2 bytes off a word */
+    test_gemm_shape(KERN_Q4_K, 19, 9 * 256, Ts, nT); /* a chunk of 32 sub-blocks and a partial one */
+    test_gemm_multi(KERN_Q5_0, 5);
 }
 
 /* ---- RMSNorm, SwiGLU -------------------------------------------------------------- */
@@ -411,6 +432,57 @@ static void test_rows(void)
         e = fmax(e, fabs(g[i] - gref[i]) / (fabs(gref[i]) + 1e-30));
     printf("swiglu: worst relative %.2e\n", e);
     CHECK(e <= 1e-5);
+
+    /* GEGLU through the device copy of the twin's table: its bits */
+    for (int i = 0; i < T * ff; i++)
+        g[i] = frand() * (i % 5 == 0 ? 14.0f : 3.0f);   /* beyond +-10 too */
+    g[3] = 10.0f;
+    g[4] = -10.0f;
+    memcpy(gref, g, (size_t)T * ff * sizeof(float));
+    for (int t = 0; t < T; t++)
+        kern_geglu(gref + (size_t)t * ff, u + (size_t)t * ff, ff);
+    void *dtab = to_dev(kern_gelu_table(), 65536 * sizeof(float));
+    REQUIRE(kcuda_upload(dg, g, (size_t)T * ff * sizeof(float)) == 0);
+    REQUIRE(kcuda_geglu(dg, du, ff, T, dtab, NULL) == 0);
+    from_dev(g, dg, (size_t)T * ff * sizeof(float));
+    const int geglu_same = memcmp(g, gref, (size_t)T * ff * sizeof(float)) == 0;
+    printf("geglu: %s\n", geglu_same ? "the twin's bits" : "DIFFERS");
+    CHECK(geglu_same);
+    kcuda_free(dtab);
+
+    /* the post-norm: y = rmsnorm(y) * w, x += y (forward.c's post_norm_run) */
+    float *y = malloc((size_t)T * n * sizeof(float)), *xs = malloc((size_t)T * n * sizeof(float));
+    float *yg = malloc((size_t)T * n * sizeof(float)), *xg = malloc((size_t)T * n * sizeof(float));
+    REQUIRE(y && xs && yg && xg);
+    for (int i = 0; i < T * n; i++)
+        y[i] = frand() * 30.0f;
+    void *dy = to_dev(y, (size_t)T * n * sizeof(float)), *dxs = to_dev(x, (size_t)T * n * sizeof(float));
+    memcpy(xs, x, (size_t)T * n * sizeof(float));
+    for (int t = 0; t < T; t++) {
+        float *yr = y + (size_t)t * n, *xr = xs + (size_t)t * n;
+        kern_rmsnorm(yr, yr, w, n, 1e-6f);
+        for (int i = 0; i < n; i++)
+            xr[i] += yr[i];
+    }
+    REQUIRE(kcuda_rmsnorm_add(dxs, dy, dw, n, T, 1e-6f, NULL) == 0);
+    from_dev(yg, dy, (size_t)T * n * sizeof(float));
+    from_dev(xg, dxs, (size_t)T * n * sizeof(float));
+    e = fmax(normwise(yg, y, (size_t)T * n), normwise(xg, xs, (size_t)T * n));
+    printf("rmsnorm + add: worst normwise %.2e\n", e);
+    CHECK(e <= 1e-5);
+    /* the embedding scale: one multiply, the same bits */
+    for (int i = 0; i < T * n; i++)
+        xs[i] = x[i] * 25.298221f;
+    REQUIRE(kcuda_upload(dxs, x, (size_t)T * n * sizeof(float)) == 0);
+    REQUIRE(kcuda_scale(dxs, 25.298221f, (int64_t)T * n, NULL) == 0);
+    from_dev(xg, dxs, (size_t)T * n * sizeof(float));
+    CHECK(memcmp(xg, xs, (size_t)T * n * sizeof(float)) == 0);
+    kcuda_free(dy);
+    kcuda_free(dxs);
+    free(y);
+    free(xs);
+    free(yg);
+    free(xg);
     kcuda_free(dx);
     kcuda_free(dw);
     kcuda_free(dout);
@@ -535,7 +607,7 @@ static double row_steps(const uint8_t *a, const uint8_t *b, int D, uint32_t type
  * bytes (no RoPE before them: rotation and quantization are exact twins), K
  * rows within one quantization step (RoPE's sin and cos may differ in the
  * last bit), and every other byte of the cache untouched. */
-static void test_rope(int n_head, int n_kv, int D, int bt, uint32_t k_type, uint32_t v_type, uint32_t rot)
+static void test_rope(int n_head, int n_kv, int D, int bt, uint32_t k_type, uint32_t v_type, uint32_t rot, bool neox)
 {
     const int T = ROPE_T, n_blocks = 40, n_layer = 2, layer = 1;
     const int32_t pos[ROPE_T] = { 0, 1, 15, 16, 17, 300, 4097, 32767, 100000 };
@@ -570,8 +642,13 @@ static void test_rope(int n_head, int n_kv, int D, int bt, uint32_t k_type, uint
     for (int t = 0; t < T; t++) {
         float *qt = q + (size_t)t * n_head * D, *kt = k + (size_t)t * n_kv * D, *vt = v + (size_t)t * n_kv * D;
         kern_rope_angles(cs, D, pos[t], base);
-        kern_rope(qt, n_head, D, cs);
-        kern_rope(kt, n_kv, D, cs);
+        if (neox) {
+            kern_rope_neox(qt, n_head, D, cs);
+            kern_rope_neox(kt, n_kv, D, cs);
+        } else {
+            kern_rope(qt, n_head, D, cs);
+            kern_rope(kt, n_kv, D, cs);
+        }
         for (int h = 0; h < n_head && (rot & KCUDA_ROT_K); h++)
             kern_hadamard(qt + (size_t)h * D, D);
         for (int h = 0; h < n_kv; h++) {
@@ -590,7 +667,7 @@ static void test_rope(int n_head, int n_kv, int D, int bt, uint32_t k_type, uint
                 .v_head_stride = v_head, .k_type = k_type, .v_type = v_type, .rotate = rot, .block_tokens = bt,
                 .head_dim = D, .n_head = n_head, .n_head_kv = n_kv },
         .q = dq, .k = dk, .v = dv, .pos = dpos, .block = dblock, .T = T,
-        .step = powf(base, -2.0f / (float)D),
+        .step = powf(base, -2.0f / (float)D), .neox = neox,
     };
     REQUIRE(kcuda_rope_kv(&a, NULL) == 0);
     float *qg = malloc(qn * sizeof(float));
@@ -613,8 +690,8 @@ static void test_rope(int n_head, int n_kv, int D, int bt, uint32_t k_type, uint
             memcpy(cgot + vo, cref + vo, v_row);
         }
     const int untouched = memcmp(cgot, cref, cache_bytes) == 0;
-    printf("rope %d/%d/%d K %s V %s rotation %u: q worst normwise %.2e; V rows differing %zu; K rows within "
-           "%.2f steps; rest %s\n", n_head, n_kv, D, kern_type_info(k_type)->name, kern_type_info(v_type)->name, rot, eq,
+    printf("rope%s %d/%d/%d K %s V %s rotation %u: q worst normwise %.2e; V rows differing %zu; K rows within "
+           "%.2f steps; rest %s\n", neox ? " neox" : "", n_head, n_kv, D, kern_type_info(k_type)->name, kern_type_info(v_type)->name, rot, eq,
            v_differ, k_steps, untouched ? "untouched" : "CHANGED");
     CHECK(v_differ == 0);
     CHECK(k_steps <= 1.0);
@@ -848,9 +925,13 @@ int main(int argc, char **argv)
         test_gemm_multi(KERN_Q4_1, 9);
         test_rows();
         test_fused();
-        test_rope(9, 3, 64, 16, KERN_F16, KERN_F16, 0);
-        test_rope(9, 3, 64, 16, KERN_Q4_0, KERN_Q8_0, KCUDA_ROT_K | KCUDA_ROT_V);
+        test_rope(9, 3, 64, 16, KERN_F16, KERN_F16, 0, false);
+        test_rope(9, 3, 64, 16, KERN_Q4_0, KERN_Q8_0, KCUDA_ROT_K | KCUDA_ROT_V, false);
+        test_rope(4, 1, 256, 16, KERN_Q8_0, KERN_F16, 0, true);
         test_hadamard(64);
+        test_gemm_shape(KERN_Q5_0, 37, 640, Ts, 3);
+        test_gemm_shape(KERN_Q4_K, 19, 9 * 256, Ts, 3);
+        test_gemm_shape(KERN_Q6_K, 35, 768, Ts, 3);
         test_argmax();
         sample_cases(1000, 1);
         return CHECK_DONE();
@@ -860,15 +941,22 @@ int main(int argc, char **argv)
     test_gemm();
     test_rows();
     test_fused();
-    test_rope(9, 3, 64, 16, KERN_F16, KERN_F16, 0);
-    test_rope(32, 8, 128, 32, KERN_F16, KERN_F16, 0);
-    test_rope(9, 3, 64, 16, KERN_Q8_0, KERN_Q8_0, 0);
-    test_rope(9, 3, 64, 16, KERN_Q8_0, KERN_Q8_0, KCUDA_ROT_K | KCUDA_ROT_V);
-    test_rope(9, 3, 64, 16, KERN_F16, KERN_Q4_0, KCUDA_ROT_V);
-    test_rope(32, 8, 128, 32, KERN_Q4_0, KERN_Q4_0, KCUDA_ROT_K | KCUDA_ROT_V);
-    test_rope(32, 8, 128, 16, KERN_F16, KERN_F16, KCUDA_ROT_K);
+    test_rope(9, 3, 64, 16, KERN_F16, KERN_F16, 0, false);
+    test_rope(32, 8, 128, 32, KERN_F16, KERN_F16, 0, false);
+    test_rope(9, 3, 64, 16, KERN_Q8_0, KERN_Q8_0, 0, false);
+    test_rope(9, 3, 64, 16, KERN_Q8_0, KERN_Q8_0, KCUDA_ROT_K | KCUDA_ROT_V, false);
+    test_rope(9, 3, 64, 16, KERN_F16, KERN_Q4_0, KCUDA_ROT_V, false);
+    test_rope(32, 8, 128, 32, KERN_Q4_0, KERN_Q4_0, KCUDA_ROT_K | KCUDA_ROT_V, false);
+    test_rope(32, 8, 128, 16, KERN_F16, KERN_F16, KCUDA_ROT_K, false);
+    /* Gemma 3: NEOX pairs, head dim 256, one KV head */
+    test_rope(4, 1, 256, 16, KERN_F16, KERN_F16, 0, true);
+    test_rope(4, 1, 256, 16, KERN_Q8_0, KERN_Q4_0, 0, true);
+    test_rope(4, 1, 256, 16, KERN_Q8_0, KERN_Q8_0, KCUDA_ROT_K | KCUDA_ROT_V, true);
+    test_rope(9, 3, 64, 16, KERN_Q4_0, KERN_F16, KCUDA_ROT_K, true);
+    test_rope(8, 2, 128, 16, KERN_F16, KERN_F16, 0, true);
     test_hadamard(64);
     test_hadamard(128);
+    test_hadamard(256);
     test_argmax();
     test_sample();
     return CHECK_DONE();
