@@ -342,8 +342,6 @@ static void setup(struct kvd *k)
         pp.kv_where = POOL_KV_DEVICE;
         pp.kv_device = o->gpu;
     }
-    if (o->gpu >= 0 && lay.parts.n_parts > 1)
-        cli_die("--gpu: the GPU engine runs models without sliding-window layers only");
     struct pool_capacity cap;
     if (pool_plan(&lay, &pp, &cap, err, sizeof(err)) != 0)
         cli_die("%s", err);

@@ -745,8 +745,6 @@ static void __attribute__((noreturn)) unusable(const struct worker *w, const cha
 static void setup_gpu(struct worker *w)
 {
     char err[512];
-    if (pool_header(w->pool)->layout.parts.n_parts > 1)
-        unusable(w, "the GPU engine runs pools of one part only (this model has windowed layers)");
     w->gpu = wgpu_open(w->pool, w->o.gpu, w->o.gpu_socket, err, sizeof(err));
     if (w->gpu == NULL)
         unusable(w, err);

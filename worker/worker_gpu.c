@@ -143,7 +143,7 @@ int wgpu_engine_start(wgpu_t *g, const model_t *m, const struct engine_params *p
         .kv_base = wgpu_kv_base(g), .kv_bytes = wgpu_kv_bytes(g), .kv_blocks = h->n_blocks,
         .block_tokens = h->layout.block_tokens, .k_type = h->layout.k_type, .v_type = h->layout.v_type,
         .rotate = h->layout.rotate, .weights_base = kcuda_vmm_ptr(g->weights),
-        .weights_bytes = kcuda_vmm_bytes(g->weights),
+        .weights_bytes = kcuda_vmm_bytes(g->weights), .parts = &h->layout.parts,
     };
     g->engine = wgpu_engine_new(m, g->dev, &mem, p, err, errlen);
     return g->engine ? 0 : KVD_EUNSUPPORTED;

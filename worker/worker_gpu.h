@@ -109,6 +109,7 @@ struct wgpu_mem {
     uint32_t rotate;        /* KV_ROT_K | KV_ROT_V */
     void *weights_base;     /* the model's weights as gpu_weights_upload lays them out */
     uint64_t weights_bytes; /* bytes mapped there */
+    const struct kv_parts *parts; /* the pool's parts (its header's layout) */
 };
 
 /* An engine for model m (borrowed for the call) on device dev over mem; p as

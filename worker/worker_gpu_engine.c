@@ -22,6 +22,7 @@ wgpu_engine_t *wgpu_engine_new(const model_t *m, int dev, const struct wgpu_mem 
     gp.rotate = mem->rotate;
     gp.weights_base = mem->weights_base;
     gp.weights_bytes = mem->weights_bytes; /* checked against the model's layout */
+    gp.parts = mem->parts;              /* a table per part, as the pool's blocks hold them */
     if (p != NULL) {
         if (p->max_tokens != 0)
             gp.max_tokens = p->max_tokens;

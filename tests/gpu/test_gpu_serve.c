@@ -19,6 +19,11 @@
  *                             emulation of CUDA (ctest emu.gpu_serve)
  *   test_gpu_serve --cpu      the same scenario over two CPU workers (checks
  *                             this program itself where there is no GPU)
+ *   test_gpu_serve --gemma    the same on a small gemma3 model (6 layers, five
+ *                             in a window of 64, head dimension 256, Q5_0): a
+ *                             pool in 6 parts, whose windowed blocks slide
+ *                             while A and B run; for the emulation
+ *                             (ctest emu.gpu_serve_gemma)
  *   ... --kv-type T           the pool's KV type (default f16): ctest
  *                             gpu.serve_q4 and emu.gpu_serve_q4 run the
  *                             scenario over a q4_0 pool (rotated)
@@ -66,7 +71,7 @@
  * of --cpu, the emulation of --small) makes a live worker look dead. */
 #define WORKER_TIMEOUT "300000"
 
-static bool cpu_mode, small_model;
+static bool cpu_mode, small_model, gemma_model;
 static const char *max_restarts = "0";
 static const char *kv_type = "f16";    /* --kv-type T: kvd's pool type */
 static char dir[64] = "/tmp/kvd-gpu-serve-XXXXXX";
@@ -93,7 +98,18 @@ static void write_model(void)
     p.embd_type = KERN_Q8_0;
     p.tied = true;
     p.seed = 7;
-    snprintf(model_path, sizeof(model_path), "%s/smollm2-shape.gguf", dir);
+    if (gemma_model) {
+        p.gemma3 = true;
+        p.n_layer = 6;          /* layers 0-4 windowed, 5 full: 6 parts of one layer */
+        p.n_embd = 128;
+        p.n_head = 2;
+        p.n_head_kv = 1;
+        p.head_dim = 256;
+        p.n_ff = 256;
+        p.swa_window = 64;
+        p.wtype = KERN_Q5_0;
+    }
+    snprintf(model_path, sizeof(model_path), "%s/%s.gguf", dir, gemma_model ? "gemma3-shape" : "smollm2-shape");
     char err[256];
     int rc = mkmodel_write(&p, model_path, err, sizeof(err));
     if (rc != 0)
@@ -330,7 +346,9 @@ static void test_shared_prefix(void)
             break;
     }
     CHECK_INT(s.n_workers, 2);
-    printf("serve: pool of %s, %llu bytes per token\n", s.kv_type, (unsigned long long)s.kv_bytes_per_token);
+    printf("serve: pool of %s, %llu bytes per token, %u part(s)\n", s.kv_type,
+           (unsigned long long)s.kv_bytes_per_token, s.kv_parts);
+    CHECK_INT(s.kv_parts, gemma_model ? 6 : 1);
     char want[32];
     snprintf(want, sizeof(want), "K %s, V %s", kv_type, kv_type);
     CHECK(strncmp(s.kv_type, want, strlen(want)) == 0);
@@ -610,10 +628,12 @@ int main(int argc, char **argv)
             fault_mode = small_model = true;
         else if (strcmp(argv[i], "--small") == 0)
             small_model = true;
+        else if (strcmp(argv[i], "--gemma") == 0)
+            gemma_model = small_model = true;
         else if (strcmp(argv[i], "--bench") == 0)
             bench_mode = true;
         else {
-            fprintf(stderr, "usage: test_gpu_serve [--cpu | --small | --bench | --fault] [--kv-type T]\n");
+            fprintf(stderr, "usage: test_gpu_serve [--cpu | --small | --gemma | --bench | --fault] [--kv-type T]\n");
             return 2;
         }
     }
