@@ -9,6 +9,7 @@
  *      {512, 4K, 32K} (the target is >= 70% where batch x context >= 64 x 1024),
  *      with the default split of the context (256 positions) and with 512;
  *   3. matrix products of SmolLM2's shapes (Q4_1 layers, Q8_0 output head)
+ *      and Gemma 3 270M's (Q5_0, Q4_K, Q6_K, a 262144-row Q8_0 head)
  *      for 1, 8, 64 and 256 tokens: time against the lower bound weight bytes /
  *      copy bandwidth (the bound of small batches), and multiply-adds per
  *      second (what bounds large ones);
@@ -274,6 +275,13 @@ static int bench_mv(kcuda_timer_t *t, double copy_gbs, struct mv_row *out)
         { "gate/up", KERN_Q4_1, 1536, 576 },
         { "down", KERN_Q4_1, 576, 1536 },
         { "output head", KERN_Q8_0, 49152, 576 },
+        /* Gemma 3 270M's (Q4_K_M: Q5_0 / Q8_0 where a width is no multiple of 256) */
+        { "g3 q proj", KERN_Q5_0, 1024, 640 },
+        { "g3 gate/up", KERN_Q5_0, 2048, 640 },
+        { "g3 o proj", KERN_Q4_K, 640, 1024 },
+        { "g3 down", KERN_Q4_K, 640, 2048 },
+        { "g3 down", KERN_Q6_K, 640, 2048 },
+        { "g3 head", KERN_Q8_0, 262144, 640 },
     };
     static const int Ts[] = { 1, 8, 64, 256 };
     enum { MAX_T = 256 };
@@ -537,7 +545,7 @@ int main(void)
     const int na = bench_attn(t, copy_gbs, arows, KERN_F16, false);
     int nq = bench_attn(t, copy_gbs, qrows, KERN_Q8_0, true);
     nq += bench_attn(t, copy_gbs, qrows + nq, KERN_Q4_0, true);
-    struct mv_row mrows[24];
+    struct mv_row mrows[48];
     const int nm = bench_mv(t, copy_gbs, mrows);
     struct step_row srows[4];
     char graph_note[256];

@@ -5,7 +5,11 @@
  * Random models written by mkmodel: "q4_1" (2 layers, 256 wide, 4 heads over
  * 2 KV heads of 64, Q4_1 layers, Q8_0 tied embeddings), "f16" (2 layers, 256
  * wide, 2 heads over 1 KV head of 128, F16 layers and embeddings, a separate
- * output matrix, attention splits of 64 positions) and "smollm2" (SmolLM2-135M's
+ * output matrix, attention splits of 64 positions), three "gemma3" ones (6
+ * layers, 256 wide, 4 heads over 1 KV head of 256, layers 0-4 in a window of
+ * 40 positions, so a cache in 6 parts of one layer, each with its own block
+ * table; Q4_K, Q5_0 over a K q8_0 / V q4_0 cache, and Q6_K layers; measured
+ * logits 2.1e-2..2.5e-2 from the CPU's) and "smollm2" (SmolLM2-135M's
  * shape: 30 layers, 576 wide, 9 heads over 3 of 64, feed-forward 1536, vocab
  * 49152, Q4_1 layers, Q8_0 tied embeddings). Both engines run the same steps
  * over the same block tables (scattered block ids, lengths that are no
@@ -51,7 +55,9 @@
  *   - invariance, bit for bit (the GPU against itself): each sequence run
  *     alone in fresh blocks, in one chunk and in chunks of 13 (logits of every
  *     position), gives the logits the batched run gave at those positions and
- *     the same cache bytes; decode steps replayed as CUDA graphs and run kernel
+ *     the same cache bytes (a gemma3 model's windowed tables hold POOL_NONE
+ *     where no window of the chunk reads any more, as the pool hands them out:
+ *     a read there would fault or change the bits); decode steps replayed as CUDA graphs and run kernel
  *     by kernel agree; a second engine borrowing the first one's cache, and
  *     weights uploaded apart (gpu_weights_upload, as kvd shares them),
  *     continues a sequence the first one computed, to the same bits;
