@@ -24,6 +24,8 @@ struct prefix {
     const struct kv_parts *parts; /* in the header */
     prefix_hash_fn hash;        /* key function */
     struct prefix_observer obs; /* stored / removed NULL: nobody listens */
+    struct prefix_tier tier;    /* evicted / fetch NULL: no tier below the pool */
+    uint64_t restored;          /* blocks copied back from the tier */
 };
 
 static const prefix_key_t KEY_ZERO = { 0, 0 };
@@ -244,6 +246,16 @@ static uint32_t evict_pick(const prefix_t *px)
 
 static void evict_one(prefix_t *px, uint32_t id)
 {
+    const struct pool_block *r = &px->b[id];
+    if (px->tier.evicted && (r->flags & POOL_BLOCK_INDEXED) && r->state == POOL_BLOCK_COMMITTED &&
+        !(r->flags & POOL_BLOCK_PART)) {
+        /* its bytes go down a tier before the block is reused */
+        const struct prefix_tier_block tb = {
+            .key = key_get(r), .parent = r->parent != POOL_NONE ? key_get(&px->b[r->parent]) : KEY_ZERO,
+            .ns = { r->ns[0], r->ns[1] }, .tokens = px->tok + (size_t)id * px->bt,
+        };
+        px->tier.evicted(px->tier.user, &tb, pool_block_addr(px->pool, id));
+    }
     lru_remove(px, id);
     if (px->obs.removed && !(px->b[id].flags & POOL_BLOCK_PART))
         px->obs.removed(px->obs.user, key_get(&px->b[id]));
@@ -465,6 +477,65 @@ void prefix_set_observer(prefix_t *px, const struct prefix_observer *o)
         memset(&px->obs, 0, sizeof(px->obs));
 }
 
+int prefix_set_tier(prefix_t *px, const struct prefix_tier *t)
+{
+    if (t == NULL) {
+        memset(&px->tier, 0, sizeof(px->tier));
+        return 0;
+    }
+    if (pool_kv_device(px->pool) >= 0 || px->np > 1)
+        return KVD_EUNSUPPORTED;
+    px->tier = *t;
+    return 0;
+}
+
+static void notify_stored(prefix_t *px, const struct prefix_seq *s, uint32_t from, uint32_t to,
+                          const int32_t *tokens);
+
+/* Continues s's cached prefix of s->n_blocks blocks (all referenced) with
+ * blocks the tier gives back, up to max blocks of tokens: each into a newly
+ * allocated block, then committed and indexed as if computed. Stops at the
+ * first block the tier does not give, one whose content is already indexed
+ * (pending: someone computes it), or when no block can be had. Returns how
+ * many it restored. */
+static uint32_t restore_from_tier(prefix_t *px, struct prefix_seq *s, const int32_t *tokens, uint32_t max)
+{
+    uint32_t i = s->n_blocks, parent = i ? s->blocks[i - 1] : POOL_NONE;
+    prefix_key_t key = s->key;
+    const uint32_t from = i;
+    for (; i < max; i++) {
+        const int32_t *t = tokens + (size_t)i * px->bt;
+        const prefix_key_t k = key_of(px, key, s->ns, t);
+        if (index_find(px, k, s->ns, parent, t) != POOL_NONE)
+            break;
+        if (px->cs->n_free + px->cs->n_cached == 0)
+            break;
+        const uint32_t id = alloc_one(px);     /* what it evicts goes down to the tier */
+        if (id == POOL_NONE)
+            break;
+        const struct prefix_tier_block tb = { .key = k, .parent = key, .ns = s->ns, .tokens = t };
+        if (!px->tier.fetch(px->tier.user, &tb, pool_block_addr(px->pool, id))) {
+            unref(px, id);      /* pending, not indexed: back to the free list */
+            break;
+        }
+        struct pool_block *r = &px->b[id];
+        r->state = POOL_BLOCK_COMMITTED;
+        px->cs->n_pending--;
+        px->cs->n_used++;
+        index_insert(px, id, k, s->ns, parent, t);
+        s->blocks[i] = id;
+        key = k;
+        parent = id;
+    }
+    s->key = key;
+    s->n_blocks = s->n_cached = s->n_committed = s->n_indexed = i;
+    s->n_restored = i - from;
+    px->restored += i - from;
+    if (i > from && px->obs.stored)
+        notify_stored(px, s, from, i, tokens);
+    return i - from;
+}
+
 int prefix_set_hash(prefix_t *px, prefix_hash_fn fn)
 {
     if (px->cs->n_indexed != 0)
@@ -647,9 +718,12 @@ int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,
     for (uint32_t i = 0; i < m; i++)
         ref_committed(px, s->blocks[i]);
     s->n_blocks = s->n_cached = s->n_committed = s->n_indexed = m;
+    s->n_restored = 0;
+    if (px->tier.fetch != NULL && pending == POOL_NONE && m < max)
+        restore_from_tier(px, s, tokens, (uint32_t)max);
     if (wait_block)
         *wait_block = pending;
-    return (int64_t)m * px->bt;
+    return (int64_t)s->n_blocks * px->bt;
 }
 
 int prefix_seq_grow(prefix_t *px, struct prefix_seq *s, uint64_t n_pos, const int32_t *tokens,
@@ -830,6 +904,7 @@ void prefix_stats(const prefix_t *px, struct prefix_stats *st)
     st->lookups = cs->lookups;
     st->hit_blocks = cs->hit_blocks;
     st->collisions = cs->collisions;
+    st->restored = px->restored;
 }
 
 int prefix_block_info(const prefix_t *px, uint32_t id, struct prefix_block_info *bi)

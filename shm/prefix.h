@@ -87,6 +87,7 @@ struct prefix_seq {
     uint32_t n_indexed;     /* leading blocks of this sequence that are in the index */
     bool chain_open;        /* later blocks may still be indexed (no duplicate met) */
     prefix_key_t key;       /* key of block n_indexed - 1 */
+    uint32_t n_restored;    /* of the n_cached blocks, those begin copied back from a tier */
 };
 
 /* What a lookup found. */
@@ -107,6 +108,7 @@ struct prefix_stats {
     uint64_t lookups;       /* prefix lookups (prefix_lookup and prefix_seq_begin) */
     uint64_t hit_blocks;    /* committed blocks they found */
     uint64_t collisions;    /* key matches whose contents differed */
+    uint64_t restored;      /* blocks copied back from the tier */
 };
 
 /* One block as the allocator sees it (for tests and tools). */
@@ -124,6 +126,31 @@ struct prefix_block_info {
 };
 
 typedef struct prefix prefix_t;
+
+/* A block's identity below the pool (shm/tier.h): what a tier stores with its
+ * bytes, and what a lookup must present to get them back. */
+struct prefix_tier_block {
+    prefix_key_t key;       /* its chained key */
+    prefix_key_t parent;    /* its parent's key; zero for a chain's first block */
+    prefix_ns_t ns;         /* its namespace */
+    const int32_t *tokens;  /* its block_tokens ids */
+};
+
+/*
+ * A tier below the pool (prefix_set_tier). evicted() gets every findable block
+ * that eviction takes out of the pool, with its K/V (block_bytes, the pool's
+ * format), before the block is reused; fetch() is asked, by prefix_seq_begin,
+ * for the blocks that would continue a cached prefix past the pool's, one
+ * after another: it copies the block's bytes into dst and returns true, or
+ * returns false (not held, or not worth restoring). Restored blocks are
+ * indexed and committed as if they had been computed. Both are called from
+ * inside the allocator's calls and must not call back into it.
+ */
+struct prefix_tier {
+    void (*evicted)(void *user, const struct prefix_tier_block *b, const void *data);
+    bool (*fetch)(void *user, const struct prefix_tier_block *b, void *dst);
+    void *user;
+};
 
 /*
  * Who wants to know what lookups can find (kvd's block events): a block is
@@ -159,6 +186,11 @@ void prefix_destroy(prefix_t **px);
 /* Sets (or, with NULL, clears) the observer; o is copied. */
 void prefix_set_observer(prefix_t *px, const struct prefix_observer *o);
 
+/* Sets (or, with NULL, clears) the tier below the pool; t is copied.
+ * KVD_EUNSUPPORTED for a pool whose KV data is not in this process's memory
+ * (a device pool) or that has several parts. */
+int prefix_set_tier(prefix_t *px, const struct prefix_tier *t);
+
 /* Replaces the key function (tests force collisions with a weak one); NULL
  * restores XXH3. Only valid while the index is empty: KVD_ESTATE otherwise. */
 int prefix_set_hash(prefix_t *px, prefix_hash_fn fn);
@@ -186,6 +218,9 @@ void prefix_lookup(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t
  * Starts sequence s (zeroed, or released) in namespace ns with prompt
  * tokens[0..n): references the longest committed cached prefix, leaving at
  * least one token to compute (so at most (n - 1) / block_tokens blocks).
+ * With a tier set, the prefix goes on with blocks the tier gives back, copied
+ * into newly allocated blocks (s->n_restored counts them), as long as it has
+ * them and blocks can be had; not past a pending block.
  * Returns the number of cached tokens (a multiple of block_tokens) or a
  * negative KVD_E* code (KVD_ENOMEM). When the block after the cached prefix is
  * pending in the index and wait_block is given, *wait_block receives its id

@@ -1,0 +1,385 @@
+/*
+ * test_tier.c - the host tier (shm/tier.h) and the pool's use of it
+ * (prefix_set_tier in shm/prefix.h).
+ *
+ *   store     random puts and gets of incompressible blocks against a
+ *             reference LRU of the same capacity: the same entries after every
+ *             operation, every get's bytes those put; compressible blocks kept
+ *             compressed and given back exact; an entry of the same identity
+ *             replaced; a lookup differing in key, parent, namespace or one
+ *             token misses; a damaged entry is a miss, dropped and counted
+ *   pool      a pool of 24 blocks under a stream of prompts that need several
+ *             times that (shared system prompts, two namespaces, sequences
+ *             kept alive across others, a collision-only key function in a
+ *             second run): every block a sequence begins with, whether it stayed
+ *             in the pool or came back from the tier, holds the signature of
+ *             exactly its namespace and tokens; prefix_check after every
+ *             operation; blocks do come back, and damaged entries are misses
+ *   refusals  a pool of several parts refuses a tier
+ */
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "err.h"
+#include "kvparts.h"
+#include "pool.h"
+#include "prefix.h"
+#include "tier.h"
+#include "types.h"
+
+#define BT 4u                   /* positions per block */
+#define NB 24u                  /* blocks in the pool */
+#define BLOCK_BYTES 64u         /* 2 x 1 layer x 1 head x 4 dims x 4 positions x 2 bytes */
+
+#include "pooltest.h"
+
+static uint64_t rng = UINT64_C(0x7469657274657374);
+
+static uint64_t rnd(void)
+{
+    rng = mix64(rng);
+    return rng;
+}
+
+static uint32_t below(uint32_t n) { return (uint32_t)(rnd() % n); }
+
+/* ---- the store alone ------------------------------------------------------------ */
+
+#define SB 256u                 /* bytes of a block in the store tests */
+#define NID 40                  /* identities */
+
+struct ident {
+    struct prefix_tier_block b;
+    int32_t tok[BT];
+};
+
+static void ident_make(struct ident *id, int i)
+{
+    for (uint32_t j = 0; j < BT; j++)
+        id->tok[j] = (int32_t)(i * 7 + (int)j);
+    id->b = (struct prefix_tier_block){ .key = { mix64((uint64_t)i), (uint64_t)i },
+                                        .parent = { mix64((uint64_t)i + 1000), 0 },
+                                        .ns = { 1, 2 }, .tokens = id->tok };
+}
+
+/* Incompressible bytes for identity i, version v. */
+static void block_bytes(uint8_t *d, int i, uint32_t v)
+{
+    uint64_t x = mix64(((uint64_t)i << 32) | v);
+    for (uint32_t k = 0; k < SB; k += 8) {
+        x = mix64(x);
+        memcpy(d + k, &x, 8);
+    }
+}
+
+static void test_store(void)
+{
+    char err[256];
+    CHECK(tier_new(100, BT, SB, err, sizeof(err)) == NULL);     /* less than one block */
+    tier_t *t = tier_new(64 * 1024, BT, SB, err, sizeof(err));
+    REQUIRE(t != NULL);
+    struct ident ids[NID];
+    for (int i = 0; i < NID; i++)
+        ident_make(&ids[i], i);
+    uint8_t buf[SB], want[SB];
+    /* learn an entry's cost, then size the budget to 10 entries exactly */
+    block_bytes(buf, 0, 0);
+    REQUIRE(tier_put(t, &ids[0].b, buf) == 0);
+    struct tier_stats st;
+    tier_stats(t, &st);
+    const uint64_t per = st.bytes;
+    CHECK(st.entries == 1 && st.compressed == 0 && per >= SB);
+    tier_destroy(&t);
+    enum { CAP = 10 };
+    t = tier_new(CAP * per + per / 2, BT, SB, err, sizeof(err));
+    REQUIRE(t != NULL);
+
+    /* the reference: identities from most to least recent, each with its version */
+    int order[NID], n = 0;
+    uint32_t version[NID] = { 0 };
+    int gets = 0, hits = 0, bad = 0;
+    for (int op = 0; op < 20000; op++) {
+        const int i = (int)below(NID);
+        int at = -1;
+        for (int k = 0; k < n; k++)
+            if (order[k] == i)
+                at = k;
+        if (below(3) == 0) {
+            version[i]++;
+            block_bytes(buf, i, version[i]);
+            REQUIRE(tier_put(t, &ids[i].b, buf) == 0);
+            if (at >= 0) {
+                memmove(order + at, order + at + 1, (size_t)(n - at - 1) * sizeof(int));
+                n--;
+            }
+            if (n == CAP)
+                n--;            /* the least recent goes */
+            memmove(order + 1, order, (size_t)n * sizeof(int));
+            order[0] = i;
+            n++;
+        } else {
+            memset(buf, 0, sizeof(buf));
+            const bool got = tier_get(t, &ids[i].b, buf);
+            gets++;
+            if (got != (at >= 0)) {
+                bad++;
+                continue;
+            }
+            if (!got)
+                continue;
+            hits++;
+            block_bytes(want, i, version[i]);
+            bad += memcmp(buf, want, SB) != 0;
+            memmove(order + 1, order, (size_t)at * sizeof(int));
+            order[0] = i;
+        }
+        for (int k = 0; k < NID; k++) {
+            bool in = false;
+            for (int j = 0; j < n; j++)
+                in = in || order[j] == k;
+            bad += tier_has(t, &ids[k].b) != in;
+        }
+    }
+    tier_stats(t, &st);
+    printf("store: %d gets, %d hits, entries %llu of %d, %llu dropped, %d disagreements with the reference\n", gets,
+           hits, (unsigned long long)st.entries, CAP, (unsigned long long)st.dropped, bad);
+    CHECK_INT(bad, 0);
+    CHECK(hits > 1000 && st.dropped > 1000);
+    CHECK_INT(st.entries, n);
+    CHECK(st.bytes <= st.max_bytes);
+
+    /* an identity that differs anywhere misses */
+    const int i = order[0];
+    struct ident other = ids[i];
+    other.b.tokens = other.tok;
+    other.tok[BT - 1]++;
+    CHECK(!tier_get(t, &other.b, buf));
+    other = ids[i];
+    other.b.tokens = other.tok;
+    other.b.parent.hi ^= 1;
+    CHECK(!tier_get(t, &other.b, buf));
+    other = ids[i];
+    other.b.tokens = other.tok;
+    other.b.ns.lo ^= 1;
+    CHECK(!tier_get(t, &other.b, buf));
+    other = ids[i];
+    other.b.tokens = other.tok;
+    other.b.key.hi ^= 1;
+    CHECK(!tier_get(t, &other.b, buf));
+    CHECK(tier_get(t, &ids[i].b, buf));
+
+    /* a damaged entry: a miss, dropped, counted */
+    CHECK(tier_corrupt_for_test(t, &ids[i].b));
+    CHECK(!tier_get(t, &ids[i].b, buf));
+    CHECK(!tier_has(t, &ids[i].b));
+    tier_stats(t, &st);
+    CHECK_INT(st.corrupt, 1);
+
+    /* compressible blocks: kept compressed, given back exact, damage found */
+    uint8_t z[SB];
+    for (uint32_t k = 0; k < SB; k++)
+        z[k] = (uint8_t)(k / 64);
+    REQUIRE(tier_put(t, &ids[1].b, z) == 0);
+    tier_stats(t, &st);
+    CHECK(st.compressed >= 1);
+    CHECK(tier_get(t, &ids[1].b, buf) && memcmp(buf, z, SB) == 0);
+    CHECK(tier_corrupt_for_test(t, &ids[1].b));
+    CHECK(!tier_get(t, &ids[1].b, buf));
+    tier_stats(t, &st);
+    CHECK_INT(st.corrupt, 2);
+    printf("store: compressible blocks kept compressed and exact; damaged entries are misses\n");
+    tier_destroy(&t);
+}
+
+/* ---- the pool over a tier ------------------------------------------------------- */
+
+static const char *const ns_names[2] = { "", "tenant-b" };
+
+static uint64_t kv_sig(int ns, const int32_t *tok, uint32_t n)
+{
+    uint64_t h = mix64(UINT64_C(0x7469) + (uint64_t)ns);
+    for (uint32_t i = 0; i < n; i++)
+        h = mix64(h ^ (uint32_t)tok[i]);
+    return mix64(h ^ n);
+}
+
+static void tier_evicted(void *user, const struct prefix_tier_block *b, const void *data)
+{
+    REQUIRE(tier_put(user, b, data) == 0);
+}
+
+static bool tier_fetch(void *user, const struct prefix_tier_block *b, void *dst)
+{
+    return tier_get(user, b, dst);
+}
+
+static prefix_key_t hash_const(const uint8_t secret[POOL_SECRET_BYTES], prefix_key_t parent, prefix_ns_t ns,
+                               const uint8_t fingerprint[16], const int32_t *tokens, uint32_t n)
+{
+    return (prefix_key_t){ 0x5eed, 0 };
+}
+
+static pool_t *pool_small(const struct kv_parts *parts)
+{
+    struct pool_layout lay;
+    memset(&lay, 0, sizeof(lay));
+    memcpy(lay.fingerprint, "test_tier/fp0001", 16);
+    lay.n_layer = parts ? parts->n_parts * parts->part_layers : 1;
+    lay.n_head_kv = 1;
+    lay.head_dim = 4;
+    lay.block_tokens = BT;
+    lay.k_type = KERN_F16;
+    lay.v_type = KERN_F16;
+    if (parts)
+        lay.parts = *parts;
+    struct pool_params p = pool_default_params();
+    p.name = NULL;
+    p.n_blocks = NB;
+    char err[256] = "";
+    pool_t *pool = pool_create(&lay, &p, NULL, 0, err, sizeof(err));
+    if (pool == NULL)
+        fprintf(stderr, "pool_create: %s\n", err);
+    REQUIRE(pool != NULL);
+    return pool;
+}
+
+#define NPROMPT 14
+#define MAXP 40u                /* longest prompt */
+#define LIVE 3                  /* sequences kept alive */
+
+struct prompt {
+    int32_t tok[MAXP];
+    uint32_t n;
+    int ns;
+};
+
+static void pool_run(bool weak_keys)
+{
+    char err[256];
+    pool_t *pool = pool_small(NULL);
+    prefix_t *px = prefix_open(pool);
+    if (weak_keys)
+        REQUIRE(prefix_set_hash(px, hash_const) == 0);
+    /* room for about 20 of the 40-odd blocks the prompts make: entries are dropped too */
+    tier_t *t = tier_new(3000, BT, BLOCK_BYTES, err, sizeof(err));
+    REQUIRE(t != NULL);
+    const struct prefix_tier tr = { tier_evicted, tier_fetch, t };
+    REQUIRE(prefix_set_tier(px, &tr) == 0);
+    /* prompts: three system prompts of 4-6 blocks, each with its own tails,
+     * in one of two namespaces */
+    struct prompt pr[NPROMPT];
+    for (int p = 0; p < NPROMPT; p++) {
+        const int sys = p % 3;
+        pr[p].ns = p % 4 == 3;
+        pr[p].n = (4 + (uint32_t)sys) * BT + 1 + (uint32_t)(p * 5) % (MAXP - 6 * BT - 1);
+        for (uint32_t i = 0; i < pr[p].n; i++)
+            pr[p].tok[i] = i < (4 + (uint32_t)sys) * BT ? 100 * (sys + 1) + (int32_t)i : 1000 + p * 50 + (int32_t)i;
+    }
+    struct prefix_seq live[LIVE];
+    int live_p[LIVE];
+    memset(live, 0, sizeof(live));
+    for (int k = 0; k < LIVE; k++)
+        live_p[k] = -1;
+    uint64_t begun = 0, cached_blocks = 0, restored = 0, wrong = 0, broken = 0, full = 0;
+    for (int op = 0; op < 6000; op++) {
+        const int k = (int)below(LIVE);
+        if (live_p[k] >= 0) {
+            prefix_seq_release(px, &live[k]);
+            live_p[k] = -1;
+        }
+        if (op % 97 == 0) {
+            /* damage an entry the stream may ask for: it must come back as a miss */
+            const struct prompt *q = &pr[below(NPROMPT)];
+            const prefix_ns_t ns = prefix_namespace(px, ns_names[q->ns], strlen(ns_names[q->ns]));
+            prefix_key_t keys[MAXP / BT];
+            prefix_hash_chain(px, ns, q->tok, q->n / BT, keys);
+            const uint32_t j = below(q->n / BT);
+            const struct prefix_tier_block b = { keys[j], j ? keys[j - 1] : (prefix_key_t){ 0, 0 }, ns,
+                                                 q->tok + (size_t)j * BT };
+            tier_corrupt_for_test(t, &b);
+        }
+        const int p = (int)below(NPROMPT);
+        const struct prompt *q = &pr[p];
+        const prefix_ns_t ns = prefix_namespace(px, ns_names[q->ns], strlen(ns_names[q->ns]));
+        struct prefix_seq *s = &live[k];
+        const int64_t got = prefix_seq_begin(px, s, ns, q->tok, q->n, NULL);
+        REQUIRE(got >= 0);
+        begun++;
+        cached_blocks += s->n_cached;
+        restored += s->n_restored;
+        for (uint32_t i = 0; i < s->n_blocks; i++)
+            wrong += !kv_holds(pool, s->blocks[i], kv_sig(q->ns, q->tok, (i + 1) * BT));
+        const int rc = prefix_seq_grow(px, s, q->n, q->tok, q->n);
+        if (rc == KVD_ENOSPACE) {
+            full++;             /* the other live sequences hold the pool */
+            prefix_seq_release(px, s);
+            continue;
+        }
+        REQUIRE(rc == 0);
+        for (uint32_t i = s->n_committed; i < q->n / BT; i++)
+            kv_fill(pool, s->blocks[i], kv_sig(q->ns, q->tok, (i + 1) * BT));
+        REQUIRE(prefix_seq_commit(px, s, q->tok, q->n) == 0);
+        live_p[k] = p;
+        broken += check_ok(px) != 0;
+    }
+    for (int k = 0; k < LIVE; k++) {
+        if (live_p[k] >= 0)
+            prefix_seq_release(px, &live[k]);
+        prefix_seq_fini(&live[k]);
+    }
+    broken += check_ok(px) != 0;
+    struct tier_stats st;
+    tier_stats(t, &st);
+    struct prefix_stats ps;
+    prefix_stats(px, &ps);
+    printf("pool (%s keys): %llu sequences, %llu blocks found cached, %llu of them from the tier (%llu restored by "
+           "the pool's count); tier: %llu hits, %llu misses, %llu damaged, %llu dropped, %llu of %llu entries "
+           "compressed; %llu blocks with another's K/V, %llu broken invariants, %llu refusals for room\n",
+           weak_keys ? "colliding" : "keyed", (unsigned long long)begun, (unsigned long long)cached_blocks,
+           (unsigned long long)restored, (unsigned long long)ps.restored, (unsigned long long)st.hits,
+           (unsigned long long)st.misses, (unsigned long long)st.corrupt, (unsigned long long)st.dropped,
+           (unsigned long long)st.compressed, (unsigned long long)st.entries, (unsigned long long)wrong,
+           (unsigned long long)broken, (unsigned long long)full);
+    CHECK(wrong == 0);
+    CHECK(broken == 0);
+    CHECK(restored > 1000);
+    CHECK_INT(ps.restored, restored);
+    CHECK(st.corrupt > 0 && st.dropped > 0);
+    CHECK(st.bytes <= st.max_bytes);
+    prefix_destroy(&px);
+    tier_destroy(&t);
+    pool_close(&pool);
+}
+
+static void test_refusals(void)
+{
+    char err[256];
+    struct kv_parts parts;
+    const uint32_t window[6] = { 8, 8, 0, 8, 8, 0 };
+    kv_parts_plan(6, window, &parts);
+    REQUIRE(parts.n_parts > 1);
+    pool_t *pool = pool_small(&parts);
+    prefix_t *px = prefix_open(pool);
+    tier_t *t = tier_new(1 << 20, BT, BLOCK_BYTES, err, sizeof(err));
+    REQUIRE(t != NULL);
+    const struct prefix_tier tr = { tier_evicted, tier_fetch, t };
+    CHECK_INT(prefix_set_tier(px, &tr), KVD_EUNSUPPORTED);
+    CHECK_INT(prefix_set_tier(px, NULL), 0);
+    prefix_destroy(&px);
+    tier_destroy(&t);
+    pool_close(&pool);
+    printf("refusals: a pool of %u parts takes no tier\n", parts.n_parts);
+}
+
+int main(void)
+{
+    test_store();
+    pool_run(false);
+    pool_run(true);
+    test_refusals();
+    return CHECK_DONE();
+}
