@@ -108,6 +108,8 @@ static void usage(FILE *f)
           "      --kv-events ENDPOINT publish block events there (ZeroMQ PUB, vLLM's msgpack format)\n"
           "                           for prefix-aware routers (loopback unless --allow-remote)\n"
           "      --kv-events-topic T  their topic (default kv@HOST@MODEL)\n"
+          "      --host-cache SIZE    keep blocks the pool evicts in host memory, up to SIZE, and\n"
+          "                           copy them back for a later prompt (default 0: none)\n"
           "  -v, --verbose\n",
           f);
 }
@@ -116,7 +118,8 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
 {
     enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
            OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
-           OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS, OPT_EVENTS, OPT_TOPIC };
+           OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS, OPT_EVENTS, OPT_TOPIC,
+           OPT_HOSTCACHE };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -140,6 +143,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "api-keys", required_argument, NULL, OPT_APIKEYS },
         { "kv-events", required_argument, NULL, OPT_EVENTS },
         { "kv-events-topic", required_argument, NULL, OPT_TOPIC },
+        { "host-cache", required_argument, NULL, OPT_HOSTCACHE },
         { "step-tokens", required_argument, NULL, OPT_STEP },
         { "max-batch", required_argument, NULL, OPT_BATCH },
         { "max-queue", required_argument, NULL, OPT_QUEUE },
@@ -211,6 +215,10 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         case OPT_APIKEYS: o->api_keys = optarg; break;
         case OPT_EVENTS: o->kv_events = optarg; break;
         case OPT_TOPIC: o->kv_events_topic = optarg; break;
+        case OPT_HOSTCACHE:
+            if (kvd_parse_size(optarg, &o->host_cache_bytes) != 0)
+                cli_die("--host-cache must be a size such as 4GiB or 0, got '%s'", optarg);
+            break;
         case OPT_STEP: o->step_tokens = (uint32_t)cli_long(optarg, "--step-tokens", 1, 4096); break;
         case OPT_BATCH: o->max_batch = (uint32_t)cli_long(optarg, "--max-batch", 1, 4096); break;
         case OPT_QUEUE: o->max_queue = (uint32_t)cli_long(optarg, "--max-queue", 0, 1 << 20); break;
@@ -305,6 +313,55 @@ static uint64_t default_kv_bytes(void)
     return want;
 }
 
+/* ---- the host tier ------------------------------------------------------------------------ */
+
+static void tier_evicted(void *user, const struct prefix_tier_block *b, const void *data)
+{
+    struct kvd *k = user;
+    if (tier_put(k->tier, b, data) != 0)
+        kvd_log(k, "host tier: out of memory; a block evicted from the pool is lost");
+}
+
+/* Restore must beat recompute: a block is copied back only while copying one
+ * has measured cheaper than computing its tokens (before either is measured,
+ * it is: a copy of a block takes well under a millisecond). */
+static bool tier_fetch(void *user, const struct prefix_tier_block *b, void *dst)
+{
+    struct kvd *k = user;
+    if (k->restore_ns_block > 0 && k->prefill_ns_token > 0 &&
+        k->restore_ns_block >= k->prefill_ns_token * k->o.block_tokens) {
+        k->st.host_declined++;
+        return false;
+    }
+    const double t0 = cli_now_ms();
+    if (!tier_get(k->tier, b, dst))
+        return false;
+    const double ns = (cli_now_ms() - t0) * 1e6;
+    k->restore_ns_block = k->restore_ns_block > 0 ? 0.8 * k->restore_ns_block + 0.2 * ns : ns;
+    return true;
+}
+
+/* --host-cache: the tier below the pool (shm/tier.h). */
+static void host_tier_setup(struct kvd *k, const struct pool_layout *lay)
+{
+    char err[256];
+    if (k->o.gpu >= 0)
+        cli_die("--host-cache: a GPU pool cannot spill to the host tier yet");
+    if (lay->parts.n_parts > 1)
+        cli_die("--host-cache: a pool in parts (a model with sliding-window layers) has no host tier yet");
+    k->tier = tier_new(k->o.host_cache_bytes, lay->block_tokens, pool_header(k->pool)->block_bytes, err,
+                       sizeof(err));
+    if (k->tier == NULL)
+        cli_die("--host-cache: %s", err);
+    const struct prefix_tier t = { tier_evicted, tier_fetch, k };
+    if (prefix_set_tier(k->px, &t) != 0)
+        cli_die("--host-cache: this pool cannot have a host tier");
+    kvd_log(k, "host tier: up to %.1f MiB (%llu blocks of %llu bytes uncompressed)",
+            k->o.host_cache_bytes / 1048576.0,
+            (unsigned long long)(k->o.host_cache_bytes / pool_header(k->pool)->block_bytes),
+            (unsigned long long)pool_header(k->pool)->block_bytes);
+}
+
 static void setup(struct kvd *k)
 {
     char err[512], note[512];
@@ -357,6 +414,8 @@ static void setup(struct kvd *k)
         kvd_log(k, "pool %s: %s", k->pool_name, note);
     pool_describe(&lay, &cap, k->n_ctx, err, sizeof(err));
     kvd_log(k, "KV pool %s: %s", k->pool_name, err);
+    if (o->host_cache_bytes > 0)
+        host_tier_setup(k, &lay);
     k->pool_seq_tokens = (uint64_t)cap.n_blocks * lay.block_tokens;
     while (k->pool_seq_tokens > 0 &&
            kv_parts_blocks_held(&lay.parts, k->pool_seq_tokens, lay.block_tokens) > cap.n_blocks)
@@ -676,6 +735,7 @@ int main(int argc, char **argv)
     if (k->o.kv_events != NULL && strncmp(k->o.kv_events, "ipc://", 6) == 0)
         unlink(k->o.kv_events + 6);
     prefix_destroy(&k->px);
+    tier_destroy(&k->tier);
     pool_close(&k->pool);
     gpu_fini(k);
     chat_template_destroy(&k->chat);

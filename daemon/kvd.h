@@ -26,6 +26,7 @@
 #include "pool.h"
 #include "prefix.h"
 #include "sampler.h"
+#include "tier.h"
 #include "tok.h"
 #include "wire.h"
 
@@ -64,6 +65,7 @@ struct kvd_options {
     const char *api_keys;           /* --api-keys FILE: "KEY TENANT" lines; the HTTP API needs a key */
     const char *kv_events;          /* --kv-events ENDPOINT: publish block events (daemon/events.h) */
     const char *kv_events_topic;    /* --kv-events-topic (default kv@HOST@MODEL, as llm-d expects) */
+    uint64_t host_cache_bytes;      /* --host-cache: the host tier's budget; 0: none */
 };
 
 enum req_state {
@@ -93,6 +95,7 @@ struct request {
     int32_t *tok;
     uint32_t n_prompt, n_tok, tok_cap;
     uint32_t n_cached;              /* prompt tokens found in the cache (first dispatch) */
+    uint32_t n_host;                /* of those, restored from the host tier */
     bool counted_cached;            /* n_cached was added to the stats */
     struct prefix_seq ps;           /* its blocks */
     uint32_t n_written;             /* positions whose K/V the worker reported written */
@@ -148,6 +151,8 @@ struct kvd_hist {
 struct kvd_stats_counters {
     uint64_t done, failed;
     uint64_t prompt_tokens, cached_prompt_tokens, completion_tokens;
+    uint64_t host_cached_prompt_tokens;     /* of cached_prompt_tokens, restored from the host tier */
+    uint64_t host_declined;         /* tier blocks left to compute: restoring measured slower */
     uint64_t preemptions;
     uint64_t bad_messages;
     struct kvd_hist ttft, e2e, queue, itl;
@@ -176,6 +181,9 @@ struct kvd {
     char gpu_name[96];              /* --gpu: the device's name */
     uint64_t gpu_free;              /* --gpu: its free memory when kvd started */
     prefix_t *px;
+    tier_t *tier;                   /* --host-cache: the host tier below the pool, else NULL */
+    double restore_ns_block;        /* measured: restoring one block from it (0: not yet) */
+    double prefill_ns_token;        /* measured: computing one prompt token (0: not yet) */
     kv_events_t *events;            /* --kv-events, else NULL */
     uint32_t n_ctx;                 /* context in effect */
     uint64_t pool_seq_tokens;       /* the longest sequence the pool can hold: every block of a

@@ -284,8 +284,10 @@ static void finish(struct kvd *k, struct request *r)
         Kvd__Usage u = KVD__USAGE__INIT;
         Kvd__Timings t = KVD__TIMINGS__INIT;
         u.has_prompt_tokens = u.has_cached_prompt_tokens = u.has_completion_tokens = true;
+        u.has_host_cached_prompt_tokens = true;
         u.prompt_tokens = r->n_prompt;
         u.cached_prompt_tokens = r->n_cached;
+        u.host_cached_prompt_tokens = r->n_host;
         u.completion_tokens = n_gen;
         t.has_queued_ms = t.has_ttft_ms = t.has_decode_ms = t.has_total_ms = true;
         t.queued_ms = r->t_dispatch > 0 ? r->t_dispatch - r->t_arrival : now - r->t_arrival;
@@ -637,6 +639,18 @@ static uint32_t *wire_blocks(struct prefix_seq *ps, uint32_t from, size_t *n, ui
     return *copy;
 }
 
+/* The measured cost of computing a prompt token (what the host tier's restores
+ * are weighed against): dispatch to first token over the tokens computed, for
+ * prompts that computed enough to say, averaged over recent requests. */
+static void note_prefill_rate(struct kvd *k, const struct request *r)
+{
+    const uint32_t computed = r->n_prompt > r->n_cached ? r->n_prompt - r->n_cached : 0;
+    if (computed < 64 || r->t_dispatch <= 0 || r->t_first <= r->t_dispatch)
+        return;
+    const double ns = (r->t_first - r->t_dispatch) * 1e6 / computed;
+    k->prefill_ns_token = k->prefill_ns_token > 0 ? 0.8 * k->prefill_ns_token + 0.2 * ns : ns;
+}
+
 /* Tries to start r on a worker. 1 started, 0 not now (no worker or blocks),
  * -1 r finished (it can never fit). */
 static int start(struct kvd *k, struct request *r)
@@ -707,7 +721,9 @@ static int start(struct kvd *k, struct request *r)
     if (r->t_dispatch == 0) {
         r->t_dispatch = cli_now_ms();
         r->n_cached = (uint32_t)cached;
+        r->n_host = r->ps.n_restored * k->o.block_tokens;
         k->st.cached_prompt_tokens += (uint64_t)cached;
+        k->st.host_cached_prompt_tokens += r->n_host;
     }
     struct worker *wk = &k->workers[w];
     if (wk->running++ == 0)
@@ -821,8 +837,10 @@ void req_on_tokens(struct kvd *k, int w, const Kvdw__TokenChunk *c)
             return;
         }
         r->tok[r->n_tok++] = t[i];
-        if (r->t_first == 0)
+        if (r->t_first == 0) {
             r->t_first = now;
+            note_prefill_rate(k, r);
+        }
         r->t_last = now;
         if (!r->ignore_eos && tok_is_eog(k->tok, t[i]))
             continue; /* the worker ends the sequence; no text */
@@ -1094,6 +1112,21 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t
     s.kv_parts = parts->n_parts;
     s.kv_part_layers = parts->part_layers;
     s.kv_window = parts->window[parts->n_parts - 1];
+    s.has_host_cache_max_bytes = s.has_host_cache_bytes = s.has_host_cache_blocks = true;
+    s.has_host_cached_prompt_tokens = s.has_host_cache_stored = s.has_host_cache_dropped = true;
+    s.has_host_cache_corrupt = s.has_host_cache_declined = true;
+    s.host_cached_prompt_tokens = k->st.host_cached_prompt_tokens;
+    s.host_cache_declined = k->st.host_declined;
+    if (k->tier != NULL) {
+        struct tier_stats ts;
+        tier_stats(k->tier, &ts);
+        s.host_cache_max_bytes = ts.max_bytes;
+        s.host_cache_bytes = ts.bytes;
+        s.host_cache_blocks = ts.entries;
+        s.host_cache_stored = ts.stored;
+        s.host_cache_dropped = ts.dropped;
+        s.host_cache_corrupt = ts.corrupt;
+    }
     for (const struct request *r = k->active; r; r = r->next)
         for (uint32_t p = 1; p < r->ps.n_parts; p++)
             if (parts->window[p] != 0)

@@ -489,25 +489,29 @@ int prefix_set_tier(prefix_t *px, const struct prefix_tier *t)
     return 0;
 }
 
-static void notify_stored(prefix_t *px, const struct prefix_seq *s, uint32_t from, uint32_t to,
-                          const int32_t *tokens);
-
 /* Continues s's cached prefix of s->n_blocks blocks (all referenced) with
  * blocks the tier gives back, up to max blocks of tokens: each into a newly
- * allocated block, then committed and indexed as if computed. Stops at the
- * first block the tier does not give, one whose content is already indexed
- * (pending: someone computes it), or when no block can be had. Returns how
- * many it restored. */
+ * allocated block, then committed and indexed as if computed (a block still in
+ * the pool after them is taken as it is). Stops at the first block the tier
+ * does not give, at a pending one (someone computes it), or when no block can
+ * be had. Returns how many it restored. */
 static uint32_t restore_from_tier(prefix_t *px, struct prefix_seq *s, const int32_t *tokens, uint32_t max)
 {
     uint32_t i = s->n_blocks, parent = i ? s->blocks[i - 1] : POOL_NONE;
     prefix_key_t key = s->key;
-    const uint32_t from = i;
     for (; i < max; i++) {
         const int32_t *t = tokens + (size_t)i * px->bt;
         const prefix_key_t k = key_of(px, key, s->ns, t);
-        if (index_find(px, k, s->ns, parent, t) != POOL_NONE)
-            break;
+        const uint32_t there = index_find(px, k, s->ns, parent, t);
+        if (there != POOL_NONE) {
+            if (px->b[there].state != POOL_BLOCK_COMMITTED)
+                break;          /* pending: someone computes it */
+            ref_committed(px, there);  /* still in the pool past a restored stretch */
+            s->blocks[i] = there;
+            key = k;
+            parent = there;
+            continue;
+        }
         if (px->cs->n_free + px->cs->n_cached == 0)
             break;
         const uint32_t id = alloc_one(px);     /* what it evicts goes down to the tier */
@@ -526,14 +530,14 @@ static uint32_t restore_from_tier(prefix_t *px, struct prefix_seq *s, const int3
         s->blocks[i] = id;
         key = k;
         parent = id;
+        s->n_restored++;
+        px->restored++;
+        if (px->obs.stored)     /* findable again */
+            px->obs.stored(px->obs.user, &k, 1, i ? &tb.parent : NULL, t);
     }
     s->key = key;
     s->n_blocks = s->n_cached = s->n_committed = s->n_indexed = i;
-    s->n_restored = i - from;
-    px->restored += i - from;
-    if (i > from && px->obs.stored)
-        notify_stored(px, s, from, i, tokens);
-    return i - from;
+    return s->n_restored;
 }
 
 int prefix_set_hash(prefix_t *px, prefix_hash_fn fn)
@@ -691,7 +695,7 @@ int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,
     if ((rc = seq_parts_init(px, s)) != 0)
         return rc;
     s->ns = ns;
-    s->n_cached = s->n_committed = s->n_indexed = 0;
+    s->n_cached = s->n_committed = s->n_indexed = s->n_restored = 0;
     s->chain_open = true;
     s->key = KEY_ZERO;
     memset(s->first, 0, sizeof(s->first));
@@ -718,7 +722,6 @@ int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,
     for (uint32_t i = 0; i < m; i++)
         ref_committed(px, s->blocks[i]);
     s->n_blocks = s->n_cached = s->n_committed = s->n_indexed = m;
-    s->n_restored = 0;
     if (px->tier.fetch != NULL && pending == POOL_NONE && m < max)
         restore_from_tier(px, s, tokens, (uint32_t)max);
     if (wait_block)
@@ -856,7 +859,7 @@ void prefix_seq_release(prefix_t *px, struct prefix_seq *s)
         unref(px, s->blocks[i]);
     }
     memset(s->first, 0, sizeof(s->first));
-    s->n_cached = s->n_committed = s->n_indexed = 0;
+    s->n_cached = s->n_committed = s->n_indexed = s->n_restored = 0;
     s->chain_open = true;
     s->key = KEY_ZERO;
 }

@@ -383,8 +383,8 @@ static void print_json(const struct kvd_result *r)
     printf("],\"finish_reason\":\"%s\",\"cached_prompt_tokens\":%u", finish_name(r->finish_reason),
            r->cached_prompt_tokens);
     printf(",\"usage\":{\"prompt_tokens\":%u,\"cached_prompt_tokens\":%u,"
-           "\"completion_tokens\":%u}",
-           r->prompt_tokens, r->cached_prompt_tokens, r->completion_tokens);
+           "\"host_cached_prompt_tokens\":%u,\"completion_tokens\":%u}",
+           r->prompt_tokens, r->cached_prompt_tokens, r->host_cached_prompt_tokens, r->completion_tokens);
     printf(",\"timings\":{\"queued_ms\":%.1f,\"ttft_ms\":%.1f,\"decode_ms\":%.1f,"
            "\"total_ms\":%.1f}",
            r->queued_ms, r->ttft_ms, r->decode_ms, r->total_ms);
@@ -518,8 +518,10 @@ static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
                "\"blocks_cached\":%u,\"blocks_in_use\":%u,\"blocks_pending\":%u,"
                "\"block_tokens\":%u,\"block_bytes\":%llu,\"kv_bytes_per_token\":%llu,"
                "\"kv_type\":\"%s\",\"kv_parts\":%u,\"kv_part_layers\":%u,\"kv_window\":%u,"
-               "\"blocks_in_use_windowed\":%u,\"evictions\":%llu,"
-               "\"preemptions\":%llu,\"bad_messages\":%llu,\"workers\":[",
+               "\"blocks_in_use_windowed\":%u,\"host_cache_max_bytes\":%llu,\"host_cache_bytes\":%llu,"
+               "\"host_cache_blocks\":%llu,\"host_cached_prompt_tokens\":%llu,\"host_cache_stored\":%llu,"
+               "\"host_cache_dropped\":%llu,\"host_cache_corrupt\":%llu,\"host_cache_declined\":%llu,"
+               "\"evictions\":%llu,\"preemptions\":%llu,\"bad_messages\":%llu,\"workers\":[",
                (unsigned long long)s.requests_running, (unsigned long long)s.requests_queued,
                (unsigned long long)s.requests_done, (unsigned long long)s.requests_failed,
                (unsigned long long)s.prompt_tokens, (unsigned long long)s.cached_prompt_tokens,
@@ -527,6 +529,10 @@ static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
                s.blocks_cached, s.blocks_in_use, s.blocks_pending, s.block_tokens,
                (unsigned long long)s.block_bytes, (unsigned long long)s.kv_bytes_per_token,
                s.kv_type, s.kv_parts, s.kv_part_layers, s.kv_window, s.blocks_in_use_windowed,
+               (unsigned long long)s.host_cache_max_bytes, (unsigned long long)s.host_cache_bytes,
+               (unsigned long long)s.host_cache_blocks, (unsigned long long)s.host_cached_prompt_tokens,
+               (unsigned long long)s.host_cache_stored, (unsigned long long)s.host_cache_dropped,
+               (unsigned long long)s.host_cache_corrupt, (unsigned long long)s.host_cache_declined,
                (unsigned long long)s.evictions,
                (unsigned long long)s.preemptions, (unsigned long long)s.bad_messages);
         for (uint32_t i = 0; i < s.n_workers; i++) {
@@ -556,6 +562,16 @@ static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
     if (s.kv_parts > 1)
         printf("parts     %u tables of %u layers, window %u: %u windowed blocks in use\n", s.kv_parts,
                s.kv_part_layers, s.kv_window, s.blocks_in_use_windowed);
+    if (s.host_cache_max_bytes > 0) {
+        char held[32], max[32];
+        printf("host tier %s of %s, %llu blocks; %llu prompt tokens restored from it; %llu stored, "
+               "%llu dropped, %llu corrupt, %llu left to compute\n",
+               kvd_format_bytes(s.host_cache_bytes, held, sizeof(held)),
+               kvd_format_bytes(s.host_cache_max_bytes, max, sizeof(max)), (unsigned long long)s.host_cache_blocks,
+               (unsigned long long)s.host_cached_prompt_tokens, (unsigned long long)s.host_cache_stored,
+               (unsigned long long)s.host_cache_dropped, (unsigned long long)s.host_cache_corrupt,
+               (unsigned long long)s.host_cache_declined);
+    }
     printf("events    %llu evictions, %llu preemptions, %llu bad messages\n",
            (unsigned long long)s.evictions, (unsigned long long)s.preemptions,
            (unsigned long long)s.bad_messages);

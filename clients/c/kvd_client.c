@@ -705,6 +705,7 @@ static int take_final(const Kvd__Final *f, struct output *o, struct kvd_result *
         if (f->usage->has_prompt_tokens)
             out->prompt_tokens = f->usage->prompt_tokens;
         out->cached_prompt_tokens = f->usage->cached_prompt_tokens;
+        out->host_cached_prompt_tokens = f->usage->host_cached_prompt_tokens;
         out->completion_tokens = f->usage->completion_tokens;
     }
     if (f->timings != NULL) {
@@ -960,6 +961,14 @@ static void take_stats(const Kvd__Stats *s, struct kvd_stats *out)
     out->kv_part_layers = s->kv_part_layers;
     out->kv_window = s->kv_window;
     out->blocks_in_use_windowed = s->blocks_in_use_windowed;
+    out->host_cache_max_bytes = s->host_cache_max_bytes;
+    out->host_cache_bytes = s->host_cache_bytes;
+    out->host_cache_blocks = s->host_cache_blocks;
+    out->host_cached_prompt_tokens = s->host_cached_prompt_tokens;
+    out->host_cache_stored = s->host_cache_stored;
+    out->host_cache_dropped = s->host_cache_dropped;
+    out->host_cache_corrupt = s->host_cache_corrupt;
+    out->host_cache_declined = s->host_cache_declined;
     /* a description from the server: letters, digits, '_', ',', '+' and spaces only */
     size_t n = 0;
     for (const char *p = s->kv_type; p != NULL && *p != '\0' && n + 1 < sizeof(out->kv_type); p++)

@@ -114,6 +114,7 @@ struct kvd_result {
     int finish_reason;              /* enum kvd_finish */
     uint32_t prompt_tokens;
     uint32_t cached_prompt_tokens;  /* prompt tokens whose K/V came from the cache */
+    uint32_t host_cached_prompt_tokens; /* of those, copied back from the host tier */
     uint32_t completion_tokens;
     double queued_ms, ttft_ms, decode_ms, total_ms; /* the daemon's timings */
     uint32_t chunks;                /* streamed chunks received */
@@ -189,6 +190,12 @@ struct kvd_stats {
     uint32_t kv_part_layers;        /* layers a block holds */
     uint32_t kv_window;             /* the windowed parts' window in positions; 0: none */
     uint32_t blocks_in_use_windowed;/* blocks of windowed parts that running sequences hold */
+    /* the host tier (kvd --host-cache): its budget (0: none), what it holds,
+     * prompt tokens copied back from it (part of cached_prompt_tokens), blocks
+     * stored, dropped for room, failing their checksum, and left to compute
+     * because restoring measured slower */
+    uint64_t host_cache_max_bytes, host_cache_bytes, host_cache_blocks, host_cached_prompt_tokens;
+    uint64_t host_cache_stored, host_cache_dropped, host_cache_corrupt, host_cache_declined;
     char kv_type[48];               /* the pool's types: "K q8_0, V q4_0, rotated V" */
     uint64_t evictions, preemptions, bad_messages;
     struct kvd_worker_stats workers[64];

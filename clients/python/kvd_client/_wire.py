@@ -425,6 +425,14 @@ def to_stats(s: kvd_pb2.Stats) -> Stats:
         kv_part_layers=s.kv_part_layers,
         kv_window=s.kv_window,
         blocks_in_use_windowed=s.blocks_in_use_windowed,
+        host_cache_max_bytes=s.host_cache_max_bytes,
+        host_cache_bytes=s.host_cache_bytes,
+        host_cache_blocks=s.host_cache_blocks,
+        host_cached_prompt_tokens=s.host_cached_prompt_tokens,
+        host_cache_stored=s.host_cache_stored,
+        host_cache_dropped=s.host_cache_dropped,
+        host_cache_corrupt=s.host_cache_corrupt,
+        host_cache_declined=s.host_cache_declined,
     )
 
 
@@ -531,6 +539,7 @@ class GenerateState:
         usage = Usage(
             prompt_tokens=u.prompt_tokens if u.HasField("prompt_tokens") else self.prompt_tokens,
             cached_prompt_tokens=u.cached_prompt_tokens,
+            host_cached_prompt_tokens=u.host_cached_prompt_tokens,
             completion_tokens=(
                 u.completion_tokens if u.HasField("completion_tokens") else len(tokens)
             ),

@@ -38,6 +38,8 @@ class Usage:
     prompt_tokens: int = 0           #: after the chat template
     cached_prompt_tokens: int = 0    #: prompt tokens whose K/V came from the prefix cache
     completion_tokens: int = 0       #: tokens generated
+    #: of cached_prompt_tokens, those copied back from the host tier (kvd --host-cache)
+    host_cached_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class Result:
             "usage": {
                 "prompt_tokens": self.usage.prompt_tokens,
                 "cached_prompt_tokens": self.usage.cached_prompt_tokens,
+                "host_cached_prompt_tokens": self.usage.host_cached_prompt_tokens,
                 "completion_tokens": self.usage.completion_tokens,
             },
             "timings": {
@@ -177,6 +180,16 @@ class Stats:
     kv_part_layers: int = 0       #: layers a block holds
     kv_window: int = 0            #: the windowed parts' window in positions; 0: none
     blocks_in_use_windowed: int = 0  #: blocks of windowed parts that running sequences hold
+    #: the host tier (kvd --host-cache): its budget in bytes (0: none) and what it holds
+    host_cache_max_bytes: int = 0
+    host_cache_bytes: int = 0
+    host_cache_blocks: int = 0
+    #: prompt tokens copied back from it (counted in cached_prompt_tokens too)
+    host_cached_prompt_tokens: int = 0
+    host_cache_stored: int = 0    #: blocks stored into it
+    host_cache_dropped: int = 0   #: blocks dropped from it for room
+    host_cache_corrupt: int = 0   #: blocks that failed their checksum (misses)
+    host_cache_declined: int = 0  #: blocks left to compute because restoring measured slower
 
     @property
     def hit_rate(self) -> float:

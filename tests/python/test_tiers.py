@@ -1,0 +1,81 @@
+"""The host tier below the pool (kvd --host-cache): with a pool too small for
+the distinct system prompts it serves, every prompt that the pool evicted
+comes back from the tier, copied instead of computed, with the output of its
+uncached run bit for bit (the real model, greedy)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import Daemon, _stop_checked
+
+import kvd_client
+
+# Eight distinct system prompts of some 330 tokens (21 blocks of 16) each: 168
+# blocks, against a pool of 24 MiB (64 blocks of the default model's f16 K/V).
+N_PROMPTS = 8
+
+
+def system_prompt(i: int) -> str:
+    return " ".join(
+        f"Policy {i}.{j}: the assistant for desk {i} answers questions about shelf {j * 3 + i} "
+        f"and never mentions drawer {(j * 11 + i) % 17}."
+        for j in range(12)
+    )
+
+
+def ask(c: kvd_client.Client, i: int, ns: str) -> kvd_client.Result:
+    return c.generate(
+        messages=[{"role": "system", "content": system_prompt(i)},
+                  {"role": "user", "content": "Which shelf holds the atlas?"}],
+        max_tokens=12, temperature=0, ignore_eos=True, namespace=ns,
+    )
+
+
+def test_host_tier_restores_evicted_prompts(tmp_path: Path) -> None:
+    d = Daemon(tmp_path / "kvd", "--kv-memory", "24MiB", "--host-cache", "256MiB", "-w", "1")
+    try:
+        d.measure_patience()
+        with kvd_client.Client(d.endpoint, timeout=d.patience) as c:
+            s0 = c.stats()
+            assert s0.host_cache_max_bytes == 256 << 20
+            pool_tokens = s0.blocks_total * s0.block_tokens
+            first = [ask(c, i, "tiers") for i in range(N_PROMPTS)]
+            for r in first:
+                assert r.usage.cached_prompt_tokens == 0
+            total = sum(r.usage.prompt_tokens for r in first)
+            assert total > 2 * pool_tokens, "the prompts must not fit in the pool together"
+            s1 = c.stats()
+            assert s1.evictions > 0 and s1.host_cache_stored > 0
+            # again, oldest first: each was evicted by the ones after it
+            again = [ask(c, i, "tiers") for i in range(N_PROMPTS)]
+            for i, (a, b) in enumerate(zip(first, again)):
+                full = (b.usage.prompt_tokens - 1) // 16 * 16
+                assert b.usage.cached_prompt_tokens == full, (i, b.usage)
+                assert b.usage.host_cached_prompt_tokens > 0, (i, b.usage)
+                assert b.token_ids == a.token_ids, f"prompt {i}: restored K/V changed the output"
+            s2 = c.stats()
+            restored = sum(b.usage.host_cached_prompt_tokens for b in again)
+            assert s2.host_cached_prompt_tokens - s1.host_cached_prompt_tokens == restored
+            assert s2.host_cache_corrupt == 0
+            assert s2.host_cache_bytes <= s2.host_cache_max_bytes
+            # another namespace finds none of it, in the pool or the tier
+            other = ask(c, 0, "another-tenant")
+            assert other.usage.cached_prompt_tokens == 0
+            assert other.token_ids == first[0].token_ids
+    finally:
+        _stop_checked(d)
+
+
+def test_host_tier_refused_for_a_pool_in_parts_or_too_small(tmp_path: Path) -> None:
+    import subprocess
+
+    from conftest import BIN_DIR, MODEL
+
+    out = subprocess.run(
+        [str(BIN_DIR / "kvd"), "--model", str(MODEL), "--listen", f"ipc://{tmp_path}/k.sock",
+         "--kv-memory", "16MiB", "--host-cache", "1KiB", "-w", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0
+    assert "--host-cache" in out.stderr and "one block" in out.stderr
