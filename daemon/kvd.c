@@ -17,6 +17,7 @@
  * kvd exits 0.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <getopt.h>
 #include <libgen.h>
 #include <signal.h>
@@ -31,6 +32,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <xxhash.h>
 #include <zmq.h>
 
 #include "cli.h"
@@ -110,6 +112,9 @@ static void usage(FILE *f)
           "      --kv-events-topic T  their topic (default kv@HOST@MODEL)\n"
           "      --host-cache SIZE    keep blocks the pool evicts in host memory, up to SIZE, and\n"
           "                           copy them back for a later prompt (default 0: none)\n"
+          "      --cache-dir DIR      write every cached block behind to files in DIR, and read\n"
+          "                           them back for a later prompt, after restarts too\n"
+          "      --disk-cache SIZE    the most those files take (default 4GiB)\n"
           "  -v, --verbose\n",
           f);
 }
@@ -119,7 +124,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
            OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
            OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS, OPT_EVENTS, OPT_TOPIC,
-           OPT_HOSTCACHE };
+           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -144,6 +149,8 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "kv-events", required_argument, NULL, OPT_EVENTS },
         { "kv-events-topic", required_argument, NULL, OPT_TOPIC },
         { "host-cache", required_argument, NULL, OPT_HOSTCACHE },
+        { "cache-dir", required_argument, NULL, OPT_CACHEDIR },
+        { "disk-cache", required_argument, NULL, OPT_DISKCACHE },
         { "step-tokens", required_argument, NULL, OPT_STEP },
         { "max-batch", required_argument, NULL, OPT_BATCH },
         { "max-queue", required_argument, NULL, OPT_QUEUE },
@@ -218,6 +225,11 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         case OPT_HOSTCACHE:
             if (kvd_parse_size(optarg, &o->host_cache_bytes) != 0)
                 cli_die("--host-cache must be a size such as 4GiB or 0, got '%s'", optarg);
+            break;
+        case OPT_CACHEDIR: o->cache_dir = optarg; break;
+        case OPT_DISKCACHE:
+            if (kvd_parse_size(optarg, &o->disk_cache_bytes) != 0 || o->disk_cache_bytes == 0)
+                cli_die("--disk-cache must be a size such as 20GiB, got '%s'", optarg);
             break;
         case OPT_STEP: o->step_tokens = (uint32_t)cli_long(optarg, "--step-tokens", 1, 4096); break;
         case OPT_BATCH: o->max_batch = (uint32_t)cli_long(optarg, "--max-batch", 1, 4096); break;
@@ -313,53 +325,180 @@ static uint64_t default_kv_bytes(void)
     return want;
 }
 
-/* ---- the host tier ------------------------------------------------------------------------ */
+/* ---- the tiers below the pool ----------------------------------------------------------- */
 
+/* Whether restoring a block that has measured ns_block is still worth it
+ * against computing its tokens (before either is measured, it is: a copy or
+ * a read of a block takes well under a prefill of its tokens). */
+static bool restore_pays(const struct kvd *k, double ns_block)
+{
+    return ns_block <= 0 || k->prefill_ns_token <= 0 || ns_block < k->prefill_ns_token * k->o.block_tokens;
+}
+
+static void ewma(double *avg, double v)
+{
+    *avg = *avg > 0 ? 0.8 * *avg + 0.2 * v : v;
+}
+
+/* A block became findable: the disk tier writes it behind. */
+static void tier_committed(void *user, const struct prefix_tier_block *b, const void *data)
+{
+    struct kvd *k = user;
+    disk_tier_put(k->disk, b, data);    /* a full queue drops it, counted */
+}
+
+/* A block leaves the pool: the host tier keeps a copy (the disk has it already,
+ * unless its write was dropped). */
 static void tier_evicted(void *user, const struct prefix_tier_block *b, const void *data)
 {
     struct kvd *k = user;
-    if (tier_put(k->tier, b, data) != 0)
+    if (k->tier != NULL && tier_put(k->tier, b, data) != 0)
         kvd_log(k, "host tier: out of memory; a block evicted from the pool is lost");
 }
 
-/* Restore must beat recompute: a block is copied back only while copying one
- * has measured cheaper than computing its tokens (before either is measured,
- * it is: a copy of a block takes well under a millisecond). */
+/* The block that continues a prefix: from the host tier, else from disk, each
+ * while restoring from it measures cheaper than computing the block. */
 static bool tier_fetch(void *user, const struct prefix_tier_block *b, void *dst)
 {
     struct kvd *k = user;
-    if (k->restore_ns_block > 0 && k->prefill_ns_token > 0 &&
-        k->restore_ns_block >= k->prefill_ns_token * k->o.block_tokens) {
-        k->st.host_declined++;
-        return false;
+    if (k->tier != NULL && tier_has(k->tier, b)) {
+        if (!restore_pays(k, k->restore_ns_block)) {
+            k->st.host_declined++;
+            return false;
+        }
+        const double t0 = cli_now_ms();
+        if (tier_get(k->tier, b, dst)) {
+            ewma(&k->restore_ns_block, (cli_now_ms() - t0) * 1e6);
+            k->got_host++;
+            return true;
+        }
     }
-    const double t0 = cli_now_ms();
-    if (!tier_get(k->tier, b, dst))
-        return false;
-    const double ns = (cli_now_ms() - t0) * 1e6;
-    k->restore_ns_block = k->restore_ns_block > 0 ? 0.8 * k->restore_ns_block + 0.2 * ns : ns;
-    return true;
+    if (k->disk != NULL && disk_tier_has(k->disk, b)) {
+        if (!restore_pays(k, k->disk_ns_block)) {
+            k->st.disk_declined++;
+            return false;
+        }
+        const double t0 = cli_now_ms();
+        if (disk_tier_get(k->disk, b, dst)) {
+            ewma(&k->disk_ns_block, (cli_now_ms() - t0) * 1e6);
+            k->got_disk++;
+            return true;
+        }
+    }
+    return false;
 }
 
-/* --host-cache: the tier below the pool (shm/tier.h). */
-static void host_tier_setup(struct kvd *k, const struct pool_layout *lay)
+static void disk_log(void *user, const char *line)
 {
-    char err[256];
-    if (k->o.gpu >= 0)
-        cli_die("--host-cache: a GPU pool cannot spill to the host tier yet");
+    kvd_log(user, "%s", line);
+}
+
+/* The digest of the model's tokenizer and chat template (every tokenizer.*
+ * key of its GGUF): disk files of another tokenizer are not used. */
+static void tokenizer_digest(const model_t *m, uint8_t out[16])
+{
+    XXH3_state_t *st = XXH3_createState();
+    XXH3_128bits_reset(st);
+    const gguf_ctx_t *g = m->gguf;
+    for (uint64_t i = 0; i < gguf_n_kv(g); i++) {
+        const struct gguf_kv *kv = gguf_kv_at(g, i);
+        if (kv->key.len < 10 || memcmp(kv->key.ptr, "tokenizer.", 10) != 0)
+            continue;
+        XXH3_128bits_update(st, kv->key.ptr, kv->key.len);
+        XXH3_128bits_update(st, &kv->type, sizeof(kv->type));
+        if (kv->type == GGUF_VT_STRING) {
+            uint64_t len;       /* stored as its length, then its bytes */
+            memcpy(&len, kv->data, 8);
+            XXH3_128bits_update(st, kv->data, 8 + len);
+        } else if (kv->type == GGUF_VT_ARRAY && kv->strs != NULL) {
+            for (uint64_t a = 0; a < kv->arr_len; a++)
+                XXH3_128bits_update(st, kv->strs[a].ptr, kv->strs[a].len);
+        } else if (kv->type == GGUF_VT_ARRAY) {
+            XXH3_128bits_update(st, kv->data, kv->arr_len * gguf_vtype_size(kv->arr_type));
+        } else {
+            XXH3_128bits_update(st, kv->data, gguf_vtype_size(kv->type));
+        }
+    }
+    const XXH128_hash_t h = XXH3_128bits_digest(st);
+    XXH3_freeState(st);
+    memcpy(out, &h.low64, 8);
+    memcpy(out + 8, &h.high64, 8);
+}
+
+/* The key secret of the pools that use directory dir as their disk tier, from
+ * dir/secret (made, 0600, by the first: random bytes written to a temporary
+ * name, synced and renamed), so that the blocks a pool wrote keep their keys
+ * in the next. The directory is made (0700) when missing. */
+static void cache_secret(const char *dir, uint8_t out[POOL_SECRET_BYTES])
+{
+    char path[4200], tmp[4300];
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST)
+        cli_die("--cache-dir: cannot make %s: %s", dir, strerror(errno));
+    snprintf(path, sizeof(path), "%s/secret", dir);
+    FILE *f = fopen(path, "rb");
+    if (f != NULL) {
+        const size_t n = fread(out, 1, POOL_SECRET_BYTES, f);
+        const int extra = fgetc(f);
+        fclose(f);
+        if (n == POOL_SECRET_BYTES && extra == EOF)
+            return;
+        kvd_log(NULL, "--cache-dir: %s is not a key secret; making a new one (the files there will not match)",
+                path);
+    }
+    f = fopen("/dev/urandom", "rb");
+    if (f == NULL || fread(out, 1, POOL_SECRET_BYTES, f) != POOL_SECRET_BYTES)
+        cli_die("--cache-dir: cannot read random bytes for a key secret");
+    fclose(f);
+    snprintf(tmp, sizeof(tmp), "%s/.tmp-secret", dir);
+    const int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0 || write(fd, out, POOL_SECRET_BYTES) != (ssize_t)POOL_SECRET_BYTES || fsync(fd) != 0 ||
+        close(fd) != 0 || rename(tmp, path) != 0)
+        cli_die("--cache-dir: cannot write %s: %s", path, strerror(errno));
+}
+
+/* --host-cache, --cache-dir: the tiers below the pool (shm/tier.h, shm/disktier.h). */
+static void tiers_setup(struct kvd *k, const struct pool_layout *lay)
+{
+    char err[512];
+    const struct kvd_options *o = &k->o;
+    const uint64_t bb = pool_header(k->pool)->block_bytes;
+    const char *opt = o->host_cache_bytes > 0 ? "--host-cache" : "--cache-dir";
+    if (o->gpu >= 0)
+        cli_die("%s: a GPU pool cannot spill to the tiers below it yet", opt);
     if (lay->parts.n_parts > 1)
-        cli_die("--host-cache: a pool in parts (a model with sliding-window layers) has no host tier yet");
-    k->tier = tier_new(k->o.host_cache_bytes, lay->block_tokens, pool_header(k->pool)->block_bytes, err,
-                       sizeof(err));
-    if (k->tier == NULL)
-        cli_die("--host-cache: %s", err);
-    const struct prefix_tier t = { tier_evicted, tier_fetch, k };
+        cli_die("%s: a pool in parts (a model with sliding-window layers) has no tiers below it yet", opt);
+    if (o->host_cache_bytes > 0) {
+        k->tier = tier_new(o->host_cache_bytes, lay->block_tokens, bb, err, sizeof(err));
+        if (k->tier == NULL)
+            cli_die("--host-cache: %s", err);
+        kvd_log(k, "host tier: up to %.1f MiB (%llu blocks of %llu bytes uncompressed)",
+                o->host_cache_bytes / 1048576.0, (unsigned long long)(o->host_cache_bytes / bb),
+                (unsigned long long)bb);
+    }
+    if (o->cache_dir != NULL) {
+        struct disk_tier_layout dl = {
+            .k_type = lay->k_type, .v_type = lay->v_type, .rotate = lay->rotate,
+            .block_tokens = lay->block_tokens, .block_bytes = bb, .n_parts = lay->parts.n_parts,
+            .part_layers = lay->parts.part_layers,
+        };
+        memcpy(dl.model, lay->fingerprint, 16);
+        tokenizer_digest(k->model, dl.tokenizer);
+        const XXH128_hash_t kd = XXH3_128bits(pool_header(k->pool)->secret, POOL_SECRET_BYTES);
+        memcpy(dl.keys, &kd.low64, 8);
+        memcpy(dl.keys + 8, &kd.high64, 8);
+        const uint64_t budget = o->disk_cache_bytes ? o->disk_cache_bytes : 4ull << 30;
+        k->disk = disk_tier_open(o->cache_dir, budget, &dl, disk_log, k, err, sizeof(err));
+        if (k->disk == NULL)
+            cli_die("--cache-dir: %s", err);
+        struct disk_tier_stats ds;
+        disk_tier_stats(k->disk, &ds);
+        kvd_log(k, "disk tier %s: up to %.1f MiB; %llu blocks found (%llu of another model or layout ignored, "
+                "%llu damaged removed)", o->cache_dir, budget / 1048576.0, (unsigned long long)ds.files,
+                (unsigned long long)ds.ignored, (unsigned long long)ds.corrupt);
+    }
+    const struct prefix_tier t = { k->disk ? tier_committed : NULL, tier_evicted, tier_fetch, k };
     if (prefix_set_tier(k->px, &t) != 0)
-        cli_die("--host-cache: this pool cannot have a host tier");
-    kvd_log(k, "host tier: up to %.1f MiB (%llu blocks of %llu bytes uncompressed)",
-            k->o.host_cache_bytes / 1048576.0,
-            (unsigned long long)(k->o.host_cache_bytes / pool_header(k->pool)->block_bytes),
-            (unsigned long long)pool_header(k->pool)->block_bytes);
+        cli_die("%s: this pool cannot have tiers below it", opt);
 }
 
 static void setup(struct kvd *k)
@@ -393,6 +532,11 @@ static void setup(struct kvd *k)
     pp.name = k->pool_name;
     pp.reuse = o->pool != NULL;
     pp.unlink_on_close = o->pool == NULL;
+    uint8_t secret[POOL_SECRET_BYTES];
+    if (o->cache_dir != NULL) {
+        cache_secret(o->cache_dir, secret);
+        pp.secret = secret;     /* keys as the disk tier's files were made (a new pool) */
+    }
     pp.kv_bytes = o->kv_bytes ? o->kv_bytes : o->gpu >= 0 ? gpu_default_kv_bytes(k)
                                                           : default_kv_bytes();
     if (o->gpu >= 0) {
@@ -414,8 +558,8 @@ static void setup(struct kvd *k)
         kvd_log(k, "pool %s: %s", k->pool_name, note);
     pool_describe(&lay, &cap, k->n_ctx, err, sizeof(err));
     kvd_log(k, "KV pool %s: %s", k->pool_name, err);
-    if (o->host_cache_bytes > 0)
-        host_tier_setup(k, &lay);
+    if (o->host_cache_bytes > 0 || o->cache_dir != NULL)
+        tiers_setup(k, &lay);
     k->pool_seq_tokens = (uint64_t)cap.n_blocks * lay.block_tokens;
     while (k->pool_seq_tokens > 0 &&
            kv_parts_blocks_held(&lay.parts, k->pool_seq_tokens, lay.block_tokens) > cap.n_blocks)
@@ -735,6 +879,7 @@ int main(int argc, char **argv)
     if (k->o.kv_events != NULL && strncmp(k->o.kv_events, "ipc://", 6) == 0)
         unlink(k->o.kv_events + 6);
     prefix_destroy(&k->px);
+    disk_tier_close(&k->disk);     /* what is queued is written first */
     tier_destroy(&k->tier);
     pool_close(&k->pool);
     gpu_fini(k);

@@ -26,6 +26,7 @@
 #include "pool.h"
 #include "prefix.h"
 #include "sampler.h"
+#include "disktier.h"
 #include "tier.h"
 #include "tok.h"
 #include "wire.h"
@@ -66,6 +67,8 @@ struct kvd_options {
     const char *kv_events;          /* --kv-events ENDPOINT: publish block events (daemon/events.h) */
     const char *kv_events_topic;    /* --kv-events-topic (default kv@HOST@MODEL, as llm-d expects) */
     uint64_t host_cache_bytes;      /* --host-cache: the host tier's budget; 0: none */
+    const char *cache_dir;          /* --cache-dir: the disk tier's directory; NULL: none */
+    uint64_t disk_cache_bytes;      /* --disk-cache: its budget */
 };
 
 enum req_state {
@@ -96,6 +99,7 @@ struct request {
     uint32_t n_prompt, n_tok, tok_cap;
     uint32_t n_cached;              /* prompt tokens found in the cache (first dispatch) */
     uint32_t n_host;                /* of those, restored from the host tier */
+    uint32_t n_disk;                /* and read back from the disk tier */
     bool counted_cached;            /* n_cached was added to the stats */
     struct prefix_seq ps;           /* its blocks */
     uint32_t n_written;             /* positions whose K/V the worker reported written */
@@ -153,6 +157,8 @@ struct kvd_stats_counters {
     uint64_t prompt_tokens, cached_prompt_tokens, completion_tokens;
     uint64_t host_cached_prompt_tokens;     /* of cached_prompt_tokens, restored from the host tier */
     uint64_t host_declined;         /* tier blocks left to compute: restoring measured slower */
+    uint64_t disk_cached_prompt_tokens;     /* ... and read back from the disk tier */
+    uint64_t disk_declined;
     uint64_t preemptions;
     uint64_t bad_messages;
     struct kvd_hist ttft, e2e, queue, itl;
@@ -182,7 +188,10 @@ struct kvd {
     uint64_t gpu_free;              /* --gpu: its free memory when kvd started */
     prefix_t *px;
     tier_t *tier;                   /* --host-cache: the host tier below the pool, else NULL */
-    double restore_ns_block;        /* measured: restoring one block from it (0: not yet) */
+    disk_tier_t *disk;              /* --cache-dir: the disk tier below it, else NULL */
+    double restore_ns_block;        /* measured: restoring one block from the host tier (0: not yet) */
+    double disk_ns_block;           /* measured: reading one block from the disk tier (0: not yet) */
+    uint32_t got_host, got_disk;    /* blocks the last prefix_seq_begin took from each tier */
     double prefill_ns_token;        /* measured: computing one prompt token (0: not yet) */
     kv_events_t *events;            /* --kv-events, else NULL */
     uint32_t n_ctx;                 /* context in effect */

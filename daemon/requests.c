@@ -284,10 +284,11 @@ static void finish(struct kvd *k, struct request *r)
         Kvd__Usage u = KVD__USAGE__INIT;
         Kvd__Timings t = KVD__TIMINGS__INIT;
         u.has_prompt_tokens = u.has_cached_prompt_tokens = u.has_completion_tokens = true;
-        u.has_host_cached_prompt_tokens = true;
+        u.has_host_cached_prompt_tokens = u.has_disk_cached_prompt_tokens = true;
         u.prompt_tokens = r->n_prompt;
         u.cached_prompt_tokens = r->n_cached;
         u.host_cached_prompt_tokens = r->n_host;
+        u.disk_cached_prompt_tokens = r->n_disk;
         u.completion_tokens = n_gen;
         t.has_queued_ms = t.has_ttft_ms = t.has_decode_ms = t.has_total_ms = true;
         t.queued_ms = r->t_dispatch > 0 ? r->t_dispatch - r->t_arrival : now - r->t_arrival;
@@ -660,6 +661,7 @@ static int start(struct kvd *k, struct request *r)
         return 0;
     uint32_t wait = POOL_NONE;
     int64_t cached;
+    k->got_host = k->got_disk = 0;     /* counted by the tiers' fetch */
     if (r->no_cache) {
         cached = prefix_seq_begin(k->px, &r->ps, r->ns, r->tok, 0, NULL);
         r->ps.chain_open = false; /* nothing it computes is indexed either */
@@ -721,9 +723,11 @@ static int start(struct kvd *k, struct request *r)
     if (r->t_dispatch == 0) {
         r->t_dispatch = cli_now_ms();
         r->n_cached = (uint32_t)cached;
-        r->n_host = r->ps.n_restored * k->o.block_tokens;
+        r->n_host = k->got_host * k->o.block_tokens;
+        r->n_disk = k->got_disk * k->o.block_tokens;
         k->st.cached_prompt_tokens += (uint64_t)cached;
         k->st.host_cached_prompt_tokens += r->n_host;
+        k->st.disk_cached_prompt_tokens += r->n_disk;
     }
     struct worker *wk = &k->workers[w];
     if (wk->running++ == 0)
@@ -1126,6 +1130,24 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t
         s.host_cache_stored = ts.stored;
         s.host_cache_dropped = ts.dropped;
         s.host_cache_corrupt = ts.corrupt;
+    }
+    s.has_disk_cache_max_bytes = s.has_disk_cache_bytes = s.has_disk_cache_blocks = true;
+    s.has_disk_cached_prompt_tokens = s.has_disk_cache_written = s.has_disk_cache_pending = true;
+    s.has_disk_cache_dropped_writes = s.has_disk_cache_corrupt = s.has_disk_cache_ignored = true;
+    s.has_disk_cache_declined = true;
+    s.disk_cached_prompt_tokens = k->st.disk_cached_prompt_tokens;
+    s.disk_cache_declined = k->st.disk_declined;
+    if (k->disk != NULL) {
+        struct disk_tier_stats ds;
+        disk_tier_stats(k->disk, &ds);
+        s.disk_cache_max_bytes = ds.max_bytes;
+        s.disk_cache_bytes = ds.bytes;
+        s.disk_cache_blocks = ds.files;
+        s.disk_cache_written = ds.written;
+        s.disk_cache_pending = ds.pending;
+        s.disk_cache_dropped_writes = ds.dropped_writes;
+        s.disk_cache_corrupt = ds.corrupt;
+        s.disk_cache_ignored = ds.ignored;
     }
     for (const struct request *r = k->active; r; r = r->next)
         for (uint32_t p = 1; p < r->ps.n_parts; p++)

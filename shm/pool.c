@@ -373,8 +373,11 @@ static int header_init(struct pool_header *h, const struct pool_layout *lay, uin
     layout_offsets(lay, n, dev, h);
     h->kv_where = dev ? POOL_KV_DEVICE : POOL_KV_HOST;
     h->kv_device = dev ? pp->kv_device : -1;
-    if (random_bytes(h->secret, POOL_SECRET_BYTES) != 0 ||
-        random_bytes(&h->instance, sizeof(h->instance)) != 0)
+    if (pp->secret != NULL)
+        memcpy(h->secret, pp->secret, POOL_SECRET_BYTES);
+    else if (random_bytes(h->secret, POOL_SECRET_BYTES) != 0)
+        return KVD_EIO;
+    if (random_bytes(&h->instance, sizeof(h->instance)) != 0)
         return KVD_EIO;
     /* records stay all-zero; prefix_new builds the free list of a fresh pool */
     h->cache.free_head = POOL_NONE;

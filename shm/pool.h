@@ -184,6 +184,9 @@ struct pool_params {
     uint32_t kv_where;      /* 0 or POOL_KV_HOST: KV in the segment; POOL_KV_DEVICE: on kv_device,
                              * and kv_bytes then budgets the device memory alone */
     int32_t kv_device;      /* POOL_KV_DEVICE: CUDA device index (0..1023) */
+    const uint8_t *secret;  /* a new pool keys its prefix hash with these POOL_SECRET_BYTES
+                             * instead of random ones (a disk tier's keys must outlive the
+                             * pool); NULL: random. An adopted pool keeps its own. */
 };
 
 struct pool_params pool_default_params(void);

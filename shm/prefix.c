@@ -833,6 +833,13 @@ int prefix_seq_commit(prefix_t *px, struct prefix_seq *s, const int32_t *tokens,
             px->cs->n_used++;
         }
         s->n_committed = i + 1;
+        if (findable && px->tier.committed) {
+            const struct prefix_tier_block tb = {
+                .key = key_get(r), .parent = r->parent != POOL_NONE ? key_get(&px->b[r->parent]) : KEY_ZERO,
+                .ns = { r->ns[0], r->ns[1] }, .tokens = t,
+            };
+            px->tier.committed(px->tier.user, &tb, pool_block_addr(px->pool, id));
+        }
         if (findable && run == UINT32_MAX)
             run = i;
         if (!findable && run != UINT32_MAX) {

@@ -137,9 +137,11 @@ struct prefix_tier_block {
 };
 
 /*
- * A tier below the pool (prefix_set_tier). evicted() gets every findable block
- * that eviction takes out of the pool, with its K/V (block_bytes, the pool's
- * format), before the block is reused; fetch() is asked, by prefix_seq_begin,
+ * A tier below the pool (prefix_set_tier). committed(), when set, gets every
+ * block that becomes findable by a commit (a tier that writes blocks through,
+ * as the disk tier does), with its K/V (block_bytes, the pool's format);
+ * evicted() gets every findable block that eviction takes out of the pool,
+ * with its K/V, before the block is reused; fetch() is asked, by prefix_seq_begin,
  * for the blocks that would continue a cached prefix past the pool's, one
  * after another: it copies the block's bytes into dst and returns true, or
  * returns false (not held, or not worth restoring). Restored blocks are
@@ -147,6 +149,7 @@ struct prefix_tier_block {
  * inside the allocator's calls and must not call back into it.
  */
 struct prefix_tier {
+    void (*committed)(void *user, const struct prefix_tier_block *b, const void *data);
     void (*evicted)(void *user, const struct prefix_tier_block *b, const void *data);
     bool (*fetch)(void *user, const struct prefix_tier_block *b, void *dst);
     void *user;

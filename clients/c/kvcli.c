@@ -383,8 +383,9 @@ static void print_json(const struct kvd_result *r)
     printf("],\"finish_reason\":\"%s\",\"cached_prompt_tokens\":%u", finish_name(r->finish_reason),
            r->cached_prompt_tokens);
     printf(",\"usage\":{\"prompt_tokens\":%u,\"cached_prompt_tokens\":%u,"
-           "\"host_cached_prompt_tokens\":%u,\"completion_tokens\":%u}",
-           r->prompt_tokens, r->cached_prompt_tokens, r->host_cached_prompt_tokens, r->completion_tokens);
+           "\"host_cached_prompt_tokens\":%u,\"disk_cached_prompt_tokens\":%u,\"completion_tokens\":%u}",
+           r->prompt_tokens, r->cached_prompt_tokens, r->host_cached_prompt_tokens, r->disk_cached_prompt_tokens,
+           r->completion_tokens);
     printf(",\"timings\":{\"queued_ms\":%.1f,\"ttft_ms\":%.1f,\"decode_ms\":%.1f,"
            "\"total_ms\":%.1f}",
            r->queued_ms, r->ttft_ms, r->decode_ms, r->total_ms);
@@ -521,6 +522,10 @@ static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
                "\"blocks_in_use_windowed\":%u,\"host_cache_max_bytes\":%llu,\"host_cache_bytes\":%llu,"
                "\"host_cache_blocks\":%llu,\"host_cached_prompt_tokens\":%llu,\"host_cache_stored\":%llu,"
                "\"host_cache_dropped\":%llu,\"host_cache_corrupt\":%llu,\"host_cache_declined\":%llu,"
+               "\"disk_cache_max_bytes\":%llu,\"disk_cache_bytes\":%llu,\"disk_cache_blocks\":%llu,"
+               "\"disk_cached_prompt_tokens\":%llu,\"disk_cache_written\":%llu,\"disk_cache_pending\":%llu,"
+               "\"disk_cache_dropped_writes\":%llu,\"disk_cache_corrupt\":%llu,\"disk_cache_ignored\":%llu,"
+               "\"disk_cache_declined\":%llu,"
                "\"evictions\":%llu,\"preemptions\":%llu,\"bad_messages\":%llu,\"workers\":[",
                (unsigned long long)s.requests_running, (unsigned long long)s.requests_queued,
                (unsigned long long)s.requests_done, (unsigned long long)s.requests_failed,
@@ -533,6 +538,11 @@ static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
                (unsigned long long)s.host_cache_blocks, (unsigned long long)s.host_cached_prompt_tokens,
                (unsigned long long)s.host_cache_stored, (unsigned long long)s.host_cache_dropped,
                (unsigned long long)s.host_cache_corrupt, (unsigned long long)s.host_cache_declined,
+               (unsigned long long)s.disk_cache_max_bytes, (unsigned long long)s.disk_cache_bytes,
+               (unsigned long long)s.disk_cache_blocks, (unsigned long long)s.disk_cached_prompt_tokens,
+               (unsigned long long)s.disk_cache_written, (unsigned long long)s.disk_cache_pending,
+               (unsigned long long)s.disk_cache_dropped_writes, (unsigned long long)s.disk_cache_corrupt,
+               (unsigned long long)s.disk_cache_ignored, (unsigned long long)s.disk_cache_declined,
                (unsigned long long)s.evictions,
                (unsigned long long)s.preemptions, (unsigned long long)s.bad_messages);
         for (uint32_t i = 0; i < s.n_workers; i++) {
@@ -571,6 +581,17 @@ static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
                (unsigned long long)s.host_cached_prompt_tokens, (unsigned long long)s.host_cache_stored,
                (unsigned long long)s.host_cache_dropped, (unsigned long long)s.host_cache_corrupt,
                (unsigned long long)s.host_cache_declined);
+    }
+    if (s.disk_cache_max_bytes > 0) {
+        char held[32], max[32];
+        printf("disk tier %s of %s, %llu blocks; %llu prompt tokens read from it; %llu written, %llu queued, "
+               "%llu writes dropped, %llu corrupt, %llu of another model, %llu left to compute\n",
+               kvd_format_bytes(s.disk_cache_bytes, held, sizeof(held)),
+               kvd_format_bytes(s.disk_cache_max_bytes, max, sizeof(max)), (unsigned long long)s.disk_cache_blocks,
+               (unsigned long long)s.disk_cached_prompt_tokens, (unsigned long long)s.disk_cache_written,
+               (unsigned long long)s.disk_cache_pending, (unsigned long long)s.disk_cache_dropped_writes,
+               (unsigned long long)s.disk_cache_corrupt, (unsigned long long)s.disk_cache_ignored,
+               (unsigned long long)s.disk_cache_declined);
     }
     printf("events    %llu evictions, %llu preemptions, %llu bad messages\n",
            (unsigned long long)s.evictions, (unsigned long long)s.preemptions,

@@ -706,6 +706,7 @@ static int take_final(const Kvd__Final *f, struct output *o, struct kvd_result *
             out->prompt_tokens = f->usage->prompt_tokens;
         out->cached_prompt_tokens = f->usage->cached_prompt_tokens;
         out->host_cached_prompt_tokens = f->usage->host_cached_prompt_tokens;
+        out->disk_cached_prompt_tokens = f->usage->disk_cached_prompt_tokens;
         out->completion_tokens = f->usage->completion_tokens;
     }
     if (f->timings != NULL) {
@@ -969,6 +970,16 @@ static void take_stats(const Kvd__Stats *s, struct kvd_stats *out)
     out->host_cache_dropped = s->host_cache_dropped;
     out->host_cache_corrupt = s->host_cache_corrupt;
     out->host_cache_declined = s->host_cache_declined;
+    out->disk_cache_max_bytes = s->disk_cache_max_bytes;
+    out->disk_cache_bytes = s->disk_cache_bytes;
+    out->disk_cache_blocks = s->disk_cache_blocks;
+    out->disk_cached_prompt_tokens = s->disk_cached_prompt_tokens;
+    out->disk_cache_written = s->disk_cache_written;
+    out->disk_cache_pending = s->disk_cache_pending;
+    out->disk_cache_dropped_writes = s->disk_cache_dropped_writes;
+    out->disk_cache_corrupt = s->disk_cache_corrupt;
+    out->disk_cache_ignored = s->disk_cache_ignored;
+    out->disk_cache_declined = s->disk_cache_declined;
     /* a description from the server: letters, digits, '_', ',', '+' and spaces only */
     size_t n = 0;
     for (const char *p = s->kv_type; p != NULL && *p != '\0' && n + 1 < sizeof(out->kv_type); p++)

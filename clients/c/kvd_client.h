@@ -115,6 +115,7 @@ struct kvd_result {
     uint32_t prompt_tokens;
     uint32_t cached_prompt_tokens;  /* prompt tokens whose K/V came from the cache */
     uint32_t host_cached_prompt_tokens; /* of those, copied back from the host tier */
+    uint32_t disk_cached_prompt_tokens; /* and read back from the disk tier */
     uint32_t completion_tokens;
     double queued_ms, ttft_ms, decode_ms, total_ms; /* the daemon's timings */
     uint32_t chunks;                /* streamed chunks received */
@@ -196,6 +197,13 @@ struct kvd_stats {
      * because restoring measured slower */
     uint64_t host_cache_max_bytes, host_cache_bytes, host_cache_blocks, host_cached_prompt_tokens;
     uint64_t host_cache_stored, host_cache_dropped, host_cache_corrupt, host_cache_declined;
+    /* the disk tier (kvd --cache-dir): its budget (0: none), its files, prompt
+     * tokens read back from it, files written, writes queued and dropped, files
+     * that failed a check, files of another model or layout found at start, and
+     * blocks left to compute because reading measured slower */
+    uint64_t disk_cache_max_bytes, disk_cache_bytes, disk_cache_blocks, disk_cached_prompt_tokens;
+    uint64_t disk_cache_written, disk_cache_pending, disk_cache_dropped_writes, disk_cache_corrupt;
+    uint64_t disk_cache_ignored, disk_cache_declined;
     char kv_type[48];               /* the pool's types: "K q8_0, V q4_0, rotated V" */
     uint64_t evictions, preemptions, bad_messages;
     struct kvd_worker_stats workers[64];

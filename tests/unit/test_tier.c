@@ -267,7 +267,7 @@ static void pool_run(bool weak_keys)
     /* room for about 20 of the 40-odd blocks the prompts make: entries are dropped too */
     tier_t *t = tier_new(3000, BT, BLOCK_BYTES, err, sizeof(err));
     REQUIRE(t != NULL);
-    const struct prefix_tier tr = { tier_evicted, tier_fetch, t };
+    const struct prefix_tier tr = { NULL, tier_evicted, tier_fetch, t };
     REQUIRE(prefix_set_tier(px, &tr) == 0);
     /* prompts: three system prompts of 4-6 blocks, each with its own tails,
      * in one of two namespaces */
@@ -366,7 +366,7 @@ static void test_refusals(void)
     prefix_t *px = prefix_open(pool);
     tier_t *t = tier_new(1 << 20, BT, BLOCK_BYTES, err, sizeof(err));
     REQUIRE(t != NULL);
-    const struct prefix_tier tr = { tier_evicted, tier_fetch, t };
+    const struct prefix_tier tr = { NULL, tier_evicted, tier_fetch, t };
     CHECK_INT(prefix_set_tier(px, &tr), KVD_EUNSUPPORTED);
     CHECK_INT(prefix_set_tier(px, NULL), 0);
     prefix_destroy(&px);

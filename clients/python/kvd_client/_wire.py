@@ -433,6 +433,16 @@ def to_stats(s: kvd_pb2.Stats) -> Stats:
         host_cache_dropped=s.host_cache_dropped,
         host_cache_corrupt=s.host_cache_corrupt,
         host_cache_declined=s.host_cache_declined,
+        disk_cache_max_bytes=s.disk_cache_max_bytes,
+        disk_cache_bytes=s.disk_cache_bytes,
+        disk_cache_blocks=s.disk_cache_blocks,
+        disk_cached_prompt_tokens=s.disk_cached_prompt_tokens,
+        disk_cache_written=s.disk_cache_written,
+        disk_cache_pending=s.disk_cache_pending,
+        disk_cache_dropped_writes=s.disk_cache_dropped_writes,
+        disk_cache_corrupt=s.disk_cache_corrupt,
+        disk_cache_ignored=s.disk_cache_ignored,
+        disk_cache_declined=s.disk_cache_declined,
     )
 
 
@@ -540,6 +550,7 @@ class GenerateState:
             prompt_tokens=u.prompt_tokens if u.HasField("prompt_tokens") else self.prompt_tokens,
             cached_prompt_tokens=u.cached_prompt_tokens,
             host_cached_prompt_tokens=u.host_cached_prompt_tokens,
+            disk_cached_prompt_tokens=u.disk_cached_prompt_tokens,
             completion_tokens=(
                 u.completion_tokens if u.HasField("completion_tokens") else len(tokens)
             ),

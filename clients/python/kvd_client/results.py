@@ -40,6 +40,8 @@ class Usage:
     completion_tokens: int = 0       #: tokens generated
     #: of cached_prompt_tokens, those copied back from the host tier (kvd --host-cache)
     host_cached_prompt_tokens: int = 0
+    #: ... and those read back from the disk tier (kvd --cache-dir)
+    disk_cached_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ class Result:
                 "prompt_tokens": self.usage.prompt_tokens,
                 "cached_prompt_tokens": self.usage.cached_prompt_tokens,
                 "host_cached_prompt_tokens": self.usage.host_cached_prompt_tokens,
+                "disk_cached_prompt_tokens": self.usage.disk_cached_prompt_tokens,
                 "completion_tokens": self.usage.completion_tokens,
             },
             "timings": {
@@ -190,6 +193,18 @@ class Stats:
     host_cache_dropped: int = 0   #: blocks dropped from it for room
     host_cache_corrupt: int = 0   #: blocks that failed their checksum (misses)
     host_cache_declined: int = 0  #: blocks left to compute because restoring measured slower
+    #: the disk tier (kvd --cache-dir): its budget in bytes (0: none) and what it holds
+    disk_cache_max_bytes: int = 0
+    disk_cache_bytes: int = 0
+    disk_cache_blocks: int = 0
+    #: prompt tokens read back from it (counted in cached_prompt_tokens too)
+    disk_cached_prompt_tokens: int = 0
+    disk_cache_written: int = 0   #: files written since kvd started
+    disk_cache_pending: int = 0   #: writes queued now
+    disk_cache_dropped_writes: int = 0  #: writes dropped (queue full, or a write failed)
+    disk_cache_corrupt: int = 0   #: files that failed a check: removed, misses
+    disk_cache_ignored: int = 0   #: files of another model or layout found at start
+    disk_cache_declined: int = 0  #: blocks left to compute because reading measured slower
 
     @property
     def hit_rate(self) -> float:

@@ -1,0 +1,653 @@
+/*
+ * disktier.c - the disk tier (disktier.h): files, an index of them, and a
+ * writer thread.
+ */
+#include "disktier.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#define XXH_STATIC_LINKING_ONLY
+#include <xxhash.h>
+
+#include "err.h"
+
+#define MAGIC "KVDTIER\x01"
+#define VERSION 1u
+#define QUEUE_MAX 256           /* queued writes at most */
+#define QUEUE_BYTES (256u << 20)/* and at most this much data */
+#define NAME_LEN 37             /* 32 hex digits, ".kvb", NUL */
+
+/* Header layout: offsets of the fixed fields (little-endian), then the token
+ * ids, then the header's own checksum. */
+enum {
+    H_MAGIC = 0, H_VERSION = 8, H_SIZE = 12,
+    H_MODEL = 16, H_TOKENIZER = 32, H_KTYPE = 48, H_VTYPE = 52, H_ROTATE = 56, H_BT = 60,
+    H_BBYTES = 64, H_NPARTS = 72, H_PLAYERS = 76, H_KEYS = 80,
+    H_KEY = 96, H_PARENT = 112, H_NS = 128, H_DBYTES = 144, H_DSUM = 152, H_TOKENS = 160,
+};
+
+struct dentry {
+    char name[NAME_LEN];        /* file name in the directory */
+    struct prefix_tier_block id;/* tokens: the entry's own copy */
+    uint64_t bytes;             /* the file's size */
+    uint64_t used;              /* last use (nanoseconds since the epoch) */
+    struct dentry *hnext, *prev, *next;    /* hash chain; LRU (prev toward the most recent) */
+};
+
+struct job {
+    struct prefix_tier_block id;/* tokens: the job's own copy */
+    uint8_t *data;
+    struct job *next;
+};
+
+struct disk_tier {
+    char dir[4096];
+    int dir_fd;
+    uint64_t max_bytes;
+    struct disk_tier_layout lay;
+    size_t header_bytes;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;          /* the writer waits for jobs; flush waits for an empty queue */
+    pthread_t writer;
+    bool stop, busy;
+    struct job *q_head, *q_tail;
+    uint64_t q_n, q_bytes;
+    struct dentry **bucket;
+    uint64_t mask;
+    struct dentry *head, *tail; /* LRU */
+    struct disk_tier_stats st;
+};
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+static uint32_t get32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint64_t get64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+static bool same_id(uint32_t bt, const struct prefix_tier_block *a, const struct prefix_tier_block *b)
+{
+    return a->key.lo == b->key.lo && a->key.hi == b->key.hi && a->parent.lo == b->parent.lo &&
+           a->parent.hi == b->parent.hi && a->ns.lo == b->ns.lo && a->ns.hi == b->ns.hi &&
+           memcmp(a->tokens, b->tokens, (size_t)bt * 4) == 0;
+}
+
+/* The file name of an identity: a digest of all of it. */
+static void name_of(const disk_tier_t *d, const struct prefix_tier_block *b, char out[NAME_LEN])
+{
+    XXH3_state_t st;
+    XXH3_128bits_reset(&st);
+    XXH3_128bits_update(&st, &b->key, sizeof(b->key));
+    XXH3_128bits_update(&st, &b->parent, sizeof(b->parent));
+    XXH3_128bits_update(&st, &b->ns, sizeof(b->ns));
+    XXH3_128bits_update(&st, b->tokens, (size_t)d->lay.block_tokens * 4);
+    const XXH128_hash_t h = XXH3_128bits_digest(&st);
+    snprintf(out, NAME_LEN, "%016llx%016llx.kvb", (unsigned long long)h.high64, (unsigned long long)h.low64);
+}
+
+/* The header of a file for block b whose data has checksum dsum. */
+static void header_make(const disk_tier_t *d, const struct prefix_tier_block *b, uint64_t dsum, uint8_t *h)
+{
+    const struct disk_tier_layout *l = &d->lay;
+    memset(h, 0, d->header_bytes);
+    memcpy(h + H_MAGIC, MAGIC, 8);
+    put32(h + H_VERSION, VERSION);
+    put32(h + H_SIZE, (uint32_t)d->header_bytes);
+    memcpy(h + H_MODEL, l->model, 16);
+    memcpy(h + H_TOKENIZER, l->tokenizer, 16);
+    put32(h + H_KTYPE, l->k_type);
+    put32(h + H_VTYPE, l->v_type);
+    put32(h + H_ROTATE, l->rotate);
+    put32(h + H_BT, l->block_tokens);
+    put64(h + H_BBYTES, l->block_bytes);
+    put32(h + H_NPARTS, l->n_parts);
+    put32(h + H_PLAYERS, l->part_layers);
+    memcpy(h + H_KEYS, l->keys, 16);
+    memcpy(h + H_KEY, &b->key, 16);
+    memcpy(h + H_PARENT, &b->parent, 16);
+    memcpy(h + H_NS, &b->ns, 16);
+    put64(h + H_DBYTES, l->block_bytes);
+    put64(h + H_DSUM, dsum);
+    memcpy(h + H_TOKENS, b->tokens, (size_t)l->block_tokens * 4);
+    const size_t sum_at = d->header_bytes - 8;
+    put64(h + sum_at, XXH3_64bits(h, sum_at));
+}
+
+enum hcheck { H_OK, H_DAMAGED, H_OTHER };
+
+/* Checks a header read from a file: damaged (magic, version, size or its own
+ * checksum), made for another layout, or usable; fills b (tokens into tok). */
+static enum hcheck header_check(const disk_tier_t *d, const uint8_t *h, struct prefix_tier_block *b, int32_t *tok)
+{
+    if (memcmp(h + H_MAGIC, MAGIC, 8) != 0)
+        return H_DAMAGED;
+    if (get32(h + H_VERSION) != VERSION || get32(h + H_SIZE) != d->header_bytes)
+        return H_OTHER;         /* another version of the format, or another block size */
+    const size_t sum_at = d->header_bytes - 8;
+    if (XXH3_64bits(h, sum_at) != get64(h + sum_at))
+        return H_DAMAGED;
+    const struct disk_tier_layout *l = &d->lay;
+    if (memcmp(h + H_MODEL, l->model, 16) != 0 || memcmp(h + H_TOKENIZER, l->tokenizer, 16) != 0 ||
+        get32(h + H_KTYPE) != l->k_type || get32(h + H_VTYPE) != l->v_type || get32(h + H_ROTATE) != l->rotate ||
+        get64(h + H_BBYTES) != l->block_bytes || get32(h + H_NPARTS) != l->n_parts ||
+        get32(h + H_PLAYERS) != l->part_layers || get64(h + H_DBYTES) != l->block_bytes ||
+        memcmp(h + H_KEYS, l->keys, 16) != 0)
+        return H_OTHER;
+    memcpy(&b->key, h + H_KEY, 16);
+    memcpy(&b->parent, h + H_PARENT, 16);
+    memcpy(&b->ns, h + H_NS, 16);
+    memcpy(tok, h + H_TOKENS, (size_t)l->block_tokens * 4);
+    b->tokens = tok;
+    return H_OK;
+}
+
+/* ---- the index (callers hold mu) ---------------------------------------------------- */
+
+static struct dentry **slot_of(const disk_tier_t *d, const struct prefix_tier_block *b)
+{
+    return &d->bucket[(b->key.lo ^ b->key.hi ^ b->parent.lo) & d->mask];
+}
+
+static struct dentry *find(const disk_tier_t *d, const struct prefix_tier_block *b)
+{
+    for (struct dentry *e = *slot_of(d, b); e != NULL; e = e->hnext)
+        if (same_id(d->lay.block_tokens, &e->id, b))
+            return e;
+    return NULL;
+}
+
+static void lru_unlink(disk_tier_t *d, struct dentry *e)
+{
+    if (e->prev)
+        e->prev->next = e->next;
+    else
+        d->head = e->next;
+    if (e->next)
+        e->next->prev = e->prev;
+    else
+        d->tail = e->prev;
+    e->prev = e->next = NULL;
+}
+
+/* Inserts e in LRU order by its use time (the newest are at the head). */
+static void lru_insert(disk_tier_t *d, struct dentry *e)
+{
+    struct dentry *at = d->head;
+    while (at != NULL && at->used > e->used)
+        at = at->next;
+    e->next = at;
+    e->prev = at ? at->prev : d->tail;
+    if (e->prev)
+        e->prev->next = e;
+    else
+        d->head = e;
+    if (at)
+        at->prev = e;
+    else
+        d->tail = e;
+}
+
+static void index_add(disk_tier_t *d, struct dentry *e)
+{
+    struct dentry **slot = slot_of(d, &e->id);
+    e->hnext = *slot;
+    *slot = e;
+    lru_insert(d, e);
+    d->st.files++;
+    d->st.bytes += e->bytes;
+}
+
+/* Takes e out of the index and frees it (the file is the caller's business). */
+static void index_drop(disk_tier_t *d, struct dentry *e)
+{
+    struct dentry **link = slot_of(d, &e->id);
+    while (*link != e)
+        link = &(*link)->hnext;
+    *link = e->hnext;
+    lru_unlink(d, e);
+    d->st.files--;
+    d->st.bytes -= e->bytes;
+    free((void *)e->id.tokens);
+    free(e);
+}
+
+static void remove_file(disk_tier_t *d, const char *name)
+{
+    if (unlinkat(d->dir_fd, name, 0) != 0 && errno != ENOENT)
+        return;
+}
+
+/* Drops least recently used files until the budget holds. */
+static void shrink(disk_tier_t *d)
+{
+    while (d->st.bytes > d->max_bytes && d->tail != NULL) {
+        struct dentry *e = d->tail;
+        remove_file(d, e->name);
+        index_drop(d, e);
+        d->st.removed++;
+    }
+}
+
+static struct dentry *dentry_new(const disk_tier_t *d, const struct prefix_tier_block *b, const char *name,
+                                 uint64_t bytes, uint64_t used)
+{
+    struct dentry *e = calloc(1, sizeof(*e));
+    int32_t *tok = malloc((size_t)d->lay.block_tokens * 4);
+    if (e == NULL || tok == NULL) {
+        free(e);
+        free(tok);
+        return NULL;
+    }
+    memcpy(tok, b->tokens, (size_t)d->lay.block_tokens * 4);
+    e->id = *b;
+    e->id.tokens = tok;
+    snprintf(e->name, sizeof(e->name), "%s", name);
+    e->bytes = bytes;
+    e->used = used;
+    return e;
+}
+
+/* ---- writing -------------------------------------------------------------------- */
+
+static bool write_all(int fd, const void *buf, size_t n)
+{
+    const uint8_t *p = buf;
+    while (n > 0) {
+        const ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return false;
+        p += w;
+        n -= (size_t)w;
+    }
+    return true;
+}
+
+/* Writes one block's file: temporary name, fsync, rename, directory fsync. */
+static bool write_block(disk_tier_t *d, const struct job *j, const char *name)
+{
+    char tmp[NAME_LEN + 8];
+    snprintf(tmp, sizeof(tmp), ".tmp-%s", name);
+    uint8_t *h = malloc(d->header_bytes);
+    if (h == NULL)
+        return false;
+    header_make(d, &j->id, XXH3_64bits(j->data, d->lay.block_bytes), h);
+    const int fd = openat(d->dir_fd, tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    bool ok = fd >= 0 && write_all(fd, h, d->header_bytes) && write_all(fd, j->data, d->lay.block_bytes) &&
+              fsync(fd) == 0;
+    if (fd >= 0)
+        close(fd);
+    free(h);
+    ok = ok && renameat(d->dir_fd, tmp, d->dir_fd, name) == 0;
+    if (!ok) {
+        unlinkat(d->dir_fd, tmp, 0);
+        return false;
+    }
+    fsync(d->dir_fd);       /* the rename itself survives a crash */
+    return true;
+}
+
+static void *writer_main(void *arg)
+{
+    disk_tier_t *d = arg;
+    pthread_mutex_lock(&d->mu);
+    for (;;) {
+        while (d->q_head == NULL && !d->stop)
+            pthread_cond_wait(&d->cv, &d->mu);
+        if (d->q_head == NULL && d->stop)
+            break;
+        struct job *j = d->q_head;
+        d->busy = true;
+        pthread_mutex_unlock(&d->mu);
+        char name[NAME_LEN];
+        name_of(d, &j->id, name);
+        const bool ok = write_block(d, j, name);
+        pthread_mutex_lock(&d->mu);
+        d->q_head = j->next;
+        if (d->q_head == NULL)
+            d->q_tail = NULL;
+        d->q_n--;
+        d->q_bytes -= d->lay.block_bytes;
+        d->busy = false;
+        if (ok && find(d, &j->id) == NULL) {
+            struct dentry *e = dentry_new(d, &j->id, name, d->header_bytes + d->lay.block_bytes, now_ns());
+            if (e != NULL) {
+                index_add(d, e);
+                d->st.written++;
+                shrink(d);
+            } else {
+                remove_file(d, name);
+                d->st.dropped_writes++;
+            }
+        } else if (!ok) {
+            d->st.dropped_writes++;
+        }
+        free((void *)j->id.tokens);
+        free(j->data);
+        free(j);
+        pthread_cond_broadcast(&d->cv);     /* flush() may wait for an empty queue */
+    }
+    pthread_mutex_unlock(&d->mu);
+    return NULL;
+}
+
+/* ---- opening ------------------------------------------------------------------------ */
+
+static void note(disk_tier_log_fn log, void *user, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void note(disk_tier_log_fn log, void *user, const char *fmt, ...)
+{
+    if (log == NULL)
+        return;
+    char line[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof(line), fmt, ap);
+    va_end(ap);
+    log(user, line);
+}
+
+/* Indexes the directory: temporaries removed, headers checked. */
+static int scan(disk_tier_t *d, disk_tier_log_fn log, void *log_user, char *err, size_t errlen)
+{
+    const int fd = dup(d->dir_fd);
+    DIR *dir = fd >= 0 ? fdopendir(fd) : NULL;
+    if (dir == NULL) {
+        if (fd >= 0)
+            close(fd);
+        return kvd_seterr(err, errlen, KVD_EIO, "disk tier: cannot read %s: %s", d->dir, strerror(errno));
+    }
+    uint8_t *h = malloc(d->header_bytes);
+    int32_t *tok = malloc((size_t)d->lay.block_tokens * 4);
+    if (h == NULL || tok == NULL) {
+        free(h);
+        free(tok);
+        closedir(dir);
+        return kvd_seterr(err, errlen, KVD_ENOMEM, "disk tier: out of memory");
+    }
+    char first_other[NAME_LEN] = "";
+    const struct dirent *de;
+    while ((de = readdir(dir)) != NULL) {
+        const char *nm = de->d_name;
+        if (strncmp(nm, ".tmp-", 5) == 0) {
+            remove_file(d, nm);     /* a write a crash cut short */
+            continue;
+        }
+        const size_t len = strlen(nm);
+        if (len != NAME_LEN - 1 || strcmp(nm + len - 4, ".kvb") != 0)
+            continue;           /* not ours */
+        struct stat sb;
+        const int f = openat(d->dir_fd, nm, O_RDONLY | O_CLOEXEC);
+        if (f < 0)
+            continue;
+        const bool whole = fstat(f, &sb) == 0 && pread(f, h, d->header_bytes, 0) == (ssize_t)d->header_bytes;
+        close(f);
+        struct prefix_tier_block b;
+        const enum hcheck c = whole ? header_check(d, h, &b, tok) : H_DAMAGED;
+        char want[NAME_LEN];
+        if (c == H_OK)
+            name_of(d, &b, want);
+        if (c == H_OTHER) {
+            if (d->st.ignored++ == 0)
+                snprintf(first_other, sizeof(first_other), "%s", nm);
+            continue;
+        }
+        if (c == H_DAMAGED || strcmp(want, nm) != 0 ||
+            (uint64_t)sb.st_size != d->header_bytes + d->lay.block_bytes) {
+            note(log, log_user, "disk tier: %s/%s is damaged or truncated: removed", d->dir, nm);
+            remove_file(d, nm);
+            d->st.corrupt++;
+            continue;
+        }
+        const uint64_t used = (uint64_t)sb.st_mtim.tv_sec * 1000000000ull + (uint64_t)sb.st_mtim.tv_nsec;
+        struct dentry *e = dentry_new(d, &b, nm, (uint64_t)sb.st_size, used);
+        if (e == NULL)
+            break;
+        index_add(d, e);
+        d->st.indexed++;
+    }
+    closedir(dir);
+    free(h);
+    free(tok);
+    if (d->st.ignored > 0)
+        note(log, log_user, "disk tier: %llu files in %s were made for another model or layout (%s, ...): ignored",
+             (unsigned long long)d->st.ignored, d->dir, first_other);
+    shrink(d);
+    return 0;
+}
+
+disk_tier_t *disk_tier_open(const char *dir, uint64_t max_bytes, const struct disk_tier_layout *lay,
+                            disk_tier_log_fn log, void *log_user, char *err, size_t errlen)
+{
+    if (lay->block_tokens == 0 || lay->block_tokens > 4096 || lay->block_bytes == 0) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "disk tier: bad block layout");
+        return NULL;
+    }
+    const size_t header_bytes = H_TOKENS + (size_t)lay->block_tokens * 4 + 8;
+    if (max_bytes < header_bytes + lay->block_bytes) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "disk tier: %llu bytes cannot hold one block of %llu",
+                   (unsigned long long)max_bytes, (unsigned long long)lay->block_bytes);
+        return NULL;
+    }
+    if (strlen(dir) >= sizeof(((disk_tier_t *)0)->dir)) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "disk tier: directory name too long");
+        return NULL;
+    }
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
+        kvd_seterr(err, errlen, KVD_EIO, "disk tier: cannot make %s: %s", dir, strerror(errno));
+        return NULL;
+    }
+    disk_tier_t *d = calloc(1, sizeof(*d));
+    if (d == NULL) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "disk tier: out of memory");
+        return NULL;
+    }
+    snprintf(d->dir, sizeof(d->dir), "%s", dir);
+    d->max_bytes = max_bytes;
+    d->lay = *lay;
+    d->header_bytes = header_bytes;
+    d->st.max_bytes = max_bytes;
+    uint64_t n = 64;
+    while (n < 2 * (max_bytes / lay->block_bytes) && n < (1ull << 26))
+        n *= 2;
+    d->mask = n - 1;
+    d->bucket = calloc(n, sizeof(*d->bucket));
+    d->dir_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    pthread_mutex_init(&d->mu, NULL);
+    pthread_cond_init(&d->cv, NULL);
+    if (d->bucket == NULL || d->dir_fd < 0) {
+        kvd_seterr(err, errlen, d->bucket ? KVD_EIO : KVD_ENOMEM, "disk tier: cannot open %s: %s", dir,
+                   d->bucket ? strerror(errno) : "out of memory");
+        goto fail;
+    }
+    if (scan(d, log, log_user, err, errlen) != 0)
+        goto fail;
+    if (pthread_create(&d->writer, NULL, writer_main, d) != 0) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "disk tier: cannot start its writer");
+        goto fail;
+    }
+    return d;
+fail:
+    d->stop = true;
+    pthread_mutex_destroy(&d->mu);
+    pthread_cond_destroy(&d->cv);
+    for (struct dentry *e = d->head, *next; e != NULL; e = next) {
+        next = e->next;
+        free((void *)e->id.tokens);
+        free(e);
+    }
+    if (d->dir_fd >= 0)
+        close(d->dir_fd);
+    free(d->bucket);
+    free(d);
+    return NULL;
+}
+
+void disk_tier_close(disk_tier_t **dp)
+{
+    if (dp == NULL || *dp == NULL)
+        return;
+    disk_tier_t *d = *dp;
+    pthread_mutex_lock(&d->mu);
+    d->stop = true;
+    pthread_cond_broadcast(&d->cv);
+    pthread_mutex_unlock(&d->mu);
+    pthread_join(d->writer, NULL);      /* it writes what is queued first */
+    for (struct dentry *e = d->head, *next; e != NULL; e = next) {
+        next = e->next;
+        free((void *)e->id.tokens);
+        free(e);
+    }
+    pthread_mutex_destroy(&d->mu);
+    pthread_cond_destroy(&d->cv);
+    close(d->dir_fd);
+    free(d->bucket);
+    free(d);
+    *dp = NULL;
+}
+
+static bool queued(const disk_tier_t *d, const struct prefix_tier_block *b)
+{
+    for (const struct job *j = d->q_head; j != NULL; j = j->next)
+        if (same_id(d->lay.block_tokens, &j->id, b))
+            return true;
+    return false;
+}
+
+int disk_tier_put(disk_tier_t *d, const struct prefix_tier_block *b, const void *data)
+{
+    pthread_mutex_lock(&d->mu);
+    const bool there = find(d, b) != NULL || queued(d, b);
+    const bool full = d->q_n >= QUEUE_MAX || d->q_bytes + d->lay.block_bytes > QUEUE_BYTES;
+    if (full && !there)
+        d->st.dropped_writes++;
+    pthread_mutex_unlock(&d->mu);
+    if (there)
+        return 0;
+    if (full)
+        return KVD_ENOSPACE;
+    /* the copy is made outside the lock: the writer goes on meanwhile */
+    struct job *j = calloc(1, sizeof(*j));
+    int32_t *tok = malloc((size_t)d->lay.block_tokens * 4);
+    uint8_t *data_copy = malloc(d->lay.block_bytes);
+    if (j == NULL || tok == NULL || data_copy == NULL) {
+        free(j);
+        free(tok);
+        free(data_copy);
+        return KVD_ENOMEM;
+    }
+    memcpy(tok, b->tokens, (size_t)d->lay.block_tokens * 4);
+    memcpy(data_copy, data, d->lay.block_bytes);
+    j->id = *b;
+    j->id.tokens = tok;
+    j->data = data_copy;
+    pthread_mutex_lock(&d->mu);
+    if (d->q_tail)
+        d->q_tail->next = j;
+    else
+        d->q_head = j;
+    d->q_tail = j;
+    d->q_n++;
+    d->q_bytes += d->lay.block_bytes;
+    pthread_cond_broadcast(&d->cv);
+    pthread_mutex_unlock(&d->mu);
+    return 0;
+}
+
+bool disk_tier_has(disk_tier_t *d, const struct prefix_tier_block *b)
+{
+    pthread_mutex_lock(&d->mu);
+    const bool there = find(d, b) != NULL;
+    pthread_mutex_unlock(&d->mu);
+    return there;
+}
+
+bool disk_tier_get(disk_tier_t *d, const struct prefix_tier_block *b, void *dst)
+{
+    char name[NAME_LEN];
+    pthread_mutex_lock(&d->mu);
+    struct dentry *e = find(d, b);
+    if (e == NULL) {
+        d->st.misses++;
+        pthread_mutex_unlock(&d->mu);
+        return false;
+    }
+    snprintf(name, sizeof(name), "%s", e->name);
+    pthread_mutex_unlock(&d->mu);
+
+    bool ok = false;
+    uint8_t *h = malloc(d->header_bytes);
+    int32_t *tok = malloc((size_t)d->lay.block_tokens * 4);
+    const int fd = openat(d->dir_fd, name, O_RDONLY | O_CLOEXEC);
+    if (h != NULL && tok != NULL && fd >= 0 && pread(fd, h, d->header_bytes, 0) == (ssize_t)d->header_bytes) {
+        struct prefix_tier_block fb;
+        ok = header_check(d, h, &fb, tok) == H_OK && same_id(d->lay.block_tokens, &fb, b) &&
+             pread(fd, dst, d->lay.block_bytes, (off_t)d->header_bytes) == (ssize_t)d->lay.block_bytes &&
+             XXH3_64bits(dst, d->lay.block_bytes) == get64(h + H_DSUM);
+    }
+    if (fd >= 0) {
+        if (ok)
+            futimens(fd, NULL);     /* its use, for the LRU order after a restart */
+        close(fd);
+    }
+    free(h);
+    free(tok);
+    pthread_mutex_lock(&d->mu);
+    e = find(d, b);         /* the writer may have dropped it meanwhile */
+    if (ok && e != NULL) {
+        lru_unlink(d, e);
+        e->used = now_ns();
+        lru_insert(d, e);
+        d->st.hits++;
+    } else {
+        if (e != NULL) {
+            remove_file(d, e->name);
+            index_drop(d, e);
+            d->st.corrupt++;
+        }
+        d->st.misses++;
+        ok = false;
+    }
+    pthread_mutex_unlock(&d->mu);
+    return ok;
+}
+
+void disk_tier_flush(disk_tier_t *d)
+{
+    pthread_mutex_lock(&d->mu);
+    while (d->q_head != NULL)
+        pthread_cond_wait(&d->cv, &d->mu);
+    pthread_mutex_unlock(&d->mu);
+}
+
+void disk_tier_stats(disk_tier_t *d, struct disk_tier_stats *st)
+{
+    pthread_mutex_lock(&d->mu);
+    *st = d->st;
+    st->pending = d->q_n;
+    pthread_mutex_unlock(&d->mu);
+}
+
+bool disk_tier_path_for_test(disk_tier_t *d, const struct prefix_tier_block *b, char *path, size_t len)
+{
+    pthread_mutex_lock(&d->mu);
+    const struct dentry *e = find(d, b);
+    if (e != NULL)
+        snprintf(path, len, "%s/%s", d->dir, e->name);
+    pthread_mutex_unlock(&d->mu);
+    return e != NULL;
+}
