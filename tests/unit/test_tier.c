@@ -15,6 +15,14 @@
  *             in the pool or came back from the tier, holds the signature of
  *             exactly its namespace and tokens; prefix_check after every
  *             operation; blocks do come back, and damaged entries are misses
+ *             and the same again with a disk tier behind the host tier (every
+ *             findable block written behind): what the host tier dropped comes
+ *             back from disk
+ *   disk      the disk tier alone: blocks written and read back exact; an
+ *             identity that differs misses; damaged data (on read) and a
+ *             damaged header (on open) removed and counted; a temporary left
+ *             by a crash removed; another layout's files ignored; a smaller
+ *             budget keeps the most recently used
  *   refusals  a pool of several parts refuses a tier
  */
 #include <stdbool.h>
@@ -23,7 +31,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include "check.h"
+#include "disktier.h"
 #include "err.h"
 #include "kvparts.h"
 #include "pool.h"
@@ -207,14 +219,38 @@ static uint64_t kv_sig(int ns, const int32_t *tok, uint32_t n)
     return mix64(h ^ n);
 }
 
+/* The tiers of a pool run: a host tier, and a disk tier behind it or not. */
+struct tiers {
+    tier_t *host;
+    disk_tier_t *disk;
+    uint64_t from_host, from_disk;
+};
+
+static void tier_committed(void *user, const struct prefix_tier_block *b, const void *data)
+{
+    struct tiers *ts = user;
+    if (ts->disk)
+        disk_tier_put(ts->disk, b, data);
+}
+
 static void tier_evicted(void *user, const struct prefix_tier_block *b, const void *data)
 {
-    REQUIRE(tier_put(user, b, data) == 0);
+    struct tiers *ts = user;
+    REQUIRE(tier_put(ts->host, b, data) == 0);
 }
 
 static bool tier_fetch(void *user, const struct prefix_tier_block *b, void *dst)
 {
-    return tier_get(user, b, dst);
+    struct tiers *ts = user;
+    if (tier_get(ts->host, b, dst)) {
+        ts->from_host++;
+        return true;
+    }
+    if (ts->disk != NULL && disk_tier_get(ts->disk, b, dst)) {
+        ts->from_disk++;
+        return true;
+    }
+    return false;
 }
 
 static prefix_key_t hash_const(const uint8_t secret[POOL_SECRET_BYTES], prefix_key_t parent, prefix_ns_t ns,
@@ -257,7 +293,9 @@ struct prompt {
     int ns;
 };
 
-static void pool_run(bool weak_keys)
+static char disk_dir[] = "/tmp/kvd-test-tier-XXXXXX";
+
+static void pool_run(bool weak_keys, bool disk)
 {
     char err[256];
     pool_t *pool = pool_small(NULL);
@@ -267,7 +305,20 @@ static void pool_run(bool weak_keys)
     /* room for about 20 of the 40-odd blocks the prompts make: entries are dropped too */
     tier_t *t = tier_new(3000, BT, BLOCK_BYTES, err, sizeof(err));
     REQUIRE(t != NULL);
-    const struct prefix_tier tr = { NULL, tier_evicted, tier_fetch, t };
+    struct tiers ts = { .host = t };
+    if (disk) {
+        /* everything findable is written behind; the disk holds what the host tier drops */
+        struct disk_tier_layout dl = { .k_type = KERN_F16, .v_type = KERN_F16, .block_tokens = BT,
+                                       .block_bytes = BLOCK_BYTES, .n_parts = 1, .part_layers = 1 };
+        memcpy(dl.model, "test_tier/fp0001", 16);
+        char sub[64];
+        snprintf(sub, sizeof(sub), "%s/%s", disk_dir, weak_keys ? "weak" : "keyed");
+        ts.disk = disk_tier_open(sub, 1 << 20, &dl, NULL, NULL, err, sizeof(err));
+        if (ts.disk == NULL)
+            fprintf(stderr, "disk_tier_open: %s\n", err);
+        REQUIRE(ts.disk != NULL);
+    }
+    const struct prefix_tier tr = { disk ? tier_committed : NULL, tier_evicted, tier_fetch, &ts };
     REQUIRE(prefix_set_tier(px, &tr) == 0);
     /* prompts: three system prompts of 4-6 blocks, each with its own tails,
      * in one of two namespaces */
@@ -325,6 +376,8 @@ static void pool_run(bool weak_keys)
         REQUIRE(prefix_seq_commit(px, s, q->tok, q->n) == 0);
         live_p[k] = p;
         broken += check_ok(px) != 0;
+        if (ts.disk != NULL && op % 50 == 0)
+            disk_tier_flush(ts.disk);   /* else the writer may lag a whole run behind */
     }
     for (int k = 0; k < LIVE; k++) {
         if (live_p[k] >= 0)
@@ -336,10 +389,10 @@ static void pool_run(bool weak_keys)
     tier_stats(t, &st);
     struct prefix_stats ps;
     prefix_stats(px, &ps);
-    printf("pool (%s keys): %llu sequences, %llu blocks found cached, %llu of them from the tier (%llu restored by "
+    printf("pool (%s keys%s): %llu sequences, %llu blocks found cached, %llu of them from the tier (%llu restored by "
            "the pool's count); tier: %llu hits, %llu misses, %llu damaged, %llu dropped, %llu of %llu entries "
            "compressed; %llu blocks with another's K/V, %llu broken invariants, %llu refusals for room\n",
-           weak_keys ? "colliding" : "keyed", (unsigned long long)begun, (unsigned long long)cached_blocks,
+           weak_keys ? "colliding" : "keyed", disk ? ", host and disk tiers" : "", (unsigned long long)begun, (unsigned long long)cached_blocks,
            (unsigned long long)restored, (unsigned long long)ps.restored, (unsigned long long)st.hits,
            (unsigned long long)st.misses, (unsigned long long)st.corrupt, (unsigned long long)st.dropped,
            (unsigned long long)st.compressed, (unsigned long long)st.entries, (unsigned long long)wrong,
@@ -348,8 +401,20 @@ static void pool_run(bool weak_keys)
     CHECK(broken == 0);
     CHECK(restored > 1000);
     CHECK_INT(ps.restored, restored);
+    CHECK_INT(ts.from_host + ts.from_disk, restored);
     CHECK(st.corrupt > 0 && st.dropped > 0);
     CHECK(st.bytes <= st.max_bytes);
+    if (ts.disk != NULL) {
+        struct disk_tier_stats ds;
+        disk_tier_flush(ts.disk);
+        disk_tier_stats(ts.disk, &ds);
+        printf("  disk: %llu blocks restored from it, %llu files, %llu written, %llu writes dropped\n",
+               (unsigned long long)ts.from_disk, (unsigned long long)ds.files, (unsigned long long)ds.written,
+               (unsigned long long)ds.dropped_writes);
+        CHECK(ts.from_disk > 100);      /* what the host tier dropped came back from disk */
+        CHECK(ds.corrupt == 0 && ds.files > 0);
+        disk_tier_close(&ts.disk);
+    }
     prefix_destroy(&px);
     tier_destroy(&t);
     pool_close(&pool);
@@ -375,11 +440,109 @@ static void test_refusals(void)
     printf("refusals: a pool of %u parts takes no tier\n", parts.n_parts);
 }
 
+/* ---- the disk tier alone --------------------------------------------------------- */
+
+static struct disk_tier_layout disk_layout(void)
+{
+    struct disk_tier_layout dl = { .k_type = KERN_F16, .v_type = KERN_F16, .block_tokens = BT,
+                                   .block_bytes = SB, .n_parts = 1, .part_layers = 1 };
+    memcpy(dl.model, "test_tier/disk01", 16);
+    return dl;
+}
+
+static void test_disk(void)
+{
+    char err[256], dir[128], path[512];
+    snprintf(dir, sizeof(dir), "%s/alone", disk_dir);
+    const struct disk_tier_layout dl = disk_layout();
+    CHECK(disk_tier_open(dir, 100, &dl, NULL, NULL, err, sizeof(err)) == NULL);     /* no room for a block */
+    disk_tier_t *d = disk_tier_open(dir, 1 << 20, &dl, NULL, NULL, err, sizeof(err));
+    REQUIRE(d != NULL);
+    struct ident ids[NID];
+    uint8_t buf[SB], want[SB];
+    for (int i = 0; i < 12; i++) {
+        ident_make(&ids[i], i);
+        block_bytes(buf, i, 0);
+        CHECK_INT(disk_tier_put(d, &ids[i].b, buf), 0);
+    }
+    CHECK_INT(disk_tier_put(d, &ids[0].b, buf), 0);    /* queued or written already: nothing more */
+    disk_tier_flush(d);
+    struct disk_tier_stats st;
+    disk_tier_stats(d, &st);
+    CHECK(st.files == 12 && st.written == 12 && st.pending == 0);
+    int same = 0;
+    for (int i = 0; i < 12; i++) {
+        block_bytes(want, i, 0);
+        same += disk_tier_get(d, &ids[i].b, buf) && memcmp(buf, want, SB) == 0;
+    }
+    CHECK_INT(same, 12);
+    struct ident other = ids[3];
+    other.b.tokens = other.tok;
+    other.tok[0]++;
+    CHECK(!disk_tier_get(d, &other.b, buf));
+    /* damage two files: one's data (found on read), one's header (found on open) */
+    REQUIRE(disk_tier_path_for_test(d, &ids[4].b, path, sizeof(path)));
+    FILE *f = fopen(path, "r+b");
+    REQUIRE(f != NULL);
+    fseek(f, -7, SEEK_END);
+    fputc(0x55, f);
+    fclose(f);
+    CHECK(!disk_tier_get(d, &ids[4].b, buf));
+    CHECK(!disk_tier_has(d, &ids[4].b) && access(path, F_OK) != 0);
+    REQUIRE(disk_tier_path_for_test(d, &ids[5].b, path, sizeof(path)));
+    disk_tier_close(&d);
+    f = fopen(path, "r+b");
+    REQUIRE(f != NULL);
+    fseek(f, 20, SEEK_SET);
+    fputc(0x55, f);
+    fclose(f);
+    /* a write cut short by a crash */
+    char tmp[600];
+    snprintf(tmp, sizeof(tmp), "%s/.tmp-0123456789abcdef0123456789abcdef.kvb", dir);
+    f = fopen(tmp, "wb");
+    REQUIRE(f != NULL);
+    fputs("half a block", f);
+    fclose(f);
+    /* reopened: the rest is there, the damaged header and the temporary gone */
+    d = disk_tier_open(dir, 1 << 20, &dl, NULL, NULL, err, sizeof(err));
+    REQUIRE(d != NULL);
+    disk_tier_stats(d, &st);
+    CHECK(st.indexed == 10 && st.corrupt == 1 && access(tmp, F_OK) != 0);
+    CHECK(disk_tier_get(d, &ids[7].b, buf));
+    disk_tier_close(&d);
+    /* another layout: every file ignored, none removed */
+    struct disk_tier_layout other_lay = dl;
+    other_lay.v_type = KERN_Q8_0;
+    d = disk_tier_open(dir, 1 << 20, &other_lay, NULL, NULL, err, sizeof(err));
+    REQUIRE(d != NULL);
+    disk_tier_stats(d, &st);
+    CHECK(st.files == 0 && st.ignored == 10);
+    disk_tier_close(&d);
+    /* a budget of 4 files: the least recently used go (block 7 was read last) */
+    const uint64_t per = 160 + BT * 4 + 8 + SB;    /* a file: header (fields, ids, checksum) and data */
+    d = disk_tier_open(dir, 4 * per, &dl, NULL, NULL, err, sizeof(err));
+    REQUIRE(d != NULL);
+    disk_tier_stats(d, &st);
+    CHECK(st.files == 4 && st.removed == 6);
+    CHECK(disk_tier_has(d, &ids[7].b));
+    disk_tier_close(&d);
+    printf("disk: written and read back exact; damaged data and header, a torn temporary, another layout "
+           "and a smaller budget each handled\n");
+}
+
 int main(void)
 {
+    REQUIRE(mkdtemp(disk_dir) != NULL);
     test_store();
-    pool_run(false);
-    pool_run(true);
+    pool_run(false, false);
+    pool_run(true, false);
+    pool_run(false, true);
+    pool_run(true, true);
+    test_disk();
     test_refusals();
+    char cmd[256];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", disk_dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", disk_dir);
     return CHECK_DONE();
 }
