@@ -108,6 +108,8 @@ struct request {
     uint32_t lp_cap;
     char *text;                     /* everything generated (stop string cut off) */
     size_t text_len, text_cap;
+    size_t valid;                   /* leading bytes of text checked as UTF-8 (the rest: an
+                                     * incomplete character that may still be completed) */
     size_t sent;                    /* bytes of text already streamed */
     uint32_t sent_tokens;           /* generated tokens already streamed */
     uint32_t chunk_seq;             /* next Chunk.seq */

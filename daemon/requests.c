@@ -109,6 +109,8 @@ static void req_free(struct request *r)
 
 /* ---- output ---------------------------------------------------------------------------------- */
 
+static int text_validate(struct request *r, bool all);
+
 /* Bytes of text that may be sent: whole UTF-8 characters, and not a tail that
  * could still grow into a stop string. */
 static size_t safe_len(const struct request *r)
@@ -278,6 +280,8 @@ static void finish(struct kvd *k, struct request *r)
             reply_error(k, r->rid, r->rid_len, r->client_id, r->fail_code, r->fail_msg, 0);
     } else {
         k->st.done++;
+        if (r->text != NULL)
+            text_validate(r, true);     /* a character cut short by the end is U+FFFD */
         stream_out(k, r, true);
         Kvd__ServerReply m = KVD__SERVER_REPLY__INIT;
         Kvd__Final f = KVD__FINAL__INIT;
@@ -352,37 +356,121 @@ static void stop_request(struct kvd *k, struct request *r, int why, int fail_cod
 
 /* ---- admission ---------------------------------------------------------------------------------- */
 
-/* Appends a token's bytes to the request's text. A NUL byte (a byte token
- * can decode to one) becomes U+FFFD: text travels as C strings, and a NUL
- * would cut the chunks and the final text at different places; the token
- * ids carry the exact output. */
+/* The UTF-8 sequence at s[0..n): 1 and its length in *len when it is one
+ * character (RFC 3629: no overlong forms, surrogates or values past
+ * U+10FFFF), 0 when s is a valid start of one that n cuts short, -1 when its
+ * first byte starts no valid character. */
+static int utf8_seq(const unsigned char *s, size_t n, size_t *len)
+{
+    const unsigned char c = s[0];
+    size_t want;
+    unsigned char lo = 0x80, hi = 0xBF;     /* the second byte's range */
+    if (c < 0x80) {
+        *len = 1;
+        return 1;
+    } else if (c >= 0xC2 && c <= 0xDF) {
+        want = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+        want = 3;
+        lo = c == 0xE0 ? 0xA0 : 0x80;
+        hi = c == 0xED ? 0x9F : 0xBF;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+        want = 4;
+        lo = c == 0xF0 ? 0x90 : 0x80;
+        hi = c == 0xF4 ? 0x8F : 0xBF;
+    } else {
+        return -1;
+    }
+    for (size_t j = 1; j < want; j++) {
+        if (j >= n)
+            return 0;
+        const unsigned char b = s[j];
+        if (j == 1 ? (b < lo || b > hi) : (b >> 6) != 2)
+            return -1;
+    }
+    *len = want;
+    return 1;
+}
+
+/* Makes r's text valid UTF-8 from r->valid on: every byte that starts no
+ * valid character (a NUL byte too: text travels as C strings, and a NUL would
+ * cut the chunks and the final text at different places) becomes U+FFFD; a
+ * character cut short at the end waits for its bytes, unless `all` (the
+ * text is complete). The token ids carry the exact output. */
+static int text_validate(struct request *r, bool all)
+{
+    size_t bad = 0, i = r->valid, len;
+    const unsigned char *t = (const unsigned char *)r->text;
+    for (; i < r->text_len; i++) {      /* count first: each bad byte grows by 2 */
+        const int v = t[i] ? utf8_seq(t + i, r->text_len - i, &len) : -1;
+        if (v == 0 && !all)
+            break;
+        if (v == 1)
+            i += len - 1;
+        else
+            bad++;
+    }
+    if (bad == 0) {
+        r->valid = i;
+        return 0;
+    }
+    const size_t add = 2 * bad;
+    if (r->text_len + add + 1 > r->text_cap) {
+        const size_t cap = (r->text_len + add + 1) * 2;
+        char *nt = realloc(r->text, cap);
+        if (nt == NULL)
+            return KVD_ENOMEM;
+        r->text = nt;
+        r->text_cap = cap;
+    }
+    /* rewrite [valid, text_len) from a copy of it */
+    const size_t tail = r->text_len - r->valid;
+    char *src = malloc(tail ? tail : 1);
+    if (src == NULL)
+        return KVD_ENOMEM;
+    memcpy(src, r->text + r->valid, tail);
+    size_t o = r->valid, s = 0, done = r->valid;
+    while (s < tail) {
+        const unsigned char *u = (const unsigned char *)src + s;
+        const int v = *u ? utf8_seq(u, tail - s, &len) : -1;
+        if (v == 0 && !all) {
+            memcpy(r->text + o, src + s, tail - s);     /* waits for its bytes */
+            o += tail - s;
+            break;
+        }
+        if (v == 1) {
+            memcpy(r->text + o, src + s, len);
+            o += len;
+            s += len;
+        } else {
+            memcpy(r->text + o, "\xef\xbf\xbd", 3);
+            o += 3;
+            s++;
+        }
+        done = o;
+    }
+    free(src);
+    r->text_len = o;
+    r->text[o] = '\0';
+    r->valid = done;
+    return 0;
+}
+
+/* Appends a token's bytes to the request's text, as valid UTF-8 (text_validate). */
 static int append_text(struct request *r, const char *s, size_t n)
 {
-    size_t nul = 0;
-    for (size_t i = 0; i < n; i++)
-        nul += s[i] == '\0';
-    const size_t add = n + 2 * nul;
-    if (r->text_len + add + 1 > r->text_cap) {
-        size_t cap = (r->text_len + add + 1) * 2;
+    if (r->text_len + n + 1 > r->text_cap) {
+        size_t cap = (r->text_len + n + 1) * 2;
         char *t = realloc(r->text, cap);
         if (t == NULL)
             return KVD_ENOMEM;
         r->text = t;
         r->text_cap = cap;
     }
-    char *d = r->text + r->text_len;
-    for (size_t i = 0; i < n; i++) {
-        if (s[i] == '\0') {
-            *d++ = (char)0xEF;
-            *d++ = (char)0xBF;
-            *d++ = (char)0xBD;
-        } else {
-            *d++ = s[i];
-        }
-    }
-    r->text_len += add;
+    memcpy(r->text + r->text_len, s, n);
+    r->text_len += n;
     r->text[r->text_len] = '\0';
-    return 0;
+    return text_validate(r, false);
 }
 
 static int reserve_tokens(struct request *r, uint32_t n)
@@ -861,6 +949,8 @@ void req_on_tokens(struct kvd *k, int w, const Kvdw__TokenChunk *c)
             if (hit != NULL) {
                 r->text_len = (size_t)(hit - r->text);
                 r->text[r->text_len] = '\0';
+                if (r->valid > r->text_len)
+                    r->valid = r->text_len;
                 stop_request(k, r, KVD__FINISH_REASON__FINISH_STOP, 0, NULL);
                 break;
             }
@@ -1211,16 +1301,14 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t
     free(hl.v);
 }
 
-/* Appends the UTF-8 in s[0..n) to out, each byte of an invalid sequence as U+FFFD. */
+/* Appends the UTF-8 in s[0..n) to out, each byte that starts no valid
+ * character (utf8_seq; a cut-short one included) as U+FFFD. */
 static void append_utf8(char *out, size_t *len, const char *s, size_t n)
 {
     size_t i = 0;
     while (i < n) {
-        const unsigned char c = (unsigned char)s[i];
-        size_t want = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-        bool ok = want > 0 && i + want <= n;
-        for (size_t j = 1; ok && j < want; j++)
-            ok = ((unsigned char)s[i + j] >> 6) == 2;
+        size_t want = 0;
+        const bool ok = utf8_seq((const unsigned char *)s + i, n - i, &want) == 1;
         if (ok) {
             memcpy(out + *len, s + i, want);
             *len += want;

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import BIN_DIR, LONG_SYSTEM, Daemon
+from conftest import BIN_DIR, LONG_SYSTEM, Daemon, _stop_checked
 
 import kvd_client
 from kvd_client import Client, FinishReason
@@ -232,3 +232,29 @@ def test_tokenize_and_detokenize(client: Client) -> None:
         client.detokenize([10 ** 9])
     with pytest.raises(kvd_client.BadRequest):
         client.tokenize()
+
+
+def test_output_text_is_always_valid_utf8(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A model that emits byte tokens at random (kvd-mkmodel's, random weights)
+    makes byte sequences that are no UTF-8: kvd sends U+FFFD for each byte that
+    starts no character, streamed and whole alike, and the ids stay exact."""
+    model = tmp_path / "random.gguf"
+    subprocess.run([str(BIN_DIR / "kvd-mkmodel"), "-o", str(model), "--layers", "2", "--embd", "64",
+                    "--heads", "2", "--kv-heads", "1", "--ff", "128", "--vocab", "600", "--ctx", "512",
+                    "--seed", "5"], check=True, capture_output=True)
+    d = Daemon(tmp_path / "kvd", "--model", str(model), "--kv-memory", "8MiB", "-w", "1", "--ctx", "512")
+    try:
+        replaced = 0
+        with kvd_client.Client(d.endpoint, timeout=d.patience) as c:
+            for seed in range(6):
+                kw = dict(max_tokens=40, temperature=1.5, top_k=0, seed=seed, ignore_eos=True)
+                whole = c.generate("hello there", **kw)  # type: ignore[arg-type]
+                streamed = "".join(ch.text for ch in c.stream("hello there", **kw))  # type: ignore[arg-type]
+                assert streamed == whole.text
+                whole.text.encode("utf-8")  # valid: no lone surrogates either
+                replaced += whole.text.count("\ufffd")
+                back = c.detokenize(whole.token_ids)
+                assert back == whole.text
+        assert replaced > 0, "the random model should have emitted some invalid byte sequence"
+    finally:
+        _stop_checked(d)
