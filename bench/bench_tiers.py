@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""What the tiers below the pool buy: time to first token of a request whose
+system prompt of ~2,000 tokens (cut from tests/data/ppl_text.txt) is
+
+    cold     cached nowhere (a namespace of its own)
+    pool     in the pool (the same request again)
+    host     evicted from the pool, in the host tier (--host-cache)
+    disk     after a kvd restart on the same --cache-dir (a new pool, an empty
+             host tier): read back from the disk tier's files; the page cache
+             is dropped first where this runs as root (else the files may come
+             from memory, and the table says so)
+
+each the median of --runs requests (a new question each time, max_tokens 1),
+and what it costs per 1,000 prompt tokens: TTFT less the pool's TTFT, over the
+tokens that came from where the row says (computed for cold). The disk
+tier's TTFT after a restart should be at least 10x lower than cold.
+
+kvd runs with one worker, --kv-memory small enough that two other prompts of the
+same size evict the first, --host-cache 1GiB and a --cache-dir in a temporary
+directory (removed after). Needs kvd's Python client (pip install ./clients/python).
+
+    python3 bench/bench_tiers.py [--bin-dir build] [--model models/SmolLM2-135M-Instruct.Q4_1.gguf]
+                                 [--threads 2] [--tokens 2000] [--runs 3] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import kvd_client
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def system_prompt(words: list[str], start: int, n_words: int, tag: str) -> str:
+    return f"[{tag}] " + " ".join(words[(start + i) % len(words)] for i in range(n_words))
+
+
+class Kvd:
+    def __init__(self, args: argparse.Namespace, work: Path, pool: str, cache: Path) -> None:
+        self.endpoint = f"ipc://{work}/kvd.sock"
+        work.mkdir(parents=True, exist_ok=True)
+        self.log = open(work / "kvd.log", "wb")
+        self.proc = subprocess.Popen(
+            [str(args.bin_dir / "kvd"), "--model", str(args.model), "--listen", self.endpoint, "-w", "1",
+             "-t", str(args.threads), "--ctx", "4096", "--kv-memory", args.kv_memory, "--pool", pool,
+             "--host-cache", "1GiB", "--cache-dir", str(cache)],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        with kvd_client.Client(self.endpoint, timeout=0.5) as c:
+            for _ in range(1200):
+                try:
+                    if c.health().ok:
+                        return
+                except kvd_client.Timeout:
+                    pass
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.1)
+        raise SystemExit(f"bench-tiers: kvd did not start (see {work}/kvd.log)")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=300)
+        self.log.close()
+
+
+def ask(c: kvd_client.Client, system: str, q: int, ns: str) -> kvd_client.Result:
+    return c.generate(messages=[{"role": "system", "content": system},
+                                {"role": "user", "content": f"Question {q}: what is the third word?"}],
+                      max_tokens=1, temperature=0, namespace=ns)
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bin-dir", type=Path, default=ROOT / "build")
+    ap.add_argument("--model", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--kv-memory", default="")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    words = (ROOT / "tests" / "data" / "ppl_text.txt").read_text().split()
+    n_words = int(args.tokens * 0.88)       # about 1.14 tokens a word in this text
+    # a pool for one such prompt and a little: two more evict it
+    if not args.kv_memory:
+        args.kv_memory = f"{max(16, int(args.tokens * 23040 * 1.6 / 2**20))}MiB"
+    tmp = Path(tempfile.mkdtemp(prefix="kvd-bench-tiers-"))
+    cache = tmp / "cache"
+    pools = [f"kvd-bench-tiers-{os.getpid()}-{i}" for i in range(2)]
+    rows: dict[str, dict[str, float]] = {}
+    try:
+        k = Kvd(args, tmp / "k1", pools[0], cache)
+        with kvd_client.Client(k.endpoint, timeout=3600) as c:
+            main_sys = system_prompt(words, 0, n_words, "main")
+            others = [system_prompt(words, 997 * (i + 1), n_words, f"other{i}") for i in range(2)]
+            cold, pool, host = [], [], []
+            prompt = 0
+            for run in range(args.runs):
+                ns = f"cold-{run}"
+                r = ask(c, main_sys, run, ns)
+                assert r.usage.cached_prompt_tokens == 0
+                cold.append(r.timings.ttft_ms)
+                prompt = r.usage.prompt_tokens
+                r = ask(c, main_sys, 100 + run, ns)
+                pool.append(r.timings.ttft_ms)
+                pool_tokens = r.usage.cached_prompt_tokens
+                for o in others:            # evict it from the pool
+                    ask(c, o, 200 + run, ns)
+                r = ask(c, main_sys, 300 + run, ns)
+                if r.usage.host_cached_prompt_tokens == 0:
+                    raise SystemExit(f"bench-tiers: nothing came from the host tier: {r.usage}")
+                host.append(r.timings.ttft_ms)
+                host_tokens = r.usage.host_cached_prompt_tokens
+                if os.environ.get("BENCH_TIERS_DEBUG"):
+                    print(run, r.usage, c.stats().evictions, file=sys.stderr)
+            s = c.stats()
+            # every namespace's blocks written to disk before the restart
+            while s.disk_cache_pending:
+                time.sleep(0.05)
+                s = c.stats()
+        k.stop()
+        subprocess.run(["rm", "-f", f"/dev/shm/{pools[0]}"], check=False)
+        disk = []
+        dropped = False
+        for run in range(args.runs):
+            dropped = drop_page_cache()
+            k = Kvd(args, tmp / f"k2-{run}", f"{pools[1]}-{run}", cache)
+            with kvd_client.Client(k.endpoint, timeout=3600) as c:
+                r = ask(c, main_sys, 400 + run, f"cold-{run}")
+                if r.usage.disk_cached_prompt_tokens == 0:
+                    raise SystemExit(f"bench-tiers: nothing came from disk after the restart: {r.usage}")
+                disk.append(r.timings.ttft_ms)
+                disk_tokens = r.usage.disk_cached_prompt_tokens
+            k.stop()
+        med = {name: statistics.median(v) for name, v in
+               (("cold", cold), ("pool", pool), ("host", host), ("disk", disk))}
+        per_k = {
+            "cold": (med["cold"] - med["pool"]) / (prompt - pool_tokens + pool_tokens) * 1000,
+            "host": (med["host"] - med["pool"]) / host_tokens * 1000,
+            "disk": (med["disk"] - med["pool"]) / disk_tokens * 1000,
+        }
+        print(f"bench-tiers: {args.model.name}, a system prompt of {prompt} tokens, kvd --kv-memory "
+              f"{args.kv_memory} --host-cache 1GiB --cache-dir (page cache "
+              f"{'dropped before each disk run' if dropped else 'not dropped: not root'}), "
+              f"{args.threads} threads, median of {args.runs}")
+        print("| prefix | TTFT ms | against cold | ms per 1,000 prompt tokens |")
+        print("|---|---|---|---|")
+        for name, label in (("cold", "computed (cold)"), ("pool", "in the pool"),
+                            ("host", "host tier (evicted from the pool)"),
+                            ("disk", "disk tier (after a kvd restart)")):
+            extra = f"{per_k[name]:.2f} ({'compute' if name == 'cold' else 'restore'})" if name in per_k else "-"
+            print(f"| {label} | {med[name]:.1f} | {med['cold'] / med[name]:.1f}x lower | {extra} |")
+        print(f"disk tier after a restart vs cold: {med['cold'] / med['disk']:.1f}x lower (target >= 10x)")
+        rows = {"ttft_ms": med, "per_1000_ms": per_k, "prompt_tokens": prompt,
+                "page_cache_dropped": dropped}
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+    finally:
+        for p in pools + [f"{pools[1]}-{i}" for i in range(args.runs)]:
+            subprocess.run(["rm", "-f", f"/dev/shm/{p}"], check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
