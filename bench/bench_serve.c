@@ -38,6 +38,11 @@
  * shared and every session holds its own blocks: a pool too small for the
  * f16 run then shows what a smaller KV type buys.
  *
+ * With --tiers the --distinct workload runs through a pool of --kv-memory too
+ * small for every session's prompt three times: without a tier, with the host
+ * tier (--host-cache 2GiB) and with the disk tier alone (--cache-dir): hit
+ * rate, throughput, TTFT, evictions and the prompt tokens each tier gave back.
+ *
  * With --http the same workload goes through kvd's OpenAI-compatible HTTP API
  * (kvd --http) and, given --llama-server, through llama-server's, both as
  * streamed POST /v1/chat/completions with usage; the table has both and the
@@ -48,6 +53,7 @@
  * Usage: bench-serve [-m MODEL] [--llama-server PATH] [--sessions S] [--turns T]
  *                    [--system-tokens L] [--max-tokens N] [-t THREADS] [--sampled] [--json]
  *        bench-serve --kv-types LIST [--kv-memory SIZE] [--distinct] [--sessions S] ...
+ *        bench-serve --tiers --kv-memory SIZE [--sessions S] [--turns T] ...
  *        bench-serve --http [--llama-server PATH] ...    bench-serve --http-overhead
  */
 #include <arpa/inet.h>
@@ -97,6 +103,8 @@ struct cfg {
     bool http_overhead;     /* --http-overhead: a cached 1-token request over HTTP against ZeroMQ */
     bool http;              /* --http: both servers through their OpenAI chat endpoints */
     int http_port;          /* kvd's --http port (0: none) */
+    bool tiers;             /* --tiers: the distinct-prompt load without and with the tiers */
+    const char *tier_args[6];   /* extra kvd arguments of the run now (--host-cache, --cache-dir) */
     char bin_dir[4096], tmp[64];
 };
 
@@ -212,14 +220,18 @@ static void start_kvd(void)
         (void)f;
         char http[64];
         snprintf(http, sizeof(http), "127.0.0.1:%d", C.http_port);
-        if (C.http_port > 0)
-            execl(path, path, "--model", C.model, "--listen", kvd_ep, "-w", "1", "-t", threads,
-                  "--kv-memory", C.kv_memory, "--kv-type", C.kv_type, "--ctx", "4096", "--max-batch", "64",
-                  "--http", http, (char *)NULL);
-        else
-            execl(path, path, "--model", C.model, "--listen", kvd_ep, "-w", "1", "-t", threads,
-                  "--kv-memory", C.kv_memory, "--kv-type", C.kv_type, "--ctx", "4096", "--max-batch", "64",
-                  (char *)NULL);
+        const char *args[32] = { path, "--model", C.model, "--listen", kvd_ep, "-w", "1", "-t", threads,
+                                 "--kv-memory", C.kv_memory, "--kv-type", C.kv_type, "--ctx", "4096",
+                                 "--max-batch", "64" };
+        int n = 17;
+        if (C.http_port > 0) {
+            args[n++] = "--http";
+            args[n++] = http;
+        }
+        for (int i = 0; i < 6 && C.tier_args[i] != NULL; i++)
+            args[n++] = C.tier_args[i];
+        args[n] = NULL;
+        execv(path, (char *const *)args);
         _exit(127);
     }
     kvd_client_t *c = kvd_client_new(kvd_ep, 500, NULL, 0);
@@ -1009,6 +1021,58 @@ static void pressure_runs(void)
     }
 }
 
+/* --tiers: every session its own system prompt (--distinct) through a pool of
+ * --kv-memory too small for all of them, with no tier, with the host tier
+ * (--host-cache 2GiB) and with the disk tier alone (--cache-dir in the
+ * temporary directory): hit rate, throughput, TTFT, and where the cached
+ * tokens came from. */
+static void tier_runs(void)
+{
+    static const char *names[3] = { "no tier", "host tier", "disk tier" };
+    char dir[128];
+    snprintf(dir, sizeof(dir), "%s/cache", C.tmp);
+    C.distinct = true;
+    printf("bench-serve --tiers: %d sessions x %d turns, a distinct system prompt per session of ~%d tokens, "
+           "%d tokens per answer (greedy), %d threads, kvd --kv-memory %s\n", C.sessions, C.turns,
+           C.system_tokens, C.max_tokens, C.threads, C.kv_memory);
+    printf("| %-9s | %-9s | %-9s | %-9s | %-9s | %-7s | %-9s | %-11s | %-11s |\n", "tiers", "ok/reqs", "TTFT p50",
+           "TTFT p99", "out tok/s", "hit", "evictions", "host tokens", "disk tokens");
+    printf("|-----------|-----------|-----------|-----------|-----------|---------|-----------|-------------|"
+           "-------------|\n");
+    for (int k = 0; k < 3; k++) {
+        memset(C.tier_args, 0, sizeof(C.tier_args));
+        if (k == 1) {
+            C.tier_args[0] = "--host-cache";
+            C.tier_args[1] = "2GiB";
+        } else if (k == 2) {
+            C.tier_args[0] = "--cache-dir";
+            C.tier_args[1] = dir;
+        }
+        start_kvd();
+        static struct run r;
+        memset(&r, 0, sizeof(r));
+        r.name = names[k];
+        warm_up(false);
+        run_sessions(&r, C.sessions, C.turns, false, false, false);
+        kvd_client_t *c = kvd_client_new(kvd_ep, 5000, NULL, 0);
+        struct kvd_stats st;
+        memset(&st, 0, sizeof(st));
+        if (c == NULL || kvd_stats(c, &st) != 0)
+            fprintf(stderr, "bench-serve: no stats from kvd (%s)\n", names[k]);
+        kvd_client_destroy(&c);
+        stop_child(&kvd_pid);
+        uint64_t prompt, cached, gen;
+        int ok;
+        totals(&r, &prompt, &cached, &gen, &ok);
+        printf("| %-9s | %4d/%-4d | %9.1f | %9.1f | %9.1f | %6.1f%% | %9llu | %11llu | %11llu |\n", names[k], ok,
+               r.n, pct(&r, 0.5), pct(&r, 0.99), gen / (r.wall_ms / 1e3), prompt ? 100.0 * cached / prompt : 0.0,
+               (unsigned long long)st.evictions, (unsigned long long)st.host_cached_prompt_tokens,
+               (unsigned long long)st.disk_cached_prompt_tokens);
+        fflush(stdout);
+    }
+    memset(C.tier_args, 0, sizeof(C.tier_args));
+}
+
 /* --http-overhead: the same cached 1-token chat request (the system prompt and
  * "Say one word.", greedy) through kvd's HTTP API on one kept-alive connection
  * and through the C client over ZeroMQ, alternating, medians of 31. */
@@ -1156,9 +1220,11 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--distinct")) C.distinct = true;
         else if (!strcmp(a, "--http-overhead")) C.http_overhead = true;
         else if (!strcmp(a, "--http")) C.http = true;
+        else if (!strcmp(a, "--tiers")) C.tiers = true;
         else die("usage: bench-serve [-m MODEL] [--llama-server PATH] [--sessions S] [--turns T] "
                  "[--system-tokens L] [--max-tokens N] [--text FILE] [-t THREADS] [--sampled] [--json] "
-                 "[--kv-types LIST [--kv-memory SIZE] [--distinct]] [--http] [--http-overhead]");
+                 "[--kv-types LIST [--kv-memory SIZE] [--distinct]] [--tiers [--kv-memory SIZE]] [--http] "
+                 "[--http-overhead]");
     }
     if (C.sessions < 1 || C.sessions > MAX_SESSIONS || C.turns < 1 || C.turns > MAX_TURNS)
         die("--sessions 1..%d, --turns 1..%d", MAX_SESSIONS, MAX_TURNS);
@@ -1184,6 +1250,10 @@ int main(int argc, char **argv)
 
     if (C.kv_types != NULL) {
         pressure_runs();
+        return 0;
+    }
+    if (C.tiers) {
+        tier_runs();
         return 0;
     }
     if (C.http) {
