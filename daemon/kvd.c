@@ -356,6 +356,25 @@ static void tier_evicted(void *user, const struct prefix_tier_block *b, const vo
         kvd_log(k, "host tier: out of memory; a block evicted from the pool is lost");
 }
 
+/* Whether tier_fetch would give block b: it is in a tier whose restores still
+ * pay (else counted as declined). */
+static bool tier_has_block(void *user, const struct prefix_tier_block *b)
+{
+    struct kvd *k = user;
+    if (k->tier != NULL && tier_has(k->tier, b)) {
+        if (restore_pays(k, k->restore_ns_block))
+            return true;
+        k->st.host_declined++;
+        return false;
+    }
+    if (k->disk != NULL && disk_tier_has(k->disk, b)) {
+        if (restore_pays(k, k->disk_ns_block))
+            return true;
+        k->st.disk_declined++;
+    }
+    return false;
+}
+
 /* The block that continues a prefix: from the host tier, else from disk, each
  * while restoring from it measures cheaper than computing the block. */
 static bool tier_fetch(void *user, const struct prefix_tier_block *b, void *dst)
@@ -496,7 +515,7 @@ static void tiers_setup(struct kvd *k, const struct pool_layout *lay)
                 "%llu damaged removed)", o->cache_dir, budget / 1048576.0, (unsigned long long)ds.files,
                 (unsigned long long)ds.ignored, (unsigned long long)ds.corrupt);
     }
-    const struct prefix_tier t = { k->disk ? tier_committed : NULL, tier_evicted, tier_fetch, k };
+    const struct prefix_tier t = { k->disk ? tier_committed : NULL, tier_evicted, tier_has_block, tier_fetch, k };
     if (prefix_set_tier(k->px, &t) != 0)
         cli_die("%s: this pool cannot have tiers below it", opt);
 }

@@ -32,7 +32,7 @@ enum {
     H_MAGIC = 0, H_VERSION = 8, H_SIZE = 12,
     H_MODEL = 16, H_TOKENIZER = 32, H_KTYPE = 48, H_VTYPE = 52, H_ROTATE = 56, H_BT = 60,
     H_BBYTES = 64, H_NPARTS = 72, H_PLAYERS = 76, H_KEYS = 80,
-    H_KEY = 96, H_PARENT = 112, H_NS = 128, H_DBYTES = 144, H_DSUM = 152, H_TOKENS = 160,
+    H_KEY = 96, H_PARENT = 112, H_NS = 128, H_PATH = 144, H_DBYTES = 160, H_DSUM = 168, H_TOKENS = 176,
 };
 
 struct dentry {
@@ -83,6 +83,7 @@ static bool same_id(uint32_t bt, const struct prefix_tier_block *a, const struct
 {
     return a->key.lo == b->key.lo && a->key.hi == b->key.hi && a->parent.lo == b->parent.lo &&
            a->parent.hi == b->parent.hi && a->ns.lo == b->ns.lo && a->ns.hi == b->ns.hi &&
+           a->path.lo == b->path.lo && a->path.hi == b->path.hi &&
            memcmp(a->tokens, b->tokens, (size_t)bt * 4) == 0;
 }
 
@@ -94,6 +95,7 @@ static void name_of(const disk_tier_t *d, const struct prefix_tier_block *b, cha
     XXH3_128bits_update(&st, &b->key, sizeof(b->key));
     XXH3_128bits_update(&st, &b->parent, sizeof(b->parent));
     XXH3_128bits_update(&st, &b->ns, sizeof(b->ns));
+    XXH3_128bits_update(&st, &b->path, sizeof(b->path));
     XXH3_128bits_update(&st, b->tokens, (size_t)d->lay.block_tokens * 4);
     const XXH128_hash_t h = XXH3_128bits_digest(&st);
     snprintf(out, NAME_LEN, "%016llx%016llx.kvb", (unsigned long long)h.high64, (unsigned long long)h.low64);
@@ -120,6 +122,7 @@ static void header_make(const disk_tier_t *d, const struct prefix_tier_block *b,
     memcpy(h + H_KEY, &b->key, 16);
     memcpy(h + H_PARENT, &b->parent, 16);
     memcpy(h + H_NS, &b->ns, 16);
+    memcpy(h + H_PATH, &b->path, 16);
     put64(h + H_DBYTES, l->block_bytes);
     put64(h + H_DSUM, dsum);
     memcpy(h + H_TOKENS, b->tokens, (size_t)l->block_tokens * 4);
@@ -150,6 +153,7 @@ static enum hcheck header_check(const disk_tier_t *d, const uint8_t *h, struct p
     memcpy(&b->key, h + H_KEY, 16);
     memcpy(&b->parent, h + H_PARENT, 16);
     memcpy(&b->ns, h + H_NS, 16);
+    memcpy(&b->path, h + H_PATH, 16);
     memcpy(tok, h + H_TOKENS, (size_t)l->block_tokens * 4);
     b->tokens = tok;
     return H_OK;

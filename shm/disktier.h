@@ -13,7 +13,7 @@
  *   bytes, parts and layers per part, and a digest of the pool's key secret
  *   (the keys of a pool with another secret never match: kvd keeps its
  *   secret in the directory, so that a new pool keys as the old one did);
- *   the block's identity (key, parent key, namespace, token ids);
+ *   the block's identity (key, parent key, namespace, path digest, token ids);
  *   the data's size and XXH3-64, then the XXH3-64 of everything before it.
  *
  * Writes go behind: disk_tier_put copies the block into a bounded queue and

@@ -26,6 +26,8 @@ struct prefix {
     struct prefix_observer obs; /* stored / removed NULL: nobody listens */
     struct prefix_tier tier;    /* evicted / fetch NULL: no tier below the pool */
     uint64_t restored;          /* blocks copied back from the tier */
+    prefix_key_t *path;         /* n: each indexed block's path digest (struct prefix_tier_block),
+                                 * private to this process: recomputed from the records on adoption */
 };
 
 static const prefix_key_t KEY_ZERO = { 0, 0 };
@@ -146,9 +148,24 @@ static void lru_remove(prefix_t *px, uint32_t id)
 
 /* ---- the index ----------------------------------------------------------------------------- */
 
+/* The path digest of a block: its parent's (zero for a chain's first), its
+ * namespace and its tokens, under a fixed seed (independent of the pool's
+ * secret and of the key function). */
+static prefix_key_t path_of(const prefix_t *px, prefix_key_t parent, prefix_ns_t ns, const int32_t *tokens)
+{
+    uint8_t buf[32 + 4096 * 4];
+    const size_t n = 32 + (size_t)px->bt * 4;
+    memcpy(buf, &parent, 16);
+    memcpy(buf + 16, &ns, 16);
+    memcpy(buf + 32, tokens, (size_t)px->bt * 4);
+    const XXH128_hash_t h = XXH3_128bits_withSeed(buf, n, UINT64_C(0x6b76642d70617468));
+    return (prefix_key_t){ h.low64, h.high64 };
+}
+
 static void index_insert(prefix_t *px, uint32_t id, prefix_key_t k, prefix_ns_t ns, uint32_t parent,
                          const int32_t *tokens)
 {
+    px->path[id] = path_of(px, parent != POOL_NONE ? px->path[parent] : KEY_ZERO, ns, tokens);
     struct pool_block *r = &px->b[id];
     r->key[0] = k.lo;
     r->key[1] = k.hi;
@@ -252,7 +269,7 @@ static void evict_one(prefix_t *px, uint32_t id)
         /* its bytes go down a tier before the block is reused */
         const struct prefix_tier_block tb = {
             .key = key_get(r), .parent = r->parent != POOL_NONE ? key_get(&px->b[r->parent]) : KEY_ZERO,
-            .ns = { r->ns[0], r->ns[1] }, .tokens = px->tok + (size_t)id * px->bt,
+            .ns = { r->ns[0], r->ns[1] }, .tokens = px->tok + (size_t)id * px->bt, .path = px->path[id],
         };
         px->tier.evicted(px->tier.user, &tb, pool_block_addr(px->pool, id));
     }
@@ -416,6 +433,36 @@ static void reset_empty(prefix_t *px)
         free_push(px, i); /* block 0 ends on top */
 }
 
+/* The path digests of an adopted pool's indexed blocks, parents first (a
+ * parent's chain is walked up to a block already done). */
+static void paths_rebuild(prefix_t *px)
+{
+    uint8_t *done = calloc(px->n ? px->n : 1, 1);
+    uint32_t *stack = malloc((size_t)(px->n ? px->n : 1) * sizeof(*stack));
+    if (done == NULL || stack == NULL) {
+        free(done);
+        free(stack);
+        reset_empty(px);    /* no memory to verify tier hits with: start empty */
+        return;
+    }
+    for (uint32_t id = 0; id < px->n; id++) {
+        uint32_t depth = 0, at = id;
+        while (at != POOL_NONE && !done[at] && (px->b[at].flags & POOL_BLOCK_INDEXED) && depth < px->n) {
+            stack[depth++] = at;
+            at = px->b[at].parent;
+        }
+        while (depth > 0) {
+            const uint32_t b = stack[--depth];
+            const struct pool_block *r = &px->b[b];
+            const prefix_key_t pp = r->parent != POOL_NONE ? px->path[r->parent] : KEY_ZERO;
+            px->path[b] = path_of(px, pp, (prefix_ns_t){ r->ns[0], r->ns[1] }, px->tok + (size_t)b * px->bt);
+            done[b] = 1;
+        }
+    }
+    free(done);
+    free(stack);
+}
+
 prefix_t *prefix_new(pool_t *p, char *note, size_t note_len, char *err, size_t errlen)
 {
     if (note && note_len)
@@ -441,6 +488,12 @@ prefix_t *prefix_new(pool_t *p, char *note, size_t note_len, char *err, size_t e
     px->parts = &px->h->layout.parts;
     px->np = px->parts->n_parts;
     px->hash = xxh_key;
+    px->path = calloc(px->n ? px->n : 1, sizeof(*px->path));
+    if (px->path == NULL) {
+        free(px);
+        kvd_seterr(err, errlen, KVD_ENOMEM, "prefix: out of memory");
+        return NULL;
+    }
     if (pool_is_fresh(p)) {
         reset_empty(px);
         return px;
@@ -458,6 +511,7 @@ prefix_t *prefix_new(pool_t *p, char *note, size_t note_len, char *err, size_t e
                      px->cs->n_used, px->cs->n_pending);
         reset_empty(px);
     }
+    paths_rebuild(px);
     return px;
 }
 
@@ -465,6 +519,7 @@ void prefix_destroy(prefix_t **pxp)
 {
     if (pxp == NULL || *pxp == NULL)
         return;
+    free((*pxp)->path);
     free(*pxp);
     *pxp = NULL;
 }
@@ -493,31 +548,37 @@ int prefix_set_tier(prefix_t *px, const struct prefix_tier *t)
  * blocks the tier gives back, up to max blocks of tokens: each into a newly
  * allocated block, then committed and indexed as if computed (a block still in
  * the pool after them is taken as it is). Stops at the first block the tier
- * does not give, at a pending one (someone computes it), or when no block can
- * be had. Returns how many it restored. */
-static uint32_t restore_from_tier(prefix_t *px, struct prefix_seq *s, const int32_t *tokens, uint32_t max)
+ * does not give, at a pending one (someone computes it: *pending gets it), or
+ * when no block can be had. Returns how many it restored. */
+static uint32_t restore_from_tier(prefix_t *px, struct prefix_seq *s, const int32_t *tokens, uint32_t max,
+                                  uint32_t *pending)
 {
     uint32_t i = s->n_blocks, parent = i ? s->blocks[i - 1] : POOL_NONE;
     prefix_key_t key = s->key;
+    prefix_key_t path = parent != POOL_NONE ? px->path[parent] : KEY_ZERO;
     for (; i < max; i++) {
         const int32_t *t = tokens + (size_t)i * px->bt;
         const prefix_key_t k = key_of(px, key, s->ns, t);
         const uint32_t there = index_find(px, k, s->ns, parent, t);
         if (there != POOL_NONE) {
-            if (px->b[there].state != POOL_BLOCK_COMMITTED)
-                break;          /* pending: someone computes it */
+            if (px->b[there].state != POOL_BLOCK_COMMITTED) {
+                *pending = there;   /* someone computes it */
+                break;
+            }
             ref_committed(px, there);  /* still in the pool past a restored stretch */
             s->blocks[i] = there;
             key = k;
             parent = there;
+            path = px->path[there];
             continue;
         }
-        if (px->cs->n_free + px->cs->n_cached == 0)
+        const struct prefix_tier_block tb = { .key = k, .parent = key, .ns = s->ns, .tokens = t,
+                                              .path = path_of(px, path, s->ns, t) };
+        if (px->cs->n_free + px->cs->n_cached == 0 || (px->tier.has && !px->tier.has(px->tier.user, &tb)))
             break;
         const uint32_t id = alloc_one(px);     /* what it evicts goes down to the tier */
         if (id == POOL_NONE)
             break;
-        const struct prefix_tier_block tb = { .key = k, .parent = key, .ns = s->ns, .tokens = t };
         if (!px->tier.fetch(px->tier.user, &tb, pool_block_addr(px->pool, id))) {
             unref(px, id);      /* pending, not indexed: back to the free list */
             break;
@@ -530,6 +591,7 @@ static uint32_t restore_from_tier(prefix_t *px, struct prefix_seq *s, const int3
         s->blocks[i] = id;
         key = k;
         parent = id;
+        path = px->path[id];
         s->n_restored++;
         px->restored++;
         if (px->obs.stored)     /* findable again */
@@ -723,7 +785,7 @@ int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,
         ref_committed(px, s->blocks[i]);
     s->n_blocks = s->n_cached = s->n_committed = s->n_indexed = m;
     if (px->tier.fetch != NULL && pending == POOL_NONE && m < max)
-        restore_from_tier(px, s, tokens, (uint32_t)max);
+        restore_from_tier(px, s, tokens, (uint32_t)max, &pending);
     if (wait_block)
         *wait_block = pending;
     return (int64_t)s->n_blocks * px->bt;
@@ -836,7 +898,7 @@ int prefix_seq_commit(prefix_t *px, struct prefix_seq *s, const int32_t *tokens,
         if (findable && px->tier.committed) {
             const struct prefix_tier_block tb = {
                 .key = key_get(r), .parent = r->parent != POOL_NONE ? key_get(&px->b[r->parent]) : KEY_ZERO,
-                .ns = { r->ns[0], r->ns[1] }, .tokens = t,
+                .ns = { r->ns[0], r->ns[1] }, .tokens = t, .path = px->path[id],
             };
             px->tier.committed(px->tier.user, &tb, pool_block_addr(px->pool, id));
         }

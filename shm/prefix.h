@@ -134,6 +134,10 @@ struct prefix_tier_block {
     prefix_key_t parent;    /* its parent's key; zero for a chain's first block */
     prefix_ns_t ns;         /* its namespace */
     const int32_t *tokens;  /* its block_tokens ids */
+    prefix_key_t path;      /* a digest of its namespace and of every token of its chain up to
+                             * it (chained XXH3-128, not keyed): the pool verifies a hit by
+                             * the parent block itself, a tier by this, so that a collision of
+                             * keys alone still misses */
 };
 
 /*
@@ -141,16 +145,18 @@ struct prefix_tier_block {
  * block that becomes findable by a commit (a tier that writes blocks through,
  * as the disk tier does), with its K/V (block_bytes, the pool's format);
  * evicted() gets every findable block that eviction takes out of the pool,
- * with its K/V, before the block is reused; fetch() is asked, by prefix_seq_begin,
- * for the blocks that would continue a cached prefix past the pool's, one
- * after another: it copies the block's bytes into dst and returns true, or
- * returns false (not held, or not worth restoring). Restored blocks are
+ * with its K/V, before the block is reused; has() and fetch() are asked, by
+ * prefix_seq_begin, for the blocks that would continue a cached prefix past
+ * the pool's, one after another: has() whether fetch() would give the block
+ * (before a pool block is taken for it, perhaps by an eviction), fetch() to
+ * copy its bytes into dst (true), or not after all (false). Restored blocks are
  * indexed and committed as if they had been computed. Both are called from
  * inside the allocator's calls and must not call back into it.
  */
 struct prefix_tier {
     void (*committed)(void *user, const struct prefix_tier_block *b, const void *data);
     void (*evicted)(void *user, const struct prefix_tier_block *b, const void *data);
+    bool (*has)(void *user, const struct prefix_tier_block *b);
     bool (*fetch)(void *user, const struct prefix_tier_block *b, void *dst);
     void *user;
 };
@@ -222,8 +228,9 @@ void prefix_lookup(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t
  * tokens[0..n): references the longest committed cached prefix, leaving at
  * least one token to compute (so at most (n - 1) / block_tokens blocks).
  * With a tier set, the prefix goes on with blocks the tier gives back, copied
- * into newly allocated blocks (s->n_restored counts them), as long as it has
- * them and blocks can be had; not past a pending block.
+ * into newly allocated blocks (s->n_restored counts them), and pool blocks
+ * met after them, as long as it has them and blocks can be had; a pending
+ * block met there is the one to wait for.
  * Returns the number of cached tokens (a multiple of block_tokens) or a
  * negative KVD_E* code (KVD_ENOMEM). When the block after the cached prefix is
  * pending in the index and wait_block is given, *wait_block receives its id

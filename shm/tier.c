@@ -104,6 +104,7 @@ static bool same(const tier_t *t, const struct prefix_tier_block *a, const struc
 {
     return a->key.lo == b->key.lo && a->key.hi == b->key.hi && a->parent.lo == b->parent.lo &&
            a->parent.hi == b->parent.hi && a->ns.lo == b->ns.lo && a->ns.hi == b->ns.hi &&
+           a->path.lo == b->path.lo && a->path.hi == b->path.hi &&
            memcmp(a->tokens, b->tokens, (size_t)t->bt * sizeof(int32_t)) == 0;
 }
 
@@ -237,6 +238,16 @@ void tier_stats(const tier_t *t, struct tier_stats *st)
 {
     *st = t->st;
     st->bytes = t->bytes;
+}
+
+bool tier_corrupt_key_for_test(tier_t *t, prefix_key_t k)
+{
+    for (struct entry *e = t->bucket[(k.lo ^ k.hi) & t->mask]; e != NULL; e = e->hnext)
+        if (e->id.key.lo == k.lo && e->id.key.hi == k.hi) {
+            e->data[e->stored / 2] ^= 0x5a;
+            return true;
+        }
+    return false;
 }
 
 bool tier_corrupt_for_test(tier_t *t, const struct prefix_tier_block *b)

@@ -4,11 +4,12 @@
  * instead of a prefill.
  *
  * An entry is one evicted block with its whole identity: its chained key, its
- * parent's key (zero for a chain's first block), its namespace and its token
- * ids, and the block's bytes in the pool's own KV format. A lookup must
- * present the same four to get the bytes, so an entry can only continue the
- * chain it was cut from, in the namespace it was computed in (a key collision
- * costs a miss, never wrong K/V). Entries live on their own LRU list inside a
+ * parent's key (zero for a chain's first block), its namespace, its token ids
+ * and the digest of its whole chain's tokens (prefix.h's path), and the
+ * block's bytes in the pool's own KV format. A lookup must present the same
+ * five to get the bytes, so an entry can only continue the chain it was cut
+ * from, in the namespace it was computed in (a collision of the keyed chain
+ * keys alone costs a miss, never wrong K/V). Entries live on their own LRU list inside a
  * byte budget; storing past it drops the least recently used.
  *
  * Every entry carries an XXH3-64 checksum of its stored bytes, checked on
@@ -72,5 +73,8 @@ void tier_stats(const tier_t *t, struct tier_stats *st);
 /* Flips a byte of the stored data of the entry with b's identity (tests:
  * what a corrupt entry does); false when there is none. */
 bool tier_corrupt_for_test(tier_t *t, const struct prefix_tier_block *b);
+
+/* The same for the most recently stored entry whose key is k. */
+bool tier_corrupt_key_for_test(tier_t *t, prefix_key_t k);
 
 #endif

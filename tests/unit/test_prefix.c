@@ -38,6 +38,7 @@
 #include "err.h"
 #include "pool.h"
 #include "prefix.h"
+#include "tier.h"
 #include "types.h"
 
 #define BT 4u                   /* positions per block */
@@ -529,9 +530,26 @@ static void seen_removed(void *user, prefix_key_t key)
         v->count[at]--;
 }
 
+/* The model's tier: the contents (namespace and tokens from position 0 through
+ * the block) of every findable block evicted while the tier was attached. The
+ * tier under test is tier.c with a budget it never reaches, so the two must
+ * hold the same set. */
+#define MTIER_CAP 65536u
+struct mtier_entry {
+    bool used;
+    int ns;
+    uint32_t len;
+    int32_t tok[MAXLEN];
+};
+
 struct world {
     pool_t *pool;
     prefix_t *px;
+    tier_t *tier;           /* the tier under test (NULL: no tiers in this run) */
+    bool tier_on;           /* attached now (keyed phases) */
+    struct mtier_entry *mt; /* the model's tier, open addressing by content */
+    uint32_t mt_n;
+    uint64_t restores;      /* blocks begin took back from the tier */
     struct seen seen;       /* the observer's view */
     prefix_ns_t ns[NNS];
     struct mblock b[NB];    /* the model's blocks */
@@ -649,7 +667,32 @@ static void m_lru_push(struct world *w, uint32_t id)
     w->n_lru++;
 }
 
-/* Evicts the LRU tail, which must be a leaf of the index. */
+static uint64_t mt_hash(int ns, const int32_t *tok, uint32_t len)
+{
+    uint64_t h = mix64(UINT64_C(0x74696572) + (uint64_t)ns);
+    for (uint32_t i = 0; i < len; i++)
+        h = mix64(h ^ (uint32_t)tok[i]);
+    return mix64(h ^ len);
+}
+
+/* The model tier's slot of content (ns, tok[0..len)): where it is, or the
+ * empty slot where it would go. */
+static struct mtier_entry *mt_slot(struct world *w, int ns, const int32_t *tok, uint32_t len)
+{
+    for (uint64_t i = mt_hash(ns, tok, len);; i++) {
+        struct mtier_entry *e = &w->mt[i % MTIER_CAP];
+        if (!e->used || (e->ns == ns && e->len == len && memcmp(e->tok, tok, len * sizeof(int32_t)) == 0))
+            return e;
+    }
+}
+
+static bool mt_has(struct world *w, int ns, const int32_t *tok, uint32_t len)
+{
+    return w->mt != NULL && mt_slot(w, ns, tok, len)->used;
+}
+
+/* Evicts the LRU tail, which must be a leaf of the index; with the tier
+ * attached its content goes there. */
 static void m_evict_tail(struct world *w)
 {
     REQUIRE(w->n_lru > 0);
@@ -657,6 +700,18 @@ static void m_evict_tail(struct world *w)
     if (m_children(w, id) != 0)
         fprintf(stderr, "model: LRU tail %u has indexed children\n", id);
     CHECK_INT(m_children(w, id), 0);
+    const struct mblock *b = &w->b[id];
+    if (w->tier_on && b->indexed && b->state == POOL_BLOCK_COMMITTED) {
+        struct mtier_entry *e = mt_slot(w, b->ns, b->tok, b->len);
+        if (!e->used) {
+            REQUIRE(w->mt_n < MTIER_CAP / 2);
+            e->used = true;
+            e->ns = b->ns;
+            e->len = b->len;
+            memcpy(e->tok, b->tok, b->len * sizeof(int32_t));
+            w->mt_n++;
+        }
+    }
     m_free(w, id);
     w->evictions++;
 }
@@ -783,6 +838,13 @@ static void verify(struct world *w)
         EXPECT(w->seen.count[i], want[i], "observer's count of key %u", i);
     if (!w->weak)
         EXPECT(st.collisions, w->collisions0, "stats.collisions under XXH3");
+    if (w->tier != NULL) {
+        struct tier_stats ts;
+        tier_stats(w->tier, &ts);
+        EXPECT(ts.entries, w->mt_n, "tier entries");
+        EXPECT(ts.dropped + ts.corrupt, 0, "tier entries dropped");
+        EXPECT(st.restored, w->restores, "stats.restored");
+    }
 
     for (int si = 0; si < NSLOT; si++) {
         const struct slot *sl = &w->sl[si];
@@ -869,6 +931,7 @@ static void op_begin(struct world *w, int si)
     while (k < max && (id = m_find(w, ns, tok, k)) != POOL_NONE &&
            w->b[id].state == POOL_BLOCK_COMMITTED)
         want[k++] = id;
+    const uint32_t k_pool = k;
     bool give_wait = below(w, 8) != 0;
     uint32_t wait = 0xdeadbeef;
     int64_t got = prefix_seq_begin(w->px, &sl->s, w->ns[ns], tok, n, give_wait ? &wait : NULL);
@@ -888,7 +951,49 @@ static void op_begin(struct world *w, int si)
         w->collision_misses++;
         k = kg;
     }
-    EXPECT(kg, k, "begin: cached blocks");
+    for (uint32_t i = 0; i < k && i < kg; i++)
+        m_lru_remove(w, want[i]);
+    /* with the tier attached (and nothing pending after the pool's prefix) the
+     * prefix goes on: blocks in the tier are copied into blocks the pool hands
+     * out (free ones, else the LRU tail evicted), blocks still in the pool are
+     * taken, a pending one stops it */
+    uint32_t restored = 0;
+    const uint32_t after = k < max ? m_find(w, ns, tok, k) : POOL_NONE;
+    if (w->tier_on && k == k_pool && (after == POOL_NONE || w->b[after].state == POOL_BLOCK_COMMITTED)) {
+        while (k < max) {
+            id = m_find(w, ns, tok, k);
+            if (id != POOL_NONE) {
+                if (w->b[id].state != POOL_BLOCK_COMMITTED)
+                    break;
+                m_lru_remove(w, id);
+                want[k++] = id;
+                continue;
+            }
+            if (!mt_has(w, ns, tok, (k + 1) * BT) || m_free_count(w) + w->n_lru == 0)
+                break;
+            if (k >= kg) {
+                k++;            /* the model restores a block the pool did not: reported below */
+                break;
+            }
+            if (m_free_count(w) == 0)
+                m_evict_tail(w);
+            const uint32_t got_id = sl->s.blocks[k];
+            REQUIRE(got_id < NB);
+            CHECK_INT(w->b[got_id].state, POOL_BLOCK_FREE);
+            struct mblock *b = &w->b[got_id];
+            b->state = POOL_BLOCK_COMMITTED;
+            b->indexed = true;
+            b->parent = k ? want[k - 1] : POOL_NONE;
+            b->ns = ns;
+            b->len = (k + 1) * BT;
+            memcpy(b->tok, tok, b->len * sizeof(int32_t));
+            want[k++] = got_id;
+            restored++;
+        }
+    }
+    EXPECT(kg, k, "begin: cached blocks (%u restored)", restored);
+    EXPECT(sl->s.n_restored, restored, "begin: restored blocks");
+    w->restores += restored;
     if (kg > k || sl->s.n_blocks != kg)
         return;
     for (uint32_t i = 0; i < k; i++)
@@ -912,8 +1017,6 @@ static void op_begin(struct world *w, int si)
     memcpy(sl->ids, want, k * sizeof(uint32_t));
     sl->n_blocks = sl->n_cached = sl->n_committed = sl->n_indexed = k;
     sl->chain_open = true;
-    for (uint32_t i = 0; i < k; i++)
-        m_lru_remove(w, want[i]);
     w->begins++;
     w->begin_hits += k > 0;
     w->cached_tokens += k * BT;
@@ -1106,6 +1209,32 @@ static void op_evict(struct world *w)
         m_evict_tail(w);
 }
 
+static void tier_evicted(void *user, const struct prefix_tier_block *b, const void *data)
+{
+    REQUIRE(tier_put(user, b, data) == 0);
+}
+
+static bool tier_has_cb(void *user, const struct prefix_tier_block *b)
+{
+    return tier_has(user, b);
+}
+
+static bool tier_fetch(void *user, const struct prefix_tier_block *b, void *dst)
+{
+    return tier_get(user, b, dst);
+}
+
+/* Attaches the tier under test (keyed phases) or detaches it (phases of a
+ * weak key function, whose collisions the model does not follow through a tier). */
+static void tier_attach(struct world *w, bool on)
+{
+    if (w->tier == NULL)
+        return;
+    const struct prefix_tier t = { NULL, tier_evicted, tier_has_cb, tier_fetch, w->tier };
+    EXPECT(prefix_set_tier(w->px, on ? &t : NULL), 0, "set_tier");
+    w->tier_on = on;
+}
+
 /* Empties the index (everything released and evicted) and installs fn. */
 static void switch_hash(struct world *w, prefix_hash_fn fn, const char *name)
 {
@@ -1126,17 +1255,25 @@ static void switch_hash(struct world *w, prefix_hash_fn fn, const char *name)
         w->weak_collisions += st.collisions - w->collisions0;
     EXPECT(prefix_set_hash(w->px, fn), 0, "set_hash on an empty index");
     w->weak = fn != NULL;
+    tier_attach(w, !w->weak);
     w->collisions0 = st.collisions;
     w->phases++;
     note(w, "hash -> %s", name);
 }
 
-static void world_open(struct world *w, uint64_t seed)
+static void world_open(struct world *w, uint64_t seed, bool tiers)
 {
     memset(w, 0, sizeof(*w));
     w->rng = seed;
     w->pool = pool_open_small();
     w->px = prefix_open(w->pool);
+    if (tiers) {
+        char err[256];
+        w->tier = tier_new(1ull << 40, BT, BLOCK_BYTES, err, sizeof(err));   /* never full */
+        w->mt = calloc(MTIER_CAP, sizeof(*w->mt));
+        REQUIRE(w->tier != NULL && w->mt != NULL);
+        tier_attach(w, true);
+    }
     REQUIRE(prefix_block_tokens(w->px) == BT);
     w->seen.px = w->px;
     const struct prefix_observer obs = { .stored = seen_stored, .removed = seen_removed, .user = &w->seen };
@@ -1173,6 +1310,8 @@ static void world_close(struct world *w)
     verify(w);
     prefix_destroy(&w->px);
     pool_close(&w->pool);
+    tier_destroy(&w->tier);
+    free(w->mt);
 }
 
 static void dump(const struct world *w, uint64_t seed, uint64_t op)
@@ -1185,11 +1324,11 @@ static void dump(const struct world *w, uint64_t seed, uint64_t op)
         fprintf(stderr, "  %s\n", w->log[i % LOGN]);
 }
 
-static void test_random(uint64_t seed, uint64_t n_ops)
+static void test_random(uint64_t seed, uint64_t n_ops, bool tiers)
 {
     struct world *w = calloc(1, sizeof(*w));
     REQUIRE(w != NULL);
-    world_open(w, seed);
+    world_open(w, seed, tiers);
     verify(w);
     uint32_t n_weak = 0;
     uint64_t op;
@@ -1243,8 +1382,11 @@ static void test_random(uint64_t seed, uint64_t n_ops)
     if (check_failures == 0)
         world_close(w);
 
-    fprintf(stderr, "random run: seed %llu, %llu operations, %llu phases\n",
+    fprintf(stderr, "random run%s: seed %llu, %llu operations, %llu phases\n", tiers ? " over a tier" : "",
             (unsigned long long)seed, (unsigned long long)op, (unsigned long long)w->phases);
+    if (tiers)
+        fprintf(stderr, "  tier: %u contents, %llu blocks taken back from it\n", w->mt_n,
+                (unsigned long long)w->restores);
     fprintf(stderr, "  begins %llu (hit %llu), cached tokens %llu of %llu prompt tokens, waits %llu\n",
             (unsigned long long)w->begins, (unsigned long long)w->begin_hits,
             (unsigned long long)w->cached_tokens, (unsigned long long)w->prompt_tokens,
@@ -1272,6 +1414,8 @@ static void test_random(uint64_t seed, uint64_t n_ops)
         CHECK(w->dups > 0);
         CHECK(w->lookup_hits > 0);
         CHECK(w->weak_collisions > 0);
+        if (tiers)
+            CHECK(w->restores > 1000);
     }
     free(w);
 }
@@ -1288,7 +1432,8 @@ int main(int argc, char **argv)
 
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    test_random(seed, n_ops);
+    test_random(seed, n_ops, false);
+    test_random(seed + 1, n_ops / 2, true);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     fprintf(stderr, "  %.2f s\n", (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
     return CHECK_DONE();

@@ -182,6 +182,10 @@ static void test_store(void)
     other.b.tokens = other.tok;
     other.b.key.hi ^= 1;
     CHECK(!tier_get(t, &other.b, buf));
+    other = ids[i];
+    other.b.tokens = other.tok;
+    other.b.path.lo ^= 1;       /* the same block after another chain */
+    CHECK(!tier_get(t, &other.b, buf));
     CHECK(tier_get(t, &ids[i].b, buf));
 
     /* a damaged entry: a miss, dropped, counted */
@@ -318,7 +322,7 @@ static void pool_run(bool weak_keys, bool disk)
             fprintf(stderr, "disk_tier_open: %s\n", err);
         REQUIRE(ts.disk != NULL);
     }
-    const struct prefix_tier tr = { disk ? tier_committed : NULL, tier_evicted, tier_fetch, &ts };
+    const struct prefix_tier tr = { disk ? tier_committed : NULL, tier_evicted, NULL, tier_fetch, &ts };
     REQUIRE(prefix_set_tier(px, &tr) == 0);
     /* prompts: three system prompts of 4-6 blocks, each with its own tails,
      * in one of two namespaces */
@@ -349,9 +353,8 @@ static void pool_run(bool weak_keys, bool disk)
             prefix_key_t keys[MAXP / BT];
             prefix_hash_chain(px, ns, q->tok, q->n / BT, keys);
             const uint32_t j = below(q->n / BT);
-            const struct prefix_tier_block b = { keys[j], j ? keys[j - 1] : (prefix_key_t){ 0, 0 }, ns,
-                                                 q->tok + (size_t)j * BT };
-            tier_corrupt_for_test(t, &b);
+            /* the path is not known here: damage whichever entry has this block's key */
+            tier_corrupt_key_for_test(t, keys[j]);
         }
         const int p = (int)below(NPROMPT);
         const struct prompt *q = &pr[p];
@@ -431,7 +434,7 @@ static void test_refusals(void)
     prefix_t *px = prefix_open(pool);
     tier_t *t = tier_new(1 << 20, BT, BLOCK_BYTES, err, sizeof(err));
     REQUIRE(t != NULL);
-    const struct prefix_tier tr = { NULL, tier_evicted, tier_fetch, t };
+    const struct prefix_tier tr = { NULL, tier_evicted, NULL, tier_fetch, t };
     CHECK_INT(prefix_set_tier(px, &tr), KVD_EUNSUPPORTED);
     CHECK_INT(prefix_set_tier(px, NULL), 0);
     prefix_destroy(&px);
@@ -519,7 +522,7 @@ static void test_disk(void)
     CHECK(st.files == 0 && st.ignored == 10);
     disk_tier_close(&d);
     /* a budget of 4 files: the least recently used go (block 7 was read last) */
-    const uint64_t per = 160 + BT * 4 + 8 + SB;    /* a file: header (fields, ids, checksum) and data */
+    const uint64_t per = 176 + BT * 4 + 8 + SB;    /* a file: header (fields, ids, checksum) and data */
     d = disk_tier_open(dir, 4 * per, &dl, NULL, NULL, err, sizeof(err));
     REQUIRE(d != NULL);
     disk_tier_stats(d, &st);
