@@ -981,6 +981,23 @@ static void print_run(const struct run *r, bool first)
            pct(r, 0.5), pct(r, 0.99), tps, prompt ? 100.0 * cached / prompt : 0.0, r->blocks);
 }
 
+/* One run of the workload on a fresh kvd (started here, stopped after, its
+ * stats taken last) into *r and *st. */
+static void kvd_run(struct run *r, const char *name, struct kvd_stats *st)
+{
+    start_kvd();
+    memset(r, 0, sizeof(*r));
+    r->name = name;
+    warm_up(false);
+    run_sessions(r, C.sessions, C.turns, false, false, false);
+    kvd_client_t *c = kvd_client_new(kvd_ep, 5000, NULL, 0);
+    memset(st, 0, sizeof(*st));
+    if (c == NULL || kvd_stats(c, st) != 0)
+        fprintf(stderr, "bench-serve: no stats from kvd (%s)\n", name);
+    kvd_client_destroy(&c);
+    stop_child(&kvd_pid);
+}
+
 /* --kv-types: the workload once per KV type, each on a fresh kvd with a pool
  * of --kv-memory; kvd's preemptions and evictions beside the run's numbers. */
 static void pressure_runs(void)
@@ -997,19 +1014,9 @@ static void pressure_runs(void)
            "-----------------|\n");
     for (char *save = NULL, *t = strtok_r(types, ",", &save); t != NULL; t = strtok_r(NULL, ",", &save)) {
         C.kv_type = t;
-        start_kvd();
         static struct run r;
-        memset(&r, 0, sizeof(r));
-        r.name = t;
-        warm_up(false);
-        run_sessions(&r, C.sessions, C.turns, false, false, false);
-        kvd_client_t *c = kvd_client_new(kvd_ep, 5000, NULL, 0);
         struct kvd_stats st;
-        memset(&st, 0, sizeof(st));
-        if (c == NULL || kvd_stats(c, &st) != 0)
-            fprintf(stderr, "bench-serve: no stats from kvd (%s)\n", t);
-        kvd_client_destroy(&c);
-        stop_child(&kvd_pid);
+        kvd_run(&r, t, &st);
         uint64_t prompt, cached, gen;
         int ok;
         totals(&r, &prompt, &cached, &gen, &ok);
@@ -1048,19 +1055,9 @@ static void tier_runs(void)
             C.tier_args[0] = "--cache-dir";
             C.tier_args[1] = dir;
         }
-        start_kvd();
         static struct run r;
-        memset(&r, 0, sizeof(r));
-        r.name = names[k];
-        warm_up(false);
-        run_sessions(&r, C.sessions, C.turns, false, false, false);
-        kvd_client_t *c = kvd_client_new(kvd_ep, 5000, NULL, 0);
         struct kvd_stats st;
-        memset(&st, 0, sizeof(st));
-        if (c == NULL || kvd_stats(c, &st) != 0)
-            fprintf(stderr, "bench-serve: no stats from kvd (%s)\n", names[k]);
-        kvd_client_destroy(&c);
-        stop_child(&kvd_pid);
+        kvd_run(&r, names[k], &st);
         uint64_t prompt, cached, gen;
         int ok;
         totals(&r, &prompt, &cached, &gen, &ok);

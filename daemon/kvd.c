@@ -388,7 +388,7 @@ static bool tier_fetch(void *user, const struct prefix_tier_block *b, void *dst)
         const double t0 = cli_now_ms();
         if (tier_get(k->tier, b, dst)) {
             ewma(&k->restore_ns_block, (cli_now_ms() - t0) * 1e6);
-            k->got_host++;
+            k->got_host += b->part == 0;    /* tokens are counted once, by part 0's blocks */
             return true;
         }
     }
@@ -400,7 +400,7 @@ static bool tier_fetch(void *user, const struct prefix_tier_block *b, void *dst)
         const double t0 = cli_now_ms();
         if (disk_tier_get(k->disk, b, dst)) {
             ewma(&k->disk_ns_block, (cli_now_ms() - t0) * 1e6);
-            k->got_disk++;
+            k->got_disk += b->part == 0;
             return true;
         }
     }
@@ -484,8 +484,6 @@ static void tiers_setup(struct kvd *k, const struct pool_layout *lay)
     const char *opt = o->host_cache_bytes > 0 ? "--host-cache" : "--cache-dir";
     if (o->gpu >= 0)
         cli_die("%s: a GPU pool cannot spill to the tiers below it yet", opt);
-    if (lay->parts.n_parts > 1)
-        cli_die("%s: a pool in parts (a model with sliding-window layers) has no tiers below it yet", opt);
     if (o->host_cache_bytes > 0) {
         k->tier = tier_new(o->host_cache_bytes, lay->block_tokens, bb, err, sizeof(err));
         if (k->tier == NULL)

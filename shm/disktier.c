@@ -22,7 +22,7 @@
 
 #define MAGIC "KVDTIER\x01"
 #define VERSION 1u
-#define QUEUE_MAX 256           /* queued writes at most */
+#define QUEUE_MAX 16384         /* queued writes at most */
 #define QUEUE_BYTES (256u << 20)/* and at most this much data */
 #define NAME_LEN 37             /* 32 hex digits, ".kvb", NUL */
 

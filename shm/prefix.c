@@ -264,12 +264,12 @@ static uint32_t evict_pick(const prefix_t *px)
 static void evict_one(prefix_t *px, uint32_t id)
 {
     const struct pool_block *r = &px->b[id];
-    if (px->tier.evicted && (r->flags & POOL_BLOCK_INDEXED) && r->state == POOL_BLOCK_COMMITTED &&
-        !(r->flags & POOL_BLOCK_PART)) {
+    if (px->tier.evicted && (r->flags & POOL_BLOCK_INDEXED) && r->state == POOL_BLOCK_COMMITTED) {
         /* its bytes go down a tier before the block is reused */
         const struct prefix_tier_block tb = {
             .key = key_get(r), .parent = r->parent != POOL_NONE ? key_get(&px->b[r->parent]) : KEY_ZERO,
             .ns = { r->ns[0], r->ns[1] }, .tokens = px->tok + (size_t)id * px->bt, .path = px->path[id],
+            .part = (r->flags & POOL_BLOCK_PART) ? 1u : 0u,
         };
         px->tier.evicted(px->tier.user, &tb, pool_block_addr(px->pool, id));
     }
@@ -538,11 +538,206 @@ int prefix_set_tier(prefix_t *px, const struct prefix_tier *t)
         memset(&px->tier, 0, sizeof(px->tier));
         return 0;
     }
-    if (pool_kv_device(px->pool) >= 0 || px->np > 1)
+    if (pool_kv_device(px->pool) >= 0)
         return KVD_EUNSUPPORTED;
+    if (t->fetch == NULL || (px->np > 1 && t->has == NULL))
+        return KVD_EINVAL;      /* a pool of parts plans a restore from what has() says */
     px->tier = *t;
     return 0;
 }
+
+/* Takes block b of a tier into a newly allocated pool block: fetched,
+ * committed and indexed under parent (a part block: flagged). POOL_NONE when
+ * no block can be had or the tier does not give it after all. */
+static uint32_t restore_block(prefix_t *px, const struct prefix_tier_block *b, uint32_t parent)
+{
+    if (px->cs->n_free + px->cs->n_cached == 0)
+        return POOL_NONE;
+    const uint32_t id = alloc_one(px);     /* what it evicts goes down to the tier */
+    if (id == POOL_NONE)
+        return POOL_NONE;
+    if (!px->tier.fetch(px->tier.user, b, pool_block_addr(px->pool, id))) {
+        unref(px, id);      /* pending, not indexed: back to the free list */
+        return POOL_NONE;
+    }
+    px->b[id].state = POOL_BLOCK_COMMITTED;
+    px->cs->n_pending--;
+    px->cs->n_used++;
+    index_insert(px, id, b->key, b->ns, parent, b->tokens);
+    if (b->part)
+        px->b[id].flags |= POOL_BLOCK_PART;
+    px->restored++;
+    return id;
+}
+
+/* Where a block that would continue a prefix is: in the pool (id), in the
+ * tier (its identity), or nowhere. */
+struct found {
+    uint32_t id;                /* pool block, or POOL_NONE */
+    bool tier;                  /* the tier has it */
+    struct prefix_tier_block tb;
+};
+
+/* Looks up the block of key k after the parent block (a pool block, or
+ * POOL_NONE when the parent is not in the pool: then the block cannot be
+ * either, and only the tier is asked): in the pool first, then the tier.
+ * *pending (when given) gets a pending pool block, which ends the search. */
+static bool find_block(prefix_t *px, prefix_key_t k, prefix_key_t parent_key, prefix_key_t parent_path,
+                       prefix_ns_t ns, uint32_t parent, bool parent_in_pool, const int32_t *t, uint32_t part,
+                       struct found *f, uint32_t *pending)
+{
+    f->id = POOL_NONE;
+    f->tier = false;
+    f->tb = (struct prefix_tier_block){ .key = k, .parent = parent_key, .ns = ns, .tokens = t,
+                                        .path = path_of(px, parent_path, ns, t), .part = part };
+    if (parent_in_pool) {
+        const uint32_t id = index_find(px, k, ns, parent, t);
+        if (id != POOL_NONE) {
+            if (px->b[id].state != POOL_BLOCK_COMMITTED) {
+                if (pending != NULL)
+                    *pending = id;
+                return false;
+            }
+            f->id = id;
+            return true;
+        }
+    }
+    f->tier = !px->tier.has || px->tier.has(px->tier.user, &f->tb);
+    return f->tier;
+}
+
+/*
+ * restore_from_tier for a pool of parts: the prefix of s (n_blocks logical
+ * blocks, all parts held) goes on to the longest m <= max such that part 0's
+ * blocks [n_blocks, m) are in the pool or the tier, and every other part's
+ * blocks that a continuation from m reads (a full part all of them, a
+ * windowed one its last window) are too. They are taken (pool) or restored
+ * (tier), the windowed parts' tables slide to m, and s grows to m. All or
+ * nothing: should a restore fail on the way, everything taken is let go again
+ * and s stays as it was. Returns the part-0 blocks restored.
+ */
+static uint32_t restore_parts(prefix_t *px, struct prefix_seq *s, const int32_t *tokens, uint32_t max,
+                              uint32_t *pending)
+{
+    const uint32_t j = s->n_blocks, np = px->np, span = max - j;
+    struct found *f = calloc((size_t)np * span, sizeof(*f));
+    uint8_t *st = calloc((size_t)np * span, 1);        /* 0 unknown, 1 there, 2 missing */
+    if (f == NULL || st == NULL) {
+        free(f);
+        free(st);
+        return 0;       /* out of memory: the prefix as the pool has it */
+    }
+    /* part 0's run: in the pool while its parents are, then only in the tier */
+    prefix_key_t key = s->key, path = j ? px->path[s->blocks[j - 1]] : KEY_ZERO;
+    uint32_t parent = j ? s->blocks[j - 1] : POOL_NONE, m = j;
+    bool in_pool = true;
+    for (uint32_t i = j; i < max; i++) {
+        const int32_t *t = tokens + (size_t)i * px->bt;
+        struct found *x = &f[i - j];
+        if (!find_block(px, key_of(px, key, s->ns, t), key, path, s->ns, parent, in_pool, t, 0, x, pending))
+            break;
+        key = x->tb.key;
+        path = x->tb.path;
+        parent = x->id;
+        in_pool = x->id != POOL_NONE;
+        m = i + 1;
+    }
+    /* the longest m whose last windows every other part has (each block looked
+     * up once, from the end down), and whose restores the pool has room for
+     * (free and cached blocks, less the cached ones it takes as they are) */
+    for (; m > j; m--) {
+        bool ok = true;
+        uint64_t need = 0;
+        for (uint32_t p = 1; p < np && ok; p++) {
+            const prefix_ns_t pns = part_ns(s->ns, p);
+            const uint64_t lo = kv_window_first_block(px->parts->window[p], (uint64_t)m * px->bt, px->bt);
+            for (uint64_t i = m; ok && i-- > (lo > j ? lo : j);) {
+                uint8_t *x = &st[(size_t)p * span + (i - j)];
+                if (*x == 0) {
+                    const struct found *p0 = &f[i - j];
+                    const int32_t *t = tokens + i * px->bt;
+                    *x = find_block(px, key_of(px, p0->tb.key, pns, t), p0->tb.key, p0->tb.path, pns, p0->id,
+                                    p0->id != POOL_NONE, t, 1, &f[(size_t)p * span + (i - j)], NULL) ? 1 : 2;
+                }
+                ok = *x == 1;
+            }
+        }
+        for (uint32_t p = 0; p < np && ok; p++) {
+            const uint64_t lo = kv_window_first_block(px->parts->window[p], (uint64_t)m * px->bt, px->bt);
+            for (uint64_t i = lo > j ? lo : j; i < m; i++) {
+                const uint32_t id = f[(size_t)p * span + (i - j)].id;
+                need += id == POOL_NONE || px->b[id].refs == 0;     /* a restore, or a cached block taken */
+            }
+        }
+        if (ok && need <= (uint64_t)px->cs->n_free + px->cs->n_cached)
+            break;
+    }
+    uint32_t restored = 0;
+    if (m > j && seq_reserve(s, m) != 0)
+        m = j;
+    if (m > j) {
+        /* what is in the pool first, so that restoring evicts none of it */
+        for (uint32_t i = j; i < m; i++)
+            for (uint32_t p = 0; p < np; p++) {
+                const uint64_t lo = kv_window_first_block(px->parts->window[p], (uint64_t)m * px->bt, px->bt);
+                const uint32_t id = f[(size_t)p * span + (i - j)].id;
+                s->tables[p][i] = POOL_NONE;
+                if (i >= lo && id != POOL_NONE) {
+                    ref_committed(px, id);
+                    s->tables[p][i] = id;
+                }
+            }
+        bool ok = true;
+        for (uint32_t i = j; i < m && ok; i++)
+            for (uint32_t p = 0; p < np && ok; p++) {
+                const uint64_t lo = kv_window_first_block(px->parts->window[p], (uint64_t)m * px->bt, px->bt);
+                const struct found *x = &f[(size_t)p * span + (i - j)];
+                if (i < lo || x->id != POOL_NONE)
+                    continue;
+                const uint32_t par = p == 0 ? (i ? s->tables[0][i - 1] : POOL_NONE) : s->tables[0][i];
+                const uint32_t id = restore_block(px, &x->tb, par);
+                s->tables[p][i] = id;
+                ok = id != POOL_NONE;
+                restored += ok && p == 0;
+            }
+        if (!ok) {
+            /* let go of what was taken, last first, the other parts before part 0 */
+            for (uint32_t i = m; i-- > j;)
+                for (uint32_t p = np; p-- > 0;)
+                    if (s->tables[p][i] != POOL_NONE) {
+                        unref(px, s->tables[p][i]);
+                        s->tables[p][i] = POOL_NONE;
+                    }
+            restored = 0;
+            m = j;
+        }
+    }
+    if (m > j) {
+        /* the windowed parts slide from j's window to m's */
+        for (uint32_t p = 1; p < np; p++) {
+            const uint64_t lo = kv_window_first_block(px->parts->window[p], (uint64_t)m * px->bt, px->bt);
+            while (s->first[p] < lo && s->first[p] < j) {
+                const uint32_t i = s->first[p]++;
+                unref(px, s->tables[p][i]);
+                s->tables[p][i] = POOL_NONE;
+            }
+            if (s->first[p] < lo)
+                s->first[p] = (uint32_t)lo;
+        }
+        s->key = f[m - 1 - j].tb.key;
+        s->n_blocks = s->n_cached = s->n_committed = s->n_indexed = m;
+        s->n_restored += restored;
+        if (px->obs.stored)     /* part 0's restored blocks are findable again */
+            for (uint32_t i = j; i < m; i++)
+                if (f[i - j].id == POOL_NONE)
+                    px->obs.stored(px->obs.user, &f[i - j].tb.key, 1, i ? &f[i - j].tb.parent : NULL,
+                                   f[i - j].tb.tokens);
+    }
+    free(f);
+    free(st);
+    return restored;
+}
+
 
 /* Continues s's cached prefix of s->n_blocks blocks (all referenced) with
  * blocks the tier gives back, up to max blocks of tokens: each into a newly
@@ -784,8 +979,12 @@ int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,
     for (uint32_t i = 0; i < m; i++)
         ref_committed(px, s->blocks[i]);
     s->n_blocks = s->n_cached = s->n_committed = s->n_indexed = m;
-    if (px->tier.fetch != NULL && pending == POOL_NONE && m < max)
-        restore_from_tier(px, s, tokens, (uint32_t)max, &pending);
+    if (px->tier.fetch != NULL && pending == POOL_NONE && m < max) {
+        if (px->np > 1)
+            restore_parts(px, s, tokens, (uint32_t)max, &pending);
+        else
+            restore_from_tier(px, s, tokens, (uint32_t)max, &pending);
+    }
     if (wait_block)
         *wait_block = pending;
     return (int64_t)s->n_blocks * px->bt;
@@ -896,11 +1095,19 @@ int prefix_seq_commit(prefix_t *px, struct prefix_seq *s, const int32_t *tokens,
         }
         s->n_committed = i + 1;
         if (findable && px->tier.committed) {
-            const struct prefix_tier_block tb = {
-                .key = key_get(r), .parent = r->parent != POOL_NONE ? key_get(&px->b[r->parent]) : KEY_ZERO,
-                .ns = { r->ns[0], r->ns[1] }, .tokens = t, .path = px->path[id],
-            };
-            px->tier.committed(px->tier.user, &tb, pool_block_addr(px->pool, id));
+            /* written through: part 0's block and the other parts' of the same positions */
+            for (uint32_t p = 0; p < s->n_parts; p++) {
+                const uint32_t pid = s->tables[p][i];
+                const struct pool_block *pr = pid != POOL_NONE ? &px->b[pid] : NULL;
+                if (pr == NULL || !(pr->flags & POOL_BLOCK_INDEXED))
+                    continue;
+                const struct prefix_tier_block tb = {
+                    .key = key_get(pr),
+                    .parent = pr->parent != POOL_NONE ? key_get(&px->b[pr->parent]) : KEY_ZERO,
+                    .ns = { pr->ns[0], pr->ns[1] }, .tokens = t, .path = px->path[pid], .part = p > 0,
+                };
+                px->tier.committed(px->tier.user, &tb, pool_block_addr(px->pool, pid));
+            }
         }
         if (findable && run == UINT32_MAX)
             run = i;

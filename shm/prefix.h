@@ -138,6 +138,8 @@ struct prefix_tier_block {
                              * it (chained XXH3-128, not keyed): the pool verifies a hit by
                              * the parent block itself, a tier by this, so that a collision of
                              * keys alone still misses */
+    uint32_t part;          /* 0: a block of part 0 (the chain); else one of another part, whose
+                             * parent is part 0's block of the same positions (not identity) */
 };
 
 /*
@@ -197,7 +199,11 @@ void prefix_set_observer(prefix_t *px, const struct prefix_observer *o);
 
 /* Sets (or, with NULL, clears) the tier below the pool; t is copied.
  * KVD_EUNSUPPORTED for a pool whose KV data is not in this process's memory
- * (a device pool) or that has several parts. */
+ * (a device pool); KVD_EINVAL without fetch(), or without has() in a pool of
+ * parts (a restore is planned from it; in a pool of one part it saves an
+ * eviction for a block the tier lacks). In a pool of parts every part's blocks go down and come
+ * back: a prefix continues from the tier when part 0's blocks and every
+ * other part's last window are there. */
 int prefix_set_tier(prefix_t *px, const struct prefix_tier *t);
 
 /* Replaces the key function (tests force collisions with a weak one); NULL

@@ -4,6 +4,11 @@
  *   kvd-mkmodel -o PATH [--layers N] [--embd N] [--heads N] [--kv-heads N]
  *               [--ff N] [--vocab N] [--ctx N] [--type T] [--embd-type T]
  *               [--untied] [--seed S] [--rope-base F] [--rms-eps F]
+ *               [--gemma3 [--head-dim N] [--window W]]
+ *
+ * --gemma3 writes a gemma3 file (Q/K and post norms, GEGLU, every sixth layer
+ * full and the others in a sliding window of W positions) with the same
+ * vocabulary.
  *
  * Defaults are mkmodel_default_params(). Bad arguments get a one-line error
  * and exit status 2; a failed write exits 1.
@@ -24,7 +29,7 @@
 static const char usage[] =
     "usage: kvd-mkmodel -o PATH [--layers N] [--embd N] [--heads N] [--kv-heads N] [--ff N]\n"
     "                   [--vocab N] [--ctx N] [--type T] [--embd-type T] [--untied] [--seed S]\n"
-    "                   [--rope-base F] [--rms-eps F]\n"
+    "                   [--rope-base F] [--rms-eps F] [--gemma3 [--head-dim N] [--window W]]\n"
     "  types: F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K\n";
 
 static int bad(const char *fmt, const char *a, const char *b)
@@ -87,7 +92,7 @@ static bool parse_type(const char *s, uint32_t *out)
 int main(int argc, char **argv)
 {
     enum { O_LAYERS = 256, O_EMBD, O_HEADS, O_KV_HEADS, O_FF, O_VOCAB, O_CTX, O_TYPE,
-           O_EMBD_TYPE, O_UNTIED, O_SEED, O_ROPE, O_EPS };
+           O_EMBD_TYPE, O_UNTIED, O_SEED, O_ROPE, O_EPS, O_GEMMA3, O_HEAD_DIM, O_WINDOW };
     static const struct option opts[] = {
         { "output", required_argument, NULL, 'o' },
         { "help", no_argument, NULL, 'h' },
@@ -104,6 +109,9 @@ int main(int argc, char **argv)
         { "seed", required_argument, NULL, O_SEED },
         { "rope-base", required_argument, NULL, O_ROPE },
         { "rms-eps", required_argument, NULL, O_EPS },
+        { "gemma3", no_argument, NULL, O_GEMMA3 },
+        { "head-dim", required_argument, NULL, O_HEAD_DIM },
+        { "window", required_argument, NULL, O_WINDOW },
         { NULL, 0, NULL, 0 },
     };
     struct mkmodel_params p = mkmodel_default_params();
@@ -130,6 +138,9 @@ int main(int argc, char **argv)
         case O_SEED: ok = parse_u64(optarg, 0, UINT64_MAX, &p.seed); break;
         case O_ROPE: ok = parse_pos_float(optarg, &p.rope_freq_base); break;
         case O_EPS: ok = parse_pos_float(optarg, &p.rms_eps); break;
+        case O_GEMMA3: p.gemma3 = true; break;
+        case O_HEAD_DIM: ok = parse_u32(optarg, &p.head_dim); break;
+        case O_WINDOW: ok = parse_u32(optarg, &p.swa_window); break;
         case ':': return bad("option %s needs a value%s", argv[optind - 1], "");
         default: return bad("unknown option %s%s", argv[optind - 1], "");
         }

@@ -815,6 +815,14 @@ extern "C" int kcuda_hadamard(float *x, int64_t n, int head_dim, kcuda_stream_t 
     return kcuda__launched("hadamard");
 }
 
+/* Blocks of 256 threads for an element-wise kernel over count values (its
+ * threads stride over the rest past 65536 blocks). */
+static unsigned elementwise_blocks(size_t count)
+{
+    const size_t blocks = (count + 255) / 256;
+    return (unsigned)(blocks > 65536 ? 65536 : blocks);
+}
+
 extern "C" int kcuda_swiglu(float *gate, const float *up, int64_t n, int T, kcuda_stream_t stream)
 {
     if (n <= 0 || T < 0 || gate == NULL || up == NULL)
@@ -822,10 +830,7 @@ extern "C" int kcuda_swiglu(float *gate, const float *up, int64_t n, int T, kcud
     const size_t count = (size_t)n * (size_t)T;
     if (count == 0)
         return 0;
-    size_t blocks = (count + 255) / 256;
-    if (blocks > 65536)
-        blocks = 65536;
-    swiglu_kernel<<<(unsigned)blocks, 256, 0, stream>>>(gate, up, count);
+    swiglu_kernel<<<elementwise_blocks(count), 256, 0, stream>>>(gate, up, count);
     return kcuda__launched("swiglu");
 }
 
@@ -837,10 +842,7 @@ extern "C" int kcuda_geglu(float *gate, const float *up, int64_t n, int T, const
     const size_t count = (size_t)n * (size_t)T;
     if (count == 0)
         return 0;
-    size_t blocks = (count + 255) / 256;
-    if (blocks > 65536)
-        blocks = 65536;
-    geglu_kernel<<<(unsigned)blocks, 256, 0, stream>>>(gate, up, count, table);
+    geglu_kernel<<<elementwise_blocks(count), 256, 0, stream>>>(gate, up, count, table);
     return kcuda__launched("geglu");
 }
 
@@ -860,10 +862,7 @@ extern "C" int kcuda_scale(float *x, float s, int64_t count, kcuda_stream_t stre
         return KVD_EINVAL;
     if (count == 0)
         return 0;
-    size_t blocks = ((size_t)count + 255) / 256;
-    if (blocks > 65536)
-        blocks = 65536;
-    scale_kernel<<<(unsigned)blocks, 256, 0, stream>>>(x, s, (size_t)count);
+    scale_kernel<<<elementwise_blocks((size_t)count), 256, 0, stream>>>(x, s, (size_t)count);
     return kcuda__launched("scale");
 }
 

@@ -63,7 +63,8 @@ static void test_generate(void)
     CHECK_INT(RUN("generate", "--json", "stream"), 0);
     CHECK_PREFIX("{\"text\":\"Hello\",\"tokens\":[10,11],\"finish_reason\":\"length\","
               "\"cached_prompt_tokens\":4,\"usage\":{\"prompt_tokens\":7,"
-              "\"cached_prompt_tokens\":4,\"completion_tokens\":2},\"timings\":{"
+              "\"cached_prompt_tokens\":4,\"host_cached_prompt_tokens\":0,\"disk_cached_prompt_tokens\":0,"
+              "\"completion_tokens\":2},\"timings\":{"
               "\"queued_ms\":1.0,\"ttft_ms\":2.0,\"decode_ms\":3.0,\"total_ms\":4.0},"
               "\"chunks\":2,\"request_id\":");
     CHECK_INT(RUN("generate", "deadline"), 0);

@@ -5,6 +5,8 @@ uncached run bit for bit (the real model, greedy)."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 from conftest import Daemon, _stop_checked
@@ -79,3 +81,57 @@ def test_host_tier_refused_for_a_pool_in_parts_or_too_small(tmp_path: Path) -> N
     )
     assert out.returncode != 0
     assert "--host-cache" in out.stderr and "one block" in out.stderr
+
+
+def test_host_and_disk_tiers_for_a_pool_in_parts(tmp_path: Path) -> None:
+    """A model with sliding-window layers (a random gemma3 model of kvd-mkmodel:
+    five layers in six in a window of 32 positions, so a pool in 6 parts): its
+    prompts come back from the tiers, part 0's blocks and each windowed part's
+    last window, with the uncached output; then after a restart from disk."""
+    import subprocess
+
+    from conftest import BIN_DIR
+
+    model = tmp_path / "gemma3-random.gguf"
+    subprocess.run([str(BIN_DIR / "kvd-mkmodel"), "-o", str(model), "--gemma3", "--layers", "6", "--embd", "128",
+                    "--heads", "2", "--kv-heads", "1", "--head-dim", "64", "--window", "32", "--ff", "256",
+                    "--vocab", "600", "--ctx", "1024", "--type", "Q8_0", "--seed", "3"],
+                   check=True, capture_output=True)
+    cache = tmp_path / "cache"
+    prompts = [[3 + (i * 37 + j * 11) % 590 for j in range(150 + 10 * i)] for i in range(N_PROMPTS)]
+
+    def gen(c: kvd_client.Client, i: int) -> kvd_client.Result:
+        return c.generate(token_ids=prompts[i], max_tokens=8, temperature=0, ignore_eos=True)
+
+    pool = f"kvd-test-tiers-parts-{os.getpid()}"
+    args = ("--model", str(model), "--ctx", "1024", "--kv-memory", "640KiB", "--host-cache", "64MiB",
+            "--cache-dir", str(cache), "-w", "1")
+    d = Daemon(tmp_path / "k1", *args, "--pool", pool + "-1")
+    try:
+        with kvd_client.Client(d.endpoint, timeout=d.patience) as c:
+            s0 = c.stats()
+            assert s0.kv_parts == 6 and s0.kv_window == 32
+            first = [gen(c, i) for i in range(N_PROMPTS)]
+            assert all(r.usage.cached_prompt_tokens == 0 for r in first)
+            again = [gen(c, i) for i in range(N_PROMPTS)]
+            for i, (a, b) in enumerate(zip(first, again)):
+                full = (b.usage.prompt_tokens - 1) // 16 * 16
+                assert b.usage.cached_prompt_tokens == full, (i, b.usage)
+                assert b.token_ids == a.token_ids, f"prompt {i}: restored K/V changed the output"
+            assert sum(b.usage.host_cached_prompt_tokens for b in again) > 0
+            while c.stats().disk_cache_pending:
+                time.sleep(0.05)
+            assert c.stats().disk_cache_dropped_writes == 0
+    finally:
+        _stop_checked(d)
+    d = Daemon(tmp_path / "k2", *args, "--pool", pool + "-2")
+    try:
+        with kvd_client.Client(d.endpoint, timeout=d.patience) as c:
+            third = [gen(c, i) for i in range(N_PROMPTS)]
+            for i, (a, b) in enumerate(zip(first, third)):
+                full = (b.usage.prompt_tokens - 1) // 16 * 16
+                assert b.usage.cached_prompt_tokens == full, (i, b.usage)
+                assert b.usage.disk_cached_prompt_tokens > 0, (i, b.usage)
+                assert b.token_ids == a.token_ids, f"prompt {i}: K/V read from disk changed the output"
+    finally:
+        _stop_checked(d)

@@ -4,7 +4,7 @@
  * value computed from what its K/V would be computed from, so a test can tell
  * whether the cache handed out the right block), opening the allocator and
  * checking its invariants. Needs check.h, pool.h and prefix.h first, and
- * BLOCK_BYTES defined.
+ * BT and BLOCK_BYTES defined.
  */
 #ifndef KVD_TEST_POOLTEST_H
 #define KVD_TEST_POOLTEST_H
@@ -12,6 +12,9 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
+
+#include "types.h"
 
 /* splitmix64's finalizer */
 static inline uint64_t mix64(uint64_t x)
@@ -41,6 +44,35 @@ static inline bool kv_holds(pool_t *pool, uint32_t id, uint64_t v)
         if (d[i] != v)
             return false;
     return true;
+}
+
+/* A private pool of n_blocks blocks of BT positions (f16 K/V, one KV head of
+ * 4 dims a layer) over n_layer layers, in the given parts (NULL: one part);
+ * fails the test if it cannot be made. */
+static inline pool_t *pool_make(const char fingerprint[16], uint32_t n_layer, const struct kv_parts *parts,
+                                uint32_t n_blocks)
+{
+    struct pool_layout lay;
+    memset(&lay, 0, sizeof(lay));
+    memcpy(lay.fingerprint, fingerprint, 16);
+    lay.n_layer = n_layer;
+    lay.n_head_kv = 1;
+    lay.head_dim = 4;
+    lay.block_tokens = BT;
+    lay.k_type = KERN_F16;
+    lay.v_type = KERN_F16;
+    if (parts != NULL)
+        lay.parts = *parts;
+    struct pool_params p = pool_default_params();
+    p.name = NULL;
+    p.n_blocks = n_blocks;
+    char err[256] = "";
+    pool_t *pool = pool_create(&lay, &p, NULL, 0, err, sizeof(err));
+    if (pool == NULL)
+        fprintf(stderr, "pool_create: %s\n", err);
+    REQUIRE(pool != NULL);
+    REQUIRE(pool_header(pool)->block_bytes == BLOCK_BYTES);
+    return pool;
 }
 
 /* The allocator of a pool this process owns; fails the test if it cannot start. */

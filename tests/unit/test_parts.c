@@ -128,29 +128,12 @@ static void test_plan(void)
 
 static pool_t *pool_open_parts(uint32_t n_blocks)
 {
-    struct pool_layout lay;
-    memset(&lay, 0, sizeof(lay));
-    memcpy(lay.fingerprint, "test_parts/fp001", 16);
-    lay.n_layer = NPART;
-    lay.n_head_kv = 1;
-    lay.head_dim = 4;
-    lay.block_tokens = BT;
-    lay.k_type = KERN_F16;
-    lay.v_type = KERN_F16;
     /* layer 1 full, layer 0 a window of 5, layer 2 one of 11 */
-    kv_parts_plan(NPART, (uint32_t[NPART]){ windows[1], 0, windows[2] }, &lay.parts);
-    REQUIRE(lay.parts.n_parts == NPART && lay.parts.part_layers == 1);
-    REQUIRE(lay.parts.window[1] == windows[1] && lay.parts.window[2] == windows[2]);
-    struct pool_params p = pool_default_params();
-    p.name = NULL;
-    p.n_blocks = n_blocks;
-    char err[256] = "";
-    pool_t *pool = pool_create(&lay, &p, NULL, 0, err, sizeof(err));
-    if (pool == NULL)
-        fprintf(stderr, "pool_create: %s\n", err);
-    REQUIRE(pool != NULL);
-    REQUIRE(pool_header(pool)->block_bytes == BLOCK_BYTES);
-    return pool;
+    struct kv_parts parts;
+    kv_parts_plan(NPART, (uint32_t[NPART]){ windows[1], 0, windows[2] }, &parts);
+    REQUIRE(parts.n_parts == NPART && parts.part_layers == 1);
+    REQUIRE(parts.window[1] == windows[1] && parts.window[2] == windows[2]);
+    return pool_make("test_parts/fp001", NPART, &parts, n_blocks);
 }
 
 /* Writes positions [s->n_committed x BT, n) of s (signatures into every full

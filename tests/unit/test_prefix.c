@@ -102,27 +102,7 @@ static const char *const weak_names[] = { "const", "first-bit", "depth" };
 
 static pool_t *pool_open_small(void)
 {
-    struct pool_layout lay;
-    memset(&lay, 0, sizeof(lay));
-    memcpy(lay.fingerprint, "test_prefix/fp01", 16);
-    lay.n_layer = 1;
-    lay.n_head_kv = 1;
-    lay.head_dim = 4;
-    lay.block_tokens = BT;
-    lay.k_type = KERN_F16;
-    lay.v_type = KERN_F16;
-    struct pool_params p = pool_default_params();
-    p.name = NULL;
-    p.kv_bytes = 0;
-    p.n_blocks = NB;
-    p.reuse = false;
-    p.unlink_on_close = false;
-    char err[256] = "";
-    pool_t *pool = pool_create(&lay, &p, NULL, 0, err, sizeof(err));
-    if (pool == NULL)
-        fprintf(stderr, "pool_create: %s\n", err);
-    REQUIRE(pool != NULL);
-    return pool;
+    return pool_make("test_prefix/fp01", 1, NULL, NB);
 }
 
 static prefix_ns_t ns_of(const prefix_t *px, int i)
