@@ -38,6 +38,7 @@
 #include "cli.h"
 #include "http.h"
 #include "kvd.h"
+#include "kcuda_vmm.h"
 #include "kvd_client.h"
 #include "types.h"
 #include "units.h"
@@ -340,11 +341,28 @@ static void ewma(double *avg, double v)
     *avg = *avg > 0 ? 0.8 * *avg + 0.2 * v : v;
 }
 
+/* A pool block's bytes where a tier can read them: the block itself in a
+ * host pool; in a GPU pool a copy in the staging buffer (NULL when the copy
+ * failed: the block does not go down). */
+static const void *host_view(struct kvd *k, const void *data)
+{
+    if (k->tier_stage == NULL)
+        return data;
+    char err[256];
+    if (kcuda_vmm_read(k->tier_stage, data, pool_header(k->pool)->block_bytes, err, sizeof(err)) != 0) {
+        kvd_log(k, "tiers: %s", err);
+        return NULL;
+    }
+    return k->tier_stage;
+}
+
 /* A block became findable: the disk tier writes it behind. */
 static void tier_committed(void *user, const struct prefix_tier_block *b, const void *data)
 {
     struct kvd *k = user;
-    disk_tier_put(k->disk, b, data);    /* a full queue drops it, counted */
+    const void *v = host_view(k, data);
+    if (v != NULL)
+        disk_tier_put(k->disk, b, v);   /* a full queue drops it, counted */
 }
 
 /* A block leaves the pool: the host tier keeps a copy (the disk has it already,
@@ -352,8 +370,25 @@ static void tier_committed(void *user, const struct prefix_tier_block *b, const 
 static void tier_evicted(void *user, const struct prefix_tier_block *b, const void *data)
 {
     struct kvd *k = user;
-    if (k->tier != NULL && tier_put(k->tier, b, data) != 0)
+    const void *v = k->tier != NULL ? host_view(k, data) : NULL;
+    if (v != NULL && tier_put(k->tier, b, v) != 0)
         kvd_log(k, "host tier: out of memory; a block evicted from the pool is lost");
+}
+
+/* Gets b from one tier into dst: a pool block (host), or through the staging
+ * buffer to the device (GPU pool). */
+static bool tier_read(struct kvd *k, const struct prefix_tier_block *b, void *dst, bool disk)
+{
+    void *to = k->tier_stage != NULL ? k->tier_stage : dst;
+    if (!(disk ? disk_tier_get(k->disk, b, to) : tier_get(k->tier, b, to)))
+        return false;
+    char err[256];
+    if (k->tier_stage != NULL &&
+        kcuda_vmm_write(dst, k->tier_stage, pool_header(k->pool)->block_bytes, err, sizeof(err)) != 0) {
+        kvd_log(k, "tiers: %s", err);
+        return false;
+    }
+    return true;
 }
 
 /* Whether tier_fetch would give block b: it is in a tier whose restores still
@@ -386,7 +421,7 @@ static bool tier_fetch(void *user, const struct prefix_tier_block *b, void *dst)
             return false;
         }
         const double t0 = cli_now_ms();
-        if (tier_get(k->tier, b, dst)) {
+        if (tier_read(k, b, dst, false)) {
             ewma(&k->restore_ns_block, (cli_now_ms() - t0) * 1e6);
             k->got_host += b->part == 0;    /* tokens are counted once, by part 0's blocks */
             return true;
@@ -398,7 +433,7 @@ static bool tier_fetch(void *user, const struct prefix_tier_block *b, void *dst)
             return false;
         }
         const double t0 = cli_now_ms();
-        if (disk_tier_get(k->disk, b, dst)) {
+        if (tier_read(k, b, dst, true)) {
             ewma(&k->disk_ns_block, (cli_now_ms() - t0) * 1e6);
             k->got_disk += b->part == 0;
             return true;
@@ -482,8 +517,8 @@ static void tiers_setup(struct kvd *k, const struct pool_layout *lay)
     const struct kvd_options *o = &k->o;
     const uint64_t bb = pool_header(k->pool)->block_bytes;
     const char *opt = o->host_cache_bytes > 0 ? "--host-cache" : "--cache-dir";
-    if (o->gpu >= 0)
-        cli_die("%s: a GPU pool cannot spill to the tiers below it yet", opt);
+    if (o->gpu >= 0 && (k->tier_stage = kcuda_vmm_host_alloc(bb)) == NULL)
+        cli_die("%s: no page-locked host memory for the GPU pool's copies", opt);
     if (o->host_cache_bytes > 0) {
         k->tier = tier_new(o->host_cache_bytes, lay->block_tokens, bb, err, sizeof(err));
         if (k->tier == NULL)
@@ -575,8 +610,6 @@ static void setup(struct kvd *k)
         kvd_log(k, "pool %s: %s", k->pool_name, note);
     pool_describe(&lay, &cap, k->n_ctx, err, sizeof(err));
     kvd_log(k, "KV pool %s: %s", k->pool_name, err);
-    if (o->host_cache_bytes > 0 || o->cache_dir != NULL)
-        tiers_setup(k, &lay);
     k->pool_seq_tokens = (uint64_t)cap.n_blocks * lay.block_tokens;
     while (k->pool_seq_tokens > 0 &&
            kv_parts_blocks_held(&lay.parts, k->pool_seq_tokens, lay.block_tokens) > cap.n_blocks)
@@ -656,6 +689,9 @@ static void setup(struct kvd *k)
                 k->worker_ep, k->pool_name, k->worker_ep, o->model, o->block_tokens,
                 kv_type_name(o->kv.k_type), kv_type_name(o->kv.v_type), kv_rotate_arg(o->kv.rotate));
     }
+    /* the tiers below the pool: after a GPU pool's device memory is mapped */
+    if (o->host_cache_bytes > 0 || o->cache_dir != NULL)
+        tiers_setup(k, &lay);
 }
 
 void kvd_served_name(const struct kvd_options *o, char *name, size_t len)
@@ -898,6 +934,7 @@ int main(int argc, char **argv)
     prefix_destroy(&k->px);
     disk_tier_close(&k->disk);     /* what is queued is written first */
     tier_destroy(&k->tier);
+    kcuda_vmm_host_free(k->tier_stage);
     pool_close(&k->pool);
     gpu_fini(k);
     chat_template_destroy(&k->chat);

@@ -194,6 +194,8 @@ struct kvd {
     double restore_ns_block;        /* measured: restoring one block from the host tier (0: not yet) */
     double disk_ns_block;           /* measured: reading one block from the disk tier (0: not yet) */
     uint32_t got_host, got_disk;    /* blocks the last prefix_seq_begin took from each tier */
+    uint8_t *tier_stage;            /* --gpu: a block's bytes on their way between the device
+                                     * pool and the tiers (page-locked) */
     double prefill_ns_token;        /* measured: computing one prompt token (0: not yet) */
     kv_events_t *events;            /* --kv-events, else NULL */
     uint32_t n_ctx;                 /* context in effect */

@@ -538,8 +538,6 @@ int prefix_set_tier(prefix_t *px, const struct prefix_tier *t)
         memset(&px->tier, 0, sizeof(px->tier));
         return 0;
     }
-    if (pool_kv_device(px->pool) >= 0)
-        return KVD_EUNSUPPORTED;
     if (t->fetch == NULL || (px->np > 1 && t->has == NULL))
         return KVD_EINVAL;      /* a pool of parts plans a restore from what has() says */
     px->tier = *t;

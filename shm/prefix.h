@@ -198,10 +198,10 @@ void prefix_destroy(prefix_t **px);
 void prefix_set_observer(prefix_t *px, const struct prefix_observer *o);
 
 /* Sets (or, with NULL, clears) the tier below the pool; t is copied.
- * KVD_EUNSUPPORTED for a pool whose KV data is not in this process's memory
- * (a device pool); KVD_EINVAL without fetch(), or without has() in a pool of
- * parts (a restore is planned from it; in a pool of one part it saves an
- * eviction for a block the tier lacks). In a pool of parts every part's blocks go down and come
+ * KVD_EINVAL without fetch(), or without has() in a pool of parts (a restore
+ * is planned from it; in a pool of one part it saves an eviction for a block
+ * the tier lacks). In a device pool the data and dst the callbacks get are
+ * device addresses (pool_block_addr): they copy through host memory.  In a pool of parts every part's blocks go down and come
  * back: a prefix continues from the tier when part 0's blocks and every
  * other part's last window are there. */
 int prefix_set_tier(prefix_t *px, const struct prefix_tier *t);

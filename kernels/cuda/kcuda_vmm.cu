@@ -405,6 +405,42 @@ extern "C" int kcuda_vmm_fd(const kcuda_vmm_t *m)
     return m->fd;
 }
 
+static int vmm_copy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, char *err, size_t errlen)
+{
+    const cudaError_t e = cudaMemcpy(dst, src, bytes, kind);
+    if (e == cudaSuccess)
+        return 0;
+    (void)cudaGetLastError();
+    return kvd_seterr(err, errlen, KVD_EINTERNAL, "copy %s the device failed: %s (%s)",
+                      kind == cudaMemcpyDeviceToHost ? "from" : "to", cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+extern "C" int kcuda_vmm_read(void *dst_host, const void *src_dev, size_t bytes, char *err, size_t errlen)
+{
+    return vmm_copy(dst_host, src_dev, bytes, cudaMemcpyDeviceToHost, err, errlen);
+}
+
+extern "C" int kcuda_vmm_write(void *dst_dev, const void *src_host, size_t bytes, char *err, size_t errlen)
+{
+    return vmm_copy(dst_dev, src_host, bytes, cudaMemcpyHostToDevice, err, errlen);
+}
+
+extern "C" void *kcuda_vmm_host_alloc(size_t bytes)
+{
+    void *p = NULL;
+    if (cudaMallocHost(&p, bytes) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+
+extern "C" void kcuda_vmm_host_free(void *p)
+{
+    if (p != NULL)
+        cudaFreeHost(p);
+}
+
 extern "C" int kcuda_vmm_fence(kcuda_stream_t stream, char *err, size_t errlen)
 {
     cudaError_t e = stream ? cudaStreamSynchronize((cudaStream_t)stream) : cudaDeviceSynchronize();

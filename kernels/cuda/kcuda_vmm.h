@@ -94,6 +94,21 @@ int kcuda_vmm_fd(const kcuda_vmm_t *m);
  */
 int kcuda_vmm_fence(kcuda_stream_t stream, char *err, size_t errlen);
 
+/*
+ * Copies bytes from device memory this process mapped (a device address in
+ * an allocation) to host memory, or from host to device, and waits for the
+ * copy: how the coordinator moves a GPU pool's blocks to and from the tiers
+ * below it (host memory from kcuda_vmm_host_alloc copies fastest). 0, or
+ * KVD_EINTERNAL with the reason.
+ */
+int kcuda_vmm_read(void *dst_host, const void *src_dev, size_t bytes, char *err, size_t errlen);
+int kcuda_vmm_write(void *dst_dev, const void *src_host, size_t bytes, char *err, size_t errlen);
+
+/* Page-locked host memory (NULL when it cannot be had), and its release
+ * (accepts NULL). */
+void *kcuda_vmm_host_alloc(size_t bytes);
+void kcuda_vmm_host_free(void *p);
+
 #ifdef __cplusplus
 }
 #endif

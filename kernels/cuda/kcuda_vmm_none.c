@@ -43,6 +43,30 @@ uint64_t kcuda_vmm_bytes(const kcuda_vmm_t *m) { (void)m; return 0; }
 int kcuda_vmm_device(const kcuda_vmm_t *m) { (void)m; return -1; }
 int kcuda_vmm_fd(const kcuda_vmm_t *m) { (void)m; return -1; }
 
+int kcuda_vmm_read(void *dst_host, const void *src_dev, size_t bytes, char *err, size_t errlen)
+{
+    (void)dst_host;
+    (void)src_dev;
+    (void)bytes;
+    return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, NOT_BUILT);
+}
+
+int kcuda_vmm_write(void *dst_dev, const void *src_host, size_t bytes, char *err, size_t errlen)
+{
+    (void)dst_dev;
+    (void)src_host;
+    (void)bytes;
+    return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, NOT_BUILT);
+}
+
+void *kcuda_vmm_host_alloc(size_t bytes)
+{
+    (void)bytes;
+    return NULL;
+}
+
+void kcuda_vmm_host_free(void *p) { (void)p; }
+
 int kcuda_vmm_fence(kcuda_stream_t stream, char *err, size_t errlen)
 {
     (void)stream;

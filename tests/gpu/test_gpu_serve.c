@@ -24,6 +24,12 @@
  *                             pool in 6 parts, whose windowed blocks slide
  *                             while A and B run; for the emulation
  *                             (ctest emu.gpu_serve_gemma)
+ *   test_gpu_serve --tiers    kvd --gpu on the small model over a device pool
+ *                             too small for its 6 prompts, with --host-cache
+ *                             and --cache-dir: every prompt comes back from the
+ *                             host tier (through host memory into device
+ *                             blocks), and after a restart from disk, with its
+ *                             first run's tokens (ctest emu.gpu_tiers, gpu.tiers)
  *   ... --kv-type T           the pool's KV type (default f16): ctest
  *                             gpu.serve_q4 and emu.gpu_serve_q4 run the
  *                             scenario over a q4_0 pool (rotated)
@@ -71,9 +77,10 @@
  * of --cpu, the emulation of --small) makes a live worker look dead. */
 #define WORKER_TIMEOUT "300000"
 
-static bool cpu_mode, small_model, gemma_model;
+static bool cpu_mode, small_model, gemma_model, tiers_mode;
 static const char *max_restarts = "0";
 static const char *kv_type = "f16";    /* --kv-type T: kvd's pool type */
+static const char *tier_args[8];       /* --tiers: kvd's pool size and tiers */
 static char dir[64] = "/tmp/kvd-gpu-serve-XXXXXX";
 static char model_path[128], ep[160];
 
@@ -142,10 +149,16 @@ static pid_t start_kvd(int workers, const char *log)
             execl(bin, bin, "--model", model_path, "--listen", ep, "--workers", n, "--kv-memory", "48MiB",
                   "--ctx", "2048", "--max-restarts", "0", "--worker-timeout", WORKER_TIMEOUT, "--kv-type", kv_type,
                   (char *)NULL);
-        else if (small_model)   /* the emulation: steps take seconds */
-            execl(bin, bin, "--model", model_path, "--listen", ep, "--gpu", "0", "--workers-per-gpu", n,
-                  "--kv-memory", "64MiB", "--ctx", "2048", "--max-restarts", max_restarts, "--worker-timeout",
-                  WORKER_TIMEOUT, "--kv-type", kv_type, (char *)NULL);
+        else if (small_model) { /* the emulation: steps take seconds */
+            const char *args[40] = { bin, "--model", model_path, "--listen", ep, "--gpu", "0", "--workers-per-gpu", n,
+                                     "--ctx", "2048", "--max-restarts", max_restarts, "--worker-timeout",
+                                     WORKER_TIMEOUT, "--kv-type", kv_type, "--kv-memory", "64MiB" };
+            int a = 19;
+            for (int i = 0; i < 8 && tier_args[i] != NULL; i++)
+                args[a++] = tier_args[i];   /* a second --kv-memory wins */
+            args[a] = NULL;
+            execv(bin, (char *const *)args);
+        }
         else
             execl(bin, bin, "--model", model_path, "--listen", ep, "--gpu", "0", "--workers-per-gpu", n,
                   "--kv-memory", "1GiB", "--ctx", "2048", "--max-restarts", "0", "--worker-timeout",
@@ -432,6 +445,75 @@ static int on_chunk_kill(void *user, const char *text, size_t len, const int32_t
     return 0;
 }
 
+/* --tiers: kvd --gpu over a device pool too small for the prompts it serves,
+ * with the host tier and the disk tier below it: every prompt the pool evicted
+ * comes back from the host tier (copied through host memory into device
+ * blocks), and after a restart from disk, with the tokens of its first run. */
+#define TIER_PROMPTS 6
+static void tier_prompt(int32_t *ids, int i)
+{
+    for (int j = 0; j < 170; j++)
+        ids[j] = 3 + (int32_t)(((uint32_t)(i * 1000 + j) * 2654435761u) % 8000u);
+}
+
+static int tier_round(const char *what, struct kvd_result *out, const struct kvd_result *ref)
+{
+    char err[256];
+    kvd_client_t *c = kvd_client_new(ep, WAIT_MS, err, sizeof(err));
+    REQUIRE(c != NULL);
+    uint32_t host = 0, disk = 0;
+    int same = 0;
+    for (int i = 0; i < TIER_PROMPTS; i++) {
+        int32_t ids[170];
+        tier_prompt(ids, i);
+        struct kvd_gen_params p = greedy(ids, 170, 12);
+        struct kvd_result r;
+        CHECK_INT(kvd_generate(c, &p, &r), 0);
+        host += r.host_cached_prompt_tokens;
+        disk += r.disk_cached_prompt_tokens;
+        if (ref == NULL) {
+            CHECK_INT(r.cached_prompt_tokens, 0);
+            out[i] = r;
+            continue;
+        }
+        CHECK_INT(r.cached_prompt_tokens, 160);
+        same += r.n_tokens == ref[i].n_tokens && memcmp(r.tokens, ref[i].tokens, r.n_tokens * sizeof(int32_t)) == 0;
+        kvd_result_free(&r);
+    }
+    struct kvd_stats s;
+    CHECK_INT(kvd_stats(c, &s), 0);
+    for (double until = now_ms() + WAIT_MS; s.disk_cache_pending > 0 && now_ms() < until; usleep(20000))
+        CHECK_INT(kvd_stats(c, &s), 0);
+    printf("tiers (%s): %u prompt tokens from the host tier, %u from disk; %d of %d outputs as the first run's; "
+           "%llu evictions, %llu blocks on disk\n", what, host, disk, ref ? same : 0, ref ? TIER_PROMPTS : 0,
+           (unsigned long long)s.evictions, (unsigned long long)s.disk_cache_blocks);
+    kvd_client_destroy(&c);
+    if (ref != NULL)
+        CHECK_INT(same, TIER_PROMPTS);
+    return (int)(strcmp(what, "restarted") == 0 ? disk : host);
+}
+
+static void test_tiers(void)
+{
+    char log[128], cache[128];
+    snprintf(log, sizeof(log), "%s/kvd.log", dir);
+    snprintf(cache, sizeof(cache), "%s/cache", dir);
+    /* 2-layer blocks of 8 KiB: a 320 KiB pool holds about 3 of the 11-block prompts */
+    const char *args[] = { "--kv-memory", "320KiB", "--host-cache", "64MiB", "--cache-dir", cache, NULL };
+    memcpy(tier_args, args, sizeof(args));
+    static struct kvd_result first[TIER_PROMPTS];
+    pid_t pid = start_kvd(1, log);
+    tier_round("first", first, NULL);
+    CHECK(tier_round("again", NULL, first) > 0);
+    CHECK_INT(stop_kvd(pid), 0);
+    pid = start_kvd(1, log);
+    CHECK(tier_round("restarted", NULL, first) > 0);
+    CHECK_INT(stop_kvd(pid), 0);
+    for (int i = 0; i < TIER_PROMPTS; i++)
+        kvd_result_free(&first[i]);
+    memset(tier_args, 0, sizeof(tier_args));
+}
+
 static void test_fault(void)
 {
     char log[128], fault[128];
@@ -630,10 +712,13 @@ int main(int argc, char **argv)
             small_model = true;
         else if (strcmp(argv[i], "--gemma") == 0)
             gemma_model = small_model = true;
+        else if (strcmp(argv[i], "--tiers") == 0)
+            tiers_mode = small_model = true;
         else if (strcmp(argv[i], "--bench") == 0)
             bench_mode = true;
         else {
-            fprintf(stderr, "usage: test_gpu_serve [--cpu | --small | --gemma | --bench | --fault] [--kv-type T]\n");
+            fprintf(stderr, "usage: test_gpu_serve [--cpu | --small | --gemma | --tiers | --bench | --fault] "
+                    "[--kv-type T]\n");
             return 2;
         }
     }
@@ -659,6 +744,8 @@ int main(int argc, char **argv)
         bench();
     else if (fault_mode)
         test_fault();
+    else if (tiers_mode)
+        test_tiers();
     else
         test_shared_prefix();
     unlink(model_path);

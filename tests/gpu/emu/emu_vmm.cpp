@@ -111,6 +111,32 @@ extern "C" uint64_t kcuda_vmm_bytes(const kcuda_vmm_t *m) { return m->bytes; }
 extern "C" int kcuda_vmm_device(const kcuda_vmm_t *m) { return m->dev; }
 extern "C" int kcuda_vmm_fd(const kcuda_vmm_t *m) { return m->fd; }
 
+extern "C" int kcuda_vmm_read(void *dst_host, const void *src_dev, size_t bytes, char *err, size_t errlen)
+{
+    if (cudaMemcpy(dst_host, src_dev, bytes, cudaMemcpyDeviceToHost) == cudaSuccess)
+        return 0;
+    return kvd_seterr(err, errlen, KVD_EINTERNAL, "copy from the device failed");
+}
+
+extern "C" int kcuda_vmm_write(void *dst_dev, const void *src_host, size_t bytes, char *err, size_t errlen)
+{
+    if (cudaMemcpy(dst_dev, src_host, bytes, cudaMemcpyHostToDevice) == cudaSuccess)
+        return 0;
+    return kvd_seterr(err, errlen, KVD_EINTERNAL, "copy to the device failed");
+}
+
+extern "C" void *kcuda_vmm_host_alloc(size_t bytes)
+{
+    void *p = NULL;
+    return cudaMallocHost(&p, bytes) == cudaSuccess ? p : NULL;
+}
+
+extern "C" void kcuda_vmm_host_free(void *p)
+{
+    if (p != NULL)
+        cudaFreeHost(p);
+}
+
 extern "C" int kcuda_vmm_fence(kcuda_stream_t stream, char *err, size_t errlen)
 {
     /* the emulation's kernels have finished when their launch returns; what
