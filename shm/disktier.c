@@ -406,8 +406,10 @@ static int scan(disk_tier_t *d, disk_tier_log_fn log, void *log_user, char *err,
         if (c == H_OK)
             name_of(d, &b, want);
         if (c == H_OTHER) {
-            if (d->st.ignored++ == 0)
-                snprintf(first_other, sizeof(first_other), "%s", nm);
+            if (d->st.ignored++ == 0) {
+                memcpy(first_other, nm, NAME_LEN - 1);      /* a name of NAME_LEN - 1 (checked above) */
+                first_other[NAME_LEN - 1] = '\0';
+            }
             continue;
         }
         if (c == H_DAMAGED || strcmp(want, nm) != 0 ||
