@@ -4,7 +4,7 @@
  * kvd checks the device before anything else (a missing GPU fails in
  * milliseconds, not after the model has loaded), creates the pool with its
  * KV data "on device N" (the metadata stays in shared memory), allocates that
- * data with the VMM API (kernels/cuda/kcuda_vmm.h) and keeps the allocation
+ * data with the VMM API (shm/devmem.h) and keeps the allocation
  * until it exits, so that no worker's death can free it. Workers connect to
  * a Unix socket in kvd's private runtime directory and each gets the
  * allocation's descriptor with a header naming the device, size and pool
@@ -28,7 +28,7 @@
 #ifdef KVD_HAVE_GPU_ENGINE
 #include "gpu_engine.h"
 #endif
-#include "kcuda_vmm.h"
+#include "devmem.h"
 #include "kvd.h"
 #include "units.h"
 
@@ -38,8 +38,8 @@ void gpu_probe(struct kvd *k)
     if (k->o.gpu < 0)
         return;
     char why[512];
-    struct kcuda_vmm_dev info;
-    if (kcuda_vmm_probe(k->o.gpu, &info, why, sizeof(why)) != 0)
+    struct devmem_dev info;
+    if (devmem_probe(k->o.gpu, &info, why, sizeof(why)) != 0)
         cli_die("--gpu %d: %s", k->o.gpu, why);
     snprintf(k->gpu_name, sizeof(k->gpu_name), "%s", info.name);
     k->gpu_free = info.free_bytes;
@@ -68,8 +68,8 @@ static void __attribute__((noreturn, format(printf, 2, 3))) setup_fail(struct kv
     va_end(ap);
     prefix_destroy(&k->px);
     pool_close(&k->pool);
-    kcuda_vmm_destroy(&k->vmm);
-    kcuda_vmm_destroy(&k->wvmm);
+    devmem_destroy(&k->vmm);
+    devmem_destroy(&k->wvmm);
     cli_die("--gpu %d: %s", k->o.gpu, msg);
 }
 
@@ -79,17 +79,17 @@ void gpu_setup(struct kvd *k, const char *run_dir)
         return;
     char err[512];
     uint64_t bytes = pool_data_bytes(k->pool);
-    k->vmm = kcuda_vmm_create(k->o.gpu, bytes, err, sizeof(err));
+    k->vmm = devmem_create(k->o.gpu, bytes, err, sizeof(err));
     if (k->vmm == NULL)
         setup_fail(k, "%s", err);
-    if (pool_set_device_kv(k->pool, kcuda_vmm_ptr(k->vmm), kcuda_vmm_bytes(k->vmm)) != 0)
+    if (pool_set_device_kv(k->pool, devmem_ptr(k->vmm), devmem_bytes(k->vmm)) != 0)
         setup_fail(k, "the device memory does not fit the pool");
 #ifdef KVD_HAVE_GPU_ENGINE
     const uint64_t wbytes = gpu_weights_bytes(k->model);
-    k->wvmm = kcuda_vmm_create(k->o.gpu, wbytes, err, sizeof(err));
+    k->wvmm = devmem_create(k->o.gpu, wbytes, err, sizeof(err));
     if (k->wvmm == NULL)
         setup_fail(k, "weights: %s", err);
-    if (gpu_weights_upload(k->model, k->o.gpu, kcuda_vmm_ptr(k->wvmm), kcuda_vmm_bytes(k->wvmm), err,
+    if (gpu_weights_upload(k->model, k->o.gpu, devmem_ptr(k->wvmm), devmem_bytes(k->wvmm), err,
                            sizeof(err)) != 0)
         setup_fail(k, "%s", err);
 #else
@@ -107,8 +107,8 @@ void gpu_setup(struct kvd *k, const char *run_dir)
     char wsz[32];
     kvd_log(k, "GPU %d (%s): %s of KV data and %s of weights (one copy for all its workers) in device "
             "memory; workers get them from %s", k->o.gpu, k->gpu_name[0] ? k->gpu_name : "?",
-            kvd_format_bytes(kcuda_vmm_bytes(k->vmm), sz, sizeof(sz)),
-            kvd_format_bytes(kcuda_vmm_bytes(k->wvmm), wsz, sizeof(wsz)), k->gpu_sock);
+            kvd_format_bytes(devmem_bytes(k->vmm), sz, sizeof(sz)),
+            kvd_format_bytes(devmem_bytes(k->wvmm), wsz, sizeof(wsz)), k->gpu_sock);
 }
 
 /* Hands the device memory, KV then weights, to every worker waiting on the socket. */
@@ -119,12 +119,12 @@ void gpu_serve(struct kvd *k)
     const struct pool_header *h = pool_header(k->pool);
     struct fdpass_msg m = {
         .magic = FDPASS_MAGIC, .version = FDPASS_VERSION, .kind = FDPASS_KIND_CUDA_VMM,
-        .bytes = kcuda_vmm_bytes(k->vmm), .device = k->o.gpu, .generation = h->generation,
+        .bytes = devmem_bytes(k->vmm), .device = k->o.gpu, .generation = h->generation,
         .instance = h->instance,
     };
     struct fdpass_msg wm = m;
     wm.kind = FDPASS_KIND_CUDA_WEIGHTS;
-    wm.bytes = kcuda_vmm_bytes(k->wvmm);
+    wm.bytes = devmem_bytes(k->wvmm);
     char err[256];
     for (;;) {
         int c = fdpass_accept(k->gpu_fd, err, sizeof(err));
@@ -136,8 +136,8 @@ void gpu_serve(struct kvd *k)
                 return; /* a failing socket is retried at the next poll */
             continue;
         }
-        if (fdpass_send(c, &m, kcuda_vmm_fd(k->vmm), err, sizeof(err)) != 0 ||
-            fdpass_send(c, &wm, kcuda_vmm_fd(k->wvmm), err, sizeof(err)) != 0)
+        if (fdpass_send(c, &m, devmem_fd(k->vmm), err, sizeof(err)) != 0 ||
+            fdpass_send(c, &wm, devmem_fd(k->wvmm), err, sizeof(err)) != 0)
             kvd_log(k, "GPU socket: %s", err);
         else if (k->o.verbose)
             kvd_log(k, "GPU socket: handed the device memory to a worker");
@@ -153,6 +153,6 @@ void gpu_fini(struct kvd *k)
         k->gpu_fd = -1;
     }
     /* every worker is stopped by now: nothing else uses the memory */
-    kcuda_vmm_destroy(&k->vmm);
-    kcuda_vmm_destroy(&k->wvmm);
+    devmem_destroy(&k->vmm);
+    devmem_destroy(&k->wvmm);
 }

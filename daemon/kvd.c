@@ -38,7 +38,7 @@
 #include "cli.h"
 #include "http.h"
 #include "kvd.h"
-#include "kcuda_vmm.h"
+#include "devmem.h"
 #include "kvd_client.h"
 #include "types.h"
 #include "units.h"
@@ -349,7 +349,7 @@ static const void *host_view(struct kvd *k, const void *data)
     if (k->tier_stage == NULL)
         return data;
     char err[256];
-    if (kcuda_vmm_read(k->tier_stage, data, pool_header(k->pool)->block_bytes, err, sizeof(err)) != 0) {
+    if (devmem_read(k->tier_stage, data, pool_header(k->pool)->block_bytes, err, sizeof(err)) != 0) {
         kvd_log(k, "tiers: %s", err);
         return NULL;
     }
@@ -384,7 +384,7 @@ static bool tier_read(struct kvd *k, const struct prefix_tier_block *b, void *ds
         return false;
     char err[256];
     if (k->tier_stage != NULL &&
-        kcuda_vmm_write(dst, k->tier_stage, pool_header(k->pool)->block_bytes, err, sizeof(err)) != 0) {
+        devmem_write(dst, k->tier_stage, pool_header(k->pool)->block_bytes, err, sizeof(err)) != 0) {
         kvd_log(k, "tiers: %s", err);
         return false;
     }
@@ -517,7 +517,7 @@ static void tiers_setup(struct kvd *k, const struct pool_layout *lay)
     const struct kvd_options *o = &k->o;
     const uint64_t bb = pool_header(k->pool)->block_bytes;
     const char *opt = o->host_cache_bytes > 0 ? "--host-cache" : "--cache-dir";
-    if (o->gpu >= 0 && (k->tier_stage = kcuda_vmm_host_alloc(bb)) == NULL)
+    if (o->gpu >= 0 && (k->tier_stage = devmem_host_alloc(bb)) == NULL)
         cli_die("%s: no page-locked host memory for the GPU pool's copies", opt);
     if (o->host_cache_bytes > 0) {
         k->tier = tier_new(o->host_cache_bytes, lay->block_tokens, bb, err, sizeof(err));
@@ -934,7 +934,7 @@ int main(int argc, char **argv)
     prefix_destroy(&k->px);
     disk_tier_close(&k->disk);     /* what is queued is written first */
     tier_destroy(&k->tier);
-    kcuda_vmm_host_free(k->tier_stage);
+    devmem_host_free(k->tier_stage);
     pool_close(&k->pool);
     gpu_fini(k);
     chat_template_destroy(&k->chat);

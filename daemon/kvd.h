@@ -167,7 +167,7 @@ struct kvd_stats_counters {
     uint64_t finished_stop, finished_length, finished_abort;
 };
 
-struct kcuda_vmm;
+struct devmem;
 
 struct kvd {
     struct kvd_options o;
@@ -179,8 +179,8 @@ struct kvd {
     tok_t *tok;
     chat_template_t *chat;          /* NULL when the model has none */
     pool_t *pool;
-    struct kcuda_vmm *vmm;          /* --gpu: the pool's KV data on the device; NULL otherwise */
-    struct kcuda_vmm *wvmm;         /* --gpu: the model's weights on the device, shared by its
+    struct devmem *vmm;          /* --gpu: the pool's KV data on the device; NULL otherwise */
+    struct devmem *wvmm;         /* --gpu: the model's weights on the device, shared by its
                                      * workers; NULL otherwise */
     int gpu_fd;                     /* --gpu: listening socket that hands workers the memory, else -1 */
     struct http_server *http[KVD_MAX_HTTP];

@@ -4,7 +4,7 @@
  *
  * This is how a GPU pool's KV memory and the model's weights reach the
  * workers: the coordinator exports its device allocations
- * (kernels/cuda/kcuda_vmm.h) as POSIX file descriptors and sends them to
+ * (shm/devmem.h) as POSIX file descriptors and sends them to
  * every worker of that GPU that connects to its socket, one message each;
  * the kernel duplicates each descriptor into the receiver. Plain
  * POSIX: nothing here knows about CUDA, and any descriptor (a memfd, a pipe)

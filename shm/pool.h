@@ -32,7 +32,7 @@
  *   POOL_KV_DEVICE  in the memory of CUDA device kv_device. The segment holds
  *                   the header and metadata only, exactly as for a host pool.
  *                   This module never touches CUDA: the owner allocates the
- *                   device memory (kernels/cuda/kcuda_vmm.h), passes it to
+ *                   device memory (shm/devmem.h), passes it to
  *                   the workers of that GPU as a file descriptor
  *                   (shm/fdpass.h), and each process that maps it tells its
  *                   pool where with pool_set_device_kv(). pool_block_addr()

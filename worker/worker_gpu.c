@@ -7,15 +7,15 @@
 
 #include "err.h"
 #include "fdpass.h"
-#include "kcuda_vmm.h"
+#include "devmem.h"
 #include "kvcache.h"
 #include "types.h"
 
 struct wgpu {
     pool_t *pool;           /* borrowed: the pool whose KV data this maps */
     int dev;                /* CUDA device index */
-    kcuda_vmm_t *mem;       /* this process's mapping of kvd's KV allocation */
-    kcuda_vmm_t *weights;   /* and of its copy of the model's weights */
+    devmem_t *mem;       /* this process's mapping of kvd's KV allocation */
+    devmem_t *weights;   /* and of its copy of the model's weights */
     wgpu_engine_t *engine;  /* the GPU engine once started; NULL before */
 };
 
@@ -60,7 +60,7 @@ wgpu_t *wgpu_open(pool_t *pool, int dev, const char *socket_path, char *err, siz
         return NULL;
     }
     char why[384];
-    if (kcuda_vmm_probe(dev, NULL, why, sizeof(why)) != 0) {
+    if (devmem_probe(dev, NULL, why, sizeof(why)) != 0) {
         kvd_seterr(err, errlen, KVD_EUNAVAILABLE, "--gpu %d: %s", dev, why);
         return NULL;
     }
@@ -77,7 +77,7 @@ wgpu_t *wgpu_open(pool_t *pool, int dev, const char *socket_path, char *err, siz
         goto fail;
     }
     /* two messages: the KV data, then the weights */
-    kcuda_vmm_t **into[2] = { &g->mem, &g->weights };
+    devmem_t **into[2] = { &g->mem, &g->weights };
     static const uint32_t kinds[2] = { FDPASS_KIND_CUDA_VMM, FDPASS_KIND_CUDA_WEIGHTS };
     int rc = 0;
     for (int i = 0; i < 2 && rc == 0; i++) {
@@ -90,7 +90,7 @@ wgpu_t *wgpu_open(pool_t *pool, int dev, const char *socket_path, char *err, siz
         }
         rc = check_msg(&m, kinds[i], pool, dev, err, errlen);
         if (rc == 0) {
-            *into[i] = kcuda_vmm_import(dev, fd, m.bytes, why, sizeof(why));
+            *into[i] = devmem_import(dev, fd, m.bytes, why, sizeof(why));
             if (*into[i] == NULL)
                 rc = kvd_seterr(err, errlen, KVD_EINTERNAL, "cannot map kvd's device memory: %s", why);
         }
@@ -99,7 +99,7 @@ wgpu_t *wgpu_open(pool_t *pool, int dev, const char *socket_path, char *err, siz
     close(s);
     if (rc != 0)
         goto fail;
-    rc = pool_set_device_kv(pool, kcuda_vmm_ptr(g->mem), kcuda_vmm_bytes(g->mem));
+    rc = pool_set_device_kv(pool, devmem_ptr(g->mem), devmem_bytes(g->mem));
     if (rc != 0) {
         kvd_seterr(err, errlen, rc, "the mapped device memory does not fit the pool");
         goto fail;
@@ -112,12 +112,12 @@ fail:
 
 void *wgpu_kv_base(const wgpu_t *g)
 {
-    return kcuda_vmm_ptr(g->mem);
+    return devmem_ptr(g->mem);
 }
 
 uint64_t wgpu_kv_bytes(const wgpu_t *g)
 {
-    return kcuda_vmm_bytes(g->mem);
+    return devmem_bytes(g->mem);
 }
 
 int wgpu_fence(wgpu_t *g, char *err, size_t errlen)
@@ -125,7 +125,7 @@ int wgpu_fence(wgpu_t *g, char *err, size_t errlen)
     (void)g;
     /* the whole device: whatever streams the engine uses, every kernel this
      * process queued so far has completed when this returns */
-    return kcuda_vmm_fence(NULL, err, errlen);
+    return devmem_fence(NULL, err, errlen);
 }
 
 /* The GPU engine is behind the seam of worker_gpu.h (wgpu_engine_new and
@@ -142,8 +142,8 @@ int wgpu_engine_start(wgpu_t *g, const model_t *m, const struct engine_params *p
     const struct wgpu_mem mem = {
         .kv_base = wgpu_kv_base(g), .kv_bytes = wgpu_kv_bytes(g), .kv_blocks = h->n_blocks,
         .block_tokens = h->layout.block_tokens, .k_type = h->layout.k_type, .v_type = h->layout.v_type,
-        .rotate = h->layout.rotate, .weights_base = kcuda_vmm_ptr(g->weights),
-        .weights_bytes = kcuda_vmm_bytes(g->weights), .parts = &h->layout.parts,
+        .rotate = h->layout.rotate, .weights_base = devmem_ptr(g->weights),
+        .weights_bytes = devmem_bytes(g->weights), .parts = &h->layout.parts,
     };
     g->engine = wgpu_engine_new(m, g->dev, &mem, p, err, errlen);
     return g->engine ? 0 : KVD_EUNSUPPORTED;
@@ -178,8 +178,8 @@ void wgpu_close(wgpu_t **gp)
         return;
     wgpu_t *g = *gp;
     wgpu_engine_destroy(&g->engine); /* before the memory it computes in goes */
-    kcuda_vmm_destroy(&g->mem);
-    kcuda_vmm_destroy(&g->weights);
+    devmem_destroy(&g->mem);
+    devmem_destroy(&g->weights);
     free(g);
     *gp = NULL;
 }

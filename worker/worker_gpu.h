@@ -8,7 +8,7 @@
  * model's weights, checks that they belong to this pool (device,
  * generation, instance; the KV memory's size here, the weights' size by the
  * engine), imports and maps them
- * (kernels/cuda/kcuda_vmm.h) and tells the pool where the KV data is mapped,
+ * (shm/devmem.h) and tells the pool where the KV data is mapped,
  * so that pool_block_addr() gives device addresses. The engine borrows the
  * weights: one copy per GPU, whatever the number of workers. kvd keeps both
  * allocations for its whole life; a worker that dies or restarts only drops

@@ -1,14 +1,14 @@
 /*
  * test_gpu_pool.c - device memory shared between processes, as a GPU pool
- * shares its KV data (kernels/cuda/kcuda_vmm.h, shm/fdpass.h), and kvd's
+ * shares its KV data (shm/devmem.h, shm/fdpass.h), and kvd's
  * hand-off of it to its GPU workers.
  *
- *   1. Process A allocates (kcuda_vmm_create: the size rounded up to the
+ *   1. Process A allocates (devmem_create: the size rounded up to the
  *      granularity), writes a pattern with a copy and one with a memset
  *      kernel, and sends the descriptor over a socketpair to process B, which
  *      it forks and execs (CUDA does not survive a bare fork).
  *   2. B imports and maps it, reads A's patterns, writes its own (a copy),
- *      waits for its work (kcuda_vmm_fence) and says so; A reads B's pattern.
+ *      waits for its work (devmem_fence) and says so; A reads B's pattern.
  *   3. B queues a long run of kernels on the memory and A kills it with
  *      SIGKILL mid-way: A's mapping stays valid, A's patterns are intact, and
  *      A can still write and read all of it.
@@ -45,7 +45,7 @@
 #include "err.h"
 #include "fdpass.h"
 #include "kcuda.h"
-#include "kcuda_vmm.h"
+#include "devmem.h"
 #include "mkmodel.h"
 
 #define DEV 0
@@ -122,25 +122,25 @@ static int child(int s, char role)
     }
     if (m.kind != FDPASS_KIND_CUDA_VMM || m.device != DEV)
         return 11;
-    kcuda_vmm_t *mem = kcuda_vmm_import(DEV, fd, m.bytes, err, sizeof(err));
+    devmem_t *mem = devmem_import(DEV, fd, m.bytes, err, sizeof(err));
     close(fd);
     if (mem == NULL) {
         fprintf(stderr, "B: import: %s\n", err);
         return 12;
     }
-    uint8_t *base = kcuda_vmm_ptr(mem);
-    uint64_t q = quarter(kcuda_vmm_bytes(mem));
-    if (kcuda_vmm_bytes(mem) != m.bytes)
+    uint8_t *base = devmem_ptr(mem);
+    uint64_t q = quarter(devmem_bytes(mem));
+    if (devmem_bytes(mem) != m.bytes)
         return 13;
     if (!has_words(base, q, pat_a, 0) || !has_words(base + q, q, NULL, 0x3c))
         return 14;
     if (role == 'r') {
         bool ok = has_words(base + 2 * q, q, pat_b, 0);
-        kcuda_vmm_destroy(&mem);
+        devmem_destroy(&mem);
         return ok ? 0 : 15;
     }
     put_words(base + 2 * q, q, pat_b);
-    if (kcuda_vmm_fence(NULL, err, sizeof(err)) != 0) {
+    if (devmem_fence(NULL, err, sizeof(err)) != 0) {
         fprintf(stderr, "B: fence: %s\n", err);
         return 16;
     }
@@ -182,33 +182,33 @@ static int wait_status(pid_t pid)
 
 /* ---- process A ------------------------------------------------------------------------------ */
 
-static void test_bad_imports(const kcuda_vmm_t *mem, uint64_t granule)
+static void test_bad_imports(const devmem_t *mem, uint64_t granule)
 {
     char err[512];
     int mfd = memfd_create("kvd-not-cuda", MFD_CLOEXEC);
     REQUIRE(mfd >= 0 && ftruncate(mfd, (off_t)granule) == 0);
-    CHECK(kcuda_vmm_import(DEV, mfd, granule, err, sizeof(err)) == NULL);
+    CHECK(devmem_import(DEV, mfd, granule, err, sizeof(err)) == NULL);
     printf("import of a memfd: %s\n", err);
     close(mfd);
     int nul = open("/dev/null", O_RDWR | O_CLOEXEC);
     REQUIRE(nul >= 0);
-    CHECK(kcuda_vmm_import(DEV, nul, granule, err, sizeof(err)) == NULL);
+    CHECK(devmem_import(DEV, nul, granule, err, sizeof(err)) == NULL);
     printf("import of /dev/null: %s\n", err);
     close(nul);
-    CHECK(kcuda_vmm_import(DEV, nul, granule, err, sizeof(err)) == NULL); /* closed now */
+    CHECK(devmem_import(DEV, nul, granule, err, sizeof(err)) == NULL); /* closed now */
     CHECK(strstr(err, "not open") != NULL);
-    CHECK(kcuda_vmm_import(DEV, -1, granule, err, sizeof(err)) == NULL);
+    CHECK(devmem_import(DEV, -1, granule, err, sizeof(err)) == NULL);
     /* the real descriptor with a wrong size */
-    int fd = kcuda_vmm_fd(mem);
-    CHECK(kcuda_vmm_import(DEV, fd, kcuda_vmm_bytes(mem) + 4 * granule, err, sizeof(err)) == NULL);
+    int fd = devmem_fd(mem);
+    CHECK(devmem_import(DEV, fd, devmem_bytes(mem) + 4 * granule, err, sizeof(err)) == NULL);
     printf("import of too many bytes: %s\n", err);
-    CHECK(kcuda_vmm_import(DEV, fd, granule + 1, err, sizeof(err)) == NULL);
+    CHECK(devmem_import(DEV, fd, granule + 1, err, sizeof(err)) == NULL);
     CHECK(strstr(err, "granule") != NULL);
-    CHECK(kcuda_vmm_import(DEV + 4096, fd, granule, err, sizeof(err)) == NULL);
+    CHECK(devmem_import(DEV + 4096, fd, granule, err, sizeof(err)) == NULL);
     /* more than the device has */
-    CHECK(kcuda_vmm_create(DEV, 1ull << 50, err, sizeof(err)) == NULL);
+    CHECK(devmem_create(DEV, 1ull << 50, err, sizeof(err)) == NULL);
     printf("allocation of 1 PiB: %s\n", err);
-    CHECK(kcuda_vmm_create(DEV, 0, err, sizeof(err)) == NULL);
+    CHECK(devmem_create(DEV, 0, err, sizeof(err)) == NULL);
 }
 
 /* Reads a whole file into a new string ("" when absent). */
@@ -321,8 +321,8 @@ int main(int argc, char **argv)
         return child(atoi(argv[2]), argv[3][0]);
     alarm(1700); /* a bound on a hang, under ctest's TIMEOUT */
     char why[512];
-    struct kcuda_vmm_dev info;
-    if (kcuda_vmm_probe(DEV, &info, why, sizeof(why)) != 0) {
+    struct devmem_dev info;
+    if (devmem_probe(DEV, &info, why, sizeof(why)) != 0) {
         printf("skip: %s\n", why);
         return KVD_TEST_SKIP;
     }
@@ -332,22 +332,22 @@ int main(int argc, char **argv)
 
     /* 1. allocate and fill */
     char err[512];
-    kcuda_vmm_t *mem = kcuda_vmm_create(DEV, ASK_BYTES, err, sizeof(err));
+    devmem_t *mem = devmem_create(DEV, ASK_BYTES, err, sizeof(err));
     if (mem == NULL)
         fprintf(stderr, "create: %s\n", err);
     REQUIRE(mem != NULL);
-    uint64_t bytes = kcuda_vmm_bytes(mem);
+    uint64_t bytes = devmem_bytes(mem);
     CHECK(bytes >= ASK_BYTES && bytes % info.granularity == 0);
-    CHECK(kcuda_vmm_fd(mem) >= 0);
-    CHECK(fcntl(kcuda_vmm_fd(mem), F_GETFD) & FD_CLOEXEC);
-    CHECK_INT(kcuda_vmm_device(mem), DEV);
-    uint8_t *base = kcuda_vmm_ptr(mem);
+    CHECK(devmem_fd(mem) >= 0);
+    CHECK(fcntl(devmem_fd(mem), F_GETFD) & FD_CLOEXEC);
+    CHECK_INT(devmem_device(mem), DEV);
+    uint8_t *base = devmem_ptr(mem);
     REQUIRE(base != NULL);
     uint64_t q = quarter(bytes);
     put_words(base, q, pat_a);
     REQUIRE(kcuda_memset(base + q, 0x3c, q, NULL) == 0);
     REQUIRE(kcuda_memset(base + 2 * q, 0, 2 * q, NULL) == 0);
-    CHECK_INT(kcuda_vmm_fence(NULL, err, sizeof(err)), 0);
+    CHECK_INT(devmem_fence(NULL, err, sizeof(err)), 0);
     CHECK(has_words(base, q, pat_a, 0));
 
     /* 2. B imports, checks, writes */
@@ -358,7 +358,7 @@ int main(int argc, char **argv)
     REQUIRE(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) == 0);
     pid_t b = start_child(argv[0], sv[1], 'w');
     close(sv[1]);
-    CHECK_INT(fdpass_send(sv[0], &m, kcuda_vmm_fd(mem), err, sizeof(err)), 0);
+    CHECK_INT(fdpass_send(sv[0], &m, devmem_fd(mem), err, sizeof(err)), 0);
     char c = get_byte(sv[0]);
     if (c != 'W') {
         fprintf(stderr, "B failed: status %d\n", wait_status(b));
@@ -385,7 +385,7 @@ int main(int argc, char **argv)
     REQUIRE(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) == 0);
     b = start_child(argv[0], sv[1], 'r');
     close(sv[1]);
-    CHECK_INT(fdpass_send(sv[0], &m, kcuda_vmm_fd(mem), err, sizeof(err)), 0);
+    CHECK_INT(fdpass_send(sv[0], &m, devmem_fd(mem), err, sizeof(err)), 0);
     CHECK_INT(wait_status(b), 0);
     close(sv[0]);
     printf("pool: a second B imported it again and saw both patterns\n");
@@ -393,9 +393,9 @@ int main(int argc, char **argv)
     /* 5. bad imports; the context stays usable */
     test_bad_imports(mem, info.granularity);
     CHECK(has_words(base, q, pat_a, 0));
-    kcuda_vmm_destroy(&mem);
+    devmem_destroy(&mem);
     CHECK(mem == NULL);
-    kcuda_vmm_destroy(&mem);
+    devmem_destroy(&mem);
     CHECK_INT(kcuda_sync(), 0);
 
     /* 6. kvd and its GPU workers */

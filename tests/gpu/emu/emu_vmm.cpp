@@ -1,5 +1,5 @@
 /*
- * emu_vmm.cpp - kernels/cuda/kcuda_vmm.h for the CPU emulation: a shared
+ * emu_vmm.cpp - shm/devmem.h for the CPU emulation: a shared
  * allocation is a memfd mapped into each process that holds it, so that kvd
  * --gpu and its workers run the GPU path end to end on the CPU (the device
  * address is the mapping's address; each process has its own). Granularity
@@ -15,11 +15,11 @@
 extern "C" {
 #include "err.h"
 }
-#include "kcuda_vmm.h"
+#include "devmem.h"
 
 void emu_register(void *p, size_t n, bool add);
 
-struct kcuda_vmm {
+struct devmem {
     void *ptr;          /* the mapping */
     uint64_t bytes;     /* its size */
     int fd;             /* the creator's memfd, else -1 */
@@ -28,7 +28,7 @@ struct kcuda_vmm {
 
 static const uint64_t GRANULE = 2u << 20;
 
-extern "C" int kcuda_vmm_probe(int dev, struct kcuda_vmm_dev *info, char *why, size_t whylen)
+extern "C" int devmem_probe(int dev, struct devmem_dev *info, char *why, size_t whylen)
 {
     if (getenv("EMU_NODEV") != nullptr || dev != 0)
         return kvd_seterr(why, whylen, KVD_EUNAVAILABLE, "no usable CUDA device: no device %d (emulation)", dev);
@@ -42,14 +42,14 @@ extern "C" int kcuda_vmm_probe(int dev, struct kcuda_vmm_dev *info, char *why, s
     return 0;
 }
 
-static kcuda_vmm_t *map_fd(int dev, int fd, uint64_t bytes, bool own, char *err, size_t errlen)
+static devmem_t *map_fd(int dev, int fd, uint64_t bytes, bool own, char *err, size_t errlen)
 {
     void *p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
         kvd_seterr(err, errlen, KVD_EINTERNAL, "mmap of %llu bytes: %s", (unsigned long long)bytes, strerror(errno));
         return nullptr;
     }
-    kcuda_vmm_t *m = new (std::nothrow) kcuda_vmm{ p, bytes, own ? fd : -1, dev };
+    devmem_t *m = new (std::nothrow) devmem{ p, bytes, own ? fd : -1, dev };
     if (m == nullptr) {
         munmap(p, bytes);
         kvd_seterr(err, errlen, KVD_ENOMEM, "out of memory");
@@ -59,9 +59,9 @@ static kcuda_vmm_t *map_fd(int dev, int fd, uint64_t bytes, bool own, char *err,
     return m;
 }
 
-extern "C" kcuda_vmm_t *kcuda_vmm_create(int dev, uint64_t bytes, char *err, size_t errlen)
+extern "C" devmem_t *devmem_create(int dev, uint64_t bytes, char *err, size_t errlen)
 {
-    if (kcuda_vmm_probe(dev, nullptr, err, errlen) != 0)
+    if (devmem_probe(dev, nullptr, err, errlen) != 0)
         return nullptr;
     bytes = (bytes + GRANULE - 1) / GRANULE * GRANULE;
     const int fd = memfd_create("kvd-emu-vmm", MFD_CLOEXEC);
@@ -71,15 +71,15 @@ extern "C" kcuda_vmm_t *kcuda_vmm_create(int dev, uint64_t bytes, char *err, siz
             close(fd);
         return nullptr;
     }
-    kcuda_vmm_t *m = map_fd(dev, fd, bytes, true, err, errlen);
+    devmem_t *m = map_fd(dev, fd, bytes, true, err, errlen);
     if (m == nullptr)
         close(fd);
     return m;
 }
 
-extern "C" kcuda_vmm_t *kcuda_vmm_import(int dev, int fd, uint64_t bytes, char *err, size_t errlen)
+extern "C" devmem_t *devmem_import(int dev, int fd, uint64_t bytes, char *err, size_t errlen)
 {
-    if (kcuda_vmm_probe(dev, nullptr, err, errlen) != 0)
+    if (devmem_probe(dev, nullptr, err, errlen) != 0)
         return nullptr;
     struct stat st;
     if (fd < 0 || fstat(fd, &st) != 0) {
@@ -93,11 +93,11 @@ extern "C" kcuda_vmm_t *kcuda_vmm_import(int dev, int fd, uint64_t bytes, char *
     return map_fd(dev, fd, bytes, false, err, errlen);
 }
 
-extern "C" void kcuda_vmm_destroy(kcuda_vmm_t **mp)
+extern "C" void devmem_destroy(devmem_t **mp)
 {
     if (mp == nullptr || *mp == nullptr)
         return;
-    kcuda_vmm_t *m = *mp;
+    devmem_t *m = *mp;
     emu_register(m->ptr, m->bytes, false);
     munmap(m->ptr, m->bytes);
     if (m->fd >= 0)
@@ -106,41 +106,41 @@ extern "C" void kcuda_vmm_destroy(kcuda_vmm_t **mp)
     *mp = nullptr;
 }
 
-extern "C" void *kcuda_vmm_ptr(const kcuda_vmm_t *m) { return m->ptr; }
-extern "C" uint64_t kcuda_vmm_bytes(const kcuda_vmm_t *m) { return m->bytes; }
-extern "C" int kcuda_vmm_device(const kcuda_vmm_t *m) { return m->dev; }
-extern "C" int kcuda_vmm_fd(const kcuda_vmm_t *m) { return m->fd; }
+extern "C" void *devmem_ptr(const devmem_t *m) { return m->ptr; }
+extern "C" uint64_t devmem_bytes(const devmem_t *m) { return m->bytes; }
+extern "C" int devmem_device(const devmem_t *m) { return m->dev; }
+extern "C" int devmem_fd(const devmem_t *m) { return m->fd; }
 
-extern "C" int kcuda_vmm_read(void *dst_host, const void *src_dev, size_t bytes, char *err, size_t errlen)
+extern "C" int devmem_read(void *dst_host, const void *src_dev, size_t bytes, char *err, size_t errlen)
 {
     if (cudaMemcpy(dst_host, src_dev, bytes, cudaMemcpyDeviceToHost) == cudaSuccess)
         return 0;
     return kvd_seterr(err, errlen, KVD_EINTERNAL, "copy from the device failed");
 }
 
-extern "C" int kcuda_vmm_write(void *dst_dev, const void *src_host, size_t bytes, char *err, size_t errlen)
+extern "C" int devmem_write(void *dst_dev, const void *src_host, size_t bytes, char *err, size_t errlen)
 {
     if (cudaMemcpy(dst_dev, src_host, bytes, cudaMemcpyHostToDevice) == cudaSuccess)
         return 0;
     return kvd_seterr(err, errlen, KVD_EINTERNAL, "copy to the device failed");
 }
 
-extern "C" void *kcuda_vmm_host_alloc(size_t bytes)
+extern "C" void *devmem_host_alloc(size_t bytes)
 {
     void *p = NULL;
     return cudaMallocHost(&p, bytes) == cudaSuccess ? p : NULL;
 }
 
-extern "C" void kcuda_vmm_host_free(void *p)
+extern "C" void devmem_host_free(void *p)
 {
     if (p != NULL)
         cudaFreeHost(p);
 }
 
-extern "C" int kcuda_vmm_fence(kcuda_stream_t stream, char *err, size_t errlen)
+extern "C" int devmem_fence(void *stream, char *err, size_t errlen)
 {
     /* the emulation's kernels have finished when their launch returns; what
-     * is left to report is a fault (emu_rt.cpp), as kcuda_vmm.cu does */
+     * is left to report is a fault (emu_rt.cpp), as devmem.cu does */
     cudaError_t e = stream ? cudaStreamSynchronize((cudaStream_t)stream) : cudaDeviceSynchronize();
     if (e == cudaSuccess)
         return 0;

@@ -1,4 +1,4 @@
-/* kcuda_vmm.cu - shared device memory: cuMemCreate, POSIX descriptor export and import. */
+/* devmem.cu - shared device memory: cuMemCreate, POSIX descriptor export and import. */
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -15,7 +15,8 @@
 extern "C" {
 #include "err.h"  /* kvd_seterr is C */
 }
-#include "kcuda_vmm.h"
+#include "devmem.h"
+#include "kcuda.h"     /* the devices the runtime sees */
 
 /* The driver ABI asked for: every function below has kept its signature since
  * CUDA 10.2, and every driver that runs this build's runtime is newer. */
@@ -46,7 +47,7 @@ static struct {
 
 static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
 
-struct kcuda_vmm {
+struct devmem {
     int dev;                            /* device index */
     CUmemGenericAllocationHandle h;     /* this process's handle on the memory */
     CUdeviceptr ptr;                    /* where it is mapped */
@@ -135,7 +136,7 @@ static int granularity(int dev, bool recommended, uint64_t *g, char *why, size_t
     return 0;
 }
 
-extern "C" int kcuda_vmm_probe(int dev, struct kcuda_vmm_dev *info, char *why, size_t whylen)
+extern "C" int devmem_probe(int dev, struct devmem_dev *info, char *why, size_t whylen)
 {
     char reason[256] = "";
     int n = kcuda_device_count(reason, sizeof(reason));
@@ -206,7 +207,7 @@ extern "C" int kcuda_vmm_probe(int dev, struct kcuda_vmm_dev *info, char *why, s
 /* Reserves an address range for m->bytes, maps m->h there and makes it
  * read-write for m->dev. 0 or KVD_EINTERNAL / KVD_ENOMEM with a reason; on
  * failure nothing stays mapped or reserved. */
-static int map_handle(kcuda_vmm_t *m, char *err, size_t errlen)
+static int map_handle(devmem_t *m, char *err, size_t errlen)
 {
     char eb[160];
     CUresult r = drv.reserve(&m->ptr, m->bytes, 0, 0, 0);
@@ -239,9 +240,9 @@ static int map_handle(kcuda_vmm_t *m, char *err, size_t errlen)
     return 0;
 }
 
-static kcuda_vmm_t *vmm_alloc(int dev, char *err, size_t errlen)
+static devmem_t *vmm_alloc(int dev, char *err, size_t errlen)
 {
-    kcuda_vmm_t *m = new (std::nothrow) kcuda_vmm_t;
+    devmem_t *m = new (std::nothrow) devmem_t;
     if (m == NULL) {
         kvd_seterr(err, errlen, KVD_ENOMEM, "out of memory");
         return NULL;
@@ -252,17 +253,17 @@ static kcuda_vmm_t *vmm_alloc(int dev, char *err, size_t errlen)
     return m;
 }
 
-extern "C" kcuda_vmm_t *kcuda_vmm_create(int dev, uint64_t bytes, char *err, size_t errlen)
+extern "C" devmem_t *devmem_create(int dev, uint64_t bytes, char *err, size_t errlen)
 {
-    struct kcuda_vmm_dev info;
-    if (kcuda_vmm_probe(dev, &info, err, errlen) != 0)
+    struct devmem_dev info;
+    if (devmem_probe(dev, &info, err, errlen) != 0)
         return NULL;
     if (bytes == 0 || bytes > UINT64_MAX - info.granularity) {
         kvd_seterr(err, errlen, KVD_EINVAL, "device memory: %llu bytes is not a size",
                    (unsigned long long)bytes);
         return NULL;
     }
-    kcuda_vmm_t *m = vmm_alloc(dev, err, errlen);
+    devmem_t *m = vmm_alloc(dev, err, errlen);
     if (m == NULL)
         return NULL;
     m->bytes = (bytes + info.granularity - 1) / info.granularity * info.granularity;
@@ -303,9 +304,9 @@ extern "C" kcuda_vmm_t *kcuda_vmm_create(int dev, uint64_t bytes, char *err, siz
     return m;
 }
 
-extern "C" kcuda_vmm_t *kcuda_vmm_import(int dev, int fd, uint64_t bytes, char *err, size_t errlen)
+extern "C" devmem_t *devmem_import(int dev, int fd, uint64_t bytes, char *err, size_t errlen)
 {
-    if (kcuda_vmm_probe(dev, NULL, err, errlen) != 0)
+    if (devmem_probe(dev, NULL, err, errlen) != 0)
         return NULL;
     if (fd < 0 || fcntl(fd, F_GETFD) < 0) {
         kvd_seterr(err, errlen, KVD_EINVAL, "import: descriptor %d is not open", fd);
@@ -320,7 +321,7 @@ extern "C" kcuda_vmm_t *kcuda_vmm_import(int dev, int fd, uint64_t bytes, char *
                    (unsigned long long)bytes, (unsigned long long)g);
         return NULL;
     }
-    kcuda_vmm_t *m = vmm_alloc(dev, err, errlen);
+    devmem_t *m = vmm_alloc(dev, err, errlen);
     if (m == NULL)
         return NULL;
     m->bytes = bytes;
@@ -360,11 +361,11 @@ extern "C" kcuda_vmm_t *kcuda_vmm_import(int dev, int fd, uint64_t bytes, char *
     return m;
 }
 
-extern "C" void kcuda_vmm_destroy(kcuda_vmm_t **mp)
+extern "C" void devmem_destroy(devmem_t **mp)
 {
     if (mp == NULL || *mp == NULL)
         return;
-    kcuda_vmm_t *m = *mp;
+    devmem_t *m = *mp;
     int cur = -1;
     (void)cudaGetDevice(&cur);
     if (cur != m->dev)
@@ -385,22 +386,22 @@ extern "C" void kcuda_vmm_destroy(kcuda_vmm_t **mp)
     *mp = NULL;
 }
 
-extern "C" void *kcuda_vmm_ptr(const kcuda_vmm_t *m)
+extern "C" void *devmem_ptr(const devmem_t *m)
 {
     return (void *)(uintptr_t)m->ptr;
 }
 
-extern "C" uint64_t kcuda_vmm_bytes(const kcuda_vmm_t *m)
+extern "C" uint64_t devmem_bytes(const devmem_t *m)
 {
     return m->bytes;
 }
 
-extern "C" int kcuda_vmm_device(const kcuda_vmm_t *m)
+extern "C" int devmem_device(const devmem_t *m)
 {
     return m->dev;
 }
 
-extern "C" int kcuda_vmm_fd(const kcuda_vmm_t *m)
+extern "C" int devmem_fd(const devmem_t *m)
 {
     return m->fd;
 }
@@ -415,17 +416,17 @@ static int vmm_copy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kin
                       kind == cudaMemcpyDeviceToHost ? "from" : "to", cudaGetErrorString(e), cudaGetErrorName(e));
 }
 
-extern "C" int kcuda_vmm_read(void *dst_host, const void *src_dev, size_t bytes, char *err, size_t errlen)
+extern "C" int devmem_read(void *dst_host, const void *src_dev, size_t bytes, char *err, size_t errlen)
 {
     return vmm_copy(dst_host, src_dev, bytes, cudaMemcpyDeviceToHost, err, errlen);
 }
 
-extern "C" int kcuda_vmm_write(void *dst_dev, const void *src_host, size_t bytes, char *err, size_t errlen)
+extern "C" int devmem_write(void *dst_dev, const void *src_host, size_t bytes, char *err, size_t errlen)
 {
     return vmm_copy(dst_dev, src_host, bytes, cudaMemcpyHostToDevice, err, errlen);
 }
 
-extern "C" void *kcuda_vmm_host_alloc(size_t bytes)
+extern "C" void *devmem_host_alloc(size_t bytes)
 {
     void *p = NULL;
     if (cudaMallocHost(&p, bytes) != cudaSuccess) {
@@ -435,13 +436,13 @@ extern "C" void *kcuda_vmm_host_alloc(size_t bytes)
     return p;
 }
 
-extern "C" void kcuda_vmm_host_free(void *p)
+extern "C" void devmem_host_free(void *p)
 {
     if (p != NULL)
         cudaFreeHost(p);
 }
 
-extern "C" int kcuda_vmm_fence(kcuda_stream_t stream, char *err, size_t errlen)
+extern "C" int devmem_fence(void *stream, char *err, size_t errlen)
 {
     cudaError_t e = stream ? cudaStreamSynchronize((cudaStream_t)stream) : cudaDeviceSynchronize();
     if (e == cudaSuccess)
