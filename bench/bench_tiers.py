@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import statistics
 import subprocess
 import tempfile
@@ -123,7 +122,6 @@ def main() -> None:
                 prompt = r.usage.prompt_tokens
                 r = ask(c, main_sys, 100 + run, ns)
                 pool.append(r.timings.ttft_ms)
-                pool_tokens = r.usage.cached_prompt_tokens
                 for o in others:            # evict it from the pool
                     ask(c, o, 200 + run, ns)
                 r = ask(c, main_sys, 300 + run, ns)
@@ -131,8 +129,6 @@ def main() -> None:
                     raise SystemExit(f"bench-tiers: nothing came from the host tier: {r.usage}")
                 host.append(r.timings.ttft_ms)
                 host_tokens = r.usage.host_cached_prompt_tokens
-                if os.environ.get("BENCH_TIERS_DEBUG"):
-                    print(run, r.usage, c.stats().evictions, file=sys.stderr)
             s = c.stats()
             # every namespace's blocks written to disk before the restart
             while s.disk_cache_pending:
@@ -155,7 +151,7 @@ def main() -> None:
         med = {name: statistics.median(v) for name, v in
                (("cold", cold), ("pool", pool), ("host", host), ("disk", disk))}
         per_k = {
-            "cold": (med["cold"] - med["pool"]) / (prompt - pool_tokens + pool_tokens) * 1000,
+            "cold": (med["cold"] - med["pool"]) / prompt * 1000,
             "host": (med["host"] - med["pool"]) / host_tokens * 1000,
             "disk": (med["disk"] - med["pool"]) / disk_tokens * 1000,
         }

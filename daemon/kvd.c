@@ -410,34 +410,22 @@ static bool tier_has_block(void *user, const struct prefix_tier_block *b)
     return false;
 }
 
-/* The block that continues a prefix: from the host tier, else from disk, each
- * while restoring from it measures cheaper than computing the block. */
+/* The block that continues a prefix (tier_has_block said it is there and worth
+ * it): from the host tier, else from disk, each copy timed. */
 static bool tier_fetch(void *user, const struct prefix_tier_block *b, void *dst)
 {
     struct kvd *k = user;
-    if (k->tier != NULL && tier_has(k->tier, b)) {
-        if (!restore_pays(k, k->restore_ns_block)) {
-            k->st.host_declined++;
-            return false;
-        }
-        const double t0 = cli_now_ms();
-        if (tier_read(k, b, dst, false)) {
-            ewma(&k->restore_ns_block, (cli_now_ms() - t0) * 1e6);
-            k->got_host += b->part == 0;    /* tokens are counted once, by part 0's blocks */
-            return true;
-        }
+    const double t0 = cli_now_ms();
+    if (k->tier != NULL && tier_read(k, b, dst, false)) {
+        ewma(&k->restore_ns_block, (cli_now_ms() - t0) * 1e6);
+        k->got_host += b->part == 0;    /* tokens are counted once, by part 0's blocks */
+        return true;
     }
-    if (k->disk != NULL && disk_tier_has(k->disk, b)) {
-        if (!restore_pays(k, k->disk_ns_block)) {
-            k->st.disk_declined++;
-            return false;
-        }
-        const double t0 = cli_now_ms();
-        if (tier_read(k, b, dst, true)) {
-            ewma(&k->disk_ns_block, (cli_now_ms() - t0) * 1e6);
-            k->got_disk += b->part == 0;
-            return true;
-        }
+    const double t1 = cli_now_ms();
+    if (k->disk != NULL && tier_read(k, b, dst, true)) {
+        ewma(&k->disk_ns_block, (cli_now_ms() - t1) * 1e6);
+        k->got_disk += b->part == 0;
+        return true;
     }
     return false;
 }
