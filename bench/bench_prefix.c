@@ -275,7 +275,7 @@ static void bench_reuse(const char *path, int threads, struct reuse_result *r)
         exit(1);
     }
     struct pool_layout lay;
-    pool_layout_for_model(m, BT, KERN_F16, KERN_F16, 0, false, &lay);
+    kv_pool_layout(m, BT, KERN_F16, KERN_F16, 0, false, &lay);
     pool_t *p;
     prefix_t *px;
     open_pool(&lay, (2 * REUSE_PROMPT / BT + 8) * lay.parts.n_parts, &p, &px);

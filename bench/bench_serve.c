@@ -809,7 +809,7 @@ static void overhead(int gap_ms, struct overhead_parts *op)
     int32_t *ids = malloc((tl + 2) * sizeof(int32_t));
     tok_encode(tk, text, tl, true, ids, tl + 2, &n);
     struct pool_layout lay;
-    pool_layout_for_model(m, 16, KERN_F16, KERN_F16, 0, false, &lay);
+    kv_pool_layout(m, 16, KERN_F16, KERN_F16, 0, false, &lay);
     struct pool_params pp = pool_default_params();
     /* a pool like kvd's (named shared memory of the same size): the KV
      * memory's kind and size change the step's time by several percent */

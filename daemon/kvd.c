@@ -39,7 +39,8 @@
 #include "http.h"
 #include "kvd.h"
 #include "devmem.h"
-#include "kvd_client.h"
+#include "endpoint.h"
+#include "kvcache.h"
 #include "types.h"
 #include "units.h"
 
@@ -336,11 +337,6 @@ static bool restore_pays(const struct kvd *k, double ns_block)
     return ns_block <= 0 || k->prefill_ns_token <= 0 || ns_block < k->prefill_ns_token * k->o.block_tokens;
 }
 
-static void ewma(double *avg, double v)
-{
-    *avg = *avg > 0 ? 0.8 * *avg + 0.2 * v : v;
-}
-
 /* A pool block's bytes where a tier can read them: the block itself in a
  * host pool; in a GPU pool a copy in the staging buffer (NULL when the copy
  * failed: the block does not go down). */
@@ -411,23 +407,36 @@ static bool tier_has_block(void *user, const struct prefix_tier_block *b)
 }
 
 /* The block that continues a prefix (tier_has_block said it is there and worth
- * it): from the host tier, else from disk, each copy timed. */
+ * it): from the host tier, else from disk, each copy timed, on kvd's loop
+ * (KVD_TIER_SYNC=1, what the restore thread is measured against). */
 static bool tier_fetch(void *user, const struct prefix_tier_block *b, void *dst)
 {
     struct kvd *k = user;
     const double t0 = cli_now_ms();
     if (k->tier != NULL && tier_read(k, b, dst, false)) {
-        ewma(&k->restore_ns_block, (cli_now_ms() - t0) * 1e6);
+        kvd_ewma(&k->restore_ns_block, (cli_now_ms() - t0) * 1e6);
         k->got_host += b->part == 0;    /* tokens are counted once, by part 0's blocks */
         return true;
     }
     const double t1 = cli_now_ms();
     if (k->disk != NULL && tier_read(k, b, dst, true)) {
-        ewma(&k->disk_ns_block, (cli_now_ms() - t1) * 1e6);
+        kvd_ewma(&k->disk_ns_block, (cli_now_ms() - t1) * 1e6);
         k->got_disk += b->part == 0;
         return true;
     }
     return false;
+}
+
+/* The same, started on the restore thread for the request whose begin runs
+ * (it waits for its copies in REQ_RESTORING). */
+static void tier_start(void *user, const struct prefix_tier_block *b, uint32_t logical, void *dst)
+{
+    struct kvd *k = user;
+    struct request *r = k->restore_for;
+    if (restorer_submit(k->restorer, r, b, logical, dst))
+        r->restoring++;
+    else if (logical < r->restore_bad)
+        r->restore_bad = logical;   /* out of memory: that block is a miss */
 }
 
 static void disk_log(void *user, const char *line)
@@ -536,7 +545,19 @@ static void tiers_setup(struct kvd *k, const struct pool_layout *lay)
                 "%llu damaged removed)", o->cache_dir, budget / 1048576.0, (unsigned long long)ds.files,
                 (unsigned long long)ds.ignored, (unsigned long long)ds.corrupt);
     }
-    const struct prefix_tier t = { k->disk ? tier_committed : NULL, tier_evicted, tier_has_block, tier_fetch, k };
+    struct prefix_tier t = { .committed = k->disk ? tier_committed : NULL, .evicted = tier_evicted,
+                             .has = tier_has_block, .user = k };
+    const char *sync = getenv("KVD_TIER_SYNC");
+    if (sync != NULL && strcmp(sync, "1") == 0) {
+        t.fetch = tier_fetch;
+        kvd_log(k, "tiers: KVD_TIER_SYNC=1: blocks are copied back on kvd's loop");
+    } else {
+        k->restorer = restorer_new(k->tier, k->disk, bb, lay->block_tokens, o->gpu,
+                                   err, sizeof(err));
+        if (k->restorer == NULL)
+            cli_die("%s: %s", opt, err);
+        t.start = tier_start;
+    }
     if (prefix_set_tier(k->px, &t) != 0)
         cli_die("%s: this pool cannot have tiers below it", opt);
 }
@@ -564,7 +585,7 @@ static void setup(struct kvd *k)
 
     /* the pool */
     struct pool_layout lay;
-    pool_layout_for_model(k->model, o->block_tokens, o->kv.k_type, o->kv.v_type, o->kv.rotate, true, &lay);
+    kv_pool_layout(k->model, o->block_tokens, o->kv.k_type, o->kv.v_type, o->kv.rotate, true, &lay);
     struct pool_params pp = pool_default_params();
     snprintf(k->pool_name, sizeof(k->pool_name), "%s", o->pool ? o->pool : "");
     if (o->pool == NULL)
@@ -815,16 +836,19 @@ static void loop(struct kvd *k, int sfd)
     bool cancelled = false;
     double cancel_deadline = 0;
     while (!k->stop) {
-        zmq_pollitem_t items[4] = {
+        zmq_pollitem_t items[5] = {
             { k->clients, 0, ZMQ_POLLIN, 0 },
             { k->wsock, 0, ZMQ_POLLIN, 0 },
             { NULL, sfd, ZMQ_POLLIN, 0 },
+            { NULL, k->restorer != NULL ? restorer_fd(k->restorer) : -1, ZMQ_POLLIN, 0 },
             { NULL, k->gpu_fd, ZMQ_POLLIN, 0 },
         };
-        if (zmq_poll(items, k->gpu_fd >= 0 ? 4 : 3, 50) < 0 && errno != EINTR)
+        if (zmq_poll(items, k->gpu_fd >= 0 ? 5 : 4, 50) < 0 && errno != EINTR)
             cli_die("poll: %s", zmq_strerror(errno));
-        if (k->gpu_fd >= 0 && (items[3].revents & ZMQ_POLLIN))
+        if (k->gpu_fd >= 0 && (items[4].revents & ZMQ_POLLIN))
             gpu_serve(k);
+        if (items[3].revents & ZMQ_POLLIN)
+            req_on_restored(k);
         if (items[2].revents & ZMQ_POLLIN) {
             struct signalfd_siginfo si;
             while (read(sfd, &si, sizeof(si)) == (ssize_t)sizeof(si))
@@ -919,6 +943,7 @@ int main(int argc, char **argv)
         unlink(k->http_ep + 6);
     if (k->o.kv_events != NULL && strncmp(k->o.kv_events, "ipc://", 6) == 0)
         unlink(k->o.kv_events + 6);
+    restorer_destroy(&k->restorer);    /* every copy collected by req_release_all */
     prefix_destroy(&k->px);
     disk_tier_close(&k->disk);     /* what is queued is written first */
     tier_destroy(&k->tier);

@@ -27,6 +27,7 @@
 #include "prefix.h"
 #include "sampler.h"
 #include "disktier.h"
+#include "restore.h"
 #include "tier.h"
 #include "tok.h"
 #include "wire.h"
@@ -74,6 +75,7 @@ struct kvd_options {
 enum req_state {
     REQ_QUEUED,     /* waiting for a worker or for blocks */
     REQ_WAITING,    /* waiting for another request's pending prefix blocks */
+    REQ_RESTORING,  /* its cached prefix is being copied back from the tiers (in the queue) */
     REQ_RUNNING,    /* assigned to a worker */
     REQ_STOPPING,   /* cancel sent to its worker; finishes on the worker's Done */
 };
@@ -100,6 +102,10 @@ struct request {
     uint32_t n_cached;              /* prompt tokens found in the cache (first dispatch) */
     uint32_t n_host;                /* of those, restored from the host tier */
     uint32_t n_disk;                /* and read back from the disk tier */
+    uint32_t restoring;             /* REQ_RESTORING: its block copies still running */
+    uint32_t restore_bad;           /* the first logical block whose copy failed (UINT32_MAX: none) */
+    uint32_t rest_host, rest_disk;  /* blocks of its prefix copied back from each tier */
+    bool restore_wait;              /* its begin also met a pending block to wait for */
     bool counted_cached;            /* n_cached was added to the stats */
     struct prefix_seq ps;           /* its blocks */
     uint32_t n_written;             /* positions whose K/V the worker reported written */
@@ -193,7 +199,11 @@ struct kvd {
     disk_tier_t *disk;              /* --cache-dir: the disk tier below it, else NULL */
     double restore_ns_block;        /* measured: restoring one block from the host tier (0: not yet) */
     double disk_ns_block;           /* measured: reading one block from the disk tier (0: not yet) */
-    uint32_t got_host, got_disk;    /* blocks the last prefix_seq_begin took from each tier */
+    uint32_t got_host, got_disk;    /* blocks the last prefix_seq_begin took from each tier
+                                     * (KVD_TIER_SYNC=1: copies on kvd's loop) */
+    restorer_t *restorer;           /* the tiers' copies back into the pool, off the loop;
+                                     * NULL without tiers or with KVD_TIER_SYNC=1 */
+    struct request *restore_for;    /* the request whose prefix_seq_begin runs */
     uint8_t *tier_stage;            /* --gpu: a block's bytes on their way between the device
                                      * pool and the tiers (page-locked) */
     double prefill_ns_token;        /* measured: computing one prompt token (0: not yet) */
@@ -227,6 +237,12 @@ int kvd_send(struct kvd *k, void *sock, const uint8_t *rid, size_t rid_len,
              const ProtobufCMessage *m);
 
 /* requests.c */
+/* A measured cost's running average (0: none yet): recent samples weigh a fifth. */
+static inline void kvd_ewma(double *avg, double v)
+{
+    *avg = *avg > 0 ? 0.8 * *avg + 0.2 * v : v;
+}
+
 void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const void *buf, size_t len);
 void req_dispatch(struct kvd *k);
 void req_tick(struct kvd *k);
@@ -240,6 +256,7 @@ void req_cancel_all(struct kvd *k, const char *why);
 void req_fail_queued(struct kvd *k, int code, const char *why);
 /* After the workers are stopped: ends every request and releases its blocks. */
 void req_release_all(struct kvd *k);
+void req_on_restored(struct kvd *k);
 
 /* workers.c */
 int workers_start(struct kvd *k);

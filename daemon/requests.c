@@ -345,9 +345,12 @@ static void stop_request(struct kvd *k, struct request *r, int why, int fail_cod
     if (!r->finish)
         r->finish = why;
     if (r->state == REQ_QUEUED || r->state == REQ_WAITING) {
+        prefix_seq_release(k->px, &r->ps);     /* a prefix back from the tiers */
         list_remove(&k->queue, r);
         k->n_queued--;
         finish(k, r);
+    } else if (r->state == REQ_RESTORING) {
+        /* finishes when its copies are done (its blocks are theirs until then) */
     } else if (r->state == REQ_RUNNING) {
         r->state = REQ_STOPPING;
         send_cancel(k, r);  /* finishes on Done (or when the worker is lost) */
@@ -590,6 +593,7 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, uint6
     memcpy(r->rid, rid, rid_len);
     r->rid_len = rid_len;
     r->worker = -1;
+    r->restore_bad = UINT32_MAX;
     msg[0] = '\0';
     int code = build_prompt(k, r, g, msg, sizeof(msg));
     if (code == 0 && r->n_prompt == 0) {
@@ -736,12 +740,65 @@ static void note_prefill_rate(struct kvd *k, const struct request *r)
     const uint32_t computed = r->n_prompt > r->n_cached ? r->n_prompt - r->n_cached : 0;
     if (computed < 64 || r->t_dispatch <= 0 || r->t_first <= r->t_dispatch)
         return;
-    const double ns = (r->t_first - r->t_dispatch) * 1e6 / computed;
-    k->prefill_ns_token = k->prefill_ns_token > 0 ? 0.8 * k->prefill_ns_token + 0.2 * ns : ns;
+    kvd_ewma(&k->prefill_ns_token, (r->t_first - r->t_dispatch) * 1e6 / computed);
 }
 
-/* Tries to start r on a worker. 1 started, 0 not now (no worker or blocks),
- * -1 r finished (it can never fit). */
+/* Requests waiting for a pending prefix try again (after a commit or release). */
+static void wake_waiters(struct kvd *k)
+{
+    for (struct request *r = k->queue; r; r = r->next)
+        if (r->state == REQ_WAITING)
+            r->state = REQ_QUEUED;
+}
+
+/* r's blocks are all back from the tiers (or some failed): they become
+ * findable, and r goes back to the queue, holding its prefix when it is whole
+ * and nothing pending was met after it, else to begin again. */
+static void restore_finish(struct kvd *k, struct request *r)
+{
+    const bool whole = prefix_seq_restored(k->px, &r->ps, r->tok, r->restore_bad);
+    r->state = REQ_QUEUED;
+    if (!whole || r->restore_wait || r->finish || r->failed) {
+        prefix_seq_release(k->px, &r->ps);
+        r->rest_host = r->rest_disk = 0;    /* what comes back next is found in the pool */
+    }
+    r->restore_bad = UINT32_MAX;
+    r->restore_wait = false;
+    wake_waiters(k);
+    if (r->finish || r->failed) {
+        /* stopped while its copies ran */
+        list_remove(&k->queue, r);
+        k->n_queued--;
+        finish(k, r);
+    }
+}
+
+static void on_restored(void *user, const struct restore_done *d)
+{
+    struct kvd *k = user;
+    struct request *r = d->owner;
+    if (d->from == RESTORE_HOST) {
+        kvd_ewma(&k->restore_ns_block, d->ns);
+        r->rest_host += d->part == 0;   /* tokens are counted once, by part 0's blocks */
+    } else if (d->from == RESTORE_DISK) {
+        kvd_ewma(&k->disk_ns_block, d->ns);
+        r->rest_disk += d->part == 0;
+    } else if (d->logical < r->restore_bad) {
+        r->restore_bad = d->logical;
+    }
+    if (--r->restoring == 0)
+        restore_finish(k, r);
+}
+
+void req_on_restored(struct kvd *k)
+{
+    if (k->restorer != NULL && restorer_collect(k->restorer, false, on_restored, k) > 0)
+        req_dispatch(k);
+}
+
+/* Tries to start r on a worker. 1 started, 0 not now (no worker or blocks, or
+ * its prefix is being copied back from the tiers), -1 r finished (it can
+ * never fit). */
 static int start(struct kvd *k, struct request *r)
 {
     int w = pick_worker(k, r);
@@ -749,12 +806,24 @@ static int start(struct kvd *k, struct request *r)
         return 0;
     uint32_t wait = POOL_NONE;
     int64_t cached;
-    k->got_host = k->got_disk = 0;     /* counted by the tiers' fetch */
-    if (r->no_cache) {
+    k->got_host = k->got_disk = 0;     /* counted by the tiers' synchronous fetch */
+    if (r->ps.n_blocks > 0) {
+        cached = (int64_t)r->ps.n_cached * k->o.block_tokens;   /* back from the tiers */
+    } else if (r->no_cache) {
         cached = prefix_seq_begin(k->px, &r->ps, r->ns, r->tok, 0, NULL);
         r->ps.chain_open = false; /* nothing it computes is indexed either */
     } else {
+        k->restore_for = r;
         cached = prefix_seq_begin(k->px, &r->ps, r->ns, r->tok, r->n_tok, &wait);
+        k->restore_for = NULL;
+        if (cached >= 0 && r->ps.n_restoring > 0) {
+            /* copies run on the restore thread: it goes on when they are done */
+            r->restore_wait = wait != POOL_NONE;
+            r->state = REQ_RESTORING;
+            if (r->restoring == 0)
+                restore_finish(k, r);   /* none could be queued */
+            return 0;
+        }
     }
     if (cached < 0)
         return 0;
@@ -811,8 +880,8 @@ static int start(struct kvd *k, struct request *r)
     if (r->t_dispatch == 0) {
         r->t_dispatch = cli_now_ms();
         r->n_cached = (uint32_t)cached;
-        r->n_host = k->got_host * k->o.block_tokens;
-        r->n_disk = k->got_disk * k->o.block_tokens;
+        r->n_host = (k->got_host + r->rest_host) * k->o.block_tokens;
+        r->n_disk = (k->got_disk + r->rest_disk) * k->o.block_tokens;
         k->st.cached_prompt_tokens += (uint64_t)cached;
         k->st.host_cached_prompt_tokens += r->n_host;
         k->st.disk_cached_prompt_tokens += r->n_disk;
@@ -838,14 +907,6 @@ void req_dispatch(struct kvd *k)
         }
         r = next;
     }
-}
-
-/* Requests waiting for a pending prefix try again (after a commit or release). */
-static void wake_waiters(struct kvd *k)
-{
-    for (struct request *r = k->queue; r; r = r->next)
-        if (r->state == REQ_WAITING)
-            r->state = REQ_QUEUED;
 }
 
 /* ---- worker reports ------------------------------------------------------------------------------ */
@@ -1501,6 +1562,8 @@ void req_fail_queued(struct kvd *k, int code, const char *why)
 
 void req_release_all(struct kvd *k)
 {
+    if (k->restorer != NULL)
+        restorer_collect(k->restorer, true, on_restored, k);   /* no copy may outlive its blocks */
     while (k->active)
         let_go(k, k->active, KVDW__DONE_REASON__DONE_CANCELLED, NULL);
     req_fail_queued(k, KVD__ERROR_CODE__ERR_SHUTTING_DOWN, "kvd is shutting down");

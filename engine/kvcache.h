@@ -29,18 +29,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvformat.h"
 #include "kvparts.h"
 #include "model.h"
-
-/* Rotation flags (kv_params.rotate): which of K and V are stored rotated by
- * the orthonormal Walsh-Hadamard matrix H of the head size (kern_hadamard).
- * H is symmetric and its own inverse, so q.k is unchanged when q is rotated
- * too, and the attention output over rotated V is rotated back by H. It
- * spreads an outlier channel over the whole head before quantization. */
-enum {
-    KV_ROT_K = 1,           /* K rows rotated; queries are rotated to meet them */
-    KV_ROT_V = 2,           /* V rows rotated; attention outputs are rotated back */
-};
 
 struct kv_params {
     uint32_t block_tokens;  /* positions per block (default 16) */
@@ -56,30 +47,14 @@ struct kv_params kv_default_params(void);
 /* The parts of model c's layers: kv_parts_plan over its windows. */
 void kv_parts_for_model(const struct model_config *c, struct kv_parts *p);
 
-/* ---- the KV types ---------------------------------------------------------- */
+struct pool_layout;
 
-/* True for a type a cache may hold: f32, f16, q8_0, q4_0. */
-bool kv_type_ok(uint32_t type);
-
-/* "f32", "f16", "q8_0", "q4_0"; "?" for anything else. */
-const char *kv_type_name(uint32_t type);
-
-/* Parses a type name as above into *type; KVD_EINVAL for anything else. */
-int kv_type_parse(const char *name, uint32_t *type);
-
-/* The rotation used unless asked otherwise: the quantized halves are rotated. */
-uint32_t kv_rotate_default(uint32_t k_type, uint32_t v_type);
-
-/* Parses --kv-rotate's value: "on" (rotate K and V), "off", "auto"
- * (kv_rotate_default), or exactly "k", "v", "kv" (what kv_rotate_arg
- * writes); 0 or KVD_EINVAL. */
-int kv_rotate_parse(const char *s, uint32_t k_type, uint32_t v_type, uint32_t *rotate);
-
-/* "K+V", "K", "V" or "off", for people. */
-const char *kv_rotate_name(uint32_t rotate);
-
-/* "kv", "k", "v" or "off": the --kv-rotate value that gives exactly this. */
-const char *kv_rotate_arg(uint32_t rotate);
+/* The layout of a shared pool (shm/pool.h) for model m: its KV shape, its
+ * parts (kv_parts_for_model) and, when identify is set, its fingerprint (a
+ * hash of all weights, tens of milliseconds); a private pool that no other
+ * process opens may leave the fingerprint zero. */
+void kv_pool_layout(const model_t *m, uint32_t block_tokens, uint32_t k_type, uint32_t v_type,
+                    uint32_t rotate, bool identify, struct pool_layout *lay);
 
 /* "K q8_0, V q4_0, rotated V" (or "K f16, V f16") into buf. */
 void kv_describe(const struct kv_params *p, char *buf, size_t len);
@@ -97,19 +72,6 @@ int kv_params_from_flags(struct kv_params *p, const char *kv_type, const char *k
     "      --k-type T, --v-type T  the type of K or of V alone\n"                               \
     "      --kv-rotate on|off|auto  Walsh-Hadamard rotation before quantization\n"              \
     "                         (auto, the default: the quantized halves)\n"
-
-/* Checks that a head of head_dim values can be stored as k_type / v_type with
- * that rotation (quantized types need head_dim % 32 == 0, rotation a power of
- * two up to KERN_MAX_HEAD_DIM); 0 or KVD_EINVAL with the reason in err. */
-int kv_format_check(uint32_t head_dim, uint32_t k_type, uint32_t v_type, uint32_t rotate,
-                    char *err, size_t errlen);
-
-/* Bytes of one head of one token of a type (0 for a type or size it cannot hold). */
-size_t kv_row_bytes(uint32_t type, uint32_t head_dim);
-
-/* Bytes of KV per token: layers x kv_heads x (K row + V row). */
-uint64_t kv_token_bytes(uint32_t n_layer, uint32_t n_head_kv, uint32_t head_dim, uint32_t k_type,
-                        uint32_t v_type);
 
 typedef struct kvcache {
     uint32_t n_layer, n_head_kv, head_dim; /* shape, copied from the model */

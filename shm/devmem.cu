@@ -426,6 +426,15 @@ extern "C" int devmem_write(void *dst_dev, const void *src_host, size_t bytes, c
     return vmm_copy(dst_dev, src_host, bytes, cudaMemcpyHostToDevice, err, errlen);
 }
 
+extern "C" int devmem_attach(int dev, char *err, size_t errlen)
+{
+    const cudaError_t e = cudaSetDevice(dev);
+    if (e == cudaSuccess)
+        return 0;
+    (void)cudaGetLastError();
+    return kvd_seterr(err, errlen, KVD_EUNAVAILABLE, "device %d: %s", dev, cudaGetErrorString(e));
+}
+
 extern "C" void *devmem_host_alloc(size_t bytes)
 {
     void *p = NULL;

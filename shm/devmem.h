@@ -105,6 +105,11 @@ int devmem_fence(void *stream, char *err, size_t errlen);
 int devmem_read(void *dst_host, const void *src_dev, size_t bytes, char *err, size_t errlen);
 int devmem_write(void *dst_dev, const void *src_host, size_t bytes, char *err, size_t errlen);
 
+/* Makes device dev the calling thread's for devmem_read / devmem_write (a
+ * thread other than the one that mapped the memory calls it once first).
+ * 0, or KVD_EUNAVAILABLE with the reason. */
+int devmem_attach(int dev, char *err, size_t errlen);
+
 /* Page-locked host memory (NULL when it cannot be had), and its release
  * (accepts NULL). */
 void *devmem_host_alloc(size_t bytes);

@@ -59,6 +59,12 @@ int devmem_write(void *dst_dev, const void *src_host, size_t bytes, char *err, s
     return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, NOT_BUILT);
 }
 
+int devmem_attach(int dev, char *err, size_t errlen)
+{
+    (void)dev;
+    return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, NOT_BUILT);
+}
+
 void *devmem_host_alloc(size_t bytes)
 {
     (void)bytes;

@@ -1,7 +1,7 @@
 /* pool.c - the KV pool's segment: sizing, creation, adoption, attachment. */
 #include "pool.h"
 
-#include "kvcache.h"
+#include "kvformat.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -15,7 +15,6 @@
 #include <unistd.h>
 
 #include "err.h"
-#include "model.h"
 #include "units.h"
 #include "types.h"
 
@@ -736,20 +735,4 @@ void *pool_block_addr(const pool_t *p, uint32_t id)
     if (h->kv_where == POOL_KV_DEVICE)
         return p->dev_base ? p->dev_base + (uint64_t)id * h->block_bytes : NULL;
     return p->base + h->data_off + (uint64_t)id * h->block_bytes;
-}
-
-void pool_layout_for_model(const struct model *m, uint32_t block_tokens, uint32_t k_type,
-                           uint32_t v_type, uint32_t rotate, bool identify, struct pool_layout *lay)
-{
-    memset(lay, 0, sizeof(*lay));
-    if (identify)
-        model_fingerprint(m, lay->fingerprint);
-    lay->n_layer = m->cfg.n_layer;
-    lay->n_head_kv = m->cfg.n_head_kv;
-    lay->head_dim = m->cfg.head_dim;
-    lay->block_tokens = block_tokens;
-    lay->k_type = (uint16_t)k_type;
-    lay->v_type = (uint16_t)v_type;
-    lay->rotate = rotate;
-    kv_parts_for_model(&m->cfg, &lay->parts);
 }

@@ -205,15 +205,6 @@ struct pool_capacity {
 
 typedef struct pool pool_t;
 
-struct model;
-
-/* The layout of a pool for model m: its KV shape, its parts (kv_parts_plan
- * over the model's windows) and, when identify is set, its
- * fingerprint (a hash of all weights, tens of milliseconds); a private pool that
- * no other process opens may leave the fingerprint zero. */
-void pool_layout_for_model(const struct model *m, uint32_t block_tokens, uint32_t k_type,
-                           uint32_t v_type, uint32_t rotate, bool identify, struct pool_layout *lay);
-
 /* The number written into pool_header.abi by this build. */
 uint32_t pool_abi(void);
 

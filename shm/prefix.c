@@ -538,33 +538,50 @@ int prefix_set_tier(prefix_t *px, const struct prefix_tier *t)
         memset(&px->tier, 0, sizeof(px->tier));
         return 0;
     }
-    if (t->fetch == NULL || (px->np > 1 && t->has == NULL))
-        return KVD_EINVAL;      /* a pool of parts plans a restore from what has() says */
+    if ((t->fetch == NULL) == (t->start == NULL) || ((px->np > 1 || t->start) && t->has == NULL))
+        return KVD_EINVAL;      /* a copy is started only for a block the tier has */      /* a pool of parts plans a restore from what has() says */
     px->tier = *t;
     return 0;
 }
 
-/* Takes block b of a tier into a newly allocated pool block: fetched,
- * committed and indexed under parent (a part block: flagged). POOL_NONE when
- * no block can be had or the tier does not give it after all. */
-static uint32_t restore_block(prefix_t *px, const struct prefix_tier_block *b, uint32_t parent)
+/* An asynchronous tier's copy of b into pool block id starts. */
+static void restore_start(prefix_t *px, struct prefix_seq *s, uint32_t logical,
+                          const struct prefix_tier_block *b, uint32_t id)
+{
+    s->n_restoring++;
+    px->tier.start(px->tier.user, b, logical, pool_block_addr(px->pool, id));
+}
+
+/* Takes block b of a tier into a newly allocated pool block, indexed under
+ * parent (a part block: flagged), as logical block `logical` of s: fetched and
+ * committed at once, or, with an asynchronous tier, left pending while its
+ * copy runs (s->n_restoring counts it; prefix_seq_restored commits it),
+ * started here when start_now is set. POOL_NONE when no block can be had or the tier does not give it after all. */
+static uint32_t restore_block(prefix_t *px, struct prefix_seq *s, uint32_t logical,
+                              const struct prefix_tier_block *b, uint32_t parent, bool start_now)
 {
     if (px->cs->n_free + px->cs->n_cached == 0)
         return POOL_NONE;
     const uint32_t id = alloc_one(px);     /* what it evicts goes down to the tier */
     if (id == POOL_NONE)
         return POOL_NONE;
-    if (!px->tier.fetch(px->tier.user, b, pool_block_addr(px->pool, id))) {
-        unref(px, id);      /* pending, not indexed: back to the free list */
-        return POOL_NONE;
+    if (px->tier.start == NULL) {
+        if (!px->tier.fetch(px->tier.user, b, pool_block_addr(px->pool, id))) {
+            unref(px, id);      /* pending, not indexed: back to the free list */
+            return POOL_NONE;
+        }
+        px->b[id].state = POOL_BLOCK_COMMITTED;
+        px->cs->n_pending--;
+        px->cs->n_used++;
+        px->restored++;
     }
-    px->b[id].state = POOL_BLOCK_COMMITTED;
-    px->cs->n_pending--;
-    px->cs->n_used++;
+    /* a pending one is indexed too: a lookup that meets it waits for it, as
+     * for a block a prefill computes */
     index_insert(px, id, b->key, b->ns, parent, b->tokens);
     if (b->part)
         px->b[id].flags |= POOL_BLOCK_PART;
-    px->restored++;
+    if (px->tier.start != NULL && start_now)
+        restore_start(px, s, logical, b, id);
     return id;
 }
 
@@ -693,7 +710,7 @@ static uint32_t restore_parts(prefix_t *px, struct prefix_seq *s, const int32_t 
                 if (i < lo || x->id != POOL_NONE)
                     continue;
                 const uint32_t par = p == 0 ? (i ? s->tables[0][i - 1] : POOL_NONE) : s->tables[0][i];
-                const uint32_t id = restore_block(px, &x->tb, par);
+                const uint32_t id = restore_block(px, s, i, &x->tb, par, false);
                 s->tables[p][i] = id;
                 ok = id != POOL_NONE;
                 restored += ok && p == 0;
@@ -708,6 +725,15 @@ static uint32_t restore_parts(prefix_t *px, struct prefix_seq *s, const int32_t 
                     }
             restored = 0;
             m = j;
+        } else if (px->tier.start != NULL) {
+            /* every block had, the copies start (none may be let go once begun) */
+            for (uint32_t i = j; i < m; i++)
+                for (uint32_t p = 0; p < np; p++) {
+                    const uint64_t lo = kv_window_first_block(px->parts->window[p], (uint64_t)m * px->bt, px->bt);
+                    const struct found *x = &f[(size_t)p * span + (i - j)];
+                    if (i >= lo && x->id == POOL_NONE)
+                        restore_start(px, s, i, &x->tb, s->tables[p][i]);
+                }
         }
     }
     if (m > j) {
@@ -725,7 +751,7 @@ static uint32_t restore_parts(prefix_t *px, struct prefix_seq *s, const int32_t 
         s->key = f[m - 1 - j].tb.key;
         s->n_blocks = s->n_cached = s->n_committed = s->n_indexed = m;
         s->n_restored += restored;
-        if (px->obs.stored)     /* part 0's restored blocks are findable again */
+        if (px->obs.stored && px->tier.start == NULL)  /* part 0's restored blocks are findable again */
             for (uint32_t i = j; i < m; i++)
                 if (f[i - j].id == POOL_NONE)
                     px->obs.stored(px->obs.user, &f[i - j].tb.key, 1, i ? &f[i - j].tb.parent : NULL,
@@ -769,25 +795,15 @@ static uint32_t restore_from_tier(prefix_t *px, struct prefix_seq *s, const int3
                                               .path = path_of(px, path, s->ns, t) };
         if (px->cs->n_free + px->cs->n_cached == 0 || (px->tier.has && !px->tier.has(px->tier.user, &tb)))
             break;
-        const uint32_t id = alloc_one(px);     /* what it evicts goes down to the tier */
+        const uint32_t id = restore_block(px, s, i, &tb, parent, true);
         if (id == POOL_NONE)
             break;
-        if (!px->tier.fetch(px->tier.user, &tb, pool_block_addr(px->pool, id))) {
-            unref(px, id);      /* pending, not indexed: back to the free list */
-            break;
-        }
-        struct pool_block *r = &px->b[id];
-        r->state = POOL_BLOCK_COMMITTED;
-        px->cs->n_pending--;
-        px->cs->n_used++;
-        index_insert(px, id, k, s->ns, parent, t);
         s->blocks[i] = id;
         key = k;
         parent = id;
         path = px->path[id];
         s->n_restored++;
-        px->restored++;
-        if (px->obs.stored)     /* findable again */
+        if (px->obs.stored && px->tier.start == NULL)   /* findable again */
             px->obs.stored(px->obs.user, &k, 1, i ? &tb.parent : NULL, t);
     }
     s->key = key;
@@ -950,7 +966,7 @@ int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,
     if ((rc = seq_parts_init(px, s)) != 0)
         return rc;
     s->ns = ns;
-    s->n_cached = s->n_committed = s->n_indexed = s->n_restored = 0;
+    s->n_cached = s->n_committed = s->n_indexed = s->n_restored = s->n_restoring = 0;
     s->chain_open = true;
     s->key = KEY_ZERO;
     memset(s->first, 0, sizeof(s->first));
@@ -977,7 +993,7 @@ int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,
     for (uint32_t i = 0; i < m; i++)
         ref_committed(px, s->blocks[i]);
     s->n_blocks = s->n_cached = s->n_committed = s->n_indexed = m;
-    if (px->tier.fetch != NULL && pending == POOL_NONE && m < max) {
+    if ((px->tier.fetch != NULL || px->tier.start != NULL) && pending == POOL_NONE && m < max) {
         if (px->np > 1)
             restore_parts(px, s, tokens, (uint32_t)max, &pending);
         else
@@ -1133,9 +1149,52 @@ void prefix_seq_release(prefix_t *px, struct prefix_seq *s)
         unref(px, s->blocks[i]);
     }
     memset(s->first, 0, sizeof(s->first));
-    s->n_cached = s->n_committed = s->n_indexed = s->n_restored = 0;
+    s->n_cached = s->n_committed = s->n_indexed = s->n_restored = s->n_restoring = 0;
     s->chain_open = true;
     s->key = KEY_ZERO;
+}
+
+bool prefix_seq_restored(prefix_t *px, struct prefix_seq *s, const int32_t *tokens, uint32_t n_good)
+{
+    /* the blocks begin left pending for a tier's copies are the pending ones
+     * of the cached prefix (nothing else there is pending) */
+    uint32_t run = UINT32_MAX;      /* first of a run of part 0's blocks that became findable */
+    for (uint32_t i = 0; i < s->n_cached && i < n_good; i++) {
+        bool p0 = false;
+        for (uint32_t p = 0; p < s->n_parts; p++) {
+            const uint32_t id = s->tables[p][i];
+            if (id == POOL_NONE || px->b[id].state != POOL_BLOCK_PENDING)
+                continue;
+            px->b[id].state = POOL_BLOCK_COMMITTED;
+            px->cs->n_pending--;
+            px->cs->n_used++;
+            px->restored++;
+            p0 |= p == 0;
+        }
+        if (p0 && run == UINT32_MAX)
+            run = i;
+        if (!p0 && run != UINT32_MAX) {
+            if (px->obs.stored)
+                notify_stored(px, s, run, i, tokens);
+            run = UINT32_MAX;
+        }
+    }
+    if (run != UINT32_MAX && px->obs.stored)
+        notify_stored(px, s, run, n_good < s->n_cached ? n_good : s->n_cached, tokens);
+    /* those whose copies failed leave the index, last first, other parts
+     * before part 0 (children before parents) */
+    bool whole = true;
+    for (uint32_t i = s->n_cached; i-- > n_good;)
+        for (uint32_t p = s->n_parts; p-- > 0;) {
+            const uint32_t id = s->tables[p][i];
+            if (id == POOL_NONE || px->b[id].state != POOL_BLOCK_PENDING)
+                continue;
+            if (px->b[id].flags & POOL_BLOCK_INDEXED)
+                index_remove(px, id);
+            whole = false;
+        }
+    s->n_restoring = 0;
+    return whole;
 }
 
 void prefix_seq_fini(struct prefix_seq *s)

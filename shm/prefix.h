@@ -88,6 +88,8 @@ struct prefix_seq {
     bool chain_open;        /* later blocks may still be indexed (no duplicate met) */
     prefix_key_t key;       /* key of block n_indexed - 1 */
     uint32_t n_restored;    /* of the n_cached blocks, those begin copied back from a tier */
+    uint32_t n_restoring;   /* of those, copies an asynchronous tier still runs (start()):
+                             * until prefix_seq_restored, s is not to be used */
 };
 
 /* What a lookup found. */
@@ -152,14 +154,22 @@ struct prefix_tier_block {
  * the pool's, one after another: has() whether fetch() would give the block
  * (before a pool block is taken for it, perhaps by an eviction), fetch() to
  * copy its bytes into dst (true), or not after all (false). Restored blocks are
- * indexed and committed as if they had been computed. Both are called from
+ * indexed and committed as if they had been computed. These are called from
  * inside the allocator's calls and must not call back into it.
+ *
+ * An asynchronous tier sets start() instead of fetch(): begin allocates and
+ * indexes the block as pending (a lookup that meets it waits, as for a block
+ * a prefill computes) and hands start() its identity, its logical index in
+ * the sequence and the pool block's address; the copy runs elsewhere, and
+ * the caller reports the outcome with prefix_seq_restored before it uses the
+ * sequence or lets it go (the block must not be freed under a running copy).
  */
 struct prefix_tier {
     void (*committed)(void *user, const struct prefix_tier_block *b, const void *data);
     void (*evicted)(void *user, const struct prefix_tier_block *b, const void *data);
     bool (*has)(void *user, const struct prefix_tier_block *b);
     bool (*fetch)(void *user, const struct prefix_tier_block *b, void *dst);
+    void (*start)(void *user, const struct prefix_tier_block *b, uint32_t logical, void *dst);
     void *user;
 };
 
@@ -198,12 +208,14 @@ void prefix_destroy(prefix_t **px);
 void prefix_set_observer(prefix_t *px, const struct prefix_observer *o);
 
 /* Sets (or, with NULL, clears) the tier below the pool; t is copied.
- * KVD_EINVAL without fetch(), or without has() in a pool of parts (a restore
- * is planned from it; in a pool of one part it saves an eviction for a block
- * the tier lacks). In a device pool the data and dst the callbacks get are
- * device addresses (pool_block_addr): they copy through host memory.  In a pool of parts every part's blocks go down and come
- * back: a prefix continues from the tier when part 0's blocks and every
- * other part's last window are there. */
+ * KVD_EINVAL without one of fetch() and start(), with both, or without has()
+ * where it is needed: in a pool of parts (a restore is planned from it) and
+ * with start() (a copy starts only for a block the tier has); in a pool of
+ * one part with fetch() it saves an eviction for a block the tier lacks. In a
+ * device pool the data and dst the callbacks get are device addresses
+ * (pool_block_addr): they copy through host memory. In a pool of parts every
+ * part's blocks go down and come back: a prefix continues from the tier when
+ * part 0's blocks and every other part's last window are there. */
 int prefix_set_tier(prefix_t *px, const struct prefix_tier *t);
 
 /* Replaces the key function (tests force collisions with a weak one); NULL
@@ -274,6 +286,15 @@ int prefix_seq_commit(prefix_t *px, struct prefix_seq *s, const int32_t *tokens,
  * else holds go to the LRU head, others are freed (pending indexed ones leave
  * the index). s is left empty and may begin again; its table is kept. */
 void prefix_seq_release(prefix_t *px, struct prefix_seq *s);
+
+/*
+ * After a prefix_seq_begin that started copies (s->n_restoring > 0), once
+ * every one has finished: the blocks of logical blocks [0, n_good) whose
+ * copies finished well become committed and findable, as if computed; those
+ * of later ones leave the index. True when that was all of them; else the
+ * caller must release s (its cached prefix has holes) and may begin again.
+ */
+bool prefix_seq_restored(prefix_t *px, struct prefix_seq *s, const int32_t *tokens, uint32_t n_good);
 
 /* Frees s's block table (after release). */
 void prefix_seq_fini(struct prefix_seq *s);

@@ -5,6 +5,7 @@
 #include "tier.h"
 
 #include <lz4.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +33,7 @@ struct tier {
     uint8_t *scratch;               /* LZ4's output bound */
     int scratch_len;
     struct tier_stats st;
+    pthread_mutex_t mu;             /* kvd's loop stores, its restore thread gets */
 };
 
 /* What an entry costs the budget besides its data. */
@@ -52,13 +54,14 @@ tier_t *tier_new(uint64_t max_bytes, uint32_t block_tokens, uint64_t block_bytes
         kvd_seterr(err, errlen, KVD_ENOMEM, "host tier: out of memory");
         return NULL;
     }
+    pthread_mutex_init(&t->mu, NULL);
     t->max_bytes = max_bytes;
     t->bt = block_tokens;
     t->block_bytes = block_bytes;
     if (max_bytes < block_bytes + overhead(t)) {
         kvd_seterr(err, errlen, KVD_EINVAL, "host tier: %llu bytes cannot hold one block of %llu",
                    (unsigned long long)max_bytes, (unsigned long long)block_bytes);
-        free(t);
+        tier_destroy(&t);
         return NULL;
     }
     /* about two buckets per block the budget holds uncompressed */
@@ -96,6 +99,7 @@ void tier_destroy(tier_t **tp)
     }
     free(t->bucket);
     free(t->scratch);
+    pthread_mutex_destroy(&t->mu);
     free(t);
     *tp = NULL;
 }
@@ -161,7 +165,7 @@ static void drop(tier_t *t, struct entry *e)
     entry_free(e);
 }
 
-int tier_put(tier_t *t, const struct prefix_tier_block *b, const void *data)
+static int put_locked(tier_t *t, const struct prefix_tier_block *b, const void *data)
 {
     struct entry *old = find(t, b);
     if (old != NULL)
@@ -204,7 +208,7 @@ int tier_put(tier_t *t, const struct prefix_tier_block *b, const void *data)
     return 0;
 }
 
-bool tier_get(tier_t *t, const struct prefix_tier_block *b, void *dst)
+static bool get_locked(tier_t *t, const struct prefix_tier_block *b, void *dst)
 {
     struct entry *e = find(t, b);
     if (e == NULL) {
@@ -229,19 +233,41 @@ bool tier_get(tier_t *t, const struct prefix_tier_block *b, void *dst)
     return true;
 }
 
-bool tier_has(const tier_t *t, const struct prefix_tier_block *b)
+int tier_put(tier_t *t, const struct prefix_tier_block *b, const void *data)
 {
-    return find(t, b) != NULL;
+    pthread_mutex_lock(&t->mu);
+    const int rc = put_locked(t, b, data);
+    pthread_mutex_unlock(&t->mu);
+    return rc;
 }
 
-void tier_stats(const tier_t *t, struct tier_stats *st)
+bool tier_get(tier_t *t, const struct prefix_tier_block *b, void *dst)
 {
+    pthread_mutex_lock(&t->mu);
+    const bool ok = get_locked(t, b, dst);
+    pthread_mutex_unlock(&t->mu);
+    return ok;
+}
+
+bool tier_has(tier_t *t, const struct prefix_tier_block *b)
+{
+    pthread_mutex_lock(&t->mu);
+    const bool there = find(t, b) != NULL;
+    pthread_mutex_unlock(&t->mu);
+    return there;
+}
+
+void tier_stats(tier_t *t, struct tier_stats *st)
+{
+    pthread_mutex_lock(&t->mu);
     *st = t->st;
     st->bytes = t->bytes;
+    pthread_mutex_unlock(&t->mu);
 }
 
 bool tier_corrupt_key_for_test(tier_t *t, prefix_key_t k)
 {
+    /* tests call these while nothing else runs */
     for (struct entry *e = t->bucket[(k.lo ^ k.hi) & t->mask]; e != NULL; e = e->hnext)
         if (e->id.key.lo == k.lo && e->id.key.hi == k.hi) {
             e->data[e->stored / 2] ^= 0x5a;

@@ -21,7 +21,8 @@
  *
  * The tier knows nothing of the pool: prefix.h hands it evicted blocks and
  * asks it for missing ones (struct prefix_tier); kvd wires the two together.
- * One thread uses a tier at a time.
+ * Its calls may come from several threads (kvd stores on its loop and
+ * copies blocks back on a thread of its own); a lock serializes them.
  */
 #ifndef KVD_TIER_H
 #define KVD_TIER_H
@@ -66,9 +67,9 @@ int tier_put(tier_t *t, const struct prefix_tier_block *b, const void *data);
 bool tier_get(tier_t *t, const struct prefix_tier_block *b, void *dst);
 
 /* Whether an entry with b's identity is held (nothing moves). */
-bool tier_has(const tier_t *t, const struct prefix_tier_block *b);
+bool tier_has(tier_t *t, const struct prefix_tier_block *b);
 
-void tier_stats(const tier_t *t, struct tier_stats *st);
+void tier_stats(tier_t *t, struct tier_stats *st);
 
 /* Flips a byte of the stored data of the entry with b's identity (tests:
  * what a corrupt entry does); false when there is none. */

@@ -417,7 +417,7 @@ static void runtime_open(struct runtime *rt, const struct options *o, uint32_t n
     rt->step = rt->n_ctx < 512 ? rt->n_ctx : 512;
 
     struct pool_layout lay;
-    pool_layout_for_model(rt->model, (uint32_t)o->block_tokens, o->kv.k_type, o->kv.v_type, o->kv.rotate,
+    kv_pool_layout(rt->model, (uint32_t)o->block_tokens, o->kv.k_type, o->kv.v_type, o->kv.rotate,
                           o->pool != NULL, &lay); /* only a shared pool needs the model's identity */
     struct pool_params pp = pool_default_params();
     pp.name = o->pool;

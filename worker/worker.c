@@ -771,7 +771,7 @@ static void setup(struct worker *w)
     if (w->o.ctx == 0 || w->o.ctx > w->model->cfg.n_ctx_train)
         w->o.ctx = w->model->cfg.n_ctx_train;
     struct pool_layout lay;
-    pool_layout_for_model(w->model, o->block_tokens, o->kv.k_type, o->kv.v_type, o->kv.rotate, true, &lay);
+    kv_pool_layout(w->model, o->block_tokens, o->kv.k_type, o->kv.v_type, o->kv.rotate, true, &lay);
     w->pool = pool_attach(o->pool, &lay, err, sizeof(err));
     if (w->pool == NULL)
         cli_die("%s", err);

@@ -30,6 +30,7 @@
  * the daemon on the way out.
  */
 #include "kvd_client.h"
+#include "endpoint.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -195,30 +196,6 @@ static int take_server_error(const Kvd__Error *e, char *err, size_t errlen)
         return kvd_seterr(err, errlen, code, "kvd sent error code %d: %s", (int)e->code,
                           e->message ? e->message : "");
     return kvd_seterr(err, errlen, code, "%s", e->message ? e->message : "");
-}
-
-/* ---- endpoint ---------------------------------------------------------------------- */
-
-char *kvd_default_endpoint(char *buf, size_t len)
-{
-    if (buf == NULL || len == 0)
-        return buf;
-    const char *env = getenv("KVD_ENDPOINT");
-    if (env != NULL && env[0] != '\0') {
-        snprintf(buf, len, "%s", env);
-        return buf;
-    }
-    /* the XDG spec says to ignore a relative XDG_RUNTIME_DIR */
-    const char *xdg = getenv("XDG_RUNTIME_DIR");
-    if (xdg != NULL && xdg[0] == '/') {
-        size_t n = strlen(xdg);
-        while (n > 1 && xdg[n - 1] == '/')
-            n--;
-        snprintf(buf, len, "ipc://%.*s/kvd/kvd.sock", (int)n, xdg);
-    } else {
-        snprintf(buf, len, "ipc:///tmp/kvd-%u/kvd.sock", (unsigned)getuid());
-    }
-    return buf;
 }
 
 /* ---- lifecycle ---------------------------------------------------------------------- */

@@ -30,7 +30,8 @@ typedef struct kvd_client kvd_client_t;
 
 /* Writes the endpoint kvd listens on by default ("ipc://" + a socket in a
  * private runtime directory: $XDG_RUNTIME_DIR/kvd, else /tmp/kvd-<uid>) or
- * $KVD_ENDPOINT when set. Returns buf. */
+ * $KVD_ENDPOINT when set. Returns buf. (Defined in common/endpoint.c, which
+ * kvd shares.) */
 char *kvd_default_endpoint(char *buf, size_t len);
 
 /* Connects to endpoint (NULL: kvd_default_endpoint()); timeout_ms <= 0 means

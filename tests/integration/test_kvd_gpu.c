@@ -13,6 +13,7 @@
 #include "check.h"
 #include "cli.h"
 #include "err.h"
+#include "kvcache.h"
 #include "mkmodel.h"
 #include "model.h"
 #include "pool.h"
@@ -111,7 +112,7 @@ static pool_t *make_pool(int dev)
     model_t *m = model_load_unpacked(model, err, sizeof(err));
     REQUIRE(m != NULL);
     struct pool_layout lay;
-    pool_layout_for_model(m, 16, KERN_F16, KERN_F16, 0, true, &lay);
+    kv_pool_layout(m, 16, KERN_F16, KERN_F16, 0, true, &lay);
     model_destroy(&m);
     struct pool_params pp = pool_default_params();
     pp.name = pname;

@@ -1210,7 +1210,8 @@ static void tier_attach(struct world *w, bool on)
 {
     if (w->tier == NULL)
         return;
-    const struct prefix_tier t = { NULL, tier_evicted, tier_has_cb, tier_fetch, w->tier };
+    const struct prefix_tier t = { .evicted = tier_evicted, .has = tier_has_cb, .fetch = tier_fetch,
+                                   .user = w->tier };
     EXPECT(prefix_set_tier(w->px, on ? &t : NULL), 0, "set_tier");
     w->tier_on = on;
 }

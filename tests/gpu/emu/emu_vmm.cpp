@@ -125,6 +125,13 @@ extern "C" int devmem_write(void *dst_dev, const void *src_host, size_t bytes, c
     return kvd_seterr(err, errlen, KVD_EINTERNAL, "copy to the device failed");
 }
 
+extern "C" int devmem_attach(int dev, char *err, size_t errlen)
+{
+    (void)err;
+    (void)errlen;
+    return cudaSetDevice(dev) == cudaSuccess ? 0 : KVD_EUNAVAILABLE;
+}
+
 extern "C" void *devmem_host_alloc(size_t bytes)
 {
     void *p = NULL;
