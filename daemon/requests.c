@@ -767,6 +767,9 @@ static void restore_finish(struct kvd *k, struct request *r)
     wake_waiters(k);
     if (r->finish || r->failed) {
         /* stopped while its copies ran */
+        if (k->o.verbose)
+            kvd_log(k, "request %llu: stopped while its prefix came back from the tiers",
+                    (unsigned long long)r->seq_id);
         list_remove(&k->queue, r);
         k->n_queued--;
         finish(k, r);

@@ -69,6 +69,64 @@ def test_host_tier_restores_evicted_prompts(tmp_path: Path) -> None:
         _stop_checked(d)
 
 
+def test_restores_shared_and_cancelled(tmp_path: Path) -> None:
+    """Blocks come back on kvd's restore thread: two requests for the same
+    evicted prompt at once copy it back once (the second waits for the first's
+    pending blocks and finds them in the pool), both with the uncached
+    output; requests whose clients leave while their copies run end without
+    leaking a block, and kvd serves on."""
+    import threading
+
+    d = Daemon(tmp_path / "kvd", "--kv-memory", "24MiB", "--host-cache", "256MiB", "-w", "2", "-v")
+    try:
+        d.measure_patience()
+        with kvd_client.Client(d.endpoint, timeout=d.patience) as c:
+            first = [ask(c, i, "shared") for i in range(N_PROMPTS)]
+            # prompt 0 was evicted by the others; ask it twice at once
+            out: list[kvd_client.Result] = []
+
+            def run() -> None:
+                with kvd_client.Client(d.endpoint, timeout=d.patience) as c2:
+                    out.append(ask(c2, 0, "shared"))
+
+            ts = [threading.Thread(target=run) for _ in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            assert len(out) == 2
+            for r in out:
+                assert r.token_ids == first[0].token_ids
+                assert r.usage.cached_prompt_tokens == (r.usage.prompt_tokens - 1) // 16 * 16, r.usage
+            host = sorted(r.usage.host_cached_prompt_tokens for r in out)
+            assert host[1] > 0, out[0].usage
+            assert host[0] == 0, "the second request copied the same blocks again"
+            # clients that leave while their prefixes come back: each closes
+            # its socket right after sending (the request is cancelled as gone)
+            for i in range(1, N_PROMPTS):
+                c3 = kvd_client.Client(d.endpoint, timeout=d.patience)
+                st = c3.stream(messages=[{"role": "system", "content": system_prompt(i)},
+                                         {"role": "user", "content": "Which shelf holds the atlas?"}],
+                               max_tokens=8, temperature=0, namespace="shared")
+                st.__enter__()
+                c3.close()
+            deadline = time.monotonic() + d.patience
+            while True:
+                s = c.stats()
+                if (s.requests_running == 0 and s.requests_queued == 0 and s.blocks_pending == 0
+                        and s.blocks_in_use == 0):
+                    break
+                assert time.monotonic() < deadline, s
+                time.sleep(0.05)
+            stopped = d.log().count("stopped while its prefix came back from the tiers")
+            print(f"{stopped} of {N_PROMPTS - 1} left while their copies ran")
+            # and kvd serves on, with the same outputs
+            for i in (1, 2):
+                assert ask(c, i, "shared").token_ids == first[i].token_ids
+    finally:
+        _stop_checked(d)
+
+
 def test_host_tier_refused_for_a_pool_in_parts_or_too_small(tmp_path: Path) -> None:
     import subprocess
 
