@@ -34,6 +34,7 @@ struct restorer {
     struct job *todo, **todo_tail;  /* FIFO */
     struct job *done, **done_tail;  /* FIFO */
     uint32_t busy;                  /* jobs queued or running */
+    uint32_t unsignalled;           /* jobs done since the loop was last woken */
     bool stop;
     pthread_t thread;
 };
@@ -64,12 +65,20 @@ static int copy_one(restorer_t *r, const struct prefix_tier_block *b, void *dst)
     return from;
 }
 
+/* Hands a finished job to the loop (under r->mu). The loop is woken once the
+ * queue has run dry (or every WAKE_EVERY jobs, should it never), not for
+ * every block: a prompt's blocks come back together, and each wake-up costs
+ * the loop a turn. */
+enum { WAKE_EVERY = 64 };
+
 static void post(restorer_t *r, struct job *j)
 {
-    /* under r->mu */
     j->next = NULL;
     *r->done_tail = j;
     r->done_tail = &j->next;
+    if (r->todo != NULL && ++r->unsignalled < WAKE_EVERY)
+        return;
+    r->unsignalled = 0;
     const uint64_t one = 1;
     if (write(r->efd, &one, sizeof(one)) < 0) {
         /* the counter cannot overflow at our rates; nothing to do */
