@@ -27,6 +27,7 @@ const char *kvd_strerror(int code)
     case KVD_ESHUTDOWN: return "shutting down";
     case KVD_EINTERNAL: return "internal error";
     case KVD_EBADREQUEST: return "bad request";
+    case KVD_EAUTH: return "authentication failed";
     default: return "unknown error";
     }
 }

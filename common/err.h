@@ -31,6 +31,7 @@ enum kvd_err {
     KVD_ESHUTDOWN = -17,  /* the daemon is shutting down */
     KVD_EINTERNAL = -18,  /* the daemon failed */
     KVD_EBADREQUEST = -19,/* the daemon refused the request as malformed or out of range */
+    KVD_EAUTH = -20,      /* the daemon refused this client's keys (CURVE) */
 };
 
 /* Returns a static, human-readable name for a KVD_E* code (or "unknown error"). */

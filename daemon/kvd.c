@@ -117,6 +117,13 @@ static void usage(FILE *f)
           "      --cache-dir DIR      write every cached block behind to files in DIR, and read\n"
           "                           them back for a later prompt, after restarts too\n"
           "      --disk-cache SIZE    the most those files take (default 4GiB)\n"
+          "      --curve-secret FILE  kvd's CURVE key pair (kvd-keygen): tcp:// endpoints then\n"
+          "                           admit only the keys of the allow directories\n"
+          "      --clients-allow DIR  clients' public keys, NAME.key each; NAME is the client's\n"
+          "                           tenant (its own cache). Read again on SIGHUP\n"
+          "      --workers-allow DIR  the public keys of workers that may connect over tcp://\n"
+          "      --insecure           allow tcp:// endpoints without CURVE (anyone who reaches\n"
+          "                           them is served)\n"
           "  -v, --verbose\n",
           f);
 }
@@ -126,7 +133,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
            OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
            OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS, OPT_EVENTS, OPT_TOPIC,
-           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE };
+           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -153,6 +160,10 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "host-cache", required_argument, NULL, OPT_HOSTCACHE },
         { "cache-dir", required_argument, NULL, OPT_CACHEDIR },
         { "disk-cache", required_argument, NULL, OPT_DISKCACHE },
+        { "curve-secret", required_argument, NULL, OPT_CURVE },
+        { "clients-allow", required_argument, NULL, OPT_CALLOW },
+        { "workers-allow", required_argument, NULL, OPT_WALLOW },
+        { "insecure", no_argument, NULL, OPT_INSECURE },
         { "step-tokens", required_argument, NULL, OPT_STEP },
         { "max-batch", required_argument, NULL, OPT_BATCH },
         { "max-queue", required_argument, NULL, OPT_QUEUE },
@@ -242,6 +253,10 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         case OPT_GRACE: o->grace_ms = (uint32_t)cli_long(optarg, "--grace", 0, 3600000); break;
         case OPT_RESTARTS: o->max_restarts = (int)cli_long(optarg, "--max-restarts", -1, 1000000); break;
         case OPT_GPU: o->gpu = (int)cli_long(optarg, "--gpu", 0, 1023); break;
+        case OPT_CURVE: o->curve_secret = optarg; break;
+        case OPT_CALLOW: o->clients_allow = optarg; break;
+        case OPT_WALLOW: o->workers_allow = optarg; break;
+        case OPT_INSECURE: o->insecure = true; break;
         case OPT_WPG:
             o->workers_per_gpu = (int)cli_long(optarg, "--workers-per-gpu", 0, KVD_MAX_WORKERS);
             break;
@@ -253,6 +268,10 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         cli_die("unexpected argument '%s' (see --help)", argv[optind]);
     if (o->api_keys != NULL && o->n_http == 0)
         cli_die("--api-keys goes with --http");
+    if ((o->clients_allow != NULL || o->workers_allow != NULL) && o->curve_secret == NULL)
+        cli_die("--clients-allow and --workers-allow go with --curve-secret");
+    if (o->curve_secret != NULL && o->insecure)
+        cli_die("--insecure and --curve-secret exclude each other");
     if (o->kv_events_topic != NULL && o->kv_events == NULL)
         cli_die("--kv-events-topic goes with --kv-events");
     if (o->workers_per_gpu >= 0 && o->gpu < 0)
@@ -562,6 +581,95 @@ static void tiers_setup(struct kvd *k, const struct pool_layout *lay)
         cli_die("%s: this pool cannot have tiers below it", opt);
 }
 
+/* ---- authentication (--curve-secret) ------------------------------------------------------ */
+
+static void auth_log(void *user, const char *line)
+{
+    kvd_log(user, "%s", line);
+}
+
+/* SIGHUP: the allow directories again. */
+static void auth_reread(struct kvd *k)
+{
+    if (k->auth == NULL)
+        return;
+    char err[512];
+    struct auth_stats st;
+    if (auth_reload(k->auth, err, sizeof(err)) != 0) {
+        kvd_log(k, "SIGHUP: the keys stay as they were: %s", err);
+        return;
+    }
+    auth_stats(k->auth, &st);
+    kvd_log(k, "SIGHUP: %u client keys, %u worker keys allowed", st.keys[AUTH_CLIENTS], st.keys[AUTH_WORKERS]);
+}
+
+/* The monitor of the CURVE clients' socket: handshakes that failed before
+ * the ZAP handler saw a key (those it refused it counts itself). */
+static void curve_events(struct kvd *k)
+{
+    for (;;) {
+        zmq_msg_t ev, where;
+        zmq_msg_init(&ev);
+        zmq_msg_init(&where);
+        const bool got = zmq_msg_recv(&ev, k->curve_mon, ZMQ_DONTWAIT) >= 0 && zmq_msg_recv(&where, k->curve_mon, 0) >= 0;
+        if (got && zmq_msg_size(&ev) >= 6) {
+            uint16_t id;
+            memcpy(&id, zmq_msg_data(&ev), 2);
+            if (id != ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
+                k->st.handshakes_failed++;
+        }
+        zmq_msg_close(&ev);
+        zmq_msg_close(&where);
+        if (!got)
+            return;
+    }
+}
+
+/* --curve-secret: the key pair, the ZAP handler, the CURVE clients' socket
+ * and its monitor; before anything binds. */
+static void auth_setup(struct kvd *k)
+{
+    const struct kvd_options *o = &k->o;
+    char err[512];
+    if (curve_cert_read(o->curve_secret, true, &k->cert, err, sizeof(err)) != 0)
+        cli_die("--curve-secret: %s", err);
+    const bool tcp_workers = o->worker_endpoint != NULL && strncmp(o->worker_endpoint, "tcp://", 6) == 0;
+    k->auth = auth_new(k->zctx, o->clients_allow, o->workers_allow, tcp_workers ? k->cert.public_key : NULL,
+                       auth_log, k, err, sizeof(err));
+    if (k->auth == NULL)
+        cli_die("--curve-secret: %s", err);
+    k->clients_curve = router(k);
+    if (auth_curve_server(k->clients_curve, &k->cert, AUTH_CLIENTS, err, sizeof(err)) != 0 ||
+        (tcp_workers && auth_curve_server(k->wsock, &k->cert, AUTH_WORKERS, err, sizeof(err)) != 0))
+        cli_die("--curve-secret: %s", err);
+    if (zmq_socket_monitor(k->clients_curve, "inproc://kvd-curve-monitor",
+                           ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0 ||
+        (k->curve_mon = zmq_socket(k->zctx, ZMQ_PAIR)) == NULL ||
+        zmq_connect(k->curve_mon, "inproc://kvd-curve-monitor") != 0)
+        cli_die("--curve-secret: socket monitor: %s", zmq_strerror(errno));
+    struct auth_stats st;
+    auth_stats(k->auth, &st);
+    kvd_log(k, "CURVE: kvd's public key %s; %u client keys%s, %u worker keys allowed", k->cert.public_key,
+            st.keys[AUTH_CLIENTS], o->clients_allow ? "" : " (no --clients-allow: no client gets in over tcp://)",
+            st.keys[AUTH_WORKERS]);
+}
+
+/* Where a --listen endpoint binds: a tcp:// one to the CURVE socket, or with
+ * --insecure to the plain one (said once), never unauthenticated by default. */
+static void *listen_socket(struct kvd *k, const char *ep)
+{
+    if (strncmp(ep, "tcp://", 6) != 0)
+        return k->clients;
+    if (k->clients_curve != NULL)
+        return k->clients_curve;
+    if (!k->o.insecure)
+        cli_die("%s: a tcp:// endpoint needs --curve-secret FILE (kvd-keygen makes one) and "
+                "--clients-allow DIR, or --insecure to serve whoever reaches it", ep);
+    kvd_log(k, "INSECURE: %s takes requests from anyone who can reach it (--insecure, no CURVE)", ep);
+    return k->clients;
+}
+
 static void setup(struct kvd *k)
 {
     char err[512], note[512];
@@ -633,12 +741,20 @@ static void setup(struct kvd *k)
     k->zctx = zmq_ctx_new();
     k->clients = router(k);
     k->wsock = router(k);
+    if (o->curve_secret != NULL)
+        auth_setup(k);
+    if (o->worker_endpoint != NULL && strncmp(o->worker_endpoint, "tcp://", 6) == 0 && o->curve_secret == NULL) {
+        if (!o->insecure)
+            cli_die("--worker-endpoint %s: tcp:// needs --curve-secret (workers then need their keys in "
+                    "--workers-allow), or --insecure", o->worker_endpoint);
+        kvd_log(k, "INSECURE: any process that reaches %s may join as a worker (--insecure)", o->worker_endpoint);
+    }
     char def[4096];
     if (o->n_listen == 0)
         o->listen[o->n_listen++] = kvd_default_endpoint(def, sizeof(def));
     for (int i = 0; i < o->n_listen; i++) {
         check_endpoint(k, o->listen[i]);
-        if (zmq_bind(k->clients, o->listen[i]) != 0)
+        if (zmq_bind(listen_socket(k, o->listen[i]), o->listen[i]) != 0)
             cli_die("cannot listen on %s: %s", o->listen[i], zmq_strerror(errno));
         kvd_log(k, "listening on %s", o->listen[i]);
     }
@@ -767,9 +883,12 @@ static void http_setup(struct kvd *k)
 
 /* ---- the loop -------------------------------------------------------------------------------- */
 
-/* Receives every waiting (routing id, payload) pair from a ROUTER. */
-static void drain_socket(struct kvd *k, void *sock, bool from_workers)
+/* Receives every waiting (routing id, payload) pair from a ROUTER: the
+ * workers' (origin -1) or a clients' one (RID_PLAIN, RID_CURVE). */
+static void drain_socket(struct kvd *k, void *sock, int origin)
 {
+    const bool from_workers = origin < 0;
+    uint8_t rid[KVD_RID_MAX];
     zmq_msg_t id, body;
     zmq_msg_init(&id);
     zmq_msg_init(&body);
@@ -785,16 +904,25 @@ static void drain_socket(struct kvd *k, void *sock, bool from_workers)
             zmq_msg_close(&junk);
             ok = false;
         }
-        if (!ok || zmq_msg_size(&id) > KVD_RID_MAX) {
+        if (!ok || zmq_msg_size(&id) > KVD_RID_MAX - 1) {
             k->st.bad_messages++;
             continue;
         }
-        if (from_workers)
+        if (from_workers) {
             workers_on_message(k, zmq_msg_data(&id), zmq_msg_size(&id), zmq_msg_data(&body),
                                zmq_msg_size(&body));
-        else
-            req_on_client(k, zmq_msg_data(&id), zmq_msg_size(&id), zmq_msg_data(&body),
-                          zmq_msg_size(&body));
+        } else {
+            /* the socket it came on goes first: replies go back there, and the
+             * same routing id on the other socket is another client */
+            rid[0] = (uint8_t)origin;
+            memcpy(rid + 1, zmq_msg_data(&id), zmq_msg_size(&id));
+            const char *tenant = origin == RID_CURVE ? auth_peer(&body) : NULL;
+            if (origin == RID_CURVE && (tenant == NULL || tenant[0] == '\0')) {
+                k->st.bad_messages++;   /* unreachable: the ZAP handler names every key it admits */
+                continue;
+            }
+            req_on_client(k, rid, zmq_msg_size(&id) + 1, tenant, zmq_msg_data(&body), zmq_msg_size(&body));
+        }
     }
     zmq_msg_close(&id);
     zmq_msg_close(&body);
@@ -815,7 +943,7 @@ static void drain_before_reap(struct kvd *k)
         zmq_pollitem_t it = { k->wsock, 0, ZMQ_POLLIN, 0 };
         if (zmq_poll(&it, 1, 50) <= 0)
             break;
-        drain_socket(k, k->wsock, true);
+        drain_socket(k, k->wsock, -1);
     }
 }
 
@@ -836,14 +964,17 @@ static void loop(struct kvd *k, int sfd)
     bool cancelled = false;
     double cancel_deadline = 0;
     while (!k->stop) {
-        zmq_pollitem_t items[5] = {
+        /* an entry that is not in use polls a closed descriptor (-1): never ready */
+        zmq_pollitem_t items[7] = {
             { k->clients, 0, ZMQ_POLLIN, 0 },
             { k->wsock, 0, ZMQ_POLLIN, 0 },
             { NULL, sfd, ZMQ_POLLIN, 0 },
             { NULL, k->restorer != NULL ? restorer_fd(k->restorer) : -1, ZMQ_POLLIN, 0 },
             { NULL, k->gpu_fd, ZMQ_POLLIN, 0 },
+            { k->clients_curve, -1, ZMQ_POLLIN, 0 },
+            { k->curve_mon, -1, ZMQ_POLLIN, 0 },
         };
-        if (zmq_poll(items, k->gpu_fd >= 0 ? 5 : 4, 50) < 0 && errno != EINTR)
+        if (zmq_poll(items, 7, 50) < 0 && errno != EINTR)
             cli_die("poll: %s", zmq_strerror(errno));
         if (k->gpu_fd >= 0 && (items[4].revents & ZMQ_POLLIN))
             gpu_serve(k);
@@ -851,14 +982,21 @@ static void loop(struct kvd *k, int sfd)
             req_on_restored(k);
         if (items[2].revents & ZMQ_POLLIN) {
             struct signalfd_siginfo si;
-            while (read(sfd, &si, sizeof(si)) == (ssize_t)sizeof(si))
+            while (read(sfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
                 if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT)
                     start_drain(k);
+                if (si.ssi_signo == SIGHUP)
+                    auth_reread(k);
+            }
         }
         if (items[1].revents & ZMQ_POLLIN)
-            drain_socket(k, k->wsock, true);
+            drain_socket(k, k->wsock, -1);
         if (items[0].revents & ZMQ_POLLIN)
-            drain_socket(k, k->clients, false);
+            drain_socket(k, k->clients, RID_PLAIN);
+        if (items[5].revents & ZMQ_POLLIN)
+            drain_socket(k, k->clients_curve, RID_CURVE);
+        if (items[6].revents & ZMQ_POLLIN)
+            curve_events(k);
         drain_before_reap(k);
         workers_reap(k);
         workers_tick(k);
@@ -897,6 +1035,7 @@ int main(int argc, char **argv)
     sigemptyset(&set);
     sigaddset(&set, SIGTERM);
     sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGHUP);
     sigaddset(&set, SIGCHLD);
     sigprocmask(SIG_BLOCK, &set, NULL);
     int sfd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
@@ -932,7 +1071,12 @@ int main(int argc, char **argv)
             ps.n_pending);
     wire_arena_destroy(&k->arena);
     zmq_close(k->clients);
+    if (k->clients_curve != NULL)
+        zmq_close(k->clients_curve);
+    if (k->curve_mon != NULL)
+        zmq_close(k->curve_mon);
     zmq_close(k->wsock);
+    auth_destroy(&k->auth);
     zmq_ctx_term(k->zctx);
     if (strncmp(k->worker_ep, "ipc://", 6) == 0)
         unlink(k->worker_ep + 6);

@@ -27,6 +27,7 @@
 #include "prefix.h"
 #include "sampler.h"
 #include "disktier.h"
+#include "auth.h"
 #include "restore.h"
 #include "tier.h"
 #include "tok.h"
@@ -35,7 +36,9 @@
 #define KVD_MAX_WORKERS 64
 #define KVD_MAX_LISTEN 8
 #define KVD_MAX_HTTP 4
-#define KVD_RID_MAX 256          /* bytes of a ZeroMQ routing id */
+#define KVD_RID_MAX 256          /* bytes of a ZeroMQ routing id (a client's: one more, first,
+                                  * naming the socket it came on: RID_PLAIN or RID_CURVE) */
+enum { RID_PLAIN = 0, RID_CURVE = 1 };
 
 struct kvd_options {
     const char *model;              /* --model */
@@ -70,6 +73,10 @@ struct kvd_options {
     uint64_t host_cache_bytes;      /* --host-cache: the host tier's budget; 0: none */
     const char *cache_dir;          /* --cache-dir: the disk tier's directory; NULL: none */
     uint64_t disk_cache_bytes;      /* --disk-cache: its budget */
+    const char *curve_secret;       /* --curve-secret: kvd's CURVE key pair; tcp:// needs it */
+    const char *clients_allow;      /* --clients-allow: clients' public keys (tenants) */
+    const char *workers_allow;      /* --workers-allow: remote workers' public keys */
+    bool insecure;                  /* --insecure: tcp:// without CURVE allowed */
 };
 
 enum req_state {
@@ -169,6 +176,8 @@ struct kvd_stats_counters {
     uint64_t disk_declined;
     uint64_t preemptions;
     uint64_t bad_messages;
+    uint64_t handshakes_failed;     /* --curve-secret: handshakes that failed before the key was
+                                     * checked (plain text, a wrong server key, garbage) */
     struct kvd_hist ttft, e2e, queue, itl;
     uint64_t finished_stop, finished_length, finished_abort;
 };
@@ -212,7 +221,13 @@ struct kvd {
     uint64_t pool_seq_tokens;       /* the longest sequence the pool can hold: every block of a
                                      * full part, about a window of a windowed one */
     void *zctx;
-    void *clients;                  /* ROUTER bound to every --listen endpoint */
+    void *clients;                  /* ROUTER bound to the ipc:// --listen endpoints (and tcp://
+                                     * ones with --insecure) */
+    void *clients_curve;            /* --curve-secret: ROUTER, a CURVE server, bound to the tcp://
+                                     * ones; its clients' tenants come from their keys */
+    void *curve_mon;                /* PAIR: clients_curve's failed handshakes */
+    kvd_auth_t *auth;               /* --curve-secret: the ZAP handler */
+    struct curve_cert cert;         /* --curve-secret: kvd's key pair */
     void *wsock;                    /* ROUTER for workers */
     wire_arena_t *arena;
     struct worker workers[KVD_MAX_WORKERS];
@@ -243,7 +258,11 @@ static inline void kvd_ewma(double *avg, double v)
     *avg = *avg > 0 ? 0.8 * *avg + 0.2 * v : v;
 }
 
-void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const void *buf, size_t len);
+/* A client's message; rid is its routing id with the socket's byte first
+ * (RID_*), tenant the name its CURVE key was admitted under (NULL: a client
+ * of the plain socket, trusted by the runtime directory's permissions). */
+void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const char *tenant, const void *buf,
+                   size_t len);
 void req_dispatch(struct kvd *k);
 void req_tick(struct kvd *k);
 void req_on_commit(struct kvd *k, int w, uint64_t seq_id, uint32_t n_written);

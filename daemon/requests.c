@@ -31,14 +31,18 @@
 
 /* ---- replies ---------------------------------------------------------------------------- */
 
-/* Sends a reply to r's client; a client that is gone cancels its request. */
+/* Sends a reply to a client: rid's first byte names the socket it came on
+ * (RID_*), the rest is its routing id there. A client that is gone cancels
+ * its request. */
 static int reply(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id, Kvd__ServerReply *m)
 {
     m->has_version = true;
     m->version = WIRE_VERSION;
     m->has_request_id = true;
     m->request_id = id;
-    return kvd_send(k, k->clients, rid, rid_len, &m->base);
+    if (rid_len < 2)
+        return -1;
+    return kvd_send(k, rid[0] == RID_CURVE ? k->clients_curve : k->clients, rid + 1, rid_len - 1, &m->base);
 }
 
 static void reply_error(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id, int code,
@@ -559,7 +563,7 @@ static int build_prompt(struct kvd *k, struct request *r, const Kvd__GenerateReq
     return 0;
 }
 
-static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id,
+static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const char *tenant, uint64_t id,
                         const Kvd__GenerateRequest *g)
 {
     char msg[256];
@@ -643,7 +647,25 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, uint6
     r->no_cache = g->has_no_cache && g->no_cache;
     r->logprobs = g->has_logprobs ? (int32_t)g->logprobs : -1;
     const char *ns = g->namespace_ ? g->namespace_ : "";
-    r->ns = prefix_namespace(k->px, ns, strlen(ns));
+    if (tenant != NULL) {
+        /* a CURVE client's cache is its tenant's, whatever namespace it names
+         * inside it ("tenant:NAME/namespace", as the HTTP API's keys) */
+        const size_t tl = strlen(tenant), nl = strlen(ns);
+        char *full = malloc(tl + nl + 9);
+        if (full == NULL) {
+            reply_error(k, rid, rid_len, id, KVD__ERROR_CODE__ERR_INTERNAL, "out of memory", 0);
+            req_free(r);
+            return;
+        }
+        memcpy(full, "tenant:", 7);
+        memcpy(full + 7, tenant, tl);
+        full[7 + tl] = '/';
+        memcpy(full + 8 + tl, ns, nl);
+        r->ns = prefix_namespace(k->px, full, tl + nl + 8);
+        free(full);
+    } else {
+        r->ns = prefix_namespace(k->px, ns, strlen(ns));
+    }
     r->deadline = g->has_deadline_ms && g->deadline_ms ? r->t_arrival + g->deadline_ms : 0;
     r->seq_id = ++k->next_seq;
     r->state = REQ_QUEUED;
@@ -1289,6 +1311,17 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t
     s.has_disk_cached_prompt_tokens = s.has_disk_cache_written = s.has_disk_cache_pending = true;
     s.has_disk_cache_dropped_writes = s.has_disk_cache_corrupt = s.has_disk_cache_ignored = true;
     s.has_disk_cache_declined = true;
+    s.has_auth_clients_admitted = s.has_auth_clients_refused = s.has_auth_workers_refused = true;
+    s.has_auth_handshakes_failed = s.has_auth_client_keys = true;
+    s.auth_handshakes_failed = k->st.handshakes_failed;
+    if (k->auth != NULL) {
+        struct auth_stats as;
+        auth_stats(k->auth, &as);
+        s.auth_clients_admitted = as.admitted[AUTH_CLIENTS];
+        s.auth_clients_refused = as.refused[AUTH_CLIENTS];
+        s.auth_workers_refused = as.refused[AUTH_WORKERS];
+        s.auth_client_keys = as.keys[AUTH_CLIENTS];
+    }
     s.disk_cached_prompt_tokens = k->st.disk_cached_prompt_tokens;
     s.disk_cache_declined = k->st.disk_declined;
     if (k->disk != NULL) {
@@ -1459,7 +1492,8 @@ static void on_health(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_
     reply(k, rid, rid_len, id, &m);
 }
 
-void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const void *buf, size_t len)
+void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const char *tenant, const void *buf,
+                   size_t len)
 {
     char err[256];
     int code;
@@ -1475,7 +1509,7 @@ void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const void
     uint64_t id = m->request_id;
     switch (m->body_case) {
     case KVD__CLIENT_REQUEST__BODY_GENERATE:
-        on_generate(k, rid, rid_len, id, m->generate);
+        on_generate(k, rid, rid_len, tenant, id, m->generate);
         break;
     case KVD__CLIENT_REQUEST__BODY_CANCEL: {
         struct request *r = find_client(k, rid, rid_len, m->cancel->target);
@@ -1494,7 +1528,8 @@ void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const void
         break;
     }
     case KVD__CLIENT_REQUEST__BODY_STATS:
-        on_stats(k, rid, rid_len, id, m->stats->has_block_hashes && m->stats->block_hashes);
+        /* the index's hashes are the operator's to see, not a tenant's */
+        on_stats(k, rid, rid_len, id, tenant == NULL && m->stats->has_block_hashes && m->stats->block_hashes);
         break;
     case KVD__CLIENT_REQUEST__BODY_HEALTH:
         on_health(k, rid, rid_len, id);

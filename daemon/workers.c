@@ -48,14 +48,30 @@ static int spawn(struct kvd *k, int i)
     uint32_t sm = k->o.worker_timeout_ms / 8;
     snprintf(step_ms, sizeof(step_ms), "%u", sm < 10 ? 10 : sm > 500 ? 500 : sm);
     snprintf(gpu, sizeof(gpu), "%d", k->o.gpu);
-    char *argv[] = { path, "--model", (char *)k->o.model, "--pool", k->pool_name, "--connect",
-                     k->worker_ep, "--id", id, "--threads", threads, "--block-tokens", bt,
-                     "--k-type", (char *)kv_type_name(k->o.kv.k_type),
-                     "--v-type", (char *)kv_type_name(k->o.kv.v_type),
-                     "--kv-rotate", (char *)kv_rotate_arg(k->o.kv.rotate),
-                     "--step-tokens", step, "--max-batch", batch, "--ctx", ctx, "--step-ms", step_ms,
-                     /* GPU workers: the device and where kvd hands out its memory */
-                     k->o.gpu >= 0 ? "--gpu" : NULL, gpu, "--gpu-socket", k->gpu_sock, NULL };
+    char *argv[40] = { path, "--model", (char *)k->o.model, "--pool", k->pool_name, "--connect",
+                       k->worker_ep, "--id", id, "--threads", threads, "--block-tokens", bt,
+                       "--k-type", (char *)kv_type_name(k->o.kv.k_type),
+                       "--v-type", (char *)kv_type_name(k->o.kv.v_type),
+                       "--kv-rotate", (char *)kv_rotate_arg(k->o.kv.rotate),
+                       "--step-tokens", step, "--max-batch", batch, "--ctx", ctx, "--step-ms", step_ms };
+    int n = 0;
+    while (argv[n] != NULL)
+        n++;
+    if (k->o.gpu >= 0) {
+        /* GPU workers: the device and where kvd hands out its memory */
+        argv[n++] = "--gpu";
+        argv[n++] = gpu;
+        argv[n++] = "--gpu-socket";
+        argv[n++] = k->gpu_sock;
+    }
+    if (k->auth != NULL && strncmp(k->worker_ep, "tcp://", 6) == 0) {
+        /* a CURVE worker endpoint: kvd's own workers hold its key pair */
+        argv[n++] = "--curve-server-key";
+        argv[n++] = k->cert.public_key;
+        argv[n++] = "--curve-cert";
+        argv[n++] = (char *)k->o.curve_secret;
+    }
+    argv[n] = NULL;
     fflush(NULL);
     pid_t parent = getpid();
     pid_t pid = fork();

@@ -56,6 +56,7 @@
 #include "cli.h"
 #include "err.h"
 #include "forward.h"
+#include "curve.h"
 #include "kvcache.h"
 #include "model.h"
 #include "pool.h"
@@ -69,6 +70,7 @@
 
 struct options {
     const char *model, *pool, *endpoint;
+    const char *curve_server_key, *curve_cert;   /* a CURVE worker endpoint: kvd's key, ours */
     uint32_t id;
     int threads;
     uint32_t block_tokens, step_tokens, max_batch, ctx;
@@ -667,7 +669,7 @@ static void run_step(struct worker *w, uint32_t n)
 static void parse_args(int argc, char **argv, struct options *o)
 {
     enum { OPT_POOL = 256, OPT_CONNECT, OPT_ID, OPT_BLOCK, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE, OPT_ROTATE,
-           OPT_STEP, OPT_BATCH, OPT_STEP_MS, OPT_GPU, OPT_GPU_SOCKET };
+           OPT_STEP, OPT_BATCH, OPT_STEP_MS, OPT_GPU, OPT_GPU_SOCKET, OPT_CURVE_KEY, OPT_CURVE_CERT };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "threads", required_argument, NULL, 't' },
@@ -685,6 +687,8 @@ static void parse_args(int argc, char **argv, struct options *o)
         { "step-ms", required_argument, NULL, OPT_STEP_MS },
         { "gpu", required_argument, NULL, OPT_GPU },
         { "gpu-socket", required_argument, NULL, OPT_GPU_SOCKET },
+        { "curve-server-key", required_argument, NULL, OPT_CURVE_KEY },
+        { "curve-cert", required_argument, NULL, OPT_CURVE_CERT },
         { NULL, 0, NULL, 0 },
     };
     memset(o, 0, sizeof(*o));
@@ -714,10 +718,13 @@ static void parse_args(int argc, char **argv, struct options *o)
         case OPT_STEP_MS: o->step_ms = (uint32_t)strtoul(optarg, NULL, 10); break;
         case OPT_GPU: o->gpu = (int)cli_long(optarg, "--gpu", 0, 1023); break;
         case OPT_GPU_SOCKET: o->gpu_socket = optarg; break;
+        case OPT_CURVE_KEY: o->curve_server_key = optarg; break;
+        case OPT_CURVE_CERT: o->curve_cert = optarg; break;
         default: cli_die("bad argument %s (usage: kvd-worker --model M --pool NAME --connect ENDPOINT "
                      "--id N [--threads T] [--ctx N] [--block-tokens B] [--kv-type T] [--k-type T] "
                      "[--v-type T] [--kv-rotate on|off|auto] "
-                     "[--step-tokens S] [--max-batch N] [--gpu N --gpu-socket PATH])",
+                     "[--step-tokens S] [--max-batch N] [--gpu N --gpu-socket PATH] "
+                     "[--curve-server-key KEY --curve-cert FILE])",
                      argv[optind - 1]);
         }
     }
@@ -728,6 +735,8 @@ static void parse_args(int argc, char **argv, struct options *o)
         cli_die("%s", err);
     if ((o->gpu >= 0) != (o->gpu_socket != NULL))
         cli_die("--gpu and --gpu-socket go together (kvd passes both)");
+    if ((o->curve_server_key != NULL) != (o->curve_cert != NULL))
+        cli_die("--curve-server-key and --curve-cert go together");
     if (o->step_tokens < 1 || o->step_tokens > 4096 || o->max_batch < 1 || o->max_batch > 4096 ||
         o->threads < 0 || o->threads > 256 || o->step_ms < 10 || o->step_ms > 600000)
         cli_die("--step-tokens, --max-batch, --threads or --step-ms out of range");
@@ -818,6 +827,18 @@ static void setup(struct worker *w)
     zmq_setsockopt(w->sock, ZMQ_SNDHWM, &hwm, sizeof(hwm));
     zmq_setsockopt(w->sock, ZMQ_RCVHWM, &hwm, sizeof(hwm));
     zmq_setsockopt(w->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof(maxmsg));
+    if (o->curve_server_key != NULL) {
+        /* kvd's worker endpoint is a CURVE server: its key, and our key pair */
+        char server[CURVE_KEY_Z85 + 1], why[512];
+        struct curve_cert me;
+        if (curve_public_key_arg(o->curve_server_key, server, why, sizeof(why)) != 0 ||
+            curve_cert_read(o->curve_cert, true, &me, why, sizeof(why)) != 0)
+            cli_die("%s", why);
+        if (zmq_setsockopt(w->sock, ZMQ_CURVE_SERVERKEY, server, CURVE_KEY_Z85) != 0 ||
+            zmq_setsockopt(w->sock, ZMQ_CURVE_PUBLICKEY, me.public_key, CURVE_KEY_Z85) != 0 ||
+            zmq_setsockopt(w->sock, ZMQ_CURVE_SECRETKEY, me.secret_key, CURVE_KEY_Z85) != 0)
+            cli_die("CURVE: %s", zmq_strerror(errno));
+    }
     if (zmq_connect(w->sock, o->endpoint) != 0)
         cli_die("cannot connect to %s: %s", o->endpoint, zmq_strerror(errno));
 

@@ -76,6 +76,8 @@ static void die(const char *fmt, ...)
 static void usage(FILE *f)
 {
     fputs("usage: kvcli [-e ENDPOINT] [--timeout MS] COMMAND [options]\n"
+          "       (a kvd with CURVE: KVD_CURVE_SERVER_KEY=its public key or key file,\n"
+          "        KVD_CURVE_CERT=this client's secret certificate from kvd-keygen)\n"
           "\n"
           "commands:\n"
           "  generate [options] PROMPT  generate a continuation of PROMPT (\"-\": read stdin)\n"
@@ -525,7 +527,8 @@ static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
                "\"disk_cache_max_bytes\":%llu,\"disk_cache_bytes\":%llu,\"disk_cache_blocks\":%llu,"
                "\"disk_cached_prompt_tokens\":%llu,\"disk_cache_written\":%llu,\"disk_cache_pending\":%llu,"
                "\"disk_cache_dropped_writes\":%llu,\"disk_cache_corrupt\":%llu,\"disk_cache_ignored\":%llu,"
-               "\"disk_cache_declined\":%llu,"
+               "\"disk_cache_declined\":%llu,\"auth_clients_admitted\":%llu,\"auth_clients_refused\":%llu,"
+               "\"auth_workers_refused\":%llu,\"auth_handshakes_failed\":%llu,\"auth_client_keys\":%u,"
                "\"evictions\":%llu,\"preemptions\":%llu,\"bad_messages\":%llu,\"workers\":[",
                (unsigned long long)s.requests_running, (unsigned long long)s.requests_queued,
                (unsigned long long)s.requests_done, (unsigned long long)s.requests_failed,
@@ -543,7 +546,9 @@ static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
                (unsigned long long)s.disk_cache_written, (unsigned long long)s.disk_cache_pending,
                (unsigned long long)s.disk_cache_dropped_writes, (unsigned long long)s.disk_cache_corrupt,
                (unsigned long long)s.disk_cache_ignored, (unsigned long long)s.disk_cache_declined,
-               (unsigned long long)s.evictions,
+               (unsigned long long)s.auth_clients_admitted, (unsigned long long)s.auth_clients_refused,
+               (unsigned long long)s.auth_workers_refused, (unsigned long long)s.auth_handshakes_failed,
+               s.auth_client_keys, (unsigned long long)s.evictions,
                (unsigned long long)s.preemptions, (unsigned long long)s.bad_messages);
         for (uint32_t i = 0; i < s.n_workers; i++) {
             const struct kvd_worker_stats *w = &s.workers[i];
@@ -593,6 +598,12 @@ static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
                (unsigned long long)s.disk_cache_corrupt, (unsigned long long)s.disk_cache_ignored,
                (unsigned long long)s.disk_cache_declined);
     }
+    if (s.auth_client_keys > 0 || s.auth_clients_refused > 0 || s.auth_handshakes_failed > 0)
+        printf("auth      %u client keys; %llu connections admitted, %llu refused; %llu workers refused; "
+               "%llu handshakes failed\n",
+               s.auth_client_keys, (unsigned long long)s.auth_clients_admitted,
+               (unsigned long long)s.auth_clients_refused, (unsigned long long)s.auth_workers_refused,
+               (unsigned long long)s.auth_handshakes_failed);
     printf("events    %llu evictions, %llu preemptions, %llu bad messages\n",
            (unsigned long long)s.evictions, (unsigned long long)s.preemptions,
            (unsigned long long)s.bad_messages);

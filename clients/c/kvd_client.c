@@ -30,6 +30,7 @@
  * the daemon on the way out.
  */
 #include "kvd_client.h"
+#include "curve.h"
 #include "endpoint.h"
 
 #include <ctype.h>
@@ -58,6 +59,9 @@
 struct kvd_client {
     void *ctx;                  /* this client's ZeroMQ context */
     void *sock;                 /* DEALER connected to endpoint */
+    void *mon;                  /* with CURVE keys: PAIR receiving sock's handshake failures */
+    char auth_why[160];         /* the last handshake failure seen, "" while none */
+    bool curve;                 /* it has CURVE keys */
     wire_arena_t *arena;        /* unpacks replies of up to SMALL_FRAME bytes */
     int timeout_ms;             /* longest wait for one message */
     uint64_t next_id;           /* id of the next request */
@@ -205,7 +209,78 @@ static int set_int(void *sock, int opt, int v)
     return zmq_setsockopt(sock, opt, &v, sizeof(v));
 }
 
+/* CURVE on c->sock (before it connects): the client's key pair from cert_path,
+ * the server's key from server_arg. */
+static int use_keys(kvd_client_t *c, const char *server_arg, const char *cert_path, char *err, size_t errlen)
+{
+    struct curve_cert me;
+    char server[CURVE_KEY_Z85 + 1];
+    int rc = curve_public_key_arg(server_arg, server, err, errlen);
+    if (rc == 0)
+        rc = curve_cert_read(cert_path, true, &me, err, errlen);
+    if (rc != 0)
+        return rc;
+    if (zmq_setsockopt(c->sock, ZMQ_CURVE_SERVERKEY, server, CURVE_KEY_Z85) != 0 ||
+        zmq_setsockopt(c->sock, ZMQ_CURVE_PUBLICKEY, me.public_key, CURVE_KEY_Z85) != 0 ||
+        zmq_setsockopt(c->sock, ZMQ_CURVE_SECRETKEY, me.secret_key, CURVE_KEY_Z85) != 0)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "CURVE: %s", zmq_strerror(errno));
+    return 0;
+}
+
+/* A monitor of c->sock's failed handshakes (a key kvd refused, a kvd that
+ * wants CURVE from a client without keys), so that a call ends with
+ * KVD_EAUTH instead of a timeout. */
+static int watch_handshakes(kvd_client_t *c, char *err, size_t errlen)
+{
+    char ep[64];
+    snprintf(ep, sizeof(ep), "inproc://kvd-client-monitor-%p", (void *)c);
+    if (zmq_socket_monitor(c->sock, ep, ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
+                                        ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0 ||
+        (c->mon = zmq_socket(c->ctx, ZMQ_PAIR)) == NULL || zmq_connect(c->mon, ep) != 0)
+        return kvd_seterr(err, errlen, KVD_EIO, "zmq_socket_monitor: %s", zmq_strerror(errno));
+    return 0;
+}
+
+/* Reads the monitor's events: KVD_EAUTH (reason in err) once a handshake failed. */
+static int auth_failed(kvd_client_t *c, char *err, size_t errlen)
+{
+    while (c->mon != NULL) {
+        zmq_msg_t ev, where;
+        zmq_msg_init(&ev);
+        zmq_msg_init(&where);
+        const bool got = zmq_msg_recv(&ev, c->mon, ZMQ_DONTWAIT) >= 0 && zmq_msg_recv(&where, c->mon, 0) >= 0;
+        if (got && zmq_msg_size(&ev) >= 6) {
+            uint16_t id;
+            uint32_t value;
+            memcpy(&id, zmq_msg_data(&ev), 2);
+            memcpy(&value, (const uint8_t *)zmq_msg_data(&ev) + 2, 4);
+            snprintf(c->auth_why, sizeof(c->auth_why), "%s",
+                     !c->curve ? "kvd wants CURVE keys here (KVD_CURVE_SERVER_KEY, KVD_CURVE_CERT)"
+                     : id == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH ? "kvd refused this client's key"
+                     : id == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL ? "the CURVE handshake failed (does kvd use CURVE here?)"
+                                                                : "the CURVE handshake failed (a wrong server key?)");
+        }
+        zmq_msg_close(&ev);
+        zmq_msg_close(&where);
+        if (!got)
+            break;
+    }
+    if (c->auth_why[0] == '\0')
+        return 0;
+    return kvd_seterr(err, errlen, KVD_EAUTH, "%s at %s", c->auth_why, c->endpoint);
+}
+
 kvd_client_t *kvd_client_new(const char *endpoint, int timeout_ms, char *err, size_t errlen)
+{
+    const char *server = getenv("KVD_CURVE_SERVER_KEY"), *cert = getenv("KVD_CURVE_CERT");
+    if (server == NULL || server[0] == '\0' || cert == NULL || cert[0] == '\0')
+        return kvd_client_new_keys(endpoint, timeout_ms, NULL, err, errlen);
+    const struct kvd_client_keys keys = { .server_key = server, .client_cert = cert };
+    return kvd_client_new_keys(endpoint, timeout_ms, &keys, err, errlen);
+}
+
+kvd_client_t *kvd_client_new_keys(const char *endpoint, int timeout_ms, const struct kvd_client_keys *keys,
+                                  char *err, size_t errlen)
 {
     char def[256];
     if (endpoint == NULL)
@@ -242,6 +317,11 @@ kvd_client_t *kvd_client_new(const char *endpoint, int timeout_ms, char *err, si
         kvd_seterr(err, errlen, KVD_EINVAL, "zmq_setsockopt: %s", zmq_strerror(errno));
         goto fail;
     }
+    c->curve = keys != NULL && keys->server_key != NULL;
+    if (c->curve && use_keys(c, keys->server_key, keys->client_cert, err, errlen) != 0)
+        goto fail;
+    if ((c->curve || strncmp(endpoint, "tcp://", 6) == 0) && watch_handshakes(c, err, errlen) != 0)
+        goto fail;
     if (zmq_connect(c->sock, endpoint) != 0) {
         kvd_seterr(err, errlen, KVD_EINVAL, "malformed endpoint '%s': %s", endpoint,
                    zmq_strerror(errno));
@@ -258,6 +338,8 @@ void kvd_client_destroy(kvd_client_t **cp)
     if (cp == NULL || *cp == NULL)
         return;
     kvd_client_t *c = *cp;
+    if (c->mon != NULL)
+        zmq_close(c->mon);
     if (c->sock != NULL)
         zmq_close(c->sock);
     if (c->ctx != NULL)
@@ -296,6 +378,8 @@ static int send_request(kvd_client_t *c, const Kvd__ClientRequest *req, int64_t 
             rc = kvd_seterr(err, errlen, KVD_EIO, "zmq_send: %s", zmq_strerror(errno));
             break;
         }
+        if ((rc = auth_failed(c, err, errlen)) != 0)
+            break;
         int64_t left = deadline - now_ms();
         if (left <= 0) {
             rc = kvd_seterr(err, errlen, KVD_ETIMEOUT,
@@ -303,8 +387,8 @@ static int send_request(kvd_client_t *c, const Kvd__ClientRequest *req, int64_t 
                             c->timeout_ms);
             break;
         }
-        zmq_pollitem_t it = { c->sock, 0, ZMQ_POLLOUT, 0 };
-        if (zmq_poll(&it, 1, (long)left) < 0 && errno != EINTR) {
+        zmq_pollitem_t it[2] = { { c->sock, 0, ZMQ_POLLOUT, 0 }, { c->mon, 0, ZMQ_POLLIN, 0 } };
+        if (zmq_poll(it, c->mon != NULL ? 2 : 1, (long)left) < 0 && errno != EINTR) {
             rc = kvd_seterr(err, errlen, KVD_EIO, "zmq_poll: %s", zmq_strerror(errno));
             break;
         }
@@ -360,6 +444,11 @@ static int recv_reply(kvd_client_t *c, int64_t deadline, struct inbox *in,
             inbox_release(c, in);
             return rc;
         }
+        int rc = auth_failed(c, err, errlen);
+        if (rc != 0) {
+            inbox_release(c, in);
+            return rc;
+        }
         int64_t left = deadline - now_ms();
         if (left <= 0) {
             inbox_release(c, in);
@@ -367,9 +456,9 @@ static int recv_reply(kvd_client_t *c, int64_t deadline, struct inbox *in,
                               "no reply from kvd at %s in %d ms (is it running?)", c->endpoint,
                               c->timeout_ms);
         }
-        zmq_pollitem_t it = { c->sock, 0, ZMQ_POLLIN, 0 };
-        if (zmq_poll(&it, 1, (long)left) < 0 && errno != EINTR) {
-            int rc = kvd_seterr(err, errlen, KVD_EIO, "zmq_poll: %s", zmq_strerror(errno));
+        zmq_pollitem_t it[2] = { { c->sock, 0, ZMQ_POLLIN, 0 }, { c->mon, 0, ZMQ_POLLIN, 0 } };
+        if (zmq_poll(it, c->mon != NULL ? 2 : 1, (long)left) < 0 && errno != EINTR) {
+            rc = kvd_seterr(err, errlen, KVD_EIO, "zmq_poll: %s", zmq_strerror(errno));
             inbox_release(c, in);
             return rc;
         }
@@ -957,6 +1046,11 @@ static void take_stats(const Kvd__Stats *s, struct kvd_stats *out)
     out->disk_cache_corrupt = s->disk_cache_corrupt;
     out->disk_cache_ignored = s->disk_cache_ignored;
     out->disk_cache_declined = s->disk_cache_declined;
+    out->auth_clients_admitted = s->auth_clients_admitted;
+    out->auth_clients_refused = s->auth_clients_refused;
+    out->auth_workers_refused = s->auth_workers_refused;
+    out->auth_handshakes_failed = s->auth_handshakes_failed;
+    out->auth_client_keys = s->auth_client_keys;
     /* a description from the server: letters, digits, '_', ',', '+' and spaces only */
     size_t n = 0;
     for (const char *p = s->kv_type; p != NULL && *p != '\0' && n + 1 < sizeof(out->kv_type); p++)

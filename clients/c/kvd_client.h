@@ -34,10 +34,26 @@ typedef struct kvd_client kvd_client_t;
  * kvd shares.) */
 char *kvd_default_endpoint(char *buf, size_t len);
 
+/* CURVE keys for a kvd that authenticates its clients (kvd --curve-secret):
+ * the server's public key (a certificate file, or its 40 Z85 characters)
+ * and this client's own certificate with its secret key (kvd-keygen). kvd
+ * names the client's tenant after its public key. */
+struct kvd_client_keys {
+    const char *server_key;
+    const char *client_cert;
+};
+
 /* Connects to endpoint (NULL: kvd_default_endpoint()); timeout_ms <= 0 means
  * 30,000. Returns NULL with a reason in err for a malformed endpoint or no
  * memory (connecting itself is lazy: a missing daemon shows as timeouts). */
 kvd_client_t *kvd_client_new(const char *endpoint, int timeout_ms, char *err, size_t errlen);
+
+/* The same with CURVE keys (NULL: none). kvd_client_new takes them from
+ * $KVD_CURVE_SERVER_KEY and $KVD_CURVE_CERT when both are set. A call of a
+ * client whose keys kvd refuses (or whose handshake fails) ends with
+ * KVD_EAUTH, not a timeout. A bad key file: NULL with the reason. */
+kvd_client_t *kvd_client_new_keys(const char *endpoint, int timeout_ms, const struct kvd_client_keys *keys,
+                                  char *err, size_t errlen);
 
 /* Closes the connection; accepts NULL and sets *c to NULL. */
 void kvd_client_destroy(kvd_client_t **c);
@@ -205,6 +221,11 @@ struct kvd_stats {
     uint64_t disk_cache_max_bytes, disk_cache_bytes, disk_cache_blocks, disk_cached_prompt_tokens;
     uint64_t disk_cache_written, disk_cache_pending, disk_cache_dropped_writes, disk_cache_corrupt;
     uint64_t disk_cache_ignored, disk_cache_declined;
+    /* authentication (kvd --curve-secret): client connections admitted and
+     * refused by key, worker connections refused, handshakes that failed
+     * before a key was checked, and the client keys allowed now */
+    uint64_t auth_clients_admitted, auth_clients_refused, auth_workers_refused, auth_handshakes_failed;
+    uint32_t auth_client_keys;
     char kv_type[48];               /* the pool's types: "K q8_0, V q4_0, rotated V" */
     uint64_t evictions, preemptions, bad_messages;
     struct kvd_worker_stats workers[64];

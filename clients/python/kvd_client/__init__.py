@@ -19,6 +19,7 @@ from ._wire import MessageLike, default_endpoint
 from .aio import AsyncClient, AsyncStream
 from .client import Client, Stream
 from .errors import (
+    AuthenticationFailed,
     BadRequest,
     Cancelled,
     DeadlineExceeded,
@@ -54,6 +55,7 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 __all__ = [
     "AsyncClient",
     "AsyncStream",
+    "AuthenticationFailed",
     "BadRequest",
     "Cancelled",
     "ChatMessage",

@@ -17,6 +17,7 @@ import os
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, Union
 
 from . import errors, kvd_pb2
@@ -65,6 +66,72 @@ def default_endpoint() -> str:
         stripped = xdg.rstrip("/") or "/"
         return f"ipc://{stripped}/kvd/kvd.sock"
     return f"ipc:///tmp/kvd-{os.getuid()}/kvd.sock"
+
+
+# ---- CURVE (kvd --curve-secret) -------------------------------------------------------------
+
+_Z85 = set("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
+
+
+def _z85_ok(s: str) -> bool:
+    return len(s) == 40 and set(s) <= _Z85
+
+
+def read_cert(path: str) -> tuple[str, str]:
+    """(public key, secret key or "") of a certificate file as kvd-keygen
+    writes it (ZeroMQ's format), or of a file holding a bare public key."""
+    public = secret = ""
+    lines = [ln.strip() for ln in Path(path).read_text().splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith("#")]
+    for ln in lines:
+        for name in ("public-key", "secret-key"):
+            if ln.startswith(name):
+                value = ln[len(name):].strip()
+                if value.startswith("=") and value[1:].strip().startswith('"'):
+                    value = value[1:].strip()[1:].split('"')[0]
+                    if name == "public-key":
+                        public = value
+                    else:
+                        secret = value
+    if not public and len(lines) == 1 and _z85_ok(lines[0]):
+        public = lines[0]
+    if not _z85_ok(public) or (secret and not _z85_ok(secret)):
+        raise ValueError(f"{path}: not a CURVE certificate (want kvd-keygen's files or a 40-character Z85 key)")
+    return public, secret
+
+
+def curve_keys(server_key: str | None, cert: str | None) -> tuple[bytes, bytes, bytes] | None:
+    """(server public, client public, client secret) for a CURVE connection:
+    from the arguments, else from $KVD_CURVE_SERVER_KEY and $KVD_CURVE_CERT;
+    None when neither gives both. server_key: a key file or the 40 characters;
+    cert: this client's secret certificate (kvd-keygen's NAME.key_secret)."""
+    if server_key is None and cert is None:
+        server_key = os.environ.get("KVD_CURVE_SERVER_KEY") or None
+        cert = os.environ.get("KVD_CURVE_CERT") or None
+        if server_key is None or cert is None:
+            return None
+    if server_key is None or cert is None:
+        raise ValueError("CURVE needs both server_key and cert")
+    server = server_key if _z85_ok(server_key) and not Path(server_key).exists() else read_cert(server_key)[0]
+    public, secret = read_cert(cert)
+    if not secret:
+        raise ValueError(f"{cert}: no secret-key (give this client's NAME.key_secret)")
+    return server.encode(), public.encode(), secret.encode()
+
+
+#: the monitor events that end a call with AuthenticationFailed
+HANDSHAKE_FAILED = {0x0800: "the CURVE handshake failed (a wrong server key?)",
+                    0x2000: "the CURVE handshake failed (does kvd use CURVE here?)",
+                    0x4000: "kvd refused this client's key"}
+#: the same protocol failure for a client without keys
+NO_KEYS = "kvd wants CURVE keys here (server_key and cert, or KVD_CURVE_SERVER_KEY and KVD_CURVE_CERT)"
+
+
+def handshake_failure(event: int, has_keys: bool) -> str | None:
+    """Why a monitor event ends a call, or None."""
+    if event in HANDSHAKE_FAILED and not has_keys:
+        return NO_KEYS
+    return HANDSHAKE_FAILED.get(event)
 
 
 def check_endpoint(endpoint: str) -> str:
@@ -443,6 +510,11 @@ def to_stats(s: kvd_pb2.Stats) -> Stats:
         disk_cache_corrupt=s.disk_cache_corrupt,
         disk_cache_ignored=s.disk_cache_ignored,
         disk_cache_declined=s.disk_cache_declined,
+        auth_clients_admitted=s.auth_clients_admitted,
+        auth_clients_refused=s.auth_clients_refused,
+        auth_workers_refused=s.auth_workers_refused,
+        auth_handshakes_failed=s.auth_handshakes_failed,
+        auth_client_keys=s.auth_client_keys,
     )
 
 

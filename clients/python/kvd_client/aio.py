@@ -51,10 +51,15 @@ class AsyncClient:
                     print(chunk.text, end="", flush=True)
     """
 
-    def __init__(self, endpoint: str | None = None, timeout: float = _wire.DEFAULT_TIMEOUT) -> None:
+    def __init__(self, endpoint: str | None = None, timeout: float = _wire.DEFAULT_TIMEOUT, *,
+                 server_key: str | None = None, cert: str | None = None) -> None:
         self.endpoint = _wire.check_endpoint(
             endpoint if endpoint is not None else _wire.default_endpoint()
         )
+        keys = _wire.curve_keys(server_key, cert)   # ValueError for a bad key file
+        self._mon: zmq.asyncio.Socket | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._auth_error: errors.AuthenticationFailed | None = None
         self.timeout = _wire.check_timeout(timeout)
         self._ids = _wire.IdSource()
         self._router = _wire.Router()
@@ -67,8 +72,17 @@ class AsyncClient:
             sock.setsockopt(zmq.RCVHWM, _wire.SOCKET_HWM)
             sock.setsockopt(zmq.SNDHWM, _wire.SOCKET_HWM)
             sock.setsockopt(zmq.MAXMSGSIZE, _wire.MAX_FRAME)
+            if keys is not None:
+                sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
+            if keys is not None or self.endpoint.startswith("tcp://"):
+                # a refused key, or a kvd that wants keys, shows as a failed
+                # handshake: AuthenticationFailed, not a Timeout
+                self._mon = sock.get_monitor_socket(sum(_wire.HANDSHAKE_FAILED))
+            self._has_keys = keys is not None
             sock.connect(self.endpoint)
         except zmq.ZMQError as e:
+            if self._mon is not None:
+                self._mon.close(0)
             sock.close(0)
             self._ctx.term()
             self._ctx = None
@@ -86,6 +100,12 @@ class AsyncClient:
             self._cancel_nowait(rid)
         self._router.fail_all(errors.KvdError("the client was closed"))
         self._stop_reader()
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        if self._mon is not None:
+            self._mon.close(0)
+            self._mon = None
         self._sock.close(0)
         self._sock = None
         if self._ctx is not None:
@@ -258,18 +278,44 @@ class AsyncClient:
                 errors.KvdError(f"connection to kvd at {self.endpoint} failed: {e}"), close=False
             )
 
-    async def _send(self, request_id: int, frame: bytes) -> None:
-        """Sends frame, waiting at most the timeout for a connection."""
-        sock = self._socket()
+    async def _watch_handshakes(self) -> None:
+        """Fails every open request with AuthenticationFailed once the
+        monitor reports a failed handshake."""
+        assert self._mon is not None
         try:
-            await asyncio.wait_for(sock.send(frame), self.timeout)
-        except asyncio.TimeoutError:
+            while self._auth_error is None:
+                ev = await self._mon.recv_multipart()
+                why = _wire.handshake_failure(int.from_bytes(ev[0][:2], "little"), self._has_keys)
+                if why is not None:
+                    self._auth_error = errors.AuthenticationFailed(f"{why} at {self.endpoint}")
+                    self._router.fail_all(self._auth_error, close=False)
+        except zmq.ZMQError:
+            pass
+
+    async def _send(self, request_id: int, frame: bytes) -> None:
+        """Sends frame, waiting at most the timeout for a connection
+        (AuthenticationFailed as soon as a handshake fails)."""
+        sock = self._socket()
+        if self._mon is not None and self._watch is None:
+            self._watch = asyncio.ensure_future(self._watch_handshakes())
+        if self._auth_error is not None:
             self._close_request(request_id)
-            raise errors.Timeout(
-                f"no connection to kvd at {self.endpoint} in {self.timeout:g} s "
-                "(is it running?)",
-                request_id=request_id,
-            ) from None
+            raise self._auth_error
+        send = asyncio.ensure_future(sock.send(frame))
+        waits = {send} | ({self._watch} if self._watch is not None else set())
+        done, _ = await asyncio.wait(waits, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+        if send in done:
+            send.result()
+            return
+        send.cancel()
+        self._close_request(request_id)
+        if self._auth_error is not None:
+            raise self._auth_error
+        raise errors.Timeout(
+            f"no connection to kvd at {self.endpoint} in {self.timeout:g} s "
+            "(is it running?)",
+            request_id=request_id,
+        )
 
     async def _next(
         self, request_id: int, inbox: _QueueInbox, timeout: float

@@ -52,10 +52,14 @@ class Client:
             print(r.text, r.usage.cached_prompt_tokens)
     """
 
-    def __init__(self, endpoint: str | None = None, timeout: float = _wire.DEFAULT_TIMEOUT) -> None:
+    def __init__(self, endpoint: str | None = None, timeout: float = _wire.DEFAULT_TIMEOUT, *,
+                 server_key: str | None = None, cert: str | None = None) -> None:
         self.endpoint = _wire.check_endpoint(
             endpoint if endpoint is not None else _wire.default_endpoint()
         )
+        keys = _wire.curve_keys(server_key, cert)   # ValueError for a bad key file
+        self._mon: zmq.Socket[bytes] | None = None
+        self._auth_why = ""
         self.timeout = _wire.check_timeout(timeout)
         self._ids = _wire.IdSource()
         self._router = _wire.Router()
@@ -69,8 +73,17 @@ class Client:
             sock.setsockopt(zmq.RCVHWM, _wire.SOCKET_HWM)
             sock.setsockopt(zmq.SNDHWM, _wire.SOCKET_HWM)
             sock.setsockopt(zmq.MAXMSGSIZE, _wire.MAX_FRAME)
+            if keys is not None:
+                sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
+            if keys is not None or self.endpoint.startswith("tcp://"):
+                # a refused key, or a kvd that wants keys, shows as a failed
+                # handshake: AuthenticationFailed, not a Timeout
+                self._mon = sock.get_monitor_socket(sum(_wire.HANDSHAKE_FAILED))
+            self._has_keys = keys is not None
             sock.connect(self.endpoint)
         except zmq.ZMQError as e:
+            if self._mon is not None:
+                self._mon.close(0)
             sock.close(0)
             self._ctx.term()
             self._ctx = None
@@ -87,6 +100,9 @@ class Client:
         for rid in self._router.open_ids():
             self._cancel_nowait(rid)
         self._router.fail_all(errors.KvdError("the client was closed"))
+        if self._mon is not None:
+            self._mon.close(0)
+            self._mon = None
         self._sock.close(0)
         self._sock = None
         if self._ctx is not None:
@@ -287,6 +303,26 @@ class Client:
     def _close_request(self, request_id: int) -> None:
         self._router.close(request_id)
 
+    def _auth_check(self, request_id: int) -> None:
+        """AuthenticationFailed once the monitor has reported a failed handshake."""
+        while self._mon is not None and self._mon.poll(0):
+            ev = self._mon.recv_multipart()
+            event = int.from_bytes(ev[0][:2], "little")
+            self._auth_why = _wire.handshake_failure(event, self._has_keys) or self._auth_why
+        if self._auth_why:
+            self._router.close(request_id)
+            raise errors.AuthenticationFailed(f"{self._auth_why} at {self.endpoint}", request_id=request_id)
+
+    def _wait(self, sock: zmq.Socket[bytes], left: float, flags: int) -> bool:
+        """Waits up to left seconds for sock (flags) or a monitor event; whether sock is ready."""
+        ms = max(1, int(left * 1000 + 0.999))
+        if self._mon is None:
+            return bool(sock.poll(ms, flags))
+        poller = zmq.Poller()
+        poller.register(sock, flags)
+        poller.register(self._mon, zmq.POLLIN)
+        return sock in dict(poller.poll(ms))
+
     def _send(self, request_id: int, frame: bytes) -> None:
         """Sends frame, waiting at most the timeout for a connection; Timeout
         (with the request closed) otherwise."""
@@ -298,6 +334,7 @@ class Client:
                 return
             except zmq.Again:
                 pass
+            self._auth_check(request_id)
             left = deadline - time.monotonic()
             if left <= 0:
                 self._router.close(request_id)
@@ -306,7 +343,7 @@ class Client:
                     "(is it running?)",
                     request_id=request_id,
                 )
-            sock.poll(max(1, int(left * 1000 + 0.999)), zmq.POLLOUT)
+            self._wait(sock, left, zmq.POLLOUT)
 
     def _next(self, request_id: int, inbox: _DequeInbox, timeout: float) -> kvd_pb2.ServerReply:
         """The next reply to request_id, reading the socket (and routing what
@@ -315,13 +352,14 @@ class Client:
         sock = self._socket()
         deadline = time.monotonic() + timeout
         while not inbox.items:
+            self._auth_check(request_id)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise errors.Timeout(
                     f"no reply from kvd at {self.endpoint} in {timeout:g} s",
                     request_id=request_id,
                 )
-            if sock.poll(max(1, int(left * 1000 + 0.999)), zmq.POLLIN):
+            if self._wait(sock, left, zmq.POLLIN):
                 while True:
                     try:
                         frame = sock.recv(zmq.NOBLOCK)

@@ -106,6 +106,12 @@ class Timeout(KvdError, TimeoutError):
     unreachable or stuck). The request, if it was sent, is cancelled."""
 
 
+class AuthenticationFailed(KvdError, PermissionError):
+    """kvd refused this client's CURVE key (not in its --clients-allow, or
+    revoked), or the CURVE handshake failed (a wrong server key, a kvd without
+    CURVE there). Raised instead of waiting for a Timeout."""
+
+
 class ProtocolError(KvdError):
     """kvd sent something unreadable or out of the protocol's order."""
 

@@ -205,6 +205,13 @@ class Stats:
     disk_cache_corrupt: int = 0   #: files that failed a check: removed, misses
     disk_cache_ignored: int = 0   #: files of another model or layout found at start
     disk_cache_declined: int = 0  #: blocks left to compute because reading measured slower
+    #: authentication (kvd --curve-secret): client connections admitted and refused by key,
+    #: worker connections refused, handshakes failed before a key was checked, keys allowed
+    auth_clients_admitted: int = 0
+    auth_clients_refused: int = 0
+    auth_workers_refused: int = 0
+    auth_handshakes_failed: int = 0
+    auth_client_keys: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -1,0 +1,147 @@
+"""Who may talk to kvd over tcp:// (kvd --curve-secret, --clients-allow):
+CURVE keys made by kvd-keygen, checked by kvd's ZAP handler. An allowed key
+is served, under a tenant named after its file, whose cache no other tenant
+shares; a key not allowed, a client without keys and a client with the wrong
+server key each fail with AuthenticationFailed at once (not a timeout), and
+kvd counts them; a key removed and announced by SIGHUP is refused from its
+next connection; plain tcp:// needs an explicit --insecure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import BIN_DIR, MODEL, Daemon, _stop_checked
+
+import kvd_client
+
+SYSTEM = " ".join(
+    f"Note {i}: the vault of hall {i} opens at hour {i % 12 + 1} and holds ledger {i * 7}."
+    for i in range(14)
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def keygen(d: Path, name: str) -> None:
+    subprocess.run([str(BIN_DIR / "kvd-keygen"), "--dir", str(d), name], check=True, capture_output=True)
+
+
+def ask(c: kvd_client.Client, q: int = 0, ns: str | None = None) -> kvd_client.Result:
+    return c.generate(messages=[{"role": "system", "content": SYSTEM},
+                                {"role": "user", "content": f"When does hall {q} open?"}],
+                      max_tokens=4, temperature=0, namespace=ns)
+
+
+def wait_log(d: Daemon, text: str, count: int, patience: float) -> None:
+    deadline = time.monotonic() + patience
+    while d.log().count(text) < count:
+        assert time.monotonic() < deadline, f"no {text!r} in kvd's log:\n{d.log()}"
+        time.sleep(0.05)
+
+
+def test_tcp_needs_curve_or_insecure(tmp_path: Path) -> None:
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    r = subprocess.run([str(BIN_DIR / "kvd"), "--model", str(MODEL), "--listen", ep, "-w", "0",
+                        "--kv-memory", "16MiB"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "--curve-secret" in r.stderr and "--insecure" in r.stderr, r.stderr
+    # --clients-allow alone means nothing
+    r = subprocess.run([str(BIN_DIR / "kvd"), "--model", str(MODEL), "--clients-allow", str(tmp_path), "-w", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 or r.returncode == 1
+    assert "--curve-secret" in r.stderr, r.stderr
+    # with --insecure it serves, and says so
+    d = Daemon(tmp_path / "kvd", "--listen", ep, "--insecure", "-w", "0", "--kv-memory", "16MiB", ready="stats")
+    try:
+        assert "INSECURE" in d.log()
+        with kvd_client.Client(ep, timeout=d.patience) as c:
+            assert c.stats().blocks_total > 0
+    finally:
+        _stop_checked(d)
+
+
+def test_curve_clients_tenants_and_revocation(tmp_path: Path) -> None:
+    keys, allow = tmp_path / "keys", tmp_path / "allow"
+    keys.mkdir()
+    allow.mkdir()
+    for name in ("kvd", "alice", "carol", "mallory"):
+        keygen(keys, name)
+    for name in ("alice", "carol"):
+        (allow / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    (allow / "bad name!.key").write_text("not a key\n")          # skipped, with a log line
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    d = Daemon(tmp_path / "kvd", "--listen", ep, "--curve-secret", str(keys / "kvd.key_secret"),
+               "--clients-allow", str(allow), "--kv-memory", "32MiB", "-w", "1")
+    server = str(keys / "kvd.key")
+
+    def client(name: str, **kw: object) -> kvd_client.Client:
+        return kvd_client.Client(ep, timeout=d.patience, server_key=server, cert=str(keys / f"{name}.key_secret"),
+                                 **kw)  # type: ignore[arg-type]
+
+    try:
+        d.measure_patience()
+        assert "skipped" in d.log()
+        with kvd_client.Client(d.endpoint, timeout=d.patience) as local:
+            assert local.stats().auth_client_keys == 2
+        # tenants: the same system prompt is each tenant's own
+        with client("alice") as a, client("carol") as c:
+            a1 = ask(a, 1)
+            assert a1.usage.cached_prompt_tokens == 0
+            c1 = ask(c, 1)
+            assert c1.usage.cached_prompt_tokens == 0, "carol found alice's cached blocks"
+            assert c1.token_ids == a1.token_ids
+            a2 = ask(a, 2)
+            assert a2.usage.cached_prompt_tokens > 0, "alice's own prompt was not cached for her"
+            # a namespace a tenant names stays inside the tenant
+            assert ask(c, 3, ns="").usage.cached_prompt_tokens > 0
+            assert ask(c, 4, ns="tenant:alice").usage.cached_prompt_tokens == 0
+        # neither the plain socket's default namespace holds their blocks
+        with kvd_client.Client(d.endpoint, timeout=d.patience) as local:
+            assert ask(local, 5).usage.cached_prompt_tokens == 0
+        # refused at once, each with its reason, and counted
+        t0 = time.monotonic()
+        with pytest.raises(kvd_client.AuthenticationFailed, match="refused this client's key"):
+            with client("mallory") as m:
+                m.health()
+        with pytest.raises(kvd_client.AuthenticationFailed, match="wants CURVE keys"):
+            with kvd_client.Client(ep, timeout=d.patience) as plain:
+                plain.health()
+        with pytest.raises(kvd_client.AuthenticationFailed):
+            with kvd_client.Client(ep, timeout=d.patience, server_key=str(keys / "carol.key"),
+                                   cert=str(keys / "alice.key_secret")) as wrong:
+                wrong.health()
+        assert time.monotonic() - t0 < d.patience / 2
+        with kvd_client.Client(d.endpoint, timeout=d.patience) as local:
+            s = local.stats()
+        assert s.auth_clients_refused >= 1 and s.auth_handshakes_failed >= 2, s
+        assert s.auth_clients_admitted >= 2, s
+        # kvcli (the C client) takes its keys from the environment
+        env = dict(os.environ, KVD_CURVE_SERVER_KEY=server, KVD_CURVE_CERT=str(keys / "alice.key_secret"))
+        r = subprocess.run([str(BIN_DIR / "kvcli"), "-e", ep, "health"], env=env, capture_output=True, text=True,
+                           timeout=d.patience)
+        assert r.returncode == 0, r.stderr
+        env["KVD_CURVE_CERT"] = str(keys / "mallory.key_secret")
+        r = subprocess.run([str(BIN_DIR / "kvcli"), "-e", ep, "--timeout", "60000", "generate", "hi"],
+                           env=env, capture_output=True, text=True, timeout=d.patience)
+        assert r.returncode == 1 and "authentication failed" in r.stderr, (r.returncode, r.stderr)
+        # revoked: alice's key leaves the directory; SIGHUP; her next connection is refused
+        (allow / "alice.key").unlink()
+        d.proc.send_signal(signal.SIGHUP)
+        wait_log(d, "SIGHUP: 1 client keys", 1, d.patience)
+        with pytest.raises(kvd_client.AuthenticationFailed):
+            with client("alice") as a:
+                a.health()
+        with client("carol") as c:
+            assert ask(c, 6).usage.cached_prompt_tokens > 0
+    finally:
+        _stop_checked(d)
