@@ -124,6 +124,8 @@ static void usage(FILE *f)
           "      --workers-allow DIR  the public keys of workers that may connect over tcp://\n"
           "      --insecure           allow tcp:// endpoints without CURVE (anyone who reaches\n"
           "                           them is served)\n"
+          "      --tenant-max-queue N requests one tenant may have waiting (default 0: only\n"
+          "                           --max-queue); more are OVERLOADED\n"
           "  -v, --verbose\n",
           f);
 }
@@ -133,7 +135,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
            OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
            OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS, OPT_EVENTS, OPT_TOPIC,
-           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE };
+           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -164,6 +166,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "clients-allow", required_argument, NULL, OPT_CALLOW },
         { "workers-allow", required_argument, NULL, OPT_WALLOW },
         { "insecure", no_argument, NULL, OPT_INSECURE },
+        { "tenant-max-queue", required_argument, NULL, OPT_TQUEUE },
         { "step-tokens", required_argument, NULL, OPT_STEP },
         { "max-batch", required_argument, NULL, OPT_BATCH },
         { "max-queue", required_argument, NULL, OPT_QUEUE },
@@ -257,6 +260,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         case OPT_CALLOW: o->clients_allow = optarg; break;
         case OPT_WALLOW: o->workers_allow = optarg; break;
         case OPT_INSECURE: o->insecure = true; break;
+        case OPT_TQUEUE: o->tenant_max_queue = (uint32_t)cli_long(optarg, "--tenant-max-queue", 0, 1 << 20); break;
         case OPT_WPG:
             o->workers_per_gpu = (int)cli_long(optarg, "--workers-per-gpu", 0, KVD_MAX_WORKERS);
             break;
@@ -1077,6 +1081,7 @@ int main(int argc, char **argv)
         zmq_close(k->curve_mon);
     zmq_close(k->wsock);
     auth_destroy(&k->auth);
+    free(k->tenants);
     zmq_ctx_term(k->zctx);
     if (strncmp(k->worker_ep, "ipc://", 6) == 0)
         unlink(k->worker_ep + 6);

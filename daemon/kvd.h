@@ -77,6 +77,16 @@ struct kvd_options {
     const char *clients_allow;      /* --clients-allow: clients' public keys (tenants) */
     const char *workers_allow;      /* --workers-allow: remote workers' public keys */
     bool insecure;                  /* --insecure: tcp:// without CURVE allowed */
+    uint32_t tenant_max_queue;      /* --tenant-max-queue: one tenant's queued requests; 0: no limit */
+};
+
+/* A tenant: a CURVE client's key name, or the NAME of a namespace
+ * "tenant:NAME/..." that a client of the ipc:// socket (the HTTP API) sends. */
+#define KVD_MAX_TENANTS 4096
+struct kvd_tenant {
+    char name[AUTH_NAME_MAX + 1];
+    uint64_t requests, prompt_tokens, cached_prompt_tokens, refused;
+    uint32_t queued, running;
 };
 
 enum req_state {
@@ -113,6 +123,7 @@ struct request {
     uint32_t restore_bad;           /* the first logical block whose copy failed (UINT32_MAX: none) */
     uint32_t rest_host, rest_disk;  /* blocks of its prefix copied back from each tier */
     bool restore_wait;              /* its begin also met a pending block to wait for */
+    int32_t tenant;                 /* index into kvd.tenants, or -1 */
     bool counted_cached;            /* n_cached was added to the stats */
     struct prefix_seq ps;           /* its blocks */
     uint32_t n_written;             /* positions whose K/V the worker reported written */
@@ -236,6 +247,8 @@ struct kvd {
     uint32_t n_queued, n_active;
     uint64_t next_seq;
     struct kvd_stats_counters st;
+    struct kvd_tenant *tenants;     /* n_tenants, in order of first appearance */
+    uint32_t n_tenants, tenants_cap;
     bool draining;                  /* SIGTERM: no new work */
     double drain_deadline;
     bool stop;                      /* leave the loop */

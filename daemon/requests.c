@@ -81,6 +81,59 @@ static void list_append(struct request **head, struct request *r)
     *p = r;
 }
 
+/* ---- tenants ---------------------------------------------------------------------------------- */
+
+/* The tenant of a request: a CURVE client's key name, else the NAME of an
+ * ipc:// client's namespace "tenant:NAME/..." (what the HTTP API sends for
+ * its keys). Its index in k->tenants (added on first sight), or -1. */
+static int32_t tenant_index(struct kvd *k, const char *tenant, const char *ns)
+{
+    size_t n;
+    if (tenant != NULL) {
+        n = strlen(tenant);
+    } else if (ns != NULL && strncmp(ns, "tenant:", 7) == 0) {
+        tenant = ns + 7;
+        const char *slash = strchr(tenant, '/');
+        n = slash ? (size_t)(slash - tenant) : strlen(tenant);
+    } else {
+        return -1;
+    }
+    if (n == 0 || n > AUTH_NAME_MAX)
+        return -1;
+    for (uint32_t i = 0; i < k->n_tenants; i++)
+        if (strlen(k->tenants[i].name) == n && memcmp(k->tenants[i].name, tenant, n) == 0)
+            return (int32_t)i;
+    if (k->n_tenants == KVD_MAX_TENANTS)
+        return -1;      /* beyond the table: served, not accounted */
+    if (k->n_tenants == k->tenants_cap) {
+        const uint32_t cap = k->tenants_cap ? 2 * k->tenants_cap : 16;
+        struct kvd_tenant *t = realloc(k->tenants, cap * sizeof(*t));
+        if (t == NULL)
+            return -1;
+        k->tenants = t;
+        k->tenants_cap = cap;
+    }
+    struct kvd_tenant *t = &k->tenants[k->n_tenants];
+    memset(t, 0, sizeof(*t));
+    memcpy(t->name, tenant, n);
+    return (int32_t)k->n_tenants++;
+}
+
+static struct kvd_tenant *tenant_of(struct kvd *k, const struct request *r)
+{
+    return r->tenant >= 0 ? &k->tenants[r->tenant] : NULL;
+}
+
+/* r leaves the queue (dispatched, finished, or let go from it). */
+static void dequeue(struct kvd *k, struct request *r)
+{
+    list_remove(&k->queue, r);
+    k->n_queued--;
+    struct kvd_tenant *t = tenant_of(k, r);
+    if (t != NULL && t->queued > 0)
+        t->queued--;
+}
+
 static struct request *find_active(struct kvd *k, uint64_t seq_id)
 {
     for (struct request *r = k->active; r; r = r->next)
@@ -350,8 +403,7 @@ static void stop_request(struct kvd *k, struct request *r, int why, int fail_cod
         r->finish = why;
     if (r->state == REQ_QUEUED || r->state == REQ_WAITING) {
         prefix_seq_release(k->px, &r->ps);     /* a prefix back from the tiers */
-        list_remove(&k->queue, r);
-        k->n_queued--;
+        dequeue(k, r);
         finish(k, r);
     } else if (r->state == REQ_RESTORING) {
         /* finishes when its copies are done (its blocks are theirs until then) */
@@ -598,6 +650,15 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const
     r->rid_len = rid_len;
     r->worker = -1;
     r->restore_bad = UINT32_MAX;
+    r->tenant = tenant_index(k, tenant, g->namespace_);
+    struct kvd_tenant *tn = tenant_of(k, r);
+    if (tn != NULL && k->o.tenant_max_queue > 0 && tn->queued >= k->o.tenant_max_queue) {
+        tn->refused++;
+        snprintf(msg, sizeof(msg), "tenant %s has %u requests waiting (--tenant-max-queue)", tn->name, tn->queued);
+        reply_error(k, rid, rid_len, id, KVD__ERROR_CODE__ERR_OVERLOADED, msg, RETRY_AFTER_MS);
+        req_free(r);
+        return;
+    }
     msg[0] = '\0';
     int code = build_prompt(k, r, g, msg, sizeof(msg));
     if (code == 0 && r->n_prompt == 0) {
@@ -672,6 +733,11 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const
     list_append(&k->queue, r);
     uint32_t position = k->n_queued++;
     k->st.prompt_tokens += r->n_prompt;
+    if (tn != NULL) {
+        tn->queued++;
+        tn->requests++;
+        tn->prompt_tokens += r->n_prompt;
+    }
 
     Kvd__ServerReply m = KVD__SERVER_REPLY__INIT;
     Kvd__Accepted a = KVD__ACCEPTED__INIT;
@@ -792,8 +858,7 @@ static void restore_finish(struct kvd *k, struct request *r)
         if (k->o.verbose)
             kvd_log(k, "request %llu: stopped while its prefix came back from the tiers",
                     (unsigned long long)r->seq_id);
-        list_remove(&k->queue, r);
-        k->n_queued--;
+        dequeue(k, r);
         finish(k, r);
     }
 }
@@ -895,10 +960,11 @@ static int start(struct kvd *k, struct request *r)
     a.logprobs = r->logprobs >= 0 ? (uint32_t)r->logprobs : 0;
     m.body_case = KVDW__TO_WORKER__BODY_ASSIGN;
     m.assign = &a;
-    list_remove(&k->queue, r);
-    k->n_queued--;
+    dequeue(k, r);
     list_append(&k->active, r);
     k->n_active++;
+    if (tenant_of(k, r) != NULL)
+        tenant_of(k, r)->running++;
     r->state = REQ_RUNNING;
     r->worker = w;
     r->n_written = (uint32_t)cached;
@@ -908,6 +974,8 @@ static int start(struct kvd *k, struct request *r)
         r->n_host = (k->got_host + r->rest_host) * k->o.block_tokens;
         r->n_disk = (k->got_disk + r->rest_disk) * k->o.block_tokens;
         k->st.cached_prompt_tokens += (uint64_t)cached;
+        if (tenant_of(k, r) != NULL)
+            tenant_of(k, r)->cached_prompt_tokens += (uint64_t)cached;
         k->st.host_cached_prompt_tokens += r->n_host;
         k->st.disk_cached_prompt_tokens += r->n_disk;
     }
@@ -1166,6 +1234,9 @@ static void let_go(struct kvd *k, struct request *r, int reason, const char *err
 {
     list_remove(&k->active, r);
     k->n_active--;
+    struct kvd_tenant *t = tenant_of(k, r);
+    if (t != NULL && t->running > 0)
+        t->running--;
     if (r->worker >= 0 && k->workers[r->worker].running > 0 && --k->workers[r->worker].running == 0)
         k->workers[r->worker].isolating = false;
     unstarve(k, r);
@@ -1180,6 +1251,8 @@ static void let_go(struct kvd *k, struct request *r, int reason, const char *err
         r->next = k->queue;
         k->queue = r;
         k->n_queued++;
+        if (t != NULL)
+            t->queued++;
         if (reason >= 0)
             k->st.preemptions++;
         return;
@@ -1254,7 +1327,8 @@ static void add_hash(void *user, prefix_key_t key, const prefix_key_t *parent, c
         l->v[l->n++] = key.lo;
 }
 
-static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id, bool block_hashes)
+static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const char *tenant, uint64_t id,
+                     bool block_hashes)
 {
     /* what the index holds now is in the batches counted below: none waits for the loop's flush */
     if (k->events != NULL)
@@ -1323,6 +1397,36 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t
         s.auth_client_keys = as.keys[AUTH_CLIENTS];
     }
     s.disk_cached_prompt_tokens = k->st.disk_cached_prompt_tokens;
+    /* tenants: every one for the operator's socket, a tenant its own row */
+    uint64_t *held = calloc(k->n_tenants ? k->n_tenants : 1, sizeof(*held));
+    Kvd__TenantStats *trows = calloc(k->n_tenants ? k->n_tenants : 1, sizeof(*trows));
+    Kvd__TenantStats **tptrs = calloc(k->n_tenants ? k->n_tenants : 1, sizeof(*tptrs));
+    if (held != NULL && trows != NULL && tptrs != NULL) {
+        for (const struct request *r = k->active; r; r = r->next)
+            if (r->tenant >= 0)
+                for (uint32_t p = 0; p < r->ps.n_parts; p++)
+                    held[r->tenant] += r->ps.n_blocks - r->ps.first[p];
+        const int32_t only = tenant != NULL ? tenant_index(k, tenant, NULL) : -1;
+        for (uint32_t i = 0; i < k->n_tenants; i++) {
+            if (tenant != NULL && (int32_t)i != only)
+                continue;
+            const struct kvd_tenant *t = &k->tenants[i];
+            Kvd__TenantStats *ts = &trows[s.n_tenants];
+            kvd__tenant_stats__init(ts);
+            ts->name = (char *)t->name;
+            ts->has_requests = ts->has_prompt_tokens = ts->has_cached_prompt_tokens = ts->has_queued = true;
+            ts->has_running = ts->has_blocks_held = ts->has_refused = true;
+            ts->requests = t->requests;
+            ts->prompt_tokens = t->prompt_tokens;
+            ts->cached_prompt_tokens = t->cached_prompt_tokens;
+            ts->queued = t->queued;
+            ts->running = t->running;
+            ts->blocks_held = held[i];
+            ts->refused = t->refused;
+            tptrs[s.n_tenants++] = ts;
+        }
+        s.tenants = tptrs;
+    }
     s.disk_cache_declined = k->st.disk_declined;
     if (k->disk != NULL) {
         struct disk_tier_stats ds;
@@ -1396,6 +1500,9 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t
     m.stats = &s;
     reply(k, rid, rid_len, id, &m);
     free(hl.v);
+    free(held);
+    free(trows);
+    free(tptrs);
 }
 
 /* Appends the UTF-8 in s[0..n) to out, each byte that starts no valid
@@ -1529,7 +1636,7 @@ void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const char
     }
     case KVD__CLIENT_REQUEST__BODY_STATS:
         /* the index's hashes are the operator's to see, not a tenant's */
-        on_stats(k, rid, rid_len, id, tenant == NULL && m->stats->has_block_hashes && m->stats->block_hashes);
+        on_stats(k, rid, rid_len, tenant, id, tenant == NULL && m->stats->has_block_hashes && m->stats->block_hashes);
         break;
     case KVD__CLIENT_REQUEST__BODY_HEALTH:
         on_health(k, rid, rid_len, id);

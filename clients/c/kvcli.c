@@ -604,6 +604,14 @@ static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
                s.auth_client_keys, (unsigned long long)s.auth_clients_admitted,
                (unsigned long long)s.auth_clients_refused, (unsigned long long)s.auth_workers_refused,
                (unsigned long long)s.auth_handshakes_failed);
+    for (uint32_t i = 0; i < s.n_tenants; i++) {
+        const struct kvd_tenant_stats *t = &s.tenants[i];
+        printf("tenant    %s: %llu requests, %llu prompt tokens (%llu cached), %u queued, %u running, "
+               "%llu blocks held, %llu refused\n",
+               t->name, (unsigned long long)t->requests, (unsigned long long)t->prompt_tokens,
+               (unsigned long long)t->cached_prompt_tokens, t->queued, t->running,
+               (unsigned long long)t->blocks_held, (unsigned long long)t->refused);
+    }
     printf("events    %llu evictions, %llu preemptions, %llu bad messages\n",
            (unsigned long long)s.evictions, (unsigned long long)s.preemptions,
            (unsigned long long)s.bad_messages);

@@ -1078,6 +1078,19 @@ static void take_stats(const Kvd__Stats *s, struct kvd_stats *out)
         o->tokens = w->tokens;
         o->restarts = w->restarts;
     }
+    cap = sizeof(out->tenants) / sizeof(out->tenants[0]);
+    for (size_t i = 0; i < s->n_tenants && out->n_tenants < cap; i++) {
+        const Kvd__TenantStats *t = s->tenants[i];
+        struct kvd_tenant_stats *o = &out->tenants[out->n_tenants++];
+        snprintf(o->name, sizeof(o->name), "%s", t->name ? t->name : "");
+        o->requests = t->requests;
+        o->prompt_tokens = t->prompt_tokens;
+        o->cached_prompt_tokens = t->cached_prompt_tokens;
+        o->queued = t->queued;
+        o->running = t->running;
+        o->blocks_held = t->blocks_held;
+        o->refused = t->refused;
+    }
 }
 
 int kvd_stats(kvd_client_t *c, struct kvd_stats *out)

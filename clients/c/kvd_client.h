@@ -188,6 +188,16 @@ struct kvd_worker_stats {
     uint32_t restarts;
 };
 
+/* One tenant (kvd's per-tenant statistics): a CURVE client's key name or an
+ * HTTP API key's tenant. */
+struct kvd_tenant_stats {
+    char name[72];
+    uint64_t requests, prompt_tokens, cached_prompt_tokens;
+    uint32_t queued, running;       /* requests waiting, on a worker now */
+    uint64_t blocks_held;           /* KV blocks its running requests hold now */
+    uint64_t refused;               /* refused: its queue was full (--tenant-max-queue) */
+};
+
 #define KVD_HIST_MAX 32
 struct kvd_histogram {
     uint32_t n_bounds;              /* 0: the daemon sent none */
@@ -230,6 +240,8 @@ struct kvd_stats {
     uint64_t evictions, preemptions, bad_messages;
     struct kvd_worker_stats workers[64];
     uint32_t n_workers;             /* entries of workers used */
+    struct kvd_tenant_stats tenants[64]; /* the first 64 tenants (a tenant's client: its own) */
+    uint32_t n_tenants;
     /* latencies of finished requests, seconds: time to first token, end to end,
      * queued, and between tokens (each request's mean gap, once per gap) */
     struct kvd_histogram ttft, e2e, queue, itl;

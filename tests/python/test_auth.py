@@ -145,3 +145,60 @@ def test_curve_clients_tenants_and_revocation(tmp_path: Path) -> None:
             assert ask(c, 6).usage.cached_prompt_tokens > 0
     finally:
         _stop_checked(d)
+
+
+def test_tenant_stats_and_queue_limit(tmp_path: Path) -> None:
+    """Per-tenant statistics (the operator sees every tenant, a tenant its own
+    row) and --tenant-max-queue: one tenant's flood is refused past its limit
+    while another tenant is still taken."""
+    keys, allow = tmp_path / "keys", tmp_path / "allow"
+    keys.mkdir()
+    allow.mkdir()
+    for name in ("kvd", "alice", "carol"):
+        keygen(keys, name)
+    for name in ("alice", "carol"):
+        (allow / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    d = Daemon(tmp_path / "kvd", "--listen", ep, "--curve-secret", str(keys / "kvd.key_secret"),
+               "--clients-allow", str(allow), "--kv-memory", "32MiB", "-w", "1", "--max-batch", "1",
+               "--tenant-max-queue", "1")
+
+    def client(name: str) -> kvd_client.Client:
+        return kvd_client.Client(ep, timeout=d.patience, server_key=str(keys / "kvd.key"),
+                                 cert=str(keys / f"{name}.key_secret"))
+
+    try:
+        d.measure_patience()
+        with client("alice") as a, client("carol") as c, kvd_client.Client(d.endpoint, timeout=d.patience) as op:
+            ask(a, 1)
+            ask(a, 2)
+            ask(c, 1)
+            # an ipc:// client's "tenant:NAME/" namespace (the HTTP API's keys) is that tenant
+            ask(op, 1, ns="tenant:dave/")
+            rows = {t.name: t for t in op.stats().tenants}
+            assert set(rows) == {"alice", "carol", "dave"}, rows
+            assert rows["alice"].requests == 2 and rows["carol"].requests == 1
+            assert rows["alice"].cached_prompt_tokens > 0 and rows["carol"].cached_prompt_tokens == 0
+            assert rows["alice"].prompt_tokens > rows["carol"].prompt_tokens
+            own = a.stats().tenants
+            assert [t.name for t in own] == ["alice"], own
+            # alice: one running (max-batch 1), one queued, the third refused
+            s1 = a.stream("Count slowly from one to a thousand.", max_tokens=400, ignore_eos=True)
+            it = iter(s1)
+            next(it)                          # running: its first chunk came
+            s2 = a.stream("And again.", max_tokens=4)
+            s2.start()                        # accepted: queued behind s1
+            assert {t.name: t for t in op.stats().tenants}["alice"].queued == 1
+            with pytest.raises(kvd_client.Overloaded, match="tenant alice"):
+                a.generate("One more.", max_tokens=4)
+            # carol is still taken (her own queue is empty)
+            s3 = c.stream("Hello.", max_tokens=4)
+            s3.start()
+            row = {t.name: t for t in op.stats().tenants}["alice"]
+            assert row.refused == 1 and row.running == 1 and row.blocks_held > 0, row
+            s1.close()
+            for s in (s2, s3):
+                for _ in s:
+                    pass
+    finally:
+        _stop_checked(d)

@@ -28,6 +28,7 @@ from .results import (
     Health,
     Result,
     Stats,
+    TenantStats,
     Timings,
     TokenLogprob,
     TopLogprob,
@@ -515,6 +516,14 @@ def to_stats(s: kvd_pb2.Stats) -> Stats:
         auth_workers_refused=s.auth_workers_refused,
         auth_handshakes_failed=s.auth_handshakes_failed,
         auth_client_keys=s.auth_client_keys,
+        tenants=[
+            TenantStats(
+                name=t.name, requests=t.requests, prompt_tokens=t.prompt_tokens,
+                cached_prompt_tokens=t.cached_prompt_tokens, queued=t.queued, running=t.running,
+                blocks_held=t.blocks_held, refused=t.refused,
+            )
+            for t in s.tenants
+        ],
     )
 
 

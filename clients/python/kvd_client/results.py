@@ -151,6 +151,20 @@ class WorkerStats:
 
 
 @dataclass(frozen=True)
+class TenantStats:
+    """One tenant: a CURVE client's key name, or an HTTP API key's tenant."""
+
+    name: str
+    requests: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    queued: int          #: requests waiting now
+    running: int         #: requests on a worker now
+    blocks_held: int     #: KV blocks its running requests hold now
+    refused: int         #: requests refused because its queue was full (--tenant-max-queue)
+
+
+@dataclass(frozen=True)
 class Stats:
     """kvd's counters (``kvcli stats``)."""
 
@@ -212,6 +226,8 @@ class Stats:
     auth_workers_refused: int = 0
     auth_handshakes_failed: int = 0
     auth_client_keys: int = 0
+    #: per tenant (all of them for a client of kvd's ipc:// socket, a tenant its own)
+    tenants: list[TenantStats] = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
