@@ -8,7 +8,8 @@ Measured from the Python client, default model, one worker:
     (max_tokens 1; after the first, its prefix is in the pool), median and
     p99 of --requests round trips;
   - a stream: --stream-tokens tokens (greedy, ignore_eos), tokens per second
-    from the first chunk to the last, median of --streams.
+    from the first chunk to the last, median of --streams;
+each mode --rounds times in alternation (one kvd per run), medians over them.
 
     python3 bench/bench_curve.py [--bin-dir build] [--model M] [--requests 200] [--streams 3]
                                  [--stream-tokens 256] [--json OUT]
@@ -34,12 +35,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def run(args: argparse.Namespace, tmp: Path, curve: bool) -> dict:
     work = tmp / ("curve" if curve else "plain")
-    work.mkdir()
+    work.mkdir(parents=True)
     ep = f"tcp://127.0.0.1:{free_port()}"
     cmd = [str(args.bin_dir / "kvd"), "--model", str(args.model), "--listen", f"ipc://{work}/kvd.sock",
            "--listen", ep, "-w", "1", "-t", str(args.threads), "--kv-memory", "64MiB"]
@@ -102,17 +104,25 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--streams", type=int, default=3)
     ap.add_argument("--stream-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2, help="kvd runs per mode, alternating (medians over them)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvd-bench-curve-"))
     tmp.chmod(0o700)
+    runs: dict[bool, list[dict]] = {False: [], True: []}
     try:
-        rows = [run(args, tmp, curve) for curve in (False, True)]
+        for i in range(args.rounds):
+            for curve in ((False, True) if i % 2 == 0 else (True, False)):
+                runs[curve].append(run(args, tmp / f"round{i}", curve))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    rows = [{"mode": runs[c][0]["mode"],
+             **{key: statistics.median(r[key] for r in runs[c])
+                for key in ("latency_median_ms", "latency_p99_ms", "stream_tok_s")}} for c in (False, True)]
     plain, curve = rows
     print(f"bench-curve: {args.model.name}, kvd over tcp://127.0.0.1, 1 worker x {args.threads} threads; "
-          f"{args.requests} cached 1-token requests, {args.streams} streams of {args.stream_tokens} tokens")
+          f"{args.requests} cached 1-token requests, {args.streams} streams of {args.stream_tokens} tokens; "
+          f"{args.rounds} kvd runs per mode, alternating, medians")
     print("| tcp:// | cached 1-token request median ms | p99 ms | streamed tok/s |")
     print("|---|---|---|---|")
     for r in rows:
