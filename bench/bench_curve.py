@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import kvd_client
+from kvdbench import Kvd
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,9 +44,8 @@ def run(args: argparse.Namespace, tmp: Path, curve: bool) -> dict:
     work = tmp / ("curve" if curve else "plain")
     work.mkdir(parents=True)
     ep = f"tcp://127.0.0.1:{free_port()}"
-    cmd = [str(args.bin_dir / "kvd"), "--model", str(args.model), "--listen", f"ipc://{work}/kvd.sock",
-           "--listen", ep, "-w", "1", "-t", str(args.threads), "--kv-memory", "64MiB"]
-    kw: dict = {}
+    extra = ["--listen", ep, "-w", "1", "-t", str(args.threads), "--kv-memory", "64MiB"]
+    kw: dict[str, str] = {}
     if curve:
         keys, allow = work / "keys", work / "allow"
         keys.mkdir()
@@ -54,21 +54,13 @@ def run(args: argparse.Namespace, tmp: Path, curve: bool) -> dict:
             subprocess.run([str(args.bin_dir / "kvd-keygen"), "--dir", str(keys), name], check=True,
                            capture_output=True)
         shutil.copy(keys / "bench.key", allow / "bench.key")
-        cmd += ["--curve-secret", str(keys / "kvd.key_secret"), "--clients-allow", str(allow)]
+        extra += ["--curve-secret", str(keys / "kvd.key_secret"), "--clients-allow", str(allow)]
         kw = {"server_key": str(keys / "kvd.key"), "cert": str(keys / "bench.key_secret")}
     else:
-        cmd += ["--insecure"]
-    log = open(work / "kvd.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        extra += ["--insecure"]
+    k = Kvd(args.bin_dir, args.model, work, extra)
     try:
         with kvd_client.Client(ep, timeout=600, **kw) as c:
-            for _ in range(600):
-                try:
-                    if c.health().ok:
-                        break
-                except kvd_client.Timeout:
-                    pass
-                time.sleep(0.1)
             c.generate("The capital of France is", max_tokens=1, temperature=0)     # cached from here on
             lat = []
             for _ in range(args.requests):
@@ -91,9 +83,7 @@ def run(args: argparse.Namespace, tmp: Path, curve: bool) -> dict:
                 "latency_p99_ms": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
                 "stream_tok_s": statistics.median(rates)}
     finally:
-        proc.terminate()
-        proc.wait(timeout=300)
-        log.close()
+        k.stop()
 
 
 def main() -> None:

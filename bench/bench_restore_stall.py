@@ -32,55 +32,24 @@ import time
 from pathlib import Path
 
 import kvd_client
+from kvdbench import Kvd, drop_page_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Kvd:
-    def __init__(self, args: argparse.Namespace, work: Path, pool: str, cache: Path, sync: bool) -> None:
-        self.endpoint = f"ipc://{work}/kvd.sock"
-        work.mkdir(parents=True, exist_ok=True)
-        self.log = open(work / "kvd.log", "wb")
-        env = dict(os.environ)
-        env.pop("KVD_TIER_SYNC", None)
-        if sync:
-            env["KVD_TIER_SYNC"] = "1"
-        self.proc = subprocess.Popen(
-            [str(args.bin_dir / "kvd"), "--model", str(args.model), "--listen", self.endpoint, "-w", "2",
-             "-t", "1", "--ctx", "4096", "--pool", pool, "--cache-dir", str(cache)],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        with kvd_client.Client(self.endpoint, timeout=0.5) as c:
-            for _ in range(1200):
-                try:
-                    if c.health().ok:
-                        return
-                except kvd_client.Timeout:
-                    pass
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.1)
-        raise SystemExit(f"bench-restore-stall: kvd did not start (see {work}/kvd.log)")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=300)
-        self.log.close()
+def start(args: argparse.Namespace, work: Path, pool: str, cache: Path, sync: bool) -> Kvd:
+    env = dict(os.environ)
+    env.pop("KVD_TIER_SYNC", None)
+    if sync:
+        env["KVD_TIER_SYNC"] = "1"
+    return Kvd(args.bin_dir, args.model, work,
+               ["-w", "2", "-t", "1", "--ctx", "4096", "--pool", pool, "--cache-dir", str(cache)], env)
 
 
 def ask(c: kvd_client.Client, system: str, q: int) -> kvd_client.Result:
     return c.generate(messages=[{"role": "system", "content": system},
                                 {"role": "user", "content": f"Question {q}: what is the third word?"}],
                       max_tokens=1, temperature=0)
-
-
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def pct(v: list[float], p: float) -> float:
@@ -93,7 +62,7 @@ def run_mode(args: argparse.Namespace, tmp: Path, systems: list[str], sync: bool
     cache = tmp / f"cache-{name}"
     pools = [f"kvd-bench-stall-{os.getpid()}-{name}-{i}" for i in range(2)]
     try:
-        k = Kvd(args, tmp / f"{name}-1", pools[0], cache, sync)
+        k = start(args, tmp / f"{name}-1", pools[0], cache, sync)
         with kvd_client.Client(k.endpoint, timeout=3600) as c:
             for i, s in enumerate(systems):
                 ask(c, s, i)
@@ -101,7 +70,7 @@ def run_mode(args: argparse.Namespace, tmp: Path, systems: list[str], sync: bool
                 time.sleep(0.05)
         k.stop()
         dropped = drop_page_cache()
-        k = Kvd(args, tmp / f"{name}-2", pools[1], cache, sync)
+        k = start(args, tmp / f"{name}-2", pools[1], cache, sync)
         arrivals: list[float] = []
         started = threading.Event()
 

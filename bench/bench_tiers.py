@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import kvd_client
+from kvdbench import Kvd, drop_page_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,48 +45,16 @@ def system_prompt(words: list[str], start: int, n_words: int, tag: str) -> str:
     return f"[{tag}] " + " ".join(words[(start + i) % len(words)] for i in range(n_words))
 
 
-class Kvd:
-    def __init__(self, args: argparse.Namespace, work: Path, pool: str, cache: Path) -> None:
-        self.endpoint = f"ipc://{work}/kvd.sock"
-        work.mkdir(parents=True, exist_ok=True)
-        self.log = open(work / "kvd.log", "wb")
-        self.proc = subprocess.Popen(
-            [str(args.bin_dir / "kvd"), "--model", str(args.model), "--listen", self.endpoint, "-w", "1",
-             "-t", str(args.threads), "--ctx", "4096", "--kv-memory", args.kv_memory, "--pool", pool,
-             "--host-cache", "1GiB", "--cache-dir", str(cache)],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        with kvd_client.Client(self.endpoint, timeout=0.5) as c:
-            for _ in range(1200):
-                try:
-                    if c.health().ok:
-                        return
-                except kvd_client.Timeout:
-                    pass
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.1)
-        raise SystemExit(f"bench-tiers: kvd did not start (see {work}/kvd.log)")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=300)
-        self.log.close()
+def start(args: argparse.Namespace, work: Path, pool: str, cache: Path) -> Kvd:
+    return Kvd(args.bin_dir, args.model, work,
+               ["-w", "1", "-t", str(args.threads), "--ctx", "4096", "--kv-memory", args.kv_memory,
+                "--pool", pool, "--host-cache", "1GiB", "--cache-dir", str(cache)])
 
 
 def ask(c: kvd_client.Client, system: str, q: int, ns: str) -> kvd_client.Result:
     return c.generate(messages=[{"role": "system", "content": system},
                                 {"role": "user", "content": f"Question {q}: what is the third word?"}],
                       max_tokens=1, temperature=0, namespace=ns)
-
-
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def main() -> None:
@@ -108,7 +77,7 @@ def main() -> None:
     pools = [f"kvd-bench-tiers-{os.getpid()}-{i}" for i in range(2)]
     rows: dict[str, dict[str, float]] = {}
     try:
-        k = Kvd(args, tmp / "k1", pools[0], cache)
+        k = start(args, tmp / "k1", pools[0], cache)
         with kvd_client.Client(k.endpoint, timeout=3600) as c:
             main_sys = system_prompt(words, 0, n_words, "main")
             others = [system_prompt(words, 997 * (i + 1), n_words, f"other{i}") for i in range(2)]
@@ -140,7 +109,7 @@ def main() -> None:
         dropped = False
         for run in range(args.runs):
             dropped = drop_page_cache()
-            k = Kvd(args, tmp / f"k2-{run}", f"{pools[1]}-{run}", cache)
+            k = start(args, tmp / f"k2-{run}", f"{pools[1]}-{run}", cache)
             with kvd_client.Client(k.endpoint, timeout=3600) as c:
                 r = ask(c, main_sys, 400 + run, f"cold-{run}")
                 if r.usage.disk_cached_prompt_tokens == 0:

@@ -365,6 +365,29 @@ struct prompt {
     int ns;
 };
 
+/* s has begun prompt q and holds its cached prefix whole: every block it
+ * holds must carry its own K/V signature (else counted in *wrong); then it
+ * goes on as a request would: grows to the prompt, "computes" the rest and
+ * commits. false when the pool had no room (s released). */
+static bool seq_go_on(pool_t *pool, prefix_t *px, struct prefix_seq *s, const struct prompt *q, uint64_t *wrong)
+{
+    for (uint32_t part = 0; part < s->n_parts; part++)
+        for (uint32_t i = s->first[part]; i < s->n_blocks; i++)
+            *wrong += !kv_holds(pool, s->tables[part][i], kv_sig(q->ns, part, q->tok, (i + 1) * BT));
+    const int rc = prefix_seq_grow(px, s, q->n, q->tok, q->n);
+    if (rc == KVD_ENOSPACE) {
+        prefix_seq_release(px, s);      /* the other live sequences hold the pool */
+        return false;
+    }
+    REQUIRE(rc == 0);
+    for (uint32_t part = 0; part < s->n_parts; part++)
+        for (uint32_t i = s->n_committed; i < q->n / BT; i++)
+            if (s->tables[part][i] != POOL_NONE)
+                kv_fill(pool, s->tables[part][i], kv_sig(q->ns, part, q->tok, (i + 1) * BT));
+    REQUIRE(prefix_seq_commit(px, s, q->tok, q->n) == 0);
+    return true;
+}
+
 static char disk_dir[] = "/tmp/kvd-test-tier-XXXXXX";
 
 static void pool_run(bool weak_keys, bool disk, bool in_parts, bool async)
@@ -440,23 +463,12 @@ static void pool_run(bool weak_keys, bool disk, bool in_parts, bool async)
                 continue;
             }
             restored += s->n_restored;
-            for (uint32_t part = 0; part < s->n_parts; part++)
-                for (uint32_t i = s->first[part]; i < s->n_blocks; i++)
-                    wrong += !kv_holds(pool, s->tables[part][i], kv_sig(q->ns, part, q->tok, (i + 1) * BT));
             /* it goes on from its prefix as a request would (its blocks are committed) */
-            const int rc = prefix_seq_grow(px, s, q->n, q->tok, q->n);
-            if (rc == KVD_ENOSPACE) {
+            if (!seq_go_on(pool, px, s, q, &wrong)) {
                 full++;
-                prefix_seq_release(px, s);
                 live_p[k] = -1;
                 continue;
             }
-            REQUIRE(rc == 0);
-            for (uint32_t part = 0; part < s->n_parts; part++)
-                for (uint32_t i = s->n_committed; i < q->n / BT; i++)
-                    if (s->tables[part][i] != POOL_NONE)
-                        kv_fill(pool, s->tables[part][i], kv_sig(q->ns, part, q->tok, (i + 1) * BT));
-            REQUIRE(prefix_seq_commit(px, s, q->tok, q->n) == 0);
             broken += check_ok(px) != 0;
         }
         const int k = (int)below(LIVE);
@@ -499,21 +511,10 @@ static void pool_run(bool weak_keys, bool disk, bool in_parts, bool async)
             continue;
         }
         restored += s->n_restored;
-        for (uint32_t part = 0; part < s->n_parts; part++)
-            for (uint32_t i = s->first[part]; i < s->n_blocks; i++)
-                wrong += !kv_holds(pool, s->tables[part][i], kv_sig(q->ns, part, q->tok, (i + 1) * BT));
-        const int rc = prefix_seq_grow(px, s, q->n, q->tok, q->n);
-        if (rc == KVD_ENOSPACE) {
-            full++;             /* the other live sequences hold the pool */
-            prefix_seq_release(px, s);
+        if (!seq_go_on(pool, px, s, q, &wrong)) {
+            full++;
             continue;
         }
-        REQUIRE(rc == 0);
-        for (uint32_t part = 0; part < s->n_parts; part++)
-            for (uint32_t i = s->n_committed; i < q->n / BT; i++)
-                if (s->tables[part][i] != POOL_NONE)
-                    kv_fill(pool, s->tables[part][i], kv_sig(q->ns, part, q->tok, (i + 1) * BT));
-        REQUIRE(prefix_seq_commit(px, s, q->tok, q->n) == 0);
         live_p[k] = p;
         broken += check_ok(px) != 0;
         if (ts.disk != NULL && op % 50 == 0)
