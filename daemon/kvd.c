@@ -126,6 +126,9 @@ static void usage(FILE *f)
           "                           them is served)\n"
           "      --tenant-max-queue N requests one tenant may have waiting (default 0: only\n"
           "                           --max-queue); more are OVERLOADED\n"
+          "      --tenant-max-blocks N|P%  KV blocks one tenant may hold, cached ones included\n"
+          "                           (a count, or a share of the pool); past it a tenant's new\n"
+          "                           blocks evict its own (default 0: no limit)\n"
           "  -v, --verbose\n",
           f);
 }
@@ -135,7 +138,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
            OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
            OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS, OPT_EVENTS, OPT_TOPIC,
-           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE };
+           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE, OPT_TBLOCKS };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -167,6 +170,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "workers-allow", required_argument, NULL, OPT_WALLOW },
         { "insecure", no_argument, NULL, OPT_INSECURE },
         { "tenant-max-queue", required_argument, NULL, OPT_TQUEUE },
+        { "tenant-max-blocks", required_argument, NULL, OPT_TBLOCKS },
         { "step-tokens", required_argument, NULL, OPT_STEP },
         { "max-batch", required_argument, NULL, OPT_BATCH },
         { "max-queue", required_argument, NULL, OPT_QUEUE },
@@ -261,6 +265,15 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         case OPT_WALLOW: o->workers_allow = optarg; break;
         case OPT_INSECURE: o->insecure = true; break;
         case OPT_TQUEUE: o->tenant_max_queue = (uint32_t)cli_long(optarg, "--tenant-max-queue", 0, 1 << 20); break;
+        case OPT_TBLOCKS: {
+            const size_t n = strlen(optarg);
+            o->tenant_max_blocks_pct = n > 1 && optarg[n - 1] == '%';
+            char num[32];
+            snprintf(num, sizeof(num), "%.*s", (int)(o->tenant_max_blocks_pct ? n - 1 : n), optarg);
+            o->tenant_max_blocks = (uint32_t)cli_long(num, "--tenant-max-blocks", 0,
+                                                      o->tenant_max_blocks_pct ? 100 : 1 << 30);
+            break;
+        }
         case OPT_WPG:
             o->workers_per_gpu = (int)cli_long(optarg, "--workers-per-gpu", 0, KVD_MAX_WORKERS);
             break;
@@ -729,6 +742,16 @@ static void setup(struct kvd *k)
         cli_die("%s", err);
     if (note[0])
         kvd_log(k, "pool %s: %s", k->pool_name, note);
+    if (o->tenant_max_blocks > 0) {
+        k->tenant_blocks = o->tenant_max_blocks_pct
+                               ? (uint32_t)((uint64_t)pool_header(k->pool)->n_blocks * o->tenant_max_blocks / 100)
+                               : o->tenant_max_blocks;
+        if (k->tenant_blocks == 0)
+            k->tenant_blocks = 1;
+        prefix_set_owner_limit(k->px, k->tenant_blocks);
+        kvd_log(k, "a tenant holds at most %u of the pool's %u blocks", k->tenant_blocks,
+                pool_header(k->pool)->n_blocks);
+    }
     pool_describe(&lay, &cap, k->n_ctx, err, sizeof(err));
     kvd_log(k, "KV pool %s: %s", k->pool_name, err);
     k->pool_seq_tokens = (uint64_t)cap.n_blocks * lay.block_tokens;

@@ -78,6 +78,8 @@ struct kvd_options {
     const char *workers_allow;      /* --workers-allow: remote workers' public keys */
     bool insecure;                  /* --insecure: tcp:// without CURVE allowed */
     uint32_t tenant_max_queue;      /* --tenant-max-queue: one tenant's queued requests; 0: no limit */
+    uint32_t tenant_max_blocks;     /* --tenant-max-blocks: blocks, or percent of the pool; 0: none */
+    bool tenant_max_blocks_pct;     /* ... given as a percentage */
 };
 
 /* A tenant: a CURVE client's key name, or the NAME of a namespace
@@ -249,6 +251,7 @@ struct kvd {
     struct kvd_stats_counters st;
     struct kvd_tenant *tenants;     /* n_tenants, in order of first appearance */
     uint32_t n_tenants, tenants_cap;
+    uint32_t tenant_blocks;         /* --tenant-max-blocks in blocks; 0: no limit */
     bool draining;                  /* SIGTERM: no new work */
     double drain_deadline;
     bool stop;                      /* leave the loop */

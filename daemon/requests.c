@@ -651,6 +651,7 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const
     r->worker = -1;
     r->restore_bad = UINT32_MAX;
     r->tenant = tenant_index(k, tenant, g->namespace_);
+    r->ps.owner = (uint16_t)(r->tenant + 1);    /* its blocks count for its tenant (0: none) */
     struct kvd_tenant *tn = tenant_of(k, r);
     if (tn != NULL && k->o.tenant_max_queue > 0 && tn->queued >= k->o.tenant_max_queue) {
         tn->refused++;
@@ -669,6 +670,12 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const
     if (code == 0 && r->n_prompt + 1 > k->n_ctx) {
         snprintf(msg, sizeof(msg), "the prompt has %u tokens; the context holds %u", r->n_prompt,
                  k->n_ctx);
+        code = KVD__ERROR_CODE__ERR_TOO_LONG;
+    }
+    if (code == 0 && tn != NULL && k->tenant_blocks > 0 &&
+        (uint64_t)(r->n_prompt + 1 + k->o.block_tokens - 1) / k->o.block_tokens > k->tenant_blocks) {
+        snprintf(msg, sizeof(msg), "the prompt has %u tokens; tenant %s may hold %u blocks of %u (--tenant-max-blocks)",
+                 r->n_prompt, tn->name, k->tenant_blocks, k->o.block_tokens);
         code = KVD__ERROR_CODE__ERR_TOO_LONG;
     }
     if (code == 0 && r->n_prompt + 1 > pool_tokens) {
@@ -1398,14 +1405,9 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
     }
     s.disk_cached_prompt_tokens = k->st.disk_cached_prompt_tokens;
     /* tenants: every one for the operator's socket, a tenant its own row */
-    uint64_t *held = calloc(k->n_tenants ? k->n_tenants : 1, sizeof(*held));
     Kvd__TenantStats *trows = calloc(k->n_tenants ? k->n_tenants : 1, sizeof(*trows));
     Kvd__TenantStats **tptrs = calloc(k->n_tenants ? k->n_tenants : 1, sizeof(*tptrs));
-    if (held != NULL && trows != NULL && tptrs != NULL) {
-        for (const struct request *r = k->active; r; r = r->next)
-            if (r->tenant >= 0)
-                for (uint32_t p = 0; p < r->ps.n_parts; p++)
-                    held[r->tenant] += r->ps.n_blocks - r->ps.first[p];
+    if (trows != NULL && tptrs != NULL) {
         const int32_t only = tenant != NULL ? tenant_index(k, tenant, NULL) : -1;
         for (uint32_t i = 0; i < k->n_tenants; i++) {
             if (tenant != NULL && (int32_t)i != only)
@@ -1421,7 +1423,7 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
             ts->cached_prompt_tokens = t->cached_prompt_tokens;
             ts->queued = t->queued;
             ts->running = t->running;
-            ts->blocks_held = held[i];
+            ts->blocks_held = prefix_owned(k->px, (uint16_t)(i + 1));
             ts->refused = t->refused;
             tptrs[s.n_tenants++] = ts;
         }
@@ -1500,7 +1502,6 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
     m.stats = &s;
     reply(k, rid, rid_len, id, &m);
     free(hl.v);
-    free(held);
     free(trows);
     free(tptrs);
 }

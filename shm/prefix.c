@@ -28,6 +28,10 @@ struct prefix {
     uint64_t restored;          /* blocks copied back from the tier */
     prefix_key_t *path;         /* n: each indexed block's path digest (struct prefix_tier_block),
                                  * private to this process: recomputed from the records on adoption */
+    uint16_t *owner;            /* n: the owner (prefix_seq.owner) each block was taken for; 0: none.
+                                 * Private too: an adopted pool's blocks have none */
+    uint32_t *owned;            /* PREFIX_OWNERS: blocks (pending, used or cached) per owner */
+    uint32_t owner_limit;       /* blocks an owner may hold (prefix_set_owner_limit); 0: no limit */
 };
 
 static const prefix_key_t KEY_ZERO = { 0, 0 };
@@ -95,6 +99,10 @@ prefix_ns_t prefix_namespace(const prefix_t *px, const char *name, size_t len)
 
 static void free_push(prefix_t *px, uint32_t id)
 {
+    if (px->owner != NULL && px->owner[id] != 0) {
+        px->owned[px->owner[id]]--;
+        px->owner[id] = 0;
+    }
     struct pool_block *r = &px->b[id];
     r->state = POOL_BLOCK_FREE;
     r->flags = 0;
@@ -281,9 +289,36 @@ static void evict_one(prefix_t *px, uint32_t id)
     free_push(px, id);
 }
 
-/* Takes one block (free first, then evicted); the caller checked there is one. */
-static uint32_t alloc_one(prefix_t *px)
+/* The least recently used cached block of owner o that can go (no children). */
+static uint32_t evict_pick_owned(const prefix_t *px, uint16_t o)
 {
+    for (uint32_t id = px->cs->lru_tail; id != POOL_NONE; id = px->b[id].prev)
+        if (px->owner[id] == o && px->b[id].n_children == 0)
+            return id;
+    return POOL_NONE;
+}
+
+/* Cached blocks of owner o (all of them can go, children first: a child of
+ * an owner's block is in its namespace, so its own). */
+static uint32_t owned_cached(const prefix_t *px, uint16_t o)
+{
+    uint32_t n = 0;
+    for (uint32_t id = px->cs->lru_tail; id != POOL_NONE; id = px->b[id].prev)
+        n += px->owner[id] == o;
+    return n;
+}
+
+/* Takes one block for owner o (0: none): free first, then evicted. An owner
+ * at its limit gives up one of its own cached blocks first (POOL_NONE when it
+ * has none); the caller checked there is one otherwise. */
+static uint32_t alloc_one(prefix_t *px, uint16_t o)
+{
+    if (o != 0 && px->owner_limit != 0 && px->owned[o] >= px->owner_limit) {
+        const uint32_t v = evict_pick_owned(px, o);
+        if (v == POOL_NONE)
+            return POOL_NONE;
+        evict_one(px, v);
+    }
     if (px->cs->free_head == POOL_NONE) {
         uint32_t v = evict_pick(px);
         if (v == POOL_NONE)
@@ -291,6 +326,10 @@ static uint32_t alloc_one(prefix_t *px)
         evict_one(px, v);
     }
     uint32_t id = free_pop(px);
+    if (o != 0) {
+        px->owner[id] = o;
+        px->owned[o]++;
+    }
     struct pool_block *r = &px->b[id];
     r->state = POOL_BLOCK_PENDING;
     r->refs = 1;
@@ -489,7 +528,12 @@ prefix_t *prefix_new(pool_t *p, char *note, size_t note_len, char *err, size_t e
     px->np = px->parts->n_parts;
     px->hash = xxh_key;
     px->path = calloc(px->n ? px->n : 1, sizeof(*px->path));
-    if (px->path == NULL) {
+    px->owner = calloc(px->n ? px->n : 1, sizeof(*px->owner));
+    px->owned = calloc(PREFIX_OWNERS, sizeof(*px->owned));
+    if (px->path == NULL || px->owner == NULL || px->owned == NULL) {
+        free(px->path);
+        free(px->owner);
+        free(px->owned);
         free(px);
         kvd_seterr(err, errlen, KVD_ENOMEM, "prefix: out of memory");
         return NULL;
@@ -520,8 +564,20 @@ void prefix_destroy(prefix_t **pxp)
     if (pxp == NULL || *pxp == NULL)
         return;
     free((*pxp)->path);
+    free((*pxp)->owner);
+    free((*pxp)->owned);
     free(*pxp);
     *pxp = NULL;
+}
+
+void prefix_set_owner_limit(prefix_t *px, uint32_t max_blocks)
+{
+    px->owner_limit = max_blocks;
+}
+
+uint32_t prefix_owned(const prefix_t *px, uint16_t owner)
+{
+    return owner != 0 ? px->owned[owner] : 0;
 }
 
 void prefix_set_observer(prefix_t *px, const struct prefix_observer *o)
@@ -539,7 +595,8 @@ int prefix_set_tier(prefix_t *px, const struct prefix_tier *t)
         return 0;
     }
     if ((t->fetch == NULL) == (t->start == NULL) || ((px->np > 1 || t->start) && t->has == NULL))
-        return KVD_EINVAL;      /* a copy is started only for a block the tier has */      /* a pool of parts plans a restore from what has() says */
+        return KVD_EINVAL;      /* a pool of parts plans a restore from has(); a copy starts only
+                                 * for a block the tier has */
     px->tier = *t;
     return 0;
 }
@@ -562,7 +619,7 @@ static uint32_t restore_block(prefix_t *px, struct prefix_seq *s, uint32_t logic
 {
     if (px->cs->n_free + px->cs->n_cached == 0)
         return POOL_NONE;
-    const uint32_t id = alloc_one(px);     /* what it evicts goes down to the tier */
+    const uint32_t id = alloc_one(px, s->owner);   /* what it evicts goes down to the tier */
     if (id == POOL_NONE)
         return POOL_NONE;
     if (px->tier.start == NULL) {
@@ -1016,6 +1073,9 @@ int prefix_seq_grow(prefix_t *px, struct prefix_seq *s, uint64_t n_pos, const in
     uint64_t k = (need - s->n_blocks) * s->n_parts;
     if (k > (uint64_t)px->cs->n_free + px->cs->n_cached)
         return KVD_ENOSPACE;
+    if (s->owner != 0 && px->owner_limit != 0 && px->owned[s->owner] + k > px->owner_limit &&
+        px->owned[s->owner] + k - px->owner_limit > owned_cached(px, s->owner))
+        return KVD_ENOSPACE;    /* over its owner's limit even with all its cached blocks gone */
     rc = seq_reserve(s, need);
     if (rc)
         return rc;
@@ -1024,7 +1084,7 @@ int prefix_seq_grow(prefix_t *px, struct prefix_seq *s, uint64_t n_pos, const in
     uint32_t first = s->n_blocks;
     while (s->n_blocks < need) {
         for (uint32_t p = 0; p < s->n_parts; p++) {
-            uint32_t id = alloc_one(px);
+            uint32_t id = alloc_one(px, s->owner);
             if (id == POOL_NONE)
                 return KVD_ENOSPACE; /* unreachable: counted above */
             s->tables[p][s->n_blocks] = id;
@@ -1321,6 +1381,8 @@ int prefix_check(const prefix_t *px, char *err, size_t errlen)
         case POOL_BLOCK_FREE:
             if (r->refs || idx)
                 FAIL("block %u is free but has %u refs%s", i, r->refs, idx ? " and is indexed" : "");
+            if (px->owner != NULL && px->owner[i] != 0)
+                FAIL("block %u is free but still counts for owner %u", i, px->owner[i]);
             c_free++;
             break;
         case POOL_BLOCK_PENDING:

@@ -90,6 +90,8 @@ struct prefix_seq {
     uint32_t n_restored;    /* of the n_cached blocks, those begin copied back from a tier */
     uint32_t n_restoring;   /* of those, copies an asynchronous tier still runs (start()):
                              * until prefix_seq_restored, s is not to be used */
+    uint16_t owner;         /* who its blocks are taken for (a tenant), 0: no one; set by
+                             * the caller, kept across release (prefix_set_owner_limit) */
 };
 
 /* What a lookup found. */
@@ -217,6 +219,22 @@ void prefix_set_observer(prefix_t *px, const struct prefix_observer *o);
  * part's blocks go down and come back: a prefix continues from the tier when
  * part 0's blocks and every other part's last window are there. */
 int prefix_set_tier(prefix_t *px, const struct prefix_tier *t);
+
+/*
+ * Owners (a tenant each: struct prefix_seq.owner, 1..PREFIX_OWNERS-1): every
+ * block a sequence takes (grown or restored) counts for its owner until it
+ * is freed, cached blocks included. With a limit, an owner at it gives up its
+ * own least recently used cached block for each new one, and a sequence that
+ * cannot stay within it (its owner's blocks are all in use) gets
+ * KVD_ENOSPACE: one owner's flood evicts its own cache, not everyone's.
+ * 0: no limit. The counts are this process's: an adopted pool's blocks
+ * count for no one.
+ */
+#define PREFIX_OWNERS 65536
+void prefix_set_owner_limit(prefix_t *px, uint32_t max_blocks);
+
+/* Blocks owner holds now (pending, in use or cached). */
+uint32_t prefix_owned(const prefix_t *px, uint16_t owner);
 
 /* Replaces the key function (tests force collisions with a weak one); NULL
  * restores XXH3. Only valid while the index is empty: KVD_ESTATE otherwise. */

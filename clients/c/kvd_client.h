@@ -194,7 +194,7 @@ struct kvd_tenant_stats {
     char name[72];
     uint64_t requests, prompt_tokens, cached_prompt_tokens;
     uint32_t queued, running;       /* requests waiting, on a worker now */
-    uint64_t blocks_held;           /* KV blocks its running requests hold now */
+    uint64_t blocks_held;           /* KV blocks it holds now: in use, pending and cached */
     uint64_t refused;               /* refused: its queue was full (--tenant-max-queue) */
 };
 

@@ -202,3 +202,53 @@ def test_tenant_stats_and_queue_limit(tmp_path: Path) -> None:
                     pass
     finally:
         _stop_checked(d)
+
+
+def flood_prompt(i: int) -> str:
+    return " ".join(f"Item {i}.{j}: crate {j * 3 + i} goes to dock {(j * 5 + i) % 11}." for j in range(20))
+
+
+def test_tenant_block_limit_keeps_others_cached(tmp_path: Path) -> None:
+    """--tenant-max-blocks: a tenant that floods the pool with prompts evicts
+    its own cached blocks, not another tenant's; without the limit the same
+    flood evicts them (the control: the assertion can fail)."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for name in ("kvd", "alice", "mallory"):
+        keygen(keys, name)
+    for limit in ("40%", None):
+        allow = tmp_path / f"allow-{limit is not None}"
+        allow.mkdir()
+        for name in ("alice", "mallory"):
+            (allow / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+        ep = f"tcp://127.0.0.1:{free_port()}"
+        extra = ["--tenant-max-blocks", limit] if limit else []
+        d = Daemon(tmp_path / f"kvd-{limit is not None}", "--listen", ep, "--curve-secret",
+                   str(keys / "kvd.key_secret"), "--clients-allow", str(allow), "--kv-memory", "24MiB", "-w", "1",
+                   *extra)
+        try:
+            d.measure_patience()
+
+            def client(name: str) -> kvd_client.Client:
+                return kvd_client.Client(ep, timeout=d.patience, server_key=str(keys / "kvd.key"),
+                                         cert=str(keys / f"{name}.key_secret"))
+
+            with client("alice") as a, client("mallory") as m, \
+                    kvd_client.Client(d.endpoint, timeout=d.patience) as op:
+                total = op.stats().blocks_total
+                first = ask(a, 1)
+                full = (first.usage.prompt_tokens - 1) // 16 * 16
+                flood = 0
+                for i in range(10):
+                    r = m.generate(flood_prompt(i), max_tokens=2, temperature=0)
+                    flood += r.usage.prompt_tokens
+                assert flood > 2 * total * 16, "the flood must be several pools' worth"
+                rows = {t.name: t for t in op.stats().tenants}
+                again = ask(a, 1)       # the same request: all of its full blocks, if kept
+                if limit is not None:
+                    assert rows["mallory"].blocks_held <= total * 40 // 100, rows["mallory"]
+                    assert again.usage.cached_prompt_tokens == full, "mallory's flood evicted alice's prompt"
+                else:
+                    assert again.usage.cached_prompt_tokens < full, "without a limit the flood should evict it"
+        finally:
+            _stop_checked(d)

@@ -160,7 +160,7 @@ class TenantStats:
     cached_prompt_tokens: int
     queued: int          #: requests waiting now
     running: int         #: requests on a worker now
-    blocks_held: int     #: KV blocks its running requests hold now
+    blocks_held: int     #: KV blocks it holds now: in use, pending and cached
     refused: int         #: requests refused because its queue was full (--tenant-max-queue)
 
 
