@@ -197,6 +197,67 @@ static void test_namespaces(void)
     CHECK(pool == NULL);
 }
 
+/* Owners (tenants) under a limit: a flood by one evicts its own cached
+ * blocks, never another's; a sequence that cannot stay within the limit is
+ * refused while the pool still has room; freed blocks count for no one. */
+static void test_owner_limit(void)
+{
+    pool_t *pool = pool_open_small();
+    prefix_t *px = prefix_open(pool);
+    prefix_set_owner_limit(px, 10);
+    const prefix_ns_t na = ns_of(px, 1), nb = ns_of(px, 2);
+    int32_t P[25], F[25];
+    for (int i = 0; i < 25; i++)
+        P[i] = 700 + i;
+    struct prefix_seq s, t;
+    memset(&s, 0, sizeof(s));
+    memset(&t, 0, sizeof(t));
+    s.owner = 1;
+    t.owner = 2;
+    /* owner 1: a 25-token prompt, 7 blocks; its 6 full ones stay cached */
+    CHECK_INT(prefix_seq_begin(px, &s, na, P, 25, NULL), 0);
+    CHECK_INT(seq_compute(pool, px, &s, 1, P, 25), 0);
+    prefix_seq_release(px, &s);
+    CHECK_INT(prefix_owned(px, 1), 6);
+    /* owner 2 floods with twelve prompts of 7 blocks: 84 blocks, the pool 48 */
+    for (int k = 0; k < 12; k++) {
+        for (int i = 0; i < 25; i++)
+            F[i] = 10000 + 100 * k + i;
+        CHECK_INT(prefix_seq_begin(px, &t, nb, F, 25, NULL), 0);
+        CHECK_INT(seq_compute(pool, px, &t, 2, F, 25), 0);
+        CHECK(prefix_owned(px, 2) <= 10);
+        prefix_seq_release(px, &t);
+        CHECK_INT(check_ok(px), 0);
+    }
+    CHECK_INT(prefix_owned(px, 1), 6);
+    /* owner 1's prompt is all there still */
+    CHECK_INT(prefix_seq_begin(px, &s, na, P, 25, NULL), 24);
+    CHECK(seq_sigs_ok(pool, &s, 1, P, 6));
+    prefix_seq_release(px, &s);
+    /* 11 blocks at once cannot stay within 10: refused, though the pool has room */
+    int32_t L[44];
+    for (int i = 0; i < 44; i++)
+        L[i] = 50000 + i;
+    CHECK_INT(prefix_seq_begin(px, &t, nb, L, 44, NULL), 0);
+    CHECK_INT(prefix_seq_grow(px, &t, 44, L, 44), KVD_ENOSPACE);
+    prefix_seq_release(px, &t);
+    /* without a limit the same flood takes owner 1's blocks too */
+    prefix_set_owner_limit(px, 0);
+    for (int k = 0; k < 12; k++) {
+        for (int i = 0; i < 25; i++)
+            F[i] = 20000 + 100 * k + i;
+        CHECK_INT(prefix_seq_begin(px, &t, nb, F, 25, NULL), 0);
+        CHECK_INT(seq_compute(pool, px, &t, 2, F, 25), 0);
+        prefix_seq_release(px, &t);
+    }
+    CHECK(prefix_owned(px, 1) < 6);
+    CHECK_INT(check_ok(px), 0);
+    prefix_seq_fini(&s);
+    prefix_seq_fini(&t);
+    prefix_destroy(&px);
+    pool_close(&pool);
+}
+
 /* A second request for a prefix being computed waits on its pending block
  * instead of computing it again, and takes it once committed. */
 static void test_wait(void)
@@ -1410,6 +1471,7 @@ int main(int argc, char **argv)
     test_wait();
     test_broken_promise();
     test_collisions();
+    test_owner_limit();
 
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
