@@ -151,9 +151,31 @@ static void send_str(void *s, const char *v, size_t n, bool more)
     zmq_send(s, v, n, more ? ZMQ_SNDMORE : 0);
 }
 
-/* One ZAP request (RFC 27): version, request id, domain, address, identity,
- * mechanism, credentials. Anything malformed, another mechanism or an
- * unknown domain is refused. */
+int auth_decide(kvd_auth_t *a, const uint8_t *const *f, const size_t *len, int n, char name[AUTH_NAME_MAX + 1])
+{
+    name[0] = '\0';
+    if (n != 7 || len[0] != 3 || memcmp(f[0], "1.0", 3) != 0)
+        return 400;
+    int d = -1;
+    for (int i = 0; i < AUTH_DOMAINS; i++)
+        if (len[2] == strlen(domain_name[i]) && memcmp(f[2], domain_name[i], len[2]) == 0)
+            d = i;
+    if (d < 0)
+        return 400;
+    char z85[CURVE_KEY_Z85 + 1];
+    const bool curve = len[5] == 5 && memcmp(f[5], "CURVE", 5) == 0;
+    if (curve && len[6] == 32 && zmq_z85_encode(z85, f[6], 32) != NULL && lookup(a, d, z85, name))
+        return 200;
+    if (!curve) {       /* lookup counted the others */
+        pthread_mutex_lock(&a->mu);
+        a->st.refused[d]++;
+        pthread_mutex_unlock(&a->mu);
+    }
+    name[0] = '\0';
+    return 400;
+}
+
+/* One ZAP request off the handler's socket, answered. */
 static void answer(kvd_auth_t *a)
 {
     enum { MAXF = 8 };
@@ -169,39 +191,31 @@ static void answer(kvd_auth_t *a)
         more = zmq_msg_more(&f[n]);
         n++;
     }
+    bool extra = false;
     while (more) {      /* more frames than a request has: drain them */
         zmq_msg_t junk;
         zmq_msg_init(&junk);
         more = zmq_msg_recv(&junk, a->rep, 0) >= 0 && zmq_msg_more(&junk);
         zmq_msg_close(&junk);
+        extra = true;
     }
-    const char *status = "400", *text = "refused";
-    char name[AUTH_NAME_MAX + 1] = "";
-    int d = -1;
-    if (n == 7 && zmq_msg_size(&f[0]) == 3 && memcmp(zmq_msg_data(&f[0]), "1.0", 3) == 0) {
-        for (int i = 0; i < AUTH_DOMAINS; i++)
-            if (zmq_msg_size(&f[2]) == strlen(domain_name[i]) &&
-                memcmp(zmq_msg_data(&f[2]), domain_name[i], zmq_msg_size(&f[2])) == 0)
-                d = i;
-        const bool curve = zmq_msg_size(&f[5]) == 5 && memcmp(zmq_msg_data(&f[5]), "CURVE", 5) == 0;
-        char z85[CURVE_KEY_Z85 + 1];
-        if (d >= 0 && curve && zmq_msg_size(&f[6]) == 32 && zmq_z85_encode(z85, zmq_msg_data(&f[6]), 32) != NULL &&
-            lookup(a, d, z85, name)) {
-            status = "200";
-            text = "OK";
-        } else if (d >= 0 && !curve) {
-            pthread_mutex_lock(&a->mu);
-            a->st.refused[d]++;
-            pthread_mutex_unlock(&a->mu);
-        }
+    const uint8_t *data[MAXF];
+    size_t len[MAXF];
+    for (int i = 0; i < n; i++) {
+        data[i] = zmq_msg_data(&f[i]);
+        len[i] = zmq_msg_size(&f[i]);
     }
+    char name[AUTH_NAME_MAX + 1];
+    const int code = extra ? 400 : auth_decide(a, data, len, n, name);
+    if (code != 200)
+        name[0] = '\0';
     send_str(a->rep, "1.0", 3, true);
     if (n >= 2)
-        zmq_send(a->rep, zmq_msg_data(&f[1]), zmq_msg_size(&f[1]), ZMQ_SNDMORE);
+        zmq_send(a->rep, data[1], len[1], ZMQ_SNDMORE);
     else
         send_str(a->rep, "", 0, true);
-    send_str(a->rep, status, 3, true);
-    send_str(a->rep, text, strlen(text), true);
+    send_str(a->rep, code == 200 ? "200" : "400", 3, true);
+    send_str(a->rep, code == 200 ? "OK" : "refused", code == 200 ? 2 : 7, true);
     send_str(a->rep, name, strlen(name), true);
     send_str(a->rep, "", 0, false);
     for (int i = 0; i < n; i++)
@@ -246,6 +260,8 @@ kvd_auth_t *auth_new(void *zctx, const char *clients_dir, const char *workers_di
         auth_destroy(&a);
         return NULL;
     }
+    if (zctx == NULL)
+        return a;       /* the keys alone: auth_decide (tests) */
     a->rep = zmq_socket(zctx, ZMQ_REP);
     if (a->rep == NULL || zmq_bind(a->rep, "inproc://zeromq.zap.01") != 0) {
         kvd_seterr(err, errlen, KVD_EIO, "auth: the ZAP handler cannot bind: %s", zmq_strerror(errno));

@@ -35,11 +35,18 @@ struct auth_stats {
 };
 
 /* The handler in zctx for the directories (NULL: that domain admits no
- * one). extra_worker, when given, is one more key admitted as worker
+ * one); with zctx NULL, the keys alone, for auth_decide. extra_worker, when given, is one more key admitted as worker
  * "kvd" (the workers kvd starts itself use kvd's own key pair). log(user,
  * line) hears about files skipped. NULL with a reason. */
 kvd_auth_t *auth_new(void *zctx, const char *clients_dir, const char *workers_dir, const char *extra_worker,
                      void (*log)(void *user, const char *line), void *user, char *err, size_t errlen);
+
+/* The answer to one ZAP request of n frames (RFC 27: version, request id,
+ * domain, address, identity, mechanism, credentials): 200 with the peer's
+ * name in name when it is a CURVE request of version 1.0 in a known domain
+ * whose 32-byte key is allowed there, else 400 (anything malformed, another
+ * mechanism, an unknown domain or key). Counted in the statistics. */
+int auth_decide(kvd_auth_t *a, const uint8_t *const *f, const size_t *len, int n, char name[AUTH_NAME_MAX + 1]);
 
 /* Reads both directories again; the old keys stay when a directory cannot be read. */
 int auth_reload(kvd_auth_t *a, char *err, size_t errlen);

@@ -133,10 +133,13 @@ static void test_zap(void)
     zmq_setsockopt(mute, ZMQ_LINGER, &zero, sizeof(zero));
     REQUIRE(zmq_bind(mute, "inproc://zeromq.zap.01") == 0);
     CHECK(try_client(ctx, s, ep, &server, &alice, 1500, user, sizeof(user)) != 1);
+    REQUIRE(zmq_unbind(mute, "inproc://zeromq.zap.01") == 0);     /* a close alone frees it later */
     zmq_close(mute);
 
     /* kvd's handler: alice in, under her file's name; bob and a plain client out */
     kvd_auth_t *a = auth_new(ctx, adir, NULL, NULL, NULL, NULL, err, sizeof(err));
+    if (a == NULL)
+        fprintf(stderr, "auth_new: %s\n", err);
     REQUIRE(a != NULL);
     CHECK_INT(try_client(ctx, s, ep, &server, &alice, 30000, user, sizeof(user)), 1);
     CHECK(strcmp(user, "alice") == 0);
