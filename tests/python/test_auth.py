@@ -8,6 +8,7 @@ next connection; plain tcp:// needs an explicit --insecure."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -121,6 +122,18 @@ def test_curve_clients_tenants_and_revocation(tmp_path: Path) -> None:
                                    cert=str(keys / "alice.key_secret")) as wrong:
                 wrong.health()
         assert time.monotonic() - t0 < d.patience / 2
+        # the asyncio client the same: served with an allowed key, refused at once without
+        async def async_clients() -> None:
+            async with kvd_client.AsyncClient(ep, timeout=d.patience, server_key=server,
+                                              cert=str(keys / "carol.key_secret")) as ac:
+                r = await ac.generate("Hello", max_tokens=2, temperature=0)
+                assert r.usage.completion_tokens == 2
+            async with kvd_client.AsyncClient(ep, timeout=d.patience, server_key=server,
+                                              cert=str(keys / "mallory.key_secret")) as am:
+                with pytest.raises(kvd_client.AuthenticationFailed, match="refused this client's key"):
+                    await am.health()
+
+        asyncio.run(async_clients())
         with kvd_client.Client(d.endpoint, timeout=d.patience) as local:
             s = local.stats()
         assert s.auth_clients_refused >= 1 and s.auth_handshakes_failed >= 2, s

@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from . import _wire, errors, kvd_pb2
+from . import _socket, _wire, errors, kvd_pb2
 from ._wire import GenerateParams, MessageLike
 from .results import Chunk, Health, Result, Stats
 
@@ -65,28 +65,13 @@ class AsyncClient:
         self._router = _wire.Router()
         self._reader: asyncio.Task[None] | None = None
         self._ctx: zmq.asyncio.Context | None = zmq.asyncio.Context()
-        sock = self._ctx.socket(zmq.DEALER)
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-            sock.setsockopt(zmq.RCVHWM, _wire.SOCKET_HWM)
-            sock.setsockopt(zmq.SNDHWM, _wire.SOCKET_HWM)
-            sock.setsockopt(zmq.MAXMSGSIZE, _wire.MAX_FRAME)
-            if keys is not None:
-                sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
-            if keys is not None or self.endpoint.startswith("tcp://"):
-                # a refused key, or a kvd that wants keys, shows as a failed
-                # handshake: AuthenticationFailed, not a Timeout
-                self._mon = sock.get_monitor_socket(sum(_wire.HANDSHAKE_FAILED))
-            self._has_keys = keys is not None
-            sock.connect(self.endpoint)
-        except zmq.ZMQError as e:
-            if self._mon is not None:
-                self._mon.close(0)
-            sock.close(0)
+            sock, self._mon = _socket.open_dealer(self._ctx, self.endpoint, keys)
+        except ValueError:
             self._ctx.term()
             self._ctx = None
-            raise ValueError(f"cannot connect to {self.endpoint!r}: {e}") from e
+            raise
+        self._has_keys = keys is not None
         self._sock: zmq.asyncio.Socket | None = sock
 
     # ---- lifecycle ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from types import TracebackType
 
 import zmq
 
-from . import _wire, errors, kvd_pb2
+from . import _socket, _wire, errors, kvd_pb2
 from ._wire import GenerateParams, MessageLike
 from .results import Chunk, Health, Result, Stats
 
@@ -64,30 +64,13 @@ class Client:
         self._ids = _wire.IdSource()
         self._router = _wire.Router()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context()
-        sock = self._ctx.socket(zmq.DEALER)
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            # queue a request only on a completed connection: with no daemon a
-            # send waits (and times out) instead of piling up requests
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-            sock.setsockopt(zmq.RCVHWM, _wire.SOCKET_HWM)
-            sock.setsockopt(zmq.SNDHWM, _wire.SOCKET_HWM)
-            sock.setsockopt(zmq.MAXMSGSIZE, _wire.MAX_FRAME)
-            if keys is not None:
-                sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
-            if keys is not None or self.endpoint.startswith("tcp://"):
-                # a refused key, or a kvd that wants keys, shows as a failed
-                # handshake: AuthenticationFailed, not a Timeout
-                self._mon = sock.get_monitor_socket(sum(_wire.HANDSHAKE_FAILED))
-            self._has_keys = keys is not None
-            sock.connect(self.endpoint)
-        except zmq.ZMQError as e:
-            if self._mon is not None:
-                self._mon.close(0)
-            sock.close(0)
+            sock, self._mon = _socket.open_dealer(self._ctx, self.endpoint, keys)
+        except ValueError:
             self._ctx.term()
             self._ctx = None
-            raise ValueError(f"cannot connect to {self.endpoint!r}: {e}") from e
+            raise
+        self._has_keys = keys is not None
         self._sock: zmq.Socket[bytes] | None = sock
 
     # ---- lifecycle ------------------------------------------------------------------------
