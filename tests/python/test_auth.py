@@ -265,3 +265,43 @@ def test_tenant_block_limit_keeps_others_cached(tmp_path: Path) -> None:
                     assert again.usage.cached_prompt_tokens < full, "without a limit the flood should evict it"
         finally:
             _stop_checked(d)
+
+
+def test_curve_worker_endpoint(tmp_path: Path) -> None:
+    """A tcp:// worker endpoint under CURVE: kvd's own workers join with its
+    key pair and serve; a worker whose key is not in --workers-allow is
+    refused and counted."""
+    keys, wallow = tmp_path / "keys", tmp_path / "workers"
+    keys.mkdir()
+    wallow.mkdir()
+    for name in ("kvd", "stranger"):
+        keygen(keys, name)
+    wep = f"tcp://127.0.0.1:{free_port()}"
+    pool = f"kvd-test-auth-{os.getpid()}"
+    d = Daemon(tmp_path / "kvd", "--worker-endpoint", wep, "--curve-secret", str(keys / "kvd.key_secret"),
+               "--workers-allow", str(wallow), "--kv-memory", "32MiB", "-w", "1", "--pool", pool)
+    stranger = None
+    try:
+        d.measure_patience()
+        with kvd_client.Client(d.endpoint, timeout=d.patience) as c:
+            assert c.generate("Hello", max_tokens=2, temperature=0).usage.completion_tokens == 2
+            stranger = subprocess.Popen(
+                [str(BIN_DIR / "kvd-worker"), "--model", str(MODEL), "--pool", pool, "--connect", wep,
+                 "--id", "7", "--curve-server-key", str(keys / "kvd.key"),
+                 "--curve-cert", str(keys / "stranger.key_secret")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + d.patience
+            while c.stats().auth_workers_refused == 0:
+                assert time.monotonic() < deadline, "the stranger's key was not refused"
+                assert stranger.poll() is None or c.stats().auth_workers_refused > 0
+                time.sleep(0.05)
+            assert len([w for w in c.stats().workers if w.alive]) == 1
+    finally:
+        if stranger is not None:
+            stranger.kill()
+            stranger.wait()
+        _stop_checked(d)
+        try:
+            os.unlink(f"/dev/shm/{pool}")
+        except FileNotFoundError:
+            pass
