@@ -126,6 +126,8 @@ static void usage(FILE *f)
           "                           them is served)\n"
           "      --tenant-max-queue N requests one tenant may have waiting (default 0: only\n"
           "                           --max-queue); more are OVERLOADED\n"
+          "      --public-prefix FILE a system prompt every tenant shares: the cache blocks of a\n"
+          "                           prompt that starts with it are cached once for all\n"
           "      --tenant-max-blocks N|P%  KV blocks one tenant may hold, cached ones included\n"
           "                           (a count, or a share of the pool); past it a tenant's new\n"
           "                           blocks evict its own (default 0: no limit)\n"
@@ -138,7 +140,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
            OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
            OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS, OPT_EVENTS, OPT_TOPIC,
-           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE, OPT_TBLOCKS };
+           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE, OPT_TBLOCKS, OPT_PUBLIC };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -171,6 +173,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "insecure", no_argument, NULL, OPT_INSECURE },
         { "tenant-max-queue", required_argument, NULL, OPT_TQUEUE },
         { "tenant-max-blocks", required_argument, NULL, OPT_TBLOCKS },
+        { "public-prefix", required_argument, NULL, OPT_PUBLIC },
         { "step-tokens", required_argument, NULL, OPT_STEP },
         { "max-batch", required_argument, NULL, OPT_BATCH },
         { "max-queue", required_argument, NULL, OPT_QUEUE },
@@ -265,6 +268,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         case OPT_WALLOW: o->workers_allow = optarg; break;
         case OPT_INSECURE: o->insecure = true; break;
         case OPT_TQUEUE: o->tenant_max_queue = (uint32_t)cli_long(optarg, "--tenant-max-queue", 0, 1 << 20); break;
+        case OPT_PUBLIC: o->public_prefix = optarg; break;
         case OPT_TBLOCKS: {
             const size_t n = strlen(optarg);
             o->tenant_max_blocks_pct = n > 1 && optarg[n - 1] == '%';
@@ -687,6 +691,56 @@ static void *listen_socket(struct kvd *k, const char *ep)
     return k->clients;
 }
 
+/* --public-prefix FILE: its text as a chat's system message (through the
+ * model's template, without a turn after it) or, for a model without one, as
+ * a plain prompt; its tokens are what a prompt must start with for its first
+ * blocks to be the shared ones. */
+static void public_prefix_setup(struct kvd *k)
+{
+    FILE *f = fopen(k->o.public_prefix, "rb");
+    if (f == NULL)
+        cli_die("--public-prefix %s: %s", k->o.public_prefix, strerror(errno));
+    char *text = NULL;
+    size_t len = 0, cap = 0;
+    for (;;) {
+        if (len + 4096 > cap && (text = realloc(text, cap = 2 * cap + 4096)) == NULL)
+            cli_die("out of memory");
+        const size_t got = fread(text + len, 1, cap - len, f);
+        len += got;
+        if (got == 0)
+            break;
+    }
+    fclose(f);
+    char *rendered = NULL;
+    size_t rlen = 0;
+    bool special = false;
+    if (k->chat != NULL) {
+        const struct chat_msg m = { "system", text };
+        text[len] = '\0';      /* room kept by the loop above */
+        if (memchr(text, '\0', len) != NULL)
+            cli_die("--public-prefix %s: not text", k->o.public_prefix);
+        if (chat_apply(k->chat, &m, 1, false, &rendered, &rlen) != 0)
+            cli_die("--public-prefix: the chat template cannot render it");
+        special = true;
+    }
+    const char *src = rendered ? rendered : text;
+    const size_t n = rendered ? rlen : len;
+    const bool bos = tok_add_bos(k->tok);
+    k->public_tok = malloc((n + 2) * sizeof(*k->public_tok));
+    size_t got = 0;
+    if (k->public_tok == NULL ||
+        tok_encode(k->tok, src, n, special, k->public_tok + bos, n + 2 - bos, &got) != 0)
+        cli_die("--public-prefix: cannot tokenize it");
+    if (bos)
+        k->public_tok[0] = tok_bos(k->tok);
+    k->n_public_tok = (uint32_t)(got + bos);
+    k->public_ns = prefix_namespace(k->px, "public:", 7);
+    kvd_log(k, "public prefix %s: %u tokens, its first %u blocks shared by every tenant", k->o.public_prefix,
+            k->n_public_tok, k->n_public_tok / k->o.block_tokens);
+    free(rendered);
+    free(text);
+}
+
 static void setup(struct kvd *k)
 {
     char err[512], note[512];
@@ -742,6 +796,8 @@ static void setup(struct kvd *k)
         cli_die("%s", err);
     if (note[0])
         kvd_log(k, "pool %s: %s", k->pool_name, note);
+    if (o->public_prefix != NULL)
+        public_prefix_setup(k);
     if (o->tenant_max_blocks > 0) {
         k->tenant_blocks = o->tenant_max_blocks_pct
                                ? (uint32_t)((uint64_t)pool_header(k->pool)->n_blocks * o->tenant_max_blocks / 100)
@@ -1105,6 +1161,7 @@ int main(int argc, char **argv)
     zmq_close(k->wsock);
     auth_destroy(&k->auth);
     free(k->tenants);
+    free(k->public_tok);
     zmq_ctx_term(k->zctx);
     if (strncmp(k->worker_ep, "ipc://", 6) == 0)
         unlink(k->worker_ep + 6);

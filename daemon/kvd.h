@@ -80,6 +80,7 @@ struct kvd_options {
     uint32_t tenant_max_queue;      /* --tenant-max-queue: one tenant's queued requests; 0: no limit */
     uint32_t tenant_max_blocks;     /* --tenant-max-blocks: blocks, or percent of the pool; 0: none */
     bool tenant_max_blocks_pct;     /* ... given as a percentage */
+    const char *public_prefix;      /* --public-prefix: a system prompt every tenant shares */
 };
 
 /* A tenant: a CURVE client's key name, or the NAME of a namespace
@@ -252,6 +253,9 @@ struct kvd {
     struct kvd_tenant *tenants;     /* n_tenants, in order of first appearance */
     uint32_t n_tenants, tenants_cap;
     uint32_t tenant_blocks;         /* --tenant-max-blocks in blocks; 0: no limit */
+    int32_t *public_tok;            /* --public-prefix's tokens (n_public_tok), else NULL */
+    uint32_t n_public_tok;
+    prefix_ns_t public_ns;          /* the namespace its blocks are keyed in */
     bool draining;                  /* SIGTERM: no new work */
     double drain_deadline;
     bool stop;                      /* leave the loop */

@@ -734,6 +734,16 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const
     } else {
         r->ns = prefix_namespace(k->px, ns, strlen(ns));
     }
+    if (k->n_public_tok > 0 && !r->no_cache) {
+        /* the full blocks it shares with --public-prefix are keyed for everyone */
+        const uint32_t bt = k->o.block_tokens;
+        uint32_t b = 0;
+        while ((b + 1) * bt <= k->n_public_tok && (b + 1) * bt < r->n_prompt &&
+               memcmp(r->tok + b * bt, k->public_tok + b * bt, bt * sizeof(int32_t)) == 0)
+            b++;
+        r->ps.n_public = b;
+        r->ps.public_ns = k->public_ns;
+    }
     r->deadline = g->has_deadline_ms && g->deadline_ms ? r->t_arrival + g->deadline_ms : 0;
     r->seq_id = ++k->next_seq;
     r->state = REQ_QUEUED;

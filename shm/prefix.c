@@ -36,6 +36,23 @@ struct prefix {
 
 static const prefix_key_t KEY_ZERO = { 0, 0 };
 
+/* The namespaces of a chain: its first n_pub blocks in pub (a prefix that
+ * every namespace shares, prefix_seq.n_public), the rest in ns. */
+struct chain_ns {
+    prefix_ns_t ns, pub;
+    uint32_t n_pub;
+};
+
+static prefix_ns_t ns_at(const struct chain_ns *c, uint64_t i)
+{
+    return i < c->n_pub ? c->pub : c->ns;
+}
+
+static struct chain_ns seq_chain(const struct prefix_seq *s)
+{
+    return (struct chain_ns){ s->ns, s->public_ns, s->n_public };
+}
+
 /* ---- keys ----------------------------------------------------------------------------- */
 
 static prefix_key_t xxh_key(const uint8_t secret[POOL_SECRET_BYTES], prefix_key_t parent,
@@ -226,7 +243,7 @@ static uint32_t index_find(prefix_t *px, prefix_key_t k, prefix_ns_t ns, uint32_
 /* Walks the index along tokens: up to max_blocks leading committed blocks
  * (ids written when ids != NULL). *pending: the pending block that continues
  * them, if any. *last: key of the last block matched. */
-static uint32_t walk(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t n,
+static uint32_t walk(prefix_t *px, const struct chain_ns *cn, const int32_t *tokens, uint64_t n,
                      uint32_t max_blocks, uint32_t *ids, uint32_t *pending, prefix_key_t *last)
 {
     uint64_t full = n / px->bt;
@@ -237,6 +254,7 @@ static uint32_t walk(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64
     *pending = POOL_NONE;
     for (i = 0; i < max_blocks; i++) {
         const int32_t *t = tokens + (size_t)i * px->bt;
+        const prefix_ns_t ns = ns_at(cn, i);
         prefix_key_t k = key_of(px, key, ns, t);
         uint32_t id = index_find(px, k, ns, parent, t);
         if (id == POOL_NONE)
@@ -420,7 +438,8 @@ static void part_try_index(prefix_t *px, struct prefix_seq *s, uint32_t p, uint3
     const uint32_t id = s->tables[p][i], spine = s->tables[0][i];
     if (id == POOL_NONE || (px->b[id].flags & POOL_BLOCK_INDEXED))
         return;
-    const prefix_ns_t ns = part_ns(s->ns, p);
+    const struct chain_ns cn = seq_chain(s);
+    const prefix_ns_t ns = part_ns(ns_at(&cn, i), p);
     const prefix_key_t k = key_of(px, key_get(&px->b[spine]), ns, t);
     if (index_find(px, k, ns, spine, t) != POOL_NONE)
         return;
@@ -444,12 +463,14 @@ static void seq_try_index(prefix_t *px, struct prefix_seq *s, uint32_t i, const 
     if (!s->chain_open || s->n_indexed != i)
         return;
     uint32_t parent = i ? s->blocks[i - 1] : POOL_NONE;
-    prefix_key_t k = key_of(px, i ? s->key : KEY_ZERO, s->ns, t);
-    if (index_find(px, k, s->ns, parent, t) != POOL_NONE) {
+    const struct chain_ns cn = seq_chain(s);
+    const prefix_ns_t ns = ns_at(&cn, i);
+    prefix_key_t k = key_of(px, i ? s->key : KEY_ZERO, ns, t);
+    if (index_find(px, k, ns, parent, t) != POOL_NONE) {
         s->chain_open = false; /* a duplicate: it and its successors stay private */
         return;
     }
-    index_insert(px, s->blocks[i], k, s->ns, parent, t);
+    index_insert(px, s->blocks[i], k, ns, parent, t);
     s->n_indexed = i + 1;
     s->key = k;
     parts_try_index(px, s, i, t);
@@ -692,6 +713,7 @@ static uint32_t restore_parts(prefix_t *px, struct prefix_seq *s, const int32_t 
                               uint32_t *pending)
 {
     const uint32_t j = s->n_blocks, np = px->np, span = max - j;
+    const struct chain_ns cn = seq_chain(s);
     struct found *f = calloc((size_t)np * span, sizeof(*f));
     uint8_t *st = calloc((size_t)np * span, 1);        /* 0 unknown, 1 there, 2 missing */
     if (f == NULL || st == NULL) {
@@ -706,7 +728,8 @@ static uint32_t restore_parts(prefix_t *px, struct prefix_seq *s, const int32_t 
     for (uint32_t i = j; i < max; i++) {
         const int32_t *t = tokens + (size_t)i * px->bt;
         struct found *x = &f[i - j];
-        if (!find_block(px, key_of(px, key, s->ns, t), key, path, s->ns, parent, in_pool, t, 0, x, pending))
+        const prefix_ns_t ins = ns_at(&cn, i);
+        if (!find_block(px, key_of(px, key, ins, t), key, path, ins, parent, in_pool, t, 0, x, pending))
             break;
         key = x->tb.key;
         path = x->tb.path;
@@ -721,10 +744,10 @@ static uint32_t restore_parts(prefix_t *px, struct prefix_seq *s, const int32_t 
         bool ok = true;
         uint64_t need = 0;
         for (uint32_t p = 1; p < np && ok; p++) {
-            const prefix_ns_t pns = part_ns(s->ns, p);
             const uint64_t lo = kv_window_first_block(px->parts->window[p], (uint64_t)m * px->bt, px->bt);
             for (uint64_t i = m; ok && i-- > (lo > j ? lo : j);) {
                 uint8_t *x = &st[(size_t)p * span + (i - j)];
+                const prefix_ns_t pns = part_ns(ns_at(&cn, i), p);
                 if (*x == 0) {
                     const struct found *p0 = &f[i - j];
                     const int32_t *t = tokens + i * px->bt;
@@ -830,12 +853,14 @@ static uint32_t restore_from_tier(prefix_t *px, struct prefix_seq *s, const int3
                                   uint32_t *pending)
 {
     uint32_t i = s->n_blocks, parent = i ? s->blocks[i - 1] : POOL_NONE;
+    const struct chain_ns cn = seq_chain(s);
     prefix_key_t key = s->key;
     prefix_key_t path = parent != POOL_NONE ? px->path[parent] : KEY_ZERO;
     for (; i < max; i++) {
         const int32_t *t = tokens + (size_t)i * px->bt;
-        const prefix_key_t k = key_of(px, key, s->ns, t);
-        const uint32_t there = index_find(px, k, s->ns, parent, t);
+        const prefix_ns_t ns = ns_at(&cn, i);
+        const prefix_key_t k = key_of(px, key, ns, t);
+        const uint32_t there = index_find(px, k, ns, parent, t);
         if (there != POOL_NONE) {
             if (px->b[there].state != POOL_BLOCK_COMMITTED) {
                 *pending = there;   /* someone computes it */
@@ -848,8 +873,8 @@ static uint32_t restore_from_tier(prefix_t *px, struct prefix_seq *s, const int3
             path = px->path[there];
             continue;
         }
-        const struct prefix_tier_block tb = { .key = k, .parent = key, .ns = s->ns, .tokens = t,
-                                              .path = path_of(px, path, s->ns, t) };
+        const struct prefix_tier_block tb = { .key = k, .parent = key, .ns = ns, .tokens = t,
+                                              .path = path_of(px, path, ns, t) };
         if (px->cs->n_free + px->cs->n_cached == 0 || (px->tier.has && !px->tier.has(px->tier.user, &tb)))
             break;
         const uint32_t id = restore_block(px, s, i, &tb, parent, true);
@@ -898,7 +923,7 @@ void prefix_hash_chain(const prefix_t *px, prefix_ns_t ns, const int32_t *tokens
  * Each block is looked up once, from the end down, so a hit costs about a
  * window's lookups per part. 0 when out of memory (a miss, never a wrong hit).
  */
-static uint32_t parts_match(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint32_t m,
+static uint32_t parts_match(prefix_t *px, const struct chain_ns *cn, const int32_t *tokens, uint32_t m,
                             const uint32_t *table, uint32_t *ids, size_t stride)
 {
     if (px->np == 1 || m == 0)
@@ -914,7 +939,7 @@ static uint32_t parts_match(prefix_t *px, prefix_ns_t ns, const int32_t *tokens,
             for (uint64_t i = j; ok && i-- > lo;) {
                 uint8_t *x = &st[(size_t)p * m + i];
                 if (*x == 0) {
-                    const prefix_ns_t pns = part_ns(ns, p);
+                    const prefix_ns_t pns = part_ns(ns_at(cn, i), p);
                     const int32_t *t = tokens + i * px->bt;
                     const prefix_key_t k = key_of(px, key_get(&px->b[table[i]]), pns, t);
                     const uint32_t id = index_find(px, k, pns, table[i], t);
@@ -940,7 +965,7 @@ static uint32_t parts_match(prefix_t *px, prefix_ns_t ns, const int32_t *tokens,
  * nothing else needs them: not held, and no other chain continuing (such a
  * block could only serve hits that just failed).
  */
-static void drop_unusable(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, const uint32_t *table,
+static void drop_unusable(prefix_t *px, const struct chain_ns *cn, const int32_t *tokens, const uint32_t *table,
                           uint32_t j, uint32_t m)
 {
     for (uint32_t i = m; i-- > j;) {
@@ -951,7 +976,7 @@ static void drop_unusable(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, c
         uint32_t hanging[KV_MAX_PARTS], n = 0;
         const int32_t *t = tokens + (size_t)i * px->bt;
         for (uint32_t p = 1; p < px->np; p++) {
-            const prefix_ns_t pns = part_ns(ns, p);
+            const prefix_ns_t pns = part_ns(ns_at(cn, i), p);
             const uint32_t c = index_find(px, key_of(px, key_get(r), pns, t), pns, id, t);
             if (c == POOL_NONE)
                 continue;
@@ -975,20 +1000,20 @@ static void drop_unusable(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, c
  * key of the last block taken. With drop, part 0's blocks found past the
  * prefix are evicted where nothing else needs them (drop_unusable).
  */
-static uint32_t match(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t n,
+static uint32_t match(prefix_t *px, const struct chain_ns *cn, const int32_t *tokens, uint64_t n,
                       uint32_t max_blocks, uint32_t *table, uint32_t *ids, uint32_t *pending,
                       prefix_key_t *last, bool drop)
 {
-    const uint32_t m = walk(px, ns, tokens, n, max_blocks, table, pending, last);
+    const uint32_t m = walk(px, cn, tokens, n, max_blocks, table, pending, last);
     if (px->np == 1 || m == 0)
         return m;
-    const uint32_t j = parts_match(px, ns, tokens, m, table, ids, max_blocks);
+    const uint32_t j = parts_match(px, cn, tokens, m, table, ids, max_blocks);
     if (j < m) {
         *pending = POOL_NONE;   /* what is pending continues part 0 alone */
         px->cs->hit_blocks -= m - j;
         *last = j ? key_get(&px->b[table[j - 1]]) : KEY_ZERO;
         if (drop)
-            drop_unusable(px, ns, tokens, table, j, m);
+            drop_unusable(px, cn, tokens, table, j, m);
     }
     return j;
 }
@@ -1007,7 +1032,8 @@ void prefix_lookup(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t
         m->pending = POOL_NONE;
         return;
     }
-    m->n_blocks = match(px, ns, tokens, n, max_blocks, table, NULL, &m->pending, &last, false);
+    const struct chain_ns cn = { ns, ns, 0 };
+    m->n_blocks = match(px, &cn, tokens, n, max_blocks, table, NULL, &m->pending, &last, false);
     if (table != ids)
         free(table);
 }
@@ -1036,7 +1062,8 @@ int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,
     uint32_t pending, *ids = NULL;
     if (px->np > 1 && max > 0 && (ids = malloc((size_t)px->np * max * sizeof(*ids))) == NULL)
         return KVD_ENOMEM;
-    const uint32_t m = match(px, ns, tokens, n, (uint32_t)max, s->blocks, ids, &pending, &s->key, true);
+    const struct chain_ns cn = seq_chain(s);
+    const uint32_t m = match(px, &cn, tokens, n, (uint32_t)max, s->blocks, ids, &pending, &s->key, true);
     for (uint32_t p = 1; p < px->np; p++) {
         const uint64_t lo = kv_window_first_block(px->parts->window[p], (uint64_t)m * px->bt, px->bt);
         s->first[p] = (uint32_t)lo;

@@ -92,6 +92,11 @@ struct prefix_seq {
                              * until prefix_seq_restored, s is not to be used */
     uint16_t owner;         /* who its blocks are taken for (a tenant), 0: no one; set by
                              * the caller, kept across release (prefix_set_owner_limit) */
+    uint32_t n_public;      /* its first n_public blocks are keyed in public_ns instead of ns:
+                             * a prefix every namespace shares (an operator's public system
+                             * prompt), the rest of the chain hanging from it in ns. Set by the
+                             * caller before begin (0: none), kept across release */
+    prefix_ns_t public_ns;
 };
 
 /* What a lookup found. */

@@ -305,3 +305,44 @@ def test_curve_worker_endpoint(tmp_path: Path) -> None:
             os.unlink(f"/dev/shm/{pool}")
         except FileNotFoundError:
             pass
+
+
+def test_public_prefix_shared_across_tenants(tmp_path: Path) -> None:
+    """--public-prefix: a system prompt the operator marks public is cached
+    once for every tenant (the second tenant finds its blocks), while what
+    follows it, and any other system prompt, stays each tenant's own."""
+    keys, allow = tmp_path / "keys", tmp_path / "allow"
+    keys.mkdir()
+    allow.mkdir()
+    for name in ("kvd", "alice", "carol"):
+        keygen(keys, name)
+    for name in ("alice", "carol"):
+        (allow / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    public = tmp_path / "public.txt"
+    public.write_text(SYSTEM)
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    d = Daemon(tmp_path / "kvd", "--listen", ep, "--curve-secret", str(keys / "kvd.key_secret"),
+               "--clients-allow", str(allow), "--kv-memory", "32MiB", "-w", "1", "--public-prefix", str(public))
+
+    def client(name: str) -> kvd_client.Client:
+        return kvd_client.Client(ep, timeout=d.patience, server_key=str(keys / "kvd.key"),
+                                 cert=str(keys / f"{name}.key_secret"))
+
+    try:
+        d.measure_patience()
+        assert "public prefix" in d.log()
+        with client("alice") as a, client("carol") as c:
+            a1 = ask(a, 1)
+            assert a1.usage.cached_prompt_tokens == 0
+            c1 = ask(c, 1)                    # the same prompt: the public blocks, not alice's question
+            full = (c1.usage.prompt_tokens - 1) // 16 * 16
+            assert 0 < c1.usage.cached_prompt_tokens < full, c1.usage
+            assert c1.token_ids == a1.token_ids
+            assert ask(c, 1).usage.cached_prompt_tokens == full     # then all of carol's own
+            # another system prompt shares nothing
+            other = c.generate(messages=[{"role": "system", "content": "Be brief. " + SYSTEM},
+                                         {"role": "user", "content": "When does hall 1 open?"}],
+                               max_tokens=2, temperature=0)
+            assert other.usage.cached_prompt_tokens == 0
+    finally:
+        _stop_checked(d)

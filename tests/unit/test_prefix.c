@@ -258,6 +258,47 @@ static void test_owner_limit(void)
     pool_close(&pool);
 }
 
+/* A public prefix: the first blocks of a chain keyed in a namespace every
+ * other shares, the rest in each sequence's own. Two namespaces share the
+ * public blocks and nothing after them; without n_public nothing is shared. */
+static void test_public_prefix(void)
+{
+    pool_t *pool = pool_open_small();
+    prefix_t *px = prefix_open(pool);
+    const prefix_ns_t a = ns_of(px, 1), b = ns_of(px, 2), pub = prefix_namespace(px, "public", 6);
+    int32_t P[21];
+    for (int i = 0; i < 21; i++)
+        P[i] = 300 + i;
+    struct prefix_seq s, t;
+    memset(&s, 0, sizeof(s));
+    memset(&t, 0, sizeof(t));
+    s.n_public = t.n_public = 2;
+    s.public_ns = t.public_ns = pub;
+    CHECK_INT(prefix_seq_begin(px, &s, a, P, 21, NULL), 0);
+    CHECK_INT(seq_compute(pool, px, &s, 1, P, 21), 0);
+    prefix_seq_release(px, &s);
+    /* b: the two public blocks, then its own */
+    CHECK_INT(prefix_seq_begin(px, &t, b, P, 21, NULL), 2 * BT);
+    CHECK_INT(seq_compute(pool, px, &t, 2, P, 21), 0);
+    prefix_seq_release(px, &t);
+    /* each finds all of its own again, the public blocks shared */
+    CHECK_INT(prefix_seq_begin(px, &s, a, P, 21, NULL), 5 * BT);
+    CHECK_INT(prefix_seq_begin(px, &t, b, P, 21, NULL), 5 * BT);
+    CHECK(s.blocks[0] == t.blocks[0] && s.blocks[1] == t.blocks[1]);
+    CHECK(s.blocks[2] != t.blocks[2]);
+    prefix_seq_release(px, &s);
+    prefix_seq_release(px, &t);
+    /* without the public prefix, b's chain is its own from the first block */
+    t.n_public = 0;
+    CHECK_INT(prefix_seq_begin(px, &t, b, P, 21, NULL), 0);
+    prefix_seq_release(px, &t);
+    CHECK_INT(check_ok(px), 0);
+    prefix_seq_fini(&s);
+    prefix_seq_fini(&t);
+    prefix_destroy(&px);
+    pool_close(&pool);
+}
+
 /* A second request for a prefix being computed waits on its pending block
  * instead of computing it again, and takes it once committed. */
 static void test_wait(void)
@@ -1472,6 +1513,7 @@ int main(int argc, char **argv)
     test_broken_promise();
     test_collisions();
     test_owner_limit();
+    test_public_prefix();
 
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
