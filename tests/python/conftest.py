@@ -15,7 +15,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -55,7 +55,9 @@ CTX = 2048
 class Daemon:
     """One kvd process and the endpoint it listens on."""
 
-    def __init__(self, workdir: Path, *args: str, ready: str = "health") -> None:
+    def __init__(self, workdir: Path, *args: str, ready: str = "health", wrap: Sequence[str] = ()) -> None:
+        """kvd with args (ready when it answers `ready` on its ipc:// endpoint);
+        wrap: a command it runs under (e.g. ``ip netns exec NS``)."""
         for exe in ("kvd", "kvd-worker", "kvcli"):
             if not (BIN_DIR / exe).is_file():
                 pytest.fail(f"{BIN_DIR / exe} is missing: build kvd first (or set KVD_BIN_DIR)")
@@ -67,7 +69,7 @@ class Daemon:
         self.log_path = workdir / "kvd.log"
         self._log = open(self.log_path, "wb")
         cmd = [
-            str(BIN_DIR / "kvd"), "--model", str(MODEL), "--listen", self.endpoint,
+            *wrap, str(BIN_DIR / "kvd"), "--model", str(MODEL), "--listen", self.endpoint,
             "--ctx", str(CTX), *args,
         ]
         self.proc = subprocess.Popen(
