@@ -86,8 +86,9 @@ struct kvd_options {
 /* A tenant: a CURVE client's key name, or the NAME of a namespace
  * "tenant:NAME/..." that a client of the ipc:// socket (the HTTP API) sends. */
 #define KVD_MAX_TENANTS 4096
+#define KVD_TENANT_NAME_MAX 127     /* a key file's name (64) or an --api-keys tenant (100) */
 struct kvd_tenant {
-    char name[AUTH_NAME_MAX + 1];
+    char name[KVD_TENANT_NAME_MAX + 1];
     uint64_t requests, prompt_tokens, cached_prompt_tokens, refused;
     uint32_t queued, running;
 };

@@ -98,7 +98,7 @@ static int32_t tenant_index(struct kvd *k, const char *tenant, const char *ns)
     } else {
         return -1;
     }
-    if (n == 0 || n > AUTH_NAME_MAX)
+    if (n == 0 || n > KVD_TENANT_NAME_MAX)
         return -1;
     for (uint32_t i = 0; i < k->n_tenants; i++)
         if (strlen(k->tenants[i].name) == n && memcmp(k->tenants[i].name, tenant, n) == 0)

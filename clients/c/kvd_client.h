@@ -191,7 +191,7 @@ struct kvd_worker_stats {
 /* One tenant (kvd's per-tenant statistics): a CURVE client's key name or an
  * HTTP API key's tenant. */
 struct kvd_tenant_stats {
-    char name[72];
+    char name[128];
     uint64_t requests, prompt_tokens, cached_prompt_tokens;
     uint32_t queued, running;       /* requests waiting, on a worker now */
     uint64_t blocks_held;           /* KV blocks it holds now: in use, pending and cached */
