@@ -1350,6 +1350,44 @@ char *kvd_stats_prometheus(const struct kvd_stats *st)
                 "# TYPE kvd_worker_restarts_total counter\n");
     for (uint32_t i = 0; i < st->n_workers; i++)
         tprintf(&t, "kvd_worker_restarts_total{worker=\"%u\"} %u\n", st->workers[i].id, st->workers[i].restarts);
+    metric(&t, "kvd_auth_clients_admitted_total", "counter", "Client connections admitted by CURVE key.",
+           (double)st->auth_clients_admitted);
+    metric(&t, "kvd_auth_clients_refused_total", "counter", "Client connections refused: a key not allowed.",
+           (double)st->auth_clients_refused);
+    metric(&t, "kvd_auth_workers_refused_total", "counter", "Worker connections refused: a key not allowed.",
+           (double)st->auth_workers_refused);
+    metric(&t, "kvd_auth_handshakes_failed_total", "counter",
+           "Handshakes failed before a key was checked (plain text, a wrong server key).",
+           (double)st->auth_handshakes_failed);
+    /* per tenant, the label escaped as the text format wants (\\, \", \n) */
+    static const struct {
+        const char *name, *type, *help;
+    } tm[] = {
+        { "kvd_tenant_requests_total", "counter", "A tenant's generate requests." },
+        { "kvd_tenant_prompt_tokens_total", "counter", "A tenant's prompt tokens." },
+        { "kvd_tenant_cached_prompt_tokens_total", "counter", "A tenant's prompt tokens found in the cache." },
+        { "kvd_tenant_requests_waiting", "gauge", "A tenant's requests waiting." },
+        { "kvd_tenant_requests_running", "gauge", "A tenant's requests running." },
+        { "kvd_tenant_blocks", "gauge", "KV blocks a tenant holds (in use, pending and cached)." },
+        { "kvd_tenant_refused_total", "counter", "A tenant's requests refused: its queue was full." },
+    };
+    for (size_t m = 0; m < sizeof(tm) / sizeof(tm[0]) && st->n_tenants > 0; m++) {
+        tprintf(&t, "# HELP %s %s\n# TYPE %s %s\n", tm[m].name, tm[m].help, tm[m].name, tm[m].type);
+        for (uint32_t i = 0; i < st->n_tenants; i++) {
+            const struct kvd_tenant_stats *ts = &st->tenants[i];
+            char label[2 * sizeof(ts->name) + 1];
+            size_t o = 0;
+            for (const char *c = ts->name; *c && o + 2 < sizeof(label); c++) {
+                if (*c == '\\' || *c == '"' || *c == '\n')
+                    label[o++] = '\\';
+                label[o++] = *c == '\n' ? 'n' : *c;
+            }
+            label[o] = '\0';
+            const uint64_t v[] = { ts->requests, ts->prompt_tokens, ts->cached_prompt_tokens, ts->queued,
+                                   ts->running, ts->blocks_held, ts->refused };
+            tprintf(&t, "%s{tenant=\"%s\"} %llu\n", tm[m].name, label, (unsigned long long)v[m]);
+        }
+    }
     if (t.failed) {
         free(t.s);
         return NULL;

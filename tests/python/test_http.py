@@ -435,5 +435,11 @@ def test_api_keys_and_tenants(tmp_path: Path) -> None:
         assert cached(alice) > 500          # alice's own prefix
         assert cached(bob) == 0             # never alice's blocks
         assert cached(bob) > 500
+        # each key's tenant is counted as kvd's own tenants are, in /metrics too
+        _, _, raw = h.request("GET", "/metrics")
+        text = raw.decode()
+        for who in ("alice", "bob"):
+            assert f'kvd_tenant_requests_total{{tenant="{who}"}} 2' in text, text[-2000:]
+            assert f'kvd_tenant_cached_prompt_tokens_total{{tenant="{who}"}} 0' not in text
     finally:
         _stop_checked(h.d)
