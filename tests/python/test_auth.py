@@ -38,6 +38,18 @@ def keygen(d: Path, name: str) -> None:
     subprocess.run([str(BIN_DIR / "kvd-keygen"), "--dir", str(d), name], check=True, capture_output=True)
 
 
+def key_dirs(tmp_path: Path, allowed: tuple[str, ...], others: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """keys/ with a key pair for kvd and each name, allow/ with the allowed names' public keys."""
+    keys, allow = tmp_path / "keys", tmp_path / "allow"
+    keys.mkdir()
+    allow.mkdir()
+    for name in ("kvd", *allowed, *others):
+        keygen(keys, name)
+    for name in allowed:
+        (allow / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    return keys, allow
+
+
 def ask(c: kvd_client.Client, q: int = 0, ns: str | None = None) -> kvd_client.Result:
     return c.generate(messages=[{"role": "system", "content": SYSTEM},
                                 {"role": "user", "content": f"When does hall {q} open?"}],
@@ -73,13 +85,7 @@ def test_tcp_needs_curve_or_insecure(tmp_path: Path) -> None:
 
 
 def test_curve_clients_tenants_and_revocation(tmp_path: Path) -> None:
-    keys, allow = tmp_path / "keys", tmp_path / "allow"
-    keys.mkdir()
-    allow.mkdir()
-    for name in ("kvd", "alice", "carol", "mallory"):
-        keygen(keys, name)
-    for name in ("alice", "carol"):
-        (allow / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    keys, allow = key_dirs(tmp_path, ("alice", "carol"), ("mallory",))
     (allow / "bad name!.key").write_text("not a key\n")          # skipped, with a log line
     ep = f"tcp://127.0.0.1:{free_port()}"
     d = Daemon(tmp_path / "kvd", "--listen", ep, "--curve-secret", str(keys / "kvd.key_secret"),
@@ -164,13 +170,7 @@ def test_tenant_stats_and_queue_limit(tmp_path: Path) -> None:
     """Per-tenant statistics (the operator sees every tenant, a tenant its own
     row) and --tenant-max-queue: one tenant's flood is refused past its limit
     while another tenant is still taken."""
-    keys, allow = tmp_path / "keys", tmp_path / "allow"
-    keys.mkdir()
-    allow.mkdir()
-    for name in ("kvd", "alice", "carol"):
-        keygen(keys, name)
-    for name in ("alice", "carol"):
-        (allow / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    keys, allow = key_dirs(tmp_path, ("alice", "carol"))
     ep = f"tcp://127.0.0.1:{free_port()}"
     d = Daemon(tmp_path / "kvd", "--listen", ep, "--curve-secret", str(keys / "kvd.key_secret"),
                "--clients-allow", str(allow), "--kv-memory", "32MiB", "-w", "1", "--max-batch", "1",
@@ -311,13 +311,7 @@ def test_public_prefix_shared_across_tenants(tmp_path: Path) -> None:
     """--public-prefix: a system prompt the operator marks public is cached
     once for every tenant (the second tenant finds its blocks), while what
     follows it, and any other system prompt, stays each tenant's own."""
-    keys, allow = tmp_path / "keys", tmp_path / "allow"
-    keys.mkdir()
-    allow.mkdir()
-    for name in ("kvd", "alice", "carol"):
-        keygen(keys, name)
-    for name in ("alice", "carol"):
-        (allow / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    keys, allow = key_dirs(tmp_path, ("alice", "carol"))
     public = tmp_path / "public.txt"
     public.write_text(SYSTEM)
     ep = f"tcp://127.0.0.1:{free_port()}"
