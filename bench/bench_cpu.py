@@ -86,6 +86,24 @@ def cpu_name():
     return "unknown CPU"
 
 
+#: the CPU features the kernels choose a path by (and those a future path would use)
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+                "avx512_bf16", "amx_int8", "asimddp", "i8mm")
+
+
+def cpu_flags():
+    """The kernel-relevant features /proc/cpuinfo lists for the first CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    have = set(line.split(":", 1)[1].split())
+                    return [x for x in KERNEL_FLAGS if x in have]
+    except OSError:
+        pass
+    return []
+
+
 def vm_rss_mib():
     with open("/proc/self/status") as f:
         for line in f:
@@ -424,7 +442,7 @@ def kv_ctx_main(a):
         table_rows[t] = {"kvd_b1": k1, "llama_b1": l1, "kvd_b8": k8, "llama_b8": l8}
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"cpu": cpu_name(), "threads": a.threads, "rounds": a.rounds, "ctx": a.kv_ctx,
+            json.dump({"cpu": cpu_name(), "cpu_flags": cpu_flags(), "threads": a.threads, "rounds": a.rounds, "ctx": a.kv_ctx,
                        "raw": res, "median": table_rows}, f, indent=1)
             f.write("\n")
 
@@ -577,12 +595,14 @@ def main():
               f"{'on' if l0.get('flash_attn') else 'off'}, batch decode through llama_decode with "
               f"n_seq_max 32 ({'unified' if l0.get('kv_unified') else 'per-sequence'} KV)")
     if raw["kvd"]:
-        print(f"kvd: isa {raw['kvd'][0].get('isa')}")
+        flags = " ".join(cpu_flags()) or "none the kernels use"
+        print(f"kvd: isa {raw['kvd'][0].get('isa')} (KVD_ISA={os.environ.get('KVD_ISA', 'unset')}); "
+              f"CPU flags: {flags}")
     sys.stdout.flush()
 
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"cpu": cpu_name(), "threads": a.threads, "rounds": a.rounds,
+            json.dump({"cpu": cpu_name(), "cpu_flags": cpu_flags(), "threads": a.threads, "rounds": a.rounds,
                        "model": a.model, "text": a.text, "cpu_busy_before_runs": busy,
                        "kvd": {"rounds": raw["kvd"], "median": kmed},
                        "llama_cpp": {"rounds": raw["llama_cpp"], "median": lmed},
