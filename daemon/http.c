@@ -100,7 +100,8 @@ static kvd_client_t *client_get(const struct http_server *s, int timeout_ms, cha
     pthread_once(&client_once, client_key_make);
     kvd_client_t *c = pthread_getspecific(client_key);
     if (c == NULL) {
-        c = kvd_client_new(s->endpoint, timeout_ms, err, errlen);
+        /* kvd's own plain socket: no CURVE keys from the environment */
+        c = kvd_client_new_keys(s->endpoint, timeout_ms, NULL, err, errlen);
         if (c == NULL)
             return NULL;
         pthread_setspecific(client_key, c);

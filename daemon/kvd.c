@@ -122,6 +122,8 @@ static void usage(FILE *f)
           "      --clients-allow DIR  clients' public keys, NAME.key each; NAME is the client's\n"
           "                           tenant (its own cache). Read again on SIGHUP\n"
           "      --workers-allow DIR  the public keys of workers that may connect over tcp://\n"
+          "      --curve-ipc          the ipc:// endpoints want CURVE keys too (the HTTP API then\n"
+          "                           reaches kvd on a plain socket of its own)\n"
           "      --insecure           allow tcp:// endpoints without CURVE (anyone who reaches\n"
           "                           them is served)\n"
           "      --tenant-max-queue N requests one tenant may have waiting (default 0: only\n"
@@ -140,7 +142,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
            OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
            OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS, OPT_EVENTS, OPT_TOPIC,
-           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE, OPT_TBLOCKS, OPT_PUBLIC };
+           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE, OPT_TBLOCKS, OPT_PUBLIC, OPT_CURVE_IPC };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -174,6 +176,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "tenant-max-queue", required_argument, NULL, OPT_TQUEUE },
         { "tenant-max-blocks", required_argument, NULL, OPT_TBLOCKS },
         { "public-prefix", required_argument, NULL, OPT_PUBLIC },
+        { "curve-ipc", no_argument, NULL, OPT_CURVE_IPC },
         { "step-tokens", required_argument, NULL, OPT_STEP },
         { "max-batch", required_argument, NULL, OPT_BATCH },
         { "max-queue", required_argument, NULL, OPT_QUEUE },
@@ -269,6 +272,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         case OPT_INSECURE: o->insecure = true; break;
         case OPT_TQUEUE: o->tenant_max_queue = (uint32_t)cli_long(optarg, "--tenant-max-queue", 0, 1 << 20); break;
         case OPT_PUBLIC: o->public_prefix = optarg; break;
+        case OPT_CURVE_IPC: o->curve_ipc = true; break;
         case OPT_TBLOCKS: {
             const size_t n = strlen(optarg);
             o->tenant_max_blocks_pct = n > 1 && optarg[n - 1] == '%';
@@ -289,8 +293,8 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         cli_die("unexpected argument '%s' (see --help)", argv[optind]);
     if (o->api_keys != NULL && o->n_http == 0)
         cli_die("--api-keys goes with --http");
-    if ((o->clients_allow != NULL || o->workers_allow != NULL) && o->curve_secret == NULL)
-        cli_die("--clients-allow and --workers-allow go with --curve-secret");
+    if ((o->clients_allow != NULL || o->workers_allow != NULL || o->curve_ipc) && o->curve_secret == NULL)
+        cli_die("--clients-allow, --workers-allow and --curve-ipc go with --curve-secret");
     if (o->curve_secret != NULL && o->insecure)
         cli_die("--insecure and --curve-secret exclude each other");
     if (o->kv_events_topic != NULL && o->kv_events == NULL)
@@ -681,7 +685,7 @@ static void auth_setup(struct kvd *k)
 static void *listen_socket(struct kvd *k, const char *ep)
 {
     if (strncmp(ep, "tcp://", 6) != 0)
-        return k->clients;
+        return k->o.curve_ipc ? k->clients_curve : k->clients;
     if (k->clients_curve != NULL)
         return k->clients_curve;
     if (!k->o.insecure)
@@ -860,8 +864,8 @@ static void setup(struct kvd *k)
                  (int)getpid());
     }
     /* the HTTP layer reaches kvd as a client over ipc://: the first such endpoint,
-     * else one of its own in the runtime directory */
-    if (first_ipc != NULL) {
+     * else (none, or they want CURVE) one of its own in the runtime directory */
+    if (first_ipc != NULL && !o->curve_ipc) {
         snprintf(k->http_ep, sizeof(k->http_ep), "%s", first_ipc);
     } else if (o->n_http > 0) {
         char path[4096];

@@ -77,6 +77,7 @@ struct kvd_options {
     const char *clients_allow;      /* --clients-allow: clients' public keys (tenants) */
     const char *workers_allow;      /* --workers-allow: remote workers' public keys */
     bool insecure;                  /* --insecure: tcp:// without CURVE allowed */
+    bool curve_ipc;                 /* --curve-ipc: the ipc:// endpoints want CURVE too */
     uint32_t tenant_max_queue;      /* --tenant-max-queue: one tenant's queued requests; 0: no limit */
     uint32_t tenant_max_blocks;     /* --tenant-max-blocks: blocks, or percent of the pool; 0: none */
     bool tenant_max_blocks_pct;     /* ... given as a percentage */

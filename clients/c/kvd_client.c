@@ -320,7 +320,7 @@ kvd_client_t *kvd_client_new_keys(const char *endpoint, int timeout_ms, const st
     c->curve = keys != NULL && keys->server_key != NULL;
     if (c->curve && use_keys(c, keys->server_key, keys->client_cert, err, errlen) != 0)
         goto fail;
-    if ((c->curve || strncmp(endpoint, "tcp://", 6) == 0) && watch_handshakes(c, err, errlen) != 0)
+    if (watch_handshakes(c, err, errlen) != 0)     /* wherever kvd may want keys */
         goto fail;
     if (zmq_connect(c->sock, endpoint) != 0) {
         kvd_seterr(err, errlen, KVD_EINVAL, "malformed endpoint '%s': %s", endpoint,

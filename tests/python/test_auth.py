@@ -9,6 +9,7 @@ next connection; plain tcp:// needs an explicit --insecure."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -338,5 +339,41 @@ def test_public_prefix_shared_across_tenants(tmp_path: Path) -> None:
                                          {"role": "user", "content": "When does hall 1 open?"}],
                                max_tokens=2, temperature=0)
             assert other.usage.cached_prompt_tokens == 0
+    finally:
+        _stop_checked(d)
+
+
+def test_curve_on_ipc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--curve-ipc: the ipc:// endpoint wants CURVE keys too (a client without
+    them fails with AuthenticationFailed, one with an allowed key is served
+    under its tenant), while the HTTP API reaches kvd on a plain socket of
+    its own and keeps working."""
+    import http.client
+
+    keys, allow = key_dirs(tmp_path, ("alice",))
+    # the fixture's own readiness checks and these clients take keys from the environment
+    monkeypatch.setenv("KVD_CURVE_SERVER_KEY", str(keys / "kvd.key"))
+    monkeypatch.setenv("KVD_CURVE_CERT", str(keys / "alice.key_secret"))
+    port = free_port()
+    d = Daemon(tmp_path / "kvd", "--curve-secret", str(keys / "kvd.key_secret"), "--clients-allow", str(allow),
+               "--curve-ipc", "--http", f"127.0.0.1:{port}", "--kv-memory", "32MiB", "-w", "1")
+    try:
+        d.measure_patience()
+        with kvd_client.Client(d.endpoint, timeout=d.patience) as a:
+            assert ask(a, 1).usage.completion_tokens == 4
+            assert [t.name for t in a.stats().tenants] == ["alice"]
+        monkeypatch.delenv("KVD_CURVE_CERT")
+        with pytest.raises(kvd_client.AuthenticationFailed, match="wants CURVE keys"):
+            with kvd_client.Client(d.endpoint, timeout=d.patience) as plain:
+                plain.health()
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=d.patience)
+        try:
+            c.request("POST", "/v1/completions", body=json.dumps({"prompt": "Hello", "max_tokens": 2}),
+                      headers={"Content-Type": "application/json"})
+            r = c.getresponse()
+            body = json.loads(r.read())
+        finally:
+            c.close()
+        assert r.status == 200 and body["usage"]["completion_tokens"] == 2, body
     finally:
         _stop_checked(d)

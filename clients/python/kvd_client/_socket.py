@@ -1,6 +1,7 @@
 """The one ZeroMQ socket every kvd client (blocking or asyncio) talks over:
 set up and connected the same way, with CURVE keys when given and a monitor
-of failed handshakes where one can fail (keys, or a tcp:// endpoint)."""
+of failed handshakes (kvd may want keys on any endpoint: tcp://, or ipc://
+with --curve-ipc)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ S = TypeVar("S", bound="zmq.Socket[Any]")
 
 def open_dealer(ctx: zmq.Context[S], endpoint: str,
                 keys: tuple[bytes, bytes, bytes] | None) -> tuple[S, S | None]:
-    """A DEALER of ctx connected to endpoint, and its handshake monitor (or
-    None); ValueError when it cannot connect (a malformed endpoint)."""
+    """A DEALER of ctx connected to endpoint, and its handshake monitor;
+    ValueError when it cannot connect (a malformed endpoint)."""
     sock = ctx.socket(zmq.DEALER)
     mon: S | None = None
     try:
@@ -29,10 +30,9 @@ def open_dealer(ctx: zmq.Context[S], endpoint: str,
         sock.setsockopt(zmq.MAXMSGSIZE, _wire.MAX_FRAME)
         if keys is not None:
             sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
-        if keys is not None or endpoint.startswith("tcp://"):
-            # a refused key, or a kvd that wants keys, shows as a failed
-            # handshake: AuthenticationFailed, not a Timeout
-            mon = sock.get_monitor_socket(sum(_wire.HANDSHAKE_FAILED))
+        # a refused key, or a kvd that wants keys, shows as a failed
+        # handshake: AuthenticationFailed, not a Timeout
+        mon = sock.get_monitor_socket(sum(_wire.HANDSHAKE_FAILED))
         sock.connect(endpoint)
     except zmq.ZMQError as e:
         if mon is not None:
