@@ -133,6 +133,10 @@ static void usage(FILE *f)
           "      --tenant-max-blocks N|P%  KV blocks one tenant may hold, cached ones included\n"
           "                           (a count, or a share of the pool); past it a tenant's new\n"
           "                           blocks evict its own (default 0: no limit)\n"
+          "      --dispatch prefix|round-robin  where a request runs when workers of other\n"
+          "                           hosts (kvd-worker --host) have joined: the host whose pool\n"
+          "                           holds most of its prompt, then the least loaded worker\n"
+          "                           there (default), or each free worker in turn\n"
           "  -v, --verbose\n",
           f);
 }
@@ -142,7 +146,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
            OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
            OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS, OPT_EVENTS, OPT_TOPIC,
-           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE, OPT_TBLOCKS, OPT_PUBLIC, OPT_CURVE_IPC };
+           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE, OPT_TBLOCKS, OPT_PUBLIC, OPT_CURVE_IPC, OPT_DISPATCH };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -176,6 +180,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "tenant-max-queue", required_argument, NULL, OPT_TQUEUE },
         { "tenant-max-blocks", required_argument, NULL, OPT_TBLOCKS },
         { "public-prefix", required_argument, NULL, OPT_PUBLIC },
+        { "dispatch", required_argument, NULL, OPT_DISPATCH },
         { "curve-ipc", no_argument, NULL, OPT_CURVE_IPC },
         { "step-tokens", required_argument, NULL, OPT_STEP },
         { "max-batch", required_argument, NULL, OPT_BATCH },
@@ -272,6 +277,14 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         case OPT_INSECURE: o->insecure = true; break;
         case OPT_TQUEUE: o->tenant_max_queue = (uint32_t)cli_long(optarg, "--tenant-max-queue", 0, 1 << 20); break;
         case OPT_PUBLIC: o->public_prefix = optarg; break;
+        case OPT_DISPATCH:
+            if (strcmp(optarg, "prefix") == 0)
+                o->dispatch_rr = false;
+            else if (strcmp(optarg, "round-robin") == 0)
+                o->dispatch_rr = true;
+            else
+                cli_die("--dispatch: prefix or round-robin, not %s", optarg);
+            break;
         case OPT_CURVE_IPC: o->curve_ipc = true; break;
         case OPT_TBLOCKS: {
             const size_t n = strlen(optarg);
@@ -800,6 +813,7 @@ static void setup(struct kvd *k)
         cli_die("%s", err);
     if (note[0])
         kvd_log(k, "pool %s: %s", k->pool_name, note);
+    hosts_init(k);
     if (o->public_prefix != NULL)
         public_prefix_setup(k);
     if (o->tenant_max_blocks > 0) {
@@ -1177,6 +1191,7 @@ int main(int argc, char **argv)
     if (k->o.kv_events != NULL && strncmp(k->o.kv_events, "ipc://", 6) == 0)
         unlink(k->o.kv_events + 6);
     restorer_destroy(&k->restorer);    /* every copy collected by req_release_all */
+    hosts_fini(k);
     prefix_destroy(&k->px);
     disk_tier_close(&k->disk);     /* what is queued is written first */
     tier_destroy(&k->tier);

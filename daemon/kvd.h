@@ -34,6 +34,8 @@
 #include "wire.h"
 
 #define KVD_MAX_WORKERS 64
+#define KVD_MAX_HOSTS 32         /* kvd's own pool and 31 other hosts' */
+#define KVD_HOST_NAME_MAX 63
 #define KVD_MAX_LISTEN 8
 #define KVD_MAX_HTTP 4
 #define KVD_RID_MAX 256          /* bytes of a ZeroMQ routing id (a client's: one more, first,
@@ -82,6 +84,34 @@ struct kvd_options {
     uint32_t tenant_max_blocks;     /* --tenant-max-blocks: blocks, or percent of the pool; 0: none */
     bool tenant_max_blocks_pct;     /* ... given as a percentage */
     const char *public_prefix;      /* --public-prefix: a system prompt every tenant shares */
+    bool dispatch_rr;               /* --dispatch round-robin: workers in turn, not by cached prefix */
+};
+
+/* A lost worker's sequence on another host: its blocks stay taken until the
+ * worker has surely stopped writing them (it fences itself after fence_ms
+ * without word from kvd, and kvd stops talking to it when it is lost). */
+struct kvd_fenced {
+    struct prefix_seq ps;
+    double until;                   /* ms */
+    struct kvd_fenced *next;
+};
+
+/* A pool kvd dispatches to. hosts[0] is kvd's own (pool, px: also k->pool and
+ * k->px, with the tiers and the block events); the others are other hosts'
+ * (workers started there with kvd-worker --host NAME): kvd keeps the metadata
+ * and index of each (an anonymous POOL_KV_REMOTE pool of as many blocks), the
+ * host its K/V data. A host's record is one instance of its pool; it is
+ * dropped, with its index, when its last worker is lost. */
+struct kvd_host {
+    bool used;
+    char name[KVD_HOST_NAME_MAX + 1];   /* "" for kvd's own */
+    uint64_t instance;              /* its pool's instance (another host's) */
+    pool_t *pool;
+    prefix_t *px;
+    uint32_t fence_ms;              /* its workers' --fence-ms (the longest seen) */
+    double tomb_until;              /* dropped (used false): its pool is refused until then */
+    struct kvd_fenced *fenced;
+    uint64_t requests, prompt_tokens, cached_prompt_tokens;
 };
 
 /* A tenant: a CURVE client's key name, or the NAME of a namespace
@@ -109,6 +139,7 @@ struct request {
     size_t rid_len;
     enum req_state state;
     int worker;                     /* index into kvd.workers while RUNNING/STOPPING, else -1 */
+    int host;                       /* index into kvd.hosts of the pool that ps is in */
     /* what to run */
     Kvd__SamplingParams sampling;   /* copied (no pointers) */
     uint32_t max_tokens;
@@ -157,6 +188,7 @@ struct request {
 struct worker {
     bool used;                      /* slot in use */
     uint32_t id;                    /* worker id (its --id) */
+    int host;                       /* index into kvd.hosts: the pool it computes into */
     pid_t pid;                      /* process (from Ready) */
     bool spawned;                   /* kvd started it (and restarts it) */
     bool alive;                     /* registered and not declared dead */
@@ -219,7 +251,11 @@ struct kvd {
     char gpu_sock[108];             /* its path (a sockaddr_un's sun_path) */
     char gpu_name[96];              /* --gpu: the device's name */
     uint64_t gpu_free;              /* --gpu: its free memory when kvd started */
-    prefix_t *px;
+    prefix_t *px;                   /* hosts[0].px */
+    struct kvd_host hosts[KVD_MAX_HOSTS];
+    uint64_t hosts_lost;            /* other hosts' records dropped with their last worker */
+    uint32_t rr_next;               /* --dispatch round-robin: the next worker to try */
+    double last_ping;               /* ms: the last Ping to other hosts' workers */
     tier_t *tier;                   /* --host-cache: the host tier below the pool, else NULL */
     disk_tier_t *disk;              /* --cache-dir: the disk tier below it, else NULL */
     double restore_ns_block;        /* measured: restoring one block from the host tier (0: not yet) */
@@ -309,6 +345,22 @@ int workers_alive(const struct kvd *k);
 bool workers_can_come_back(const struct kvd *k);
 void workers_stop(struct kvd *k);
 int workers_send(struct kvd *k, int w, Kvdw__ToWorker *m);
+
+/* hosts.c: other hosts' pools */
+void hosts_init(struct kvd *k);
+/* A remote worker's Ready: the index of its pool's record (made now when new),
+ * or -1 with the reason logged. */
+int hosts_join(struct kvd *k, const Kvdw__Ready *r);
+/* Worker w of host h was lost: hold ps (moved out, leaving it empty with its
+ * settings) until the worker has surely stopped writing into its blocks. */
+void hosts_fence(struct kvd *k, int h, struct prefix_seq *ps);
+/* After a worker was lost: drops host h when no worker of it is alive. */
+void hosts_check(struct kvd *k, int h);
+/* Fenced blocks whose time has come are released; pings to remote workers. */
+void hosts_tick(struct kvd *k);
+uint32_t hosts_workers(const struct kvd *k, int h);
+uint32_t hosts_fenced_blocks(const struct kvd_host *h);
+void hosts_fini(struct kvd *k);
 
 /* gpu.c: the pool's device memory and the socket that hands it to workers */
 void gpu_probe(struct kvd *k);

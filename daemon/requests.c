@@ -152,6 +152,12 @@ static struct request *find_client(struct kvd *k, const uint8_t *rid, size_t rid
     return NULL;
 }
 
+/* The prefix cache of the pool that r's blocks are in (kvd.h: struct kvd_host). */
+static prefix_t *px_of(const struct kvd *k, const struct request *r)
+{
+    return k->hosts[r->host].px;
+}
+
 static void req_free(struct request *r)
 {
     for (size_t i = 0; i < r->n_stops; i++)
@@ -402,7 +408,7 @@ static void stop_request(struct kvd *k, struct request *r, int why, int fail_cod
     if (!r->finish)
         r->finish = why;
     if (r->state == REQ_QUEUED || r->state == REQ_WAITING) {
-        prefix_seq_release(k->px, &r->ps);     /* a prefix back from the tiers */
+        prefix_seq_release(px_of(k, r), &r->ps);     /* a prefix back from the tiers */
         dequeue(k, r);
         finish(k, r);
     } else if (r->state == REQ_RESTORING) {
@@ -782,19 +788,97 @@ static bool suspect(const struct request *r)
     return r->workers_lost >= SUSPECT_AFTER;
 }
 
-static int pick_worker(struct kvd *k, const struct request *r)
+static bool can_take(const struct worker *w, const struct request *r)
+{
+    if (!w->used || !w->alive || w->draining || w->running >= w->max_batch || w->isolating)
+        return false;
+    return !(suspect(r) && w->running > 0);
+}
+
+/* The least loaded worker of host h that can take r, or -1. */
+static int pick_worker(struct kvd *k, const struct request *r, int h)
 {
     int best = -1;
     for (int i = 0; i < KVD_MAX_WORKERS; i++) {
         const struct worker *w = &k->workers[i];
-        if (!w->used || !w->alive || w->draining || w->running >= w->max_batch || w->isolating)
-            continue;
-        if (suspect(r) && w->running > 0)
+        if (w->host != h || !can_take(w, r))
             continue;
         if (best < 0 || w->running < k->workers[best].running)
             best = i;
     }
     return best;
+}
+
+/* Where r runs: a worker (or -1), its host in r->host. r's blocks, once it
+ * holds some (a prefix back from the tiers), tie it to their pool. Else the
+ * host whose pool holds the longest cached prefix of r, among those with a
+ * worker free, then the least loaded worker there (--dispatch round-robin:
+ * the next free worker, wherever), unless that worker is far busier than
+ * another's. A pool too small for r is passed over. */
+static int pick(struct kvd *k, struct request *r)
+{
+    if (r->ps.n_blocks > 0)
+        return pick_worker(k, r, r->host);
+    const uint64_t bt = k->o.block_tokens;
+    if (k->o.dispatch_rr) {
+        for (int n = 0; n < KVD_MAX_WORKERS; n++) {
+            const int i = (int)((k->rr_next + (uint32_t)n) % KVD_MAX_WORKERS);
+            const struct worker *w = &k->workers[i];
+            if (!can_take(w, r) ||
+                (uint64_t)pool_header(k->hosts[w->host].pool)->n_blocks * bt < r->n_tok + 1ull)
+                continue;
+            k->rr_next = (uint32_t)i + 1;
+            r->host = w->host;
+            return i;
+        }
+        return -1;
+    }
+    int best = -1, n_cand = 0;
+    uint32_t best_hit = 0;
+    int cand[KVD_MAX_HOSTS];
+    for (int h = 0; h < KVD_MAX_HOSTS; h++) {
+        cand[h] = -1;
+        if (!k->hosts[h].used ||
+            (uint64_t)pool_header(k->hosts[h].pool)->n_blocks * bt < r->n_tok + 1ull)
+            continue;
+        if ((cand[h] = pick_worker(k, r, h)) >= 0)
+            n_cand++;
+    }
+    for (int h = 0; h < KVD_MAX_HOSTS; h++) {
+        if (cand[h] < 0)
+            continue;
+        /* one candidate: no need to look */
+        const uint32_t hit = n_cand > 1 && !r->no_cache
+                                 ? prefix_seq_probe(k->hosts[h].px, &r->ps, r->ns, r->tok, r->n_tok)
+                                 : 0;
+        const struct worker *w = &k->workers[cand[h]], *b = best >= 0 ? &k->workers[cand[best]] : NULL;
+        if (b == NULL || hit > best_hit ||
+            (hit == best_hit && (uint64_t)w->running * b->max_batch < (uint64_t)b->running * w->max_batch)) {
+            best = h;
+            best_hit = hit;
+        }
+    }
+    if (best < 0)
+        return -1;
+    /* a cached prefix is worth a queue, not any queue: past an imbalance of
+     * twice the least loaded candidate's sequences and 4 more, load wins */
+    int idle = best;
+    for (int h = 0; h < KVD_MAX_HOSTS; h++)
+        if (cand[h] >= 0 && k->workers[cand[h]].running < k->workers[cand[idle]].running)
+            idle = h;
+    if (k->workers[cand[best]].running > 2 * k->workers[cand[idle]].running + 4)
+        best = idle;
+    r->host = best;
+    return cand[best];
+}
+
+/* Requests running on host h now. */
+static uint32_t host_active(const struct kvd *k, int h)
+{
+    uint32_t n = 0;
+    for (const struct request *q = k->active; q; q = q->next)
+        n += q->host == h;
+    return n;
 }
 
 /* Positions to hold blocks for: the history, the next token, and a block of
@@ -861,10 +945,10 @@ static void wake_waiters(struct kvd *k)
  * and nothing pending was met after it, else to begin again. */
 static void restore_finish(struct kvd *k, struct request *r)
 {
-    const bool whole = prefix_seq_restored(k->px, &r->ps, r->tok, r->restore_bad);
+    const bool whole = prefix_seq_restored(px_of(k, r), &r->ps, r->tok, r->restore_bad);
     r->state = REQ_QUEUED;
     if (!whole || r->restore_wait || r->finish || r->failed) {
-        prefix_seq_release(k->px, &r->ps);
+        prefix_seq_release(px_of(k, r), &r->ps);
         r->rest_host = r->rest_disk = 0;    /* what comes back next is found in the pool */
     }
     r->restore_bad = UINT32_MAX;
@@ -908,20 +992,21 @@ void req_on_restored(struct kvd *k)
  * never fit). */
 static int start(struct kvd *k, struct request *r)
 {
-    int w = pick_worker(k, r);
+    int w = pick(k, r);
     if (w < 0)
         return 0;
+    prefix_t *px = px_of(k, r);
     uint32_t wait = POOL_NONE;
     int64_t cached;
     k->got_host = k->got_disk = 0;     /* counted by the tiers' synchronous fetch */
     if (r->ps.n_blocks > 0) {
         cached = (int64_t)r->ps.n_cached * k->o.block_tokens;   /* back from the tiers */
     } else if (r->no_cache) {
-        cached = prefix_seq_begin(k->px, &r->ps, r->ns, r->tok, 0, NULL);
+        cached = prefix_seq_begin(px, &r->ps, r->ns, r->tok, 0, NULL);
         r->ps.chain_open = false; /* nothing it computes is indexed either */
     } else {
         k->restore_for = r;
-        cached = prefix_seq_begin(k->px, &r->ps, r->ns, r->tok, r->n_tok, &wait);
+        cached = prefix_seq_begin(px, &r->ps, r->ns, r->tok, r->n_tok, &wait);
         k->restore_for = NULL;
         if (cached >= 0 && r->ps.n_restoring > 0) {
             /* copies run on the restore thread: it goes on when they are done */
@@ -936,20 +1021,20 @@ static int start(struct kvd *k, struct request *r)
         return 0;
     if (wait != POOL_NONE && !r->no_cache) {
         /* another request is computing the next block of this prefix: wait for it */
-        prefix_seq_release(k->px, &r->ps);
+        prefix_seq_release(px, &r->ps);
         r->state = REQ_WAITING;
         return 0;
     }
-    int rc = prefix_seq_grow(k->px, &r->ps,
+    int rc = prefix_seq_grow(px, &r->ps,
                              lease_cap(k, r, (uint64_t)cached, want_positions(k, r->n_tok + 1ull)),
                              r->tok, r->no_cache ? 0 : r->n_tok);
     if (rc == KVD_ENOSPACE)
-        rc = prefix_seq_grow(k->px, &r->ps, lease_cap(k, r, (uint64_t)cached, r->n_tok + 1ull), r->tok,
+        rc = prefix_seq_grow(px, &r->ps, lease_cap(k, r, (uint64_t)cached, r->n_tok + 1ull), r->tok,
                              r->no_cache ? 0 : r->n_tok);
     if (rc != 0) {
-        prefix_seq_release(k->px, &r->ps);
-        if (k->n_active == 0) {
-            /* nothing will free blocks: it can never run */
+        prefix_seq_release(px, &r->ps);
+        if (host_active(k, r->host) == 0 && k->hosts[r->host].fenced == NULL) {
+            /* nothing will free blocks there: it can never run */
             stop_request(k, r, 0, KVD__ERROR_CODE__ERR_TOO_LONG,
                          "the KV pool cannot hold this sequence");
             return -1;
@@ -965,7 +1050,7 @@ static int start(struct kvd *k, struct request *r)
     a.n_cached = (uint32_t)cached;
     uint32_t *flat = NULL;
     if ((a.blocks = wire_blocks(&r->ps, 0, &a.n_blocks, &flat)) == NULL) {
-        prefix_seq_release(k->px, &r->ps);
+        prefix_seq_release(px, &r->ps);
         return 0;   /* out of memory: try again later */
     }
     a.sampling = &r->sampling;
@@ -996,6 +1081,10 @@ static int start(struct kvd *k, struct request *r)
         k->st.host_cached_prompt_tokens += r->n_host;
         k->st.disk_cached_prompt_tokens += r->n_disk;
     }
+    struct kvd_host *host = &k->hosts[r->host];
+    host->requests++;
+    host->prompt_tokens += r->n_prompt;
+    host->cached_prompt_tokens += (uint64_t)cached;
     struct worker *wk = &k->workers[w];
     if (wk->running++ == 0)
         wk->last_progress = cli_now_ms();
@@ -1037,7 +1126,7 @@ static void commit(struct kvd *k, struct request *r, uint32_t n_written)
         return;
     if (r->worker >= 0)
         k->workers[r->worker].tokens += n_written - r->n_written; /* positions it computed */
-    if (prefix_seq_commit(k->px, &r->ps, r->tok, n_written) != 0)
+    if (prefix_seq_commit(px_of(k, r), &r->ps, r->tok, n_written) != 0)
         kvd_log(k, "request %llu: committed blocks differ from the tokens promised",
                 (unsigned long long)r->seq_id);
     r->n_written = n_written;
@@ -1155,7 +1244,7 @@ static bool preempt_for(struct kvd *k, struct request *r)
     struct request *young = NULL;
     int running = 0;
     for (struct request *q = k->active; q; q = q->next) {
-        if (q->state != REQ_RUNNING || q->preempted)
+        if (q->state != REQ_RUNNING || q->preempted || q->host != r->host)
             continue;
         running++;
         if (young == NULL || q->t_arrival > young->t_arrival)
@@ -1201,10 +1290,10 @@ void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions)
     const int32_t *known = r->no_cache ? NULL : r->tok;
     uint64_t n_known = r->no_cache ? 0 : r->n_tok;
     n_positions = (uint32_t)lease_cap(k, r, r->n_written, n_positions);
-    int rc = prefix_seq_grow(k->px, &r->ps, lease_cap(k, r, r->n_written, want_positions(k, n_positions)),
+    int rc = prefix_seq_grow(px_of(k, r), &r->ps, lease_cap(k, r, r->n_written, want_positions(k, n_positions)),
                              known, n_known);
     if (rc == KVD_ENOSPACE)
-        rc = prefix_seq_grow(k->px, &r->ps, n_positions, known, n_known);
+        rc = prefix_seq_grow(px_of(k, r), &r->ps, n_positions, known, n_known);
     if (rc == 0) {
         if (r->ps.n_blocks > before)
             grant(k, r, before);
@@ -1231,7 +1320,7 @@ static void retry_leases(struct kvd *k)
         if (r->lease_want == 0 || r->state != REQ_RUNNING)
             continue;
         uint32_t before = r->ps.n_blocks;
-        int rc = prefix_seq_grow(k->px, &r->ps, r->lease_want, r->no_cache ? NULL : r->tok,
+        int rc = prefix_seq_grow(px_of(k, r), &r->ps, r->lease_want, r->no_cache ? NULL : r->tok,
                                  r->no_cache ? 0 : r->n_tok);
         if (rc == 0) {
             unstarve(k, r);
@@ -1258,7 +1347,7 @@ static void let_go(struct kvd *k, struct request *r, int reason, const char *err
         k->workers[r->worker].isolating = false;
     unstarve(k, r);
     r->worker = -1;
-    prefix_seq_release(k->px, &r->ps);
+    prefix_seq_release(px_of(k, r), &r->ps);    /* (nothing when fenced: hosts_fence) */
     wake_waiters(k);
     bool resume = r->preempted || reason < 0;
     if (resume && !r->finish && !r->failed) {
@@ -1319,6 +1408,8 @@ void req_on_worker_lost(struct kvd *k, int w)
                 snprintf(r->fail_msg, sizeof(r->fail_msg),
                          "%u workers died while serving this request; not retried again", r->workers_lost);
             }
+            if (k->workers[w].host > 0)
+                hosts_fence(k, r->host, &r->ps);   /* another host's worker may still write */
             let_go(k, r, -1, NULL); /* resumes elsewhere unless it was stopping or failed */
         }
         r = next;
@@ -1350,8 +1441,21 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
     /* what the index holds now is in the batches counted below: none waits for the loop's flush */
     if (k->events != NULL)
         kv_events_flush(k->events);
-    struct prefix_stats ps;
+    /* the totals are over every host's pool; the rows below say which holds what */
+    struct prefix_stats ps, hs[KVD_MAX_HOSTS];
     prefix_stats(k->px, &ps);
+    hs[0] = ps;
+    for (int h = 1; h < KVD_MAX_HOSTS; h++) {
+        if (!k->hosts[h].used)
+            continue;
+        prefix_stats(k->hosts[h].px, &hs[h]);
+        ps.n_blocks += hs[h].n_blocks;
+        ps.n_free += hs[h].n_free;
+        ps.n_cached += hs[h].n_cached;
+        ps.n_used += hs[h].n_used;
+        ps.n_pending += hs[h].n_pending;
+        ps.evictions += hs[h].evictions;
+    }
     Kvd__ServerReply m = KVD__SERVER_REPLY__INIT;
     Kvd__Stats s = KVD__STATS__INIT;
     Kvd__WorkerStats ws[KVD_MAX_WORKERS], *wp[KVD_MAX_WORKERS];
@@ -1433,7 +1537,10 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
             ts->cached_prompt_tokens = t->cached_prompt_tokens;
             ts->queued = t->queued;
             ts->running = t->running;
-            ts->blocks_held = prefix_owned(k->px, (uint16_t)(i + 1));
+            ts->blocks_held = 0;
+            for (int h = 0; h < KVD_MAX_HOSTS; h++)
+                if (k->hosts[h].used)
+                    ts->blocks_held += prefix_owned(k->hosts[h].px, (uint16_t)(i + 1));
             ts->refused = t->refused;
             tptrs[s.n_tenants++] = ts;
         }
@@ -1491,12 +1598,38 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
         x.running = w->running;
         x.tokens = w->tokens;
         x.restarts = w->restarts;
+        x.host = k->hosts[w->host].name;
         ws[n] = x;
         wp[n] = &ws[n];
         n++;
     }
     s.workers = wp;
     s.n_workers = n;
+    Kvd__HostStats hrow[KVD_MAX_HOSTS], *hptr[KVD_MAX_HOSTS];
+    s.has_hosts_lost = true;
+    s.hosts_lost = k->hosts_lost;
+    for (int hi = 0; hi < KVD_MAX_HOSTS && tenant == NULL; hi++) {
+        const struct kvd_host *ho = &k->hosts[hi];
+        if (!ho->used)
+            continue;
+        Kvd__HostStats *x = &hrow[s.n_hosts];
+        kvd__host_stats__init(x);
+        x->name = (char *)ho->name;
+        x->has_workers = x->has_blocks_total = x->has_blocks_free = x->has_blocks_cached = true;
+        x->has_blocks_in_use = x->has_requests = x->has_prompt_tokens = true;
+        x->has_cached_prompt_tokens = x->has_blocks_fenced = true;
+        x->workers = hosts_workers(k, hi);
+        x->blocks_total = hs[hi].n_blocks;
+        x->blocks_free = hs[hi].n_free;
+        x->blocks_cached = hs[hi].n_cached;
+        x->blocks_in_use = hs[hi].n_used;
+        x->requests = ho->requests;
+        x->prompt_tokens = ho->prompt_tokens;
+        x->cached_prompt_tokens = ho->cached_prompt_tokens;
+        x->blocks_fenced = hosts_fenced_blocks(ho);
+        hptr[s.n_hosts++] = x;
+    }
+    s.hosts = hptr;
     s.has_kv_event_batches = k->events != NULL;
     s.kv_event_batches = k->events ? kv_events_batches(k->events) : 0;
     struct hash_list hl = { 0 };

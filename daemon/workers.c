@@ -175,7 +175,7 @@ static void lose(struct kvd *k, int i, const char *why)
 {
     struct worker *w = &k->workers[i];
     bool was_alive = w->alive;
-    if (w->pid > 0) {
+    if (w->pid > 0 && w->host == 0) {
         kill(w->pid, SIGKILL); /* a hung or stopped worker must never write again */
         if (pool_kv_device(k->pool) >= 0 && was_alive)
             wait_gone(k, w);
@@ -187,6 +187,7 @@ static void lose(struct kvd *k, int i, const char *why)
     w->running = 0;
     w->isolating = false;
     w->starved = 0;
+    hosts_check(k, w->host);
     if (w->spawned && !k->draining && !w->unusable &&
         (k->o.max_restarts < 0 || (int)w->restarts < k->o.max_restarts)) {
         double backoff = 200.0 * (1u << (w->restarts < 5 ? w->restarts : 5));
@@ -239,6 +240,7 @@ void workers_reap(struct kvd *k)
 
 void workers_tick(struct kvd *k)
 {
+    hosts_tick(k);
     double now = cli_now_ms();
     for (int i = 0; i < KVD_MAX_WORKERS; i++) {
         struct worker *w = &k->workers[i];
@@ -289,10 +291,15 @@ static void on_ready(struct kvd *k, const uint8_t *rid, size_t len, uint32_t id,
         k->st.bad_messages++;
         return;
     }
+    const bool remote = r->host != NULL && r->host[0] != '\0';
     int slot = -1;
     for (int i = 0; i < KVD_MAX_WORKERS && slot < 0; i++)
         if (k->workers[i].used && k->workers[i].id == id)
             slot = i;
+    if (slot >= 0 && remote && k->workers[slot].spawned) {
+        kvd_log(k, "worker %u (host %s): refused: kvd starts the worker of that id here", id, r->host);
+        return;
+    }
     if (slot >= 0 && k->workers[slot].alive) {
         kvd_log(k, "worker %u (pid %d): refused: id in use by pid %d", id, (int)r->pid,
                 (int)k->workers[slot].pid);
@@ -310,7 +317,13 @@ static void on_ready(struct kvd *k, const uint8_t *rid, size_t len, uint32_t id,
         k->workers[slot].used = true;
         k->workers[slot].id = id;
     }
+    int host = 0;
+    if (remote && (host = hosts_join(k, r)) < 0) {
+        kvd_log(k, "worker %u (host %s): refused", id, r->host);
+        return;
+    }
     struct worker *w = &k->workers[slot];
+    w->host = host;
     if (w->spawned && w->pid != r->pid)
         kvd_log(k, "worker %u: ready from pid %d (started as %d)", id, (int)r->pid, (int)w->pid);
     w->pid = r->pid;
@@ -324,7 +337,10 @@ static void on_ready(struct kvd *k, const uint8_t *rid, size_t len, uint32_t id,
     w->starved = 0;
     w->progress = 0;
     w->last_heartbeat = w->last_progress = cli_now_ms();
-    kvd_log(k, "worker %u (pid %d): ready", id, (int)r->pid);
+    if (remote)
+        kvd_log(k, "worker %u (pid %d on host %s): ready", id, (int)r->pid, r->host);
+    else
+        kvd_log(k, "worker %u (pid %d): ready", id, (int)r->pid);
 }
 
 void workers_on_message(struct kvd *k, const uint8_t *rid, size_t rid_len, const void *buf,

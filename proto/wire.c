@@ -792,6 +792,20 @@ static int check_ready(const Kvdw__Ready *r, char *err, size_t errlen)
         return missing("ready", "max_batch", err, errlen);
     if (r->max_batch < 1)
         return kvd_seterr(err, errlen, KVD_ERANGE, "ready.max_batch = 0 is below 1");
+    if (r->host != NULL && r->host[0] != '\0') {
+        size_t n = strlen(r->host);
+        if (n > 63)
+            return kvd_seterr(err, errlen, KVD_ERANGE, "ready.host is %zu bytes, over 63", n);
+        for (size_t i = 0; i < n; i++)
+            if ((unsigned char)r->host[i] <= ' ' || (unsigned char)r->host[i] >= 0x7f || r->host[i] == '"' ||
+                r->host[i] == '\\')
+                return kvd_seterr(err, errlen, KVD_EFORMAT,
+                                  "ready.host may hold printable ASCII without spaces, quotes or backslashes");
+        if (!r->has_pool_instance || r->pool_instance == 0)
+            return missing("ready", "pool_instance", err, errlen);
+        if (!r->has_pool_blocks || r->pool_blocks < 1 || r->pool_blocks == UINT32_MAX)
+            return missing("ready", "pool_blocks", err, errlen);
+    }
     return 0;
 }
 
@@ -910,6 +924,10 @@ int wire_check_to_worker(const Kvdw__ToWorker *m, char *err, size_t errlen)
         return 0;
     case KVDW__TO_WORKER__BODY_DRAIN:
         if (m->drain == NULL)
+            break;
+        return 0;
+    case KVDW__TO_WORKER__BODY_PING:
+        if (m->ping == NULL)
             break;
         return 0;
     default:

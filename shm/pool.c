@@ -120,6 +120,12 @@ static bool params_on_device(const struct pool_params *p)
     return p->kv_where == POOL_KV_DEVICE;
 }
 
+/* The segment holds the metadata alone: the KV data is on a device or on another host. */
+static bool params_meta_only(const struct pool_params *p)
+{
+    return p->kv_where == POOL_KV_DEVICE || p->kv_where == POOL_KV_REMOTE;
+}
+
 /* A layout whose parts were left zero (made by hand, for a model without
  * windows) means one part of all layers: *buf with that, else lay itself. */
 static const struct pool_layout *layout_norm(const struct pool_layout *lay, struct pool_layout *buf)
@@ -139,10 +145,13 @@ int pool_plan(const struct pool_layout *lay, const struct pool_params *p,
     int rc = layout_check(lay, err, errlen);
     if (rc)
         return rc;
-    if (p->kv_where != 0 && p->kv_where != POOL_KV_HOST && p->kv_where != POOL_KV_DEVICE)
+    if (p->kv_where != 0 && p->kv_where != POOL_KV_HOST && p->kv_where != POOL_KV_DEVICE &&
+        p->kv_where != POOL_KV_REMOTE)
         return kvd_seterr(err, errlen, KVD_EINVAL, "pool: unknown KV location %u", p->kv_where);
-    bool dev = params_on_device(p);
-    if (dev && (p->kv_device < 0 || p->kv_device > MAX_DEVICE))
+    if (p->kv_where == POOL_KV_REMOTE && p->name != NULL)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "pool: a remote host's pool has no name here");
+    bool dev = params_meta_only(p);
+    if (params_on_device(p) && (p->kv_device < 0 || p->kv_device > MAX_DEVICE))
         return kvd_seterr(err, errlen, KVD_EINVAL, "pool: device %d is out of range (0..%d)",
                           p->kv_device, MAX_DEVICE);
     uint64_t bb = layout_block_bytes(lay);
@@ -188,7 +197,7 @@ int pool_plan(const struct pool_layout *lay, const struct pool_params *p,
     cap->n_tokens = n * lay->block_tokens;
     cap->total_bytes = h.total_bytes;
     cap->data_bytes = h.kv_bytes;
-    cap->kv_device = dev ? p->kv_device : -1;
+    cap->kv_device = params_on_device(p) ? p->kv_device : -1;
     return 0;
 }
 
@@ -273,9 +282,10 @@ static int header_check(const struct pool_header *h, uint64_t size, const struct
                           lay->parts.part_layers);
     if (h->n_blocks == 0 || h->n_blocks == UINT32_MAX)
         return kvd_seterr(err, errlen, KVD_EFORMAT, "corrupt header (block count %u)", h->n_blocks);
-    bool dev = h->kv_where == POOL_KV_DEVICE;
+    bool dev = h->kv_where == POOL_KV_DEVICE || h->kv_where == POOL_KV_REMOTE;
     if (!(h->kv_where == POOL_KV_HOST && h->kv_device == -1) &&
-        !(dev && h->kv_device >= 0 && h->kv_device <= MAX_DEVICE))
+        !(h->kv_where == POOL_KV_REMOTE && h->kv_device == -1) &&
+        !(h->kv_where == POOL_KV_DEVICE && h->kv_device >= 0 && h->kv_device <= MAX_DEVICE))
         return kvd_seterr(err, errlen, KVD_EFORMAT, "corrupt header (KV location %u, device %d)",
                           h->kv_where, h->kv_device);
     struct pool_header want;
@@ -369,8 +379,8 @@ static int header_init(struct pool_header *h, const struct pool_layout *lay, uin
     h->generation = 1;
     h->layout = *lay;
     bool dev = params_on_device(pp);
-    layout_offsets(lay, n, dev, h);
-    h->kv_where = dev ? POOL_KV_DEVICE : POOL_KV_HOST;
+    layout_offsets(lay, n, params_meta_only(pp), h);
+    h->kv_where = dev ? POOL_KV_DEVICE : pp->kv_where == POOL_KV_REMOTE ? POOL_KV_REMOTE : POOL_KV_HOST;
     h->kv_device = dev ? pp->kv_device : -1;
     if (pp->secret != NULL)
         memcpy(h->secret, pp->secret, POOL_SECRET_BYTES);
@@ -482,9 +492,11 @@ static int can_adopt(int fd, const struct pool_layout *lay, uint32_t n_blocks, b
     return ok;
 }
 
-pool_t *pool_create(const struct pool_layout *lay, const struct pool_params *pp,
-                    char *replaced, size_t replaced_len, char *err, size_t errlen)
+/* pool_create; *locked says that it failed because a live owner holds the pool. */
+static pool_t *create(const struct pool_layout *lay, const struct pool_params *pp, char *replaced,
+                      size_t replaced_len, char *err, size_t errlen, bool *locked)
 {
+    *locked = false;
     struct pool_layout lbuf;
     lay = layout_norm(lay, &lbuf);
     struct pool_capacity cap;
@@ -505,7 +517,9 @@ pool_t *pool_create(const struct pool_layout *lay, const struct pool_params *pp,
     bool adopt = false;
     if (pp->name) {
         bool created;
-        if (open_locked(norm, &p->fd, &created, err, errlen) != 0) {
+        int orc = open_locked(norm, &p->fd, &created, err, errlen);
+        if (orc != 0) {
+            *locked = orc == KVD_ESTATE;
             free(p);
             return NULL;
         }
@@ -582,6 +596,13 @@ fail_unlink:
     return NULL;
 }
 
+pool_t *pool_create(const struct pool_layout *lay, const struct pool_params *pp,
+                    char *replaced, size_t replaced_len, char *err, size_t errlen)
+{
+    bool locked;
+    return create(lay, pp, replaced, replaced_len, err, errlen, &locked);
+}
+
 pool_t *pool_attach(const char *name, const struct pool_layout *lay, char *err, size_t errlen)
 {
     struct pool_layout lbuf;
@@ -652,6 +673,38 @@ fail:
     return NULL;
 }
 
+pool_t *pool_join(const char *name, const struct pool_layout *lay, const struct pool_params *pp,
+                  bool *created, char *err, size_t errlen)
+{
+    *created = false;
+    if (name == NULL || (pp->kv_where != 0 && pp->kv_where != POOL_KV_HOST)) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "pool: a host's own pool needs a name and host memory");
+        return NULL;
+    }
+    /* Another worker of this host may be creating it at the same moment: its
+     * lock makes our create fail, and its pool is live a moment later. */
+    for (int attempt = 0; attempt < 50; attempt++) {
+        pool_t *p = pool_attach(name, lay, err, errlen);
+        if (p != NULL)
+            return p;
+        struct pool_params cp = *pp;
+        cp.name = name;
+        cp.reuse = false;
+        cp.unlink_on_close = true;
+        char note[256];
+        bool locked;
+        p = create(lay, &cp, note, sizeof(note), err, errlen, &locked);
+        if (p != NULL) {
+            *created = true;
+            return p;
+        }
+        if (!locked)
+            return NULL;
+        usleep(100000);
+    }
+    return NULL;
+}
+
 void pool_close(pool_t **pp)
 {
     if (pp == NULL || *pp == NULL)
@@ -699,6 +752,8 @@ uint32_t *pool_buckets(const pool_t *p)
 
 void *pool_data(const pool_t *p)
 {
+    if (pool_header(p)->kv_where == POOL_KV_REMOTE)
+        return NULL;
     if (pool_header(p)->kv_where == POOL_KV_DEVICE)
         return p->dev_base;
     return p->base + pool_header(p)->data_off;
@@ -730,7 +785,7 @@ uint64_t pool_data_bytes(const pool_t *p)
 void *pool_block_addr(const pool_t *p, uint32_t id)
 {
     const struct pool_header *h = pool_header(p);
-    if (id >= h->n_blocks)
+    if (id >= h->n_blocks || h->kv_where == POOL_KV_REMOTE)
         return NULL;
     if (h->kv_where == POOL_KV_DEVICE)
         return p->dev_base ? p->dev_base + (uint64_t)id * h->block_bytes : NULL;

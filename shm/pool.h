@@ -39,6 +39,12 @@
  *                   and pool_data() then return device addresses, valid in
  *                   that process only, and NULL before.
  *
+ *   POOL_KV_REMOTE  on another host. The coordinator keeps the metadata of
+ *                   each remote host's pool in an anonymous segment of its
+ *                   own, and the workers there compute into a host pool of
+ *                   theirs with as many blocks (pool_join()). pool_data() and
+ *                   pool_block_addr() return NULL: nothing here holds its K/V.
+ *
  * Device memory does not outlive its owner, so a device pool's cache is never
  * adopted by a later owner: it always starts empty.
  *
@@ -75,6 +81,8 @@
 enum pool_kv_where {
     POOL_KV_HOST = 1,       /* in the segment, at data_off */
     POOL_KV_DEVICE = 2,     /* in the memory of CUDA device kv_device */
+    POOL_KV_REMOTE = 3,     /* on another host (an anonymous pool of the coordinator's):
+                             * its workers keep the data in a pool of their own there */
 };
 
 enum pool_state {
@@ -241,6 +249,18 @@ pool_t *pool_create(const struct pool_layout *lay, const struct pool_params *p,
  * block size, dtype or build.
  */
 pool_t *pool_attach(const char *name, const struct pool_layout *lay, char *err, size_t errlen);
+
+/*
+ * A worker on another host than its coordinator: attaches to the live pool
+ * `name` of this host, or creates it (p: its size; *created says so) when
+ * there is none, or only a stale or closed one. Whoever creates it owns it
+ * and removes the name when it closes; workers still mapping it keep their
+ * memory, and the next worker makes a new pool (a new instance, which the
+ * coordinator indexes afresh). The metadata of such a pool is unused: the
+ * coordinator keeps the index of this host's blocks (POOL_KV_REMOTE).
+ */
+pool_t *pool_join(const char *name, const struct pool_layout *lay, const struct pool_params *p,
+                  bool *created, char *err, size_t errlen);
 
 /* Owner: marks the pool CLOSED (its cache stays valid), drops the lock and
  * unmaps; unlinks the name when p->unlink_on_close. Worker: unmaps. Accepts

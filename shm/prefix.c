@@ -1018,7 +1018,7 @@ static uint32_t match(prefix_t *px, const struct chain_ns *cn, const int32_t *to
     return j;
 }
 
-void prefix_lookup(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t n,
+static void lookup(prefix_t *px, const struct chain_ns *cn, const int32_t *tokens, uint64_t n,
                    uint32_t max_blocks, uint32_t *ids, struct prefix_match *m)
 {
     prefix_key_t last;
@@ -1032,10 +1032,27 @@ void prefix_lookup(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t
         m->pending = POOL_NONE;
         return;
     }
-    const struct chain_ns cn = { ns, ns, 0 };
-    m->n_blocks = match(px, &cn, tokens, n, max_blocks, table, NULL, &m->pending, &last, false);
+    m->n_blocks = match(px, cn, tokens, n, max_blocks, table, NULL, &m->pending, &last, false);
     if (table != ids)
         free(table);
+}
+
+void prefix_lookup(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t n,
+                   uint32_t max_blocks, uint32_t *ids, struct prefix_match *m)
+{
+    const struct chain_ns cn = { ns, ns, 0 };
+    lookup(px, &cn, tokens, n, max_blocks, ids, m);
+}
+
+uint32_t prefix_seq_probe(prefix_t *px, const struct prefix_seq *s, prefix_ns_t ns,
+                          const int32_t *tokens, uint64_t n)
+{
+    if (n == 0)
+        return 0;
+    const struct chain_ns cn = { ns, s->public_ns, s->n_public };
+    struct prefix_match m;
+    lookup(px, &cn, tokens, n, (uint32_t)((n - 1) / px->bt), NULL, &m);
+    return m.n_blocks;
 }
 
 int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,

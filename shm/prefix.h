@@ -265,6 +265,15 @@ void prefix_lookup(prefix_t *px, prefix_ns_t ns, const int32_t *tokens, uint64_t
                    uint32_t max_blocks, uint32_t *ids, struct prefix_match *m);
 
 /*
+ * What prefix_seq_begin would find for s (its public prefix settings) in
+ * namespace ns: the cached blocks of tokens[0..n), leaving one token to
+ * compute. References nothing and counts a lookup. (The coordinator asks each
+ * host's pool this to send a request where most of its prompt is cached.)
+ */
+uint32_t prefix_seq_probe(prefix_t *px, const struct prefix_seq *s, prefix_ns_t ns,
+                          const int32_t *tokens, uint64_t n);
+
+/*
  * Starts sequence s (zeroed, or released) in namespace ns with prompt
  * tokens[0..n): references the longest committed cached prefix, leaving at
  * least one token to compute (so at most (n - 1) / block_tokens blocks).

@@ -63,6 +63,7 @@
 #include "sampler.h"
 #include "tok.h"
 #include "types.h"
+#include "units.h"
 #include "wire.h"
 #include "worker_gpu.h"
 
@@ -78,6 +79,10 @@ struct options {
     uint32_t step_ms;       /* aim: no step longer than this (heartbeats wait for steps) */
     int gpu;                /* --gpu: CUDA device holding the pool's KV data; -1: CPU */
     const char *gpu_socket; /* --gpu-socket: where kvd hands out the device memory */
+    const char *host;       /* --host: a worker on another host than kvd: --pool is this host's
+                             * own pool (created by the first worker of the host) */
+    uint64_t kv_bytes;      /* --kv-memory: that pool's size when this worker creates it */
+    uint32_t fence_ms;      /* --fence-ms: kvd silent this long: stop computing, say Ready again */
 };
 
 /* One sequence kvd assigned. */
@@ -124,6 +129,7 @@ struct worker {
     uint32_t n_seqs;
     uint64_t progress;      /* steps completed (heartbeats add the engine's jobs) */
     double last_hb;
+    double last_heard;      /* ms: the last message from kvd (--host: its pings) */
     bool draining;
     wire_arena_t *arena;
     struct fwd_seq *batch;
@@ -430,6 +436,7 @@ static void on_message(struct worker *w, const void *buf, size_t len)
         fprintf(stderr, "kvd-worker %u: dropped a message: %s\n", w->o.id, err);
         return;
     }
+    w->last_heard = cli_now_ms();
     int i;
     switch (m->body_case) {
     case KVDW__TO_WORKER__BODY_ASSIGN:
@@ -457,6 +464,8 @@ static void on_message(struct worker *w, const void *buf, size_t len)
     case KVDW__TO_WORKER__BODY_DRAIN:
         w->draining = true;
         break;
+    case KVDW__TO_WORKER__BODY_PING:
+        break;  /* kvd is there (last_heard) */
     default:
         break;
     }
@@ -669,7 +678,8 @@ static void run_step(struct worker *w, uint32_t n)
 static void parse_args(int argc, char **argv, struct options *o)
 {
     enum { OPT_POOL = 256, OPT_CONNECT, OPT_ID, OPT_BLOCK, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE, OPT_ROTATE,
-           OPT_STEP, OPT_BATCH, OPT_STEP_MS, OPT_GPU, OPT_GPU_SOCKET, OPT_CURVE_KEY, OPT_CURVE_CERT };
+           OPT_STEP, OPT_BATCH, OPT_STEP_MS, OPT_GPU, OPT_GPU_SOCKET, OPT_CURVE_KEY, OPT_CURVE_CERT,
+           OPT_HOST, OPT_KV_MEMORY, OPT_FENCE };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "threads", required_argument, NULL, 't' },
@@ -689,6 +699,9 @@ static void parse_args(int argc, char **argv, struct options *o)
         { "gpu-socket", required_argument, NULL, OPT_GPU_SOCKET },
         { "curve-server-key", required_argument, NULL, OPT_CURVE_KEY },
         { "curve-cert", required_argument, NULL, OPT_CURVE_CERT },
+        { "host", required_argument, NULL, OPT_HOST },
+        { "kv-memory", required_argument, NULL, OPT_KV_MEMORY },
+        { "fence-ms", required_argument, NULL, OPT_FENCE },
         { NULL, 0, NULL, 0 },
     };
     memset(o, 0, sizeof(*o));
@@ -698,6 +711,7 @@ static void parse_args(int argc, char **argv, struct options *o)
     o->max_batch = 64;
     o->step_ms = 500;
     o->gpu = -1;
+    o->fence_ms = 10000;
     int c;
     opterr = 0;
     while ((c = getopt_long(argc, argv, ":m:t:c:", longs, NULL)) != -1) {
@@ -720,11 +734,18 @@ static void parse_args(int argc, char **argv, struct options *o)
         case OPT_GPU_SOCKET: o->gpu_socket = optarg; break;
         case OPT_CURVE_KEY: o->curve_server_key = optarg; break;
         case OPT_CURVE_CERT: o->curve_cert = optarg; break;
+        case OPT_HOST: o->host = optarg; break;
+        case OPT_KV_MEMORY:
+            if (kvd_parse_size(optarg, &o->kv_bytes) != 0 || o->kv_bytes == 0)
+                cli_die("--kv-memory: bad size %s", optarg);
+            break;
+        case OPT_FENCE: o->fence_ms = (uint32_t)cli_long(optarg, "--fence-ms", 1000, 3600000); break;
         default: cli_die("bad argument %s (usage: kvd-worker --model M --pool NAME --connect ENDPOINT "
                      "--id N [--threads T] [--ctx N] [--block-tokens B] [--kv-type T] [--k-type T] "
                      "[--v-type T] [--kv-rotate on|off|auto] "
                      "[--step-tokens S] [--max-batch N] [--gpu N --gpu-socket PATH] "
-                     "[--curve-server-key KEY --curve-cert FILE])",
+                     "[--curve-server-key KEY --curve-cert FILE] "
+                     "[--host NAME [--kv-memory SIZE] [--fence-ms MS]])",
                      argv[optind - 1]);
         }
     }
@@ -737,6 +758,21 @@ static void parse_args(int argc, char **argv, struct options *o)
         cli_die("--gpu and --gpu-socket go together (kvd passes both)");
     if ((o->curve_server_key != NULL) != (o->curve_cert != NULL))
         cli_die("--curve-server-key and --curve-cert go together");
+    if (o->host != NULL) {
+        size_t n = strlen(o->host);
+        if (n == 0 || n > 63)
+            cli_die("--host: a name of 1 to 63 bytes");
+        for (size_t i = 0; i < n; i++)
+            if ((unsigned char)o->host[i] <= ' ' || (unsigned char)o->host[i] >= 0x7f ||
+                o->host[i] == '"' || o->host[i] == '\\')
+                cli_die("--host: printable ASCII without spaces, quotes or backslashes");
+        if (o->gpu >= 0)
+            cli_die("--host: a worker on another host runs on its CPU (GPU pools are kvd's own)");
+        if (o->kv_bytes == 0)
+            o->kv_bytes = 1ull << 30;
+    } else if (o->kv_bytes != 0) {
+        cli_die("--kv-memory sizes a pool of this host's own (--host); kvd sizes its own");
+    }
     if (o->step_tokens < 1 || o->step_tokens > 4096 || o->max_batch < 1 || o->max_batch > 4096 ||
         o->threads < 0 || o->threads > 256 || o->step_ms < 10 || o->step_ms > 600000)
         cli_die("--step-tokens, --max-batch, --threads or --step-ms out of range");
@@ -765,6 +801,8 @@ static void setup_gpu(struct worker *w)
         unusable(w, err);
 }
 
+static void say_ready(struct worker *w);
+
 static void setup(struct worker *w)
 {
     char err[512];
@@ -781,7 +819,20 @@ static void setup(struct worker *w)
         w->o.ctx = w->model->cfg.n_ctx_train;
     struct pool_layout lay;
     kv_pool_layout(w->model, o->block_tokens, o->kv.k_type, o->kv.v_type, o->kv.rotate, true, &lay);
-    w->pool = pool_attach(o->pool, &lay, err, sizeof(err));
+    if (o->host != NULL) {
+        /* another host than kvd's: compute into this host's own pool, whose
+         * index kvd keeps (pool_join) */
+        struct pool_params pp = pool_default_params();
+        pp.kv_bytes = o->kv_bytes;
+        bool created;
+        w->pool = pool_join(o->pool, &lay, &pp, &created, err, sizeof(err));
+        if (w->pool == NULL)
+            cli_die("%s", err);
+        fprintf(stderr, "kvd-worker %u: host %s: %s pool %s, %u blocks\n", o->id, o->host,
+                created ? "created" : "joined", o->pool, pool_header(w->pool)->n_blocks);
+    } else {
+        w->pool = pool_attach(o->pool, &lay, err, sizeof(err));
+    }
     if (w->pool == NULL)
         cli_die("%s", err);
     if (o->gpu >= 0) {
@@ -841,18 +892,48 @@ static void setup(struct worker *w)
     }
     if (zmq_connect(w->sock, o->endpoint) != 0)
         cli_die("cannot connect to %s: %s", o->endpoint, zmq_strerror(errno));
+    say_ready(w);
+}
 
+/* Registers with kvd. */
+static void say_ready(struct worker *w)
+{
+    const struct options *o = &w->o;
+    const struct pool_layout *lay = &pool_header(w->pool)->layout;
     Kvdw__FromWorker m = KVDW__FROM_WORKER__INIT;
     Kvdw__Ready r = KVDW__READY__INIT;
     r.has_pid = r.has_max_batch = r.has_fingerprint = r.has_block_tokens = true;
     r.pid = (int32_t)getpid();
     r.max_batch = o->max_batch;
-    r.fingerprint.data = lay.fingerprint;
+    r.fingerprint.data = (uint8_t *)lay->fingerprint;
     r.fingerprint.len = 16;
     r.block_tokens = o->block_tokens;
+    if (o->host != NULL) {
+        r.host = (char *)o->host;
+        r.has_pool_instance = r.has_pool_blocks = r.has_fence_ms = true;
+        r.pool_instance = pool_header(w->pool)->instance;
+        r.pool_blocks = pool_header(w->pool)->n_blocks;
+        r.fence_ms = o->fence_ms;
+    }
     m.body_case = KVDW__FROM_WORKER__BODY_READY;
     m.ready = &r;
     send_msg(w, &m);
+    w->last_heard = cli_now_ms();
+}
+
+/* --host: kvd has been silent for --fence-ms (the link is down, or kvd
+ * declared this worker lost and forgot it). kvd may have handed this
+ * worker's blocks to others by now, so it must not write them again: it drops
+ * every sequence (kvd resumes them elsewhere) and says Ready again, in case
+ * kvd is there and lost only us. */
+static void fence(struct worker *w)
+{
+    if (w->n_seqs > 0)
+        fprintf(stderr, "kvd-worker %u: nothing from kvd for %u ms: dropping %u sequences\n", w->o.id,
+                w->o.fence_ms, w->n_seqs);
+    while (w->n_seqs > 0)
+        remove_seq(w, w->n_seqs - 1);
+    say_ready(w);
 }
 
 int main(int argc, char **argv)
@@ -884,6 +965,8 @@ int main(int argc, char **argv)
             on_message(&w, zmq_msg_data(&msg), zmq_msg_size(&msg));
         if (cli_now_ms() - w.last_hb >= HEARTBEAT_MS)
             send_heartbeat(&w);
+        if (w.o.host != NULL && cli_now_ms() - w.last_heard >= w.o.fence_ms)
+            fence(&w);
         uint32_t n = plan_step(&w);
         if (n > 0)
             run_step(&w, n);

@@ -26,6 +26,7 @@ from .results import (
     Chunk,
     FinishReason,
     Health,
+    HostStats,
     Result,
     Stats,
     TenantStats,
@@ -483,7 +484,7 @@ def to_stats(s: kvd_pb2.Stats) -> Stats:
         workers=[
             WorkerStats(
                 id=w.id, pid=w.pid, alive=w.alive, running=w.running, tokens=w.tokens,
-                restarts=w.restarts,
+                restarts=w.restarts, host=w.host,
             )
             for w in s.workers
         ],
@@ -524,6 +525,16 @@ def to_stats(s: kvd_pb2.Stats) -> Stats:
             )
             for t in s.tenants
         ],
+        hosts=[
+            HostStats(
+                name=h.name, workers=h.workers, blocks_total=h.blocks_total, blocks_free=h.blocks_free,
+                blocks_cached=h.blocks_cached, blocks_in_use=h.blocks_in_use, requests=h.requests,
+                prompt_tokens=h.prompt_tokens, cached_prompt_tokens=h.cached_prompt_tokens,
+                blocks_fenced=h.blocks_fenced,
+            )
+            for h in s.hosts
+        ],
+        hosts_lost=s.hosts_lost,
     )
 
 

@@ -148,6 +148,24 @@ class WorkerStats:
     running: int     #: sequences assigned
     tokens: int      #: tokens computed (prompt and generated)
     restarts: int
+    host: str = ""   #: the host whose pool it computes into ("" for kvd's own)
+
+
+@dataclass(frozen=True)
+class HostStats:
+    """A pool kvd dispatches to: its own (name ""), or another host's, whose workers were
+    started there with ``kvd-worker --host NAME``."""
+
+    name: str
+    workers: int                  #: workers alive there
+    blocks_total: int
+    blocks_free: int
+    blocks_cached: int
+    blocks_in_use: int
+    requests: int                 #: requests dispatched to it (a resumed one again)
+    prompt_tokens: int            #: their prompt tokens
+    cached_prompt_tokens: int     #: of them, found in its pool
+    blocks_fenced: int            #: held after a worker there was lost, until it surely stopped
 
 
 @dataclass(frozen=True)
@@ -228,6 +246,9 @@ class Stats:
     auth_client_keys: int = 0
     #: per tenant (all of them for a client of kvd's ipc:// socket, a tenant its own)
     tenants: list[TenantStats] = field(default_factory=list)
+    #: the pools kvd dispatches to, its own first (for a client of kvd's ipc:// socket)
+    hosts: list[HostStats] = field(default_factory=list)
+    hosts_lost: int = 0           #: other hosts' pools dropped: their last worker was lost
 
     @property
     def hit_rate(self) -> float:
