@@ -35,6 +35,14 @@
 #define DEFAULT_FENCE_MS 10000u
 #define PING_MS_MAX 1000.0
 
+uint64_t hosts_seq_tokens(const struct pool_layout *lay, uint32_t n_blocks)
+{
+    uint64_t n = (uint64_t)n_blocks * lay->block_tokens;
+    while (n > 0 && kv_parts_blocks_held(&lay->parts, n, lay->block_tokens) > n_blocks)
+        n -= lay->block_tokens;
+    return n;
+}
+
 void hosts_init(struct kvd *k)
 {
     struct kvd_host *h = &k->hosts[0];
@@ -42,6 +50,16 @@ void hosts_init(struct kvd *k)
     h->used = true;
     h->pool = k->pool;
     h->px = k->px;
+    h->seq_tokens = k->pool_seq_tokens;
+}
+
+/* The longest sequence any pool holds. */
+static void update_seq_tokens(struct kvd *k)
+{
+    k->pool_seq_tokens = 0;
+    for (int i = 0; i < KVD_MAX_HOSTS; i++)
+        if (k->hosts[i].used && k->hosts[i].seq_tokens > k->pool_seq_tokens)
+            k->pool_seq_tokens = k->hosts[i].seq_tokens;
 }
 
 uint32_t hosts_workers(const struct kvd *k, int h)
@@ -121,6 +139,8 @@ int hosts_join(struct kvd *k, const Kvdw__Ready *r)
         prefix_set_owner_limit(h->px, lim ? lim : 1);
     }
     h->used = true;
+    h->seq_tokens = hosts_seq_tokens(&own->layout, r->pool_blocks);
+    update_seq_tokens(k);
     snprintf(h->name, sizeof(h->name), "%s", r->host);
     h->instance = r->pool_instance;
     h->fence_ms = r->has_fence_ms && r->fence_ms ? r->fence_ms : DEFAULT_FENCE_MS;
@@ -141,6 +161,7 @@ void hosts_fence(struct kvd *k, int hi, struct prefix_seq *ps)
         return;
     }
     f->ps = *ps;
+    k->st.blocks_fenced += (uint64_t)ps->n_blocks * (ps->n_parts ? ps->n_parts : 1);
     f->until = cli_now_ms() + 2.0 * h->fence_ms;
     f->next = h->fenced;
     h->fenced = f;
@@ -180,6 +201,7 @@ static void drop(struct kvd *k, int hi)
     prefix_destroy(&h->px);
     pool_close(&h->pool);
     h->used = false;
+    update_seq_tokens(k);
     /* its workers may be alive and cut off: until they have fenced themselves,
      * the same pool does not come back as a new, empty record */
     h->tomb_until = cli_now_ms() + 2.0 * h->fence_ms;
@@ -193,6 +215,7 @@ void hosts_check(struct kvd *k, int hi)
             k->hosts[hi].name, hosts_fenced_blocks(&k->hosts[hi]));
     k->hosts_lost++;
     drop(k, hi);
+    req_fail_unfit(k);
     for (int i = 0; i < KVD_MAX_WORKERS; i++)
         if (k->workers[i].used && !k->workers[i].alive && k->workers[i].host == hi)
             k->workers[i].host = 0; /* a worker that comes back joins a record anew */

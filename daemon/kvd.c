@@ -813,7 +813,6 @@ static void setup(struct kvd *k)
         cli_die("%s", err);
     if (note[0])
         kvd_log(k, "pool %s: %s", k->pool_name, note);
-    hosts_init(k);
     if (o->public_prefix != NULL)
         public_prefix_setup(k);
     if (o->tenant_max_blocks > 0) {
@@ -828,10 +827,8 @@ static void setup(struct kvd *k)
     }
     pool_describe(&lay, &cap, k->n_ctx, err, sizeof(err));
     kvd_log(k, "KV pool %s: %s", k->pool_name, err);
-    k->pool_seq_tokens = (uint64_t)cap.n_blocks * lay.block_tokens;
-    while (k->pool_seq_tokens > 0 &&
-           kv_parts_blocks_held(&lay.parts, k->pool_seq_tokens, lay.block_tokens) > cap.n_blocks)
-        k->pool_seq_tokens -= lay.block_tokens;
+    k->pool_seq_tokens = hosts_seq_tokens(&lay, cap.n_blocks);
+    hosts_init(k);
     /* the budget wire.c recommends: 4 x the largest frame, slack, and room for an
      * LZ4 prompt decompressed into the arena */
     k->arena = wire_arena_new(4 * (size_t)WIRE_MAX_FRAME + (1u << 20) + WIRE_MAX_PROMPT_BYTES + 16);

@@ -109,6 +109,7 @@ struct kvd_host {
     pool_t *pool;
     prefix_t *px;
     uint32_t fence_ms;              /* its workers' --fence-ms (the longest seen) */
+    uint64_t seq_tokens;            /* the longest sequence its pool holds */
     double tomb_until;              /* dropped (used false): its pool is refused until then */
     struct kvd_fenced *fenced;
     uint64_t requests, prompt_tokens, cached_prompt_tokens;
@@ -224,6 +225,7 @@ struct kvd_stats_counters {
     uint64_t disk_declined;
     uint64_t preemptions;
     uint64_t bad_messages;
+    uint64_t blocks_fenced;         /* held back after other hosts' workers were lost (hosts.c) */
     uint64_t handshakes_failed;     /* --curve-secret: handshakes that failed before the key was
                                      * checked (plain text, a wrong server key, garbage) */
     struct kvd_hist ttft, e2e, queue, itl;
@@ -270,8 +272,9 @@ struct kvd {
     double prefill_ns_token;        /* measured: computing one prompt token (0: not yet) */
     kv_events_t *events;            /* --kv-events, else NULL */
     uint32_t n_ctx;                 /* context in effect */
-    uint64_t pool_seq_tokens;       /* the longest sequence the pool can hold: every block of a
-                                     * full part, about a window of a windowed one */
+    uint64_t pool_seq_tokens;       /* the longest sequence a pool can hold (the largest of the
+                                     * hosts'): every block of a full part, about a window of a
+                                     * windowed one */
     void *zctx;
     void *clients;                  /* ROUTER bound to the ipc:// --listen endpoints (and tcp://
                                      * ones with --insecure) */
@@ -333,6 +336,8 @@ void req_cancel_all(struct kvd *k, const char *why);
 void req_fail_queued(struct kvd *k, int code, const char *why);
 /* After the workers are stopped: ends every request and releases its blocks. */
 void req_release_all(struct kvd *k);
+/* Fails the queued requests that no pool left can hold (after a host was lost). */
+void req_fail_unfit(struct kvd *k);
 void req_on_restored(struct kvd *k);
 
 /* workers.c */
@@ -348,6 +353,7 @@ int workers_send(struct kvd *k, int w, Kvdw__ToWorker *m);
 
 /* hosts.c: other hosts' pools */
 void hosts_init(struct kvd *k);
+uint64_t hosts_seq_tokens(const struct pool_layout *lay, uint32_t n_blocks);
 /* A remote worker's Ready: the index of its pool's record (made now when new),
  * or -1 with the reason logged. */
 int hosts_join(struct kvd *k, const Kvdw__Ready *r);

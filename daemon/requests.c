@@ -819,13 +819,11 @@ static int pick(struct kvd *k, struct request *r)
 {
     if (r->ps.n_blocks > 0)
         return pick_worker(k, r, r->host);
-    const uint64_t bt = k->o.block_tokens;
     if (k->o.dispatch_rr) {
         for (int n = 0; n < KVD_MAX_WORKERS; n++) {
             const int i = (int)((k->rr_next + (uint32_t)n) % KVD_MAX_WORKERS);
             const struct worker *w = &k->workers[i];
-            if (!can_take(w, r) ||
-                (uint64_t)pool_header(k->hosts[w->host].pool)->n_blocks * bt < r->n_tok + 1ull)
+            if (!can_take(w, r) || k->hosts[w->host].seq_tokens < r->n_tok + 1ull)
                 continue;
             k->rr_next = (uint32_t)i + 1;
             r->host = w->host;
@@ -838,8 +836,7 @@ static int pick(struct kvd *k, struct request *r)
     int cand[KVD_MAX_HOSTS];
     for (int h = 0; h < KVD_MAX_HOSTS; h++) {
         cand[h] = -1;
-        if (!k->hosts[h].used ||
-            (uint64_t)pool_header(k->hosts[h].pool)->n_blocks * bt < r->n_tok + 1ull)
+        if (!k->hosts[h].used || k->hosts[h].seq_tokens < r->n_tok + 1ull)
             continue;
         if ((cand[h] = pick_worker(k, r, h)) >= 0)
             n_cand++;
@@ -1606,8 +1603,9 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
     s.workers = wp;
     s.n_workers = n;
     Kvd__HostStats hrow[KVD_MAX_HOSTS], *hptr[KVD_MAX_HOSTS];
-    s.has_hosts_lost = true;
+    s.has_hosts_lost = s.has_blocks_fenced_total = true;
     s.hosts_lost = k->hosts_lost;
+    s.blocks_fenced_total = k->st.blocks_fenced;
     for (int hi = 0; hi < KVD_MAX_HOSTS && tenant == NULL; hi++) {
         const struct kvd_host *ho = &k->hosts[hi];
         if (!ho->used)
@@ -1845,6 +1843,18 @@ void req_fail_queued(struct kvd *k, int code, const char *why)
     while (r) {
         struct request *next = r->next;
         stop_request(k, r, 0, code, why);
+        r = next;
+    }
+}
+
+void req_fail_unfit(struct kvd *k)
+{
+    struct request *r = k->queue;
+    while (r) {
+        struct request *next = r->next;
+        if (r->state == REQ_QUEUED && r->ps.n_blocks == 0 && r->n_tok + 1ull > k->pool_seq_tokens)
+            stop_request(k, r, 0, KVD__ERROR_CODE__ERR_TOO_LONG,
+                         "no pool left can hold this sequence (a host was lost)");
         r = next;
     }
 }

@@ -1,9 +1,14 @@
-"""CURVE across a real network link: kvd in one network namespace, its
-clients in another, joined by a veth pair on private test addresses that the
-test makes (and removes). An allowed key is served across the link with the
-same output as a client of kvd's own ipc:// socket; a refused key and a
-client without keys fail there with AuthenticationFailed. Skipped where
-network namespaces cannot be made (not root, no ip(8), no CAP_NET_ADMIN)."""
+"""Across real network links, in network namespaces that the tests make (and
+remove), joined by veth pairs on private test addresses. Skipped where
+network namespaces cannot be made (not root, no ip(8), no CAP_NET_ADMIN).
+
+- CURVE: kvd in one namespace, its clients in another. An allowed key is
+  served across the link with the same output as a client of kvd's own
+  ipc:// socket; a refused key and a client without keys fail there with
+  AuthenticationFailed.
+- Two hosts: kvd in one namespace, a worker with a pool of its own in each of
+  two others (test_hosts.py's scenario): a cached prefix sends its follow-up to
+  its host, and killing that host's worker mid-stream resumes on the other."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import BIN_DIR, Daemon, _stop_checked
+from test_hosts import Hosts, two_hosts_scenario
 
 import kvd_client
 
@@ -48,6 +54,50 @@ def link() -> Iterator[None]:
     finally:
         for ns in (SRV, CLI):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=60)
+
+
+HOSTS_NS = {"A": (f"{TAG}A", "10.203.78.1", "10.203.78.2"), "B": (f"{TAG}B", "10.203.79.1", "10.203.79.2")}
+
+
+@pytest.fixture
+def hosts_links() -> Iterator[None]:
+    """kvd's namespace SRV, and one per host, each joined to SRV by a veth pair
+    on a /30 of its own."""
+    try:
+        ip("netns", "add", SRV)
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot make network namespaces here: {e}")
+    try:
+        for name, (ns, kvd_addr, host_addr) in HOSTS_NS.items():
+            ip("netns", "add", ns)
+            a, b = f"{TAG}{name}k", f"{TAG}{name}h"
+            ip("link", "add", a, "type", "veth", "peer", "name", b)
+            ip("link", "set", a, "netns", SRV)
+            ip("link", "set", b, "netns", ns)
+            for n, dev, addr in ((SRV, a, kvd_addr), (ns, b, host_addr)):
+                ip("-n", n, "addr", "add", f"{addr}/30", "dev", dev)
+                ip("-n", n, "link", "set", dev, "up")
+                ip("-n", n, "link", "set", "lo", "up")
+        yield
+    finally:
+        for ns in (SRV, *(v[0] for v in HOSTS_NS.values())):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=60)
+
+
+def test_two_hosts_across_namespaces(tmp_path: Path, hosts_links: None) -> None:
+    port = 5556
+    h = Hosts(tmp_path, "")
+    keys, allow = h.keys()
+    d = Daemon(tmp_path / "kvd", "-w", "0", "--kv-memory", "16MiB", "--worker-endpoint", f"tcp://*:{port}",
+               "--allow-remote", "--curve-secret", str(keys / "kvd.key_secret"), "--workers-allow", str(allow),
+               "--worker-timeout", "3000", ready="stats", wrap=["ip", "netns", "exec", SRV])
+    try:
+        for wid, (name, (ns, kvd_addr, _)) in enumerate(HOSTS_NS.items(), start=1):
+            h.start(wid, name, wrap=["ip", "netns", "exec", ns], connect=f"tcp://{kvd_addr}:{port}")
+        two_hosts_scenario(d, h)
+    finally:
+        h.stop()
+        _stop_checked(d)
 
 
 CLIENT = r"""

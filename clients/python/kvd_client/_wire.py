@@ -535,6 +535,7 @@ def to_stats(s: kvd_pb2.Stats) -> Stats:
             for h in s.hosts
         ],
         hosts_lost=s.hosts_lost,
+        blocks_fenced_total=s.blocks_fenced_total,
     )
 
 

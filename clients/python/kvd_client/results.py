@@ -249,6 +249,7 @@ class Stats:
     #: the pools kvd dispatches to, its own first (for a client of kvd's ipc:// socket)
     hosts: list[HostStats] = field(default_factory=list)
     hosts_lost: int = 0           #: other hosts' pools dropped: their last worker was lost
+    blocks_fenced_total: int = 0  #: blocks held back after other hosts' workers were lost
 
     @property
     def hit_rate(self) -> float:
