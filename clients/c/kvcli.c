@@ -612,14 +612,25 @@ static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
                (unsigned long long)t->cached_prompt_tokens, t->queued, t->running,
                (unsigned long long)t->blocks_held, (unsigned long long)t->refused);
     }
+    for (uint32_t i = 0; i < s.n_hosts && s.n_hosts > 1; i++) {
+        const struct kvd_host_stats *h = &s.hosts[i];
+        printf("host      %s: %u workers; %u blocks: %u free, %u cached, %u in use, %u fenced; %llu requests, "
+               "%llu prompt tokens (%llu cached)\n",
+               h->name[0] ? h->name : "(kvd's own)", h->workers, h->blocks_total, h->blocks_free,
+               h->blocks_cached, h->blocks_in_use, h->blocks_fenced, (unsigned long long)h->requests,
+               (unsigned long long)h->prompt_tokens, (unsigned long long)h->cached_prompt_tokens);
+    }
+    if (s.hosts_lost > 0)
+        printf("hosts     %llu lost; %llu blocks fenced\n", (unsigned long long)s.hosts_lost,
+               (unsigned long long)s.blocks_fenced_total);
     printf("events    %llu evictions, %llu preemptions, %llu bad messages\n",
            (unsigned long long)s.evictions, (unsigned long long)s.preemptions,
            (unsigned long long)s.bad_messages);
     for (uint32_t i = 0; i < s.n_workers; i++) {
         const struct kvd_worker_stats *w = &s.workers[i];
-        printf("worker %-2u pid %d, %s, %u running, %llu tokens, %u restarts\n", w->id, w->pid,
-               w->alive ? "alive" : "dead", w->running, (unsigned long long)w->tokens,
-               w->restarts);
+        printf("worker %-2u pid %d%s%s, %s, %u running, %llu tokens, %u restarts\n", w->id, w->pid,
+               w->host[0] ? " on host " : "", w->host, w->alive ? "alive" : "dead", w->running,
+               (unsigned long long)w->tokens, w->restarts);
     }
     return 0;
 }

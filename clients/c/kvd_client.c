@@ -1077,7 +1077,25 @@ static void take_stats(const Kvd__Stats *s, struct kvd_stats *out)
         o->running = w->running;
         o->tokens = w->tokens;
         o->restarts = w->restarts;
+        snprintf(o->host, sizeof(o->host), "%s", w->host ? w->host : "");
     }
+    cap = sizeof(out->hosts) / sizeof(out->hosts[0]);
+    for (size_t i = 0; i < s->n_hosts && out->n_hosts < cap; i++) {
+        const Kvd__HostStats *h = s->hosts[i];
+        struct kvd_host_stats *o = &out->hosts[out->n_hosts++];
+        snprintf(o->name, sizeof(o->name), "%s", h->name ? h->name : "");
+        o->workers = h->workers;
+        o->blocks_total = h->blocks_total;
+        o->blocks_free = h->blocks_free;
+        o->blocks_cached = h->blocks_cached;
+        o->blocks_in_use = h->blocks_in_use;
+        o->blocks_fenced = h->blocks_fenced;
+        o->requests = h->requests;
+        o->prompt_tokens = h->prompt_tokens;
+        o->cached_prompt_tokens = h->cached_prompt_tokens;
+    }
+    out->hosts_lost = s->hosts_lost;
+    out->blocks_fenced_total = s->blocks_fenced_total;
     cap = sizeof(out->tenants) / sizeof(out->tenants[0]);
     for (size_t i = 0; i < s->n_tenants && out->n_tenants < cap; i++) {
         const Kvd__TenantStats *t = s->tenants[i];
@@ -1359,6 +1377,26 @@ char *kvd_stats_prometheus(const struct kvd_stats *st)
     metric(&t, "kvd_auth_handshakes_failed_total", "counter",
            "Handshakes failed before a key was checked (plain text, a wrong server key).",
            (double)st->auth_handshakes_failed);
+    /* per host of other hosts' pools (names are printable ASCII without quotes or backslashes) */
+    static const struct {
+        const char *name, *type, *help;
+    } hm[] = {
+        { "kvd_host_workers", "gauge", "Workers alive on a host (\"\": kvd's own pool)." },
+        { "kvd_host_blocks_free", "gauge", "Free KV blocks of a host's pool." },
+        { "kvd_host_blocks_cached", "gauge", "Cached KV blocks of a host's pool." },
+        { "kvd_host_requests_total", "counter", "Requests dispatched to a host." },
+        { "kvd_host_prompt_tokens_total", "counter", "Prompt tokens of the requests dispatched to a host." },
+        { "kvd_host_cached_prompt_tokens_total", "counter", "Of them, found in the host's pool." },
+    };
+    for (size_t m = 0; m < sizeof(hm) / sizeof(hm[0]) && st->n_hosts > 1; m++) {
+        tprintf(&t, "# HELP %s %s\n# TYPE %s %s\n", hm[m].name, hm[m].help, hm[m].name, hm[m].type);
+        for (uint32_t i = 0; i < st->n_hosts; i++) {
+            const struct kvd_host_stats *hs = &st->hosts[i];
+            const uint64_t v[] = { hs->workers, hs->blocks_free, hs->blocks_cached, hs->requests,
+                                   hs->prompt_tokens, hs->cached_prompt_tokens };
+            tprintf(&t, "%s{host=\"%s\"} %llu\n", hm[m].name, hs->name, (unsigned long long)v[m]);
+        }
+    }
     /* per tenant, the label escaped as the text format wants (\\, \", \n) */
     static const struct {
         const char *name, *type, *help;

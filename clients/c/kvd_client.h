@@ -186,6 +186,17 @@ struct kvd_worker_stats {
     uint32_t running;
     uint64_t tokens;
     uint32_t restarts;
+    char host[64];                  /* the host whose pool it computes into ("" for kvd's own) */
+};
+
+/* A pool kvd dispatches to: its own (name ""), or another host's (kvd-worker --host NAME). */
+struct kvd_host_stats {
+    char name[64];
+    uint32_t workers;               /* alive there */
+    uint32_t blocks_total, blocks_free, blocks_cached, blocks_in_use;
+    uint32_t blocks_fenced;         /* held after a worker there was lost, until it surely stopped */
+    uint64_t requests;              /* dispatched to it (a resumed one again) */
+    uint64_t prompt_tokens, cached_prompt_tokens;
 };
 
 /* One tenant (kvd's per-tenant statistics): a CURVE client's key name or an
@@ -246,6 +257,10 @@ struct kvd_stats {
      * queued, and between tokens (each request's mean gap, once per gap) */
     struct kvd_histogram ttft, e2e, queue, itl;
     uint64_t finished_stop, finished_length, finished_abort;   /* by finish reason */
+    struct kvd_host_stats hosts[32];    /* kvd's own pool first, then other hosts' */
+    uint32_t n_hosts;
+    uint64_t hosts_lost;            /* other hosts' pools dropped: their last worker was lost */
+    uint64_t blocks_fenced_total;   /* blocks held back after other hosts' workers were lost */
 };
 
 int kvd_stats(kvd_client_t *c, struct kvd_stats *out);
