@@ -603,8 +603,18 @@ pool_t *pool_create(const struct pool_layout *lay, const struct pool_params *pp,
     return create(lay, pp, replaced, replaced_len, err, errlen, &locked);
 }
 
+/* pool_attach; *code: why it failed (a KVD_E* code). */
+static pool_t *attach(const char *name, const struct pool_layout *lay, char *err, size_t errlen, int *code);
+
 pool_t *pool_attach(const char *name, const struct pool_layout *lay, char *err, size_t errlen)
 {
+    int code;
+    return attach(name, lay, err, errlen, &code);
+}
+
+static pool_t *attach(const char *name, const struct pool_layout *lay, char *err, size_t errlen, int *code)
+{
+    *code = KVD_EIO;
     struct pool_layout lbuf;
     lay = layout_norm(lay, &lbuf);
     char norm[POOL_NAME_MAX + 2];
@@ -640,6 +650,7 @@ pool_t *pool_attach(const char *name, const struct pool_layout *lay, char *err, 
     uint64_t total = h->total_bytes;
     munmap(h, POOL_HEADER_BYTES);
     if (rc != 0) {
+        *code = rc;
         kvd_seterr(err, errlen, rc, "pool %s: %s", norm, why);
         goto fail;
     }
@@ -684,7 +695,8 @@ pool_t *pool_join(const char *name, const struct pool_layout *lay, const struct 
     /* Another worker of this host may be creating it at the same moment: its
      * lock makes our create fail, and its pool is live a moment later. */
     for (int attempt = 0; attempt < 50; attempt++) {
-        pool_t *p = pool_attach(name, lay, err, errlen);
+        int code;
+        pool_t *p = attach(name, lay, err, errlen, &code);
         if (p != NULL)
             return p;
         struct pool_params cp = *pp;
@@ -700,6 +712,11 @@ pool_t *pool_join(const char *name, const struct pool_layout *lay, const struct 
         }
         if (!locked)
             return NULL;
+        if (code == KVD_EUNSUPPORTED) {
+            /* its live owner made it for another model, layout or build */
+            attach(name, lay, err, errlen, &code);
+            return NULL;
+        }
         usleep(100000);
     }
     return NULL;

@@ -493,6 +493,93 @@ static void test_device_pool(void)
     pool_unlink(name);
 }
 
+/* A child joins the host pool `name` and reports its instance through a pipe. */
+static int join_child(void *arg)
+{
+    int fd = *(int *)arg;
+    char err[256];
+    bool created;
+    struct pool_params pp = params(0);
+    pp.n_blocks = 16;
+    pool_t *p = pool_join(name, &lay, &pp, &created, err, sizeof(err));
+    if (p == NULL)
+        return 2;
+    uint64_t inst = pool_header(p)->instance;
+    bool ok = write(fd, &inst, sizeof(inst)) == sizeof(inst) && write(fd, &created, 1) == 1;
+    pool_close(&p);
+    return ok ? 0 : 3;
+}
+
+/* Another host's pool: kvd keeps the metadata (POOL_KV_REMOTE, anonymous),
+ * the host's workers the data (pool_join: the first creates it, the others
+ * map it; a pool closed or left stale is made again, a new instance). */
+static void test_remote_pool(void)
+{
+    char err[256], note[256];
+    pool_unlink(name);
+    struct pool_params rp = pool_default_params();
+    rp.kv_where = POOL_KV_REMOTE;
+    rp.n_blocks = 24;
+    pool_t *m = pool_create(&lay, &rp, NULL, 0, err, sizeof(err));
+    REQUIRE(m != NULL);
+    CHECK_INT(pool_header(m)->kv_where, POOL_KV_REMOTE);
+    CHECK_INT(pool_header(m)->n_blocks, 24);
+    CHECK_INT(pool_kv_device(m), -1);
+    CHECK(pool_data(m) == NULL);
+    CHECK(pool_block_addr(m, 0) == NULL);
+    CHECK_INT(pool_header(m)->total_bytes, pool_header(m)->data_off);   /* metadata alone */
+    prefix_t *px = prefix_new(m, note, sizeof(note), err, sizeof(err));
+    REQUIRE(px != NULL);
+    CHECK_INT(prefix_check(px, err, sizeof(err)), 0);
+    prefix_destroy(&px);
+    pool_close(&m);
+    rp.name = name;     /* it has no name here: the data is elsewhere */
+    CHECK(pool_create(&lay, &rp, NULL, 0, err, sizeof(err)) == NULL);
+    check_has(err, "no name");
+
+    /* the first worker of a host creates its pool, the next joins it */
+    bool created = false;
+    struct pool_params jp = params(0);
+    jp.n_blocks = 16;
+    pool_t *a = pool_join(name, &lay, &jp, &created, err, sizeof(err));
+    REQUIRE(a != NULL);
+    CHECK(created);
+    CHECK(pool_block_addr(a, 3) != NULL);
+    const uint64_t inst = pool_header(a)->instance;
+    int pfd[2];
+    REQUIRE(pipe(pfd) == 0);
+    CHECK_INT(in_child(join_child, &pfd[1]), 0);
+    uint64_t got = 0;
+    bool child_created = true;
+    REQUIRE(read(pfd[0], &got, sizeof(got)) == sizeof(got) && read(pfd[0], &child_created, 1) == 1);
+    CHECK(got == inst);
+    CHECK(!child_created);
+    /* its creator closes it (the name goes); a worker still mapping it keeps
+     * its memory, and the next worker makes a new pool */
+    pool_t *b = pool_join(name, &lay, &jp, &created, err, sizeof(err));
+    REQUIRE(b != NULL);
+    CHECK(!created);
+    uint64_t *d = pool_block_addr(b, 5);
+    d[0] = 0x1234;
+    pool_close(&a);
+    CHECK(d[0] == 0x1234);
+    CHECK_INT(in_child(join_child, &pfd[1]), 0);
+    REQUIRE(read(pfd[0], &got, sizeof(got)) == sizeof(got) && read(pfd[0], &child_created, 1) == 1);
+    CHECK(child_created);
+    CHECK(got != inst);
+    pool_close(&b);
+    close(pfd[0]);
+    close(pfd[1]);
+    /* a host pool joined for another layout is refused, not misread */
+    a = pool_join(name, &lay, &jp, &created, err, sizeof(err));
+    REQUIRE(a != NULL);
+    struct pool_layout other = lay;
+    other.block_tokens = 8;
+    CHECK(pool_join(name, &other, &jp, &created, err, sizeof(err)) == NULL);
+    pool_close(&a);
+    pool_unlink(name);
+}
+
 int main(void)
 {
     snprintf(name, sizeof(name), "kvd-test-pool-%d", (int)getpid());
@@ -504,5 +591,6 @@ int main(void)
     test_lifecycle();
     test_persisted_cache();
     test_device_pool();
+    test_remote_pool();
     return CHECK_DONE();
 }

@@ -277,6 +277,14 @@ static void test_public_prefix(void)
     CHECK_INT(prefix_seq_begin(px, &s, a, P, 21, NULL), 0);
     CHECK_INT(seq_compute(pool, px, &s, 1, P, 21), 0);
     prefix_seq_release(px, &s);
+    /* a probe says what begin would find, referencing nothing */
+    const uint32_t free_before = pool_header(pool)->cache.n_free + pool_header(pool)->cache.n_cached;
+    CHECK_INT(prefix_seq_probe(px, &t, b, P, 21), 2);
+    CHECK_INT(prefix_seq_probe(px, &s, a, P, 21), 5);
+    CHECK_INT(prefix_seq_probe(px, &s, a, P, 2 * BT + 1), 2);    /* one token left to compute */
+    CHECK_INT(prefix_seq_probe(px, &s, a, P, 2 * BT), 1);
+    CHECK_INT(prefix_seq_probe(px, &s, a, P, 0), 0);
+    CHECK_INT(pool_header(pool)->cache.n_free + pool_header(pool)->cache.n_cached, free_before);
     /* b: the two public blocks, then its own */
     CHECK_INT(prefix_seq_begin(px, &t, b, P, 21, NULL), 2 * BT);
     CHECK_INT(seq_compute(pool, px, &t, 2, P, 21), 0);

@@ -551,6 +551,11 @@ static void test_worker_roundtrips(void)
     t = to_worker(KVDW__TO_WORKER__BODY_DRAIN, &dr);
     v = ROUNDTRIP(TO_WORKER, &t, "to_worker_drain");
     CHECK(v != NULL && v->body_case == KVDW__TO_WORKER__BODY_DRAIN);
+
+    Kvdw__Ping pg = KVDW__PING__INIT;
+    t = to_worker(KVDW__TO_WORKER__BODY_PING, &pg);
+    v = ROUNDTRIP(TO_WORKER, &t, NULL);
+    CHECK(v != NULL && v->body_case == KVDW__TO_WORKER__BODY_PING);
 }
 
 /* ---- bad frames ------------------------------------------------------------------------ */
@@ -1052,6 +1057,26 @@ static void test_worker_rejects(void)
     REJECT(FROM_WORKER, &f, KVD_ERANGE, "ready.max_batch = 0", NULL);
     rd.max_batch = 1;
     ROUNDTRIP(FROM_WORKER, &f, NULL);
+    /* a worker on another host names it, its pool's instance and size */
+    char host[80] = "rack2-node7";
+    rd.host = host;
+    REJECT(FROM_WORKER, &f, KVD_EFORMAT, "ready has no pool_instance", NULL);
+    rd.has_pool_instance = 1;
+    rd.pool_instance = 0x1234;
+    REJECT(FROM_WORKER, &f, KVD_EFORMAT, "ready has no pool_blocks", NULL);
+    rd.has_pool_blocks = 1;
+    rd.pool_blocks = 0;
+    REJECT(FROM_WORKER, &f, KVD_EFORMAT, "ready has no pool_blocks", NULL);
+    rd.pool_blocks = 512;
+    Kvdw__FromWorker *hu = ROUNDTRIP(FROM_WORKER, &f, NULL);
+    CHECK(hu != NULL && strcmp(hu->ready->host, "rack2-node7") == 0 && hu->ready->pool_instance == 0x1234 &&
+          hu->ready->pool_blocks == 512);
+    snprintf(host, sizeof(host), "bad \"host\"");
+    REJECT(FROM_WORKER, &f, KVD_EFORMAT, "ready.host may hold printable ASCII", NULL);
+    memset(host, 'h', 64);
+    host[64] = 0;
+    REJECT(FROM_WORKER, &f, KVD_ERANGE, "ready.host is 64 bytes, over 63", NULL);
+    rd.host = NULL;
 
     Kvdw__Commit cm = KVDW__COMMIT__INIT;
     cm.has_n_written = 1;
