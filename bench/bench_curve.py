@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -28,16 +27,9 @@ import time
 from pathlib import Path
 
 import kvd_client
-from kvdbench import Kvd
+from kvdbench import Kvd, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def run(args: argparse.Namespace, tmp: Path, curve: bool) -> dict:

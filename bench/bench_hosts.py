@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import subprocess
 import tempfile
 import threading
@@ -37,16 +36,9 @@ import uuid
 from pathlib import Path
 
 import kvd_client
-from kvdbench import Kvd
+from kvdbench import Kvd, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def system_prompt(p: int) -> str:

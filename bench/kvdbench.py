@@ -1,8 +1,10 @@
-"""What the Python benchmarks share: a kvd started for one run, and the page cache dropped."""
+"""What the Python benchmarks share: a kvd started for one run, a free loopback port, and the
+page cache dropped."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -39,6 +41,13 @@ class Kvd:
         self.proc.terminate()
         self.proc.wait(timeout=300)
         self.log.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def drop_page_cache() -> bool:

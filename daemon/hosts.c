@@ -160,6 +160,7 @@ void hosts_fence(struct kvd *k, int hi, struct prefix_seq *ps)
         prefix_seq_release(h->px, ps);
         return;
     }
+    prefix_seq_hide_pending(h->px, ps);    /* no one waits for what it was computing */
     f->ps = *ps;
     k->st.blocks_fenced += (uint64_t)ps->n_blocks * (ps->n_parts ? ps->n_parts : 1);
     f->until = cli_now_ms() + 2.0 * h->fence_ms;

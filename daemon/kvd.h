@@ -85,6 +85,7 @@ struct kvd_options {
     bool tenant_max_blocks_pct;     /* ... given as a percentage */
     const char *public_prefix;      /* --public-prefix: a system prompt every tenant shares */
     bool dispatch_rr;               /* --dispatch round-robin: workers in turn, not by cached prefix */
+    bool quiet;                     /* no log lines (the fuzz harness of tests/fuzz/fuzz_workers.c) */
 };
 
 /* A lost worker's sequence on another host: its blocks stay taken until the

@@ -803,8 +803,11 @@ static int check_ready(const Kvdw__Ready *r, char *err, size_t errlen)
                                   "ready.host may hold printable ASCII without spaces, quotes or backslashes");
         if (!r->has_pool_instance || r->pool_instance == 0)
             return missing("ready", "pool_instance", err, errlen);
-        if (!r->has_pool_blocks || r->pool_blocks < 1 || r->pool_blocks == UINT32_MAX)
+        if (!r->has_pool_blocks || r->pool_blocks < 1)
             return missing("ready", "pool_blocks", err, errlen);
+        if (r->pool_blocks > WIRE_MAX_POOL_BLOCKS)
+            return kvd_seterr(err, errlen, KVD_ERANGE, "ready.pool_blocks = %u is over the limit of %u",
+                              r->pool_blocks, WIRE_MAX_POOL_BLOCKS);
     }
     return 0;
 }

@@ -35,6 +35,8 @@
 #define WIRE_MAX_NEW_TOKENS (1u << 20)    /* max_tokens */
 #define WIRE_MAX_DEADLINE_MS (24u * 3600u * 1000u)
 #define WIRE_MAX_BLOCKS (1u << 20)        /* block ids in one message */
+#define WIRE_MAX_POOL_BLOCKS (1u << 22)   /* a remote host's pool (kvd keeps its metadata: some
+                                           * 150 bytes a block) */
 #define WIRE_MAX_TOP_LOGPROBS 20u         /* alternatives per token (logprobs) */
 
 /* A budget allocator for one unpacked message: an arena of at most `budget`

@@ -1258,6 +1258,26 @@ void prefix_seq_release(prefix_t *px, struct prefix_seq *s)
     s->key = KEY_ZERO;
 }
 
+void prefix_seq_hide_pending(prefix_t *px, struct prefix_seq *s)
+{
+    /* last first: a pending block's indexed children are the pending blocks after it */
+    uint32_t first = s->n_blocks;
+    for (uint32_t i = s->n_blocks; i-- > 0;)
+        for (uint32_t p = s->n_parts; p-- > 0;) {
+            const uint32_t id = s->tables[p][i];
+            if (id == POOL_NONE || px->b[id].state != POOL_BLOCK_PENDING)
+                continue;
+            if (px->b[id].flags & POOL_BLOCK_INDEXED)
+                index_remove(px, id);
+            first = i;
+        }
+    if (s->n_indexed > first) {
+        s->n_indexed = first;
+        s->key = first > 0 ? key_get(&px->b[s->blocks[first - 1]]) : KEY_ZERO;
+    }
+    s->chain_open = false;
+}
+
 bool prefix_seq_restored(prefix_t *px, struct prefix_seq *s, const int32_t *tokens, uint32_t n_good)
 {
     /* the blocks begin left pending for a tier's copies are the pending ones

@@ -320,6 +320,15 @@ int prefix_seq_commit(prefix_t *px, struct prefix_seq *s, const int32_t *tokens,
 void prefix_seq_release(prefix_t *px, struct prefix_seq *s);
 
 /*
+ * Takes s's pending blocks out of the index, keeping them: nobody finds or
+ * waits for them any more, and nothing else is indexed for s. For blocks
+ * whose writer may or may not still be writing (a worker on another host that
+ * was declared lost): they stay taken until s is released, and no request
+ * waits for them meanwhile.
+ */
+void prefix_seq_hide_pending(prefix_t *px, struct prefix_seq *s);
+
+/*
  * After a prefix_seq_begin that started copies (s->n_restoring > 0), once
  * every one has finished: the blocks of logical blocks [0, n_good) whose
  * copies finished well become committed and findable, as if computed; those

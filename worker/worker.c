@@ -828,6 +828,10 @@ static void setup(struct worker *w)
         w->pool = pool_join(o->pool, &lay, &pp, &created, err, sizeof(err));
         if (w->pool == NULL)
             cli_die("%s", err);
+        if (pool_header(w->pool)->n_blocks > WIRE_MAX_POOL_BLOCKS)
+            cli_die("pool %s has %u blocks; kvd indexes at most %u of another host's (a smaller "
+                    "--kv-memory, or larger --block-tokens)", o->pool, pool_header(w->pool)->n_blocks,
+                    WIRE_MAX_POOL_BLOCKS);
         fprintf(stderr, "kvd-worker %u: host %s: %s pool %s, %u blocks\n", o->id, o->host,
                 created ? "created" : "joined", o->pool, pool_header(w->pool)->n_blocks);
     } else {

@@ -57,6 +57,13 @@ class Hosts:
         (allow / "hosts.key").write_bytes((keys / "hosts.key").read_bytes())
         return keys, allow
 
+    def kvd(self, bind: str, timeout_ms: int, *extra: str, wrap: Sequence[str] = ()) -> Daemon:
+        """kvd with no worker of its own, its CURVE worker endpoint bound at bind."""
+        keys, allow = self.keys()
+        return Daemon(self.tmp / "kvd", "-w", "0", "--kv-memory", "16MiB", "--worker-endpoint", bind,
+                      "--curve-secret", str(keys / "kvd.key_secret"), "--workers-allow", str(allow),
+                      "--worker-timeout", str(timeout_ms), *extra, ready="stats", wrap=wrap)
+
     def start(self, wid: int, host: str, wrap: Sequence[str] = (), connect: str | None = None) -> None:
         pool = f"kvdtest-{self.tag}-{host}"
         self.pools.add(pool)
@@ -165,12 +172,8 @@ def two_hosts_scenario(d: Daemon, h: Hosts) -> None:
 
 
 def test_two_hosts(tmp_path: Path) -> None:
-    port = free_port()
-    h = Hosts(tmp_path, f"tcp://127.0.0.1:{port}")
-    keys, allow = h.keys()
-    d = Daemon(tmp_path / "kvd", "-w", "0", "--kv-memory", "16MiB", "--worker-endpoint", f"tcp://127.0.0.1:{port}",
-               "--curve-secret", str(keys / "kvd.key_secret"), "--workers-allow", str(allow),
-               "--worker-timeout", "3000", ready="stats")
+    h = Hosts(tmp_path, f"tcp://127.0.0.1:{free_port()}")
+    d = h.kvd(h.connect, 3000)
     try:
         h.start(1, "A")
         h.start(2, "B")
@@ -186,12 +189,8 @@ def test_fenced_worker(tmp_path: Path) -> None:
     it lost, resumes its request on the other, and holds the lost one's blocks
     (fenced) for a while. Continued, the lost worker hears nothing from kvd,
     drops its sequence, says Ready again and is taken back; no block leaks."""
-    port = free_port()
-    h = Hosts(tmp_path, f"tcp://127.0.0.1:{port}", fence_ms=1000)
-    keys, allow = h.keys()
-    d = Daemon(tmp_path / "kvd", "-w", "0", "--kv-memory", "16MiB", "--worker-endpoint", f"tcp://127.0.0.1:{port}",
-               "--curve-secret", str(keys / "kvd.key_secret"), "--workers-allow", str(allow),
-               "--worker-timeout", "2000", ready="stats")
+    h = Hosts(tmp_path, f"tcp://127.0.0.1:{free_port()}", fence_ms=1000)
+    d = h.kvd(h.connect, 2000)
     try:
         h.start(1, "A")
         with kvd_client.Client(d.endpoint, timeout=60) as c:

@@ -87,10 +87,7 @@ def hosts_links() -> Iterator[None]:
 def test_two_hosts_across_namespaces(tmp_path: Path, hosts_links: None) -> None:
     port = 5556
     h = Hosts(tmp_path, "")
-    keys, allow = h.keys()
-    d = Daemon(tmp_path / "kvd", "-w", "0", "--kv-memory", "16MiB", "--worker-endpoint", f"tcp://*:{port}",
-               "--allow-remote", "--curve-secret", str(keys / "kvd.key_secret"), "--workers-allow", str(allow),
-               "--worker-timeout", "3000", ready="stats", wrap=["ip", "netns", "exec", SRV])
+    d = h.kvd(f"tcp://*:{port}", 3000, "--allow-remote", wrap=["ip", "netns", "exec", SRV])
     try:
         for wid, (name, (ns, kvd_addr, _)) in enumerate(HOSTS_NS.items(), start=1):
             h.start(wid, name, wrap=["ip", "netns", "exec", ns], connect=f"tcp://{kvd_addr}:{port}")

@@ -307,6 +307,45 @@ static void test_public_prefix(void)
     pool_close(&pool);
 }
 
+/* A sequence whose pending blocks are hidden (its writer was lost on another
+ * host) keeps them taken, but nobody waits for them: another sequence with
+ * the same prompt computes its own. */
+static void test_hide_pending(void)
+{
+    pool_t *pool = pool_open_small();
+    prefix_t *px = prefix_open(pool);
+    prefix_ns_t ns = ns_of(px, 0);
+    const int32_t P[13] = { 5, 4, 3, 2, 1, 9, 8, 7, 6, 0, 1, 2, 3 };
+    struct prefix_seq a, b;
+    memset(&a, 0, sizeof(a));
+    memset(&b, 0, sizeof(b));
+    uint32_t wait = 0;
+    CHECK_INT(prefix_seq_begin(px, &a, ns, P, 13, &wait), 0);
+    CHECK_INT(prefix_seq_grow(px, &a, 13, P, 13), 0);
+    CHECK_INT(prefix_seq_commit(px, &a, P, BT), 0);     /* its first block is written */
+    CHECK_INT(prefix_seq_begin(px, &b, ns, P, 13, &wait), BT);
+    CHECK(wait != POOL_NONE);                           /* b would wait for a's second */
+    prefix_seq_release(px, &b);
+    const uint32_t pending = pool_header(pool)->cache.n_pending;
+    prefix_seq_hide_pending(px, &a);
+    CHECK_INT(check_ok(px), 0);
+    CHECK_INT(pool_header(pool)->cache.n_pending, pending);     /* still taken */
+    CHECK_INT(prefix_seq_begin(px, &b, ns, P, 13, &wait), BT);  /* the written block is found */
+    CHECK_INT(wait, POOL_NONE);                                 /* nothing to wait for */
+    CHECK_INT(prefix_seq_grow(px, &b, 13, P, 13), 0);
+    CHECK(b.blocks[1] != a.blocks[1]);
+    CHECK_INT(prefix_seq_commit(px, &a, P, 13), 0);     /* a goes on: nothing more of it is indexed */
+    CHECK_INT(check_ok(px), 0);
+    prefix_seq_release(px, &a);
+    prefix_seq_release(px, &b);
+    CHECK_INT(check_ok(px), 0);
+    CHECK_INT(pool_header(pool)->cache.n_pending, 0);
+    prefix_seq_fini(&a);
+    prefix_seq_fini(&b);
+    prefix_destroy(&px);
+    pool_close(&pool);
+}
+
 /* A second request for a prefix being computed waits on its pending block
  * instead of computing it again, and takes it once committed. */
 static void test_wait(void)
@@ -1517,6 +1556,7 @@ int main(int argc, char **argv)
     uint64_t n_ops = argc > 2 ? strtoull(argv[2], NULL, 0) : DEFAULT_OPS;
 
     test_namespaces();
+    test_hide_pending();
     test_wait();
     test_broken_promise();
     test_collisions();

@@ -1067,6 +1067,8 @@ static void test_worker_rejects(void)
     rd.has_pool_blocks = 1;
     rd.pool_blocks = 0;
     REJECT(FROM_WORKER, &f, KVD_EFORMAT, "ready has no pool_blocks", NULL);
+    rd.pool_blocks = WIRE_MAX_POOL_BLOCKS + 1;
+    REJECT(FROM_WORKER, &f, KVD_ERANGE, "ready.pool_blocks = 4194305 is over the limit", NULL);
     rd.pool_blocks = 512;
     Kvdw__FromWorker *hu = ROUNDTRIP(FROM_WORKER, &f, NULL);
     CHECK(hu != NULL && strcmp(hu->ready->host, "rack2-node7") == 0 && hu->ready->pool_instance == 0x1234 &&
