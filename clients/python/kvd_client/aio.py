@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
 
-from . import _socket, _wire, errors, kvd_pb2
+from . import _core, errors, kvd_pb2
 from ._wire import GenerateParams, MessageLike
 from .results import Chunk, Health, Result, Stats
+
+T = TypeVar("T")
 
 
 class _QueueInbox:
@@ -39,7 +41,7 @@ def _retrieve(f: asyncio.Future[Any]) -> None:
         f.exception()
 
 
-class AsyncClient:
+class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
     """A connection to kvd for asyncio code. Arguments as :class:`Client`.
 
     Example::
@@ -51,55 +53,26 @@ class AsyncClient:
                     print(chunk.text, end="", flush=True)
     """
 
-    def __init__(self, endpoint: str | None = None, timeout: float = _wire.DEFAULT_TIMEOUT, *,
-                 server_key: str | None = None, cert: str | None = None) -> None:
-        self.endpoint = _wire.check_endpoint(
-            endpoint if endpoint is not None else _wire.default_endpoint()
-        )
-        keys = _wire.curve_keys(server_key, cert)   # ValueError for a bad key file
-        self._mon: zmq.asyncio.Socket | None = None
-        self._watch: asyncio.Task[None] | None = None
-        self._auth_error: errors.AuthenticationFailed | None = None
-        self.timeout = _wire.check_timeout(timeout)
-        self._ids = _wire.IdSource()
-        self._router = _wire.Router()
-        self._reader: asyncio.Task[None] | None = None
-        self._ctx: zmq.asyncio.Context | None = zmq.asyncio.Context()
-        try:
-            sock, self._mon = _socket.open_dealer(self._ctx, self.endpoint, keys)
-        except ValueError:
-            self._ctx.term()
-            self._ctx = None
-            raise
-        self._has_keys = keys is not None
-        self._sock: zmq.asyncio.Socket | None = sock
+    _NAME = "AsyncClient"
+    _reader: asyncio.Task[None] | None = None       # reads the socket while requests are open
+    _watch: asyncio.Task[None] | None = None        # watches the handshake monitor
+    _auth_error: errors.AuthenticationFailed | None = None   # every call's error once a handshake failed
+
+    def _new_context(self) -> zmq.asyncio.Context:
+        return zmq.asyncio.Context()
 
     # ---- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
         """Cancels the requests still open (best effort; their waiting tasks
         get a KvdError) and closes the connection. Safe to call twice."""
-        if self._sock is None:
-            return
-        for rid in self._router.open_ids():
-            self._cancel_nowait(rid)
-        self._router.fail_all(errors.KvdError("the client was closed"))
+        super().close()
+
+    def _stop_tasks(self) -> None:
         self._stop_reader()
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None
-        if self._mon is not None:
-            self._mon.close(0)
-            self._mon = None
-        self._sock.close(0)
-        self._sock = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
-
-    @property
-    def closed(self) -> bool:
-        return self._sock is None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -111,16 +84,6 @@ class AsyncClient:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def __repr__(self) -> str:
-        state = "closed" if self.closed else "open"
-        return f"<kvd_client.AsyncClient {self.endpoint} timeout={self.timeout}s {state}>"
 
     # ---- generate ---------------------------------------------------------------------------
 
@@ -197,41 +160,26 @@ class AsyncClient:
     async def cancel(self, request_id: int) -> None:
         """Asks kvd to cancel this client's request ``request_id``; see
         :meth:`Client.cancel`. Raises NotFound when kvd does not run it."""
-        rid = self._ids.take()
-        r = await self._call(rid, _wire.encode_cancel(rid, request_id))
-        _wire.expect(r, "accepted", rid)
+        await self._call(_core.cancel_call(self._ids.take(), request_id))
 
     async def stats(self, block_hashes: bool = False) -> Stats:
         """kvd's counters; see :meth:`Client.stats`."""
-        rid = self._ids.take()
-        r = await self._call(rid, _wire.encode_stats(rid, block_hashes))
-        return _wire.to_stats(_wire.expect(r, "stats", rid).stats)
+        return await self._call(_core.stats_call(self._ids.take(), block_hashes))
 
     async def tokenize(self, text: str | None = None, *,
                        messages: Sequence[MessageLike] | None = None) -> list[int]:
         """The token ids of a prompt; see :meth:`Client.tokenize`."""
-        rid = self._ids.take()
-        r = await self._call(rid, _wire.encode_tokenize(rid, text=text, messages=messages))
-        return list(_wire.expect(r, "tokens", rid).tokens.token_ids)
+        return await self._call(_core.tokenize_call(self._ids.take(), text, messages))
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of token ids; see :meth:`Client.detokenize`."""
-        rid = self._ids.take()
-        r = await self._call(rid, _wire.encode_tokenize(rid, token_ids=token_ids))
-        return str(_wire.expect(r, "tokens", rid).tokens.text)
+        return await self._call(_core.detokenize_call(self._ids.take(), token_ids))
 
     async def health(self) -> Health:
         """Whether kvd can serve; see :meth:`Client.health`."""
-        rid = self._ids.take()
-        r = await self._call(rid, _wire.encode_health(rid))
-        return _wire.to_health(_wire.expect(r, "health", rid).health)
+        return await self._call(_core.health_call(self._ids.take()))
 
     # ---- transport (for AsyncStream) ------------------------------------------------------------
-
-    def _socket(self) -> zmq.asyncio.Socket:
-        if self._sock is None:
-            raise errors.KvdError("the client is closed")
-        return self._sock
 
     def _open(self, request_id: int) -> _QueueInbox:
         self._socket()
@@ -270,9 +218,8 @@ class AsyncClient:
         try:
             while self._auth_error is None:
                 ev = await self._mon.recv_multipart()
-                why = _wire.handshake_failure(int.from_bytes(ev[0][:2], "little"), self._has_keys)
-                if why is not None:
-                    self._auth_error = errors.AuthenticationFailed(f"{why} at {self.endpoint}")
+                if self._handshake_event(ev[0]) is not None:
+                    self._auth_error = self._auth_failed()
                     self._router.fail_all(self._auth_error, close=False)
         except zmq.ZMQError:
             pass
@@ -296,11 +243,7 @@ class AsyncClient:
         self._close_request(request_id)
         if self._auth_error is not None:
             raise self._auth_error
-        raise errors.Timeout(
-            f"no connection to kvd at {self.endpoint} in {self.timeout:g} s "
-            "(is it running?)",
-            request_id=request_id,
-        )
+        raise self._no_connection(request_id)
 
     async def _next(
         self, request_id: int, inbox: _QueueInbox, timeout: float
@@ -317,61 +260,39 @@ class AsyncClient:
             if not get.done():
                 get.cancel()
         if not done:
-            raise errors.Timeout(
-                f"no reply from kvd at {self.endpoint} in {timeout:g} s",
-                request_id=request_id,
-            )
-        item = get.result()
-        if isinstance(item, errors.KvdError):
-            raise item
-        return item
+            raise self._no_reply(request_id, timeout)
+        return self._unwrap(get.result())
 
-    async def _call(self, request_id: int, frame: bytes) -> kvd_pb2.ServerReply:
-        inbox = self._open(request_id)
+    async def _call(self, call: _core.Call[T]) -> T:
+        """Sends a one-reply request and returns its result."""
+        inbox = self._open(call.request_id)
         try:
-            await self._send(request_id, frame)
-            return await self._next(request_id, inbox, self.timeout)
+            await self._send(call.request_id, call.frame)
+            r = await self._next(call.request_id, inbox, self.timeout)
         finally:
-            self._close_request(request_id)
+            self._close_request(call.request_id)
+        return call.result(r)
 
     def _cancel_nowait(self, target: int) -> None:
         """Tells kvd to stop working on target, waiting for nothing."""
         if self._sock is None:
             return
         try:
-            f = self._sock.send(_wire.encode_cancel(self._ids.take(), target), zmq.NOBLOCK)
+            f = self._sock.send(self._cancel_frame(target), zmq.NOBLOCK)
             if isinstance(f, asyncio.Future):
                 f.add_done_callback(_retrieve)
         except Exception:
             pass
 
 
-class AsyncStream(AsyncIterator[Chunk]):
+class AsyncStream(_core._StreamCore[AsyncClient], AsyncIterator[Chunk]):
     """A streamed generate for asyncio (made by :meth:`AsyncClient.stream`);
     attributes as :class:`Stream`. The request is sent on ``async with`` or
     the first ``async for`` step; leaving the block, ``await aclose()``, or
     breaking out of ``async for chunk in client.stream(...)`` cancels it."""
 
-    def __init__(self, client: AsyncClient, params: GenerateParams) -> None:
-        self._client = client
-        self.request_id = client._ids.take()
-        self._frame = params.encode(self.request_id)
-        self._state = _wire.GenerateState(self.request_id)
-        self._inbox: _QueueInbox | None = None
-        self._started = False
-        self._finished = False
-
-    @property
-    def result(self) -> Result | None:
-        return self._state.result
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self._state.prompt_tokens
-
-    @property
-    def queue_position(self) -> int:
-        return self._state.queue_position
+    _NAME = "AsyncStream"
+    _inbox: _QueueInbox | None = None
 
     async def start(self) -> AsyncStream:
         """Sends the request and waits for kvd to accept it."""
@@ -390,26 +311,7 @@ class AsyncStream(AsyncIterator[Chunk]):
 
     async def _step(self) -> Chunk | None:
         assert self._inbox is not None
-        r = await self._client._next(self.request_id, self._inbox, self._client.timeout)
-        try:
-            chunk = self._state.on_reply(r)
-        except errors.ProtocolError:
-            raise   # kvd may still run it: the caller abandons (cancels) it
-        except errors.KvdError:
-            # kvd's error: the request is over there
-            self._finished = True
-            self._client._close_request(self.request_id)
-            raise
-        if self._state.done:
-            self._finished = True
-            self._client._close_request(self.request_id)
-        return chunk
-
-    def _abandon(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self._client._cancel_nowait(self.request_id)
-        self._client._close_request(self.request_id)
+        return self._take(await self._client._next(self.request_id, self._inbox, self._client.timeout))
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -430,38 +332,24 @@ class AsyncStream(AsyncIterator[Chunk]):
     async def aclose(self) -> None:
         """Ends the stream; before its end, cancels the request at kvd and
         waits (at most the client's timeout) for kvd to confirm."""
-        if not self._started:
-            self._started = self._finished = True
+        if not self._begin_close():
             return
-        if self._finished:
-            return
-        client = self._client
-        if client.closed:
-            self._finished = True
-            return
-        client._cancel_nowait(self.request_id)
         loop = asyncio.get_running_loop()
         # kvd confirms once the worker's step in progress is over: one more
         # wait of the client's timeout for that
-        deadline = loop.time() + client.timeout
+        deadline = loop.time() + self._client.timeout
         try:
             while not self._finished:
                 left = deadline - loop.time()
                 if left <= 0:
                     break
                 assert self._inbox is not None
-                r = await client._next(self.request_id, self._inbox, left)
-                try:
-                    self._state.on_reply(r)
-                except errors.KvdError:
-                    break
-                if self._state.done:
+                if self._confirmed(await self._client._next(self.request_id, self._inbox, left)):
                     break
         except errors.KvdError:
             pass
         finally:
-            self._finished = True
-            client._close_request(self.request_id)
+            self._end_close()
 
     async def __aenter__(self) -> AsyncStream:
         return await self.start()
@@ -473,16 +361,3 @@ class AsyncStream(AsyncIterator[Chunk]):
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
-
-    def __del__(self) -> None:
-        try:
-            if self._started and not self._finished:
-                self._finished = True
-                self._client._cancel_nowait(self.request_id)
-                self._client._close_request(self.request_id)
-        except Exception:
-            pass
-
-    def __repr__(self) -> str:
-        state = "done" if self._finished else "running" if self._started else "not started"
-        return f"<kvd_client.AsyncStream request_id={self.request_id} {state}>"

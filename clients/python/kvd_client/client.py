@@ -11,12 +11,15 @@ import collections
 import time
 from collections.abc import Iterator, Sequence
 from types import TracebackType
+from typing import TypeVar
 
 import zmq
 
-from . import _socket, _wire, errors, kvd_pb2
+from . import _core, errors, kvd_pb2
 from ._wire import GenerateParams, MessageLike
 from .results import Chunk, Health, Result, Stats
+
+T = TypeVar("T")
 
 
 class _DequeInbox:
@@ -31,7 +34,7 @@ class _DequeInbox:
         self.items.append(item)
 
 
-class Client:
+class Client(_core._ClientCore[zmq.Socket[bytes]]):
     """A connection to kvd.
 
     Args:
@@ -52,49 +55,12 @@ class Client:
             print(r.text, r.usage.cached_prompt_tokens)
     """
 
-    def __init__(self, endpoint: str | None = None, timeout: float = _wire.DEFAULT_TIMEOUT, *,
-                 server_key: str | None = None, cert: str | None = None) -> None:
-        self.endpoint = _wire.check_endpoint(
-            endpoint if endpoint is not None else _wire.default_endpoint()
-        )
-        keys = _wire.curve_keys(server_key, cert)   # ValueError for a bad key file
-        self._mon: zmq.Socket[bytes] | None = None
-        self._auth_why = ""
-        self.timeout = _wire.check_timeout(timeout)
-        self._ids = _wire.IdSource()
-        self._router = _wire.Router()
-        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = zmq.Context()
-        try:
-            sock, self._mon = _socket.open_dealer(self._ctx, self.endpoint, keys)
-        except ValueError:
-            self._ctx.term()
-            self._ctx = None
-            raise
-        self._has_keys = keys is not None
-        self._sock: zmq.Socket[bytes] | None = sock
+    _NAME = "Client"
+
+    def _new_context(self) -> zmq.Context[zmq.Socket[bytes]]:
+        return zmq.Context()
 
     # ---- lifecycle ------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Cancels the requests still open (best effort) and closes the
-        connection. Safe to call twice."""
-        if self._sock is None:
-            return
-        for rid in self._router.open_ids():
-            self._cancel_nowait(rid)
-        self._router.fail_all(errors.KvdError("the client was closed"))
-        if self._mon is not None:
-            self._mon.close(0)
-            self._mon = None
-        self._sock.close(0)
-        self._sock = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
-
-    @property
-    def closed(self) -> bool:
-        return self._sock is None
 
     def __enter__(self) -> Client:
         return self
@@ -106,16 +72,6 @@ class Client:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def __repr__(self) -> str:
-        state = "closed" if self.closed else "open"
-        return f"<kvd_client.Client {self.endpoint} timeout={self.timeout}s {state}>"
 
     # ---- generate ---------------------------------------------------------------------------
 
@@ -240,61 +196,41 @@ class Client:
         """Asks kvd to cancel this client's request ``request_id`` (e.g.
         ``stream.request_id``). The request then ends with finish_reason
         "cancelled". Raises NotFound when kvd does not run it (any more)."""
-        rid = self._ids.take()
-        r = self._call(rid, _wire.encode_cancel(rid, request_id))
-        _wire.expect(r, "accepted", rid)
+        self._call(_core.cancel_call(self._ids.take(), request_id))
 
     def stats(self, block_hashes: bool = False) -> Stats:
         """kvd's counters: requests, tokens, cache hits, blocks, workers (and,
         with block_hashes, the hashes of every block a lookup can find: what a
         --kv-events subscriber rebuilds)."""
-        rid = self._ids.take()
-        r = self._call(rid, _wire.encode_stats(rid, block_hashes))
-        return _wire.to_stats(_wire.expect(r, "stats", rid).stats)
+        return self._call(_core.stats_call(self._ids.take(), block_hashes))
 
     def tokenize(self, text: str | None = None, *, messages: Sequence[MessageLike] | None = None) -> list[int]:
         """The token ids kvd computes for a prompt: text (as a generate prompt is
         tokenized) or chat messages (through the model's template)."""
-        rid = self._ids.take()
-        r = self._call(rid, _wire.encode_tokenize(rid, text=text, messages=messages))
-        return list(_wire.expect(r, "tokens", rid).tokens.token_ids)
+        return self._call(_core.tokenize_call(self._ids.take(), text, messages))
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of token ids (bytes that are not UTF-8 come back as U+FFFD)."""
-        rid = self._ids.take()
-        r = self._call(rid, _wire.encode_tokenize(rid, token_ids=token_ids))
-        return str(_wire.expect(r, "tokens", rid).tokens.text)
+        return self._call(_core.detokenize_call(self._ids.take(), token_ids))
 
     def health(self) -> Health:
         """Whether kvd can serve (ok: a worker is alive and kvd is not draining)."""
-        rid = self._ids.take()
-        r = self._call(rid, _wire.encode_health(rid))
-        return _wire.to_health(_wire.expect(r, "health", rid).health)
+        return self._call(_core.health_call(self._ids.take()))
 
     # ---- transport (for Stream) ---------------------------------------------------------------
-
-    def _socket(self) -> zmq.Socket[bytes]:
-        if self._sock is None:
-            raise errors.KvdError("the client is closed")
-        return self._sock
 
     def _open(self, request_id: int) -> _DequeInbox:
         inbox = _DequeInbox()
         self._router.open(request_id, inbox)
         return inbox
 
-    def _close_request(self, request_id: int) -> None:
-        self._router.close(request_id)
-
     def _auth_check(self, request_id: int) -> None:
         """AuthenticationFailed once the monitor has reported a failed handshake."""
         while self._mon is not None and self._mon.poll(0):
-            ev = self._mon.recv_multipart()
-            event = int.from_bytes(ev[0][:2], "little")
-            self._auth_why = _wire.handshake_failure(event, self._has_keys) or self._auth_why
+            self._handshake_event(self._mon.recv_multipart()[0])
         if self._auth_why:
             self._router.close(request_id)
-            raise errors.AuthenticationFailed(f"{self._auth_why} at {self.endpoint}", request_id=request_id)
+            raise self._auth_failed(request_id)
 
     def _wait(self, sock: zmq.Socket[bytes], left: float, flags: int) -> bool:
         """Waits up to left seconds for sock (flags) or a monitor event; whether sock is ready."""
@@ -321,11 +257,7 @@ class Client:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._router.close(request_id)
-                raise errors.Timeout(
-                    f"no connection to kvd at {self.endpoint} in {self.timeout:g} s "
-                    "(is it running?)",
-                    request_id=request_id,
-                )
+                raise self._no_connection(request_id)
             self._wait(sock, left, zmq.POLLOUT)
 
     def _next(self, request_id: int, inbox: _DequeInbox, timeout: float) -> kvd_pb2.ServerReply:
@@ -338,10 +270,7 @@ class Client:
             self._auth_check(request_id)
             left = deadline - time.monotonic()
             if left <= 0:
-                raise errors.Timeout(
-                    f"no reply from kvd at {self.endpoint} in {timeout:g} s",
-                    request_id=request_id,
-                )
+                raise self._no_reply(request_id, timeout)
             if self._wait(sock, left, zmq.POLLIN):
                 while True:
                     try:
@@ -349,19 +278,17 @@ class Client:
                     except zmq.Again:
                         break
                     self._router.route(frame)
-        item = inbox.items.popleft()
-        if isinstance(item, errors.KvdError):
-            raise item
-        return item
+        return self._unwrap(inbox.items.popleft())
 
-    def _call(self, request_id: int, frame: bytes) -> kvd_pb2.ServerReply:
-        """Sends a one-reply request and returns its reply."""
-        inbox = self._open(request_id)
+    def _call(self, call: _core.Call[T]) -> T:
+        """Sends a one-reply request and returns its result."""
+        inbox = self._open(call.request_id)
         try:
-            self._send(request_id, frame)
-            return self._next(request_id, inbox, self.timeout)
+            self._send(call.request_id, call.frame)
+            r = self._next(call.request_id, inbox, self.timeout)
         finally:
-            self._router.close(request_id)
+            self._router.close(call.request_id)
+        return call.result(r)
 
     def _cancel_nowait(self, target: int) -> None:
         """Tells kvd to stop working on target, without waiting for anything
@@ -369,12 +296,12 @@ class Client:
         if self._sock is None:
             return
         try:
-            self._sock.send(_wire.encode_cancel(self._ids.take(), target), zmq.NOBLOCK)
+            self._sock.send(self._cancel_frame(target), zmq.NOBLOCK)
         except (zmq.ZMQError, errors.KvdError):
             pass
 
 
-class Stream(Iterator[Chunk]):
+class Stream(_core._StreamCore[Client], Iterator[Chunk]):
     """A streamed generate (made by :meth:`Client.stream`): iterate it for
     the chunks; ``result`` holds the whole Result after the end.
 
@@ -385,26 +312,8 @@ class Stream(Iterator[Chunk]):
         queue_position: requests ahead of it when kvd accepted it.
     """
 
-    def __init__(self, client: Client, params: GenerateParams) -> None:
-        self._client = client
-        self.request_id = client._ids.take()
-        self._frame = params.encode(self.request_id)   # BadRequest here, before anything is sent
-        self._state = _wire.GenerateState(self.request_id)
-        self._inbox: _DequeInbox | None = None
-        self._started = False
-        self._finished = False
-
-    @property
-    def result(self) -> Result | None:
-        return self._state.result
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self._state.prompt_tokens
-
-    @property
-    def queue_position(self) -> int:
-        return self._state.queue_position
+    _NAME = "Stream"
+    _inbox: _DequeInbox | None = None
 
     def start(self) -> Stream:
         """Sends the request and waits for kvd to accept it (raising its error
@@ -424,28 +333,7 @@ class Stream(Iterator[Chunk]):
 
     def _step(self) -> Chunk | None:
         assert self._inbox is not None
-        r = self._client._next(self.request_id, self._inbox, self._client.timeout)
-        try:
-            chunk = self._state.on_reply(r)
-        except errors.ProtocolError:
-            raise   # kvd may still run it: the caller abandons (cancels) it
-        except errors.KvdError:
-            # kvd's error: the request is over there
-            self._finished = True
-            self._client._close_request(self.request_id)
-            raise
-        if self._state.done:
-            self._finished = True
-            self._client._close_request(self.request_id)
-        return chunk
-
-    def _abandon(self) -> None:
-        """Gives the request up after a failure: cancelled at kvd when it may
-        still run there, forgotten here."""
-        if not self._finished:
-            self._finished = True
-            self._client._cancel_nowait(self.request_id)
-        self._client._close_request(self.request_id)
+        return self._take(self._client._next(self.request_id, self._inbox, self._client.timeout))
 
     def __iter__(self) -> Stream:
         return self
@@ -467,37 +355,23 @@ class Stream(Iterator[Chunk]):
         """Ends the stream. Before its end, the request is cancelled at kvd
         and the stream waits (at most the client's timeout) for kvd to confirm, so
         that ``result`` says what came (finish_reason "cancelled")."""
-        if not self._started:
-            self._started = self._finished = True
+        if not self._begin_close():
             return
-        if self._finished:
-            return
-        client = self._client
-        if client.closed:
-            self._finished = True
-            return
-        client._cancel_nowait(self.request_id)
         # kvd confirms once the worker's step in progress is over (seconds on
         # a slow CPU): one more wait of the client's timeout for that
-        deadline = time.monotonic() + client.timeout
+        deadline = time.monotonic() + self._client.timeout
         try:
             while not self._finished:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 assert self._inbox is not None
-                r = client._next(self.request_id, self._inbox, left)
-                try:
-                    self._state.on_reply(r)
-                except errors.KvdError:
-                    break
-                if self._state.done:
+                if self._confirmed(self._client._next(self.request_id, self._inbox, left)):
                     break
         except errors.KvdError:
             pass
         finally:
-            self._finished = True
-            client._close_request(self.request_id)
+            self._end_close()
 
     def __enter__(self) -> Stream:
         return self.start()
@@ -509,18 +383,3 @@ class Stream(Iterator[Chunk]):
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        # a stream dropped before its end (a `break` out of a for loop over
-        # client.stream(...)): cancel without waiting
-        try:
-            if self._started and not self._finished:
-                self._finished = True
-                self._client._cancel_nowait(self.request_id)
-                self._client._close_request(self.request_id)
-        except Exception:
-            pass
-
-    def __repr__(self) -> str:
-        state = "done" if self._finished else "running" if self._started else "not started"
-        return f"<kvd_client.Stream request_id={self.request_id} {state}>"
