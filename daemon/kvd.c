@@ -642,15 +642,16 @@ static void auth_reread(struct kvd *k)
     kvd_log(k, "SIGHUP: %u client keys, %u worker keys allowed", st.keys[AUTH_CLIENTS], st.keys[AUTH_WORKERS]);
 }
 
-/* The monitor of the CURVE clients' socket: handshakes that failed before
- * the ZAP handler saw a key (those it refused it counts itself). */
-static void curve_events(struct kvd *k)
+/* The monitor of a CURVE socket (the clients', or a tcp:// worker
+ * endpoint's): handshakes that failed before the ZAP handler saw a key (those
+ * it refused it counts itself). */
+static void curve_events(struct kvd *k, void *mon)
 {
     for (;;) {
         zmq_msg_t ev, where;
         zmq_msg_init(&ev);
         zmq_msg_init(&where);
-        const bool got = zmq_msg_recv(&ev, k->curve_mon, ZMQ_DONTWAIT) >= 0 && zmq_msg_recv(&where, k->curve_mon, 0) >= 0;
+        const bool got = zmq_msg_recv(&ev, mon, ZMQ_DONTWAIT) >= 0 && zmq_msg_recv(&where, mon, 0) >= 0;
         if (got && zmq_msg_size(&ev) >= 6) {
             uint16_t id;
             memcpy(&id, zmq_msg_data(&ev), 2);
@@ -664,8 +665,20 @@ static void curve_events(struct kvd *k)
     }
 }
 
+/* A monitor of sock's failed handshakes, read from the PAIR it returns. */
+static void *curve_monitor(struct kvd *k, void *sock, const char *ep)
+{
+    void *mon;
+    if (zmq_socket_monitor(sock, ep, ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                                         ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0 ||
+        (mon = zmq_socket(k->zctx, ZMQ_PAIR)) == NULL || zmq_connect(mon, ep) != 0)
+        cli_die("--curve-secret: socket monitor: %s", zmq_strerror(errno));
+    return mon;
+}
+
 /* --curve-secret: the key pair, the ZAP handler, the CURVE clients' socket
- * and its monitor; before anything binds. */
+ * and its monitor (and the worker socket's, on a tcp:// worker endpoint);
+ * before anything binds. */
 static void auth_setup(struct kvd *k)
 {
     const struct kvd_options *o = &k->o;
@@ -681,12 +694,9 @@ static void auth_setup(struct kvd *k)
     if (auth_curve_server(k->clients_curve, &k->cert, AUTH_CLIENTS, err, sizeof(err)) != 0 ||
         (tcp_workers && auth_curve_server(k->wsock, &k->cert, AUTH_WORKERS, err, sizeof(err)) != 0))
         cli_die("--curve-secret: %s", err);
-    if (zmq_socket_monitor(k->clients_curve, "inproc://kvd-curve-monitor",
-                           ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                               ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0 ||
-        (k->curve_mon = zmq_socket(k->zctx, ZMQ_PAIR)) == NULL ||
-        zmq_connect(k->curve_mon, "inproc://kvd-curve-monitor") != 0)
-        cli_die("--curve-secret: socket monitor: %s", zmq_strerror(errno));
+    k->curve_mon = curve_monitor(k, k->clients_curve, "inproc://kvd-curve-monitor");
+    if (tcp_workers)
+        k->wcurve_mon = curve_monitor(k, k->wsock, "inproc://kvd-worker-curve-monitor");
     struct auth_stats st;
     auth_stats(k->auth, &st);
     kvd_log(k, "CURVE: kvd's public key %s; %u client keys%s, %u worker keys allowed", k->cert.public_key,
@@ -1064,7 +1074,7 @@ static void loop(struct kvd *k, int sfd)
     double cancel_deadline = 0;
     while (!k->stop) {
         /* an entry that is not in use polls a closed descriptor (-1): never ready */
-        zmq_pollitem_t items[7] = {
+        zmq_pollitem_t items[8] = {
             { k->clients, 0, ZMQ_POLLIN, 0 },
             { k->wsock, 0, ZMQ_POLLIN, 0 },
             { NULL, sfd, ZMQ_POLLIN, 0 },
@@ -1072,8 +1082,9 @@ static void loop(struct kvd *k, int sfd)
             { NULL, k->gpu_fd, ZMQ_POLLIN, 0 },
             { k->clients_curve, -1, ZMQ_POLLIN, 0 },
             { k->curve_mon, -1, ZMQ_POLLIN, 0 },
+            { k->wcurve_mon, -1, ZMQ_POLLIN, 0 },
         };
-        if (zmq_poll(items, 7, 50) < 0 && errno != EINTR)
+        if (zmq_poll(items, 8, 50) < 0 && errno != EINTR)
             cli_die("poll: %s", zmq_strerror(errno));
         if (k->gpu_fd >= 0 && (items[4].revents & ZMQ_POLLIN))
             gpu_serve(k);
@@ -1095,7 +1106,9 @@ static void loop(struct kvd *k, int sfd)
         if (items[5].revents & ZMQ_POLLIN)
             drain_socket(k, k->clients_curve, RID_CURVE);
         if (items[6].revents & ZMQ_POLLIN)
-            curve_events(k);
+            curve_events(k, k->curve_mon);
+        if (items[7].revents & ZMQ_POLLIN)
+            curve_events(k, k->wcurve_mon);
         drain_before_reap(k);
         workers_reap(k);
         workers_tick(k);
@@ -1177,6 +1190,8 @@ int main(int argc, char **argv)
         zmq_close(k->clients_curve);
     if (k->curve_mon != NULL)
         zmq_close(k->curve_mon);
+    if (k->wcurve_mon != NULL)
+        zmq_close(k->wcurve_mon);
     zmq_close(k->wsock);
     auth_destroy(&k->auth);
     free(k->tenants);

@@ -282,6 +282,7 @@ struct kvd {
     void *clients_curve;            /* --curve-secret: ROUTER, a CURVE server, bound to the tcp://
                                      * ones; its clients' tenants come from their keys */
     void *curve_mon;                /* PAIR: clients_curve's failed handshakes */
+    void *wcurve_mon;               /* PAIR: a tcp:// worker endpoint's (counted with them) */
     kvd_auth_t *auth;               /* --curve-secret: the ZAP handler */
     struct curve_cert cert;         /* --curve-secret: kvd's key pair */
     void *wsock;                    /* ROUTER for workers */

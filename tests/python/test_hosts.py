@@ -17,7 +17,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,7 +51,7 @@ class Hosts:
         keys, allow = self.tmp / "keys", self.tmp / "allow"
         keys.mkdir(exist_ok=True)
         allow.mkdir(exist_ok=True)
-        for name in ("kvd", "hosts"):
+        for name in ("kvd", "hosts", "stranger"):
             subprocess.run([str(BIN_DIR / "kvd-keygen"), "--dir", str(keys), "--force", name], check=True,
                            capture_output=True)
         (allow / "hosts.key").write_bytes((keys / "hosts.key").read_bytes())
@@ -64,7 +64,9 @@ class Hosts:
                       "--curve-secret", str(keys / "kvd.key_secret"), "--workers-allow", str(allow),
                       "--worker-timeout", str(timeout_ms), *extra, ready="stats", wrap=wrap)
 
-    def start(self, wid: int, host: str, wrap: Sequence[str] = (), connect: str | None = None) -> None:
+    def start(self, wid: int, host: str, wrap: Sequence[str] = (), connect: str | None = None,
+              cert: str | None = "hosts") -> None:
+        """Worker wid of host `host`, with key pair `cert` (None: no CURVE)."""
         pool = f"kvdtest-{self.tag}-{host}"
         self.pools.add(pool)
         keys = self.tmp / "keys"
@@ -72,8 +74,9 @@ class Hosts:
         self.workers[wid] = subprocess.Popen(
             [*wrap, str(BIN_DIR / "kvd-worker"), "--model", str(MODEL), "--pool", pool, "--connect", connect or self.connect,
              "--id", str(wid), "--host", host, "--kv-memory", "40MiB", "--threads", "1", "--ctx", str(CTX),
-             "--fence-ms", str(self.fence_ms), "--curve-server-key", str(keys / "kvd.key"),
-             "--curve-cert", str(keys / "hosts.key_secret")],
+             "--fence-ms", str(self.fence_ms),
+             *(("--curve-server-key", str(keys / "kvd.key"), "--curve-cert", str(keys / f"{cert}.key_secret"))
+               if cert else ())],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
         )
         log.close()
@@ -179,6 +182,47 @@ def test_two_hosts(tmp_path: Path) -> None:
         h.start(2, "B")
         two_hosts_scenario(d, h)
         assert "created pool" in h.log(1) and "created pool" in h.log(2)
+    finally:
+        h.stop()
+        _stop_checked(d)
+
+
+def test_workers_refused(tmp_path: Path) -> None:
+    """A worker whose key is not allowed, one without CURVE, and one whose key
+    was revoked (removed, then SIGHUP) are refused, each counted; a worker
+    admitted before the revocation serves on."""
+    h = Hosts(tmp_path, f"tcp://127.0.0.1:{free_port()}")
+    d = h.kvd(h.connect, 3000)
+
+    def until(what: str, pred: Callable[[kvd_client.Stats], bool]) -> kvd_client.Stats:
+        deadline = time.monotonic() + d.patience
+        while time.monotonic() < deadline:
+            s = c.stats()
+            if pred(s):
+                return s
+            time.sleep(0.1)
+        pytest.fail(f"never {what}: {c.stats()}")
+
+    try:
+        h.start(1, "A")
+        with kvd_client.Client(d.endpoint, timeout=d.patience) as c:
+            wait_hosts(c, {"A": 1}, d.patience)
+            h.start(2, "B", cert="stranger")
+            until("refused the stranger", lambda s: s.auth_workers_refused >= 1)
+            h.start(3, "C", cert=None)
+            until("failed the plain worker's handshake", lambda s: s.auth_handshakes_failed >= 1)
+            (tmp_path / "allow" / "hosts.key").unlink()
+            d.proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + d.patience
+            while "0 worker keys allowed" not in d.log() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            refused = c.stats().auth_workers_refused
+            h.start(4, "D")
+            until("refused the revoked key", lambda s: s.auth_workers_refused > refused)
+            assert {x.name for x in c.stats().hosts} == {"", "A"}
+            r = c.generate("The lighthouse keeper", max_tokens=4, temperature=0)
+            assert r.usage.completion_tokens == 4
+            assert all(h.workers[w].poll() is None for w in (2, 3, 4))    # refused, not crashed
     finally:
         h.stop()
         _stop_checked(d)
