@@ -1258,11 +1258,14 @@ void prefix_seq_release(prefix_t *px, struct prefix_seq *s)
     s->key = KEY_ZERO;
 }
 
-void prefix_seq_hide_pending(prefix_t *px, struct prefix_seq *s)
+/* Takes the pending blocks of s's logical blocks [from, to) out of the index,
+ * last first and other parts before part 0 (children before parents; a
+ * pending block's indexed children are pending blocks after it). Returns the
+ * first logical block that had a pending one, or `to`. */
+static uint32_t unindex_pending(prefix_t *px, struct prefix_seq *s, uint32_t from, uint32_t to)
 {
-    /* last first: a pending block's indexed children are the pending blocks after it */
-    uint32_t first = s->n_blocks;
-    for (uint32_t i = s->n_blocks; i-- > 0;)
+    uint32_t first = to;
+    for (uint32_t i = to; i-- > from;)
         for (uint32_t p = s->n_parts; p-- > 0;) {
             const uint32_t id = s->tables[p][i];
             if (id == POOL_NONE || px->b[id].state != POOL_BLOCK_PENDING)
@@ -1271,6 +1274,12 @@ void prefix_seq_hide_pending(prefix_t *px, struct prefix_seq *s)
                 index_remove(px, id);
             first = i;
         }
+    return first;
+}
+
+void prefix_seq_hide_pending(prefix_t *px, struct prefix_seq *s)
+{
+    const uint32_t first = unindex_pending(px, s, 0, s->n_blocks);
     if (s->n_indexed > first) {
         s->n_indexed = first;
         s->key = first > 0 ? key_get(&px->b[s->blocks[first - 1]]) : KEY_ZERO;
@@ -1305,18 +1314,8 @@ bool prefix_seq_restored(prefix_t *px, struct prefix_seq *s, const int32_t *toke
     }
     if (run != UINT32_MAX && px->obs.stored)
         notify_stored(px, s, run, n_good < s->n_cached ? n_good : s->n_cached, tokens);
-    /* those whose copies failed leave the index, last first, other parts
-     * before part 0 (children before parents) */
-    bool whole = true;
-    for (uint32_t i = s->n_cached; i-- > n_good;)
-        for (uint32_t p = s->n_parts; p-- > 0;) {
-            const uint32_t id = s->tables[p][i];
-            if (id == POOL_NONE || px->b[id].state != POOL_BLOCK_PENDING)
-                continue;
-            if (px->b[id].flags & POOL_BLOCK_INDEXED)
-                index_remove(px, id);
-            whole = false;
-        }
+    /* those whose copies failed leave the index */
+    const bool whole = n_good >= s->n_cached || unindex_pending(px, s, n_good, s->n_cached) == s->n_cached;
     s->n_restoring = 0;
     return whole;
 }
