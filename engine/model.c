@@ -227,7 +227,7 @@ static uint64_t mat_bytes(const struct model_mat *m) { return (uint64_t)m->rows 
  * from the page cache if a slower path is asked for later). */
 static void pack_mat(model_t *m, struct model_mat *w)
 {
-    if (kern_isa() >= KERN_ISA_AVX512VNNI)
+    if (kern_isa() >= KERN_ISA_AVX2)
         w->packed = kern_pack(w->type, w->data, w->row_bytes, w->rows, w->cols);
     if (w->packed == NULL)
         w->unpacked = kern_unpack_matrix(w->type, w->data, w->row_bytes, w->rows, w->cols);

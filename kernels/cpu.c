@@ -73,6 +73,39 @@ enum kern_isa kern_isa(void)
     return (enum kern_isa)a;
 }
 
+static int avxvnni = -1;    /* kern_avxvnni() once chosen */
+
+/* AVX-VNNI (cpuid leaf 7, subleaf 1, EAX bit 4), with AVX2 and the YMM state. */
+static bool has_avxvnni(void)
+{
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    unsigned a, b, c, d;
+    if (kern_isa_best() < KERN_ISA_AVX2 || !__get_cpuid_count(7, 1, &a, &b, &c, &d))
+        return false;
+    return a & (1u << 4);
+#else
+    return false;
+#endif
+}
+
+bool kern_avxvnni(void)
+{
+    int v = __atomic_load_n(&avxvnni, __ATOMIC_ACQUIRE);
+    if (v >= 0)
+        return v;
+    const char *env = getenv("KVD_AVXVNNI");
+    v = has_avxvnni() && !(env != NULL && strcmp(env, "0") == 0);
+    __atomic_store_n(&avxvnni, v, __ATOMIC_RELEASE);
+    return v;
+}
+
+bool kern_avxvnni_set(bool on)
+{
+    const int v = on && has_avxvnni();
+    __atomic_store_n(&avxvnni, v, __ATOMIC_RELEASE);
+    return v;
+}
+
 const char *kern_isa_name(enum kern_isa isa)
 {
     switch (isa) {

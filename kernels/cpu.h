@@ -11,6 +11,8 @@
 #ifndef KVD_KERN_CPU_H
 #define KVD_KERN_CPU_H
 
+#include <stdbool.h>
+
 enum kern_isa {
     KERN_ISA_C = 0,         /* portable C reference */
     KERN_ISA_AVX2 = 1,      /* AVX2 + FMA + F16C */
@@ -28,5 +30,13 @@ enum kern_isa kern_isa_best(void);
 enum kern_isa kern_isa_set(enum kern_isa isa);
 
 const char *kern_isa_name(enum kern_isa isa);
+
+/* Whether the AVX2 path's packed products use AVX-VNNI (vpdpbusd on 256-bit
+ * registers): where the CPU has it, unless KVD_AVXVNNI=0. Both give the same
+ * bits; this is a matter of speed. */
+bool kern_avxvnni(void);
+
+/* Forces that choice (clamped to what the CPU has); for tests. Returns it. */
+bool kern_avxvnni_set(bool on);
 
 #endif

@@ -47,7 +47,7 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
      * Q8_0's: they are packed as Q8_0 (their products with Q8_0 activations
      * are the same integer sums and scales) */
     const bool as_q8 = wtype == KERN_Q4_0 || wtype == KERN_Q5_0;
-    if (kern_isa_best() < KERN_ISA_AVX512VNNI || (wtype != KERN_Q4_1 && wtype != KERN_Q8_0 && !as_q8) ||
+    if (kern_isa_best() < KERN_ISA_AVX2 || (wtype != KERN_Q4_1 && wtype != KERN_Q8_0 && !as_q8) ||
         n <= 0 || n % 32 != 0 || rows <= 0 || row_bytes != kern_row_bytes(wtype, n))
         return NULL;
     const int64_t nb = n / 32, groups = (rows + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
@@ -179,6 +179,9 @@ void kern_gemm_isa(const struct kern_gemm_args *a, int isa)
     if (isa >= KERN_ISA_AVX512VNNI && a->packed != NULL && kern_gemm_packed_vnni(a))
         return;
     if (isa >= KERN_ISA_AVX512VNNI && kern_gemm_avx512vnni(a))
+        return;
+    if (isa == KERN_ISA_AVX2 && a->packed != NULL &&
+        (kern_avxvnni() ? kern_gemm_packed_avxvnni(a) : kern_gemm_packed_avx2(a)))
         return;
     if (isa >= KERN_ISA_AVX2 && kern_gemm_avx2(a))
         return;

@@ -16,13 +16,15 @@
 #include <stdint.h>
 
 /*
- * A weight matrix repacked for the AVX-512 VNNI path (Q4_1 and Q8_0 weights;
+ * A weight matrix repacked for the packed products (AVX-512 VNNI, and in
+ * 256-bit registers AVX-VNNI and AVX2; Q4_1 and Q8_0 weights;
  * Q4_0 and Q5_0 ones as Q8_0: their signed codes and scales fit it exactly).
  * Rows go in groups of KERN_PACK_ROWS = 16 (the last group padded with zero
  * rows). Within a group, block b (32 values) of all 16 rows is stored as
  * 64-byte slices: slice s holds, for row i, four bytes at 4i, so one load
  * gives 16 rows' worth of one four-value group and one dpbusd against a
- * broadcast four activation bytes yields 16 rows' partial dot products.
+ * broadcast four activation bytes yields 16 rows' partial dot products (a
+ * 256-bit load takes half a slice: 8 rows).
  *   Q4_1: codes nb x 4 slices (slice j, row i = bytes qs[4j..4j+3] of row i's
  *         block: values 4j.. in the low nibbles, 16+4j.. in the high ones),
  *         then the 16 scales d of every block (f16), then the 16 mins m;
@@ -95,7 +97,7 @@ struct kern_gemm_args {
 size_t kern_gemm_scratch_bytes(int64_t n, int T);
 
 /* Computes the product on the active path: the packed matrix where one is
- * given and the path is AVX-512 VNNI, else the rows in place. */
+ * given (AVX-512 VNNI, AVX-VNNI or AVX2), else the rows in place. */
 void kern_gemm(const struct kern_gemm_args *a);
 
 /* The same on a given path (tests compare paths). */
@@ -106,5 +108,9 @@ void kern_gemm_isa(const struct kern_gemm_args *a, int isa);
 bool kern_gemm_avx2(const struct kern_gemm_args *a);
 bool kern_gemm_avx512vnni(const struct kern_gemm_args *a);
 bool kern_gemm_packed_vnni(const struct kern_gemm_args *a);
+/* The packed products in 256-bit registers (gemm_pk256.inc): the same bits as
+ * kern_gemm_packed_vnni's. */
+bool kern_gemm_packed_avx2(const struct kern_gemm_args *a);
+bool kern_gemm_packed_avxvnni(const struct kern_gemm_args *a);
 
 #endif

@@ -193,16 +193,7 @@ static inline __m512i bcast4(const int8_t *p)
     return _mm512_set1_epi32(v);
 }
 
-/* The activations of a packed product, staged once per call: per token the
- * n int8 values, and per (token, block) the scale d_a and the second term
- * (Q8_1: s_a as a float; Q8_0: -128 * sum of the block's values, an int32,
- * which undoes the +128 of the unsigned weight codes). */
-struct pk_acts {
-    const int8_t *av;       /* T x n */
-    const float *da;        /* T x nb */
-    const void *sa;         /* T x nb floats (Q4_1) or int32 (Q8_0) */
-    int64_t n, nb;
-};
+#include "gemm_pk.inc"
 
 /*
  * R groups of 16 rows (g, g + gs, ...) against NT tokens (from token t0).
@@ -330,42 +321,12 @@ static __mmask16 group_mask(long gi, long r0, long r1)
 
 bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
 {
-    const struct kern_packed *pk = a->packed;
-    /* Q4_0 and Q5_0 weights are packed as Q8_0 (kern_pack) */
-    const bool as_q8 = pk != NULL && pk->wtype == KERN_Q8_0 && (a->wtype == KERN_Q4_0 || a->wtype == KERN_Q5_0);
-    if (pk == NULL || a->scratch == NULL || (pk->wtype != a->wtype && !as_q8) || pk->n != a->n || a->T <= 0 ||
-        a->r0 < 0 || a->r1 > pk->rows)
+    if (!pk_usable(a))
         return false;
+    const struct kern_packed *pk = a->packed;
     const int Q8 = pk->wtype == KERN_Q8_0;
-    const int64_t n = a->n, nb = n / 32;
-    const uint32_t at = kern_vec_dot_type(a->wtype);
-    uint8_t *p = align64(a->scratch);
-    uint32_t *offs = (uint32_t *)p;
-    p = align64(p + (size_t)nb * sizeof(uint32_t));
-    float *da = (float *)p;
-    p = align64(p + (size_t)a->T * nb * sizeof(float));
-    float *sa = (float *)p;
-    p = align64(p + (size_t)a->T * nb * sizeof(float));
-    int8_t *av = (int8_t *)p;
-    for (int t = 0; t < a->T; t++) {
-        const uint8_t *row = a->act + (size_t)t * a->act_stride;
-        float *st = sa + (size_t)t * nb;
-        kern_act_blocks(at, row, n, offs, da + (size_t)t * nb, st);
-        for (int64_t b = 0; b < nb; b++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(row + offs[b]));
-            _mm256_store_si256((__m256i *)(av + (size_t)t * n + 32 * b), x);
-            if (Q8) {
-                /* -128 * (sum of the 32 values), exact in int32 */
-                const __m256i s16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), x);
-                const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-                __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-                h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-                ((int32_t *)st)[b] = -128 * _mm_cvtsi128_si32(h);
-            }
-        }
-    }
-    const struct pk_acts A = { av, da, sa, n, nb };
+    struct pk_acts A;
+    pk_stage(a, Q8, true, &A);
     const struct pk_acts *Ap = &A;
     const size_t gs = pk->group_bytes;
     const long g_end = (a->r1 + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;

@@ -129,15 +129,17 @@ static void check_type(uint32_t wtype, int64_t n, void *scratch)
     free(wf); free(af); free(w); free(act); free(deq); free(adeq);
 }
 
-/* The packed products (Q4_1, Q8_0, and Q4_0 / Q5_0 as Q8_0, on AVX-512 VNNI): against the C reference
+/* The packed products (Q4_1, Q8_0, and Q4_0 / Q5_0 as Q8_0; on AVX-512 VNNI, AVX-VNNI and AVX2): against
+ * the C reference
  * within the same tolerance, on a matrix whose last group of 16 rows is
  * partial; every tile shape (1..19 tokens: 8-token tiles, tails, the
  * multi-group tiles of 1-4 tokens); each token alone, any row range and
  * accumulate mode giving the same bits as the whole batch. */
 #define PROWS 101
 #define PMAXT 19
-static void check_packed(uint32_t wtype, int64_t n)
+static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
 {
+    kern_avxvnni_set(vnni256);
     const uint32_t at = kern_vec_dot_type(wtype);
     const size_t wrow = kern_row_bytes(wtype, n), arow = kern_act_row_bytes(at, n);
     float *wf = malloc((size_t)n * 4), *af = malloc((size_t)n * 4);
@@ -162,7 +164,7 @@ static void check_packed(uint32_t wtype, int64_t n)
     run(&g, KERN_ISA_C, PMAXT, 0, PROWS, ref);
     int bad = 0, variant = 0;
     for (int T = 1; T <= PMAXT; T++) {
-        run(&g, KERN_ISA_AVX512VNNI, T, 0, PROWS, got);
+        run(&g, isa, T, 0, PROWS, got);
         for (int t = 0; t < T; t++)
             for (int r = 0; r < PROWS; r++) {
                 float want = ref[t * PROWS + r];
@@ -182,24 +184,24 @@ static void check_packed(uint32_t wtype, int64_t n)
             struct kern_gemm_args one = g;
             one.act = act + t * arow;
             float row1[PROWS];
-            run(&one, KERN_ISA_AVX512VNNI, 1, 0, PROWS, row1);
+            run(&one, isa, 1, 0, PROWS, row1);
             if (memcmp(row1, got + t * PROWS, sizeof(row1)) != 0)
                 variant++;
         }
     }
     /* row ranges that cut groups, then accumulate mode */
-    run(&g, KERN_ISA_AVX512VNNI, PMAXT, 0, PROWS, got);
+    run(&g, isa, PMAXT, 0, PROWS, got);
     for (int i = 0; i < PMAXT * PROWS; i++)
         part[i] = -1.0f;
     const long cuts[] = { 0, 5, 16, 37, 38, 80, PROWS };
     for (int c = 0; c + 1 < (int)(sizeof(cuts) / sizeof(cuts[0])); c++)
-        run(&g, KERN_ISA_AVX512VNNI, PMAXT, cuts[c], cuts[c + 1], part);
+        run(&g, isa, PMAXT, cuts[c], cuts[c + 1], part);
     CHECK(memcmp(part, got, sizeof(got)) == 0);
     struct kern_gemm_args add = g;
     add.add = true;
     for (int i = 0; i < PMAXT * PROWS; i++)
         part[i] = 1.0f;
-    run(&add, KERN_ISA_AVX512VNNI, PMAXT, 0, PROWS, part);
+    run(&add, isa, PMAXT, 0, PROWS, part);
     int add_bad = 0;
     for (int i = 0; i < PMAXT * PROWS; i++)
         add_bad += part[i] != 1.0f + got[i];
@@ -207,11 +209,20 @@ static void check_packed(uint32_t wtype, int64_t n)
     /* a range that ends inside the matrix leaves the rows after it alone */
     for (int i = 0; i < PMAXT * PROWS; i++)
         part[i] = 7.0f;
-    run(&g, KERN_ISA_AVX512VNNI, 3, 20, 21, part);
+    run(&g, isa, 3, 20, 21, part);
     CHECK(part[19] == 7.0f && part[21] == 7.0f && part[20] == got[20]);
+    /* every width gives the AVX-512 packed product's bits */
+    int other = 0;
+    if (isa != KERN_ISA_AVX512VNNI && kern_isa_best() >= KERN_ISA_AVX512VNNI) {
+        run(&g, KERN_ISA_AVX512VNNI, PMAXT, 0, PROWS, part);
+        run(&g, isa, PMAXT, 0, PROWS, got);
+        other = memcmp(part, got, sizeof(got)) != 0;
+    }
+    CHECK_INT(other, 0);
     if (bad || variant)
-        fprintf(stderr, "%s packed, n=%lld: %d off the reference, %d batch-variant\n",
-                kern_type_info(wtype)->name, (long long)n, bad, variant);
+        fprintf(stderr, "%s packed (%s%s), n=%lld: %d off the reference, %d batch-variant\n",
+                kern_type_info(wtype)->name, kern_isa_name((enum kern_isa)isa), vnni256 ? " AVX-VNNI" : "",
+                (long long)n, bad, variant);
     CHECK_INT(bad, 0);
     CHECK_INT(variant, 0);
     kern_pack_free(&pk);
@@ -236,22 +247,35 @@ int main(void)
         if (kern_type_info(types[i])->block_elems == 32 || kern_type_info(types[i])->block_elems == 1)
             check_type(types[i], 96, scratch);
     free(scratch);
-    if (kern_isa_best() >= KERN_ISA_AVX512VNNI) {
-        check_packed(KERN_Q4_1, 576);
-        check_packed(KERN_Q8_0, 576);
-        check_packed(KERN_Q4_1, 32);
-        check_packed(KERN_Q8_0, 1536);
-        /* Q4_0 and Q5_0, packed as Q8_0 (Gemma 3's Q4_K_M file is mostly Q5_0) */
-        check_packed(KERN_Q5_0, 640);
-        check_packed(KERN_Q4_0, 576);
-        check_packed(KERN_Q5_0, 32);
+    if (kern_isa_best() >= KERN_ISA_AVX2) {
+        /* every packed path this CPU has: AVX-512 VNNI, AVX-VNNI, AVX2 */
+        struct packed_path { int isa; bool vnni256; } paths[3];
+        int np = 0;
+        if (kern_isa_best() >= KERN_ISA_AVX512VNNI)
+            paths[np++] = (struct packed_path){ KERN_ISA_AVX512VNNI, false };
+        if (kern_avxvnni_set(true))
+            paths[np++] = (struct packed_path){ KERN_ISA_AVX2, true };
+        paths[np++] = (struct packed_path){ KERN_ISA_AVX2, false };
+        for (int i = 0; i < np; i++) {
+            fprintf(stderr, "packed products: %s%s\n", kern_isa_name((enum kern_isa)paths[i].isa),
+                    paths[i].vnni256 ? " with AVX-VNNI" : "");
+            check_packed(KERN_Q4_1, 576, paths[i].isa, paths[i].vnni256);
+            check_packed(KERN_Q8_0, 576, paths[i].isa, paths[i].vnni256);
+            check_packed(KERN_Q4_1, 32, paths[i].isa, paths[i].vnni256);
+            check_packed(KERN_Q8_0, 1536, paths[i].isa, paths[i].vnni256);
+            /* Q4_0 and Q5_0, packed as Q8_0 (Gemma 3's Q4_K_M file is mostly Q5_0) */
+            check_packed(KERN_Q5_0, 640, paths[i].isa, paths[i].vnni256);
+            check_packed(KERN_Q4_0, 576, paths[i].isa, paths[i].vnni256);
+            check_packed(KERN_Q5_0, 32, paths[i].isa, paths[i].vnni256);
+        }
+        kern_avxvnni_set(true);
         /* types without a packed form, and odd lengths, are left in place */
         uint8_t w[256] = { 0 };
         CHECK(kern_pack(KERN_Q4_K, w, kern_row_bytes(KERN_Q4_K, 256), 1, 256) == NULL);
         CHECK(kern_pack(KERN_Q8_0, w, 17, 2, 16) == NULL);
     } else {
         CHECK(kern_pack(KERN_Q4_1, (uint8_t[20]){ 0 }, 20, 1, 32) == NULL);
-        fprintf(stderr, "note: no AVX-512 VNNI; the packed products are not checked here\n");
+        fprintf(stderr, "note: no AVX2; the packed products are not checked here\n");
     }
     return CHECK_DONE();
 }
