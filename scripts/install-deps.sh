@@ -23,6 +23,24 @@ command -v protoc-c >/dev/null || need+=(protobuf-c-compiler)
 [ -f /usr/include/jansson.h ] || need+=(libjansson-dev)
 [ -f /usr/include/msgpack.h ] || need+=(libmsgpack-dev)
 
+# --arm64: what the aarch64 cross build needs (scripts/test-arm64.sh): Debian's
+# cross compiler, qemu-user to run its tests, and the arm64 builds of the
+# libraries above (a multiarch system: dpkg --add-architecture arm64)
+arm64=false
+[ "${1:-}" = "--arm64" ] && arm64=true
+if $arm64; then
+  command -v aarch64-linux-gnu-gcc >/dev/null || need+=(gcc-aarch64-linux-gnu)
+  command -v qemu-aarch64-static >/dev/null || need+=(qemu-user-static)
+  a=/usr/lib/aarch64-linux-gnu
+  [ -f $a/libxxhash.so ] || need+=(libxxhash-dev:arm64)
+  [ -f $a/libzmq.so ] || need+=(libzmq3-dev:arm64)
+  [ -f $a/libprotobuf-c.so ] || need+=(libprotobuf-c-dev:arm64)
+  [ -f $a/liblz4.so ] || need+=(liblz4-dev:arm64)
+  [ -f $a/libmicrohttpd.so ] || need+=(libmicrohttpd-dev:arm64)
+  [ -f $a/libjansson.so ] || need+=(libjansson-dev:arm64)
+  [ -f $a/libmsgpackc.so ] || need+=(libmsgpack-dev:arm64)
+fi
+
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi
@@ -32,5 +50,8 @@ if [ "$(id -u)" -ne 0 ]; then
   sudo=sudo
 fi
 echo "install-deps: installing ${need[*]}" >&2
+if $arm64 && ! dpkg --print-foreign-architectures | grep -qx arm64; then
+  $sudo dpkg --add-architecture arm64
+fi
 $sudo apt-get update -qq
 DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}"

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs kvd's whole test suite, as CI does: installs what is missing, fetches
 # the default model and Gemma 3 270M (whose tokenizer test needs it), builds
-# with warnings as errors, runs every test, then rebuilds under
-# AddressSanitizer + UndefinedBehaviorSanitizer and runs the unit tests and
-# fuzz-corpus replays again there.
+# with warnings as errors, runs every test, builds the whole project for
+# aarch64 and runs its unit tests under qemu-user (scripts/test-arm64.sh), then
+# rebuilds under AddressSanitizer + UndefinedBehaviorSanitizer and runs the
+# unit tests and fuzz-corpus replays again there.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -26,6 +27,9 @@ build-test/pyenv/bin/python -m pip install -q --disable-pip-version-check \
 KVD_BIN_DIR="$root/build-test" \
 KVD_MODEL="$root/models/SmolLM2-135M-Instruct.Q4_1.gguf" \
   build-test/pyenv/bin/python -m pytest tests/python
+
+echo "== the aarch64 build, its unit tests under qemu-user"
+scripts/test-arm64.sh
 
 echo "== unit and fuzz-replay tests under ASan+UBSan"
 cmake -S . -B build-asan -G Ninja -DKVD_WERROR=ON -DKVD_ASAN=ON -DKVD_CUDA=OFF \
