@@ -18,11 +18,14 @@
  *
  * Fencing. kvd cannot kill a process on another host, and a worker kvd
  * declared lost (a partition, a stall) may still be computing into the
- * blocks of its sequences. So kvd pings the workers of other hosts every
- * second at most; a worker that hears nothing for its --fence-ms drops its
- * sequences and says Ready again; and the blocks of a lost worker's
- * sequences stay taken for twice its fence time, after which it has surely
- * stopped writing them. Its sequences resume elsewhere at once. A dropped
+ * blocks of its sequences. So kvd pings the workers of other hosts at least
+ * every second and four times per fence time; a worker that hears nothing
+ * for its --fence-ms (checked before it reads what waited in its socket, and
+ * its steps kept under a quarter of that) drops its sequences and says Ready
+ * with a new epoch, and drops whatever kvd sent for an earlier one; and the
+ * blocks of a lost worker's sequences stay taken for twice its fence time,
+ * after which it has surely stopped writing them. A worker that says Ready
+ * again while kvd still counts it alive is lost, then taken back. Its sequences resume elsewhere at once. A dropped
  * record's pool is refused for as long, so that it cannot come back empty
  * while a worker cut off from kvd still writes into it.
  */
@@ -231,12 +234,9 @@ void hosts_tick(struct kvd *k)
             any = true;
         }
     if (any)
-        req_dispatch(k);    /* blocks came free */
+        req_blocks_freed(k);
     const double now = cli_now_ms();
-    double every = k->o.worker_timeout_ms / 4.0;
-    if (every > PING_MS_MAX)
-        every = PING_MS_MAX;
-    if (now - k->last_ping < every)
+    if (now - k->last_ping < hosts_ping_ms(k))
         return;
     k->last_ping = now;
     Kvdw__ToWorker m = KVDW__TO_WORKER__INIT;
@@ -246,6 +246,17 @@ void hosts_tick(struct kvd *k)
     for (int i = 0; i < KVD_MAX_WORKERS; i++)
         if (k->workers[i].used && k->workers[i].alive && k->workers[i].host > 0)
             workers_send(k, i, &m);
+}
+
+double hosts_ping_ms(const struct kvd *k)
+{
+    double every = k->o.worker_timeout_ms / 4.0;
+    if (every > PING_MS_MAX)
+        every = PING_MS_MAX;
+    for (int i = 1; i < KVD_MAX_HOSTS; i++)
+        if (k->hosts[i].used && k->hosts[i].fence_ms / 4.0 < every)
+            every = k->hosts[i].fence_ms / 4.0;
+    return every;
 }
 
 void hosts_fini(struct kvd *k)

@@ -191,6 +191,9 @@ struct worker {
     bool used;                      /* slot in use */
     uint32_t id;                    /* worker id (its --id) */
     int host;                       /* index into kvd.hosts: the pool it computes into */
+    uint64_t epoch;                 /* its Ready's: on everything kvd sends it */
+    bool unreachable;               /* a send to it failed: lost at the next tick (not in the
+                                     * middle of a dispatch that may hold requests it would free) */
     pid_t pid;                      /* process (from Ready) */
     bool spawned;                   /* kvd started it (and restarts it) */
     bool alive;                     /* registered and not declared dead */
@@ -340,6 +343,9 @@ void req_fail_queued(struct kvd *k, int code, const char *why);
 void req_release_all(struct kvd *k);
 /* Fails the queued requests that no pool left can hold (after a host was lost). */
 void req_fail_unfit(struct kvd *k);
+/* Blocks came free outside a worker's report (fenced ones released): leases
+ * that waited are retried and the queue dispatched. */
+void req_blocks_freed(struct kvd *k);
 void req_on_restored(struct kvd *k);
 
 /* workers.c */
@@ -366,6 +372,9 @@ void hosts_fence(struct kvd *k, int h, struct prefix_seq *ps);
 void hosts_check(struct kvd *k, int h);
 /* Fenced blocks whose time has come are released; pings to remote workers. */
 void hosts_tick(struct kvd *k);
+/* The ping interval for workers of other hosts: at most a quarter of the
+ * shortest fence time, and of --worker-timeout, and 1 s. */
+double hosts_ping_ms(const struct kvd *k);
 uint32_t hosts_workers(const struct kvd *k, int h);
 uint32_t hosts_fenced_blocks(const struct kvd_host *h);
 void hosts_fini(struct kvd *k);

@@ -790,7 +790,7 @@ static bool suspect(const struct request *r)
 
 static bool can_take(const struct worker *w, const struct request *r)
 {
-    if (!w->used || !w->alive || w->draining || w->running >= w->max_batch || w->isolating)
+    if (!w->used || !w->alive || w->unreachable || w->draining || w->running >= w->max_batch || w->isolating)
         return false;
     return !(suspect(r) && w->running > 0);
 }
@@ -1301,7 +1301,9 @@ void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions)
     if (r->lease_want == 0)
         k->workers[w].starved++;
     r->lease_want = n_positions;
-    if (!preempt_for(k, r)) {
+    if (k->hosts[r->host].fenced != NULL) {
+        /* blocks held for a lost worker come free within its fence time */
+    } else if (!preempt_for(k, r)) {
         /* alone and still too big: it ends here, as when the context is full */
         unstarve(k, r);
         stop_request(k, r, KVD__FINISH_REASON__FINISH_LENGTH, 0, NULL);
@@ -1323,6 +1325,8 @@ static void retry_leases(struct kvd *k)
             unstarve(k, r);
             if (r->ps.n_blocks > before)
                 grant(k, r, before);
+        } else if (k->hosts[r->host].fenced != NULL) {
+            /* it waits for the fenced blocks (hosts_tick) */
         } else if (!preempt_for(k, r)) {
             unstarve(k, r);
             stop_request(k, r, KVD__FINISH_REASON__FINISH_LENGTH, 0, NULL);
@@ -1845,6 +1849,12 @@ void req_fail_queued(struct kvd *k, int code, const char *why)
         stop_request(k, r, 0, code, why);
         r = next;
     }
+}
+
+void req_blocks_freed(struct kvd *k)
+{
+    retry_leases(k);
+    req_dispatch(k);
 }
 
 void req_fail_unfit(struct kvd *k)

@@ -204,7 +204,7 @@ void workers_reap(struct kvd *k)
     while ((pid = waitpid(-1, &st, WNOHANG)) > 0) {
         for (int i = 0; i < KVD_MAX_WORKERS; i++) {
             struct worker *w = &k->workers[i];
-            if (!w->used || w->pid != pid)
+            if (!w->used || !w->spawned || w->pid != pid)   /* only kvd's children are reaped here */
                 continue;
             char why[160];
             if (WIFSIGNALED(st))
@@ -246,7 +246,9 @@ void workers_tick(struct kvd *k)
         struct worker *w = &k->workers[i];
         if (!w->used)
             continue;
-        if (w->alive) {
+        if (w->alive && w->unreachable) {
+            lose(k, i, "unreachable");
+        } else if (w->alive) {
             double quiet = now - w->last_heartbeat;
             /* sequences waiting for blocks from kvd do not count as work */
             double stuck = w->running > w->starved ? now - w->last_progress : 0;
@@ -275,9 +277,11 @@ int workers_send(struct kvd *k, int i, Kvdw__ToWorker *m)
     struct worker *w = &k->workers[i];
     m->has_version = true;
     m->version = WIRE_VERSION;
+    m->has_epoch = w->epoch != 0;
+    m->epoch = w->epoch;
     int rc = kvd_send(k, k->wsock, w->rid, w->rid_len, &m->base);
     if (rc != 0 && w->alive)
-        lose(k, i, "unreachable");
+        w->unreachable = true;  /* lost at the next tick, outside whatever loop sent this */
     return rc;
 }
 
@@ -292,6 +296,13 @@ static void on_ready(struct kvd *k, const uint8_t *rid, size_t len, uint32_t id,
         return;
     }
     const bool remote = r->host != NULL && r->host[0] != '\0';
+    if (!remote && (!r->has_pool_instance || r->pool_instance != h->instance)) {
+        /* a worker of kvd's own pool names it (and so its pid is one kvd may signal) */
+        kvd_log(k, "worker %u: refused: it maps no pool of this kvd's (kvd-worker --host for a pool of "
+                "its own host's)", id);
+        k->st.bad_messages++;
+        return;
+    }
     int slot = -1;
     for (int i = 0; i < KVD_MAX_WORKERS && slot < 0; i++)
         if (k->workers[i].used && k->workers[i].id == id)
@@ -300,11 +311,18 @@ static void on_ready(struct kvd *k, const uint8_t *rid, size_t len, uint32_t id,
         kvd_log(k, "worker %u (host %s): refused: kvd starts the worker of that id here", id, r->host);
         return;
     }
+    if (slot >= 0 && k->workers[slot].alive && remote && k->workers[slot].host > 0 &&
+        strcmp(k->hosts[k->workers[slot].host].name, r->host) == 0) {
+        /* a worker of the same host says Ready again under its id: it fenced itself
+         * (kvd went quiet for it) and dropped what it ran; it is lost, then taken back */
+        lose(k, slot, "fenced itself (kvd was quiet for its --fence-ms)");
+    }
     if (slot >= 0 && k->workers[slot].alive) {
         kvd_log(k, "worker %u (pid %d): refused: id in use by pid %d", id, (int)r->pid,
                 (int)k->workers[slot].pid);
         return;
     }
+    bool claimed = false;
     if (slot < 0) {
         for (int i = 0; i < KVD_MAX_WORKERS && slot < 0; i++)
             if (!k->workers[i].used)
@@ -316,10 +334,13 @@ static void on_ready(struct kvd *k, const uint8_t *rid, size_t len, uint32_t id,
         memset(&k->workers[slot], 0, sizeof(k->workers[slot]));
         k->workers[slot].used = true;
         k->workers[slot].id = id;
+        claimed = true;
     }
     int host = 0;
     if (remote && (host = hosts_join(k, r)) < 0) {
         kvd_log(k, "worker %u (host %s): refused", id, r->host);
+        if (claimed)
+            k->workers[slot].used = false;  /* the slot is not this refused worker's */
         return;
     }
     struct worker *w = &k->workers[slot];
@@ -330,6 +351,8 @@ static void on_ready(struct kvd *k, const uint8_t *rid, size_t len, uint32_t id,
     memcpy(w->rid, rid, len);
     w->rid_len = len;
     w->alive = true;
+    w->unreachable = false;
+    w->epoch = r->has_epoch ? r->epoch : 0;
     w->draining = false;
     w->max_batch = r->max_batch ? r->max_batch : 1;
     w->running = 0;

@@ -694,6 +694,7 @@ pool_t *pool_join(const char *name, const struct pool_layout *lay, const struct 
     }
     /* Another worker of this host may be creating it at the same moment: its
      * lock makes our create fail, and its pool is live a moment later. */
+    int mismatched = 0;
     for (int attempt = 0; attempt < 50; attempt++) {
         int code;
         pool_t *p = attach(name, lay, err, errlen, &code);
@@ -712,10 +713,10 @@ pool_t *pool_join(const char *name, const struct pool_layout *lay, const struct 
         }
         if (!locked)
             return NULL;
-        if (code == KVD_EUNSUPPORTED) {
-            /* its live owner made it for another model, layout or build */
-            attach(name, lay, err, errlen, &code);
-            return NULL;
+        if (code == KVD_EUNSUPPORTED && ++mismatched >= 3) {
+            /* its live owner made it for another model, layout or build (seen
+             * three times: not a header half written by a creator at work) */
+            return attach(name, lay, err, errlen, &code);
         }
         usleep(100000);
     }

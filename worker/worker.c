@@ -130,6 +130,7 @@ struct worker {
     uint64_t progress;      /* steps completed (heartbeats add the engine's jobs) */
     double last_hb;
     double last_heard;      /* ms: the last message from kvd (--host: its pings) */
+    uint64_t epoch;         /* the last Ready's: kvd's messages for an earlier one are dropped */
     bool draining;
     wire_arena_t *arena;
     struct fwd_seq *batch;
@@ -436,6 +437,8 @@ static void on_message(struct worker *w, const void *buf, size_t len)
         fprintf(stderr, "kvd-worker %u: dropped a message: %s\n", w->o.id, err);
         return;
     }
+    if (m->has_epoch && m->epoch != w->epoch)
+        return;     /* meant for this worker before it last said Ready: stale */
     w->last_heard = cli_now_ms();
     int i;
     switch (m->body_case) {
@@ -770,6 +773,9 @@ static void parse_args(int argc, char **argv, struct options *o)
             cli_die("--host: a worker on another host runs on its CPU (GPU pools are kvd's own)");
         if (o->kv_bytes == 0)
             o->kv_bytes = 1ull << 30;
+        /* a step must end well inside the fence time, or the check comes late */
+        if (o->step_ms > o->fence_ms / 4)
+            o->step_ms = o->fence_ms / 4;
     } else if (o->kv_bytes != 0) {
         cli_die("--kv-memory sizes a pool of this host's own (--host); kvd sizes its own");
     }
@@ -912,10 +918,17 @@ static void say_ready(struct worker *w)
     r.fingerprint.data = (uint8_t *)lay->fingerprint;
     r.fingerprint.len = 16;
     r.block_tokens = o->block_tokens;
+    r.has_pool_instance = true;     /* kvd's pool's, or (--host) this host's */
+    r.pool_instance = pool_header(w->pool)->instance;
+    /* a new epoch: whatever kvd sent for an earlier Ready is dropped */
+    do {
+        w->epoch = (w->epoch ^ (uint64_t)cli_now_ms() * 0x9e3779b97f4a7c15ull) + (uint64_t)getpid() + 1;
+    } while (w->epoch == 0);
+    r.has_epoch = true;
+    r.epoch = w->epoch;
     if (o->host != NULL) {
         r.host = (char *)o->host;
-        r.has_pool_instance = r.has_pool_blocks = r.has_fence_ms = true;
-        r.pool_instance = pool_header(w->pool)->instance;
+        r.has_pool_blocks = r.has_fence_ms = true;
         r.pool_blocks = pool_header(w->pool)->n_blocks;
         r.fence_ms = o->fence_ms;
     }
@@ -965,12 +978,14 @@ int main(int argc, char **argv)
         long wait = runnable ? 0 : HEARTBEAT_MS;
         if (zmq_poll(&it, 1, wait) < 0 && errno != EINTR)
             cli_die("poll: %s", zmq_strerror(errno));
+        /* the fence first: after a long silence (a stop, a cut link) what is
+         * waiting in the socket may be old, and its blocks others' by now */
+        if (w.o.host != NULL && cli_now_ms() - w.last_heard >= w.o.fence_ms)
+            fence(&w);
         while (zmq_msg_recv(&msg, w.sock, ZMQ_DONTWAIT) >= 0)
             on_message(&w, zmq_msg_data(&msg), zmq_msg_size(&msg));
         if (cli_now_ms() - w.last_hb >= HEARTBEAT_MS)
             send_heartbeat(&w);
-        if (w.o.host != NULL && cli_now_ms() - w.last_heard >= w.o.fence_ms)
-            fence(&w);
         uint32_t n = plan_step(&w);
         if (n > 0)
             run_step(&w, n);

@@ -75,11 +75,15 @@ static void setup(void)
     zctx = zmq_ctx_new();
 }
 
-static void *quiet_router(const char *ep)
+/* A ROUTER nobody connects to; with mandatory routing (as kvd's worker
+ * socket) every send fails, so kvd finds each worker unreachable and loses
+ * it at its next tick. */
+static void *quiet_router(const char *ep, int mandatory)
 {
     void *s = zmq_socket(zctx, ZMQ_ROUTER);
     int zero = 0;
     zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof(zero));
+    zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &mandatory, sizeof(mandatory));
     if (zmq_bind(s, ep) != 0)
         abort();
     return s;
@@ -119,9 +123,9 @@ static struct kvd *kvd_new(void)
     k->zctx = zctx;
     char ep[64];
     snprintf(ep, sizeof(ep), "inproc://fw-c%u", n_made);
-    k->clients = quiet_router(ep);
+    k->clients = quiet_router(ep, 0);
     snprintf(ep, sizeof(ep), "inproc://fw-w%u", n_made++);
-    k->wsock = quiet_router(ep);
+    k->wsock = quiet_router(ep, 1);
     k->arena = wire_arena_new(4 * (size_t)WIRE_MAX_FRAME + (1u << 20));
     if (k->arena == NULL)
         abort();
@@ -272,6 +276,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             r.fingerprint.data = pool_header(k->pool)->layout.fingerprint;
             r.fingerprint.len = 16;
             r.block_tokens = k->o.block_tokens;
+            r.has_pool_instance = r.has_epoch = true;
+            r.pool_instance = (where & 0x40) ? 99 : pool_header(k->pool)->instance;  /* 99: a stranger's */
+            r.epoch = 1 + where;
             if (where & 0x80) {
                 snprintf(host, sizeof(host), "h%u", (where >> 4) & 3);
                 r.host = host;
