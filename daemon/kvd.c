@@ -373,6 +373,15 @@ static void *router(struct kvd *k)
     return s;
 }
 
+/* The private pool's name (kvd-<pid>), for unlink_private_pool. */
+static char private_pool[128];
+
+static void unlink_private_pool(void)
+{
+    if (private_pool[0])
+        pool_unlink(private_pool);
+}
+
 static uint64_t default_kv_bytes(void)
 {
     uint64_t want = 1ull << 30;
@@ -800,6 +809,8 @@ static void setup(struct kvd *k)
     pp.name = k->pool_name;
     pp.reuse = o->pool != NULL;
     pp.unlink_on_close = o->pool == NULL;
+    if (pp.unlink_on_close)
+        snprintf(private_pool, sizeof(private_pool), "%s", k->pool_name);
     uint8_t secret[POOL_SECRET_BYTES];
     if (o->cache_dir != NULL) {
         cache_secret(o->cache_dir, secret);
@@ -817,6 +828,8 @@ static void setup(struct kvd *k)
     k->pool = pool_create(&lay, &pp, note, sizeof(note), err, sizeof(err));
     if (k->pool == NULL)
         cli_die("%s", err);
+    if (pp.unlink_on_close)
+        atexit(unlink_private_pool);    /* a setup error (cli_die) after this leaves no segment */
     if (note[0])
         kvd_log(k, "%s", note);
     k->px = prefix_new(k->pool, note, sizeof(note), err, sizeof(err));

@@ -122,6 +122,9 @@ class Daemon:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        # a kvd that was killed leaves its default pool's name behind in /dev/shm
+        # (it removes it itself when it exits): the tests' pools must not pile up
+        Path(f"/dev/shm/kvd-{self.proc.pid}").unlink(missing_ok=True)
         return self.proc.returncode
 
 
