@@ -20,8 +20,7 @@
  * declared lost (a partition, a stall) may still be computing into the
  * blocks of its sequences. So kvd pings the workers of other hosts at least
  * every second and four times per fence time; a worker that hears nothing
- * for its --fence-ms (checked before it reads what waited in its socket, and
- * its steps kept under a quarter of that) drops its sequences and says Ready
+ * for its --fence-ms (its steps kept under a quarter of that) drops its sequences and says Ready
  * with a new epoch, and drops whatever kvd sent for an earlier one; and the
  * blocks of a lost worker's sequences stay taken for twice its fence time,
  * after which it has surely stopped writing them. A worker that says Ready

@@ -945,9 +945,8 @@ static void say_ready(struct worker *w)
  * kvd is there and lost only us. */
 static void fence(struct worker *w)
 {
-    if (w->n_seqs > 0)
-        fprintf(stderr, "kvd-worker %u: nothing from kvd for %u ms: dropping %u sequences\n", w->o.id,
-                w->o.fence_ms, w->n_seqs);
+    fprintf(stderr, "kvd-worker %u: nothing from kvd for %u ms: dropping %u sequences, saying Ready again\n",
+            w->o.id, w->o.fence_ms, w->n_seqs);
     while (w->n_seqs > 0)
         remove_seq(w, w->n_seqs - 1);
     say_ready(w);
@@ -978,12 +977,15 @@ int main(int argc, char **argv)
         long wait = runnable ? 0 : HEARTBEAT_MS;
         if (zmq_poll(&it, 1, wait) < 0 && errno != EINTR)
             cli_die("poll: %s", zmq_strerror(errno));
-        /* the fence first: after a long silence (a stop, a cut link) what is
-         * waiting in the socket may be old, and its blocks others' by now */
-        if (w.o.host != NULL && cli_now_ms() - w.last_heard >= w.o.fence_ms)
-            fence(&w);
+        /* what waited in the socket first: a step longer than the fence time (a
+         * slow, busy CPU) is not kvd's silence. (A process stopped for longer
+         * than twice the fence time still reads kvd's last pings as new: the
+         * heartbeat thread, which holds the socket during steps, should note
+         * them as they come instead.) */
         while (zmq_msg_recv(&msg, w.sock, ZMQ_DONTWAIT) >= 0)
             on_message(&w, zmq_msg_data(&msg), zmq_msg_size(&msg));
+        if (w.o.host != NULL && cli_now_ms() - w.last_heard >= w.o.fence_ms)
+            fence(&w);
         if (cli_now_ms() - w.last_hb >= HEARTBEAT_MS)
             send_heartbeat(&w);
         uint32_t n = plan_step(&w);
