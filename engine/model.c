@@ -227,7 +227,7 @@ static uint64_t mat_bytes(const struct model_mat *m) { return (uint64_t)m->rows 
  * from the page cache if a slower path is asked for later). */
 static void pack_mat(model_t *m, struct model_mat *w)
 {
-    if (kern_isa() >= KERN_ISA_AVX2)
+    if (kern_isa() >= KERN_ISA_SIMD)
         w->packed = kern_pack(w->type, w->data, w->row_bytes, w->rows, w->cols);
     if (w->packed == NULL)
         w->unpacked = kern_unpack_matrix(w->type, w->data, w->row_bytes, w->rows, w->cols);
@@ -244,10 +244,11 @@ static void pack_mat(model_t *m, struct model_mat *w)
 
 /* Every matrix the products read (not the embedding table: its rows are
  * looked up, not multiplied, unless it doubles as the output matrix): packed
- * for AVX-512 VNNI (Q4_0, Q4_1, Q5_0, Q8_0), K-quants unpacked for AVX2 and up. */
+ * for the packed products (Q4_0, Q4_1, Q5_0, Q8_0; x86-64 with AVX2 and up,
+ * aarch64 with sdot), K-quants unpacked for x86's row-wise products. */
 static void pack_weights(model_t *m)
 {
-    if (kern_isa() < KERN_ISA_AVX2)
+    if (kern_isa() < KERN_ISA_SIMD)
         return;
     pack_mat(m, &m->output);
     for (uint32_t i = 0; i < m->cfg.n_layer; i++) {

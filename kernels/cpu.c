@@ -3,6 +3,8 @@
 
 #if defined(__x86_64__)
 #include <cpuid.h>
+#elif defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
 #endif
 
 #include <stdbool.h>
@@ -42,6 +44,15 @@ enum kern_isa kern_isa_best(void)
         return KERN_ISA_AVX512VNNI;
     if (avx2)
         return KERN_ISA_AVX2;
+#elif defined(__aarch64__) && defined(__linux__)
+    /* the kernel's view of the CPU (HWCAP_ASIMDDP, HWCAP2_I8MM): the
+     * instructions are usable in user space where these bits are set */
+    const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+    const bool dotprod = hw & (1ul << 20), i8mm = hw2 & (1ul << 13);
+    if (dotprod && i8mm)
+        return KERN_ISA_I8MM;
+    if (dotprod)
+        return KERN_ISA_NEON;
 #endif
     return KERN_ISA_C;
 }
@@ -59,13 +70,13 @@ enum kern_isa kern_isa(void)
     int a = __atomic_load_n(&active, __ATOMIC_ACQUIRE);
     if (a >= 0)
         return (enum kern_isa)a;
-    enum kern_isa want = KERN_ISA_AVX512VNNI;
+    enum kern_isa want = KERN_ISA_TOP;
     const char *env = getenv("KVD_ISA");
     if (env != NULL) {
         if (strcmp(env, "c") == 0)
             want = KERN_ISA_C;
-        else if (strcmp(env, "avx2") == 0)
-            want = KERN_ISA_AVX2;
+        else if (strcmp(env, "avx2") == 0 || strcmp(env, "neon") == 0)
+            want = KERN_ISA_SIMD;
     }
     enum kern_isa best = kern_isa_best();
     a = (int)(want < best ? want : best);
@@ -108,9 +119,14 @@ bool kern_avxvnni_set(bool on)
 
 const char *kern_isa_name(enum kern_isa isa)
 {
-    switch (isa) {
+    switch ((int)isa) {
+#if defined(__aarch64__)
+    case KERN_ISA_NEON: return "neon";
+    case KERN_ISA_I8MM: return "i8mm";
+#else
     case KERN_ISA_AVX2: return "avx2";
     case KERN_ISA_AVX512VNNI: return "avx512vnni";
+#endif
     default: return "c";
     }
 }

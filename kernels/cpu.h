@@ -1,11 +1,15 @@
 /*
  * cpu.h - which instruction-set path the kernels take, chosen at run time.
  *
- * kern_isa() probes the CPU once: AVX-512 with VNNI (and VL, BW), else AVX2
- * with FMA and F16C, else the portable C reference. KVD_ISA=c|avx2|avx512vnni
- * in the environment selects a lower path (tests and benchmarks compare them);
- * asking for one the CPU lacks falls back to the best it has. All paths of a
- * build give each output from its own inputs in a fixed order, so the choice
+ * The paths are levels, the same numbers on each architecture: 0 is the
+ * portable C reference (every CPU); on x86-64, 1 is AVX2 with FMA and F16C
+ * and 2 AVX-512 with VNNI (and VL, BW, DQ); on aarch64, 1 is Advanced SIMD
+ * with the dot-product extension (sdot) and 2 adds the int8 matrix multiply
+ * (smmla). kern_isa() probes the CPU once and takes the highest level it has.
+ * KVD_ISA=c|avx2|avx512vnni (x86-64) or c|neon|i8mm (aarch64) in the
+ * environment selects a lower one (tests and benchmarks compare them); asking
+ * for one the CPU lacks falls back to the best it has. All paths of a build
+ * give each output from its own inputs in a fixed order, so the choice
  * changes rounding, never batch invariance.
  */
 #ifndef KVD_KERN_CPU_H
@@ -15,8 +19,14 @@
 
 enum kern_isa {
     KERN_ISA_C = 0,         /* portable C reference */
+    KERN_ISA_SIMD = 1,      /* the first level with SIMD kernels, on any architecture */
+    /* x86-64 */
     KERN_ISA_AVX2 = 1,      /* AVX2 + FMA + F16C */
     KERN_ISA_AVX512VNNI = 2,/* AVX-512 F/BW/DQ/VL + VNNI */
+    /* aarch64 */
+    KERN_ISA_NEON = 1,      /* Advanced SIMD + the dot-product extension (FEAT_DotProd) */
+    KERN_ISA_I8MM = 2,      /* plus the int8 matrix multiply (FEAT_I8MM) */
+    KERN_ISA_TOP = 2,       /* the highest level */
 };
 
 /* The path in use (probed on first call; thread-safe after that). */

@@ -47,7 +47,7 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
      * Q8_0's: they are packed as Q8_0 (their products with Q8_0 activations
      * are the same integer sums and scales) */
     const bool as_q8 = wtype == KERN_Q4_0 || wtype == KERN_Q5_0;
-    if (kern_isa_best() < KERN_ISA_AVX2 || (wtype != KERN_Q4_1 && wtype != KERN_Q8_0 && !as_q8) ||
+    if (kern_isa_best() < KERN_ISA_SIMD || (wtype != KERN_Q4_1 && wtype != KERN_Q8_0 && !as_q8) ||
         n <= 0 || n % 32 != 0 || rows <= 0 || row_bytes != kern_row_bytes(wtype, n))
         return NULL;
     const int64_t nb = n / 32, groups = (rows + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
@@ -118,7 +118,12 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
 struct kern_unpacked *kern_unpack_matrix(uint32_t wtype, const void *w, size_t row_bytes, int64_t rows, int64_t n)
 {
     const bool kq = wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_Q6_K;
-    if (kern_isa_best() < KERN_ISA_AVX2 || (!kq && wtype != KERN_Q4_0 && wtype != KERN_Q5_0) || n <= 0 ||
+#if defined(__x86_64__)
+    const bool rowwise = kern_isa_best() >= KERN_ISA_AVX2;
+#else
+    const bool rowwise = false;  /* only the x86 paths read unpacked rows */
+#endif
+    if (!rowwise || (!kq && wtype != KERN_Q4_0 && wtype != KERN_Q5_0) || n <= 0 ||
         n % (kq ? 256 : 32) != 0 || rows <= 0 || row_bytes != kern_row_bytes(wtype, n))
         return NULL;
     struct kern_unpacked *u = calloc(1, sizeof(*u));
@@ -184,6 +189,11 @@ void kern_gemm_isa(const struct kern_gemm_args *a, int isa)
         (kern_avxvnni() ? kern_gemm_packed_avxvnni(a) : kern_gemm_packed_avx2(a)))
         return;
     if (isa >= KERN_ISA_AVX2 && kern_gemm_avx2(a))
+        return;
+#elif defined(__aarch64__)
+    if (isa >= KERN_ISA_I8MM && a->packed != NULL && kern_gemm_packed_i8mm(a))
+        return;
+    if (isa >= KERN_ISA_NEON && a->packed != NULL && kern_gemm_packed_neon(a))
         return;
 #endif
     gemm_c(a);

@@ -17,7 +17,8 @@
 
 /*
  * A weight matrix repacked for the packed products (AVX-512 VNNI, and in
- * 256-bit registers AVX-VNNI and AVX2; Q4_1 and Q8_0 weights;
+ * 256-bit registers AVX-VNNI and AVX2; on aarch64 sdot and smmla in 128-bit
+ * ones; Q4_1 and Q8_0 weights;
  * Q4_0 and Q5_0 ones as Q8_0: their signed codes and scales fit it exactly).
  * Rows go in groups of KERN_PACK_ROWS = 16 (the last group padded with zero
  * rows). Within a group, block b (32 values) of all 16 rows is stored as
@@ -70,8 +71,9 @@ struct kern_unpacked {
     float *d, *m;
 };
 
-/* Unpacks such a matrix when this CPU's best path has SIMD products (AVX2 or
- * better); else NULL (also for other types and on out of memory). */
+/* Unpacks such a matrix when this CPU's best path has row-wise SIMD products
+ * (x86-64, AVX2 or better); else NULL (also for other types and on out of
+ * memory). */
 struct kern_unpacked *kern_unpack_matrix(uint32_t wtype, const void *w, size_t row_bytes, int64_t rows, int64_t n);
 void kern_unpacked_free(struct kern_unpacked **u);
 size_t kern_unpacked_bytes(const struct kern_unpacked *u);
@@ -103,7 +105,7 @@ void kern_gemm(const struct kern_gemm_args *a);
 /* The same on a given path (tests compare paths). */
 void kern_gemm_isa(const struct kern_gemm_args *a, int isa);
 
-/* The per-path implementations (x86 only; they return false for a weight
+/* The per-path implementations (each on its architecture only; they return false for a weight
  * type or size they do not handle, and the caller falls back to C). */
 bool kern_gemm_avx2(const struct kern_gemm_args *a);
 bool kern_gemm_avx512vnni(const struct kern_gemm_args *a);
@@ -112,5 +114,9 @@ bool kern_gemm_packed_vnni(const struct kern_gemm_args *a);
  * kern_gemm_packed_vnni's. */
 bool kern_gemm_packed_avx2(const struct kern_gemm_args *a);
 bool kern_gemm_packed_avxvnni(const struct kern_gemm_args *a);
+/* The packed products on aarch64 (gemm_neon.inc), the same bits again: sdot,
+ * and smmla for token pairs. */
+bool kern_gemm_packed_neon(const struct kern_gemm_args *a);
+bool kern_gemm_packed_i8mm(const struct kern_gemm_args *a);
 
 #endif

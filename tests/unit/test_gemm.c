@@ -102,10 +102,16 @@ static void check_type(uint32_t wtype, int64_t n, void *scratch)
         run(&add, isa, MAXT, 0, ROWS, acc);
         for (int i = 0; i < MAXT * ROWS; i++)
             CHECK(acc[i] == 1.0f + got[i]);
-        /* a matrix unpacked at load: the same bits, any batch and row range */
+        /* a matrix unpacked at load (x86's row-wise products only): the
+         * same bits, any batch and row range */
         struct kern_unpacked *u = kern_unpack_matrix(wtype, w, wrow, ROWS, n);
         const bool kq = wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_Q6_K;
+#if defined(__x86_64__)
         CHECK((u != NULL) == ((kq && n % 256 == 0) || wtype == KERN_Q4_0 || wtype == KERN_Q5_0));
+#else
+        CHECK(u == NULL);
+        (void)kq;
+#endif
         if (u != NULL) {
             struct kern_gemm_args gu = g;
             gu.unpacked = u;
@@ -129,7 +135,7 @@ static void check_type(uint32_t wtype, int64_t n, void *scratch)
     free(wf); free(af); free(w); free(act); free(deq); free(adeq);
 }
 
-/* The packed products (Q4_1, Q8_0, and Q4_0 / Q5_0 as Q8_0; on AVX-512 VNNI, AVX-VNNI and AVX2): against
+/* The packed products (Q4_1, Q8_0, and Q4_0 / Q5_0 as Q8_0; on AVX-512 VNNI, AVX-VNNI and AVX2, or sdot and smmla): against
  * the C reference
  * within the same tolerance, on a matrix whose last group of 16 rows is
  * partial; every tile shape (1..19 tokens: 8-token tiles, tails, the
@@ -162,6 +168,18 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
     struct kern_gemm_args g = { .wtype = wtype, .packed = pk, .w = w, .row_bytes = wrow, .n = n,
                                 .act = act, .act_stride = arow, .ldo = PROWS, .scratch = scratch };
     run(&g, KERN_ISA_C, PMAXT, 0, PROWS, ref);
+    /* the path's own product takes the matrix (no silent fall back to C) */
+    struct kern_gemm_args direct = g;
+    direct.T = 2;
+    direct.r1 = PROWS;
+    direct.out = got;
+#if defined(__x86_64__)
+    CHECK(isa == KERN_ISA_AVX512VNNI ? kern_gemm_packed_vnni(&direct)
+          : vnni256                  ? kern_gemm_packed_avxvnni(&direct)
+                                     : kern_gemm_packed_avx2(&direct));
+#elif defined(__aarch64__)
+    CHECK(isa == KERN_ISA_I8MM ? kern_gemm_packed_i8mm(&direct) : kern_gemm_packed_neon(&direct));
+#endif
     int bad = 0, variant = 0;
     for (int T = 1; T <= PMAXT; T++) {
         run(&g, isa, T, 0, PROWS, got);
@@ -211,10 +229,10 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
         part[i] = 7.0f;
     run(&g, isa, 3, 20, 21, part);
     CHECK(part[19] == 7.0f && part[21] == 7.0f && part[20] == got[20]);
-    /* every width gives the AVX-512 packed product's bits */
+    /* every width gives the top path's bits (AVX-512 VNNI; on aarch64 smmla) */
     int other = 0;
-    if (isa != KERN_ISA_AVX512VNNI && kern_isa_best() >= KERN_ISA_AVX512VNNI) {
-        run(&g, KERN_ISA_AVX512VNNI, PMAXT, 0, PROWS, part);
+    if (isa != KERN_ISA_TOP && kern_isa_best() >= KERN_ISA_TOP) {
+        run(&g, KERN_ISA_TOP, PMAXT, 0, PROWS, part);
         run(&g, isa, PMAXT, 0, PROWS, got);
         other = memcmp(part, got, sizeof(got)) != 0;
     }
@@ -234,7 +252,7 @@ int main(void)
 {
     srand(3);
     if (kern_isa_best() == KERN_ISA_C)
-        fprintf(stderr, "note: this CPU has no AVX2; only the C path is checked\n");
+        fprintf(stderr, "note: this CPU has no SIMD path; only the C path is checked\n");
     fprintf(stderr, "best path: %s, active: %s\n", kern_isa_name(kern_isa_best()), kern_isa_name(kern_isa()));
     const int64_t n = 512;
     void *scratch = aligned_alloc(64, (kern_gemm_scratch_bytes(n, MAXT) + 63) / 64 * 64);
@@ -247,15 +265,16 @@ int main(void)
         if (kern_type_info(types[i])->block_elems == 32 || kern_type_info(types[i])->block_elems == 1)
             check_type(types[i], 96, scratch);
     free(scratch);
-    if (kern_isa_best() >= KERN_ISA_AVX2) {
-        /* every packed path this CPU has: AVX-512 VNNI, AVX-VNNI, AVX2 */
+    if (kern_isa_best() >= KERN_ISA_SIMD) {
+        /* every packed path this CPU has: AVX-512 VNNI, AVX-VNNI, AVX2; or
+         * on aarch64 smmla (with sdot for odd tokens) and sdot alone */
         struct packed_path { int isa; bool vnni256; } paths[3];
         int np = 0;
-        if (kern_isa_best() >= KERN_ISA_AVX512VNNI)
-            paths[np++] = (struct packed_path){ KERN_ISA_AVX512VNNI, false };
+        if (kern_isa_best() >= KERN_ISA_TOP)
+            paths[np++] = (struct packed_path){ KERN_ISA_TOP, false };
         if (kern_avxvnni_set(true))
-            paths[np++] = (struct packed_path){ KERN_ISA_AVX2, true };
-        paths[np++] = (struct packed_path){ KERN_ISA_AVX2, false };
+            paths[np++] = (struct packed_path){ KERN_ISA_SIMD, true };
+        paths[np++] = (struct packed_path){ KERN_ISA_SIMD, false };
         for (int i = 0; i < np; i++) {
             fprintf(stderr, "packed products: %s%s\n", kern_isa_name((enum kern_isa)paths[i].isa),
                     paths[i].vnni256 ? " with AVX-VNNI" : "");
@@ -275,7 +294,7 @@ int main(void)
         CHECK(kern_pack(KERN_Q8_0, w, 17, 2, 16) == NULL);
     } else {
         CHECK(kern_pack(KERN_Q4_1, (uint8_t[20]){ 0 }, 20, 1, 32) == NULL);
-        fprintf(stderr, "note: no AVX2; the packed products are not checked here\n");
+        fprintf(stderr, "note: no SIMD path (AVX2, or sdot on aarch64); the packed products are not checked here\n");
     }
     return CHECK_DONE();
 }
