@@ -84,6 +84,9 @@ void kern_attn_isa(const struct kern_attn_args *a, int isa)
         return;
     if (isa >= KERN_ISA_AVX2 && kern_attn_avx2(a))
         return;
+#elif defined(__aarch64__)
+    if (isa >= KERN_ISA_NEON && kern_attn_neon(a))
+        return;
 #endif
     for (int i = 0; i < a->n_q; i++)
         kern_attn_paged(a, i);

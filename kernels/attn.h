@@ -74,4 +74,8 @@ int kern_attn_avx2(const struct kern_attn_args *a);
 /* AVX-512 path for head_dim 64, 128 and 256; 0 for other shapes and types. */
 int kern_attn_avx512(const struct kern_attn_args *a);
 
+/* aarch64 path (NEON + sdot), the AVX2 path's design in 128-bit registers;
+ * the same shapes and types. */
+int kern_attn_neon(const struct kern_attn_args *a);
+
 #endif

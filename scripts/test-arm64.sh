@@ -5,9 +5,11 @@
 # errors, no CUDA), and runs its unit tests and fuzz-corpus replays under
 # qemu-user: the kernels (gemm, attn, quant, ops), the engine (forward, and the
 # numbers contract: batch, chunking and threads change no bit), the pool, the
-# prefix cache, the wire format. On aarch64 the kernels take their portable C
-# path (NEON is not written yet); every path is held to the C reference there.
-# scripts/test.sh runs this.
+# prefix cache, the wire format. qemu's default CPU has the dot product and the
+# int8 matrix multiply, so the kernels' every aarch64 level (C, NEON with sdot,
+# I8MM with smmla) is held to the C reference and the contract there; then the
+# run-time choice is checked on CPUs without I8MM (Cortex-A76) and without the
+# dot product (Cortex-A57). scripts/test.sh runs this.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -23,3 +25,10 @@ for exe in kvd kvd-worker kvcli kvd-run; do
 done
 echo "== aarch64 unit tests and fuzz replays, under qemu-user"
 ctest --test-dir build-arm64 -L 'unit|fuzz' --output-on-failure -j "$jobs"
+echo "== aarch64 run-time choice of kernels"
+for want in "cortex-a76 neon" "cortex-a57 c" "max i8mm"; do
+  set -- $want
+  out=$(QEMU_CPU=$1 qemu-aarch64-static build-arm64/tests/test_gemm 2>&1) || { echo "$out" >&2; exit 1; }
+  echo "$out" | grep -q "best path: $2," || { echo "QEMU_CPU=$1: expected the $2 path" >&2; echo "$out" >&2; exit 1; }
+  echo "QEMU_CPU=$1: $2 path, $(echo "$out" | tail -1)"
+done

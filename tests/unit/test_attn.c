@@ -110,6 +110,11 @@ static void test_quantized(void)
                 a.out = isa == KERN_ISA_C ? ref : got;
                 a.stats = isa == KERN_ISA_C ? ref_stats : stats;
                 kern_attn_isa(&a, isa);
+#if defined(__aarch64__)
+                /* the NEON path takes every shape here (no silent fall back to C) */
+                if (isa != KERN_ISA_C)
+                    CHECK(kern_attn_neon(&a));
+#endif
                 /* the largest score of each head: integer dot products, the same bits */
                 if (isa != KERN_ISA_C)
                     for (int g = 0; g < G; g++)
