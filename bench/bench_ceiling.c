@@ -180,6 +180,28 @@ __attribute__((target("avx2"))) static double peak_avx2(long iters)
     (void)sink;
     return (double)iters * CHAINS * 32 / t / 1e9;
 }
+
+__attribute__((target("avx2,avxvnni"))) static double peak_avxvnni(long iters)
+{
+    __m256i a[CHAINS];
+    __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(5);
+    for (int i = 0; i < CHAINS; i++)
+        a[i] = _mm256_set1_epi32(i);
+    double t0 = now_s();
+    for (long k = 0; k < iters; k++) {
+#pragma GCC unroll 12
+        for (int i = 0; i < CHAINS; i++)
+            a[i] = _mm256_dpbusd_avx_epi32(a[i], w, x);
+        __asm__ volatile("" : "+x"(w));
+    }
+    double t = now_s() - t0;
+    __m256i s = a[0];
+    for (int i = 1; i < CHAINS; i++)
+        s = _mm256_add_epi32(s, a[i]);
+    volatile int sink = _mm256_extract_epi32(s, 0);
+    (void)sink;
+    return (double)iters * CHAINS * 32 / t / 1e9;
+}
 #endif
 
 /* One thread's rate of the engine's own product (kern_gemm, packed where the
@@ -257,10 +279,14 @@ int main(int argc, char **argv)
     double peak = 0;
     const char *insn = "none";
 #if defined(__x86_64__)
-    if (kern_isa_best() >= KERN_ISA_AVX512VNNI) {
+    /* the peak of the instruction the active path (KVD_ISA, KVD_AVXVNNI) multiplies with */
+    if (kern_isa() >= KERN_ISA_AVX512VNNI) {
         peak = peak_vnni512(20000000);
         insn = "vpdpbusd zmm";
-    } else if (kern_isa_best() >= KERN_ISA_AVX2) {
+    } else if (kern_isa() >= KERN_ISA_AVX2 && kern_avxvnni()) {
+        peak = peak_avxvnni(20000000);
+        insn = "vpdpbusd ymm";
+    } else if (kern_isa() >= KERN_ISA_AVX2) {
         peak = peak_avx2(20000000);
         insn = "vpmaddubsw+vpmaddwd ymm";
     }

@@ -593,10 +593,12 @@ def main():
         l0 = raw["llama_cpp"][0]
         print(f"llama.cpp: llama-cpp-python {l0.get('llama_cpp_python')}, flash_attn "
               f"{'on' if l0.get('flash_attn') else 'off'}, batch decode through llama_decode with "
-              f"n_seq_max 32 ({'unified' if l0.get('kv_unified') else 'per-sequence'} KV)")
+              f"n_seq_max 32 ({'unified' if l0.get('kv_unified') else 'per-sequence'} KV); "
+              f"built for: {l0.get('isa')}")
     if raw["kvd"]:
         flags = " ".join(cpu_flags()) or "none the kernels use"
-        print(f"kvd: isa {raw['kvd'][0].get('isa')} (KVD_ISA={os.environ.get('KVD_ISA', 'unset')}); "
+        print(f"kvd: isa {raw['kvd'][0].get('isa')} (KVD_ISA={os.environ.get('KVD_ISA', 'unset')}, "
+              f"KVD_AVXVNNI={os.environ.get('KVD_AVXVNNI', 'unset')}); "
               f"CPU flags: {flags}")
     sys.stdout.flush()
 

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "attn.h"
+#include "exp256.h"
 #include "f16.h"
 #include "ops.h"
 #include "quant.h"
@@ -84,29 +85,6 @@ static inline __m256 load8(const uint8_t *row, int d, bool half)
     if (half)
         return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * (size_t)d)));
     return _mm256_loadu_ps((const float *)row + d);
-}
-
-/* e^x for x <= 0 (softmax arguments), eight at a time: x = k ln2 + r with
- * |r| <= ln2/2, e^r by a degree-6 polynomial, 2^k into the exponent. Below
- * -87 the result is 0. Within 2 ulp of expf. */
-static inline __m256 exp8(__m256 x)
-{
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 static inline float round_half(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
@@ -190,10 +168,10 @@ int kern_attn_avx2(const struct kern_attn_args *a)
             const __m256 mx = _mm256_set1_ps(max[g]);
             int j = j0;
             for (; j + 8 <= a->n_ctx; j += 8)
-                _mm256_storeu_ps(sc + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mx)));
+                _mm256_storeu_ps(sc + j, kern_exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mx)));
             for (; j < a->n_ctx; j++) {
                 float tail[8] = { sc[j] - max[g] };
-                _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
+                _mm256_storeu_ps(tail, kern_exp8(_mm256_loadu_ps(tail)));
                 sc[j] = tail[0];
             }
             double sum = 0.0;

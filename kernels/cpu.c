@@ -130,3 +130,12 @@ const char *kern_isa_name(enum kern_isa isa)
     default: return "c";
     }
 }
+
+const char *kern_path_name(void)
+{
+#if defined(__x86_64__)
+    if (kern_isa() == KERN_ISA_AVX2 && kern_avxvnni())
+        return "avx2+avxvnni";
+#endif
+    return kern_isa_name(kern_isa());
+}

@@ -41,6 +41,10 @@ enum kern_isa kern_isa_set(enum kern_isa isa);
 
 const char *kern_isa_name(enum kern_isa isa);
 
+/* The active path as the products run it: kern_isa_name(kern_isa()), with
+ * "+avxvnni" where the AVX2 path's packed products use AVX-VNNI. */
+const char *kern_path_name(void);
+
 /* Whether the AVX2 path's packed products use AVX-VNNI (vpdpbusd on 256-bit
  * registers): where the CPU has it, unless KVD_AVXVNNI=0. Both give the same
  * bits; this is a matter of speed. */

@@ -108,6 +108,10 @@ void kern_swiglu(float *gate, const float *up, int n)
         kern_swiglu_avx512(gate, up, n);
         return;
     }
+    if (kern_isa() >= KERN_ISA_AVX2) {
+        kern_swiglu_avx2(gate, up, n);
+        return;
+    }
 #endif
     for (int i = 0; i < n; i++) {
         float g = gate[i];
@@ -120,6 +124,10 @@ void kern_f32_to_f16_row(uint16_t *dst, const float *src, int n)
 #if defined(__x86_64__)
     if (kern_isa() >= KERN_ISA_AVX512VNNI) {
         kern_f32_to_f16_avx512(dst, src, n);
+        return;
+    }
+    if (kern_isa() >= KERN_ISA_AVX2) {
+        kern_f32_to_f16_avx2(dst, src, n);
         return;
     }
 #endif

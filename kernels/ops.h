@@ -45,12 +45,14 @@ void kern_swiglu(float *gate, const float *up, int n);
 /* dst[i] = src[i] as IEEE half, rounded to nearest even (kvd_f32_to_f16's bits). */
 void kern_f32_to_f16_row(uint16_t *dst, const float *src, int n);
 
-/* The AVX-512 bodies of the two above (x86 only), and of kern_geglu (table
- * lookups by gather). */
+/* The AVX-512 and AVX2 bodies of the two above (x86 only), and of kern_geglu
+ * (table lookups by gather). */
 void kern_swiglu_avx512(float *gate, const float *up, int n);
 void kern_geglu_avx512(float *gate, const float *up, int n, const float *table);
 void kern_geglu_avx2(float *gate, const float *up, int n, const float *table);
 void kern_f32_to_f16_avx512(uint16_t *dst, const float *src, int n);
+void kern_swiglu_avx2(float *gate, const float *up, int n);
+void kern_f32_to_f16_avx2(uint16_t *dst, const float *src, int n);
 
 /* In-place orthonormal Walsh-Hadamard transform of x[n], n a power of two
  * up to KERN_MAX_HEAD_DIM: x = H x / sqrt(n) with H the Sylvester Hadamard

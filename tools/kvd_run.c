@@ -1055,14 +1055,14 @@ static int run_bench_ctx(const struct options *o, struct runtime *rt, const int3
         tps[i] = bench_batch(rt, ids, n_ids, batches[i], ctx, steps[i]);
     if (o->json) {
         printf("{\"threads\":%d,\"isa\":\"%s\",\"ctx\":%d,\"decode\":[", engine_threads(rt->engine),
-               kern_isa_name(kern_isa()), ctx);
+               kern_path_name(), ctx);
         for (int i = 0; i < 2; i++)
             printf("%s{\"batch\":%d,\"tokens_per_s\":%.2f}", i ? "," : "", batches[i], tps[i]);
         printf("],");
         json_kv(stdout, rt);
         printf("}\n");
     } else {
-        printf("threads %d, kernels %s, K %s, V %s\n", engine_threads(rt->engine), kern_isa_name(kern_isa()),
+        printf("threads %d, kernels %s, K %s, V %s\n", engine_threads(rt->engine), kern_path_name(),
                kv_type_name(rt->kv->k_type), kv_type_name(rt->kv->v_type));
         for (int i = 0; i < 2; i++)
             printf("decode batch %d after %d tokens: %9.1f tokens/s\n", batches[i], ctx, tps[i]);
@@ -1122,7 +1122,7 @@ static int run_bench(const struct options *o)
     if (o->json) {
         printf("{\"threads\":%d,\"isa\":\"%s\",\"prefill_tokens\":%d,\"prefill_tokens_per_s\":%.2f,"
                "\"decode_b1_tokens\":%d,\"decode_b1_tokens_per_s\":%.2f,\"batch_decode\":[",
-               engine_threads(rt.engine), kern_isa_name(kern_isa()), BENCH_PREFILL, prefill_tps,
+               engine_threads(rt.engine), kern_path_name(), BENCH_PREFILL, prefill_tps,
                BENCH_DECODE, decode_tps);
         for (int i = 0; i < 3; i++)
             printf("%s{\"batch\":%d,\"tokens_per_s\":%.2f}", i ? "," : "", batches[i], agg[i]);
@@ -1131,7 +1131,7 @@ static int run_bench(const struct options *o)
         json_kv(stdout, &rt);
         printf("}\n");
     } else {
-        printf("threads %d, kernels %s\n", engine_threads(rt.engine), kern_isa_name(kern_isa()));
+        printf("threads %d, kernels %s\n", engine_threads(rt.engine), kern_path_name());
         printf("prefill %d tokens:        %9.1f tokens/s\n", BENCH_PREFILL, prefill_tps);
         printf("decode batch 1, %d:      %9.1f tokens/s\n", BENCH_DECODE, decode_tps);
         for (int i = 0; i < 3; i++)
