@@ -16,6 +16,7 @@
 #include "types.h"
 
 #define ACT_SLOTS 3  /* distinct activation formats one input may be quantized to */
+#define ATTN_ITEM_COST 32  /* an attention item's fixed cost (setup, softmax, output), in positions */
 
 /* An input row set quantized to the format one weight type consumes. */
 struct act_slot {
@@ -53,6 +54,8 @@ struct engine {
     uint32_t chunk;         /* positions per attention range (a multiple of block_tokens) */
     uint32_t *n_range;      /* (T) attention ranges of each token: ceil(n_ctx / chunk) */
     uint64_t *item0;        /* (T + 1) first (token, range, head) item of each token */
+    uint64_t *cost0;        /* (T + 1) the attention work before each token: positions read
+                             * per head, plus ATTN_ITEM_COST per item (threads share it out) */
     uint32_t *slot0;        /* (T) first partial-result slot of each split token */
     float *part;            /* (T * max ranges, n_head, head_dim) partial outputs of split tokens */
     float *part_stats;      /* (T * max ranges, n_head, 2) their max and sum */
@@ -107,6 +110,7 @@ void engine_destroy(engine_t **ep)
     free(e->scores);
     free(e->n_range);
     free(e->item0);
+    free(e->cost0);
     free(e->slot0);
     free(e->part);
     free(e->part_stats);
@@ -189,10 +193,11 @@ engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params
     size_t max_ranges = (p.max_ctx + e->chunk - 1) / e->chunk;
     e->n_range = xmalloc_arr(T, sizeof(uint32_t));
     e->item0 = xmalloc_arr(T + 1, sizeof(uint64_t));
+    e->cost0 = xmalloc_arr(T + 1, sizeof(uint64_t));
     e->slot0 = xmalloc_arr(T, sizeof(uint32_t));
     e->part = max_ranges > 1 ? xmalloc_arr(T * max_ranges * c->n_head * c->head_dim, sizeof(float)) : NULL;
     e->part_stats = max_ranges > 1 ? xmalloc_arr(T * max_ranges * c->n_head * 2, sizeof(float)) : NULL;
-    bool ranges_ok = e->n_range && e->item0 && e->slot0 && (max_ranges <= 1 || (e->part && e->part_stats));
+    bool ranges_ok = e->n_range && e->item0 && e->cost0 && e->slot0 && (max_ranges <= 1 || (e->part && e->part_stats));
     bool ok = e->tok_id && e->tok_pos && e->tok_seq && e->out_tok && e->x && e->xb && e->q &&
               e->k && e->v && e->gate && e->up && e->rope && e->scores && ranges_ok &&
               (!swa || (e->item0_win && (e->rope_swa || c->rope_base_swa == c->rope_base)));
@@ -496,6 +501,29 @@ struct attn_job {
     int T;
 };
 
+/* The first attention item of thread k's share of the work (k = nth: the
+ * end): the items whose cumulative cost (cost0) falls in the k-th of nth equal
+ * parts; within a token, proportionally (its ranges are equal but for the
+ * last). Monotonic in k, so the shares tile the items. */
+static long attn_cut(const engine_t *e, int T, int k, int nth)
+{
+    if (k <= 0)
+        return 0;
+    if (k >= nth)
+        return (long)e->item0[T];
+    const uint64_t c = e->cost0[T] * (uint64_t)k / (uint64_t)nth;
+    int lo = 0, hi = T;  /* the token t with cost0[t] <= c < cost0[t + 1] */
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (e->cost0[mid] <= c)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    const uint64_t span = e->cost0[lo + 1] - e->cost0[lo], items = e->item0[lo + 1] - e->item0[lo];
+    return (long)(e->item0[lo] + (span ? (c - e->cost0[lo]) * items / span : 0));
+}
+
 static void attn_run(void *ctx, int ith, int nth)
 {
     struct attn_job *j = ctx;
@@ -529,7 +557,13 @@ static void attn_run(void *ctx, int ith, int nth)
      * merge_run combines in range order. A head's result is the same bits
      * however heads are grouped or shared out. */
     long i0, i1;
-    tpool_split((long)item0[j->T], ith, nth, &i0, &i1);
+    if (windowed) {
+        tpool_split((long)item0[j->T], ith, nth, &i0, &i1);  /* a window: equal work per item */
+    } else {
+        /* by cost: a causal prefill's later tokens read more positions */
+        i0 = attn_cut(e, j->T, ith, nth);
+        i1 = attn_cut(e, j->T, ith + 1, nth);
+    }
     long t = 0;
     while (t + 1 < j->T && (long)item0[t + 1] <= i0)
         t++;
@@ -710,6 +744,7 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
     bool split = false;
     uint32_t slots = 0;
     e->item0[0] = 0;
+    e->cost0[0] = 0;
     for (uint32_t i = 0; i < T; i++) {
         e->n_range[i] = ((uint32_t)e->tok_pos[i] + e->chunk) / e->chunk;  /* ceil((pos + 1) / chunk) */
         e->slot0[i] = slots;
@@ -718,6 +753,7 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
             slots += e->n_range[i];
         }
         e->item0[i + 1] = e->item0[i] + (uint64_t)e->n_range[i] * c->n_head;
+        e->cost0[i + 1] = e->cost0[i] + ((uint64_t)e->tok_pos[i] + 1 + ATTN_ITEM_COST * e->n_range[i]) * c->n_head;
     }
     if (e->item0_win != NULL)
         for (uint32_t i = 0; i <= T; i++)
