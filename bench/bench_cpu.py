@@ -31,6 +31,10 @@ Not part of CI: it needs llama-cpp-python (which compiles llama.cpp on install, 
 two cores) and numpy, and it prints times, which tests never assert on. Machines are noisy: trust
 the ratios more than the absolute numbers, and run nothing else meanwhile.
 
+--kvd-paths LIST runs kvd on each of several kernel paths in every round (e.g. avx512vnni,
+avx2+avxvnni,avx2 on a CPU that has them all: KVD_ISA and KVD_AVXVNNI select the lower ones) against
+the same llama.cpp runs, and prints a table for each; kvd-run must report the path asked for.
+
 --kv-ctx N measures something else: decode at batch 1 and 8 after N tokens of context (e.g. 4096),
 for each KV cache type of --kv-types (default f16,q8_0,q4_0; K and V the same type), kvd (kvd-run
 --bench --bench-ctx N --kv-type T) against llama.cpp (type_k = type_v = T, flash attention on for
@@ -43,6 +47,7 @@ rotation.
     python3 bench/bench_cpu.py [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--threads 2]
                                [--rounds 3] [--kvd build/kvd-run] [--text tests/data/ppl_text.txt]
                                [--json OUT] [--only-llama | --only-kvd]
+                               [--kvd-paths avx512vnni,avx2+avxvnni,avx2]
                                [--kv-ctx N [--kv-types f16,q8_0,q4_0]]
 """
 
@@ -449,24 +454,41 @@ def kv_ctx_main(a):
 
 # ---------------------------------------------------------------- running the two sides
 
-def run_child(cmd):
+def run_child(cmd, env=None):
     """subprocess.run, plus the CPU cores the child kept busy on average (user+sys / wall): a
     2-thread run far below 2 did not get its CPUs (or its threads sleep rather than spin)."""
     r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S, env=env)
     wall = time.perf_counter() - t0
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     return p, (cpu / wall if wall > 0 else None), wall
 
 
-def run_kvd(a):
+#: --kvd-paths: the environment that selects each kernel path (kernels/cpu.h), and the name
+#: kvd-run reports for it
+KVD_PATHS = {
+    "avx512vnni": {}, "i8mm": {},
+    "avx2+avxvnni": {"KVD_ISA": "avx2"},
+    "avx2": {"KVD_ISA": "avx2", "KVD_AVXVNNI": "0"},
+    "neon": {"KVD_ISA": "neon"},
+    "c": {"KVD_ISA": "c"},
+}
+
+
+def run_kvd(a, path=None):
     cmd = [a.kvd, "-m", a.model, "--bench", "--bench-file", a.text, "-t", str(a.threads), "--json"]
-    p, cores, wall = run_child(cmd)
+    env = None
+    if path is not None:
+        env = {k: v for k, v in os.environ.items() if k not in ("KVD_ISA", "KVD_AVXVNNI")}
+        env.update(KVD_PATHS[path])
+    p, cores, wall = run_child(cmd, env)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {p.returncode}:\n{p.stderr[-2000:]}")
     res = parse_json_output(p.stdout, "kvd-run")
+    if path is not None and res.get("isa") != path:
+        raise RuntimeError(f"asked for the {path} path, kvd-run ran {res.get('isa')}: this CPU lacks it")
     res["bench_cores_busy"], res["bench_wall_s"] = cores, wall
     return res
 
@@ -527,6 +549,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kvd", default=os.path.join(ROOT, "build", "kvd-run"))
     ap.add_argument("--text", default=os.path.join(ROOT, "tests", "data", "ppl_text.txt"))
+    ap.add_argument("--kvd-paths", metavar="LIST",
+                    help="kvd's kernel paths to measure in each round against the same llama.cpp runs, "
+                         f"comma-separated, of {', '.join(KVD_PATHS)} (default: the one KVD_ISA / KVD_AVXVNNI "
+                         "select); a table each")
     ap.add_argument("--json", metavar="OUT", help="write all raw rounds and the medians here")
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--only-llama", action="store_true", help="run the llama.cpp side alone")
@@ -565,15 +591,21 @@ def main():
     if a.kv_ctx:
         kv_ctx_main(a)
         return
-    raw = {"kvd": [], "llama_cpp": []}
+    paths = [None]
+    if a.kvd_paths:
+        paths = [x.strip() for x in a.kvd_paths.split(",") if x.strip()]
+        bad = [x for x in paths if x not in KVD_PATHS]
+        if bad:
+            ap.error(f"--kvd-paths: unknown {', '.join(bad)} (known: {', '.join(KVD_PATHS)})")
+    raw = {"kvd": {p: [] for p in paths}, "llama_cpp": []}
     busy = {"kvd": [], "llama_cpp": []}
-    for r in range(a.rounds):               # alternate: kvd, llama.cpp, kvd, llama.cpp, ...
-        if not a.only_llama:
+    for r in range(a.rounds):               # alternate: kvd (each path), llama.cpp, kvd, llama.cpp, ...
+        for path in paths if not a.only_llama else []:
             busy["kvd"].append(wait_quiet(a.wait_quiet, "kvd"))
-            res = run_kvd(a)
-            raw["kvd"].append(res)
+            res = run_kvd(a, path)
+            raw["kvd"][path].append(res)
             m = metrics(res)
-            print(f"round {r + 1}/{a.rounds} kvd:       prefill {fmt(m['prefill_tokens_per_s'])}, "
+            print(f"round {r + 1}/{a.rounds} kvd {res.get('isa')}: prefill {fmt(m['prefill_tokens_per_s'])}, "
                   f"decode {fmt(m['decode_b1_tokens_per_s'])} tok/s, {res['bench_wall_s']:.0f} s, "
                   f"{res['bench_cores_busy']:.2f} cores busy", file=sys.stderr, flush=True)
         if not a.only_kvd:
@@ -585,30 +617,37 @@ def main():
                   f"decode {fmt(m['decode_b1_tokens_per_s'])} tok/s, {res['bench_wall_s']:.0f} s, "
                   f"{res['bench_cores_busy']:.2f} cores busy", file=sys.stderr, flush=True)
 
-    kmed = medians([metrics(x) for x in raw["kvd"]]) if raw["kvd"] else None
     lmed = medians([metrics(x) for x in raw["llama_cpp"]]) if raw["llama_cpp"] else None
-    text, ratios = table(a, kmed, lmed)
-    print(text)
+    kmeds, ratios = {}, {}
+    for path in paths:
+        runs = raw["kvd"][path]
+        kmed = medians([metrics(x) for x in runs]) if runs else None
+        text, ratios[path] = table(a, kmed, lmed)
+        kmeds[path] = kmed
+        if runs:
+            print(f"kvd path: {runs[0].get('isa')}")
+        print(text)
     if raw["llama_cpp"]:
         l0 = raw["llama_cpp"][0]
         print(f"llama.cpp: llama-cpp-python {l0.get('llama_cpp_python')}, flash_attn "
               f"{'on' if l0.get('flash_attn') else 'off'}, batch decode through llama_decode with "
               f"n_seq_max 32 ({'unified' if l0.get('kv_unified') else 'per-sequence'} KV); "
               f"built for: {l0.get('isa')}")
-    if raw["kvd"]:
+    if not a.only_llama:
         flags = " ".join(cpu_flags()) or "none the kernels use"
-        print(f"kvd: isa {raw['kvd'][0].get('isa')} (KVD_ISA={os.environ.get('KVD_ISA', 'unset')}, "
-              f"KVD_AVXVNNI={os.environ.get('KVD_AVXVNNI', 'unset')}); "
-              f"CPU flags: {flags}")
+        ran = ", ".join(raw["kvd"][p][0].get("isa") for p in paths)
+        env = "" if a.kvd_paths else (f" (KVD_ISA={os.environ.get('KVD_ISA', 'unset')}, "
+                                      f"KVD_AVXVNNI={os.environ.get('KVD_AVXVNNI', 'unset')})")
+        print(f"kvd: kernel paths {ran}{env}; CPU flags: {flags}")
     sys.stdout.flush()
 
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"cpu": cpu_name(), "cpu_flags": cpu_flags(), "threads": a.threads, "rounds": a.rounds,
                        "model": a.model, "text": a.text, "cpu_busy_before_runs": busy,
-                       "kvd": {"rounds": raw["kvd"], "median": kmed},
+                       "kvd": {str(p): {"rounds": raw["kvd"][p], "median": kmeds[p]} for p in paths},
                        "llama_cpp": {"rounds": raw["llama_cpp"], "median": lmed},
-                       "ratio_kvd_over_llama_cpp": ratios}, f, indent=1)
+                       "ratio_kvd_over_llama_cpp": {str(p): ratios[p] for p in paths}}, f, indent=1)
             f.write("\n")
 
 
