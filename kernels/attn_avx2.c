@@ -3,12 +3,21 @@
  *
  * For each query head: scores q.k * scale (eight-lane products of the K row,
  * converted from f16 in registers, summed as hsum8), softmax with the sum in
- * double, then out += p * v row by row in position order. Over an f16 cache
- * q and p are rounded to f16 first, as in the C reference. Over a q8_0 or
- * q4_0 K the query is quantized to q8_0 and each block's integer dot product
- * comes from vpmaddubsw + vpmaddwd, then the scaled block sums are added with
- * the C reference's float operations, so the scores are its bits; a q8_0 or
- * q4_0 V row is dequantized in registers (d * code).
+ * double, then out += p * v in position order. Over an f16 cache q and p are
+ * rounded to f16 first, as in the C reference. Over a q8_0 or q4_0 K the
+ * query is quantized to q8_0 and each block's integer dot product comes from
+ * vpmaddubsw + vpmaddwd, then the scaled block sums are added with the C
+ * reference's float operations, so the scores are its bits; a q8_0 or q4_0 V
+ * row is dequantized in registers (d * code).
+ *
+ * K and V rows are read once per group of query heads. The weighted sum of V
+ * runs in passes of up to three heads and 32 dimensions whose sums stay in
+ * registers over all positions (the V pass reads a row's slice once per
+ * pass, instead of adding into sums in memory at every position), and rows
+ * are addressed a block at a time (no division per position). Measured
+ * against the previous form in one process (3 heads of 64, blocks of 16
+ * tokens, 32-1,024 positions): 1.36-1.50x over f16, 1.17-1.20x over q8_0,
+ * the same bits.
  */
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -89,6 +98,93 @@ static inline __m256 load8(const uint8_t *row, int d, bool half)
 
 static inline float round_half(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
 
+/* Eight elements from d of a V row of any cache type, as floats. */
+static inline __m256 load_v8(const uint8_t *v, int d, uint32_t type, size_t v_blk)
+{
+    if (type == KERN_F16 || type == KERN_F32)
+        return load8(v, d, type == KERN_F16);
+    /* d * code, as kern_dequantize_row */
+    const uint8_t *vb = v + (size_t)(d / 32) * v_blk;
+    const int e = d % 32;
+    __m256 vv;
+    if (type == KERN_Q8_0) {
+        vv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(vb + 2 + e))));
+    } else {
+        __m128i c = _mm_loadl_epi64((const __m128i *)(vb + 2 + e % 16));
+        if (e >= 16)
+            c = _mm_srli_epi16(c, 4);
+        c = _mm_and_si128(c, _mm_set1_epi8(0x0F));
+        vv = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(c), _mm256_set1_epi32(8)));
+    }
+    return _mm256_mul_ps(_mm256_set1_ps(block_scale(vb)), vv);
+}
+
+/* One pass of out += p v over the positions: heads g0.. (NG of them),
+ * dimensions d0 .. d0 + 8 nv. */
+struct vpass {
+    const struct kern_attn_args *a;
+    size_t v_row_bytes, v_blk;
+    int j0, g0, d0, nv;
+    float *out;             /* head g0's output at d0 */
+};
+
+static inline __attribute__((always_inline)) void vpass_run(const struct vpass *p, const int NG, const uint32_t VT,
+                                                            const int NV)
+{
+    const struct kern_attn_args *a = p->a;
+    __m256 acc[3][4];
+    for (int g = 0; g < NG; g++)
+        for (int k = 0; k < NV; k++)
+            acc[g][k] = _mm256_setzero_ps();
+    const float *sc = a->scores + (size_t)p->g0 * a->n_ctx;
+    const int bt = a->block_tokens;
+    for (int j = p->j0; j < a->n_ctx;) {  /* a block at a time: no division per position */
+        const int in = j % bt, end = j - in + bt < a->n_ctx ? j - in + bt : a->n_ctx;
+        const uint8_t *v = a->v_base + a->blocks[j / bt] * a->block_stride + (uint64_t)a->kv_head * a->v_head_stride +
+                           (size_t)in * p->v_row_bytes;
+        for (; j < end; j++, v += p->v_row_bytes) {
+        __m256 pr[3];
+        for (int g = 0; g < NG; g++)
+            pr[g] = _mm256_broadcast_ss(sc + (size_t)g * a->n_ctx + j);
+        for (int k = 0; k < NV; k++) {
+            const __m256 vv = load_v8(v, p->d0 + 8 * k, VT, p->v_blk);
+            for (int g = 0; g < NG; g++)
+                acc[g][k] = _mm256_fmadd_ps(pr[g], vv, acc[g][k]);
+        }
+        }
+    }
+    const int hd = a->head_dim;
+    for (int g = 0; g < NG; g++)
+        for (int k = 0; k < NV; k++)
+            _mm256_storeu_ps(p->out + (size_t)g * hd + 8 * k, acc[g][k]);
+}
+
+/* vpass_run for a V type: NG heads, four vectors (or, at the end of a
+ * head_dim that is not a multiple of 32, fewer: a rare shape, not unrolled). */
+#define VPASS_TYPE(VT)                                                                                                 \
+    static __attribute__((noinline)) void vpass_##VT(const struct vpass *p, int ng)                                   \
+    {                                                                                                                  \
+        if (p->nv == 4 && ng == 3)                                                                                     \
+            vpass_run(p, 3, KERN_##VT, 4);                                                                             \
+        else if (p->nv == 4 && ng == 2)                                                                                \
+            vpass_run(p, 2, KERN_##VT, 4);                                                                             \
+        else if (p->nv == 4)                                                                                           \
+            vpass_run(p, 1, KERN_##VT, 4);                                                                             \
+        else                                                                                                           \
+            for (int g = 0; g < ng; g++)                                                                               \
+                for (int k = 0; k < p->nv; k++) {                                                                      \
+                    struct vpass one = *p;                                                                             \
+                    one.g0 = p->g0 + g;                                                                                \
+                    one.d0 = p->d0 + 8 * k;                                                                            \
+                    one.out = p->out + (size_t)g * p->a->head_dim + 8 * k;                                             \
+                    vpass_run(&one, 1, KERN_##VT, 1);                                                                  \
+                }                                                                                                      \
+    }
+VPASS_TYPE(F16)
+VPASS_TYPE(F32)
+VPASS_TYPE(Q8_0)
+VPASS_TYPE(Q4_0)
+
 #define MAX_Q 16  /* query heads handled per pass; larger groups loop */
 
 int kern_attn_avx2(const struct kern_attn_args *a)
@@ -132,10 +228,14 @@ int kern_attn_avx2(const struct kern_attn_args *a)
         /* scores, reading each K row once for the group; positions
          * [0, skip) are outside a sliding window */
         const int j0 = a->skip > 0 ? a->skip : 0;
-        for (int j = j0; j < a->n_ctx; j++) {
-            const uint8_t *k = a->k_base + a->blocks[j / a->block_tokens] * a->block_stride +
-                               (uint64_t)a->kv_head * a->k_head_stride +
-                               (size_t)(j % a->block_tokens) * row_bytes;
+        const int bt = a->block_tokens;
+        const uint8_t *k = NULL;
+        for (int j = j0, left = 0; j < a->n_ctx; j++, k += row_bytes, left--) {
+            if (left == 0) {  /* a block's first row: one division per block, not per position */
+                k = a->k_base + a->blocks[j / bt] * a->block_stride + (uint64_t)a->kv_head * a->k_head_stride +
+                    (size_t)(j % bt) * row_bytes;
+                left = bt - j % bt;
+            }
             struct kblock kb[KERN_MAX_HEAD_DIM / 32];
             if (k_quant)
                 for (int b = 0; b < nb; b++)
@@ -192,41 +292,21 @@ int kern_attn_avx2(const struct kern_attn_args *a)
             for (; j < a->n_ctx; j++)
                 sc[j] = v_half ? round_half(sc[j] * inv) : sc[j] * inv;
         }
-        /* out = sum p v, reading each V row once for the group */
-        __m256 acc[MAX_Q][KERN_MAX_HEAD_DIM / 8];
-        for (int g = 0; g < nq; g++)
-            for (int d = 0; d < hd / 8; d++)
-                acc[g][d] = _mm256_setzero_ps();
-        for (int j = j0; j < a->n_ctx; j++) {
-            const uint8_t *v = a->v_base + a->blocks[j / a->block_tokens] * a->block_stride +
-                               (uint64_t)a->kv_head * a->v_head_stride +
-                               (size_t)(j % a->block_tokens) * v_row_bytes;
-            for (int d = 0; d < hd; d += 8) {
-                __m256 vv;
-                if (v_quant) {  /* d * code, as kern_dequantize_row */
-                    const uint8_t *vb = v + (size_t)(d / 32) * v_blk;
-                    const int e = d % 32;
-                    if (a->v_type == KERN_Q8_0) {
-                        vv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(vb + 2 + e))));
-                    } else {
-                        __m128i c = _mm_loadl_epi64((const __m128i *)(vb + 2 + e % 16));
-                        if (e >= 16)
-                            c = _mm_srli_epi16(c, 4);
-                        c = _mm_and_si128(c, _mm_set1_epi8(0x0F));
-                        vv = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(c), _mm256_set1_epi32(8)));
-                    }
-                    vv = _mm256_mul_ps(_mm256_set1_ps(block_scale(vb)), vv);
-                } else {
-                    vv = load8(v, d, v_half);
+        /* out = sum p v: for up to three heads and 32 dimensions at a time
+         * the sums stay in registers over all positions, in position order */
+        for (int g0 = 0; g0 < nq; g0 += 3) {
+            const int ng = nq - g0 < 3 ? nq - g0 : 3;
+            for (int d0 = 0; d0 < hd; d0 += 32) {
+                const struct vpass p = { a, v_row_bytes, v_blk, j0, g0, d0, hd - d0 < 32 ? (hd - d0) / 8 : 4,
+                                         a->out + (size_t)(q0 + g0) * hd + d0 };
+                switch (a->v_type) {
+                case KERN_F16: vpass_F16(&p, ng); break;
+                case KERN_F32: vpass_F32(&p, ng); break;
+                case KERN_Q8_0: vpass_Q8_0(&p, ng); break;
+                default: vpass_Q4_0(&p, ng); break;
                 }
-                for (int g = 0; g < nq; g++)
-                    acc[g][d / 8] = _mm256_fmadd_ps(_mm256_set1_ps(a->scores[(size_t)g * a->n_ctx + j]),
-                                                    vv, acc[g][d / 8]);
             }
         }
-        for (int g = 0; g < nq; g++)
-            for (int d = 0; d < hd; d += 8)
-                _mm256_storeu_ps(a->out + (size_t)(q0 + g) * hd + d, acc[g][d / 8]);
     }
     return 1;
 }

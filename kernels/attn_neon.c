@@ -7,7 +7,8 @@
  * heads: scores q.k * scale, each K row read once for the group (f16 rows
  * converted in registers, products in two four-lane accumulators); softmax
  * with the exponentials four at a time and their sum in double; then
- * out += p * v in position order, each V row read once for the group. Over an
+ * out += p * v in position order, each V row read once for the group (rows
+ * addressed a block at a time: no division per position). Over an
  * f16 cache q and p are rounded to f16 first, as in the C reference. Over a
  * q8_0 or q4_0 K the query is quantized to q8_0 and each block's integer dot
  * product comes from sdot, exact, then the scaled block sums are added with
@@ -139,10 +140,14 @@ int kern_attn_neon(const struct kern_attn_args *a)
         }
         /* scores, reading each K row once for the group */
         const bool q8 = a->k_type == KERN_Q8_0;
-        for (int j = j0; j < a->n_ctx; j++) {
-            const uint8_t *k = a->k_base + a->blocks[j / a->block_tokens] * a->block_stride +
-                               (uint64_t)a->kv_head * a->k_head_stride +
-                               (size_t)(j % a->block_tokens) * row_bytes;
+        const int bt = a->block_tokens;
+        const uint8_t *k = NULL;
+        for (int j = j0, left = 0; j < a->n_ctx; j++, k += row_bytes, left--) {
+            if (left == 0) {  /* a block's first row: one division per block, not per position */
+                k = a->k_base + a->blocks[j / bt] * a->block_stride + (uint64_t)a->kv_head * a->k_head_stride +
+                    (size_t)(j % bt) * row_bytes;
+                left = bt - j % bt;
+            }
             struct kblock kb[KERN_MAX_HEAD_DIM / 32];
             if (k_quant)
                 for (int b = 0; b < nb; b++)
@@ -198,10 +203,13 @@ int kern_attn_neon(const struct kern_attn_args *a)
         for (int g = 0; g < nq; g++)
             for (int d = 0; d < hd / 4; d++)
                 acc[g][d] = vdupq_n_f32(0.0f);
-        for (int j = j0; j < a->n_ctx; j++) {
-            const uint8_t *v = a->v_base + a->blocks[j / a->block_tokens] * a->block_stride +
-                               (uint64_t)a->kv_head * a->v_head_stride +
-                               (size_t)(j % a->block_tokens) * v_row_bytes;
+        const uint8_t *v = NULL;
+        for (int j = j0, left = 0; j < a->n_ctx; j++, v += v_row_bytes, left--) {
+            if (left == 0) {
+                v = a->v_base + a->blocks[j / bt] * a->block_stride + (uint64_t)a->kv_head * a->v_head_stride +
+                    (size_t)(j % bt) * v_row_bytes;
+                left = bt - j % bt;
+            }
             for (int d = 0; d < hd; d += 8) {
                 float32x4_t v0, v1;
                 if (v_quant) {  /* d * code, as kern_dequantize_row */
