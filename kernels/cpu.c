@@ -24,7 +24,9 @@ static bool os_saves(uint64_t mask)
 }
 #endif
 
-enum kern_isa kern_isa_best(void)
+/* What the CPU offers (cpuid or HWCAP), probed once: cpuid traps to the
+ * hypervisor in a virtual machine, and kern_pack asks for every matrix. */
+static enum kern_isa probe_best(void)
 {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     /* cpuid rather than __builtin_cpu_supports: every compiler version knows
@@ -55,6 +57,18 @@ enum kern_isa kern_isa_best(void)
         return KERN_ISA_NEON;
 #endif
     return KERN_ISA_C;
+}
+
+static int best_seen = -1;  /* probe_best() once known */
+
+enum kern_isa kern_isa_best(void)
+{
+    int b = __atomic_load_n(&best_seen, __ATOMIC_ACQUIRE);
+    if (b < 0) {
+        b = (int)probe_best();
+        __atomic_store_n(&best_seen, b, __ATOMIC_RELEASE);
+    }
+    return (enum kern_isa)b;
 }
 
 enum kern_isa kern_isa_set(enum kern_isa isa)
