@@ -14,14 +14,6 @@
 #include "quant.h"
 #include "types.h"
 
-/* Row j of the context for KV head h: its block, then its place in the block. */
-static inline const uint8_t *attn_row(const uint8_t *base, const struct kern_attn_args *a,
-                                      uint64_t head_stride, size_t row_bytes, int j)
-{
-    return base + a->blocks[j / a->block_tokens] * a->block_stride + (uint64_t)a->kv_head * head_stride +
-           (size_t)(j % a->block_tokens) * row_bytes;
-}
-
 void kern_attn_paged(const struct kern_attn_args *a, int i)
 {
     const int hd = a->head_dim, n_ctx = a->n_ctx;
@@ -41,7 +33,7 @@ void kern_attn_paged(const struct kern_attn_args *a, int i)
     float max = -INFINITY;
     const int j0 = a->skip > 0 ? a->skip : 0;
     for (int j = j0; j < n_ctx; j++) {
-        const uint8_t *k = attn_row(a->k_base, a, a->k_head_stride, k_row, j);
+        const uint8_t *k = kern_attn_row(a, a->k_base, a->k_head_stride, k_row, j);
         float s = 0.0f;
         if (k_quant) {
             s = kern_vec_dot(a->k_type, hd, k, qq);
@@ -70,7 +62,7 @@ void kern_attn_paged(const struct kern_attn_args *a, int i)
     for (int d = 0; d < hd; d++)
         out[d] = 0.0f;
     for (int j = j0; j < n_ctx; j++) {
-        kern_dequantize_row(a->v_type, attn_row(a->v_base, a, a->v_head_stride, v_row, j), row, hd);
+        kern_dequantize_row(a->v_type, kern_attn_row(a, a->v_base, a->v_head_stride, v_row, j), row, hd);
         const float p = half ? kvd_f16_to_f32(kvd_f32_to_f16(scores[j] * inv)) : scores[j] * inv;
         for (int d = 0; d < hd; d++)
             out[d] += p * row[d];

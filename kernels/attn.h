@@ -35,6 +35,16 @@ struct kern_attn_args {
     float *stats;           /* NULL, or n_q pairs: largest score, sum of exp(score - largest) */
 };
 
+/* Row j of the context for a's KV head: its block, then its place in the
+ * block (base: a->k_base or a->v_base, with its head stride and row size).
+ * The SIMD paths call it at a block's first row and step by row_bytes. */
+static inline const uint8_t *kern_attn_row(const struct kern_attn_args *a, const uint8_t *base,
+                                           uint64_t head_stride, size_t row_bytes, int j)
+{
+    return base + a->blocks[j / a->block_tokens] * a->block_stride + (uint64_t)a->kv_head * head_stride +
+           (size_t)(j % a->block_tokens) * row_bytes;
+}
+
 /* Merges the results of n ranges of positions of one head (range i's output
  * at outs + i * stride, its stats at stats + i * sstride) into the attention
  * over their union, in range order: out = sum_i w_i out_i, with w_i the share

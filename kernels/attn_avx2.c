@@ -179,12 +179,12 @@ static inline __attribute__((always_inline)) void vpass_run(const struct vpass *
         for (int k = 0; k < NV; k++)
             acc[g][k] = _mm256_setzero_ps();
     const float *sc = a->scores + (size_t)p->g0 * a->n_ctx;
-    const int bt = a->block_tokens;
-    for (int j = p->j0; j < a->n_ctx;) {  /* a block at a time: no division per position */
-        const int in = j % bt, end = j - in + bt < a->n_ctx ? j - in + bt : a->n_ctx;
-        const uint8_t *v = a->v_base + a->blocks[j / bt] * a->block_stride + (uint64_t)a->kv_head * a->v_head_stride +
-                           (size_t)in * p->v_row_bytes;
-        for (; j < end; j++, v += p->v_row_bytes) {
+    const uint8_t *v = NULL;
+    for (int j = p->j0, left = 0; j < a->n_ctx; j++, v += p->v_row_bytes, left--) {
+        if (left == 0) {  /* a block's first row: one division per block, not per position */
+            v = kern_attn_row(a, a->v_base, a->v_head_stride, p->v_row_bytes, j);
+            left = a->block_tokens - j % a->block_tokens;
+        }
         __m256 pr[3];
         for (int g = 0; g < NG; g++)
             pr[g] = _mm256_broadcast_ss(sc + (size_t)g * a->n_ctx + j);
@@ -192,7 +192,6 @@ static inline __attribute__((always_inline)) void vpass_run(const struct vpass *
             const __m256 vv = load_v8(v, p->d0 + 8 * k, VT, p->v_blk);
             for (int g = 0; g < NG; g++)
                 acc[g][k] = _mm256_fmadd_ps(pr[g], vv, acc[g][k]);
-        }
         }
     }
     const int hd = a->head_dim;
@@ -274,8 +273,7 @@ int kern_attn_avx2(const struct kern_attn_args *a)
         const uint8_t *k = NULL;
         for (int j = j0, left = 0; j < a->n_ctx; j++, k += row_bytes, left--) {
             if (left == 0) {  /* a block's first row: one division per block, not per position */
-                k = a->k_base + a->blocks[j / bt] * a->block_stride + (uint64_t)a->kv_head * a->k_head_stride +
-                    (size_t)(j % bt) * row_bytes;
+                k = kern_attn_row(a, a->k_base, a->k_head_stride, row_bytes, j);
                 left = bt - j % bt;
             }
             struct kblock kb[KERN_MAX_HEAD_DIM / 32];

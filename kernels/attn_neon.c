@@ -144,8 +144,7 @@ int kern_attn_neon(const struct kern_attn_args *a)
         const uint8_t *k = NULL;
         for (int j = j0, left = 0; j < a->n_ctx; j++, k += row_bytes, left--) {
             if (left == 0) {  /* a block's first row: one division per block, not per position */
-                k = a->k_base + a->blocks[j / bt] * a->block_stride + (uint64_t)a->kv_head * a->k_head_stride +
-                    (size_t)(j % bt) * row_bytes;
+                k = kern_attn_row(a, a->k_base, a->k_head_stride, row_bytes, j);
                 left = bt - j % bt;
             }
             struct kblock kb[KERN_MAX_HEAD_DIM / 32];
@@ -206,8 +205,7 @@ int kern_attn_neon(const struct kern_attn_args *a)
         const uint8_t *v = NULL;
         for (int j = j0, left = 0; j < a->n_ctx; j++, v += v_row_bytes, left--) {
             if (left == 0) {
-                v = a->v_base + a->blocks[j / bt] * a->block_stride + (uint64_t)a->kv_head * a->v_head_stride +
-                    (size_t)(j % bt) * v_row_bytes;
+                v = kern_attn_row(a, a->v_base, a->v_head_stride, v_row_bytes, j);
                 left = bt - j % bt;
             }
             for (int d = 0; d < hd; d += 8) {
