@@ -37,82 +37,102 @@ static void gemm_c(const struct kern_gemm_args *a)
 
 static size_t group_bytes(uint32_t wtype, int64_t nb)
 {
-    size_t per_block = wtype == KERN_Q4_1 ? 256 + 32 + 32 : 512 + 32;
+    const size_t per_block = kern_pk_code_bytes(wtype) + kern_pk_scale_bytes(wtype) + kern_pk_min_bytes(wtype);
     return ((size_t)nb * per_block + 63) / 64 * 64;
+}
+
+/* Whether the active path packs wtype (where the CPU's best path packs at all). */
+static bool packs(uint32_t wtype, int64_t n)
+{
+    switch (wtype) {
+    case KERN_Q4_1: case KERN_Q8_0: case KERN_Q4_0: case KERN_Q5_0:
+        return n % 32 == 0;
+    case KERN_Q4_K: case KERN_Q5_K: case KERN_Q6_K:
+#if defined(__x86_64__)
+        return n % 256 == 0;  /* the 256-bit products take them, on every x86 path */
+#else
+        return false;
+#endif
+    default:
+        return false;
+    }
+}
+
+/* Stores row i of a group from its unpacked form: codes, scales d (per part)
+ * and mins m of each block, in the layout of p->wtype. */
+static void pack_row(const struct kern_packed *p, uint8_t *g, int i, const int8_t *codes, const float *d,
+                     const float *m)
+{
+    const uint32_t wt = p->wtype;
+    const int64_t nb = p->n / 32;
+    const int parts = kern_pk_parts(wt);
+    const size_t cb = kern_pk_code_bytes(wt), sb = kern_pk_scale_bytes(wt);
+    /* Q8_0's signed codes as unsigned (q + 128); Q6_K's as q + 32; others as they are */
+    const int bias = wt == KERN_Q8_0 ? 128 : wt == KERN_Q6_K ? 32 : 0;
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *q = codes + 32 * b;
+        uint8_t *c = g + (size_t)b * cb + 4 * i;
+        for (int k = 0; k < (kern_pk_nibbles(wt) ? 4 : 8); k++)
+            for (int x = 0; x < 4; x++)
+                c[64 * k + x] = kern_pk_nibbles(wt) ? (uint8_t)(q[4 * k + x] | q[16 + 4 * k + x] << 4)
+                                                    : (uint8_t)(q[4 * k + x] + bias);
+        for (int part = 0; part < parts; part++) {
+            uint8_t *s = g + (size_t)nb * cb + (size_t)b * sb;
+            if (kern_pk_f32(wt))
+                ((float *)s + 16 * part)[i] = d[parts * b + part];
+            else
+                ((kvd_f16 *)s)[i] = kvd_f32_to_f16(d[b]);  /* the file's half, back exactly */
+        }
+        if (kern_pk_mins(wt)) {
+            uint8_t *s = g + (size_t)nb * (cb + sb) + (size_t)b * kern_pk_min_bytes(wt);
+            if (kern_pk_f32(wt))
+                ((float *)s)[i] = m[b];
+            else
+                ((kvd_f16 *)s)[i] = kvd_f32_to_f16(m[b]);
+        }
+    }
 }
 
 struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, int64_t rows, int64_t n)
 {
-    /* Q4_0 and Q5_0 rows are signed codes and one scale per 32 values, like
-     * Q8_0's: they are packed as Q8_0 (their products with Q8_0 activations
-     * are the same integer sums and scales) */
-    const bool as_q8 = wtype == KERN_Q4_0 || wtype == KERN_Q5_0;
-    if (kern_isa_best() < KERN_ISA_SIMD || (wtype != KERN_Q4_1 && wtype != KERN_Q8_0 && !as_q8) ||
-        n <= 0 || n % 32 != 0 || rows <= 0 || row_bytes != kern_row_bytes(wtype, n))
+    if (kern_isa_best() < KERN_ISA_SIMD || n <= 0 || rows <= 0 || !packs(wtype, n) ||
+        row_bytes != kern_row_bytes(wtype, n))
         return NULL;
     const int64_t nb = n / 32, groups = (rows + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
     struct kern_packed *p = calloc(1, sizeof(*p));
-    int8_t *codes = as_q8 ? malloc((size_t)n) : NULL;
-    float *scales = as_q8 ? malloc((size_t)nb * sizeof(float)) : NULL;
-    if (p == NULL || (as_q8 && (codes == NULL || scales == NULL))) {
-        free(p);
-        free(codes);
-        free(scales);
-        return NULL;
-    }
-    const uint32_t src = wtype;
-    if (as_q8)
-        wtype = KERN_Q8_0;  /* the layout */
-    p->wtype = wtype;
+    int8_t *codes = malloc((size_t)n);
+    float *d = malloc((size_t)(2 * nb) * sizeof(float)), *m = malloc((size_t)nb * sizeof(float));
+    if (p == NULL || codes == NULL || d == NULL || m == NULL)
+        goto fail;
+    /* Q4_0 and Q5_0 rows are signed codes and one scale per 32 values, like
+     * Q8_0's: they are packed as Q8_0 (their products with Q8_0 activations
+     * are the same integer sums and scales) */
+    p->wtype = wtype == KERN_Q4_0 || wtype == KERN_Q5_0 ? KERN_Q8_0 : wtype;
     p->rows = rows;
     p->n = n;
-    p->group_bytes = group_bytes(wtype, nb);
+    p->group_bytes = group_bytes(p->wtype, nb);
     const size_t total = p->group_bytes * (size_t)groups;
     p->data = aligned_alloc(64, total);
-    if (p->data == NULL) {
-        free(p);
-        free(codes);
-        free(scales);
-        return NULL;
-    }
+    if (p->data == NULL)
+        goto fail;
     memset(p->data, 0, total);  /* padding rows: zero codes, zero scales */
     for (int64_t r = 0; r < rows; r++) {
-        uint8_t *g = p->data + (size_t)(r / KERN_PACK_ROWS) * p->group_bytes;
-        const int i = (int)(r % KERN_PACK_ROWS);
-        const uint8_t *row = (const uint8_t *)w + (size_t)r * row_bytes;
-        if (as_q8) {
-            /* scales came from halves: back to the same halves */
-            kern_unpack_row(src, row, n, codes, scales, NULL);
-            for (int64_t b = 0; b < nb; b++) {
-                for (int k = 0; k < 8; k++)
-                    for (int x = 0; x < 4; x++)
-                        g[(size_t)b * 512 + 64 * k + 4 * i + x] = (uint8_t)(codes[32 * b + 4 * k + x] ^ 0x80);
-                ((kvd_f16 *)(g + (size_t)nb * 512) + b * 16)[i] = kvd_f32_to_f16(scales[b]);
-            }
-            continue;
-        }
-        for (int64_t b = 0; b < nb; b++) {
-            if (wtype == KERN_Q4_1) {
-                const struct kern_block_q4_1 *blk = (const struct kern_block_q4_1 *)row + b;
-                for (int j = 0; j < 4; j++)
-                    memcpy(g + (size_t)b * 256 + 64 * j + 4 * i, blk->qs + 4 * j, 4);
-                kvd_f16 *d = (kvd_f16 *)(g + (size_t)nb * 256) + b * 16;
-                kvd_f16 *m = (kvd_f16 *)(g + (size_t)nb * 288) + b * 16;
-                d[i] = blk->d;
-                m[i] = blk->m;
-            } else {
-                const struct kern_block_q8_0 *blk = (const struct kern_block_q8_0 *)row + b;
-                for (int k = 0; k < 8; k++)
-                    for (int x = 0; x < 4; x++)
-                        g[(size_t)b * 512 + 64 * k + 4 * i + x] = (uint8_t)(blk->qs[4 * k + x] ^ 0x80);
-                kvd_f16 *d = (kvd_f16 *)(g + (size_t)nb * 512) + b * 16;
-                d[i] = blk->d;
-            }
-        }
+        kern_unpack_row(wtype, (const uint8_t *)w + (size_t)r * row_bytes, n, codes, d, m);
+        pack_row(p, p->data + (size_t)(r / KERN_PACK_ROWS) * p->group_bytes, (int)(r % KERN_PACK_ROWS), codes,
+                 d, m);
     }
     free(codes);
-    free(scales);
+    free(d);
+    free(m);
     return p;
+fail:
+    if (p != NULL)
+        free(p->data);
+    free(p);
+    free(codes);
+    free(d);
+    free(m);
+    return NULL;
 }
 
 struct kern_unpacked *kern_unpack_matrix(uint32_t wtype, const void *w, size_t row_bytes, int64_t rows, int64_t n)
@@ -183,10 +203,12 @@ void kern_gemm_isa(const struct kern_gemm_args *a, int isa)
 #if defined(__x86_64__)
     if (isa >= KERN_ISA_AVX512VNNI && a->packed != NULL && kern_gemm_packed_vnni(a))
         return;
-    if (isa >= KERN_ISA_AVX512VNNI && kern_gemm_avx512vnni(a))
-        return;
-    if (isa == KERN_ISA_AVX2 && a->packed != NULL &&
+    /* the AVX2 path's packed products, and on the AVX-512 path the layouts
+     * it has no 512-bit code for (the K-quants') */
+    if (isa >= KERN_ISA_AVX2 && a->packed != NULL &&
         (kern_avxvnni() ? kern_gemm_packed_avxvnni(a) : kern_gemm_packed_avx2(a)))
+        return;
+    if (isa >= KERN_ISA_AVX512VNNI && kern_gemm_avx512vnni(a))
         return;
     if (isa >= KERN_ISA_AVX2 && kern_gemm_avx2(a))
         return;

@@ -15,6 +15,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "types.h"
+
 /*
  * A weight matrix repacked for the packed products (AVX-512 VNNI, and in
  * 256-bit registers AVX-VNNI and AVX2; on aarch64 sdot and smmla in 128-bit
@@ -31,15 +33,43 @@
  *         then the 16 scales d of every block (f16), then the 16 mins m;
  *   Q8_0: codes nb x 8 slices (slice k, row i = qs[4k..4k+3] + 128, so the
  *         codes are unsigned), then the 16 scales d of every block (f16).
+ * The K-quants are packed from their unpacked form (kern_unpack_row: codes,
+ * and float scales per 32 values, per 16 for Q6_K), on x86-64 only (the
+ * 256-bit products take them on the AVX2 and AVX-512 paths alike), with
+ * float scales (d * sc is not exact in f16):
+ *   Q4_K: Q4_1's code layout, then the 16 scales of every block (f32), then
+ *         the 16 mins (f32: -dmin * m);
+ *   Q5_K: Q8_0's code layout with the codes 0..31 as they are, then scales
+ *         and mins as Q4_K's;
+ *   Q6_K: Q8_0's code layout with codes q + 32 (0..63), then per block the
+ *         16 scales of its first 16 values and the 16 of its last (f32).
  * Per (row, token) the packed product is
- *   f = 0; for each block b: f = fma(float(isum_b), d_w[b] * d_a[b], f)
- *                            (Q4_1: then f = fma(m_w[b], s_a[b], f))
- * with isum_b exact in int32, whatever rows or tokens share the instructions.
+ *   f = 0; for each block b, for each part p (Q6_K: its two halves, else the block):
+ *            f = fma(float(isum_bp), d_w[b][p] * d_a[b], f)
+ *          then with mins (Q4_1, Q4_K, Q5_K): f = fma(m_w[b], s_a[b], f)
+ * with isum_bp exact in int32, whatever rows or tokens share the instructions.
  */
 #define KERN_PACK_ROWS 16
 
+/* The packed layouts, per block of 32 values of a group of 16 rows: whether
+ * its codes are nibbles, its integer sums (parts), and its bytes of codes,
+ * scales (all parts) and mins. */
+static inline bool kern_pk_nibbles(uint32_t wtype) { return wtype == KERN_Q4_1 || wtype == KERN_Q4_K; }
+static inline bool kern_pk_f32(uint32_t wtype) { return wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_Q6_K; }
+static inline bool kern_pk_mins(uint32_t wtype) { return wtype == KERN_Q4_1 || wtype == KERN_Q4_K || wtype == KERN_Q5_K; }
+static inline int kern_pk_parts(uint32_t wtype) { return wtype == KERN_Q6_K ? 2 : 1; }
+static inline size_t kern_pk_code_bytes(uint32_t wtype) { return kern_pk_nibbles(wtype) ? 256 : 512; }
+static inline size_t kern_pk_scale_bytes(uint32_t wtype)
+{
+    return (kern_pk_f32(wtype) ? 64 : 32) * (size_t)kern_pk_parts(wtype);
+}
+static inline size_t kern_pk_min_bytes(uint32_t wtype)
+{
+    return kern_pk_mins(wtype) ? (kern_pk_f32(wtype) ? 64 : 32) : 0;
+}
+
 struct kern_packed {
-    uint32_t wtype;         /* the layout: KERN_Q4_1 or KERN_Q8_0 */
+    uint32_t wtype;         /* the layout: KERN_Q4_1, KERN_Q8_0, KERN_Q4_K, KERN_Q5_K or KERN_Q6_K */
     int64_t rows, n;        /* the matrix: rows x n */
     size_t group_bytes;     /* bytes per group of 16 rows (a multiple of 64) */
     uint8_t *data;          /* ceil(rows / 16) groups, 64-byte aligned */

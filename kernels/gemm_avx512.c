@@ -321,12 +321,12 @@ static __mmask16 group_mask(long gi, long r0, long r1)
 
 bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
 {
-    if (!pk_usable(a))
+    if (!pk_usable(a, false))
         return false;
     const struct kern_packed *pk = a->packed;
     const int Q8 = pk->wtype == KERN_Q8_0;
     struct pk_acts A;
-    pk_stage(a, Q8, true, &A);
+    pk_stage(a, true, &A);
     const struct pk_acts *Ap = &A;
     const size_t gs = pk->group_bytes;
     const long g_end = (a->r1 + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;

@@ -135,7 +135,8 @@ static void check_type(uint32_t wtype, int64_t n, void *scratch)
     free(wf); free(af); free(w); free(act); free(deq); free(adeq);
 }
 
-/* The packed products (Q4_1, Q8_0, and Q4_0 / Q5_0 as Q8_0; on AVX-512 VNNI, AVX-VNNI and AVX2, or sdot and smmla): against
+/* The packed products (Q4_1, Q8_0, and Q4_0 / Q5_0 as Q8_0; on AVX-512 VNNI, AVX-VNNI and AVX2, or sdot and smmla;
+ * the K-quants on AVX-VNNI and AVX2): against
  * the C reference
  * within the same tolerance, on a matrix whose last group of 16 rows is
  * partial; every tile shape (1..19 tokens: 8-token tiles, tails, the
@@ -160,8 +161,10 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
             af[i] = frand() * (t % 3 == 0 ? 10.0f : 1.0f);
         kern_quantize_act(at, af, act + t * arow, n);
     }
+    const bool kq = wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_Q6_K;
     struct kern_packed *pk = kern_pack(wtype, w, wrow, PROWS, n);
     REQUIRE(pk != NULL);
+    CHECK(pk->wtype == (wtype == KERN_Q4_0 || wtype == KERN_Q5_0 ? KERN_Q8_0 : wtype));
     CHECK_INT(kern_pack_bytes(pk), (PROWS + 15) / 16 * pk->group_bytes);
     void *scratch = aligned_alloc(64, (kern_gemm_scratch_bytes(n, PMAXT) + 63) / 64 * 64);
     static float ref[PMAXT * PROWS], got[PMAXT * PROWS], part[PMAXT * PROWS];
@@ -174,7 +177,8 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
     direct.r1 = PROWS;
     direct.out = got;
 #if defined(__x86_64__)
-    CHECK(isa == KERN_ISA_AVX512VNNI ? kern_gemm_packed_vnni(&direct)
+    /* (the K-quants' layouts have 256-bit products alone) */
+    CHECK(isa == KERN_ISA_AVX512VNNI && !kq ? kern_gemm_packed_vnni(&direct)
           : vnni256                  ? kern_gemm_packed_avxvnni(&direct)
                                      : kern_gemm_packed_avx2(&direct));
 #elif defined(__aarch64__)
@@ -229,8 +233,23 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
         part[i] = 7.0f;
     run(&g, isa, 3, 20, 21, part);
     CHECK(part[19] == 7.0f && part[21] == 7.0f && part[20] == got[20]);
-    /* every width gives the top path's bits (AVX-512 VNNI; on aarch64 smmla) */
+    /* every width gives the top path's bits (AVX-512 VNNI; on aarch64 smmla);
+     * the K-quants' two 256-bit forms give each other's */
     int other = 0;
+#if defined(__x86_64__)
+    if (kq && kern_avxvnni_set(true)) {
+        struct kern_gemm_args both = g;
+        both.T = PMAXT;
+        both.r0 = 0;
+        both.r1 = PROWS;
+        both.out = part;
+        CHECK(kern_gemm_packed_avxvnni(&both));
+        both.out = got;
+        CHECK(kern_gemm_packed_avx2(&both));
+        other = memcmp(part, got, sizeof(got)) != 0;
+    }
+    kern_avxvnni_set(vnni256);
+#endif
     if (isa != KERN_ISA_TOP && kern_isa_best() >= KERN_ISA_TOP) {
         run(&g, KERN_ISA_TOP, PMAXT, 0, PROWS, part);
         run(&g, isa, PMAXT, 0, PROWS, got);
@@ -286,11 +305,22 @@ int main(void)
             check_packed(KERN_Q5_0, 640, paths[i].isa, paths[i].vnni256);
             check_packed(KERN_Q4_0, 576, paths[i].isa, paths[i].vnni256);
             check_packed(KERN_Q5_0, 32, paths[i].isa, paths[i].vnni256);
+#if defined(__x86_64__)
+            check_packed(KERN_Q4_K, 512, paths[i].isa, paths[i].vnni256);
+            check_packed(KERN_Q5_K, 256, paths[i].isa, paths[i].vnni256);
+            check_packed(KERN_Q6_K, 768, paths[i].isa, paths[i].vnni256);
+#endif
         }
         kern_avxvnni_set(true);
-        /* types without a packed form, and odd lengths, are left in place */
+        /* types without a packed form (on aarch64 the K-quants), and odd lengths, are left in place */
         uint8_t w[256] = { 0 };
-        CHECK(kern_pack(KERN_Q4_K, w, kern_row_bytes(KERN_Q4_K, 256), 1, 256) == NULL);
+        struct kern_packed *kp = kern_pack(KERN_Q4_K, w, kern_row_bytes(KERN_Q4_K, 256), 1, 256);
+#if defined(__x86_64__)
+        CHECK(kp != NULL);  /* the K-quants are packed on x86-64 alone */
+#else
+        CHECK(kp == NULL);
+#endif
+        kern_pack_free(&kp);
         CHECK(kern_pack(KERN_Q8_0, w, 17, 2, 16) == NULL);
     } else {
         CHECK(kern_pack(KERN_Q4_1, (uint8_t[20]){ 0 }, 20, 1, 32) == NULL);
