@@ -295,10 +295,10 @@ static void test_against_reference(const char *name, uint32_t wtype, uint32_t et
     kv_half = kv_type == KERN_F16 && rig_fmt.k_type == KERN_F16;
     struct mkmodel_params p = mkmodel_default_params();
     p.n_layer = 2;
-    p.n_embd = 128;
+    p.n_embd = kern_type_info(wtype)->block_elems == 256 ? 256 : 128;  /* the K-quants' rows are 256 */
     p.n_head = heads;
     p.n_head_kv = kv_heads;
-    p.n_ff = 256;
+    p.n_ff = 2 * p.n_embd;
     p.n_vocab = 400;
     p.wtype = wtype;
     p.embd_type = etype;
@@ -706,6 +706,12 @@ int main(void)
     /* quantized weights: activations are quantized to 8 bits, as in llama.cpp */
     test_against_reference("q4_1-gqa", KERN_Q4_1, KERN_Q8_0, 8, 2, true, KERN_F16, 0.03);
     test_against_reference("q8_0-mqa", KERN_Q8_0, KERN_Q8_0, 4, 1, false, KERN_F32, 0.03);
+    /* the K-quants (packed for the 256-bit products on x86-64); their
+     * activations (Q8_K) have one scale per 256 values, not per 32: the C
+     * path is 2.7-3.2% off too */
+    test_against_reference("q4_k-gqa", KERN_Q4_K, KERN_Q8_0, 8, 2, true, KERN_F16, 0.05);
+    test_against_reference("q5_k-mqa", KERN_Q5_K, KERN_Q8_0, 4, 1, false, KERN_F32, 0.05);
+    test_against_reference("q6_k-gqa", KERN_Q6_K, KERN_Q6_K, 8, 2, false, KERN_F16, 0.05);
 
     struct mkmodel_params p = mkmodel_default_params();
     p.n_layer = 3;
@@ -717,6 +723,21 @@ int main(void)
     model_t *m = make_model(&p, "contract");
     /* the contract holds on every kernel path this CPU has */
     contract_on_every_path(m, "llama");
+#if defined(__x86_64__)
+    /* the K-quants' packed products (x86-64 only; aarch64 takes the C
+     * reference's row-by-row dot products for them) */
+    {
+        struct mkmodel_params pk = p;
+        pk.n_layer = 2;
+        pk.n_embd = 256;
+        pk.n_ff = 512;
+        pk.wtype = KERN_Q4_K;
+        pk.embd_type = KERN_Q6_K;
+        model_t *mk = make_model(&pk, "contract-q4_k");
+        contract_on_every_path(mk, "q4_k weights, q6_k output");
+        model_destroy(&mk);
+    }
+#endif
     /* contexts cut into ranges of 16 positions, shared over threads and merged:
      * still batch-, chunking- and thread-invariant */
     rig_chunk = 16;

@@ -162,6 +162,7 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
         kern_quantize_act(at, af, act + t * arow, n);
     }
     const bool kq = wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_Q6_K;
+    (void)kq;  /* x86-64 only */
     struct kern_packed *pk = kern_pack(wtype, w, wrow, PROWS, n);
     REQUIRE(pk != NULL);
     CHECK(pk->wtype == (wtype == KERN_Q4_0 || wtype == KERN_Q5_0 ? KERN_Q8_0 : wtype));
