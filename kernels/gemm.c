@@ -48,11 +48,7 @@ static bool packs(uint32_t wtype, int64_t n)
     case KERN_Q4_1: case KERN_Q8_0: case KERN_Q4_0: case KERN_Q5_0:
         return n % 32 == 0;
     case KERN_Q4_K: case KERN_Q5_K: case KERN_Q6_K:
-#if defined(__x86_64__)
-        return n % 256 == 0;  /* the 256-bit products take them, on every x86 path */
-#else
-        return false;
-#endif
+        return n % 256 == 0;  /* on x86-64 the 256-bit products take them, on every path */
     default:
         return false;
     }

@@ -723,9 +723,7 @@ int main(void)
     model_t *m = make_model(&p, "contract");
     /* the contract holds on every kernel path this CPU has */
     contract_on_every_path(m, "llama");
-#if defined(__x86_64__)
-    /* the K-quants' packed products (x86-64 only; aarch64 takes the C
-     * reference's row-by-row dot products for them) */
+    /* the K-quants' packed products */
     {
         struct mkmodel_params pk = p;
         pk.n_layer = 2;
@@ -737,7 +735,6 @@ int main(void)
         contract_on_every_path(mk, "q4_k weights, q6_k output");
         model_destroy(&mk);
     }
-#endif
     /* contexts cut into ranges of 16 positions, shared over threads and merged:
      * still batch-, chunking- and thread-invariant */
     rig_chunk = 16;

@@ -135,8 +135,8 @@ static void check_type(uint32_t wtype, int64_t n, void *scratch)
     free(wf); free(af); free(w); free(act); free(deq); free(adeq);
 }
 
-/* The packed products (Q4_1, Q8_0, and Q4_0 / Q5_0 as Q8_0; on AVX-512 VNNI, AVX-VNNI and AVX2, or sdot and smmla;
- * the K-quants on AVX-VNNI and AVX2): against
+/* The packed products (Q4_1, Q8_0, Q4_0 / Q5_0 as Q8_0, and the K-quants; on AVX-512 VNNI, AVX-VNNI and AVX2, or
+ * sdot and smmla; x86's K-quants on the 256-bit code alone): against
  * the C reference
  * within the same tolerance, on a matrix whose last group of 16 rows is
  * partial; every tile shape (1..19 tokens: 8-token tiles, tails, the
@@ -306,21 +306,15 @@ int main(void)
             check_packed(KERN_Q5_0, 640, paths[i].isa, paths[i].vnni256);
             check_packed(KERN_Q4_0, 576, paths[i].isa, paths[i].vnni256);
             check_packed(KERN_Q5_0, 32, paths[i].isa, paths[i].vnni256);
-#if defined(__x86_64__)
             check_packed(KERN_Q4_K, 512, paths[i].isa, paths[i].vnni256);
             check_packed(KERN_Q5_K, 256, paths[i].isa, paths[i].vnni256);
             check_packed(KERN_Q6_K, 768, paths[i].isa, paths[i].vnni256);
-#endif
         }
         kern_avxvnni_set(true);
-        /* types without a packed form (on aarch64 the K-quants), and odd lengths, are left in place */
+        /* types without a packed form, and odd lengths, are left in place */
         uint8_t w[256] = { 0 };
         struct kern_packed *kp = kern_pack(KERN_Q4_K, w, kern_row_bytes(KERN_Q4_K, 256), 1, 256);
-#if defined(__x86_64__)
-        CHECK(kp != NULL);  /* the K-quants are packed on x86-64 alone */
-#else
-        CHECK(kp == NULL);
-#endif
+        CHECK(kp != NULL);
         kern_pack_free(&kp);
         CHECK(kern_pack(KERN_Q8_0, w, 17, 2, 16) == NULL);
     } else {
