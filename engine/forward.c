@@ -317,7 +317,7 @@ static void mm_run(void *ctx, int ith, int nth)
         long lo = u0 > base ? u0 - base : 0, hi = u1 - base < units ? u1 - base : units;
         if (lo < hi) {
             struct kern_gemm_args g = {
-                .wtype = w->type, .packed = w->packed, .unpacked = w->unpacked, .w = w->data,
+                .wtype = w->type, .packed = w->packed, .w = w->data,
                 .row_bytes = w->row_bytes,
                 .n = w->cols, .r0 = lo * G, .r1 = hi * G < w->rows ? hi * G : (long)w->rows,
                 .act = p->act->buf, .act_stride = p->act->stride, .T = j->T,

@@ -230,10 +230,8 @@ static void pack_mat(model_t *m, struct model_mat *w)
     if (kern_isa() >= KERN_ISA_SIMD)
         w->packed = kern_pack(w->type, w->data, w->row_bytes, w->rows, w->cols);
     if (w->packed == NULL)
-        w->unpacked = kern_unpack_matrix(w->type, w->data, w->row_bytes, w->rows, w->cols);
-    if (w->packed == NULL && w->unpacked == NULL)
         return;
-    m->packed_bytes += kern_pack_bytes(w->packed) + kern_unpacked_bytes(w->unpacked);
+    m->packed_bytes += kern_pack_bytes(w->packed);
     const long page = sysconf(_SC_PAGESIZE);
     uintptr_t lo = ((uintptr_t)w->data + (uintptr_t)page - 1) & ~(uintptr_t)(page - 1);
     uintptr_t hi = ((uintptr_t)w->data + (uintptr_t)mat_bytes(w)) & ~(uintptr_t)(page - 1);
@@ -244,8 +242,8 @@ static void pack_mat(model_t *m, struct model_mat *w)
 
 /* Every matrix the products read (not the embedding table: its rows are
  * looked up, not multiplied, unless it doubles as the output matrix): packed
- * for the packed products (Q4_0, Q4_1, Q5_0, Q8_0; x86-64 with AVX2 and up,
- * aarch64 with sdot), K-quants unpacked for x86's row-wise products. */
+ * for the packed products (Q4_0, Q4_1, Q5_0, Q8_0 and the K-quants; x86-64
+ * with AVX2 and up, aarch64 with sdot). */
 static void pack_weights(model_t *m)
 {
     if (kern_isa() < KERN_ISA_SIMD)
@@ -356,7 +354,6 @@ void model_destroy(model_t **mp)
         return;
     model_t *m = *mp;
     kern_pack_free(&m->output.packed);
-    kern_unpacked_free(&m->output.unpacked);
     if (m->layers != NULL) {
         for (uint32_t i = 0; i < m->cfg.n_layer; i++) {
             struct model_layer *L = &m->layers[i];
@@ -367,10 +364,8 @@ void model_destroy(model_t **mp)
             free(L->post_attn_norm);
             free(L->post_ffn_norm);
             struct model_mat *mats[] = { &L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down };
-            for (size_t k = 0; k < sizeof(mats) / sizeof(mats[0]); k++) {
+            for (size_t k = 0; k < sizeof(mats) / sizeof(mats[0]); k++)
                 kern_pack_free(&mats[k]->packed);
-                kern_unpacked_free(&mats[k]->unpacked);
-            }
         }
         free(m->layers);
     }

@@ -53,7 +53,6 @@ struct model_mat {
     size_t row_bytes;       /* bytes per row */
     const void *data;       /* rows * row_bytes, in the file mapping */
     struct kern_packed *packed; /* the same repacked for the fastest path, or NULL (gemm.h) */
-    struct kern_unpacked *unpacked; /* K-quants, and Q4_0/Q5_0 not packed: unpacked once for the SIMD paths */
 };
 
 struct model_layer {
@@ -79,7 +78,7 @@ typedef struct model {
     float *output_norm;         /* (n_embd) */
     struct model_layer *layers; /* n_layer entries */
     uint64_t weight_bytes;      /* bytes of all weight matrices */
-    uint64_t packed_bytes;      /* bytes of their repacked and unpacked copies (owned) */
+    uint64_t packed_bytes;      /* bytes of their repacked copies (owned) */
 } model_t;
 
 /* Loads a llama-family GGUF. Returns NULL with a one-line reason in err on an

@@ -131,55 +131,6 @@ fail:
     return NULL;
 }
 
-struct kern_unpacked *kern_unpack_matrix(uint32_t wtype, const void *w, size_t row_bytes, int64_t rows, int64_t n)
-{
-    const bool kq = wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_Q6_K;
-#if defined(__x86_64__)
-    const bool rowwise = kern_isa_best() >= KERN_ISA_AVX2;
-#else
-    const bool rowwise = false;  /* only the x86 paths read unpacked rows */
-#endif
-    if (!rowwise || (!kq && wtype != KERN_Q4_0 && wtype != KERN_Q5_0) || n <= 0 ||
-        n % (kq ? 256 : 32) != 0 || rows <= 0 || row_bytes != kern_row_bytes(wtype, n))
-        return NULL;
-    struct kern_unpacked *u = calloc(1, sizeof(*u));
-    if (u == NULL)
-        return NULL;
-    const int64_t nb = n / 32;
-    u->wtype = wtype;
-    u->rows = rows;
-    u->n = n;
-    u->d_stride = (size_t)(2 * nb);
-    u->m_stride = (size_t)nb;
-    u->q = aligned_alloc(64, ((size_t)rows * (size_t)n + 63) / 64 * 64);
-    u->d = malloc((size_t)rows * u->d_stride * sizeof(float));
-    u->m = malloc((size_t)rows * u->m_stride * sizeof(float));
-    if (u->q == NULL || u->d == NULL || u->m == NULL) {
-        kern_unpacked_free(&u);
-        return NULL;
-    }
-    for (int64_t r = 0; r < rows; r++)
-        kern_unpack_row(wtype, (const uint8_t *)w + (size_t)r * row_bytes, n, u->q + (size_t)r * (size_t)n,
-                        u->d + (size_t)r * u->d_stride, u->m + (size_t)r * u->m_stride);
-    return u;
-}
-
-void kern_unpacked_free(struct kern_unpacked **up)
-{
-    if (up == NULL || *up == NULL)
-        return;
-    free((*up)->q);
-    free((*up)->d);
-    free((*up)->m);
-    free(*up);
-    *up = NULL;
-}
-
-size_t kern_unpacked_bytes(const struct kern_unpacked *u)
-{
-    return u ? (size_t)u->rows * ((size_t)u->n + (u->d_stride + u->m_stride) * sizeof(float)) : 0;
-}
-
 void kern_pack_free(struct kern_packed **pp)
 {
     if (pp == NULL || *pp == NULL)

@@ -85,33 +85,9 @@ void kern_pack_free(struct kern_packed **p);
 /* Bytes a packed matrix holds. */
 size_t kern_pack_bytes(const struct kern_packed *p);
 
-/*
- * A weight matrix of a type the SIMD products unpack row by row (the K-quants
- * Q4_K, Q5_K, Q6_K, and Q4_0 / Q5_0 where they are not packed) unpacked once, at load: each row's
- * codes as int8 (n a row) and its scales as floats (d_stride a row: per 32
- * values, per 16 for Q6_K; m_stride mins, Q4_K / Q5_K), exactly what the SIMD
- * products would otherwise unpack from the row at every product (kern_unpack_row:
- * the same values, so the same results). About 1.1 bytes a weight.
- */
-struct kern_unpacked {
-    uint32_t wtype;
-    int64_t rows, n;
-    size_t d_stride, m_stride;
-    int8_t *q;
-    float *d, *m;
-};
-
-/* Unpacks such a matrix when this CPU's best path has row-wise SIMD products
- * (x86-64, AVX2 or better); else NULL (also for other types and on out of
- * memory). */
-struct kern_unpacked *kern_unpack_matrix(uint32_t wtype, const void *w, size_t row_bytes, int64_t rows, int64_t n);
-void kern_unpacked_free(struct kern_unpacked **u);
-size_t kern_unpacked_bytes(const struct kern_unpacked *u);
-
 struct kern_gemm_args {
     uint32_t wtype;         /* weight type */
     const struct kern_packed *packed; /* the same matrix packed, or NULL */
-    const struct kern_unpacked *unpacked; /* the same unpacked, or NULL */
     const uint8_t *w;       /* row 0 of the weight matrix */
     size_t row_bytes;       /* bytes per weight row */
     int64_t n;              /* elements per row (input features) */

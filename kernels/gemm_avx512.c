@@ -118,7 +118,7 @@ static void rows512(int kind, const struct kern_gemm_args *a, const int8_t *av, 
         return;
     }
     for (long r = a->r0; r < a->r1; r++) {
-        take_row(a, r, q, d, m, &w);
+        unpack(a->wtype, a->w + (size_t)r * a->row_bytes, a->n, q, d, m, &w);
         const int8_t *wq = w.q;  /* the unpacked codes, or Q8_0's in place */
         const size_t qs = w.qstride;
         const float *wd = w.d, *wm = w.m;

@@ -102,32 +102,6 @@ static void check_type(uint32_t wtype, int64_t n, void *scratch)
         run(&add, isa, MAXT, 0, ROWS, acc);
         for (int i = 0; i < MAXT * ROWS; i++)
             CHECK(acc[i] == 1.0f + got[i]);
-        /* a matrix unpacked at load (x86's row-wise products only): the
-         * same bits, any batch and row range */
-        struct kern_unpacked *u = kern_unpack_matrix(wtype, w, wrow, ROWS, n);
-        const bool kq = wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_Q6_K;
-#if defined(__x86_64__)
-        CHECK((u != NULL) == ((kq && n % 256 == 0) || wtype == KERN_Q4_0 || wtype == KERN_Q5_0));
-#else
-        CHECK(u == NULL);
-        (void)kq;
-#endif
-        if (u != NULL) {
-            struct kern_gemm_args gu = g;
-            gu.unpacked = u;
-            float gotu[MAXT * ROWS];
-            run(&gu, isa, MAXT, 0, ROWS, gotu);
-            CHECK(memcmp(gotu, got, sizeof(got)) == 0);
-            run(&gu, isa, 3, 2, ROWS - 1, gotu);
-            int diff = 0;
-            for (int t = 0; t < 3; t++)
-                for (int r = 2; r < ROWS - 1; r++)
-                    diff += gotu[t * ROWS + r] != got[t * ROWS + r];
-            CHECK_INT(diff, 0);
-            CHECK(kern_unpacked_bytes(u) == (size_t)ROWS * ((size_t)n + (size_t)(3 * n / 32) * sizeof(float)));
-            kern_unpacked_free(&u);
-            CHECK(u == NULL);
-        }
     }
     if (worst_bad)
         fprintf(stderr, "%s: %d results off the C reference\n", kern_type_info(wtype)->name, worst_bad);
