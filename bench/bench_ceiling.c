@@ -19,10 +19,15 @@
  * (weight bytes read) / bandwidth, and batch B cannot beat
  * B x (multiply-adds per token) / peak, whatever the code around them does.
  *
- *   build/bench-ceiling [-m MODEL] [-t N]
+ * With -b it measures the bandwidth alone and prints the batch-1 floor it
+ * sets (bench/bench_cpu.py runs it beside each kvd-run, so that decode is
+ * compared with the bandwidth of the same minute).
+ *
+ *   build/bench-ceiling [-m MODEL] [-t N] [-b]
  */
 #include <getopt.h>
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -267,12 +272,14 @@ int main(int argc, char **argv)
 {
     const char *model_path = NULL;
     int threads = 2, c;
-    while ((c = getopt(argc, argv, "m:t:h")) != -1) {
+    bool bandwidth_only = false;
+    while ((c = getopt(argc, argv, "m:t:bh")) != -1) {
         switch (c) {
         case 'm': model_path = optarg; break;
         case 't': threads = atoi(optarg); break;
+        case 'b': bandwidth_only = true; break;
         default:
-            fprintf(stderr, "usage: bench-ceiling [-m MODEL] [-t THREADS]\n");
+            fprintf(stderr, "usage: bench-ceiling [-m MODEL] [-t THREADS] [-b]\n");
             return c == 'h' ? 0 : 2;
         }
     }
@@ -284,7 +291,9 @@ int main(int argc, char **argv)
     const char *insn = "none";
 #if defined(__x86_64__)
     /* the peak of the instruction the active path (KVD_ISA, KVD_AVXVNNI) multiplies with */
-    if (kern_isa() >= KERN_ISA_AVX512VNNI) {
+    if (bandwidth_only) {
+        /* not measured */
+    } else if (kern_isa() >= KERN_ISA_AVX512VNNI) {
         peak = peak_vnni512(20000000);
         insn = "vpdpbusd zmm";
     } else if (kern_isa() >= KERN_ISA_AVX2 && kern_avxvnni()) {
@@ -310,6 +319,12 @@ int main(int argc, char **argv)
     const double bw_ws = bandwidth(threads, (size_t)(bytes / threads));
     printf("read bandwidth, %d threads: %.1f GB/s from memory (256 MiB each), %.1f GB/s over %.0f MB\n",
            threads, bw_mem, bw_ws, bytes / 1e6);
+    if (bandwidth_only) {
+        if (m != NULL)
+            printf("floor, decode batch 1:  %.0f tokens/s (weights / bandwidth)\n", bw_ws * 1e9 / bytes);
+        model_destroy(&m);
+        return 0;
+    }
     printf("int8 dot product peak:  %.0f GMAC/s per thread (%s), %.0f GMAC/s for %d\n", peak, insn,
            peak * threads, threads);
     if (m == NULL)

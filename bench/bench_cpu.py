@@ -17,6 +17,9 @@ the medians and their ratios (kvd / llama.cpp), with the CPU model and the threa
                       greedy token per sequence, all B in one batch: B*64 / time
     resident memory   kvd: rss_mib of its JSON; llama.cpp: the worker process's VmRSS after the whole
                       run (model, both contexts, all weights touched) minus VmRSS before loading
+    decode b1 / floor kvd's decode b1 over the batch-1 floor of `bench-ceiling -b` run right after
+                      it on the same path (the weights a step reads / the read bandwidth over that
+                      many bytes, as measured that minute); each round's ratio, then the median
 
 llama.cpp runs with n_batch = n_ubatch = 512, an f16 KV cache, n_threads = n_threads_batch = N;
 prefill and decode b1 go through llama_cpp.Llama (n_ctx 1024), batch decode through the low-level
@@ -174,6 +177,10 @@ def metrics(res):
     b1, b32 = m.get("batch_b1_tokens_per_s"), m.get("batch_b32_tokens_per_s")
     if b1 and b32:
         m["batch_b32_over_b1"] = b32 / b1
+    floor, d = res.get("floor_b1_tokens_per_s"), m.get("decode_b1_tokens_per_s")
+    if floor and d:
+        m["floor_b1_tokens_per_s"] = floor
+        m["decode_b1_over_floor"] = d / floor
     return m
 
 
@@ -490,7 +497,21 @@ def run_kvd(a, path=None):
     if path is not None and res.get("isa") != path:
         raise RuntimeError(f"asked for the {path} path, kvd-run ran {res.get('isa')}: this CPU lacks it")
     res["bench_cores_busy"], res["bench_wall_s"] = cores, wall
+    res["floor_b1_tokens_per_s"] = run_floor(a, env)
     return res
+
+
+def run_floor(a, env):
+    """The batch-1 decode floor that bench-ceiling -b measures now, on the same path; None without
+    bench-ceiling."""
+    if not os.access(a.ceiling, os.X_OK):
+        return None
+    p = subprocess.run([a.ceiling, "-m", a.model, "-t", str(a.threads), "-b"], capture_output=True,
+                       text=True, timeout=WORKER_TIMEOUT_S, env=env)
+    for line in p.stdout.splitlines():
+        if line.startswith("floor, decode batch 1:"):
+            return float(line.split(":")[1].split()[0])
+    return None
 
 
 def run_llama(a):
@@ -525,7 +546,9 @@ def table(a, kmed, lmed):
     for B in BATCHES:
         rows.append((f"batch decode b{B} agg (tok/s)", f"batch_b{B}_tokens_per_s", ""))
     rows += [("b32 / b1 (batch decode)", "batch_b32_over_b1", "x"),
-             ("resident memory (MiB)", "rss_mib", "")]
+             ("resident memory (MiB)", "rss_mib", ""),
+             ("decode b1 bandwidth floor (tok/s)", "floor_b1_tokens_per_s", ""),
+             ("decode b1 / floor", "decode_b1_over_floor", "x")]
     out = [f"CPU: {cpu_name()}, threads {a.threads}, rounds {a.rounds} (medians)",
            f"model: {os.path.relpath(a.model, ROOT) if a.model.startswith(ROOT) else a.model}",
            f"{'metric':<32}{'kvd':>12}{'llama.cpp':>12}{'kvd/llama.cpp':>16}"]
@@ -548,6 +571,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kvd", default=os.path.join(ROOT, "build", "kvd-run"))
+    ap.add_argument("--ceiling", default=os.path.join(ROOT, "build", "bench-ceiling"),
+                    help="bench-ceiling, for the decode floor (skipped where it is missing)")
     ap.add_argument("--text", default=os.path.join(ROOT, "tests", "data", "ppl_text.txt"))
     ap.add_argument("--kvd-paths", metavar="LIST",
                     help="kvd's kernel paths to measure in each round against the same llama.cpp runs, "
@@ -575,6 +600,7 @@ def main():
     a.model = os.path.abspath(a.model)
     a.text = os.path.abspath(a.text)
     a.kvd = os.path.abspath(a.kvd)
+    a.ceiling = os.path.abspath(a.ceiling)
 
     if a.llama_worker:
         llama_worker(a)
