@@ -48,7 +48,7 @@ static bool packs(uint32_t wtype, int64_t n)
     case KERN_Q4_1: case KERN_Q8_0: case KERN_Q4_0: case KERN_Q5_0:
         return n % 32 == 0;
     case KERN_Q4_K: case KERN_Q5_K: case KERN_Q6_K:
-        return n % 256 == 0;  /* on x86-64 the 256-bit products take them, on every path */
+        return n % 256 == 0;
     default:
         return false;
     }
@@ -150,9 +150,7 @@ void kern_gemm_isa(const struct kern_gemm_args *a, int isa)
 #if defined(__x86_64__)
     if (isa >= KERN_ISA_AVX512VNNI && a->packed != NULL && kern_gemm_packed_vnni(a))
         return;
-    /* the AVX2 path's packed products, and on the AVX-512 path the layouts
-     * it has no 512-bit code for (the K-quants') */
-    if (isa >= KERN_ISA_AVX2 && a->packed != NULL &&
+    if (isa == KERN_ISA_AVX2 && a->packed != NULL &&
         (kern_avxvnni() ? kern_gemm_packed_avxvnni(a) : kern_gemm_packed_avx2(a)))
         return;
     if (isa >= KERN_ISA_AVX512VNNI && kern_gemm_avx512vnni(a))

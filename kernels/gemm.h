@@ -35,8 +35,7 @@
  *         codes are unsigned), then the 16 scales d of every block (f16).
  * The K-quants are packed from their unpacked form (kern_unpack_row: codes,
  * and float scales per 32 values, per 16 for Q6_K), with float scales
- * (d * sc is not exact in f16); on x86-64 the 256-bit products take them on
- * the AVX2 and AVX-512 paths alike:
+ * (d * sc is not exact in f16):
  *   Q4_K: Q4_1's code layout, then the 16 scales of every block (f32), then
  *         the 16 mins (f32: -dmin * m);
  *   Q5_K: Q8_0's code layout with the codes 0..31 as they are, then scales

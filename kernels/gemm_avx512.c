@@ -196,16 +196,19 @@ static inline __m512i bcast4(const int8_t *p)
 #include "gemm_pk.inc"
 
 /*
- * R groups of 16 rows (g, g + gs, ...) against NT tokens (from token t0).
- * Every (row, token) lane sees the same operations in the same order
- * whatever R and NT are: the integer sums are exact, and the float steps
- * are one fma per term per block, in block order.
+ * R groups of 16 rows (g, g + gs, ...) against NT tokens (from token t0), for
+ * the layout K (gemm.h). Every (row, token) lane sees the same operations in
+ * the same order whatever R and NT are: the integer sums are exact, and the
+ * float steps are one fma per part and one per min, in block order.
  */
 static inline __attribute__((always_inline)) void
-pk_tile(const int Q8, const int R, const int NT, const uint8_t *g, size_t gs, const struct pk_acts *A,
+pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs, const struct pk_acts *A,
         int t0, float *out, size_t ldo, const __mmask16 *mask, bool add)
 {
     const int64_t n = A->n, nb = A->nb;
+    const bool Q8 = K == KERN_Q8_0, nib = kern_pk_nibbles(K), f32 = kern_pk_f32(K);
+    const int parts = kern_pk_parts(K), slices = 8 / parts;  /* byte slices a part */
+    const size_t cb = kern_pk_code_bytes(K), sb = kern_pk_scale_bytes(K), mb = kern_pk_min_bytes(K);
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 f[4][8];
 #pragma GCC unroll 4
@@ -214,16 +217,21 @@ pk_tile(const int Q8, const int R, const int NT, const uint8_t *g, size_t gs, co
         for (int t = 0; t < NT; t++)
             f[r][t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+#pragma GCC unroll 2
+      for (int part = 0; part < parts; part++) {
         __m512i acc[4][8];
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
             for (int t = 0; t < NT; t++)
                 acc[r][t] = Q8 ? _mm512_set1_epi32(((const int32_t *)A->sa)[(size_t)(t0 + t) * nb + b])
-                               : _mm512_setzero_si512();
-        if (Q8) {
+                            : K == KERN_Q6_K ? _mm512_set1_epi32(A->b16[(size_t)(t0 + t) * 2 * nb + 2 * b + part])
+                                             : _mm512_setzero_si512();
+        if (!nib) {
+            /* bytes: Q8_0's stored +128 (undone by its -128 * sum(a) start),
+             * the K-quants' unsigned as they are */
 #pragma GCC unroll 8
-            for (int k = 0; k < 8; k++)
+            for (int k = slices * part; k < slices * (part + 1); k++)
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
                     const __m512i w = _mm512_load_si512((const void *)(g + r * gs + (size_t)b * 512 + 64 * k));
@@ -250,16 +258,22 @@ pk_tile(const int Q8, const int R, const int NT, const uint8_t *g, size_t gs, co
         }
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            const uint8_t *sc = g + r * gs + (size_t)nb * (Q8 ? 512 : 256);
-            const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(sc + (size_t)b * 32)));
+            const uint8_t *sc = g + r * gs + (size_t)nb * cb + (size_t)b * sb;
+            const __m512 dw = f32 ? _mm512_load_ps((const void *)(sc + 64 * part))
+                                  : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)sc));
 #pragma GCC unroll 8
             for (int t = 0; t < NT; t++)
                 f[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]),
                                           _mm512_mul_ps(dw, _mm512_set1_ps(A->da[(size_t)(t0 + t) * nb + b])),
                                           f[r][t]);
-            if (!Q8) {
-                const __m512 mw = _mm512_cvtph_ps(
-                    _mm256_load_si256((const __m256i *)(sc + (size_t)nb * 32 + (size_t)b * 32)));
+        }
+      }
+        if (kern_pk_mins(K)) {
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const uint8_t *mn = g + r * gs + (size_t)nb * (cb + sb) + (size_t)b * mb;
+                const __m512 mw = f32 ? _mm512_load_ps((const void *)mn)
+                                      : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)mn));
 #pragma GCC unroll 8
                 for (int t = 0; t < NT; t++)
                     f[r][t] = _mm512_fmadd_ps(
@@ -282,28 +296,29 @@ pk_tile(const int Q8, const int R, const int NT, const uint8_t *g, size_t gs, co
 /* The tiles a call is cut into: R row groups x NT tokens, R * NT <= 8 so that
  * accumulators stay in registers; small batches take more row groups at once
  * (independent dependency chains), large ones more tokens (fewer weight loads). */
-#define PK_CASE(Q8, R, NT)                                                                     \
+#define PK_CASE(K, R, NT)                                                                      \
     case (R) * 16 + (NT):                                                                      \
-        pk_tile(Q8, R, NT, g, gs, A, t0, out, ldo, mask, add);                                 \
+        pk_tile(K, R, NT, g, gs, A, t0, out, ldo, mask, add);                                  \
         break
+#define PK_CASES(K)                                                                            \
+    switch (R * 16 + NT) {                                                                     \
+    PK_CASE(K, 1, 1); PK_CASE(K, 1, 2); PK_CASE(K, 1, 3); PK_CASE(K, 1, 4);                    \
+    PK_CASE(K, 1, 5); PK_CASE(K, 1, 6); PK_CASE(K, 1, 7); PK_CASE(K, 1, 8);                    \
+    PK_CASE(K, 2, 3); PK_CASE(K, 2, 4); PK_CASE(K, 4, 1); PK_CASE(K, 4, 2);                    \
+    default: break;                                                                            \
+    }                                                                                          \
+    break
 
-static void pk_dispatch(int Q8, int R, int NT, const uint8_t *g, size_t gs, const struct pk_acts *A, int t0,
+static void pk_dispatch(uint32_t K, int R, int NT, const uint8_t *g, size_t gs, const struct pk_acts *A, int t0,
                         float *out, size_t ldo, const __mmask16 *mask, bool add)
 {
-    if (Q8) {
-        switch (R * 16 + NT) {
-        PK_CASE(1, 1, 1); PK_CASE(1, 1, 2); PK_CASE(1, 1, 3); PK_CASE(1, 1, 4);
-        PK_CASE(1, 1, 5); PK_CASE(1, 1, 6); PK_CASE(1, 1, 7); PK_CASE(1, 1, 8);
-        PK_CASE(1, 2, 3); PK_CASE(1, 2, 4); PK_CASE(1, 4, 1); PK_CASE(1, 4, 2);
-        default: break;
-        }
-    } else {
-        switch (R * 16 + NT) {
-        PK_CASE(0, 1, 1); PK_CASE(0, 1, 2); PK_CASE(0, 1, 3); PK_CASE(0, 1, 4);
-        PK_CASE(0, 1, 5); PK_CASE(0, 1, 6); PK_CASE(0, 1, 7); PK_CASE(0, 1, 8);
-        PK_CASE(0, 2, 3); PK_CASE(0, 2, 4); PK_CASE(0, 4, 1); PK_CASE(0, 4, 2);
-        default: break;
-        }
+    switch (K) {
+    case KERN_Q4_1: PK_CASES(KERN_Q4_1);
+    case KERN_Q8_0: PK_CASES(KERN_Q8_0);
+    case KERN_Q4_K: PK_CASES(KERN_Q4_K);
+    case KERN_Q5_K: PK_CASES(KERN_Q5_K);
+    case KERN_Q6_K: PK_CASES(KERN_Q6_K);
+    default: break;
     }
 }
 
@@ -321,10 +336,9 @@ static __mmask16 group_mask(long gi, long r0, long r1)
 
 bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
 {
-    if (!pk_usable(a, false))
+    if (!pk_usable(a, true))
         return false;
     const struct kern_packed *pk = a->packed;
-    const int Q8 = pk->wtype == KERN_Q8_0;
     struct pk_acts A;
     pk_stage(a, true, &A);
     const struct pk_acts *Ap = &A;
@@ -342,7 +356,7 @@ bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
             int NT = a->T - t0;
             if (NT > 8 / R)
                 NT = 8 / R;
-            pk_dispatch(Q8, R, NT, g, gs, Ap, t0, o, a->ldo, mask, a->add);
+            pk_dispatch(pk->wtype, R, NT, g, gs, Ap, t0, o, a->ldo, mask, a->add);
             t0 += NT;
         }
         gi += R;

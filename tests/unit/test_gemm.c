@@ -110,7 +110,7 @@ static void check_type(uint32_t wtype, int64_t n, void *scratch)
 }
 
 /* The packed products (Q4_1, Q8_0, Q4_0 / Q5_0 as Q8_0, and the K-quants; on AVX-512 VNNI, AVX-VNNI and AVX2, or
- * sdot and smmla; x86's K-quants on the 256-bit code alone): against
+ * sdot and smmla): against
  * the C reference
  * within the same tolerance, on a matrix whose last group of 16 rows is
  * partial; every tile shape (1..19 tokens: 8-token tiles, tails, the
@@ -152,8 +152,7 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
     direct.r1 = PROWS;
     direct.out = got;
 #if defined(__x86_64__)
-    /* (the K-quants' layouts have 256-bit products alone) */
-    CHECK(isa == KERN_ISA_AVX512VNNI && !kq ? kern_gemm_packed_vnni(&direct)
+    CHECK(isa == KERN_ISA_AVX512VNNI ? kern_gemm_packed_vnni(&direct)
           : vnni256                  ? kern_gemm_packed_avxvnni(&direct)
                                      : kern_gemm_packed_avx2(&direct));
 #elif defined(__aarch64__)
