@@ -417,8 +417,8 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
                        "token-id lists");
         }
     }
-    double x;
-    long long v;
+    double x = 0;  /* set when rc > 0; -O3 cannot tell */
+    long long v = 0;
     int rc;
     if ((rc = get_int(o, "max_tokens", 1, 1 << 20, &v, b)) < 0)
         return -1;
