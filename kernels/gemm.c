@@ -41,7 +41,7 @@ static size_t group_bytes(uint32_t wtype, int64_t nb)
     return ((size_t)nb * per_block + 63) / 64 * 64;
 }
 
-/* Whether the active path packs wtype (where the CPU's best path packs at all). */
+/* Whether a matrix of wtype with rows of n values has a packed layout. */
 static bool packs(uint32_t wtype, int64_t n)
 {
     switch (wtype) {

@@ -218,56 +218,56 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
             f[r][t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
 #pragma GCC unroll 2
-      for (int part = 0; part < parts; part++) {
-        __m512i acc[4][8];
+        for (int part = 0; part < parts; part++) {
+            __m512i acc[4][8];
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
+            for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-            for (int t = 0; t < NT; t++)
-                acc[r][t] = Q8 ? _mm512_set1_epi32(((const int32_t *)A->sa)[(size_t)(t0 + t) * nb + b])
-                            : K == KERN_Q6_K ? _mm512_set1_epi32(A->b16[(size_t)(t0 + t) * 2 * nb + 2 * b + part])
-                                             : _mm512_setzero_si512();
-        if (!nib) {
-            /* bytes: Q8_0's stored +128 (undone by its -128 * sum(a) start),
-             * the K-quants' unsigned as they are */
+                for (int t = 0; t < NT; t++)
+                    acc[r][t] = Q8 ? _mm512_set1_epi32(((const int32_t *)A->sa)[(size_t)(t0 + t) * nb + b])
+                                : K == KERN_Q6_K ? _mm512_set1_epi32(A->b16[(size_t)(t0 + t) * 2 * nb + 2 * b + part])
+                                                 : _mm512_setzero_si512();
+            if (!nib) {
+                /* bytes: Q8_0's stored +128 (undone by its -128 * sum(a) start),
+                 * the K-quants' unsigned as they are */
 #pragma GCC unroll 8
-            for (int k = slices * part; k < slices * (part + 1); k++)
+                for (int k = slices * part; k < slices * (part + 1); k++)
 #pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    const __m512i w = _mm512_load_si512((const void *)(g + r * gs + (size_t)b * 512 + 64 * k));
+                    for (int r = 0; r < R; r++) {
+                        const __m512i w = _mm512_load_si512((const void *)(g + r * gs + (size_t)b * 512 + 64 * k));
 #pragma GCC unroll 8
-                    for (int t = 0; t < NT; t++)
-                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], w,
-                                                        bcast4(A->av + (size_t)(t0 + t) * n + 32 * b + 4 * k));
-                }
-        } else {
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; j++)
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    const __m512i v = _mm512_load_si512((const void *)(g + r * gs + (size_t)b * 256 + 64 * j));
-                    const __m512i lo = _mm512_and_si512(v, low);
-                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-#pragma GCC unroll 8
-                    for (int t = 0; t < NT; t++) {
-                        const int8_t *a = A->av + (size_t)(t0 + t) * n + 32 * b + 4 * j;
-                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], lo, bcast4(a));
-                        acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], hi, bcast4(a + 16));
+                        for (int t = 0; t < NT; t++)
+                            acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], w,
+                                                            bcast4(A->av + (size_t)(t0 + t) * n + 32 * b + 4 * k));
                     }
-                }
-        }
+            } else {
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const uint8_t *sc = g + r * gs + (size_t)nb * cb + (size_t)b * sb;
-            const __m512 dw = f32 ? _mm512_load_ps((const void *)(sc + 64 * part))
-                                  : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)sc));
+                for (int j = 0; j < 4; j++)
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++) {
+                        const __m512i v = _mm512_load_si512((const void *)(g + r * gs + (size_t)b * 256 + 64 * j));
+                        const __m512i lo = _mm512_and_si512(v, low);
+                        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
 #pragma GCC unroll 8
-            for (int t = 0; t < NT; t++)
-                f[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]),
-                                          _mm512_mul_ps(dw, _mm512_set1_ps(A->da[(size_t)(t0 + t) * nb + b])),
-                                          f[r][t]);
+                        for (int t = 0; t < NT; t++) {
+                            const int8_t *a = A->av + (size_t)(t0 + t) * n + 32 * b + 4 * j;
+                            acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], lo, bcast4(a));
+                            acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], hi, bcast4(a + 16));
+                        }
+                    }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const uint8_t *sc = g + r * gs + (size_t)nb * cb + (size_t)b * sb;
+                const __m512 dw = f32 ? _mm512_load_ps((const void *)(sc + 64 * part))
+                                      : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)sc));
+#pragma GCC unroll 8
+                for (int t = 0; t < NT; t++)
+                    f[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]),
+                                              _mm512_mul_ps(dw, _mm512_set1_ps(A->da[(size_t)(t0 + t) * nb + b])),
+                                              f[r][t]);
+            }
         }
-      }
         if (kern_pk_mins(K)) {
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
@@ -336,7 +336,7 @@ static __mmask16 group_mask(long gi, long r0, long r1)
 
 bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
 {
-    if (!pk_usable(a, true))
+    if (!pk_usable(a))
         return false;
     const struct kern_packed *pk = a->packed;
     struct pk_acts A;
