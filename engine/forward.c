@@ -25,6 +25,14 @@ struct act_slot {
     uint8_t *buf;           /* max_tokens rows */
 };
 
+/* A thread's share of a product's row groups: [next, end), taken a chunk at a
+ * time from the front, by its owner first and then by threads done with
+ * their own; one cache line each, so that owners do not contend. */
+struct mm_share {
+    _Alignas(64) long next;     /* atomic */
+    long end;
+};
+
 struct engine {
     const model_t *m;       /* borrowed */
     kvcache_t *kv;          /* borrowed */
@@ -61,6 +69,7 @@ struct engine {
     float *part_stats;      /* (T * max ranges, n_head, 2) their max and sum */
     struct act_slot act[ACT_SLOTS];
     void **gemm_scratch;    /* (n_threads) per-thread scratch of the matrix products */
+    struct mm_share *share; /* (n_threads) each thread's share of the product being run */
     float *logits;          /* (logits_cap, n_vocab) */
     uint32_t logits_cap;    /* rows logits can hold */
     uint64_t progress;      /* atomic: parallel jobs completed (engine_progress) */
@@ -121,6 +130,7 @@ void engine_destroy(engine_t **ep)
         for (int i = 0; i < e->n_threads; i++)
             free(e->gemm_scratch[i]);
     free(e->gemm_scratch);
+    free(e->share);
     free(e);
     *ep = NULL;
 }
@@ -202,7 +212,8 @@ engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params
               e->k && e->v && e->gate && e->up && e->rope && e->scores && ranges_ok &&
               (!swa || (e->item0_win && (e->rope_swa || c->rope_base_swa == c->rope_base)));
     e->gemm_scratch = calloc((size_t)e->n_threads, sizeof(void *));
-    ok = ok && e->gemm_scratch;
+    e->share = aligned_alloc(64, (size_t)e->n_threads * sizeof(struct mm_share));
+    ok = ok && e->gemm_scratch && e->share;
     for (int i = 0; ok && i < e->n_threads; i++) {
         size_t bytes = kern_gemm_scratch_bytes((int64_t)widest, (int)T);
         e->gemm_scratch[i] = aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -296,21 +307,16 @@ struct mm_job {
     struct mm_part part[3];
     int n_parts;
     int T;
+    long chunk;             /* row groups taken at a time */
 };
 
-static void mm_run(void *ctx, int ith, int nth)
+/* Computes row groups [u0, u1), counted over the parts one after another;
+ * *staged is the part whose activations the scratch holds (-1: none). */
+static void mm_units(const struct mm_job *j, long u0, long u1, void *scratch, int *staged)
 {
-    struct mm_job *j = ctx;
-    /* threads take whole groups of KERN_PACK_ROWS rows (what one packed
-     * instruction computes), counted over the parts one after another */
     const long G = KERN_PACK_ROWS;
-    long total = 0;
-    for (int i = 0; i < j->n_parts; i++)
-        total += (j->part[i].w->rows + G - 1) / G;
-    long u0, u1;
-    tpool_split(total, ith, nth, &u0, &u1);
     long base = 0;
-    for (int i = 0; i < j->n_parts; i++) {
+    for (int i = 0; i < j->n_parts && base < u1; i++) {
         const struct mm_part *p = &j->part[i];
         const struct model_mat *w = p->w;
         const long units = (w->rows + G - 1) / G;
@@ -322,19 +328,60 @@ static void mm_run(void *ctx, int ith, int nth)
                 .n = w->cols, .r0 = lo * G, .r1 = hi * G < w->rows ? hi * G : (long)w->rows,
                 .act = p->act->buf, .act_stride = p->act->stride, .T = j->T,
                 .out = p->out, .ldo = (size_t)w->rows, .add = p->add,
-                .scratch = j->e->gemm_scratch[ith],
+                .scratch = scratch, .staged = *staged == i,
             };
             kern_gemm(&g);
+            *staged = i;
         }
         base += units;
     }
 }
 
+/* Each thread runs its own share a chunk at a time, then takes chunks from
+ * the shares of the others, so that a thread that starts late, runs slow or
+ * is preempted holds up the step by one chunk at most. Every output row is
+ * computed whole by one call, with the same bits whichever thread runs it
+ * (a product's rows do not depend on how the range is cut). */
+static void mm_run(void *ctx, int ith, int nth)
+{
+    struct mm_job *j = ctx;
+    struct mm_share *sh = j->e->share;
+    void *scratch = j->e->gemm_scratch[ith];
+    int staged = -1;
+    for (int k = 0; k < nth; k++) {
+        struct mm_share *s = &sh[(ith + k) % nth];
+        for (;;) {
+            const long u0 = __atomic_fetch_add(&s->next, j->chunk, __ATOMIC_RELAXED);
+            if (u0 >= s->end)
+                break;
+            mm_units(j, u0, u0 + j->chunk < s->end ? u0 + j->chunk : s->end, scratch, &staged);
+        }
+    }
+}
+
+/* Row groups per chunk: about MM_CHUNK_WEIGHTS weights, a few microseconds of
+ * a decode step, in a multiple of four groups (the widest tile at one token:
+ * AVX-512's four groups, two for 256-bit and NEON tiles). The activations are
+ * staged once per part and thread, not per chunk, so a batch's chunks cost
+ * no more. */
+#define MM_CHUNK_WEIGHTS 65536
+
 static void matmul(engine_t *e, struct mm_part *parts, int n, int T)
 {
+    const long G = KERN_PACK_ROWS;
     struct mm_job j = { .e = e, .n_parts = n, .T = T };
-    for (int i = 0; i < n; i++)
+    long total = 0, widest = 1;
+    for (int i = 0; i < n; i++) {
         j.part[i] = parts[i];
+        total += (parts[i].w->rows + G - 1) / G;
+        widest = parts[i].w->cols > widest ? parts[i].w->cols : widest;
+    }
+    const long chunk = MM_CHUNK_WEIGHTS / (G * widest);
+    j.chunk = chunk > 4 ? (chunk + 3) / 4 * 4 : 4;
+    /* each thread's share: whole groups of KERN_PACK_ROWS rows (what one
+     * packed instruction computes), split evenly */
+    for (int i = 0; i < e->n_threads; i++)
+        tpool_split(total, i, e->n_threads, &e->share[i].next, &e->share[i].end);
     run_job(e, mm_run, &j);
 }
 

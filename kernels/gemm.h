@@ -98,6 +98,9 @@ struct kern_gemm_args {
     size_t ldo;             /* floats between output rows */
     bool add;               /* accumulate into out instead of storing */
     void *scratch;          /* kern_gemm_scratch_bytes(n, T) bytes, 32-aligned, one per thread */
+    bool staged;            /* the scratch holds what the previous call on it staged, for the
+                             * same matrix, activations and T (a range cut in chunks): the
+                             * packed products skip staging the activations again */
 };
 
 /* Bytes of per-thread scratch a product over rows of n elements and T tokens needs. */

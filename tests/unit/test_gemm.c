@@ -114,8 +114,9 @@ static void check_type(uint32_t wtype, int64_t n, void *scratch)
  * the C reference
  * within the same tolerance, on a matrix whose last group of 16 rows is
  * partial; every tile shape (1..19 tokens: 8-token tiles, tails, the
- * multi-group tiles of 1-4 tokens); each token alone, any row range and
- * accumulate mode giving the same bits as the whole batch. */
+ * multi-group tiles of 1-4 tokens); each token alone, any row range (also
+ * cut in chunks that reuse the staged activations) and accumulate mode
+ * giving the same bits as the whole batch. */
 #define PROWS 101
 #define PMAXT 19
 static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
@@ -192,6 +193,16 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
     const long cuts[] = { 0, 5, 16, 37, 38, 80, PROWS };
     for (int c = 0; c + 1 < (int)(sizeof(cuts) / sizeof(cuts[0])); c++)
         run(&g, isa, PMAXT, cuts[c], cuts[c + 1], part);
+    CHECK(memcmp(part, got, sizeof(got)) == 0);
+    /* the same cuts, each after the first told that the scratch holds the
+     * activations staged (the engine's chunks of one product) */
+    struct kern_gemm_args chunk = g;
+    for (int i = 0; i < PMAXT * PROWS; i++)
+        part[i] = -1.0f;
+    for (int c = 0; c + 1 < (int)(sizeof(cuts) / sizeof(cuts[0])); c++) {
+        chunk.staged = c > 0;
+        run(&chunk, isa, PMAXT, cuts[c], cuts[c + 1], part);
+    }
     CHECK(memcmp(part, got, sizeof(got)) == 0);
     struct kern_gemm_args add = g;
     add.add = true;
