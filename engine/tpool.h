@@ -3,8 +3,10 @@
  *
  * tpool_run(p, fn, ctx) calls fn(ctx, i, n) once for every i in [0, n), where
  * n is the pool's thread count, the caller's thread being thread 0, and returns
- * when all calls have returned. Work is split by the callee from (i, n), so a
- * job's results never depend on timing: each output is owned by one thread.
+ * when all calls have returned. Work is split by the callee from (i, n), or
+ * taken by the threads as they come free (the matrix products' chunks); either
+ * way a job's results never depend on timing: each output is computed whole
+ * by one call, the same wherever it runs.
  */
 #ifndef KVD_TPOOL_H
 #define KVD_TPOOL_H
