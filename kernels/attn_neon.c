@@ -7,8 +7,10 @@
  * heads: scores q.k * scale, each K row read once for the group (f16 rows
  * converted in registers, products in two four-lane accumulators); softmax
  * with the exponentials four at a time and their sum in double; then
- * out += p * v in position order, each V row read once for the group (rows
- * addressed a block at a time: no division per position). Over an
+ * out += p * v in position order, in passes of up to three heads x 32
+ * dimensions whose sums stay in registers over all positions, each V row
+ * read once for the group (rows addressed a block at a time: no division per
+ * position). Over an
  * f16 cache q and p are rounded to f16 first, as in the C reference. Over a
  * q8_0 or q4_0 K the query is quantized to q8_0 and each block's integer dot
  * product comes from sdot, exact, then the scaled block sums are added with
@@ -101,6 +103,83 @@ static inline float32x4_t exp4(float32x4_t x)
 static inline float32x4_t round_half4(float32x4_t x) { return vcvt_f32_f16(vcvt_f16_f32(x)); }
 
 static inline float round_half(float x) { return kvd_f16_to_f32(kvd_f32_to_f16(x)); }
+
+/* The V rows of a call, as the weighted sum reads them. */
+struct vrows {
+    const struct kern_attn_args *a;
+    size_t row_bytes, blk;  /* blk: bytes per q8_0 / q4_0 block */
+    uint32_t type;
+    bool half;
+};
+
+/* Eight elements [d, d + 8) of a V row as floats; a q8_0 / q4_0 row
+ * dequantized as kern_dequantize_row does (d * code). */
+static inline void v_load8(const struct vrows *vr, const uint8_t *v, int d, float32x4_t *v0, float32x4_t *v1)
+{
+    if (!quantized(vr->type)) {
+        *v0 = load4(v, d, vr->half);
+        *v1 = load4(v, d + 4, vr->half);
+        return;
+    }
+    const uint8_t *vb = v + (size_t)(d / 32) * vr->blk;
+    const int e = d % 32;
+    int8x8_t c;
+    if (vr->type == KERN_Q8_0) {
+        c = vld1_s8((const int8_t *)vb + 2 + e);
+    } else {
+        uint8x8_t x = vld1_u8(vb + 2 + e % 16);
+        if (e >= 16)
+            x = vshr_n_u8(x, 4);
+        c = vsub_s8(vreinterpret_s8_u8(vand_u8(x, vdup_n_u8(0x0F))), vdup_n_s8(8));
+    }
+    const int16x8_t w = vmovl_s8(c);
+    const float ds = block_scale(vb);
+    *v0 = vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), ds);
+    *v1 = vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(w))), ds);
+}
+
+/*
+ * One pass of out = sum p v: NG heads (their probabilities p, rows n_ctx
+ * apart) and the DN dimensions from d0, over positions [j0, n_ctx), the NG x
+ * DN sums in registers throughout (at most 24 of the 32, with two for V and
+ * three for p). Each lane takes one fma per position in position order, as
+ * the C reference does.
+ */
+static inline __attribute__((always_inline)) void
+v_pass(const struct vrows *vr, const float *p, float *out, int j0, const int NG, const int DN, int d0)
+{
+    const struct kern_attn_args *a = vr->a;
+    const int bt = a->block_tokens;
+    float32x4_t acc[3][8];
+#pragma GCC unroll 3
+    for (int g = 0; g < NG; g++)
+#pragma GCC unroll 8
+        for (int i = 0; i < DN / 4; i++)
+            acc[g][i] = vdupq_n_f32(0.0f);
+    const uint8_t *v = NULL;
+    for (int j = j0, left = 0; j < a->n_ctx; j++, v += vr->row_bytes, left--) {
+        if (left == 0) {  /* a block's first row: one division per block, not per position */
+            v = kern_attn_row(a, a->v_base, a->v_head_stride, vr->row_bytes, j);
+            left = bt - j % bt;
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < DN / 8; i++) {
+            float32x4_t v0, v1;
+            v_load8(vr, v, d0 + 8 * i, &v0, &v1);
+#pragma GCC unroll 3
+            for (int g = 0; g < NG; g++) {
+                const float pg = p[(size_t)g * a->n_ctx + j];
+                acc[g][2 * i] = vfmaq_n_f32(acc[g][2 * i], v0, pg);
+                acc[g][2 * i + 1] = vfmaq_n_f32(acc[g][2 * i + 1], v1, pg);
+            }
+        }
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < NG; g++)
+#pragma GCC unroll 8
+        for (int i = 0; i < DN / 4; i++)
+            vst1q_f32(out + (size_t)g * a->head_dim + d0 + 4 * i, acc[g][i]);
+}
 
 #define MAX_Q 16  /* query heads handled per pass; larger groups loop */
 
@@ -198,48 +277,24 @@ int kern_attn_neon(const struct kern_attn_args *a)
                 sc[j] = v_half ? round_half(sc[j] * inv) : sc[j] * inv;
         }
         /* out = sum p v, reading each V row once for the group */
-        float32x4_t acc[MAX_Q][KERN_MAX_HEAD_DIM / 4];
-        for (int g = 0; g < nq; g++)
-            for (int d = 0; d < hd / 4; d++)
-                acc[g][d] = vdupq_n_f32(0.0f);
-        const uint8_t *v = NULL;
-        for (int j = j0, left = 0; j < a->n_ctx; j++, v += v_row_bytes, left--) {
-            if (left == 0) {
-                v = kern_attn_row(a, a->v_base, a->v_head_stride, v_row_bytes, j);
-                left = bt - j % bt;
-            }
-            for (int d = 0; d < hd; d += 8) {
-                float32x4_t v0, v1;
-                if (v_quant) {  /* d * code, as kern_dequantize_row */
-                    const uint8_t *vb = v + (size_t)(d / 32) * v_blk;
-                    const int e = d % 32;
-                    int8x8_t c;
-                    if (a->v_type == KERN_Q8_0) {
-                        c = vld1_s8((const int8_t *)vb + 2 + e);
-                    } else {
-                        uint8x8_t x = vld1_u8(vb + 2 + e % 16);
-                        if (e >= 16)
-                            x = vshr_n_u8(x, 4);
-                        c = vsub_s8(vreinterpret_s8_u8(vand_u8(x, vdup_n_u8(0x0F))), vdup_n_s8(8));
-                    }
-                    const int16x8_t w = vmovl_s8(c);
-                    const float ds = block_scale(vb);
-                    v0 = vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), ds);
-                    v1 = vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(w))), ds);
-                } else {
-                    v0 = load4(v, d, v_half);
-                    v1 = load4(v, d + 4, v_half);
-                }
-                for (int g = 0; g < nq; g++) {
-                    const float p = a->scores[(size_t)g * a->n_ctx + j];
-                    acc[g][d / 4] = vfmaq_n_f32(acc[g][d / 4], v0, p);
-                    acc[g][d / 4 + 1] = vfmaq_n_f32(acc[g][d / 4 + 1], v1, p);
+        const struct vrows vr = { a, v_row_bytes, v_blk, a->v_type, v_half };
+        for (int d0 = 0; d0 < hd;) {
+            const int dn = hd - d0 >= 32 ? 32 : 8;
+            for (int g = 0; g < nq; g += 3) {
+                const int ng = nq - g >= 3 ? 3 : nq - g;
+                float *out = a->out + (size_t)(q0 + g) * hd;
+                const float *p = a->scores + (size_t)g * a->n_ctx;
+                switch (ng * 64 + dn) {
+                case 1 * 64 + 32: v_pass(&vr, p, out, j0, 1, 32, d0); break;
+                case 2 * 64 + 32: v_pass(&vr, p, out, j0, 2, 32, d0); break;
+                case 3 * 64 + 32: v_pass(&vr, p, out, j0, 3, 32, d0); break;
+                case 1 * 64 + 8: v_pass(&vr, p, out, j0, 1, 8, d0); break;
+                case 2 * 64 + 8: v_pass(&vr, p, out, j0, 2, 8, d0); break;
+                default: v_pass(&vr, p, out, j0, 3, 8, d0); break;
                 }
             }
+            d0 += dn;
         }
-        for (int g = 0; g < nq; g++)
-            for (int d = 0; d < hd; d += 4)
-                vst1q_f32(a->out + (size_t)(q0 + g) * hd + d, acc[g][d / 4]);
     }
     return 1;
 }

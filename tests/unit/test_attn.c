@@ -202,7 +202,7 @@ int main(void)
 {
     srand(5);
     const int ctxs[] = { 1, 7, 16, 33, 300, 1200 };
-    const int groups[] = { 1, 3, 4 };
+    const int groups[] = { 1, 2, 3, 4, 5 };  /* NEON's V passes take three heads: 3+1, 3+2 */
     for (int dt = 0; dt < 2; dt++) {
         const uint32_t dtype = dt ? KERN_F32 : KERN_F16;
         const size_t elem = dt ? 4 : 2;
@@ -226,8 +226,8 @@ int main(void)
                 const int n_ctx = ctxs[ci / 2], G = groups[gi], skip = ci % 2 && n_ctx > 5 ? 5 : 0;
                 if (ci % 2 && skip == 0)
                     continue;
-                float q[4 * HD], ref[4 * HD], got[4 * HD], one[HD];
-                float *scores = malloc((size_t)4 * n_ctx * sizeof(float));
+                float q[5 * HD], ref[5 * HD], got[5 * HD], one[HD];
+                float *scores = malloc((size_t)5 * n_ctx * sizeof(float));
                 for (int i = 0; i < G * HD; i++)
                     q[i] = frand() * 3.0f;
                 struct kern_attn_args a = {
