@@ -20,6 +20,10 @@
  * (weight bytes read) / bandwidth, and batch B cannot beat
  * B x (multiply-adds per token) / peak, whatever the code around them does.
  *
+ * It also walks a decode step's products alone (one token, the matrices in
+ * the engine's order, a barrier after each) on N threads, against a plain
+ * read of the same bytes walked the same way.
+ *
  * With -b it measures the bandwidth alone and prints the batch-1 floor it
  * sets (bench/bench_cpu.py runs it beside each kvd-run, so that decode is
  * compared with the bandwidth of the same minute).
@@ -320,6 +324,150 @@ static void model_costs(const model_t *m, double *macs, double *bytes)
     }
 }
 
+/*
+ * A decode step's matrix products alone: n threads take the model's matrices
+ * in the engine's order at one token, each an even share of every matrix's
+ * row groups, with a barrier after each matrix (as the engine's jobs have),
+ * and nothing else. Timed against the same walk with the products replaced
+ * by a plain read of the same bytes in the same split, so the ratio says how
+ * far the one-token kernels are from reading their weights, apart from the
+ * rest of a step (attention, norms, the hand-offs between jobs).
+ */
+struct walk {
+    const struct model_mat *mat[8 * 256 + 1];
+    uint8_t *act[8 * 256 + 1];
+    int n_mats, threads;
+    bool read;
+    int arrived, gen;       /* atomics: the spin barrier */
+};
+
+struct walker {
+    struct walk *w;
+    int ith;
+    void *scratch;
+    float *out;
+    double seconds;
+    uint64_t sink;
+};
+
+static void spin_barrier(struct walk *w)
+{
+    const int g = __atomic_load_n(&w->gen, __ATOMIC_ACQUIRE);
+    if (__atomic_add_fetch(&w->arrived, 1, __ATOMIC_ACQ_REL) == w->threads) {
+        __atomic_store_n(&w->arrived, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&w->gen, g + 1, __ATOMIC_RELEASE);
+        return;
+    }
+    while (__atomic_load_n(&w->gen, __ATOMIC_ACQUIRE) == g) {
+#if defined(__x86_64__)
+        _mm_pause();
+#endif
+    }
+}
+
+static void *walker_main(void *arg)
+{
+    struct walker *k = arg;
+    struct walk *w = k->w;
+    spin_barrier(w);
+    const double t0 = now_s();
+    for (int i = 0; i < w->n_mats; i++) {
+        const struct model_mat *m = w->mat[i];
+        const long G = KERN_PACK_ROWS, units = m->packed ? (m->rows + G - 1) / G : (long)m->rows;
+        const long u0 = units * k->ith / w->threads, u1 = units * (k->ith + 1) / w->threads;
+        if (w->read) {
+            const size_t unit_bytes = m->packed ? m->packed->group_bytes : m->row_bytes;
+            const uint8_t *base = m->packed ? m->packed->data : m->data;
+            k->sink ^= read_all(base + (size_t)u0 * unit_bytes, (size_t)(u1 - u0) * unit_bytes / 256 * 256);
+        } else {
+            const long r0 = m->packed ? u0 * G : u0, r1 = m->packed ? u1 * G : u1;
+            struct kern_gemm_args g = {
+                .wtype = m->type, .packed = m->packed, .w = m->data, .row_bytes = m->row_bytes, .n = m->cols,
+                .r0 = r0, .r1 = r1 < m->rows ? r1 : (long)m->rows, .act = w->act[i],
+                .act_stride = kern_act_row_bytes(kern_vec_dot_type(m->type), m->cols), .T = 1,
+                .out = k->out, .ldo = (size_t)m->rows, .scratch = k->scratch,
+            };
+            if (g.r0 < g.r1)
+                kern_gemm(&g);
+        }
+        spin_barrier(w);
+    }
+    k->seconds = now_s() - t0;
+    return NULL;
+}
+
+/* Seconds of the fastest of `rounds` walks of each kind, alternating. */
+static void decode_walks(const model_t *m, int threads, int rounds, double *t_prod, double *t_read)
+{
+    struct walk *w = calloc(1, sizeof(*w));
+    if (w == NULL) {
+        fprintf(stderr, "out of memory\n");
+        exit(1);
+    }
+    w->threads = threads;
+    float x[8192];
+    for (uint32_t l = 0; l <= m->cfg.n_layer && l < 256; l++) {
+        const struct model_layer *L = &m->layers[l < m->cfg.n_layer ? l : 0];
+        const struct model_mat *all[7] = { &L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down };
+        const int n = l < m->cfg.n_layer ? 7 : 1;
+        for (int i = 0; i < n; i++) {
+            const struct model_mat *mt = l < m->cfg.n_layer ? all[i] : &m->output;
+            const uint32_t at = kern_vec_dot_type(mt->type);
+            uint8_t *a = malloc(kern_act_row_bytes(at, mt->cols));
+            if (a == NULL || mt->cols > 8192) {
+                fprintf(stderr, "bench-ceiling: no activations for a %lld-column matrix\n", (long long)mt->cols);
+                exit(1);
+            }
+            for (int64_t c = 0; c < mt->cols; c++)
+                x[c] = (float)((c * 7919) % 2001) / 1000.0f - 1.0f;
+            kern_quantize_act(at, x, a, mt->cols);
+            w->mat[w->n_mats] = mt;
+            w->act[w->n_mats++] = a;
+        }
+    }
+    int64_t widest = 1, most_rows = 1;
+    for (int i = 0; i < w->n_mats; i++) {
+        widest = w->mat[i]->cols > widest ? w->mat[i]->cols : widest;
+        most_rows = w->mat[i]->rows > most_rows ? w->mat[i]->rows : most_rows;
+    }
+    struct walker k[64];
+    for (int i = 0; i < threads; i++) {
+        k[i] = (struct walker){ .w = w, .ith = i,
+                                .scratch = aligned_alloc(64, (kern_gemm_scratch_bytes(widest, 1) + 63) / 64 * 64),
+                                .out = malloc((size_t)most_rows * sizeof(float)) };
+        if (k[i].scratch == NULL || k[i].out == NULL) {
+            fprintf(stderr, "out of memory\n");
+            exit(1);
+        }
+    }
+    *t_prod = *t_read = 1e30;
+    for (int r = 0; r < 2 * rounds; r++) {
+        w->read = r % 2;
+        pthread_t th[64];
+        for (int i = 1; i < threads; i++)
+            pthread_create(&th[i], NULL, walker_main, &k[i]);
+        walker_main(&k[0]);
+        double t = k[0].seconds;
+        for (int i = 1; i < threads; i++) {
+            pthread_join(th[i], NULL);
+            t = k[i].seconds > t ? k[i].seconds : t;
+        }
+        double *best = w->read ? t_read : t_prod;
+        *best = t < *best ? t : *best;
+    }
+    uint64_t sink = 0;
+    for (int i = 0; i < threads; i++) {
+        sink ^= k[i].sink;
+        free(k[i].scratch);
+        free(k[i].out);
+    }
+    if (sink == 42)
+        fprintf(stderr, " ");
+    for (int i = 0; i < w->n_mats; i++)
+        free(w->act[i]);
+    free(w);
+}
+
 int main(int argc, char **argv)
 {
     const char *model_path = NULL;
@@ -407,6 +555,11 @@ int main(int argc, char **argv)
     const double rate32 = macs32 / sum32;  /* the shapes weighted by their multiply-adds */
     printf("model: %.1f M multiply-adds per token, %.1f MB of weights per step%s\n", macs / 1e6, bytes / 1e6,
            m->packed_bytes ? " (packed)" : "");
+    double t_prod, t_read;
+    decode_walks(m, threads, 10, &t_prod, &t_read);
+    printf("decode batch 1, the step's products alone on %d threads: %.2f ms (%.0f tokens/s); a plain read of\n"
+           "  their bytes in the same split and order: %.2f ms (%.0f tokens/s); products / read %.2f\n",
+           threads, t_prod * 1e3, 1 / t_prod, t_read * 1e3, 1 / t_read, t_prod / t_read);
     printf("floor, decode batch 1:  %.0f tokens/s (weights / bandwidth; products alone %.0f)\n",
            1.0 / (t_mem > t_mac ? t_mem : t_mac), 1.0 / t_mac);
     printf("products at the engine's rate (%.0f GMAC/s per thread at T=32): %.3f ms per token on %d threads\n",
