@@ -203,7 +203,7 @@ static inline __m512i bcast4(const int8_t *p)
  */
 static inline __attribute__((always_inline)) void
 pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs, const struct pk_acts *A,
-        int t0, float *out, size_t ldo, const __mmask16 *mask, bool add)
+        int t0, float *out, size_t ldo, const __mmask16 *mask, bool add, int n_ahead)
 {
     const int64_t n = A->n, nb = A->nb;
     const bool Q8 = K == KERN_Q8_0, nib = kern_pk_nibbles(K), f32 = kern_pk_f32(K);
@@ -217,6 +217,20 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
         for (int t = 0; t < NT; t++)
             f[r][t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        /* decode tiles (four groups: one or two tokens) ask for the next
+         * tile's groups, a block at a time, into L2: whole decode steps at
+         * one token 1.07-1.16x faster (alternate steps of one process with
+         * and without); the 256-bit products do the same (PK8_AHEAD);
+         * n_ahead: the groups the matrix has after this tile's, up to R */
+        if (R == 4)
+            for (int q = R; q < R + n_ahead; q++) {
+                const char *ga = (const char *)g + (size_t)q * gs;
+                for (size_t o = 0; o < cb; o += 64)
+                    _mm_prefetch(ga + (size_t)b * cb + o, _MM_HINT_T1);
+                _mm_prefetch(ga + (size_t)nb * cb + (size_t)b * sb, _MM_HINT_T1);
+                if (kern_pk_mins(K))
+                    _mm_prefetch(ga + (size_t)nb * (cb + sb) + (size_t)b * mb, _MM_HINT_T1);
+            }
 #pragma GCC unroll 2
         for (int part = 0; part < parts; part++) {
             __m512i acc[4][8];
@@ -298,7 +312,7 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
  * (independent dependency chains), large ones more tokens (fewer weight loads). */
 #define PK_CASE(K, R, NT)                                                                      \
     case (R) * 16 + (NT):                                                                      \
-        pk_tile(K, R, NT, g, gs, A, t0, out, ldo, mask, add);                                  \
+        pk_tile(K, R, NT, g, gs, A, t0, out, ldo, mask, add, n_ahead);                         \
         break
 #define PK_CASES(K)                                                                            \
     switch (R * 16 + NT) {                                                                     \
@@ -310,7 +324,7 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
     break
 
 static void pk_dispatch(uint32_t K, int R, int NT, const uint8_t *g, size_t gs, const struct pk_acts *A, int t0,
-                        float *out, size_t ldo, const __mmask16 *mask, bool add)
+                        float *out, size_t ldo, const __mmask16 *mask, bool add, int n_ahead)
 {
     switch (K) {
     case KERN_Q4_1: PK_CASES(KERN_Q4_1);
@@ -344,19 +358,22 @@ bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
     const struct pk_acts *Ap = &A;
     const size_t gs = pk->group_bytes;
     const long g_end = (a->r1 + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
+    const long g_all = (pk->rows + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
     const int R_want = a->T <= 2 ? 4 : a->T <= 4 ? 2 : 1;
     for (long gi = a->r0 / KERN_PACK_ROWS; gi < g_end;) {
         const int R = g_end - gi >= R_want ? R_want : 1;
         __mmask16 mask[4];
         for (int r = 0; r < R; r++)
             mask[r] = group_mask(gi + r, a->r0, a->r1);
+        const long after = g_all - gi - R;  /* groups of the matrix after this tile's */
+        const int n_ahead = after < R ? (int)(after > 0 ? after : 0) : R;
         const uint8_t *g = pk->data + (size_t)gi * gs;
         float *o = a->out + (size_t)gi * KERN_PACK_ROWS;
         for (int t0 = 0; t0 < a->T;) {
             int NT = a->T - t0;
             if (NT > 8 / R)
                 NT = 8 / R;
-            pk_dispatch(pk->wtype, R, NT, g, gs, Ap, t0, o, a->ldo, mask, a->add);
+            pk_dispatch(pk->wtype, R, NT, g, gs, Ap, t0, o, a->ldo, mask, a->add, n_ahead);
             t0 += NT;
         }
         gi += R;
