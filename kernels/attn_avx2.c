@@ -7,12 +7,12 @@
  * f16 once for the group, each position's eight-lane products in one chain,
  * the eight positions' lanes summed together by vhaddps (1.05-1.24x decode
  * at 4,096 positions, 1.02-1.14x at 2,048, unchanged below 1,000, against
- * a row at a time in two chains summed by hsum8, still used for other dims). Over an f16 cache q and p are
- * rounded to f16 first, as in the C reference. Over a q8_0 or q4_0 K the
- * query is quantized to q8_0 and each block's integer dot product comes from
- * vpmaddubsw + vpmaddwd, then the scaled block sums are added with the C
- * reference's float operations, so the scores are its bits; a q8_0 or q4_0 V
- * row is dequantized in registers (d * code).
+ * a row at a time in two chains summed by hsum8, still used for other dims).
+ * Over an f16 cache q and p are rounded to f16 first, as in the C reference.
+ * Over a q8_0 or q4_0 K the query is quantized to q8_0 and each block's
+ * integer dot product comes from vpmaddubsw + vpmaddwd, then the scaled block
+ * sums are added with the C reference's float operations, so the scores are
+ * its bits; a q8_0 or q4_0 V row is dequantized in registers (d * code).
  *
  * K and V rows are read once per group of query heads. The weighted sum of V
  * runs in passes of up to three heads and 32 dimensions whose sums stay in
@@ -288,7 +288,6 @@ VPASS_TYPE(F16)
 VPASS_TYPE(F32)
 VPASS_TYPE(Q8_0)
 VPASS_TYPE(Q4_0)
-
 
 int kern_attn_avx2(const struct kern_attn_args *a)
 {
