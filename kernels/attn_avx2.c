@@ -162,44 +162,116 @@ static inline __attribute__((always_inline)) void kscore_tile(__m256 (*kf)[8], i
 
 #define MAX_Q 16  /* query heads handled per pass; larger groups loop */
 
-/* The scores of positions [j0, n_ctx) for nq heads over a float K of 32 or
- * 64 dimensions, eight positions at a time (kscore_tile), each row converted
- * once for the group; raises max[g] to each head's largest. */
-static void kscores_tiled(const struct kern_attn_args *a, const float (*qh)[KERN_MAX_HEAD_DIM], int nq, bool half,
-                          size_t row_bytes, int j0, float *max)
+/* Scores of four positions (rows) for NQ <= 3 heads over a float K of
+ * 8 HD8 dimensions, all in registers: each (head, position) a chain of
+ * multiply-adds over the row's eight-value chunks, then the lanes summed by
+ * hadd as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). Each row is
+ * converted once for the heads; out[g] holds the four positions' scores. */
+static inline __attribute__((always_inline)) void kscore4(const uint8_t *const *rows, const float (*qh)[KERN_MAX_HEAD_DIM],
+                                                          const int NQ, const int HD8, const bool half, __m128 *out)
 {
-    const int hd = a->head_dim, bt = a->block_tokens;
+    __m256 s[3][4];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+        const __m256 k = load8(rows[p], 0, half);
+#pragma GCC unroll 3
+        for (int g = 0; g < NQ; g++)
+            s[g][p] = _mm256_mul_ps(_mm256_loadu_ps(&qh[g][0]), k);
+    }
+#pragma GCC unroll 8
+    for (int d = 1; d < HD8; d++)
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) {
+            const __m256 k = load8(rows[p], 8 * d, half);
+#pragma GCC unroll 3
+            for (int g = 0; g < NQ; g++)
+                s[g][p] = _mm256_fmadd_ps(_mm256_loadu_ps(&qh[g][8 * d]), k, s[g][p]);
+        }
+#pragma GCC unroll 3
+    for (int g = 0; g < NQ; g++) {
+        const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(s[g][0], s[g][1]), _mm256_hadd_ps(s[g][2], s[g][3]));
+        out[g] = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+    }
+}
+
+/* The scores of positions [j0, n_ctx) for NQ <= 3 heads over a float K of
+ * 8 HD8 dimensions, four positions at a time (kscore4); raises max[g] to
+ * each head's largest. */
+static inline __attribute__((always_inline)) void kscores_run(const struct kern_attn_args *a,
+                                                              const float (*qh)[KERN_MAX_HEAD_DIM], const int NQ,
+                                                              const int HD8, const bool half, size_t row_bytes, int j0,
+                                                              float *scores, float *max)
+{
+    static const float zero[KERN_MAX_HEAD_DIM];
+    const int bt = a->block_tokens, n = a->n_ctx;
+    const __m128 vs = _mm_set1_ps(a->scale);
+    __m128 vmax[3];
+    for (int g = 0; g < NQ; g++)
+        vmax[g] = _mm_set1_ps(-INFINITY);
     const uint8_t *k = NULL;
-    __m256 kf[8][8], vmax[MAX_Q];
-    for (int g = 0; g < nq; g++)
-        vmax[g] = _mm256_set1_ps(-INFINITY);
-    const int HD8 = hd / 8;
-    for (int j = j0, left = 0; j < a->n_ctx; j += 8) {
-        const int np = a->n_ctx - j < 8 ? a->n_ctx - j : 8;
-        for (int p = 0; p < 8; p++, k += row_bytes, left--) {
+    for (int j = j0, left = 0; j < n; j += 4) {
+        const int np = n - j < 4 ? n - j : 4;
+        const uint8_t *rows[4];
+        for (int p = 0; p < 4; p++, k += row_bytes, left--) {
             if (p >= np) {
-                for (int d = 0; d < HD8; d++)
-                    kf[p][d] = _mm256_setzero_ps();
+                rows[p] = (const uint8_t *)zero;
                 continue;
             }
             if (left == 0) {
                 k = kern_attn_row(a, a->k_base, a->k_head_stride, row_bytes, j + p);
                 left = bt - (j + p) % bt;
             }
-            for (int d = 0; d < HD8; d++)
-                kf[p][d] = load8(k, 8 * d, half);
+            rows[p] = k;
         }
-        if (HD8 == 8)
-            kscore_tile(kf, np, qh, nq, a->scale, a->scores + j, (size_t)a->n_ctx, vmax, 8);
-        else
-            kscore_tile(kf, np, qh, nq, a->scale, a->scores + j, (size_t)a->n_ctx, vmax, 4);
+        __m128 r[3];
+        kscore4(rows, qh, NQ, HD8, half, r);
+        for (int g = 0; g < NQ; g++) {
+            const __m128 sc = _mm_mul_ps(r[g], vs);
+            if (np == 4) {
+                _mm_storeu_ps(scores + (size_t)g * n + j, sc);
+                vmax[g] = _mm_max_ps(vmax[g], sc);
+            } else {
+                float t[4];
+                _mm_storeu_ps(t, sc);
+                for (int p = 0; p < np; p++) {
+                    scores[(size_t)g * n + j + p] = t[p];
+                    vmax[g] = _mm_max_ps(vmax[g], _mm_set1_ps(t[p]));
+                }
+            }
+        }
     }
-    for (int g = 0; g < nq; g++) {
-        float t[8];
-        _mm256_storeu_ps(t, vmax[g]);
-        for (int i = 0; i < 8; i++)
+    for (int g = 0; g < NQ; g++) {
+        float t[4];
+        _mm_storeu_ps(t, vmax[g]);
+        for (int i = 0; i < 4; i++)
             if (t[i] > max[g])
                 max[g] = t[i];
+    }
+}
+
+#define KSCORES(NQ, HD8, HALF)                                                                                         \
+    kscores_run(a, qh + g0, NQ, HD8, HALF, row_bytes, j0, a->scores + (size_t)g0 * a->n_ctx, max + g0)
+
+/* The scores of positions [j0, n_ctx) for nq heads over a float K of 32 or
+ * 64 dimensions, up to three heads at a time in registers; raises max[g] to
+ * each head's largest. */
+static void kscores_tiled(const struct kern_attn_args *a, const float (*qh)[KERN_MAX_HEAD_DIM], int nq, bool half,
+                          size_t row_bytes, int j0, float *max)
+{
+    const int hd = a->head_dim;
+    const int passes = (nq + 2) / 3;
+    for (int i = 0, g0 = 0; i < passes; i++) {
+        const int ng = (nq - g0) / (passes - i);    /* heads shared evenly over the passes */
+        if (hd == 64 && half) {
+            if (ng == 3) KSCORES(3, 8, true); else if (ng == 2) KSCORES(2, 8, true); else KSCORES(1, 8, true);
+        } else if (hd == 64) {
+            if (ng == 3) KSCORES(3, 8, false); else if (ng == 2) KSCORES(2, 8, false); else KSCORES(1, 8, false);
+        } else if (half) {
+            if (ng == 3) KSCORES(3, 4, true); else if (ng == 2) KSCORES(2, 4, true); else KSCORES(1, 4, true);
+        } else {
+            if (ng == 3) KSCORES(3, 4, false); else if (ng == 2) KSCORES(2, 4, false); else KSCORES(1, 4, false);
+        }
+        g0 += ng;
     }
 }
 
@@ -238,27 +310,36 @@ static inline __attribute__((always_inline)) void vpass_run(const struct vpass *
 {
     const struct kern_attn_args *a = p->a;
     __m256 acc[3][4];
+#pragma GCC unroll 3
     for (int g = 0; g < NG; g++)
+#pragma GCC unroll 4
         for (int k = 0; k < NV; k++)
             acc[g][k] = _mm256_setzero_ps();
     const float *sc = a->scores + (size_t)p->g0 * a->n_ctx;
-    const uint8_t *v = NULL;
-    for (int j = p->j0, left = 0; j < a->n_ctx; j++, v += p->v_row_bytes, left--) {
-        if (left == 0) {  /* a block's first row: one division per block, not per position */
-            v = kern_attn_row(a, a->v_base, a->v_head_stride, p->v_row_bytes, j);
-            left = a->block_tokens - j % a->block_tokens;
-        }
-        __m256 pr[3];
-        for (int g = 0; g < NG; g++)
-            pr[g] = _mm256_broadcast_ss(sc + (size_t)g * a->n_ctx + j);
-        for (int k = 0; k < NV; k++) {
-            const __m256 vv = load_v8(v, p->d0 + 8 * k, VT, p->v_blk);
+    const size_t ld = (size_t)a->n_ctx;
+    const int bt = a->block_tokens;
+    /* a block at a time: its rows in one straight loop */
+    for (int j = p->j0; j < a->n_ctx;) {
+        const uint8_t *v = kern_attn_row(a, a->v_base, a->v_head_stride, p->v_row_bytes, j);
+        const int end = j - j % bt + bt < a->n_ctx ? j - j % bt + bt : a->n_ctx;
+        for (; j < end; j++, v += p->v_row_bytes) {
+            __m256 pr[3];
+#pragma GCC unroll 3
             for (int g = 0; g < NG; g++)
-                acc[g][k] = _mm256_fmadd_ps(pr[g], vv, acc[g][k]);
+                pr[g] = _mm256_broadcast_ss(sc + (size_t)g * ld + j);
+#pragma GCC unroll 4
+            for (int k = 0; k < NV; k++) {
+                const __m256 vv = load_v8(v, p->d0 + 8 * k, VT, p->v_blk);
+#pragma GCC unroll 3
+                for (int g = 0; g < NG; g++)
+                    acc[g][k] = _mm256_fmadd_ps(pr[g], vv, acc[g][k]);
+            }
         }
     }
     const int hd = a->head_dim;
+#pragma GCC unroll 3
     for (int g = 0; g < NG; g++)
+#pragma GCC unroll 4
         for (int k = 0; k < NV; k++)
             _mm256_storeu_ps(p->out + (size_t)g * hd + 8 * k, acc[g][k]);
 }
@@ -369,16 +450,27 @@ int kern_attn_avx2(const struct kern_attn_args *a)
             float *sc = a->scores + (size_t)g * a->n_ctx;
             const __m256 mx = _mm256_set1_ps(max[g]);
             int j = j0;
-            for (; j + 8 <= a->n_ctx; j += 8)
-                _mm256_storeu_ps(sc + j, kern_exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mx)));
-            for (; j < a->n_ctx; j++) {
-                float tail[8] = { sc[j] - max[g] };
-                _mm256_storeu_ps(tail, kern_exp8(_mm256_loadu_ps(tail)));
-                sc[j] = tail[0];
+            __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+            for (; j + 8 <= a->n_ctx; j += 8) {
+                const __m256 ev = kern_exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mx));
+                _mm256_storeu_ps(sc + j, ev);
+                s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(ev)));
+                s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(ev, 1)));
             }
-            double sum = 0.0;
-            for (j = j0; j < a->n_ctx; j++)
-                sum += sc[j];
+            if (j < a->n_ctx) {
+                float tail[8];
+                for (int i = 0; i < 8; i++)
+                    tail[i] = j + i < a->n_ctx ? sc[j + i] - max[g] : -INFINITY;
+                const __m256 ev = kern_exp8(_mm256_loadu_ps(tail));
+                _mm256_storeu_ps(tail, ev);
+                for (int i = 0; j < a->n_ctx; i++, j++)
+                    sc[j] = tail[i];
+                s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(ev)));
+                s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(ev, 1)));
+            }
+            s0 = _mm256_add_pd(s0, s1);
+            const __m128d h2 = _mm_add_pd(_mm256_castpd256_pd128(s0), _mm256_extractf128_pd(s0, 1));
+            const double sum = _mm_cvtsd_f64(_mm_add_sd(h2, _mm_unpackhi_pd(h2, h2)));
             const float inv = (float)(1.0 / sum);
             if (a->stats != NULL) {
                 a->stats[2 * (q0 + g)] = max[g];

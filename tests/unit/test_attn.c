@@ -146,11 +146,13 @@ static void test_quantized(void)
     }
 }
 
-/* A head_dim that is not a multiple of 32 (40: a 32-wide pass, then one of
- * 8): every path against the C reference, and grouping invariance. */
-static void test_odd_head_dim(void)
+/* Other head dims: 40, not a multiple of 32 (a 32-wide V pass, then one of
+ * 8), and 32 (AVX2's four-position score tiles at half width), over groups
+ * of 4 (two passes of two heads) and 7 (3 + 2 + 2): every path against the C
+ * reference, and grouping invariance. */
+static void test_head_dim(int D, int G)
 {
-    enum { D = 40, NBLK = 8 };
+    enum { NBLK = 8, DMAX = 40, GMAX = 7 };
     const size_t head_stride = (size_t)BT * D * 2, block_stride = 2 * KVH * head_stride;
     uint8_t *mem = malloc(NBLK * block_stride);
     for (size_t i = 0; i < NBLK * block_stride / 2; i++) {
@@ -162,9 +164,9 @@ static void test_odd_head_dim(void)
         blocks[i] = (uint32_t)((i * 5 + 3) % NBLK);
     const int ctxs[] = { 1, 9, 33, NBLK * BT };
     for (size_t ci = 0; ci < sizeof(ctxs) / sizeof(ctxs[0]); ci++) {
-        const int G = 4, n_ctx = ctxs[ci];
-        float q[4 * D], ref[4 * D], got[4 * D], one[D];
-        float *scores = malloc((size_t)4 * n_ctx * sizeof(float));
+        const int n_ctx = ctxs[ci];
+        float q[GMAX * DMAX], ref[GMAX * DMAX], got[GMAX * DMAX], one[DMAX];
+        float *scores = malloc((size_t)G * n_ctx * sizeof(float));
         for (int i = 0; i < G * D; i++)
             q[i] = frand() * 3.0f;
         struct kern_attn_args a = {
@@ -190,7 +192,7 @@ static void test_odd_head_dim(void)
                 b.q = q + g * D;
                 b.n_q = 1;
                 kern_attn_isa(&b, isa);
-                CHECK(memcmp(one, got + g * D, sizeof(one)) == 0);
+                CHECK(memcmp(one, got + g * D, (size_t)D * sizeof(float)) == 0);
             }
         }
         free(scores);
@@ -263,6 +265,8 @@ int main(void)
         free(mem);
     }
     test_quantized();
-    test_odd_head_dim();
+    test_head_dim(40, 4);
+    test_head_dim(32, 4);
+    test_head_dim(32, 7);
     return CHECK_DONE();
 }
