@@ -3,26 +3,28 @@
  *
  * For each query head: scores q.k * scale, softmax with the sum in double,
  * then out += p * v in position order. Over a float K of head dims 32 and 64
- * the scores come eight positions at a time: the eight rows converted from
- * f16 once for the group, each position's eight-lane products in one chain,
- * the eight positions' lanes summed together by vhaddps (1.05-1.24x decode
- * at 4,096 positions, 1.02-1.14x at 2,048, unchanged below 1,000, against
- * a row at a time in two chains summed by hsum8, still used for other dims).
- * Over an f16 cache q and p are rounded to f16 first, as in the C reference.
- * Over a q8_0 or q4_0 K the query is quantized to q8_0 and each block's
- * integer dot product comes from vpmaddubsw + vpmaddwd, then the scaled block
- * sums are added with the C reference's float operations, so the scores are
- * its bits; a q8_0 or q4_0 V row is dequantized in registers (d * code).
+ * the scores come four positions at a time for up to three heads, all twelve
+ * sums in registers: each row converted from f16 once for the heads, each
+ * (head, position) one chain of multiply-adds, the four positions' lanes
+ * summed together by vhaddps. Over an f16 cache q and p are rounded to f16
+ * first, as in the C reference. Over a q8_0 or q4_0 K the query is quantized
+ * to q8_0 and each block's integer dot product comes from vpmaddubsw +
+ * vpmaddwd, then the scaled block sums are added with the C reference's float
+ * operations, so the scores are its bits; a q8_0 or q4_0 V row is dequantized
+ * in registers (d * code).
  *
- * K and V rows are read once per group of query heads. The weighted sum of V
- * runs in passes of up to three heads and 32 dimensions whose sums stay in
- * registers over all positions (the V pass reads a row's slice once per
- * pass, instead of adding into sums in memory at every position), and rows
- * are addressed a block at a time (no division per position). Measured
- * against the previous form in one process (3 heads of 64, blocks of 16
- * tokens, 32-1,024 positions): 1.36-1.50x over f16, 1.17-1.20x over q8_0,
- * the same bits; then the scores in two chains with the row in registers,
- * 1.36-1.47x again over f16.
+ * K and V rows are read once per group of query heads (groups larger than
+ * three: once per pass of up to three). The exponentials' sum runs four
+ * double lanes wide beside them. The weighted sum of V runs in passes of up
+ * to three heads and 32 dimensions whose sums stay in registers over all
+ * positions, a block's rows at a time. Every head gets the same operations
+ * whichever pass, group or lane it lands in, so grouping changes no bit.
+ *
+ * Measured in one process against the previous form (an eight-position tile
+ * converted to the stack, a V loop whose sums GCC stored every position, a
+ * serial double sum), 3 heads of 64 over an f16 cache of 576 positions:
+ * 1.38x with each call's rows out of L2, 1.42x in L2, the same bits; 1.23x
+ * for one head, 1.32x at 131 positions.
  */
 #if defined(__x86_64__)
 #include <immintrin.h>
