@@ -164,6 +164,35 @@ static inline __attribute__((always_inline)) void kscore_tile(__m256 (*kf)[8], i
 
 #define MAX_Q 16  /* query heads handled per pass; larger groups loop */
 
+/* Asks for block b's K rows (into L1) and V rows (into L2; read after the
+ * softmax) of this head, when b holds positions of this call. A context's
+ * blocks are scattered, so the hardware prefetcher stops at every block's
+ * end. Always inlined: GCC drops a call whose only effects are prefetches. */
+static inline __attribute__((always_inline)) void prefetch_block(const struct kern_attn_args *a, int b,
+                                                                 size_t k_row_bytes, size_t v_row_bytes)
+{
+    if (b * a->block_tokens >= a->n_ctx)
+        return;
+    const size_t off = (size_t)a->blocks[b] * a->block_stride;
+    const uint8_t *k = a->k_base + off + (uint64_t)a->kv_head * a->k_head_stride;
+    const uint8_t *v = a->v_base + off + (uint64_t)a->kv_head * a->v_head_stride;
+    for (size_t o = 0; o < (size_t)a->block_tokens * k_row_bytes; o += 64)
+        _mm_prefetch((const char *)k + o, _MM_HINT_T0);
+    for (size_t o = 0; o < (size_t)a->block_tokens * v_row_bytes; o += 64)
+        _mm_prefetch((const char *)v + o, _MM_HINT_T1);
+}
+
+/* Entering the block of position j (the call's first, j0, or a later one):
+ * asks for the next block, and at the first for this one too. */
+static inline __attribute__((always_inline)) void prefetch_next(const struct kern_attn_args *a, int j, int j0,
+                                                                size_t k_row_bytes, size_t v_row_bytes)
+{
+    const int b = j / a->block_tokens;
+    if (j == j0)
+        prefetch_block(a, b, k_row_bytes, v_row_bytes);
+    prefetch_block(a, b + 1, k_row_bytes, v_row_bytes);
+}
+
 /* Scores of four positions (rows) for NQ <= 3 heads over a float K of
  * 8 HD8 dimensions, all in registers: each (head, position) a chain of
  * multiply-adds over the row's eight-value chunks, then the lanes summed by
@@ -201,8 +230,8 @@ static inline __attribute__((always_inline)) void kscore4(const uint8_t *const *
  * each head's largest. */
 static inline __attribute__((always_inline)) void kscores_run(const struct kern_attn_args *a,
                                                               const float (*qh)[KERN_MAX_HEAD_DIM], const int NQ,
-                                                              const int HD8, const bool half, size_t row_bytes, int j0,
-                                                              float *scores, float *max)
+                                                              const int HD8, const bool half, size_t row_bytes,
+                                                              size_t v_row_bytes, int j0, float *scores, float *max)
 {
     static const float zero[KERN_MAX_HEAD_DIM];
     const int bt = a->block_tokens, n = a->n_ctx;
@@ -222,6 +251,7 @@ static inline __attribute__((always_inline)) void kscores_run(const struct kern_
             if (left == 0) {
                 k = kern_attn_row(a, a->k_base, a->k_head_stride, row_bytes, j + p);
                 left = bt - (j + p) % bt;
+                prefetch_next(a, j + p, j0, row_bytes, v_row_bytes);
             }
             rows[p] = k;
         }
@@ -252,13 +282,13 @@ static inline __attribute__((always_inline)) void kscores_run(const struct kern_
 }
 
 #define KSCORES(NQ, HD8, HALF)                                                                                         \
-    kscores_run(a, qh + g0, NQ, HD8, HALF, row_bytes, j0, a->scores + (size_t)g0 * a->n_ctx, max + g0)
+    kscores_run(a, qh + g0, NQ, HD8, HALF, row_bytes, v_row_bytes, j0, a->scores + (size_t)g0 * a->n_ctx, max + g0)
 
 /* The scores of positions [j0, n_ctx) for nq heads over a float K of 32 or
  * 64 dimensions, up to three heads at a time in registers; raises max[g] to
  * each head's largest. */
 static void kscores_tiled(const struct kern_attn_args *a, const float (*qh)[KERN_MAX_HEAD_DIM], int nq, bool half,
-                          size_t row_bytes, int j0, float *max)
+                          size_t row_bytes, size_t v_row_bytes, int j0, float *max)
 {
     const int hd = a->head_dim;
     const int passes = (nq + 2) / 3;
@@ -416,12 +446,13 @@ int kern_attn_avx2(const struct kern_attn_args *a)
         const int bt = a->block_tokens;
         const uint8_t *k = NULL;
         if (!k_quant && (hd == 64 || hd == 32)) {  /* eight positions at a time */
-            kscores_tiled(a, (const float(*)[KERN_MAX_HEAD_DIM])qh, nq, half, row_bytes, j0, max);
+            kscores_tiled(a, (const float(*)[KERN_MAX_HEAD_DIM])qh, nq, half, row_bytes, v_row_bytes, j0, max);
         } else {  /* a row at a time */
             for (int j = j0, left = 0; j < a->n_ctx; j++, k += row_bytes, left--) {
                 if (left == 0) {  /* a block's first row: one division per block, not per position */
                     k = kern_attn_row(a, a->k_base, a->k_head_stride, row_bytes, j);
                     left = bt - j % bt;
+                    prefetch_next(a, j, j0, row_bytes, v_row_bytes);
                 }
                 struct kblock kb[KERN_MAX_HEAD_DIM / 32];
                 if (k_quant)

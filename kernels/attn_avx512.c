@@ -62,8 +62,10 @@ static inline __m512 load16(const uint8_t *row, int h, bool half)
 /* Entering block b of the context: ask for block b + 1's K rows (the next
  * ones read) and block b's V rows (read after the softmax); each block's
  * rows of one head are contiguous, and a context's blocks are scattered, so
- * the hardware prefetcher would restart at every block. */
-static inline void prefetch_block(const struct kern_attn_args *a, int b, int n, uint64_t k_off,
+ * the hardware prefetcher would restart at every block. Always inlined: GCC
+ * judged a call whose only effects are prefetches to do nothing and dropped
+ * it, so until this was inlined no prefetch was issued at all. */
+static inline __attribute__((always_inline)) void prefetch_block(const struct kern_attn_args *a, int b, int n, uint64_t k_off,
                                   uint64_t v_off, size_t k_row_bytes, size_t v_row_bytes)
 {
     const size_t k_bytes = (size_t)a->block_tokens * k_row_bytes;
