@@ -49,13 +49,6 @@ static inline float block_scale(const uint8_t *blk)
     return _cvtsh_ss(h);
 }
 
-static inline int hsum8i(__m256i v)
-{
-    __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    x = _mm_add_epi32(x, _mm_unpackhi_epi64(x, x));
-    return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 1)));
-}
-
 /* A K block made ready once for every head of the group: the unsigned operand
  * of vpmaddubsw (|k| for q8_0, the codes 0..15 for q4_0), k itself (q8_0:
  * its signs go onto the query), and the scale. */
@@ -75,17 +68,6 @@ static inline void kblock_load(struct kblock *kb, const uint8_t *blk, uint32_t t
     const __m128i x = _mm_loadu_si128((const __m128i *)(blk + 2)), lo4 = _mm_set1_epi8(0x0F);
     kb->u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), lo4), _mm_and_si128(x, lo4));
     kb->k = kb->u;
-}
-
-/* Sum over a K block of its codes times the query's q8_0 codes q: q8_0 by
- * vpmaddubsw of |k| with q carrying k's sign; q4_0 straight, less 8 times the
- * sum of the query's codes (qsum). Exact. */
-static inline int block_dot(const struct kblock *kb, bool q8, __m256i q, int qsum)
-{
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (q8)
-        return hsum8i(_mm256_madd_epi16(_mm256_maddubs_epi16(kb->u, _mm256_sign_epi8(q, kb->k)), ones));
-    return hsum8i(_mm256_madd_epi16(_mm256_maddubs_epi16(kb->u, q), ones)) - 8 * qsum;
 }
 
 static inline float hsum8(__m256 v)
@@ -225,15 +207,66 @@ static inline __attribute__((always_inline)) void kscore4(const uint8_t *const *
     }
 }
 
-/* The scores of positions [j0, n_ctx) for NQ <= 3 heads over a float K of
- * 8 HD8 dimensions, four positions at a time (kscore4); raises max[g] to
- * each head's largest. */
-static inline __attribute__((always_inline)) void kscores_run(const struct kern_attn_args *a,
-                                                              const float (*qh)[KERN_MAX_HEAD_DIM], const int NQ,
-                                                              const int HD8, const bool half, size_t row_bytes,
-                                                              size_t v_row_bytes, int j0, float *scores, float *max)
+/* The query heads of a pass in the forms K takes: floats (f16 / f32 K), or
+ * q8_0 blocks with each block's scale and code sum (q8_0 / q4_0 K). */
+struct qheads {
+    const float (*qh)[KERN_MAX_HEAD_DIM];
+    const struct kern_block_q8_0 (*qq)[KERN_MAX_HEAD_DIM / 32];
+    const int (*qsum)[KERN_MAX_HEAD_DIM / 32];
+    const float (*qd)[KERN_MAX_HEAD_DIM / 32];
+};
+
+/* Scores of four positions (rows) for NQ <= 3 heads over a q8_0 or q4_0 K of
+ * nb blocks (k_blk bytes each): per block, each (head, position) integer dot
+ * product from vpmaddubsw + vpmaddwd, the four positions' lanes summed by
+ * vphaddd (exact), then the C reference's float operations four positions
+ * wide: s += (d_k * d_q) * si for q8_0, s += (si * d_k) * d_q for q4_0, in
+ * block order, so each score is its bits. */
+static inline __attribute__((always_inline)) void qscore4(const uint8_t *const *rows, size_t k_blk, int nb,
+                                                          const struct qheads *qs, const int NQ, const uint32_t KT,
+                                                          __m128 *out)
 {
-    static const float zero[KERN_MAX_HEAD_DIM];
+    const bool q8 = KT == KERN_Q8_0;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m128 s[3];
+#pragma GCC unroll 3
+    for (int g = 0; g < NQ; g++)
+        s[g] = _mm_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        struct kblock kb[4];
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++)
+            kblock_load(&kb[p], rows[p] + (size_t)b * k_blk, KT);
+        const __m128 dk = _mm_setr_ps(kb[0].d, kb[1].d, kb[2].d, kb[3].d);
+#pragma GCC unroll 3
+        for (int g = 0; g < NQ; g++) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)qs->qq[g][b].qs);
+            __m256i d[4];
+#pragma GCC unroll 4
+            for (int p = 0; p < 4; p++)
+                d[p] = _mm256_madd_epi16(_mm256_maddubs_epi16(kb[p].u, q8 ? _mm256_sign_epi8(qv, kb[p].k) : qv), ones);
+            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+            __m128i si = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+            if (!q8)
+                si = _mm_sub_epi32(si, _mm_set1_epi32(8 * qs->qsum[g][b]));
+            const __m128 sf = _mm_cvtepi32_ps(si), dq = _mm_set1_ps(qs->qd[g][b]);
+            s[g] = _mm_add_ps(s[g], q8 ? _mm_mul_ps(_mm_mul_ps(dk, dq), sf) : _mm_mul_ps(_mm_mul_ps(sf, dk), dq));
+        }
+    }
+#pragma GCC unroll 3
+    for (int g = 0; g < NQ; g++)
+        out[g] = s[g];
+}
+
+/* The scores of positions [j0, n_ctx) for NQ <= 3 heads, four positions at
+ * a time: over a float K (KT f16 or f32) of 8 HD8 dimensions by kscore4, over
+ * a q8_0 or q4_0 K by qscore4; raises max[g] to each head's largest. */
+static inline __attribute__((always_inline)) void kscores_run(const struct kern_attn_args *a, const struct qheads *qs,
+                                                              const int NQ, const uint32_t KT, const int HD8,
+                                                              size_t row_bytes, size_t v_row_bytes, int j0,
+                                                              float *scores, float *max)
+{
+    static const float zero[KERN_MAX_HEAD_DIM];  /* a row past the end: zeros (a quantized block of scale 0) */
     const int bt = a->block_tokens, n = a->n_ctx;
     const __m128 vs = _mm_set1_ps(a->scale);
     __m128 vmax[3];
@@ -256,7 +289,10 @@ static inline __attribute__((always_inline)) void kscores_run(const struct kern_
             rows[p] = k;
         }
         __m128 r[3];
-        kscore4(rows, qh, NQ, HD8, half, r);
+        if (KT == KERN_Q8_0 || KT == KERN_Q4_0)
+            qscore4(rows, row_bytes / (size_t)(a->head_dim / 32), a->head_dim / 32, qs, NQ, KT, r);
+        else
+            kscore4(rows, qs->qh, NQ, HD8, KT == KERN_F16, r);
         for (int g = 0; g < NQ; g++) {
             const __m128 sc = _mm_mul_ps(r[g], vs);
             if (np == 4) {
@@ -281,51 +317,72 @@ static inline __attribute__((always_inline)) void kscores_run(const struct kern_
     }
 }
 
-#define KSCORES(NQ, HD8, HALF)                                                                                         \
-    kscores_run(a, qh + g0, NQ, HD8, HALF, row_bytes, v_row_bytes, j0, a->scores + (size_t)g0 * a->n_ctx, max + g0)
+#define KSCORES(KT, HD8)                                                                                               \
+    do {                                                                                                               \
+        if (ng == 3)                                                                                                   \
+            kscores_run(a, &pq, 3, KT, HD8, row_bytes, v_row_bytes, j0, a->scores + (size_t)g0 * a->n_ctx, max + g0);  \
+        else if (ng == 2)                                                                                              \
+            kscores_run(a, &pq, 2, KT, HD8, row_bytes, v_row_bytes, j0, a->scores + (size_t)g0 * a->n_ctx, max + g0);  \
+        else                                                                                                           \
+            kscores_run(a, &pq, 1, KT, HD8, row_bytes, v_row_bytes, j0, a->scores + (size_t)g0 * a->n_ctx, max + g0);  \
+    } while (0)
 
-/* The scores of positions [j0, n_ctx) for nq heads over a float K of 32 or
- * 64 dimensions, up to three heads at a time in registers; raises max[g] to
- * each head's largest. */
-static void kscores_tiled(const struct kern_attn_args *a, const float (*qh)[KERN_MAX_HEAD_DIM], int nq, bool half,
-                          size_t row_bytes, size_t v_row_bytes, int j0, float *max)
+/* The scores of positions [j0, n_ctx) for nq heads, up to three heads at a
+ * time in registers, over a float K of 32 or 64 dimensions or a q8_0 / q4_0
+ * K; raises max[g] to each head's largest. */
+static void kscores_tiled(const struct kern_attn_args *a, const struct qheads *qs, int nq, size_t row_bytes,
+                          size_t v_row_bytes, int j0, float *max)
 {
-    const int hd = a->head_dim;
+    const int hd = a->head_dim, HD8 = hd / 8;
     const int passes = (nq + 2) / 3;
     for (int i = 0, g0 = 0; i < passes; i++) {
         const int ng = (nq - g0) / (passes - i);    /* heads shared evenly over the passes */
-        if (hd == 64 && half) {
-            if (ng == 3) KSCORES(3, 8, true); else if (ng == 2) KSCORES(2, 8, true); else KSCORES(1, 8, true);
-        } else if (hd == 64) {
-            if (ng == 3) KSCORES(3, 8, false); else if (ng == 2) KSCORES(2, 8, false); else KSCORES(1, 8, false);
-        } else if (half) {
-            if (ng == 3) KSCORES(3, 4, true); else if (ng == 2) KSCORES(2, 4, true); else KSCORES(1, 4, true);
-        } else {
-            if (ng == 3) KSCORES(3, 4, false); else if (ng == 2) KSCORES(2, 4, false); else KSCORES(1, 4, false);
+        const struct qheads pq = { qs->qh + g0, qs->qq + g0, qs->qsum + g0, qs->qd + g0 };
+        switch (a->k_type) {
+        case KERN_Q8_0: KSCORES(KERN_Q8_0, 0); break;
+        case KERN_Q4_0: KSCORES(KERN_Q4_0, 0); break;
+        case KERN_F16:
+            if (HD8 == 8)
+                KSCORES(KERN_F16, 8);
+            else
+                KSCORES(KERN_F16, 4);
+            break;
+        default:
+            if (HD8 == 8)
+                KSCORES(KERN_F32, 8);
+            else
+                KSCORES(KERN_F32, 4);
+            break;
         }
         g0 += ng;
     }
 }
 
-/* Eight elements from d of a V row of any cache type, as floats. */
-static inline __m256 load_v8(const uint8_t *v, int d, uint32_t type, size_t v_blk)
+/* A V row's 32 elements from d0 (a block of a q8_0 or q4_0 row, or 32
+ * values of a float one) as four vectors of floats: d * code for a quantized
+ * block, as kern_dequantize_row; the block's scale is read once. */
+static inline __attribute__((always_inline)) void load_v32(const uint8_t *v, int d0, uint32_t type, size_t v_blk,
+                                                           __m256 vv[4])
 {
-    if (type == KERN_F16 || type == KERN_F32)
-        return load8(v, d, type == KERN_F16);
-    /* d * code, as kern_dequantize_row */
-    const uint8_t *vb = v + (size_t)(d / 32) * v_blk;
-    const int e = d % 32;
-    __m256 vv;
-    if (type == KERN_Q8_0) {
-        vv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(vb + 2 + e))));
-    } else {
-        __m128i c = _mm_loadl_epi64((const __m128i *)(vb + 2 + e % 16));
-        if (e >= 16)
-            c = _mm_srli_epi16(c, 4);
-        c = _mm_and_si128(c, _mm_set1_epi8(0x0F));
-        vv = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(c), _mm256_set1_epi32(8)));
+    if (type == KERN_F16 || type == KERN_F32) {
+        for (int k = 0; k < 4; k++)
+            vv[k] = load8(v, d0 + 8 * k, type == KERN_F16);
+        return;
     }
-    return _mm256_mul_ps(_mm256_set1_ps(block_scale(vb)), vv);
+    const uint8_t *vb = v + (size_t)(d0 / 32) * v_blk;
+    const __m256 d = _mm256_set1_ps(block_scale(vb));
+    if (type == KERN_Q8_0) {
+        for (int k = 0; k < 4; k++)
+            vv[k] = _mm256_mul_ps(
+                d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(vb + 2 + 8 * k)))));
+        return;
+    }
+    const __m128i x = _mm_loadu_si128((const __m128i *)(vb + 2)), lo4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(x, lo4), hi = _mm_and_si128(_mm_srli_epi16(x, 4), lo4);
+    const __m128i c[4] = { lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8) };
+    for (int k = 0; k < 4; k++)
+        vv[k] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(c[k]),
+                                                                     _mm256_set1_epi32(8))));
 }
 
 /* One pass of out += p v over the positions: heads g0.. (NG of them),
@@ -359,12 +416,20 @@ static inline __attribute__((always_inline)) void vpass_run(const struct vpass *
 #pragma GCC unroll 3
             for (int g = 0; g < NG; g++)
                 pr[g] = _mm256_broadcast_ss(sc + (size_t)g * ld + j);
+            if (NV == 4) {  /* 32 dimensions: a quantized block, or 32 floats */
+                __m256 vv[4];
+                load_v32(v, p->d0, VT, p->v_blk, vv);
 #pragma GCC unroll 4
-            for (int k = 0; k < NV; k++) {
-                const __m256 vv = load_v8(v, p->d0 + 8 * k, VT, p->v_blk);
+                for (int k = 0; k < 4; k++)
 #pragma GCC unroll 3
-                for (int g = 0; g < NG; g++)
-                    acc[g][k] = _mm256_fmadd_ps(pr[g], vv, acc[g][k]);
+                    for (int g = 0; g < NG; g++)
+                        acc[g][k] = _mm256_fmadd_ps(pr[g], vv[k], acc[g][k]);
+            } else {  /* fewer, at the end of a float row */
+                for (int k = 0; k < NV; k++) {
+                    const __m256 vv = load8(v, p->d0 + 8 * k, VT == KERN_F16);
+                    for (int g = 0; g < NG; g++)
+                        acc[g][k] = _mm256_fmadd_ps(pr[g], vv, acc[g][k]);
+                }
             }
         }
     }
@@ -416,7 +481,7 @@ int kern_attn_avx2(const struct kern_attn_args *a)
     const bool k_quant = quantized(a->k_type), v_quant = quantized(a->v_type);
     const size_t row_bytes = kern_row_bytes(a->k_type, hd), v_row_bytes = kern_row_bytes(a->v_type, hd);
     const int nb = hd / 32;
-    const size_t k_blk = k_quant ? row_bytes / (size_t)nb : 0, v_blk = v_quant ? v_row_bytes / (size_t)nb : 0;
+    const size_t v_blk = v_quant ? v_row_bytes / (size_t)nb : 0;
     for (int q0 = 0; q0 < a->n_q; q0 += MAX_Q) {
         const int nq = a->n_q - q0 < MAX_Q ? a->n_q - q0 : MAX_Q;
         float qh[MAX_Q][KERN_MAX_HEAD_DIM];
@@ -444,34 +509,22 @@ int kern_attn_avx2(const struct kern_attn_args *a)
          * [0, skip) are outside a sliding window */
         const int j0 = a->skip > 0 ? a->skip : 0;
         const int bt = a->block_tokens;
-        const uint8_t *k = NULL;
-        if (!k_quant && (hd == 64 || hd == 32)) {  /* eight positions at a time */
-            kscores_tiled(a, (const float(*)[KERN_MAX_HEAD_DIM])qh, nq, half, row_bytes, v_row_bytes, j0, max);
-        } else {  /* a row at a time */
+        if (k_quant || hd == 64 || hd == 32) {  /* four positions at a time */
+            const struct qheads qs = { (const float(*)[KERN_MAX_HEAD_DIM])qh,
+                                       (const struct kern_block_q8_0(*)[KERN_MAX_HEAD_DIM / 32])qq,
+                                       (const int(*)[KERN_MAX_HEAD_DIM / 32])qsum,
+                                       (const float(*)[KERN_MAX_HEAD_DIM / 32])qd };
+            kscores_tiled(a, &qs, nq, row_bytes, v_row_bytes, j0, max);
+        } else {  /* a float K of another head dim: a row at a time */
+            const uint8_t *k = NULL;
             for (int j = j0, left = 0; j < a->n_ctx; j++, k += row_bytes, left--) {
                 if (left == 0) {  /* a block's first row: one division per block, not per position */
                     k = kern_attn_row(a, a->k_base, a->k_head_stride, row_bytes, j);
                     left = bt - j % bt;
                     prefetch_next(a, j, j0, row_bytes, v_row_bytes);
                 }
-                struct kblock kb[KERN_MAX_HEAD_DIM / 32];
-                if (k_quant)
-                    for (int b = 0; b < nb; b++)
-                        kblock_load(&kb[b], k + (size_t)b * k_blk, a->k_type);
-                const bool q8 = a->k_type == KERN_Q8_0;
                 for (int g = 0; g < nq; g++) {
-                    float s;
-                    if (k_quant) {  /* kern_vec_dot's float operations, in its order */
-                        s = 0.0f;
-                        for (int b = 0; b < nb; b++) {
-                            const __m256i qv = _mm256_loadu_si256((const __m256i *)qq[g][b].qs);
-                            const float si = (float)block_dot(&kb[b], q8, qv, qsum[g][b]);
-                            s += q8 ? kb[b].d * qd[g][b] * si : si * kb[b].d * qd[g][b];
-                        }
-                        s *= a->scale;
-                    } else {
-                        s = kdot(qh[g], k, hd, half) * a->scale;
-                    }
+                    const float s = kdot(qh[g], k, hd, half) * a->scale;
                     a->scores[(size_t)g * a->n_ctx + j] = s;
                     if (s > max[g])
                         max[g] = s;

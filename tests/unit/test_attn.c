@@ -85,16 +85,19 @@ static void test_quantized(void)
         uint32_t blocks[NB];
         for (int i = 0; i < NB; i++)
             blocks[i] = (uint32_t)((i * 37 + 11) % NB);
-        for (size_t ci = 0; ci < 2 * sizeof(ctxs) / sizeof(ctxs[0]); ci++) {
+        for (size_t ci = 0; ci < 2 * sizeof(ctxs) / sizeof(ctxs[0]) * 3; ci++) {
             /* each context twice: whole, and as a sliding window that starts
-             * inside its first block (skip) */
-            const int n_ctx = ctxs[ci / 2], G = 3, skip = ci % 2 && n_ctx > 11 ? 11 : 0;
-            if (ci % 2 && skip == 0)
+             * inside its first block (skip); each with groups of 3, 1 and 5
+             * heads (AVX2's score passes: 3, 1, then 2 + 3) */
+            static const int groups[3] = { 3, 1, 5 };
+            const int n_ctx = ctxs[ci / 6], G = groups[ci % 3];
+            const int skip = ci / 3 % 2 && n_ctx > 11 ? 11 : 0;
+            if (ci / 3 % 2 && skip == 0)
                 continue;
-            float q[3 * HD], ref[3 * HD], got[3 * HD], one[HD];
-            double ex[3][HD];
-            float stats[2 * 3], ref_stats[2 * 3];
-            float *scores = malloc((size_t)3 * n_ctx * sizeof(float));
+            float q[5 * HD], ref[5 * HD], got[5 * HD], one[HD];
+            double ex[5][HD];
+            float stats[2 * 5], ref_stats[2 * 5];
+            float *scores = malloc((size_t)5 * n_ctx * sizeof(float));
             for (int i = 0; i < G * HD; i++)
                 q[i] = frand() * 3.0f;
             struct kern_attn_args a = {
