@@ -2,29 +2,33 @@
  * attn_avx2.c - grouped paged attention with AVX2, FMA and F16C.
  *
  * For each query head: scores q.k * scale, softmax with the sum in double,
- * then out += p * v in position order. Over a float K of head dims 32 and 64
- * the scores come four positions at a time for up to three heads, all twelve
- * sums in registers: each row converted from f16 once for the heads, each
- * (head, position) one chain of multiply-adds, the four positions' lanes
- * summed together by vhaddps. Over an f16 cache q and p are rounded to f16
- * first, as in the C reference. Over a q8_0 or q4_0 K the query is quantized
- * to q8_0 and each block's integer dot product comes from vpmaddubsw +
- * vpmaddwd, then the scaled block sums are added with the C reference's float
- * operations, so the scores are its bits; a q8_0 or q4_0 V row is dequantized
- * in registers (d * code).
+ * then out += p * v in position order. The scores come four positions at a
+ * time for up to three heads, all twelve sums in registers. Over a float K
+ * of head dims 32 and 64: each row converted from f16 once for the heads,
+ * each (head, position) one chain of multiply-adds, the four positions'
+ * lanes summed together by vhaddps; over an f16 cache q and p are rounded to
+ * f16 first, as in the C reference. Over a q8_0 or q4_0 K: the query is
+ * quantized to q8_0, each block's integer dot product comes from vpmaddubsw
+ * + vpmaddwd, the four positions' sums from vphaddd, then the scaled block
+ * sums are added with the C reference's float operations, four positions
+ * wide, so the scores are its bits. A float K of another head dim is scored
+ * a row at a time. A q8_0 or q4_0 V row is dequantized in registers
+ * (d * code).
  *
  * K and V rows are read once per group of query heads (groups larger than
- * three: once per pass of up to three). The exponentials' sum runs four
- * double lanes wide beside them. The weighted sum of V runs in passes of up
- * to three heads and 32 dimensions whose sums stay in registers over all
- * positions, a block's rows at a time. Every head gets the same operations
- * whichever pass, group or lane it lands in, so grouping changes no bit.
+ * three: once per pass of up to three). Entering a block, the kernel asks
+ * for the next block's rows: a context's blocks are scattered through the
+ * pool, and a decode step reads a layer's weights between two layers'
+ * attention, so the rows are rarely in cache. The exponentials' sum runs
+ * four double lanes wide beside them. The weighted sum of V runs in passes
+ * of up to three heads and 32 dimensions whose sums stay in registers over
+ * all positions, a block's rows at a time. Every head gets the same
+ * operations whichever pass, group or lane it lands in, so grouping changes
+ * no bit.
  *
- * Measured in one process against the previous form (an eight-position tile
- * converted to the stack, a V loop whose sums GCC stored every position, a
- * serial double sum), 3 heads of 64 over an f16 cache of 576 positions:
- * 1.38x with each call's rows out of L2, 1.42x in L2, the same bits; 1.23x
- * for one head, 1.32x at 131 positions.
+ * `bench-attn -n 576 -w 3` (3 heads of 64, 576 positions, rows out of
+ * cache as in a decode step), against the form before these tiles and the
+ * prefetch: f16 1.88x, q8_0 1.9x; see the README's "Attention out of cache".
  */
 #if defined(__x86_64__)
 #include <immintrin.h>
