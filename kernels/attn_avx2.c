@@ -107,47 +107,6 @@ static inline float kdot(const float *q, const uint8_t *k, int hd, bool half)
     return hsum8(_mm256_add_ps(acc0, acc1));
 }
 
-/* Scores of eight positions for nq heads, from their K rows converted to
- * floats (kf, 8 x HD8 vectors; rows past np are zeros): each position's
- * eight-lane products in one chain, then the eight positions' lanes summed
- * together by hadd (((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) for
- * every position, whichever lane it is in). Stores np scores a head, from
- * scores + g * ld, and keeps each head's largest in vmax. */
-static inline __attribute__((always_inline)) void kscore_tile(__m256 (*kf)[8], int np,
-                                                              const float (*qh)[KERN_MAX_HEAD_DIM], int nq,
-                                                              float scale, float *scores, size_t ld, __m256 *vmax,
-                                                              const int HD8)
-{
-    const __m256 vs = _mm256_set1_ps(scale);
-    for (int g = 0; g < nq; g++) {
-        __m256 s[8];
-#pragma GCC unroll 8
-        for (int p = 0; p < 8; p++) {
-            s[p] = _mm256_mul_ps(_mm256_loadu_ps(&qh[g][0]), kf[p][0]);
-#pragma GCC unroll 8
-            for (int d = 1; d < HD8; d++)
-                s[p] = _mm256_fmadd_ps(_mm256_loadu_ps(&qh[g][8 * d]), kf[p][d], s[p]);
-        }
-        const __m256 t01 = _mm256_hadd_ps(s[0], s[1]), t23 = _mm256_hadd_ps(s[2], s[3]);
-        const __m256 t45 = _mm256_hadd_ps(s[4], s[5]), t67 = _mm256_hadd_ps(s[6], s[7]);
-        const __m256 u0 = _mm256_hadd_ps(t01, t23), u1 = _mm256_hadd_ps(t45, t67);
-        /* u0: positions 0-3 (low lanes' sums, then high lanes'), u1: 4-7 */
-        __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-        r = _mm256_mul_ps(r, vs);
-        if (np == 8) {
-            _mm256_storeu_ps(scores + (size_t)g * ld, r);
-            vmax[g] = _mm256_max_ps(vmax[g], r);
-        } else {
-            float t[8];
-            _mm256_storeu_ps(t, r);
-            for (int p = 0; p < np; p++) {
-                scores[(size_t)g * ld + p] = t[p];
-                vmax[g] = _mm256_max_ps(vmax[g], _mm256_set1_ps(t[p]));
-            }
-        }
-    }
-}
-
 #define MAX_Q 16  /* query heads handled per pass; larger groups loop */
 
 /* Asks for block b's K rows (into L1) and V rows (into L2; read after the
