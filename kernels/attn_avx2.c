@@ -4,16 +4,15 @@
  * For each query head: scores q.k * scale, softmax with the sum in double,
  * then out += p * v in position order. The scores come four positions at a
  * time for up to three heads, all twelve sums in registers. Over a float K
- * of head dims 32 and 64: each row converted from f16 once for the heads,
- * each (head, position) one chain of multiply-adds, the four positions'
- * lanes summed together by vhaddps; over an f16 cache q and p are rounded to
- * f16 first, as in the C reference. Over a q8_0 or q4_0 K: the query is
- * quantized to q8_0, each block's integer dot product comes from vpmaddubsw
- * + vpmaddwd, the four positions' sums from vphaddd, then the scaled block
- * sums are added with the C reference's float operations, four positions
- * wide, so the scores are its bits. A float K of another head dim is scored
- * a row at a time. A q8_0 or q4_0 V row is dequantized in registers
- * (d * code).
+ * (its loop unrolled for head dims 32 and 64): each row converted from f16
+ * once for the heads, each (head, position) one chain of multiply-adds, the
+ * four positions' lanes summed together by vhaddps; over an f16 cache q and
+ * p are rounded to f16 first, as in the C reference. Over a q8_0 or q4_0 K:
+ * the query is quantized to q8_0, each block's integer dot product comes
+ * from vpmaddubsw + vpmaddwd, the four positions' sums from vphaddd, then the
+ * scaled block sums are added with the C reference's float operations, four
+ * positions wide, so the scores are its bits. A q8_0 or q4_0 V row is
+ * dequantized in registers (d * code).
  *
  * K and V rows are read once per group of query heads (groups larger than
  * three: once per pass of up to three). Entering a block, the kernel asks
@@ -74,13 +73,6 @@ static inline void kblock_load(struct kblock *kb, const uint8_t *blk, uint32_t t
     kb->k = kb->u;
 }
 
-static inline float hsum8(__m256 v)
-{
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
-}
-
 /* Eight elements of a K/V row as floats. */
 static inline __m256 load8(const uint8_t *row, int d, bool half)
 {
@@ -90,22 +82,6 @@ static inline __m256 load8(const uint8_t *row, int d, bool half)
 }
 
 static inline float round_half(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
-
-/* q.k over a float K row of hd (a multiple of 8) values: two chains of fused
- * multiply-adds (even and odd eight-value chunks), then hsum8. */
-static inline float kdot(const float *q, const uint8_t *k, int hd, bool half)
-{
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int d = 0;
-#pragma GCC unroll 4
-    for (; d + 16 <= hd; d += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k, d, half), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(k, d + 8, half), acc1);
-    }
-    if (d < hd)
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k, d, half), acc0);
-    return hsum8(_mm256_add_ps(acc0, acc1));
-}
 
 #define MAX_Q 16  /* query heads handled per pass; larger groups loop */
 
@@ -222,8 +198,9 @@ static inline __attribute__((always_inline)) void qscore4(const uint8_t *const *
 }
 
 /* The scores of positions [j0, n_ctx) for NQ <= 3 heads, four positions at
- * a time: over a float K (KT f16 or f32) of 8 HD8 dimensions by kscore4, over
- * a q8_0 or q4_0 K by qscore4; raises max[g] to each head's largest. */
+ * a time: over a float K (KT f16 or f32) of 8 HD8 dimensions by kscore4 (HD8
+ * 0: head_dim / 8, a loop not unrolled), over a q8_0 or q4_0 K by qscore4;
+ * raises max[g] to each head's largest. */
 static inline __attribute__((always_inline)) void kscores_run(const struct kern_attn_args *a, const struct qheads *qs,
                                                               const int NQ, const uint32_t KT, const int HD8,
                                                               size_t row_bytes, size_t v_row_bytes, int j0,
@@ -255,7 +232,7 @@ static inline __attribute__((always_inline)) void kscores_run(const struct kern_
         if (KT == KERN_Q8_0 || KT == KERN_Q4_0)
             qscore4(rows, row_bytes / (size_t)(a->head_dim / 32), a->head_dim / 32, qs, NQ, KT, r);
         else
-            kscore4(rows, qs->qh, NQ, HD8, KT == KERN_F16, r);
+            kscore4(rows, qs->qh, NQ, HD8 ? HD8 : a->head_dim / 8, KT == KERN_F16, r);
         for (int g = 0; g < NQ; g++) {
             const __m128 sc = _mm_mul_ps(r[g], vs);
             if (np == 4) {
@@ -291,8 +268,8 @@ static inline __attribute__((always_inline)) void kscores_run(const struct kern_
     } while (0)
 
 /* The scores of positions [j0, n_ctx) for nq heads, up to three heads at a
- * time in registers, over a float K of 32 or 64 dimensions or a q8_0 / q4_0
- * K; raises max[g] to each head's largest. */
+ * time in registers, over a float K or a q8_0 / q4_0 K; raises max[g] to
+ * each head's largest. */
 static void kscores_tiled(const struct kern_attn_args *a, const struct qheads *qs, int nq, size_t row_bytes,
                           size_t v_row_bytes, int j0, float *max)
 {
@@ -304,17 +281,21 @@ static void kscores_tiled(const struct kern_attn_args *a, const struct qheads *q
         switch (a->k_type) {
         case KERN_Q8_0: KSCORES(KERN_Q8_0, 0); break;
         case KERN_Q4_0: KSCORES(KERN_Q4_0, 0); break;
-        case KERN_F16:
+        case KERN_F16:  /* head dims 32 and 64 unrolled, others a loop */
             if (HD8 == 8)
                 KSCORES(KERN_F16, 8);
-            else
+            else if (HD8 == 4)
                 KSCORES(KERN_F16, 4);
+            else
+                KSCORES(KERN_F16, 0);
             break;
         default:
             if (HD8 == 8)
                 KSCORES(KERN_F32, 8);
-            else
+            else if (HD8 == 4)
                 KSCORES(KERN_F32, 4);
+            else
+                KSCORES(KERN_F32, 0);
             break;
         }
         g0 += ng;
@@ -468,32 +449,15 @@ int kern_attn_avx2(const struct kern_attn_args *a)
             }
             max[g] = -INFINITY;
         }
-        /* scores, reading each K row once for the group; positions
-         * [0, skip) are outside a sliding window */
+        /* scores, four positions at a time, each K row read once per pass
+         * of up to three heads; positions [0, skip) are outside a sliding
+         * window */
         const int j0 = a->skip > 0 ? a->skip : 0;
-        const int bt = a->block_tokens;
-        if (k_quant || hd == 64 || hd == 32) {  /* four positions at a time */
-            const struct qheads qs = { (const float(*)[KERN_MAX_HEAD_DIM])qh,
-                                       (const struct kern_block_q8_0(*)[KERN_MAX_HEAD_DIM / 32])qq,
-                                       (const int(*)[KERN_MAX_HEAD_DIM / 32])qsum,
-                                       (const float(*)[KERN_MAX_HEAD_DIM / 32])qd };
-            kscores_tiled(a, &qs, nq, row_bytes, v_row_bytes, j0, max);
-        } else {  /* a float K of another head dim: a row at a time */
-            const uint8_t *k = NULL;
-            for (int j = j0, left = 0; j < a->n_ctx; j++, k += row_bytes, left--) {
-                if (left == 0) {  /* a block's first row: one division per block, not per position */
-                    k = kern_attn_row(a, a->k_base, a->k_head_stride, row_bytes, j);
-                    left = bt - j % bt;
-                    prefetch_next(a, j, j0, row_bytes, v_row_bytes);
-                }
-                for (int g = 0; g < nq; g++) {
-                    const float s = kdot(qh[g], k, hd, half) * a->scale;
-                    a->scores[(size_t)g * a->n_ctx + j] = s;
-                    if (s > max[g])
-                        max[g] = s;
-                }
-            }
-        }
+        const struct qheads qs = { (const float(*)[KERN_MAX_HEAD_DIM])qh,
+                                   (const struct kern_block_q8_0(*)[KERN_MAX_HEAD_DIM / 32])qq,
+                                   (const int(*)[KERN_MAX_HEAD_DIM / 32])qsum,
+                                   (const float(*)[KERN_MAX_HEAD_DIM / 32])qd };
+        kscores_tiled(a, &qs, nq, row_bytes, v_row_bytes, j0, max);
         /* softmax per head: exponentials eight at a time, their sum in double */
         for (int g = 0; g < nq; g++) {
             float *sc = a->scores + (size_t)g * a->n_ctx;

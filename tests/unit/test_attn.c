@@ -150,12 +150,12 @@ static void test_quantized(void)
 }
 
 /* Other head dims: 40, not a multiple of 32 (a 32-wide V pass, then one of
- * 8), and 32 (AVX2's four-position score tiles at half width), over groups
- * of 4 (two passes of two heads) and 7 (3 + 2 + 2): every path against the C
- * reference, and grouping invariance. */
+ * 8), 32 (AVX2's score tiles at half width), 256 (Gemma 3's; AVX2's tiles
+ * not unrolled), over groups of 4 (two passes of two heads) and 7 (3 + 2 +
+ * 2): every path against the C reference, and grouping invariance. */
 static void test_head_dim(int D, int G)
 {
-    enum { NBLK = 8, DMAX = 40, GMAX = 7 };
+    enum { NBLK = 8, DMAX = 256, GMAX = 7 };
     const size_t head_stride = (size_t)BT * D * 2, block_stride = 2 * KVH * head_stride;
     uint8_t *mem = malloc(NBLK * block_stride);
     for (size_t i = 0; i < NBLK * block_stride / 2; i++) {
@@ -271,5 +271,6 @@ int main(void)
     test_head_dim(40, 4);
     test_head_dim(32, 4);
     test_head_dim(32, 7);
+    test_head_dim(256, 4);
     return CHECK_DONE();
 }
