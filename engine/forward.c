@@ -376,7 +376,7 @@ static void matmul(engine_t *e, struct mm_part *parts, int n, int T)
         total += (parts[i].w->rows + G - 1) / G;
         widest = parts[i].w->cols > widest ? parts[i].w->cols : widest;
     }
-    const long chunk = (getenv("XMM") ? atol(getenv("XMM")) : MM_CHUNK_WEIGHTS) / (G * widest);
+    const long chunk = MM_CHUNK_WEIGHTS / (G * widest);
     j.chunk = chunk > 4 ? (chunk + 3) / 4 * 4 : 4;
     /* each thread's share: whole groups of KERN_PACK_ROWS rows (what one
      * packed instruction computes), split evenly */

@@ -267,6 +267,17 @@ static inline __attribute__((always_inline)) void kscores_run(const struct kern_
             kscores_run(a, &pq, 1, KT, HD8, row_bytes, v_row_bytes, j0, a->scores + (size_t)g0 * a->n_ctx, max + g0);  \
     } while (0)
 
+/* A float K: head dims 32 and 64 unrolled, others a loop. */
+#define KSCORES_FLOAT(KT)                                                                                              \
+    do {                                                                                                               \
+        if (HD8 == 8)                                                                                                  \
+            KSCORES(KT, 8);                                                                                            \
+        else if (HD8 == 4)                                                                                             \
+            KSCORES(KT, 4);                                                                                            \
+        else                                                                                                           \
+            KSCORES(KT, 0);                                                                                            \
+    } while (0)
+
 /* The scores of positions [j0, n_ctx) for nq heads, up to three heads at a
  * time in registers, over a float K or a q8_0 / q4_0 K; raises max[g] to
  * each head's largest. */
@@ -281,22 +292,8 @@ static void kscores_tiled(const struct kern_attn_args *a, const struct qheads *q
         switch (a->k_type) {
         case KERN_Q8_0: KSCORES(KERN_Q8_0, 0); break;
         case KERN_Q4_0: KSCORES(KERN_Q4_0, 0); break;
-        case KERN_F16:  /* head dims 32 and 64 unrolled, others a loop */
-            if (HD8 == 8)
-                KSCORES(KERN_F16, 8);
-            else if (HD8 == 4)
-                KSCORES(KERN_F16, 4);
-            else
-                KSCORES(KERN_F16, 0);
-            break;
-        default:
-            if (HD8 == 8)
-                KSCORES(KERN_F32, 8);
-            else if (HD8 == 4)
-                KSCORES(KERN_F32, 4);
-            else
-                KSCORES(KERN_F32, 0);
-            break;
+        case KERN_F16: KSCORES_FLOAT(KERN_F16); break;
+        default: KSCORES_FLOAT(KERN_F32); break;
         }
         g0 += ng;
     }
