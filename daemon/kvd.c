@@ -25,6 +25,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -342,7 +344,11 @@ static void private_dir(const char *dir)
         cli_die("cannot make %s private: %s", dir, strerror(errno));
 }
 
-static void check_endpoint(const struct kvd *k, const char *ep)
+/* An endpoint kvd is about to bind, as `what` names it (--listen, ...): an
+ * ipc:// one in a private directory (made when missing); a tcp:// one on
+ * loopback addresses only unless --allow-remote, its host resolved as
+ * ZeroMQ's bind resolves it ("*", "0", an interface name, a host name). */
+static void check_endpoint(const struct kvd *k, const char *what, const char *ep)
 {
     if (strncmp(ep, "ipc://", 6) == 0) {
         char path[4096];
@@ -351,13 +357,70 @@ static void check_endpoint(const struct kvd *k, const char *ep)
         return;
     }
     if (strncmp(ep, "tcp://", 6) != 0)
-        cli_die("endpoint %s: only ipc:// and tcp:// are supported", ep);
-    const char *host = ep + 6;
-    bool wildcard = host[0] == '*' || strncmp(host, "0.0.0.0:", 8) == 0 ||
-                    strncmp(host, "[::]:", 5) == 0;
-    if (wildcard && !k->o.allow_remote)
-        cli_die("endpoint %s binds every interface; give an address (tcp://127.0.0.1:PORT) or "
-            "--allow-remote", ep);
+        cli_die("%s %s: only ipc:// and tcp:// are supported", what, ep);
+    char why[512];
+    const int lb = endpoint_loopback(ep, why, sizeof(why));
+    if (lb < 0)
+        cli_die("%s %s", what, why);
+    if (lb == 0 && !k->o.allow_remote)
+        cli_die("%s %s: other machines could reach it; give a loopback address (tcp://127.0.0.1:PORT) or "
+                "--allow-remote", what, why);
+}
+
+/* Claims ipc:// endpoint ep for this kvd before anything binds it (ZeroMQ's
+ * bind removes a socket file another process listens on): an exclusive flock
+ * on PATH.lock, which names its holder's pid. A live holder stops kvd with
+ * that pid; a lock left by a kvd that died is taken over. Kept until exit. */
+static void claim_endpoint(struct kvd *k, const char *what, const char *ep)
+{
+    if (strncmp(ep, "ipc://", 6) != 0)
+        return;
+    if (k->n_claims == KVD_MAX_CLAIMS)
+        cli_die("too many ipc:// endpoints");
+    char path[4200];
+    snprintf(path, sizeof(path), "%s.lock", ep + 6);
+    for (int attempt = 0; attempt < 8; attempt++) {
+        const int fd = open(path, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+        struct stat st, now;
+        if (fd < 0 || fstat(fd, &st) != 0)
+            cli_die("%s %s: cannot open %s: %s", what, ep, path, strerror(errno));
+        if (!S_ISREG(st.st_mode) || st.st_uid != geteuid())
+            cli_die("%s %s: %s is not a lock file of this user's", what, ep, path);
+        if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+            char pid[32] = "";
+            const ssize_t n = pread(fd, pid, sizeof(pid) - 1, 0);
+            pid[n > 0 ? n : 0] = '\0';
+            pid[strcspn(pid, "\n")] = '\0';
+            cli_die("%s %s is in use by a running kvd (pid %s, holding %s): stop it first, or give this one "
+                    "another endpoint", what, ep, pid[0] ? pid : "?", path);
+        }
+        /* the file may have been removed by its last holder between our open and
+         * our lock: then the lock is on a file nobody else will find */
+        if (stat(path, &now) != 0 || now.st_ino != st.st_ino || now.st_dev != st.st_dev) {
+            close(fd);
+            continue;
+        }
+        char pid[32];
+        const int n = snprintf(pid, sizeof(pid), "%d\n", (int)getpid());
+        if (ftruncate(fd, 0) != 0 || pwrite(fd, pid, (size_t)n, 0) != n)
+            cli_die("%s %s: cannot write %s: %s", what, ep, path, strerror(errno));
+        k->claims[k->n_claims].fd = fd;
+        snprintf(k->claims[k->n_claims].path, sizeof(k->claims[k->n_claims].path), "%s", path);
+        k->n_claims++;
+        return;
+    }
+    cli_die("%s %s: %s keeps disappearing while being locked", what, ep, path);
+}
+
+/* At exit: the lock files go (each while still locked, so that no kvd waits
+ * on a file that is gone), then their locks. */
+static void release_endpoints(struct kvd *k)
+{
+    for (int i = 0; i < k->n_claims; i++) {
+        unlink(k->claims[i].path);
+        close(k->claims[i].fd);
+    }
+    k->n_claims = 0;
 }
 
 static void *router(struct kvd *k)
@@ -778,10 +841,71 @@ static void public_prefix_setup(struct kvd *k)
     free(text);
 }
 
+/* Every endpoint kvd will bind, decided and checked before anything else
+ * (the model, the pool): the client endpoints (the default one kept in k for
+ * the whole run: shutdown removes its socket), the worker endpoint, the HTTP
+ * layer's own ipc:// endpoint when it needs one, the block events', and the
+ * --http addresses; each ipc:// one claimed (claim_endpoint), so that a
+ * second kvd on the same endpoint stops here, naming the first. */
+static void endpoints_plan(struct kvd *k)
+{
+    struct kvd_options *o = &k->o;
+    if (o->n_listen == 0)
+        o->listen[o->n_listen++] = kvd_default_endpoint(k->default_ep, sizeof(k->default_ep));
+    for (int i = 0; i < o->n_listen; i++) {
+        check_endpoint(k, "--listen", o->listen[i]);
+        claim_endpoint(k, "--listen", o->listen[i]);
+    }
+    /* the first ipc:// client endpoint, if any */
+    const char *first_ipc = NULL;
+    for (int i = 0; i < o->n_listen && !first_ipc; i++)
+        if (strncmp(o->listen[i], "ipc://", 6) == 0)
+            first_ipc = o->listen[i];
+    char def[4096], path[4096];
+    kvd_default_endpoint(def, sizeof(def));
+    if (strncmp(def, "ipc://", 6) != 0)
+        snprintf(def, sizeof(def), "ipc:///tmp/kvd-%u/kvd.sock", (unsigned)getuid());
+    if (o->worker_endpoint) {
+        snprintf(k->worker_ep, sizeof(k->worker_ep), "%s", o->worker_endpoint);
+    } else {
+        /* next to the first ipc endpoint, else in the default runtime directory */
+        snprintf(path, sizeof(path), "%s", (first_ipc != NULL ? first_ipc : def) + 6);
+        snprintf(k->run_dir, sizeof(k->run_dir), "%s", dirname(path));
+        snprintf(k->worker_ep, sizeof(k->worker_ep), "ipc://%s/workers-%d.sock", k->run_dir,
+                 (int)getpid());
+    }
+    check_endpoint(k, "--worker-endpoint", k->worker_ep);
+    claim_endpoint(k, "--worker-endpoint", k->worker_ep);
+    /* the HTTP layer reaches kvd as a client over ipc://: the first such endpoint,
+     * else (none, or they want CURVE) one of its own in the runtime directory */
+    if (first_ipc != NULL && !o->curve_ipc) {
+        snprintf(k->http_ep, sizeof(k->http_ep), "%s", first_ipc);
+    } else if (o->n_http > 0) {
+        snprintf(path, sizeof(path), "%s", def + 6);
+        snprintf(k->http_ep, sizeof(k->http_ep), "ipc://%s/http-%d.sock", dirname(path), (int)getpid());
+        check_endpoint(k, "the HTTP layer's endpoint", k->http_ep);
+        claim_endpoint(k, "the HTTP layer's endpoint", k->http_ep);
+    }
+    if (o->kv_events != NULL) {
+        check_endpoint(k, "--kv-events", o->kv_events);
+        claim_endpoint(k, "--kv-events", o->kv_events);
+    }
+    for (int i = 0; i < o->n_http; i++) {
+        char why[512];
+        const int lb = endpoint_loopback(o->http[i], why, sizeof(why));
+        if (lb < 0)
+            cli_die("--http %s", why);
+        if (lb == 0 && !o->allow_remote)
+            cli_die("--http %s: other machines could reach it; give a loopback address (127.0.0.1:PORT) or "
+                    "--allow-remote", why);
+    }
+}
+
 static void setup(struct kvd *k)
 {
     char err[512], note[512];
     struct kvd_options *o = &k->o;
+    endpoints_plan(k);
     k->model = model_load_unpacked(o->model, err, sizeof(err));  /* kvd runs no products */
     if (k->model == NULL)
         cli_die("%s", err);
@@ -871,46 +995,13 @@ static void setup(struct kvd *k)
                     "--workers-allow), or --insecure", o->worker_endpoint);
         kvd_log(k, "INSECURE: any process that reaches %s may join as a worker (--insecure)", o->worker_endpoint);
     }
-    char def[4096];
-    if (o->n_listen == 0)
-        o->listen[o->n_listen++] = kvd_default_endpoint(def, sizeof(def));
     for (int i = 0; i < o->n_listen; i++) {
-        check_endpoint(k, o->listen[i]);
         if (zmq_bind(listen_socket(k, o->listen[i]), o->listen[i]) != 0)
             cli_die("cannot listen on %s: %s", o->listen[i], zmq_strerror(errno));
         kvd_log(k, "listening on %s", o->listen[i]);
     }
-    /* the first ipc:// client endpoint, if any */
-    const char *first_ipc = NULL;
-    for (int i = 0; i < o->n_listen && !first_ipc; i++)
-        if (strncmp(o->listen[i], "ipc://", 6) == 0)
-            first_ipc = o->listen[i];
-    if (o->worker_endpoint) {
-        snprintf(k->worker_ep, sizeof(k->worker_ep), "%s", o->worker_endpoint);
-    } else {
-        /* next to the first ipc endpoint, else in the default runtime directory */
-        const char *base = first_ipc;
-        if (base == NULL)
-            base = kvd_default_endpoint(def, sizeof(def));
-        char path[4096];
-        snprintf(path, sizeof(path), "%s", base + 6);
-        snprintf(k->run_dir, sizeof(k->run_dir), "%s", dirname(path));
-        snprintf(k->worker_ep, sizeof(k->worker_ep), "ipc://%s/workers-%d.sock", k->run_dir,
-                 (int)getpid());
-    }
-    /* the HTTP layer reaches kvd as a client over ipc://: the first such endpoint,
-     * else (none, or they want CURVE) one of its own in the runtime directory */
-    if (first_ipc != NULL && !o->curve_ipc) {
-        snprintf(k->http_ep, sizeof(k->http_ep), "%s", first_ipc);
-    } else if (o->n_http > 0) {
-        char path[4096];
-        snprintf(path, sizeof(path), "%s", kvd_default_endpoint(def, sizeof(def)) + 6);
-        snprintf(k->http_ep, sizeof(k->http_ep), "ipc://%s/http-%d.sock", dirname(path), (int)getpid());
-        check_endpoint(k, k->http_ep);
-        if (zmq_bind(k->clients, k->http_ep) != 0)
-            cli_die("cannot listen on %s: %s", k->http_ep, zmq_strerror(errno));
-    }
-    check_endpoint(k, k->worker_ep);
+    if (strstr(k->http_ep, "/http-") != NULL && zmq_bind(k->clients, k->http_ep) != 0)
+        cli_die("cannot listen on %s: %s", k->http_ep, zmq_strerror(errno));
     if (zmq_bind(k->wsock, k->worker_ep) != 0)
         cli_die("cannot listen for workers on %s: %s", k->worker_ep, zmq_strerror(errno));
     if (o->gpu >= 0) {
@@ -919,7 +1010,7 @@ static void setup(struct kvd *k)
         if (k->run_dir[0]) {
             snprintf(dir, sizeof(dir), "%s", k->run_dir);
         } else {
-            char path[4096];
+            char path[4096], def[4096];
             snprintf(path, sizeof(path), "%s", kvd_default_endpoint(def, sizeof(def)));
             if (strncmp(path, "ipc://", 6) != 0)
                 snprintf(path, sizeof(path), "ipc:///tmp/kvd-%u/kvd.sock", (unsigned)getuid());
@@ -961,7 +1052,6 @@ static void events_setup(struct kvd *k)
     const struct kvd_options *o = &k->o;
     if (o->kv_events == NULL)
         return;
-    check_endpoint(k, o->kv_events);
     char topic[1024], name[256], host[256];
     kvd_served_name(o, name, sizeof(name));
     if (gethostname(host, sizeof(host)) != 0)
@@ -987,11 +1077,7 @@ static void http_setup(struct kvd *k)
     char name[256];
     kvd_served_name(o, name, sizeof(name));
     for (int i = 0; i < o->n_http; i++) {
-        const char *h = o->http[i];
-        const bool loopback = strncmp(h, "127.", 4) == 0 || strncmp(h, "localhost:", 10) == 0;
-        if (!loopback && !o->allow_remote)
-            cli_die("--http %s is not a loopback address (127.x.x.x or localhost); give --allow-remote to "
-                    "serve other machines", h);
+        const char *h = o->http[i];     /* checked by endpoints_plan */
         const struct http_params hp = { .bind = h, .kvd_endpoint = k->http_ep, .model_id = name,
                                         .max_body = o->max_body, .block_tokens = o->block_tokens,
                                         .api_keys = o->api_keys };
@@ -1170,6 +1256,13 @@ int main(int argc, char **argv)
     if (sfd < 0)
         cli_die("signalfd: %s", strerror(errno));
     signal(SIGPIPE, SIG_IGN);
+    /* every HTTP connection, client and worker costs descriptors: take all the
+     * hard limit allows */
+    struct rlimit nofile;
+    if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+        nofile.rlim_cur = nofile.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &nofile);
+    }
     gpu_probe(k); /* a GPU that is not there fails now, not after the model loads */
     srandom((unsigned)time(NULL) ^ (unsigned)getpid());
     char exe[4096];
@@ -1219,6 +1312,7 @@ int main(int argc, char **argv)
         unlink(k->http_ep + 6);
     if (k->o.kv_events != NULL && strncmp(k->o.kv_events, "ipc://", 6) == 0)
         unlink(k->o.kv_events + 6);
+    release_endpoints(k);
     restorer_destroy(&k->restorer);    /* every copy collected by req_release_all */
     hosts_fini(k);
     prefix_destroy(&k->px);

@@ -238,10 +238,20 @@ struct kvd_stats_counters {
 
 struct devmem;
 
+/* An ipc:// endpoint this kvd holds (kvd.c's claim_endpoint). */
+#define KVD_MAX_CLAIMS (KVD_MAX_LISTEN + 4)
+struct kvd_claim {
+    int fd;                         /* PATH.lock, flocked for kvd's life */
+    char path[4200];                /* PATH.lock */
+};
+
 struct kvd {
     struct kvd_options o;
     char exe_dir[4096];             /* where kvd-worker lives */
     char run_dir[4096];             /* private 0700 runtime directory */
+    char default_ep[4096];          /* the default client endpoint, when no --listen was given */
+    struct kvd_claim claims[KVD_MAX_CLAIMS];   /* the ipc:// endpoints it holds */
+    int n_claims;
     char worker_ep[4400];           /* the worker endpoint */
     char pool_name[128];
     model_t *model;
