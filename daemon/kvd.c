@@ -445,6 +445,11 @@ static void unlink_private_pool(void)
         pool_unlink(private_pool);
 }
 
+static void reclaimed(void *user, const char *name)
+{
+    kvd_log(user, "removed pool %s from /dev/shm: left by a kvd that is gone", name);
+}
+
 static uint64_t default_kv_bytes(void)
 {
     uint64_t want = 1ull << 30;
@@ -933,8 +938,9 @@ static void setup(struct kvd *k)
     pp.name = k->pool_name;
     pp.reuse = o->pool != NULL;
     pp.unlink_on_close = o->pool == NULL;
-    if (pp.unlink_on_close)
-        snprintf(private_pool, sizeof(private_pool), "%s", k->pool_name);
+    pp.exclusive = o->pool == NULL;     /* never another's segment, whoever made it first */
+    /* the private pools of kvds that crashed (SIGKILL, an abort) go first */
+    pool_reclaim_stale("kvd-", reclaimed, k);
     uint8_t secret[POOL_SECRET_BYTES];
     if (o->cache_dir != NULL) {
         cache_secret(o->cache_dir, secret);
@@ -952,6 +958,9 @@ static void setup(struct kvd *k)
     k->pool = pool_create(&lay, &pp, note, sizeof(note), err, sizeof(err));
     if (k->pool == NULL)
         cli_die("%s", err);
+    snprintf(k->pool_name, sizeof(k->pool_name), "%s", pool_name(k->pool) + 1);  /* "/name" */
+    if (pp.unlink_on_close)
+        snprintf(private_pool, sizeof(private_pool), "%s", k->pool_name);
     if (pp.unlink_on_close)
         atexit(unlink_private_pool);    /* a setup error (cli_die) after this leaves no segment */
     if (note[0])
