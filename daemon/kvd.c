@@ -136,6 +136,10 @@ static void usage(FILE *f)
           "      --tenant-max-blocks N|P%  KV blocks one tenant may hold, cached ones included\n"
           "                           (a count, or a share of the pool); past it a tenant's new\n"
           "                           blocks evict its own (default 0: no limit)\n"
+          "      --max-fence-ms MS    the longest --fence-ms a worker of another host may name; kvd\n"
+          "                           holds a lost one's blocks for twice it (default 60000)\n"
+          "      --host-max-blocks N  the most blocks another host's pool may have: kvd keeps its\n"
+          "                           metadata (default 262144)\n"
           "      --dispatch prefix|round-robin  where a request runs when workers of other\n"
           "                           hosts (kvd-worker --host) have joined: the host whose pool\n"
           "                           holds most of its prompt, then the least loaded worker\n"
@@ -149,7 +153,8 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
            OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
            OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS, OPT_EVENTS, OPT_TOPIC,
-           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE, OPT_TBLOCKS, OPT_PUBLIC, OPT_CURVE_IPC, OPT_DISPATCH };
+           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE, OPT_TBLOCKS, OPT_PUBLIC, OPT_CURVE_IPC, OPT_DISPATCH,
+           OPT_MAXFENCE, OPT_HOSTBLOCKS };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -184,6 +189,8 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "tenant-max-blocks", required_argument, NULL, OPT_TBLOCKS },
         { "public-prefix", required_argument, NULL, OPT_PUBLIC },
         { "dispatch", required_argument, NULL, OPT_DISPATCH },
+        { "max-fence-ms", required_argument, NULL, OPT_MAXFENCE },
+        { "host-max-blocks", required_argument, NULL, OPT_HOSTBLOCKS },
         { "curve-ipc", no_argument, NULL, OPT_CURVE_IPC },
         { "step-tokens", required_argument, NULL, OPT_STEP },
         { "max-batch", required_argument, NULL, OPT_BATCH },
@@ -208,6 +215,8 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     o->gpu = -1;
     o->workers_per_gpu = -1;
     o->max_body = 16u << 20;
+    o->max_fence_ms = 60000;
+    o->host_max_blocks = 1u << 18;
     bool workers_given = false;
     const char *kv_type = NULL, *k_type = NULL, *v_type = NULL, *rotate = NULL;
     opterr = 0;
@@ -289,6 +298,10 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
                 cli_die("--dispatch: prefix or round-robin, not %s", optarg);
             break;
         case OPT_CURVE_IPC: o->curve_ipc = true; break;
+        case OPT_MAXFENCE: o->max_fence_ms = (uint32_t)cli_long(optarg, "--max-fence-ms", 1000, 3600000); break;
+        case OPT_HOSTBLOCKS:
+            o->host_max_blocks = (uint32_t)cli_long(optarg, "--host-max-blocks", 1, 1 << 22);
+            break;
         case OPT_TBLOCKS: {
             const size_t n = strlen(optarg);
             o->tenant_max_blocks_pct = n > 1 && optarg[n - 1] == '%';

@@ -85,6 +85,10 @@ struct kvd_options {
     bool tenant_max_blocks_pct;     /* ... given as a percentage */
     const char *public_prefix;      /* --public-prefix: a system prompt every tenant shares */
     bool dispatch_rr;               /* --dispatch round-robin: workers in turn, not by cached prefix */
+    uint32_t max_fence_ms;          /* --max-fence-ms: the longest fence time a worker of another
+                                     * host may name (kvd holds a lost one's blocks twice that) */
+    uint32_t host_max_blocks;       /* --host-max-blocks: the largest pool another host may name
+                                     * (kvd keeps its metadata) */
     bool quiet;                     /* no log lines (the fuzz harness of tests/fuzz/fuzz_workers.c) */
 };
 
