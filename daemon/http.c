@@ -1040,6 +1040,7 @@ static enum MHD_Result route_metrics(struct MHD_Connection *c, const struct http
     if (rc != 0)
         return send_error(c, 503, "kvd does not answer", NULL, NULL, 0);
     char *text = kvd_stats_prometheus(&st);
+    kvd_stats_free(&st);
     if (text == NULL)
         return MHD_NO;
     /* and this front end's own: responses by status */

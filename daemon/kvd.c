@@ -131,6 +131,8 @@ static void usage(FILE *f)
           "                           them is served)\n"
           "      --tenant-max-queue N requests one tenant may have waiting (default 0: only\n"
           "                           --max-queue); more are OVERLOADED\n"
+          "      --max-tenants N      tenants with requests or blocks at once; a new one past it is\n"
+          "                           OVERLOADED (default 4096)\n"
           "      --public-prefix FILE a system prompt every tenant shares: the cache blocks of a\n"
           "                           prompt that starts with it are cached once for all\n"
           "      --tenant-max-blocks N|P%  KV blocks one tenant may hold, cached ones included\n"
@@ -154,7 +156,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
            OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
            OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS, OPT_EVENTS, OPT_TOPIC,
            OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE, OPT_TBLOCKS, OPT_PUBLIC, OPT_CURVE_IPC, OPT_DISPATCH,
-           OPT_MAXFENCE, OPT_HOSTBLOCKS };
+           OPT_MAXFENCE, OPT_HOSTBLOCKS, OPT_MAXTENANTS };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -190,6 +192,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "public-prefix", required_argument, NULL, OPT_PUBLIC },
         { "dispatch", required_argument, NULL, OPT_DISPATCH },
         { "max-fence-ms", required_argument, NULL, OPT_MAXFENCE },
+        { "max-tenants", required_argument, NULL, OPT_MAXTENANTS },
         { "host-max-blocks", required_argument, NULL, OPT_HOSTBLOCKS },
         { "curve-ipc", no_argument, NULL, OPT_CURVE_IPC },
         { "step-tokens", required_argument, NULL, OPT_STEP },
@@ -217,6 +220,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     o->max_body = 16u << 20;
     o->max_fence_ms = 60000;
     o->host_max_blocks = 1u << 18;
+    o->max_tenants = KVD_MAX_TENANTS;
     bool workers_given = false;
     const char *kv_type = NULL, *k_type = NULL, *v_type = NULL, *rotate = NULL;
     opterr = 0;
@@ -298,6 +302,9 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
                 cli_die("--dispatch: prefix or round-robin, not %s", optarg);
             break;
         case OPT_CURVE_IPC: o->curve_ipc = true; break;
+        case OPT_MAXTENANTS:
+            o->max_tenants = (uint32_t)cli_long(optarg, "--max-tenants", 1, PREFIX_OWNERS - 1);
+            break;
         case OPT_MAXFENCE: o->max_fence_ms = (uint32_t)cli_long(optarg, "--max-fence-ms", 1000, 3600000); break;
         case OPT_HOSTBLOCKS:
             o->host_max_blocks = (uint32_t)cli_long(optarg, "--host-max-blocks", 1, 1 << 22);

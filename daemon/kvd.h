@@ -81,6 +81,7 @@ struct kvd_options {
     bool insecure;                  /* --insecure: tcp:// without CURVE allowed */
     bool curve_ipc;                 /* --curve-ipc: the ipc:// endpoints want CURVE too */
     uint32_t tenant_max_queue;      /* --tenant-max-queue: one tenant's queued requests; 0: no limit */
+    uint32_t max_tenants;           /* --max-tenants: tenants kvd keeps an entry for at once */
     uint32_t tenant_max_blocks;     /* --tenant-max-blocks: blocks, or percent of the pool; 0: none */
     bool tenant_max_blocks_pct;     /* ... given as a percentage */
     const char *public_prefix;      /* --public-prefix: a system prompt every tenant shares */
@@ -121,8 +122,11 @@ struct kvd_host {
 };
 
 /* A tenant: a CURVE client's key name, or the NAME of a namespace
- * "tenant:NAME/..." that a client of the ipc:// socket (the HTTP API) sends. */
-#define KVD_MAX_TENANTS 4096
+ * "tenant:NAME/..." that a client of the ipc:// socket (the HTTP API) sends.
+ * An entry is made when a request of the tenant is admitted; past
+ * --max-tenants entries, one whose tenant has nothing queued, running or held
+ * is given to the new one (requests.c). */
+#define KVD_MAX_TENANTS 4096        /* --max-tenants' default */
 #define KVD_TENANT_NAME_MAX 127     /* a key file's name (64) or an --api-keys tenant (100) */
 struct kvd_tenant {
     char name[KVD_TENANT_NAME_MAX + 1];
@@ -310,7 +314,7 @@ struct kvd {
     uint32_t n_queued, n_active;
     uint64_t next_seq;
     struct kvd_stats_counters st;
-    struct kvd_tenant *tenants;     /* n_tenants, in order of first appearance */
+    struct kvd_tenant *tenants;     /* n_tenants (at most --max-tenants) */
     uint32_t n_tenants, tenants_cap;
     uint32_t tenant_blocks;         /* --tenant-max-blocks in blocks; 0: no limit */
     int32_t *public_tok;            /* --public-prefix's tokens (n_public_tok), else NULL */

@@ -1096,8 +1096,8 @@ static void take_stats(const Kvd__Stats *s, struct kvd_stats *out)
     }
     out->hosts_lost = s->hosts_lost;
     out->blocks_fenced_total = s->blocks_fenced_total;
-    cap = sizeof(out->tenants) / sizeof(out->tenants[0]);
-    for (size_t i = 0; i < s->n_tenants && out->n_tenants < cap; i++) {
+    out->tenants = s->n_tenants ? calloc(s->n_tenants, sizeof(*out->tenants)) : NULL;
+    for (size_t i = 0; i < s->n_tenants && out->tenants != NULL; i++) {
         const Kvd__TenantStats *t = s->tenants[i];
         struct kvd_tenant_stats *o = &out->tenants[out->n_tenants++];
         snprintf(o->name, sizeof(o->name), "%s", t->name ? t->name : "");
@@ -1134,6 +1134,15 @@ int kvd_stats(kvd_client_t *c, struct kvd_stats *out)
         rc = KVD_EPROTOCOL;
     inbox_release(c, &in);
     return rc;
+}
+
+void kvd_stats_free(struct kvd_stats *s)
+{
+    if (s == NULL)
+        return;
+    free(s->tenants);
+    s->tenants = NULL;
+    s->n_tenants = 0;
 }
 
 int kvd_health(kvd_client_t *c, bool *ok, uint32_t *workers_alive)

@@ -251,7 +251,9 @@ struct kvd_stats {
     uint64_t evictions, preemptions, bad_messages;
     struct kvd_worker_stats workers[64];
     uint32_t n_workers;             /* entries of workers used */
-    struct kvd_tenant_stats tenants[64]; /* the first 64 tenants (a tenant's client: its own) */
+    struct kvd_tenant_stats *tenants;   /* n_tenants rows, every tenant kvd has an entry for (a
+                                         * tenant's client: its own); malloc'd, NULL when none
+                                         * (kvd_stats_free) */
     uint32_t n_tenants;
     /* latencies of finished requests, seconds: time to first token, end to end,
      * queued, and between tokens (each request's mean gap, once per gap) */
@@ -263,7 +265,13 @@ struct kvd_stats {
     uint64_t blocks_fenced_total;   /* blocks held back after other hosts' workers were lost */
 };
 
+/* kvd's statistics into *out; free what it holds with kvd_stats_free. 0, or
+ * a transport error or kvd's (out then holds nothing to free). */
 int kvd_stats(kvd_client_t *c, struct kvd_stats *out);
+
+/* Frees what a kvd_stats filled holds (the tenant rows) and sets it to
+ * none; accepts NULL. */
+void kvd_stats_free(struct kvd_stats *s);
 
 /* The statistics in Prometheus' text format (version 0.0.4), as kvd's HTTP
  * /metrics serves them: vLLM's names for what an inference gateway reads
