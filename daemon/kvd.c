@@ -115,6 +115,11 @@ static void usage(FILE *f)
           "      --kv-events ENDPOINT publish block events there (ZeroMQ PUB, vLLM's msgpack format)\n"
           "                           for prefix-aware routers (loopback unless --allow-remote)\n"
           "      --kv-events-topic T  their topic (default kv@HOST@MODEL)\n"
+          "      --kv-events-token-ids shared|all  whose blocks' token ids the events carry: the\n"
+          "                           shared namespaces' only (default: the default namespace and\n"
+          "                           --public-prefix; a tenant's blocks go with token_ids []), or all\n"
+          "      --events-allow DIR   with --curve-secret: the public keys that may subscribe to\n"
+          "                           tcp:// --kv-events (none: no one)\n"
           "      --host-cache SIZE    keep blocks the pool evicts in host memory, up to SIZE, and\n"
           "                           copy them back for a later prompt (default 0: none)\n"
           "      --cache-dir DIR      write every cached block behind to files in DIR, and read\n"
@@ -156,7 +161,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
            OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
            OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS, OPT_EVENTS, OPT_TOPIC,
            OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE, OPT_TBLOCKS, OPT_PUBLIC, OPT_CURVE_IPC, OPT_DISPATCH,
-           OPT_MAXFENCE, OPT_HOSTBLOCKS, OPT_MAXTENANTS };
+           OPT_MAXFENCE, OPT_HOSTBLOCKS, OPT_MAXTENANTS, OPT_EVTOKENS, OPT_EALLOW };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -192,6 +197,8 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "public-prefix", required_argument, NULL, OPT_PUBLIC },
         { "dispatch", required_argument, NULL, OPT_DISPATCH },
         { "max-fence-ms", required_argument, NULL, OPT_MAXFENCE },
+        { "kv-events-token-ids", required_argument, NULL, OPT_EVTOKENS },
+        { "events-allow", required_argument, NULL, OPT_EALLOW },
         { "max-tenants", required_argument, NULL, OPT_MAXTENANTS },
         { "host-max-blocks", required_argument, NULL, OPT_HOSTBLOCKS },
         { "curve-ipc", no_argument, NULL, OPT_CURVE_IPC },
@@ -302,6 +309,12 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
                 cli_die("--dispatch: prefix or round-robin, not %s", optarg);
             break;
         case OPT_CURVE_IPC: o->curve_ipc = true; break;
+        case OPT_EVTOKENS:
+            if (strcmp(optarg, "all") != 0 && strcmp(optarg, "shared") != 0)
+                cli_die("--kv-events-token-ids: shared or all, not %s", optarg);
+            o->kv_events_all_tokens = strcmp(optarg, "all") == 0;
+            break;
+        case OPT_EALLOW: o->events_allow = optarg; break;
         case OPT_MAXTENANTS:
             o->max_tenants = (uint32_t)cli_long(optarg, "--max-tenants", 1, PREFIX_OWNERS - 1);
             break;
@@ -329,8 +342,9 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         cli_die("unexpected argument '%s' (see --help)", argv[optind]);
     if (o->api_keys != NULL && o->n_http == 0)
         cli_die("--api-keys goes with --http");
-    if ((o->clients_allow != NULL || o->workers_allow != NULL || o->curve_ipc) && o->curve_secret == NULL)
-        cli_die("--clients-allow, --workers-allow and --curve-ipc go with --curve-secret");
+    if ((o->clients_allow != NULL || o->workers_allow != NULL || o->events_allow != NULL || o->curve_ipc) &&
+        o->curve_secret == NULL)
+        cli_die("--clients-allow, --workers-allow, --events-allow and --curve-ipc go with --curve-secret");
     if (o->curve_secret != NULL && o->insecure)
         cli_die("--insecure and --curve-secret exclude each other");
     if (o->kv_events_topic != NULL && o->kv_events == NULL)
@@ -736,7 +750,8 @@ static void auth_reread(struct kvd *k)
         return;
     }
     auth_stats(k->auth, &st);
-    kvd_log(k, "SIGHUP: %u client keys, %u worker keys allowed", st.keys[AUTH_CLIENTS], st.keys[AUTH_WORKERS]);
+    kvd_log(k, "SIGHUP: %u client keys, %u event subscriber keys, %u worker keys allowed", st.keys[AUTH_CLIENTS],
+            st.keys[AUTH_EVENTS], st.keys[AUTH_WORKERS]);
 }
 
 /* The monitor of a CURVE socket (the clients', or a tcp:// worker
@@ -783,8 +798,8 @@ static void auth_setup(struct kvd *k)
     if (curve_cert_read(o->curve_secret, true, &k->cert, err, sizeof(err)) != 0)
         cli_die("--curve-secret: %s", err);
     const bool tcp_workers = o->worker_endpoint != NULL && strncmp(o->worker_endpoint, "tcp://", 6) == 0;
-    k->auth = auth_new(k->zctx, o->clients_allow, o->workers_allow, tcp_workers ? k->cert.public_key : NULL,
-                       auth_log, k, err, sizeof(err));
+    k->auth = auth_new(k->zctx, o->clients_allow, o->workers_allow, o->events_allow,
+                       tcp_workers ? k->cert.public_key : NULL, auth_log, k, err, sizeof(err));
     if (k->auth == NULL)
         cli_die("--curve-secret: %s", err);
     k->clients_curve = router(k);
@@ -796,8 +811,9 @@ static void auth_setup(struct kvd *k)
         k->wcurve_mon = curve_monitor(k, k->wsock, "inproc://kvd-worker-curve-monitor");
     struct auth_stats st;
     auth_stats(k->auth, &st);
-    kvd_log(k, "CURVE: kvd's public key %s; %u client keys%s, %u worker keys allowed", k->cert.public_key,
-            st.keys[AUTH_CLIENTS], o->clients_allow ? "" : " (no --clients-allow: no client gets in over tcp://)",
+    kvd_log(k, "CURVE: kvd's public key %s; %u client keys%s, %u event subscriber keys, %u worker keys allowed",
+            k->cert.public_key, st.keys[AUTH_CLIENTS],
+            o->clients_allow ? "" : " (no --clients-allow: no client gets in over tcp://)", st.keys[AUTH_EVENTS],
             st.keys[AUTH_WORKERS]);
 }
 
@@ -1090,8 +1106,23 @@ static void events_setup(struct kvd *k)
         snprintf(topic, sizeof(topic), "%s", o->kv_events_topic);
     else
         snprintf(topic, sizeof(topic), "kv@%s@%s", host, name);
+    /* over tcp:// only the keys of --events-allow subscribe, or with --insecure
+     * whoever reaches the port; over ipc:// the private directory decides */
+    const bool tcp = strncmp(o->kv_events, "tcp://", 6) == 0;
+    if (tcp && o->curve_secret == NULL && !o->insecure)
+        cli_die("--kv-events %s: tcp:// needs --curve-secret (subscribers' keys in --events-allow), or "
+                "--insecure to publish to whoever reaches it", o->kv_events);
+    if (tcp && o->curve_secret == NULL)
+        kvd_log(k, "INSECURE: anyone who reaches %s may read the block events (--insecure, no CURVE)", o->kv_events);
+    struct kv_events_params ep = {
+        .endpoint = o->kv_events, .topic = topic, .medium = o->gpu >= 0 ? "GPU" : "CPU",
+        .curve = tcp && o->curve_secret != NULL ? &k->cert : NULL, .all_tokens = o->kv_events_all_tokens,
+    };
+    ep.shared[ep.n_shared++] = prefix_namespace(k->px, "", 0);
+    if (k->n_public_tok > 0)
+        ep.shared[ep.n_shared++] = k->public_ns;
     char err[256];
-    k->events = kv_events_open(k->zctx, o->kv_events, topic, o->gpu >= 0 ? "GPU" : "CPU", k->px, err, sizeof(err));
+    k->events = kv_events_open(k->zctx, &ep, k->px, err, sizeof(err));
     if (k->events == NULL)
         cli_die("%s", err);
     kv_events_announce(k->events);

@@ -72,6 +72,8 @@ struct kvd_options {
     const char *api_keys;           /* --api-keys FILE: "KEY TENANT" lines; the HTTP API needs a key */
     const char *kv_events;          /* --kv-events ENDPOINT: publish block events (daemon/events.h) */
     const char *kv_events_topic;    /* --kv-events-topic (default kv@HOST@MODEL, as llm-d expects) */
+    bool kv_events_all_tokens;      /* --kv-events-token-ids all: a tenant's blocks' token ids too */
+    const char *events_allow;       /* --events-allow: the keys that may subscribe over tcp:// */
     uint64_t host_cache_bytes;      /* --host-cache: the host tier's budget; 0: none */
     const char *cache_dir;          /* --cache-dir: the disk tier's directory; NULL: none */
     uint64_t disk_cache_bytes;      /* --disk-cache: its budget */

@@ -1477,11 +1477,13 @@ struct hash_list {
     size_t n, cap;
 };
 
-static void add_hash(void *user, prefix_key_t key, const prefix_key_t *parent, const int32_t *tokens)
+static void add_hash(void *user, prefix_key_t key, const prefix_key_t *parent, const int32_t *tokens,
+                     prefix_ns_t ns)
 {
     struct hash_list *l = user;
     (void)parent;
     (void)tokens;
+    (void)ns;
     if (l->n < l->cap)
         l->v[l->n++] = key.lo;
 }
