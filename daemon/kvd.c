@@ -645,37 +645,6 @@ static void tokenizer_digest(const model_t *m, uint8_t out[16])
     memcpy(out + 8, &h.high64, 8);
 }
 
-/* The key secret of the pools that use directory dir as their disk tier, from
- * dir/secret (made, 0600, by the first: random bytes written to a temporary
- * name, synced and renamed), so that the blocks a pool wrote keep their keys
- * in the next. The directory is made (0700) when missing. */
-static void cache_secret(const char *dir, uint8_t out[POOL_SECRET_BYTES])
-{
-    char path[4200], tmp[4300];
-    if (mkdir(dir, 0700) != 0 && errno != EEXIST)
-        cli_die("--cache-dir: cannot make %s: %s", dir, strerror(errno));
-    snprintf(path, sizeof(path), "%s/secret", dir);
-    FILE *f = fopen(path, "rb");
-    if (f != NULL) {
-        const size_t n = fread(out, 1, POOL_SECRET_BYTES, f);
-        const int extra = fgetc(f);
-        fclose(f);
-        if (n == POOL_SECRET_BYTES && extra == EOF)
-            return;
-        kvd_log(NULL, "--cache-dir: %s is not a key secret; making a new one (the files there will not match)",
-                path);
-    }
-    f = fopen("/dev/urandom", "rb");
-    if (f == NULL || fread(out, 1, POOL_SECRET_BYTES, f) != POOL_SECRET_BYTES)
-        cli_die("--cache-dir: cannot read random bytes for a key secret");
-    fclose(f);
-    snprintf(tmp, sizeof(tmp), "%s/.tmp-secret", dir);
-    const int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (fd < 0 || write(fd, out, POOL_SECRET_BYTES) != (ssize_t)POOL_SECRET_BYTES || fsync(fd) != 0 ||
-        close(fd) != 0 || rename(tmp, path) != 0)
-        cli_die("--cache-dir: cannot write %s: %s", path, strerror(errno));
-}
-
 /* --host-cache, --cache-dir: the tiers below the pool (shm/tier.h, shm/disktier.h). */
 static void tiers_setup(struct kvd *k, const struct pool_layout *lay)
 {
@@ -704,6 +673,7 @@ static void tiers_setup(struct kvd *k, const struct pool_layout *lay)
         const XXH128_hash_t kd = XXH3_128bits(pool_header(k->pool)->secret, POOL_SECRET_BYTES);
         memcpy(dl.keys, &kd.low64, 8);
         memcpy(dl.keys + 8, &kd.high64, 8);
+        disk_tier_mac_key(pool_header(k->pool)->secret, POOL_SECRET_BYTES, dl.mac_key);
         const uint64_t budget = o->disk_cache_bytes ? o->disk_cache_bytes : 4ull << 30;
         k->disk = disk_tier_open(o->cache_dir, budget, &dl, disk_log, k, err, sizeof(err));
         if (k->disk == NULL)
@@ -711,8 +681,9 @@ static void tiers_setup(struct kvd *k, const struct pool_layout *lay)
         struct disk_tier_stats ds;
         disk_tier_stats(k->disk, &ds);
         kvd_log(k, "disk tier %s: up to %.1f MiB; %llu blocks found (%llu of another model or layout ignored, "
-                "%llu damaged removed)", o->cache_dir, budget / 1048576.0, (unsigned long long)ds.files,
-                (unsigned long long)ds.ignored, (unsigned long long)ds.corrupt);
+                "%llu damaged removed, %llu refused)", o->cache_dir, budget / 1048576.0,
+                (unsigned long long)(ds.files), (unsigned long long)ds.ignored, (unsigned long long)ds.corrupt,
+                (unsigned long long)ds.refused);
     }
     struct prefix_tier t = { .committed = k->disk ? tier_committed : NULL, .evicted = tier_evicted,
                              .has = tier_has_block, .user = k };
@@ -979,7 +950,13 @@ static void setup(struct kvd *k)
     pool_reclaim_stale("kvd-", reclaimed, k);
     uint8_t secret[POOL_SECRET_BYTES];
     if (o->cache_dir != NULL) {
-        cache_secret(o->cache_dir, secret);
+        /* the pools that use a directory as their disk tier share its key
+         * secret, so that the blocks one wrote keep their keys in the next */
+        bool made;
+        if (disk_tier_secret(o->cache_dir, secret, sizeof(secret), &made, err, sizeof(err)) != 0)
+            cli_die("--cache-dir: %s", err);
+        if (made)
+            kvd_log(k, "--cache-dir: a new key secret in %s/secret", o->cache_dir);
         pp.secret = secret;     /* keys as the disk tier's files were made (a new pool) */
     }
     pp.kv_bytes = o->kv_bytes ? o->kv_bytes : o->gpu >= 0 ? gpu_default_kv_bytes(k)
