@@ -730,8 +730,8 @@ static int gen_msg_build(struct gen_msg *m, const struct kvd_gen_params *p, uint
     s->min_p = p->min_p;
     s->has_repeat_penalty = !(p->repeat_penalty < 0);
     s->repeat_penalty = p->repeat_penalty;
-    s->has_seed = p->seed >= 0;
-    s->seed = (uint64_t)p->seed;
+    s->has_seed = p->has_seed_u64 || p->seed >= 0;
+    s->seed = p->has_seed_u64 ? p->seed_u64 : (uint64_t)p->seed;
     if (s->has_temperature || s->has_top_k || s->has_top_p || s->has_min_p ||
         s->has_repeat_penalty || s->has_seed)
         g->sampling = s;

@@ -79,7 +79,7 @@ struct kvd_gen_params {
     float top_p;                            /* < 0: default */
     float min_p;                            /* < 0: default */
     float repeat_penalty;                   /* < 0: default */
-    int64_t seed;                           /* < 0: random */
+    int64_t seed;                           /* < 0: random (unless has_seed_u64) */
     const char *const *stop;                /* stop strings */
     size_t n_stop;
     uint32_t deadline_ms;                   /* 0: none */
@@ -88,6 +88,8 @@ struct kvd_gen_params {
     bool no_cache;                          /* bypass the prefix cache */
     int32_t logprobs;                       /* < 0: none (default); 0..20: each output token's
                                              * logprob and this many most likely alternatives */
+    bool has_seed_u64;                      /* the seed is seed_u64, any of the 2^64 (seed ignored) */
+    uint64_t seed_u64;
 };
 
 /* Fills p with "nothing set" (NULL prompt, negative sampling fields). */
