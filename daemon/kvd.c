@@ -109,6 +109,17 @@ static void usage(FILE *f)
           "      --http HOST:PORT     serve the OpenAI-compatible HTTP API there too, repeatable\n"
           "                           (loopback addresses unless --allow-remote)\n"
           "      --max-body SIZE      largest HTTP request body (default 16MiB)\n"
+          "      --http-max-memory SIZE  what every HTTP request body and its parsed JSON may\n"
+          "                           hold together; past it: 503 (default 256MiB)\n"
+          "      --http-max-conns N   HTTP connections at once (default 4096, fewer when the\n"
+          "                           descriptor limit is lower)\n"
+          "      --http-max-conns-per-ip N  from one client address (default 256)\n"
+          "      --http-timeout S     a request's head and body must arrive within S seconds of\n"
+          "                           its connection's start or the previous answer (trickled bytes\n"
+          "                           do not extend it); idle connections close after it (default 30)\n"
+          "      --http-max-requests N  HTTP requests answered at once; more: 503 (default 512)\n"
+          "      --operator-key FILE  a key (its first line) whose /metrics carry every tenant's rows\n"
+          "                           (a tenant's API key: its own; no key: none)\n"
           "      --served-model-name NAME  the model's name over HTTP (default: the file's name)\n"
           "      --api-keys FILE      HTTP API keys, \"KEY TENANT\" a line: a key is then needed, and\n"
           "                           each tenant's cache namespace is its own\n"
@@ -161,7 +172,8 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
            OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
            OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS, OPT_EVENTS, OPT_TOPIC,
            OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE, OPT_TBLOCKS, OPT_PUBLIC, OPT_CURVE_IPC, OPT_DISPATCH,
-           OPT_MAXFENCE, OPT_HOSTBLOCKS, OPT_MAXTENANTS, OPT_EVTOKENS, OPT_EALLOW };
+           OPT_MAXFENCE, OPT_HOSTBLOCKS, OPT_MAXTENANTS, OPT_EVTOKENS, OPT_EALLOW, OPT_HTTPMEM, OPT_HTTPCONNS,
+           OPT_HTTPIP, OPT_HTTPTIMEOUT, OPT_HTTPREQS, OPT_OPKEY };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -197,6 +209,12 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "public-prefix", required_argument, NULL, OPT_PUBLIC },
         { "dispatch", required_argument, NULL, OPT_DISPATCH },
         { "max-fence-ms", required_argument, NULL, OPT_MAXFENCE },
+        { "http-max-memory", required_argument, NULL, OPT_HTTPMEM },
+        { "http-max-conns", required_argument, NULL, OPT_HTTPCONNS },
+        { "http-max-conns-per-ip", required_argument, NULL, OPT_HTTPIP },
+        { "http-timeout", required_argument, NULL, OPT_HTTPTIMEOUT },
+        { "http-max-requests", required_argument, NULL, OPT_HTTPREQS },
+        { "operator-key", required_argument, NULL, OPT_OPKEY },
         { "kv-events-token-ids", required_argument, NULL, OPT_EVTOKENS },
         { "events-allow", required_argument, NULL, OPT_EALLOW },
         { "max-tenants", required_argument, NULL, OPT_MAXTENANTS },
@@ -228,6 +246,11 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     o->max_fence_ms = 60000;
     o->host_max_blocks = 1u << 18;
     o->max_tenants = KVD_MAX_TENANTS;
+    o->http_max_memory = 256ull << 20;
+    o->http_max_conns = 4096;
+    o->http_max_conns_per_ip = 256;
+    o->http_timeout_s = 30;
+    o->http_max_requests = 512;
     bool workers_given = false;
     const char *kv_type = NULL, *k_type = NULL, *v_type = NULL, *rotate = NULL;
     opterr = 0;
@@ -315,6 +338,19 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
             o->kv_events_all_tokens = strcmp(optarg, "all") == 0;
             break;
         case OPT_EALLOW: o->events_allow = optarg; break;
+        case OPT_HTTPMEM:
+            if (kvd_parse_size(optarg, &o->http_max_memory) != 0 || o->http_max_memory < (1u << 20))
+                cli_die("--http-max-memory must be a size of at least 1MiB, got '%s'", optarg);
+            break;
+        case OPT_HTTPCONNS: o->http_max_conns = (uint32_t)cli_long(optarg, "--http-max-conns", 1, 1 << 20); break;
+        case OPT_HTTPIP:
+            o->http_max_conns_per_ip = (uint32_t)cli_long(optarg, "--http-max-conns-per-ip", 1, 1 << 20);
+            break;
+        case OPT_HTTPTIMEOUT: o->http_timeout_s = (uint32_t)cli_long(optarg, "--http-timeout", 1, 3600); break;
+        case OPT_HTTPREQS:
+            o->http_max_requests = (uint32_t)cli_long(optarg, "--http-max-requests", 1, 1 << 16);
+            break;
+        case OPT_OPKEY: o->operator_key = optarg; break;
         case OPT_MAXTENANTS:
             o->max_tenants = (uint32_t)cli_long(optarg, "--max-tenants", 1, PREFIX_OWNERS - 1);
             break;
@@ -340,8 +376,8 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     }
     if (optind < argc)
         cli_die("unexpected argument '%s' (see --help)", argv[optind]);
-    if (o->api_keys != NULL && o->n_http == 0)
-        cli_die("--api-keys goes with --http");
+    if ((o->api_keys != NULL || o->operator_key != NULL) && o->n_http == 0)
+        cli_die("--api-keys and --operator-key go with --http");
     if ((o->clients_allow != NULL || o->workers_allow != NULL || o->events_allow != NULL || o->curve_ipc) &&
         o->curve_secret == NULL)
         cli_die("--clients-allow, --workers-allow, --events-allow and --curve-ipc go with --curve-secret");
@@ -1115,9 +1151,12 @@ static void http_setup(struct kvd *k)
     kvd_served_name(o, name, sizeof(name));
     for (int i = 0; i < o->n_http; i++) {
         const char *h = o->http[i];     /* checked by endpoints_plan */
-        const struct http_params hp = { .bind = h, .kvd_endpoint = k->http_ep, .model_id = name,
-                                        .max_body = o->max_body, .block_tokens = o->block_tokens,
-                                        .api_keys = o->api_keys };
+        const struct http_params hp = {
+            .bind = h, .kvd_endpoint = k->http_ep, .model_id = name, .max_body = o->max_body,
+            .block_tokens = o->block_tokens, .api_keys = o->api_keys, .operator_key = o->operator_key,
+            .max_conns = o->http_max_conns, .max_conns_per_ip = o->http_max_conns_per_ip,
+            .timeout_s = o->http_timeout_s, .max_memory = o->http_max_memory, .max_requests = o->http_max_requests,
+        };
         char err[256];
         k->http[i] = http_start(&hp, err, sizeof(err));
         if (k->http[i] == NULL)

@@ -70,6 +70,12 @@ struct kvd_options {
     uint32_t max_body;              /* --max-body: largest HTTP request body, bytes */
     const char *model_name;         /* --served-model-name (default: the file's name, no .gguf) */
     const char *api_keys;           /* --api-keys FILE: "KEY TENANT" lines; the HTTP API needs a key */
+    const char *operator_key;       /* --operator-key FILE: the key whose /metrics show every tenant */
+    uint64_t http_max_memory;       /* --http-max-memory: request bodies and their JSON, together */
+    uint32_t http_max_conns;        /* --http-max-conns: connections at once */
+    uint32_t http_max_conns_per_ip; /* --http-max-conns-per-ip */
+    uint32_t http_timeout_s;        /* --http-timeout: a request's head and body must be in by then */
+    uint32_t http_max_requests;     /* --http-max-requests: requests answered at once */
     const char *kv_events;          /* --kv-events ENDPOINT: publish block events (daemon/events.h) */
     const char *kv_events_topic;    /* --kv-events-topic (default kv@HOST@MODEL, as llm-d expects) */
     bool kv_events_all_tokens;      /* --kv-events-token-ids all: a tenant's blocks' token ids too */

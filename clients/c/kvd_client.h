@@ -55,10 +55,24 @@ kvd_client_t *kvd_client_new(const char *endpoint, int timeout_ms, char *err, si
 kvd_client_t *kvd_client_new_keys(const char *endpoint, int timeout_ms, const struct kvd_client_keys *keys,
                                   char *err, size_t errlen);
 
+/* kvd_client_new_keys without keys, on the caller's ZeroMQ context zctx
+ * (what zmq_ctx_new returned) instead of one of its own, so that the many
+ * clients of one process share its I/O thread. zctx must outlive the
+ * client, which leaves it as it is when destroyed. */
+kvd_client_t *kvd_client_new_in(void *zctx, const char *endpoint, int timeout_ms, char *err, size_t errlen);
+
 /* Closes the connection; accepts NULL and sets *c to NULL. */
 void kvd_client_destroy(kvd_client_t **c);
 
 void kvd_client_set_timeout(kvd_client_t *c, int timeout_ms);
+
+/* A descriptor the client watches besides kvd while a call waits (-1, the
+ * default: none). Once it is readable, or reports an error or a hang-up, a
+ * waiting call gives up at once with KVD_ECANCELLED: a generate in progress
+ * is cancelled at kvd first, without waiting for kvd to confirm. The caller
+ * owns fd (kvd's HTTP front end makes one readable when its HTTP client goes
+ * away, or at shutdown). */
+void kvd_client_set_abort_fd(kvd_client_t *c, int fd);
 
 struct kvd_chat_msg {
     const char *role;       /* "system", "user", "assistant" */
