@@ -16,6 +16,16 @@
 #include "types.h"
 
 #define ACT_SLOTS 3  /* distinct activation formats one input may be quantized to */
+/* A prefill tile: tokens [t0, t0 + n_tok) of one sequence in the step, the
+ * heads of KV head kv_head, their positions of attention range `range`: one
+ * kern_attn_multi call (engine_step lays them out, attn_run runs them). */
+struct attn_unit {
+    uint32_t t0;
+    uint16_t n_tok;
+    uint16_t range;
+    uint32_t kv_head;
+};
+
 #define ATTN_ITEM_COST 32  /* an attention item's fixed cost (setup, softmax, output), in positions */
 
 /* An input row set quantized to the format one weight type consumes. */
@@ -67,6 +77,10 @@ struct engine {
     uint32_t *slot0;        /* (T) first partial-result slot of each split token */
     float *part;            /* (T * max ranges, n_head, head_dim) partial outputs of split tokens */
     float *part_stats;      /* (T * max ranges, n_head, 2) their max and sum */
+    struct attn_unit *units;/* this step's prefill tiles (attn_units), at full-attention layers */
+    uint64_t *unit_cost0;   /* (n_units + 1) the work before each unit, as cost0 counts it */
+    uint32_t n_units;
+    void **tile_scratch;    /* (n_threads) kern_attn_multi's scratch, for e->chunk positions */
     struct act_slot act[ACT_SLOTS];
     void **gemm_scratch;    /* (n_threads) per-thread scratch of the matrix products */
     struct mm_share *share; /* (n_threads) each thread's share of the product being run */
@@ -123,6 +137,12 @@ void engine_destroy(engine_t **ep)
     free(e->slot0);
     free(e->part);
     free(e->part_stats);
+    free(e->units);
+    free(e->unit_cost0);
+    if (e->tile_scratch != NULL)
+        for (int i = 0; i < e->n_threads; i++)
+            free(e->tile_scratch[i]);
+    free(e->tile_scratch);
     for (int i = 0; i < ACT_SLOTS; i++)
         free(e->act[i].buf);
     free(e->logits);
@@ -207,7 +227,17 @@ engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params
     e->slot0 = xmalloc_arr(T, sizeof(uint32_t));
     e->part = max_ranges > 1 ? xmalloc_arr(T * max_ranges * c->n_head * c->head_dim, sizeof(float)) : NULL;
     e->part_stats = max_ranges > 1 ? xmalloc_arr(T * max_ranges * c->n_head * 2, sizeof(float)) : NULL;
-    bool ranges_ok = e->n_range && e->item0 && e->cost0 && e->slot0 && (max_ranges <= 1 || (e->part && e->part_stats));
+    /* a tile per token at most, times its ranges and the KV heads */
+    const size_t max_units = T * max_ranges * c->n_head_kv;
+    e->units = xmalloc_arr(max_units, sizeof(*e->units));
+    e->unit_cost0 = xmalloc_arr(max_units + 1, sizeof(uint64_t));
+    e->tile_scratch = calloc((size_t)e->n_threads, sizeof(void *));
+    for (int i = 0; e->tile_scratch != NULL && i < e->n_threads; i++)
+        if ((e->tile_scratch[i] = malloc(kern_attn_multi_scratch((int)e->chunk, (int)c->head_dim))) == NULL)
+            break;
+    const bool tiles_ok = e->units && e->unit_cost0 && e->tile_scratch &&
+                          e->tile_scratch[e->n_threads - 1] != NULL;
+    bool ranges_ok = tiles_ok && e->n_range && e->item0 && e->cost0 && e->slot0 && (max_ranges <= 1 || (e->part && e->part_stats));
     bool ok = e->tok_id && e->tok_pos && e->tok_seq && e->out_tok && e->x && e->xb && e->q &&
               e->k && e->v && e->gate && e->up && e->rope && e->scores && ranges_ok &&
               (!swa || (e->item0_win && (e->rope_swa || c->rope_base_swa == c->rope_base)));
@@ -571,6 +601,71 @@ static long attn_cut(const engine_t *e, int T, int k, int nth)
     return (long)(e->item0[lo] + (span ? (c - e->cost0[lo]) * items / span : 0));
 }
 
+/* Thread ith's share of the step's prefill tiles (contiguous, by cost): each
+ * tile's (token, head) queries of one range in one kern_attn_multi call,
+ * which gives each the bits attn_run's per-token path would. */
+static void tiles_run(engine_t *e, const struct attn_job *j, int ith, int nth)
+{
+    const struct model_config *c = &e->m->cfg;
+    const kvcache_t *kv = e->kv;
+    const int hd = (int)c->head_dim, nh = (int)c->n_head, group = (int)(c->n_head / c->n_head_kv);
+    const uint64_t total = e->unit_cost0[e->n_units];
+    const uint64_t c0 = total * (uint64_t)ith / (uint64_t)nth, c1 = total * (uint64_t)(ith + 1) / (uint64_t)nth;
+    /* the units whose work starts in [c0, c1) */
+    uint32_t u = 0;
+    while (u < e->n_units && e->unit_cost0[u] < c0)
+        u++;
+    struct kern_attn_args a = {
+        .k_base = kv_block_ptr(kv, 0, j->layer, 0),
+        .v_base = kv_block_ptr(kv, 0, j->layer, 1),
+        .block_tokens = (int)kv->block_tokens,
+        .head_dim = hd,
+        .block_stride = kv->block_bytes,
+        .k_head_stride = kv->k_head_bytes,
+        .v_head_stride = kv->v_head_bytes,
+        .k_type = kv->k_type,
+        .v_type = kv->v_type,
+        .scale = c->attn_scale,
+        .scores = e->scores + (size_t)ith * group * e->p.max_ctx,
+    };
+    struct kern_attn_query qs[KERN_ATTN_LANES];
+    for (; u < e->n_units && e->unit_cost0[u] < c1; u++) {
+        const struct attn_unit *un = &e->units[u];
+        const int from = (int)un->range * (int)e->chunk;
+        int nq = 0;
+        for (uint32_t t = un->t0; t < un->t0 + un->n_tok; t++) {
+            if (e->n_range[t] <= un->range)
+                continue;
+            const int n = e->tok_pos[t] + 1 - from;
+            for (int h = (int)un->kv_head * group; h < ((int)un->kv_head + 1) * group; h++) {
+                struct kern_attn_query *q = &qs[nq++];
+                q->q = e->q + (size_t)t * nh * hd + (size_t)h * hd;
+                q->n_ctx = n < (int)e->chunk ? n : (int)e->chunk;
+                if (e->n_range[t] == 1) {
+                    q->out = e->xb + (size_t)t * nh * hd + (size_t)h * hd;
+                    q->stats = NULL;
+                } else {
+                    const size_t slot = (size_t)e->slot0[t] + un->range;
+                    q->out = e->part + (slot * nh + (size_t)h) * hd;
+                    q->stats = e->part_stats + (slot * nh + (size_t)h) * 2;
+                }
+            }
+        }
+        a.blocks = seq_table(kv, &j->seqs[e->tok_seq[un->t0]], j->layer) + from / (int)kv->block_tokens;
+        a.kv_head = (int)un->kv_head;
+        if (kern_attn_multi(&a, qs, nq, e->tile_scratch[ith]))
+            continue;
+        for (int i = 0; i < nq; i++) {   /* the path changed under us: one query at a time */
+            a.q = qs[i].q;
+            a.out = qs[i].out;
+            a.stats = qs[i].stats;
+            a.n_ctx = qs[i].n_ctx;
+            a.n_q = 1;
+            kern_attn(&a);
+        }
+    }
+}
+
 static void attn_run(void *ctx, int ith, int nth)
 {
     struct attn_job *j = ctx;
@@ -611,6 +706,8 @@ static void attn_run(void *ctx, int ith, int nth)
         i0 = attn_cut(e, j->T, ith, nth);
         i1 = attn_cut(e, j->T, ith + 1, nth);
     }
+    if (!windowed && e->n_units > 0)
+        tiles_run(e, j, ith, nth);
     long t = 0;
     while (t + 1 < j->T && (long)item0[t + 1] <= i0)
         t++;
@@ -679,6 +776,39 @@ static void merge_run(void *ctx, int ith, int nth)
 }
 
 /* ---- the step ---------------------------------------------------------------- */
+
+/* Lays out the step's prefill tiles: for each sequence with more than one
+ * token, its tokens in tiles of as many as fill KERN_ATTN_LANES lanes with
+ * their group's heads, each tile once per attention range its last token
+ * has and per KV head. Returns their count; unit_cost0 gets the work before
+ * each, counted as cost0 counts the per-token items'. */
+static uint32_t attn_units(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs)
+{
+    const struct model_config *c = &e->m->cfg;
+    const uint32_t group = c->n_head / c->n_head_kv, per = KERN_ATTN_LANES / group;
+    uint32_t n = 0, t = 0;
+    e->unit_cost0[0] = 0;
+    for (uint32_t s = 0; s < n_seqs; t += seqs[s].n_tokens, s++) {
+        if (seqs[s].n_tokens < 2)
+            continue;
+        for (uint32_t t0 = t; t0 < t + seqs[s].n_tokens; t0 += per) {
+            const uint32_t nt = t + seqs[s].n_tokens - t0 < per ? t + seqs[s].n_tokens - t0 : per;
+            for (uint32_t r = 0; r < e->n_range[t0 + nt - 1]; r++) {
+                uint64_t cost = 0;   /* positions read by the tile's tokens in range r, per head */
+                for (uint32_t i = t0; i < t0 + nt; i++)
+                    if (e->n_range[i] > r) {
+                        const uint64_t len = (uint64_t)e->tok_pos[i] + 1 - (uint64_t)r * e->chunk;
+                        cost += (len < e->chunk ? len : e->chunk) + ATTN_ITEM_COST;
+                    }
+                for (uint32_t h = 0; h < c->n_head_kv; h++, n++) {
+                    e->units[n] = (struct attn_unit){ t0, (uint16_t)nt, (uint16_t)r, h };
+                    e->unit_cost0[n + 1] = e->unit_cost0[n] + cost * group;
+                }
+            }
+        }
+    }
+    return n;
+}
 
 int fwd_check_batch(const struct fwd_limits *lim, const struct fwd_seq *seqs, uint32_t n_seqs,
                     uint32_t *T_out, uint32_t *rows_out, uint64_t *tables_out, char *err, size_t errlen)
@@ -787,7 +917,11 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
 
     e->step_T = T;
 
-    /* attention items: each token's context in ranges of e->chunk positions */
+    /* attention items: each token's context in ranges of e->chunk positions;
+     * at full-attention layers a prefill's tokens go in tiles instead where
+     * the kernels have them (attn_units) */
+    const bool tiles = kern_attn_multi_ok(e->kv->k_type, e->kv->v_type, (int)c->head_dim) &&
+                       c->n_head / c->n_head_kv <= KERN_ATTN_LANES;
     bool split = false;
     uint32_t slots = 0;
     e->item0[0] = 0;
@@ -799,9 +933,12 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
             split = true;
             slots += e->n_range[i];
         }
-        e->item0[i + 1] = e->item0[i] + (uint64_t)e->n_range[i] * c->n_head;
-        e->cost0[i + 1] = e->cost0[i] + ((uint64_t)e->tok_pos[i] + 1 + ATTN_ITEM_COST * e->n_range[i]) * c->n_head;
+        const bool tiled = tiles && seqs[e->tok_seq[i]].n_tokens > 1;
+        e->item0[i + 1] = e->item0[i] + (tiled ? 0 : (uint64_t)e->n_range[i] * c->n_head);
+        e->cost0[i + 1] = e->cost0[i] +
+                          (tiled ? 0 : ((uint64_t)e->tok_pos[i] + 1 + ATTN_ITEM_COST * e->n_range[i]) * c->n_head);
     }
+    e->n_units = tiles ? attn_units(e, seqs, n_seqs) : 0;
     if (e->item0_win != NULL)
         for (uint32_t i = 0; i <= T; i++)
             e->item0_win[i] = (uint64_t)i * c->n_head;

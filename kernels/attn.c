@@ -69,6 +69,40 @@ void kern_attn_paged(const struct kern_attn_args *a, int i)
     }
 }
 
+/* Each position's sixteen scores and its V row as floats, and room to align them. */
+size_t kern_attn_multi_scratch(int n_ctx, int head_dim)
+{
+    return (size_t)n_ctx * (KERN_ATTN_LANES + (size_t)head_dim) * sizeof(float) + 64;
+}
+
+bool kern_attn_multi_ok(uint32_t k_type, uint32_t v_type, int head_dim)
+{
+#if defined(__x86_64__)
+    return kern_isa() >= KERN_ISA_AVX512VNNI && (head_dim == 64 || head_dim == 128 || head_dim == 256) &&
+           (k_type == KERN_F16 || k_type == KERN_F32) &&
+           (v_type == KERN_F16 || v_type == KERN_F32 || v_type == KERN_Q8_0 || v_type == KERN_Q4_0);
+#else
+    (void)k_type;
+    (void)v_type;
+    (void)head_dim;
+    return false;
+#endif
+}
+
+int kern_attn_multi(const struct kern_attn_args *a, const struct kern_attn_query *qs, int nq, void *scratch)
+{
+#if defined(__x86_64__)
+    if (kern_isa() >= KERN_ISA_AVX512VNNI)
+        return kern_attn_avx512_multi(a, qs, nq, scratch);
+#else
+    (void)a;
+    (void)qs;
+    (void)nq;
+    (void)scratch;
+#endif
+    return 0;
+}
+
 void kern_attn_isa(const struct kern_attn_args *a, int isa)
 {
 #if defined(__x86_64__)

@@ -9,6 +9,7 @@
 #ifndef KVD_KERN_ATTN_H
 #define KVD_KERN_ATTN_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -83,6 +84,37 @@ int kern_attn_avx2(const struct kern_attn_args *a);
 
 /* AVX-512 path for head_dim 64, 128 and 256; 0 for other shapes and types. */
 int kern_attn_avx512(const struct kern_attn_args *a);
+
+/* One query of kern_attn_multi: a (token, head) pair. */
+struct kern_attn_query {
+    const float *q;         /* head_dim rotated values */
+    float *out;             /* head_dim results */
+    float *stats;           /* NULL, or its largest score and sum (kern_attn's stats) */
+    int n_ctx;              /* positions [0, n_ctx) of a's blocks */
+};
+
+#define KERN_ATTN_LANES 16  /* queries one kern_attn_multi call takes at most */
+
+/*
+ * Up to KERN_ATTN_LANES queries of KV head a->kv_head at once, each over its
+ * own positions [0, n_ctx) (a prefill's tokens of one sequence, with the
+ * heads of their group): what kern_attn does for each alone, with the same
+ * bits, reading each K and V row once for all of them. a gives the cache
+ * (bases, blocks, strides, types, scale, head_dim; skip must be 0); its q,
+ * out, n_q, n_ctx, scores and stats are not read. scratch: at least
+ * kern_attn_multi_scratch(the largest n_ctx, head_dim) bytes. Returns 0, having done
+ * nothing, where the active path has no such kernel for the shape or types
+ * (the caller then runs kern_attn per query); 1 done.
+ */
+int kern_attn_multi(const struct kern_attn_args *a, const struct kern_attn_query *qs, int nq, void *scratch);
+size_t kern_attn_multi_scratch(int n_ctx, int head_dim);
+
+/* Whether kern_attn_multi takes these types and head size on the active path. */
+bool kern_attn_multi_ok(uint32_t k_type, uint32_t v_type, int head_dim);
+
+/* The AVX-512 path of it: head_dim 64, 128 and 256, K f16 or f32. */
+int kern_attn_avx512_multi(const struct kern_attn_args *a, const struct kern_attn_query *qs, int nq,
+                           void *scratch);
 
 /* aarch64 path (NEON + sdot), the AVX2 path's design in 128-bit registers;
  * the same shapes and types. */

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "attn.h"
@@ -391,6 +392,265 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
     for (int g = 0; g < NQ; g++)
         for (int h = 0; h < HV; h++)
             _mm512_storeu_ps(a->out + (size_t)(q0 + g) * hd + 16 * h, acc[g][h]);
+}
+
+/* ---- several tokens at once: the queries in the lanes ------------------------------------- */
+
+/*
+ * A prefill's tokens of one sequence share their positions, so up to sixteen
+ * (token, head) queries of one KV head run together, one query in each lane
+ * of a vector ("lanes over queries"): each K and V value is converted once
+ * and broadcast to all of them, a score costs its head_dim multiply-adds and
+ * no horizontal sum, and out += p v is one multiply-add a value for sixteen
+ * queries. Every query's arithmetic is still attn_pass's, operation for
+ * operation:
+ *   - its score at a position is the same chain per 16-wide slice l of the
+ *     head (q[l] k[l], then + q[16h + l] k[16h + l] for each further slice h)
+ *     and the same tree over the slices as reduce16's:
+ *     ((G0 + G1) + (G2 + G3)), G_g = (x_4g + x_4g+2) + (x_4g+1 + x_4g+3);
+ *   - its largest score and its softmax sum come from the same partials
+ *     (one per position mod 16), reduced by the same intrinsics;
+ *   - out += p v runs in position order from zero;
+ * so each query gets the bits kern_attn gives it alone. A query's positions
+ * end at its own n_ctx: past it its lanes are masked (no score, no weight).
+ */
+
+#define MULTI_P(HV) ((HV) == 4 ? 4 : (HV) == 8 ? 2 : 1)  /* positions per score tile */
+
+/* The scores of P positions (K rows of floats kf[0 .. P)) for every lane,
+ * unscaled, with reduce16's sums in its order. Slice l's chain for lane L is
+ * q_L[l] k[l] + q_L[16 + l] k[16 + l] + ...: its HV query rows (Qt row d holds
+ * dimension d of every lane's query) are loaded once for the P positions,
+ * and each K value is broadcast from memory. The slices of group g are taken
+ * as 4g, 4g + 2, 4g + 1, 4g + 3 to add up as G_g. */
+static inline __attribute__((always_inline)) void scores_lanes(const int HV, const int P, const float *Qt,
+                                                               const float (*kf)[256], __m512 *tot)
+{
+    static const int order[4] = { 0, 2, 1, 3 };
+    __m512 g01[4], g23[4], grp[4], pair[4], first[4];
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) {
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const int l = 4 * g + order[k];
+            __m512 qr[16];
+#pragma GCC unroll 16
+            for (int h = 0; h < HV; h++)
+                qr[h] = _mm512_load_ps(Qt + (size_t)(16 * h + l) * 16);
+#pragma GCC unroll 4
+            for (int p = 0; p < P; p++) {
+                __m512 x = _mm512_mul_ps(qr[0], _mm512_set1_ps(kf[p][l]));
+#pragma GCC unroll 16
+                for (int h = 1; h < HV; h++)
+                    x = _mm512_fmadd_ps(qr[h], _mm512_set1_ps(kf[p][16 * h + l]), x);
+                if (k == 0)
+                    first[p] = x;
+                else if (k == 1)
+                    pair[p] = _mm512_add_ps(first[p], x);       /* x_4g + x_4g+2 */
+                else if (k == 2)
+                    first[p] = x;
+                else
+                    grp[p] = _mm512_add_ps(pair[p], _mm512_add_ps(first[p], x));
+            }
+        }
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+            if (g == 0 || g == 2)
+                (g == 0 ? g01 : g23)[p] = grp[p];
+            else
+                (g == 1 ? g01 : g23)[p] = _mm512_add_ps((g == 1 ? g01 : g23)[p], grp[p]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++)
+        tot[p] = _mm512_add_ps(g01[p], g23[p]);
+}
+
+/* Sixteen values of a V row from value 16c on, as attn_pass reads them:
+ * converted from f16 / f32, or d * code from q8_0 / q4_0 (values_quant). */
+static inline __m512 v_values16(const uint8_t *row, int c, uint32_t type)
+{
+    if (type == KERN_F16 || type == KERN_F32)
+        return load16(row, c, type == KERN_F16);
+    const uint8_t *blk = row + (size_t)(c / 2) * kern_row_bytes(type, 32);
+    const __m512 d = _mm512_set1_ps(block_scale(blk));
+    __m512i codes;
+    if (type == KERN_Q8_0) {
+        codes = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2 + 16 * (c % 2))));
+    } else {
+        const __m128i x = _mm_loadu_si128((const __m128i *)(blk + 2));
+        const __m128i nib = c % 2 ? _mm_srli_epi16(x, 4) : x;
+        codes = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(nib, _mm_set1_epi8(0x0F))),
+                                 _mm512_set1_epi32(8));
+    }
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(codes));
+}
+
+static inline __attribute__((always_inline)) void
+multi_pass(const int HV, const struct kern_attn_args *a, const struct kern_attn_query *qs, int nq, float *S,
+           float *VF)
+{
+    const int hd = 16 * HV, P = MULTI_P(HV);
+    const bool half = a->k_type == KERN_F16;
+    const size_t k_row = (size_t)hd * (half ? 2 : 4), v_row = kern_row_bytes(a->v_type, hd);
+    const uint64_t k_off = (uint64_t)a->kv_head * a->k_head_stride;
+    const uint64_t v_off = (uint64_t)a->kv_head * a->v_head_stride;
+    /* the queries transposed (rounded to f16 over an f16 K, as attn_pass does) */
+    float Qt[256 * 16] __attribute__((aligned(64)));
+    int32_t nl[16] __attribute__((aligned(64)));
+    int N = 0;
+    memset(Qt, 0, (size_t)hd * 16 * sizeof(float));
+    for (int L = 0; L < 16; L++) {
+        nl[L] = L < nq ? qs[L].n_ctx : 0;
+        N = nl[L] > N ? nl[L] : N;
+    }
+    for (int L = 0; L < nq; L++)
+        for (int h = 0; h < HV; h++) {
+            __m512 x = _mm512_loadu_ps(qs[L].q + 16 * h);
+            if (half)
+                x = _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            float v[16] __attribute__((aligned(64)));
+            _mm512_store_ps(v, x);
+            for (int i = 0; i < 16; i++)
+                Qt[(size_t)(16 * h + i) * 16 + L] = v[i];
+        }
+    const __m512i nvec = _mm512_load_si512(nl);
+    const __m512 scale = _mm512_set1_ps(a->scale);
+
+    /* scores, and each lane's running largest per position mod 16 (attn_pass's vmax lanes) */
+    __m512 mx16[16];
+    for (int i = 0; i < 16; i++)
+        mx16[i] = _mm512_set1_ps(-INFINITY);
+    float kf[4][256] __attribute__((aligned(64)));
+    int blk = 0, off = 0;
+    for (int j0 = 0; j0 < N; j0 += P) {
+        const int cnt = N - j0 < P ? N - j0 : P;
+        for (int p = 0; p < cnt; p++) {
+            if (off == 0)
+                prefetch_block(a, blk, N, k_off, v_off, k_row, v_row);
+            const uint8_t *k = a->k_base + a->blocks[blk] * a->block_stride + k_off + (size_t)off * k_row;
+            if (++off == a->block_tokens) {
+                off = 0;
+                blk++;
+            }
+            for (int h = 0; h < HV; h++)
+                _mm512_store_ps(&kf[p][16 * h], load16(k, h, half));
+        }
+        for (int p = cnt; p < P; p++)
+            for (int h = 0; h < HV; h++)
+                _mm512_store_ps(&kf[p][16 * h], _mm512_setzero_ps());
+        __m512 tot[4];
+        scores_lanes(HV, P, Qt, (const float (*)[256])kf, tot);
+        for (int p = 0; p < cnt; p++) {
+            const int j = j0 + p;
+            const __mmask16 live = _mm512_cmpgt_epi32_mask(nvec, _mm512_set1_epi32(j));
+            const __m512 sc = _mm512_mul_ps(tot[p], scale);
+            _mm512_store_ps(S + (size_t)j * 16, sc);
+            mx16[j % 16] = _mm512_mask_max_ps(mx16[j % 16], live, mx16[j % 16], sc);
+        }
+    }
+    /* each lane's largest score, reduced as attn_pass reduces its vmax */
+    float mxl[16][16] __attribute__((aligned(64)));
+    for (int i = 0; i < 16; i++)
+        _mm512_store_ps(mxl[i], mx16[i]);
+    float mx[16] __attribute__((aligned(64)));
+    for (int L = 0; L < 16; L++) {
+        float col[16] __attribute__((aligned(64)));
+        for (int i = 0; i < 16; i++)
+            col[i] = mxl[i][L];
+        mx[L] = _mm512_reduce_max_ps(_mm512_load_ps(col));
+    }
+    /* exponentials and their sums in double, per position mod 16 */
+    const __m512 vmx = _mm512_load_ps(mx);
+    __m512d lo[16], hi[16];
+    for (int i = 0; i < 16; i++)
+        lo[i] = hi[i] = _mm512_setzero_pd();
+    for (int j = 0; j < N; j++) {
+        const __mmask16 live = _mm512_cmpgt_epi32_mask(nvec, _mm512_set1_epi32(j));
+        float *sj = S + (size_t)j * 16;
+        const __m512 e = _mm512_maskz_mov_ps(live, kern_exp16(_mm512_sub_ps(_mm512_maskz_load_ps(live, sj), vmx)));
+        _mm512_store_ps(sj, e);
+        lo[j % 16] = _mm512_add_pd(lo[j % 16], _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+        hi[j % 16] = _mm512_add_pd(hi[j % 16], _mm512_cvtps_pd(_mm512_extractf32x8_ps(e, 1)));
+    }
+    double pl[16][16] __attribute__((aligned(64)));  /* [position mod 16][lane] */
+    for (int i = 0; i < 16; i++) {
+        _mm512_store_pd(pl[i], lo[i]);
+        _mm512_store_pd(pl[i] + 8, hi[i]);
+    }
+    float inv[16] __attribute__((aligned(64)));
+    for (int L = 0; L < 16; L++) {
+        double s0[8] __attribute__((aligned(64))), s1[8] __attribute__((aligned(64)));
+        for (int i = 0; i < 8; i++) {
+            s0[i] = pl[i][L];
+            s1[i] = pl[8 + i][L];
+        }
+        const double sum = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_load_pd(s0), _mm512_load_pd(s1)));
+        inv[L] = L < nq ? (float)(1.0 / sum) : 0.0f;
+        if (L < nq && qs[L].stats != NULL) {
+            qs[L].stats[0] = mx[L];
+            qs[L].stats[1] = (float)sum;
+        }
+    }
+    /* probabilities; over an f16 V rounded to f16 */
+    const bool vhalf = a->v_type == KERN_F16;
+    const __m512 vinv = _mm512_load_ps(inv);
+    for (int j = 0; j < N; j++) {
+        __m512 pv = _mm512_mul_ps(_mm512_load_ps(S + (size_t)j * 16), vinv);
+        if (vhalf)
+            pv = _mm512_cvtph_ps(_mm512_cvtps_ph(pv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm512_store_ps(S + (size_t)j * 16, pv);
+    }
+    /* V's rows as floats, once (VF: [position][dimension]), then out = sum p v
+     * sixteen dimensions at a time, in position order, each value broadcast
+     * from memory to the sixteen lanes */
+    for (int j0 = 0, b = 0; j0 < N; j0 += a->block_tokens, b++) {
+        const uint8_t *v = a->v_base + a->blocks[b] * a->block_stride + v_off;
+        const int end = N - j0 < a->block_tokens ? N : j0 + a->block_tokens;
+        for (int j = j0; j < end; j++, v += v_row)
+            for (int c = 0; c < HV; c++)
+                _mm512_store_ps(VF + (size_t)j * hd + 16 * c, v_values16(v, c, a->v_type));
+    }
+    for (int c = 0; c < HV; c++) {
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++)
+            acc[i] = _mm512_setzero_ps();
+        for (int j = 0; j < N; j++) {
+            const __mmask16 live = _mm512_cmpgt_epi32_mask(nvec, _mm512_set1_epi32(j));
+            const __m512 pv = _mm512_load_ps(S + (size_t)j * 16);
+            const float *vj = VF + (size_t)j * hd + 16 * c;
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++)
+                acc[i] = _mm512_mask3_fmadd_ps(pv, _mm512_set1_ps(vj[i]), acc[i], live);
+        }
+        float o[16][16] __attribute__((aligned(64)));   /* [dimension][lane] */
+        for (int i = 0; i < 16; i++)
+            _mm512_store_ps(o[i], acc[i]);
+        for (int L = 0; L < nq; L++)
+            for (int i = 0; i < 16; i++)
+                qs[L].out[16 * c + i] = o[i][L];
+    }
+}
+
+int kern_attn_avx512_multi(const struct kern_attn_args *a, const struct kern_attn_query *qs, int nq,
+                           void *scratch)
+{
+    const int hd = a->head_dim;
+    if ((hd != 64 && hd != 128 && hd != 256) || (a->k_type != KERN_F16 && a->k_type != KERN_F32) ||
+        !kv_simd_type(a->v_type) || a->skip != 0 || nq < 1 || nq > KERN_ATTN_LANES)
+        return 0;
+    int N = 0;
+    for (int L = 0; L < nq; L++)
+        N = qs[L].n_ctx > N ? qs[L].n_ctx : N;
+    float *S = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float *VF = S + (size_t)N * KERN_ATTN_LANES;
+    switch (hd) {
+    case 64: multi_pass(4, a, qs, nq, S, VF); break;
+    case 128: multi_pass(8, a, qs, nq, S, VF); break;
+    default: multi_pass(16, a, qs, nq, S, VF); break;
+    }
+    return 1;
 }
 
 #define PASS(HV, NQ)                                                                           \

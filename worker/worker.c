@@ -135,6 +135,7 @@ struct worker {
     wire_arena_t *arena;
     struct fwd_seq *batch;
     struct wseq **in_batch;
+    struct wseq **pending;  /* plan_step's scratch: the prompts of seqs (as many entries) */
     struct sampler_draw *draws;     /* --gpu: each batch slot's draw, chosen on the device */
     const struct sampler_draw **draw_of; /* --gpu: &draws[k], or NULL where no token is due */
     double ms_per_token;    /* measured on prefill-sized steps; 0: not yet */
@@ -424,6 +425,9 @@ static void on_assign(struct worker *w, const Kvdw__Assign *a)
     if (ns == NULL)
         cli_die("out of memory");
     w->seqs = ns;
+    if ((ns = realloc(w->pending, (w->n_seqs + 1) * sizeof(*ns))) == NULL)
+        cli_die("out of memory");
+    w->pending = ns;
     w->seqs[w->n_seqs++] = s;
 }
 
@@ -482,7 +486,40 @@ static uint32_t seq_capacity(const struct worker *w, const struct wseq *s)
     return s->n_blocks * w->o.block_tokens;
 }
 
-/* Picks the step's chunks: decode tokens first, then prefill under the budget. */
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+
+/* Puts up to m of s's next positions into the step (fewer where its blocks
+ * end: then it asks kvd for more, once). Returns the positions taken. */
+static uint32_t plan_take(struct worker *w, struct wseq *s, uint32_t m, uint32_t *n)
+{
+    const uint32_t cap = seq_capacity(w, s);
+    if (s->pos + m > cap)
+        m = cap > s->pos ? cap - s->pos : 0;
+    if (m == 0) {
+        /* ask for blocks up to the end of the history plus the next token
+         * (a sequence that asked already runs on what it holds meanwhile) */
+        if (!s->leasing)
+            send_lease(w, s, s->n_tok + 1);
+        return 0;
+    }
+    s->chunk = m;
+    w->in_batch[*n] = s;
+    w->batch[*n] = (struct fwd_seq){ s->tok + s->pos, m, s->pos, s->tables[0], s->n_blocks, false, NULL };
+    if (pool_header(w->pool)->layout.parts.n_parts > 1)
+        w->batch[*n].tables = (const uint32_t *const *)s->tables;
+    (*n)++;
+    return m;
+}
+
+/*
+ * Picks the step's chunks under its token budget: every running sequence's
+ * next token first (decode steps stay one token each), then prompt tokens.
+ * The oldest prompt is sure of a quarter of the budget, so no prompt waits
+ * for ever; the rest goes to the prompts with the fewest tokens left first
+ * (ties in arrival order), so that a prompt served mostly from the cache
+ * has its first token after the next step even while cold prompts compute
+ * their thousands of tokens; what they leave goes back to the oldest.
+ */
 static uint32_t plan_step(struct worker *w)
 {
     /* a step must end well within kvd's hang timeout: cap its tokens by time */
@@ -492,33 +529,43 @@ static uint32_t plan_step(struct worker *w)
         if (cap < budget)
             budget = cap < 16 ? 16 : (uint32_t)cap;
     }
-    for (int pass = 0; pass < 2; pass++) {
-        for (uint32_t i = 0; i < w->n_seqs && n < w->o.max_batch && budget > 0; i++) {
-            struct wseq *s = w->seqs[i];
-            uint32_t todo = s->n_tok - s->pos;
-            bool decode = todo == 1;
-            if ((pass == 0) != decode)
-                continue;
-            uint32_t m = todo < budget ? todo : budget;
-            uint32_t cap = seq_capacity(w, s);
-            if (s->pos + m > cap)
-                m = cap > s->pos ? cap - s->pos : 0;
-            if (m == 0) {
-                /* ask for blocks up to the end of the history plus the next token
-                 * (a sequence that asked already runs on what it holds meanwhile) */
-                if (!s->leasing)
-                    send_lease(w, s, s->n_tok + 1);
-                continue;
-            }
-            s->chunk = m;
-            w->in_batch[n] = s;
-            w->batch[n] = (struct fwd_seq){ s->tok + s->pos, m, s->pos, s->tables[0], s->n_blocks,
-                                            false, NULL };
-            if (pool_header(w->pool)->layout.parts.n_parts > 1)
-                w->batch[n].tables = (const uint32_t *const *)s->tables;
-            budget -= m;
-            n++;
+    struct wseq *oldest = NULL;
+    uint32_t n_pre = 0;
+    for (uint32_t i = 0; i < w->n_seqs; i++) {
+        struct wseq *s = w->seqs[i];
+        s->chunk = 0;
+        if (s->n_tok - s->pos != 1) {
+            w->pending[n_pre++] = s;    /* a prompt, in arrival order */
+            if (oldest == NULL)
+                oldest = s;
+        } else if (n < w->o.max_batch && budget > 0) {
+            budget -= plan_take(w, s, 1, &n);
         }
+    }
+    if (oldest == NULL || n >= w->o.max_batch || budget == 0)
+        return n;
+    /* the oldest prompt's share first, then the shortest prompts */
+    uint32_t share = budget / 4 < 16 ? 16 : budget / 4, k0 = n;
+    budget -= plan_take(w, oldest, MIN(share, MIN(budget, oldest->n_tok - oldest->pos)), &n);
+    for (uint32_t i = 1; i < n_pre; i++) {
+        /* insertion sort by tokens left, stable: n_pre is at most max_batch */
+        struct wseq *s = w->pending[i];
+        uint32_t j = i;
+        for (; j > 1 && w->pending[j - 1]->n_tok - w->pending[j - 1]->pos > s->n_tok - s->pos; j--)
+            w->pending[j] = w->pending[j - 1];
+        w->pending[j] = s;
+    }
+    for (uint32_t i = 0; i < n_pre && n < w->o.max_batch && budget > 0; i++) {
+        struct wseq *s = w->pending[i];
+        if (s != oldest)
+            budget -= plan_take(w, s, MIN(budget, s->n_tok - s->pos), &n);
+    }
+    if (budget > 0 && k0 < n && w->in_batch[k0] == oldest) {
+        /* what the others left: the oldest takes it (blocks permitting) */
+        const uint32_t more = MIN(budget, oldest->n_tok - oldest->pos - oldest->chunk);
+        const uint32_t cap = seq_capacity(w, oldest) - oldest->pos;
+        oldest->chunk += MIN(more, cap - oldest->chunk);
+        w->batch[k0].n_tokens = oldest->chunk;
     }
     return n;
 }

@@ -203,9 +203,117 @@ static void test_head_dim(int D, int G)
     free(mem);
 }
 
+/* kern_attn_multi: up to sixteen queries of one KV head, each over its own
+ * positions, give exactly the bits kern_attn gives each alone on the same
+ * path (outputs and stats), for head dims 64, 128 and 256, K f16 or f32 and
+ * V of every type, queries laid out as a prefill's tokens x the heads of a
+ * group (tokens one position apart, or several capped at a range's end). */
+static void test_multi(void)
+{
+    /* the lanes kernel is AVX-512's; on aarch64 KERN_ISA_I8MM has the same
+     * level number, so ask the kernel, not the level */
+    if (!kern_attn_multi_ok(KERN_F16, KERN_F16, 64)) {
+        fprintf(stderr, "test_multi: no lanes kernel here: kern_attn_multi declines (checked)\n");
+        struct kern_attn_args a = { .head_dim = 64, .k_type = KERN_F16, .v_type = KERN_F16 };
+        struct kern_attn_query q0 = { 0 };
+        CHECK(kern_attn_multi(&a, &q0, 1, NULL) == 0);
+        return;
+    }
+    enum { NBLK = 24, DMAX = 256 };
+    const int dims[] = { 64, 128, 256 };
+    const uint32_t vtypes[] = { KERN_F16, KERN_F32, KERN_Q8_0, KERN_Q4_0 };
+    const int groups[] = { 1, 3, 4, 5, 8, 16 };
+    const int starts[] = { 1, 5, 16, 17, 200, NBLK * BT - 15 };
+    int cases = 0;
+    for (size_t di = 0; di < 3; di++)
+        for (int kt = 0; kt < 2; kt++)
+            for (size_t vi = 0; vi < 4; vi++) {
+                const int D = dims[di];
+                const uint32_t ktype = kt ? KERN_F32 : KERN_F16, vtype = vtypes[vi];
+                const size_t k_row = kern_row_bytes(ktype, D), v_row = kern_row_bytes(vtype, D);
+                const size_t k_head = BT * k_row, v_head = BT * v_row;
+                const size_t block_stride = KVH * (k_head + v_head);
+                uint8_t *mem = malloc(NBLK * block_stride);
+                float row[DMAX];
+                for (int b = 0; b < NBLK; b++)
+                    for (int h = 0; h < KVH; h++)
+                        for (int t = 0; t < BT; t++) {
+                            for (int i = 0; i < D; i++)
+                                row[i] = frand() * (i == 5 ? 6.0f : 1.5f);
+                            kern_quantize_row(ktype, row, mem + b * block_stride + h * k_head + t * k_row, D);
+                            for (int i = 0; i < D; i++)
+                                row[i] = frand();
+                            kern_quantize_row(vtype, row, mem + b * block_stride + KVH * k_head + h * v_head + t * v_row, D);
+                        }
+                uint32_t blocks[NBLK];
+                for (int i = 0; i < NBLK; i++)
+                    blocks[i] = (uint32_t)((i * 7 + 5) % NBLK);
+                for (size_t gi = 0; gi < sizeof(groups) / sizeof(groups[0]); gi++)
+                    for (size_t si = 0; si < sizeof(starts) / sizeof(starts[0]); si++) {
+                        const int G = groups[gi], T = 16 / G, n0 = starts[si];
+                        /* the last case caps every token at the range's end (NBLK * BT) */
+                        const int cap = si + 1 == sizeof(starts) / sizeof(starts[0]) ? n0 + T / 2 : 1 << 30;
+                        const int nq = T * G;
+                        float *q = malloc((size_t)nq * D * sizeof(float));
+                        float *got = malloc((size_t)nq * D * sizeof(float)), one[DMAX];
+                        float st[2 * 16], one_st[2];
+                        float *scores = malloc((size_t)(NBLK * BT) * sizeof(float));
+                        void *scratch = malloc(kern_attn_multi_scratch(NBLK * BT, D));
+                        struct kern_attn_query qs[16];
+                        for (int i = 0; i < nq * D; i++)
+                            q[i] = frand() * 3.0f;
+                        for (int t = 0; t < T; t++)
+                            for (int g = 0; g < G; g++) {
+                                const int L = t * G + g, n = n0 + t < cap ? n0 + t : cap;
+                                qs[L] = (struct kern_attn_query){ q + (size_t)L * D, got + (size_t)L * D,
+                                                                  g % 2 ? NULL : st + 2 * L, n };
+                            }
+                        struct kern_attn_args a = {
+                            .k_base = mem, .v_base = mem + KVH * k_head, .blocks = blocks,
+                            .block_tokens = BT, .head_dim = D, .kv_head = 1, .block_stride = block_stride,
+                            .k_head_stride = k_head, .v_head_stride = v_head, .k_type = ktype,
+                            .v_type = vtype, .scale = 0.125f,
+                        };
+                        CHECK(kern_attn_multi(&a, qs, nq, scratch) == 1);
+                        for (int L = 0; L < nq; L++) {
+                            struct kern_attn_args b = a;
+                            b.q = qs[L].q;
+                            b.out = one;
+                            b.n_q = 1;
+                            b.n_ctx = qs[L].n_ctx;
+                            b.scores = scores;
+                            b.stats = one_st;
+                            kern_attn_isa(&b, KERN_ISA_AVX512VNNI);
+                            const bool same = memcmp(one, qs[L].out, (size_t)D * sizeof(float)) == 0 &&
+                                              (qs[L].stats == NULL ||
+                                               memcmp(one_st, qs[L].stats, sizeof(one_st)) == 0);
+                            if (!same)
+                                fprintf(stderr, "multi: D %d K %s V %s group %d query %d (n_ctx %d) differs\n",
+                                        D, kern_type_info(ktype)->name, kern_type_info(vtype)->name, G, L, qs[L].n_ctx);
+                            CHECK(same);
+                            cases++;
+                        }
+                        free(q);
+                        free(got);
+                        free(scores);
+                        free(scratch);
+                    }
+                free(mem);
+            }
+    /* shapes and types it has no kernel for: declined, nothing written */
+    struct kern_attn_args a = { .head_dim = 64, .k_type = KERN_Q8_0, .v_type = KERN_F16 };
+    struct kern_attn_query q0 = { 0 };
+    CHECK(kern_attn_multi(&a, &q0, 1, NULL) == 0);
+    a.k_type = KERN_F16;
+    a.head_dim = 96;
+    CHECK(kern_attn_multi(&a, &q0, 1, NULL) == 0);
+    fprintf(stderr, "test_multi: %d queries, each the bits of kern_attn alone\n", cases);
+}
+
 int main(void)
 {
     srand(5);
+    test_multi();
     const int ctxs[] = { 1, 7, 16, 33, 300, 1200 };
     const int groups[] = { 1, 2, 3, 4, 5 };  /* NEON's V passes take three heads: 3+1, 3+2 */
     for (int dt = 0; dt < 2; dt++) {

@@ -723,6 +723,21 @@ int main(void)
     model_t *m = make_model(&p, "contract");
     /* the contract holds on every kernel path this CPU has */
     contract_on_every_path(m, "llama");
+    /* head dim 64: a prefill's tokens run in tiles of queries where the path
+     * has them (AVX-512, kern_attn_multi), decode tokens one by one; and with
+     * attention ranges of 16 positions, the tiles split and merged */
+    {
+        struct mkmodel_params p64 = p;
+        p64.n_embd = 256;
+        p64.n_ff = 512;
+        model_t *m64 = make_model(&p64, "contract-hd64");
+        contract_on_every_path(m64, "llama, head dim 64");
+        rig_chunk = 16;
+        test_chunking(m64);
+        test_batch_invariance(m64);
+        rig_chunk = 0;
+        model_destroy(&m64);
+    }
     /* the K-quants' packed products */
     {
         struct mkmodel_params pk = p;
