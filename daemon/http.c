@@ -264,7 +264,7 @@ static void client_give(struct http_server *s, kvd_client_t **c)
 
 /* ---- jobs --------------------------------------------------------------------------------------- */
 
-enum route { R_NONE, R_CHAT, R_COMPLETIONS, R_TOKENIZE, R_DETOKENIZE, R_HEALTH, R_READY, R_MODELS, R_METRICS };
+enum route { R_NONE, R_CHAT, R_COMPLETIONS, R_TOKENIZE, R_DETOKENIZE, R_HEALTH, R_READY, R_MODELS, R_MODEL, R_METRICS };
 
 /* A request being answered on a thread of its own. Its references: the
  * thread's, the request's (until libmicrohttpd says it is complete) and a
@@ -478,6 +478,8 @@ struct oai_req {
     struct prompt prompts[MAX_CHOICES];
     size_t n_prompts;
     const char *stops[MAX_STOP];
+    int32_t *bias_ids;              /* logit_bias, as token ids and their addends (owned) */
+    float *bias;
     int n;
     bool stream, include_usage;
     char ns[256];                   /* the cache namespace: the key's tenant, and the request's own */
@@ -491,6 +493,8 @@ static void oai_free(struct oai_req *r)
     for (size_t i = 0; i < r->n_prompts; i++)
         free(r->prompts[i].ids);
     free(r->msgs);
+    free(r->bias_ids);
+    free(r->bias);
     json_decref(r->root);
     free(r);
 }
@@ -589,8 +593,9 @@ static const char *content_text(json_t *msg, struct bad *b)
     json_array_foreach(c, i, part) {
         json_t *t = json_object_get(part, "text");
         const char *type = json_string_value(json_object_get(part, "type"));
-        if (type == NULL || strcmp(type, "text") != 0 || !json_is_string(t)) {
-            bad(b, "messages", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported");
+        if (type == NULL || strcmp(type, "text") != 0 || !json_is_string(t) || json_object_size(part) != 2) {
+            bad(b, "messages", "only text parts ({\"type\": \"text\", \"text\": ...}, no other field) are "
+                "supported");
             return NULL;
         }
         total += json_string_length(t);
@@ -612,6 +617,129 @@ static const char *content_text(json_t *msg, struct bad *b)
     return json_string_value(json_object_get(msg, "content_joined"));
 }
 
+/*
+ * Every field of a chat or completions request that kvd knows. A field kvd
+ * implements has its effect; one it does not is accepted only with the value
+ * that asks for nothing (absent, null, or the neutral value `neutral` checks),
+ * so that a client's default is served but a request that asks for more is a
+ * 400 naming the field: nothing is silently ignored. A field of no table is a
+ * 400 too.
+ */
+enum { F_CHAT = 1, F_COMPL = 2, F_BOTH = 3 };
+
+/* true when v asks for nothing: false, 0, "", an empty array or object, or
+ * one of the strings listed (NULL-terminated) */
+static bool neutral_value(json_t *v, const char *const *strings)
+{
+    if (v == NULL || json_is_null(v) || json_is_false(v))
+        return true;
+    if (json_is_number(v))
+        return json_number_value(v) == 0;
+    if (json_is_array(v))
+        return json_array_size(v) == 0;
+    if (json_is_object(v))
+        return json_object_size(v) == 0;
+    if (json_is_string(v)) {
+        if (json_string_length(v) == 0)
+            return true;
+        for (; strings != NULL && *strings != NULL; strings++)
+            if (strcmp(json_string_value(v), *strings) == 0)
+                return true;
+    }
+    return false;
+}
+
+static const char *const none_choice[] = { "none", NULL };
+static const char *const one_tier[] = { "auto", "default", NULL };
+
+static const struct field {
+    const char *name;
+    unsigned where;                 /* F_CHAT, F_COMPL or both */
+    bool implemented;               /* false: only a neutral value is accepted */
+    const char *const *neutral;     /* strings that ask for nothing, beside the neutral_value ones */
+    const char *what;               /* why a value that asks for something is refused */
+} fields[] = {
+    { "model", F_BOTH, true, NULL, NULL },
+    { "messages", F_CHAT, true, NULL, NULL },
+    { "prompt", F_COMPL, true, NULL, NULL },
+    { "max_tokens", F_BOTH, true, NULL, NULL },
+    { "max_completion_tokens", F_CHAT, true, NULL, NULL },
+    { "temperature", F_BOTH, true, NULL, NULL },
+    { "top_p", F_BOTH, true, NULL, NULL },
+    { "top_k", F_BOTH, true, NULL, NULL },
+    { "min_p", F_BOTH, true, NULL, NULL },
+    { "repetition_penalty", F_BOTH, true, NULL, NULL },
+    { "seed", F_BOTH, true, NULL, NULL },
+    { "n", F_BOTH, true, NULL, NULL },
+    { "stream", F_BOTH, true, NULL, NULL },
+    { "stream_options", F_BOTH, true, NULL, NULL },
+    { "logprobs", F_BOTH, true, NULL, NULL },
+    { "top_logprobs", F_CHAT, true, NULL, NULL },
+    { "stop", F_BOTH, true, NULL, NULL },
+    { "ignore_eos", F_BOTH, true, NULL, NULL },
+    { "namespace", F_BOTH, true, NULL, NULL },
+    { "user", F_BOTH, true, NULL, NULL },                        /* an end user's name: only checked */
+    { "service_tier", F_BOTH, false, one_tier, "kvd has one service tier" },
+    { "store", F_CHAT, false, NULL, "kvd stores no completions" },
+    { "metadata", F_CHAT, false, NULL, "kvd stores no completions to tag" },
+    { "presence_penalty", F_BOTH, true, NULL, NULL },
+    { "frequency_penalty", F_BOTH, true, NULL, NULL },
+    { "logit_bias", F_BOTH, true, NULL, NULL },
+    { "echo", F_COMPL, false, NULL, "not supported" },
+    { "best_of", F_COMPL, false, NULL, "not supported (use n)" },
+    { "suffix", F_COMPL, false, NULL, "not supported" },
+    { "response_format", F_CHAT, false, NULL, "not supported" },
+    { "tools", F_CHAT, false, NULL, "not supported" },
+    { "tool_choice", F_CHAT, false, none_choice, "not supported" },
+    { "parallel_tool_calls", F_CHAT, false, NULL, "not supported" },
+    { "functions", F_CHAT, false, NULL, "not supported" },
+    { "function_call", F_CHAT, false, none_choice, "not supported" },
+    { "prompt_logprobs", F_BOTH, false, NULL, "not supported" },
+};
+
+/* 0 when every field of the body is one kvd serves as asked; -1 with b naming
+ * the first that is not. */
+static int check_fields(json_t *o, bool chat, struct bad *b)
+{
+    const char *key;
+    json_t *v;
+    json_object_foreach(o, key, v) {
+        const struct field *f = NULL;
+        for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]) && f == NULL; i++)
+            if (strcmp(key, fields[i].name) == 0 && (fields[i].where & (chat ? F_CHAT : F_COMPL)))
+                f = &fields[i];
+        if (f == NULL)
+            return bad(b, key, "unsupported field '%.64s' in a %s request", key,
+                       chat ? "chat completions" : "completions");
+        /* response_format {"type": "text"} asks for plain text, as no field does */
+        const bool plain_text = strcmp(key, "response_format") == 0 && json_is_object(v) &&
+                                json_object_size(v) == 1 &&
+                                json_is_string(json_object_get(v, "type")) &&
+                                strcmp(json_string_value(json_object_get(v, "type")), "text") == 0;
+        /* best_of 1: the one choice drawn is the best of one */
+        const bool best_of_one = strcmp(key, "best_of") == 0 && json_is_integer(v) && json_integer_value(v) == 1;
+        if (!f->implemented && !plain_text && !best_of_one && !neutral_value(v, f->neutral))
+            return bad(b, key, "'%s': %s", f->name, f->what);
+    }
+    return 0;
+}
+
+/* The same for a chat message's fields. */
+static int check_message_fields(json_t *msg, struct bad *b)
+{
+    const char *key;
+    json_t *v;
+    json_object_foreach(msg, key, v) {
+        if (strcmp(key, "role") == 0 || strcmp(key, "content") == 0)
+            continue;
+        if ((strcmp(key, "name") == 0 || strcmp(key, "refusal") == 0 || strcmp(key, "tool_calls") == 0 ||
+             strcmp(key, "tool_call_id") == 0 || strcmp(key, "function_call") == 0) && neutral_value(v, NULL))
+            continue;
+        return bad(b, "messages", "a message's '%.64s' is not supported", key);
+    }
+    return 0;
+}
+
 /* Parses and checks a chat or completions body into r (r->ns holds the key's
  * tenant namespace, or is empty); 0, or -1 with b and the status. */
 static int parse_request(struct oai_req *r, const struct http_server *s, struct bad *b, unsigned *status)
@@ -620,6 +748,8 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
     *status = 400;
     if (!json_is_object(o))
         return bad(b, NULL, "the body must be a JSON object");
+    if (check_fields(o, r->chat, b) != 0)
+        return -1;
     kvd_gen_params_init(&r->gp);
     r->n = 1;
     json_t *model = json_object_get(o, "model");
@@ -646,6 +776,8 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
             const char *role = json_string_value(json_object_get(msg, "role"));
             if (!json_is_object(msg) || role == NULL)
                 return bad(b, "messages", "every message needs a 'role' string");
+            if (check_message_fields(msg, b) != 0)
+                return -1;
             if (strcmp(role, "developer") == 0)
                 role = "system";
             if (strcmp(role, "system") != 0 && strcmp(role, "user") != 0 && strcmp(role, "assistant") != 0)
@@ -716,6 +848,46 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
         return -1;
     if (rc)
         r->gp.repeat_penalty = (float)x;
+    if ((rc = get_num(o, "presence_penalty", -2, 2, &x, b)) < 0)
+        return -1;
+    if (rc)
+        r->gp.presence_penalty = (float)x;
+    if ((rc = get_num(o, "frequency_penalty", -2, 2, &x, b)) < 0)
+        return -1;
+    if (rc)
+        r->gp.frequency_penalty = (float)x;
+    json_t *lb = json_object_get(o, "logit_bias");
+    if (lb != NULL && !json_is_null(lb)) {
+        /* {"token id": bias in [-100, 100]} (ids checked against the vocabulary by kvd) */
+        if (!json_is_object(lb) || json_object_size(lb) > KVD_MAX_LOGIT_BIAS)
+            return bad(b, "logit_bias", "'logit_bias' must be an object of at most %d token ids",
+                       KVD_MAX_LOGIT_BIAS);
+        const size_t n = json_object_size(lb);
+        r->bias_ids = malloc((n ? n : 1) * sizeof(int32_t));
+        r->bias = malloc((n ? n : 1) * sizeof(float));
+        if (r->bias_ids == NULL || r->bias == NULL)
+            return bad(b, "logit_bias", "out of memory");
+        const char *key;
+        json_t *val;
+        size_t i = 0;
+        json_object_foreach(lb, key, val) {
+            char *end = NULL;
+            errno = 0;
+            const long id = strtol(key, &end, 10);
+            if (end == key || *end != '\0' || errno != 0 || id < 0 || id > INT32_MAX)
+                return bad(b, "logit_bias", "'logit_bias' keys must be token ids, got '%.40s'", key);
+            if (!json_is_number(val) || !(json_number_value(val) >= -100 && json_number_value(val) <= 100))
+                return bad(b, "logit_bias", "'logit_bias' values must be numbers in [-100, 100]");
+            for (size_t j = 0; j < i; j++)
+                if (r->bias_ids[j] == (int32_t)id)     /* "7" and "07" */
+                    return bad(b, "logit_bias", "'logit_bias' names token %ld twice", id);
+            r->bias_ids[i] = (int32_t)id;
+            r->bias[i++] = (float)json_number_value(val);
+        }
+        r->gp.logit_bias_ids = r->bias_ids;
+        r->gp.logit_bias = r->bias;
+        r->gp.n_logit_bias = n;
+    }
     if ((rc = get_int(o, "seed", INT64_MIN, INT64_MAX, &v, b)) < 0)
         return -1;
     if (rc) {
@@ -1595,8 +1767,11 @@ static enum route route_of(const char *method, const char *url, unsigned *status
         { "/health", false, R_HEALTH }, { "/ready", false, R_READY }, { "/v1/models", false, R_MODELS },
         { "/metrics", false, R_METRICS },
     };
+    const bool model = strncmp(url, "/v1/models/", 11) == 0 && url[11] != '\0';     /* GET /v1/models/{id} */
+    if (model && strcmp(method, "GET") == 0)
+        return R_MODEL;
     for (size_t i = 0; i < sizeof(routes) / sizeof(routes[0]); i++)
-        if (strcmp(url, routes[i].path) == 0) {
+        if (model || strcmp(url, routes[i].path) == 0) {
             if (strcmp(method, routes[i].post ? "POST" : "GET") == 0)
                 return routes[i].r;
             *status = 405;
@@ -1646,6 +1821,11 @@ static enum MHD_Result begin(struct http_server *s, struct MHD_Connection *c, co
     if (s->keys != NULL && tenant == NULL && route != R_HEALTH && route != R_READY && route != R_METRICS)
         return refuse(s, c, con_cls, 401, "a valid API key is needed (Authorization: Bearer KEY)", "invalid_api_key",
                       0);
+    if (route == R_MODEL && strcmp(url + 11, s->model_id) != 0) {
+        snprintf(msg, sizeof(msg), "the model '%.120s' does not exist; this server serves '%.60s'", url + 11,
+                 s->model_id);
+        return refuse(s, c, con_cls, 404, msg, "model_not_found", 0);
+    }
     const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length");
     const unsigned long long declared = cl != NULL ? strtoull(cl, NULL, 10) : 0;
     if (declared > s->p.max_body) {
@@ -1722,11 +1902,12 @@ static enum MHD_Result complete(struct http_server *s, struct MHD_Connection *c,
     conn_busy(s, c, true);
     if (q->refuse != 0)
         return queue_error(s, c, q->refuse, q->refuse_msg, q->refuse_code, q->refuse_retry);
-    if (q->route == R_MODELS) {
+    if (q->route == R_MODELS || q->route == R_MODEL) {
+        json_t *m = json_pack("{s:s, s:s, s:I, s:s, s:s}", "id", s->model_id, "object", "model", "created",
+                              (json_int_t)s->created, "owned_by", "kvd", "root", s->model_id);
         size_t len = 0;
-        char *text = json_text(json_pack("{s:s, s:[{s:s, s:s, s:I, s:s}]}", "object", "list", "data", "id",
-                                         s->model_id, "object", "model", "created", (json_int_t)s->created,
-                                         "owned_by", "kvd"), &len);
+        char *text = json_text(q->route == R_MODEL ? m : json_pack("{s:s, s:[o]}", "object", "list", "data", m),
+                               &len);
         return text ? queue_text(s, c, 200, "application/json", text, len, 0, true) : MHD_NO;
     }
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);

@@ -159,7 +159,9 @@ struct request {
     int worker;                     /* index into kvd.workers while RUNNING/STOPPING, else -1 */
     int host;                       /* index into kvd.hosts of the pool that ps is in */
     /* what to run */
-    Kvd__SamplingParams sampling;   /* copied (no pointers) */
+    Kvd__SamplingParams sampling;   /* copied; its logit bias arrays point at the two below */
+    int32_t *bias_ids;              /* (sampling.n_logit_bias) owned */
+    float *bias;                    /* (sampling.n_logit_bias) owned */
     uint32_t max_tokens;
     char **stops;                   /* stop strings */
     size_t n_stops;

@@ -204,6 +204,8 @@ static void req_free(struct request *r)
     free(r->tok);
     free(r->lp);
     free(r->text);
+    free(r->bias_ids);
+    free(r->bias);
     prefix_seq_fini(&r->ps);
     free(r);
 }
@@ -381,8 +383,13 @@ static void finish(struct kvd *k, struct request *r)
             reply_error(k, r->rid, r->rid_len, r->client_id, r->fail_code, r->fail_msg, 0);
     } else {
         k->st.done++;
-        if (r->text != NULL)
-            text_validate(r, true);     /* a character cut short by the end is U+FFFD */
+        if (r->text != NULL && text_validate(r, false) == 0) {
+            /* a character the end cut short (max_tokens, a deadline) is left
+             * out whole: the text ends with the last whole character (the
+             * token ids still carry every byte) */
+            r->text_len = r->valid;
+            r->text[r->text_len] = '\0';
+        }
         stream_out(k, r, true);
         Kvd__ServerReply m = KVD__SERVER_REPLY__INIT;
         Kvd__Final f = KVD__FINAL__INIT;
@@ -710,6 +717,12 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const
     }
     msg[0] = '\0';
     int code = build_prompt(k, r, g, msg, sizeof(msg));
+    for (size_t i = 0; code == 0 && g->sampling != NULL && i < g->sampling->n_logit_bias; i++)
+        if ((uint32_t)g->sampling->logit_bias_ids[i] >= k->model->cfg.n_vocab) {
+            snprintf(msg, sizeof(msg), "logit_bias: token id %d is out of range (the vocabulary has %u tokens)",
+                     g->sampling->logit_bias_ids[i], k->model->cfg.n_vocab);
+            code = KVD__ERROR_CODE__ERR_BAD_REQUEST;
+        }
     if (code == 0 && r->n_prompt == 0) {
         snprintf(msg, sizeof(msg), "the prompt is empty");
         code = KVD__ERROR_CODE__ERR_BAD_REQUEST;
@@ -759,6 +772,28 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const
         sp.has_min_p = s->has_min_p, sp.min_p = s->min_p;
         sp.has_repeat_penalty = s->has_repeat_penalty, sp.repeat_penalty = s->repeat_penalty;
         sp.has_seed = s->has_seed, sp.seed = s->seed;
+        sp.has_presence_penalty = s->has_presence_penalty, sp.presence_penalty = s->presence_penalty;
+        sp.has_frequency_penalty = s->has_frequency_penalty, sp.frequency_penalty = s->frequency_penalty;
+        if (s->n_logit_bias > 0) {
+            r->bias_ids = malloc(s->n_logit_bias * sizeof(int32_t));
+            r->bias = malloc(s->n_logit_bias * sizeof(float));
+            if (r->bias_ids == NULL || r->bias == NULL) {
+                code = KVD__ERROR_CODE__ERR_INTERNAL;
+                snprintf(msg, sizeof(msg), "out of memory");
+            } else {
+                memcpy(r->bias_ids, s->logit_bias_ids, s->n_logit_bias * sizeof(int32_t));
+                memcpy(r->bias, s->logit_bias, s->n_logit_bias * sizeof(float));
+                sp.n_logit_bias_ids = sp.n_logit_bias = s->n_logit_bias;
+                sp.logit_bias_ids = r->bias_ids;
+                sp.logit_bias = r->bias;
+            }
+        }
+    }
+    if (code != 0) {
+        k->st.bad_messages += code == KVD__ERROR_CODE__ERR_BAD_REQUEST;
+        reply_error(k, rid, rid_len, id, code, msg, 0);
+        req_free(r);
+        return;
     }
     if (!sp.has_seed) {
         sp.has_seed = true;

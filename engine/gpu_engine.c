@@ -149,7 +149,8 @@ struct gpu_engine {
 
     /* token choice on the device */
     struct kcuda_draw *draws_host, *draws_dev; /* (max_tokens) each; host page-locked */
-    int32_t *pen_host, *pen_dev;    /* penalized ids of a step's draws, pen_cap each */
+    int32_t *pen_host, *pen_dev;    /* penalized and biased ids of a step's draws, pen_cap each */
+    float *add_host, *add_dev;      /* the biased ids' addends, at their places in pen_*; pen_cap each */
     size_t pen_cap;                 /* ids the two buffers hold */
     uint8_t *pen_seen;              /* host bitmap (n_vocab bits): a row's ids so far */
     sampler_t *host_smp;            /* scratch for the draws the device does not take */
@@ -246,6 +247,8 @@ void gpu_engine_destroy(gpu_engine_t **ep)
     kcuda_host_free(e->draws_host);
     kcuda_free(e->pen_dev);
     kcuda_host_free(e->pen_host);
+    kcuda_free(e->add_dev);
+    kcuda_host_free(e->add_host);
     free(e->pen_seen);
     free(e->host_rows);
     sampler_destroy(&e->host_smp);
@@ -1088,23 +1091,32 @@ static int lay_out_draws(gpu_engine_t *e, const struct sampler_draw *const *draw
         if (d == NULL)
             continue;
         if (!(d->u >= 0.0 && d->u < 1.0) || d->top_k < 0 || isnan(d->temperature) ||
-            (d->n_penalized > 0 && d->penalized == NULL))
+            (d->n_penalized > 0 && d->penalized == NULL) ||
+            (d->n_biased > 0 && (d->biased == NULL || d->bias == NULL)))
             return kvd_seterr(err, errlen, KVD_EINVAL, "gpu engine: draw %u is out of range", r);
-        total += d->n_penalized;
+        total += d->n_penalized + d->n_biased;
     }
     if (total > e->pen_cap) {
         const size_t cap = total > 2 * e->pen_cap ? total : 2 * e->pen_cap;
         int32_t *h = kcuda_host_alloc(cap * sizeof(int32_t));
         int32_t *dv = kcuda_malloc(cap * sizeof(int32_t));
-        if (h == NULL || dv == NULL) {
+        float *ah = kcuda_host_alloc(cap * sizeof(float));
+        float *ad = kcuda_malloc(cap * sizeof(float));
+        if (h == NULL || dv == NULL || ah == NULL || ad == NULL) {
             kcuda_host_free(h);
             kcuda_free(dv);
+            kcuda_host_free(ah);
+            kcuda_free(ad);
             return kvd_seterr(err, errlen, KVD_ENOMEM, "gpu engine: out of memory for penalized ids");
         }
         kcuda_host_free(e->pen_host);
         kcuda_free(e->pen_dev);
+        kcuda_host_free(e->add_host);
+        kcuda_free(e->add_dev);
         e->pen_host = h;
         e->pen_dev = dv;
+        e->add_host = ah;
+        e->add_dev = ad;
         e->pen_cap = cap;
     }
     uint32_t np = 0, nh = 0;
@@ -1114,20 +1126,24 @@ static int lay_out_draws(gpu_engine_t *e, const struct sampler_draw *const *draw
         *k = (struct kcuda_draw){ .row = -1 };
         if (d == NULL)
             continue;
-        /* each id once and in range: the kernel changes them in parallel */
-        uint32_t i;
-        for (i = 0; i < d->n_penalized; i++) {
-            const int32_t id = d->penalized[i];
-            if (id < 0 || (uint32_t)id >= V || (e->pen_seen[id / 8] >> (id % 8) & 1))
-                break;
-            e->pen_seen[id / 8] |= (uint8_t)(1u << (id % 8));
+        /* each id once and in range, in each list: the kernel changes them in parallel */
+        for (int list = 0; list < 2; list++) {
+            const int32_t *ids = list ? d->biased : d->penalized;
+            const uint32_t n_ids = list ? d->n_biased : d->n_penalized;
+            uint32_t i;
+            for (i = 0; i < n_ids; i++) {
+                const int32_t id = ids[i];
+                if (id < 0 || (uint32_t)id >= V || (e->pen_seen[id / 8] >> (id % 8) & 1))
+                    break;
+                e->pen_seen[id / 8] |= (uint8_t)(1u << (id % 8));
+            }
+            for (uint32_t j = 0; j < i; j++)
+                e->pen_seen[ids[j] / 8] = 0;
+            if (i < n_ids)
+                return kvd_seterr(err, errlen, KVD_EINVAL,
+                                  "gpu engine: draw %u %s token %d twice or outside the vocabulary", r,
+                                  list ? "biases" : "penalizes", (int)ids[i]);
         }
-        for (uint32_t j = 0; j < i; j++)
-            e->pen_seen[d->penalized[j] / 8] = 0;
-        if (i < d->n_penalized)
-            return kvd_seterr(err, errlen, KVD_EINVAL,
-                              "gpu engine: draw %u penalizes token %d twice or outside the vocabulary", r,
-                              (int)d->penalized[i]);
         /* the twin's k; more than the kernel keeps goes to the host */
         const uint32_t kk = d->top_k > 0 && (uint32_t)d->top_k < V ? (uint32_t)d->top_k : V;
         if (d->temperature > 0.0f && kk > KCUDA_SAMPLE_MAX_K) {
@@ -1137,11 +1153,18 @@ static int lay_out_draws(gpu_engine_t *e, const struct sampler_draw *const *draw
         *k = (struct kcuda_draw){
             .row = (int32_t)r, .top_k = (int32_t)kk, .temperature = d->temperature, .top_p = d->top_p,
             .min_p = d->min_p, .repeat_penalty = d->repeat_penalty, .log_min_p = d->log_min_p, .u = d->u,
-            .pen_off = np, .n_pen = d->n_penalized,
+            .pen_off = np, .n_pen = d->n_penalized, .bias_off = np + d->n_penalized, .n_bias = d->n_biased,
         };
-        if (d->n_penalized > 0)
+        if (d->n_penalized > 0) {
             memcpy(e->pen_host + np, d->penalized, d->n_penalized * sizeof(int32_t));
+            memset(e->add_host + np, 0, d->n_penalized * sizeof(float));
+        }
         np += d->n_penalized;
+        if (d->n_biased > 0) {
+            memcpy(e->pen_host + np, d->biased, d->n_biased * sizeof(int32_t));
+            memcpy(e->add_host + np, d->bias, d->n_biased * sizeof(float));
+        }
+        np += d->n_biased;
     }
     *n_pen = np;
     *n_host = nh;
@@ -1192,8 +1215,11 @@ static int step(gpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, en
         rc = kcuda_upload_async(e->draws_dev, e->draws_host, (size_t)rows * sizeof(struct kcuda_draw), e->stream);
         if (rc == 0 && n_pen > 0)
             rc = kcuda_upload_async(e->pen_dev, e->pen_host, (size_t)n_pen * sizeof(int32_t), e->stream);
+        if (rc == 0 && n_pen > 0)       /* the penalized ids' places in it are never read */
+            rc = kcuda_upload_async(e->add_dev, e->add_host, (size_t)n_pen * sizeof(float), e->stream);
         if (rc == 0)
-            rc = kcuda_sample(e->ids, e->logits, c->n_vocab, V, e->draws_dev, (int)rows, e->pen_dev, e->stream);
+            rc = kcuda_sample(e->ids, e->logits, c->n_vocab, V, e->draws_dev, (int)rows, e->pen_dev, e->add_dev,
+                              e->stream);
         if (rc == 0)
             rc = kcuda_download_async(e->ids_host, e->ids, (size_t)rows * sizeof(int32_t), e->stream);
         for (uint32_t j = 0; rc == 0 && j < n_host; j++)

@@ -26,6 +26,19 @@ struct sampler {
     float *work;            /* (n_vocab) penalized logits */
     int32_t *pen;           /* penalized ids of the last plan */
     size_t pen_cap;         /* ids pen holds: min(repeat_last_n, n_vocab) */
+    int32_t *lb_id;         /* (p.n_logit_bias) the logit bias, copied */
+    float *lb;              /* (p.n_logit_bias) */
+    struct addend *tab;     /* (tab_cap) open addressing by id: a plan's addends */
+    uint32_t tab_cap;       /* a power of two, or 0 */
+    int32_t *add_id;        /* (tab_cap / 2) a plan's biased ids */
+    float *add;             /* (tab_cap / 2) their addends */
+};
+
+/* One token's additive terms in a plan. */
+struct addend {
+    int32_t id;             /* -1: a free slot */
+    uint32_t count;         /* times the output holds it */
+    float bias;             /* its logit_bias */
 };
 
 struct sampler_params sampler_default_params(void)
@@ -88,11 +101,44 @@ sampler_t *sampler_new(const struct sampler_params *p, uint32_t n_vocab, char *e
         kvd_seterr(err, errlen, KVD_EINVAL, "sampler: empty vocabulary");
         return NULL;
     }
+    if (!(p->presence_penalty >= -2.0f && p->presence_penalty <= 2.0f) ||
+        !(p->frequency_penalty >= -2.0f && p->frequency_penalty <= 2.0f)) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "sampler: presence and frequency penalties must be in [-2, 2]");
+        return NULL;
+    }
+    if (p->n_logit_bias > SAMPLER_MAX_LOGIT_BIAS || (p->n_logit_bias > 0 && (p->logit_bias_ids == NULL ||
+                                                                            p->logit_bias == NULL))) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "sampler: at most %d logit biases", SAMPLER_MAX_LOGIT_BIAS);
+        return NULL;
+    }
+    for (uint32_t i = 0; i < p->n_logit_bias; i++) {
+        const int32_t id = p->logit_bias_ids[i];
+        if (id < 0 || (uint32_t)id >= n_vocab || !(p->logit_bias[i] >= -100.0f && p->logit_bias[i] <= 100.0f)) {
+            kvd_seterr(err, errlen, KVD_EINVAL, "sampler: logit bias %d: %g is outside the vocabulary or "
+                       "[-100, 100]", (int)id, (double)p->logit_bias[i]);
+            return NULL;
+        }
+        for (uint32_t j = 0; j < i; j++)
+            if (p->logit_bias_ids[j] == id) {
+                kvd_seterr(err, errlen, KVD_EINVAL, "sampler: token %d has two logit biases", (int)id);
+                return NULL;
+            }
+    }
     sampler_t *s = calloc(1, sizeof(*s));
     if (s == NULL)
         goto nomem;
     s->p = *p;
     s->n_vocab = n_vocab;
+    if (p->n_logit_bias > 0) {
+        s->lb_id = malloc(p->n_logit_bias * sizeof(int32_t));
+        s->lb = malloc(p->n_logit_bias * sizeof(float));
+        if (s->lb_id == NULL || s->lb == NULL)
+            goto nomem;
+        memcpy(s->lb_id, p->logit_bias_ids, p->n_logit_bias * sizeof(int32_t));
+        memcpy(s->lb, p->logit_bias, p->n_logit_bias * sizeof(float));
+    }
+    s->p.logit_bias_ids = s->lb_id;
+    s->p.logit_bias = s->lb;
     s->cands = malloc((size_t)n_vocab * sizeof(*s->cands));
     s->spare = malloc((size_t)n_vocab * sizeof(*s->spare));
     s->work = malloc((size_t)n_vocab * sizeof(float));
@@ -124,6 +170,11 @@ void sampler_destroy(sampler_t **sp)
     free((*sp)->spare);
     free((*sp)->work);
     free((*sp)->pen);
+    free((*sp)->lb_id);
+    free((*sp)->lb);
+    free((*sp)->tab);
+    free((*sp)->add_id);
+    free((*sp)->add);
     free(*sp);
     *sp = NULL;
 }
@@ -226,6 +277,81 @@ static int cand_cmp(const void *a, const void *b)
     return (x->id > y->id) - (x->id < y->id);
 }
 
+/* The slot of id in s->tab (its own, or the free one it would take). */
+static struct addend *tab_slot(sampler_t *s, int32_t id)
+{
+    uint32_t h = (uint32_t)id * 0x9e3779b1u;
+    for (;;) {
+        struct addend *a = &s->tab[h & (s->tab_cap - 1)];
+        if (a->id == id || a->id < 0)
+            return a;
+        h++;
+    }
+}
+
+/* The additive terms of a draw: the logit bias, and the presence and
+ * frequency penalties of the output's tokens, one addend per distinct id (in
+ * the table's order, which depends on the ids alone). 0 or KVD_ENOMEM. */
+static int plan_addends(sampler_t *s, const int32_t *history, size_t n_hist, struct sampler_draw *d)
+{
+    const struct sampler_params *p = &s->p;
+    const bool counts = p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f;
+    const size_t from = p->output_from < n_hist ? p->output_from : n_hist;
+    const size_t n_out = counts && history != NULL ? n_hist - from : 0;
+    size_t want = 2 * ((size_t)p->n_logit_bias + n_out) + 2;
+    if (want > 2 * (size_t)s->n_vocab + 2)
+        want = 2 * (size_t)s->n_vocab + 2;      /* no more distinct ids than the vocabulary */
+    if (want > s->tab_cap) {
+        uint32_t cap = 16;
+        while (cap < want)
+            cap *= 2;
+        struct addend *t = malloc(cap * sizeof(*t));
+        int32_t *ai = malloc(cap / 2 * sizeof(int32_t));
+        float *av = malloc(cap / 2 * sizeof(float));
+        if (t == NULL || ai == NULL || av == NULL) {
+            free(t);
+            free(ai);
+            free(av);
+            return KVD_ENOMEM;
+        }
+        free(s->tab);
+        free(s->add_id);
+        free(s->add);
+        s->tab = t;
+        s->add_id = ai;
+        s->add = av;
+        s->tab_cap = cap;
+    }
+    for (uint32_t i = 0; i < s->tab_cap; i++)
+        s->tab[i] = (struct addend){ .id = -1 };
+    for (uint32_t i = 0; i < p->n_logit_bias; i++)
+        *tab_slot(s, p->logit_bias_ids[i]) = (struct addend){ p->logit_bias_ids[i], 0, p->logit_bias[i] };
+    for (size_t i = 0; i < n_out; i++) {
+        const int32_t id = history[from + i];
+        if (id < 0 || (uint32_t)id >= s->n_vocab)
+            continue;
+        struct addend *a = tab_slot(s, id);
+        a->id = id;
+        a->count++;
+    }
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < s->tab_cap; i++) {
+        const struct addend *a = &s->tab[i];
+        if (a->id < 0)
+            continue;
+        const float add = a->bias - ((a->count > 0 ? p->presence_penalty : 0.0f) +
+                                     p->frequency_penalty * (float)a->count);
+        if (add != 0.0f) {
+            s->add_id[n] = a->id;
+            s->add[n++] = add;
+        }
+    }
+    d->n_biased = n;
+    d->biased = s->add_id;
+    d->bias = s->add;
+    return 0;
+}
+
 void sampler_plan(sampler_t *s, const int32_t *history, size_t n_hist, struct sampler_draw *d)
 {
     const struct sampler_params *p = &s->p;
@@ -250,6 +376,13 @@ void sampler_plan(sampler_t *s, const int32_t *history, size_t n_hist, struct sa
         d->n_penalized = np;
         d->penalized = s->pen;
     }
+    if (p->n_logit_bias > 0 || p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f) {
+        if (plan_addends(s, history, n_hist, d) != 0) {
+            /* no memory for the table: the additive terms are left out of this
+             * draw rather than the draw failing (counted nowhere else) */
+            d->n_biased = 0;
+        }
+    }
     if (p->temperature > 0.0f)
         d->u = rng_uniform(s->rng);
 }
@@ -270,6 +403,8 @@ static bool penalize(sampler_t *s, const struct sampler_draw *p, const float *lo
         const int32_t t = p->penalized[i];
         w[t] = w[t] > 0.0f ? w[t] / p->repeat_penalty : w[t] * p->repeat_penalty;
     }
+    for (uint32_t i = 0; i < p->n_biased; i++)
+        w[p->biased[i]] += p->bias[i];
     if (p->temperature <= 0.0f) {
         *id = sampler_argmax(w, s->n_vocab);
         return false;

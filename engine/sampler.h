@@ -2,9 +2,11 @@
  * sampler.h - choosing the next token from logits.
  *
  * The chain, in llama.cpp's default order: repetition penalty over the last
- * repeat_last_n tokens, then top-k, top-p, min-p, temperature, and a draw
- * from a seeded generator. Temperature 0 is greedy (argmax, lowest id on a
- * tie) and ignores the rest. Same seed, same logits: same tokens.
+ * repeat_last_n tokens, then the additive terms (OpenAI's presence and
+ * frequency penalties over the output so far, and its logit_bias), then
+ * top-k, top-p, min-p, temperature, and a draw from a seeded generator.
+ * Temperature 0 is greedy (argmax of the penalized row, lowest id on a tie)
+ * and ignores the truncations. Same seed, same logits: same tokens.
  */
 #ifndef KVD_SAMPLER_H
 #define KVD_SAMPLER_H
@@ -20,7 +22,15 @@ struct sampler_params {
     float repeat_penalty;   /* divide positive (multiply negative) logits of recent tokens; 1: off */
     int32_t repeat_last_n;  /* how many recent tokens the penalty looks at */
     uint64_t seed;          /* generator seed */
+    float presence_penalty; /* [-2, 2]: subtracted from the logit of each token the output holds; 0: off */
+    float frequency_penalty;/* [-2, 2]: subtracted once per time the output holds the token; 0: off */
+    uint32_t output_from;   /* history positions from here on are the output (the penalties above) */
+    uint32_t n_logit_bias;  /* entries of the two arrays below (at most SAMPLER_MAX_LOGIT_BIAS) */
+    const int32_t *logit_bias_ids;  /* (n_logit_bias) distinct ids < n_vocab; copied by sampler_new */
+    const float *logit_bias;        /* (n_logit_bias) in [-100, 100]: added to those ids' logits */
 };
+
+#define SAMPLER_MAX_LOGIT_BIAS 1024
 
 struct sampler_params sampler_default_params(void);
 
@@ -57,6 +67,9 @@ struct sampler_draw {
     double u;               /* the draw, uniform in [0, 1); 0 when greedy */
     uint32_t n_penalized;   /* distinct in-range ids of the window, in order of first use */
     const int32_t *penalized; /* owned by the sampler; valid until its next plan */
+    uint32_t n_biased;      /* distinct ids whose logit gets an addend, after the repetition penalty */
+    const int32_t *biased;  /* (n_biased) owned by the sampler; valid until its next plan */
+    const float *bias;      /* (n_biased) the addends: logit_bias - presence - frequency x count */
 };
 
 /* Fills *d for the next token: takes the generator's next uniform (only when

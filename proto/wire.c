@@ -439,6 +439,24 @@ static int check_sampling(const Kvd__SamplingParams *s, const char *path, char *
         rc = check_float(s->min_p, 0, false, 1, path, "min_p", err, errlen);
     if (rc == 0 && s->has_repeat_penalty)
         rc = check_float(s->repeat_penalty, 0, true, 10, path, "repeat_penalty", err, errlen);  /* the sampler's */
+    if (rc == 0 && s->has_presence_penalty)
+        rc = check_float(s->presence_penalty, -2, false, 2, path, "presence_penalty", err, errlen);
+    if (rc == 0 && s->has_frequency_penalty)
+        rc = check_float(s->frequency_penalty, -2, false, 2, path, "frequency_penalty", err, errlen);
+    if (rc == 0 && (s->n_logit_bias_ids != s->n_logit_bias || s->n_logit_bias > WIRE_MAX_LOGIT_BIAS))
+        rc = kvd_seterr(err, errlen, KVD_ERANGE, "%s.logit_bias: %zu ids and %zu values (equal, at most %d)", path,
+                        s->n_logit_bias_ids, s->n_logit_bias, WIRE_MAX_LOGIT_BIAS);
+    for (size_t i = 0; rc == 0 && i < s->n_logit_bias; i++) {
+        if (s->logit_bias_ids[i] < 0)
+            rc = kvd_seterr(err, errlen, KVD_ERANGE, "%s.logit_bias_ids[%zu] = %d is negative", path, i,
+                            (int)s->logit_bias_ids[i]);
+        else
+            rc = check_float(s->logit_bias[i], -100, false, 100, path, "logit_bias", err, errlen);
+        for (size_t j = 0; rc == 0 && j < i; j++)      /* at most 1,024: a quadratic check is cheap */
+            if (s->logit_bias_ids[j] == s->logit_bias_ids[i])
+                rc = kvd_seterr(err, errlen, KVD_ERANGE, "%s.logit_bias_ids: %d appears twice", path,
+                                (int)s->logit_bias_ids[i]);
+    }
     return rc;
 }
 

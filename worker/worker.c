@@ -409,7 +409,18 @@ static void on_assign(struct worker *w, const Kvdw__Assign *a)
             if (p->has_min_p) sp.min_p = p->min_p;
             if (p->has_repeat_penalty) sp.repeat_penalty = p->repeat_penalty;
             if (p->has_seed) sp.seed = p->seed;
+            if (p->has_presence_penalty) sp.presence_penalty = p->presence_penalty;
+            if (p->has_frequency_penalty) sp.frequency_penalty = p->frequency_penalty;
+            if (p->n_logit_bias_ids == p->n_logit_bias) {   /* wire_check'd: equal, distinct */
+                sp.n_logit_bias = (uint32_t)p->n_logit_bias;
+                sp.logit_bias_ids = p->logit_bias_ids;
+                sp.logit_bias = p->logit_bias;
+            }
         }
+        /* the output the penalties count: what was generated, a resumed
+         * sequence's earlier tokens included */
+        const uint32_t n_gen = a->has_n_generated ? a->n_generated : 0;
+        sp.output_from = n_gen <= a->n_tokens ? (uint32_t)a->n_tokens - n_gen : 0;
         s->seed = sp.seed;
         s->smp = sampler_new(&sp, c->n_vocab, err, sizeof(err));
         if (s->smp == NULL)

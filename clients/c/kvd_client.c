@@ -781,8 +781,15 @@ static int gen_msg_build(struct gen_msg *m, const struct kvd_gen_params *p, uint
     s->repeat_penalty = p->repeat_penalty;
     s->has_seed = p->has_seed_u64 || p->seed >= 0;
     s->seed = p->has_seed_u64 ? p->seed_u64 : (uint64_t)p->seed;
-    if (s->has_temperature || s->has_top_k || s->has_top_p || s->has_min_p ||
-        s->has_repeat_penalty || s->has_seed)
+    s->has_presence_penalty = p->presence_penalty != 0.0f;
+    s->presence_penalty = p->presence_penalty;
+    s->has_frequency_penalty = p->frequency_penalty != 0.0f;
+    s->frequency_penalty = p->frequency_penalty;
+    s->n_logit_bias_ids = s->n_logit_bias = p->n_logit_bias;
+    s->logit_bias_ids = (int32_t *)p->logit_bias_ids;
+    s->logit_bias = (float *)p->logit_bias;
+    if (s->has_temperature || s->has_top_k || s->has_top_p || s->has_min_p || s->has_repeat_penalty ||
+        s->has_seed || s->has_presence_penalty || s->has_frequency_penalty || s->n_logit_bias > 0)
         g->sampling = s;
 
     g->has_max_tokens = p->max_tokens > 0;

@@ -104,6 +104,12 @@ struct kvd_gen_params {
                                              * logprob and this many most likely alternatives */
     bool has_seed_u64;                      /* the seed is seed_u64, any of the 2^64 (seed ignored) */
     uint64_t seed_u64;
+    float presence_penalty;                 /* [-2, 2], OpenAI's: off the logit of each token the
+                                             * output holds; 0: off (default) */
+    float frequency_penalty;                /* [-2, 2]: off the logit per time the output holds it */
+    const int32_t *logit_bias_ids;          /* distinct token ids, at most 1,024, with: */
+    const float *logit_bias;                /* [-100, 100] added to each one's logit */
+    size_t n_logit_bias;
 };
 
 /* Fills p with "nothing set" (NULL prompt, negative sampling fields). */
@@ -118,6 +124,7 @@ enum kvd_finish {
 };
 
 #define KVD_MAX_TOP_LOGPROBS 20
+#define KVD_MAX_LOGIT_BIAS 1024     /* entries of kvd_gen_params.logit_bias */
 
 /* An output token's log-probability under the model (the log-softmax of the
  * raw logits, before penalties, truncation and temperature), with the most

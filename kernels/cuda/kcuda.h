@@ -310,6 +310,9 @@ struct kcuda_draw {
     double u;               /* uniform in [0, 1) */
     uint32_t pen_off;       /* the row's penalized ids: pen[pen_off .. pen_off + n_pen) */
     uint32_t n_pen;         /* distinct, each < n */
+    uint32_t bias_off;      /* the ids that get an addend after the penalty: pen[bias_off ..
+                             * bias_off + n_bias), the addends at the same places of pen_add */
+    uint32_t n_bias;        /* distinct, each < n */
 };
 
 /*
@@ -323,7 +326,7 @@ struct kcuda_draw {
  * some valid id. One block of KCUDA_SAMPLE_MAX_K threads per draw.
  */
 int kcuda_sample(int32_t *ids, float *logits, int64_t n, size_t ld, const struct kcuda_draw *draws, int R,
-                 const int32_t *pen, kcuda_stream_t stream);
+                 const int32_t *pen, const float *pen_add, kcuda_stream_t stream);
 
 #ifdef __cplusplus
 }

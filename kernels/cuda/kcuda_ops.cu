@@ -483,13 +483,13 @@ __device__ __forceinline__ bool cand_before(uint32_t ka, int32_t ia, uint32_t kb
     return ka > kb || (ka == kb && ia < ib);
 }
 
-/* One block per draw: the penalty on the row (in place), then greedy or the
+/* One block per draw: the penalty and then the addends on the row (in place), then greedy or the
  * k best candidates in the twin's order (radix select of the k-th key, ties
  * taken by lowest id, a bitonic sort), the exponentials in parallel and the
  * twin's sums in its order by one thread. */
 __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(int32_t *ids, float *logits, long n, size_t ld,
                                                                  const struct kcuda_draw *draws,
-                                                                 const int32_t *pen)
+                                                                 const int32_t *pen, const float *pen_add)
 {
     __shared__ unsigned hist[256];
     __shared__ uint32_t s_prefix;
@@ -513,6 +513,13 @@ __global__ void __launch_bounds__(SAMPLE_THREADS, 1) sample_kernel(int32_t *ids,
         const int32_t id = pen[d.pen_off + i];     /* distinct: no two threads share one */
         const float w = row[id];
         row[id] = w > 0.0f ? __fdiv_rn(w, d.repeat_penalty) : __fmul_rn(w, d.repeat_penalty);
+    }
+    __syncthreads();
+    if (d.n_bias > 0 && (pen == nullptr || pen_add == nullptr))
+        __trap();
+    for (uint32_t i = tid; i < d.n_bias; i += SAMPLE_THREADS) {
+        const int32_t id = pen[d.bias_off + i];    /* distinct, as above */
+        row[id] = __fadd_rn(row[id], pen_add[d.bias_off + i]);
     }
     __syncthreads();
     if (!(d.temperature > 0.0f)) {
@@ -867,13 +874,13 @@ extern "C" int kcuda_scale(float *x, float s, int64_t count, kcuda_stream_t stre
 }
 
 extern "C" int kcuda_sample(int32_t *ids, float *logits, int64_t n, size_t ld, const struct kcuda_draw *draws,
-                            int R, const int32_t *pen, kcuda_stream_t stream)
+                            int R, const int32_t *pen, const float *pen_add, kcuda_stream_t stream)
 {
     if (n <= 0 || n > INT_MAX || R < 0 || ld < (size_t)n || ids == NULL || logits == NULL || draws == NULL)
         return KVD_EINVAL;
     if (R == 0)
         return 0;
-    sample_kernel<<<(unsigned)R, SAMPLE_THREADS, 0, stream>>>(ids, logits, (long)n, ld, draws, pen);
+    sample_kernel<<<(unsigned)R, SAMPLE_THREADS, 0, stream>>>(ids, logits, (long)n, ld, draws, pen, pen_add);
     return kcuda__launched("sample");
 }
 

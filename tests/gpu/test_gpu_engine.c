@@ -538,10 +538,12 @@ static void check_replays(struct rig *r)
      * without a draw */
     {
         static const struct sampler_params kinds[4] = {
-            { 0.0f, 40, 0.95f, 0.05f, 1.5f, 64, 1 },
-            { 0.8f, 40, 0.95f, 0.05f, 1.1f, 64, 2 },
-            { 1.0f, 0, 0.9f, 0.0f, 1.0f, 64, 3 },
-            { 1.2f, 1024, 1.0f, 0.02f, 1.0f, 64, 4 },
+            /* temperature, top-k, top-p, min-p, repetition penalty and its window, seed,
+             * presence and frequency penalties (the whole history as output), no logit bias */
+            { 0.0f, 40, 0.95f, 0.05f, 1.5f, 64, 1, 0.6f, 0.3f, 0, 0, NULL, NULL },
+            { 0.8f, 40, 0.95f, 0.05f, 1.1f, 64, 2, -0.5f, 0.2f, 0, 0, NULL, NULL },
+            { 1.0f, 0, 0.9f, 0.0f, 1.0f, 64, 3, 0.0f, 0.0f, 0, 0, NULL, NULL },
+            { 1.2f, 1024, 1.0f, 0.02f, 1.0f, 64, 4, 0.0f, 0.0f, 0, 0, NULL, NULL },
         };
         sampler_t *smp[MAX_SEQ] = { NULL }, *scratch = NULL;
         struct sampler_draw dr[MAX_SEQ];

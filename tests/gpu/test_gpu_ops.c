@@ -793,9 +793,10 @@ static void sample_cases(uint32_t n, int kind)
     float *base = malloc(ld * sizeof(float)), *l = malloc((size_t)R * ld * sizeof(float));
     struct kcuda_draw *kd = calloc((size_t)R + 1, sizeof(*kd));
     struct sampler_draw *hd = calloc((size_t)R, sizeof(*hd));
-    int32_t *pen = malloc((size_t)R * 64 * sizeof(int32_t)), *want = malloc((size_t)R * sizeof(int32_t));
+    int32_t *pen = malloc((size_t)R * 128 * sizeof(int32_t)), *want = malloc((size_t)R * sizeof(int32_t));
+    float *add = calloc((size_t)R * 128, sizeof(float));
     int32_t *got = malloc(((size_t)R + 1) * sizeof(int32_t));
-    REQUIRE(base && l && kd && hd && pen && want && got);
+    REQUIRE(base && l && kd && hd && pen && add && want && got);
     for (uint32_t i = 0; i < n; i++) {
         switch (kind) {
         case 0: base[i] = frand() * 8.0f; break;                        /* spread */
@@ -809,7 +810,7 @@ static void sample_cases(uint32_t n, int kind)
     scratch = sampler_new(&sp, n, err, sizeof(err));
     REQUIRE(scratch != NULL);
     uint32_t np = 0;
-    int r = 0, on_device = 0;
+    int r = 0, on_device = 0, biased = 0;
     for (int c = 0; c < n_cases; c++) {
         const struct sample_case *sc = &cases[c];
         const uint32_t kk = sc->top_k > 0 && (uint32_t)sc->top_k < n ? (uint32_t)sc->top_k : n;
@@ -822,6 +823,19 @@ static void sample_cases(uint32_t n, int kind)
             sp.min_p = sc->min_p;
             sp.repeat_penalty = sc->penalty;
             sp.seed = 1000u * (uint64_t)c + (uint64_t)sd;
+            /* every third seed: OpenAI's additive terms too (the output: the
+             * history's last 24), one bias on the row's best id */
+            const int32_t best = sampler_argmax(base, n);
+            const int32_t bias_ids[3] = { best, (int32_t)((best + n / 2) % n), (int32_t)((best + 1) % n) };
+            const float bias[3] = { -100.0f, 5.5f, 0.25f };
+            if (sd % 3 == 1) {
+                sp.presence_penalty = 0.7f;
+                sp.frequency_penalty = -0.4f;
+                sp.output_from = 24;
+                sp.n_logit_bias = n > 3 ? 3 : 0;
+                sp.logit_bias_ids = bias_ids;
+                sp.logit_bias = bias;
+            }
             sampler_t *smp = sampler_new(&sp, n, err, sizeof(err));
             REQUIRE(smp != NULL);
             int32_t hist[48];
@@ -837,9 +851,14 @@ static void sample_cases(uint32_t n, int kind)
                     .row = r, .top_k = (int32_t)kk, .temperature = hd[r].temperature, .top_p = hd[r].top_p,
                     .min_p = hd[r].min_p, .repeat_penalty = hd[r].repeat_penalty, .log_min_p = hd[r].log_min_p,
                     .u = hd[r].u, .pen_off = np, .n_pen = hd[r].n_penalized,
+                    .bias_off = np + hd[r].n_penalized, .n_bias = hd[r].n_biased,
                 };
                 memcpy(pen + np, hd[r].penalized, hd[r].n_penalized * sizeof(int32_t));
                 np += hd[r].n_penalized;
+                memcpy(pen + np, hd[r].biased, hd[r].n_biased * sizeof(int32_t));
+                memcpy(add + np, hd[r].bias, hd[r].n_biased * sizeof(float));
+                np += hd[r].n_biased;
+                biased += hd[r].n_biased > 0;
                 on_device++;
             }
             sampler_destroy(&smp);
@@ -849,9 +868,10 @@ static void sample_cases(uint32_t n, int kind)
     void *dl = to_dev(l, (size_t)R * ld * sizeof(float));
     void *dd = to_dev(kd, ((size_t)R + 1) * sizeof(*kd));
     void *dp = to_dev(pen, (np ? np : 1) * sizeof(int32_t));
+    void *da = to_dev(add, (np ? np : 1) * sizeof(float));
     int32_t *dids = kcuda_malloc(((size_t)R + 1) * sizeof(int32_t));
     REQUIRE(dids != NULL);
-    REQUIRE(kcuda_sample(dids, dl, n, ld, dd, R + 1, dp, NULL) == 0);
+    REQUIRE(kcuda_sample(dids, dl, n, ld, dd, R + 1, dp, da, NULL) == 0);
     from_dev(got, dids, ((size_t)R + 1) * sizeof(int32_t));
     int same = 0;
     for (int i = 0; i < R; i++) {
@@ -862,12 +882,16 @@ static void sample_cases(uint32_t n, int kind)
         same += got[i] == want[i];
     }
     CHECK_INT(got[R], -1);
-    printf("sample n=%u rows %d: %d of %d draws agree (%d on the device)\n", n, kind, same, R, on_device);
+    CHECK(n <= 3 || biased > 0);
+    printf("sample n=%u rows %d: %d of %d draws agree (%d on the device, %d with addends)\n", n, kind, same, R,
+           on_device, biased);
     sampler_destroy(&scratch);
     kcuda_free(dl);
     kcuda_free(dd);
     kcuda_free(dp);
+    kcuda_free(da);
     kcuda_free(dids);
+    free(add);
     free(base);
     free(l);
     free(kd);
@@ -895,7 +919,7 @@ static void test_sample(void)
     void *dl = to_dev(l, n * sizeof(float)), *dd = to_dev(&d, sizeof(d));
     int32_t *dids = kcuda_malloc(sizeof(int32_t)), id = -2;
     REQUIRE(dids != NULL);
-    REQUIRE(kcuda_sample(dids, dl, n, n, dd, 1, NULL, NULL) == 0);
+    REQUIRE(kcuda_sample(dids, dl, n, n, dd, 1, NULL, NULL, NULL) == 0);
     from_dev(&id, dids, sizeof(id));
     CHECK(id >= 0 && (uint32_t)id < n);
     kcuda_free(dl);

@@ -263,9 +263,9 @@ def test_bad_requests(api: HttpDaemon) -> None:
     # a prompt past the context
     s, _, b = api.post("/v1/completions", {"prompt": "word " * 5000, "max_tokens": 4})
     assert error_of(s, b, 400)["code"] == "context_length_exceeded"
-    # unknown fields are ignored, as the peers do
+    # an unknown field is refused, naming it (nothing is silently ignored)
     s, _, b = api.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "frequency_penalty_x": 1})
-    assert s == 200, b
+    assert "frequency_penalty_x" in error_of(s, b, 400, "frequency_penalty_x")["message"]
     # the openai package sees the same as exceptions
     with pytest.raises(openai.BadRequestError):
         api.oai.chat.completions.create(model=MODEL_ID, messages=CHAT, top_p=3)
@@ -453,3 +453,109 @@ def test_api_keys_and_tenants(tmp_path: Path) -> None:
         assert "kvd_tenant_" not in raw.decode() and "vllm:num_requests_running" in raw.decode()
     finally:
         _stop_checked(h.d)
+
+
+def test_fields_kvd_does_not_serve_are_refused_by_name(api: HttpDaemon) -> None:
+    # a value that asks for something kvd does not do: a 400 naming the field
+    refused: list[tuple[str, dict[str, Any], str]] = [
+        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+         "tools"),
+        ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"messages": CHAT, "store": True}, "store"),
+        ("/v1/chat/completions", {"messages": CHAT, "service_tier": "flex"}, "service_tier"),
+        ("/v1/chat/completions", {"messages": CHAT, "prompt": "x"}, "prompt"),     # completions' field
+        ("/v1/completions", {"prompt": "x", "messages": CHAT}, "messages"),        # chat's field
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ]
+    for path, body, field in refused:
+        s, _, b = api.post(path, body)
+        err = error_of(s, b, 400, field)
+        assert field in err["message"], (body, err)
+    # a message's field kvd does not render
+    s, _, b = api.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]})
+    assert "'name'" in error_of(s, b, 400, "messages")["message"]
+    s, _, b = api.post("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]})
+    error_of(s, b, 400, "messages")
+    # the values that ask for nothing are what clients send by default: served
+    for body in ({"echo": False, "best_of": 1, "suffix": None, "logit_bias": {}},
+                 {"presence_penalty": 0, "frequency_penalty": 0.0}):
+        s, _, b = api.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, **body})
+        assert s == 200, b
+    s, _, b = api.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "tools": [],
+                                                "tool_choice": "none", "response_format": {"type": "text"},
+                                                "service_tier": "auto", "store": False, "user": "u1",
+                                                "parallel_tool_calls": False})
+    assert s == 200, b
+
+
+def test_logit_bias_and_penalties_take_effect(api: HttpDaemon) -> None:
+    def greedy(prompt: str, **kw: Any) -> dict[str, Any]:
+        s, _, b = api.post("/v1/completions", {"prompt": prompt, "temperature": 0, "logprobs": 0, **kw})
+        assert s == 200, b
+        return b["choices"][0]
+    paris = greedy("The capital of France is", max_tokens=1)
+    s, _, tok = api.post("/tokenize", {"prompt": paris["text"]})
+    assert s == 200 and len(tok["tokens"]) == 1, tok
+    pid = tok["tokens"][0]
+    # -100 on the greedy token: another one; +100 on a token: that one
+    other = greedy("The capital of France is", max_tokens=1, logit_bias={str(pid): -100})
+    assert other["text"] != paris["text"]
+    s, _, tok = api.post("/tokenize", {"prompt": " banana"})
+    forced = greedy("The capital of France is", max_tokens=1, logit_bias={str(tok["tokens"][-1]): 100})
+    assert forced["text"] == " banana"
+    # the openai package's own argument (the same through the SDK)
+    r = api.oai.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=1,
+                                   temperature=0, logit_bias={str(pid): -100})
+    assert r.choices[0].text == other["text"]
+    # frequency and presence penalties: a repetitive greedy continuation repeats less
+    base = greedy("one one one one one one", max_tokens=24)
+    for kw in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        pen = greedy("one one one one one one", max_tokens=24, **kw)
+        assert pen["text"] != base["text"], kw
+        toks = pen["logprobs"]["tokens"]
+        assert len(set(toks)) > len(set(base["logprobs"]["tokens"])), (kw, toks)
+    # negative values encourage repeats: no fewer repeated tokens than without
+    neg = greedy("one one one one one one", max_tokens=24, frequency_penalty=-2.0)
+    assert len(set(neg["logprobs"]["tokens"])) <= len(set(base["logprobs"]["tokens"]))
+    # refused: out of range, ids past the vocabulary, keys that are not ids
+    for bad_body, field in (({"presence_penalty": 2.5}, "presence_penalty"),
+                            ({"frequency_penalty": -3}, "frequency_penalty"),
+                            ({"logit_bias": {"abc": 1}}, "logit_bias"),
+                            ({"logit_bias": {"5": 101}}, "logit_bias"),
+                            ({"logit_bias": {"7": 1, "07": 2}}, "logit_bias")):
+        s, _, b = api.post("/v1/completions", {"prompt": "x", "max_tokens": 1, **bad_body})
+        error_of(s, b, 400, field)
+    s, _, b = api.post("/v1/completions", {"prompt": "x", "max_tokens": 1, "logit_bias": {"999999": 1}})
+    assert "999999" in error_of(s, b, 400)["message"]
+
+
+def test_model_by_id(api: HttpDaemon) -> None:
+    m = api.oai.models.retrieve(MODEL_ID)
+    assert m.id == MODEL_ID and m.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        api.oai.models.retrieve("gpt-4")
+    s, _, raw = api.request("GET", "/v1/models/gpt-4")
+    assert json.loads(raw)["error"]["code"] == "model_not_found" and s == 404
+
+
+def test_max_tokens_inside_a_character_ends_with_whole_characters(api: HttpDaemon) -> None:
+    # "猫" is three byte tokens in this vocabulary; forcing its first one as
+    # the only output token cuts the character short: the text leaves it out
+    # (it ended in U+FFFD before), the token ids keep it
+    s, _, tok = api.post("/tokenize", {"prompt": "猫"})
+    assert s == 200 and len(tok["tokens"]) == 3, tok
+    lead = tok["tokens"][0]
+    body = {"prompt": "Cat:", "max_tokens": 1, "temperature": 0, "logit_bias": {str(lead): 100}}
+    s, _, b = api.post("/v1/completions", body)
+    assert s == 200, b
+    assert b["choices"][0]["text"] == "" and b["usage"]["completion_tokens"] == 1, b
+    s, _, raw = api.request("POST", "/v1/completions", json.dumps({**body, "stream": True}))
+    assert s == 200
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in raw.decode().splitlines()
+                   if line.startswith("data: {") and json.loads(line[6:])["choices"])
+    assert text == "" and "\ufffd" not in raw.decode()

@@ -187,6 +187,105 @@ static void check_logprobs(void)
     CHECK(isnan(lp.logprob));
 }
 
+/* OpenAI's additive terms: logit_bias moves greedy choices, presence and
+ * frequency penalties count the output only (not the prompt), each distinct
+ * id gets one addend of the right size, and bad parameters are refused. */
+static void additive_terms(void)
+{
+    char err[160];
+    float row[8] = { 1.0f, 4.0f, 3.5f, 0.5f, 2.0f, -1.0f, 3.9f, 0.0f };
+    struct sampler_params p = sampler_default_params();
+    p.temperature = 0.0f;
+    /* -100 on the best id: the next best wins; +3 on a poor one: it wins */
+    {
+        const int32_t ids[1] = { 1 };
+        const float b[1] = { -100.0f };
+        p.n_logit_bias = 1, p.logit_bias_ids = ids, p.logit_bias = b;
+        sampler_t *s = sampler_new(&p, 8, err, sizeof(err));
+        REQUIRE(s != NULL);
+        CHECK_INT(sampler_sample(s, row, NULL, 0), 6);
+        sampler_destroy(&s);
+        const int32_t ids2[2] = { 7, 1 };
+        const float b2[2] = { 4.5f, -0.5f };
+        p.n_logit_bias = 2, p.logit_bias_ids = ids2, p.logit_bias = b2;
+        s = sampler_new(&p, 8, err, sizeof(err));
+        REQUIRE(s != NULL);
+        CHECK_INT(sampler_sample(s, row, NULL, 0), 7);   /* 0 + 4.5 > 3.9 */
+        sampler_destroy(&s);
+    }
+    /* presence and frequency: the prompt (before output_from) is not counted */
+    {
+        p = sampler_default_params();
+        p.temperature = 0.0f;
+        p.presence_penalty = 0.5f;
+        p.frequency_penalty = 0.25f;
+        p.output_from = 3;
+        sampler_t *s = sampler_new(&p, 8, err, sizeof(err));
+        REQUIRE(s != NULL);
+        const int32_t hist[7] = { 6, 6, 6, /* output: */ 1, 1, 2, 9 /* out of range: skipped */ };
+        struct sampler_draw d;
+        sampler_plan(s, hist, 7, &d);
+        CHECK_INT(d.n_biased, 2);
+        float add1 = 0, add2 = 0, add6 = 0;
+        for (uint32_t i = 0; i < d.n_biased; i++) {
+            if (d.biased[i] == 1) add1 = d.bias[i];
+            if (d.biased[i] == 2) add2 = d.bias[i];
+            if (d.biased[i] == 6) add6 = d.bias[i];
+        }
+        CHECK(add1 == -(0.5f + 0.25f * 2.0f) && add2 == -(0.5f + 0.25f) && add6 == 0.0f);
+        /* 4 - 1 = 3 and 3.5 - 0.75 = 2.75 fall below id 6's 3.9 */
+        CHECK_INT(sampler_pick(s, &d, row), 6);
+        /* with the prompt counted as output, id 6 is penalized too */
+        sampler_destroy(&s);
+        p.output_from = 0;
+        s = sampler_new(&p, 8, err, sizeof(err));
+        REQUIRE(s != NULL);
+        sampler_plan(s, hist, 7, &d);
+        CHECK_INT(d.n_biased, 3);
+        CHECK_INT(sampler_pick(s, &d, row), 1);          /* 6: 3.9 - 1.25 = 2.65, 1: 3.0, 2: 2.75 */
+        sampler_destroy(&s);
+    }
+    /* refused: out of range, twice the same id, an id past the vocabulary */
+    {
+        p = sampler_default_params();
+        p.presence_penalty = 2.5f;
+        CHECK(sampler_new(&p, 8, err, sizeof(err)) == NULL && strstr(err, "presence") != NULL);
+        p = sampler_default_params();
+        p.frequency_penalty = NAN;
+        CHECK(sampler_new(&p, 8, err, sizeof(err)) == NULL);
+        p = sampler_default_params();
+        const int32_t twice[2] = { 3, 3 };
+        const float b[2] = { 1.0f, 2.0f };
+        p.n_logit_bias = 2, p.logit_bias_ids = twice, p.logit_bias = b;
+        CHECK(sampler_new(&p, 8, err, sizeof(err)) == NULL && strstr(err, "two") != NULL);
+        const int32_t past[1] = { 8 };
+        p.n_logit_bias = 1, p.logit_bias_ids = past;
+        CHECK(sampler_new(&p, 8, err, sizeof(err)) == NULL && strstr(err, "vocabulary") != NULL);
+        const int32_t ok[1] = { 2 };
+        const float big[1] = { 100.5f };
+        p.logit_bias_ids = ok, p.logit_bias = big;
+        CHECK(sampler_new(&p, 8, err, sizeof(err)) == NULL);
+    }
+    /* a long output: one addend per distinct id, the sum of counts right */
+    {
+        p = sampler_default_params();
+        p.frequency_penalty = 1.0f;
+        sampler_t *s = sampler_new(&p, 1000, err, sizeof(err));
+        REQUIRE(s != NULL);
+        static int32_t hist[5000];
+        for (int i = 0; i < 5000; i++)
+            hist[i] = (i * 37) % 701;
+        struct sampler_draw d;
+        sampler_plan(s, hist, 5000, &d);
+        CHECK_INT(d.n_biased, 701);
+        double total = 0;
+        for (uint32_t i = 0; i < d.n_biased; i++)
+            total += d.bias[i];
+        CHECK(total == -5000.0);
+        sampler_destroy(&s);
+    }
+}
+
 int main(void)
 {
     check_argmax();
@@ -328,5 +427,6 @@ int main(void)
         sampler_destroy(&scratch);
     }
     pick_against_sort();
+    additive_terms();
     return CHECK_DONE();
 }
