@@ -731,6 +731,29 @@ static void test_client_rejects(void)
     s.repeat_penalty = 10.5f;       /* past the sampler's range: refused here, not failed by a worker */
     REJECT(CLIENT, &r, KVD_ERANGE, "generate.sampling.repeat_penalty = 10.5 is outside (0, 10]", NULL);
     s.repeat_penalty = 10;
+    s.has_presence_penalty = 1;
+    s.presence_penalty = -2.5f;
+    REJECT(CLIENT, &r, KVD_ERANGE, "generate.sampling.presence_penalty = -2.5 is outside [-2, 2]", NULL);
+    s.presence_penalty = -2;
+    s.has_frequency_penalty = 1;
+    s.frequency_penalty = NAN;
+    REJECT(CLIENT, &r, KVD_ERANGE, "generate.sampling.frequency_penalty = nan is outside [-2, 2]", NULL);
+    s.frequency_penalty = 2;
+    int32_t lb_ids[3] = { 5, 9, 5 };
+    float lb[3] = { 1, -100, 100 };
+    s.logit_bias_ids = lb_ids;
+    s.logit_bias = lb;
+    s.n_logit_bias_ids = 3;
+    s.n_logit_bias = 2;
+    REJECT(CLIENT, &r, KVD_ERANGE, "generate.sampling.logit_bias: 3 ids and 2 values", NULL);
+    s.n_logit_bias = 3;
+    REJECT(CLIENT, &r, KVD_ERANGE, "generate.sampling.logit_bias_ids: 5 appears twice", NULL);
+    lb_ids[2] = -1;
+    REJECT(CLIENT, &r, KVD_ERANGE, "generate.sampling.logit_bias_ids[2] = -1 is negative", NULL);
+    lb_ids[2] = 7;
+    lb[1] = -100.5f;
+    REJECT(CLIENT, &r, KVD_ERANGE, "generate.sampling.logit_bias = -100.5 is outside [-100, 100]", NULL);
+    lb[1] = -100;
     ROUNDTRIP(CLIENT, &r, NULL);     /* every bound is inclusive where it should be */
 
     /* limits of the other options */
