@@ -482,6 +482,8 @@ struct oai_req {
     float *bias;
     int n;
     bool stream, include_usage;
+    bool echo;                      /* completions: the prompt before the output (and its logprobs) */
+    int32_t prompt_lp;              /* vLLM's prompt_logprobs: alternatives, or -1 */
     char ns[256];                   /* the cache namespace: the key's tenant, and the request's own */
     char id[40];
     time_t created;
@@ -685,7 +687,7 @@ static const struct field {
     { "presence_penalty", F_BOTH, true, NULL, NULL },
     { "frequency_penalty", F_BOTH, true, NULL, NULL },
     { "logit_bias", F_BOTH, true, NULL, NULL },
-    { "echo", F_COMPL, false, NULL, "not supported" },
+    { "echo", F_COMPL, true, NULL, NULL },
     { "best_of", F_COMPL, false, NULL, "not supported (use n)" },
     { "suffix", F_COMPL, false, NULL, "not supported" },
     { "response_format", F_CHAT, false, NULL, "not supported" },
@@ -694,7 +696,7 @@ static const struct field {
     { "parallel_tool_calls", F_CHAT, false, NULL, "not supported" },
     { "functions", F_CHAT, false, NULL, "not supported" },
     { "function_call", F_CHAT, false, none_choice, "not supported" },
-    { "prompt_logprobs", F_BOTH, false, NULL, "not supported" },
+    { "prompt_logprobs", F_BOTH, true, NULL, NULL },
 };
 
 /* 0 when every field of the body is one kvd serves as asked; -1 with b naming
@@ -820,14 +822,19 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
     double x = 0;  /* set when rc > 0; -O3 cannot tell */
     long long v = 0;
     int rc;
-    if ((rc = get_int(o, "max_tokens", 1, 1 << 20, &v, b)) < 0)
+    /* 0: the prompt alone is computed (it fills the cache; with echo, it is scored) */
+    if ((rc = get_int(o, "max_tokens", 0, 1 << 20, &v, b)) < 0)
         return -1;
-    if (rc)
+    if (rc) {
         r->gp.max_tokens = (uint32_t)v;
-    if ((rc = get_int(o, "max_completion_tokens", 1, 1 << 20, &v, b)) < 0)
+        r->gp.prefill_only = v == 0;
+    }
+    if ((rc = get_int(o, "max_completion_tokens", 0, 1 << 20, &v, b)) < 0)
         return -1;
-    if (rc)
+    if (rc) {
         r->gp.max_tokens = (uint32_t)v;
+        r->gp.prefill_only = v == 0;
+    }
     if ((rc = get_num(o, "temperature", 0, 2, &x, b)) < 0)
         return -1;
     if (rc)
@@ -927,6 +934,22 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
         if (rc)
             r->gp.logprobs = (int32_t)v;
     }
+    /* completions' echo, and vLLM's prompt_logprobs: the prompt's tokens scored */
+    r->prompt_lp = -1;
+    if (!r->chat && get_bool(o, "echo", &r->echo, b) < 0)
+        return -1;
+    if ((rc = get_int(o, "prompt_logprobs", 0, KVD_MAX_TOP_LOGPROBS, &v, b)) < 0)
+        return -1;
+    if (rc)
+        r->prompt_lp = (int32_t)v;
+    r->gp.prompt_logprobs = r->prompt_lp;
+    if (r->echo && r->gp.logprobs > r->gp.prompt_logprobs)
+        r->gp.prompt_logprobs = r->gp.logprobs;
+    if (r->stream && r->gp.prompt_logprobs >= 0)
+        return bad(b, r->prompt_lp >= 0 ? "prompt_logprobs" : "echo", "%s", r->prompt_lp >= 0
+                   ? "'prompt_logprobs' is not available while streaming"
+                   : "'echo' with 'logprobs' is not available while streaming (the prompt's scores come "
+                     "with the end of its output)");
     json_t *stop = json_object_get(o, "stop");
     if (json_is_string(stop)) {
         r->stops[r->gp.n_stop++] = json_string_value(stop);
@@ -1076,6 +1099,82 @@ static json_t *completion_logprobs_json(const struct kvd_logprob *lp, size_t n, 
                      "text_offset", offs);
 }
 
+/* vLLM's prompt_logprobs: null for the first token, then for each a map of
+ * token ids (the prompt's token and the likeliest alternatives) to
+ * {"logprob", "rank", "decoded_token"}. */
+static json_t *prompt_logprobs_json(const struct kvd_logprob *lp, const int32_t *ids, size_t n)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; i < n; i++) {
+        if (i == 0 || !isfinite(lp[i].logprob)) {
+            json_array_append_new(a, json_null());
+            continue;
+        }
+        json_t *m = json_object();
+        char key[16];
+        for (uint32_t j = 0; j < lp[i].n_top; j++) {
+            snprintf(key, sizeof(key), "%d", (int)lp[i].top_ids[j]);
+            json_object_set_new(m, key, json_pack("{s:o, s:i, s:o}", "logprob", lp_num(lp[i].top_logprobs[j]),
+                                                  "rank", (int)j + 1, "decoded_token",
+                                                  text_json(lp[i].top_tokens[j], lp[i].top_token_lens[j])));
+        }
+        snprintf(key, sizeof(key), "%d", (int)ids[i]);
+        json_object_set_new(m, key, json_pack("{s:o, s:i, s:o}", "logprob", lp_num(lp[i].logprob), "rank",
+                                              (int)lp[i].rank, "decoded_token",
+                                              text_json(lp[i].token, lp[i].token_len)));
+        json_array_append_new(a, m);
+    }
+    return a;
+}
+
+/* Completions' echo: the prompt as given (its text, or its tokens' text)
+ * before the output, and with logprobs the prompt's tokens before the
+ * output's, the first without a score (null, as OpenAI answers). Sets
+ * choice's "text" and "logprobs"; 0 or a kvd error code. */
+static int echo_choice(json_t *ch, const struct oai_req *r, int i, const struct kvd_result *res, kvd_client_t *kc)
+{
+    const struct prompt *p = &r->prompts[i / r->n];
+    char *detok = NULL, err[128];
+    const char *ptext = p->text;
+    if (ptext == NULL) {
+        const int rc = kvd_detokenize(kc, p->ids, p->n_ids, &detok, err, sizeof(err));
+        if (rc != 0)
+            return rc;
+        ptext = detok;
+    }
+    const size_t pl = strlen(ptext);
+    char *both = malloc(pl + res->text_len + 1);
+    if (both == NULL) {
+        free(detok);
+        return KVD_ENOMEM;
+    }
+    memcpy(both, ptext, pl);
+    memcpy(both + pl, res->text, res->text_len);
+    both[pl + res->text_len] = '\0';
+    json_object_set_new(ch, "text", text_json(both, pl + res->text_len));
+    free(both);
+    free(detok);
+    if (r->gp.logprobs < 0)
+        return 0;
+    const size_t n = res->n_prompt_logprobs + res->n_logprobs;
+    struct kvd_logprob *all = malloc((n ? n : 1) * sizeof(*all));
+    if (all == NULL)
+        return KVD_ENOMEM;
+    if (res->n_prompt_logprobs)
+        memcpy(all, res->prompt_logprobs, res->n_prompt_logprobs * sizeof(*all));
+    if (res->n_logprobs)
+        memcpy(all + res->n_prompt_logprobs, res->logprobs, res->n_logprobs * sizeof(*all));
+    size_t offset = 0;
+    json_t *lp = completion_logprobs_json(all, n, &offset);
+    free(all);
+    if (res->n_prompt_logprobs > 0) {
+        json_array_set_new(json_object_get(lp, "token_logprobs"), 0, json_null());
+        json_array_set_new(json_object_get(lp, "top_logprobs"), 0, json_null());
+    }
+    json_object_set_new(ch, "logprobs", lp);
+    return 0;
+}
+
 static const char *finish_name(int f)
 {
     return f == KVD_FINISH_LENGTH ? "length" : "stop";
@@ -1134,7 +1233,7 @@ static bool job_parse(struct job *j, json_t **root)
 
 static void run_whole(struct job *j, kvd_client_t *kc, struct oai_req *r)
 {
-    json_t *choices = json_array();
+    json_t *choices = json_array(), *prompt_lp_chat = NULL;
     uint64_t prompt = 0, completion = 0, cached = 0;
     const int total = r->n * (int)(r->chat ? 1 : r->n_prompts);
     for (int i = 0; i < total; i++) {
@@ -1146,10 +1245,12 @@ static void run_whole(struct job *j, kvd_client_t *kc, struct oai_req *r)
             job_gone(j);
             kvd_result_free(&res);
             json_decref(choices);
+            json_decref(prompt_lp_chat);
             return;
         }
         if (rc != 0) {
             json_decref(choices);
+            json_decref(prompt_lp_chat);
             job_kvd_error(j, rc, &res);
             kvd_result_free(&res);
             return;
@@ -1169,12 +1270,32 @@ static void run_whole(struct job *j, kvd_client_t *kc, struct oai_req *r)
                              : json_pack("{s:i, s:o, s:o, s:s}", "index", i, "text",
                                          text_json(res.text, res.text_len), "logprobs", lp, "finish_reason",
                                          finish_name(res.finish_reason));
+        int erc = r->echo ? echo_choice(ch, r, i, &res, kc) : 0;
+        if (erc != 0) {
+            json_decref(ch);
+            json_decref(choices);
+            json_decref(prompt_lp_chat);
+            job_kvd_error(j, erc, &res);
+            kvd_result_free(&res);
+            return;
+        }
+        if (r->prompt_lp >= 0) {
+            json_t *plp = prompt_logprobs_json(res.prompt_logprobs, res.prompt_ids, res.n_prompt_logprobs);
+            if (r->chat && i == 0)
+                prompt_lp_chat = plp;           /* vLLM's chat: one list, for the request */
+            else if (r->chat)
+                json_decref(plp);
+            else
+                json_object_set_new(ch, "prompt_logprobs", plp);
+        }
         json_array_append_new(choices, ch);
         kvd_result_free(&res);
     }
     json_t *out = json_pack("{s:s, s:s, s:I, s:s, s:o, s:o}", "id", r->id, "object",
                             r->chat ? "chat.completion" : "text_completion", "created", (json_int_t)r->created,
                             "model", r->model, "choices", choices, "usage", usage_json(prompt, completion, cached));
+    if (prompt_lp_chat != NULL)
+        json_object_set_new(out, "prompt_logprobs", prompt_lp_chat);
     job_json(j, 200, out, 0);
 }
 
@@ -1250,7 +1371,20 @@ static void run_stream(struct job *j, kvd_client_t *kc, struct oai_req *r)
         st.text_offset = 0;
         struct kvd_result res;
         memset(&res, 0, sizeof(res));
-        rc = job_aborted(j) ? KVD_ECANCELLED : kvd_generate_chunks(kc, &gp, on_chunk, &st, &res);
+        if (r->echo && !job_aborted(j)) {
+            /* the prompt first, as given (or its tokens' text) */
+            const struct prompt *p = &r->prompts[i / r->n];
+            char *detok = NULL;
+            if (p->text == NULL)
+                rc = kvd_detokenize(kc, p->ids, p->n_ids, &detok, res.error, sizeof(res.error));
+            if (rc == 0) {
+                const char *t = p->text ? p->text : detok;
+                emit(j, chunk_json(&st, NULL, t, strlen(t), NULL, 0, NULL));
+            }
+            free(detok);
+        }
+        if (rc == 0)
+            rc = job_aborted(j) ? KVD_ECANCELLED : kvd_generate_chunks(kc, &gp, on_chunk, &st, &res);
         if (rc == 0) {
             if (i % r->n == 0) {
                 prompt += res.prompt_tokens;

@@ -186,6 +186,10 @@ struct request {
     /* output */
     struct sampler_logprobs *lp;    /* with logprobs: one per generated token */
     uint32_t lp_cap;
+    int32_t prompt_logprobs;        /* alternatives per prompt token's logprob; -1: none */
+    struct sampler_logprobs *plp;   /* with prompt_logprobs: one per prompt token ([0] unused) */
+    uint32_t n_scored;              /* prompt tokens 1 .. n_scored have theirs */
+    bool prefill_only;              /* compute the prompt, generate nothing */
     char *text;                     /* everything generated (stop string cut off) */
     size_t text_len, text_cap;
     size_t valid;                   /* leading bytes of text checked as UTF-8 (the rest: an
@@ -359,7 +363,7 @@ void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const char
                    size_t len);
 void req_dispatch(struct kvd *k);
 void req_tick(struct kvd *k);
-void req_on_commit(struct kvd *k, int w, uint64_t seq_id, uint32_t n_written);
+void req_on_commit(struct kvd *k, int w, const Kvdw__Commit *c);
 void req_on_tokens(struct kvd *k, int w, const Kvdw__TokenChunk *c);
 void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions);
 void req_on_done(struct kvd *k, int w, uint64_t seq_id, int reason, uint32_t n_written,

@@ -206,6 +206,7 @@ static void req_free(struct request *r)
     free(r->text);
     free(r->bias_ids);
     free(r->bias);
+    free(r->plp);
     prefix_seq_fini(&r->ps);
     free(r);
 }
@@ -242,20 +243,20 @@ static size_t safe_len(const struct request *r)
     return n < limit ? n : limit;
 }
 
-/* The logprobs of generated tokens [from, to) as messages, with each
- * token's bytes, all in one allocation (free it); NULL when the request did
- * not ask or on no memory. */
-static Kvd__TokenLogprob **lp_msgs(const struct kvd *k, const struct request *r, uint32_t from, uint32_t to)
+/* The logprobs lp[from, to) of tokens gen[from, to) as messages, with each
+ * token's bytes, all in one allocation (free it); NULL when there are none or
+ * on no memory. */
+static Kvd__TokenLogprob **logprob_msgs(const struct kvd *k, const struct sampler_logprobs *lp, const int32_t *gen,
+                                        uint32_t from, uint32_t to)
 {
-    if (r->logprobs < 0 || to <= from)
+    if (to <= from)
         return NULL;
     const size_t n = to - from;
-    const int32_t *gen = r->tok + r->n_prompt;
     /* first the bytes the pieces need */
     size_t bytes = 0, n_pieces = 0, pn;
     char scratch[1];
     for (size_t i = 0; i < n; i++) {
-        const struct sampler_logprobs *l = &r->lp[from + i];
+        const struct sampler_logprobs *l = &lp[from + i];
         for (uint32_t j = 0; j <= l->n_top; j++) {
             int32_t id = j == 0 ? gen[from + i] : l->top_id[j - 1];
             pn = 0;
@@ -271,10 +272,12 @@ static Kvd__TokenLogprob **lp_msgs(const struct kvd *k, const struct request *r,
     ProtobufCBinaryData *bins = (ProtobufCBinaryData *)(m + n);
     uint8_t *at = (uint8_t *)(bins + n_pieces), *end = at + bytes;
     for (size_t i = 0; i < n; i++) {
-        const struct sampler_logprobs *l = &r->lp[from + i];
+        const struct sampler_logprobs *l = &lp[from + i];
         kvd__token_logprob__init(&m[i]);
         m[i].has_logprob = true;
         m[i].logprob = l->logprob;
+        m[i].has_rank = l->rank > 0;
+        m[i].rank = l->rank;
         m[i].top_ids = (int32_t *)l->top_id;
         m[i].n_top_ids = l->n_top;
         m[i].top_logprobs = (float *)l->top_logprob;
@@ -297,6 +300,27 @@ static Kvd__TokenLogprob **lp_msgs(const struct kvd *k, const struct request *r,
         m[i].n_top_tokens = l->n_top;
         v[i] = &m[i];
     }
+    return v;
+}
+
+/* The logprobs of generated tokens [from, to) (lp_msgs) or of the prompt
+ * (prompt_lp_msgs, the first with its token alone). */
+static Kvd__TokenLogprob **lp_msgs(const struct kvd *k, const struct request *r, uint32_t from, uint32_t to)
+{
+    return r->logprobs < 0 ? NULL : logprob_msgs(k, r->lp, r->tok + r->n_prompt, from, to);
+}
+
+static Kvd__TokenLogprob **prompt_lp_msgs(const struct kvd *k, struct request *r)
+{
+    if (r->plp == NULL || r->n_prompt == 0)
+        return NULL;
+    /* tokens never scored (none should be) say NaN */
+    r->plp[0] = (struct sampler_logprobs){ .logprob = NAN };
+    for (uint32_t i = r->n_scored + 1; i < r->n_prompt; i++)
+        r->plp[i] = (struct sampler_logprobs){ .logprob = NAN };
+    Kvd__TokenLogprob **v = logprob_msgs(k, r->plp, r->tok, 0, r->n_prompt);
+    if (v != NULL)
+        v[0]->has_logprob = false;
     return v;
 }
 
@@ -418,11 +442,16 @@ static void finish(struct kvd *k, struct request *r)
         f.chunks = r->chunk_seq;
         f.logprobs = lp_msgs(k, r, 0, n_gen);
         f.n_logprobs = f.logprobs ? n_gen : 0;
+        f.prompt_logprobs = prompt_lp_msgs(k, r);
+        f.n_prompt_logprobs = f.prompt_logprobs ? r->n_prompt : 0;
+        f.prompt_token_ids = f.prompt_logprobs ? r->tok : NULL;
+        f.n_prompt_token_ids = f.n_prompt_logprobs;
         m.body_case = KVD__SERVER_REPLY__BODY_FINAL;
         m.final = &f;
         if (r->rid_len)
             reply(k, r->rid, r->rid_len, r->client_id, &m);
         free(f.logprobs);
+        free(f.prompt_logprobs);
     }
     k->st.completion_tokens += n_gen;
     req_free(r);
@@ -800,7 +829,14 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const
         sp.seed = (uint64_t)random() << 31 ^ (uint64_t)random();
     }
     r->sampling = sp;
-    r->max_tokens = g->has_max_tokens && g->max_tokens ? g->max_tokens : 256;
+    r->prefill_only = g->has_prefill_only && g->prefill_only;
+    r->max_tokens = r->prefill_only ? 0 : g->has_max_tokens && g->max_tokens ? g->max_tokens : 256;
+    r->prompt_logprobs = g->has_prompt_logprobs ? (int32_t)g->prompt_logprobs : -1;
+    if (r->prompt_logprobs >= 0 && (r->plp = calloc(r->n_prompt ? r->n_prompt : 1, sizeof(*r->plp))) == NULL) {
+        reply_error(k, rid, rid_len, id, KVD__ERROR_CODE__ERR_INTERNAL, "out of memory", 0);
+        req_free(r);
+        return;
+    }
     r->stream = g->has_stream && g->stream;
     r->ignore_eos = g->has_ignore_eos && g->ignore_eos;
     r->no_cache = g->has_no_cache && g->no_cache;
@@ -1087,8 +1123,11 @@ static int start(struct kvd *k, struct request *r)
         cached = prefix_seq_begin(px, &r->ps, r->ns, r->tok, 0, NULL);
         r->ps.chain_open = false; /* nothing it computes is indexed either */
     } else {
+        /* a scored prompt takes from the cache only positions whose tokens it
+         * has scores past: token i's score needs position i - 1 computed */
+        const uint64_t n_look = r->plp != NULL && r->n_scored + 1ull < r->n_tok ? r->n_scored + 1ull : r->n_tok;
         k->restore_for = r;
-        cached = prefix_seq_begin(px, &r->ps, r->ns, r->tok, r->n_tok, &wait);
+        cached = prefix_seq_begin(px, &r->ps, r->ns, r->tok, n_look, n_look == r->n_tok ? &wait : NULL);
         k->restore_for = NULL;
         if (cached >= 0 && r->ps.n_restoring > 0) {
             /* copies run on the restore thread: it goes on when they are done */
@@ -1142,6 +1181,8 @@ static int start(struct kvd *k, struct request *r)
     a.n_generated = n_gen;
     a.has_logprobs = r->logprobs >= 0;
     a.logprobs = r->logprobs >= 0 ? (uint32_t)r->logprobs : 0;
+    a.has_prompt_logprobs = r->plp != NULL && r->n_scored + 1 < r->n_prompt;
+    a.prompt_logprobs = (uint32_t)(r->prompt_logprobs > 0 ? r->prompt_logprobs : 0);
     m.body_case = KVDW__TO_WORKER__BODY_ASSIGN;
     m.assign = &a;
     dequeue(k, r);
@@ -1215,12 +1256,40 @@ static void commit(struct kvd *k, struct request *r, uint32_t n_written)
     wake_waiters(k);
 }
 
-void req_on_commit(struct kvd *k, int w, uint64_t seq_id, uint32_t n_written)
+/* Keeps the prompt logprobs a worker sent: tokens [first, first + n) of the
+ * prompt, taken when they go on from the ones kvd has (a worker resumes
+ * where its assignment began). */
+static void keep_prompt_logprobs(struct kvd *k, struct request *r, const Kvdw__Commit *c)
 {
-    struct request *r = from_worker(k, w, seq_id);
+    if (r->plp == NULL || c->n_prompt_logprobs == 0 || !c->has_first_scored || c->first_scored == 0 ||
+        c->first_scored > r->n_scored + 1 || c->first_scored + c->n_prompt_logprobs > r->n_prompt)
+        return;
+    for (size_t i = 0; i < c->n_prompt_logprobs; i++) {
+        const Kvd__TokenLogprob *m = c->prompt_logprobs[i];
+        struct sampler_logprobs *l = &r->plp[c->first_scored + i];
+        l->logprob = m->has_logprob ? m->logprob : NAN;
+        l->rank = m->has_rank ? m->rank : 0;
+        l->n_top = 0;
+        for (size_t j = 0; j < m->n_top_ids && j < SAMPLER_MAX_TOP_LOGPROBS; j++) {
+            if ((uint32_t)m->top_ids[j] >= k->model->cfg.n_vocab)
+                break;
+            l->top_id[j] = m->top_ids[j];
+            l->top_logprob[j] = m->top_logprobs[j];
+            l->n_top++;
+        }
+    }
+    const uint32_t upto = c->first_scored + (uint32_t)c->n_prompt_logprobs - 1;
+    if (upto > r->n_scored)
+        r->n_scored = upto;
+}
+
+void req_on_commit(struct kvd *k, int w, const Kvdw__Commit *c)
+{
+    struct request *r = from_worker(k, w, c->seq_id);
     if (r == NULL)
         return;
-    commit(k, r, n_written);
+    keep_prompt_logprobs(k, r, c);
+    commit(k, r, c->n_written);
     req_dispatch(k);
 }
 

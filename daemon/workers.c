@@ -399,7 +399,7 @@ void workers_on_message(struct kvd *k, const uint8_t *rid, size_t rid_len, const
         break;
     case KVDW__FROM_WORKER__BODY_COMMIT:
         w->last_progress = now;
-        req_on_commit(k, i, m->commit->seq_id, m->commit->n_written);
+        req_on_commit(k, i, m->commit);
         break;
     case KVDW__FROM_WORKER__BODY_CHUNK:
         w->last_progress = now;

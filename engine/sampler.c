@@ -265,6 +265,16 @@ void sampler_logprobs(const float *logits, uint32_t n_vocab, int32_t chosen, uin
     for (uint32_t j = 0; j < out->n_top; j++)
         out->top_logprob[j] = (float)((double)logits[out->top_id[j]] - lse);
     out->logprob = chosen >= 0 && (uint32_t)chosen < n_vocab ? (float)((double)logits[chosen] - lse) : NAN;
+    /* the chosen one's place in the order above: larger logits, then equal
+     * ones of lower ids, come before it */
+    out->rank = 0;
+    if (!nan && chosen >= 0 && (uint32_t)chosen < n_vocab) {
+        const float c = logits[chosen];
+        uint32_t before = 0;
+        for (uint32_t i = 0; i < n_vocab; i++)
+            before += logits[i] > c || (logits[i] == c && i < (uint32_t)chosen);
+        out->rank = before + 1;
+    }
 }
 
 /* Descending by logit, ascending id on ties: a total order, so results do not

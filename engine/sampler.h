@@ -98,6 +98,7 @@ int32_t sampler_pick_sorted(sampler_t *s, const struct sampler_draw *d, const fl
 #define SAMPLER_MAX_TOP_LOGPROBS 20
 struct sampler_logprobs {
     float logprob;                              /* of the chosen token */
+    uint32_t rank;                              /* its place by logit, 1: first (ties by id); 0: NaNs */
     uint32_t n_top;
     int32_t top_id[SAMPLER_MAX_TOP_LOGPROBS];
     float top_logprob[SAMPLER_MAX_TOP_LOGPROBS];

@@ -649,6 +649,9 @@ static int check_generate(const Kvd__GenerateRequest *g, char *err, size_t errle
     if (g->has_logprobs && g->logprobs > WIRE_MAX_TOP_LOGPROBS)
         return kvd_seterr(err, errlen, KVD_ERANGE, "generate.logprobs = %u is over the limit of %u",
                           g->logprobs, WIRE_MAX_TOP_LOGPROBS);
+    if (g->has_prompt_logprobs && g->prompt_logprobs > WIRE_MAX_TOP_LOGPROBS)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "generate.prompt_logprobs = %u is over the limit of %u",
+                          g->prompt_logprobs, WIRE_MAX_TOP_LOGPROBS);
     if (g->has_deadline_ms && g->deadline_ms > WIRE_MAX_DEADLINE_MS)
         return kvd_seterr(err, errlen, KVD_ERANGE,
                           "generate.deadline_ms = %u is over the limit of %u",
@@ -732,7 +735,18 @@ static int check_final(const Kvd__Final *f, char *err, size_t errlen)
         return missing("final", "text", err, errlen);
     if ((rc = check_token_list(f->token_ids, f->n_token_ids, "final.token_ids", err, errlen)))
         return rc;
-    return check_logprobs(f->logprobs, f->n_logprobs, f->n_token_ids, "final.logprobs", err, errlen);
+    if ((rc = check_logprobs(f->logprobs, f->n_logprobs, f->n_token_ids, "final.logprobs", err, errlen)))
+        return rc;
+    if ((rc = check_token_list(f->prompt_token_ids, f->n_prompt_token_ids, "final.prompt_token_ids", err, errlen)))
+        return rc;
+    if (f->n_prompt_logprobs != 0 && f->n_prompt_logprobs != f->n_prompt_token_ids)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "final.prompt_logprobs has %zu entries for %zu tokens",
+                          f->n_prompt_logprobs, f->n_prompt_token_ids);
+    if (f->n_prompt_logprobs > WIRE_MAX_TOKENS)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "final.prompt_logprobs has %zu entries, over %u",
+                          f->n_prompt_logprobs, WIRE_MAX_TOKENS);
+    return check_logprobs(f->prompt_logprobs, f->n_prompt_logprobs, f->n_prompt_logprobs, "final.prompt_logprobs",
+                          err, errlen);
 }
 
 int wire_check_server_reply(const Kvd__ServerReply *m, char *err, size_t errlen)
@@ -851,7 +865,11 @@ int wire_check_from_worker(const Kvdw__FromWorker *m, char *err, size_t errlen)
             return missing("commit", "seq_id", err, errlen);
         if (!m->commit->has_n_written)
             return missing("commit", "n_written", err, errlen);
-        return 0;
+        if (m->commit->n_prompt_logprobs > WIRE_MAX_TOKENS)
+            return kvd_seterr(err, errlen, KVD_ERANGE, "commit.prompt_logprobs has %zu entries, over %u",
+                              m->commit->n_prompt_logprobs, WIRE_MAX_TOKENS);
+        return check_logprobs(m->commit->prompt_logprobs, m->commit->n_prompt_logprobs,
+                              m->commit->n_prompt_logprobs, "commit.prompt_logprobs", err, errlen);
     case KVDW__FROM_WORKER__BODY_CHUNK:
         if (m->chunk == NULL)
             break;
@@ -916,6 +934,9 @@ static int check_assign(const Kvdw__Assign *s, char *err, size_t errlen)
     if (s->has_logprobs && s->logprobs > WIRE_MAX_TOP_LOGPROBS)
         return kvd_seterr(err, errlen, KVD_ERANGE, "assign.logprobs = %u is over the limit of %u",
                           s->logprobs, WIRE_MAX_TOP_LOGPROBS);
+    if (s->has_prompt_logprobs && s->prompt_logprobs > WIRE_MAX_TOP_LOGPROBS)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "assign.prompt_logprobs = %u is over the limit of %u",
+                          s->prompt_logprobs, WIRE_MAX_TOP_LOGPROBS);
     if (s->sampling != NULL)
         return check_sampling(s->sampling, "assign.sampling", err, errlen);
     return 0;

@@ -99,6 +99,8 @@ struct wseq {
     uint32_t n_new;         /* generated in this assignment */
     bool ignore_eos;
     int32_t logprobs;       /* alternatives to send with each token's logprob; -1: no logprobs */
+    int32_t prompt_logprobs;/* the same for prompt tokens; -1: none */
+    uint32_t n_prompt;      /* the prompt's tokens (tok's first); scored up to it */
     bool leasing;           /* asked kvd for blocks; waits for a Grant */
     uint32_t chunk;         /* tokens it runs in the current step */
 };
@@ -395,6 +397,9 @@ static void on_assign(struct worker *w, const Kvdw__Assign *a)
         s->max_new = a->max_new;
         s->ignore_eos = a->ignore_eos;
         s->logprobs = a->has_logprobs ? (int32_t)a->logprobs : -1;
+        s->prompt_logprobs = a->has_prompt_logprobs ? (int32_t)a->prompt_logprobs : -1;
+        s->n_prompt = a->has_n_generated && a->n_generated <= a->n_tokens ? (uint32_t)a->n_tokens - a->n_generated
+                                                                          : (uint32_t)a->n_tokens;
         rc = push_blocks(s, a->blocks, a->n_blocks, w->pool);
         if (rc)
             snprintf(err, sizeof(err), "a block id is out of range");
@@ -426,9 +431,8 @@ static void on_assign(struct worker *w, const Kvdw__Assign *a)
         if (s->smp == NULL)
             rc = KVD_ERANGE;
     }
-    if (rc != 0 || s->max_new == 0) {
-        send_done(w, s, rc ? KVDW__DONE_REASON__DONE_ERROR : KVDW__DONE_REASON__DONE_LENGTH,
-                  rc ? err : NULL);
+    if (rc != 0) {
+        send_done(w, s, KVDW__DONE_REASON__DONE_ERROR, err);
         seq_free(s);
         return;
     }
@@ -515,7 +519,9 @@ static uint32_t plan_take(struct worker *w, struct wseq *s, uint32_t m, uint32_t
     }
     s->chunk = m;
     w->in_batch[*n] = s;
-    w->batch[*n] = (struct fwd_seq){ s->tok + s->pos, m, s->pos, s->tables[0], s->n_blocks, false, NULL };
+    /* a scored prompt's chunk brings every row back: row j scores token pos + j + 1 */
+    const bool all = s->prompt_logprobs >= 0 && s->pos + 1 < s->n_prompt;
+    w->batch[*n] = (struct fwd_seq){ s->tok + s->pos, m, s->pos, s->tables[0], s->n_blocks, all, NULL };
     if (pool_header(w->pool)->layout.parts.n_parts > 1)
         w->batch[*n].tables = (const uint32_t *const *)s->tables;
     (*n)++;
@@ -600,10 +606,10 @@ static void run_step(struct worker *w, uint32_t n)
     const int32_t *ids = NULL;
     uint32_t rows;
     uint32_t n_tokens = 0;
-    bool want_logits = false;       /* a sequence wants logprobs: its row comes to the host */
+    bool want_logits = false;       /* a sequence wants logprobs: its rows come to the host */
     for (uint32_t k = 0; k < n; k++) {
         n_tokens += w->batch[k].n_tokens;
-        want_logits |= w->in_batch[k]->logprobs >= 0;
+        want_logits |= w->in_batch[k]->logprobs >= 0 || w->batch[k].all_logits;
     }
     if (w->gpu && !want_logits) {
         /* the device chooses the tokens: plan each due draw first, exactly as
@@ -665,19 +671,63 @@ static void run_step(struct worker *w, uint32_t n)
         return;
     }
     const uint32_t V = w->model->cfg.n_vocab;
+    uint32_t row = 0;               /* the first logits row of sequence k */
     for (uint32_t k = 0; k < n; k++) {
         struct wseq *s = w->in_batch[k];
+        const uint32_t p0 = s->pos, n_rows = w->batch[k].all_logits ? w->batch[k].n_tokens : 1;
+        const float *last_row = logits != NULL ? logits + (size_t)(row + n_rows - 1) * V : NULL;
+        row += n_rows;
         s->pos += s->chunk;
         Kvdw__FromWorker m = KVDW__FROM_WORKER__INIT;
-        if (s->pos < s->n_tok) {
-            /* a prefill chunk: its K/V are written */
+        if (s->pos < s->n_tok || w->batch[k].all_logits || s->max_new == 0) {
+            /* its K/V are written, and a scored prompt's tokens have their logprobs */
             Kvdw__Commit c = KVDW__COMMIT__INIT;
             c.has_seq_id = c.has_n_written = true;
             c.seq_id = s->id;
             c.n_written = s->pos;
+            Kvd__TokenLogprob *pl = NULL, **plp = NULL;
+            struct sampler_logprobs *pv = NULL;
+            if (w->batch[k].all_logits && logits != NULL) {
+                /* row j: the distribution of token p0 + j + 1 (in the prompt) */
+                const uint32_t end = MIN(s->pos, s->n_prompt - 1);
+                const uint32_t ns = end > p0 ? end - p0 : 0;
+                pl = calloc(ns ? ns : 1, sizeof(*pl));
+                plp = calloc(ns ? ns : 1, sizeof(*plp));
+                pv = calloc(ns ? ns : 1, sizeof(*pv));
+                if (pl == NULL || plp == NULL || pv == NULL)
+                    cli_die("out of memory");
+                for (uint32_t j = 0; j < ns; j++) {
+                    sampler_logprobs(logits + (size_t)(row - n_rows + j) * V, V, s->tok[p0 + j + 1],
+                                     (uint32_t)s->prompt_logprobs, &pv[j]);
+                    kvd__token_logprob__init(&pl[j]);
+                    pl[j].has_logprob = pl[j].has_rank = true;
+                    pl[j].logprob = pv[j].logprob;
+                    pl[j].rank = pv[j].rank;
+                    pl[j].top_ids = pv[j].top_id;
+                    pl[j].n_top_ids = pv[j].n_top;
+                    pl[j].top_logprobs = pv[j].top_logprob;
+                    pl[j].n_top_logprobs = pv[j].n_top;
+                    plp[j] = &pl[j];
+                }
+                c.has_first_scored = true;
+                c.first_scored = p0 + 1;
+                c.prompt_logprobs = plp;
+                c.n_prompt_logprobs = ns;
+            }
             m.body_case = KVDW__FROM_WORKER__BODY_COMMIT;
             m.commit = &c;
             send_msg(w, &m);
+            free(pl);
+            free(plp);
+            free(pv);
+        }
+        if (s->pos >= s->n_tok && s->max_new == 0) {
+            /* the prompt alone was asked for */
+            send_done(w, s, KVDW__DONE_REASON__DONE_LENGTH, NULL);
+            remove_seq(w, (uint32_t)find_seq(w, s->id));
+            continue;
+        }
+        if (s->pos < s->n_tok) {
             /* kvd may hand a long prompt's blocks out a few steps at a time (a
              * pool of parts): ask for the next ones before they run out */
             const uint32_t cap = seq_capacity(w, s);
@@ -692,14 +742,14 @@ static void run_step(struct worker *w, uint32_t n)
             t = ids[k];
         } else {
             sampler_reseed(s->smp, s->seed ^ (0x9e3779b97f4a7c15ull * (s->n_tok + 1ull)));
-            t = sampler_sample(s->smp, logits + (size_t)k * V, s->tok, s->n_tok);
+            t = sampler_sample(s->smp, last_row, s->tok, s->n_tok);
         }
         Kvdw__TokenChunk tc = KVDW__TOKEN_CHUNK__INIT;
         Kvd__TokenLogprob tl = KVD__TOKEN_LOGPROB__INIT;
         Kvd__TokenLogprob *tlp = &tl;
         struct sampler_logprobs lp;
         if (s->logprobs >= 0 && logits != NULL) {
-            sampler_logprobs(logits + (size_t)k * V, V, t, (uint32_t)s->logprobs, &lp);
+            sampler_logprobs(last_row, V, t, (uint32_t)s->logprobs, &lp);
             tl.has_logprob = true;
             tl.logprob = lp.logprob;
             tl.top_ids = lp.top_id;

@@ -88,6 +88,9 @@ struct output {
     size_t n_tokens, tokens_cap;
     struct kvd_logprob *lp;     /* n_lp logprobs, or NULL */
     size_t n_lp, lp_cap;
+    struct kvd_logprob *plp;    /* n_plp prompt logprobs, or NULL */
+    size_t n_plp, plp_cap;
+    int32_t *ptok;              /* n_plp prompt token ids, or NULL */
     struct lp_block *lp_bytes;  /* their token texts: blocks that never move */
 };
 
@@ -593,6 +596,7 @@ void kvd_gen_params_init(struct kvd_gen_params *p)
     p->repeat_penalty = -1.0f;
     p->seed = -1;
     p->logprobs = -1;
+    p->prompt_logprobs = -1;
 }
 
 void kvd_result_free(struct kvd_result *r)
@@ -602,6 +606,8 @@ void kvd_result_free(struct kvd_result *r)
     free(r->text);
     free(r->tokens);
     free(r->logprobs);
+    free(r->prompt_logprobs);
+    free(r->prompt_ids);
     lp_blocks_free(r->lp_bytes);
     memset(r, 0, sizeof(*r));
 }
@@ -641,25 +647,29 @@ static int output_add(struct output *o, const char *text, size_t len, const int3
 }
 
 /* Appends n logprobs (checked by the wire layer: at most
- * KVD_MAX_TOP_LOGPROBS alternatives each). */
-static int output_add_lp(struct output *o, Kvd__TokenLogprob *const *m, size_t n)
+ * KVD_MAX_TOP_LOGPROBS alternatives each) to the output's (or, prompt, to
+ * its prompt's). */
+static int output_add_lp(struct output *o, Kvd__TokenLogprob *const *m, size_t n, bool prompt)
 {
-    if (o->n_lp + n > WIRE_MAX_NEW_TOKENS)
+    struct kvd_logprob **arr = prompt ? &o->plp : &o->lp;
+    size_t *count = prompt ? &o->n_plp : &o->n_lp, *have = prompt ? &o->plp_cap : &o->lp_cap;
+    if (*count + n > (prompt ? WIRE_MAX_TOKENS : WIRE_MAX_NEW_TOKENS))
         return KVD_EPROTOCOL;
-    if (n > 0 && o->n_lp + n > o->lp_cap) {
-        size_t cap = o->lp_cap ? o->lp_cap : 64;
-        while (cap < o->n_lp + n)
+    if (n > 0 && *count + n > *have) {
+        size_t cap = *have ? *have : 64;
+        while (cap < *count + n)
             cap *= 2;
-        struct kvd_logprob *v = realloc(o->lp, cap * sizeof(*v));
+        struct kvd_logprob *v = realloc(*arr, cap * sizeof(*v));
         if (v == NULL)
             return KVD_ENOMEM;
-        o->lp = v;
-        o->lp_cap = cap;
+        *arr = v;
+        *have = cap;
     }
     for (size_t i = 0; i < n; i++) {
-        struct kvd_logprob *l = &o->lp[o->n_lp++];
+        struct kvd_logprob *l = &(*arr)[(*count)++];
         memset(l, 0, sizeof(*l));
         l->logprob = m[i]->has_logprob ? m[i]->logprob : NAN;
+        l->rank = m[i]->has_rank ? m[i]->rank : 0;
         l->n_top = (uint32_t)m[i]->n_top_ids;
         memcpy(l->top_ids, m[i]->top_ids, l->n_top * sizeof(int32_t));
         memcpy(l->top_logprobs, m[i]->top_logprobs, l->n_top * sizeof(float));
@@ -807,6 +817,10 @@ static int gen_msg_build(struct gen_msg *m, const struct kvd_gen_params *p, uint
     g->no_cache = p->no_cache;
     g->has_logprobs = p->logprobs >= 0;
     g->logprobs = p->logprobs >= 0 ? (uint32_t)p->logprobs : 0;
+    g->has_prompt_logprobs = p->prompt_logprobs >= 0;
+    g->prompt_logprobs = p->prompt_logprobs >= 0 ? (uint32_t)p->prompt_logprobs : 0;
+    g->has_prefill_only = p->prefill_only;
+    g->prefill_only = p->prefill_only;
 
     /* the daemon's own checks, here, so that a bad argument costs no round trip */
     char why[200];
@@ -857,7 +871,16 @@ static int take_final(const Kvd__Final *f, struct output *o, struct kvd_result *
     }
     if (rc == 0 && f->n_logprobs > 0) {
         o->n_lp = 0;
-        rc = output_add_lp(o, f->logprobs, f->n_logprobs);
+        rc = output_add_lp(o, f->logprobs, f->n_logprobs, false);
+    }
+    if (rc == 0 && f->n_prompt_logprobs > 0) {
+        o->n_plp = 0;
+        rc = output_add_lp(o, f->prompt_logprobs, f->n_prompt_logprobs, true);
+        free(o->ptok);
+        if (rc == 0 && (o->ptok = malloc(f->n_prompt_token_ids * sizeof(int32_t))) == NULL)
+            rc = KVD_ENOMEM;
+        if (rc == 0)
+            memcpy(o->ptok, f->prompt_token_ids, f->n_prompt_token_ids * sizeof(int32_t));
     }
     if (rc != 0)
         return output_error(rc, out);
@@ -903,7 +926,7 @@ static int gen_step(kvd_client_t *c, struct gen_state *st, const Kvd__ServerRepl
         size_t len = strlen(text);
         int rc = output_add(&st->o, text, len, k->token_ids, k->n_token_ids);
         if (rc == 0)
-            rc = output_add_lp(&st->o, k->logprobs, k->n_logprobs);
+            rc = output_add_lp(&st->o, k->logprobs, k->n_logprobs, false);
         if (rc != 0)
             return output_error(rc, out);
         out->chunks++;
@@ -1001,6 +1024,9 @@ static int generate(kvd_client_t *c, const struct kvd_gen_params *p, bool stream
     out->n_tokens = st.o.n_tokens;
     out->logprobs = st.o.lp;
     out->n_logprobs = st.o.n_lp;
+    out->prompt_logprobs = st.o.plp;
+    out->n_prompt_logprobs = st.o.n_plp;
+    out->prompt_ids = st.o.ptok;
     out->lp_bytes = st.o.lp_bytes;
     return rc;
 }

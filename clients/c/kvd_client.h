@@ -110,6 +110,11 @@ struct kvd_gen_params {
     const int32_t *logit_bias_ids;          /* distinct token ids, at most 1,024, with: */
     const float *logit_bias;                /* [-100, 100] added to each one's logit */
     size_t n_logit_bias;
+    int32_t prompt_logprobs;                /* < 0: none (default); 0..20: each prompt token's logprob
+                                             * given those before it, and this many alternatives (the
+                                             * positions scored are computed, not read from the cache) */
+    bool prefill_only;                      /* compute the prompt (fill the cache, score it) and
+                                             * generate nothing */
 };
 
 /* Fills p with "nothing set" (NULL prompt, negative sampling fields). */
@@ -133,7 +138,8 @@ enum kvd_finish {
  * character. They belong to the result (or, in a chunk callback, to the
  * call's result) and live as long as it does. */
 struct kvd_logprob {
-    float logprob;
+    float logprob;                          /* NaN: none (a prompt's first token) */
+    uint32_t rank;                          /* the token's place by logit, 1: the most likely; 0: not known */
     const char *token;
     size_t token_len;
     uint32_t n_top;
@@ -150,6 +156,10 @@ struct kvd_result {
     size_t n_tokens;
     struct kvd_logprob *logprobs;   /* one per output token when asked (malloc'd), else NULL */
     size_t n_logprobs;
+    struct kvd_logprob *prompt_logprobs; /* with prompt_logprobs: one per prompt token, the first
+                                     * without a logprob (malloc'd), else NULL */
+    size_t n_prompt_logprobs;
+    int32_t *prompt_ids;            /* with prompt_logprobs: the prompt's token ids (malloc'd) */
     void *lp_bytes;                 /* internal: where the logprobs' token texts are */
     int finish_reason;              /* enum kvd_finish */
     uint32_t prompt_tokens;

@@ -458,7 +458,6 @@ def test_api_keys_and_tenants(tmp_path: Path) -> None:
 def test_fields_kvd_does_not_serve_are_refused_by_name(api: HttpDaemon) -> None:
     # a value that asks for something kvd does not do: a 400 naming the field
     refused: list[tuple[str, dict[str, Any], str]] = [
-        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
         ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
         ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
         ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
@@ -469,7 +468,7 @@ def test_fields_kvd_does_not_serve_are_refused_by_name(api: HttpDaemon) -> None:
         ("/v1/chat/completions", {"messages": CHAT, "service_tier": "flex"}, "service_tier"),
         ("/v1/chat/completions", {"messages": CHAT, "prompt": "x"}, "prompt"),     # completions' field
         ("/v1/completions", {"prompt": "x", "messages": CHAT}, "messages"),        # chat's field
-        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"messages": CHAT, "echo": True}, "echo"),       # completions' only
     ]
     for path, body, field in refused:
         s, _, b = api.post(path, body)
@@ -559,3 +558,77 @@ def test_max_tokens_inside_a_character_ends_with_whole_characters(api: HttpDaemo
     text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in raw.decode().splitlines()
                    if line.startswith("data: {") and json.loads(line[6:])["choices"])
     assert text == "" and "\ufffd" not in raw.decode()
+
+
+def test_echo_and_prompt_logprobs_score_the_prompt(api: HttpDaemon) -> None:
+    text = "The capital of France is Paris, and the capital of Italy is Rome."
+    s, _, tok = api.post("/tokenize", {"prompt": text})
+    ids = tok["tokens"]
+    # echo with max_tokens 0: the prompt alone, scored (the first token has none)
+    r = api.oai.completions.create(model=MODEL_ID, prompt=text, max_tokens=0, echo=True, logprobs=2)
+    ch = r.choices[0]
+    assert ch.text == text and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    lp = ch.logprobs
+    assert lp is not None and "".join(lp.tokens) == text and len(lp.tokens) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    scores = lp.token_logprobs[1:]
+    assert all(x is not None and x <= 0 for x in scores)
+    assert all(t is not None and len(t) >= 1 for t in lp.top_logprobs[1:])
+    # each score is the logprob kvd gives that token when it generates it
+    # after the tokens before it (forced by a +100 bias; logprobs are of the
+    # raw logits), bit for bit: a prefill's logits do not depend on its chunking
+    for i in (1, 4, len(ids) - 1):
+        s, _, b = api.post("/v1/completions", {"prompt": ids[:i], "max_tokens": 1, "logprobs": 0,
+                                               "logit_bias": {str(ids[i]): 100}, "temperature": 0})
+        assert s == 200, b
+        assert b["choices"][0]["logprobs"]["token_logprobs"][0] == scores[i - 1], i
+    # echo with generation: the prompt, then the output, and their logprobs in order
+    s, _, b = api.post("/v1/completions", {"prompt": text, "max_tokens": 3, "echo": True, "logprobs": 0,
+                                           "temperature": 0})
+    assert s == 200, b
+    c = b["choices"][0]
+    assert c["text"].startswith(text) and len(c["logprobs"]["tokens"]) == len(ids) + 3
+    assert c["logprobs"]["token_logprobs"][1:len(ids)] == scores
+    # echo alone (no logprobs), streamed too: the prompt comes first
+    s, _, b = api.post("/v1/completions", {"prompt": text, "max_tokens": 2, "echo": True, "temperature": 0})
+    assert s == 200 and b["choices"][0]["text"].startswith(text) and b["choices"][0]["logprobs"] is None
+    st, _, raw = api.request("POST", "/v1/completions", json.dumps({"prompt": text, "max_tokens": 2, "echo": True,
+                                                                     "temperature": 0, "stream": True}))
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+    assert st == 200 and events[0]["choices"][0]["text"] == text
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == b["choices"][0]["text"]
+    # vLLM's prompt_logprobs: per position, the prompt's token with its rank and the likeliest ones
+    s, _, b = api.post("/v1/completions", {"prompt": text, "max_tokens": 1, "prompt_logprobs": 3})
+    assert s == 200, b
+    plp = b["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for i in range(1, len(ids)):
+        entry = plp[i][str(ids[i])]
+        assert entry["logprob"] == scores[i - 1] and entry["rank"] >= 1
+        assert {1, 2, 3} <= {v["rank"] for v in plp[i].values()} and len(plp[i]) <= 4
+    # streaming cannot carry the prompt's scores: refused by name
+    for body, field in (({"prompt_logprobs": 1}, "prompt_logprobs"), ({"echo": True, "logprobs": 1}, "echo")):
+        s, _, b = api.post("/v1/completions", {"prompt": text, "stream": True, **body})
+        error_of(s, b, 400, field)
+
+
+def test_scored_prompts_are_computed_and_fill_the_cache(api: HttpDaemon) -> None:
+    # a long prompt (whole KV blocks) scored twice: the second time the cache
+    # holds it, yet its positions are computed again and score the same; what
+    # a scored request computes serves a later plain request from the cache
+    text = LONG_SYSTEM + " Scored once, then twice."
+    body = {"prompt": text, "max_tokens": 0, "echo": True, "logprobs": 0, "namespace": "scoring"}
+    s, _, a = api.post("/v1/completions", body)
+    assert s == 200, a
+    assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    s, _, plain = api.post("/v1/completions", {"prompt": text, "max_tokens": 1, "namespace": "scoring"})
+    assert s == 200 and plain["usage"]["prompt_tokens_details"]["cached_tokens"] > 500, plain
+    s, _, b2 = api.post("/v1/completions", body)
+    assert s == 200 and b2["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert b2["choices"][0]["logprobs"]["token_logprobs"] == a["choices"][0]["logprobs"]["token_logprobs"]
+    # max_tokens 0 alone: the prompt is computed into the cache (a warm-up), nothing generated
+    warm = LONG_SYSTEM + " Warmed up ahead of time."
+    s, _, w = api.post("/v1/completions", {"prompt": warm, "max_tokens": 0, "namespace": "scoring"})
+    assert s == 200 and w["choices"][0]["text"] == "" and w["usage"]["completion_tokens"] == 0
+    s, _, after = api.post("/v1/completions", {"prompt": warm, "max_tokens": 1, "namespace": "scoring"})
+    assert after["usage"]["prompt_tokens_details"]["cached_tokens"] > 500, after
