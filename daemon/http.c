@@ -264,7 +264,8 @@ static void client_give(struct http_server *s, kvd_client_t **c)
 
 /* ---- jobs --------------------------------------------------------------------------------------- */
 
-enum route { R_NONE, R_CHAT, R_COMPLETIONS, R_TOKENIZE, R_DETOKENIZE, R_HEALTH, R_READY, R_MODELS, R_MODEL, R_METRICS };
+enum route { R_NONE, R_CHAT, R_COMPLETIONS, R_RESPONSES, R_TOKENIZE, R_DETOKENIZE, R_HEALTH, R_READY, R_MODELS, R_MODEL,
+             R_METRICS };
 
 /* A request being answered on a thread of its own. Its references: the
  * thread's, the request's (until libmicrohttpd says it is complete) and a
@@ -1454,6 +1455,524 @@ static void work_completion(struct job *j, kvd_client_t *kc)
     oai_free(r);
 }
 
+/* ---- the Responses API (POST /v1/responses) ------------------------------------------------------ */
+
+/*
+ * A response is a chat turn: `instructions` become the system message, `input`
+ * (a string, or message items with text parts) the turns after it, and
+ * `previous_response_id` puts the earlier turns of a stored response before
+ * them (its instructions are not carried over, as OpenAI's are not). Stored
+ * responses (store, default true) live in a bounded in-memory store, oldest
+ * dropped first (RESP_STORE_MAX of them, RESP_STORE_BYTES in all), each
+ * visible only to the tenant that made it; their prompts hit the prefix cache
+ * like any chat's.
+ */
+#define RESP_STORE_MAX 4096
+#define RESP_STORE_BYTES (64u << 20)
+
+struct resp_entry {
+    struct resp_entry *next;        /* the next newer one */
+    char id[48];
+    char tenant[80];                /* its API key's tenant; "" without keys */
+    size_t n_msgs, bytes;
+    struct kvd_chat_msg *msgs;      /* the conversation, its strings in this allocation */
+};
+
+struct resp_store {
+    pthread_mutex_t mu;
+    struct resp_entry *oldest, *newest;
+    size_t n, bytes;
+};
+
+static struct resp_store resp_store = { .mu = PTHREAD_MUTEX_INITIALIZER };
+
+static void resp_store_put(const char *id, const char *tenant, const struct kvd_chat_msg *m, size_t n)
+{
+    size_t bytes = sizeof(struct resp_entry) + n * sizeof(*m);
+    for (size_t i = 0; i < n; i++)
+        bytes += strlen(m[i].role) + strlen(m[i].content) + 2;
+    if (bytes > RESP_STORE_BYTES / 4)
+        return;                     /* too large to keep: a later reference is a 404 */
+    struct resp_entry *e = malloc(bytes);
+    if (e == NULL)
+        return;
+    memset(e, 0, sizeof(*e));
+    snprintf(e->id, sizeof(e->id), "%s", id);
+    snprintf(e->tenant, sizeof(e->tenant), "%s", tenant ? tenant : "");
+    e->n_msgs = n;
+    e->bytes = bytes;
+    e->msgs = (struct kvd_chat_msg *)(e + 1);
+    char *at = (char *)(e->msgs + n);
+    for (size_t i = 0; i < n; i++) {
+        const size_t rl = strlen(m[i].role) + 1, cl = strlen(m[i].content) + 1;
+        e->msgs[i].role = memcpy(at, m[i].role, rl);
+        e->msgs[i].content = memcpy(at + rl, m[i].content, cl);
+        at += rl + cl;
+    }
+    pthread_mutex_lock(&resp_store.mu);
+    if (resp_store.newest)
+        resp_store.newest->next = e;
+    else
+        resp_store.oldest = e;
+    resp_store.newest = e;
+    resp_store.n++;
+    resp_store.bytes += bytes;
+    while (resp_store.n > RESP_STORE_MAX || resp_store.bytes > RESP_STORE_BYTES) {
+        struct resp_entry *o = resp_store.oldest;
+        resp_store.oldest = o->next;
+        if (resp_store.oldest == NULL)
+            resp_store.newest = NULL;
+        resp_store.n--;
+        resp_store.bytes -= o->bytes;
+        free(o);
+    }
+    pthread_mutex_unlock(&resp_store.mu);
+}
+
+/* A copy of stored response id's conversation when this tenant made it
+ * (malloc'd: free it; the strings live in it), else NULL. */
+static struct resp_entry *resp_store_get(const char *id, const char *tenant)
+{
+    struct resp_entry *copy = NULL;
+    pthread_mutex_lock(&resp_store.mu);
+    for (struct resp_entry *e = resp_store.oldest; e != NULL; e = e->next) {
+        if (strcmp(e->id, id) != 0 || strcmp(e->tenant, tenant ? tenant : "") != 0)
+            continue;
+        if ((copy = malloc(e->bytes)) != NULL) {
+            memcpy(copy, e, e->bytes);
+            /* the same layout, moved: point into the copy */
+            copy->msgs = (struct kvd_chat_msg *)(copy + 1);
+            const ptrdiff_t d = (char *)copy - (char *)e;
+            for (size_t i = 0; i < copy->n_msgs; i++) {
+                copy->msgs[i].role = e->msgs[i].role + d;
+                copy->msgs[i].content = e->msgs[i].content + d;
+            }
+            copy->next = NULL;
+        }
+        break;
+    }
+    pthread_mutex_unlock(&resp_store.mu);
+    return copy;
+}
+
+/* A response being made. */
+struct resp_req {
+    json_t *root;
+    struct kvd_gen_params gp;
+    struct kvd_chat_msg *msgs;      /* previous turns, instructions, input (strings in root or prev) */
+    size_t n_msgs;
+    struct resp_entry *prev;        /* the previous response's copy, or NULL */
+    bool stream, store;
+    char id[48], msg_id[48];
+    char ns[256];
+    time_t created;
+    json_t *metadata;               /* borrowed from root */
+    /* streaming */
+    struct job *j;
+    unsigned seq;                   /* sequence_number of the next event */
+    char *text;                     /* the output so far */
+    size_t text_len, text_cap;
+};
+
+static const struct field resp_fields[] = {
+    { "model", F_BOTH, true, NULL, NULL },
+    { "input", F_BOTH, true, NULL, NULL },
+    { "instructions", F_BOTH, true, NULL, NULL },
+    { "max_output_tokens", F_BOTH, true, NULL, NULL },
+    { "temperature", F_BOTH, true, NULL, NULL },
+    { "top_p", F_BOTH, true, NULL, NULL },
+    { "stream", F_BOTH, true, NULL, NULL },
+    { "store", F_BOTH, true, NULL, NULL },
+    { "previous_response_id", F_BOTH, true, NULL, NULL },
+    { "metadata", F_BOTH, true, NULL, NULL },                 /* returned with the response */
+    { "user", F_BOTH, true, NULL, NULL },
+    { "text", F_BOTH, true, NULL, NULL },
+    { "seed", F_BOTH, true, NULL, NULL },                     /* kvd's: as chat's */
+    { "namespace", F_BOTH, true, NULL, NULL },                /* kvd's: as chat's */
+    { "service_tier", F_BOTH, false, one_tier, "kvd has one service tier" },
+    { "tools", F_BOTH, false, NULL, "not supported" },
+    { "tool_choice", F_BOTH, false, (const char *const[]){ "none", "auto", NULL }, "not supported" },
+    { "parallel_tool_calls", F_BOTH, false, NULL, "not supported" },
+    { "truncation", F_BOTH, false, (const char *const[]){ "disabled", NULL }, "not supported" },
+    { "include", F_BOTH, false, NULL, "not supported" },
+    { "reasoning", F_BOTH, false, NULL, "not supported" },
+    { "background", F_BOTH, false, NULL, "not supported" },
+    { "top_logprobs", F_BOTH, false, NULL, "not supported" },
+    { "max_tool_calls", F_BOTH, false, NULL, "not supported" },
+    { "prompt_cache_key", F_BOTH, false, NULL, "not supported (kvd's cache needs no routing key; see "
+                                                 "'namespace')" },
+    { "stream_options", F_BOTH, false, NULL, "not supported" },
+};
+
+static void resp_free(struct resp_req *q)
+{
+    free(q->msgs);
+    free(q->prev);
+    free(q->text);
+    json_decref(q->root);
+    free(q);
+}
+
+/* An input item's or instructions' text: a string, or text parts joined
+ * (input_text, output_text, text); NULL with b otherwise. */
+static const char *resp_text(json_t *c, const char *param, struct bad *b)
+{
+    if (json_is_string(c))
+        return json_string_value(c);
+    if (!json_is_array(c)) {
+        bad(b, param, "'%s' must be a string or a list of text parts", param);
+        return NULL;
+    }
+    size_t total = 1, i;
+    json_t *part;
+    json_array_foreach(c, i, part) {
+        const char *type = json_string_value(json_object_get(part, "type"));
+        json_t *t = json_object_get(part, "text");
+        if (type == NULL || !json_is_string(t) ||
+            (strcmp(type, "input_text") != 0 && strcmp(type, "output_text") != 0 && strcmp(type, "text") != 0)) {
+            bad(b, param, "only text parts (input_text, output_text) are supported, not '%.40s'",
+                type ? type : "?");
+            return NULL;
+        }
+        const char *k;
+        json_t *v;
+        json_object_foreach(part, k, v)
+            if (strcmp(k, "type") != 0 && strcmp(k, "text") != 0 &&
+                !(strcmp(k, "annotations") == 0 && neutral_value(v, NULL))) {
+                bad(b, param, "a text part's '%.40s' is not supported", k);
+                return NULL;
+            }
+        total += json_string_length(t);
+    }
+    char *joined = malloc(total);
+    if (joined == NULL) {
+        bad(b, param, "out of memory");
+        return NULL;
+    }
+    size_t at = 0;
+    json_array_foreach(c, i, part) {
+        json_t *t = json_object_get(part, "text");
+        memcpy(joined + at, json_string_value(t), json_string_length(t));
+        at += json_string_length(t);
+    }
+    joined[at] = '\0';
+    json_array_append_new(c, json_string(joined));      /* kept alive by the request */
+    free(joined);
+    return json_string_value(json_array_get(c, json_array_size(c) - 1));
+}
+
+/* Parses a Responses request into q; 0, or -1 with b and *status. */
+static int resp_parse(struct resp_req *q, const struct job *j, struct bad *b, unsigned *status)
+{
+    json_t *o = q->root;
+    *status = 400;
+    if (!json_is_object(o))
+        return bad(b, NULL, "the body must be a JSON object");
+    const char *key;
+    json_t *v;
+    json_object_foreach(o, key, v) {
+        const struct field *f = NULL;
+        for (size_t i = 0; i < sizeof(resp_fields) / sizeof(resp_fields[0]) && f == NULL; i++)
+            if (strcmp(key, resp_fields[i].name) == 0)
+                f = &resp_fields[i];
+        if (f == NULL)
+            return bad(b, key, "unsupported field '%.64s' in a responses request", key);
+        if (!f->implemented && !neutral_value(v, f->neutral))
+            return bad(b, key, "'%s': %s", f->name, f->what);
+    }
+    kvd_gen_params_init(&q->gp);
+    const struct http_server *s = j->s;
+    json_t *model = json_object_get(o, "model");
+    if (model != NULL && !json_is_null(model)) {
+        if (!json_is_string(model))
+            return bad(b, "model", "'model' must be a string");
+        if (strcmp(json_string_value(model), s->model_id) != 0) {
+            *status = 404;
+            return bad(b, "model", "the model '%s' does not exist; this server serves '%s'",
+                       json_string_value(model), s->model_id);
+        }
+    }
+    double x = 0;
+    long long n = 0;
+    int rc;
+    if ((rc = get_int(o, "max_output_tokens", 1, 1 << 20, &n, b)) < 0)
+        return -1;
+    if (rc)
+        q->gp.max_tokens = (uint32_t)n;
+    if ((rc = get_num(o, "temperature", 0, 2, &x, b)) < 0)
+        return -1;
+    if (rc)
+        q->gp.temperature = (float)x;
+    if ((rc = get_num(o, "top_p", 0, 1, &x, b)) < 0)
+        return -1;
+    if (rc)
+        q->gp.top_p = (float)x;
+    if ((rc = get_int(o, "seed", INT64_MIN, INT64_MAX, &n, b)) < 0)
+        return -1;
+    if (rc) {
+        q->gp.has_seed_u64 = true;
+        q->gp.seed_u64 = (uint64_t)n;
+    }
+    q->store = true;
+    if (get_bool(o, "stream", &q->stream, b) < 0 || get_bool(o, "store", &q->store, b) < 0)
+        return -1;
+    q->metadata = json_object_get(o, "metadata");
+    if (q->metadata != NULL && !json_is_null(q->metadata) &&
+        (!json_is_object(q->metadata) || json_object_size(q->metadata) > 16))
+        return bad(b, "metadata", "'metadata' must be an object of at most 16 entries");
+    json_t *user = json_object_get(o, "user");
+    if (user != NULL && !json_is_null(user) && !json_is_string(user))
+        return bad(b, "user", "'user' must be a string");
+    json_t *text = json_object_get(o, "text");
+    if (text != NULL && !json_is_null(text)) {
+        json_t *fmt = json_object_get(text, "format");
+        const char *type = json_string_value(json_object_get(fmt, "type"));
+        if (!json_is_object(text) || json_object_size(text) != (fmt != NULL) ||
+            (fmt != NULL && (type == NULL || strcmp(type, "text") != 0 || json_object_size(fmt) != 1)))
+            return bad(b, "text", "'text': only {\"format\": {\"type\": \"text\"}} is supported");
+    }
+    json_t *ns = json_object_get(o, "namespace");
+    if (ns != NULL && !json_is_null(ns) && (!json_is_string(ns) || json_string_length(ns) > 128))
+        return bad(b, "namespace", "'namespace' must be a string of at most 128 bytes");
+    if (j->tenant == NULL && json_is_string(ns) &&
+        (strncmp(json_string_value(ns), "tenant:", 7) == 0 || strncmp(json_string_value(ns), "public:", 7) == 0))
+        return bad(b, "namespace", "'namespace' may not start with 'tenant:' or 'public:'");
+    if (j->tenant != NULL || json_is_string(ns)) {
+        snprintf(q->ns, sizeof(q->ns), "%s%s%s%s", j->tenant ? "tenant:" : "", j->tenant ? j->tenant : "",
+                 j->tenant && json_is_string(ns) ? "/" : "", json_is_string(ns) ? json_string_value(ns) : "");
+        q->gp.ns = q->ns;
+    }
+    /* the conversation: the previous response's turns, instructions, input */
+    json_t *prev = json_object_get(o, "previous_response_id");
+    if (prev != NULL && !json_is_null(prev)) {
+        if (!json_is_string(prev))
+            return bad(b, "previous_response_id", "'previous_response_id' must be a string");
+        if ((q->prev = resp_store_get(json_string_value(prev), j->tenant)) == NULL) {
+            *status = 404;
+            return bad(b, "previous_response_id", "no stored response '%.60s'", json_string_value(prev));
+        }
+    }
+    json_t *input = json_object_get(o, "input");
+    const size_t n_items = json_is_array(input) ? json_array_size(input) : 1;
+    if (input == NULL || (!json_is_string(input) && !json_is_array(input)) || n_items == 0)
+        return bad(b, "input", "'input' must be a string or a non-empty list of messages");
+    const size_t n_prev = q->prev ? q->prev->n_msgs : 0;
+    q->msgs = calloc(n_prev + 1 + n_items, sizeof(*q->msgs));
+    if (q->msgs == NULL)
+        return bad(b, "input", "out of memory");
+    json_t *ins = json_object_get(o, "instructions");
+    if (ins != NULL && !json_is_null(ins)) {
+        const char *t = resp_text(ins, "instructions", b);
+        if (t == NULL)
+            return -1;
+        q->msgs[q->n_msgs++] = (struct kvd_chat_msg){ "system", t };
+    }
+    for (size_t i = 0; i < n_prev; i++)
+        q->msgs[q->n_msgs++] = q->prev->msgs[i];
+    if (json_is_string(input)) {
+        q->msgs[q->n_msgs++] = (struct kvd_chat_msg){ "user", json_string_value(input) };
+    } else {
+        size_t i;
+        json_t *it;
+        json_array_foreach(input, i, it) {
+            const char *type = json_string_value(json_object_get(it, "type"));
+            const char *role = json_string_value(json_object_get(it, "role"));
+            if (!json_is_object(it) || (type != NULL && strcmp(type, "message") != 0))
+                return bad(b, "input", "input items of type '%.40s' are not supported (messages only)",
+                           type ? type : "?");
+            if (role == NULL)
+                return bad(b, "input", "every input message needs a 'role'");
+            if (strcmp(role, "developer") == 0)
+                role = "system";
+            if (strcmp(role, "system") != 0 && strcmp(role, "user") != 0 && strcmp(role, "assistant") != 0)
+                return bad(b, "input", "unknown role '%.40s' (system, developer, user, assistant)", role);
+            const char *k;
+            json_t *val;
+            json_object_foreach(it, k, val)
+                if (strcmp(k, "type") != 0 && strcmp(k, "role") != 0 && strcmp(k, "content") != 0 &&
+                    !((strcmp(k, "id") == 0 || strcmp(k, "status") == 0) && json_is_string(val)))
+                    return bad(b, "input", "an input message's '%.40s' is not supported", k);
+            const char *t = resp_text(json_object_get(it, "content"), "input", b);
+            if (t == NULL)
+                return -1;
+            /* system turns go first, where templates want them */
+            q->msgs[q->n_msgs++] = (struct kvd_chat_msg){ role, t };
+        }
+    }
+    q->gp.messages = q->msgs;
+    q->gp.n_messages = q->n_msgs;
+    return 0;
+}
+
+static json_t *resp_usage_json(const struct kvd_result *res)
+{
+    return json_pack("{s:I, s:{s:I}, s:I, s:{s:i}, s:I}", "input_tokens", (json_int_t)res->prompt_tokens,
+                     "input_tokens_details", "cached_tokens", (json_int_t)res->cached_prompt_tokens,
+                     "output_tokens", (json_int_t)res->completion_tokens, "output_tokens_details",
+                     "reasoning_tokens", 0, "total_tokens",
+                     (json_int_t)(res->prompt_tokens + res->completion_tokens));
+}
+
+/* The response object: status "in_progress" (res NULL), "completed" or
+ * "incomplete" (the output hit max_output_tokens). */
+static json_t *resp_json(const struct resp_req *q, const struct job *j, const struct kvd_result *res,
+                         const char *text, size_t len)
+{
+    json_t *ins = json_object_get(q->root, "instructions");
+    json_t *prev = json_object_get(q->root, "previous_response_id");
+    const bool incomplete = res != NULL && res->finish_reason == KVD_FINISH_LENGTH;
+    json_t *output = json_array();
+    if (res != NULL)
+        json_array_append_new(output, json_pack("{s:s, s:s, s:s, s:s, s:[{s:s, s:o, s:[]}]}", "type", "message",
+                                                "id", q->msg_id, "status", incomplete ? "incomplete" : "completed",
+                                                "role", "assistant", "content", "type", "output_text", "text",
+                                                text_json(text, len), "annotations"));
+    json_t *r = json_pack("{s:s, s:s, s:I, s:s, s:o, s:s, s:o, s:o, s:o, s:o, s:o, s:o, s:s, s:[], s:b, s:{s:{s:s}},"
+                          " s:o, s:o, s:b, s:o}",
+                          "id", q->id, "object", "response", "created_at", (json_int_t)q->created, "status",
+                          res == NULL ? "in_progress" : incomplete ? "incomplete" : "completed", "incomplete_details",
+                          incomplete ? json_pack("{s:s}", "reason", "max_output_tokens") : json_null(), "model",
+                          j->s->model_id, "output", output, "instructions", ins ? json_incref(ins) : json_null(),
+                          "previous_response_id", prev ? json_incref(prev) : json_null(), "max_output_tokens",
+                          q->gp.max_tokens ? json_integer(q->gp.max_tokens) : json_null(), "temperature",
+                          q->gp.temperature >= 0 ? json_real(q->gp.temperature) : json_null(), "top_p",
+                          q->gp.top_p >= 0 ? json_real(q->gp.top_p) : json_null(), "tool_choice", "auto", "tools",
+                          "parallel_tool_calls", false, "text", "format", "type", "text", "usage",
+                          res ? resp_usage_json(res) : json_null(), "error", json_null(), "store", q->store,
+                          "metadata", q->metadata && json_is_object(q->metadata) ? json_incref(q->metadata)
+                                                                                 : json_object());
+    return r;
+}
+
+/* Stores a finished response's conversation (its input and its answer). */
+static void resp_keep(const struct resp_req *q, const struct job *j, const char *text)
+{
+    if (!q->store)
+        return;
+    /* the instructions are the request's own: they are not carried to the next */
+    const bool ins = q->n_msgs > 0 && json_object_get(q->root, "instructions") != NULL &&
+                     !json_is_null(json_object_get(q->root, "instructions"));
+    const size_t from = ins ? 1 : 0, n = q->n_msgs - from;
+    struct kvd_chat_msg *m = malloc((n + 1) * sizeof(*m));
+    if (m == NULL)
+        return;
+    memcpy(m, q->msgs + from, n * sizeof(*m));
+    m[n] = (struct kvd_chat_msg){ "assistant", text };
+    resp_store_put(q->id, j->tenant, m, n + 1);
+    free(m);
+}
+
+/* A Responses streaming event: its type, a sequence number, the fields of o. */
+static bool resp_event(struct resp_req *q, const char *type, json_t *o)
+{
+    json_object_set_new(o, "type", json_string(type));
+    json_object_set_new(o, "sequence_number", json_integer(q->seq++));
+    return emit(q->j, o);
+}
+
+static int resp_on_chunk(void *user, const struct kvd_chunk *k)
+{
+    struct resp_req *q = user;
+    if (k->len == 0)
+        return 0;
+    if (q->text_len + k->len + 1 > q->text_cap) {
+        const size_t cap = (q->text_len + k->len + 1) * 2;
+        char *t = realloc(q->text, cap);
+        if (t == NULL)
+            return 1;
+        q->text = t;
+        q->text_cap = cap;
+    }
+    memcpy(q->text + q->text_len, k->text, k->len);
+    q->text_len += k->len;
+    q->text[q->text_len] = '\0';
+    return resp_event(q, "response.output_text.delta",
+                      json_pack("{s:s, s:i, s:i, s:o, s:[]}", "item_id", q->msg_id, "output_index", 0,
+                                "content_index", 0, "delta", text_json(k->text, k->len), "logprobs"))
+               ? 0 : 1;
+}
+
+/* POST /v1/responses. */
+static void work_responses(struct job *j, kvd_client_t *kc)
+{
+    struct resp_req *q = calloc(1, sizeof(*q));
+    if (q == NULL) {
+        job_error(j, 500, "out of memory", NULL, NULL, 0);
+        return;
+    }
+    if (!job_parse(j, &q->root)) {
+        free(q);
+        return;
+    }
+    struct bad b = { "", NULL };
+    unsigned status;
+    tl_acct = &j->acct;
+    const int prc = resp_parse(q, j, &b, &status);
+    tl_acct = NULL;
+    if (prc != 0) {
+        job_error(j, status, b.msg, b.param, status == 404 && b.param && strcmp(b.param, "model") == 0
+                                                  ? "model_not_found" : NULL, 0);
+        resp_free(q);
+        return;
+    }
+    new_id(q->id, sizeof(q->id), "resp_");
+    new_id(q->msg_id, sizeof(q->msg_id), "msg_");
+    q->created = time(NULL);
+    q->j = j;
+    struct kvd_result res;
+    memset(&res, 0, sizeof(res));
+    if (!q->stream) {
+        const int rc = job_aborted(j) ? KVD_ECANCELLED : kvd_generate(kc, &q->gp, &res);
+        if (rc != 0 && job_aborted(j))
+            job_gone(j);
+        else if (rc != 0)
+            job_kvd_error(j, rc, &res);
+        else {
+            resp_keep(q, j, res.text);
+            job_json(j, 200, resp_json(q, j, &res, res.text, res.text_len), 0);
+        }
+        kvd_result_free(&res);
+        resp_free(q);
+        return;
+    }
+    resp_event(q, "response.created", json_pack("{s:o}", "response", resp_json(q, j, NULL, NULL, 0)));
+    resp_event(q, "response.in_progress", json_pack("{s:o}", "response", resp_json(q, j, NULL, NULL, 0)));
+    resp_event(q, "response.output_item.added",
+               json_pack("{s:i, s:{s:s, s:s, s:s, s:s, s:[]}}", "output_index", 0, "item", "type", "message", "id",
+                         q->msg_id, "status", "in_progress", "role", "assistant", "content"));
+    resp_event(q, "response.content_part.added",
+               json_pack("{s:s, s:i, s:i, s:{s:s, s:s, s:[]}}", "item_id", q->msg_id, "output_index", 0,
+                         "content_index", 0, "part", "type", "output_text", "text", "", "annotations"));
+    const int rc = job_aborted(j) ? KVD_ECANCELLED : kvd_generate_chunks(kc, &q->gp, resp_on_chunk, q, &res);
+    if (rc != 0 && job_aborted(j)) {
+        job_gone(j);
+    } else if (rc != 0) {
+        const char *code;
+        status_of(rc, &code);
+        resp_event(q, "error", json_pack("{s:s?, s:s}", "code", code, "message",
+                                         res.error[0] ? res.error : kvd_strerror(rc)));
+        emit(j, NULL);
+    } else {
+        const char *t = res.text ? res.text : "";
+        resp_event(q, "response.output_text.done",
+                   json_pack("{s:s, s:i, s:i, s:o, s:[]}", "item_id", q->msg_id, "output_index", 0, "content_index",
+                             0, "text", text_json(t, res.text_len), "logprobs"));
+        resp_event(q, "response.content_part.done",
+                   json_pack("{s:s, s:i, s:i, s:{s:s, s:o, s:[]}}", "item_id", q->msg_id, "output_index", 0,
+                             "content_index", 0, "part", "type", "output_text", "text", text_json(t, res.text_len),
+                             "annotations"));
+        json_t *full = resp_json(q, j, &res, t, res.text_len);
+        resp_event(q, "response.output_item.done",
+                   json_pack("{s:i, s:O}", "output_index", 0, "item", json_array_get(json_object_get(full, "output"), 0)));
+        resp_keep(q, j, t);
+        /* "completed" whatever the status in it says (clients wait for that event) */
+        resp_event(q, "response.completed", json_pack("{s:o}", "response", full));
+        emit(j, NULL);
+    }
+    kvd_result_free(&res);
+    resp_free(q);
+}
+
 /* GET /health and /ready. */
 static void work_health(struct job *j, kvd_client_t *kc, bool ready)
 {
@@ -1649,6 +2168,7 @@ static void *job_main(void *arg)
         kvd_client_set_abort_fd(kc, j->epfd);
         switch (j->route) {
         case R_CHAT: case R_COMPLETIONS: work_completion(j, kc); break;
+        case R_RESPONSES: work_responses(j, kc); break;
         case R_TOKENIZE: case R_DETOKENIZE: work_tokens(j, kc); break;
         case R_HEALTH: case R_READY: work_health(j, kc, j->route == R_READY); break;
         case R_METRICS: work_metrics(j, kc); break;
@@ -1897,6 +2417,7 @@ static enum route route_of(const char *method, const char *url, unsigned *status
         enum route r;
     } routes[] = {
         { "/v1/chat/completions", true, R_CHAT }, { "/v1/completions", true, R_COMPLETIONS },
+        { "/v1/responses", true, R_RESPONSES },
         { "/tokenize", true, R_TOKENIZE }, { "/detokenize", true, R_DETOKENIZE },
         { "/health", false, R_HEALTH }, { "/ready", false, R_READY }, { "/v1/models", false, R_MODELS },
         { "/metrics", false, R_METRICS },
@@ -1966,7 +2487,8 @@ static enum MHD_Result begin(struct http_server *s, struct MHD_Connection *c, co
         snprintf(msg, sizeof(msg), "the body is over the limit of %u bytes", s->p.max_body);
         return refuse(s, c, con_cls, 413, msg, NULL, 0);
     }
-    if (route == R_CHAT || route == R_COMPLETIONS || route == R_TOKENIZE || route == R_DETOKENIZE) {
+    if (route == R_CHAT || route == R_COMPLETIONS || route == R_RESPONSES || route == R_TOKENIZE ||
+        route == R_DETOKENIZE) {
         const char *ct = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Type");
         if (ct != NULL && strncasecmp(ct, "application/json", 16) != 0)
             return refuse(s, c, con_cls, 415, "the body must be JSON (Content-Type: application/json)", NULL, 0);

@@ -632,3 +632,62 @@ def test_scored_prompts_are_computed_and_fill_the_cache(api: HttpDaemon) -> None
     assert s == 200 and w["choices"][0]["text"] == "" and w["usage"]["completion_tokens"] == 0
     s, _, after = api.post("/v1/completions", {"prompt": warm, "max_tokens": 1, "namespace": "scoring"})
     assert after["usage"]["prompt_tokens_details"]["cached_tokens"] > 500, after
+
+
+def test_responses_api(api: HttpDaemon) -> None:
+    # whole: a chat turn, instructions as its system message, usage with cached tokens
+    r = api.oai.responses.create(model=MODEL_ID, input="Name three colours.", instructions="Answer briefly.",
+                                 max_output_tokens=12, temperature=0)
+    chat = api.oai.chat.completions.create(model=MODEL_ID, max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name three colours."}])
+    assert r.output_text == chat.choices[0].message.content
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert r.usage is not None and r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    # streamed: the Responses events, the same text as whole
+    with api.oai.responses.stream(model=MODEL_ID, input="Name three colours.", instructions="Answer briefly.",
+                                  max_output_tokens=12, temperature=0) as s:
+        types = [e.type for e in s]
+        final = s.get_final_response()
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert "response.output_text.delta" in types and types[-1] == "response.completed"
+    assert final.output_text == r.output_text
+    # previous_response_id: the stored turns come first, and hit the prefix cache
+    first = api.oai.responses.create(model=MODEL_ID, max_output_tokens=8, temperature=0, input=[
+        {"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "What is rule 3?"}])
+    second = api.oai.responses.create(model=MODEL_ID, previous_response_id=first.id, input="And rule 4?",
+                                      max_output_tokens=8, temperature=0)
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens > 500
+    # store=false: nothing to continue from
+    gone = api.oai.responses.create(model=MODEL_ID, input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        api.oai.responses.create(model=MODEL_ID, input="Hi", previous_response_id=gone.id, max_output_tokens=2)
+    # what kvd does not do is refused by name
+    for kw, field in (({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+                      ({"reasoning": {"effort": "high"}}, "reasoning"),
+                      ({"text": {"format": {"type": "json_object"}}}, "text"),
+                      ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input")):
+        body: dict[str, Any] = {"model": MODEL_ID, "input": "x", **kw}
+        s2, _, b = api.post("/v1/responses", body)
+        error_of(s2, b, 400, field)
+    s2, _, b = api.post("/v1/responses", {"input": "x", "frequency_penalty_x": 1})
+    error_of(s2, b, 400, "frequency_penalty_x")
+
+
+def test_responses_are_each_tenants_own(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("key-alice-0001 alice\nkey-bob-0002 bob\n")
+    h = HttpDaemon(tmp_path / "kvd", "--kv-memory", "64MiB", "-w", "1", "--api-keys", str(keys))
+    try:
+        alice = openai.OpenAI(base_url=h.base + "/v1", api_key="key-alice-0001", max_retries=0)
+        bob = openai.OpenAI(base_url=h.base + "/v1", api_key="key-bob-0002", max_retries=0)
+        r = alice.responses.create(model=MODEL_ID, input="ALICE-SECRET: the merger.", max_output_tokens=2)
+        assert alice.responses.create(model=MODEL_ID, input="Go on.", previous_response_id=r.id,
+                                      max_output_tokens=2).status in ("completed", "incomplete")
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.create(model=MODEL_ID, input="Go on.", previous_response_id=r.id, max_output_tokens=2)
+    finally:
+        _stop_checked(h.d)
