@@ -1,0 +1,254 @@
+"""Isolation (issue 38, items 6-11): another local user and a kept pool, block
+events and tenants' prompts, /metrics rows, the namespaces an anonymous HTTP
+client may name, the tenant table under a flood, binds off loopback."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack  # type: ignore[import-untyped]  # ships no type information
+import pytest
+import zmq
+import zmq.auth
+import zmq.utils.monitor
+
+import kvd_client
+from conftest import BIN_DIR, MODEL, NOBODY, Kvd, as_user, free_port, keygen, run_kvd, wait_for
+
+BLOCK = 16
+
+
+# ---- 6. a kept pool and another local user ----------------------------------------------------
+
+def _digest(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def test_pool_of_another_user(tmp_path: Path, kvds: list[Kvd], nobody_tmp: Path) -> None:
+    """Item 6: a kept pool (--pool) made by us is 0600: another user can neither open it to map it
+    nor have kvd adopt it or kvd-worker attach to it. Made readable to others (0666), our own kvd
+    refuses it as well as theirs, and none of them changes a byte of it. A pool another user made
+    is refused by ours. Our kvd adopts its own 0600 pool (the control)."""
+    name, theirs = f"kvdsec-{uuid.uuid4().hex[:12]}", f"kvdsec-{uuid.uuid4().hex[:12]}"
+    shm, shm_theirs = Path("/dev/shm") / name, Path("/dev/shm") / theirs
+    secret = "ALICE-SECRET: the merger with Contoso closes on the ninth of March."
+    try:
+        a = Kvd(tmp_path / "a", "--kv-memory", "16MiB", "--pool", name)
+        kvds.append(a)
+        with a.client() as c:
+            c.generate(secret, max_tokens=2, temperature=0)
+        a.stop()
+        st = shm.stat()
+        assert st.st_uid == os.geteuid() and (st.st_mode & 0o777) == 0o600, oct(st.st_mode)
+        # the control: our kvd adopts its own pool again
+        b = Kvd(tmp_path / "b", "--kv-memory", "16MiB", "--pool", name, workers=0)
+        kvds.append(b)
+        b.stop()
+        before = _digest(shm)
+        mine = {"kvd": [str(BIN_DIR / "kvd"), "--model", str(MODEL), "-w", "0", "--kv-memory", "16MiB",
+                        "--pool", name, "--listen", f"ipc://{nobody_tmp}/kvd.sock"],
+                "kvd-worker": [str(BIN_DIR / "kvd-worker"), "--model", str(MODEL), "--pool", name, "--id", "1",
+                               "--connect", f"ipc://{nobody_tmp}/workers.sock"]}
+        # another user: no mapping of their own, no kvd, no worker
+        r = as_user([sys.executable, "-c", f"import mmap; f = open('/dev/shm/{name}', 'r+b'); "
+                     "mmap.mmap(f.fileno(), 0)"])
+        assert r.returncode != 0 and "PermissionError" in r.stderr, r.stderr
+        for what, cmd in mine.items():
+            r = as_user(cmd)
+            assert r.returncode != 0 and f"pool /{name}" in r.stderr and "Permission denied" in r.stderr, \
+                (what, r.stderr)
+        assert _digest(shm) == before
+        # the pool made readable and writable to others: refused by everyone, changed by no one
+        shm.chmod(0o666)
+        r = run_kvd("-w", "0", "--kv-memory", "16MiB", "--pool", name, "--listen", f"ipc://{tmp_path}/c/kvd.sock")
+        assert r.returncode == 1 and f"pool /{name} has mode 0666: other users can map it" in r.stderr, r.stderr
+        for what, cmd in mine.items():
+            r = as_user(cmd)
+            assert r.returncode != 0 and \
+                f"pool /{name} belongs to uid {os.geteuid()}, not to this user (uid {NOBODY})" in r.stderr, \
+                (what, r.stderr)
+        assert _digest(shm) == before
+        # a segment another user made (0600, theirs): our kvd and worker refuse it, though root could map it
+        r = as_user([sys.executable, "-c", f"import os; fd = os.open('/dev/shm/{theirs}', "
+                     "os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600); os.ftruncate(fd, 16 << 20)"])
+        assert r.returncode == 0, r.stderr
+        assert shm_theirs.stat().st_uid == NOBODY
+        r = run_kvd("-w", "0", "--kv-memory", "16MiB", "--pool", theirs, "--listen",
+                    f"ipc://{tmp_path}/d/kvd.sock")
+        assert r.returncode == 1 and \
+            f"pool /{theirs} belongs to uid {NOBODY}, not to this user (uid {os.geteuid()})" in r.stderr, r.stderr
+        r = run_worker("--pool", theirs, "--id", "1", "--connect", f"ipc://{tmp_path}/d/workers.sock")
+        assert r.returncode != 0 and f"pool /{theirs} belongs to uid {NOBODY}" in r.stderr, r.stderr
+        assert shm_theirs.read_bytes() == bytes(16 << 20)
+    finally:
+        shm.unlink(missing_ok=True)
+        shm_theirs.unlink(missing_ok=True)
+
+
+def run_worker(*args: str) -> Any:
+    import subprocess
+    return subprocess.run([str(BIN_DIR / "kvd-worker"), "--model", str(MODEL), *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+# ---- 7. block events ----------------------------------------------------------------------------
+
+class Events:
+    """A SUB of kvd's block events (vLLM's format: topic, sequence, msgpack [ts, events]), optionally
+    with CURVE keys, and a monitor of its handshakes."""
+
+    def __init__(self, endpoint: str, server_key: Path | None = None, cert: Path | None = None) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if server_key is not None:
+            self.sock.curve_serverkey = zmq.auth.load_certificate(str(server_key))[0]
+        if cert is not None:
+            self.sock.curve_publickey, self.sock.curve_secretkey = zmq.auth.load_certificate(str(cert))
+        self.mon = self.sock.get_monitor_socket(zmq.EVENT_ALL)
+        self.sock.connect(endpoint)
+        self.stored: list[tuple[list[int], list[int]]] = []     # (hashes, token ids) of each BlockStored
+        self.messages = 0
+        self.handshakes_failed = 0
+        self.handshakes_ok = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.mon, zmq.POLLIN)
+        failed = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                  zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        while not self._stop.is_set():
+            for s, _ in poller.poll(50):
+                if s is self.mon:
+                    ev = zmq.utils.monitor.recv_monitor_message(self.mon)
+                    with self._lock:
+                        self.handshakes_failed += bool(ev["event"] & failed)
+                        self.handshakes_ok += ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                    continue
+                frames = self.sock.recv_multipart()
+                batch = msgpack.unpackb(frames[2], raw=False)
+                with self._lock:
+                    self.messages += 1
+                    for ev in batch[1]:
+                        if ev[0] == "BlockStored":
+                            self.stored.append((list(ev[1]), list(ev[3])))
+
+    def blocks(self) -> int:
+        with self._lock:
+            return sum(len(h) for h, _ in self.stored)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.mon.close(0)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def _windows(ids: list[int]) -> set[tuple[int, ...]]:
+    return {tuple(ids[i:i + BLOCK]) for i in range(len(ids) - BLOCK + 1)}
+
+
+ALICE = ("ALICE-SECRET: the merger with Contoso closes on the ninth of March at a price of forty-one "
+         "dollars a share, and nobody outside the board may know it before the announcement.")
+PUBLIC = ("Lighthouses stand on rocky coasts and guide ships at night with a rotating lamp whose "
+          "pattern of flashes tells sailors which light they are looking at, even on the darkest and "
+          "stormiest nights of the long northern winter.")
+
+
+def test_events_carry_no_tenant_tokens(tmp_path: Path, kvds: list[Kvd]) -> None:
+    """Item 7: a tenant's blocks go out in the block events without their token ids (a subscriber
+    rebuilt alice's prompt from them), and so do the blocks of any named namespace; the default
+    namespace's blocks still carry theirs (the control: the subscriber does see token ids)."""
+    ep = f"ipc://{tmp_path}/events/events.sock"
+    k = Kvd(tmp_path / "kvd", "--kv-memory", "32MiB", "--kv-events", ep)
+    kvds.append(k)
+    sub = Events(ep)
+    try:
+        with k.client() as c:
+            # a PUB drops what comes before the subscription takes hold: wait until events arrive
+            wait_for("the subscriber receiving events", lambda: (
+                c.generate(f"Warm-up {time.monotonic_ns()} " * 20, max_tokens=1, temperature=0, no_cache=False)
+                and sub.blocks() > 0), every=0.2)
+            alice = c.tokenize(ALICE)
+            public = c.tokenize(PUBLIC)
+            assert len(alice) >= 2 * BLOCK and len(public) >= 2 * BLOCK
+            n0 = sub.blocks()
+            # alice's request as the HTTP API sends it for her key (and as a CURVE tenant's is kept)
+            ra = c.generate(ALICE, max_tokens=2, temperature=0, namespace="tenant:alice/")
+            rn = c.generate(ALICE, max_tokens=2, temperature=0, namespace="my-team")
+            rp = c.generate(PUBLIC, max_tokens=2, temperature=0)
+            want = sum((r.usage.prompt_tokens - 1) // BLOCK for r in (ra, rn, rp))
+            wait_for("the three prompts' blocks in the events", lambda: sub.blocks() >= n0 + want)
+        with sub._lock:
+            stored = list(sub.stored)
+        secret = _windows(alice)
+        shown = [t for _, t in stored if t]
+        leaked = [t for t in shown for i in range(0, len(t), BLOCK) if tuple(t[i:i + BLOCK]) in secret]
+        assert not leaked, f"alice's token ids in the events: {k.client().detokenize(leaked[0])!r}"
+        assert any(tuple(t[i:i + BLOCK]) in _windows(public) for t in shown for i in range(0, len(t), BLOCK)), \
+            "the default namespace's blocks should carry their token ids"
+        assert sum(len(h) for h, t in stored if not t) >= 2 * ((len(alice) - 1) // BLOCK)
+    finally:
+        sub.close()
+    k.stop()
+
+
+
+def test_tcp_events_need_keys(tmp_path: Path, kvds: list[Kvd]) -> None:
+    """Item 7: tcp:// --kv-events needs --curve-secret (subscribers admitted by key from
+    --events-allow) or an explicit --insecure; under CURVE an allowed key reads the events while a
+    key not allowed and a plain subscriber fail their handshakes and receive nothing."""
+    port = free_port()
+    r = run_kvd("-w", "0", "--kv-memory", "16MiB", "--listen", f"ipc://{tmp_path}/plain/kvd.sock",
+                "--kv-events", f"tcp://127.0.0.1:{port}")
+    assert r.returncode == 1 and "tcp:// needs --curve-secret" in r.stderr and "--insecure" in r.stderr, r.stderr
+    keys, allow = tmp_path / "keys", tmp_path / "allow"
+    keygen(keys, "kvd", "router", "stranger")
+    allow.mkdir()
+    (allow / "router.key").write_bytes((keys / "router.key").read_bytes())
+    ep = f"tcp://127.0.0.1:{port}"
+    k = Kvd(tmp_path / "kvd", "--kv-memory", "32MiB", "--kv-events", ep, "--curve-secret",
+            str(keys / "kvd.key_secret"), "--events-allow", str(allow))
+    kvds.append(k)
+    router = Events(ep, keys / "kvd.key", keys / "router.key_secret")
+    stranger = Events(ep, keys / "kvd.key", keys / "stranger.key_secret")
+    plain = Events(ep)
+    try:
+        with k.client() as c:
+            wait_for("the allowed subscriber receiving events", lambda: (
+                c.generate(f"Warm-up {time.monotonic_ns()} " * 20, max_tokens=1, temperature=0)
+                and router.blocks() > 0), every=0.2)
+            wait_for("the other two refused", lambda: stranger.handshakes_failed and plain.handshakes_failed)
+            n0 = router.blocks()
+            r = c.generate(PUBLIC, max_tokens=2, temperature=0)
+            wait_for("the prompt's blocks at the allowed subscriber",
+                     lambda: router.blocks() >= n0 + (r.usage.prompt_tokens - 1) // BLOCK)
+        assert stranger.messages == 0 and stranger.handshakes_ok == 0
+        assert plain.messages == 0 and plain.handshakes_ok == 0
+    finally:
+        for s in (router, stranger, plain):
+            s.close()
+    k.stop()
+    # --insecure: published to whoever reaches it, and said so
+    k = Kvd(tmp_path / "insecure", "--kv-memory", "16MiB", "--kv-events", f"tcp://127.0.0.1:{free_port()}",
+            "--insecure", workers=0)
+    kvds.append(k)
+    assert "INSECURE: anyone who reaches" in k.log()
+    k.stop()
