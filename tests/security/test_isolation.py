@@ -5,6 +5,7 @@ client may name, the tenant table under a flood, binds off loopback."""
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
 import socket
@@ -252,3 +253,198 @@ def test_tcp_events_need_keys(tmp_path: Path, kvds: list[Kvd]) -> None:
     kvds.append(k)
     assert "INSECURE: anyone who reaches" in k.log()
     k.stop()
+
+
+# ---- 8. /metrics --------------------------------------------------------------------------------
+
+def _tenant_rows(m: dict[str, float]) -> set[str]:
+    """The tenants /metrics has rows for."""
+    return {name.split('tenant="', 1)[1].split('"', 1)[0] for name in m if name.startswith("kvd_tenant_")}
+
+
+def test_metrics_rows_per_key(tmp_path: Path, kvds: list[Kvd]) -> None:
+    """Item 8: /metrics lists every tenant's rows for --operator-key, a tenant's own for its API key,
+    none for an anonymous client or a wrong key (it listed every tenant's requests, tokens, cached
+    tokens and blocks to anyone)."""
+    keys = tmp_path / "keys"
+    keys.write_text("key-of-alice-0001 alice\nkey-of-bob-000001 bob\n")
+    op = tmp_path / "operator"
+    op.write_text("operator-key-00000001\n")
+    op.chmod(0o600)
+    k = Kvd(tmp_path / "kvd", "--kv-memory", "32MiB", "--api-keys", str(keys), "--operator-key", str(op), http=True)
+    kvds.append(k)
+    for key in ("key-of-alice-0001", "key-of-bob-000001", "key-of-bob-000001"):
+        s, b = k.post("/v1/completions", {"prompt": ALICE, "max_tokens": 2, "temperature": 0}, key=key)
+        assert s == 200, b
+    everyone = k.metrics("operator-key-00000001")
+    assert _tenant_rows(everyone) == {"alice", "bob"}
+    assert everyone['kvd_tenant_requests_total{tenant="bob"}'] == 2
+    assert everyone['kvd_tenant_requests_total{tenant="alice"}'] == 1
+    alice = k.metrics("key-of-alice-0001")
+    assert _tenant_rows(alice) == {"alice"}
+    assert alice['kvd_tenant_requests_total{tenant="alice"}'] == 1
+    assert _tenant_rows(k.metrics("key-of-bob-000001")) == {"bob"}
+    for key in (None, "not-a-key-0000001", "operator-key-0000000"):
+        m = k.metrics(key)
+        assert _tenant_rows(m) == set(), (key, _tenant_rows(m))
+        assert "kvd_http_connections" in m      # the rest is there for every one
+    k.stop()
+
+
+# ---- 9. namespaces an anonymous HTTP client may name ----------------------------------------------
+
+def _cached(b: Any) -> int:
+    return int(b["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0))
+
+
+def test_anonymous_cannot_name_tenant_namespaces(tmp_path: Path, kvds: list[Kvd]) -> None:
+    """Item 9: without --api-keys, an HTTP request that names a "tenant:" or "public:" namespace is a
+    400 (it hit a CURVE tenant's cache, 176 of 185 tokens, and was counted as that tenant); names
+    that only resemble them are namespaces of their own, with nothing of alice's; with API keys a
+    key's request naming another tenant stays inside its own tenant."""
+    k = Kvd(tmp_path / "kvd", "--kv-memory", "32MiB", http=True)
+    kvds.append(k)
+    with k.client() as c:
+        # alice's prompt in her namespace, as a CURVE tenant's (or an API key's) is kept
+        first = c.generate(ALICE, max_tokens=2, temperature=0, namespace="tenant:alice/")
+        again = c.generate(ALICE, max_tokens=2, temperature=0, namespace="tenant:alice/")
+        assert again.usage.cached_prompt_tokens >= first.usage.prompt_tokens - 2 * BLOCK    # it is cached
+    req = {"prompt": ALICE, "max_tokens": 2, "temperature": 0}
+    for ns in ("tenant:alice/", "tenant:alice", "tenant:", "public:", "public:shared/"):
+        s, b = k.post("/v1/completions", {**req, "namespace": ns})
+        assert s == 400 and b["error"]["param"] == "namespace", (ns, s, b)
+        s, b = k.post("/v1/chat/completions", {"messages": [{"role": "user", "content": ALICE}], "max_tokens": 2,
+                                               "namespace": ns})
+        assert s == 400, (ns, s, b)
+    for ns in ("Tenant:alice/", " tenant:alice/", "alice", "x/tenant:alice/"):
+        s, b = k.post("/v1/completions", {**req, "namespace": ns})
+        assert s == 200 and _cached(b) == 0, (ns, s, b)
+    rows = {t.name: t for t in k.stats().tenants}
+    assert set(rows) == {"alice"} and rows["alice"].requests == 2, rows
+    k.stop()
+    # with API keys: bob naming alice's namespace is inside bob's
+    keys = tmp_path / "keys"
+    keys.write_text("key-of-bob-000001 bob\n")
+    k = Kvd(tmp_path / "keyed", "--kv-memory", "32MiB", "--api-keys", str(keys), http=True)
+    kvds.append(k)
+    with k.client() as c:
+        c.generate(ALICE, max_tokens=2, temperature=0, namespace="tenant:alice/")
+    s, b = k.post("/v1/completions", {**req, "namespace": "tenant:alice/"}, key="key-of-bob-000001")
+    assert s == 200 and _cached(b) == 0, b
+    rows = {t.name: t for t in k.stats().tenants}
+    assert rows["alice"].requests == 1 and rows["bob"].requests == 1, rows
+    k.stop()
+
+
+# ---- 10. the tenant table under a flood -------------------------------------------------------------
+
+def _note(i: int, words: int) -> str:
+    return " ".join(f"n{i}w{j}" for j in range(words))
+
+
+def test_tenant_table_flood(tmp_path: Path, kvds: list[Kvd]) -> None:
+    """Item 10: 4,100 invalid requests with "tenant:fakeN/" namespaces (a bad token id, or a prompt over
+    the tenant's block limit) over ZeroMQ, and 4,100 anonymous ones over HTTP, leave no entry in the
+    tenant table (they filled its 4,096 entries in a second); a tenant that comes later is accounted
+    and held to --tenant-max-blocks 4; once --max-tenants (2) tenants hold blocks, a new one is
+    refused OVERLOADED, not served unaccounted."""
+    k = Kvd(tmp_path / "kvd", "--kv-memory", "32MiB", "--tenant-max-blocks", "4", "--max-tenants", "2",
+            http=True)
+    kvds.append(k)
+    with k.client() as c:
+        long = _note(0, 40)
+        assert len(c.tokenize(long)) + 1 > 4 * BLOCK
+        for i in range(4100):
+            with pytest.raises((kvd_client.BadRequest, kvd_client.TooLong)):
+                if i % 2:
+                    c.generate(token_ids=[10 ** 7], max_tokens=1, namespace=f"tenant:fake{i}/")
+                else:
+                    c.generate(long, max_tokens=1, namespace=f"tenant:fake{i}/")
+        assert c.stats().tenants == []
+    h = http.client.HTTPConnection("127.0.0.1", k.port, timeout=k.patience)
+    try:
+        for i in range(4100):
+            h.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 1,
+                                                             "namespace": f"tenant:fake{i}/"}),
+                      {"Content-Type": "application/json"})
+            r = h.getresponse()
+            r.read()
+            assert r.status == 400, r.status
+    finally:
+        h.close()
+    with k.client() as c:
+        assert c.stats().tenants == []
+        # alice comes later: accounted, and held to her 4 blocks (prompts of 3 full blocks each)
+        prompts = [next(p for w in range(4, 40) if len(c.tokenize(p := _note(i, w))) >= 3 * BLOCK)
+                   for i in range(1, 5)]
+        for p in prompts:
+            assert len(c.tokenize(p)) + 1 <= 4 * BLOCK, p
+            c.generate(p, max_tokens=1, temperature=0, namespace="tenant:alice/")
+        with pytest.raises(kvd_client.TooLong, match="--tenant-max-blocks"):
+            c.generate(long, max_tokens=1, namespace="tenant:alice/")
+        rows = {t.name: t for t in c.stats().tenants}
+        assert set(rows) == {"alice"} and rows["alice"].requests == 4, rows
+        assert 0 < rows["alice"].blocks_held <= 4, rows["alice"]
+        # bob fills the table (two tenants with blocks); carol finds no entry: refused, not served
+        c.generate(prompts[0], max_tokens=1, temperature=0, namespace="tenant:bob/")
+        done = c.stats().requests_done
+        with pytest.raises(kvd_client.Overloaded, match="--max-tenants"):
+            c.generate(prompts[1], max_tokens=1, temperature=0, namespace="tenant:carol/")
+        rows = {t.name: t for t in c.stats().tenants}
+        assert set(rows) == {"alice", "bob"}, rows
+        assert c.stats().requests_done == done
+    k.stop()
+
+
+# ---- 11. binds off loopback ---------------------------------------------------------------------------
+
+def _other_interface() -> str | None:
+    """A network interface that is not the loopback one (eth0...), or None."""
+    for _, name in socket.if_nameindex():
+        if not int(Path(f"/sys/class/net/{name}/flags").read_text(), 16) & 0x8:    # IFF_LOOPBACK
+            return name
+    return None
+
+
+FLAGS = {  # how each endpoint is given, what kvd needs besides it, loopback hosts it takes
+    "--listen": ("tcp://{}", ("--insecure",), ("lo", "127.0.0.1")),
+    "--worker-endpoint": ("tcp://{}", ("--insecure",), ("lo", "127.0.0.1")),
+    "--kv-events": ("tcp://{}", ("--insecure",), ("lo", "127.0.0.1")),
+    "--http": ("{}", (), ("localhost", "127.0.0.1")),     # --http takes IPv4 addresses and localhost
+}
+
+
+@pytest.mark.parametrize("flag", list(FLAGS))
+def test_binds_off_loopback_refused(tmp_path: Path, kvds: list[Kvd], flag: str) -> None:
+    """Item 11: "0", "*", "0.0.0.0", "[::]" and a network interface's name (eth0) bind more than loopback,
+    and are refused without --allow-remote for --listen, --worker-endpoint, --kv-events and --http
+    alike (tcp://0:PORT and tcp://eth0:PORT passed the check); the loopback interface's name (localhost
+    for --http) and a loopback address are taken (the control)."""
+    form, extra, loopback = FLAGS[flag]
+    port = free_port()
+    hosts = ["0", "*", "0.0.0.0", "[::]"]
+    nic = _other_interface()
+    if nic is not None:
+        hosts.append(nic)
+    for i, host in enumerate(hosts):
+        ep = form.format(f"{host}:{port}")
+        r = run_kvd("-w", "0", "--kv-memory", "16MiB", "--listen", f"ipc://{tmp_path}/r{i}/kvd.sock", flag, ep,
+                    *extra)
+        assert r.returncode == 1 and f"{flag} {ep}" in r.stderr and "other machines could reach it" in r.stderr \
+            and "--allow-remote" in r.stderr, (ep, r.stderr)
+        with socket.socket() as s:      # nothing was bound there
+            s.bind(("0.0.0.0", port))
+    # the control: the loopback interface's name, and an address of loopback, are taken
+    for i, host in enumerate(loopback):
+        port = free_port()
+        ep = form.format(f"{host}:{port}")
+        k = Kvd(tmp_path / f"ok{i}", "--kv-memory", "16MiB", flag, ep, *extra, workers=0, listen=flag != "--listen",
+                ready=False)
+        kvds.append(k)
+        if flag == "--listen":
+            k.endpoint = f"tcp://127.0.0.1:{port}"     # a connect takes no interface name
+        k.wait_ready()
+        assert "other machines could reach it" not in k.log()
+        k.stop()
+    if nic is None:
+        pytest.skip("no network interface but loopback here: the interface-name case was not tried")
