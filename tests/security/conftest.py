@@ -217,12 +217,15 @@ def keygen(d: Path, *names: str) -> None:
                        capture_output=True, timeout=60)
 
 
-
 @pytest.fixture
 def nobody_tmp() -> Iterator[Path]:
     """A directory of the other user's (NOBODY, mode 0700) in /tmp, removed at the end."""
     if os.geteuid() != 0:
         pytest.skip("acting as another user needs root (CI runs the tests as root)")
+    reach = as_user(["sh", "-c", 'test -x "$1" && test -x "$2" && test -r "$3"', "sh", str(BIN_DIR / "kvd"),
+                     str(BIN_DIR / "kvd-worker"), str(MODEL)])
+    if reach.returncode != 0:
+        pytest.fail(f"uid {NOBODY} cannot run {BIN_DIR}/kvd or read {MODEL}: the checkout must be readable by others")
     d = Path(tempfile.mkdtemp(prefix="kvd-security-"))
     os.chown(d, NOBODY, NOBODY)
     yield d

@@ -36,8 +36,12 @@ def ask(c: kvd_client.Client, i: int) -> kvd_client.Result:
 
 
 def disk_idle(k: Kvd) -> kvd_client.Stats:
-    return wait_for("the disk tier's writes done", lambda: (lambda s: s if s.disk_cache_pending == 0 else None)(
-        k.stats()))
+    """kvd's stats once no write to the disk tier is queued."""
+    def idle() -> kvd_client.Stats | None:
+        s: kvd_client.Stats = k.stats()
+        return s if s.disk_cache_pending == 0 else None
+    st: kvd_client.Stats = wait_for("the disk tier's writes done", idle)
+    return st
 
 
 class BlockFile:
