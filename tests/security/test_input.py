@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 import kvd_client
 from conftest import BIN_DIR, MODEL, Kvd, wait_for
@@ -125,4 +126,117 @@ def test_remote_worker_bounds(tmp_path: Path, kvds: list[Kvd]) -> None:
                 p.wait()
         for host in ("far", "big", "ok"):
             Path(f"/dev/shm/kvdsec-{tag}-{host}").unlink(missing_ok=True)
+    k.stop()
+
+
+# A worker's Ready, taken from a real kvd-worker and changed field by field: the
+# few protobuf wire types it uses (varints, length-delimited), written out here.
+
+def _varint(v: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, v = v & 0x7F, v >> 7
+        out.append(b | (0x80 if v else 0))
+        if not v:
+            return bytes(out)
+
+
+def _fields(buf: bytes) -> list[tuple[int, int, int | bytes]]:
+    """(field number, wire type, value) of each field of a message."""
+    out: list[tuple[int, int, int | bytes]] = []
+    i = 0
+
+    def varint() -> int:
+        nonlocal i
+        v, shift = 0, 0
+        while True:
+            b = buf[i]
+            i += 1
+            v |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                return v
+    while i < len(buf):
+        key = varint()
+        num, wt = key >> 3, key & 7
+        if wt == 0:
+            out.append((num, wt, varint()))
+        elif wt == 2:
+            n = varint()
+            out.append((num, wt, buf[i:i + n]))
+            i += n
+        else:
+            raise AssertionError(f"wire type {wt} in a Ready")
+    return out
+
+
+def _message(fields: list[tuple[int, int, int | bytes]]) -> bytes:
+    out = bytearray()
+    for num, wt, v in fields:
+        out += _varint(num << 3 | wt)
+        out += _varint(v) if isinstance(v, int) else _varint(len(v)) + v
+    return bytes(out)
+
+
+def _ready_with(payload: bytes, worker_id: int, **ready: int | bytes) -> bytes:
+    """A FromWorker (version 1, worker_id 2, ready 3) with the Ready's fields replaced: pid 1, host 5,
+    pool_blocks 7, fence_ms 8."""
+    numbers = {"pid": 1, "host": 5, "pool_blocks": 7, "fence_ms": 8}
+    top = []
+    for num, wt, v in _fields(payload):
+        if num == 2:
+            v = worker_id
+        elif num == 3:
+            assert isinstance(v, bytes)
+            inner = {n: (w, x) for n, w, x in _fields(v)}
+            for name, value in ready.items():
+                inner[numbers[name]] = (2 if isinstance(value, bytes) else 0, value)
+            v = _message([(n, w, x) for n, (w, x) in sorted(inner.items())])
+        top.append((num, wt, v))
+    return _message(top)
+
+
+def test_remote_worker_extremes(tmp_path: Path, kvds: list[Kvd]) -> None:
+    """Item 15, the values kvd-worker's own options cannot make: a Ready naming a fence of 2^32 - 1 ms
+    (99 days), 999 ms or 0, or a pool of 4,194,304 blocks (kvd would keep metadata for all), is
+    refused; the same Ready with the real worker's values joins (the control)."""
+    wep = f"ipc://{tmp_path}/kvd/workers.sock"
+    k = Kvd(tmp_path / "kvd", "--kv-memory", "16MiB", "--worker-endpoint", wep, workers=0)
+    kvds.append(k)
+    # a real worker's Ready, caught on a socket of our own
+    ctx = zmq.Context()
+    catch = ctx.socket(zmq.ROUTER)
+    catch.bind(f"ipc://{tmp_path}/catch.sock")
+    pool = f"kvdsec-{uuid.uuid4().hex[:8]}"
+    w = subprocess.Popen([str(BIN_DIR / "kvd-worker"), "--model", str(MODEL), "--pool", pool, "--connect",
+                          f"ipc://{tmp_path}/catch.sock", "--id", "9", "--host", "real", "--kv-memory", "16MiB",
+                          "--threads", "1", "--ctx", "2048"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert catch.poll(int(k.patience * 1000)), "the worker sent no Ready"
+        frames = catch.recv_multipart()
+    finally:
+        w.terminate()
+        w.wait(60)
+        Path(f"/dev/shm/{pool}").unlink(missing_ok=True)
+        catch.close(0)
+    assert len(frames) == 2
+    payload = frames[1]
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(wep)
+    try:
+        cases = [("h1", {"fence_ms": (1 << 32) - 1}, "its --fence-ms 4294967295 is outside 1000..60000"),
+                 ("h2", {"fence_ms": 999}, "its --fence-ms 999 is outside 1000..60000"),
+                 ("h3", {"fence_ms": 0}, "its --fence-ms 0 is outside 1000..60000"),
+                 ("h4", {"pool_blocks": 1 << 22}, "its pool of 4194304 blocks is over --host-max-blocks 262144")]
+        for i, (host, change, why) in enumerate(cases):
+            dealer.send(_ready_with(payload, 20 + i, host=host.encode(), **change))
+            wait_for(f"Ready {change} refused", lambda: f"host {host}: refused: {why}" in k.log())
+        dealer.send(_ready_with(payload, 30, host=b"h5"))
+        wait_for("the unchanged Ready taken", lambda: "on host h5): ready" in k.log())
+        assert {h.name for h in k.stats().hosts if h.name} <= {"h5"}
+        assert not any(f"on host h{i}): ready" in k.log() for i in range(1, 5))
+    finally:
+        dealer.close(0)
+        ctx.term()
     k.stop()
