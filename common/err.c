@@ -28,6 +28,7 @@ const char *kvd_strerror(int code)
     case KVD_EINTERNAL: return "internal error";
     case KVD_EBADREQUEST: return "bad request";
     case KVD_EAUTH: return "authentication failed";
+    case KVD_EPERM: return "not this user's, or open to others";
     default: return "unknown error";
     }
 }

@@ -32,6 +32,8 @@ enum kvd_err {
     KVD_EINTERNAL = -18,  /* the daemon failed */
     KVD_EBADREQUEST = -19,/* the daemon refused the request as malformed or out of range */
     KVD_EAUTH = -20,      /* the daemon refused this client's keys (CURVE) */
+    KVD_EPERM = -21,      /* a file, segment or directory belongs to another user, is open to
+                           * others, or is not what its name says (a link, a FIFO) */
 };
 
 /* Returns a static, human-readable name for a KVD_E* code (or "unknown error"). */

@@ -17,7 +17,7 @@
 #define ZMQ_ZAP_ENFORCE_DOMAIN 93
 #endif
 
-static const char *const domain_name[AUTH_DOMAINS] = { "clients", "workers" };
+static const char *const domain_name[AUTH_DOMAINS] = { "clients", "workers", "events" };
 
 struct key {
     char z85[CURVE_KEY_Z85 + 1];
@@ -107,7 +107,8 @@ static int load_dir(kvd_auth_t *a, const char *dir, struct keyset *out, char *er
 
 int auth_reload(kvd_auth_t *a, char *err, size_t errlen)
 {
-    struct keyset fresh[AUTH_DOMAINS] = { { NULL, 0 }, { NULL, 0 } };
+    struct keyset fresh[AUTH_DOMAINS];
+    memset(fresh, 0, sizeof(fresh));
     for (int d = 0; d < AUTH_DOMAINS; d++)
         if (a->dir[d] != NULL && load_dir(a, a->dir[d], &fresh[d], err, errlen) != 0) {
             for (int j = 0; j < d; j++)
@@ -234,8 +235,9 @@ static void *thread_main(void *arg)
     return NULL;
 }
 
-kvd_auth_t *auth_new(void *zctx, const char *clients_dir, const char *workers_dir, const char *extra_worker,
-                     void (*log)(void *user, const char *line), void *user, char *err, size_t errlen)
+kvd_auth_t *auth_new(void *zctx, const char *clients_dir, const char *workers_dir, const char *events_dir,
+                     const char *extra_worker, void (*log)(void *user, const char *line), void *user, char *err,
+                     size_t errlen)
 {
     kvd_auth_t *a = calloc(1, sizeof(*a));
     if (a == NULL) {
@@ -247,7 +249,8 @@ kvd_auth_t *auth_new(void *zctx, const char *clients_dir, const char *workers_di
     a->user = user;
     pthread_mutex_init(&a->mu, NULL);
     if ((clients_dir && (a->dir[AUTH_CLIENTS] = strdup(clients_dir)) == NULL) ||
-        (workers_dir && (a->dir[AUTH_WORKERS] = strdup(workers_dir)) == NULL)) {
+        (workers_dir && (a->dir[AUTH_WORKERS] = strdup(workers_dir)) == NULL) ||
+        (events_dir && (a->dir[AUTH_EVENTS] = strdup(events_dir)) == NULL)) {
         kvd_seterr(err, errlen, KVD_ENOMEM, "auth: out of memory");
         auth_destroy(&a);
         return NULL;

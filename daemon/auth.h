@@ -4,7 +4,8 @@
  * public keys of an allow directory.
  *
  * Each authenticated socket is a CURVE server with kvd's key pair, a ZAP
- * domain of its own ("clients", "workers") and ZAP_ENFORCE_DOMAIN set, so a
+ * domain of its own ("clients", "workers", "events": the subscribers of
+ * --kv-events) and ZAP_ENFORCE_DOMAIN set, so a
  * connection is admitted only when the handler answers 200: a missing
  * handler refuses everyone, and one that stops answering admits no one. The
  * handler runs on a thread of its own (an inproc REP socket, the address
@@ -24,7 +25,7 @@
 
 typedef struct kvd_auth kvd_auth_t;
 
-enum { AUTH_CLIENTS = 0, AUTH_WORKERS = 1, AUTH_DOMAINS = 2 };
+enum { AUTH_CLIENTS = 0, AUTH_WORKERS = 1, AUTH_EVENTS = 2, AUTH_DOMAINS = 3 };
 
 #define AUTH_NAME_MAX 64        /* a peer's name: [A-Za-z0-9._-], from its key file */
 
@@ -38,8 +39,9 @@ struct auth_stats {
  * one); with zctx NULL, the keys alone, for auth_decide. extra_worker, when given, is one more key admitted as worker
  * "kvd" (the workers kvd starts itself use kvd's own key pair). log(user,
  * line) hears about files skipped. NULL with a reason. */
-kvd_auth_t *auth_new(void *zctx, const char *clients_dir, const char *workers_dir, const char *extra_worker,
-                     void (*log)(void *user, const char *line), void *user, char *err, size_t errlen);
+kvd_auth_t *auth_new(void *zctx, const char *clients_dir, const char *workers_dir, const char *events_dir,
+                     const char *extra_worker, void (*log)(void *user, const char *line), void *user, char *err,
+                     size_t errlen);
 
 /* The answer to one ZAP request of n frames (RFC 27: version, request id,
  * domain, address, identity, mechanism, credentials): 200 with the peer's
@@ -48,7 +50,7 @@ kvd_auth_t *auth_new(void *zctx, const char *clients_dir, const char *workers_di
  * mechanism, an unknown domain or key). Counted in the statistics. */
 int auth_decide(kvd_auth_t *a, const uint8_t *const *f, const size_t *len, int n, char name[AUTH_NAME_MAX + 1]);
 
-/* Reads both directories again; the old keys stay when a directory cannot be read. */
+/* Reads the directories again; the old keys stay when one cannot be read. */
 int auth_reload(kvd_auth_t *a, char *err, size_t errlen);
 
 void auth_stats(kvd_auth_t *a, struct auth_stats *st);
@@ -58,7 +60,7 @@ void auth_stats(kvd_auth_t *a, struct auth_stats *st);
 void auth_destroy(kvd_auth_t **a);
 
 /* Makes sock (before it binds) a CURVE server with key pair server in ZAP
- * domain `domain` ("clients" or "workers"), the domain enforced. 0, or
+ * domain `domain` (AUTH_CLIENTS, AUTH_WORKERS, AUTH_EVENTS), the domain enforced. 0, or
  * KVD_EUNSUPPORTED with the reason. */
 int auth_curve_server(void *sock, const struct curve_cert *server, int domain, char *err, size_t errlen);
 

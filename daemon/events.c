@@ -18,6 +18,7 @@
 #include <msgpack.h>
 #include <zmq.h>
 
+#include "auth.h"
 #include "err.h"
 
 /* A batch is sent early once it holds this many events (a flood of commits
@@ -36,6 +37,9 @@ struct kv_events {
     uint64_t *removed;          /* hashes of a BlockRemoved still open */
     uint32_t n_removed, removed_cap;
     uint64_t seq;               /* next sequence number */
+    bool all_tokens;            /* every block's token ids */
+    prefix_ns_t shared[2];      /* else only these namespaces' */
+    uint32_t n_shared;
     bool broken;                /* out of memory: events are lost; the next announce starts over */
 };
 
@@ -66,8 +70,19 @@ static void queued(kv_events_t *ev)
         kv_events_flush(ev);
 }
 
+/* Whether blocks of namespace ns go out with their token ids. */
+static bool tokens_shown(const kv_events_t *ev, prefix_ns_t ns)
+{
+    if (ev->all_tokens)
+        return true;
+    for (uint32_t i = 0; i < ev->n_shared; i++)
+        if (ev->shared[i].lo == ns.lo && ev->shared[i].hi == ns.hi)
+            return true;
+    return false;
+}
+
 static void on_stored(void *user, const prefix_key_t *keys, uint32_t n, const prefix_key_t *parent,
-                      const int32_t *tokens)
+                      const int32_t *tokens, prefix_ns_t ns)
 {
     kv_events_t *ev = user;
     close_removed(ev);
@@ -81,7 +96,7 @@ static void on_stored(void *user, const prefix_key_t *keys, uint32_t n, const pr
         msgpack_pack_uint64(pk, parent->lo);
     else
         msgpack_pack_nil(pk);
-    const size_t n_tok = (size_t)n * ev->block_tokens;
+    const size_t n_tok = tokens_shown(ev, ns) ? (size_t)n * ev->block_tokens : 0;
     msgpack_pack_array(pk, (uint32_t)n_tok);
     for (size_t i = 0; i < n_tok; i++)
         msgpack_pack_int32(pk, tokens[i]);
@@ -113,29 +128,38 @@ static void on_removed(void *user, prefix_key_t key)
     }
 }
 
-static void on_findable(void *user, prefix_key_t key, const prefix_key_t *parent, const int32_t *tokens)
+static void on_findable(void *user, prefix_key_t key, const prefix_key_t *parent, const int32_t *tokens,
+                        prefix_ns_t ns)
 {
-    on_stored(user, &key, 1, parent, tokens);
+    on_stored(user, &key, 1, parent, tokens, ns);
 }
 
-kv_events_t *kv_events_open(void *zctx, const char *endpoint, const char *topic, const char *medium,
-                            prefix_t *px, char *err, size_t errlen)
+kv_events_t *kv_events_open(void *zctx, const struct kv_events_params *p, prefix_t *px, char *err, size_t errlen)
 {
     kv_events_t *ev = calloc(1, sizeof(*ev));
-    if (ev == NULL || (ev->topic = strdup(topic)) == NULL || (ev->medium = strdup(medium)) == NULL) {
+    if (ev == NULL || (ev->topic = strdup(p->topic)) == NULL || (ev->medium = strdup(p->medium)) == NULL) {
         kvd_seterr(err, errlen, KVD_ENOMEM, "--kv-events: out of memory");
         kv_events_close(&ev);
         return NULL;
     }
     ev->px = px;
     ev->block_tokens = prefix_block_tokens(px);
+    ev->all_tokens = p->all_tokens;
+    ev->n_shared = p->n_shared < 2 ? p->n_shared : 2;
+    memcpy(ev->shared, p->shared, sizeof(ev->shared));
     msgpack_sbuffer_init(&ev->body);
     msgpack_packer_init(&ev->pk, &ev->body, msgpack_sbuffer_write);
     ev->pub = zmq_socket(zctx, ZMQ_PUB);
     int hwm = 100000, linger = 1000;
+    char why[256];
+    if (ev->pub != NULL && p->curve != NULL && auth_curve_server(ev->pub, p->curve, AUTH_EVENTS, why, sizeof(why)) != 0) {
+        kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "--kv-events %s: %s", p->endpoint, why);
+        kv_events_close(&ev);
+        return NULL;
+    }
     if (ev->pub == NULL || zmq_setsockopt(ev->pub, ZMQ_SNDHWM, &hwm, sizeof(hwm)) != 0 ||
-        zmq_setsockopt(ev->pub, ZMQ_LINGER, &linger, sizeof(linger)) != 0 || zmq_bind(ev->pub, endpoint) != 0) {
-        kvd_seterr(err, errlen, KVD_EIO, "--kv-events %s: %s", endpoint, zmq_strerror(errno));
+        zmq_setsockopt(ev->pub, ZMQ_LINGER, &linger, sizeof(linger)) != 0 || zmq_bind(ev->pub, p->endpoint) != 0) {
+        kvd_seterr(err, errlen, KVD_EIO, "--kv-events %s: %s", p->endpoint, zmq_strerror(errno));
         kv_events_close(&ev);
         return NULL;
     }

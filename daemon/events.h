@@ -22,7 +22,13 @@
  *
  * A hash is the low 64 bits of kvd's 128-bit chained block key (shm/prefix.h),
  * as an unsigned integer: it already covers the namespace (tenant), the model
- * and every token before the block. kvd owns the allocator, so an event says
+ * and every token before the block, and it is keyed with the pool's secret, so
+ * it tells a subscriber nothing of the tokens. token_ids are sent only for
+ * blocks of the shared namespaces (the default one, where requests without a
+ * namespace go, and --public-prefix's), unless params.all_tokens: a tenant's
+ * blocks, and those of any namespace a client named, go out with token_ids []
+ * (their hashes, parents and block_size as always), so that a subscriber
+ * cannot read another tenant's prompts off the events. kvd owns the allocator, so an event says
  * what the index holds at the end of the loop iteration that sent it: a
  * subscriber that has every batch since AllBlocksCleared holds exactly the
  * hashes of the findable blocks (kvcli-side check: Stats.block_hashes).
@@ -30,18 +36,29 @@
 #ifndef KVD_EVENTS_H
 #define KVD_EVENTS_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
+#include "curve.h"
 #include "prefix.h"
 
 typedef struct kv_events kv_events_t;
 
-/* Binds a PUB socket of context zctx at endpoint (already checked by the
- * caller) and starts observing px. medium: "CPU" or "GPU". NULL with a
- * reason. */
-kv_events_t *kv_events_open(void *zctx, const char *endpoint, const char *topic, const char *medium,
-                            prefix_t *px, char *err, size_t errlen);
+struct kv_events_params {
+    const char *endpoint;           /* where to bind (checked and claimed by the caller) */
+    const char *topic;
+    const char *medium;             /* "CPU" or "GPU" */
+    const struct curve_cert *curve; /* a tcp:// endpoint's CURVE key pair: subscribers then need a key
+                                     * the ZAP handler admits in its "events" domain; NULL: plain */
+    bool all_tokens;                /* every block's token ids (--kv-events-token-ids all) */
+    prefix_ns_t shared[2];          /* the namespaces whose blocks' token ids are sent */
+    uint32_t n_shared;
+};
+
+/* Binds a PUB socket of context zctx as p says and starts observing px. NULL
+ * with a reason. */
+kv_events_t *kv_events_open(void *zctx, const struct kv_events_params *p, prefix_t *px, char *err, size_t errlen);
 
 /* Queues AllBlocksCleared followed by every block px can find now. */
 void kv_events_announce(kv_events_t *ev);

@@ -35,6 +35,7 @@
 #include "kvd.h"
 
 #define DEFAULT_FENCE_MS 10000u
+#define MIN_FENCE_MS 1000u      /* kvd-worker's own lower bound */
 #define PING_MS_MAX 1000.0
 
 uint64_t hosts_seq_tokens(const struct pool_layout *lay, uint32_t n_blocks)
@@ -84,6 +85,18 @@ int hosts_join(struct kvd *k, const Kvdw__Ready *r)
 {
     int free_slot = -1;
     const double now = cli_now_ms();
+    /* what a worker says decides what kvd allocates and how long it holds
+     * blocks: within the operator's bounds */
+    if (r->has_fence_ms && (r->fence_ms < MIN_FENCE_MS || r->fence_ms > k->o.max_fence_ms)) {
+        kvd_log(k, "host %s: refused: its --fence-ms %u is outside %u..%u (--max-fence-ms)", r->host, r->fence_ms,
+                MIN_FENCE_MS, k->o.max_fence_ms);
+        return -1;
+    }
+    if (r->pool_blocks > k->o.host_max_blocks) {
+        kvd_log(k, "host %s: refused: its pool of %u blocks is over --host-max-blocks %u", r->host, r->pool_blocks,
+                k->o.host_max_blocks);
+        return -1;
+    }
     for (int i = 1; i < KVD_MAX_HOSTS; i++) {
         struct kvd_host *h = &k->hosts[i];
         if (!h->used && now < h->tomb_until && h->instance == r->pool_instance &&

@@ -3,11 +3,30 @@
  * connections, jansson reads and writes the JSON, and the C client carries
  * each request to kvd over its ipc:// endpoint.
  *
- * One thread per connection: a request's thread blocks in the client while
- * kvd computes. A streamed request runs the client in a thread of its own,
- * which writes server-sent events into a pipe that libmicrohttpd sends as the
- * response; when the HTTP client goes away the pipe breaks, the next write
- * fails, and the chunk callback cancels the request in kvd.
+ * libmicrohttpd runs in poll mode on one thread of its own: every
+ * connection, idle, half-sent or answered, is a descriptor and a buffer on
+ * it, never a thread. (Its epoll mode, edge-triggered, read a half request
+ * and never saw the close behind it: such connections stayed until the
+ * timeout, and counted against the limits.) A request that needs kvd is a job: once its head and
+ * body are in, its connection is suspended and a thread of its own runs it
+ * (parse the JSON, call kvd, build the answer), then resumes the connection,
+ * whose handler queues the answer. A streamed answer is a callback response
+ * that takes the server-sent events the job appends; it suspends the
+ * connection while it has nothing to send and the job resumes it with more.
+ *
+ * Each job watches its client's socket (EPOLLRDHUP) and an eventfd of its own
+ * through one epoll descriptor that the C client polls beside kvd
+ * (kvd_client_set_abort_fd): a client that goes away, or kvd's shutdown,
+ * cancels the request in kvd at once, queued, computing or streaming.
+ *
+ * Bounds: connections in all and per address (libmicrohttpd's), a deadline
+ * for each request's head and body counted from its connection's start or
+ * its previous answer (a thread of this file's shuts the socket down past
+ * it: bytes trickled in do not extend it), libmicrohttpd's idle timeout, the
+ * API key checked when the head is in (before any byte of the body is
+ * kept), the body's size, one memory budget for every body and its parsed
+ * JSON (jansson allocates through a counting allocator), and the jobs at
+ * once.
  */
 #include "http.h"
 
@@ -15,19 +34,27 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <malloc.h>
 #include <math.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/random.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <zmq.h>
 
 #include "err.h"
 #include "kvd_client.h"
@@ -35,6 +62,12 @@
 #define MAX_CHOICES 16          /* n, and prompts of one completion request, together */
 #define MAX_STOP 8
 #define CLIENT_TIMEOUT_MS 600000    /* the longest wait for kvd's next message */
+#define IDLE_CLIENTS 16         /* clients of kvd kept for the next jobs */
+#define JOB_STACK (1u << 20)    /* a job's thread: jansson's parser recurses up to 2048 levels */
+#define PARSE_FACTOR 4          /* a body's parsed JSON may take this many times the body limit */
+#define SWEEP_MS 250            /* how often the deadlines are checked */
+#define RESERVED_FDS 256        /* descriptors kvd keeps for everything but HTTP */
+#define FDS_PER_JOB 8           /* a job: its epoll and eventfd, its client's sockets */
 
 /* HTTP statuses counted for /metrics (kvd_http_requests_total{code}). */
 static const unsigned counted[] = { 200, 400, 401, 404, 405, 413, 415, 429, 500, 503, 504 };
@@ -44,108 +77,289 @@ struct api_key {
     char *key, *tenant;
 };
 
+/* One TCP connection (libmicrohttpd's socket context), for the deadline of the
+ * request it is receiving. */
+struct conn {
+    int fd;                     /* its socket: valid until the CLOSED notice removes the entry */
+    double since;               /* ms: receiving a request since (opened, or the last answer's end) */
+    bool busy;                  /* a request is in and being answered: no deadline */
+    bool shut;                  /* its deadline passed and its socket was shut down */
+    struct conn *prev, *next;
+};
+
+struct job;
+
 struct http_server {
     struct MHD_Daemon *d;
     struct http_params p;
     char *bind, *endpoint, *model_id;
     time_t created;
-    struct api_key *keys;   /* --api-keys; NULL: the API is open */
+    struct api_key *keys;       /* --api-keys; NULL: the API is open */
     size_t n_keys;
+    char *operator_key;         /* --operator-key; NULL: none */
+    void *zctx;                 /* the ZeroMQ context of every client of kvd here */
+    pthread_mutex_t mu;         /* connections, jobs, idle clients, stopping */
+    pthread_cond_t cv;          /* a job ended; the sweeper's tick */
+    struct conn *conns;         /* open connections */
+    struct job *jobs;           /* running jobs */
+    uint32_t n_jobs;
+    kvd_client_t *idle[IDLE_CLIENTS];
+    uint32_t n_idle;
+    bool stopping;
+    pthread_t sweeper;
+    bool sweeper_on;
+    _Atomic uint64_t mem;       /* bytes of bodies and parsed JSON held now */
     _Atomic uint64_t by_status[N_COUNTED + 1];  /* the last: any other status */
+    _Atomic uint64_t n_conns, timeouts, gone, mem_refused, busy_refused;
+    _Atomic uint64_t log_suppressed;
+    _Atomic int64_t log_second;
 };
 
-/* The server whose request this thread is answering (one thread per
- * connection, so per connection), for the status counters. */
-static __thread struct http_server *tl_server;
-
-static void count_status(unsigned status)
+static void count_status(struct http_server *s, unsigned status)
 {
-    if (tl_server == NULL)
-        return;
     size_t i = 0;
     while (i < N_COUNTED && counted[i] != status)
         i++;
-    atomic_fetch_add(&tl_server->by_status[i], 1);
+    atomic_fetch_add(&s->by_status[i], 1);
 }
 
-/* One HTTP request as libmicrohttpd delivers it: the body gathered. */
-struct conn {
-    char *body;
-    size_t len, cap;
-    bool too_large;
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+/* ---- memory: bodies and their JSON ------------------------------------------------------------- */
+
+/* Takes n bytes of the server's budget; false (nothing taken) past it. */
+static bool mem_take(struct http_server *s, uint64_t n)
+{
+    const uint64_t was = atomic_fetch_add(&s->mem, n);
+    if (was + n <= s->p.max_memory)
+        return true;
+    atomic_fetch_sub(&s->mem, n);
+    atomic_fetch_add(&s->mem_refused, 1);
+    return false;
+}
+
+static void mem_give(struct http_server *s, uint64_t n)
+{
+    atomic_fetch_sub(&s->mem, n);
+}
+
+/* What one request's JSON may allocate, and has. jansson allocates through
+ * json_alloc/json_free below for the whole process (only this file uses it):
+ * on a thread that parses a request (tl_acct set) every byte counts against
+ * the request's cap and the server's budget, so that a body of 16 MiB of
+ * small numbers (some 24 bytes of tree for each two bytes of text) fails as
+ * too large instead of taking gigabytes. Each block carries its size and its
+ * account, so that it is given back whenever and wherever it is freed. */
+struct acct {
+    struct http_server *s;
+    uint64_t used, cap;
+    bool over;                  /* an allocation was refused */
+    bool server_full;           /* ... because the server's budget was spent */
 };
 
-/* ---- kvd's client ------------------------------------------------------------------------- */
+static __thread struct acct *tl_acct;
 
-/* Each thread (a connection's, or a stream's) keeps one client of kvd for
- * all its requests, destroyed when the thread ends: a ZeroMQ context and
- * connection per request would cost more than the rest of the HTTP layer. */
-static pthread_key_t client_key;
-static pthread_once_t client_once = PTHREAD_ONCE_INIT;
+#define JSON_HDR 16u
 
-static void client_free(void *p)
+static void *json_alloc(size_t n)
 {
-    kvd_client_t *c = p;
-    kvd_client_destroy(&c);
-}
-
-static void client_key_make(void)
-{
-    pthread_key_create(&client_key, client_free);
-}
-
-/* This thread's client, with timeout_ms for its calls; NULL with err. */
-static kvd_client_t *client_get(const struct http_server *s, int timeout_ms, char *err, size_t errlen)
-{
-    pthread_once(&client_once, client_key_make);
-    kvd_client_t *c = pthread_getspecific(client_key);
-    if (c == NULL) {
-        /* kvd's own plain socket: no CURVE keys from the environment */
-        c = kvd_client_new_keys(s->endpoint, timeout_ms, NULL, err, errlen);
-        if (c == NULL)
+    struct acct *a = tl_acct;
+    const uint64_t want = (uint64_t)n + JSON_HDR;
+    if (a != NULL) {
+        if (a->used + want > a->cap) {
+            a->over = true;
             return NULL;
-        pthread_setspecific(client_key, c);
+        }
+        if (!mem_take(a->s, want)) {
+            a->over = a->server_full = true;
+            return NULL;
+        }
+        a->used += want;
     }
-    kvd_client_set_timeout(c, timeout_ms);
+    uint8_t *p = malloc(n + JSON_HDR);
+    if (p == NULL) {
+        if (a != NULL) {
+            a->used -= want;
+            mem_give(a->s, want);
+        }
+        return NULL;
+    }
+    memcpy(p, &n, sizeof(n));
+    memcpy(p + 8, &a, sizeof(a));
+    return p + JSON_HDR;
+}
+
+static void json_release(void *q)
+{
+    if (q == NULL)
+        return;
+    uint8_t *p = (uint8_t *)q - JSON_HDR;
+    size_t n;
+    struct acct *a;
+    memcpy(&n, p, sizeof(n));
+    memcpy(&a, p + 8, sizeof(a));
+    if (a != NULL) {
+        a->used -= (uint64_t)n + JSON_HDR;
+        mem_give(a->s, (uint64_t)n + JSON_HDR);
+    }
+    free(p);
+}
+
+static pthread_once_t json_once = PTHREAD_ONCE_INIT;
+
+static void json_funcs(void)
+{
+    json_set_alloc_funcs(json_alloc, json_release);
+}
+
+/* j as compact JSON in a plain malloc'd string (libmicrohttpd frees it); frees j. */
+static char *json_text(json_t *j, size_t *len)
+{
+    char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    if (s == NULL)
+        return NULL;
+    *len = strlen(s);
+    char *out = malloc(*len + 1);
+    if (out != NULL)
+        memcpy(out, s, *len + 1);
+    json_release(s);
+    return out;
+}
+
+/* ---- clients of kvd ------------------------------------------------------------------------------ */
+
+/* A client of kvd for a job: an idle one, or a new one on the server's
+ * context. NULL with err. */
+static kvd_client_t *client_take(struct http_server *s, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&s->mu);
+    kvd_client_t *c = s->n_idle > 0 ? s->idle[--s->n_idle] : NULL;
+    pthread_mutex_unlock(&s->mu);
+    if (c == NULL)
+        c = kvd_client_new_in(s->zctx, s->endpoint, CLIENT_TIMEOUT_MS, err, errlen);
     return c;
 }
 
-/* Done with the client for this request (the thread keeps it). */
-static void client_put(kvd_client_t **c)
+/* Done with *c: kept for the next job, or closed. */
+static void client_give(struct http_server *s, kvd_client_t **c)
 {
-    *c = NULL;
-}
-
-/* ---- responses ---------------------------------------------------------------------------- */
-
-static enum MHD_Result send_text(struct MHD_Connection *c, unsigned status, const char *type, const char *text,
-                                 size_t len, unsigned retry_after_s)
-{
-    struct MHD_Response *r = MHD_create_response_from_buffer(len, (void *)text, MHD_RESPMEM_MUST_COPY);
-    if (r == NULL)
-        return MHD_NO;
-    MHD_add_response_header(r, "Content-Type", type);
-    if (retry_after_s > 0) {
-        char ra[16];
-        snprintf(ra, sizeof(ra), "%u", retry_after_s);
-        MHD_add_response_header(r, "Retry-After", ra);
+    if (*c == NULL)
+        return;
+    kvd_client_set_abort_fd(*c, -1);
+    kvd_client_set_timeout(*c, CLIENT_TIMEOUT_MS);
+    pthread_mutex_lock(&s->mu);
+    if (s->n_idle < IDLE_CLIENTS && !s->stopping) {
+        s->idle[s->n_idle++] = *c;
+        *c = NULL;
     }
-    enum MHD_Result ok = MHD_queue_response(c, status, r);
-    MHD_destroy_response(r);
-    count_status(status);
-    return ok;
+    pthread_mutex_unlock(&s->mu);
+    kvd_client_destroy(c);
 }
 
-/* Sends j (and frees it). */
-static enum MHD_Result send_json(struct MHD_Connection *c, unsigned status, json_t *j, unsigned retry_after_s)
+/* ---- jobs --------------------------------------------------------------------------------------- */
+
+enum route { R_NONE, R_CHAT, R_COMPLETIONS, R_TOKENIZE, R_DETOKENIZE, R_HEALTH, R_READY, R_MODELS, R_METRICS };
+
+/* A request being answered on a thread of its own. Its references: the
+ * thread's, the request's (until libmicrohttpd says it is complete) and a
+ * streamed response's (until libmicrohttpd frees it). */
+struct job {
+    struct http_server *s;
+    struct MHD_Connection *c;
+    enum route route;
+    char *body;                 /* the request's body (NUL-terminated), until parsed */
+    size_t len;
+    uint64_t charged;           /* bytes of the budget the body holds */
+    const char *tenant;         /* the API key's tenant (the server's string), or NULL */
+    bool operator;              /* the request came with the operator's key */
+    int efd;                    /* eventfd: written to give the job up (client gone, shutdown) */
+    int epfd;                   /* epoll: efd, and the client's socket for hang-ups */
+    struct acct acct;           /* what its JSON allocates */
+    _Atomic int refs;
+    pthread_mutex_t mu;         /* what follows */
+    bool suspended;             /* its connection waits for it: only the job resumes it */
+    bool done;                  /* the thread has finished (the answer, or the stream, is whole) */
+    bool streaming;             /* the answer is a stream of events (status 200) */
+    bool conn_gone;             /* libmicrohttpd freed the stream's response */
+    bool gone;                  /* its client went away: its answer is not counted */
+    unsigned status;            /* a whole answer: its status, */
+    char *answer;               /* body (malloc'd), */
+    size_t answer_len;
+    const char *ctype;          /* type */
+    unsigned retry_after_s;     /* and Retry-After (0: none) */
+    char *out;                  /* a stream's events not yet sent */
+    size_t out_len, out_cap, out_sent;
+    struct job *prev, *next;    /* the server's running jobs */
+};
+
+static void job_put(struct job *j)
 {
-    char *s = json_dumps(j, JSON_COMPACT);
-    json_decref(j);
-    if (s == NULL)
-        return MHD_NO;
-    enum MHD_Result ok = send_text(c, status, "application/json", s, strlen(s), retry_after_s);
-    free(s);
-    return ok;
+    if (atomic_fetch_sub(&j->refs, 1) != 1)
+        return;
+    if (j->body != NULL)
+        free(j->body);
+    if (j->charged > 0)
+        mem_give(j->s, j->charged);
+    free(j->answer);
+    free(j->out);
+    if (j->efd >= 0)
+        close(j->efd);
+    if (j->epfd >= 0)
+        close(j->epfd);
+    pthread_mutex_destroy(&j->mu);
+    free(j);
+}
+
+/* Gives the job up: its next (or current) wait for kvd ends, cancelling. */
+static void job_abort(struct job *j)
+{
+    const uint64_t one = 1;
+    if (write(j->efd, &one, sizeof(one)) < 0 && errno != EAGAIN)
+        return;
+}
+
+/* Whether the job was given up (its client left, or kvd stops). */
+static bool job_aborted(const struct job *j)
+{
+    struct epoll_event ev;
+    return epoll_wait(j->epfd, &ev, 1, 0) > 0;
+}
+
+/* Resumes the job's connection if it waits for the job (caller holds mu). */
+static void job_wake_locked(struct job *j)
+{
+    if (j->suspended) {
+        j->suspended = false;
+        MHD_resume_connection(j->c);
+    }
+}
+
+/* The whole answer: status, a malloc'd body (taken) and its type. */
+static void job_answer(struct job *j, unsigned status, char *body, size_t len, const char *ctype,
+                       unsigned retry_after_s)
+{
+    free(j->answer);
+    j->status = status;
+    j->answer = body;
+    j->answer_len = len;
+    j->ctype = ctype;
+    j->retry_after_s = retry_after_s;
+}
+
+static void job_json(struct job *j, unsigned status, json_t *o, unsigned retry_after_s)
+{
+    size_t len = 0;
+    char *text = json_text(o, &len);
+    if (text == NULL)
+        job_answer(j, 500, NULL, 0, "application/json", 0);
+    else
+        job_answer(j, status, text, len, "application/json", retry_after_s);
 }
 
 /* OpenAI's error object. */
@@ -155,17 +369,21 @@ static json_t *error_json(const char *message, const char *type, const char *par
                      "code", code);
 }
 
-static enum MHD_Result send_error(struct MHD_Connection *c, unsigned status, const char *message,
-                                  const char *param, const char *code, unsigned retry_after_s)
+static const char *error_type(unsigned status)
 {
-    const char *type = status == 400 || status == 413 || status == 415 ? "invalid_request_error"
-                     : status == 401 ? "authentication_error"
-                     : status == 404 ? "not_found_error"
-                     : status == 429 ? "rate_limit_exceeded"
-                     : status == 503 ? "service_unavailable"
-                     : status == 504 ? "timeout"
-                                     : "server_error";
-    return send_json(c, status, error_json(message, type, param, code), retry_after_s);
+    return status == 400 || status == 413 || status == 415 ? "invalid_request_error"
+         : status == 401                                   ? "authentication_error"
+         : status == 404                                   ? "not_found_error"
+         : status == 429                                   ? "rate_limit_exceeded"
+         : status == 503                                   ? "service_unavailable"
+         : status == 504                                   ? "timeout"
+                                                           : "server_error";
+}
+
+static void job_error(struct job *j, unsigned status, const char *message, const char *param, const char *code,
+                      unsigned retry_after_s)
+{
+    job_json(j, status, error_json(message, error_type(status), param, code), retry_after_s);
 }
 
 /* The HTTP status of a client error code, and OpenAI's error code for it. */
@@ -182,15 +400,64 @@ static unsigned status_of(int rc, const char **code)
     }
 }
 
-static enum MHD_Result send_kvd_error(struct MHD_Connection *c, int rc, const struct kvd_result *res)
+static void job_kvd_error(struct job *j, int rc, const struct kvd_result *res)
 {
     const char *code;
     const unsigned status = status_of(rc, &code);
     /* Retry-After in whole seconds, at least 1 */
     const unsigned retry = status == 429 ? (res->retry_after_ms + 999) / 1000 + (res->retry_after_ms == 0) : 0;
-    return send_error(c, status, res->error[0] ? res->error : kvd_strerror(rc), NULL, code, retry);
+    job_error(j, status, res->error[0] ? res->error : kvd_strerror(rc), NULL, code, retry);
 }
 
+/* The job was given up: its client went away (counted; the answer is for
+ * nobody), or kvd stops (a 503 says so). */
+static void job_gone(struct job *j)
+{
+    const bool stopping = j->s->stopping;
+    if (!stopping)
+        atomic_fetch_add(&j->s->gone, 1);
+    job_error(j, 503, stopping ? "kvd is shutting down" : "the client went away", NULL, NULL, 0);
+    j->gone = !stopping;
+}
+
+/* Appends one server-sent event "data: <o>\n\n" (o freed; NULL: [DONE]) and
+ * wakes the connection; false once the client is gone. */
+static bool emit(struct job *j, json_t *o)
+{
+    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    const char *payload = s ? s : "[DONE]";
+    const size_t len = strlen(payload) + 8;
+    bool ok = true;
+    pthread_mutex_lock(&j->mu);
+    if (j->conn_gone) {
+        ok = false;
+    } else {
+        if (j->out_sent > 0 && j->out_sent == j->out_len)
+            j->out_len = j->out_sent = 0;
+        if (j->out_len + len + 1 > j->out_cap) {
+            const size_t cap = (j->out_len + len + 1) * 2;
+            char *b = realloc(j->out, cap);
+            if (b == NULL) {
+                ok = false;
+            } else {
+                j->out = b;
+                j->out_cap = cap;
+            }
+        }
+        if (ok) {
+            snprintf(j->out + j->out_len, len + 1, "data: %s\n\n", payload);
+            j->out_len += len;
+            j->streaming = true;
+            job_wake_locked(j);
+        }
+    }
+    pthread_mutex_unlock(&j->mu);
+    json_release(s);
+    if (!ok)
+        job_abort(j);
+    return ok && !job_aborted(j);
+}
 /* ---- the request --------------------------------------------------------------------------- */
 
 /* One prompt of a completions request: text, or token ids. */
@@ -204,7 +471,8 @@ struct oai_req {
     bool chat;
     json_t *root;
     struct kvd_gen_params gp;       /* everything but the prompt and the seed */
-    int64_t seed;                   /* < 0: none given */
+    bool has_seed;                  /* a seed was given: */
+    uint64_t seed;                  /* the int64 given, as its two's complement (choice i: seed + i) */
     struct kvd_chat_msg *msgs;
     size_t n_msgs;
     struct prompt prompts[MAX_CHOICES];
@@ -344,7 +612,8 @@ static const char *content_text(json_t *msg, struct bad *b)
     return json_string_value(json_object_get(msg, "content_joined"));
 }
 
-/* Parses and checks a chat or completions body into r; 0, or -1 with b. */
+/* Parses and checks a chat or completions body into r (r->ns holds the key's
+ * tenant namespace, or is empty); 0, or -1 with b and the status. */
 static int parse_request(struct oai_req *r, const struct http_server *s, struct bad *b, unsigned *status)
 {
     json_t *o = r->root;
@@ -352,7 +621,6 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
     if (!json_is_object(o))
         return bad(b, NULL, "the body must be a JSON object");
     kvd_gen_params_init(&r->gp);
-    r->seed = -1;
     r->n = 1;
     json_t *model = json_object_get(o, "model");
     if (model != NULL && !json_is_null(model)) {
@@ -444,14 +712,17 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
         return -1;
     if (rc)
         r->gp.min_p = (float)x;
-    if ((rc = get_num(o, "repetition_penalty", 0.01, 100, &x, b)) < 0)
+    if ((rc = get_num(o, "repetition_penalty", 0.01, 10, &x, b)) < 0)       /* the sampler's range */
         return -1;
     if (rc)
         r->gp.repeat_penalty = (float)x;
     if ((rc = get_int(o, "seed", INT64_MIN, INT64_MAX, &v, b)) < 0)
         return -1;
-    if (rc)
-        r->seed = v < 0 ? -v : v;
+    if (rc) {
+        /* every int64 is a seed of its own; choice i takes seed + i, wrapping */
+        r->has_seed = true;
+        r->seed = (uint64_t)v;
+    }
     if ((rc = get_int(o, "n", 1, MAX_CHOICES, &v, b)) < 0)
         return -1;
     if (rc)
@@ -506,6 +777,12 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
     json_t *ns = json_object_get(o, "namespace");                   /* kvd's: a cache namespace */
     if (ns != NULL && !json_is_null(ns) && (!json_is_string(ns) || json_string_length(ns) > 128))
         return bad(b, "namespace", "'namespace' must be a string of at most 128 bytes");
+    /* without an API key a request's namespace is its own: the tenants' and the
+     * public prefix's are kvd's to name (with a key it is nested in the tenant's) */
+    if (r->ns[0] == '\0' && json_is_string(ns) &&
+        (strncmp(json_string_value(ns), "tenant:", 7) == 0 || strncmp(json_string_value(ns), "public:", 7) == 0))
+        return bad(b, "namespace", "'namespace' may not start with 'tenant:' or 'public:': those are the "
+                   "tenants' and the public prefix's");
     if (r->ns[0] || json_is_string(ns)) {
         /* the tenant's, then the request's inside it: "tenant/namespace" */
         const size_t at = strlen(r->ns);
@@ -528,7 +805,9 @@ static struct kvd_gen_params choice_params(const struct oai_req *r, int index)
         gp.token_ids = p->ids;
         gp.n_token_ids = p->n_ids;
     }
-    gp.seed = r->seed >= 0 ? r->seed + index : -1;
+    gp.seed = -1;
+    gp.has_seed_u64 = r->has_seed;
+    gp.seed_u64 = r->seed + (uint64_t)index;
     return gp;
 }
 
@@ -647,27 +926,61 @@ static void new_id(char *buf, size_t len, const char *prefix)
         at += snprintf(buf + at, len - (size_t)at, "%02x", b[i]);
 }
 
-/* ---- not streamed ------------------------------------------------------------------------- */
+/* ---- work done on a job's thread ---------------------------------------------------------------- */
 
-static enum MHD_Result run_whole(struct MHD_Connection *c, const struct http_server *s, struct oai_req *r)
+/* Parses the job's body into *root under its JSON budget (the body is freed
+ * after); false with the answer set (400, 413, 503). */
+static bool job_parse(struct job *j, json_t **root)
 {
-    char err[256];
-    kvd_client_t *kc = client_get(s, CLIENT_TIMEOUT_MS, err, sizeof(err));
-    if (kc == NULL)
-        return send_error(c, 503, err, NULL, NULL, 0);
+    struct http_server *s = j->s;
+    j->acct = (struct acct){ .s = s, .cap = (uint64_t)s->p.max_body * PARSE_FACTOR + (1u << 20) };
+    json_error_t je;
+    tl_acct = &j->acct;
+    *root = json_loadb(j->body ? j->body : "", j->len, JSON_REJECT_DUPLICATES, &je);
+    tl_acct = NULL;
+    free(j->body);
+    j->body = NULL;
+    mem_give(s, j->charged);
+    j->charged = 0;
+    if (*root != NULL)
+        return true;
+    char msg[320];
+    if (j->acct.server_full) {
+        job_error(j, 503, "the HTTP layer holds as many request bodies as it may (--http-max-memory): retry later",
+                  NULL, NULL, 1);
+    } else if (j->acct.over) {
+        snprintf(msg, sizeof(msg), "the body's JSON would take more than %llu bytes to hold",
+                 (unsigned long long)j->acct.cap);
+        job_error(j, 413, msg, NULL, NULL, 0);
+    } else {
+        snprintf(msg, sizeof(msg), "the body is not valid JSON: %s (line %d, column %d)", je.text, je.line,
+                 je.column);
+        job_error(j, 400, msg, NULL, NULL, 0);
+    }
+    return false;
+}
+
+static void run_whole(struct job *j, kvd_client_t *kc, struct oai_req *r)
+{
     json_t *choices = json_array();
     uint64_t prompt = 0, completion = 0, cached = 0;
     const int total = r->n * (int)(r->chat ? 1 : r->n_prompts);
     for (int i = 0; i < total; i++) {
         struct kvd_gen_params gp = choice_params(r, i);
         struct kvd_result res;
-        const int rc = kvd_generate(kc, &gp, &res);
+        memset(&res, 0, sizeof(res));
+        const int rc = job_aborted(j) ? KVD_ECANCELLED : kvd_generate(kc, &gp, &res);
+        if (rc != 0 && job_aborted(j)) {
+            job_gone(j);
+            kvd_result_free(&res);
+            json_decref(choices);
+            return;
+        }
         if (rc != 0) {
             json_decref(choices);
-            client_put(&kc);
-            enum MHD_Result ok = send_kvd_error(c, rc, &res);
+            job_kvd_error(j, rc, &res);
             kvd_result_free(&res);
-            return ok;
+            return;
         }
         if (i % r->n == 0) {        /* a prompt counts once, whatever n */
             prompt += res.prompt_tokens;
@@ -687,100 +1000,45 @@ static enum MHD_Result run_whole(struct MHD_Connection *c, const struct http_ser
         json_array_append_new(choices, ch);
         kvd_result_free(&res);
     }
-    client_put(&kc);
     json_t *out = json_pack("{s:s, s:s, s:I, s:s, s:o, s:o}", "id", r->id, "object",
                             r->chat ? "chat.completion" : "text_completion", "created", (json_int_t)r->created,
                             "model", r->model, "choices", choices, "usage", usage_json(prompt, completion, cached));
-    return send_json(c, 200, out, 0);
+    job_json(j, 200, out, 0);
 }
 
-/* ---- streamed ---------------------------------------------------------------------------- */
-
-struct stream_job {
-    const struct http_server *s;
+/* A stream's state on its job's thread. */
+struct stream {
+    struct job *j;
     struct oai_req *r;
-    int wfd;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    bool started;           /* the first event is written: the response is 200 */
-    bool finished;
-    bool broken;            /* a write failed: the HTTP client is gone */
-    int rc;                 /* the failing call's code, before anything was sent */
-    struct kvd_result res;  /* its result (the message) */
-    int index;              /* the choice being generated */
+    int index;                  /* the choice being generated */
     bool role_sent;
-    size_t text_offset;     /* completions' logprobs: characters of the choice so far */
+    size_t text_offset;         /* completions' logprobs: characters of the choice so far */
 };
-
-static void job_signal_start(struct stream_job *j)
-{
-    pthread_mutex_lock(&j->mu);
-    j->started = true;
-    pthread_cond_broadcast(&j->cv);
-    pthread_mutex_unlock(&j->mu);
-}
-
-/* Writes one event "data: <j>\n\n" (frees j); false once the client is gone. */
-static bool emit(struct stream_job *jb, json_t *j)
-{
-    char *s = j ? json_dumps(j, JSON_COMPACT) : NULL;
-    json_decref(j);
-    if (jb->broken)
-        goto out;
-    if (!jb->started)
-        job_signal_start(jb);
-    /* one write per event: the pipe hands it on whole (up to PIPE_BUF), one HTTP chunk */
-    const char *payload = s ? s : "[DONE]";
-    const size_t len = strlen(payload) + 8;
-    char *ev = malloc(len + 1);
-    if (ev == NULL) {
-        jb->broken = true;
-        goto out;
-    }
-    snprintf(ev, len + 1, "data: %s\n\n", payload);
-    size_t off = 0;
-    while (off < len) {
-        ssize_t w = write(jb->wfd, ev + off, len - off);
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w <= 0) {
-            jb->broken = true;
-            break;
-        }
-        off += (size_t)w;
-    }
-    free(ev);
-out:
-    free(s);
-    return !jb->broken;
-}
 
 /* A chunk event: chat's delta (role, content, or nothing) or completions'
  * text, with finish_reason when given. */
-static json_t *chunk_json(struct stream_job *jb, const char *role, const char *text, size_t len,
+static json_t *chunk_json(struct stream *st, const char *role, const char *text, size_t len,
                           const struct kvd_logprob *lp, size_t n_lp, const char *finish)
 {
-    const struct oai_req *r = jb->r;
+    const struct oai_req *r = st->r;
     json_t *choice;
     json_t *lpj = lp == NULL ? json_null()
                   : r->chat  ? chat_logprobs_json(lp, n_lp)
-                             : completion_logprobs_json(lp, n_lp, &jb->text_offset);
+                             : completion_logprobs_json(lp, n_lp, &st->text_offset);
     if (r->chat) {
         json_t *delta = json_object();
         if (role)
             json_object_set_new(delta, "role", json_string(role));
         if (text)
             json_object_set_new(delta, "content", text_json(text, len));
-        choice = json_pack("{s:i, s:o, s:o, s:s?}", "index", jb->index, "delta", delta, "logprobs", lpj,
+        choice = json_pack("{s:i, s:o, s:o, s:s?}", "index", st->index, "delta", delta, "logprobs", lpj,
                            "finish_reason", finish);
-        if (finish == NULL)
-            json_object_set_new(choice, "finish_reason", json_null());
     } else {
-        choice = json_pack("{s:i, s:o, s:o, s:s?}", "index", jb->index, "text", text_json(text, text ? len : 0),
+        choice = json_pack("{s:i, s:o, s:o, s:s?}", "index", st->index, "text", text_json(text, text ? len : 0),
                            "logprobs", lpj, "finish_reason", finish);
-        if (finish == NULL)
-            json_object_set_new(choice, "finish_reason", json_null());
     }
+    if (finish == NULL)
+        json_object_set_new(choice, "finish_reason", json_null());
     json_t *out = json_pack("{s:s, s:s, s:I, s:s, s:[o]}", "id", r->id, "object",
                             r->chat ? "chat.completion.chunk" : "text_completion", "created",
                             (json_int_t)r->created, "model", r->model, "choices", choice);
@@ -791,297 +1049,368 @@ static json_t *chunk_json(struct stream_job *jb, const char *role, const char *t
 
 static int on_chunk(void *user, const struct kvd_chunk *k)
 {
-    struct stream_job *jb = user;
-    if (jb->r->chat && !jb->role_sent) {
-        jb->role_sent = true;
-        if (!emit(jb, chunk_json(jb, "assistant", "", 0, NULL, 0, NULL)))
+    struct stream *st = user;
+    if (st->r->chat && !st->role_sent) {
+        st->role_sent = true;
+        if (!emit(st->j, chunk_json(st, "assistant", "", 0, NULL, 0, NULL)))
             return 1;
     }
     if (k->len == 0 && k->logprobs == NULL)
         return 0;
     /* with logprobs, a chunk whose text is held back (a possible stop string)
      * still goes out: its tokens' logprobs come now, their text later */
-    return emit(jb, chunk_json(jb, NULL, k->text, k->len, k->logprobs, k->logprobs ? k->n_tokens : 0, NULL))
+    return emit(st->j, chunk_json(st, NULL, k->text, k->len, k->logprobs, k->logprobs ? k->n_tokens : 0, NULL))
                ? 0 : 1;  /* non-zero: cancel */
 }
 
-static void *stream_main(void *arg)
+/* A streamed answer: events appended as chunks come; an error before the
+ * first event is a whole answer with its status instead. */
+static void run_stream(struct job *j, kvd_client_t *kc, struct oai_req *r)
 {
-    struct stream_job *jb = arg;
-    struct oai_req *r = jb->r;
-    char err[256];
-    kvd_client_t *kc = client_get(jb->s, CLIENT_TIMEOUT_MS, err, sizeof(err));
+    struct stream st = { .j = j, .r = r };
     uint64_t prompt = 0, completion = 0, cached = 0;
     const int total = r->n * (int)(r->chat ? 1 : r->n_prompts);
-    int rc = kc ? 0 : KVD_EUNAVAILABLE;
-    if (kc == NULL)
-        snprintf(jb->res.error, sizeof(jb->res.error), "%s", err);
-    for (int i = 0; i < total && rc == 0 && !jb->broken; i++) {
+    int rc = 0;
+    for (int i = 0; i < total && rc == 0; i++) {
         struct kvd_gen_params gp = choice_params(r, i);
-        jb->index = i;
-        jb->role_sent = false;
-        jb->text_offset = 0;
+        st.index = i;
+        st.role_sent = false;
+        st.text_offset = 0;
         struct kvd_result res;
-        rc = kvd_generate_chunks(kc, &gp, on_chunk, jb, &res);
+        memset(&res, 0, sizeof(res));
+        rc = job_aborted(j) ? KVD_ECANCELLED : kvd_generate_chunks(kc, &gp, on_chunk, &st, &res);
         if (rc == 0) {
             if (i % r->n == 0) {
                 prompt += res.prompt_tokens;
                 cached += res.cached_prompt_tokens;
             }
             completion += res.completion_tokens;
-            if (r->chat && !jb->role_sent)
-                emit(jb, chunk_json(jb, "assistant", "", 0, NULL, 0, NULL));
-            emit(jb, chunk_json(jb, NULL, NULL, 0, NULL, 0, finish_name(res.finish_reason)));
+            if (r->chat && !st.role_sent)
+                emit(j, chunk_json(&st, "assistant", "", 0, NULL, 0, NULL));
+            emit(j, chunk_json(&st, NULL, NULL, 0, NULL, 0, finish_name(res.finish_reason)));
             kvd_result_free(&res);
-        } else if (!jb->started) {
-            jb->rc = rc;
-            jb->res = res;      /* the handler answers with the error */
+        } else if (job_aborted(j)) {
+            job_gone(j);
+            kvd_result_free(&res);
+            return;
+        } else if (!j->streaming) {
+            job_kvd_error(j, rc, &res);     /* nothing sent yet: the status says it */
+            kvd_result_free(&res);
+            return;
         } else {
-            if (!jb->broken) {  /* after the first event: the error as an event */
-                const char *code;
-                status_of(rc, &code);
-                emit(jb, error_json(res.error[0] ? res.error : kvd_strerror(rc), "server_error", NULL, code));
-            }
+            const char *code;
+            status_of(rc, &code);           /* after the first event: the error as an event */
+            emit(j, error_json(res.error[0] ? res.error : kvd_strerror(rc), "server_error", NULL, code));
             kvd_result_free(&res);
         }
     }
-    client_put(&kc);
-    if (jb->started && !jb->broken) {
-        if (rc == 0 && r->include_usage) {
-            json_t *u = json_pack("{s:s, s:s, s:I, s:s, s:[], s:o}", "id", r->id, "object",
-                                  r->chat ? "chat.completion.chunk" : "text_completion", "created",
-                                  (json_int_t)r->created, "model", r->model, "choices", "usage",
-                                  usage_json(prompt, completion, cached));
-            emit(jb, u);
-        }
-        emit(jb, NULL);     /* data: [DONE] */
+    if (rc == 0 && r->include_usage) {
+        json_t *u = json_pack("{s:s, s:s, s:I, s:s, s:[], s:o}", "id", r->id, "object",
+                              r->chat ? "chat.completion.chunk" : "text_completion", "created",
+                              (json_int_t)r->created, "model", r->model, "choices", "usage",
+                              usage_json(prompt, completion, cached));
+        emit(j, u);
     }
-    pthread_mutex_lock(&jb->mu);
-    jb->finished = true;
-    const bool handed_off = jb->started;
-    pthread_cond_broadcast(&jb->cv);
-    pthread_mutex_unlock(&jb->mu);
-    if (handed_off) {       /* the handler has gone on: this thread owns the job */
-        close(jb->wfd);
-        oai_free(jb->r);
-        pthread_mutex_destroy(&jb->mu);
-        pthread_cond_destroy(&jb->cv);
-        free(jb);
-    }
-    return NULL;
+    emit(j, NULL);     /* data: [DONE] */
 }
 
-/* Starts the stream; answers with its first events as a 200, or with the
- * error kvd gave before any. Takes r. */
-static enum MHD_Result run_stream(struct MHD_Connection *c, const struct http_server *s, struct oai_req *r)
+/* POST /v1/chat/completions and /v1/completions. */
+static void work_completion(struct job *j, kvd_client_t *kc)
 {
-    int fds[2];
-    if (pipe2(fds, O_CLOEXEC) != 0) {
+    struct oai_req *r = calloc(1, sizeof(*r));
+    if (r == NULL) {
+        job_error(j, 500, "out of memory", NULL, NULL, 0);
+        return;
+    }
+    if (!job_parse(j, &r->root)) {
+        free(r);
+        return;
+    }
+    r->chat = j->route == R_CHAT;
+    if (j->tenant != NULL)
+        snprintf(r->ns, sizeof(r->ns), "tenant:%s", j->tenant);
+    struct bad b = { "", NULL };
+    unsigned status;
+    tl_acct = &j->acct;     /* what the checks add to the tree (joined message parts) counts too */
+    const int prc = parse_request(r, j->s, &b, &status);
+    tl_acct = NULL;
+    if (prc != 0) {
+        job_error(j, status, b.msg, b.param, status == 404 ? "model_not_found" : NULL, 0);
         oai_free(r);
-        return send_error(c, 500, "no pipe for the stream", NULL, NULL, 0);
+        return;
     }
-    struct stream_job *jb = calloc(1, sizeof(*jb));
-    if (jb == NULL) {
-        close(fds[0]);
-        close(fds[1]);
-        oai_free(r);
-        return send_error(c, 500, "out of memory", NULL, NULL, 0);
-    }
-    jb->s = s;
-    jb->r = r;
-    jb->wfd = fds[1];
-    pthread_mutex_init(&jb->mu, NULL);
-    pthread_cond_init(&jb->cv, NULL);
-    pthread_t t;
-    pthread_attr_t at;
-    pthread_attr_init(&at);
-    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-    if (pthread_create(&t, &at, stream_main, jb) != 0) {
-        pthread_attr_destroy(&at);
-        close(fds[0]);
-        close(fds[1]);
-        oai_free(r);
-        free(jb);
-        return send_error(c, 500, "no thread for the stream", NULL, NULL, 0);
-    }
-    pthread_attr_destroy(&at);
-    pthread_mutex_lock(&jb->mu);
-    while (!jb->started && !jb->finished)
-        pthread_cond_wait(&jb->cv, &jb->mu);
-    const bool started = jb->started;
-    pthread_mutex_unlock(&jb->mu);
-    if (!started) {         /* failed before its first event; the thread is done with jb */
-        close(fds[0]);
-        close(fds[1]);
-        enum MHD_Result ok = send_kvd_error(c, jb->rc, &jb->res);
-        kvd_result_free(&jb->res);
-        oai_free(jb->r);
-        pthread_mutex_destroy(&jb->mu);
-        pthread_cond_destroy(&jb->cv);
-        free(jb);
-        return ok;
-    }
-    struct MHD_Response *resp = MHD_create_response_from_pipe(fds[0]);  /* closes fds[0] */
-    if (resp == NULL) {
-        close(fds[0]);      /* the writer sees the pipe break and cancels */
-        return MHD_NO;
-    }
-    MHD_add_response_header(resp, "Content-Type", "text/event-stream");
-    MHD_add_response_header(resp, "Cache-Control", "no-cache");
-    enum MHD_Result ok = MHD_queue_response(c, 200, resp);
-    MHD_destroy_response(resp);
-    count_status(200);
-    return ok;
+    new_id(r->id, sizeof(r->id), r->chat ? "chatcmpl-" : "cmpl-");
+    r->created = time(NULL);
+    if (r->stream)
+        run_stream(j, kc, r);
+    else
+        run_whole(j, kc, r);
+    oai_free(r);
 }
 
-/* ---- the other routes --------------------------------------------------------------------- */
-
-static enum MHD_Result route_health(struct MHD_Connection *c, const struct http_server *s, bool ready)
+/* GET /health and /ready. */
+static void work_health(struct job *j, kvd_client_t *kc, bool ready)
 {
-    kvd_client_t *kc = client_get(s, 2000, NULL, 0);
+    kvd_client_set_timeout(kc, 2000);
     bool ok = false;
     uint32_t alive = 0;
-    const int rc = kc ? kvd_health(kc, &ok, &alive) : KVD_EUNAVAILABLE;
-    client_put(&kc);
+    const int rc = kvd_health(kc, &ok, &alive);
     if (rc != 0)
-        return send_error(c, 503, "kvd does not answer", NULL, NULL, 0);
-    if (ready && (!ok || alive == 0))
-        return send_error(c, 503, "no worker is ready", NULL, NULL, 0);
-    return send_json(c, 200, json_pack("{s:s, s:i}", "status", ok ? "ok" : "no worker", "workers", (int)alive), 0);
-}
-
-static enum MHD_Result route_models(struct MHD_Connection *c, const struct http_server *s)
-{
-    return send_json(c, 200,
-                     json_pack("{s:s, s:[{s:s, s:s, s:I, s:s}]}", "object", "list", "data", "id", s->model_id,
-                               "object", "model", "created", (json_int_t)s->created, "owned_by", "kvd"),
-                     0);
+        job_error(j, 503, "kvd does not answer", NULL, NULL, 0);
+    else if (ready && (!ok || alive == 0))
+        job_error(j, 503, "no worker is ready", NULL, NULL, 0);
+    else
+        job_json(j, 200, json_pack("{s:s, s:i}", "status", ok ? "ok" : "no worker", "workers", (int)alive), 0);
 }
 
 /* POST /tokenize {"prompt": text} or {"messages": [...]}: {"tokens", "count",
  * "max_model_len"}; POST /detokenize {"tokens": [...]}: {"prompt"} (vLLM's shapes). */
-static enum MHD_Result route_tokens(struct MHD_Connection *c, const struct http_server *s, json_t *o, bool detok)
+static void work_tokens(struct job *j, kvd_client_t *kc)
 {
-    if (!json_is_object(o))
-        return send_error(c, 400, "the body must be a JSON object", NULL, NULL, 0);
+    json_t *o;
+    if (!job_parse(j, &o))
+        return;
+    const bool detok = j->route == R_DETOKENIZE;
+    const struct http_server *s = j->s;
     json_t *model = json_object_get(o, "model");
-    if (json_is_string(model) && strcmp(json_string_value(model), s->model_id) != 0)
-        return send_error(c, 404, "no such model", "model", "model_not_found", 0);
-    char err[256];
-    kvd_client_t *kc = client_get(s, CLIENT_TIMEOUT_MS, err, sizeof(err));
-    if (kc == NULL)
-        return send_error(c, 503, err, NULL, NULL, 0);
-    enum MHD_Result ok;
+    char err[256] = "";
     int rc;
-    if (detok) {
+    if (!json_is_object(o)) {
+        job_error(j, 400, "the body must be a JSON object", NULL, NULL, 0);
+    } else if (json_is_string(model) && strcmp(json_string_value(model), s->model_id) != 0) {
+        job_error(j, 404, "no such model", "model", "model_not_found", 0);
+    } else if (detok) {
         json_t *a = json_object_get(o, "tokens");
         struct prompt p = { 0 };
         struct bad b = { "", NULL };
         if (!json_is_array(a) || get_ids(a, "tokens", &p, &b) != 0) {
-            free(p.ids);
-            client_put(&kc);
-            return send_error(c, 400, b.msg[0] ? b.msg : "'tokens' must be a list of token ids", "tokens", NULL, 0);
+            job_error(j, 400, b.msg[0] ? b.msg : "'tokens' must be a list of token ids", "tokens", NULL, 0);
+        } else {
+            char *text = NULL;
+            rc = kvd_detokenize(kc, p.ids, p.n_ids, &text, err, sizeof(err));
+            if (rc == 0)
+                job_json(j, 200, json_pack("{s:s}", "prompt", text), 0);
+            else
+                job_error(j, status_of(rc, &(const char *){ NULL }), err[0] ? err : kvd_strerror(rc), "tokens",
+                          NULL, 0);
+            free(text);
         }
-        char *text = NULL;
-        rc = kvd_detokenize(kc, p.ids, p.n_ids, &text, err, sizeof(err));
         free(p.ids);
-        ok = rc == 0 ? send_json(c, 200, json_pack("{s:s}", "prompt", text), 0)
-                     : send_error(c, status_of(rc, &(const char *){ NULL }), err[0] ? err : kvd_strerror(rc),
-                                  "tokens", NULL, 0);
-        free(text);
     } else {
         struct oai_req r = { 0 };
         struct bad b = { "", NULL };
         json_t *m = json_object_get(o, "messages");
         const char *text = json_string_value(json_object_get(o, "prompt"));
+        bool ok = true;
         if (m != NULL) {
             r.chat = true;
             unsigned st;
             r.root = json_pack("{s:O}", "messages", m);   /* parse_request's checks, messages only */
-            if (parse_request(&r, s, &b, &st) != 0) {
-                free(r.msgs);
-                json_decref(r.root);
-                client_put(&kc);
-                return send_error(c, 400, b.msg, b.param, NULL, 0);
-            }
+            tl_acct = &j->acct;
+            ok = parse_request(&r, s, &b, &st) == 0;
+            tl_acct = NULL;
+            if (!ok)
+                job_error(j, 400, b.msg, b.param, NULL, 0);
         } else if (text == NULL) {
-            client_put(&kc);
-            return send_error(c, 400, "give 'prompt' (a string) or 'messages'", "prompt", NULL, 0);
+            ok = false;
+            job_error(j, 400, "give 'prompt' (a string) or 'messages'", "prompt", NULL, 0);
         }
-        int32_t *ids = NULL;
-        size_t n = 0;
-        uint32_t max_ctx = 0;
-        rc = kvd_tokenize(kc, m ? NULL : text, r.msgs, r.n_msgs, &ids, &n, &max_ctx, err, sizeof(err));
+        if (ok) {
+            int32_t *ids = NULL;
+            size_t n = 0;
+            uint32_t max_ctx = 0;
+            rc = kvd_tokenize(kc, m ? NULL : text, r.msgs, r.n_msgs, &ids, &n, &max_ctx, err, sizeof(err));
+            if (rc == 0) {
+                json_t *arr = json_array();
+                for (size_t i = 0; i < n; i++)
+                    json_array_append_new(arr, json_integer(ids[i]));
+                job_json(j, 200, json_pack("{s:o, s:I, s:I}", "tokens", arr, "count", (json_int_t)n,
+                                           "max_model_len", (json_int_t)max_ctx), 0);
+            } else {
+                job_error(j, status_of(rc, &(const char *){ NULL }), err[0] ? err : kvd_strerror(rc), NULL, NULL,
+                          0);
+            }
+            free(ids);
+        }
         free(r.msgs);
-        if (m != NULL)
-            json_decref(r.root);
-        if (rc == 0) {
-            json_t *arr = json_array();
-            for (size_t i = 0; i < n; i++)
-                json_array_append_new(arr, json_integer(ids[i]));
-            ok = send_json(c, 200, json_pack("{s:o, s:I, s:I}", "tokens", arr, "count", (json_int_t)n,
-                                             "max_model_len", (json_int_t)max_ctx), 0);
-        } else {
-            ok = send_error(c, status_of(rc, &(const char *){ NULL }), err[0] ? err : kvd_strerror(rc), NULL, NULL, 0);
-        }
-        free(ids);
+        json_decref(r.root);
     }
-    client_put(&kc);
-    return ok;
+    json_decref(o);
 }
 
-/* /metrics: kvd's statistics in Prometheus' text format (kvd_stats_prometheus). */
-static enum MHD_Result route_metrics(struct MHD_Connection *c, const struct http_server *s)
+/* Appends printf output to a growing text; false without memory. */
+struct text {
+    char *s;
+    size_t len, cap;
+};
+
+static bool tappend(struct text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static bool tappend(struct text *t, const char *fmt, ...)
 {
-    kvd_client_t *kc = client_get(s, 5000, NULL, 0);
-    struct kvd_stats st;
-    const int rc = kc ? kvd_stats(kc, &st) : KVD_EUNAVAILABLE;
-    client_put(&kc);
-    if (rc != 0)
-        return send_error(c, 503, "kvd does not answer", NULL, NULL, 0);
-    char *text = kvd_stats_prometheus(&st);
-    if (text == NULL)
-        return MHD_NO;
-    /* and this front end's own: responses by status */
-    size_t len = strlen(text), cap = len + 128 + 64 * (N_COUNTED + 1);
-    char *all = realloc(text, cap);
-    if (all == NULL) {
-        free(text);
-        return MHD_NO;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        const int n = vsnprintf(t->s ? t->s + t->len : NULL, t->s ? t->cap - t->len : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0)
+            return false;
+        if (t->s != NULL && t->len + (size_t)n < t->cap) {
+            t->len += (size_t)n;
+            return true;
+        }
+        const size_t cap = (t->len + (size_t)n + 1) * 2;
+        char *b = realloc(t->s, cap);
+        if (b == NULL)
+            return false;
+        t->s = b;
+        t->cap = cap;
     }
-    len += (size_t)snprintf(all + len, cap - len, "# HELP kvd_http_requests_total HTTP responses by status.\n"
-                                                  "# TYPE kvd_http_requests_total counter\n");
-    for (size_t i = 0; i <= N_COUNTED; i++) {
+}
+
+/* GET /metrics: kvd's statistics in Prometheus' text format, every tenant's
+ * rows for the operator's key, a tenant's own for its key, none without one;
+ * then this front end's own. */
+static void work_metrics(struct job *j, kvd_client_t *kc)
+{
+    struct http_server *s = j->s;
+    kvd_client_set_timeout(kc, 5000);
+    struct kvd_stats st;
+    if (kvd_stats(kc, &st) != 0) {
+        job_error(j, 503, "kvd does not answer", NULL, NULL, 0);
+        return;
+    }
+    if (!j->operator) {
+        uint32_t kept = 0;
+        for (uint32_t i = 0; i < st.n_tenants; i++)
+            if (j->tenant != NULL && strcmp(st.tenants[i].name, j->tenant) == 0)
+                st.tenants[kept++] = st.tenants[i];
+        st.n_tenants = kept;
+    }
+    char *kvd_text = kvd_stats_prometheus(&st);
+    kvd_stats_free(&st);
+    struct text t = { 0 };
+    bool ok = kvd_text != NULL && tappend(&t, "%s", kvd_text);
+    free(kvd_text);
+    ok = ok && tappend(&t, "# HELP kvd_http_requests_total HTTP responses by status.\n"
+                           "# TYPE kvd_http_requests_total counter\n");
+    for (size_t i = 0; ok && i <= N_COUNTED; i++) {
         char code[8];
         snprintf(code, sizeof(code), "%u", i < N_COUNTED ? counted[i] : 0u);
-        len += (size_t)snprintf(all + len, cap - len, "kvd_http_requests_total{code=\"%s\"} %llu\n",
-                                i < N_COUNTED ? code : "other", (unsigned long long)atomic_load(&s->by_status[i]));
+        ok = tappend(&t, "kvd_http_requests_total{code=\"%s\"} %llu\n", i < N_COUNTED ? code : "other",
+                     (unsigned long long)atomic_load(&s->by_status[i]));
     }
-    enum MHD_Result ok = send_text(c, 200, "text/plain; version=0.0.4", all, len, 0);
-    free(all);
-    return ok;
+    pthread_mutex_lock(&s->mu);
+    const uint32_t n_jobs = s->n_jobs;
+    pthread_mutex_unlock(&s->mu);
+    ok = ok && tappend(&t,
+                       "# HELP kvd_http_connections HTTP connections open now.\n# TYPE kvd_http_connections gauge\n"
+                       "kvd_http_connections %llu\n"
+                       "# HELP kvd_http_requests_active HTTP requests being answered now.\n"
+                       "# TYPE kvd_http_requests_active gauge\nkvd_http_requests_active %u\n"
+                       "# HELP kvd_http_memory_bytes Request bodies and their parsed JSON held now.\n"
+                       "# TYPE kvd_http_memory_bytes gauge\nkvd_http_memory_bytes %llu\n"
+                       "# HELP kvd_http_timeouts_total Connections closed: a request's head and body did not "
+                       "arrive in time.\n# TYPE kvd_http_timeouts_total counter\nkvd_http_timeouts_total %llu\n"
+                       "# HELP kvd_http_clients_gone_total Requests cancelled because their client went away.\n"
+                       "# TYPE kvd_http_clients_gone_total counter\nkvd_http_clients_gone_total %llu\n"
+                       "# HELP kvd_http_memory_refused_total Requests refused: bodies held too much memory.\n"
+                       "# TYPE kvd_http_memory_refused_total counter\nkvd_http_memory_refused_total %llu\n"
+                       "# HELP kvd_http_busy_refused_total Requests refused: as many were being answered as "
+                       "--http-max-requests allows.\n# TYPE kvd_http_busy_refused_total counter\n"
+                       "kvd_http_busy_refused_total %llu\n",
+                       (unsigned long long)atomic_load(&s->n_conns), n_jobs,
+                       (unsigned long long)atomic_load(&s->mem), (unsigned long long)atomic_load(&s->timeouts),
+                       (unsigned long long)atomic_load(&s->gone), (unsigned long long)atomic_load(&s->mem_refused),
+                       (unsigned long long)atomic_load(&s->busy_refused));
+    if (!ok) {
+        free(t.s);
+        job_error(j, 500, "out of memory", NULL, NULL, 0);
+        return;
+    }
+    job_answer(j, 200, t.s, t.len, "text/plain; version=0.0.4", 0);
 }
 
-/* ---- API keys ----------------------------------------------------------------------------- */
+/* A job's thread: the work, then the connection woken for the answer. */
+static void *job_main(void *arg)
+{
+    struct job *j = arg;
+    struct http_server *s = j->s;
+    char err[256];
+    kvd_client_t *kc = client_take(s, err, sizeof(err));
+    if (kc == NULL) {
+        job_error(j, 503, err, NULL, NULL, 0);
+    } else {
+        kvd_client_set_abort_fd(kc, j->epfd);
+        switch (j->route) {
+        case R_CHAT: case R_COMPLETIONS: work_completion(j, kc); break;
+        case R_TOKENIZE: case R_DETOKENIZE: work_tokens(j, kc); break;
+        case R_HEALTH: case R_READY: work_health(j, kc, j->route == R_READY); break;
+        case R_METRICS: work_metrics(j, kc); break;
+        default: job_error(j, 500, "no such work", NULL, NULL, 0); break;
+        }
+    }
+    client_give(s, &kc);
+    const bool big = j->acct.cap > 0 && j->acct.used == 0 && j->len > (1u << 20);
+    pthread_mutex_lock(&j->mu);
+    j->done = true;
+    job_wake_locked(j);
+    pthread_mutex_unlock(&j->mu);
+#ifdef __GLIBC__
+    if (big)
+        malloc_trim(0);     /* a large body's JSON: its pages go back */
+#endif
+    pthread_mutex_lock(&s->mu);
+    if (j->prev)
+        j->prev->next = j->next;
+    else
+        s->jobs = j->next;
+    if (j->next)
+        j->next->prev = j->prev;
+    s->n_jobs--;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    job_put(j);
+    return NULL;
+}
 
-/* The tenant of "Bearer KEY", or NULL. Every key is compared in full, in time
- * that depends on the lengths only. */
-static const char *authorize(const struct http_server *s, const char *auth)
+/* ---- API keys ----------------------------------------------------------------------------------- */
+
+/* Whether "Bearer KEY" carries key want: compared in full, in time that
+ * depends on the lengths only. */
+static bool key_matches(const char *auth, const char *want)
 {
     if (auth == NULL || strncasecmp(auth, "Bearer ", 7) != 0)
-        return NULL;
+        return false;
     const char *key = auth + 7;
-    const size_t kl = strlen(key);
+    const size_t kl = strlen(key), l = strlen(want);
+    unsigned diff = (unsigned)(l != kl);
+    for (size_t i = 0; i < l; i++)
+        diff |= (unsigned char)want[i] ^ (unsigned char)(i < kl ? key[i] : 0);
+    return diff == 0;
+}
+
+/* The tenant of "Bearer KEY", or NULL. Every key is compared. */
+static const char *authorize(const struct http_server *s, const char *auth)
+{
     const char *found = NULL;
-    for (size_t i = 0; i < s->n_keys; i++) {
-        const size_t l = strlen(s->keys[i].key);
-        unsigned diff = (unsigned)(l != kl);
-        for (size_t j = 0; j < l; j++)
-            diff |= (unsigned char)s->keys[i].key[j] ^ (unsigned char)(j < kl ? key[j] : 0);
-        if (diff == 0 && found == NULL)
+    for (size_t i = 0; i < s->n_keys; i++)
+        if (key_matches(auth, s->keys[i].key) && found == NULL)
             found = s->keys[i].tenant;
-    }
     return found;
+}
+
+/* A tenant's name as kvd keys it: 1-64 of [A-Za-z0-9._-] (a '/' would put it
+ * inside another tenant's namespace). */
+static bool tenant_ok(const char *t)
+{
+    const size_t n = strlen(t);
+    if (n == 0 || n > 64)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if (!((t[i] >= 'a' && t[i] <= 'z') || (t[i] >= 'A' && t[i] <= 'Z') || (t[i] >= '0' && t[i] <= '9') ||
+              t[i] == '.' || t[i] == '_' || t[i] == '-'))
+            return false;
+    return true;
 }
 
 /* Reads a file of "KEY TENANT" lines ('#' comments and blank lines skipped);
@@ -1101,9 +1430,9 @@ static int load_keys(http_server_t *s, const char *path, char *err, size_t errle
         const char *p = line + strspn(line, " \t");
         if (*p == '#' || *p == '\n' || *p == '\0')
             continue;
-        if (sscanf(p, "%511s %511s %7s", key, tenant, extra) != 2 || strlen(key) < 8 || strlen(tenant) > 100) {
+        if (sscanf(p, "%511s %511s %7s", key, tenant, extra) != 2 || strlen(key) < 8 || !tenant_ok(tenant)) {
             snprintf(err, errlen, "--api-keys %s:%d: want KEY TENANT (a key of 8 or more characters, a tenant "
-                     "of at most 100)", path, lineno);
+                     "of 1-64 letters, digits, '.', '_' or '-')", path, lineno);
             rc = -1;
             break;
         }
@@ -1126,130 +1455,522 @@ static int load_keys(http_server_t *s, const char *path, char *err, size_t errle
     return rc;
 }
 
-/* ---- dispatch ------------------------------------------------------------------------------ */
+/* --operator-key FILE: its first line, at least 16 characters. */
+static int load_operator_key(http_server_t *s, const char *path, char *err, size_t errlen)
+{
+    FILE *f = fopen(path, "r");
+    char line[1024];
+    if (f == NULL) {
+        snprintf(err, errlen, "--operator-key %s: %s", path, strerror(errno));
+        return -1;
+    }
+    const bool got = fgets(line, sizeof(line), f) != NULL;
+    fclose(f);
+    line[got ? strcspn(line, "\r\n") : 0] = '\0';
+    if (strlen(line) < 16 || strchr(line, ' ') != NULL) {
+        snprintf(err, errlen, "--operator-key %s: want the key on the first line (16 or more characters, no "
+                 "spaces)", path);
+        return -1;
+    }
+    s->operator_key = strdup(line);
+    return s->operator_key ? 0 : -1;
+}
+
+/* ---- libmicrohttpd's callbacks ------------------------------------------------------------------ */
+
+/* One request, from its head to its end (libmicrohttpd's con_cls). */
+struct req {
+    enum route route;
+    const char *tenant;         /* its API key's tenant */
+    bool operator;              /* it came with the operator's key */
+    char *body;                 /* what came of its body, NUL-terminated */
+    size_t len, cap;
+    uint64_t charged;           /* bytes of the memory budget it holds */
+    unsigned refuse;            /* decided from the head or while the body came: answered at its end */
+    const char *refuse_code;    /* OpenAI's error code for it */
+    unsigned refuse_retry;      /* Retry-After */
+    char refuse_msg[300];
+    struct job *job;            /* once its job runs */
+};
+
+/* Queues text (malloc'd, taken) as the answer; counted by status unless its
+ * client is known to be gone. */
+static enum MHD_Result queue_text(struct http_server *s, struct MHD_Connection *c, unsigned status, const char *type,
+                                  char *text, size_t len, unsigned retry_after_s, bool counted_status)
+{
+    struct MHD_Response *r = MHD_create_response_from_buffer(len, text, MHD_RESPMEM_MUST_FREE);
+    if (r == NULL) {
+        free(text);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", type);
+    if (retry_after_s > 0) {
+        char ra[16];
+        snprintf(ra, sizeof(ra), "%u", retry_after_s);
+        MHD_add_response_header(r, "Retry-After", ra);
+    }
+    const enum MHD_Result ok = MHD_queue_response(c, status, r);
+    MHD_destroy_response(r);
+    if (counted_status)
+        count_status(s, status);
+    return ok;
+}
+
+static enum MHD_Result queue_error(struct http_server *s, struct MHD_Connection *c, unsigned status,
+                                   const char *message, const char *code, unsigned retry_after_s)
+{
+    size_t len = 0;
+    char *text = json_text(error_json(message, error_type(status), NULL, code), &len);
+    return text ? queue_text(s, c, status, "application/json", text, len, retry_after_s, true) : MHD_NO;
+}
+
+static struct conn *conn_of(struct MHD_Connection *c)
+{
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    return ci != NULL ? ci->socket_context : NULL;
+}
+
+/* Marks a connection's request as in (busy: no deadline) or answered. */
+static void conn_busy(struct http_server *s, struct MHD_Connection *c, bool busy)
+{
+    struct conn *cn = conn_of(c);
+    if (cn == NULL)
+        return;
+    pthread_mutex_lock(&s->mu);
+    cn->busy = busy;
+    if (!busy)
+        cn->since = now_ms();
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void on_connection(void *cls, struct MHD_Connection *c, void **socket_context,
+                          enum MHD_ConnectionNotificationCode toe)
+{
+    struct http_server *s = cls;
+    if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
+        struct conn *cn = calloc(1, sizeof(*cn));
+        const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+        if (cn == NULL || ci == NULL) {
+            free(cn);
+            return;
+        }
+        cn->fd = ci->connect_fd;
+        cn->since = now_ms();
+        pthread_mutex_lock(&s->mu);
+        cn->next = s->conns;
+        if (s->conns)
+            s->conns->prev = cn;
+        s->conns = cn;
+        pthread_mutex_unlock(&s->mu);
+        atomic_fetch_add(&s->n_conns, 1);
+        *socket_context = cn;
+    } else if (*socket_context != NULL) {
+        /* before libmicrohttpd closes the socket: the sweeper never touches a
+         * descriptor that is closed (or another's) */
+        struct conn *cn = *socket_context;
+        pthread_mutex_lock(&s->mu);
+        if (cn->prev)
+            cn->prev->next = cn->next;
+        else
+            s->conns = cn->next;
+        if (cn->next)
+            cn->next->prev = cn->prev;
+        pthread_mutex_unlock(&s->mu);
+        atomic_fetch_sub(&s->n_conns, 1);
+        free(cn);
+        *socket_context = NULL;
+    }
+}
+
+/* The route of a method and path: R_NONE with *status 404 or 405. */
+static enum route route_of(const char *method, const char *url, unsigned *status)
+{
+    static const struct {
+        const char *path;
+        bool post;
+        enum route r;
+    } routes[] = {
+        { "/v1/chat/completions", true, R_CHAT }, { "/v1/completions", true, R_COMPLETIONS },
+        { "/tokenize", true, R_TOKENIZE }, { "/detokenize", true, R_DETOKENIZE },
+        { "/health", false, R_HEALTH }, { "/ready", false, R_READY }, { "/v1/models", false, R_MODELS },
+        { "/metrics", false, R_METRICS },
+    };
+    for (size_t i = 0; i < sizeof(routes) / sizeof(routes[0]); i++)
+        if (strcmp(url, routes[i].path) == 0) {
+            if (strcmp(method, routes[i].post ? "POST" : "GET") == 0)
+                return routes[i].r;
+            *status = 405;
+            return R_NONE;
+        }
+    *status = 404;
+    return R_NONE;
+}
+
+/* A request refused from its head: answered now when its client waits for a
+ * 100 Continue (it sends no body), else once the body it sends anyway has
+ * been read and dropped (a response queued earlier closes the connection on
+ * a client still sending, which often loses the answer). Nothing of the body
+ * is kept either way. */
+static enum MHD_Result refuse(struct http_server *s, struct MHD_Connection *c, void **con_cls, unsigned status,
+                              const char *msg, const char *code, unsigned retry_after_s)
+{
+    const char *expect = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Expect");
+    struct req *q = expect == NULL ? calloc(1, sizeof(*q)) : NULL;
+    if (q == NULL)
+        return queue_error(s, c, status, msg, code, retry_after_s);
+    q->refuse = status;
+    q->refuse_code = code;
+    q->refuse_retry = retry_after_s;
+    snprintf(q->refuse_msg, sizeof(q->refuse_msg), "%s", msg);
+    *con_cls = q;
+    return MHD_YES;
+}
+
+/* The first call for a request, its head in: the route, the key, the body's
+ * declared size, all decided before a byte of the body is kept. */
+static enum MHD_Result begin(struct http_server *s, struct MHD_Connection *c, const char *url, const char *method,
+                             void **con_cls)
+{
+    unsigned status = 0;
+    const enum route route = route_of(method, url, &status);
+    char msg[300];
+    if (route == R_NONE) {
+        snprintf(msg, sizeof(msg), status == 405 ? "use %s for %.200s" : "no route %s %.200s",
+                 status == 405 ? (strcmp(method, "GET") == 0 ? "POST" : "GET") : method, url);
+        return refuse(s, c, con_cls, status, msg, NULL, 0);
+    }
+    const char *auth = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
+    const char *tenant = s->keys != NULL && auth != NULL ? authorize(s, auth) : NULL;
+    const bool operator = s->operator_key != NULL && key_matches(auth, s->operator_key);
+    /* with API keys, the API needs one; the probes and /metrics stay open */
+    if (s->keys != NULL && tenant == NULL && route != R_HEALTH && route != R_READY && route != R_METRICS)
+        return refuse(s, c, con_cls, 401, "a valid API key is needed (Authorization: Bearer KEY)", "invalid_api_key",
+                      0);
+    const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length");
+    const unsigned long long declared = cl != NULL ? strtoull(cl, NULL, 10) : 0;
+    if (declared > s->p.max_body) {
+        snprintf(msg, sizeof(msg), "the body is over the limit of %u bytes", s->p.max_body);
+        return refuse(s, c, con_cls, 413, msg, NULL, 0);
+    }
+    if (route == R_CHAT || route == R_COMPLETIONS || route == R_TOKENIZE || route == R_DETOKENIZE) {
+        const char *ct = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Type");
+        if (ct != NULL && strncasecmp(ct, "application/json", 16) != 0)
+            return refuse(s, c, con_cls, 415, "the body must be JSON (Content-Type: application/json)", NULL, 0);
+    }
+    /* a declared body takes its memory now, so that bodies that would not fit
+     * are refused before they are sent */
+    if (declared > 0 && !mem_take(s, declared + 1))
+        return refuse(s, c, con_cls, 503, "the HTTP layer holds as many request bodies as it may "
+                      "(--http-max-memory): retry later", NULL, 1);
+    struct req *q = calloc(1, sizeof(*q));
+    if (q == NULL || (declared > 0 && (q->body = malloc(declared + 1)) == NULL)) {
+        if (declared > 0)
+            mem_give(s, declared + 1);
+        free(q);
+        return MHD_NO;
+    }
+    q->route = route;
+    q->tenant = tenant;
+    q->operator = operator;
+    q->charged = q->cap = declared > 0 ? declared + 1 : 0;
+    *con_cls = q;
+    return MHD_YES;
+}
+
+/* A piece of the body: kept within the limits (past one, the rest is read and
+ * dropped, and the request answered with its status at the end). */
+static void gather(struct http_server *s, struct req *q, const char *data, size_t n)
+{
+    if (q->refuse != 0)
+        return;
+    if (q->len + n > s->p.max_body) {
+        q->refuse = 413;
+        snprintf(q->refuse_msg, sizeof(q->refuse_msg), "the body is over the limit of %u bytes", s->p.max_body);
+    } else if (q->len + n + 1 > q->cap) {
+        const size_t cap = q->len + n + 1 > 2 * q->cap ? q->len + n + 1 : 2 * q->cap;
+        char *b = NULL;
+        if (mem_take(s, cap - q->cap) && (b = realloc(q->body, cap)) == NULL)
+            mem_give(s, cap - q->cap);
+        if (b == NULL) {
+            q->refuse = 503;
+            q->refuse_retry = 1;
+            snprintf(q->refuse_msg, sizeof(q->refuse_msg), "the HTTP layer holds as many request bodies as it "
+                     "may (--http-max-memory): retry later");
+        } else {
+            q->charged += cap - q->cap;
+            q->body = b;
+            q->cap = cap;
+        }
+    }
+    if (q->refuse != 0) {
+        free(q->body);
+        q->body = NULL;
+        mem_give(s, q->charged);
+        q->charged = 0;
+        q->len = q->cap = 0;
+        return;
+    }
+    memcpy(q->body + q->len, data, n);
+    q->len += n;
+    q->body[q->len] = '\0';
+}
+
+/* The request is in: answered now, or handed to a job while its connection
+ * waits. */
+static enum MHD_Result complete(struct http_server *s, struct MHD_Connection *c, struct req *q)
+{
+    conn_busy(s, c, true);
+    if (q->refuse != 0)
+        return queue_error(s, c, q->refuse, q->refuse_msg, q->refuse_code, q->refuse_retry);
+    if (q->route == R_MODELS) {
+        size_t len = 0;
+        char *text = json_text(json_pack("{s:s, s:[{s:s, s:s, s:I, s:s}]}", "object", "list", "data", "id",
+                                         s->model_id, "object", "model", "created", (json_int_t)s->created,
+                                         "owned_by", "kvd"), &len);
+        return text ? queue_text(s, c, 200, "application/json", text, len, 0, true) : MHD_NO;
+    }
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    struct job *j = calloc(1, sizeof(*j));
+    if (j == NULL || ci == NULL) {
+        free(j);
+        return MHD_NO;
+    }
+    j->s = s;
+    j->c = c;
+    j->route = q->route;
+    j->tenant = q->tenant;
+    j->operator = q->operator;
+    j->body = q->body;
+    j->len = q->len;
+    j->charged = q->charged;
+    q->body = NULL;
+    q->charged = 0;
+    pthread_mutex_init(&j->mu, NULL);
+    atomic_store(&j->refs, 2);      /* the thread's and the request's */
+    j->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    j->epfd = epoll_create1(EPOLL_CLOEXEC);
+    struct epoll_event ev = { .events = EPOLLIN, .data.fd = j->efd };
+    struct epoll_event hup = { .events = EPOLLRDHUP, .data.fd = ci->connect_fd };
+    bool ok = j->efd >= 0 && j->epfd >= 0 && epoll_ctl(j->epfd, EPOLL_CTL_ADD, j->efd, &ev) == 0 &&
+              epoll_ctl(j->epfd, EPOLL_CTL_ADD, ci->connect_fd, &hup) == 0;
+    pthread_mutex_lock(&s->mu);
+    const bool busy = s->n_jobs >= s->p.max_requests, stopping = s->stopping;
+    if (ok && !busy && !stopping) {
+        j->next = s->jobs;
+        if (s->jobs)
+            s->jobs->prev = j;
+        s->jobs = j;
+        s->n_jobs++;
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (!ok || busy || stopping) {
+        atomic_store(&j->refs, 1);
+        job_put(j);
+        if (busy)
+            atomic_fetch_add(&s->busy_refused, 1);
+        return queue_error(s, c, 503, stopping ? "kvd is shutting down"
+                                     : busy   ? "as many requests are being answered as --http-max-requests allows: "
+                                                "retry later"
+                                              : "no descriptors for the request", NULL, stopping ? 0 : 1);
+    }
+    q->job = j;
+    pthread_mutex_lock(&j->mu);
+    j->suspended = true;
+    MHD_suspend_connection(c);
+    pthread_mutex_unlock(&j->mu);
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&at, JOB_STACK);
+    pthread_t t;
+    if (pthread_create(&t, &at, job_main, j) != 0) {
+        /* as if it ran and failed: unlisted, the connection woken for the 503 */
+        job_error(j, 503, "no thread for the request", NULL, NULL, 1);
+        pthread_mutex_lock(&s->mu);
+        if (j->prev)
+            j->prev->next = j->next;
+        else
+            s->jobs = j->next;
+        if (j->next)
+            j->next->prev = j->prev;
+        s->n_jobs--;
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+        pthread_mutex_lock(&j->mu);
+        j->done = true;
+        job_wake_locked(j);
+        pthread_mutex_unlock(&j->mu);
+        job_put(j);
+    }
+    pthread_attr_destroy(&at);
+    return MHD_YES;
+}
+
+/* A stream's response reads the events its job appended; with none, it waits
+ * (the connection suspended until the job has more). */
+static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
+{
+    (void)pos;
+    struct job *j = cls;
+    ssize_t n;
+    pthread_mutex_lock(&j->mu);
+    if (j->out_sent < j->out_len) {
+        const size_t have = j->out_len - j->out_sent;
+        n = (ssize_t)(have < max ? have : max);
+        memcpy(buf, j->out + j->out_sent, (size_t)n);
+        j->out_sent += (size_t)n;
+    } else if (j->done) {
+        n = MHD_CONTENT_READER_END_OF_STREAM;
+    } else {
+        j->suspended = true;
+        MHD_suspend_connection(j->c);
+        n = 0;
+    }
+    pthread_mutex_unlock(&j->mu);
+    return n;
+}
+
+/* The stream's response is freed: sent whole, or its client is gone (then
+ * the job, if it still runs, is given up). */
+static void stream_free(void *cls)
+{
+    struct job *j = cls;
+    pthread_mutex_lock(&j->mu);
+    j->conn_gone = true;
+    const bool cut = !j->done;
+    pthread_mutex_unlock(&j->mu);
+    if (cut) {
+        if (!j->s->stopping)
+            atomic_fetch_add(&j->s->gone, 1);
+        job_abort(j);
+    }
+    job_put(j);
+}
+
+/* The job woke the connection: its answer is queued (a whole one, or the
+ * stream of its events). */
+static enum MHD_Result resumed(struct http_server *s, struct MHD_Connection *c, struct req *q)
+{
+    struct job *j = q->job;
+    pthread_mutex_lock(&j->mu);
+    const bool streaming = j->streaming, done = j->done;
+    if (!streaming && !done) {      /* woken for nothing: wait on */
+        j->suspended = true;
+        MHD_suspend_connection(c);
+        pthread_mutex_unlock(&j->mu);
+        return MHD_YES;
+    }
+    pthread_mutex_unlock(&j->mu);
+    if (streaming) {
+        struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_read, j,
+                                                                   stream_free);
+        if (r == NULL)
+            return MHD_NO;
+        atomic_fetch_add(&j->refs, 1);      /* the response's, dropped by stream_free */
+        MHD_add_response_header(r, "Content-Type", "text/event-stream");
+        MHD_add_response_header(r, "Cache-Control", "no-cache");
+        const enum MHD_Result ok = MHD_queue_response(c, 200, r);
+        MHD_destroy_response(r);
+        count_status(s, 200);
+        return ok;
+    }
+    if (j->answer == NULL)
+        return MHD_NO;
+    char *text = j->answer;
+    j->answer = NULL;
+    /* a client that left gets its answer queued all the same (the write fails), not counted */
+    return queue_text(s, c, j->status, j->ctype, text, j->answer_len, j->retry_after_s, !j->gone);
+}
 
 static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                               const char *version, const char *upload, size_t *upload_size, void **con_cls)
 {
     struct http_server *s = cls;
     (void)version;
-    tl_server = s;
-    struct conn *cn = *con_cls;
-    if (cn == NULL) {
-        cn = calloc(1, sizeof(*cn));
-        if (cn == NULL)
-            return MHD_NO;
-        *con_cls = cn;
-        return MHD_YES;
-    }
-    if (*upload_size > 0) {     /* gather the body, up to the limit */
-        if (!cn->too_large && cn->len + *upload_size > s->p.max_body) {
-            cn->too_large = true;
-            free(cn->body);
-            cn->body = NULL;
-            cn->len = cn->cap = 0;
-        }
-        if (!cn->too_large) {
-            if (cn->len + *upload_size + 1 > cn->cap) {
-                size_t cap = (cn->len + *upload_size + 1) * 2;
-                char *b = realloc(cn->body, cap);
-                if (b == NULL)
-                    return MHD_NO;
-                cn->body = b;
-                cn->cap = cap;
-            }
-            memcpy(cn->body + cn->len, upload, *upload_size);
-            cn->len += *upload_size;
-            cn->body[cn->len] = '\0';
-        }
+    struct req *q = *con_cls;
+    if (q == NULL)
+        return begin(s, c, url, method, con_cls);
+    if (q->job != NULL)
+        return resumed(s, c, q);
+    if (*upload_size > 0) {
+        gather(s, q, upload, *upload_size);
         *upload_size = 0;
         return MHD_YES;
     }
-    const bool get = strcmp(method, "GET") == 0, post = strcmp(method, "POST") == 0;
-    /* with API keys, the API needs one; the probes and /metrics stay open */
-    const char *tenant = NULL;
-    if (s->keys != NULL && (strncmp(url, "/v1/", 4) == 0 || strcmp(url, "/tokenize") == 0 ||
-                            strcmp(url, "/detokenize") == 0)) {
-        tenant = authorize(s, MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization"));
-        if (tenant == NULL)
-            return send_error(c, 401, "a valid API key is needed (Authorization: Bearer KEY)", NULL,
-                              "invalid_api_key", 0);
-    }
-    if (get && strcmp(url, "/health") == 0)
-        return route_health(c, s, false);
-    if (get && strcmp(url, "/ready") == 0)
-        return route_health(c, s, true);
-    if (get && strcmp(url, "/v1/models") == 0)
-        return route_models(c, s);
-    if (get && strcmp(url, "/metrics") == 0)
-        return route_metrics(c, s);
-    const bool chat = strcmp(url, "/v1/chat/completions") == 0, compl = strcmp(url, "/v1/completions") == 0;
-    const bool tokz = strcmp(url, "/tokenize") == 0, detok = strcmp(url, "/detokenize") == 0;
-    if (!chat && !compl && !tokz && !detok) {
-        char msg[300];
-        snprintf(msg, sizeof(msg), "no route %s %.200s", method, url);
-        return send_error(c, 404, msg, NULL, NULL, 0);
-    }
-    if (!post)
-        return send_error(c, 405, "use POST", NULL, NULL, 0);
-    if (cn->too_large) {
-        char msg[128];
-        snprintf(msg, sizeof(msg), "the body is over the limit of %u bytes", s->p.max_body);
-        return send_error(c, 413, msg, NULL, NULL, 0);
-    }
-    const char *ct = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Type");
-    if (ct != NULL && strncasecmp(ct, "application/json", 16) != 0)
-        return send_error(c, 415, "the body must be JSON (Content-Type: application/json)", NULL, NULL, 0);
-    struct oai_req *r = calloc(1, sizeof(*r));
-    if (r == NULL)
-        return MHD_NO;
-    if (tenant != NULL)
-        snprintf(r->ns, sizeof(r->ns), "tenant:%s", tenant);
-    r->chat = chat || tokz;
-    json_error_t je;
-    r->root = json_loadb(cn->body ? cn->body : "", cn->len, JSON_REJECT_DUPLICATES, &je);
-    if (r->root == NULL) {
-        oai_free(r);
-        char msg[300];
-        snprintf(msg, sizeof(msg), "the body is not valid JSON: %s (line %d, column %d)", je.text, je.line,
-                 je.column);
-        return send_error(c, 400, msg, NULL, NULL, 0);
-    }
-    if (tokz || detok) {
-        enum MHD_Result ok = route_tokens(c, s, r->root, detok);
-        oai_free(r);
-        return ok;
-    }
-    struct bad b = { "", NULL };
-    unsigned status;
-    if (parse_request(r, s, &b, &status) != 0) {
-        enum MHD_Result ok = send_error(c, status, b.msg, b.param, status == 404 ? "model_not_found" : NULL, 0);
-        oai_free(r);
-        return ok;
-    }
-    new_id(r->id, sizeof(r->id), chat ? "chatcmpl-" : "cmpl-");
-    r->created = time(NULL);
-    if (r->stream)
-        return run_stream(c, s, r);     /* takes r */
-    enum MHD_Result ok = run_whole(c, s, r);
-    oai_free(r);
-    return ok;
+    return complete(s, c, q);
 }
 
 static void completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe)
 {
-    (void)cls;
-    (void)c;
+    struct http_server *s = cls;
     (void)toe;
-    struct conn *cn = *con_cls;
-    if (cn != NULL) {
-        free(cn->body);
-        free(cn);
+    struct req *q = *con_cls;
+    if (q != NULL) {
+        if (q->job != NULL)
+            job_put(q->job);
+        free(q->body);
+        if (q->charged > 0)
+            mem_give(s, q->charged);
+        free(q);
         *con_cls = NULL;
     }
+    conn_busy(s, c, false);     /* the next request's deadline starts now */
 }
 
-/* ---- start and stop ------------------------------------------------------------------------ */
+/* libmicrohttpd's messages: a line each, but at most one a second (a flood of
+ * refused connections is one line and a count). */
+static void mhd_log(void *cls, const char *fmt, va_list ap)
+{
+    struct http_server *s = cls;
+    const int64_t sec = (int64_t)(now_ms() / 1000);
+    if (atomic_exchange(&s->log_second, sec) == sec) {
+        atomic_fetch_add(&s->log_suppressed, 1);
+        return;
+    }
+    char line[512];
+    vsnprintf(line, sizeof(line), fmt, ap);
+    line[strcspn(line, "\n")] = '\0';
+    const uint64_t more = atomic_exchange(&s->log_suppressed, 0);
+    if (more > 0)
+        fprintf(stderr, "kvd: http %s: %s (and %llu more messages)\n", s->bind, line, (unsigned long long)more);
+    else
+        fprintf(stderr, "kvd: http %s: %s\n", s->bind, line);
+}
+
+/* ---- the deadline of each request's head and body -------------------------------------------- */
+
+/* Every SWEEP_MS: a connection whose request has not come whole within the
+ * timeout of its start (the connection's, or the previous answer's end) is
+ * shut down; libmicrohttpd then closes it. The CLOSED notice takes a
+ * connection out of the list under the same lock before its descriptor is
+ * closed, so the one shut down here is always that connection's. */
+static void *sweeper_main(void *arg)
+{
+    struct http_server *s = arg;
+    const double limit = s->p.timeout_s * 1e3;
+    pthread_mutex_lock(&s->mu);
+    while (!s->stopping) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += SWEEP_MS * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+        const double now = now_ms();
+        for (struct conn *cn = s->conns; cn != NULL; cn = cn->next)
+            if (!cn->busy && !cn->shut && now - cn->since > limit) {
+                shutdown(cn->fd, SHUT_RDWR);
+                cn->shut = true;
+                atomic_fetch_add(&s->timeouts, 1);
+            }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+/* ---- start and stop ---------------------------------------------------------------------------- */
 
 /* HOST:PORT into an IPv4 address; 0 or -1. */
 static int parse_bind(const char *bind, struct sockaddr_in *sa)
@@ -1287,6 +2008,7 @@ http_server_t *http_start(const struct http_params *p, char *err, size_t errlen)
         return NULL;
     }
     signal(SIGPIPE, SIG_IGN);   /* a stream's client gone: the write fails, no signal */
+    pthread_once(&json_once, json_funcs);
     http_server_t *s = calloc(1, sizeof(*s));
     if (s == NULL) {
         snprintf(err, errlen, "out of memory");
@@ -1300,20 +2022,52 @@ http_server_t *http_start(const struct http_params *p, char *err, size_t errlen)
     s->p.bind = s->bind;
     s->p.kvd_endpoint = s->endpoint;
     s->p.model_id = s->model_id;
-    if (p->api_keys != NULL && load_keys(s, p->api_keys, err, errlen) != 0) {
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    if ((p->api_keys != NULL && load_keys(s, p->api_keys, err, errlen) != 0) ||
+        (p->operator_key != NULL && load_operator_key(s, p->operator_key, err, errlen) != 0)) {
         http_stop(&s);
         return NULL;
     }
-    s->d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG,
-                            0, NULL, NULL, handle, s, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
-                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)120, MHD_OPTION_CONNECTION_LIMIT,
-                            (unsigned int)1024, MHD_OPTION_NOTIFY_COMPLETED, completed, NULL, MHD_OPTION_END);
+    /* connections and requests within the descriptors there are */
+    struct rlimit nofile;
+    if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur != RLIM_INFINITY) {
+        const uint64_t room = nofile.rlim_cur > RESERVED_FDS ? nofile.rlim_cur - RESERVED_FDS : 64;
+        if ((uint64_t)s->p.max_requests * FDS_PER_JOB > room / 2)
+            s->p.max_requests = (uint32_t)(room / 2 / FDS_PER_JOB) > 0 ? (uint32_t)(room / 2 / FDS_PER_JOB) : 1;
+        const uint64_t conns = room - (uint64_t)s->p.max_requests * FDS_PER_JOB;
+        if (s->p.max_conns > conns) {
+            fprintf(stderr, "kvd: http %s: %u connections at most: the descriptor limit is %llu\n", p->bind,
+                    (unsigned)conns, (unsigned long long)nofile.rlim_cur);
+            s->p.max_conns = (uint32_t)conns;
+        }
+    }
+    s->zctx = zmq_ctx_new();
+    if (s->zctx == NULL) {
+        snprintf(err, errlen, "out of memory (ZeroMQ context)");
+        http_stop(&s);
+        return NULL;
+    }
+    s->d = MHD_start_daemon(MHD_USE_POLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG, 0, NULL,
+                            NULL, handle, s, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
+                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)s->p.timeout_s,
+                            MHD_OPTION_CONNECTION_LIMIT, (unsigned int)s->p.max_conns,
+                            MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned int)s->p.max_conns_per_ip,
+                            MHD_OPTION_NOTIFY_CONNECTION, on_connection, s,
+                            MHD_OPTION_NOTIFY_COMPLETED, completed, s,
+                            MHD_OPTION_EXTERNAL_LOGGER, mhd_log, s, MHD_OPTION_END);
     if (s->d == NULL) {
         snprintf(err, errlen, "--http %s: cannot listen there (in use, or not an address of this machine)",
                  p->bind);
         http_stop(&s);
         return NULL;
     }
+    if (pthread_create(&s->sweeper, NULL, sweeper_main, s) != 0) {
+        snprintf(err, errlen, "--http %s: cannot start a thread", p->bind);
+        http_stop(&s);
+        return NULL;
+    }
+    s->sweeper_on = true;
     return s;
 }
 
@@ -1331,8 +2085,36 @@ void http_stop(http_server_t **sp)
     if (sp == NULL || *sp == NULL)
         return;
     http_server_t *s = *sp;
+    /* every job is given up (each cancels its request in kvd at once) and ends,
+     * resuming its connection: libmicrohttpd stops only without suspended ones */
+    pthread_mutex_lock(&s->mu);
+    s->stopping = true;
+    for (struct job *j = s->jobs; j != NULL; j = j->next)
+        job_abort(j);
+    pthread_cond_broadcast(&s->cv);
+    const double until = now_ms() + 30000;
+    while (s->n_jobs > 0 && now_ms() < until) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_sec += 1;
+        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+    }
+    const bool stuck = s->n_jobs > 0;
+    pthread_mutex_unlock(&s->mu);
+    if (s->sweeper_on)
+        pthread_join(s->sweeper, NULL);
+    if (stuck) {
+        /* a job that does not end holds the server: left as it is, to go with the process */
+        fprintf(stderr, "kvd: http %s: requests still running at exit\n", s->bind);
+        *sp = NULL;
+        return;
+    }
     if (s->d != NULL)
         MHD_stop_daemon(s->d);
+    for (uint32_t i = 0; i < s->n_idle; i++)
+        kvd_client_destroy(&s->idle[i]);
+    if (s->zctx != NULL)
+        zmq_ctx_term(s->zctx);
     free(s->bind);
     free(s->endpoint);
     free(s->model_id);
@@ -1341,6 +2123,9 @@ void http_stop(http_server_t **sp)
         free(s->keys[i].tenant);
     }
     free(s->keys);
+    free(s->operator_key);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
     free(s);
     *sp = NULL;
 }

@@ -25,6 +25,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -107,12 +109,28 @@ static void usage(FILE *f)
           "      --http HOST:PORT     serve the OpenAI-compatible HTTP API there too, repeatable\n"
           "                           (loopback addresses unless --allow-remote)\n"
           "      --max-body SIZE      largest HTTP request body (default 16MiB)\n"
+          "      --http-max-memory SIZE  what every HTTP request body and its parsed JSON may\n"
+          "                           hold together; past it: 503 (default 256MiB)\n"
+          "      --http-max-conns N   HTTP connections at once (default 4096, fewer when the\n"
+          "                           descriptor limit is lower)\n"
+          "      --http-max-conns-per-ip N  from one client address (default 256)\n"
+          "      --http-timeout S     a request's head and body must arrive within S seconds of\n"
+          "                           its connection's start or the previous answer (trickled bytes\n"
+          "                           do not extend it); idle connections close after it (default 30)\n"
+          "      --http-max-requests N  HTTP requests answered at once; more: 503 (default 512)\n"
+          "      --operator-key FILE  a key (its first line) whose /metrics carry every tenant's rows\n"
+          "                           (a tenant's API key: its own; no key: none)\n"
           "      --served-model-name NAME  the model's name over HTTP (default: the file's name)\n"
           "      --api-keys FILE      HTTP API keys, \"KEY TENANT\" a line: a key is then needed, and\n"
           "                           each tenant's cache namespace is its own\n"
           "      --kv-events ENDPOINT publish block events there (ZeroMQ PUB, vLLM's msgpack format)\n"
           "                           for prefix-aware routers (loopback unless --allow-remote)\n"
           "      --kv-events-topic T  their topic (default kv@HOST@MODEL)\n"
+          "      --kv-events-token-ids shared|all  whose blocks' token ids the events carry: the\n"
+          "                           shared namespaces' only (default: the default namespace and\n"
+          "                           --public-prefix; a tenant's blocks go with token_ids []), or all\n"
+          "      --events-allow DIR   with --curve-secret: the public keys that may subscribe to\n"
+          "                           tcp:// --kv-events (none: no one)\n"
           "      --host-cache SIZE    keep blocks the pool evicts in host memory, up to SIZE, and\n"
           "                           copy them back for a later prompt (default 0: none)\n"
           "      --cache-dir DIR      write every cached block behind to files in DIR, and read\n"
@@ -129,11 +147,17 @@ static void usage(FILE *f)
           "                           them is served)\n"
           "      --tenant-max-queue N requests one tenant may have waiting (default 0: only\n"
           "                           --max-queue); more are OVERLOADED\n"
+          "      --max-tenants N      tenants with requests or blocks at once; a new one past it is\n"
+          "                           OVERLOADED (default 4096)\n"
           "      --public-prefix FILE a system prompt every tenant shares: the cache blocks of a\n"
           "                           prompt that starts with it are cached once for all\n"
           "      --tenant-max-blocks N|P%  KV blocks one tenant may hold, cached ones included\n"
           "                           (a count, or a share of the pool); past it a tenant's new\n"
           "                           blocks evict its own (default 0: no limit)\n"
+          "      --max-fence-ms MS    the longest --fence-ms a worker of another host may name; kvd\n"
+          "                           holds a lost one's blocks for twice it (default 60000)\n"
+          "      --host-max-blocks N  the most blocks another host's pool may have: kvd keeps its\n"
+          "                           metadata (default 262144)\n"
           "      --dispatch prefix|round-robin  where a request runs when workers of other\n"
           "                           hosts (kvd-worker --host) have joined: the host whose pool\n"
           "                           holds most of its prompt, then the least loaded worker\n"
@@ -147,7 +171,9 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
            OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
            OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS, OPT_EVENTS, OPT_TOPIC,
-           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE, OPT_TBLOCKS, OPT_PUBLIC, OPT_CURVE_IPC, OPT_DISPATCH };
+           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE, OPT_TBLOCKS, OPT_PUBLIC, OPT_CURVE_IPC, OPT_DISPATCH,
+           OPT_MAXFENCE, OPT_HOSTBLOCKS, OPT_MAXTENANTS, OPT_EVTOKENS, OPT_EALLOW, OPT_HTTPMEM, OPT_HTTPCONNS,
+           OPT_HTTPIP, OPT_HTTPTIMEOUT, OPT_HTTPREQS, OPT_OPKEY };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
@@ -182,6 +208,17 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "tenant-max-blocks", required_argument, NULL, OPT_TBLOCKS },
         { "public-prefix", required_argument, NULL, OPT_PUBLIC },
         { "dispatch", required_argument, NULL, OPT_DISPATCH },
+        { "max-fence-ms", required_argument, NULL, OPT_MAXFENCE },
+        { "http-max-memory", required_argument, NULL, OPT_HTTPMEM },
+        { "http-max-conns", required_argument, NULL, OPT_HTTPCONNS },
+        { "http-max-conns-per-ip", required_argument, NULL, OPT_HTTPIP },
+        { "http-timeout", required_argument, NULL, OPT_HTTPTIMEOUT },
+        { "http-max-requests", required_argument, NULL, OPT_HTTPREQS },
+        { "operator-key", required_argument, NULL, OPT_OPKEY },
+        { "kv-events-token-ids", required_argument, NULL, OPT_EVTOKENS },
+        { "events-allow", required_argument, NULL, OPT_EALLOW },
+        { "max-tenants", required_argument, NULL, OPT_MAXTENANTS },
+        { "host-max-blocks", required_argument, NULL, OPT_HOSTBLOCKS },
         { "curve-ipc", no_argument, NULL, OPT_CURVE_IPC },
         { "step-tokens", required_argument, NULL, OPT_STEP },
         { "max-batch", required_argument, NULL, OPT_BATCH },
@@ -206,6 +243,14 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     o->gpu = -1;
     o->workers_per_gpu = -1;
     o->max_body = 16u << 20;
+    o->max_fence_ms = 60000;
+    o->host_max_blocks = 1u << 18;
+    o->max_tenants = KVD_MAX_TENANTS;
+    o->http_max_memory = 256ull << 20;
+    o->http_max_conns = 4096;
+    o->http_max_conns_per_ip = 256;
+    o->http_timeout_s = 30;
+    o->http_max_requests = 512;
     bool workers_given = false;
     const char *kv_type = NULL, *k_type = NULL, *v_type = NULL, *rotate = NULL;
     opterr = 0;
@@ -287,6 +332,32 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
                 cli_die("--dispatch: prefix or round-robin, not %s", optarg);
             break;
         case OPT_CURVE_IPC: o->curve_ipc = true; break;
+        case OPT_EVTOKENS:
+            if (strcmp(optarg, "all") != 0 && strcmp(optarg, "shared") != 0)
+                cli_die("--kv-events-token-ids: shared or all, not %s", optarg);
+            o->kv_events_all_tokens = strcmp(optarg, "all") == 0;
+            break;
+        case OPT_EALLOW: o->events_allow = optarg; break;
+        case OPT_HTTPMEM:
+            if (kvd_parse_size(optarg, &o->http_max_memory) != 0 || o->http_max_memory < (1u << 20))
+                cli_die("--http-max-memory must be a size of at least 1MiB, got '%s'", optarg);
+            break;
+        case OPT_HTTPCONNS: o->http_max_conns = (uint32_t)cli_long(optarg, "--http-max-conns", 1, 1 << 20); break;
+        case OPT_HTTPIP:
+            o->http_max_conns_per_ip = (uint32_t)cli_long(optarg, "--http-max-conns-per-ip", 1, 1 << 20);
+            break;
+        case OPT_HTTPTIMEOUT: o->http_timeout_s = (uint32_t)cli_long(optarg, "--http-timeout", 1, 3600); break;
+        case OPT_HTTPREQS:
+            o->http_max_requests = (uint32_t)cli_long(optarg, "--http-max-requests", 1, 1 << 16);
+            break;
+        case OPT_OPKEY: o->operator_key = optarg; break;
+        case OPT_MAXTENANTS:
+            o->max_tenants = (uint32_t)cli_long(optarg, "--max-tenants", 1, PREFIX_OWNERS - 1);
+            break;
+        case OPT_MAXFENCE: o->max_fence_ms = (uint32_t)cli_long(optarg, "--max-fence-ms", 1000, 3600000); break;
+        case OPT_HOSTBLOCKS:
+            o->host_max_blocks = (uint32_t)cli_long(optarg, "--host-max-blocks", 1, 1 << 22);
+            break;
         case OPT_TBLOCKS: {
             const size_t n = strlen(optarg);
             o->tenant_max_blocks_pct = n > 1 && optarg[n - 1] == '%';
@@ -305,10 +376,11 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     }
     if (optind < argc)
         cli_die("unexpected argument '%s' (see --help)", argv[optind]);
-    if (o->api_keys != NULL && o->n_http == 0)
-        cli_die("--api-keys goes with --http");
-    if ((o->clients_allow != NULL || o->workers_allow != NULL || o->curve_ipc) && o->curve_secret == NULL)
-        cli_die("--clients-allow, --workers-allow and --curve-ipc go with --curve-secret");
+    if ((o->api_keys != NULL || o->operator_key != NULL) && o->n_http == 0)
+        cli_die("--api-keys and --operator-key go with --http");
+    if ((o->clients_allow != NULL || o->workers_allow != NULL || o->events_allow != NULL || o->curve_ipc) &&
+        o->curve_secret == NULL)
+        cli_die("--clients-allow, --workers-allow, --events-allow and --curve-ipc go with --curve-secret");
     if (o->curve_secret != NULL && o->insecure)
         cli_die("--insecure and --curve-secret exclude each other");
     if (o->kv_events_topic != NULL && o->kv_events == NULL)
@@ -342,7 +414,11 @@ static void private_dir(const char *dir)
         cli_die("cannot make %s private: %s", dir, strerror(errno));
 }
 
-static void check_endpoint(const struct kvd *k, const char *ep)
+/* An endpoint kvd is about to bind, as `what` names it (--listen, ...): an
+ * ipc:// one in a private directory (made when missing); a tcp:// one on
+ * loopback addresses only unless --allow-remote, its host resolved as
+ * ZeroMQ's bind resolves it ("*", "0", an interface name, a host name). */
+static void check_endpoint(const struct kvd *k, const char *what, const char *ep)
 {
     if (strncmp(ep, "ipc://", 6) == 0) {
         char path[4096];
@@ -351,13 +427,70 @@ static void check_endpoint(const struct kvd *k, const char *ep)
         return;
     }
     if (strncmp(ep, "tcp://", 6) != 0)
-        cli_die("endpoint %s: only ipc:// and tcp:// are supported", ep);
-    const char *host = ep + 6;
-    bool wildcard = host[0] == '*' || strncmp(host, "0.0.0.0:", 8) == 0 ||
-                    strncmp(host, "[::]:", 5) == 0;
-    if (wildcard && !k->o.allow_remote)
-        cli_die("endpoint %s binds every interface; give an address (tcp://127.0.0.1:PORT) or "
-            "--allow-remote", ep);
+        cli_die("%s %s: only ipc:// and tcp:// are supported", what, ep);
+    char why[512];
+    const int lb = endpoint_loopback(ep, why, sizeof(why));
+    if (lb < 0)
+        cli_die("%s %s", what, why);
+    if (lb == 0 && !k->o.allow_remote)
+        cli_die("%s %s: other machines could reach it; give a loopback address (tcp://127.0.0.1:PORT) or "
+                "--allow-remote", what, why);
+}
+
+/* Claims ipc:// endpoint ep for this kvd before anything binds it (ZeroMQ's
+ * bind removes a socket file another process listens on): an exclusive flock
+ * on PATH.lock, which names its holder's pid. A live holder stops kvd with
+ * that pid; a lock left by a kvd that died is taken over. Kept until exit. */
+static void claim_endpoint(struct kvd *k, const char *what, const char *ep)
+{
+    if (strncmp(ep, "ipc://", 6) != 0)
+        return;
+    if (k->n_claims == KVD_MAX_CLAIMS)
+        cli_die("too many ipc:// endpoints");
+    char path[4200];
+    snprintf(path, sizeof(path), "%s.lock", ep + 6);
+    for (int attempt = 0; attempt < 8; attempt++) {
+        const int fd = open(path, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+        struct stat st, now;
+        if (fd < 0 || fstat(fd, &st) != 0)
+            cli_die("%s %s: cannot open %s: %s", what, ep, path, strerror(errno));
+        if (!S_ISREG(st.st_mode) || st.st_uid != geteuid())
+            cli_die("%s %s: %s is not a lock file of this user's", what, ep, path);
+        if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+            char pid[32] = "";
+            const ssize_t n = pread(fd, pid, sizeof(pid) - 1, 0);
+            pid[n > 0 ? n : 0] = '\0';
+            pid[strcspn(pid, "\n")] = '\0';
+            cli_die("%s %s is in use by a running kvd (pid %s, holding %s): stop it first, or give this one "
+                    "another endpoint", what, ep, pid[0] ? pid : "?", path);
+        }
+        /* the file may have been removed by its last holder between our open and
+         * our lock: then the lock is on a file nobody else will find */
+        if (stat(path, &now) != 0 || now.st_ino != st.st_ino || now.st_dev != st.st_dev) {
+            close(fd);
+            continue;
+        }
+        char pid[32];
+        const int n = snprintf(pid, sizeof(pid), "%d\n", (int)getpid());
+        if (ftruncate(fd, 0) != 0 || pwrite(fd, pid, (size_t)n, 0) != n)
+            cli_die("%s %s: cannot write %s: %s", what, ep, path, strerror(errno));
+        k->claims[k->n_claims].fd = fd;
+        snprintf(k->claims[k->n_claims].path, sizeof(k->claims[k->n_claims].path), "%s", path);
+        k->n_claims++;
+        return;
+    }
+    cli_die("%s %s: %s keeps disappearing while being locked", what, ep, path);
+}
+
+/* At exit: the lock files go (each while still locked, so that no kvd waits
+ * on a file that is gone), then their locks. */
+static void release_endpoints(struct kvd *k)
+{
+    for (int i = 0; i < k->n_claims; i++) {
+        unlink(k->claims[i].path);
+        close(k->claims[i].fd);
+    }
+    k->n_claims = 0;
 }
 
 static void *router(struct kvd *k)
@@ -380,6 +513,11 @@ static void unlink_private_pool(void)
 {
     if (private_pool[0])
         pool_unlink(private_pool);
+}
+
+static void reclaimed(void *user, const char *name)
+{
+    kvd_log(user, "removed pool %s from /dev/shm: left by a kvd that is gone", name);
 }
 
 static uint64_t default_kv_bytes(void)
@@ -543,37 +681,6 @@ static void tokenizer_digest(const model_t *m, uint8_t out[16])
     memcpy(out + 8, &h.high64, 8);
 }
 
-/* The key secret of the pools that use directory dir as their disk tier, from
- * dir/secret (made, 0600, by the first: random bytes written to a temporary
- * name, synced and renamed), so that the blocks a pool wrote keep their keys
- * in the next. The directory is made (0700) when missing. */
-static void cache_secret(const char *dir, uint8_t out[POOL_SECRET_BYTES])
-{
-    char path[4200], tmp[4300];
-    if (mkdir(dir, 0700) != 0 && errno != EEXIST)
-        cli_die("--cache-dir: cannot make %s: %s", dir, strerror(errno));
-    snprintf(path, sizeof(path), "%s/secret", dir);
-    FILE *f = fopen(path, "rb");
-    if (f != NULL) {
-        const size_t n = fread(out, 1, POOL_SECRET_BYTES, f);
-        const int extra = fgetc(f);
-        fclose(f);
-        if (n == POOL_SECRET_BYTES && extra == EOF)
-            return;
-        kvd_log(NULL, "--cache-dir: %s is not a key secret; making a new one (the files there will not match)",
-                path);
-    }
-    f = fopen("/dev/urandom", "rb");
-    if (f == NULL || fread(out, 1, POOL_SECRET_BYTES, f) != POOL_SECRET_BYTES)
-        cli_die("--cache-dir: cannot read random bytes for a key secret");
-    fclose(f);
-    snprintf(tmp, sizeof(tmp), "%s/.tmp-secret", dir);
-    const int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (fd < 0 || write(fd, out, POOL_SECRET_BYTES) != (ssize_t)POOL_SECRET_BYTES || fsync(fd) != 0 ||
-        close(fd) != 0 || rename(tmp, path) != 0)
-        cli_die("--cache-dir: cannot write %s: %s", path, strerror(errno));
-}
-
 /* --host-cache, --cache-dir: the tiers below the pool (shm/tier.h, shm/disktier.h). */
 static void tiers_setup(struct kvd *k, const struct pool_layout *lay)
 {
@@ -602,6 +709,7 @@ static void tiers_setup(struct kvd *k, const struct pool_layout *lay)
         const XXH128_hash_t kd = XXH3_128bits(pool_header(k->pool)->secret, POOL_SECRET_BYTES);
         memcpy(dl.keys, &kd.low64, 8);
         memcpy(dl.keys + 8, &kd.high64, 8);
+        disk_tier_mac_key(pool_header(k->pool)->secret, POOL_SECRET_BYTES, dl.mac_key);
         const uint64_t budget = o->disk_cache_bytes ? o->disk_cache_bytes : 4ull << 30;
         k->disk = disk_tier_open(o->cache_dir, budget, &dl, disk_log, k, err, sizeof(err));
         if (k->disk == NULL)
@@ -609,8 +717,9 @@ static void tiers_setup(struct kvd *k, const struct pool_layout *lay)
         struct disk_tier_stats ds;
         disk_tier_stats(k->disk, &ds);
         kvd_log(k, "disk tier %s: up to %.1f MiB; %llu blocks found (%llu of another model or layout ignored, "
-                "%llu damaged removed)", o->cache_dir, budget / 1048576.0, (unsigned long long)ds.files,
-                (unsigned long long)ds.ignored, (unsigned long long)ds.corrupt);
+                "%llu damaged removed, %llu refused)", o->cache_dir, budget / 1048576.0,
+                (unsigned long long)(ds.files), (unsigned long long)ds.ignored, (unsigned long long)ds.corrupt,
+                (unsigned long long)ds.refused);
     }
     struct prefix_tier t = { .committed = k->disk ? tier_committed : NULL, .evicted = tier_evicted,
                              .has = tier_has_block, .user = k };
@@ -648,7 +757,8 @@ static void auth_reread(struct kvd *k)
         return;
     }
     auth_stats(k->auth, &st);
-    kvd_log(k, "SIGHUP: %u client keys, %u worker keys allowed", st.keys[AUTH_CLIENTS], st.keys[AUTH_WORKERS]);
+    kvd_log(k, "SIGHUP: %u client keys, %u event subscriber keys, %u worker keys allowed", st.keys[AUTH_CLIENTS],
+            st.keys[AUTH_EVENTS], st.keys[AUTH_WORKERS]);
 }
 
 /* The monitor of a CURVE socket (the clients', or a tcp:// worker
@@ -695,8 +805,8 @@ static void auth_setup(struct kvd *k)
     if (curve_cert_read(o->curve_secret, true, &k->cert, err, sizeof(err)) != 0)
         cli_die("--curve-secret: %s", err);
     const bool tcp_workers = o->worker_endpoint != NULL && strncmp(o->worker_endpoint, "tcp://", 6) == 0;
-    k->auth = auth_new(k->zctx, o->clients_allow, o->workers_allow, tcp_workers ? k->cert.public_key : NULL,
-                       auth_log, k, err, sizeof(err));
+    k->auth = auth_new(k->zctx, o->clients_allow, o->workers_allow, o->events_allow,
+                       tcp_workers ? k->cert.public_key : NULL, auth_log, k, err, sizeof(err));
     if (k->auth == NULL)
         cli_die("--curve-secret: %s", err);
     k->clients_curve = router(k);
@@ -708,8 +818,9 @@ static void auth_setup(struct kvd *k)
         k->wcurve_mon = curve_monitor(k, k->wsock, "inproc://kvd-worker-curve-monitor");
     struct auth_stats st;
     auth_stats(k->auth, &st);
-    kvd_log(k, "CURVE: kvd's public key %s; %u client keys%s, %u worker keys allowed", k->cert.public_key,
-            st.keys[AUTH_CLIENTS], o->clients_allow ? "" : " (no --clients-allow: no client gets in over tcp://)",
+    kvd_log(k, "CURVE: kvd's public key %s; %u client keys%s, %u event subscriber keys, %u worker keys allowed",
+            k->cert.public_key, st.keys[AUTH_CLIENTS],
+            o->clients_allow ? "" : " (no --clients-allow: no client gets in over tcp://)", st.keys[AUTH_EVENTS],
             st.keys[AUTH_WORKERS]);
 }
 
@@ -778,10 +889,71 @@ static void public_prefix_setup(struct kvd *k)
     free(text);
 }
 
+/* Every endpoint kvd will bind, decided and checked before anything else
+ * (the model, the pool): the client endpoints (the default one kept in k for
+ * the whole run: shutdown removes its socket), the worker endpoint, the HTTP
+ * layer's own ipc:// endpoint when it needs one, the block events', and the
+ * --http addresses; each ipc:// one claimed (claim_endpoint), so that a
+ * second kvd on the same endpoint stops here, naming the first. */
+static void endpoints_plan(struct kvd *k)
+{
+    struct kvd_options *o = &k->o;
+    if (o->n_listen == 0)
+        o->listen[o->n_listen++] = kvd_default_endpoint(k->default_ep, sizeof(k->default_ep));
+    for (int i = 0; i < o->n_listen; i++) {
+        check_endpoint(k, "--listen", o->listen[i]);
+        claim_endpoint(k, "--listen", o->listen[i]);
+    }
+    /* the first ipc:// client endpoint, if any */
+    const char *first_ipc = NULL;
+    for (int i = 0; i < o->n_listen && !first_ipc; i++)
+        if (strncmp(o->listen[i], "ipc://", 6) == 0)
+            first_ipc = o->listen[i];
+    char def[4096], path[4096];
+    kvd_default_endpoint(def, sizeof(def));
+    if (strncmp(def, "ipc://", 6) != 0)
+        snprintf(def, sizeof(def), "ipc:///tmp/kvd-%u/kvd.sock", (unsigned)getuid());
+    if (o->worker_endpoint) {
+        snprintf(k->worker_ep, sizeof(k->worker_ep), "%s", o->worker_endpoint);
+    } else {
+        /* next to the first ipc endpoint, else in the default runtime directory */
+        snprintf(path, sizeof(path), "%s", (first_ipc != NULL ? first_ipc : def) + 6);
+        snprintf(k->run_dir, sizeof(k->run_dir), "%s", dirname(path));
+        snprintf(k->worker_ep, sizeof(k->worker_ep), "ipc://%s/workers-%d.sock", k->run_dir,
+                 (int)getpid());
+    }
+    check_endpoint(k, "--worker-endpoint", k->worker_ep);
+    claim_endpoint(k, "--worker-endpoint", k->worker_ep);
+    /* the HTTP layer reaches kvd as a client over ipc://: the first such endpoint,
+     * else (none, or they want CURVE) one of its own in the runtime directory */
+    if (first_ipc != NULL && !o->curve_ipc) {
+        snprintf(k->http_ep, sizeof(k->http_ep), "%s", first_ipc);
+    } else if (o->n_http > 0) {
+        snprintf(path, sizeof(path), "%s", def + 6);
+        snprintf(k->http_ep, sizeof(k->http_ep), "ipc://%s/http-%d.sock", dirname(path), (int)getpid());
+        check_endpoint(k, "the HTTP layer's endpoint", k->http_ep);
+        claim_endpoint(k, "the HTTP layer's endpoint", k->http_ep);
+    }
+    if (o->kv_events != NULL) {
+        check_endpoint(k, "--kv-events", o->kv_events);
+        claim_endpoint(k, "--kv-events", o->kv_events);
+    }
+    for (int i = 0; i < o->n_http; i++) {
+        char why[512];
+        const int lb = endpoint_loopback(o->http[i], why, sizeof(why));
+        if (lb < 0)
+            cli_die("--http %s", why);
+        if (lb == 0 && !o->allow_remote)
+            cli_die("--http %s: other machines could reach it; give a loopback address (127.0.0.1:PORT) or "
+                    "--allow-remote", why);
+    }
+}
+
 static void setup(struct kvd *k)
 {
     char err[512], note[512];
     struct kvd_options *o = &k->o;
+    endpoints_plan(k);
     k->model = model_load_unpacked(o->model, err, sizeof(err));  /* kvd runs no products */
     if (k->model == NULL)
         cli_die("%s", err);
@@ -809,11 +981,18 @@ static void setup(struct kvd *k)
     pp.name = k->pool_name;
     pp.reuse = o->pool != NULL;
     pp.unlink_on_close = o->pool == NULL;
-    if (pp.unlink_on_close)
-        snprintf(private_pool, sizeof(private_pool), "%s", k->pool_name);
+    pp.exclusive = o->pool == NULL;     /* never another's segment, whoever made it first */
+    /* the private pools of kvds that crashed (SIGKILL, an abort) go first */
+    pool_reclaim_stale("kvd-", reclaimed, k);
     uint8_t secret[POOL_SECRET_BYTES];
     if (o->cache_dir != NULL) {
-        cache_secret(o->cache_dir, secret);
+        /* the pools that use a directory as their disk tier share its key
+         * secret, so that the blocks one wrote keep their keys in the next */
+        bool made;
+        if (disk_tier_secret(o->cache_dir, secret, sizeof(secret), &made, err, sizeof(err)) != 0)
+            cli_die("--cache-dir: %s", err);
+        if (made)
+            kvd_log(k, "--cache-dir: a new key secret in %s/secret", o->cache_dir);
         pp.secret = secret;     /* keys as the disk tier's files were made (a new pool) */
     }
     pp.kv_bytes = o->kv_bytes ? o->kv_bytes : o->gpu >= 0 ? gpu_default_kv_bytes(k)
@@ -828,6 +1007,9 @@ static void setup(struct kvd *k)
     k->pool = pool_create(&lay, &pp, note, sizeof(note), err, sizeof(err));
     if (k->pool == NULL)
         cli_die("%s", err);
+    snprintf(k->pool_name, sizeof(k->pool_name), "%s", pool_name(k->pool) + 1);  /* "/name" */
+    if (pp.unlink_on_close)
+        snprintf(private_pool, sizeof(private_pool), "%s", k->pool_name);
     if (pp.unlink_on_close)
         atexit(unlink_private_pool);    /* a setup error (cli_die) after this leaves no segment */
     if (note[0])
@@ -871,46 +1053,13 @@ static void setup(struct kvd *k)
                     "--workers-allow), or --insecure", o->worker_endpoint);
         kvd_log(k, "INSECURE: any process that reaches %s may join as a worker (--insecure)", o->worker_endpoint);
     }
-    char def[4096];
-    if (o->n_listen == 0)
-        o->listen[o->n_listen++] = kvd_default_endpoint(def, sizeof(def));
     for (int i = 0; i < o->n_listen; i++) {
-        check_endpoint(k, o->listen[i]);
         if (zmq_bind(listen_socket(k, o->listen[i]), o->listen[i]) != 0)
             cli_die("cannot listen on %s: %s", o->listen[i], zmq_strerror(errno));
         kvd_log(k, "listening on %s", o->listen[i]);
     }
-    /* the first ipc:// client endpoint, if any */
-    const char *first_ipc = NULL;
-    for (int i = 0; i < o->n_listen && !first_ipc; i++)
-        if (strncmp(o->listen[i], "ipc://", 6) == 0)
-            first_ipc = o->listen[i];
-    if (o->worker_endpoint) {
-        snprintf(k->worker_ep, sizeof(k->worker_ep), "%s", o->worker_endpoint);
-    } else {
-        /* next to the first ipc endpoint, else in the default runtime directory */
-        const char *base = first_ipc;
-        if (base == NULL)
-            base = kvd_default_endpoint(def, sizeof(def));
-        char path[4096];
-        snprintf(path, sizeof(path), "%s", base + 6);
-        snprintf(k->run_dir, sizeof(k->run_dir), "%s", dirname(path));
-        snprintf(k->worker_ep, sizeof(k->worker_ep), "ipc://%s/workers-%d.sock", k->run_dir,
-                 (int)getpid());
-    }
-    /* the HTTP layer reaches kvd as a client over ipc://: the first such endpoint,
-     * else (none, or they want CURVE) one of its own in the runtime directory */
-    if (first_ipc != NULL && !o->curve_ipc) {
-        snprintf(k->http_ep, sizeof(k->http_ep), "%s", first_ipc);
-    } else if (o->n_http > 0) {
-        char path[4096];
-        snprintf(path, sizeof(path), "%s", kvd_default_endpoint(def, sizeof(def)) + 6);
-        snprintf(k->http_ep, sizeof(k->http_ep), "ipc://%s/http-%d.sock", dirname(path), (int)getpid());
-        check_endpoint(k, k->http_ep);
-        if (zmq_bind(k->clients, k->http_ep) != 0)
-            cli_die("cannot listen on %s: %s", k->http_ep, zmq_strerror(errno));
-    }
-    check_endpoint(k, k->worker_ep);
+    if (strstr(k->http_ep, "/http-") != NULL && zmq_bind(k->clients, k->http_ep) != 0)
+        cli_die("cannot listen on %s: %s", k->http_ep, zmq_strerror(errno));
     if (zmq_bind(k->wsock, k->worker_ep) != 0)
         cli_die("cannot listen for workers on %s: %s", k->worker_ep, zmq_strerror(errno));
     if (o->gpu >= 0) {
@@ -919,7 +1068,7 @@ static void setup(struct kvd *k)
         if (k->run_dir[0]) {
             snprintf(dir, sizeof(dir), "%s", k->run_dir);
         } else {
-            char path[4096];
+            char path[4096], def[4096];
             snprintf(path, sizeof(path), "%s", kvd_default_endpoint(def, sizeof(def)));
             if (strncmp(path, "ipc://", 6) != 0)
                 snprintf(path, sizeof(path), "ipc:///tmp/kvd-%u/kvd.sock", (unsigned)getuid());
@@ -961,7 +1110,6 @@ static void events_setup(struct kvd *k)
     const struct kvd_options *o = &k->o;
     if (o->kv_events == NULL)
         return;
-    check_endpoint(k, o->kv_events);
     char topic[1024], name[256], host[256];
     kvd_served_name(o, name, sizeof(name));
     if (gethostname(host, sizeof(host)) != 0)
@@ -971,8 +1119,23 @@ static void events_setup(struct kvd *k)
         snprintf(topic, sizeof(topic), "%s", o->kv_events_topic);
     else
         snprintf(topic, sizeof(topic), "kv@%s@%s", host, name);
+    /* over tcp:// only the keys of --events-allow subscribe, or with --insecure
+     * whoever reaches the port; over ipc:// the private directory decides */
+    const bool tcp = strncmp(o->kv_events, "tcp://", 6) == 0;
+    if (tcp && o->curve_secret == NULL && !o->insecure)
+        cli_die("--kv-events %s: tcp:// needs --curve-secret (subscribers' keys in --events-allow), or "
+                "--insecure to publish to whoever reaches it", o->kv_events);
+    if (tcp && o->curve_secret == NULL)
+        kvd_log(k, "INSECURE: anyone who reaches %s may read the block events (--insecure, no CURVE)", o->kv_events);
+    struct kv_events_params ep = {
+        .endpoint = o->kv_events, .topic = topic, .medium = o->gpu >= 0 ? "GPU" : "CPU",
+        .curve = tcp && o->curve_secret != NULL ? &k->cert : NULL, .all_tokens = o->kv_events_all_tokens,
+    };
+    ep.shared[ep.n_shared++] = prefix_namespace(k->px, "", 0);
+    if (k->n_public_tok > 0)
+        ep.shared[ep.n_shared++] = k->public_ns;
     char err[256];
-    k->events = kv_events_open(k->zctx, o->kv_events, topic, o->gpu >= 0 ? "GPU" : "CPU", k->px, err, sizeof(err));
+    k->events = kv_events_open(k->zctx, &ep, k->px, err, sizeof(err));
     if (k->events == NULL)
         cli_die("%s", err);
     kv_events_announce(k->events);
@@ -987,14 +1150,13 @@ static void http_setup(struct kvd *k)
     char name[256];
     kvd_served_name(o, name, sizeof(name));
     for (int i = 0; i < o->n_http; i++) {
-        const char *h = o->http[i];
-        const bool loopback = strncmp(h, "127.", 4) == 0 || strncmp(h, "localhost:", 10) == 0;
-        if (!loopback && !o->allow_remote)
-            cli_die("--http %s is not a loopback address (127.x.x.x or localhost); give --allow-remote to "
-                    "serve other machines", h);
-        const struct http_params hp = { .bind = h, .kvd_endpoint = k->http_ep, .model_id = name,
-                                        .max_body = o->max_body, .block_tokens = o->block_tokens,
-                                        .api_keys = o->api_keys };
+        const char *h = o->http[i];     /* checked by endpoints_plan */
+        const struct http_params hp = {
+            .bind = h, .kvd_endpoint = k->http_ep, .model_id = name, .max_body = o->max_body,
+            .block_tokens = o->block_tokens, .api_keys = o->api_keys, .operator_key = o->operator_key,
+            .max_conns = o->http_max_conns, .max_conns_per_ip = o->http_max_conns_per_ip,
+            .timeout_s = o->http_timeout_s, .max_memory = o->http_max_memory, .max_requests = o->http_max_requests,
+        };
         char err[256];
         k->http[i] = http_start(&hp, err, sizeof(err));
         if (k->http[i] == NULL)
@@ -1170,6 +1332,13 @@ int main(int argc, char **argv)
     if (sfd < 0)
         cli_die("signalfd: %s", strerror(errno));
     signal(SIGPIPE, SIG_IGN);
+    /* every HTTP connection, client and worker costs descriptors: take all the
+     * hard limit allows */
+    struct rlimit nofile;
+    if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+        nofile.rlim_cur = nofile.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &nofile);
+    }
     gpu_probe(k); /* a GPU that is not there fails now, not after the model loads */
     srandom((unsigned)time(NULL) ^ (unsigned)getpid());
     char exe[4096];
@@ -1219,6 +1388,7 @@ int main(int argc, char **argv)
         unlink(k->http_ep + 6);
     if (k->o.kv_events != NULL && strncmp(k->o.kv_events, "ipc://", 6) == 0)
         unlink(k->o.kv_events + 6);
+    release_endpoints(k);
     restorer_destroy(&k->restorer);    /* every copy collected by req_release_all */
     hosts_fini(k);
     prefix_destroy(&k->px);

@@ -70,8 +70,16 @@ struct kvd_options {
     uint32_t max_body;              /* --max-body: largest HTTP request body, bytes */
     const char *model_name;         /* --served-model-name (default: the file's name, no .gguf) */
     const char *api_keys;           /* --api-keys FILE: "KEY TENANT" lines; the HTTP API needs a key */
+    const char *operator_key;       /* --operator-key FILE: the key whose /metrics show every tenant */
+    uint64_t http_max_memory;       /* --http-max-memory: request bodies and their JSON, together */
+    uint32_t http_max_conns;        /* --http-max-conns: connections at once */
+    uint32_t http_max_conns_per_ip; /* --http-max-conns-per-ip */
+    uint32_t http_timeout_s;        /* --http-timeout: a request's head and body must be in by then */
+    uint32_t http_max_requests;     /* --http-max-requests: requests answered at once */
     const char *kv_events;          /* --kv-events ENDPOINT: publish block events (daemon/events.h) */
     const char *kv_events_topic;    /* --kv-events-topic (default kv@HOST@MODEL, as llm-d expects) */
+    bool kv_events_all_tokens;      /* --kv-events-token-ids all: a tenant's blocks' token ids too */
+    const char *events_allow;       /* --events-allow: the keys that may subscribe over tcp:// */
     uint64_t host_cache_bytes;      /* --host-cache: the host tier's budget; 0: none */
     const char *cache_dir;          /* --cache-dir: the disk tier's directory; NULL: none */
     uint64_t disk_cache_bytes;      /* --disk-cache: its budget */
@@ -81,10 +89,15 @@ struct kvd_options {
     bool insecure;                  /* --insecure: tcp:// without CURVE allowed */
     bool curve_ipc;                 /* --curve-ipc: the ipc:// endpoints want CURVE too */
     uint32_t tenant_max_queue;      /* --tenant-max-queue: one tenant's queued requests; 0: no limit */
+    uint32_t max_tenants;           /* --max-tenants: tenants kvd keeps an entry for at once */
     uint32_t tenant_max_blocks;     /* --tenant-max-blocks: blocks, or percent of the pool; 0: none */
     bool tenant_max_blocks_pct;     /* ... given as a percentage */
     const char *public_prefix;      /* --public-prefix: a system prompt every tenant shares */
     bool dispatch_rr;               /* --dispatch round-robin: workers in turn, not by cached prefix */
+    uint32_t max_fence_ms;          /* --max-fence-ms: the longest fence time a worker of another
+                                     * host may name (kvd holds a lost one's blocks twice that) */
+    uint32_t host_max_blocks;       /* --host-max-blocks: the largest pool another host may name
+                                     * (kvd keeps its metadata) */
     bool quiet;                     /* no log lines (the fuzz harness of tests/fuzz/fuzz_workers.c) */
 };
 
@@ -117,8 +130,11 @@ struct kvd_host {
 };
 
 /* A tenant: a CURVE client's key name, or the NAME of a namespace
- * "tenant:NAME/..." that a client of the ipc:// socket (the HTTP API) sends. */
-#define KVD_MAX_TENANTS 4096
+ * "tenant:NAME/..." that a client of the ipc:// socket (the HTTP API) sends.
+ * An entry is made when a request of the tenant is admitted; past
+ * --max-tenants entries, one whose tenant has nothing queued, running or held
+ * is given to the new one (requests.c). */
+#define KVD_MAX_TENANTS 4096        /* --max-tenants' default */
 #define KVD_TENANT_NAME_MAX 127     /* a key file's name (64) or an --api-keys tenant (100) */
 struct kvd_tenant {
     char name[KVD_TENANT_NAME_MAX + 1];
@@ -238,10 +254,20 @@ struct kvd_stats_counters {
 
 struct devmem;
 
+/* An ipc:// endpoint this kvd holds (kvd.c's claim_endpoint). */
+#define KVD_MAX_CLAIMS (KVD_MAX_LISTEN + 4)
+struct kvd_claim {
+    int fd;                         /* PATH.lock, flocked for kvd's life */
+    char path[4200];                /* PATH.lock */
+};
+
 struct kvd {
     struct kvd_options o;
     char exe_dir[4096];             /* where kvd-worker lives */
     char run_dir[4096];             /* private 0700 runtime directory */
+    char default_ep[4096];          /* the default client endpoint, when no --listen was given */
+    struct kvd_claim claims[KVD_MAX_CLAIMS];   /* the ipc:// endpoints it holds */
+    int n_claims;
     char worker_ep[4400];           /* the worker endpoint */
     char pool_name[128];
     model_t *model;
@@ -296,7 +322,7 @@ struct kvd {
     uint32_t n_queued, n_active;
     uint64_t next_seq;
     struct kvd_stats_counters st;
-    struct kvd_tenant *tenants;     /* n_tenants, in order of first appearance */
+    struct kvd_tenant *tenants;     /* n_tenants (at most --max-tenants) */
     uint32_t n_tenants, tenants_cap;
     uint32_t tenant_blocks;         /* --tenant-max-blocks in blocks; 0: no limit */
     int32_t *public_tok;            /* --public-prefix's tokens (n_public_tok), else NULL */

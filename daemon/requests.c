@@ -85,27 +85,63 @@ static void list_append(struct request **head, struct request *r)
 
 /* The tenant of a request: a CURVE client's key name, else the NAME of an
  * ipc:// client's namespace "tenant:NAME/..." (what the HTTP API sends for
- * its keys). Its index in k->tenants (added on first sight), or -1. */
-static int32_t tenant_index(struct kvd *k, const char *tenant, const char *ns)
+ * its keys): into *name (not NUL-terminated) and *len; false when it has none. */
+static bool tenant_name(const char *tenant, const char *ns, const char **name, size_t *len)
 {
-    size_t n;
     if (tenant != NULL) {
-        n = strlen(tenant);
+        *name = tenant;
+        *len = strlen(tenant);
     } else if (ns != NULL && strncmp(ns, "tenant:", 7) == 0) {
-        tenant = ns + 7;
-        const char *slash = strchr(tenant, '/');
-        n = slash ? (size_t)(slash - tenant) : strlen(tenant);
+        *name = ns + 7;
+        const char *slash = strchr(*name, '/');
+        *len = slash ? (size_t)(slash - *name) : strlen(*name);
     } else {
-        return -1;
+        return false;
     }
-    if (n == 0 || n > KVD_TENANT_NAME_MAX)
-        return -1;
+    return *len > 0 && *len <= KVD_TENANT_NAME_MAX;
+}
+
+/* The index of tenant name[0..n) in k->tenants, or -1 when it has no entry. */
+static int32_t tenant_find(const struct kvd *k, const char *name, size_t n)
+{
     for (uint32_t i = 0; i < k->n_tenants; i++)
-        if (strlen(k->tenants[i].name) == n && memcmp(k->tenants[i].name, tenant, n) == 0)
+        if (strlen(k->tenants[i].name) == n && memcmp(k->tenants[i].name, name, n) == 0)
             return (int32_t)i;
-    if (k->n_tenants == KVD_MAX_TENANTS)
-        return -1;      /* beyond the table: served, not accounted */
-    if (k->n_tenants == k->tenants_cap) {
+    return -1;
+}
+
+/* Whether entry i may be given to another tenant: nothing of its tenant is
+ * queued, running or held in any pool (its counters go with it). */
+static bool tenant_idle(const struct kvd *k, uint32_t i)
+{
+    const struct kvd_tenant *t = &k->tenants[i];
+    if (t->queued > 0 || t->running > 0)
+        return false;
+    for (int h = 0; h < KVD_MAX_HOSTS; h++)
+        if (k->hosts[h].used && prefix_owned(k->hosts[h].px, (uint16_t)(i + 1)) > 0)
+            return false;
+    for (const struct request *r = k->queue; r; r = r->next)
+        if (r->tenant == (int32_t)i)
+            return false;
+    for (const struct request *r = k->active; r; r = r->next)
+        if (r->tenant == (int32_t)i)
+            return false;
+    return true;
+}
+
+/* An entry for tenant name[0..n) (a request of it was admitted): a new one,
+ * or, once --max-tenants are in the table, the first whose tenant has
+ * nothing queued, running or held. -1 when every entry's tenant has (or
+ * without memory): the request is refused, never served unaccounted. */
+static int32_t tenant_add(struct kvd *k, const char *name, size_t n)
+{
+    uint32_t at = k->n_tenants;
+    if (at >= k->o.max_tenants) {
+        for (at = 0; at < k->n_tenants && !tenant_idle(k, at); at++)
+            ;
+        if (at == k->n_tenants)
+            return -1;
+    } else if (k->n_tenants == k->tenants_cap) {
         const uint32_t cap = k->tenants_cap ? 2 * k->tenants_cap : 16;
         struct kvd_tenant *t = realloc(k->tenants, cap * sizeof(*t));
         if (t == NULL)
@@ -113,10 +149,12 @@ static int32_t tenant_index(struct kvd *k, const char *tenant, const char *ns)
         k->tenants = t;
         k->tenants_cap = cap;
     }
-    struct kvd_tenant *t = &k->tenants[k->n_tenants];
+    struct kvd_tenant *t = &k->tenants[at];
     memset(t, 0, sizeof(*t));
-    memcpy(t->name, tenant, n);
-    return (int32_t)k->n_tenants++;
+    memcpy(t->name, name, n);
+    if (at == k->n_tenants)
+        k->n_tenants++;
+    return (int32_t)at;
 }
 
 static struct kvd_tenant *tenant_of(struct kvd *k, const struct request *r)
@@ -656,8 +694,12 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const
     r->rid_len = rid_len;
     r->worker = -1;
     r->restore_bad = UINT32_MAX;
-    r->tenant = tenant_index(k, tenant, g->namespace_);
-    r->ps.owner = (uint16_t)(r->tenant + 1);    /* its blocks count for its tenant (0: none) */
+    /* its tenant's entry is looked up now and made only once the request is
+     * admitted: a refused request (malformed, too long) leaves no trace */
+    const char *tname = NULL;
+    size_t tlen = 0;
+    const bool has_tenant = tenant_name(tenant, g->namespace_, &tname, &tlen);
+    r->tenant = has_tenant ? tenant_find(k, tname, tlen) : -1;
     struct kvd_tenant *tn = tenant_of(k, r);
     if (tn != NULL && k->o.tenant_max_queue > 0 && tn->queued >= k->o.tenant_max_queue) {
         tn->refused++;
@@ -678,10 +720,10 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const
                  k->n_ctx);
         code = KVD__ERROR_CODE__ERR_TOO_LONG;
     }
-    if (code == 0 && tn != NULL && k->tenant_blocks > 0 &&
+    if (code == 0 && has_tenant && k->tenant_blocks > 0 &&
         (uint64_t)(r->n_prompt + 1 + k->o.block_tokens - 1) / k->o.block_tokens > k->tenant_blocks) {
-        snprintf(msg, sizeof(msg), "the prompt has %u tokens; tenant %s may hold %u blocks of %u (--tenant-max-blocks)",
-                 r->n_prompt, tn->name, k->tenant_blocks, k->o.block_tokens);
+        snprintf(msg, sizeof(msg), "the prompt has %u tokens; tenant %.*s may hold %u blocks of %u "
+                 "(--tenant-max-blocks)", r->n_prompt, (int)tlen, tname, k->tenant_blocks, k->o.block_tokens);
         code = KVD__ERROR_CODE__ERR_TOO_LONG;
     }
     if (code == 0 && r->n_prompt + 1 > pool_tokens) {
@@ -694,9 +736,17 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const
     for (size_t i = 0; code == 0 && i < g->n_stop; i++)
         if ((r->stops[i] = strdup(g->stop[i])) == NULL)
             code = KVD__ERROR_CODE__ERR_INTERNAL;
+    if (code == 0 && has_tenant && r->tenant < 0 && (r->tenant = tenant_add(k, tname, tlen)) < 0) {
+        snprintf(msg, sizeof(msg), "kvd serves %u tenants with requests or blocks now (--max-tenants)",
+                 k->o.max_tenants);
+        code = KVD__ERROR_CODE__ERR_OVERLOADED;
+    }
+    r->ps.owner = (uint16_t)(r->tenant + 1);    /* its blocks count for its tenant (0: none) */
+    tn = tenant_of(k, r);
     if (code != 0) {
         k->st.bad_messages += code == KVD__ERROR_CODE__ERR_BAD_REQUEST;
-        reply_error(k, rid, rid_len, id, code, msg[0] ? msg : "cannot take the request", 0);
+        reply_error(k, rid, rid_len, id, code, msg[0] ? msg : "cannot take the request",
+                    code == KVD__ERROR_CODE__ERR_OVERLOADED ? RETRY_AFTER_MS : 0);
         req_free(r);
         return;
     }
@@ -1427,11 +1477,13 @@ struct hash_list {
     size_t n, cap;
 };
 
-static void add_hash(void *user, prefix_key_t key, const prefix_key_t *parent, const int32_t *tokens)
+static void add_hash(void *user, prefix_key_t key, const prefix_key_t *parent, const int32_t *tokens,
+                     prefix_ns_t ns)
 {
     struct hash_list *l = user;
     (void)parent;
     (void)tokens;
+    (void)ns;
     if (l->n < l->cap)
         l->v[l->n++] = key.lo;
 }
@@ -1523,7 +1575,7 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
     Kvd__TenantStats *trows = calloc(k->n_tenants ? k->n_tenants : 1, sizeof(*trows));
     Kvd__TenantStats **tptrs = calloc(k->n_tenants ? k->n_tenants : 1, sizeof(*tptrs));
     if (trows != NULL && tptrs != NULL) {
-        const int32_t only = tenant != NULL ? tenant_index(k, tenant, NULL) : -1;
+        const int32_t only = tenant != NULL ? tenant_find(k, tenant, strlen(tenant)) : -1;
         for (uint32_t i = 0; i < k->n_tenants; i++) {
             if (tenant != NULL && (int32_t)i != only)
                 continue;

@@ -438,7 +438,7 @@ static int check_sampling(const Kvd__SamplingParams *s, const char *path, char *
     if (rc == 0 && s->has_min_p)
         rc = check_float(s->min_p, 0, false, 1, path, "min_p", err, errlen);
     if (rc == 0 && s->has_repeat_penalty)
-        rc = check_float(s->repeat_penalty, 0, true, 100, path, "repeat_penalty", err, errlen);
+        rc = check_float(s->repeat_penalty, 0, true, 10, path, "repeat_penalty", err, errlen);  /* the sampler's */
     return rc;
 }
 

@@ -22,6 +22,7 @@ command -v protoc-c >/dev/null || need+=(protobuf-c-compiler)
 [ -f /usr/include/microhttpd.h ] || need+=(libmicrohttpd-dev)
 [ -f /usr/include/jansson.h ] || need+=(libjansson-dev)
 [ -f /usr/include/msgpack.h ] || need+=(libmsgpack-dev)
+[ -f /usr/include/sodium.h ] || need+=(libsodium-dev)
 
 # --arm64: what the aarch64 cross build needs (scripts/test-arm64.sh): Debian's
 # cross compiler, qemu-user to run its tests, and the arm64 builds of the
@@ -39,6 +40,7 @@ if $arm64; then
   [ -f $a/libmicrohttpd.so ] || need+=(libmicrohttpd-dev:arm64)
   [ -f $a/libjansson.so ] || need+=(libjansson-dev:arm64)
   [ -f $a/libmsgpackc.so ] || need+=(libmsgpack-dev:arm64)
+  [ -f $a/libsodium.so ] || need+=(libsodium-dev:arm64)
 fi
 
 if [ ${#need[@]} -eq 0 ]; then

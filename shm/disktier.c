@@ -1,6 +1,6 @@
 /*
  * disktier.c - the disk tier (disktier.h): files, an index of them, and a
- * writer thread.
+ * writer thread; the directory's key secret.
  */
 #include "disktier.h"
 
@@ -13,15 +13,18 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
 #define XXH_STATIC_LINKING_ONLY
+#include <sodium.h>
 #include <xxhash.h>
 
 #include "err.h"
 
 #define MAGIC "KVDTIER\x01"
-#define VERSION 1u
+#define VERSION 2u              /* 2: keyed BLAKE2b MACs (1: unkeyed XXH3 checksums) */
+#define MAC_BYTES 32u
 #define QUEUE_MAX 16384         /* queued writes at most */
 #define QUEUE_BYTES (256u << 20)/* and at most this much data */
 #define NAME_LEN 37             /* 32 hex digits, ".kvb", NUL */
@@ -32,7 +35,7 @@ enum {
     H_MAGIC = 0, H_VERSION = 8, H_SIZE = 12,
     H_MODEL = 16, H_TOKENIZER = 32, H_KTYPE = 48, H_VTYPE = 52, H_ROTATE = 56, H_BT = 60,
     H_BBYTES = 64, H_NPARTS = 72, H_PLAYERS = 76, H_KEYS = 80,
-    H_KEY = 96, H_PARENT = 112, H_NS = 128, H_PATH = 144, H_DBYTES = 160, H_DSUM = 168, H_TOKENS = 176,
+    H_KEY = 96, H_PARENT = 112, H_NS = 128, H_PATH = 144, H_DBYTES = 160, H_DMAC = 168, H_TOKENS = 200,
 };
 
 struct dentry {
@@ -52,6 +55,7 @@ struct job {
 struct disk_tier {
     char dir[4096];
     int dir_fd;
+    uid_t uid;                  /* ours: every file read must be this user's */
     uint64_t max_bytes;
     struct disk_tier_layout lay;
     size_t header_bytes;
@@ -101,8 +105,25 @@ static void name_of(const disk_tier_t *d, const struct prefix_tier_block *b, cha
     snprintf(out, NAME_LEN, "%016llx%016llx.kvb", (unsigned long long)h.high64, (unsigned long long)h.low64);
 }
 
-/* The header of a file for block b whose data has checksum dsum. */
-static void header_make(const disk_tier_t *d, const struct prefix_tier_block *b, uint64_t dsum, uint8_t *h)
+/* The keyed MAC of n bytes. */
+static void mac(const disk_tier_t *d, const void *p, size_t n, uint8_t out[MAC_BYTES])
+{
+    crypto_generichash(out, MAC_BYTES, p, n, d->lay.mac_key, sizeof(d->lay.mac_key));
+}
+
+void disk_tier_mac_key(const uint8_t *secret, size_t n, uint8_t out[32])
+{
+    static const char label[] = "kvd disk tier MAC key 1";
+    crypto_generichash_state st;
+    crypto_generichash_init(&st, NULL, 0, 32);
+    crypto_generichash_update(&st, (const uint8_t *)label, sizeof(label));
+    crypto_generichash_update(&st, secret, n);
+    crypto_generichash_final(&st, out, 32);
+}
+
+/* The header of a file for block b whose data has MAC dmac. */
+static void header_make(const disk_tier_t *d, const struct prefix_tier_block *b, const uint8_t dmac[MAC_BYTES],
+                        uint8_t *h)
 {
     const struct disk_tier_layout *l = &d->lay;
     memset(h, 0, d->header_bytes);
@@ -124,31 +145,36 @@ static void header_make(const disk_tier_t *d, const struct prefix_tier_block *b,
     memcpy(h + H_NS, &b->ns, 16);
     memcpy(h + H_PATH, &b->path, 16);
     put64(h + H_DBYTES, l->block_bytes);
-    put64(h + H_DSUM, dsum);
+    memcpy(h + H_DMAC, dmac, MAC_BYTES);
     memcpy(h + H_TOKENS, b->tokens, (size_t)l->block_tokens * 4);
-    const size_t sum_at = d->header_bytes - 8;
-    put64(h + sum_at, XXH3_64bits(h, sum_at));
+    const size_t mac_at = d->header_bytes - MAC_BYTES;
+    mac(d, h, mac_at, h + mac_at);
 }
 
 enum hcheck { H_OK, H_DAMAGED, H_OTHER };
 
-/* Checks a header read from a file: damaged (magic, version, size or its own
- * checksum), made for another layout, or usable; fills b (tokens into tok). */
+/* Checks a header read from a file: damaged (magic, or its MAC under our
+ * key), made for another version or secret (told before the MAC is checked:
+ * another secret's files are not ours to judge) or, MAC checked, for another
+ * layout (another model sharing the directory and its secret), or usable;
+ * fills b (tokens into tok). */
 static enum hcheck header_check(const disk_tier_t *d, const uint8_t *h, struct prefix_tier_block *b, int32_t *tok)
 {
     if (memcmp(h + H_MAGIC, MAGIC, 8) != 0)
         return H_DAMAGED;
-    if (get32(h + H_VERSION) != VERSION || get32(h + H_SIZE) != d->header_bytes)
-        return H_OTHER;         /* another version of the format, or another block size */
-    const size_t sum_at = d->header_bytes - 8;
-    if (XXH3_64bits(h, sum_at) != get64(h + sum_at))
-        return H_DAMAGED;
     const struct disk_tier_layout *l = &d->lay;
+    if (get32(h + H_VERSION) != VERSION || get32(h + H_SIZE) != d->header_bytes ||
+        memcmp(h + H_KEYS, l->keys, 16) != 0)
+        return H_OTHER;         /* another version of the format, another block size or secret */
+    const size_t mac_at = d->header_bytes - MAC_BYTES;
+    uint8_t want[MAC_BYTES];
+    mac(d, h, mac_at, want);
+    if (sodium_memcmp(want, h + mac_at, MAC_BYTES) != 0)
+        return H_DAMAGED;
     if (memcmp(h + H_MODEL, l->model, 16) != 0 || memcmp(h + H_TOKENIZER, l->tokenizer, 16) != 0 ||
         get32(h + H_KTYPE) != l->k_type || get32(h + H_VTYPE) != l->v_type || get32(h + H_ROTATE) != l->rotate ||
         get64(h + H_BBYTES) != l->block_bytes || get32(h + H_NPARTS) != l->n_parts ||
-        get32(h + H_PLAYERS) != l->part_layers || get64(h + H_DBYTES) != l->block_bytes ||
-        memcmp(h + H_KEYS, l->keys, 16) != 0)
+        get32(h + H_PLAYERS) != l->part_layers || get64(h + H_DBYTES) != l->block_bytes)
         return H_OTHER;
     memcpy(&b->key, h + H_KEY, 16);
     memcpy(&b->parent, h + H_PARENT, 16);
@@ -235,7 +261,8 @@ static void remove_file(disk_tier_t *d, const char *name)
         return;
 }
 
-/* Drops least recently used files until the budget holds. */
+/* Drops least recently used files until the budget holds (other layouts'
+ * files, counted in bytes, are not ours to drop). */
 static void shrink(disk_tier_t *d)
 {
     while (d->st.bytes > d->max_bytes && d->tail != NULL) {
@@ -282,6 +309,35 @@ static bool write_all(int fd, const void *buf, size_t n)
     return true;
 }
 
+/* A new file `name` of dir_fd for writing, mode 0600: never an existing one
+ * (O_EXCL; a leftover or planted one is removed first) nor a link's target. */
+static int create_new(int dir_fd, const char *name)
+{
+    for (int attempt = 0; attempt < 2; attempt++) {
+        const int fd = openat(dir_fd, name, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (fd >= 0 || errno != EEXIST)
+            return fd;
+        unlinkat(dir_fd, name, 0);  /* the entry itself, never what a link points to */
+    }
+    return -1;
+}
+
+/* Opens name of dir_fd to read: a regular file of ours only (not a link,
+ * whose open fails; not a FIFO, which O_NONBLOCK opens at once and fstat
+ * shows). -1 otherwise; *st gets its status. */
+static int open_ours(const disk_tier_t *d, const char *name, struct stat *st)
+{
+    const int fd = openat(d->dir_fd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    if (fstat(fd, st) != 0 || !S_ISREG(st->st_mode) || st->st_uid != d->uid) {
+        close(fd);
+        errno = EPERM;
+        return -1;
+    }
+    return fd;
+}
+
 /* Writes one block's file: temporary name, fsync, rename, directory fsync. */
 static bool write_block(disk_tier_t *d, const struct job *j, const char *name)
 {
@@ -290,8 +346,10 @@ static bool write_block(disk_tier_t *d, const struct job *j, const char *name)
     uint8_t *h = malloc(d->header_bytes);
     if (h == NULL)
         return false;
-    header_make(d, &j->id, XXH3_64bits(j->data, d->lay.block_bytes), h);
-    const int fd = openat(d->dir_fd, tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    uint8_t dmac[MAC_BYTES];
+    mac(d, j->data, d->lay.block_bytes, dmac);
+    header_make(d, &j->id, dmac, h);
+    const int fd = create_new(d->dir_fd, tmp);
     bool ok = fd >= 0 && write_all(fd, h, d->header_bytes) && write_all(fd, j->data, d->lay.block_bytes) &&
               fsync(fd) == 0;
     if (fd >= 0)
@@ -395,10 +453,14 @@ static int scan(disk_tier_t *d, disk_tier_log_fn log, void *log_user, char *err,
         if (len != NAME_LEN - 1 || strcmp(nm + len - 4, ".kvb") != 0)
             continue;           /* not ours */
         struct stat sb;
-        const int f = openat(d->dir_fd, nm, O_RDONLY | O_CLOEXEC);
-        if (f < 0)
+        const int f = open_ours(d, nm, &sb);
+        if (f < 0) {
+            if (errno != ENOENT && d->st.refused++ == 0)
+                note(log, log_user, "disk tier: %s/%s is not a regular file of this user's (a link, a FIFO, "
+                     "another user's): refused and left alone", d->dir, nm);
             continue;
-        const bool whole = fstat(f, &sb) == 0 && pread(f, h, d->header_bytes, 0) == (ssize_t)d->header_bytes;
+        }
+        const bool whole = pread(f, h, d->header_bytes, 0) == (ssize_t)d->header_bytes;
         close(f);
         struct prefix_tier_block b;
         const enum hcheck c = whole ? header_check(d, h, &b, tok) : H_DAMAGED;
@@ -410,6 +472,8 @@ static int scan(disk_tier_t *d, disk_tier_log_fn log, void *log_user, char *err,
                 memcpy(first_other, nm, NAME_LEN - 1);      /* a name of NAME_LEN - 1 (checked above) */
                 first_other[NAME_LEN - 1] = '\0';
             }
+            d->st.foreign_bytes += (uint64_t)sb.st_size;    /* its room is taken all the same */
+            d->st.bytes += (uint64_t)sb.st_size;
             continue;
         }
         if (c == H_DAMAGED || strcmp(want, nm) != 0 ||
@@ -430,9 +494,108 @@ static int scan(disk_tier_t *d, disk_tier_log_fn log, void *log_user, char *err,
     free(h);
     free(tok);
     if (d->st.ignored > 0)
-        note(log, log_user, "disk tier: %llu files in %s were made for another model or layout (%s, ...): ignored",
-             (unsigned long long)d->st.ignored, d->dir, first_other);
+        note(log, log_user, "disk tier: %llu files in %s were made for another model, layout or secret (%s, ...): "
+             "ignored; their %llu bytes count against the budget", (unsigned long long)d->st.ignored, d->dir,
+             first_other, (unsigned long long)d->st.foreign_bytes);
+    if (d->st.foreign_bytes + d->header_bytes + d->lay.block_bytes > d->max_bytes)
+        note(log, log_user, "disk tier: other files fill the budget of %s: no block can be kept there",
+             d->dir);
     shrink(d);
+    return 0;
+}
+
+/* Opens directory dir (made, 0700, when missing) for a tier or its secret: it
+ * must be this user's, and no one else may write in it. Its descriptor, or
+ * -1 with the reason. */
+static int dir_open_checked(const char *dir, char *err, size_t errlen, int *code)
+{
+    *code = KVD_EIO;
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
+        kvd_seterr(err, errlen, KVD_EIO, "cannot make %s: %s", dir, strerror(errno));
+        return -1;
+    }
+    const int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) {
+        kvd_seterr(err, errlen, KVD_EIO, "cannot open %s: %s", dir, strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        return -1;
+    }
+    if (st.st_uid != geteuid() || (st.st_mode & 022) != 0) {
+        *code = kvd_seterr(err, errlen, KVD_EPERM, "%s %s (mode 0%o, uid %u): refusing a directory that %s",
+                           st.st_uid != geteuid() ? "another user owns" : "others may write in", dir,
+                           (unsigned)(st.st_mode & 0777), (unsigned)st.st_uid,
+                           st.st_uid != geteuid() ? "is not this user's" : "is not this user's alone to write");
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+int disk_tier_secret(const char *dir, uint8_t *out, size_t n, bool *made, char *err, size_t errlen)
+{
+    int code;
+    *made = false;
+    const int dfd = dir_open_checked(dir, err, errlen, &code);
+    if (dfd < 0)
+        return code;
+    int rc = 0;
+    const int fd = openat(dfd, "secret", O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 && errno != ENOENT) {
+        rc = kvd_seterr(err, errlen, errno == ELOOP ? KVD_EPERM : KVD_EIO, "%s/secret: %s", dir,
+                        errno == ELOOP ? "a symbolic link: refused" : strerror(errno));
+    } else if (fd >= 0 && (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid() ||
+                           (st.st_mode & 077) != 0)) {
+        rc = kvd_seterr(err, errlen, KVD_EPERM, "%s/secret is not a file only this user may read (mode 0%o): "
+                        "refusing it (remove it, and the files made under it)", dir, (unsigned)(st.st_mode & 0777));
+    } else if (fd >= 0) {
+        const ssize_t got = read(fd, out, n);
+        uint8_t extra;
+        if (got == (ssize_t)n && read(fd, &extra, 1) == 0) {
+            close(fd);
+            close(dfd);
+            return 0;
+        }
+        rc = 1;     /* not a secret: made anew below */
+    }
+    if (fd >= 0)
+        close(fd);
+    if (rc < 0) {
+        close(dfd);
+        return rc;
+    }
+    /* a new one: random bytes to a temporary name of its own, synced, then put in place */
+    size_t have = 0;
+    while (have < n) {
+        const ssize_t r = getrandom(out + have, n - have, 0);
+        if (r < 0 && errno != EINTR) {
+            close(dfd);
+            return kvd_seterr(err, errlen, KVD_EIO, "cannot read random bytes for a key secret");
+        }
+        have += r > 0 ? (size_t)r : 0;
+    }
+    const int tfd = create_new(dfd, ".tmp-secret");
+    const bool ok = tfd >= 0 && write_all(tfd, out, n) && fsync(tfd) == 0;
+    if (tfd >= 0)
+        close(tfd);
+    /* first made wins: a secret another kvd put in place meanwhile is kept (read again) */
+    const bool placed = ok && (rc == 1 ? renameat(dfd, ".tmp-secret", dfd, "secret") == 0
+                                       : linkat(dfd, ".tmp-secret", dfd, "secret", 0) == 0);
+    const int why = errno;
+    unlinkat(dfd, ".tmp-secret", 0);
+    if (ok && !placed && why == EEXIST) {
+        close(dfd);
+        return disk_tier_secret(dir, out, n, made, err, errlen);
+    }
+    if (!placed) {
+        close(dfd);
+        return kvd_seterr(err, errlen, KVD_EIO, "cannot write %s/secret: %s", dir, strerror(why));
+    }
+    fsync(dfd);
+    close(dfd);
+    *made = true;
     return 0;
 }
 
@@ -443,7 +606,7 @@ disk_tier_t *disk_tier_open(const char *dir, uint64_t max_bytes, const struct di
         kvd_seterr(err, errlen, KVD_EINVAL, "disk tier: bad block layout");
         return NULL;
     }
-    const size_t header_bytes = H_TOKENS + (size_t)lay->block_tokens * 4 + 8;
+    const size_t header_bytes = H_TOKENS + (size_t)lay->block_tokens * 4 + MAC_BYTES;
     if (max_bytes < header_bytes + lay->block_bytes) {
         kvd_seterr(err, errlen, KVD_EINVAL, "disk tier: %llu bytes cannot hold one block of %llu",
                    (unsigned long long)max_bytes, (unsigned long long)lay->block_bytes);
@@ -453,12 +616,21 @@ disk_tier_t *disk_tier_open(const char *dir, uint64_t max_bytes, const struct di
         kvd_seterr(err, errlen, KVD_EINVAL, "disk tier: directory name too long");
         return NULL;
     }
-    if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
-        kvd_seterr(err, errlen, KVD_EIO, "disk tier: cannot make %s: %s", dir, strerror(errno));
+    int code;
+    char why[600];
+    const int dir_fd = dir_open_checked(dir, why, sizeof(why), &code);
+    if (dir_fd < 0) {
+        kvd_seterr(err, errlen, code, "disk tier: %s", why);
+        return NULL;
+    }
+    if (sodium_init() < 0) {
+        close(dir_fd);
+        kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "disk tier: libsodium cannot start");
         return NULL;
     }
     disk_tier_t *d = calloc(1, sizeof(*d));
     if (d == NULL) {
+        close(dir_fd);
         kvd_seterr(err, errlen, KVD_ENOMEM, "disk tier: out of memory");
         return NULL;
     }
@@ -472,12 +644,12 @@ disk_tier_t *disk_tier_open(const char *dir, uint64_t max_bytes, const struct di
         n *= 2;
     d->mask = n - 1;
     d->bucket = calloc(n, sizeof(*d->bucket));
-    d->dir_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    d->dir_fd = dir_fd;
+    d->uid = geteuid();
     pthread_mutex_init(&d->mu, NULL);
     pthread_cond_init(&d->cv, NULL);
-    if (d->bucket == NULL || d->dir_fd < 0) {
-        kvd_seterr(err, errlen, d->bucket ? KVD_EIO : KVD_ENOMEM, "disk tier: cannot open %s: %s", dir,
-                   d->bucket ? strerror(errno) : "out of memory");
+    if (d->bucket == NULL) {
+        kvd_seterr(err, errlen, KVD_ENOMEM, "disk tier: out of memory");
         goto fail;
     }
     if (scan(d, log, log_user, err, errlen) != 0)
@@ -598,12 +770,17 @@ bool disk_tier_get(disk_tier_t *d, const struct prefix_tier_block *b, void *dst)
     bool ok = false;
     uint8_t *h = malloc(d->header_bytes);
     int32_t *tok = malloc((size_t)d->lay.block_tokens * 4);
-    const int fd = openat(d->dir_fd, name, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    const int fd = open_ours(d, name, &st);
     if (h != NULL && tok != NULL && fd >= 0 && pread(fd, h, d->header_bytes, 0) == (ssize_t)d->header_bytes) {
         struct prefix_tier_block fb;
+        uint8_t dmac[MAC_BYTES];
         ok = header_check(d, h, &fb, tok) == H_OK && same_id(d->lay.block_tokens, &fb, b) &&
-             pread(fd, dst, d->lay.block_bytes, (off_t)d->header_bytes) == (ssize_t)d->lay.block_bytes &&
-             XXH3_64bits(dst, d->lay.block_bytes) == get64(h + H_DSUM);
+             pread(fd, dst, d->lay.block_bytes, (off_t)d->header_bytes) == (ssize_t)d->lay.block_bytes;
+        if (ok) {
+            mac(d, dst, d->lay.block_bytes, dmac);
+            ok = sodium_memcmp(dmac, h + H_DMAC, MAC_BYTES) == 0;
+        }
     }
     if (fd >= 0) {
         if (ok)

@@ -14,7 +14,19 @@
  *   (the keys of a pool with another secret never match: kvd keeps its
  *   secret in the directory, so that a new pool keys as the old one did);
  *   the block's identity (key, parent key, namespace, path digest, token ids);
- *   the data's size and XXH3-64, then the XXH3-64 of everything before it.
+ *   the data's size and MAC, then the MAC of everything before it.
+ *
+ * The MACs are keyed BLAKE2b-256 (libsodium's crypto_generichash) under a key
+ * derived from the pool's key secret (disk_tier_mac_key), so whoever can write
+ * the directory but not read the secret cannot make a file kvd accepts: a
+ * block whose K/V were replaced, with any checksum, is a damaged file. (About
+ * 1 GB/s on one core: 0.36 ms for a 360 KiB block.)
+ *
+ * The directory must be this user's and writable by no one else, and only
+ * regular files of this user's are read, opened without following links and
+ * without blocking (a FIFO or a link named like a block is refused, never
+ * waited on or followed); files are made with O_EXCL, mode 0600. Files of
+ * another layout take their room from the budget.
  *
  * Writes go behind: disk_tier_put copies the block into a bounded queue and
  * returns; a thread of the tier writes it to a temporary name, fsyncs it,
@@ -55,6 +67,7 @@ struct disk_tier_layout {
     uint32_t n_parts, part_layers;
     uint8_t keys[16];           /* digest of the pool's key secret: keys made under another
                                  * cannot match */
+    uint8_t mac_key[32];        /* the files' MAC key (disk_tier_mac_key); never written */
 };
 
 struct disk_tier_stats {
@@ -68,17 +81,35 @@ struct disk_tier_stats {
     uint64_t hits, misses;      /* reads */
     uint64_t corrupt;           /* files that failed a check on read (or their header on open): removed */
     uint64_t ignored;           /* files of another layout found at open */
+    uint64_t foreign_bytes;     /* their bytes: counted against the budget (within bytes) */
+    uint64_t refused;           /* names of block files that are no regular file of this user's
+                                 * (links, FIFOs, others'): never opened, left alone */
     uint64_t indexed;           /* usable files found at open */
 };
 
 /* Logs one line (the tier's notes at open: files ignored, removed). */
 typedef void (*disk_tier_log_fn)(void *user, const char *line);
 
+/* The MAC key of a pool's files, from its key secret (n bytes). */
+void disk_tier_mac_key(const uint8_t *secret, size_t n, uint8_t out[32]);
+
+/*
+ * The key secret kept in dir/secret (n bytes) into out: read when it is
+ * there, else made (random, written with O_EXCL and mode 0600, synced, then
+ * linked into place; *made says so). dir is made (0700) when missing. 0, or
+ * KVD_EPERM when dir is not this user's or others may write it, or the secret
+ * is not a regular file of this user's that only it may read (a link, a
+ * FIFO, mode 0644: refused, not followed or fixed), or KVD_EIO; the reason in
+ * err. A secret of the wrong size is replaced (the files made under it then
+ * no longer match).
+ */
+int disk_tier_secret(const char *dir, uint8_t *out, size_t n, bool *made, char *err, size_t errlen);
+
 /*
  * Opens (creating, mode 0700) directory dir as a tier of at most max_bytes for
  * blocks of layout lay, indexes what it holds and starts the writer. NULL with
- * a reason (the directory cannot be made or read, a budget smaller than one
- * block, no memory).
+ * a reason (the directory cannot be made or read, is not this user's or is
+ * writable by others, a budget smaller than one block, no memory).
  */
 disk_tier_t *disk_tier_open(const char *dir, uint64_t max_bytes, const struct disk_tier_layout *lay,
                             disk_tier_log_fn log, void *log_user, char *err, size_t errlen);

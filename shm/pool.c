@@ -3,8 +3,10 @@
 
 #include "kvformat.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -417,19 +419,46 @@ static void pool_free_struct(pool_t *p)
     free(p);
 }
 
+/* Whether the segment behind fd may be mapped: this user's, and no one
+ * else's to read or write. 0, or KVD_EPERM with the reason. */
+static int segment_check(int fd, const char *name, char *err, size_t errlen)
+{
+    struct stat st;
+    if (fstat(fd, &st) != 0)
+        return kvd_seterr(err, errlen, KVD_EIO, "pool %s: fstat: %s", name, strerror(errno));
+    if (!S_ISREG(st.st_mode))
+        return kvd_seterr(err, errlen, KVD_EPERM, "pool %s is not a shared memory segment", name);
+    if (st.st_uid != geteuid())
+        return kvd_seterr(err, errlen, KVD_EPERM, "pool %s belongs to uid %u, not to this user (uid %u): "
+                          "refusing to map it", name, (unsigned)st.st_uid, (unsigned)geteuid());
+    if ((st.st_mode & 077) != 0)
+        return kvd_seterr(err, errlen, KVD_EPERM, "pool %s has mode 0%o: other users can map it; refusing it "
+                          "(remove it, or make it 0600)", name, (unsigned)(st.st_mode & 0777));
+    return 0;
+}
+
 /* Opens (creating when absent) the shm object and takes the owner's lock.
- * *created says whether this call made it. */
-static int open_locked(const char *name, int *fd_out, bool *created, char *err, size_t errlen)
+ * *created says whether this call made it. With exclusive, an existing
+ * object is not opened: KVD_EPERM (the name is taken). */
+static int open_locked(const char *name, bool exclusive, int *fd_out, bool *created, char *err, size_t errlen)
 {
     for (int attempt = 0; attempt < 4; attempt++) {
         int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
         *created = fd >= 0;
+        if (fd < 0 && errno == EEXIST && exclusive)
+            return kvd_seterr(err, errlen, KVD_EPERM, "pool %s: the name is taken", name);
         if (fd < 0 && errno == EEXIST)
             fd = shm_open(name, O_RDWR, 0);
         if (fd < 0 && errno == ENOENT)
             continue; /* removed between the two opens */
         if (fd < 0)
-            return kvd_seterr(err, errlen, KVD_EIO, "pool %s: cannot open: %s", name, strerror(errno));
+            return kvd_seterr(err, errlen, errno == EACCES ? KVD_EPERM : KVD_EIO, "pool %s: cannot open: %s",
+                              name, strerror(errno));
+        int rc;
+        if (!*created && (rc = segment_check(fd, name, err, errlen)) != 0) {
+            close(fd);
+            return rc;
+        }
         if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
             int pid = 0;
             struct stat st;
@@ -517,7 +546,19 @@ static pool_t *create(const struct pool_layout *lay, const struct pool_params *p
     bool adopt = false;
     if (pp->name) {
         bool created;
-        int orc = open_locked(norm, &p->fd, &created, err, errlen);
+        int orc = open_locked(norm, pp->exclusive, &p->fd, &created, err, errlen);
+        for (int retry = 0; orc == KVD_EPERM && pp->exclusive && retry < 4; retry++) {
+            /* the name is taken (another user may have made it first): one of
+             * our own, with a random suffix nobody can guess */
+            uint64_t r;
+            if (random_bytes(&r, sizeof(r)) != 0)
+                break;
+            char alt[POOL_NAME_MAX + 2];
+            snprintf(alt, sizeof(alt), "%.*s-%016llx", (int)(POOL_NAME_MAX - 17), norm, (unsigned long long)r);
+            snprintf(norm, sizeof(norm), "%s", alt);
+            snprintf(p->name, sizeof(p->name), "%s", alt);
+            orc = open_locked(norm, true, &p->fd, &created, err, errlen);
+        }
         if (orc != 0) {
             *locked = orc == KVD_ESTATE;
             free(p);
@@ -537,7 +578,7 @@ static pool_t *create(const struct pool_layout *lay, const struct pool_params *p
                 int old = p->fd;
                 p->fd = -1;
                 bool c2;
-                int rc = open_locked(norm, &p->fd, &c2, err, errlen);
+                int rc = open_locked(norm, false, &p->fd, &c2, err, errlen);
                 close(old);
                 if (rc != 0) {
                     free(p);
@@ -629,10 +670,12 @@ static pool_t *attach(const char *name, const struct pool_layout *lay, char *err
         return NULL;
     p->fd = shm_open(norm, O_RDWR, 0);
     if (p->fd < 0) {
-        kvd_seterr(err, errlen, errno == ENOENT ? KVD_ENOTFOUND : KVD_EIO, "pool %s: %s", norm,
-                   errno == ENOENT ? "no such pool (is its owner running?)" : strerror(errno));
+        kvd_seterr(err, errlen, errno == ENOENT ? KVD_ENOTFOUND : errno == EACCES ? KVD_EPERM : KVD_EIO,
+                   "pool %s: %s", norm, errno == ENOENT ? "no such pool (is its owner running?)" : strerror(errno));
         goto fail;
     }
+    if ((*code = segment_check(p->fd, norm, err, errlen)) != 0)
+        goto fail;
     struct stat st;
     if (fstat(p->fd, &st) != 0 || (uint64_t)st.st_size < POOL_HEADER_BYTES) {
         kvd_seterr(err, errlen, KVD_EFORMAT, "pool %s: too small to hold a header", norm);
@@ -745,6 +788,52 @@ int pool_unlink(const char *name)
     if (name == NULL || name_norm(name, norm, NULL, 0) != 0)
         return KVD_EINVAL;
     return shm_unlink(norm) == 0 ? 0 : KVD_ENOTFOUND;
+}
+
+int pool_reclaim_stale(const char *prefix, void (*log)(void *user, const char *name), void *user)
+{
+    DIR *d = opendir("/dev/shm");
+    if (d == NULL)
+        return 0;
+    const size_t pl = strlen(prefix);
+    int n = 0;
+    const struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        const char *nm = e->d_name;
+        if (strncmp(nm, prefix, pl) != 0)
+            continue;
+        char *end;
+        const long pid = strtol(nm + pl, &end, 10);
+        if (end == nm + pl || (*end != '\0' && *end != '-') || pid <= 0 || pid > INT32_MAX)
+            continue;
+        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH)
+            continue;   /* its process runs (or is another user's): not ours to judge */
+        char norm[POOL_NAME_MAX + 2];
+        if (name_norm(nm, norm, NULL, 0) != 0)
+            continue;
+        const int fd = shm_open(norm, O_RDWR, 0);
+        if (fd < 0)
+            continue;
+        bool stale = false;
+        struct stat st;
+        if (segment_check(fd, norm, NULL, 0) == 0 && flock(fd, LOCK_EX | LOCK_NB) == 0 && fstat(fd, &st) == 0) {
+            stale = true;   /* too small for a header: a creator died before writing one */
+            if ((size_t)st.st_size >= sizeof(struct pool_header)) {
+                const struct pool_header *h = (const struct pool_header *)map_segment(fd, sizeof(*h), PROT_READ);
+                stale = h == NULL || h->magic != POOL_MAGIC || h->state != POOL_STATE_CLOSED;
+                if (h != NULL)
+                    munmap((void *)h, sizeof(*h));
+            }
+        }
+        if (stale && shm_unlink(norm) == 0) {
+            n++;
+            if (log != NULL)
+                log(user, nm);
+        }
+        close(fd);
+    }
+    closedir(d);
+    return n;
 }
 
 bool pool_is_owner(const pool_t *p) { return p->owner; }

@@ -189,6 +189,9 @@ struct pool_params {
     uint32_t n_blocks;      /* block count when kv_bytes is 0 */
     bool reuse;             /* owner: adopt a CLOSED pool with the same layout and keep its cache */
     bool unlink_on_close;   /* owner: remove the name when closing */
+    bool exclusive;         /* owner: a segment of its own, never one that exists: when the
+                             * name is taken (another user's object, a live pool), a random
+                             * suffix is added to it (pool_name() says the name used) */
     uint32_t kv_where;      /* 0 or POOL_KV_HOST: KV in the segment; POOL_KV_DEVICE: on kv_device,
                              * and kv_bytes then budgets the device memory alone */
     int32_t kv_device;      /* POOL_KV_DEVICE: CUDA device index (0..1023) */
@@ -237,7 +240,10 @@ void pool_describe(const struct pool_layout *lay, const struct pool_capacity *ca
  * of that name whose layout and size match (its cached blocks survive). A
  * pool that is LIVE under a running owner is an error (KVD_ESTATE); a stale,
  * corrupt or mismatched one is replaced (*replaced, when given, says so and
- * why). Returns NULL with a one-line reason on failure.
+ * why). An existing segment is opened only when it belongs to this user and
+ * no one else may read or write it (mode 0600): any other is refused
+ * (KVD_EPERM), so another user cannot hand kvd memory it can read. Returns
+ * NULL with a one-line reason on failure.
  */
 pool_t *pool_create(const struct pool_layout *lay, const struct pool_params *p,
                     char *replaced, size_t replaced_len, char *err, size_t errlen);
@@ -245,8 +251,8 @@ pool_t *pool_create(const struct pool_layout *lay, const struct pool_params *p,
 /*
  * Attaches a worker to the LIVE pool `name` for layout lay. The KV data is
  * mapped read-write; header, records and index read-only. NULL with a reason
- * when the pool is missing, not live, corrupt, or made for another model,
- * block size, dtype or build.
+ * when the pool is missing, not live, corrupt, made for another model,
+ * block size, dtype or build, or not this user's alone (as pool_create).
  */
 pool_t *pool_attach(const char *name, const struct pool_layout *lay, char *err, size_t errlen);
 
@@ -269,6 +275,13 @@ void pool_close(pool_t **p);
 
 /* Removes a pool's name (its memory lives on while mapped). 0 or KVD_ENOTFOUND. */
 int pool_unlink(const char *name);
+
+/* Removes the segments named PREFIX<pid> or PREFIX<pid>-<suffix> (a private
+ * pool of a process that has gone: kvd's "kvd-") that this user owns, whose
+ * process is not running, whose owner lock is free and that were not closed
+ * cleanly: what a crashed owner left. log(user, name) hears each one removed.
+ * Returns how many. */
+int pool_reclaim_stale(const char *prefix, void (*log)(void *user, const char *name), void *user);
 
 bool pool_is_owner(const pool_t *p);
 bool pool_is_fresh(const pool_t *p);                /* this open made it: metadata empty */

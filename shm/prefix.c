@@ -835,7 +835,7 @@ static uint32_t restore_parts(prefix_t *px, struct prefix_seq *s, const int32_t 
             for (uint32_t i = j; i < m; i++)
                 if (f[i - j].id == POOL_NONE)
                     px->obs.stored(px->obs.user, &f[i - j].tb.key, 1, i ? &f[i - j].tb.parent : NULL,
-                                   f[i - j].tb.tokens);
+                                   f[i - j].tb.tokens, f[i - j].tb.ns);
     }
     free(f);
     free(st);
@@ -886,7 +886,7 @@ static uint32_t restore_from_tier(prefix_t *px, struct prefix_seq *s, const int3
         path = px->path[id];
         s->n_restored++;
         if (px->obs.stored && px->tier.start == NULL)   /* findable again */
-            px->obs.stored(px->obs.user, &k, 1, i ? &tb.parent : NULL, t);
+            px->obs.stored(px->obs.user, &k, 1, i ? &tb.parent : NULL, t, ns);
     }
     s->key = key;
     s->n_blocks = s->n_cached = s->n_committed = s->n_indexed = i;
@@ -1156,18 +1156,25 @@ static void seq_slide(prefix_t *px, struct prefix_seq *s, uint64_t n_written)
     }
 }
 
-/* Tells the observer that blocks [from, to) of s became findable. */
+/* Tells the observer that blocks [from, to) of s became findable, in runs of
+ * one namespace each (a prompt's public blocks, then its own). */
 static void notify_stored(prefix_t *px, const struct prefix_seq *s, uint32_t from, uint32_t to,
                           const int32_t *tokens)
 {
     enum { RUN = 64 };
     prefix_key_t keys[RUN];
     while (from < to) {
-        const uint32_t n = to - from < RUN ? to - from : RUN;
-        for (uint32_t j = 0; j < n; j++)
-            keys[j] = key_get(&px->b[s->blocks[from + j]]);
+        const struct pool_block *first = &px->b[s->blocks[from]];
+        const prefix_ns_t ns = { first->ns[0], first->ns[1] };
+        uint32_t n = 0;
+        for (; n < RUN && from + n < to; n++) {
+            const struct pool_block *b = &px->b[s->blocks[from + n]];
+            if (b->ns[0] != ns.lo || b->ns[1] != ns.hi)
+                break;
+            keys[n] = key_get(b);
+        }
         const prefix_key_t parent = from ? key_get(&px->b[s->blocks[from - 1]]) : KEY_ZERO;
-        px->obs.stored(px->obs.user, keys, n, from ? &parent : NULL, tokens + (size_t)from * px->bt);
+        px->obs.stored(px->obs.user, keys, n, from ? &parent : NULL, tokens + (size_t)from * px->bt, ns);
         from += n;
     }
 }
@@ -1379,6 +1386,7 @@ int prefix_block_info(const prefix_t *px, uint32_t id, struct prefix_block_info 
     bi->parent = bi->indexed ? r->parent : POOL_NONE;
     bi->n_children = r->n_children;
     bi->tokens = px->tok + (size_t)id * px->bt;
+    bi->ns = (prefix_ns_t){ r->ns[0], r->ns[1] };
     bi->part = bi->indexed && (r->flags & POOL_BLOCK_PART) && r->parent < px->n
                    ? (uint32_t)(r->ns[0] ^ px->b[r->parent].ns[0])
                    : 0;
@@ -1387,7 +1395,7 @@ int prefix_block_info(const prefix_t *px, uint32_t id, struct prefix_block_info 
 
 void prefix_for_each_findable(const prefix_t *px,
                               void (*fn)(void *user, prefix_key_t key, const prefix_key_t *parent,
-                                         const int32_t *tokens),
+                                         const int32_t *tokens, prefix_ns_t ns),
                               void *user)
 {
     for (uint32_t id = 0; id < px->n; id++) {
@@ -1396,7 +1404,8 @@ void prefix_for_each_findable(const prefix_t *px,
             (r->flags & POOL_BLOCK_PART))
             continue;
         const prefix_key_t parent = r->parent != POOL_NONE ? key_get(&px->b[r->parent]) : KEY_ZERO;
-        fn(user, key_get(r), r->parent != POOL_NONE ? &parent : NULL, px->tok + (size_t)id * px->bt);
+        fn(user, key_get(r), r->parent != POOL_NONE ? &parent : NULL, px->tok + (size_t)id * px->bt,
+           (prefix_ns_t){ r->ns[0], r->ns[1] });
     }
 }
 

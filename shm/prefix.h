@@ -132,6 +132,7 @@ struct prefix_block_info {
     const int32_t *tokens;  /* block_tokens ids (meaningful when indexed) */
     uint32_t part;          /* indexed: the part whose layers it holds (its parent is part
                              * 0's block of the same positions when part > 0) */
+    prefix_ns_t ns;         /* its namespace (meaningful when indexed) */
 };
 
 typedef struct prefix prefix_t;
@@ -184,15 +185,15 @@ struct prefix_tier {
  * Who wants to know what lookups can find (kvd's block events): a block is
  * findable from the moment it is both indexed and committed until it leaves
  * the index. stored() gets n consecutive blocks of one chain as they become
- * findable (by one prefix_seq_commit; part 0's blocks only): their keys, the key of the block
- * before the first (NULL for a chain's first block) and their n x
- * block_tokens token ids. removed() gets one block that stopped being
- * findable (evicted). Both are called from inside the allocator's calls and
- * must not call back into it.
+ * findable (by one prefix_seq_commit; part 0's blocks only), all of one
+ * namespace ns: their keys, the key of the block before the first (NULL for
+ * a chain's first block) and their n x block_tokens token ids. removed()
+ * gets one block that stopped being findable (evicted). Both are called from
+ * inside the allocator's calls and must not call back into it.
  */
 struct prefix_observer {
     void (*stored)(void *user, const prefix_key_t *keys, uint32_t n, const prefix_key_t *parent,
-                   const int32_t *tokens);
+                   const int32_t *tokens, prefix_ns_t ns);
     void (*removed)(void *user, prefix_key_t key);
     void *user;
 };
@@ -362,11 +363,11 @@ void prefix_stats(const prefix_t *px, struct prefix_stats *st);
 int prefix_block_info(const prefix_t *px, uint32_t id, struct prefix_block_info *bi);
 
 /* Calls fn for every block that lookups can find (indexed and committed), in
- * id order: its key, its parent's key (NULL for a chain's first block) and
- * its block_tokens token ids. */
+ * id order: its key, its parent's key (NULL for a chain's first block), its
+ * block_tokens token ids and its namespace. */
 void prefix_for_each_findable(const prefix_t *px,
                               void (*fn)(void *user, prefix_key_t key, const prefix_key_t *parent,
-                                         const int32_t *tokens),
+                                         const int32_t *tokens, prefix_ns_t ns),
                               void *user);
 
 /* Writes up to cap ids of the LRU list from head (most recent) to tail;

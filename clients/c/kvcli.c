@@ -508,6 +508,7 @@ static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
         return rc;
     if (prometheus) {
         char *text = kvd_stats_prometheus(&s);
+        kvd_stats_free(&s);
         if (text == NULL)
             die("out of memory");
         fputs(text, stdout);
@@ -632,6 +633,7 @@ static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
                w->host[0] ? " on host " : "", w->host, w->alive ? "alive" : "dead", w->running,
                (unsigned long long)w->tokens, w->restarts);
     }
+    kvd_stats_free(&s);
     return 0;
 }
 

@@ -4,7 +4,9 @@
  *
  * Each client owns its ZeroMQ context (one I/O thread), so clients share no
  * state and kvd_client_destroy() tears everything down; a program that opens
- * many clients pays one context each, which is cheap next to a generation.
+ * many clients pays one context each, which is cheap next to a generation,
+ * or gives them one of its own (kvd_client_new_in: kvd's HTTP front end).
+ * Every wait also watches the caller's abort descriptor, when it set one.
  *
  * Requests carry ids that start at a random 64-bit value and count up (never
  * 0, which kvd uses for replies to requests it could not read). A reply whose
@@ -57,7 +59,10 @@
 #define SOCKET_HWM 100000               /* messages queued per direction */
 
 struct kvd_client {
-    void *ctx;                  /* this client's ZeroMQ context */
+    void *ctx;                  /* its ZeroMQ context: its own, or the caller's (kvd_client_new_in) */
+    bool own_ctx;               /* destroyed with the client */
+    int abort_fd;               /* watched while a call waits (-1: none) */
+    bool aborted;               /* the last wait ended because abort_fd fired */
     void *sock;                 /* DEALER connected to endpoint */
     void *mon;                  /* with CURVE keys: PAIR receiving sock's handshake failures */
     char auth_why[160];         /* the last handshake failure seen, "" while none */
@@ -279,8 +284,27 @@ kvd_client_t *kvd_client_new(const char *endpoint, int timeout_ms, char *err, si
     return kvd_client_new_keys(endpoint, timeout_ms, &keys, err, errlen);
 }
 
+static kvd_client_t *client_new(void *zctx, const char *endpoint, int timeout_ms,
+                                const struct kvd_client_keys *keys, char *err, size_t errlen);
+
 kvd_client_t *kvd_client_new_keys(const char *endpoint, int timeout_ms, const struct kvd_client_keys *keys,
                                   char *err, size_t errlen)
+{
+    return client_new(NULL, endpoint, timeout_ms, keys, err, errlen);
+}
+
+kvd_client_t *kvd_client_new_in(void *zctx, const char *endpoint, int timeout_ms, char *err, size_t errlen)
+{
+    if (zctx == NULL) {
+        kvd_seterr(err, errlen, KVD_EINVAL, "no ZeroMQ context");
+        return NULL;
+    }
+    return client_new(zctx, endpoint, timeout_ms, NULL, err, errlen);
+}
+
+/* A client on zctx, or on a context of its own when zctx is NULL. */
+static kvd_client_t *client_new(void *zctx, const char *endpoint, int timeout_ms,
+                                const struct kvd_client_keys *keys, char *err, size_t errlen)
 {
     char def[256];
     if (endpoint == NULL)
@@ -298,8 +322,10 @@ kvd_client_t *kvd_client_new_keys(const char *endpoint, int timeout_ms, const st
     snprintf(c->endpoint, sizeof(c->endpoint), "%s", endpoint);
     c->timeout_ms = norm_timeout(timeout_ms);
     c->next_id = random_u64();
+    c->abort_fd = -1;
     c->arena = wire_arena_new(SMALL_ARENA);
-    c->ctx = zmq_ctx_new();
+    c->own_ctx = zctx == NULL;
+    c->ctx = zctx != NULL ? zctx : zmq_ctx_new();
     if (c->arena == NULL || c->ctx == NULL) {
         kvd_seterr(err, errlen, KVD_ENOMEM, "out of memory (zmq context or arena)");
         goto fail;
@@ -342,7 +368,7 @@ void kvd_client_destroy(kvd_client_t **cp)
         zmq_close(c->mon);
     if (c->sock != NULL)
         zmq_close(c->sock);
-    if (c->ctx != NULL)
+    if (c->ctx != NULL && c->own_ctx)
         zmq_ctx_term(c->ctx);
     wire_arena_destroy(&c->arena);
     free(c);
@@ -355,7 +381,35 @@ void kvd_client_set_timeout(kvd_client_t *c, int timeout_ms)
         c->timeout_ms = norm_timeout(timeout_ms);
 }
 
+void kvd_client_set_abort_fd(kvd_client_t *c, int fd)
+{
+    if (c != NULL)
+        c->abort_fd = fd;
+}
+
 /* ---- sending and receiving ----------------------------------------------------------- */
+
+/* Waits up to left ms for the socket (events: ZMQ_POLLIN or ZMQ_POLLOUT), the
+ * handshake monitor or the abort descriptor. 0 (something may be ready),
+ * KVD_ECANCELLED once the abort descriptor fired (c->aborted), or KVD_EIO. */
+static int wait_for(kvd_client_t *c, short events, int64_t left, char *err, size_t errlen)
+{
+    zmq_pollitem_t it[3] = { { c->sock, 0, events, 0 } };
+    int n = 1, at_abort = -1;
+    if (c->mon != NULL)
+        it[n++] = (zmq_pollitem_t){ c->mon, 0, ZMQ_POLLIN, 0 };
+    if (c->abort_fd >= 0) {
+        at_abort = n;
+        it[n++] = (zmq_pollitem_t){ NULL, c->abort_fd, ZMQ_POLLIN, 0 };
+    }
+    if (zmq_poll(it, n, (long)left) < 0 && errno != EINTR)
+        return kvd_seterr(err, errlen, KVD_EIO, "zmq_poll: %s", zmq_strerror(errno));
+    if (at_abort >= 0 && it[at_abort].revents != 0) {
+        c->aborted = true;
+        return kvd_seterr(err, errlen, KVD_ECANCELLED, "given up: the caller's abort descriptor fired");
+    }
+    return 0;
+}
 
 /* Packs and sends req, waiting until deadline (monotonic ms) for the socket to
  * take it. 0, KVD_ETIMEOUT (no connection to a daemon), KVD_EINVAL (too
@@ -387,11 +441,8 @@ static int send_request(kvd_client_t *c, const Kvd__ClientRequest *req, int64_t 
                             c->timeout_ms);
             break;
         }
-        zmq_pollitem_t it[2] = { { c->sock, 0, ZMQ_POLLOUT, 0 }, { c->mon, 0, ZMQ_POLLIN, 0 } };
-        if (zmq_poll(it, c->mon != NULL ? 2 : 1, (long)left) < 0 && errno != EINTR) {
-            rc = kvd_seterr(err, errlen, KVD_EIO, "zmq_poll: %s", zmq_strerror(errno));
+        if ((rc = wait_for(c, ZMQ_POLLOUT, left, err, errlen)) != 0)
             break;
-        }
     }
     free(buf);
     return rc;
@@ -456,9 +507,7 @@ static int recv_reply(kvd_client_t *c, int64_t deadline, struct inbox *in,
                               "no reply from kvd at %s in %d ms (is it running?)", c->endpoint,
                               c->timeout_ms);
         }
-        zmq_pollitem_t it[2] = { { c->sock, 0, ZMQ_POLLIN, 0 }, { c->mon, 0, ZMQ_POLLIN, 0 } };
-        if (zmq_poll(it, c->mon != NULL ? 2 : 1, (long)left) < 0 && errno != EINTR) {
-            rc = kvd_seterr(err, errlen, KVD_EIO, "zmq_poll: %s", zmq_strerror(errno));
+        if ((rc = wait_for(c, ZMQ_POLLIN, left, err, errlen)) != 0) {
             inbox_release(c, in);
             return rc;
         }
@@ -730,8 +779,8 @@ static int gen_msg_build(struct gen_msg *m, const struct kvd_gen_params *p, uint
     s->min_p = p->min_p;
     s->has_repeat_penalty = !(p->repeat_penalty < 0);
     s->repeat_penalty = p->repeat_penalty;
-    s->has_seed = p->seed >= 0;
-    s->seed = (uint64_t)p->seed;
+    s->has_seed = p->has_seed_u64 || p->seed >= 0;
+    s->seed = p->has_seed_u64 ? p->seed_u64 : (uint64_t)p->seed;
     if (s->has_temperature || s->has_top_k || s->has_top_p || s->has_min_p ||
         s->has_repeat_penalty || s->has_seed)
         g->sampling = s;
@@ -893,6 +942,7 @@ static int generate(kvd_client_t *c, const struct kvd_gen_params *p, bool stream
     if (c == NULL || p == NULL)
         return kvd_seterr(out->error, sizeof(out->error), KVD_EINVAL, "no client or no params");
     out->request_id = take_id(c);
+    c->aborted = false;
 
     struct gen_msg m;
     int rc = gen_msg_build(&m, p, out->request_id, stream, out->error, sizeof(out->error));
@@ -925,7 +975,11 @@ static int generate(kvd_client_t *c, const struct kvd_gen_params *p, bool stream
         if (!st.cancelled || !was_cancelled)
             deadline = now_ms() + c->timeout_ms;
     }
-    if (st.cancelled && (rc == KVD_ETIMEOUT || rc == KVD_EIO)) {
+    if (c->aborted) {
+        /* the caller gave up: kvd stops working on it, and its answer to the
+         * cancel is dropped later as a reply to another request */
+        send_cancel_nowait(c, out->request_id);
+    } else if (st.cancelled && (rc == KVD_ETIMEOUT || rc == KVD_EIO)) {
         rc = kvd_seterr(out->error, sizeof(out->error), KVD_ECANCELLED,
                         "cancelled (kvd did not confirm in time)");
     } else if (rc == KVD_ETIMEOUT || rc == KVD_EPROTOCOL || rc == KVD_ENOMEM) {
@@ -1096,8 +1150,8 @@ static void take_stats(const Kvd__Stats *s, struct kvd_stats *out)
     }
     out->hosts_lost = s->hosts_lost;
     out->blocks_fenced_total = s->blocks_fenced_total;
-    cap = sizeof(out->tenants) / sizeof(out->tenants[0]);
-    for (size_t i = 0; i < s->n_tenants && out->n_tenants < cap; i++) {
+    out->tenants = s->n_tenants ? calloc(s->n_tenants, sizeof(*out->tenants)) : NULL;
+    for (size_t i = 0; i < s->n_tenants && out->tenants != NULL; i++) {
         const Kvd__TenantStats *t = s->tenants[i];
         struct kvd_tenant_stats *o = &out->tenants[out->n_tenants++];
         snprintf(o->name, sizeof(o->name), "%s", t->name ? t->name : "");
@@ -1134,6 +1188,15 @@ int kvd_stats(kvd_client_t *c, struct kvd_stats *out)
         rc = KVD_EPROTOCOL;
     inbox_release(c, &in);
     return rc;
+}
+
+void kvd_stats_free(struct kvd_stats *s)
+{
+    if (s == NULL)
+        return;
+    free(s->tenants);
+    s->tenants = NULL;
+    s->n_tenants = 0;
 }
 
 int kvd_health(kvd_client_t *c, bool *ok, uint32_t *workers_alive)

@@ -55,10 +55,24 @@ kvd_client_t *kvd_client_new(const char *endpoint, int timeout_ms, char *err, si
 kvd_client_t *kvd_client_new_keys(const char *endpoint, int timeout_ms, const struct kvd_client_keys *keys,
                                   char *err, size_t errlen);
 
+/* kvd_client_new_keys without keys, on the caller's ZeroMQ context zctx
+ * (what zmq_ctx_new returned) instead of one of its own, so that the many
+ * clients of one process share its I/O thread. zctx must outlive the
+ * client, which leaves it as it is when destroyed. */
+kvd_client_t *kvd_client_new_in(void *zctx, const char *endpoint, int timeout_ms, char *err, size_t errlen);
+
 /* Closes the connection; accepts NULL and sets *c to NULL. */
 void kvd_client_destroy(kvd_client_t **c);
 
 void kvd_client_set_timeout(kvd_client_t *c, int timeout_ms);
+
+/* A descriptor the client watches besides kvd while a call waits (-1, the
+ * default: none). Once it is readable, or reports an error or a hang-up, a
+ * waiting call gives up at once with KVD_ECANCELLED: a generate in progress
+ * is cancelled at kvd first, without waiting for kvd to confirm. The caller
+ * owns fd (kvd's HTTP front end makes one readable when its HTTP client goes
+ * away, or at shutdown). */
+void kvd_client_set_abort_fd(kvd_client_t *c, int fd);
 
 struct kvd_chat_msg {
     const char *role;       /* "system", "user", "assistant" */
@@ -79,7 +93,7 @@ struct kvd_gen_params {
     float top_p;                            /* < 0: default */
     float min_p;                            /* < 0: default */
     float repeat_penalty;                   /* < 0: default */
-    int64_t seed;                           /* < 0: random */
+    int64_t seed;                           /* < 0: random (unless has_seed_u64) */
     const char *const *stop;                /* stop strings */
     size_t n_stop;
     uint32_t deadline_ms;                   /* 0: none */
@@ -88,6 +102,8 @@ struct kvd_gen_params {
     bool no_cache;                          /* bypass the prefix cache */
     int32_t logprobs;                       /* < 0: none (default); 0..20: each output token's
                                              * logprob and this many most likely alternatives */
+    bool has_seed_u64;                      /* the seed is seed_u64, any of the 2^64 (seed ignored) */
+    uint64_t seed_u64;
 };
 
 /* Fills p with "nothing set" (NULL prompt, negative sampling fields). */
@@ -251,7 +267,9 @@ struct kvd_stats {
     uint64_t evictions, preemptions, bad_messages;
     struct kvd_worker_stats workers[64];
     uint32_t n_workers;             /* entries of workers used */
-    struct kvd_tenant_stats tenants[64]; /* the first 64 tenants (a tenant's client: its own) */
+    struct kvd_tenant_stats *tenants;   /* n_tenants rows, every tenant kvd has an entry for (a
+                                         * tenant's client: its own); malloc'd, NULL when none
+                                         * (kvd_stats_free) */
     uint32_t n_tenants;
     /* latencies of finished requests, seconds: time to first token, end to end,
      * queued, and between tokens (each request's mean gap, once per gap) */
@@ -263,7 +281,13 @@ struct kvd_stats {
     uint64_t blocks_fenced_total;   /* blocks held back after other hosts' workers were lost */
 };
 
+/* kvd's statistics into *out; free what it holds with kvd_stats_free. 0, or
+ * a transport error or kvd's (out then holds nothing to free). */
 int kvd_stats(kvd_client_t *c, struct kvd_stats *out);
+
+/* Frees what a kvd_stats filled holds (the tenant rows) and sets it to
+ * none; accepts NULL. */
+void kvd_stats_free(struct kvd_stats *s);
 
 /* The statistics in Prometheus' text format (version 0.0.4), as kvd's HTTP
  * /metrics serves them: vLLM's names for what an inference gateway reads

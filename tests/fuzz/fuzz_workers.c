@@ -104,6 +104,9 @@ static struct kvd *kvd_new(void)
     k->o.kv = (struct kv_params){ 0 };
     k->o.kv.k_type = k->o.kv.v_type = KERN_F16;
     k->o.gpu = -1;
+    k->o.max_fence_ms = 60000;      /* kvd's defaults */
+    k->o.host_max_blocks = 1u << 18;
+    k->o.max_tenants = KVD_MAX_TENANTS;
     k->o.quiet = getenv("KVD_FUZZ_LOG") == NULL;
     k->n_ctx = 64;
     k->model = model;

@@ -54,7 +54,7 @@ static void setup(void)
         if (curve_cert_write(path, &c, false, err, sizeof(err)) != 0)
             abort();
     }
-    auth = auth_new(NULL, sub[0], sub[1], NULL, NULL, NULL, err, sizeof(err));
+    auth = auth_new(NULL, sub[0], sub[1], NULL, NULL, NULL, NULL, err, sizeof(err));
     if (auth == NULL) {
         fprintf(stderr, "auth_new: %s\n", err);
         abort();

@@ -330,7 +330,9 @@ def test_metrics(api: HttpDaemon) -> None:
                          capture_output=True, text=True).stdout
     names = {f.name for f in text_string_to_metric_families(out)}
     _, _, raw = api.request("GET", "/metrics")
-    assert names == {f.name for f in text_string_to_metric_families(raw.decode())} - {"kvd_http_requests"}
+    http_layer = {"kvd_http_requests", "kvd_http_connections", "kvd_http_requests_active", "kvd_http_memory_bytes",
+                  "kvd_http_timeouts", "kvd_http_clients_gone", "kvd_http_memory_refused", "kvd_http_busy_refused"}
+    assert names == {f.name for f in text_string_to_metric_families(raw.decode())} - http_layer
 
 
 def test_overloaded_is_429_with_retry_after(tmp_path: Path) -> None:
@@ -412,7 +414,10 @@ def test_tokenize_and_detokenize(api: HttpDaemon) -> None:
 def test_api_keys_and_tenants(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# key tenant\nkey-of-alice-0001 alice\nkey-of-bob-00002 bob\n")
-    h = HttpDaemon(tmp_path / "keyed", "--kv-memory", "64MiB", "-w", "1", "--api-keys", str(keys))
+    operator = tmp_path / "operator"
+    operator.write_text("the-operators-key-0001\n")
+    h = HttpDaemon(tmp_path / "keyed", "--kv-memory", "64MiB", "-w", "1", "--api-keys", str(keys),
+                   "--operator-key", str(operator))
     try:
         # no key, a wrong key: 401 with the error shape; the probes and /metrics stay open
         s, _, b = h.post("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2})
@@ -435,11 +440,16 @@ def test_api_keys_and_tenants(tmp_path: Path) -> None:
         assert cached(alice) > 500          # alice's own prefix
         assert cached(bob) == 0             # never alice's blocks
         assert cached(bob) > 500
-        # each key's tenant is counted as kvd's own tenants are, in /metrics too
-        _, _, raw = h.request("GET", "/metrics")
+        # each key's tenant is counted as kvd's own tenants are, in /metrics too: every row for the
+        # operator's key, a tenant's own for its key, none without a key
+        _, _, raw = h.request("GET", "/metrics", headers={"Authorization": "Bearer the-operators-key-0001"})
         text = raw.decode()
         for who in ("alice", "bob"):
             assert f'kvd_tenant_requests_total{{tenant="{who}"}} 2' in text, text[-2000:]
             assert f'kvd_tenant_cached_prompt_tokens_total{{tenant="{who}"}} 0' not in text
+        _, _, raw = h.request("GET", "/metrics", headers={"Authorization": "Bearer key-of-alice-0001"})
+        assert 'tenant="alice"' in raw.decode() and 'tenant="bob"' not in raw.decode()
+        _, _, raw = h.request("GET", "/metrics")
+        assert "kvd_tenant_" not in raw.decode() and "vllm:num_requests_running" in raw.decode()
     finally:
         _stop_checked(h.d)

@@ -130,7 +130,9 @@ def events_kvd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemo
     work = tmp_path_factory.mktemp("kvd-events")
     ep = f"ipc://{work}/events.sock"
     # 24 MiB of f16 KV: about 68 blocks of 16 tokens, so the load below evicts
-    d = Daemon(work, "--kv-memory", "24MiB", "-w", "1", "--kv-events", ep)
+    # every namespace's token ids: the subscriber here checks each block's tokens (by default a
+    # named namespace's blocks go out without them: tests/security/test_isolation.py)
+    d = Daemon(work, "--kv-events-token-ids", "all", "--kv-events", ep, "--kv-memory", "24MiB", "-w", "1")
     d.measure_patience()
     yield d, ep
     _stop_checked(d)

@@ -137,7 +137,7 @@ static void test_zap(void)
     zmq_close(mute);
 
     /* kvd's handler: alice in, under her file's name; bob and a plain client out */
-    kvd_auth_t *a = auth_new(ctx, adir, NULL, NULL, NULL, NULL, err, sizeof(err));
+    kvd_auth_t *a = auth_new(ctx, adir, NULL, NULL, NULL, NULL, NULL, err, sizeof(err));
     if (a == NULL)
         fprintf(stderr, "auth_new: %s\n", err);
     REQUIRE(a != NULL);

@@ -615,14 +615,17 @@ static uint32_t seen_slot(struct seen *v, prefix_key_t k)
     return at;
 }
 
-/* A findable block (indexed, committed) with key k and these tokens; with
- * parent != NULL its parent's key is *parent, else it has no parent. */
-static bool seen_matches(prefix_t *px, prefix_key_t k, const prefix_key_t *parent, const int32_t *tok)
+/* A findable block (indexed, committed) with key k, these tokens and
+ * namespace ns; with parent != NULL its parent's key is *parent, else it has
+ * no parent. */
+static bool seen_matches(prefix_t *px, prefix_key_t k, const prefix_key_t *parent, const int32_t *tok,
+                         prefix_ns_t ns)
 {
     for (uint32_t id = 0; id < NB; id++) {
         struct prefix_block_info bi, pi;
         if (prefix_block_info(px, id, &bi) != 0 || !bi.indexed || bi.state != POOL_BLOCK_COMMITTED ||
-            bi.key.lo != k.lo || bi.key.hi != k.hi || memcmp(bi.tokens, tok, BT * sizeof(int32_t)) != 0)
+            bi.key.lo != k.lo || bi.key.hi != k.hi || memcmp(bi.tokens, tok, BT * sizeof(int32_t)) != 0 ||
+            bi.ns.lo != ns.lo || bi.ns.hi != ns.hi)
             continue;
         if (parent == NULL ? bi.parent == POOL_NONE
                            : bi.parent != POOL_NONE && prefix_block_info(px, bi.parent, &pi) == 0 &&
@@ -633,12 +636,12 @@ static bool seen_matches(prefix_t *px, prefix_key_t k, const prefix_key_t *paren
 }
 
 static void seen_stored(void *user, const prefix_key_t *keys, uint32_t n, const prefix_key_t *parent,
-                        const int32_t *tokens)
+                        const int32_t *tokens, prefix_ns_t ns)
 {
     struct seen *v = user;
     v->stored++;
     for (uint32_t i = 0; i < n; i++) {
-        if (!seen_matches(v->px, keys[i], i ? &keys[i - 1] : parent, tokens + (size_t)i * BT))
+        if (!seen_matches(v->px, keys[i], i ? &keys[i - 1] : parent, tokens + (size_t)i * BT, ns))
             v->bad++;
         uint32_t at = seen_slot(v, keys[i]);
         if (at == UINT32_MAX)

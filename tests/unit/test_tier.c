@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <sodium.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -659,7 +660,7 @@ static void test_disk(void)
     CHECK(st.files == 0 && st.ignored == 10);
     disk_tier_close(&d);
     /* a budget of 4 files: the least recently used go (block 7 was read last) */
-    const uint64_t per = 176 + BT * 4 + 8 + SB;    /* a file: header (fields, ids, checksum) and data */
+    const uint64_t per = 200 + BT * 4 + 32 + SB;   /* a file: header (fields, ids, MAC) and data */
     d = disk_tier_open(dir, 4 * per, &dl, NULL, NULL, err, sizeof(err));
     REQUIRE(d != NULL);
     disk_tier_stats(d, &st);
@@ -668,6 +669,112 @@ static void test_disk(void)
     disk_tier_close(&d);
     printf("disk: written and read back exact; damaged data and header, a torn temporary, another layout "
            "and a smaller budget each handled\n");
+}
+
+/* What another writer of the directory may put there: a block whose K/V were
+ * replaced with a checksum made to fit, a FIFO and a link named like block
+ * files, a file of another layout; and the secret's file, links and modes. */
+static void test_disk_hostile(void)
+{
+    char err[512], dir[128], path[512], path2[600];
+    snprintf(dir, sizeof(dir), "%s/hostile", disk_dir);
+    struct disk_tier_layout dl = disk_layout();
+    for (int i = 0; i < 32; i++)
+        dl.mac_key[i] = (uint8_t)(7 * i + 1);
+    disk_tier_t *d = disk_tier_open(dir, 1 << 20, &dl, NULL, NULL, err, sizeof(err));
+    REQUIRE(d != NULL);
+    struct ident ids[4];
+    uint8_t buf[SB], want[SB];
+    for (int i = 0; i < 4; i++) {
+        ident_make(&ids[i], 100 + i);
+        block_bytes(buf, 100 + i, 0);
+        CHECK_INT(disk_tier_put(d, &ids[i].b, buf), 0);
+    }
+    disk_tier_flush(d);
+    /* forged: other K/V, and the header's data MAC recomputed without the key */
+    REQUIRE(disk_tier_path_for_test(d, &ids[0].b, path, sizeof(path)));
+    const size_t hb = 200 + BT * 4 + 32;
+    FILE *f = fopen(path, "r+b");
+    REQUIRE(f != NULL);
+    block_bytes(buf, 999, 0);
+    uint8_t forged_mac[32];
+    crypto_generichash(forged_mac, 32, buf, SB, NULL, 0);
+    fseek(f, (long)hb, SEEK_SET);
+    fwrite(buf, 1, SB, f);
+    fseek(f, 168, SEEK_SET);
+    fwrite(forged_mac, 1, 32, f);
+    fclose(f);
+    CHECK(!disk_tier_get(d, &ids[0].b, buf));
+    struct disk_tier_stats st;
+    disk_tier_stats(d, &st);
+    CHECK_INT(st.corrupt, 1);
+    /* one file's header made under another key: damaged at the next open */
+    REQUIRE(disk_tier_path_for_test(d, &ids[1].b, path, sizeof(path)));
+    disk_tier_close(&d);
+    struct disk_tier_layout other_key = dl;
+    other_key.mac_key[0] ^= 1;
+    d = disk_tier_open(dir, 1 << 20, &other_key, NULL, NULL, err, sizeof(err));
+    REQUIRE(d != NULL);
+    disk_tier_stats(d, &st);
+    CHECK(st.files == 0 && st.corrupt == 3);    /* every header fails a MAC made with another key */
+    disk_tier_close(&d);
+    /* a FIFO and a link named like blocks: refused at once (no open waits), left alone */
+    snprintf(path, sizeof(path), "%s/%032x.kvb", dir, 0xf1f0);
+    REQUIRE(mkfifo(path, 0600) == 0);
+    snprintf(path2, sizeof(path2), "%s/%032x.kvb", dir, 0x5111);
+    REQUIRE(symlink("/etc/passwd", path2) == 0);
+    d = disk_tier_open(dir, 1 << 20, &dl, NULL, NULL, err, sizeof(err));
+    REQUIRE(d != NULL);
+    disk_tier_stats(d, &st);
+    CHECK(st.refused == 2 && access(path, F_OK) == 0);
+    /* a file of another layout takes its room from the budget */
+    block_bytes(buf, 5, 0);
+    CHECK_INT(disk_tier_put(d, &ids[2].b, buf), 0);
+    disk_tier_flush(d);
+    disk_tier_close(&d);
+    struct disk_tier_layout other_lay = dl;
+    other_lay.k_type = KERN_Q8_0;
+    d = disk_tier_open(dir, 1 << 20, &other_lay, NULL, NULL, err, sizeof(err));
+    REQUIRE(d != NULL);
+    disk_tier_stats(d, &st);
+    CHECK(st.files == 0 && st.ignored == 1 && st.foreign_bytes == hb + SB && st.bytes == st.foreign_bytes);
+    disk_tier_close(&d);
+    d = disk_tier_open(dir, 1 << 20, &dl, NULL, NULL, err, sizeof(err));
+    REQUIRE(d != NULL);
+    block_bytes(want, 5, 0);
+    CHECK(disk_tier_get(d, &ids[2].b, buf) && memcmp(buf, want, SB) == 0);
+    disk_tier_close(&d);
+    /* the secret: made 0600 by O_EXCL, never through a planted temporary's link */
+    char sdir[160], target[200];
+    snprintf(sdir, sizeof(sdir), "%s/secret-dir", disk_dir);
+    REQUIRE(mkdir(sdir, 0700) == 0);
+    snprintf(target, sizeof(target), "%s/target", disk_dir);
+    f = fopen(target, "wb");
+    REQUIRE(f != NULL);
+    fputs("not to be overwritten", f);
+    fclose(f);
+    snprintf(path, sizeof(path), "%s/.tmp-secret", sdir);
+    REQUIRE(symlink(target, path) == 0);
+    uint8_t sec[POOL_SECRET_BYTES], again[POOL_SECRET_BYTES];
+    bool made;
+    CHECK_INT(disk_tier_secret(sdir, sec, sizeof(sec), &made, err, sizeof(err)), 0);
+    CHECK(made);
+    struct stat sb;
+    snprintf(path, sizeof(path), "%s/secret", sdir);
+    CHECK(lstat(path, &sb) == 0 && S_ISREG(sb.st_mode) && (sb.st_mode & 0777) == 0600);
+    CHECK(stat(target, &sb) == 0 && sb.st_size == 21);
+    CHECK_INT(disk_tier_secret(sdir, again, sizeof(again), &made, err, sizeof(err)), 0);
+    CHECK(!made && memcmp(sec, again, sizeof(sec)) == 0);
+    /* a secret others may read, a secret that is a link, a directory others may write: refused */
+    REQUIRE(chmod(path, 0644) == 0);
+    CHECK_INT(disk_tier_secret(sdir, again, sizeof(again), &made, err, sizeof(err)), KVD_EPERM);
+    REQUIRE(unlink(path) == 0 && symlink(target, path) == 0);
+    CHECK_INT(disk_tier_secret(sdir, again, sizeof(again), &made, err, sizeof(err)), KVD_EPERM);
+    REQUIRE(chmod(sdir, 0777) == 0);
+    CHECK_INT(disk_tier_secret(sdir, again, sizeof(again), &made, err, sizeof(err)), KVD_EPERM);
+    CHECK(disk_tier_open(sdir, 1 << 20, &dl, NULL, NULL, err, sizeof(err)) == NULL);
+    printf("disk, hostile: a forged block, another key's headers, a FIFO, a link and a planted temporary "
+           "refused; another layout's file counted against the budget\n");
 }
 
 int main(void)
@@ -685,6 +792,7 @@ int main(void)
     pool_run(true, true, false, true);
     pool_run(false, true, true, true);
     test_disk();
+    test_disk_hostile();
     char cmd[256];
     snprintf(cmd, sizeof(cmd), "rm -rf %s", disk_dir);
     if (system(cmd) != 0)

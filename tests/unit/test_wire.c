@@ -726,9 +726,11 @@ static void test_client_rejects(void)
     s.top_k = 0;
     s.has_repeat_penalty = 1;
     s.repeat_penalty = 0;
-    REJECT(CLIENT, &r, KVD_ERANGE, "generate.sampling.repeat_penalty = 0 is outside (0, 100]",
+    REJECT(CLIENT, &r, KVD_ERANGE, "generate.sampling.repeat_penalty = 0 is outside (0, 10]",
            NULL);
-    s.repeat_penalty = 100;
+    s.repeat_penalty = 10.5f;       /* past the sampler's range: refused here, not failed by a worker */
+    REJECT(CLIENT, &r, KVD_ERANGE, "generate.sampling.repeat_penalty = 10.5 is outside (0, 10]", NULL);
+    s.repeat_penalty = 10;
     ROUNDTRIP(CLIENT, &r, NULL);     /* every bound is inclusive where it should be */
 
     /* limits of the other options */
