@@ -27,7 +27,8 @@
  *
  * `bench-attn -n 576 -w 3` (3 heads of 64, 576 positions, rows out of
  * cache as in a decode step), against the form before these tiles and the
- * prefetch: f16 1.88x, q8_0 1.9x; see the README's "Attention out of cache".
+ * prefetch: f16 1.88x, q8_0 1.9x; see docs/performance.md, "Attention out
+ * of cache".
  */
 #if defined(__x86_64__)
 #include <immintrin.h>

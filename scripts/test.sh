@@ -28,6 +28,13 @@ KVD_BIN_DIR="$root/build-test" \
 KVD_MODEL="$root/models/SmolLM2-135M-Instruct.Q4_1.gguf" \
   build-test/pyenv/bin/python -m pytest tests/python
 
+echo "== the perimeter (tests/security: issue 38's items against a real kvd)"
+# the same environment (pyzmq, msgpack); run as root, its tests also act as
+# another local user (uid 65534) through setpriv
+KVD_BIN_DIR="$root/build-test" \
+KVD_MODEL="$root/models/SmolLM2-135M-Instruct.Q4_1.gguf" \
+  build-test/pyenv/bin/python -m pytest tests/security
+
 echo "== the aarch64 build, its unit tests under qemu-user"
 scripts/test-arm64.sh
 

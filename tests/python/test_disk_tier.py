@@ -133,8 +133,8 @@ def test_disk_tier_survives_sigkill_and_rejects_damage(tmp_path: Path) -> None:
             assert s0.disk_cache_blocks == 0 and s0.disk_cache_ignored == n_files
         _stop_checked(d)
         log = d.log_path.read_text()
-        assert log.count("made for another model or layout") == 1
-        assert f"{n_files} files in {cache} were made for another model or layout" in log
+        assert log.count("made for another model, layout or secret") == 1
+        assert f"{n_files} files in {cache} were made for another model, layout or secret" in log
         # ...and its own files do not disturb the first model's
         d = start(tmp_path / "k5", cache, pools[4])
         with kvd_client.Client(d.endpoint, timeout=d.patience) as c:

@@ -123,7 +123,8 @@ def test_curve_across_namespaces(tmp_path: Path, link: None) -> None:
         subprocess.run([str(BIN_DIR / "kvd-keygen"), "--dir", str(keys), name], check=True, capture_output=True)
     (allow / "alice.key").write_bytes((keys / "alice.key").read_bytes())
     ep = f"tcp://{SRV_ADDR}:5555"
-    d = Daemon(tmp_path / "kvd", "--listen", ep, "--curve-secret", str(keys / "kvd.key_secret"),
+    # the veth's address is not loopback: another machine (namespace) is meant to reach it
+    d = Daemon(tmp_path / "kvd", "--listen", ep, "--allow-remote", "--curve-secret", str(keys / "kvd.key_secret"),
                "--clients-allow", str(allow), "--kv-memory", "32MiB", "-w", "1", wrap=["ip", "netns", "exec", SRV])
     try:
         d.measure_patience()

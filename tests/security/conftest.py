@@ -16,9 +16,11 @@ import http.client
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -205,3 +207,26 @@ def run_kvd(*args: str, env: dict[str, str] | None = None, limit: float = 120) -
     """kvd expected to stop at its checks: its exit status and output."""
     return subprocess.run([str(BIN_DIR / "kvd"), "--model", str(MODEL), *args], capture_output=True, text=True,
                           timeout=limit, cwd=ROOT, env={**os.environ, **(env or {})})
+
+
+def keygen(d: Path, *names: str) -> None:
+    """CURVE key pairs made by kvd-keygen in d: NAME.key (public), NAME.key_secret."""
+    d.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        subprocess.run([str(BIN_DIR / "kvd-keygen"), "--dir", str(d), "--force", name], check=True,
+                       capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def nobody_tmp() -> Iterator[Path]:
+    """A directory of the other user's (NOBODY, mode 0700) in /tmp, removed at the end."""
+    if os.geteuid() != 0:
+        pytest.skip("acting as another user needs root (CI runs the tests as root)")
+    reach = as_user(["sh", "-c", 'test -x "$1" && test -x "$2" && test -r "$3"', "sh", str(BIN_DIR / "kvd"),
+                     str(BIN_DIR / "kvd-worker"), str(MODEL)])
+    if reach.returncode != 0:
+        pytest.fail(f"uid {NOBODY} cannot run {BIN_DIR}/kvd or read {MODEL}: the checkout must be readable by others")
+    d = Path(tempfile.mkdtemp(prefix="kvd-security-"))
+    os.chown(d, NOBODY, NOBODY)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

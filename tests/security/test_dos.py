@@ -244,16 +244,16 @@ def test_second_kvd_refused(tmp_path: Path, kvds: list[Kvd]) -> None:
         assert c.generate("Hello", max_tokens=2, temperature=0).text
     assert a.http("GET", "/ready")[0] == 200
     # SIGTERM while a long request runs: it is given up, kvd exits
-    c = socket.create_connection(("127.0.0.1", a.port))
+    conn = socket.create_connection(("127.0.0.1", a.port))
     one = json.dumps({"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True}).encode()
-    c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n" % len(one) + one)
     wait_for("the request running", lambda: a.stats().requests_running == 1)
     a.stop()
-    c.settimeout(60)
-    reply = c.recv(4096)
+    conn.settimeout(60)
+    reply = conn.recv(4096)
     assert reply == b"" or reply.startswith(b"HTTP/1.1 503"), reply[:200]
-    c.close()
+    conn.close()
     assert not (run / "kvd" / "kvd.sock").exists() and not (run / "kvd" / "kvd.sock.lock").exists()
     # the endpoint is free again
     b = Kvd(tmp_path / "b", "--kv-memory", "16MiB", listen=False, env=env, ready=False, workers=0)
