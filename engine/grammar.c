@@ -1536,6 +1536,8 @@ struct tnode {
 
 enum { PIECE_NONE = 0, PIECE_TRIE = 1, PIECE_EOG = 2 };
 
+#define PLAIN_NMAX 64       /* plain tokens by characters, for strings with a maximum length */
+
 struct gtrie {
     uint32_t n_vocab;
     uint32_t words;         /* mask words */
@@ -1544,6 +1546,9 @@ struct gtrie {
     int32_t *order;         /* (n_order) token ids in trie order */
     uint32_t n_order;
     uint32_t *plainmask;    /* (U_N * words) tokens whose bytes are all plain content from u */
+    uint32_t *plainn;       /* (PLAIN_NMAX * words) row n - 1: tokens of plain content from a
+                               character boundary that start at most n characters */
+    uint32_t max_nchar;     /* the most characters a plain token starts */
     uint32_t *eog;          /* (n_eog) end-of-generation ids */
     uint32_t n_eog;
     uint32_t *piece_off;    /* (n_vocab) each token's bytes in pieces */
@@ -1579,6 +1584,7 @@ void grammar_trie_destroy(gtrie_t **tp)
     free(t->nodes);
     free(t->order);
     free(t->plainmask);
+    free(t->plainn);
     free(t->eog);
     free(t->piece_off);
     free(t->piece_len);
@@ -1713,7 +1719,8 @@ gtrie_t *grammar_trie_new(const tok_t *tk, char *err, size_t errlen)
     }
     /* the tokens that are plain content as a whole, from each substate */
     t->plainmask = calloc((size_t)U_N * t->words, sizeof *t->plainmask);
-    if (t->plainmask == NULL)
+    t->plainn = calloc((size_t)PLAIN_NMAX * t->words, sizeof *t->plainn);
+    if (t->plainmask == NULL || t->plainn == NULL)
         goto nomem;
     for (size_t id = 0; id < nv; id++) {
         if (t->piece_kind[id] != PIECE_TRIE)
@@ -1723,10 +1730,24 @@ gtrie_t *grammar_trie_new(const tok_t *tk, char *err, size_t errlen)
             int v = u;
             for (uint32_t j = 0; j < t->piece_len[id] && v >= 0; j++)
                 v = utf8_plain_step(v, p[j]);
-            if (v >= 0)
-                t->plainmask[(size_t)u * t->words + id / 32] |= 1u << (id % 32);
+            if (v < 0)
+                continue;
+            t->plainmask[(size_t)u * t->words + id / 32] |= 1u << (id % 32);
+            if (u != U_S0)
+                continue;
+            /* the characters it starts: the string's counter goes up by as many */
+            uint32_t nc = 0;
+            for (uint32_t j = 0; j < t->piece_len[id]; j++)
+                nc += (p[j] & 0xC0) != 0x80;
+            if (nc > t->max_nchar)
+                t->max_nchar = nc;
+            if (nc <= PLAIN_NMAX)
+                t->plainn[(size_t)(nc ? nc - 1 : 0) * t->words + id / 32] |= 1u << (id % 32);
         }
     }
+    for (uint32_t n = 1; n < PLAIN_NMAX; n++)      /* at most n: the rows below too */
+        for (uint32_t i = 0; i < t->words; i++)
+            t->plainn[(size_t)n * t->words + i] |= t->plainn[(size_t)(n - 1) * t->words + i];
     free(ts);
     free(stack);
     return t;
@@ -1748,7 +1769,7 @@ struct lvl {
     uint8_t str;            /* one path, in a plain-string state */
     uint8_t u;              /* str: its UTF-8 substate */
     uint8_t pathplain;      /* every byte so far was plain content from the root's string
-                               state, whose plainmask is in the mask already */
+                               state, and every plain token it accepts is in the mask already */
 };
 
 static void lvl_mark(const grammar_t *g, struct lvl *l, const struct gpos *p, bool parent_plain)
@@ -1808,12 +1829,19 @@ int grammar_mask(const gstate_t *s, const gtrie_t *t, uint32_t *mask, uint32_t *
     memcpy(buf, s->cfg, s->n_cfg * sizeof *buf);
     lv[0] = (struct lvl){ .off = 0, .n = s->n_cfg, .n_fr = s->n_fr };
     lvl_mark(g, &lv[0], &buf[0], false);
-    if (lv[0].str && lv[0].budget == UINT32_MAX) {
-        /* inside a string: every token of plain characters, at once */
-        const uint32_t *pm = t->plainmask + (size_t)lv[0].u * t->words;
-        for (uint32_t i = 0; i < t->words; i++)
-            mask[i] |= pm[i];
-        lv[0].pathplain = 1;
+    /* inside a string: every token of plain characters that fits, at once; the
+     * walk below then skips every subtree of plain characters */
+    if (lv[0].str) {
+        const uint32_t *pm = NULL;
+        if (lv[0].budget == UINT32_MAX || (lv[0].budget >= t->max_nchar && lv[0].u == U_S0))
+            pm = t->plainmask + (size_t)lv[0].u * t->words;
+        else if (lv[0].u == U_S0 && lv[0].budget > 0 && lv[0].budget <= PLAIN_NMAX)
+            pm = t->plainn + (size_t)(lv[0].budget - 1) * t->words;
+        if (pm != NULL) {
+            for (uint32_t i = 0; i < t->words; i++)
+                mask[i] |= pm[i];
+            lv[0].pathplain = 1;
+        }
     }
     int rc = 0;
     const struct tnode *nodes = t->nodes;
@@ -1821,15 +1849,18 @@ int grammar_mask(const gstate_t *s, const gtrie_t *t, uint32_t *mask, uint32_t *
         const struct tnode *nd = &nodes[i];
         uint32_t d = nd->depth;
         struct lvl *P = &lv[d - 1];
-        if (P->str && ((nd->plain >> P->u) & 1u) && nd->height <= P->budget) {
-            /* a subtree of plain characters the string has room for */
-            if (!P->pathplain) {
+        if (P->str && ((nd->plain >> P->u) & 1u)) {
+            if (P->pathplain) {         /* plain from the root: in the mask already, or too long */
+                i = nd->end;
+                continue;
+            }
+            if (nd->height <= P->budget) {  /* plain characters the string has room for */
                 uint32_t hi = nd->end < t->n_nodes ? nodes[nd->end].tok : t->n_order;
                 for (uint32_t k = nd->tok; k < hi; k++)
                     set_bit(mask, (uint32_t)t->order[k]);
+                i = nd->end;
+                continue;
             }
-            i = nd->end;
-            continue;
         }
         uint32_t off = P->off + P->n;
         if (off + GRAMMAR_MAX_PATHS > cap_buf) {

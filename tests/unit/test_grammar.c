@@ -574,7 +574,7 @@ static uint16_t *walk_weights(const tok_t *t, bool closing)
                 w[id] = 30;
         /* a long walk closes what it opened: brackets and quotes, not commas */
         for (size_t i = 0; closing && i < n; i++)
-            if (strchr("\"}]", buf[i]) && buf[i])
+            if (strchr("\"}]@.", buf[i]) && buf[i])
                 w[id] = 3000;
         for (size_t i = 0; closing && i < n; i++)
             if (strchr("{[,", buf[i]) && buf[i])
@@ -747,15 +747,51 @@ static const char *const walk_schemas[] = {
     "\"y\":{\"type\":\"string\",\"maxLength\":5}},\"required\":[\"t\",\"y\"]}]}",
 };
 
-static void test_model(void)
+/* The mask against brute force at chosen states: strings with and without a
+ * maximum length, at every count up to it, inside a character and an escape. */
+static void test_exact(const gtrie_t *trie)
 {
-    const char *path = getenv("KVD_TEST_MODEL");
-    if (path == NULL)
-        path = KVD_TEST_MODEL;
+    grammar_t *g = compile_ok("{\"type\":\"object\",\"properties\":{\"s\":{\"type\":\"string\",\"maxLength\":40},"
+                              "\"t\":{\"type\":\"string\",\"minLength\":3},\"u\":{\"type\":\"string\"}}}");
+    REQUIRE(g != NULL);
+    static const char *const prefixes[] = {
+        "{\"s\":\"", "{\"s\":\"a", "{\"s\":\"\xc3\xa9\xc3\xa9\xc3\xa9", "{\"s\":\"abcdefghijklmnopqrst",
+        "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789a", "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789ab",
+        "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789abc", "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789abcd",
+        "{\"s\":\"abcdefghijklmnopqrstuvwxyz01234567\xe2\x82", "{\"s\":\"\xf0\x9f", "{\"s\":\"ab\\",
+        "{\"s\":\"ab\\u00", "{\"t\":\"", "{\"t\":\"ab", "{\"t\":\"abc", "{\"u\":\"", "{\"u\":\"\xe2",
+        "{\"u\":\"\xe2\x82", "{\"u\":\"x\\", "{\"u\":\"x\"", "{", "{\"", "{\"s\":\"x\",",
+    };
+    uint32_t nv = grammar_trie_n_vocab(trie), words = (nv + 31) / 32;
+    uint32_t *a = malloc(words * 4), *b = malloc(words * 4);
+    gstate_t *s = grammar_state_new(g);
+    REQUIRE(a && b && s);
+    for (size_t i = 0; i < sizeof prefixes / sizeof *prefixes; i++) {
+        grammar_state_reset(s);
+        REQUIRE(grammar_accept_bytes(s, prefixes[i], strlen(prefixes[i])));
+        uint32_t na = 0, nb = 0;
+        CHECK_INT(grammar_mask(s, trie, a, &na), 0);
+        CHECK_INT(grammar_mask_bruteforce(s, trie, b, &nb), 0);
+        CHECK_INT(na, nb);
+        check_count++;
+        if (memcmp(a, b, words * 4) != 0) {
+            check_failures++;
+            fprintf(stderr, "  mask differs from brute force after '%s'\n", prefixes[i]);
+        }
+    }
+    grammar_state_destroy(&s);
+    free(a);
+    free(b);
+    grammar_destroy(&g);
+}
+
+static void test_model(const char *path, int walks, int exact_walks, int exact_every)
+{
     if (access(path, R_OK) != 0) {
         fprintf(stderr, "no model at %s: skipping the vocabulary checks\n", path);
         return;
     }
+    fprintf(stderr, "%s\n", path);
     char err[256] = "";
     gguf_ctx_t *gg = gguf_open(path, err, sizeof err);
     REQUIRE(gg != NULL);
@@ -764,8 +800,8 @@ static void test_model(void)
     gtrie_t *trie = grammar_trie_new(t, err, sizeof err);
     REQUIRE(trie != NULL);
     CHECK_INT(grammar_trie_n_vocab(trie), tok_n_vocab(t));
+    test_exact(trie);
     uint16_t *w[2] = { walk_weights(t, false), walk_weights(t, true) };
-    int walks = getenv("KVD_GRAMMAR_WALKS") ? atoi(getenv("KVD_GRAMMAR_WALKS")) : 40;
     struct walkstats total = { 0 };
     for (size_t i = 0; i <= sizeof walk_schemas / sizeof *walk_schemas; i++) {
         bool object_only = i == sizeof walk_schemas / sizeof *walk_schemas;
@@ -776,7 +812,7 @@ static void test_model(void)
         REQUIRE(schema != NULL);
         struct walkstats ws = { 0 };
         for (int k = 0; k < walks; k++)
-            walk(g, trie, t, w, schema, object_only, k < 4 ? 2 : 0, &ws);
+            walk(g, trie, t, w, schema, object_only, k < exact_walks ? exact_every : 0, &ws);
         fprintf(stderr, "schema %zu: %d walks, %d ended, %d tokens, %d exact-mask checks (%d failed), %u states\n",
                 i, ws.walks, ws.done, ws.tokens, ws.exact, ws.checks_failed, grammar_n_states(g));
         CHECK(ws.done >= ws.walks * 9 / 10);
@@ -818,7 +854,7 @@ static void test_model(void)
     CHECK_INT(grammar_advance_token(s, trie, (int32_t)nv), KVD_ERANGE);
     grammar_state_reset(s);
     CHECK_INT(grammar_advance_token(s, trie, tok_eos(t)), KVD_EINVAL);
-    CHECK_INT(grammar_advance_token(s, trie, tok_find(t, "Hello")), KVD_EINVAL);
+    CHECK_INT(grammar_advance_token(s, trie, tok_find(t, "Hello")), tok_find(t, "Hello") < 0 ? KVD_ERANGE : KVD_EINVAL);
     CHECK_INT(grammar_advance_token(s, trie, tok_find(t, "{")), 0);
     sampler_destroy(&smp);
     free(mask);
@@ -836,6 +872,17 @@ int main(void)
 {
     test_refused();
     test_documents();
-    test_model();
+    /* the default model (GPT-2 byte-level BPE), and Gemma 3 (SentencePiece with
+     * byte tokens) where it sits beside it */
+    const char *path = getenv("KVD_TEST_MODEL") ? getenv("KVD_TEST_MODEL") : KVD_TEST_MODEL;
+    int walks = getenv("KVD_GRAMMAR_WALKS") ? atoi(getenv("KVD_GRAMMAR_WALKS")) : 40;
+    test_model(path, walks, 4, 2);
+    char gemma[1024];
+    const char *slash = strrchr(path, '/');
+    snprintf(gemma, sizeof gemma, "%.*s/gemma-3-270m-q4_k_m.gguf", slash ? (int)(slash - path) : 1,
+             slash ? path : ".");
+    if (getenv("KVD_GEMMA3_MODEL"))
+        snprintf(gemma, sizeof gemma, "%s", getenv("KVD_GEMMA3_MODEL"));
+    test_model(gemma, walks / 5, 2, 6);
     return CHECK_DONE();
 }
