@@ -479,6 +479,7 @@ struct oai_req {
     struct prompt prompts[MAX_CHOICES];
     size_t n_prompts;
     const char *stops[MAX_STOP];
+    char *schema;                   /* response_format's json_schema as text (owned), or NULL */
     int32_t *bias_ids;              /* logit_bias, as token ids and their addends (owned) */
     float *bias;
     int n;
@@ -498,6 +499,7 @@ static void oai_free(struct oai_req *r)
     free(r->msgs);
     free(r->bias_ids);
     free(r->bias);
+    free(r->schema);
     json_decref(r->root);
     free(r);
 }
@@ -691,7 +693,7 @@ static const struct field {
     { "echo", F_COMPL, true, NULL, NULL },
     { "best_of", F_COMPL, false, NULL, "not supported (use n)" },
     { "suffix", F_COMPL, false, NULL, "not supported" },
-    { "response_format", F_CHAT, false, NULL, "not supported" },
+    { "response_format", F_BOTH, true, NULL, NULL },
     { "tools", F_CHAT, false, NULL, "not supported" },
     { "tool_choice", F_CHAT, false, none_choice, "not supported" },
     { "parallel_tool_calls", F_CHAT, false, NULL, "not supported" },
@@ -740,6 +742,67 @@ static int check_message_fields(json_t *msg, struct bad *b)
             continue;
         return bad(b, "messages", "a message's '%.64s' is not supported", key);
     }
+    return 0;
+}
+
+/*
+ * Structured output's format: {"type": "text"} (nothing), {"type":
+ * "json_object"}, or a schema — chat's {"type": "json_schema", "json_schema":
+ * {"name", "schema", "strict", "description"}}, or the Responses API's flat
+ * {"type": "json_schema", "name", "schema", ...} (flat). Sets gp's
+ * json_object or *schema (the schema as text, malloc'd); 0 or -1 with b.
+ */
+static int parse_format(json_t *f, bool flat, const char *param, struct kvd_gen_params *gp, char **schema,
+                        struct bad *b)
+{
+    const char *type = json_string_value(json_object_get(f, "type"));
+    if (!json_is_object(f) || type == NULL)
+        return bad(b, param, "'%s' must be an object with a 'type'", param);
+    json_t *js = flat ? f : json_object_get(f, "json_schema");
+    const char *key;
+    json_t *v;
+    json_object_foreach(f, key, v) {
+        const bool ok = strcmp(key, "type") == 0 ||
+                        (strcmp(type, "json_schema") == 0 &&
+                         (flat ? strcmp(key, "name") == 0 || strcmp(key, "schema") == 0 ||
+                                     strcmp(key, "strict") == 0 || strcmp(key, "description") == 0
+                               : strcmp(key, "json_schema") == 0));
+        if (!ok)
+            return bad(b, param, "'%s': '%.40s' is not supported with type '%.20s'", param, key, type);
+    }
+    if (strcmp(type, "text") == 0)
+        return 0;
+    if (strcmp(type, "json_object") == 0) {
+        gp->json_object = true;
+        return 0;
+    }
+    if (strcmp(type, "json_schema") != 0)
+        return bad(b, param, "'%s': type '%.40s' is not supported (text, json_object, json_schema)", param, type);
+    if (!json_is_object(js))
+        return bad(b, param, "'%s': json_schema must be an object", param);
+    if (!flat)
+        json_object_foreach(js, key, v)
+            if (strcmp(key, "name") != 0 && strcmp(key, "schema") != 0 && strcmp(key, "strict") != 0 &&
+                strcmp(key, "description") != 0)
+                return bad(b, param, "'%s': json_schema's '%.40s' is not supported", param, key);
+    json_t *sc = json_object_get(js, "schema");
+    json_t *strict = json_object_get(js, "strict");
+    json_t *name = json_object_get(js, "name");
+    if (!json_is_object(sc))
+        return bad(b, param, "'%s': the schema must be an object", param);
+    if ((strict != NULL && !json_is_null(strict) && !json_is_boolean(strict)) ||
+        (name != NULL && !json_is_string(name)))
+        return bad(b, param, "'%s': 'strict' must be a boolean and 'name' a string", param);
+    /* strict or not, kvd holds the output to the schema (an absent
+     * additionalProperties means false, as strict mode has it) */
+    char *t = json_dumps(sc, JSON_COMPACT);     /* jansson's memory: copied out, given back */
+    *schema = t ? strdup(t) : NULL;
+    json_release(t);
+    if (*schema == NULL)
+        return bad(b, param, "out of memory");
+    if (strlen(*schema) > 64u << 10)
+        return bad(b, param, "'%s': the schema is over 64 KiB", param);
+    gp->json_schema = *schema;
     return 0;
 }
 
@@ -951,6 +1014,9 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
                    ? "'prompt_logprobs' is not available while streaming"
                    : "'echo' with 'logprobs' is not available while streaming (the prompt's scores come "
                      "with the end of its output)");
+    json_t *rf = json_object_get(o, "response_format");
+    if (rf != NULL && !json_is_null(rf) && parse_format(rf, false, "response_format", &r->gp, &r->schema, b) != 0)
+        return -1;
     json_t *stop = json_object_get(o, "stop");
     if (json_is_string(stop)) {
         r->stops[r->gp.n_stop++] = json_string_value(stop);
@@ -1567,6 +1633,7 @@ struct resp_req {
     char ns[256];
     time_t created;
     json_t *metadata;               /* borrowed from root */
+    char *schema;                   /* text.format's schema as text (owned), or NULL */
     /* streaming */
     struct job *j;
     unsigned seq;                   /* sequence_number of the next event */
@@ -1606,6 +1673,7 @@ static const struct field resp_fields[] = {
 
 static void resp_free(struct resp_req *q)
 {
+    free(q->schema);
     free(q->msgs);
     free(q->prev);
     free(q->text);
@@ -1726,10 +1794,10 @@ static int resp_parse(struct resp_req *q, const struct job *j, struct bad *b, un
     json_t *text = json_object_get(o, "text");
     if (text != NULL && !json_is_null(text)) {
         json_t *fmt = json_object_get(text, "format");
-        const char *type = json_string_value(json_object_get(fmt, "type"));
-        if (!json_is_object(text) || json_object_size(text) != (fmt != NULL) ||
-            (fmt != NULL && (type == NULL || strcmp(type, "text") != 0 || json_object_size(fmt) != 1)))
-            return bad(b, "text", "'text': only {\"format\": {\"type\": \"text\"}} is supported");
+        if (!json_is_object(text) || json_object_size(text) != (fmt != NULL))
+            return bad(b, "text", "'text' must be an object with at most a 'format'");
+        if (fmt != NULL && parse_format(fmt, true, "text", &q->gp, &q->schema, b) != 0)
+            return -1;
     }
     json_t *ns = json_object_get(o, "namespace");
     if (ns != NULL && !json_is_null(ns) && (!json_is_string(ns) || json_string_length(ns) > 128))
@@ -1837,7 +1905,8 @@ static json_t *resp_json(const struct resp_req *q, const struct job *j, const st
                           q->gp.max_tokens ? json_integer(q->gp.max_tokens) : json_null(), "temperature",
                           q->gp.temperature >= 0 ? json_real(q->gp.temperature) : json_null(), "top_p",
                           q->gp.top_p >= 0 ? json_real(q->gp.top_p) : json_null(), "tool_choice", "auto", "tools",
-                          "parallel_tool_calls", false, "text", "format", "type", "text", "usage",
+                          "parallel_tool_calls", false, "text", "format", "type",
+                          q->schema ? "json_schema" : q->gp.json_object ? "json_object" : "text", "usage",
                           res ? resp_usage_json(res) : json_null(), "error", json_null(), "store", q->store,
                           "metadata", q->metadata && json_is_object(q->metadata) ? json_incref(q->metadata)
                                                                                  : json_object());

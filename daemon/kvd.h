@@ -190,6 +190,8 @@ struct request {
     struct sampler_logprobs *plp;   /* with prompt_logprobs: one per prompt token ([0] unused) */
     uint32_t n_scored;              /* prompt tokens 1 .. n_scored have theirs */
     bool prefill_only;              /* compute the prompt, generate nothing */
+    char *json_schema;              /* structured output's schema (checked at admission), or NULL */
+    bool json_object;               /* structured output: any JSON object */
     char *text;                     /* everything generated (stop string cut off) */
     size_t text_len, text_cap;
     size_t valid;                   /* leading bytes of text checked as UTF-8 (the rest: an

@@ -25,6 +25,7 @@
 #include <zmq.h>
 
 #include "err.h"
+#include "jschema.h"
 #include "kvd.h"
 
 #define RETRY_AFTER_MS 1000u
@@ -207,6 +208,7 @@ static void req_free(struct request *r)
     free(r->bias_ids);
     free(r->bias);
     free(r->plp);
+    free(r->json_schema);
     prefix_seq_fini(&r->ps);
     free(r);
 }
@@ -746,6 +748,25 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const
     }
     msg[0] = '\0';
     int code = build_prompt(k, r, g, msg, sizeof(msg));
+    if (code == 0 && (g->json_schema != NULL || (g->has_json_object && g->json_object))) {
+        /* structured output: the schema is compiled here to refuse what the
+         * workers could not follow, with the reason; they compile it again */
+        char gerr[200] = "";
+        grammar_t *gr = g->json_schema != NULL
+                            ? jschema_compile(g->json_schema, strlen(g->json_schema), NULL, gerr, sizeof(gerr))
+                            : NULL;
+        if (g->json_schema != NULL && gr == NULL) {
+            snprintf(msg, sizeof(msg), "json_schema: %s", gerr);
+            code = KVD__ERROR_CODE__ERR_BAD_REQUEST;
+        } else if (g->has_ignore_eos && g->ignore_eos) {
+            snprintf(msg, sizeof(msg), "ignore_eos cannot go with structured output (the document ends it)");
+            code = KVD__ERROR_CODE__ERR_BAD_REQUEST;
+        } else if (g->json_schema != NULL && (r->json_schema = strdup(g->json_schema)) == NULL) {
+            code = KVD__ERROR_CODE__ERR_INTERNAL;
+        }
+        grammar_destroy(&gr);
+        r->json_object = g->json_schema == NULL;
+    }
     for (size_t i = 0; code == 0 && g->sampling != NULL && i < g->sampling->n_logit_bias; i++)
         if ((uint32_t)g->sampling->logit_bias_ids[i] >= k->model->cfg.n_vocab) {
             snprintf(msg, sizeof(msg), "logit_bias: token id %d is out of range (the vocabulary has %u tokens)",
@@ -1181,6 +1202,9 @@ static int start(struct kvd *k, struct request *r)
     a.n_generated = n_gen;
     a.has_logprobs = r->logprobs >= 0;
     a.logprobs = r->logprobs >= 0 ? (uint32_t)r->logprobs : 0;
+    a.json_schema = r->json_schema;
+    a.has_json_object = r->json_object;
+    a.json_object = r->json_object;
     a.has_prompt_logprobs = r->plp != NULL && r->n_scored + 1 < r->n_prompt;
     a.prompt_logprobs = (uint32_t)(r->prompt_logprobs > 0 ? r->prompt_logprobs : 0);
     m.body_case = KVDW__TO_WORKER__BODY_ASSIGN;

@@ -41,6 +41,15 @@ struct jc {
     int code;                   /* the first failure, 0 */
 };
 
+/* Frees what json_dumps returned, with the allocator jansson was given (a
+ * program may have set its own: kvd's HTTP layer counts its JSON's memory). */
+static void json_text_free(char *t)
+{
+    json_free_t f = NULL;
+    json_get_alloc_funcs(NULL, &f);
+    (f ? f : free)(t);
+}
+
 __attribute__((format(printf, 3, 4)))
 static int32_t fail(struct jc *c, int code, const char *fmt, ...)
 {
@@ -1167,7 +1176,7 @@ static int32_t build_object_type(struct jc *c, const json_t *node, const char *p
         pp[k].lit = malloc(strlen(q) + 2);
         if (pp[k].lit)
             sprintf(pp[k].lit, "%s:", q);
-        free(q);
+        json_text_free(q);
         if (pp[k].lit == NULL) {
             fail(c, KVD_ENOMEM, "out of memory");
             goto out;
@@ -1275,7 +1284,7 @@ static bool build_values(struct jc *c, const json_t *vals, bool is_const, int ty
             return false;
         }
         eps(c, lit(c, from, text), end);
-        free(text);
+        json_text_free(text);
         used++;
     }
     if (used == 0) {

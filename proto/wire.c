@@ -649,6 +649,11 @@ static int check_generate(const Kvd__GenerateRequest *g, char *err, size_t errle
     if (g->has_logprobs && g->logprobs > WIRE_MAX_TOP_LOGPROBS)
         return kvd_seterr(err, errlen, KVD_ERANGE, "generate.logprobs = %u is over the limit of %u",
                           g->logprobs, WIRE_MAX_TOP_LOGPROBS);
+    if (g->json_schema != NULL && strlen(g->json_schema) > WIRE_MAX_SCHEMA_BYTES)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "generate.json_schema is %zu bytes, over the limit of %u",
+                          strlen(g->json_schema), WIRE_MAX_SCHEMA_BYTES);
+    if (g->json_schema != NULL && g->has_json_object && g->json_object)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "generate: json_schema and json_object are exclusive");
     if (g->has_prompt_logprobs && g->prompt_logprobs > WIRE_MAX_TOP_LOGPROBS)
         return kvd_seterr(err, errlen, KVD_ERANGE, "generate.prompt_logprobs = %u is over the limit of %u",
                           g->prompt_logprobs, WIRE_MAX_TOP_LOGPROBS);
@@ -934,6 +939,9 @@ static int check_assign(const Kvdw__Assign *s, char *err, size_t errlen)
     if (s->has_logprobs && s->logprobs > WIRE_MAX_TOP_LOGPROBS)
         return kvd_seterr(err, errlen, KVD_ERANGE, "assign.logprobs = %u is over the limit of %u",
                           s->logprobs, WIRE_MAX_TOP_LOGPROBS);
+    if (s->json_schema != NULL && strlen(s->json_schema) > WIRE_MAX_SCHEMA_BYTES)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "assign.json_schema is %zu bytes, over the limit of %u",
+                          strlen(s->json_schema), WIRE_MAX_SCHEMA_BYTES);
     if (s->has_prompt_logprobs && s->prompt_logprobs > WIRE_MAX_TOP_LOGPROBS)
         return kvd_seterr(err, errlen, KVD_ERANGE, "assign.prompt_logprobs = %u is over the limit of %u",
                           s->prompt_logprobs, WIRE_MAX_TOP_LOGPROBS);

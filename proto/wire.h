@@ -28,6 +28,7 @@
 #define WIRE_MAX_FRAME (16u << 20)        /* bytes in one frame (ZMQ_MAXMSGSIZE too) */
 #define WIRE_MAX_PROMPT_BYTES (8u << 20)  /* prompt text, after LZ4 decompression */
 #define WIRE_MAX_TOKENS (1u << 20)        /* token ids in one message */
+#define WIRE_MAX_SCHEMA_BYTES (64u << 10)  /* a structured output's JSON Schema */
 #define WIRE_MAX_LOGIT_BIAS 1024          /* logit biases of one request (SAMPLER_MAX_LOGIT_BIAS) */
 #define WIRE_MAX_MESSAGES 1024u           /* chat messages in one request */
 #define WIRE_MAX_STOPS 16u                /* stop strings */

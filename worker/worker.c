@@ -56,6 +56,8 @@
 #include "cli.h"
 #include "err.h"
 #include "forward.h"
+#include "grammar.h"
+#include "jschema.h"
 #include "curve.h"
 #include "kvcache.h"
 #include "model.h"
@@ -101,6 +103,8 @@ struct wseq {
     int32_t logprobs;       /* alternatives to send with each token's logprob; -1: no logprobs */
     int32_t prompt_logprobs;/* the same for prompt tokens; -1: none */
     uint32_t n_prompt;      /* the prompt's tokens (tok's first); scored up to it */
+    struct gram *gram;      /* structured output: its grammar (a reference), or NULL */
+    gstate_t *gst;          /* and where the output is in it */
     bool leasing;           /* asked kvd for blocks; waits for a Grant */
     uint32_t chunk;         /* tokens it runs in the current step */
 };
@@ -117,6 +121,25 @@ struct beat {
     bool quit;
     bool started;
 };
+
+/* A compiled structured-output grammar, shared by the sequences that follow
+ * it and kept for the next ones (GRAM_CACHE of them). */
+struct gram {
+    char *key;              /* "o" (any JSON object) or "s" + the schema's text */
+    grammar_t *g;
+    uint32_t refs;          /* sequences, and the cache's */
+    uint64_t used;          /* the last assignment that took it */
+};
+#define GRAM_CACHE 8
+
+static void gram_put(struct gram *gm)
+{
+    if (gm != NULL && --gm->refs == 0) {
+        grammar_destroy(&gm->g);
+        free(gm->key);
+        free(gm);
+    }
+}
 
 struct worker {
     struct options o;
@@ -144,6 +167,11 @@ struct worker {
     bool trace;             /* $KVD_WORKER_TRACE: one stderr line per step */
     const char *stall_file; /* $KVD_WORKER_STALL_FILE: no step while it exists */
     struct beat beat;       /* heartbeats while a step runs */
+    gtrie_t *trie;          /* the vocabulary as a trie, made at the first structured output */
+    struct gram *grams[GRAM_CACHE]; /* grammars kept for later assignments */
+    uint64_t gram_clock;
+    uint32_t *mask;         /* a draw's allowed tokens ((n_vocab + 31) / 32 words) */
+    float *masked;          /* (n_vocab) the row with the others at -inf */
 };
 
 static volatile sig_atomic_t stop_flag;
@@ -308,10 +336,70 @@ static void seq_free(struct wseq *s)
     if (s == NULL)
         return;
     sampler_destroy(&s->smp);
+    grammar_state_destroy(&s->gst);
+    gram_put(s->gram);
     free(s->tok);
     for (uint32_t p = 0; p < KV_MAX_PARTS; p++)
         free(s->tables[p]);
     free(s);
+}
+
+/* Structured output: s follows the grammar of schema (or of any JSON object
+ * when NULL), from the start of its output (a resumed sequence's earlier
+ * output is fed to it first). 0, or an error with err. */
+static int seq_follow(struct worker *w, struct wseq *s, const char *schema, char *err, size_t errlen)
+{
+    const uint32_t V = w->model->cfg.n_vocab;
+    if (w->trie == NULL) {
+        if ((w->trie = grammar_trie_new(w->tok, err, errlen)) == NULL)
+            return KVD_EINTERNAL;
+        w->mask = malloc((V + 31) / 32 * sizeof(uint32_t));
+        w->masked = malloc((size_t)V * sizeof(float));
+        if (w->mask == NULL || w->masked == NULL)
+            cli_die("out of memory");
+    }
+    const size_t kl = schema ? strlen(schema) + 2 : 2;
+    char *key = malloc(kl);
+    if (key == NULL)
+        cli_die("out of memory");
+    snprintf(key, kl, "%s%s", schema ? "s" : "o", schema ? schema : "");
+    struct gram *gm = NULL;
+    int slot = 0;
+    for (int i = 0; i < GRAM_CACHE && gm == NULL; i++) {
+        if (w->grams[i] != NULL && strcmp(w->grams[i]->key, key) == 0)
+            gm = w->grams[i];
+        else if (w->grams[i] == NULL || (w->grams[slot] != NULL && w->grams[i]->used < w->grams[slot]->used))
+            slot = i;       /* a free slot, or the least recently used */
+    }
+    if (gm == NULL) {
+        grammar_t *g = schema ? jschema_compile(schema, strlen(schema), NULL, err, errlen)
+                              : jschema_compile_object(NULL, err, errlen);
+        if (g == NULL) {
+            free(key);
+            return KVD_EINVAL;
+        }
+        gm = calloc(1, sizeof(*gm));
+        if (gm == NULL)
+            cli_die("out of memory");
+        gm->key = key;
+        key = NULL;
+        gm->g = g;
+        gm->refs = 1;       /* the cache's */
+        gram_put(w->grams[slot]);
+        w->grams[slot] = gm;
+    }
+    free(key);
+    gm->used = ++w->gram_clock;
+    gm->refs++;
+    s->gram = gm;
+    if ((s->gst = grammar_state_new(gm->g)) == NULL)
+        cli_die("out of memory");
+    for (uint32_t i = s->n_prompt; i < s->n_tok; i++)
+        if (grammar_advance_token(s->gst, w->trie, s->tok[i]) != 0) {
+            snprintf(err, errlen, "structured output: the output so far does not follow the schema");
+            return KVD_EINVAL;
+        }
+    return 0;
 }
 
 static int find_seq(const struct worker *w, uint64_t id)
@@ -431,6 +519,8 @@ static void on_assign(struct worker *w, const Kvdw__Assign *a)
         if (s->smp == NULL)
             rc = KVD_ERANGE;
     }
+    if (rc == 0 && (a->json_schema != NULL || (a->has_json_object && a->json_object)))
+        rc = seq_follow(w, s, a->json_schema, err, sizeof(err));
     if (rc != 0) {
         send_done(w, s, KVDW__DONE_REASON__DONE_ERROR, err);
         seq_free(s);
@@ -609,7 +699,7 @@ static void run_step(struct worker *w, uint32_t n)
     bool want_logits = false;       /* a sequence wants logprobs: its rows come to the host */
     for (uint32_t k = 0; k < n; k++) {
         n_tokens += w->batch[k].n_tokens;
-        want_logits |= w->in_batch[k]->logprobs >= 0 || w->batch[k].all_logits;
+        want_logits |= w->in_batch[k]->logprobs >= 0 || w->batch[k].all_logits || w->in_batch[k]->gst != NULL;
     }
     if (w->gpu && !want_logits) {
         /* the device chooses the tokens: plan each due draw first, exactly as
@@ -742,7 +832,28 @@ static void run_step(struct worker *w, uint32_t n)
             t = ids[k];
         } else {
             sampler_reseed(s->smp, s->seed ^ (0x9e3779b97f4a7c15ull * (s->n_tok + 1ull)));
-            t = sampler_sample(s->smp, last_row, s->tok, s->n_tok);
+            const float *draw_row = last_row;
+            if (s->gst != NULL) {
+                /* structured output: only tokens that keep the document valid */
+                uint32_t n_ok = 0;
+                if (grammar_mask(s->gst, w->trie, w->mask, &n_ok) != 0)
+                    cli_die("out of memory");
+                if (n_ok == 0) {
+                    send_done(w, s, KVDW__DONE_REASON__DONE_ERROR,
+                              "structured output: no token can continue the document");
+                    remove_seq(w, (uint32_t)find_seq(w, s->id));
+                    continue;
+                }
+                memcpy(w->masked, last_row, (size_t)V * sizeof(float));
+                grammar_mask_apply(w->mask, w->masked, V);
+                draw_row = w->masked;
+            }
+            t = sampler_sample(s->smp, draw_row, s->tok, s->n_tok);
+            if (s->gst != NULL && grammar_advance_token(s->gst, w->trie, t) != 0) {
+                send_done(w, s, KVDW__DONE_REASON__DONE_ERROR, "structured output: a token outside the schema");
+                remove_seq(w, (uint32_t)find_seq(w, s->id));
+                continue;
+            }
         }
         Kvdw__TokenChunk tc = KVDW__TOKEN_CHUNK__INIT;
         Kvd__TokenLogprob tl = KVD__TOKEN_LOGPROB__INIT;
@@ -1112,6 +1223,11 @@ int main(int argc, char **argv)
     free(w.in_batch);
     free(w.draws);
     free(w.draw_of);
+    for (int i = 0; i < GRAM_CACHE; i++)
+        gram_put(w.grams[i]);
+    grammar_trie_destroy(&w.trie);
+    free(w.mask);
+    free(w.masked);
     wire_arena_destroy(&w.arena);
     zmq_close(w.sock);
     zmq_ctx_term(w.zctx);

@@ -821,6 +821,9 @@ static int gen_msg_build(struct gen_msg *m, const struct kvd_gen_params *p, uint
     g->prompt_logprobs = p->prompt_logprobs >= 0 ? (uint32_t)p->prompt_logprobs : 0;
     g->has_prefill_only = p->prefill_only;
     g->prefill_only = p->prefill_only;
+    g->json_schema = (char *)p->json_schema;
+    g->has_json_object = p->json_object;
+    g->json_object = p->json_object;
 
     /* the daemon's own checks, here, so that a bad argument costs no round trip */
     char why[200];

@@ -115,6 +115,9 @@ struct kvd_gen_params {
                                              * positions scored are computed, not read from the cache) */
     bool prefill_only;                      /* compute the prompt (fill the cache, score it) and
                                              * generate nothing */
+    const char *json_schema;                /* structured output: the output validates against this
+                                             * JSON Schema (text; NULL: none) */
+    bool json_object;                       /* structured output: the output is a JSON object */
 };
 
 /* Fills p with "nothing set" (NULL prompt, negative sampling fields). */

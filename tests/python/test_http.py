@@ -463,7 +463,8 @@ def test_fields_kvd_does_not_serve_are_refused_by_name(api: HttpDaemon) -> None:
         ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
          "tools"),
         ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
-        ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "regex", "regex": "a+"}},
+         "response_format"),
         ("/v1/chat/completions", {"messages": CHAT, "store": True}, "store"),
         ("/v1/chat/completions", {"messages": CHAT, "service_tier": "flex"}, "service_tier"),
         ("/v1/chat/completions", {"messages": CHAT, "prompt": "x"}, "prompt"),     # completions' field
@@ -668,7 +669,7 @@ def test_responses_api(api: HttpDaemon) -> None:
     # what kvd does not do is refused by name
     for kw, field in (({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
                       ({"reasoning": {"effort": "high"}}, "reasoning"),
-                      ({"text": {"format": {"type": "json_object"}}}, "text"),
+                      ({"text": {"format": {"type": "grammar"}}}, "text"),
                       ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input")):
         body: dict[str, Any] = {"model": MODEL_ID, "input": "x", **kw}
         s2, _, b = api.post("/v1/responses", body)
@@ -691,3 +692,66 @@ def test_responses_are_each_tenants_own(tmp_path: Path) -> None:
             bob.responses.create(model=MODEL_ID, input="Go on.", previous_response_id=r.id, max_output_tokens=2)
     finally:
         _stop_checked(h.d)
+
+
+
+def test_structured_output(api: HttpDaemon) -> None:
+    from typing import Annotated, Literal
+
+    import jsonschema
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: Annotated[str, Field(max_length=24)]
+        population: int
+
+    class Country(BaseModel):
+        name: Annotated[str, Field(max_length=24)]
+        continent: Literal["Europe", "Asia", "Africa", "Americas", "Oceania"]
+        cities: Annotated[list[City], Field(max_length=2)]
+
+    class Atlas(BaseModel):
+        title: Annotated[str, Field(max_length=24)]
+        countries: Annotated[list[Country], Field(min_length=1, max_length=2)]
+        capital: City | None = None
+
+    # the openai package's parse(): the schema of a pydantic model, the output parsed back into it
+    for model, ask in ((City, "Describe Paris."), (Country, "Describe France."), (Atlas, "An atlas of Europe.")):
+        r = api.oai.chat.completions.parse(model=MODEL_ID, messages=[{"role": "user", "content": ask + " As JSON."}],
+                                           response_format=model, max_tokens=400, temperature=0)
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        assert isinstance(r.choices[0].message.parsed, model)
+    # 50 sampled generations against a nested schema: every one parses and validates
+    schema = Atlas.model_json_schema()
+    fmt = {"type": "json_schema", "json_schema": {"name": "Atlas", "schema": schema, "strict": True}}
+    outputs = []
+    for seed in range(5):
+        r = api.oai.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "An atlas, as JSON."}],
+                                            response_format=fmt, max_tokens=400, temperature=1.0, seed=seed, n=10)
+        outputs += [(c.finish_reason, c.message.content) for c in r.choices]
+    assert len(outputs) == 50
+    for finish, text in outputs:
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+    # json_object: any JSON object; streamed the same as whole
+    body = {"messages": [{"role": "user", "content": "Some facts about cats as JSON."}], "max_tokens": 200,
+            "temperature": 0, "response_format": {"type": "json_object"}}
+    s, _, b = api.post("/v1/chat/completions", body)
+    assert s == 200 and isinstance(json.loads(b["choices"][0]["message"]["content"]), dict), b
+    st, _, raw = api.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}))
+    streamed = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                       for line in raw.decode().splitlines() if line.startswith("data: {")
+                       and json.loads(line[6:])["choices"])
+    assert st == 200 and streamed == b["choices"][0]["message"]["content"]
+    # the Responses API's text.format, through the package's parse()
+    rr = api.oai.responses.parse(model=MODEL_ID, input="Describe Japan.", text_format=Country,
+                                 max_output_tokens=400, temperature=0)
+    assert isinstance(rr.output_parsed, Country)
+    # a schema outside the subset: a 400 naming the construct
+    bad_fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "patternProperties": {"^a": {"type": "string"}}}}}
+    s, _, b = api.post("/v1/chat/completions", {"messages": CHAT, "response_format": bad_fmt})
+    assert "patternProperties" in error_of(s, b, 400)["message"]
+    s, _, b = api.post("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"},
+                                                "ignore_eos": True})
+    error_of(s, b, 400)
