@@ -553,6 +553,68 @@ void grammar_destroy(grammar_t **gp)
 
 uint32_t grammar_n_states(const grammar_t *g) { return g->n_st; }
 
+int32_t grammar_build_counted(gbuild_t *b, int32_t from, const grammar_t *sub, uint32_t min,
+                              uint32_t max, uint32_t max_states)
+{
+    if (b == NULL || b->err || sub == NULL || !valid_state(b, from))
+        return -1;
+    if (min > max) {
+        build_fail(b, KVD_EINVAL);
+        return -1;
+    }
+    /* counts above k_top behave alike: past the maximum is refused, and with
+     * no maximum, past the minimum all are equal */
+    uint32_t k_top = max != UINT32_MAX ? max : min;
+    uint64_t cells = (uint64_t)sub->n_st * ((uint64_t)k_top + 1);
+    if (cells > max_states)
+        return -2;
+    for (uint32_t k = 0; k < sub->n_st; k++)
+        if (sub->st[k].nc) {
+            build_fail(b, KVD_EINVAL);
+            return -1;
+        }
+    int32_t *id = malloc(cells * sizeof *id);
+    uint32_t *queue = malloc(cells * sizeof *queue);
+    if (id == NULL || queue == NULL) {
+        free(id);
+        free(queue);
+        build_fail(b, KVD_ENOMEM);
+        return -1;
+    }
+    for (uint64_t i = 0; i < cells; i++)
+        id[i] = -1;
+    int32_t end = grammar_build_state(b, from);
+    uint32_t nq = 0;
+    uint64_t c0 = (uint64_t)sub->root * (k_top + 1);
+    id[c0] = grammar_build_state(b, from);
+    queue[nq++] = (uint32_t)c0;
+    grammar_build_eps(b, from, id[c0]);
+    for (uint32_t qi = 0; qi < nq && !b->err; qi++) {
+        uint32_t cell = queue[qi], st = cell / (k_top + 1), k = cell % (k_top + 1);
+        const struct gdst *s = &sub->st[st];
+        if (s->final && k >= min)
+            grammar_build_eps(b, id[cell], end);
+        for (uint32_t e = s->e0; e < s->e0 + s->ne; e++) {
+            const struct gedge *ed = &sub->ed[e];
+            uint32_t k2 = k;
+            if (ed->op == GRAMMAR_OP_INC) {
+                if (max != UINT32_MAX && k + 1 > max)
+                    continue;
+                k2 = k + 1 > k_top ? k_top : k + 1;
+            }
+            uint64_t c2 = (uint64_t)ed->to * (k_top + 1) + k2;
+            if (id[c2] < 0) {
+                id[c2] = grammar_build_state(b, from);
+                queue[nq++] = (uint32_t)c2;
+            }
+            grammar_build_bytes(b, id[cell], ed->lo, ed->hi, id[c2], GRAMMAR_OP_NONE, 0);
+        }
+    }
+    free(id);
+    free(queue);
+    return b->err ? -1 : end;
+}
+
 /* ---- determinizing: subset construction, rule by rule ---------------------------- */
 
 struct det {
@@ -842,7 +904,8 @@ static bool det_expand(struct det *d, uint32_t k, const uint32_t *rule_dstart, s
     free(sorted);
     st.ne = d->n_ed - st.e0;
     /* calls: one per callee and counter operation, returning to the union */
-    qsort(*cents, n_c, sizeof **cents, cmp_cent);
+    if (n_c > 1)
+        qsort(*cents, n_c, sizeof **cents, cmp_cent);
     st.c0 = d->n_calls;
     for (uint32_t i = 0; i < n_c;) {
         uint32_t j = i;

@@ -885,33 +885,63 @@ static int32_t build_pattern(struct jc *c, int32_t from, const char *re, const c
         rx_free(r);
         return fail(c, KVD_EUNSUPPORTED, "%s is too large to compile %s", what, WHERE(path));
     }
+    /* with a length bound, the pattern alone is made deterministic (each
+     * character's first byte marked), then laid out once per count, so that
+     * no path leads where the pattern and the bound cannot both be met */
     bool counting = min_len > 0 || max_len != UINT32_MAX;
-    struct rxe e = { .c = c, .op = counting ? GRAMMAR_OP_INC : GRAMMAR_OP_NONE,
-                     .arg = counting ? max_len : 0 };
+    struct rxe e = { .c = c, .op = counting ? GRAMMAR_OP_INC : GRAMMAR_OP_NONE, .arg = UINT32_MAX };
     struct cset any = { 0 };
     struct rxp q = p;
     if (!cset_add(&q, &any, 1, 0x10FFFF)) {
         rx_free(r);
         return -1;
     }
-    int32_t s = lit(c, from, "\"");
+    gbuild_t *main_b = c->b, *sub = NULL;
+    int32_t s, sub_rule = -1;
+    if (counting) {
+        sub = grammar_build_new();
+        if (sub == NULL) {
+            free(any.r);
+            rx_free(r);
+            return fail(c, KVD_ENOMEM, "out of memory");
+        }
+        c->b = sub;
+        sub_rule = grammar_build_rule(sub);
+        s = grammar_build_start(sub, sub_rule);
+    } else {
+        s = lit(c, from, "\"");
+    }
     if (!head) {
-        int32_t loop = state(c, from);
+        int32_t loop = state(c, s);
         eps(c, s, loop);
         emit_set(&e, &any, loop, loop);
         s = loop;
     }
     s = rx_emit(&e, r, s);
     if (!tail) {
-        int32_t loop = state(c, from);
+        int32_t loop = state(c, s);
         eps(c, s, loop);
         emit_set(&e, &any, loop, loop);
         s = loop;
     }
     free(any.r);
     rx_free(r);
+    c->b = main_b;
+    if (counting) {
+        grammar_build_final(sub, s);
+        char gerr[256];
+        grammar_t *g = grammar_build_finish(&sub, sub_rule, gerr, sizeof gerr);
+        if (g == NULL)
+            return fail(c, KVD_EINVAL, "%s %s: %s", what, WHERE(path),
+                        strstr(gerr, "matches nothing") ? "matches no string" : gerr);
+        s = grammar_build_counted(c->b, lit(c, from, "\""), g, min_len, max_len, RX_MAX_STATES);
+        grammar_destroy(&g);
+        if (s == -2)
+            return fail(c, KVD_EUNSUPPORTED, "%s with its length bounds is too large to compile %s",
+                        what, WHERE(path));
+    }
     int32_t end = state(c, from);
-    grammar_build_bytes(c->b, s, '"', '"', end, min_len ? GRAMMAR_OP_MIN : GRAMMAR_OP_NONE, min_len);
+    bytes(c, s, '"', '"', end);
     return end;
 }
 

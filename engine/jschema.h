@@ -12,7 +12,9 @@
  *   items, prefixItems, minItems, maxItems
  *   minLength, maxLength, pattern (ECMA regexes without lookaround,
  *                   backreferences or word boundaries), format (date, time,
- *                   date-time, uuid, email, ipv4, uri)
+ *                   date-time, uuid, email, ipv4, uri); a pattern or format
+ *                   with length bounds is met exactly (no path is started that
+ *                   cannot satisfy both)
  *   enum, const     any JSON values, written compactly as jansson writes them
  *   anyOf, oneOf    as alternatives (oneOf's "exactly one" is not enforced)
  *   allOf           with a single schema

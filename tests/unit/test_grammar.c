@@ -328,6 +328,8 @@ static void test_refused(void)
         { "{\"type\":", "not JSON" },
         { "{\"type\":\"object\",\"properties\":{\"a\":false},\"required\":[\"a\"]}", "admits no JSON document" },
         { "{\"type\":\"array\",\"uniqueItems\":true}", "'uniqueItems'" },
+        { "{\"type\":\"string\",\"format\":\"date\",\"maxLength\":5}", "admits no JSON document" },
+        { "{\"type\":\"string\",\"pattern\":\"[^\\\\s\\\\S]\",\"maxLength\":5}", "matches no string" },
         { "{\"enum\":[1,2],\"type\":\"string\"}", "no value of 'enum' has the schema's type" },
         { "{\"type\":\"string\",\"maxLength\":-1}", "'maxLength' must be a non-negative integer" },
         { "{\"type\":\"object\",\"required\":[\"x\"],\"additionalProperties\":false}",
@@ -387,7 +389,7 @@ static const char *S_PERSON =
     "{\"type\":\"object\",\"properties\":{"
     "\"name\":{\"type\":\"string\",\"minLength\":1,\"maxLength\":20},"
     "\"age\":{\"type\":\"integer\"},"
-    "\"email\":{\"type\":\"string\",\"format\":\"email\"},"
+    "\"email\":{\"type\":\"string\",\"format\":\"email\",\"maxLength\":40},"
     "\"tags\":{\"type\":\"array\",\"items\":{\"enum\":[\"a\",\"b\",\"c\"]},\"maxItems\":3},"
     "\"address\":{\"type\":\"object\",\"properties\":{\"street\":{\"type\":\"string\"},"
     "\"zip\":{\"type\":\"string\",\"pattern\":\"^[0-9]{5}$\"}},\"required\":[\"street\"]}},"
@@ -496,6 +498,7 @@ static void test_documents(void)
     REJECT(g, "[\"a\", true]");
     grammar_destroy(&g);
 
+    gstate_t *st;
     /* patterns and formats */
     g = compile_ok("{\"type\":\"object\",\"properties\":{\"p\":{\"type\":\"string\",\"pattern\":\"ab+c\"},"
                    "\"d\":{\"type\":\"string\",\"format\":\"date\"},\"u\":{\"type\":\"string\",\"format\":\"uuid\"},"
@@ -512,6 +515,26 @@ static void test_documents(void)
     REJECT(g, "{\"q\":\"AbC\"}");
     grammar_destroy(&g);
 
+    /* a pattern with a length bound: no path that cannot meet both */
+    g = compile_ok("{\"type\":\"array\",\"items\":{\"anyOf\":[{\"type\":\"string\",\"pattern\":\"^a+b$\",\"maxLength\":3},"
+                   "{\"type\":\"string\",\"pattern\":\"^[0-9]{2,6}$\",\"minLength\":4},"
+                   "{\"type\":\"string\",\"format\":\"uri\",\"maxLength\":12}]}}");
+    REQUIRE(g != NULL);
+    ACCEPT(g, "[\"ab\", \"aab\", \"1234\", \"123456\", \"a:b\", \"https://a.io\"]");
+    REJECT(g, "[\"aaab\"]");
+    REJECT(g, "[\"123\"]");
+    REJECT(g, "[\"https://ab.io\"]");
+    st = grammar_state_new(g);
+    CHECK(grammar_accept_bytes(st, "[\"123", 5) && !grammar_accept_byte(st, '"'));
+    grammar_state_destroy(&st);
+    grammar_destroy(&g);
+    g = compile_ok("{\"type\":\"string\",\"pattern\":\"^a+b$\",\"maxLength\":3}");
+    REQUIRE(g != NULL);
+    st = grammar_state_new(g);
+    CHECK(grammar_accept_bytes(st, "\"aa", 3) && !grammar_accept_byte(st, 'a') && grammar_accept_byte(st, 'b'));
+    grammar_state_destroy(&st);
+    grammar_destroy(&g);
+
     /* recursion through $ref; scalars at the top */
     g = compile_ok("{\"$defs\":{\"t\":{\"type\":\"object\",\"properties\":{\"v\":{\"type\":\"integer\"},"
                    "\"kids\":{\"type\":\"array\",\"items\":{\"$ref\":\"#/$defs/t\"}}},\"required\":[\"v\"]}},"
@@ -522,7 +545,7 @@ static void test_documents(void)
     {   /* the stack holds 64 return points: recursion stops where it would have no
          * room to finish, and what is open can still be closed */
         int levels = 0;
-        gstate_t *st = grammar_state_new(g);
+        st = grammar_state_new(g);
         while (levels < 100 && grammar_accept_bytes(st, "{\"v\":0,\"kids\":[", 15))
             levels++;
         CHECK(levels > 10 && levels < 64);
@@ -538,7 +561,7 @@ static void test_documents(void)
     ACCEPT(g, "12");
     ACCEPT(g, "null");
     REJECT(g, "1.5");
-    gstate_t *st = grammar_state_new(g);
+    st = grammar_state_new(g);
     CHECK(grammar_accept_bytes(st, "12", 2) && grammar_is_complete(st) && grammar_accept_byte(st, '3'));
     grammar_state_destroy(&st);
     grammar_destroy(&g);
@@ -736,7 +759,7 @@ static const char *const walk_schemas[] = {
     "\"additionalProperties\":{\"type\":\"array\",\"items\":{\"type\":\"integer\"},\"minItems\":1,\"maxItems\":4}}",
     /* objects with enums in an array, a pattern */
     "{\"type\":\"array\",\"items\":{\"type\":\"object\",\"properties\":{"
-    "\"sku\":{\"type\":\"string\",\"pattern\":\"^[A-Z]{3}-[0-9]{2,4}$\"},\"qty\":{\"type\":\"integer\"},"
+    "\"sku\":{\"type\":\"string\",\"pattern\":\"^[A-Z]{3}-[0-9]{2,4}$\",\"maxLength\":7},\"qty\":{\"type\":\"integer\"},"
     "\"status\":{\"enum\":[\"new\",\"shipped\",\"lost\"]},\"memo\":{\"type\":\"string\"}},"
     "\"required\":[\"sku\",\"qty\",\"status\"]},\"minItems\":1,\"maxItems\":5}",
     /* scalars at the top */
