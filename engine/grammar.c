@@ -91,8 +91,8 @@ struct gbuild {
     int err;                /* the first failure: KVD_ENOMEM, KVD_ERANGE, KVD_EINVAL; 0 */
 };
 
-#define NFA_MAX_STATES (1u << 24)
-#define NFA_MAX_EDGES (1u << 26)
+#define NFA_MAX_STATES GRAMMAR_MAX_STATES     /* a bound on what one request can make us build */
+#define NFA_MAX_EDGES (4 * GRAMMAR_MAX_STATES)
 
 static bool grow(void **p, uint32_t *cap, uint32_t need, size_t elem)
 {

@@ -59,7 +59,7 @@
 
 #define GRAMMAR_MAX_DEPTH 64    /* return points on a stack: deeper recursion is refused */
 #define GRAMMAR_MAX_PATHS 64    /* paths followed at once: more ambiguous ones are dropped */
-#define GRAMMAR_MAX_STATES (1u << 22) /* deterministic states in one grammar */
+#define GRAMMAR_MAX_STATES (1u << 21) /* states in one grammar (and in its builder) */
 
 typedef struct grammar grammar_t;   /* a finished grammar: immutable */
 typedef struct gstate gstate_t;     /* one sequence's position in a grammar */

@@ -214,6 +214,17 @@ static bool valid(const json_t *root, const json_t *s, const json_t *v, int dept
         if (!any)
             return false;
     }
+    if (json_is_number(v)) {
+        double x = json_number_value(v);
+        if ((k = json_object_get(s, "minimum")) && x < json_number_value(k))
+            return false;
+        if ((k = json_object_get(s, "maximum")) && x > json_number_value(k))
+            return false;
+        if ((k = json_object_get(s, "exclusiveMinimum")) && x <= json_number_value(k))
+            return false;
+        if ((k = json_object_get(s, "exclusiveMaximum")) && x >= json_number_value(k))
+            return false;
+    }
     if (json_is_string(v)) {
         size_t n = json_string_length(v), len = cp_len(json_string_value(v), n);
         if ((k = json_object_get(s, "minLength")) && len < (size_t)json_integer_value(k))
@@ -303,7 +314,10 @@ static void test_refused(void)
           "unsupported JSON Schema keyword 'patternProperties' at the top level" },
         { "{\"properties\":{\"x\":{\"type\":\"object\",\"patternProperties\":{}}}}",
           "unsupported JSON Schema keyword 'patternProperties' at /properties/x" },
-        { "{\"type\":\"integer\",\"minimum\":0}", "keyword 'minimum' at the top level" },
+        { "{\"type\":\"integer\",\"multipleOf\":2}", "keyword 'multipleOf' at the top level" },
+        { "{\"type\":\"number\",\"minimum\":-2.5}", "'minimum' -2.5 on a number (whole-number bounds only)" },
+        { "{\"type\":\"integer\",\"minimum\":10,\"maximum\":5}", "admits no JSON document" },
+        { "{\"type\":\"integer\",\"exclusiveMinimum\":true}", "'exclusiveMinimum' must be a number" },
         { "{\"type\":\"array\",\"items\":{\"type\":\"object\",\"properties\":{\"a~b/c\":{\"not\":{}}}}}",
           "keyword 'not' at /items/properties/a~0b~1c" },
         { "{\"anyOf\":[{\"type\":\"null\"},{\"type\":\"string\",\"maxLength\":3,\"contains\":1}]}",
@@ -360,6 +374,20 @@ static void test_refused(void)
     grammar_t *g = jschema_compile(deep, strlen(deep), NULL, err, sizeof err);
     CHECK(g == NULL && strstr(err, "nested deeper than 64"));
     grammar_destroy(&g);
+    /* a grammar past the size limit: many optional properties in order */
+    {
+        size_t cap = 1 << 17, n = 0;
+        char *big = malloc(cap);
+        REQUIRE(big != NULL);
+        n += (size_t)snprintf(big + n, cap - n, "{\"type\":\"object\",\"properties\":{");
+        for (int i = 0; i < 1500; i++)
+            n += (size_t)snprintf(big + n, cap - n, "%s\"property_%04d\":{\"type\":\"null\"}", i ? "," : "", i);
+        n += (size_t)snprintf(big + n, cap - n, "}}");
+        g = jschema_compile(big, n, NULL, err, sizeof err);
+        CHECK(g == NULL && strstr(err, "too large"));
+        grammar_destroy(&g);
+        free(big);
+    }
     /* what is accepted: annotations, pydantic's shapes */
     static const char *const ok[] = {
         "{}",
@@ -513,6 +541,34 @@ static void test_documents(void)
     REJECT(g, "{\"u\":\"123e4567e89b12d3a456426614174000\"}");
     REJECT(g, "{\"q\":\"AB\"}");                /* minLength 3 */
     REJECT(g, "{\"q\":\"AbC\"}");
+    grammar_destroy(&g);
+
+    /* numbers between bounds */
+    g = compile_ok("{\"type\":\"array\",\"prefixItems\":[{\"type\":\"integer\",\"minimum\":-5,\"maximum\":12},"
+                   "{\"type\":\"integer\",\"exclusiveMinimum\":0},{\"type\":\"number\",\"minimum\":0,\"maximum\":1},"
+                   "{\"type\":\"number\",\"exclusiveMinimum\":0,\"exclusiveMaximum\":1},{\"type\":\"number\",\"maximum\":-1},"
+                   "{\"type\":\"integer\",\"minimum\":2.5,\"exclusiveMaximum\":1000}],\"items\":false}");
+    REQUIRE(g != NULL);
+    ACCEPT(g, "[-5]");
+    ACCEPT(g, "[12, 1, 0, 0.5, -1, 3]");
+    ACCEPT(g, "[0, 999, 1.000, 0.001, -1.5, 999]");
+    ACCEPT(g, "[-4, 1000000, 0.25, 0.9999, -100.25, 10]");
+    REJECT(g, "[-6]");
+    REJECT(g, "[13]");
+    REJECT(g, "[-0]");                  /* zero is written 0 */
+    REJECT(g, "[1.5]");
+    REJECT(g, "[0, 0]");
+    REJECT(g, "[0, -1]");
+    REJECT(g, "[0, 1, 1.01]");
+    REJECT(g, "[0, 1, -0.1]");
+    REJECT(g, "[0, 1, 1e0]");           /* no exponent with bounds */
+    REJECT(g, "[0, 1, 1, 0]");
+    REJECT(g, "[0, 1, 1, 0.0]");
+    REJECT(g, "[0, 1, 1, 1.0]");
+    REJECT(g, "[0, 1, 1, 0.5, 0]");
+    REJECT(g, "[0, 1, 1, 0.5, -0.5]");
+    REJECT(g, "[0, 1, 1, 0.5, -1, 2]");
+    REJECT(g, "[0, 1, 1, 0.5, -1, 1000]");
     grammar_destroy(&g);
 
     /* a pattern with a length bound: no path that cannot meet both */
@@ -750,7 +806,7 @@ static const char *const walk_schemas[] = {
     /* const, formats, a tuple, anyOf with null, enum of mixed values */
     "{\"type\":\"object\",\"properties\":{\"kind\":{\"const\":\"event\"},"
     "\"when\":{\"type\":\"string\",\"format\":\"date-time\"},\"id\":{\"type\":\"string\",\"format\":\"uuid\"},"
-    "\"loc\":{\"type\":\"array\",\"prefixItems\":[{\"type\":\"number\"},{\"type\":\"number\"}],\"items\":false,"
+    "\"loc\":{\"type\":\"array\",\"prefixItems\":[{\"type\":\"number\",\"minimum\":-90,\"maximum\":90},{\"type\":\"number\"}],\"items\":false,"
     "\"minItems\":2},\"note\":{\"anyOf\":[{\"type\":\"string\",\"minLength\":3,\"maxLength\":10},{\"type\":\"null\"}]},"
     "\"level\":{\"enum\":[1,2.5,\"high\",null,true,{\"x\":[1]}]}},"
     "\"required\":[\"kind\",\"when\",\"id\",\"loc\",\"level\"],\"additionalProperties\":false}",
@@ -759,7 +815,7 @@ static const char *const walk_schemas[] = {
     "\"additionalProperties\":{\"type\":\"array\",\"items\":{\"type\":\"integer\"},\"minItems\":1,\"maxItems\":4}}",
     /* objects with enums in an array, a pattern */
     "{\"type\":\"array\",\"items\":{\"type\":\"object\",\"properties\":{"
-    "\"sku\":{\"type\":\"string\",\"pattern\":\"^[A-Z]{3}-[0-9]{2,4}$\",\"maxLength\":7},\"qty\":{\"type\":\"integer\"},"
+    "\"sku\":{\"type\":\"string\",\"pattern\":\"^[A-Z]{3}-[0-9]{2,4}$\",\"maxLength\":7},\"qty\":{\"type\":\"integer\",\"minimum\":1,\"maximum\":100},"
     "\"status\":{\"enum\":[\"new\",\"shipped\",\"lost\"]},\"memo\":{\"type\":\"string\"}},"
     "\"required\":[\"sku\",\"qty\",\"status\"]},\"minItems\":1,\"maxItems\":5}",
     /* scalars at the top */
