@@ -1861,36 +1861,25 @@ static uint32_t popcount_mask(const uint32_t *m, uint32_t words)
     return n;
 }
 
-int grammar_mask(const gstate_t *s, const gtrie_t *t, uint32_t *mask, uint32_t *n_allowed)
+/* The walk's memory, kept across the paths of one mask. */
+struct walk {
+    struct lvl *lv;         /* (max_len + 1) */
+    struct gpos *buf;       /* paths of every level on the way down */
+    uint32_t cap_buf;
+    struct gwork w;         /* frames: the state's, then the walk's */
+};
+
+/* ORs into mask the tokens whose bytes paths cfg[0..n) accept, walking the
+ * trie from them; the frames they use are w->w.fr[0..n_fr). */
+static int walk_paths(const grammar_t *g, const gtrie_t *t, struct walk *wk, const struct gpos *cfg,
+                      uint32_t n, uint32_t n_fr, uint32_t *mask)
 {
-    const grammar_t *g = s->g;
-    memset(mask, 0, t->words * sizeof *mask);
-    if (n_allowed)
-        *n_allowed = 0;
-    if (s->ended)
-        return 0;
-    if (s->complete)
-        for (uint32_t i = 0; i < t->n_eog; i++)
-            set_bit(mask, t->eog[i]);
-    if (s->n_cfg == 0 || t->n_nodes == 0) {
-        if (n_allowed)
-            *n_allowed = popcount_mask(mask, t->words);
-        return 0;
-    }
-    struct lvl *lv = malloc((t->max_len + 1) * sizeof *lv);
-    uint32_t cap_buf = (t->max_len + 1) * 2 + GRAMMAR_MAX_PATHS * 2;
-    struct gpos *buf = malloc(cap_buf * sizeof *buf);
-    struct gwork w = { .g = g, .n_fr = s->n_fr };
-    if (lv == NULL || buf == NULL || !grow((void **)&w.fr, &w.cap_fr, s->n_fr + 64, sizeof *w.fr)) {
-        free(lv);
-        free(buf);
-        free(w.fr);
-        return KVD_ENOMEM;
-    }
-    if (s->n_fr)
-        memcpy(w.fr, s->fr, s->n_fr * sizeof *w.fr);
-    memcpy(buf, s->cfg, s->n_cfg * sizeof *buf);
-    lv[0] = (struct lvl){ .off = 0, .n = s->n_cfg, .n_fr = s->n_fr };
+    struct lvl *lv = wk->lv;
+    struct gpos *buf = wk->buf;
+    uint32_t cap_buf = wk->cap_buf;
+    struct gwork w = wk->w;
+    memcpy(buf, cfg, n * sizeof *buf);
+    lv[0] = (struct lvl){ .off = 0, .n = n, .n_fr = n_fr };
     lvl_mark(g, &lv[0], &buf[0], false);
     /* inside a string: every token of plain characters that fits, at once; the
      * walk below then skips every subtree of plain characters */
@@ -1958,9 +1947,48 @@ int grammar_mask(const gstate_t *s, const gtrie_t *t, uint32_t *mask, uint32_t *
         }
         i++;
     }
-    free(lv);
-    free(buf);
-    free(w.fr);
+    wk->buf = buf;
+    wk->cap_buf = cap_buf;
+    wk->w = w;
+    return rc;
+}
+
+int grammar_mask(const gstate_t *s, const gtrie_t *t, uint32_t *mask, uint32_t *n_allowed)
+{
+    const grammar_t *g = s->g;
+    memset(mask, 0, t->words * sizeof *mask);
+    if (n_allowed)
+        *n_allowed = 0;
+    if (s->ended)
+        return 0;
+    if (s->complete)
+        for (uint32_t i = 0; i < t->n_eog; i++)
+            set_bit(mask, t->eog[i]);
+    if (s->n_cfg == 0 || t->n_nodes == 0) {
+        if (n_allowed)
+            *n_allowed = popcount_mask(mask, t->words);
+        return 0;
+    }
+    struct walk wk = { .lv = malloc((t->max_len + 1) * sizeof *wk.lv),
+                       .cap_buf = (t->max_len + 1) * 2 + GRAMMAR_MAX_PATHS * 2,
+                       .w = { .g = g, .n_fr = s->n_fr } };
+    wk.buf = malloc(wk.cap_buf * sizeof *wk.buf);
+    if (wk.lv == NULL || wk.buf == NULL || !grow((void **)&wk.w.fr, &wk.w.cap_fr, s->n_fr + 64, sizeof *wk.w.fr)) {
+        free(wk.lv);
+        free(wk.buf);
+        free(wk.w.fr);
+        return KVD_ENOMEM;
+    }
+    if (s->n_fr)
+        memcpy(wk.w.fr, s->fr, s->n_fr * sizeof *wk.w.fr);
+    /* a token is allowed when some path accepts it: one walk per path, so
+     * that each can take the shortcuts of its own state (a string's) */
+    int rc = 0;
+    for (uint32_t i = 0; i < s->n_cfg && rc == 0; i++)
+        rc = walk_paths(g, t, &wk, &s->cfg[i], 1, s->n_fr, mask);
+    free(wk.lv);
+    free(wk.buf);
+    free(wk.w.fr);
     if (rc == 0 && n_allowed)
         *n_allowed = popcount_mask(mask, t->words);
     return rc;

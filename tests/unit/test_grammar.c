@@ -828,24 +828,15 @@ static const char *const walk_schemas[] = {
 
 /* The mask against brute force at chosen states: strings with and without a
  * maximum length, at every count up to it, inside a character and an escape. */
-static void test_exact(const gtrie_t *trie)
+static void exact_at(const gtrie_t *trie, const char *schema, const char *const *prefixes, size_t n)
 {
-    grammar_t *g = compile_ok("{\"type\":\"object\",\"properties\":{\"s\":{\"type\":\"string\",\"maxLength\":40},"
-                              "\"t\":{\"type\":\"string\",\"minLength\":3},\"u\":{\"type\":\"string\"}}}");
+    grammar_t *g = compile_ok(schema);
     REQUIRE(g != NULL);
-    static const char *const prefixes[] = {
-        "{\"s\":\"", "{\"s\":\"a", "{\"s\":\"\xc3\xa9\xc3\xa9\xc3\xa9", "{\"s\":\"abcdefghijklmnopqrst",
-        "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789a", "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789ab",
-        "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789abc", "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789abcd",
-        "{\"s\":\"abcdefghijklmnopqrstuvwxyz01234567\xe2\x82", "{\"s\":\"\xf0\x9f", "{\"s\":\"ab\\",
-        "{\"s\":\"ab\\u00", "{\"t\":\"", "{\"t\":\"ab", "{\"t\":\"abc", "{\"u\":\"", "{\"u\":\"\xe2",
-        "{\"u\":\"\xe2\x82", "{\"u\":\"x\\", "{\"u\":\"x\"", "{", "{\"", "{\"s\":\"x\",",
-    };
     uint32_t nv = grammar_trie_n_vocab(trie), words = (nv + 31) / 32;
     uint32_t *a = malloc(words * 4), *b = malloc(words * 4);
     gstate_t *s = grammar_state_new(g);
     REQUIRE(a && b && s);
-    for (size_t i = 0; i < sizeof prefixes / sizeof *prefixes; i++) {
+    for (size_t i = 0; i < n; i++) {
         grammar_state_reset(s);
         REQUIRE(grammar_accept_bytes(s, prefixes[i], strlen(prefixes[i])));
         uint32_t na = 0, nb = 0;
@@ -862,6 +853,32 @@ static void test_exact(const gtrie_t *trie)
     free(a);
     free(b);
     grammar_destroy(&g);
+}
+
+/* The mask against brute force at chosen states: strings with and without a
+ * maximum length, at every count up to it, inside a character and an escape;
+ * several paths at once, strings among them. */
+static void test_exact(const gtrie_t *trie)
+{
+    static const char *const strings[] = {
+        "{\"s\":\"", "{\"s\":\"a", "{\"s\":\"\xc3\xa9\xc3\xa9\xc3\xa9", "{\"s\":\"abcdefghijklmnopqrst",
+        "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789a", "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789ab",
+        "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789abc", "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789abcd",
+        "{\"s\":\"abcdefghijklmnopqrstuvwxyz01234567\xe2\x82", "{\"s\":\"\xf0\x9f", "{\"s\":\"ab\\",
+        "{\"s\":\"ab\\u00", "{\"t\":\"", "{\"t\":\"ab", "{\"t\":\"abc", "{\"u\":\"", "{\"u\":\"\xe2",
+        "{\"u\":\"\xe2\x82", "{\"u\":\"x\\", "{\"u\":\"x\"", "{", "{\"", "{\"s\":\"x\",",
+    };
+    exact_at(trie, "{\"type\":\"object\",\"properties\":{\"s\":{\"type\":\"string\",\"maxLength\":40},"
+             "\"t\":{\"type\":\"string\",\"minLength\":3},\"u\":{\"type\":\"string\"}}}",
+             strings, sizeof strings / sizeof *strings);
+    static const char *const alts[] = {
+        "", "\"", "\"20", "\"x", "\"abcd", "\"abcde", "\"2024-01-0", "1", "-", "[", "[1, ", "[1, \"a",
+    };
+    exact_at(trie, "{\"anyOf\":[{\"type\":\"string\",\"format\":\"date\"},{\"type\":\"string\",\"maxLength\":5},"
+             "{\"type\":\"string\",\"pattern\":\"^x\"},{\"type\":\"string\"},{\"type\":\"number\"},"
+             "{\"type\":\"integer\",\"minimum\":-3},{\"type\":\"array\",\"items\":{\"type\":[\"number\",\"string\"]}},"
+             "{\"type\":\"array\",\"items\":{\"type\":\"string\",\"maxLength\":2}}]}",
+             alts, sizeof alts / sizeof *alts);
 }
 
 static void test_model(const char *path, int walks, int exact_walks, int exact_every)
