@@ -629,7 +629,8 @@ struct det {
     uint32_t *set_off;      /* (n_dfa) offset of each set in pool */
     uint32_t *set_len;      /* (n_dfa) */
     int32_t *dfa_rule;      /* (n_dfa) */
-    uint32_t n_dfa, cap_dfa, cap_dfa2, cap_dfa3;
+    uint32_t n_dfa;         /* DFA states so far */
+    uint32_t cap_dfa, cap_dfa2, cap_dfa3; /* capacities of set_off, set_len, dfa_rule */
     uint32_t *hash;         /* open addressing: dfa id + 1, 0 empty */
     uint32_t hcap;
     struct gdst *st;        /* (n_dfa) the output */
@@ -760,17 +761,20 @@ nomem:
     return -1;
 }
 
+/* A byte edge of a DFA state's members, one per byte of its range. */
 struct bent {
     uint32_t to;            /* NFA target */
-    uint32_t arg;
-    uint8_t byte, op;
+    uint32_t arg;           /* the counter operation's bound */
+    uint8_t byte;           /* the byte */
+    uint8_t op;             /* enum grammar_op */
 };
 
+/* A call of a DFA state's members. */
 struct cent {
-    int32_t callee;
+    int32_t callee;         /* the rule called */
     uint32_t to;            /* NFA return state */
-    uint32_t arg;
-    uint8_t op;
+    uint32_t arg;           /* the counter operation's bound */
+    uint8_t op;             /* enum grammar_op */
 };
 
 static int cmp_cent(const void *a, const void *b)
@@ -1621,10 +1625,11 @@ struct gtrie {
     uint32_t max_len;       /* longest token in the trie, bytes */
 };
 
+/* A token's bytes, for sorting the vocabulary into trie order. */
 struct tsort {
-    const char *p;
-    uint32_t len;
-    int32_t id;
+    const char *p;          /* its bytes (in the trie's pieces) */
+    uint32_t len;           /* bytes */
+    int32_t id;             /* token id */
 };
 
 static int cmp_tsort(const void *a, const void *b)

@@ -26,16 +26,16 @@ struct jschema_params jschema_default_params(void)
 /* A schema object compiled to a rule (or being compiled: -2 for a $ref in
  * progress, to find circular ones). */
 struct memo {
-    const json_t *node;
-    int32_t rule;
+    const json_t *node;         /* a schema object of the document */
+    int32_t rule;               /* its rule */
 };
 
 struct jc {
-    gbuild_t *b;
-    struct jschema_params p;
+    gbuild_t *b;                /* the builder the rules go to */
+    struct jschema_params p;    /* whitespace and strictness */
     const json_t *root;         /* the document, for $ref */
     struct memo *memo;          /* (n_memo) */
-    size_t n_memo, cap_memo;
+    size_t n_memo, cap_memo;    /* entries, room */
     int32_t any_rule;           /* any JSON value; -1 until needed */
     char *err;
     size_t errlen;
@@ -241,7 +241,7 @@ struct cr {
 
 struct cset {
     struct cr *r;               /* (n) sorted, disjoint, not adjacent once normalized */
-    uint32_t n, cap;
+    uint32_t n, cap;            /* ranges, room */
 };
 
 enum { RX_SET, RX_CAT, RX_ALT, RX_REP };
@@ -251,15 +251,15 @@ struct rx {
     uint32_t min, max;          /* RX_REP: bounds (max UINT32_MAX: none) */
     struct cset set;            /* RX_SET */
     struct rx **kid;            /* (n_kid) RX_CAT, RX_ALT: parts; RX_REP: one */
-    uint32_t n_kid, cap_kid;
+    uint32_t n_kid, cap_kid;    /* parts, room */
 };
 
 struct rxp {
-    struct jc *c;
+    struct jc *c;               /* for failures */
     const char *s;              /* the pattern */
     size_t i, n;                /* position, length */
     const char *what;           /* "pattern" or "format 'date'", for messages */
-    const char *path;
+    const char *path;           /* the schema's place, for messages */
 };
 
 static void rx_free(struct rx *r)
@@ -710,9 +710,9 @@ static uint64_t rx_size(const struct rx *r)
 }
 
 struct rxe {
-    struct jc *c;
+    struct jc *c;               /* the compiler and its builder */
     enum grammar_op op;         /* on each character's first byte: the length counter */
-    uint32_t arg;
+    uint32_t arg;               /* its bound */
 };
 
 static int utf8_enc(uint32_t cp, uint8_t *o)
@@ -1341,8 +1341,8 @@ static int32_t build_array_type(struct jc *c, const json_t *node, const char *pa
 struct prop {
     const char *name;           /* borrowed from the schema */
     char *lit;                  /* "\"name\":", the JSON spelling */
-    int32_t rule;
-    bool required;
+    int32_t rule;               /* its value's rule */
+    bool required;              /* in 'required' */
 };
 
 static int32_t build_object_type(struct jc *c, const json_t *node, const char *path, int depth,
