@@ -3,7 +3,7 @@
  *
  * A nested schema (an order: a customer object with an enum, an array of
  * line items that are objects with strings, numbers, an enum and an array of
- * strings, free text, a total) compiled once; a document that fits it,
+ * strings, free text, a date or a short text, a total) compiled once; a document that fits it,
  * tokenized by the model's tokenizer; then, at every token of the document,
  * the vocabulary mask from the state before it (grammar_mask), timed, and the
  * token checked to be in it before the state advances. Each position is
@@ -46,6 +46,7 @@ static const char schema[] =
     "\"status\":{\"enum\":[\"pending\",\"shipped\",\"backordered\",\"cancelled\"]}},"
     "\"required\":[\"sku\",\"qty\",\"price\",\"status\"]}},"
     "\"notes\":{\"type\":\"string\"},"
+    "\"deliver\":{\"anyOf\":[{\"type\":\"string\",\"format\":\"date\"},{\"type\":\"string\",\"maxLength\":64}]},"
     "\"total\":{\"type\":\"number\"}},"
     "\"required\":[\"order_id\",\"customer\",\"items\",\"total\"]}";
 
@@ -56,7 +57,8 @@ static const char document[] =
     "\"price\": 19.5, \"tags\": [], \"status\": \"backordered\"}, {\"sku\": \"CB-003\", \"qty\": 12, "
     "\"price\": 3.25, \"tags\": [\"cable\", \"usb-c\", \"1m\"], \"status\": \"pending\"}], "
     "\"notes\": \"Leave the parcel at the back door if nobody answers; call ahead on weekends. "
-    "The invoice goes to the billing address, not this one.\", \"total\": 168.9}";
+    "The invoice goes to the billing address, not this one.\", \"deliver\": \"2024-06-14 or later\", "
+    "\"total\": 168.9}";
 
 static double now_us(void)
 {

@@ -91,8 +91,8 @@ struct gbuild {
     int err;                /* the first failure: KVD_ENOMEM, KVD_ERANGE, KVD_EINVAL; 0 */
 };
 
-#define NFA_MAX_STATES (1u << 24)
-#define NFA_MAX_EDGES (1u << 26)
+#define NFA_MAX_STATES GRAMMAR_MAX_STATES     /* a bound on what one request can make us build */
+#define NFA_MAX_EDGES (4 * GRAMMAR_MAX_STATES)
 
 static bool grow(void **p, uint32_t *cap, uint32_t need, size_t elem)
 {
@@ -553,6 +553,68 @@ void grammar_destroy(grammar_t **gp)
 
 uint32_t grammar_n_states(const grammar_t *g) { return g->n_st; }
 
+int32_t grammar_build_counted(gbuild_t *b, int32_t from, const grammar_t *sub, uint32_t min,
+                              uint32_t max, uint32_t max_states)
+{
+    if (b == NULL || b->err || sub == NULL || !valid_state(b, from))
+        return -1;
+    if (min > max) {
+        build_fail(b, KVD_EINVAL);
+        return -1;
+    }
+    /* counts above k_top behave alike: past the maximum is refused, and with
+     * no maximum, past the minimum all are equal */
+    uint32_t k_top = max != UINT32_MAX ? max : min;
+    uint64_t cells = (uint64_t)sub->n_st * ((uint64_t)k_top + 1);
+    if (cells > max_states)
+        return -2;
+    for (uint32_t k = 0; k < sub->n_st; k++)
+        if (sub->st[k].nc) {
+            build_fail(b, KVD_EINVAL);
+            return -1;
+        }
+    int32_t *id = malloc(cells * sizeof *id);
+    uint32_t *queue = malloc(cells * sizeof *queue);
+    if (id == NULL || queue == NULL) {
+        free(id);
+        free(queue);
+        build_fail(b, KVD_ENOMEM);
+        return -1;
+    }
+    for (uint64_t i = 0; i < cells; i++)
+        id[i] = -1;
+    int32_t end = grammar_build_state(b, from);
+    uint32_t nq = 0;
+    uint64_t c0 = (uint64_t)sub->root * (k_top + 1);
+    id[c0] = grammar_build_state(b, from);
+    queue[nq++] = (uint32_t)c0;
+    grammar_build_eps(b, from, id[c0]);
+    for (uint32_t qi = 0; qi < nq && !b->err; qi++) {
+        uint32_t cell = queue[qi], st = cell / (k_top + 1), k = cell % (k_top + 1);
+        const struct gdst *s = &sub->st[st];
+        if (s->final && k >= min)
+            grammar_build_eps(b, id[cell], end);
+        for (uint32_t e = s->e0; e < s->e0 + s->ne; e++) {
+            const struct gedge *ed = &sub->ed[e];
+            uint32_t k2 = k;
+            if (ed->op == GRAMMAR_OP_INC) {
+                if (max != UINT32_MAX && k + 1 > max)
+                    continue;
+                k2 = k + 1 > k_top ? k_top : k + 1;
+            }
+            uint64_t c2 = (uint64_t)ed->to * (k_top + 1) + k2;
+            if (id[c2] < 0) {
+                id[c2] = grammar_build_state(b, from);
+                queue[nq++] = (uint32_t)c2;
+            }
+            grammar_build_bytes(b, id[cell], ed->lo, ed->hi, id[c2], GRAMMAR_OP_NONE, 0);
+        }
+    }
+    free(id);
+    free(queue);
+    return b->err ? -1 : end;
+}
+
 /* ---- determinizing: subset construction, rule by rule ---------------------------- */
 
 struct det {
@@ -567,7 +629,8 @@ struct det {
     uint32_t *set_off;      /* (n_dfa) offset of each set in pool */
     uint32_t *set_len;      /* (n_dfa) */
     int32_t *dfa_rule;      /* (n_dfa) */
-    uint32_t n_dfa, cap_dfa, cap_dfa2, cap_dfa3;
+    uint32_t n_dfa;         /* DFA states so far */
+    uint32_t cap_dfa, cap_dfa2, cap_dfa3; /* capacities of set_off, set_len, dfa_rule */
     uint32_t *hash;         /* open addressing: dfa id + 1, 0 empty */
     uint32_t hcap;
     struct gdst *st;        /* (n_dfa) the output */
@@ -698,17 +761,20 @@ nomem:
     return -1;
 }
 
+/* A byte edge of a DFA state's members, one per byte of its range. */
 struct bent {
     uint32_t to;            /* NFA target */
-    uint32_t arg;
-    uint8_t byte, op;
+    uint32_t arg;           /* the counter operation's bound */
+    uint8_t byte;           /* the byte */
+    uint8_t op;             /* enum grammar_op */
 };
 
+/* A call of a DFA state's members. */
 struct cent {
-    int32_t callee;
+    int32_t callee;         /* the rule called */
     uint32_t to;            /* NFA return state */
-    uint32_t arg;
-    uint8_t op;
+    uint32_t arg;           /* the counter operation's bound */
+    uint8_t op;             /* enum grammar_op */
 };
 
 static int cmp_cent(const void *a, const void *b)
@@ -842,7 +908,8 @@ static bool det_expand(struct det *d, uint32_t k, const uint32_t *rule_dstart, s
     free(sorted);
     st.ne = d->n_ed - st.e0;
     /* calls: one per callee and counter operation, returning to the union */
-    qsort(*cents, n_c, sizeof **cents, cmp_cent);
+    if (n_c > 1)
+        qsort(*cents, n_c, sizeof **cents, cmp_cent);
     st.c0 = d->n_calls;
     for (uint32_t i = 0; i < n_c;) {
         uint32_t j = i;
@@ -1558,10 +1625,11 @@ struct gtrie {
     uint32_t max_len;       /* longest token in the trie, bytes */
 };
 
+/* A token's bytes, for sorting the vocabulary into trie order. */
 struct tsort {
-    const char *p;
-    uint32_t len;
-    int32_t id;
+    const char *p;          /* its bytes (in the trie's pieces) */
+    uint32_t len;           /* bytes */
+    int32_t id;             /* token id */
 };
 
 static int cmp_tsort(const void *a, const void *b)
@@ -1798,36 +1866,25 @@ static uint32_t popcount_mask(const uint32_t *m, uint32_t words)
     return n;
 }
 
-int grammar_mask(const gstate_t *s, const gtrie_t *t, uint32_t *mask, uint32_t *n_allowed)
+/* The walk's memory, kept across the paths of one mask. */
+struct walk {
+    struct lvl *lv;         /* (max_len + 1) */
+    struct gpos *buf;       /* paths of every level on the way down */
+    uint32_t cap_buf;
+    struct gwork w;         /* frames: the state's, then the walk's */
+};
+
+/* ORs into mask the tokens whose bytes paths cfg[0..n) accept, walking the
+ * trie from them; the frames they use are w->w.fr[0..n_fr). */
+static int walk_paths(const grammar_t *g, const gtrie_t *t, struct walk *wk, const struct gpos *cfg,
+                      uint32_t n, uint32_t n_fr, uint32_t *mask)
 {
-    const grammar_t *g = s->g;
-    memset(mask, 0, t->words * sizeof *mask);
-    if (n_allowed)
-        *n_allowed = 0;
-    if (s->ended)
-        return 0;
-    if (s->complete)
-        for (uint32_t i = 0; i < t->n_eog; i++)
-            set_bit(mask, t->eog[i]);
-    if (s->n_cfg == 0 || t->n_nodes == 0) {
-        if (n_allowed)
-            *n_allowed = popcount_mask(mask, t->words);
-        return 0;
-    }
-    struct lvl *lv = malloc((t->max_len + 1) * sizeof *lv);
-    uint32_t cap_buf = (t->max_len + 1) * 2 + GRAMMAR_MAX_PATHS * 2;
-    struct gpos *buf = malloc(cap_buf * sizeof *buf);
-    struct gwork w = { .g = g, .n_fr = s->n_fr };
-    if (lv == NULL || buf == NULL || !grow((void **)&w.fr, &w.cap_fr, s->n_fr + 64, sizeof *w.fr)) {
-        free(lv);
-        free(buf);
-        free(w.fr);
-        return KVD_ENOMEM;
-    }
-    if (s->n_fr)
-        memcpy(w.fr, s->fr, s->n_fr * sizeof *w.fr);
-    memcpy(buf, s->cfg, s->n_cfg * sizeof *buf);
-    lv[0] = (struct lvl){ .off = 0, .n = s->n_cfg, .n_fr = s->n_fr };
+    struct lvl *lv = wk->lv;
+    struct gpos *buf = wk->buf;
+    uint32_t cap_buf = wk->cap_buf;
+    struct gwork w = wk->w;
+    memcpy(buf, cfg, n * sizeof *buf);
+    lv[0] = (struct lvl){ .off = 0, .n = n, .n_fr = n_fr };
     lvl_mark(g, &lv[0], &buf[0], false);
     /* inside a string: every token of plain characters that fits, at once; the
      * walk below then skips every subtree of plain characters */
@@ -1895,9 +1952,48 @@ int grammar_mask(const gstate_t *s, const gtrie_t *t, uint32_t *mask, uint32_t *
         }
         i++;
     }
-    free(lv);
-    free(buf);
-    free(w.fr);
+    wk->buf = buf;
+    wk->cap_buf = cap_buf;
+    wk->w = w;
+    return rc;
+}
+
+int grammar_mask(const gstate_t *s, const gtrie_t *t, uint32_t *mask, uint32_t *n_allowed)
+{
+    const grammar_t *g = s->g;
+    memset(mask, 0, t->words * sizeof *mask);
+    if (n_allowed)
+        *n_allowed = 0;
+    if (s->ended)
+        return 0;
+    if (s->complete)
+        for (uint32_t i = 0; i < t->n_eog; i++)
+            set_bit(mask, t->eog[i]);
+    if (s->n_cfg == 0 || t->n_nodes == 0) {
+        if (n_allowed)
+            *n_allowed = popcount_mask(mask, t->words);
+        return 0;
+    }
+    struct walk wk = { .lv = malloc((t->max_len + 1) * sizeof *wk.lv),
+                       .cap_buf = (t->max_len + 1) * 2 + GRAMMAR_MAX_PATHS * 2,
+                       .w = { .g = g, .n_fr = s->n_fr } };
+    wk.buf = malloc(wk.cap_buf * sizeof *wk.buf);
+    if (wk.lv == NULL || wk.buf == NULL || !grow((void **)&wk.w.fr, &wk.w.cap_fr, s->n_fr + 64, sizeof *wk.w.fr)) {
+        free(wk.lv);
+        free(wk.buf);
+        free(wk.w.fr);
+        return KVD_ENOMEM;
+    }
+    if (s->n_fr)
+        memcpy(wk.w.fr, s->fr, s->n_fr * sizeof *wk.w.fr);
+    /* a token is allowed when some path accepts it: one walk per path, so
+     * that each can take the shortcuts of its own state (a string's) */
+    int rc = 0;
+    for (uint32_t i = 0; i < s->n_cfg && rc == 0; i++)
+        rc = walk_paths(g, t, &wk, &s->cfg[i], 1, s->n_fr, mask);
+    free(wk.lv);
+    free(wk.buf);
+    free(wk.w.fr);
     if (rc == 0 && n_allowed)
         *n_allowed = popcount_mask(mask, t->words);
     return rc;

@@ -34,6 +34,19 @@
  * Threads: a grammar_t and a gtrie_t are immutable once built and may be used
  * by any number of threads; a gstate_t belongs to one sequence (one thread at
  * a time). engine/jschema.h compiles a JSON Schema into a grammar_t.
+ *
+ * In a server:
+ *   per model     trie = grammar_trie_new(tok, err, n)
+ *   per request   g = jschema_compile(schema, len, NULL, err, n)   NULL: a 400 with err
+ *                 (or jschema_compile_object for json_object); shared by its n choices
+ *   per sequence  s = grammar_state_new(g)
+ *   per step      grammar_mask(s, trie, mask, &n_allowed)          n_allowed 0: stop it
+ *                 grammar_mask_apply(mask, logits, n_vocab), then the sampler
+ *                 grammar_advance_token(s, trie, id)
+ *   at the end    grammar_state_destroy(&s), then grammar_destroy(&g)
+ * A sequence ends when the sampler draws an end-of-generation token, which
+ * the mask offers only once the document is whole (and alone once nothing
+ * can follow it).
  */
 #ifndef KVD_GRAMMAR_H
 #define KVD_GRAMMAR_H
@@ -46,7 +59,7 @@
 
 #define GRAMMAR_MAX_DEPTH 64    /* return points on a stack: deeper recursion is refused */
 #define GRAMMAR_MAX_PATHS 64    /* paths followed at once: more ambiguous ones are dropped */
-#define GRAMMAR_MAX_STATES (1u << 22) /* deterministic states in one grammar */
+#define GRAMMAR_MAX_STATES (1u << 21) /* states in one grammar (and in its builder) */
 
 typedef struct grammar grammar_t;   /* a finished grammar: immutable */
 typedef struct gstate gstate_t;     /* one sequence's position in a grammar */
@@ -118,6 +131,15 @@ int32_t grammar_build_string(gbuild_t *b, int32_t from, uint32_t min_len, uint32
  * names. A backslash is allowed only where it cannot spell an excluded key. */
 int32_t grammar_build_string_except(gbuild_t *b, int32_t from, const char *const *keys,
                                     const size_t *lens, size_t n_keys);
+
+/* The matches of sub's root rule (a finished grammar without calls) whose
+ * edges with GRAMMAR_OP_INC, counted, number between min and max (UINT32_MAX:
+ * no maximum): sub laid out once per count, so that every path can still meet
+ * both sub and the bounds. A pattern with a length bound is built so. Returns
+ * the end state; -2 when that takes more than max_states states (nothing is
+ * added then), -1 on other failures. sub is only read. */
+int32_t grammar_build_counted(gbuild_t *b, int32_t from, const grammar_t *sub, uint32_t min,
+                              uint32_t max, uint32_t max_states);
 
 /* Finishes the builder (always consumed: *b becomes NULL) into a grammar whose
  * matches are those of rule `root`. Each rule is made deterministic; left

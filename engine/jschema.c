@@ -2,6 +2,7 @@
 #include "jschema.h"
 
 #include <jansson.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,16 +26,16 @@ struct jschema_params jschema_default_params(void)
 /* A schema object compiled to a rule (or being compiled: -2 for a $ref in
  * progress, to find circular ones). */
 struct memo {
-    const json_t *node;
-    int32_t rule;
+    const json_t *node;         /* a schema object of the document */
+    int32_t rule;               /* its rule */
 };
 
 struct jc {
-    gbuild_t *b;
-    struct jschema_params p;
+    gbuild_t *b;                /* the builder the rules go to */
+    struct jschema_params p;    /* whitespace and strictness */
     const json_t *root;         /* the document, for $ref */
     struct memo *memo;          /* (n_memo) */
-    size_t n_memo, cap_memo;
+    size_t n_memo, cap_memo;    /* entries, room */
     int32_t any_rule;           /* any JSON value; -1 until needed */
     char *err;
     size_t errlen;
@@ -249,7 +250,7 @@ struct cr {
 
 struct cset {
     struct cr *r;               /* (n) sorted, disjoint, not adjacent once normalized */
-    uint32_t n, cap;
+    uint32_t n, cap;            /* ranges, room */
 };
 
 enum { RX_SET, RX_CAT, RX_ALT, RX_REP };
@@ -259,15 +260,15 @@ struct rx {
     uint32_t min, max;          /* RX_REP: bounds (max UINT32_MAX: none) */
     struct cset set;            /* RX_SET */
     struct rx **kid;            /* (n_kid) RX_CAT, RX_ALT: parts; RX_REP: one */
-    uint32_t n_kid, cap_kid;
+    uint32_t n_kid, cap_kid;    /* parts, room */
 };
 
 struct rxp {
-    struct jc *c;
+    struct jc *c;               /* for failures */
     const char *s;              /* the pattern */
     size_t i, n;                /* position, length */
     const char *what;           /* "pattern" or "format 'date'", for messages */
-    const char *path;
+    const char *path;           /* the schema's place, for messages */
 };
 
 static void rx_free(struct rx *r)
@@ -718,9 +719,9 @@ static uint64_t rx_size(const struct rx *r)
 }
 
 struct rxe {
-    struct jc *c;
+    struct jc *c;               /* the compiler and its builder */
     enum grammar_op op;         /* on each character's first byte: the length counter */
-    uint32_t arg;
+    uint32_t arg;               /* its bound */
 };
 
 static int utf8_enc(uint32_t cp, uint8_t *o)
@@ -894,33 +895,279 @@ static int32_t build_pattern(struct jc *c, int32_t from, const char *re, const c
         rx_free(r);
         return fail(c, KVD_EUNSUPPORTED, "%s is too large to compile %s", what, WHERE(path));
     }
+    /* with a length bound, the pattern alone is made deterministic (each
+     * character's first byte marked), then laid out once per count, so that
+     * no path leads where the pattern and the bound cannot both be met */
     bool counting = min_len > 0 || max_len != UINT32_MAX;
-    struct rxe e = { .c = c, .op = counting ? GRAMMAR_OP_INC : GRAMMAR_OP_NONE,
-                     .arg = counting ? max_len : 0 };
+    struct rxe e = { .c = c, .op = counting ? GRAMMAR_OP_INC : GRAMMAR_OP_NONE, .arg = UINT32_MAX };
     struct cset any = { 0 };
     struct rxp q = p;
     if (!cset_add(&q, &any, 1, 0x10FFFF)) {
         rx_free(r);
         return -1;
     }
-    int32_t s = lit(c, from, "\"");
+    gbuild_t *main_b = c->b, *sub = NULL;
+    int32_t s, sub_rule = -1;
+    if (counting) {
+        sub = grammar_build_new();
+        if (sub == NULL) {
+            free(any.r);
+            rx_free(r);
+            return fail(c, KVD_ENOMEM, "out of memory");
+        }
+        c->b = sub;
+        sub_rule = grammar_build_rule(sub);
+        s = grammar_build_start(sub, sub_rule);
+    } else {
+        s = lit(c, from, "\"");
+    }
     if (!head) {
-        int32_t loop = state(c, from);
+        int32_t loop = state(c, s);
         eps(c, s, loop);
         emit_set(&e, &any, loop, loop);
         s = loop;
     }
     s = rx_emit(&e, r, s);
     if (!tail) {
-        int32_t loop = state(c, from);
+        int32_t loop = state(c, s);
         eps(c, s, loop);
         emit_set(&e, &any, loop, loop);
         s = loop;
     }
     free(any.r);
     rx_free(r);
+    c->b = main_b;
+    if (counting) {
+        grammar_build_final(sub, s);
+        char gerr[256];
+        grammar_t *g = grammar_build_finish(&sub, sub_rule, gerr, sizeof gerr);
+        if (g == NULL)
+            return fail(c, KVD_EINVAL, "%s %s: %s", what, WHERE(path),
+                        strstr(gerr, "matches nothing") ? "matches no string" : gerr);
+        s = grammar_build_counted(c->b, lit(c, from, "\""), g, min_len, max_len, RX_MAX_STATES);
+        grammar_destroy(&g);
+        if (s == -2)
+            return fail(c, KVD_EUNSUPPORTED, "%s with its length bounds is too large to compile %s",
+                        what, WHERE(path));
+    }
     int32_t end = state(c, from);
-    grammar_build_bytes(c->b, s, '"', '"', end, min_len ? GRAMMAR_OP_MIN : GRAMMAR_OP_NONE, min_len);
+    bytes(c, s, '"', '"', end);
+    return end;
+}
+
+/* ---- numbers with bounds ---------------------------------------------------------- */
+
+#define JS_INT_TOP 999999999999999LL     /* the largest integer of JS_MAX_INT_DIGITS digits */
+
+/* Decimal strings of d digits from L to U (both d digits, L <= U), from
+ * `from` to `end`. */
+static void digits_range(struct jc *c, int32_t from, int32_t end, const char *L, const char *U, size_t d)
+{
+    if (c->code || from < 0)
+        return;
+    if (d == 0) {
+        eps(c, from, end);
+        return;
+    }
+    static const char nines[] = "999999999999999", zeros[] = "000000000000000";
+    if (memcmp(L, zeros, d) == 0 && memcmp(U, nines, d) == 0) {    /* any d digits */
+        int32_t s = from;
+        for (size_t k = 0; k < d; k++) {
+            int32_t t = k + 1 == d ? end : state(c, from);
+            bytes(c, s, '0', '9', t);
+            s = t;
+        }
+        return;
+    }
+    if (L[0] == U[0]) {
+        int32_t s = state(c, from);
+        bytes(c, from, (uint8_t)L[0], (uint8_t)L[0], s);
+        digits_range(c, s, end, L + 1, U + 1, d - 1);
+        return;
+    }
+    int32_t s = state(c, from);
+    bytes(c, from, (uint8_t)L[0], (uint8_t)L[0], s);
+    digits_range(c, s, end, L + 1, nines, d - 1);
+    if (L[0] + 1 <= U[0] - 1) {
+        int32_t m = state(c, from);
+        bytes(c, from, (uint8_t)(L[0] + 1), (uint8_t)(U[0] - 1), m);
+        digits_range(c, m, end, zeros, nines, d - 1);
+    }
+    int32_t t = state(c, from);
+    bytes(c, from, (uint8_t)U[0], (uint8_t)U[0], t);
+    digits_range(c, t, end, zeros, U + 1, d - 1);
+}
+
+/* The integers a..b (0 <= a <= b <= JS_INT_TOP) without leading zeros. */
+static void int_range(struct jc *c, int32_t from, int32_t end, long long a, long long b)
+{
+    long long p = 1;
+    for (size_t d = 1; d <= JS_MAX_INT_DIGITS; d++, p *= 10) {
+        long long lo = a > (d == 1 ? 0 : p) ? a : (d == 1 ? 0 : p), hi = b < p * 10 - 1 ? b : p * 10 - 1;
+        if (lo > hi)
+            continue;
+        char L[32], U[32];
+        snprintf(L, sizeof L, "%0*lld", (int)d, lo);
+        snprintf(U, sizeof U, "%0*lld", (int)d, hi);
+        digits_range(c, from, end, L, U, d);
+    }
+}
+
+enum { FRAC_ANY, FRAC_NONZERO, FRAC_ZERO };
+
+/* An optional fraction ("." and 1..15 digits) after `from`: any, one with a
+ * digit other than 0 (required, then), or only zeros. */
+static void fraction(struct jc *c, int32_t from, int32_t end, int kind)
+{
+    if (kind != FRAC_NONZERO)
+        eps(c, from, end);
+    int32_t dot = state(c, from);
+    bytes(c, from, '.', '.', dot);
+    int32_t z = dot, nz = -1;   /* after k digits: all zeros so far, or not */
+    for (int k = 0; k < JS_MAX_FRAC_DIGITS; k++) {
+        int32_t z2 = state(c, from), nz2 = kind == FRAC_ZERO ? -1 : state(c, from);
+        bytes(c, z, '0', '0', z2);
+        if (kind != FRAC_ZERO) {
+            bytes(c, z, '1', '9', nz2);
+            if (nz >= 0)
+                bytes(c, nz, '0', '9', nz2);
+            eps(c, nz2, end);
+        }
+        if (kind != FRAC_NONZERO)
+            eps(c, z2, end);
+        z = z2;
+        nz = nz2;
+    }
+}
+
+/* Magnitudes M in [A, B] (0 <= A; unbounded: B is JS_INT_TOP, the most
+ * digits written), each end included or not; with_frac: M may have a
+ * fraction (numbers) or not (integers). */
+static void magnitudes(struct jc *c, int32_t from, int32_t end, long long A, bool a_excl, long long B,
+                       bool b_excl, bool unbounded, bool with_frac)
+{
+    if (unbounded)
+        B = JS_INT_TOP, b_excl = false;
+    if (!with_frac) {       /* integers: the bounds move inwards */
+        if (a_excl)
+            A++;
+        if (b_excl)
+            B--;
+        if (A <= B)
+            int_range(c, from, end, A, B);
+        return;
+    }
+    if (A > B || (A == B && (a_excl || b_excl)))
+        return;
+    if (A == B) {
+        int32_t s = state(c, from);
+        int_range(c, from, s, A, A);
+        fraction(c, s, end, FRAC_ZERO);
+        return;
+    }
+    int32_t s = state(c, from);
+    int_range(c, from, s, A, A);
+    fraction(c, s, end, a_excl ? FRAC_NONZERO : FRAC_ANY);
+    if (A + 1 <= B - 1) {
+        int32_t m = state(c, from);
+        int_range(c, from, m, A + 1, B - 1);
+        fraction(c, m, end, FRAC_ANY);
+    }
+    if (!b_excl && !unbounded) {
+        int32_t t = state(c, from);
+        int_range(c, from, t, B, B);
+        fraction(c, t, end, FRAC_ZERO);
+    } else if (unbounded) {
+        int32_t t = state(c, from);
+        int_range(c, from, t, B, B);
+        fraction(c, t, end, FRAC_ANY);
+    }
+}
+
+/* A bound keyword: false when absent; refuses non-numbers and, with
+ * fractions, values that are not whole numbers. */
+static bool get_bound(struct jc *c, const json_t *node, const char *key, const char *path, bool integer,
+                      bool upper, long long *out, bool *ok)
+{
+    const json_t *v = json_object_get(node, key);
+    *ok = true;
+    if (v == NULL)
+        return false;
+    if (!json_is_number(v)) {
+        *ok = false;
+        fail(c, json_is_boolean(v) ? KVD_EUNSUPPORTED : KVD_EINVAL, "'%s' must be a number %s", key,
+             WHERE(path));
+        return false;
+    }
+    double d = json_number_value(v);
+    if (d != d || d > 1e300 || d < -1e300) {
+        *ok = false;
+        fail(c, KVD_EINVAL, "'%s' is out of range %s", key, WHERE(path));
+        return false;
+    }
+    double r = upper ? floor(d) : ceil(d);
+    if (!integer && r != d) {
+        *ok = false;
+        fail(c, KVD_EUNSUPPORTED, "unsupported: '%s' %g on a number (whole-number bounds only) %s", key, d,
+             WHERE(path));
+        return false;
+    }
+    /* an integer bound between whole numbers: the nearest one inside, and
+     * an exclusive one then no longer excludes itself */
+    if (r > (double)JS_INT_TOP + 1)
+        r = (double)JS_INT_TOP + 1;
+    if (r < -(double)JS_INT_TOP - 1)
+        r = -(double)JS_INT_TOP - 1;
+    *out = (long long)r;
+    return true;
+}
+
+/* A number or an integer, with minimum / maximum / exclusiveMinimum /
+ * exclusiveMaximum when the schema has them (then without an exponent). */
+static int32_t build_numeric(struct jc *c, const json_t *node, const char *path, int32_t from, bool integer)
+{
+    long long lo = 0, hi = 0, x;
+    bool has_lo = false, has_hi = false, lo_excl = false, hi_excl = false, ok;
+    static const char *const keys[] = { "minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum" };
+    for (int k = 0; k < 4; k++) {
+        bool upper = k >= 2, excl = k & 1;
+        if (!get_bound(c, node, keys[k], path, integer, upper, &x, &ok)) {
+            if (!ok)
+                return -1;
+            continue;
+        }
+        double d = json_number_value(json_object_get(node, keys[k]));
+        bool whole = d == (double)x;
+        if (!upper && (!has_lo || x > lo || (x == lo && excl && whole))) {
+            lo = x;
+            lo_excl = excl && whole;
+            has_lo = true;
+        } else if (upper && (!has_hi || x < hi || (x == hi && excl && whole))) {
+            hi = x;
+            hi_excl = excl && whole;
+            has_hi = true;
+        }
+    }
+    if (!has_lo && !has_hi)
+        return integer ? build_integer(c, from) : build_number(c, from);
+    if (!has_lo)
+        lo = -JS_INT_TOP;
+    if (!has_hi)
+        hi = JS_INT_TOP;
+    int32_t end = state(c, from);
+    /* x >= 0: magnitudes from max(lo, 0); x < 0: "-" and magnitudes up to -lo */
+    if (hi > 0 || (hi == 0 && !hi_excl)) {
+        long long A = lo < 0 ? 0 : lo;
+        bool a_excl = lo < 0 ? false : lo_excl;
+        magnitudes(c, from, end, A, a_excl, hi, hi_excl, !has_hi, !integer);
+    }
+    if (lo < 0) {
+        int32_t m = state(c, from);
+        bytes(c, from, '-', '-', m);
+        long long A = hi < 0 ? -hi : 0;
+        bool a_excl = hi < 0 ? hi_excl : true;     /* "-0" is not written */
+        magnitudes(c, m, end, A, a_excl, -lo, lo_excl, !has_lo, !integer);
+    }
     return end;
 }
 
@@ -934,7 +1181,7 @@ static const char *const annotation_words[] = {
 static const char *const constraint_words[] = {
     "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
     "maxItems", "minLength", "maxLength", "pattern", "format", "enum", "const", "anyOf", "oneOf",
-    "allOf", "$ref", "uniqueItems", NULL,
+    "allOf", "$ref", "uniqueItems", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", NULL,
 };
 
 static bool in_list(const char *const *list, const char *k)
@@ -1103,8 +1350,8 @@ static int32_t build_array_type(struct jc *c, const json_t *node, const char *pa
 struct prop {
     const char *name;           /* borrowed from the schema */
     char *lit;                  /* "\"name\":", the JSON spelling */
-    int32_t rule;
-    bool required;
+    int32_t rule;               /* its value's rule */
+    bool required;              /* in 'required' */
 };
 
 static int32_t build_object_type(struct jc *c, const json_t *node, const char *path, int depth,
@@ -1511,10 +1758,8 @@ static int32_t compile(struct jc *c, const json_t *node, const char *path, int d
         eps(c, lit(c, start, "true"), end);
         eps(c, lit(c, start, "false"), end);
     }
-    if (types & T_NUMBER)
-        eps(c, build_number(c, start), end);
-    else if (types & T_INTEGER)
-        eps(c, build_integer(c, start), end);
+    if (types & (T_NUMBER | T_INTEGER))
+        eps(c, build_numeric(c, node, path, start, !(types & T_NUMBER)), end);
     if (types & T_STRING)
         eps(c, build_string_type(c, node, path, start), end);
     if (types & T_ARRAY)
@@ -1542,10 +1787,9 @@ int32_t jschema_add(gbuild_t *b, const char *text, size_t len, const struct jsch
                           je.text, je.line, je.column);
     c.root = root;
     int32_t r = compile(&c, root, "", 0);
-    if (r < 0 && c.code == 0)
-        fail(&c, KVD_ENOMEM, "out of memory");
     if (c.code == 0 && grammar_build_start(b, r) < 0)
-        fail(&c, KVD_ENOMEM, "out of memory");
+        fail(&c, KVD_ERANGE, "the schema's grammar is too large (more than %u states) or memory ran out",
+             GRAMMAR_MAX_STATES);
     json_decref(root);
     jc_fini(&c);
     return c.code ? c.code : r;

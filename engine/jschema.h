@@ -8,11 +8,16 @@
  *   type            object, array, string, number, integer, boolean, null, or
  *                   an array of them; without type, the keywords present say
  *                   which (properties: object, items: array, ...), none: any
+ *   minimum, maximum, exclusiveMinimum, exclusiveMaximum
+ *                   on integers any value; on numbers whole values (0, 1, 100),
+ *                   and a bounded number is written without an exponent
  *   properties, required, additionalProperties (false, true or a schema)
  *   items, prefixItems, minItems, maxItems
  *   minLength, maxLength, pattern (ECMA regexes without lookaround,
  *                   backreferences or word boundaries), format (date, time,
- *                   date-time, uuid, email, ipv4, uri)
+ *                   date-time, uuid, email, ipv4, uri); a pattern or format
+ *                   with length bounds is met exactly (no path is started that
+ *                   cannot satisfy both)
  *   enum, const     any JSON values, written compactly as jansson writes them
  *   anyOf, oneOf    as alternatives (oneOf's "exactly one" is not enforced)
  *   allOf           with a single schema
@@ -23,7 +28,10 @@
  *                   deprecated, discriminator), which constrain nothing
  *
  * Anything else is refused with a reason naming the construct and where it is
- * ("unsupported JSON Schema keyword 'patternProperties' at /properties/x").
+ * ("unsupported JSON Schema keyword 'patternProperties' at /properties/x"), as
+ * is a schema whose grammar would pass GRAMMAR_MAX_STATES (an object with
+ * about a thousand optional properties: each place in the order has its own
+ * states) or that admits no document.
  *
  * What is generated, within what the schema allows: properties in the
  * schema's order, each optional one present or skipped, then (where

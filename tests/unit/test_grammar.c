@@ -214,6 +214,17 @@ static bool valid(const json_t *root, const json_t *s, const json_t *v, int dept
         if (!any)
             return false;
     }
+    if (json_is_number(v)) {
+        double x = json_number_value(v);
+        if ((k = json_object_get(s, "minimum")) && x < json_number_value(k))
+            return false;
+        if ((k = json_object_get(s, "maximum")) && x > json_number_value(k))
+            return false;
+        if ((k = json_object_get(s, "exclusiveMinimum")) && x <= json_number_value(k))
+            return false;
+        if ((k = json_object_get(s, "exclusiveMaximum")) && x >= json_number_value(k))
+            return false;
+    }
     if (json_is_string(v)) {
         size_t n = json_string_length(v), len = cp_len(json_string_value(v), n);
         if ((k = json_object_get(s, "minLength")) && len < (size_t)json_integer_value(k))
@@ -303,7 +314,10 @@ static void test_refused(void)
           "unsupported JSON Schema keyword 'patternProperties' at the top level" },
         { "{\"properties\":{\"x\":{\"type\":\"object\",\"patternProperties\":{}}}}",
           "unsupported JSON Schema keyword 'patternProperties' at /properties/x" },
-        { "{\"type\":\"integer\",\"minimum\":0}", "keyword 'minimum' at the top level" },
+        { "{\"type\":\"integer\",\"multipleOf\":2}", "keyword 'multipleOf' at the top level" },
+        { "{\"type\":\"number\",\"minimum\":-2.5}", "'minimum' -2.5 on a number (whole-number bounds only)" },
+        { "{\"type\":\"integer\",\"minimum\":10,\"maximum\":5}", "admits no JSON document" },
+        { "{\"type\":\"integer\",\"exclusiveMinimum\":true}", "'exclusiveMinimum' must be a number" },
         { "{\"type\":\"array\",\"items\":{\"type\":\"object\",\"properties\":{\"a~b/c\":{\"not\":{}}}}}",
           "keyword 'not' at /items/properties/a~0b~1c" },
         { "{\"anyOf\":[{\"type\":\"null\"},{\"type\":\"string\",\"maxLength\":3,\"contains\":1}]}",
@@ -328,6 +342,8 @@ static void test_refused(void)
         { "{\"type\":", "not JSON" },
         { "{\"type\":\"object\",\"properties\":{\"a\":false},\"required\":[\"a\"]}", "admits no JSON document" },
         { "{\"type\":\"array\",\"uniqueItems\":true}", "'uniqueItems'" },
+        { "{\"type\":\"string\",\"format\":\"date\",\"maxLength\":5}", "admits no JSON document" },
+        { "{\"type\":\"string\",\"pattern\":\"[^\\\\s\\\\S]\",\"maxLength\":5}", "matches no string" },
         { "{\"enum\":[1,2],\"type\":\"string\"}", "no value of 'enum' has the schema's type" },
         { "{\"type\":\"string\",\"maxLength\":-1}", "'maxLength' must be a non-negative integer" },
         { "{\"type\":\"object\",\"required\":[\"x\"],\"additionalProperties\":false}",
@@ -358,6 +374,20 @@ static void test_refused(void)
     grammar_t *g = jschema_compile(deep, strlen(deep), NULL, err, sizeof err);
     CHECK(g == NULL && strstr(err, "nested deeper than 64"));
     grammar_destroy(&g);
+    /* a grammar past the size limit: many optional properties in order */
+    {
+        size_t cap = 1 << 17, n = 0;
+        char *big = malloc(cap);
+        REQUIRE(big != NULL);
+        n += (size_t)snprintf(big + n, cap - n, "{\"type\":\"object\",\"properties\":{");
+        for (int i = 0; i < 1500; i++)
+            n += (size_t)snprintf(big + n, cap - n, "%s\"property_%04d\":{\"type\":\"null\"}", i ? "," : "", i);
+        n += (size_t)snprintf(big + n, cap - n, "}}");
+        g = jschema_compile(big, n, NULL, err, sizeof err);
+        CHECK(g == NULL && strstr(err, "too large"));
+        grammar_destroy(&g);
+        free(big);
+    }
     /* what is accepted: annotations, pydantic's shapes */
     static const char *const ok[] = {
         "{}",
@@ -387,7 +417,7 @@ static const char *S_PERSON =
     "{\"type\":\"object\",\"properties\":{"
     "\"name\":{\"type\":\"string\",\"minLength\":1,\"maxLength\":20},"
     "\"age\":{\"type\":\"integer\"},"
-    "\"email\":{\"type\":\"string\",\"format\":\"email\"},"
+    "\"email\":{\"type\":\"string\",\"format\":\"email\",\"maxLength\":40},"
     "\"tags\":{\"type\":\"array\",\"items\":{\"enum\":[\"a\",\"b\",\"c\"]},\"maxItems\":3},"
     "\"address\":{\"type\":\"object\",\"properties\":{\"street\":{\"type\":\"string\"},"
     "\"zip\":{\"type\":\"string\",\"pattern\":\"^[0-9]{5}$\"}},\"required\":[\"street\"]}},"
@@ -496,6 +526,7 @@ static void test_documents(void)
     REJECT(g, "[\"a\", true]");
     grammar_destroy(&g);
 
+    gstate_t *st;
     /* patterns and formats */
     g = compile_ok("{\"type\":\"object\",\"properties\":{\"p\":{\"type\":\"string\",\"pattern\":\"ab+c\"},"
                    "\"d\":{\"type\":\"string\",\"format\":\"date\"},\"u\":{\"type\":\"string\",\"format\":\"uuid\"},"
@@ -512,6 +543,54 @@ static void test_documents(void)
     REJECT(g, "{\"q\":\"AbC\"}");
     grammar_destroy(&g);
 
+    /* numbers between bounds */
+    g = compile_ok("{\"type\":\"array\",\"prefixItems\":[{\"type\":\"integer\",\"minimum\":-5,\"maximum\":12},"
+                   "{\"type\":\"integer\",\"exclusiveMinimum\":0},{\"type\":\"number\",\"minimum\":0,\"maximum\":1},"
+                   "{\"type\":\"number\",\"exclusiveMinimum\":0,\"exclusiveMaximum\":1},{\"type\":\"number\",\"maximum\":-1},"
+                   "{\"type\":\"integer\",\"minimum\":2.5,\"exclusiveMaximum\":1000}],\"items\":false}");
+    REQUIRE(g != NULL);
+    ACCEPT(g, "[-5]");
+    ACCEPT(g, "[12, 1, 0, 0.5, -1, 3]");
+    ACCEPT(g, "[0, 999, 1.000, 0.001, -1.5, 999]");
+    ACCEPT(g, "[-4, 1000000, 0.25, 0.9999, -100.25, 10]");
+    REJECT(g, "[-6]");
+    REJECT(g, "[13]");
+    REJECT(g, "[-0]");                  /* zero is written 0 */
+    REJECT(g, "[1.5]");
+    REJECT(g, "[0, 0]");
+    REJECT(g, "[0, -1]");
+    REJECT(g, "[0, 1, 1.01]");
+    REJECT(g, "[0, 1, -0.1]");
+    REJECT(g, "[0, 1, 1e0]");           /* no exponent with bounds */
+    REJECT(g, "[0, 1, 1, 0]");
+    REJECT(g, "[0, 1, 1, 0.0]");
+    REJECT(g, "[0, 1, 1, 1.0]");
+    REJECT(g, "[0, 1, 1, 0.5, 0]");
+    REJECT(g, "[0, 1, 1, 0.5, -0.5]");
+    REJECT(g, "[0, 1, 1, 0.5, -1, 2]");
+    REJECT(g, "[0, 1, 1, 0.5, -1, 1000]");
+    grammar_destroy(&g);
+
+    /* a pattern with a length bound: no path that cannot meet both */
+    g = compile_ok("{\"type\":\"array\",\"items\":{\"anyOf\":[{\"type\":\"string\",\"pattern\":\"^a+b$\",\"maxLength\":3},"
+                   "{\"type\":\"string\",\"pattern\":\"^[0-9]{2,6}$\",\"minLength\":4},"
+                   "{\"type\":\"string\",\"format\":\"uri\",\"maxLength\":12}]}}");
+    REQUIRE(g != NULL);
+    ACCEPT(g, "[\"ab\", \"aab\", \"1234\", \"123456\", \"a:b\", \"https://a.io\"]");
+    REJECT(g, "[\"aaab\"]");
+    REJECT(g, "[\"123\"]");
+    REJECT(g, "[\"https://ab.io\"]");
+    st = grammar_state_new(g);
+    CHECK(grammar_accept_bytes(st, "[\"123", 5) && !grammar_accept_byte(st, '"'));
+    grammar_state_destroy(&st);
+    grammar_destroy(&g);
+    g = compile_ok("{\"type\":\"string\",\"pattern\":\"^a+b$\",\"maxLength\":3}");
+    REQUIRE(g != NULL);
+    st = grammar_state_new(g);
+    CHECK(grammar_accept_bytes(st, "\"aa", 3) && !grammar_accept_byte(st, 'a') && grammar_accept_byte(st, 'b'));
+    grammar_state_destroy(&st);
+    grammar_destroy(&g);
+
     /* recursion through $ref; scalars at the top */
     g = compile_ok("{\"$defs\":{\"t\":{\"type\":\"object\",\"properties\":{\"v\":{\"type\":\"integer\"},"
                    "\"kids\":{\"type\":\"array\",\"items\":{\"$ref\":\"#/$defs/t\"}}},\"required\":[\"v\"]}},"
@@ -522,7 +601,7 @@ static void test_documents(void)
     {   /* the stack holds 64 return points: recursion stops where it would have no
          * room to finish, and what is open can still be closed */
         int levels = 0;
-        gstate_t *st = grammar_state_new(g);
+        st = grammar_state_new(g);
         while (levels < 100 && grammar_accept_bytes(st, "{\"v\":0,\"kids\":[", 15))
             levels++;
         CHECK(levels > 10 && levels < 64);
@@ -538,7 +617,7 @@ static void test_documents(void)
     ACCEPT(g, "12");
     ACCEPT(g, "null");
     REJECT(g, "1.5");
-    gstate_t *st = grammar_state_new(g);
+    st = grammar_state_new(g);
     CHECK(grammar_accept_bytes(st, "12", 2) && grammar_is_complete(st) && grammar_accept_byte(st, '3'));
     grammar_state_destroy(&st);
     grammar_destroy(&g);
@@ -727,7 +806,7 @@ static const char *const walk_schemas[] = {
     /* const, formats, a tuple, anyOf with null, enum of mixed values */
     "{\"type\":\"object\",\"properties\":{\"kind\":{\"const\":\"event\"},"
     "\"when\":{\"type\":\"string\",\"format\":\"date-time\"},\"id\":{\"type\":\"string\",\"format\":\"uuid\"},"
-    "\"loc\":{\"type\":\"array\",\"prefixItems\":[{\"type\":\"number\"},{\"type\":\"number\"}],\"items\":false,"
+    "\"loc\":{\"type\":\"array\",\"prefixItems\":[{\"type\":\"number\",\"minimum\":-90,\"maximum\":90},{\"type\":\"number\"}],\"items\":false,"
     "\"minItems\":2},\"note\":{\"anyOf\":[{\"type\":\"string\",\"minLength\":3,\"maxLength\":10},{\"type\":\"null\"}]},"
     "\"level\":{\"enum\":[1,2.5,\"high\",null,true,{\"x\":[1]}]}},"
     "\"required\":[\"kind\",\"when\",\"id\",\"loc\",\"level\"],\"additionalProperties\":false}",
@@ -736,7 +815,7 @@ static const char *const walk_schemas[] = {
     "\"additionalProperties\":{\"type\":\"array\",\"items\":{\"type\":\"integer\"},\"minItems\":1,\"maxItems\":4}}",
     /* objects with enums in an array, a pattern */
     "{\"type\":\"array\",\"items\":{\"type\":\"object\",\"properties\":{"
-    "\"sku\":{\"type\":\"string\",\"pattern\":\"^[A-Z]{3}-[0-9]{2,4}$\"},\"qty\":{\"type\":\"integer\"},"
+    "\"sku\":{\"type\":\"string\",\"pattern\":\"^[A-Z]{3}-[0-9]{2,4}$\",\"maxLength\":7},\"qty\":{\"type\":\"integer\",\"minimum\":1,\"maximum\":100},"
     "\"status\":{\"enum\":[\"new\",\"shipped\",\"lost\"]},\"memo\":{\"type\":\"string\"}},"
     "\"required\":[\"sku\",\"qty\",\"status\"]},\"minItems\":1,\"maxItems\":5}",
     /* scalars at the top */
@@ -749,24 +828,15 @@ static const char *const walk_schemas[] = {
 
 /* The mask against brute force at chosen states: strings with and without a
  * maximum length, at every count up to it, inside a character and an escape. */
-static void test_exact(const gtrie_t *trie)
+static void exact_at(const gtrie_t *trie, const char *schema, const char *const *prefixes, size_t n)
 {
-    grammar_t *g = compile_ok("{\"type\":\"object\",\"properties\":{\"s\":{\"type\":\"string\",\"maxLength\":40},"
-                              "\"t\":{\"type\":\"string\",\"minLength\":3},\"u\":{\"type\":\"string\"}}}");
+    grammar_t *g = compile_ok(schema);
     REQUIRE(g != NULL);
-    static const char *const prefixes[] = {
-        "{\"s\":\"", "{\"s\":\"a", "{\"s\":\"\xc3\xa9\xc3\xa9\xc3\xa9", "{\"s\":\"abcdefghijklmnopqrst",
-        "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789a", "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789ab",
-        "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789abc", "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789abcd",
-        "{\"s\":\"abcdefghijklmnopqrstuvwxyz01234567\xe2\x82", "{\"s\":\"\xf0\x9f", "{\"s\":\"ab\\",
-        "{\"s\":\"ab\\u00", "{\"t\":\"", "{\"t\":\"ab", "{\"t\":\"abc", "{\"u\":\"", "{\"u\":\"\xe2",
-        "{\"u\":\"\xe2\x82", "{\"u\":\"x\\", "{\"u\":\"x\"", "{", "{\"", "{\"s\":\"x\",",
-    };
     uint32_t nv = grammar_trie_n_vocab(trie), words = (nv + 31) / 32;
     uint32_t *a = malloc(words * 4), *b = malloc(words * 4);
     gstate_t *s = grammar_state_new(g);
     REQUIRE(a && b && s);
-    for (size_t i = 0; i < sizeof prefixes / sizeof *prefixes; i++) {
+    for (size_t i = 0; i < n; i++) {
         grammar_state_reset(s);
         REQUIRE(grammar_accept_bytes(s, prefixes[i], strlen(prefixes[i])));
         uint32_t na = 0, nb = 0;
@@ -783,6 +853,32 @@ static void test_exact(const gtrie_t *trie)
     free(a);
     free(b);
     grammar_destroy(&g);
+}
+
+/* The mask against brute force at chosen states: strings with and without a
+ * maximum length, at every count up to it, inside a character and an escape;
+ * several paths at once, strings among them. */
+static void test_exact(const gtrie_t *trie)
+{
+    static const char *const strings[] = {
+        "{\"s\":\"", "{\"s\":\"a", "{\"s\":\"\xc3\xa9\xc3\xa9\xc3\xa9", "{\"s\":\"abcdefghijklmnopqrst",
+        "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789a", "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789ab",
+        "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789abc", "{\"s\":\"abcdefghijklmnopqrstuvwxyz0123456789abcd",
+        "{\"s\":\"abcdefghijklmnopqrstuvwxyz01234567\xe2\x82", "{\"s\":\"\xf0\x9f", "{\"s\":\"ab\\",
+        "{\"s\":\"ab\\u00", "{\"t\":\"", "{\"t\":\"ab", "{\"t\":\"abc", "{\"u\":\"", "{\"u\":\"\xe2",
+        "{\"u\":\"\xe2\x82", "{\"u\":\"x\\", "{\"u\":\"x\"", "{", "{\"", "{\"s\":\"x\",",
+    };
+    exact_at(trie, "{\"type\":\"object\",\"properties\":{\"s\":{\"type\":\"string\",\"maxLength\":40},"
+             "\"t\":{\"type\":\"string\",\"minLength\":3},\"u\":{\"type\":\"string\"}}}",
+             strings, sizeof strings / sizeof *strings);
+    static const char *const alts[] = {
+        "", "\"", "\"20", "\"x", "\"abcd", "\"abcde", "\"2024-01-0", "1", "-", "[", "[1, ", "[1, \"a",
+    };
+    exact_at(trie, "{\"anyOf\":[{\"type\":\"string\",\"format\":\"date\"},{\"type\":\"string\",\"maxLength\":5},"
+             "{\"type\":\"string\",\"pattern\":\"^x\"},{\"type\":\"string\"},{\"type\":\"number\"},"
+             "{\"type\":\"integer\",\"minimum\":-3},{\"type\":\"array\",\"items\":{\"type\":[\"number\",\"string\"]}},"
+             "{\"type\":\"array\",\"items\":{\"type\":\"string\",\"maxLength\":2}}]}",
+             alts, sizeof alts / sizeof *alts);
 }
 
 static void test_model(const char *path, int walks, int exact_walks, int exact_every)
