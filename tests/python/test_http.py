@@ -737,7 +737,12 @@ def test_structured_output(api: HttpDaemon) -> None:
     body = {"messages": [{"role": "user", "content": "Some facts about cats as JSON."}], "max_tokens": 200,
             "temperature": 0, "response_format": {"type": "json_object"}}
     s, _, b = api.post("/v1/chat/completions", body)
-    assert s == 200 and isinstance(json.loads(b["choices"][0]["message"]["content"]), dict), b
+    assert s == 200, b
+    # a JSON object however it ends (an object's strings have no bound: max_tokens may cut one)
+    content, finish = b["choices"][0]["message"]["content"], b["choices"][0]["finish_reason"]
+    assert content.startswith("{"), content
+    if finish == "stop":
+        assert isinstance(json.loads(content), dict)
     st, _, raw = api.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}))
     streamed = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
                        for line in raw.decode().splitlines() if line.startswith("data: {")
