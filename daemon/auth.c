@@ -318,6 +318,13 @@ int auth_curve_server(void *sock, const struct curve_cert *server, int domain, c
         zmq_setsockopt(sock, ZMQ_ZAP_DOMAIN, dn, strlen(dn)) != 0)
         return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "CURVE: %s (does this ZeroMQ have CURVE?)",
                           zmq_strerror(errno));
+    /* a connection that has not proven a key within this long is dropped, so
+     * that unauthenticated connections hold descriptors briefly (ZeroMQ has no
+     * limit on a listener's connections: an untrusted network's is the
+     * firewall's, e.g. iptables connlimit) */
+    const int handshake_ms = AUTH_HANDSHAKE_MS;
+    if (zmq_setsockopt(sock, ZMQ_HANDSHAKE_IVL, &handshake_ms, sizeof(handshake_ms)) != 0)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "CURVE: ZMQ_HANDSHAKE_IVL: %s", zmq_strerror(errno));
     if (zmq_setsockopt(sock, ZMQ_ZAP_ENFORCE_DOMAIN, &one, sizeof(one)) != 0)
         return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
                           "this ZeroMQ cannot enforce its ZAP domain (ZMQ_ZAP_ENFORCE_DOMAIN: %s): "

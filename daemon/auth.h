@@ -59,6 +59,8 @@ void auth_stats(kvd_auth_t *a, struct auth_stats *st);
  * Accepts NULL; sets *a to NULL. */
 void auth_destroy(kvd_auth_t **a);
 
+#define AUTH_HANDSHAKE_MS 3000   /* a CURVE connection must prove its key within this long */
+
 /* Makes sock (before it binds) a CURVE server with key pair server in ZAP
  * domain `domain` (AUTH_CLIENTS, AUTH_WORKERS, AUTH_EVENTS), the domain enforced. 0, or
  * KVD_EUNSUPPORTED with the reason. */

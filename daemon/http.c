@@ -68,6 +68,7 @@
 #define SWEEP_MS 250            /* how often the deadlines are checked */
 #define RESERVED_FDS 256        /* descriptors kvd keeps for everything but HTTP */
 #define FDS_PER_JOB 8           /* a job: its epoll and eventfd, its client's sockets */
+#define MAX_UNSENT (8u << 20)   /* a stream's events its client has not read: past it, given up */
 
 /* HTTP statuses counted for /metrics (kvd_http_requests_total{code}). */
 static const unsigned counted[] = { 200, 400, 401, 404, 405, 413, 415, 429, 500, 503, 504 };
@@ -81,6 +82,7 @@ struct api_key {
  * request it is receiving. */
 struct conn {
     int fd;                     /* its socket: valid until the CLOSED notice removes the entry */
+    uint64_t src;               /* its source's key (src_key) */
     double since;               /* ms: receiving a request since (opened, or the last answer's end) */
     bool busy;                  /* a request is in and being answered: no deadline */
     bool shut;                  /* its deadline passed and its socket was shut down */
@@ -113,7 +115,136 @@ struct http_server {
     _Atomic uint64_t n_conns, timeouts, gone, mem_refused, busy_refused;
     _Atomic uint64_t log_suppressed;
     _Atomic int64_t log_second;
+    struct src *srcs;           /* (SRC_SLOTS) the sources with connections or bodies, under mu */
 };
+
+/*
+ * Sources: what one client address holds — connections (at most
+ * --http-max-conns-per-ip) and request bodies (at most a quarter of
+ * --http-max-memory, and at least one body of --max-body) — so that one
+ * client cannot take what every client shares. A source is an IPv4 address,
+ * an IPv6 /64, and the whole loopback range as one (127.0.0.0/8 and ::1:
+ * any local user can bind every 127.x address).
+ */
+#define SRC_SLOTS 16384             /* more than connections can ever be open */
+struct src {
+    uint64_t key;                   /* 0: a free slot */
+    uint32_t conns;
+    uint64_t body;                  /* bytes of bodies charged to it */
+};
+
+static bool mem_take(struct http_server *s, uint64_t n);
+static void mem_give(struct http_server *s, uint64_t n);
+
+static uint64_t src_key(const struct sockaddr *sa)
+{
+    if (sa == NULL)
+        return 1;
+    if (sa->sa_family == AF_INET) {
+        const uint32_t a = ntohl(((const struct sockaddr_in *)sa)->sin_addr.s_addr);
+        return (a >> 24) == 127 ? 2 : (1ull << 32) | a;
+    }
+    if (sa->sa_family == AF_INET6) {
+        const uint8_t *b = ((const struct sockaddr_in6 *)sa)->sin6_addr.s6_addr;
+        static const uint8_t v4mapped[12] = { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff };
+        static const uint8_t loop6[16] = { [15] = 1 };
+        if (memcmp(b, loop6, 16) == 0)
+            return 2;
+        if (memcmp(b, v4mapped, 12) == 0) {
+            const uint32_t a = (uint32_t)b[12] << 24 | (uint32_t)b[13] << 16 | (uint32_t)b[14] << 8 | b[15];
+            return (a >> 24) == 127 ? 2 : (1ull << 32) | a;
+        }
+        uint64_t k = 0;
+        memcpy(&k, b, 8);                           /* the /64 */
+        return (k * 0x9e3779b97f4a7c15ull) | (1ull << 63);
+    }
+    return 1;
+}
+
+static uint32_t src_home(uint64_t key)
+{
+    return (uint32_t)((key * 0xff51afd7ed558ccdull) >> 40) & (SRC_SLOTS - 1);
+}
+
+/* The slot of key (its own, or the free one it would take); mu held. */
+static struct src *src_slot_locked(struct http_server *s, uint64_t key)
+{
+    const uint32_t h = src_home(key);
+    for (uint32_t i = 0; i < SRC_SLOTS; i++) {
+        struct src *e = &s->srcs[(h + i) & (SRC_SLOTS - 1)];
+        if (e->key == key || e->key == 0)
+            return e;
+    }
+    return NULL;                                    /* full: more sources than connections can be */
+}
+
+/* Drops slot e when it holds nothing, moving the entries after it back so
+ * that every probe sequence stays whole; mu held. */
+static void src_release_locked(struct http_server *s, struct src *e)
+{
+    if (e->conns != 0 || e->body != 0)
+        return;
+    uint32_t hole = (uint32_t)(e - s->srcs);
+    e->key = 0;
+    for (uint32_t j = (hole + 1) & (SRC_SLOTS - 1); s->srcs[j].key != 0; j = (j + 1) & (SRC_SLOTS - 1)) {
+        const uint32_t home = src_home(s->srcs[j].key);
+        /* the entry at j may fill the hole unless its home lies in (hole, j] */
+        const bool stays = hole < j ? home > hole && home <= j : home > hole || home <= j;
+        if (!stays) {
+            s->srcs[hole] = s->srcs[j];
+            s->srcs[j] = (struct src){ 0 };
+            hole = j;
+        }
+    }
+}
+
+/* Charges n bytes of body to source key: false (nothing charged) past its share. */
+static bool src_take(struct http_server *s, uint64_t key, uint64_t n)
+{
+    uint64_t share = s->p.max_memory / 4;
+    if (share < (uint64_t)s->p.max_body + 1)
+        share = (uint64_t)s->p.max_body + 1;
+    pthread_mutex_lock(&s->mu);
+    struct src *e = src_slot_locked(s, key);
+    const bool ok = e != NULL && e->body + n <= share;
+    if (ok) {
+        e->key = key;
+        e->body += n;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return ok;
+}
+
+static void src_give(struct http_server *s, uint64_t key, uint64_t n)
+{
+    if (n == 0)
+        return;
+    pthread_mutex_lock(&s->mu);
+    struct src *e = src_slot_locked(s, key);
+    if (e != NULL && e->key == key) {
+        e->body = e->body > n ? e->body - n : 0;
+        src_release_locked(s, e);
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Bytes of a request's body: from the server's budget and its source's share. */
+static bool body_take(struct http_server *s, uint64_t key, uint64_t n)
+{
+    if (!src_take(s, key, n))
+        return false;
+    if (!mem_take(s, n)) {
+        src_give(s, key, n);
+        return false;
+    }
+    return true;
+}
+
+static void body_give(struct http_server *s, uint64_t key, uint64_t n)
+{
+    mem_give(s, n);
+    src_give(s, key, n);
+}
 
 static void count_status(struct http_server *s, unsigned status)
 {
@@ -277,6 +408,7 @@ struct job {
     char *body;                 /* the request's body (NUL-terminated), until parsed */
     size_t len;
     uint64_t charged;           /* bytes of the budget the body holds */
+    uint64_t src;               /* the source they are charged to */
     const char *tenant;         /* the API key's tenant (the server's string), or NULL */
     bool operator;              /* the request came with the operator's key */
     int efd;                    /* eventfd: written to give the job up (client gone, shutdown) */
@@ -306,7 +438,7 @@ static void job_put(struct job *j)
     if (j->body != NULL)
         free(j->body);
     if (j->charged > 0)
-        mem_give(j->s, j->charged);
+        body_give(j->s, j->src, j->charged);
     free(j->answer);
     free(j->out);
     if (j->efd >= 0)
@@ -436,7 +568,11 @@ static bool emit(struct job *j, json_t *o)
     } else {
         if (j->out_sent > 0 && j->out_sent == j->out_len)
             j->out_len = j->out_sent = 0;
-        if (j->out_len + len + 1 > j->out_cap) {
+        if (j->out_len - j->out_sent + len > MAX_UNSENT) {
+            /* its client does not read what it asked for: given up (cancelled),
+             * not held in memory without bound */
+            ok = false;
+        } else if (j->out_len + len + 1 > j->out_cap) {
             const size_t cap = (j->out_len + len + 1) * 2;
             char *b = realloc(j->out, cap);
             if (b == NULL) {
@@ -1278,7 +1414,7 @@ static bool job_parse(struct job *j, json_t **root)
     tl_acct = NULL;
     free(j->body);
     j->body = NULL;
-    mem_give(s, j->charged);
+    body_give(s, j->src, j->charged);
     j->charged = 0;
     if (*root != NULL)
         return true;
@@ -2381,6 +2517,7 @@ struct req {
     char *body;                 /* what came of its body, NUL-terminated */
     size_t len, cap;
     uint64_t charged;           /* bytes of the memory budget it holds */
+    uint64_t src;               /* its connection's source, charged the same */
     unsigned refuse;            /* decided from the head or while the body came: answered at its end */
     const char *refuse_code;    /* OpenAI's error code for it */
     unsigned refuse_retry;      /* Retry-After */
@@ -2451,7 +2588,14 @@ static void on_connection(void *cls, struct MHD_Connection *c, void **socket_con
         }
         cn->fd = ci->connect_fd;
         cn->since = now_ms();
+        const union MHD_ConnectionInfo *ai = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+        cn->src = src_key(ai != NULL ? ai->client_addr : NULL);
         pthread_mutex_lock(&s->mu);
+        struct src *e = src_slot_locked(s, cn->src);
+        if (e != NULL) {
+            e->key = cn->src;
+            e->conns++;
+        }
         cn->next = s->conns;
         if (s->conns)
             s->conns->prev = cn;
@@ -2464,6 +2608,11 @@ static void on_connection(void *cls, struct MHD_Connection *c, void **socket_con
          * descriptor that is closed (or another's) */
         struct conn *cn = *socket_context;
         pthread_mutex_lock(&s->mu);
+        struct src *e = src_slot_locked(s, cn->src);
+        if (e != NULL && e->key == cn->src) {
+            e->conns--;
+            src_release_locked(s, e);
+        }
         if (cn->prev)
             cn->prev->next = cn->next;
         else
@@ -2475,6 +2624,19 @@ static void on_connection(void *cls, struct MHD_Connection *c, void **socket_con
         free(cn);
         *socket_context = NULL;
     }
+}
+
+/* A new connection: refused when its source has --http-max-conns-per-ip. */
+static enum MHD_Result accept_policy(void *cls, const struct sockaddr *addr, socklen_t addrlen)
+{
+    struct http_server *s = cls;
+    (void)addrlen;
+    const uint64_t key = src_key(addr);
+    pthread_mutex_lock(&s->mu);
+    const struct src *e = src_slot_locked(s, key);
+    const bool ok = e != NULL && (e->key != key || e->conns < s->p.max_conns_per_ip);
+    pthread_mutex_unlock(&s->mu);
+    return ok ? MHD_YES : MHD_NO;
 }
 
 /* The route of a method and path: R_NONE with *status 404 or 405. */
@@ -2564,16 +2726,19 @@ static enum MHD_Result begin(struct http_server *s, struct MHD_Connection *c, co
     }
     /* a declared body takes its memory now, so that bodies that would not fit
      * are refused before they are sent */
-    if (declared > 0 && !mem_take(s, declared + 1))
-        return refuse(s, c, con_cls, 503, "the HTTP layer holds as many request bodies as it may "
-                      "(--http-max-memory): retry later", NULL, 1);
+    const struct conn *cn = conn_of(c);
+    const uint64_t src = cn != NULL ? cn->src : 1;
+    if (declared > 0 && !body_take(s, src, declared + 1))
+        return refuse(s, c, con_cls, 503, "the HTTP layer holds as many request bodies as it may, in all or "
+                      "from this client (--http-max-memory): retry later", NULL, 1);
     struct req *q = calloc(1, sizeof(*q));
     if (q == NULL || (declared > 0 && (q->body = malloc(declared + 1)) == NULL)) {
         if (declared > 0)
-            mem_give(s, declared + 1);
+            body_give(s, src, declared + 1);
         free(q);
         return MHD_NO;
     }
+    q->src = src;
     q->route = route;
     q->tenant = tenant;
     q->operator = operator;
@@ -2594,8 +2759,8 @@ static void gather(struct http_server *s, struct req *q, const char *data, size_
     } else if (q->len + n + 1 > q->cap) {
         const size_t cap = q->len + n + 1 > 2 * q->cap ? q->len + n + 1 : 2 * q->cap;
         char *b = NULL;
-        if (mem_take(s, cap - q->cap) && (b = realloc(q->body, cap)) == NULL)
-            mem_give(s, cap - q->cap);
+        if (body_take(s, q->src, cap - q->cap) && (b = realloc(q->body, cap)) == NULL)
+            body_give(s, q->src, cap - q->cap);
         if (b == NULL) {
             q->refuse = 503;
             q->refuse_retry = 1;
@@ -2610,7 +2775,7 @@ static void gather(struct http_server *s, struct req *q, const char *data, size_
     if (q->refuse != 0) {
         free(q->body);
         q->body = NULL;
-        mem_give(s, q->charged);
+        body_give(s, q->src, q->charged);
         q->charged = 0;
         q->len = q->cap = 0;
         return;
@@ -2649,6 +2814,7 @@ static enum MHD_Result complete(struct http_server *s, struct MHD_Connection *c,
     j->body = q->body;
     j->len = q->len;
     j->charged = q->charged;
+    j->src = q->src;
     q->body = NULL;
     q->charged = 0;
     pthread_mutex_init(&j->mu, NULL);
@@ -2816,7 +2982,7 @@ static void completed(void *cls, struct MHD_Connection *c, void **con_cls, enum 
             job_put(q->job);
         free(q->body);
         if (q->charged > 0)
-            mem_give(s, q->charged);
+            body_give(s, q->src, q->charged);
         free(q);
         *con_cls = NULL;
     }
@@ -2954,14 +3120,20 @@ http_server_t *http_start(const struct http_params *p, char *err, size_t errlen)
         http_stop(&s);
         return NULL;
     }
-    s->d = MHD_start_daemon(MHD_USE_POLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG, 0, NULL,
-                            NULL, handle, s, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
+    s->srcs = calloc(SRC_SLOTS, sizeof(*s->srcs));
+    if (s->srcs == NULL) {
+        snprintf(err, errlen, "out of memory");
+        http_stop(&s);
+        return NULL;
+    }
+    s->d = MHD_start_daemon(MHD_USE_POLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG, 0,
+                            accept_policy, s, handle, s, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, s,
+                            MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
                             MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)s->p.timeout_s,
                             MHD_OPTION_CONNECTION_LIMIT, (unsigned int)s->p.max_conns,
-                            MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned int)s->p.max_conns_per_ip,
                             MHD_OPTION_NOTIFY_CONNECTION, on_connection, s,
                             MHD_OPTION_NOTIFY_COMPLETED, completed, s,
-                            MHD_OPTION_EXTERNAL_LOGGER, mhd_log, s, MHD_OPTION_END);
+                            MHD_OPTION_END);
     if (s->d == NULL) {
         snprintf(err, errlen, "--http %s: cannot listen there (in use, or not an address of this machine)",
                  p->bind);
@@ -3030,6 +3202,7 @@ void http_stop(http_server_t **sp)
     }
     free(s->keys);
     free(s->operator_key);
+    free(s->srcs);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     free(s);

@@ -400,18 +400,54 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
 
 /* ---- set-up -------------------------------------------------------------------------------- */
 
-/* Makes dir (and its parent) a private directory of ours. */
-static void private_dir(const char *dir)
+/* Makes sure kvd may put sockets in dir, which must be private: a directory
+ * kvd makes is 0700; one that exists must be a real directory (lstat: not a
+ * symbolic link, which another user may have planted or may swap later) of
+ * this user's. kvd's own runtime directory (`runtime`: the default endpoint's)
+ * is made private when it is not; any other directory is never chmod'ed (an
+ * ipc:// path in /tmp or $HOME is not kvd's to lock down) and is refused when
+ * other users may enter it, since they could connect to what binds there. */
+static void private_dir(const char *dir, bool runtime)
 {
-    if (mkdir(dir, 0700) != 0 && errno != EEXIST)
+    if (mkdir(dir, 0700) == 0)
+        return;
+    if (errno != EEXIST)
         cli_die("cannot create %s: %s", dir, strerror(errno));
     struct stat st;
-    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))
+    if (lstat(dir, &st) != 0)
+        cli_die("cannot examine %s: %s", dir, strerror(errno));
+    if (S_ISLNK(st.st_mode))
+        cli_die("%s is a symbolic link; refusing to put sockets there", dir);
+    if (!S_ISDIR(st.st_mode))
         cli_die("%s is not a directory", dir);
     if (st.st_uid != getuid())
-        cli_die("%s belongs to another user; refusing to put sockets there", dir);
-    if ((st.st_mode & 077) != 0 && chmod(dir, 0700) != 0)
+        cli_die("%s belongs to another user; refusing to put sockets there (set KVD_ENDPOINT or "
+                "XDG_RUNTIME_DIR, or give --listen a directory of yours)", dir);
+    if ((st.st_mode & 077) == 0)
+        return;
+    if (!runtime)
+        cli_die("%s is open to other users (mode %03o), who could connect to the sockets there; give a "
+                "private directory (kvd makes one 0700 when it is missing)", dir, (unsigned)(st.st_mode & 0777));
+    /* kvd's runtime directory: made private through a descriptor of this
+     * very directory (no link followed, the one examined above) */
+    const int fd = open(dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    struct stat fst;
+    if (fd < 0 || fstat(fd, &fst) != 0 || fst.st_dev != st.st_dev || fst.st_ino != st.st_ino ||
+        fchmod(fd, 0700) != 0)
         cli_die("cannot make %s private: %s", dir, strerror(errno));
+    close(fd);
+}
+
+/* Whether ipc:// endpoint ep is in the default endpoint's directory. */
+static bool in_runtime_dir(const char *ep)
+{
+    char def[4096], a[4096], b[4096];
+    kvd_default_endpoint(def, sizeof(def));
+    if (strncmp(def, "ipc://", 6) != 0 || strncmp(ep, "ipc://", 6) != 0)
+        return false;
+    snprintf(a, sizeof(a), "%s", def + 6);
+    snprintf(b, sizeof(b), "%s", ep + 6);
+    return strcmp(dirname(a), dirname(b)) == 0;
 }
 
 /* An endpoint kvd is about to bind, as `what` names it (--listen, ...): an
@@ -423,7 +459,7 @@ static void check_endpoint(const struct kvd *k, const char *what, const char *ep
     if (strncmp(ep, "ipc://", 6) == 0) {
         char path[4096];
         snprintf(path, sizeof(path), "%s", ep + 6);
-        private_dir(dirname(path));
+        private_dir(dirname(path), in_runtime_dir(ep));
         return;
     }
     if (strncmp(ep, "tcp://", 6) != 0)
@@ -1073,7 +1109,7 @@ static void setup(struct kvd *k)
             if (strncmp(path, "ipc://", 6) != 0)
                 snprintf(path, sizeof(path), "ipc:///tmp/kvd-%u/kvd.sock", (unsigned)getuid());
             snprintf(dir, sizeof(dir), "%s", dirname(path + 6));
-            private_dir(dir);
+            private_dir(dir, true);
         }
         gpu_setup(k, dir);
         kvd_log(k, "workers connect to %s (kvd-worker --pool %s --connect %s --model %s --id N "

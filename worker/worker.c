@@ -1219,6 +1219,7 @@ int main(int argc, char **argv)
         remove_seq(&w, 0);
     }
     free(w.seqs);
+    free(w.pending);
     free(w.batch);
     free(w.in_batch);
     free(w.draws);

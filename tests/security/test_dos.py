@@ -20,11 +20,12 @@ CHAT = [{"role": "user", "content": "Tell me a long story about a lighthouse kee
 
 
 def test_idle_and_half_open_connections(tmp_path: Path, kvds: list[Kvd]) -> None:
-    """Item 1: 2,000 idle or half-sent connections (from ten other addresses, 200 each) cost a descriptor
-    each and no thread; a fresh client is served; one address gets --http-max-conns-per-ip; a request
-    whose head trickles in is cut at --http-timeout however often bytes come."""
+    """Item 1: 2,000 idle or half-sent connections (from ten loopback addresses, 200 each) cost a
+    descriptor each and no thread; a fresh client is served; one source gets --http-max-conns-per-ip,
+    every 127.x address counting as one (any local user can bind them all); a request whose head
+    trickles in is cut at --http-timeout however often bytes come."""
     raise_fd_limit(4500)
-    k = Kvd(tmp_path / "kvd", "--kv-memory", "32MiB", "--http-timeout", "4", "--http-max-conns-per-ip", "256",
+    k = Kvd(tmp_path / "kvd", "--kv-memory", "32MiB", "--http-timeout", "4", "--http-max-conns-per-ip", "2100",
             http=True)
     kvds.append(k)
     pid = k.proc.pid
@@ -52,20 +53,36 @@ def test_idle_and_half_open_connections(tmp_path: Path, kvds: list[Kvd]) -> None
         for c in conns:
             c.close()
     wait_for("the connections closed in kvd", lambda: k.metrics()["kvd_http_connections"] <= 1)
-    # one address: no more than --http-max-conns-per-ip of its connections are kept
+    # one source: no more than --http-max-conns-per-ip of its connections are kept, and
+    # 127.0.0.2 ... 127.0.0.251 are one source
+    k2 = Kvd(tmp_path / "kvd2", "--kv-memory", "32MiB", "-w", "0", "--http-max-conns-per-ip", "64", http=True,
+             workers=0)
+    kvds.append(k2)
     crowd = []
     try:
-        for _ in range(300):
+        for i in range(250):
             c = socket.socket()
-            c.bind(("127.0.0.50", 0))
-            c.connect(("127.0.0.1", k.port))
+            c.bind((f"127.0.0.{2 + i}", 0))
+            c.connect(("127.0.0.1", k2.port))
             crowd.append(c)
-        wait_for("kvd at the per-address limit", lambda: k.metrics()["kvd_http_connections"] >= 257)
-        assert k.metrics()["kvd_http_connections"] <= 257
-        assert k.http("GET", "/health")[0] == 200       # another address is served
+        def closed_by_kvd() -> int:
+            n = 0
+            for c in crowd:
+                c.settimeout(0.01)
+                try:
+                    n += c.recv(1) == b""
+                except (TimeoutError, BlockingIOError):
+                    pass
+                except OSError:
+                    n += 1
+            return n
+        wait_for("kvd refusing past the per-source limit", lambda: closed_by_kvd() >= 250 - 64)
+        assert closed_by_kvd() <= 250 - 64 + 1
     finally:
         for c in crowd:
             c.close()
+    wait_for("a fresh client served again", lambda: k2.http("GET", "/health")[0] == 200)
+    k2.stop()
     # slowloris: a head trickled a byte at a time never gets more than the timeout
     slow = socket.create_connection(("127.0.0.1", k.port))
     before = k.metrics()["kvd_http_timeouts_total"]
@@ -310,3 +327,68 @@ def test_crashed_kvd_leaves_no_pool(tmp_path: Path, kvds: list[Kvd]) -> None:
         log.close()
         foreign.unlink(missing_ok=True)
     assert not any(f.startswith(f"kvd-{p.pid}-") for f in os.listdir("/dev/shm"))
+
+
+def test_one_source_holds_a_share_of_body_memory(tmp_path: Path, kvds: list[Kvd]) -> None:
+    """The bodies one client address holds are at most a quarter of --http-max-memory (and at least one
+    --max-body): 16 heads declaring 8 MiB bodies from loopback, held, leave three quarters for others."""
+    k = Kvd(tmp_path / "kvd", "--kv-memory", "32MiB", "-w", "0", "--http-max-memory", "64MiB", "--max-body",
+            "8MiB", http=True, workers=0)
+    kvds.append(k)
+    size = 8 << 20
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {size - 1}\r\nExpect: 100-continue\r\n\r\n").encode()
+    held: list[socket.socket] = []
+    statuses = []
+    try:
+        for _ in range(16):
+            c = socket.create_connection(("127.0.0.1", k.port))
+            c.sendall(head)
+            c.settimeout(k.patience)
+            statuses.append(int(c.recv(4096).split()[1]))
+            held.append(c)
+        # 16 MiB: two bodies of 8 MiB take the share; the others are refused at once
+        assert statuses.count(100) == 2 and statuses.count(503) == 14, statuses
+    finally:
+        for c in held:
+            c.close()
+    # given back with the connections: a body is taken again
+    def accepted() -> bool:
+        c = socket.create_connection(("127.0.0.1", k.port))
+        try:
+            c.sendall(head)
+            c.settimeout(k.patience)
+            return int(c.recv(4096).split()[1]) == 100
+        finally:
+            c.close()
+    wait_for("the share given back", accepted)
+    k.stop()
+
+
+def test_socket_directories_are_private_and_never_links(tmp_path: Path, kvds: list[Kvd]) -> None:
+    """kvd puts sockets only in a private directory of its user's: an ipc:// path in a directory
+    others may enter (/tmp-like) is refused and the directory left as it was (kvd chmod'ed it to 0700
+    before, /tmp included); a runtime directory that is a symbolic link (which another user could plant
+    and later swap) is refused; its own runtime directory, when open, is made 0700."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    r = run_kvd("--listen", f"ipc://{shared}/kvd.sock", "-w", "0", "--kv-memory", "16MiB")
+    assert r.returncode != 0 and "open to other users" in r.stderr, r.stderr
+    assert (shared.stat().st_mode & 0o7777) == 0o1777
+    runtime = tmp_path / "xdg"
+    runtime.mkdir()
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o755)
+    (runtime / "kvd").symlink_to(target)
+    r = run_kvd("-w", "0", "--kv-memory", "16MiB", env={"XDG_RUNTIME_DIR": str(runtime), "KVD_ENDPOINT": ""})
+    assert r.returncode != 0 and "symbolic link" in r.stderr, r.stderr
+    assert (target.stat().st_mode & 0o777) == 0o755 and not any(target.iterdir())
+    (runtime / "kvd").unlink()
+    (runtime / "kvd").mkdir(mode=0o755)
+    k = Kvd(tmp_path / "unused", "-w", "0", "--kv-memory", "16MiB", listen=False, workers=0, ready=False,
+            env={"XDG_RUNTIME_DIR": str(runtime), "KVD_ENDPOINT": ""})
+    kvds.append(k)
+    wait_for("kvd's socket in its runtime directory", lambda: (runtime / "kvd" / "kvd.sock").exists())
+    assert (runtime / "kvd").stat().st_mode & 0o777 == 0o700
+    k.stop()
