@@ -253,8 +253,11 @@ def test_output_text_is_always_valid_utf8(tmp_path) -> None:  # type: ignore[no-
                 assert streamed == whole.text
                 whole.text.encode("utf-8")  # valid: no lone surrogates either
                 replaced += whole.text.count("\ufffd")
+                # the ids' text, but for a character the end cut short: left out of the
+                # output (its bytes, as U+FFFD, are in the ids' text alone)
                 back = c.detokenize(whole.token_ids)
-                assert back == whole.text
+                assert back.startswith(whole.text) and set(back[len(whole.text):]) <= {"\ufffd"}
+                assert len(back) - len(whole.text) <= 3
         assert replaced > 0, "the random model should have emitted some invalid byte sequence"
     finally:
         _stop_checked(d)

@@ -497,7 +497,8 @@ def test_logit_bias_and_penalties_take_effect(api: HttpDaemon) -> None:
     def greedy(prompt: str, **kw: Any) -> dict[str, Any]:
         s, _, b = api.post("/v1/completions", {"prompt": prompt, "temperature": 0, "logprobs": 0, **kw})
         assert s == 200, b
-        return b["choices"][0]
+        choice: dict[str, Any] = b["choices"][0]
+        return choice
     paris = greedy("The capital of France is", max_tokens=1)
     s, _, tok = api.post("/tokenize", {"prompt": paris["text"]})
     assert s == 200 and len(tok["tokens"]) == 1, tok
@@ -568,9 +569,12 @@ def test_echo_and_prompt_logprobs_score_the_prompt(api: HttpDaemon) -> None:
     # echo with max_tokens 0: the prompt alone, scored (the first token has none)
     r = api.oai.completions.create(model=MODEL_ID, prompt=text, max_tokens=0, echo=True, logprobs=2)
     ch = r.choices[0]
+    assert r.usage is not None
     assert ch.text == text and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
     lp = ch.logprobs
-    assert lp is not None and "".join(lp.tokens) == text and len(lp.tokens) == len(ids)
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert lp.top_logprobs is not None
+    assert "".join(lp.tokens) == text and len(lp.tokens) == len(ids)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     scores = lp.token_logprobs[1:]
     assert all(x is not None and x <= 0 for x in scores)
@@ -643,7 +647,8 @@ def test_responses_api(api: HttpDaemon) -> None:
         {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name three colours."}])
     assert r.output_text == chat.choices[0].message.content
     assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
-    assert r.usage is not None and r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage is not None and chat.usage is not None
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert r.usage.output_tokens == chat.usage.completion_tokens
     # streamed: the Responses events, the same text as whole
     with api.oai.responses.stream(model=MODEL_ID, input="Name three colours.", instructions="Answer briefly.",
@@ -698,7 +703,7 @@ def test_responses_are_each_tenants_own(tmp_path: Path) -> None:
 def test_structured_output(api: HttpDaemon) -> None:
     from typing import Annotated, Literal
 
-    import jsonschema
+    import jsonschema  # type: ignore[import-untyped]
     from pydantic import BaseModel, Field
 
     class City(BaseModel):
@@ -717,13 +722,13 @@ def test_structured_output(api: HttpDaemon) -> None:
 
     # the openai package's parse(): the schema of a pydantic model, the output parsed back into it
     for model, ask in ((City, "Describe Paris."), (Country, "Describe France."), (Atlas, "An atlas of Europe.")):
-        r = api.oai.chat.completions.parse(model=MODEL_ID, messages=[{"role": "user", "content": ask + " As JSON."}],
+        p = api.oai.chat.completions.parse(model=MODEL_ID, messages=[{"role": "user", "content": ask + " As JSON."}],
                                            response_format=model, max_tokens=400, temperature=0)
-        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
-        assert isinstance(r.choices[0].message.parsed, model)
+        assert p.choices[0].finish_reason == "stop", p.choices[0].message.content
+        assert isinstance(p.choices[0].message.parsed, model)
     # 50 sampled generations against a nested schema: every one parses and validates
     schema = Atlas.model_json_schema()
-    fmt = {"type": "json_schema", "json_schema": {"name": "Atlas", "schema": schema, "strict": True}}
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "Atlas", "schema": schema, "strict": True}}
     outputs = []
     for seed in range(5):
         r = api.oai.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "An atlas, as JSON."}],
@@ -731,7 +736,7 @@ def test_structured_output(api: HttpDaemon) -> None:
         outputs += [(c.finish_reason, c.message.content) for c in r.choices]
     assert len(outputs) == 50
     for finish, text in outputs:
-        assert finish == "stop", text
+        assert finish == "stop" and text is not None, text
         jsonschema.validate(json.loads(text), schema)
     # json_object: any JSON object; streamed the same as whole
     body = {"messages": [{"role": "user", "content": "Some facts about cats as JSON."}], "max_tokens": 200,
