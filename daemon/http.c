@@ -622,6 +622,7 @@ struct oai_req {
     bool stream, include_usage;
     bool echo;                      /* completions: the prompt before the output (and its logprobs) */
     int32_t prompt_lp;              /* vLLM's prompt_logprobs: alternatives, or -1 */
+    const char *tenant;             /* its API key's tenant, or NULL */
     char ns[256];                   /* the cache namespace: the key's tenant, and the request's own */
     char id[40];
     time_t created;
@@ -840,28 +841,56 @@ static const struct field {
 
 /* 0 when every field of the body is one kvd serves as asked; -1 with b naming
  * the first that is not. */
-static int check_fields(json_t *o, bool chat, struct bad *b)
+static int check_fields(json_t *o, const struct field *table, size_t n, unsigned where, const char *kind,
+                        struct bad *b)
 {
     const char *key;
     json_t *v;
     json_object_foreach(o, key, v) {
         const struct field *f = NULL;
-        for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]) && f == NULL; i++)
-            if (strcmp(key, fields[i].name) == 0 && (fields[i].where & (chat ? F_CHAT : F_COMPL)))
-                f = &fields[i];
+        for (size_t i = 0; i < n && f == NULL; i++)
+            if (strcmp(key, table[i].name) == 0 && (table[i].where & where))
+                f = &table[i];
         if (f == NULL)
-            return bad(b, key, "unsupported field '%.64s' in a %s request", key,
-                       chat ? "chat completions" : "completions");
-        /* response_format {"type": "text"} asks for plain text, as no field does */
-        const bool plain_text = strcmp(key, "response_format") == 0 && json_is_object(v) &&
-                                json_object_size(v) == 1 &&
-                                json_is_string(json_object_get(v, "type")) &&
-                                strcmp(json_string_value(json_object_get(v, "type")), "text") == 0;
+            return bad(b, key, "unsupported field '%.64s' in a %s request", key, kind);
         /* best_of 1: the one choice drawn is the best of one */
         const bool best_of_one = strcmp(key, "best_of") == 0 && json_is_integer(v) && json_integer_value(v) == 1;
-        if (!f->implemented && !plain_text && !best_of_one && !neutral_value(v, f->neutral))
+        if (!f->implemented && !best_of_one && !neutral_value(v, f->neutral))
             return bad(b, key, "'%s': %s", f->name, f->what);
     }
+    return 0;
+}
+
+/* A request's "model": absent, null or the served one; else -1 with b and a 404. */
+static int check_model(json_t *o, const struct http_server *s, struct bad *b, unsigned *status)
+{
+    json_t *model = json_object_get(o, "model");
+    if (model == NULL || json_is_null(model))
+        return 0;
+    if (!json_is_string(model))
+        return bad(b, "model", "'model' must be a string");
+    if (strcmp(json_string_value(model), s->model_id) == 0)
+        return 0;
+    *status = 404;
+    return bad(b, "model", "the model '%s' does not exist; this server serves '%s'", json_string_value(model),
+               s->model_id);
+}
+
+/* A request's cache namespace into ns (ns_len bytes): its API key's tenant's
+ * ("tenant:NAME"), with the request's own "namespace" inside it; without a
+ * key, the request's own, which may not be a tenant's or the public
+ * prefix's. Empty: the default namespace. 0, or -1 with b. */
+static int request_ns(json_t *o, const char *tenant, char *ns, size_t ns_len, struct bad *b)
+{
+    json_t *v = json_object_get(o, "namespace");
+    if (v != NULL && !json_is_null(v) && (!json_is_string(v) || json_string_length(v) > 128))
+        return bad(b, "namespace", "'namespace' must be a string of at most 128 bytes");
+    const char *own = json_string_value(v);
+    if (tenant == NULL && own != NULL && (strncmp(own, "tenant:", 7) == 0 || strncmp(own, "public:", 7) == 0))
+        return bad(b, "namespace", "'namespace' may not start with 'tenant:' or 'public:': those are the "
+                   "tenants' and the public prefix's");
+    snprintf(ns, ns_len, "%s%s%s%s", tenant ? "tenant:" : "", tenant ? tenant : "", tenant && own ? "/" : "",
+             own ? own : "");
     return 0;
 }
 
@@ -942,28 +971,21 @@ static int parse_format(json_t *f, bool flat, const char *param, struct kvd_gen_
     return 0;
 }
 
-/* Parses and checks a chat or completions body into r (r->ns holds the key's
- * tenant namespace, or is empty); 0, or -1 with b and the status. */
+/* Parses and checks a chat or completions body into r (r->tenant is the
+ * key's tenant, or NULL); 0, or -1 with b and the status. */
 static int parse_request(struct oai_req *r, const struct http_server *s, struct bad *b, unsigned *status)
 {
     json_t *o = r->root;
     *status = 400;
     if (!json_is_object(o))
         return bad(b, NULL, "the body must be a JSON object");
-    if (check_fields(o, r->chat, b) != 0)
+    if (check_fields(o, fields, sizeof(fields) / sizeof(fields[0]), r->chat ? F_CHAT : F_COMPL,
+                     r->chat ? "chat completions" : "completions", b) != 0)
         return -1;
     kvd_gen_params_init(&r->gp);
     r->n = 1;
-    json_t *model = json_object_get(o, "model");
-    if (model != NULL && !json_is_null(model)) {
-        if (!json_is_string(model))
-            return bad(b, "model", "'model' must be a string");
-        if (strcmp(json_string_value(model), s->model_id) != 0) {
-            *status = 404;
-            return bad(b, "model", "the model '%s' does not exist; this server serves '%s'",
-                       json_string_value(model), s->model_id);
-        }
-    }
+    if (check_model(o, s, b, status) != 0)
+        return -1;
     r->model = s->model_id;
     if (r->chat) {
         json_t *m = json_object_get(o, "messages");
@@ -1172,21 +1194,10 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
     r->gp.stop = r->stops;
     if (get_bool(o, "ignore_eos", &r->gp.ignore_eos, b) < 0)     /* vLLM's extension */
         return -1;
-    json_t *ns = json_object_get(o, "namespace");                   /* kvd's: a cache namespace */
-    if (ns != NULL && !json_is_null(ns) && (!json_is_string(ns) || json_string_length(ns) > 128))
-        return bad(b, "namespace", "'namespace' must be a string of at most 128 bytes");
-    /* without an API key a request's namespace is its own: the tenants' and the
-     * public prefix's are kvd's to name (with a key it is nested in the tenant's) */
-    if (r->ns[0] == '\0' && json_is_string(ns) &&
-        (strncmp(json_string_value(ns), "tenant:", 7) == 0 || strncmp(json_string_value(ns), "public:", 7) == 0))
-        return bad(b, "namespace", "'namespace' may not start with 'tenant:' or 'public:': those are the "
-                   "tenants' and the public prefix's");
-    if (r->ns[0] || json_is_string(ns)) {
-        /* the tenant's, then the request's inside it: "tenant/namespace" */
-        const size_t at = strlen(r->ns);
-        snprintf(r->ns + at, sizeof(r->ns) - at, "%s%s", at ? "/" : "", json_is_string(ns) ? json_string_value(ns) : "");
+    if (request_ns(o, r->tenant, r->ns, sizeof(r->ns), b) != 0)     /* kvd's: a cache namespace */
+        return -1;
+    if (r->ns[0])
         r->gp.ns = r->ns;
-    }
     json_t *user = json_object_get(o, "user");
     if (user != NULL && !json_is_null(user) && !json_is_string(user))
         return bad(b, "user", "'user' must be a string");
@@ -1636,8 +1647,7 @@ static void work_completion(struct job *j, kvd_client_t *kc)
         return;
     }
     r->chat = j->route == R_CHAT;
-    if (j->tenant != NULL)
-        snprintf(r->ns, sizeof(r->ns), "tenant:%s", j->tenant);
+    r->tenant = j->tenant;
     struct bad b = { "", NULL };
     unsigned status;
     tl_acct = &j->acct;     /* what the checks add to the tree (joined message parts) counts too */
@@ -1872,30 +1882,10 @@ static int resp_parse(struct resp_req *q, const struct job *j, struct bad *b, un
     *status = 400;
     if (!json_is_object(o))
         return bad(b, NULL, "the body must be a JSON object");
-    const char *key;
-    json_t *v;
-    json_object_foreach(o, key, v) {
-        const struct field *f = NULL;
-        for (size_t i = 0; i < sizeof(resp_fields) / sizeof(resp_fields[0]) && f == NULL; i++)
-            if (strcmp(key, resp_fields[i].name) == 0)
-                f = &resp_fields[i];
-        if (f == NULL)
-            return bad(b, key, "unsupported field '%.64s' in a responses request", key);
-        if (!f->implemented && !neutral_value(v, f->neutral))
-            return bad(b, key, "'%s': %s", f->name, f->what);
-    }
+    if (check_fields(o, resp_fields, sizeof(resp_fields) / sizeof(resp_fields[0]), F_BOTH, "responses", b) != 0 ||
+        check_model(o, j->s, b, status) != 0)
+        return -1;
     kvd_gen_params_init(&q->gp);
-    const struct http_server *s = j->s;
-    json_t *model = json_object_get(o, "model");
-    if (model != NULL && !json_is_null(model)) {
-        if (!json_is_string(model))
-            return bad(b, "model", "'model' must be a string");
-        if (strcmp(json_string_value(model), s->model_id) != 0) {
-            *status = 404;
-            return bad(b, "model", "the model '%s' does not exist; this server serves '%s'",
-                       json_string_value(model), s->model_id);
-        }
-    }
     double x = 0;
     long long n = 0;
     int rc;
@@ -1935,17 +1925,10 @@ static int resp_parse(struct resp_req *q, const struct job *j, struct bad *b, un
         if (fmt != NULL && parse_format(fmt, true, "text", &q->gp, &q->schema, b) != 0)
             return -1;
     }
-    json_t *ns = json_object_get(o, "namespace");
-    if (ns != NULL && !json_is_null(ns) && (!json_is_string(ns) || json_string_length(ns) > 128))
-        return bad(b, "namespace", "'namespace' must be a string of at most 128 bytes");
-    if (j->tenant == NULL && json_is_string(ns) &&
-        (strncmp(json_string_value(ns), "tenant:", 7) == 0 || strncmp(json_string_value(ns), "public:", 7) == 0))
-        return bad(b, "namespace", "'namespace' may not start with 'tenant:' or 'public:'");
-    if (j->tenant != NULL || json_is_string(ns)) {
-        snprintf(q->ns, sizeof(q->ns), "%s%s%s%s", j->tenant ? "tenant:" : "", j->tenant ? j->tenant : "",
-                 j->tenant && json_is_string(ns) ? "/" : "", json_is_string(ns) ? json_string_value(ns) : "");
+    if (request_ns(o, j->tenant, q->ns, sizeof(q->ns), b) != 0)
+        return -1;
+    if (q->ns[0])
         q->gp.ns = q->ns;
-    }
     /* the conversation: the previous response's turns, instructions, input */
     json_t *prev = json_object_get(o, "previous_response_id");
     if (prev != NULL && !json_is_null(prev)) {
