@@ -213,6 +213,29 @@ static void req_free(struct request *r)
     free(r);
 }
 
+/* ---- structured output's schemas ----------------------------------------------------------------- */
+
+#define SCHEMAS_KEPT 16
+static char *schemas_kept[SCHEMAS_KEPT];    /* schemas that compiled, newest first */
+
+static bool schema_seen(const char *text)
+{
+    for (int i = 0; i < SCHEMAS_KEPT && schemas_kept[i] != NULL; i++)
+        if (strcmp(schemas_kept[i], text) == 0)
+            return true;
+    return false;
+}
+
+static void schema_keep(const char *text)
+{
+    char *copy = strdup(text);
+    if (copy == NULL)
+        return;
+    free(schemas_kept[SCHEMAS_KEPT - 1]);
+    memmove(schemas_kept + 1, schemas_kept, (SCHEMAS_KEPT - 1) * sizeof(*schemas_kept));
+    schemas_kept[0] = copy;
+}
+
 /* ---- output ---------------------------------------------------------------------------------- */
 
 static int text_validate(struct request *r, bool all);
@@ -750,12 +773,18 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const
     int code = build_prompt(k, r, g, msg, sizeof(msg));
     if (code == 0 && (g->json_schema != NULL || (g->has_json_object && g->json_object))) {
         /* structured output: the schema is compiled here to refuse what the
-         * workers could not follow, with the reason; they compile it again */
+         * workers could not follow, with the reason; they compile it again.
+         * A compile costs kvd's loop up to a few tenths of a second
+         * (GRAMMAR_MAX_STATES), so the last schemas that passed are kept and
+         * a request with one of them (the common case) costs nothing */
         char gerr[200] = "";
-        grammar_t *gr = g->json_schema != NULL
+        const bool known = g->json_schema != NULL && schema_seen(g->json_schema);
+        grammar_t *gr = g->json_schema != NULL && !known
                             ? jschema_compile(g->json_schema, strlen(g->json_schema), NULL, gerr, sizeof(gerr))
                             : NULL;
-        if (g->json_schema != NULL && gr == NULL) {
+        if (gr != NULL)
+            schema_keep(g->json_schema);
+        if (g->json_schema != NULL && !known && gr == NULL) {
             snprintf(msg, sizeof(msg), "json_schema: %s", gerr);
             code = KVD__ERROR_CODE__ERR_BAD_REQUEST;
         } else if (g->has_ignore_eos && g->ignore_eos) {

@@ -240,3 +240,25 @@ def test_remote_worker_extremes(tmp_path: Path, kvds: list[Kvd]) -> None:
         dealer.close(0)
         ctx.term()
     k.stop()
+
+
+def test_schemas_that_blow_up_are_refused(tmp_path: Path, kvds: list[Kvd]) -> None:
+    """A structured output's schema whose grammar would pass GRAMMAR_MAX_STATES (a 40-byte pattern
+    whose automaton doubles per character) is a 400 naming the bound, and kvd goes on serving; one
+    that fits is served, and again from the schemas kvd keeps."""
+    k = Kvd(tmp_path / "kvd", "--kv-memory", "32MiB", http=True)
+    kvds.append(k)
+    for n in (24, 30, 40):
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "string", "pattern": "(a|b)*a(a|b){%d}" % n}}}
+        s, b = k.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                "response_format": fmt, "max_tokens": 4})
+        assert s == 400 and "states" in b["error"]["message"], b
+    ok = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+    for _ in range(2):
+        s, b = k.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                "response_format": ok, "max_tokens": 16, "temperature": 0})
+        assert s == 200 and isinstance(b["choices"][0]["message"]["content"], str), b
+    assert k.http("GET", "/health")[0] == 200
+    k.stop()
