@@ -261,3 +261,26 @@ def test_output_text_is_always_valid_utf8(tmp_path) -> None:  # type: ignore[no-
         assert replaced > 0, "the random model should have emitted some invalid byte sequence"
     finally:
         _stop_checked(d)
+
+
+def test_biases_penalties_and_structured_output(client: kvd_client.Client) -> None:
+    """The client's OpenAI-style sampling fields and structured output reach the worker: a +100 bias
+    forces a token, a frequency penalty changes a repetitive greedy output, and json_schema's output
+    parses and follows the schema."""
+    c = client
+    ids = c.tokenize(" banana")
+    r = c.generate("The capital of France is", max_tokens=1, temperature=0, logit_bias={ids[-1]: 100})
+    assert r.token_ids == [ids[-1]]
+    base = c.generate("one one one one one one", max_tokens=16, temperature=0)
+    pen = c.generate("one one one one one one", max_tokens=16, temperature=0, frequency_penalty=2.0)
+    assert pen.token_ids != base.token_ids and len(set(pen.token_ids)) >= len(set(base.token_ids))
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"]}
+    out = c.generate(messages=[{"role": "user", "content": "A number and a flag, as JSON."}],
+                     max_tokens=64, temperature=0, json_schema=schema)
+    doc = json.loads(out.text)
+    assert set(doc) == {"n", "ok"} and isinstance(doc["n"], int) and isinstance(doc["ok"], bool)
+    with pytest.raises(kvd_client.BadRequest):
+        c.generate("x", max_tokens=1, json_schema={"type": "object", "patternProperties": {"a": {}}})
+    with pytest.raises(kvd_client.BadRequest):
+        c.generate("x", max_tokens=1, presence_penalty=3.0)

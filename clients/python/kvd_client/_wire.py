@@ -12,6 +12,7 @@ had no reply yet.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import secrets
@@ -285,6 +286,11 @@ class GenerateParams:
     ignore_eos: bool = False
     no_cache: bool = False
     logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: Mapping[int, float] | None = None
+    json_schema: str | Mapping[str, object] | None = None
+    json_object: bool = False
 
     def encode(self, request_id: int) -> bytes:
         """The GenerateRequest, asking for chunks. Raises BadRequest for what
@@ -331,6 +337,14 @@ class GenerateParams:
             s.repeat_penalty = _number("repeat_penalty", self.repeat_penalty)
         if self.seed is not None:
             s.seed = _int_in("seed", self.seed, 0, (1 << 64) - 1)
+        if self.presence_penalty is not None:
+            s.presence_penalty = _number("presence_penalty", self.presence_penalty)
+        if self.frequency_penalty is not None:
+            s.frequency_penalty = _number("frequency_penalty", self.frequency_penalty)
+        if self.logit_bias is not None:
+            for tid, bias in self.logit_bias.items():
+                s.logit_bias_ids.append(_int_in("logit_bias id", tid, 0, (1 << 31) - 1))
+                s.logit_bias.append(_number("logit_bias", bias))
         if not s.ListFields():
             g.ClearField("sampling")
         if self.max_tokens is not None:
@@ -356,6 +370,11 @@ class GenerateParams:
             g.no_cache = True
         if self.logprobs is not None:
             g.logprobs = _int_in("logprobs", self.logprobs, 0, (1 << 32) - 1)
+        if self.json_schema is not None:
+            g.json_schema = (self.json_schema if isinstance(self.json_schema, str)
+                             else json.dumps(self.json_schema, separators=(",", ":")))
+        if self.json_object:
+            g.json_object = True
         try:
             frame = req.SerializeToString()
         except (ValueError, TypeError) as e:  # e.g. a string that is not valid UTF-8

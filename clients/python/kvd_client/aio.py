@@ -10,7 +10,7 @@ cancel(). Use an AsyncClient within one event loop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -106,6 +106,11 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
         ignore_eos: bool = False,
         no_cache: bool = False,
         logprobs: int | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        json_schema: str | Mapping[str, object] | None = None,
+        json_object: bool = False,
     ) -> Result:
         """Generates a continuation and returns it whole; see
         :meth:`Client.generate`. Cancelling the awaiting task cancels the
@@ -115,7 +120,9 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
             repeat_penalty=repeat_penalty, seed=seed, stop=stop, namespace=namespace,
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
-            logprobs=logprobs,
+            logprobs=logprobs, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, logit_bias=logit_bias, json_schema=json_schema,
+            json_object=json_object,
         )
         async with AsyncStream(self, params) as s:
             async for _ in s:
@@ -142,6 +149,11 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
         ignore_eos: bool = False,
         no_cache: bool = False,
         logprobs: int | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        json_schema: str | Mapping[str, object] | None = None,
+        json_object: bool = False,
     ) -> AsyncStream:
         """Generates chunk by chunk: returns an :class:`AsyncStream` to use
         with ``async with`` and ``async for`` (not awaited itself); see
@@ -151,7 +163,9 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
             repeat_penalty=repeat_penalty, seed=seed, stop=stop, namespace=namespace,
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
-            logprobs=logprobs,
+            logprobs=logprobs, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, logit_bias=logit_bias, json_schema=json_schema,
+            json_object=json_object,
         )
         return AsyncStream(self, params)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TypeVar
 
@@ -94,6 +94,11 @@ class Client(_core._ClientCore[zmq.Socket[bytes]]):
         ignore_eos: bool = False,
         no_cache: bool = False,
         logprobs: int | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        json_schema: str | Mapping[str, object] | None = None,
+        json_object: bool = False,
     ) -> Result:
         """Generates a continuation and returns it whole.
 
@@ -118,6 +123,12 @@ class Client(_core._ClientCore[zmq.Socket[bytes]]):
                 the result has finish_reason "deadline").
             ignore_eos: generate past end-of-generation tokens.
             no_cache: neither use nor fill the prefix cache.
+            presence_penalty, frequency_penalty: [-2, 2], OpenAI's: off the
+                logit of each token the output holds, once or per time.
+            logit_bias: token id -> [-100, 100], added to its logit.
+            json_schema: structured output: the output is a JSON document
+                that validates against this JSON Schema (a dict or its
+                text); json_object: any JSON object.
             logprobs: None (default): none; 0..20: each output token's
                 log-probability (:class:`TokenLogprob`, in ``result.logprobs``
                 and ``chunk.logprobs``) with this many most likely
@@ -135,7 +146,9 @@ class Client(_core._ClientCore[zmq.Socket[bytes]]):
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
             repeat_penalty=repeat_penalty, seed=seed, stop=stop, namespace=namespace,
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
-            logprobs=logprobs,
+            logprobs=logprobs, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, logit_bias=logit_bias, json_schema=json_schema,
+            json_object=json_object,
         )
         with Stream(self, params) as s:
             for _ in s:
@@ -162,6 +175,11 @@ class Client(_core._ClientCore[zmq.Socket[bytes]]):
         ignore_eos: bool = False,
         no_cache: bool = False,
         logprobs: int | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
+        json_schema: str | Mapping[str, object] | None = None,
+        json_object: bool = False,
     ) -> Stream:
         """Generates a continuation chunk by chunk: returns a :class:`Stream`
         that yields each :class:`Chunk` as it arrives; ``stream.result`` holds
@@ -186,7 +204,9 @@ class Client(_core._ClientCore[zmq.Socket[bytes]]):
             temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
             repeat_penalty=repeat_penalty, seed=seed, stop=stop, namespace=namespace,
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
-            logprobs=logprobs,
+            logprobs=logprobs, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, logit_bias=logit_bias, json_schema=json_schema,
+            json_object=json_object,
         )
         return Stream(self, params)
 
