@@ -716,35 +716,38 @@ static int get_ids(json_t *a, const char *param, struct prompt *p, struct bad *b
     return 0;
 }
 
-/* The text of a message's content: a string, or an array of text parts
- * (joined); NULL with b otherwise. The returned string lives in r->root or is
- * kept there (a joined copy is stored into the message object). */
-static const char *content_text(json_t *msg, struct bad *b)
+static bool neutral_value(json_t *v, const char *const *strings);
+
+/* Text parts ({"type": one of types, "text": ...}, no other field but empty
+ * annotations) joined into one string, kept alive in the array c itself (the
+ * request owns it); NULL with b when a part is of another kind. */
+static const char *text_parts(json_t *c, const char *const *types, const char *param, struct bad *b)
 {
-    json_t *c = json_object_get(msg, "content");
-    if (json_is_string(c))
-        return json_string_value(c);
-    if (json_is_null(c) || c == NULL)
-        return "";
-    if (!json_is_array(c)) {
-        bad(b, "messages", "a message's content must be a string or an array of text parts");
-        return NULL;
-    }
     size_t total = 1, i;
     json_t *part;
     json_array_foreach(c, i, part) {
-        json_t *t = json_object_get(part, "text");
         const char *type = json_string_value(json_object_get(part, "type"));
-        if (type == NULL || strcmp(type, "text") != 0 || !json_is_string(t) || json_object_size(part) != 2) {
-            bad(b, "messages", "only text parts ({\"type\": \"text\", \"text\": ...}, no other field) are "
-                "supported");
+        const char *const *t = types;
+        while (type != NULL && *t != NULL && strcmp(*t, type) != 0)
+            t++;
+        if (type == NULL || *t == NULL || !json_is_string(json_object_get(part, "text"))) {
+            bad(b, param, "only text parts ({\"type\": \"%s\", \"text\": ...}) are supported, not '%.40s'",
+                types[0], type ? type : "?");
             return NULL;
         }
-        total += json_string_length(t);
+        const char *k;
+        json_t *v;
+        json_object_foreach(part, k, v)
+            if (strcmp(k, "type") != 0 && strcmp(k, "text") != 0 &&
+                !(strcmp(k, "annotations") == 0 && neutral_value(v, NULL))) {
+                bad(b, param, "a text part's '%.40s' is not supported", k);
+                return NULL;
+            }
+        total += json_string_length(json_object_get(part, "text"));
     }
     char *joined = malloc(total);
     if (joined == NULL) {
-        bad(b, "messages", "out of memory");
+        bad(b, param, "out of memory");
         return NULL;
     }
     size_t at = 0;
@@ -754,9 +757,25 @@ static const char *content_text(json_t *msg, struct bad *b)
         at += json_string_length(t);
     }
     joined[at] = '\0';
-    json_object_set_new(msg, "content_joined", json_string(joined));   /* kept alive by the message */
+    json_array_append_new(c, json_string(joined));
     free(joined);
-    return json_string_value(json_object_get(msg, "content_joined"));
+    return json_string_value(json_array_get(c, json_array_size(c) - 1));
+}
+
+/* The text of a chat message's content: a string, or text parts (joined). */
+static const char *content_text(json_t *msg, struct bad *b)
+{
+    static const char *const chat_parts[] = { "text", NULL };
+    json_t *c = json_object_get(msg, "content");
+    if (json_is_string(c))
+        return json_string_value(c);
+    if (json_is_null(c) || c == NULL)
+        return "";
+    if (!json_is_array(c)) {
+        bad(b, "messages", "a message's content must be a string or an array of text parts");
+        return NULL;
+    }
+    return text_parts(c, chat_parts, "messages", b);
 }
 
 /*
@@ -1831,48 +1850,14 @@ static void resp_free(struct resp_req *q)
  * (input_text, output_text, text); NULL with b otherwise. */
 static const char *resp_text(json_t *c, const char *param, struct bad *b)
 {
+    static const char *const resp_parts[] = { "input_text", "output_text", "text", NULL };
     if (json_is_string(c))
         return json_string_value(c);
     if (!json_is_array(c)) {
         bad(b, param, "'%s' must be a string or a list of text parts", param);
         return NULL;
     }
-    size_t total = 1, i;
-    json_t *part;
-    json_array_foreach(c, i, part) {
-        const char *type = json_string_value(json_object_get(part, "type"));
-        json_t *t = json_object_get(part, "text");
-        if (type == NULL || !json_is_string(t) ||
-            (strcmp(type, "input_text") != 0 && strcmp(type, "output_text") != 0 && strcmp(type, "text") != 0)) {
-            bad(b, param, "only text parts (input_text, output_text) are supported, not '%.40s'",
-                type ? type : "?");
-            return NULL;
-        }
-        const char *k;
-        json_t *v;
-        json_object_foreach(part, k, v)
-            if (strcmp(k, "type") != 0 && strcmp(k, "text") != 0 &&
-                !(strcmp(k, "annotations") == 0 && neutral_value(v, NULL))) {
-                bad(b, param, "a text part's '%.40s' is not supported", k);
-                return NULL;
-            }
-        total += json_string_length(t);
-    }
-    char *joined = malloc(total);
-    if (joined == NULL) {
-        bad(b, param, "out of memory");
-        return NULL;
-    }
-    size_t at = 0;
-    json_array_foreach(c, i, part) {
-        json_t *t = json_object_get(part, "text");
-        memcpy(joined + at, json_string_value(t), json_string_length(t));
-        at += json_string_length(t);
-    }
-    joined[at] = '\0';
-    json_array_append_new(c, json_string(joined));      /* kept alive by the request */
-    free(joined);
-    return json_string_value(json_array_get(c, json_array_size(c) - 1));
+    return text_parts(c, resp_parts, param, b);
 }
 
 /* Parses a Responses request into q; 0, or -1 with b and *status. */
