@@ -1157,6 +1157,11 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
             return bad(b, "stream_options", "'stream_options' must be an object");
         if (get_bool(so, "include_usage", &r->include_usage, b) < 0)
             return -1;
+        const char *key;
+        json_t *sv;
+        json_object_foreach(so, key, sv)
+            if (strcmp(key, "include_usage") != 0 && !neutral_value(sv, NULL))
+                return bad(b, "stream_options", "'stream_options': '%.40s' is not supported", key);
     }
     /* chat: logprobs (bool) and top_logprobs (0..20); completions: logprobs (0..20) */
     if (r->chat) {

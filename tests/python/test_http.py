@@ -470,6 +470,8 @@ def test_fields_kvd_does_not_serve_are_refused_by_name(api: HttpDaemon) -> None:
         ("/v1/chat/completions", {"messages": CHAT, "prompt": "x"}, "prompt"),     # completions' field
         ("/v1/completions", {"prompt": "x", "messages": CHAT}, "messages"),        # chat's field
         ("/v1/chat/completions", {"messages": CHAT, "echo": True}, "echo"),       # completions' only
+        ("/v1/chat/completions", {"messages": CHAT, "stream": True,
+                                  "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
     ]
     for path, body, field in refused:
         s, _, b = api.post(path, body)
