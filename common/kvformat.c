@@ -4,7 +4,6 @@
 #include <string.h>
 
 #include "err.h"
-#include "ops.h"
 #include "types.h"
 
 static const struct {

@@ -10,7 +10,7 @@
 
 #include <stdint.h>
 
-#define KERN_MAX_HEAD_DIM 512  /* the largest head the attention kernels take */
+#include "types.h"      /* KERN_MAX_HEAD_DIM */
 
 /* out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i]; out may alias x. */
 void kern_rmsnorm(float *out, const float *x, const float *w, int n, float eps);

@@ -18,7 +18,6 @@
 
 #include "err.h"
 #include "units.h"
-#include "types.h"
 
 #define HUGE_ALIGN (2u << 20)  /* data of large pools starts on a 2 MiB boundary */
 #define PAGE_ALIGN 4096u

@@ -29,7 +29,6 @@
 #include "prefix.h"
 #include "sampler.h"
 #include "tok.h"
-#include "types.h"
 #include "units.h"
 
 #define DEFAULT_MODEL "models/SmolLM2-135M-Instruct.Q4_1.gguf"

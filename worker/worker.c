@@ -64,7 +64,6 @@
 #include "pool.h"
 #include "sampler.h"
 #include "tok.h"
-#include "types.h"
 #include "units.h"
 #include "wire.h"
 #include "worker_gpu.h"

@@ -9,7 +9,6 @@
 #include "fdpass.h"
 #include "devmem.h"
 #include "kvcache.h"
-#include "types.h"
 
 struct wgpu {
     pool_t *pool;           /* borrowed: the pool whose KV data this maps */

@@ -37,7 +37,6 @@
 #include "kvparts.h"
 #include "pool.h"
 #include "prefix.h"
-#include "types.h"
 
 #define BT 4u                   /* positions per block */
 #define NB 96u                  /* blocks in the pool */

@@ -39,7 +39,6 @@
 #include "pool.h"
 #include "prefix.h"
 #include "tier.h"
-#include "types.h"
 
 #define BT 4u                   /* positions per block */
 #define NB 48u                  /* blocks in the pool */

@@ -4,9 +4,13 @@
  * Every weight, activation and KV buffer in kvd names its type with one of
  * these. kern_type_info() gives the block geometry that GGUF sizes follow:
  * a row of n elements of type t takes n / block_elems * block_bytes bytes.
+ *
+ * It lives in common/ (the ground floor) rather than beside the kernels that
+ * compute on these types, so that the pool, the KV formats and the
+ * coordinator can name a type without reaching into kernels/.
  */
-#ifndef KVD_KERN_TYPES_H
-#define KVD_KERN_TYPES_H
+#ifndef KVD_TYPES_H
+#define KVD_TYPES_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -35,6 +39,10 @@ enum kern_type {
     KERN_BF16 = 30,
     KERN_TYPE_LIMIT = 64, /* ids at or above this are never valid */
 };
+
+/* The largest attention head kvd takes: the kernels' scratch and the KV
+ * formats' rotation are sized by it. */
+#define KERN_MAX_HEAD_DIM 512
 
 struct kern_type_info {
     const char *name;       /* "Q4_1" */
