@@ -823,8 +823,10 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const
                  (unsigned long long)pool_tokens);
         code = KVD__ERROR_CODE__ERR_TOO_LONG;
     }
-    r->n_stops = g->n_stop;
     r->stops = g->n_stop ? calloc(g->n_stop, sizeof(char *)) : NULL;
+    r->n_stops = r->stops != NULL ? g->n_stop : 0;      /* req_free frees what was made */
+    if (code == 0 && g->n_stop > 0 && r->stops == NULL)
+        code = KVD__ERROR_CODE__ERR_INTERNAL;
     for (size_t i = 0; code == 0 && i < g->n_stop; i++)
         if ((r->stops[i] = strdup(g->stop[i])) == NULL)
             code = KVD__ERROR_CODE__ERR_INTERNAL;
