@@ -20,7 +20,9 @@ same size evict the first, --host-cache 1GiB and a --cache-dir in a temporary
 directory (removed after). Needs kvd's Python client (pip install ./clients/python).
 
     python3 bench/bench_tiers.py [--bin-dir build] [--model models/SmolLM2-135M-Instruct.Q4_1.gguf]
-                                 [--threads 2] [--tokens 2000] [--runs 3] [--json OUT]
+                                 [--threads 2] [--tokens 2000] [--runs 3] [--json OUT] [--plot DIR]
+
+With --plot DIR it also draws the TTFTs as bars into DIR/tiers.png (matplotlib).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from pathlib import Path
 
 import kvd_client
 from kvdbench import Kvd, drop_page_cache
+
+import plot
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,7 +70,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--kv-memory", default="")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path, help="directory for the PNG chart")
     args = ap.parse_args()
+    if args.plot:
+        plot._pyplot()      # fail before measuring, not after
     words = (ROOT / "tests" / "data" / "ppl_text.txt").read_text().split()
     n_words = int(args.tokens * 0.88)       # about 1.14 tokens a word in this text
     # a pool for one such prompt and a little: two more evict it
@@ -140,6 +147,14 @@ def main() -> None:
                 "page_cache_dropped": dropped}
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
+        if args.plot:
+            plot.bars(args.plot / "tiers.png",
+                      f"TTFT of a {prompt:,}-token system prompt, by where it is ({args.model.name})",
+                      "TTFT (ms, log scale)",
+                      {"computed": med["cold"], "pool": med["pool"], "host tier": med["host"],
+                       "disk tier\n(after restart)": med["disk"]}, logy=True,
+                      note=f"1 worker x {args.threads} threads, median of {args.runs}; "
+                           + plot.machine_note())
     finally:
         for p in pools + [f"{pools[1]}-{i}" for i in range(args.runs)]:
             subprocess.run(["rm", "-f", f"/dev/shm/{p}"], check=False)
