@@ -80,6 +80,19 @@ int fwd_check_batch(const struct fwd_limits *lim, const struct fwd_seq *seqs, ui
 int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
                 const float **logits, uint32_t *n_rows, char *err, size_t errlen);
 
+/*
+ * Moves the keys of blocks[0..n) of the engine's cache by delta positions
+ * (negative: earlier), for a sequence whose older blocks were dropped
+ * (context windowing, prefix_seq_window): each K row of every layer and KV
+ * head is read back as floats (un-rotated where the cache rotates K), turned
+ * by RoPE's angles for delta at that layer's base, and stored again in the
+ * cache's type. RoPE's turns compose, so the keys then carry the angles of
+ * their new positions, up to the rounding of the cache's type. V does not
+ * depend on position and is left alone. KVD_EUNSUPPORTED for a cache of
+ * several parts (a model with sliding-window layers).
+ */
+int engine_kv_shift(engine_t *e, const uint32_t *blocks, uint32_t n, int32_t delta, char *err, size_t errlen);
+
 const model_t *engine_model(const engine_t *e);
 int engine_threads(const engine_t *e);
 

@@ -193,3 +193,10 @@ void kv_pool_layout(const model_t *m, uint32_t block_tokens, uint32_t k_type, ui
     lay->rotate = rotate;
     kv_parts_for_model(&m->cfg, &lay->parts);
 }
+
+void kvcache_copy_block(kvcache_t *kv, uint32_t from, uint32_t to)
+{
+    if (from != to)
+        memcpy(kv->mem + (size_t)to * kv->block_bytes, kv->mem + (size_t)from * kv->block_bytes,
+               kv->block_bytes);
+}

@@ -121,6 +121,9 @@ static inline size_t kv_head_bytes(const kvcache_t *kv, int which)
     return which ? kv->v_head_bytes : kv->k_head_bytes;
 }
 
+/* Copies block `from`'s K and V (all the layers of its part) into block `to`. */
+void kvcache_copy_block(kvcache_t *kv, uint32_t from, uint32_t to);
+
 /* The simple free list for single-process use: takes one block id into *id
  * (KVD_ENOSPACE when none is free) or gives one back. */
 int kvcache_alloc(kvcache_t *kv, uint32_t *id);

@@ -68,13 +68,20 @@ struct options {
     int bench_ctx;              /* --bench-ctx N: decode after N tokens of context instead */
     bool seed_set;
     struct sampler_params sp;
+    int overflow;               /* --context-overflow: OVERFLOW_* */
+    bool overflow_set;
+    int sinks;                  /* --sinks: first tokens a window keeps (default 4) */
+    const char *ppl_stream;     /* --perplexity-stream FILE */
 };
+
+enum { OVERFLOW_STOP, OVERFLOW_WINDOW, OVERFLOW_RESTART };
 
 static void usage(FILE *f)
 {
     fputs("usage: kvd-run [-m MODEL] -p PROMPT [options]\n"
           "       kvd-run [-m MODEL] --tokenize TEXT [--special]\n"
           "       kvd-run [-m MODEL] --perplexity FILE [--ctx N]\n"
+          "       kvd-run [-m MODEL] --perplexity-stream FILE [--ctx N] [--context-overflow M]\n"
           "       kvd-run [-m MODEL] --bench [--bench-file FILE] [-t N] [--json]\n"
           "\n"
           "  -m, --model FILE       GGUF model (default " DEFAULT_MODEL ")\n"
@@ -113,6 +120,16 @@ static void usage(FILE *f)
           "                         log-probabilities (f16) to OUT\n"
           "      --kl-divergence BASE  with --perplexity: KL divergence, same-top-token share\n"
           "                         and perplexity against BASE (e.g. another --kv-type)\n"
+          "      --context-overflow stop|window  what a sequence that reaches --ctx does:\n"
+          "                         stop (the default), or window: keep the first --sinks\n"
+          "                         tokens (whole blocks) and the newer half of the rest,\n"
+          "                         the keys moved to their new positions, and go on\n"
+          "      --sinks N          tokens a window keeps from the start (default 4;\n"
+          "                         rounded up to whole KV blocks; 0: none)\n"
+          "      --perplexity-stream FILE  the perplexity of every token of FILE in one\n"
+          "                         sequence fed 64 tokens a step, past --ctx (default 512)\n"
+          "                         by --context-overflow window (the default here) or\n"
+          "                         restart (an empty cache from the next token on)\n"
           "      --bench            measure prefill (512 tokens), decode at batch 1 (128\n"
           "                         tokens) and aggregate decode at batch 1, 8 and 32\n"
           "      --bench-file F     text the benchmark prompts are cut from\n"
@@ -146,7 +163,7 @@ enum {
     OPT_TEMP = 256, OPT_TOPK, OPT_TOPP, OPT_MINP, OPT_REPEAT, OPT_SEED, OPT_STOP, OPT_CHAT,
     OPT_SYSTEM, OPT_SYSTEM_FILE, OPT_JSON, OPT_TOKENIZE, OPT_SPECIAL, OPT_PPL, OPT_BLOCK,
     OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE, OPT_ROTATE, OPT_CHUNKS, OPT_KLD_BASE, OPT_KLD, OPT_IGNORE_EOS, OPT_BENCH, OPT_BENCH_FILE, OPT_BENCH_CTX, OPT_PROMPT_IDS, OPT_POOL, OPT_NS,
-    OPT_KVMEM, OPT_LOGITS_OUT,
+    OPT_KVMEM, OPT_LOGITS_OUT, OPT_OVERFLOW, OPT_SINKS, OPT_PPL_STREAM,
 };
 
 /* Parses "1,2,3" (commas and/or white space) into a new array; dies on error. */
@@ -217,6 +234,9 @@ static void parse_args(int argc, char **argv, struct options *o)
         { "namespace", required_argument, NULL, OPT_NS },
         { "kv-memory", required_argument, NULL, OPT_KVMEM },
         { "logits-out", required_argument, NULL, OPT_LOGITS_OUT },
+        { "context-overflow", required_argument, NULL, OPT_OVERFLOW },
+        { "sinks", required_argument, NULL, OPT_SINKS },
+        { "perplexity-stream", required_argument, NULL, OPT_PPL_STREAM },
         { NULL, 0, NULL, 0 },
     };
     memset(o, 0, sizeof(*o));
@@ -225,6 +245,7 @@ static void parse_args(int argc, char **argv, struct options *o)
     o->block_tokens = 16;
     o->sp = sampler_default_params();
     o->ns = "";
+    o->sinks = 4;
     opterr = 0;
     int c;
     while ((c = getopt_long(argc, argv, ":m:p:f:n:c:t:h", longs, NULL)) != -1) {
@@ -251,6 +272,19 @@ static void parse_args(int argc, char **argv, struct options *o)
                 cli_die("--kv-memory must be a size such as 512MiB or 2G, got '%s'", optarg);
             break;
         case OPT_LOGITS_OUT: o->logits_out = optarg; break;
+        case OPT_OVERFLOW:
+            if (strcmp(optarg, "stop") == 0)
+                o->overflow = OVERFLOW_STOP;
+            else if (strcmp(optarg, "window") == 0)
+                o->overflow = OVERFLOW_WINDOW;
+            else if (strcmp(optarg, "restart") == 0)
+                o->overflow = OVERFLOW_RESTART;
+            else
+                cli_die("--context-overflow takes stop, window or restart, got '%s'", optarg);
+            o->overflow_set = true;
+            break;
+        case OPT_SINKS: o->sinks = (int)cli_long(optarg, "--sinks", 0, 1 << 20); break;
+        case OPT_PPL_STREAM: o->ppl_stream = optarg; break;
         case 'n': o->n_predict = (int)cli_long(optarg, "-n", 0, 1 << 20); break;
         case 'c': o->n_ctx = (int)cli_long(optarg, "--ctx", 8, 1 << 20); break;
         case 't': o->n_threads = (int)cli_long(optarg, "-t", 1, 256); break;
@@ -310,11 +344,20 @@ static void parse_args(int argc, char **argv, struct options *o)
         cli_die("-p/--file and --prompt-ids exclude each other");
     if (o->prompt_ids != NULL && o->chat)
         cli_die("--prompt-ids and --chat exclude each other");
-    int modes = (o->prompt != NULL || o->prompt_ids != NULL) + (o->tokenize != NULL) + (o->ppl_file != NULL) + o->bench;
+    int modes = (o->prompt != NULL || o->prompt_ids != NULL) + (o->tokenize != NULL) + (o->ppl_file != NULL) +
+                (o->ppl_stream != NULL) + o->bench;
     if (modes == 0)
-        cli_die("nothing to do: give -p PROMPT, -f FILE, --prompt-ids, --tokenize TEXT, --perplexity FILE or --bench (see --help)");
+        cli_die("nothing to do: give -p PROMPT, -f FILE, --prompt-ids, --tokenize TEXT, --perplexity FILE, "
+                "--perplexity-stream FILE or --bench (see --help)");
     if (modes > 1)
-        cli_die("-p, --tokenize, --perplexity and --bench exclude each other");
+        cli_die("-p, --tokenize, --perplexity, --perplexity-stream and --bench exclude each other");
+    if (o->overflow_set && o->prompt == NULL && o->prompt_ids == NULL && o->ppl_stream == NULL)
+        cli_die("--context-overflow goes with a prompt or --perplexity-stream");
+    if (o->overflow == OVERFLOW_RESTART && o->ppl_stream == NULL)
+        cli_die("--context-overflow restart is for --perplexity-stream (a comparison); generation takes "
+                "stop or window");
+    if (o->ppl_stream != NULL && !o->overflow_set)
+        o->overflow = OVERFLOW_WINDOW;
     if (o->bench_ctx > 0 && !o->bench)
         cli_die("--bench-ctx goes with --bench");
     if ((o->kld_base != NULL || o->kld != NULL) && o->ppl_file == NULL)
@@ -509,6 +552,49 @@ static void seq_release(struct runtime *rt, struct seq *s)
 {
     prefix_seq_release(rt->px, &s->ps);
     s->pos = 0;
+}
+
+/* Dies unless a sequence at the end of the context has two full blocks past
+ * its sinks to window. */
+static void window_check(const struct runtime *rt, int sinks)
+{
+    const uint32_t bt = rt->kv->block_tokens;
+    if ((rt->n_ctx - 1) / bt < ((uint32_t)sinks + bt - 1) / bt + 2)
+        cli_die("a context of %u positions is too short to window with %d sink tokens in blocks of %u",
+                rt->n_ctx, sinks, bt);
+}
+
+/* Windows s, which has reached its context: keeps its first `sinks` tokens
+ * (whole blocks) and the newer half of the full blocks after them, drops the
+ * older half (prefix_seq_window) and moves the kept blocks' keys to their new
+ * positions (engine_kv_shift); hist[0, *n_hist) follows. Returns the
+ * positions dropped. */
+static uint32_t seq_window(struct runtime *rt, struct seq *s, int32_t *hist, size_t *n_hist, int sinks)
+{
+    char err[256];
+    const uint32_t bt = rt->kv->block_tokens;
+    const uint32_t keep = ((uint32_t)sinks + bt - 1) / bt, full = s->pos / bt;
+    if (full < keep + 2)
+        cli_die("a context of %u positions is too short to window with %d sink tokens in blocks of %u",
+                rt->n_ctx, sinks, bt);
+    const uint32_t drop = (full - keep) / 2, d = drop * bt;
+    uint32_t (*copy)[2] = malloc((size_t)s->ps.n_blocks * sizeof(*copy));
+    if (copy == NULL)
+        cli_die("out of memory");
+    const int64_t nc = prefix_seq_window(rt->px, &s->ps, keep, drop, copy);
+    if (nc < 0)
+        cli_die("cannot window the sequence: %s", kvd_strerror((int)nc));
+    for (int64_t k = 0; k < nc; k++)
+        kvcache_copy_block(rt->kv, copy[k][0], copy[k][1]);
+    free(copy);
+    if (engine_kv_shift(rt->engine, s->ps.blocks + keep, s->ps.n_blocks - keep, -(int32_t)d, err,
+                        sizeof(err)) != 0)
+        cli_die("%s", err);
+    memmove(hist + (size_t)keep * bt, hist + (size_t)keep * bt + d,
+            (*n_hist - (size_t)keep * bt - d) * sizeof(int32_t));
+    *n_hist -= d;
+    s->pos -= d;
+    return d;
 }
 
 /* "kv":{...}: the cache's types, rotation and bytes per token (a JSON member). */
@@ -786,7 +872,10 @@ static int run_generate(const struct options *o)
             n_ctx = train;
         gguf_close(&g);
     }
-    runtime_open(&rt, o, n_ctx, 0);
+    /* a window copies the cached blocks it moves: room for them beside the context */
+    runtime_open(&rt, o, n_ctx, o->overflow == OVERFLOW_WINDOW ? 2 * n_ctx : 0);
+    if (o->overflow == OVERFLOW_WINDOW)
+        window_check(&rt, o->sinks);
 
     /* the prompt: ids as given, or text (through the chat template when asked) */
     char *text = NULL;
@@ -877,8 +966,16 @@ static int run_generate(const struct options *o)
     const char *finish = "length";
     int n_gen = 0;
     t0 = cli_now_ms();
+    /* the prompt and the generated ids apart from hist, which a window rewrites */
+    int32_t *prompt = malloc(n_prompt * sizeof(int32_t)), *gen = malloc(((size_t)o->n_predict + 1) * sizeof(int32_t));
+    if (prompt == NULL || gen == NULL)
+        cli_die("out of memory");
+    memcpy(prompt, hist, n_prompt * sizeof(int32_t));
+    uint32_t windows = 0, max_blocks = s.ps.n_blocks;
+    uint64_t dropped = 0;
     while (n_gen < o->n_predict) {
         int32_t id = sampler_sample(smp, logits, hist, n_hist);
+        gen[n_gen] = id;
         hist[n_hist++] = id;
         n_gen++;
         if (!o->ignore_eos && tok_is_eog(rt.tok, id)) {
@@ -923,18 +1020,26 @@ static int run_generate(const struct options *o)
             break;
         }
         if (s.pos + 1 >= rt.n_ctx) {
-            finish = "length";
-            break;
+            if (o->overflow != OVERFLOW_WINDOW) {
+                finish = "length";
+                break;
+            }
+            dropped += seq_window(&rt, &s, hist, &n_hist, o->sinks);
+            windows++;
         }
         seq_feed(&rt, &s, hist, 1, 1, false, &logits, &rows);
+        if (s.ps.n_blocks > max_blocks)
+            max_blocks = s.ps.n_blocks;
     }
     double t_decode = cli_now_ms() - t0;
 
     if (o->json) {
         printf("{\"prompt_tokens\":");
-        json_ids(stdout, hist, n_prompt);
+        json_ids(stdout, prompt, n_prompt);
         printf(",\"tokens\":");
-        json_ids(stdout, hist + n_prompt, n_hist - n_prompt);
+        json_ids(stdout, gen, (size_t)n_gen);
+        printf(",\"windows\":%u,\"dropped_tokens\":%llu,\"max_blocks\":%u", windows,
+               (unsigned long long)dropped, max_blocks);
         printf(",\"text\":");
         json_str(stdout, out, out_len);
         printf(",\"cached_prompt_tokens\":%lld", (long long)n_cached);
@@ -955,12 +1060,138 @@ static int run_generate(const struct options *o)
                 (long long)n_cached, t_prefill,
                 t_prefill > 0 ? n_prompt / (t_prefill / 1e3) : 0.0, n_gen, t_decode,
                 t_decode > 0 ? n_gen / (t_decode / 1e3) : 0.0, engine_threads(rt.engine));
+        if (windows > 0)
+            fprintf(stderr, "kvd-run: the context was windowed %u times (%llu tokens dropped; at most %u "
+                    "blocks held)\n", windows, (unsigned long long)dropped, max_blocks);
     }
+    free(prompt);
+    free(gen);
     free(out);
     seq_release(&rt, &s);
     prefix_seq_fini(&s.ps);
     free(hist);
     sampler_destroy(&smp);
+    runtime_close(&rt);
+    return 0;
+}
+
+/* ---- --perplexity-stream ------------------------------------------------------------- */
+
+/* -log p(next) from a row of logits, in double. */
+static double row_nll(const float *row, uint32_t nv, int32_t next)
+{
+    float max = row[0];
+    for (uint32_t v = 1; v < nv; v++)
+        max = row[v] > max ? row[v] : max;
+    double sum = 0.0;
+    for (uint32_t v = 0; v < nv; v++)
+        sum += exp((double)row[v] - max);
+    return -(((double)row[next] - max) - log(sum));
+}
+
+/* Every token of a text scored in one sequence (BOS first where the model
+ * adds one), fed STREAM_CHUNK tokens a step: row j of a step predicts the
+ * token after its j-th. When the next step would pass the context, the
+ * sequence is windowed (seq_window), restarted from that token with an empty
+ * cache, or (stop) the text ends there. Printed: the perplexity of every
+ * scored token and of each stretch of --ctx text tokens, so that what
+ * happens after the context fills shows. */
+#define STREAM_CHUNK 64
+
+static int run_perplexity_stream(const struct options *o)
+{
+    struct runtime rt;
+    const uint32_t ctx = o->n_ctx ? (uint32_t)o->n_ctx : 512;
+    runtime_open(&rt, o, ctx, o->overflow == OVERFLOW_WINDOW ? 2 * ctx : 0);
+    if (o->overflow == OVERFLOW_WINDOW)
+        window_check(&rt, o->sinks);
+    size_t len, n_text;
+    char *text = read_file(o->ppl_stream, &len);
+    int32_t *ids = encode(rt.tok, text, len, false, &n_text);
+    free(text);
+    const bool bos = tok_add_bos(rt.tok);
+    const size_t n = n_text + bos;
+    int32_t *all = malloc((n + 1) * sizeof(int32_t)), *hist = malloc((n + 1) * sizeof(int32_t));
+    if (all == NULL || hist == NULL)
+        cli_die("out of memory");
+    if (bos)
+        all[0] = tok_bos(rt.tok);
+    memcpy(all + bos, ids, n_text * sizeof(int32_t));
+    free(ids);
+    if (n < 2)
+        cli_die("%s has too few tokens to score", o->ppl_stream);
+    const uint32_t nv = rt.model->cfg.n_vocab;
+    const size_t n_seg = (n + ctx - 1) / ctx;
+    double *seg_nll = calloc(n_seg, sizeof(double)), nll = 0.0;
+    size_t *seg_n = calloc(n_seg, sizeof(size_t)), scored = 0, n_hist = 0, next = 0;
+    if (seg_nll == NULL || seg_n == NULL)
+        cli_die("out of memory");
+    uint32_t windows = 0, restarts = 0, max_blocks = 0, chunk = STREAM_CHUNK < ctx ? STREAM_CHUNK : ctx;
+    struct seq s = { 0 };
+    const double t0 = cli_now_ms();
+    while (next + 1 < n) {
+        uint32_t m = n - next < chunk ? (uint32_t)(n - next) : chunk;
+        if (s.pos + m > ctx) {
+            if (o->overflow == OVERFLOW_WINDOW) {
+                seq_window(&rt, &s, hist, &n_hist, o->sinks);
+                windows++;
+            } else if (o->overflow == OVERFLOW_RESTART) {
+                seq_release(&rt, &s);
+                n_hist = 0;
+                restarts++;
+            }
+            if (s.pos + m > ctx)
+                m = ctx - s.pos;
+            if (m == 0)
+                break;      /* stop: the text ends at the context */
+        }
+        memcpy(hist + n_hist, all + next, m * sizeof(int32_t));
+        n_hist += m;
+        const float *out;
+        uint32_t rows;
+        seq_feed(&rt, &s, hist, m, m, true, &out, &rows);
+        if (s.ps.n_blocks > max_blocks)
+            max_blocks = s.ps.n_blocks;
+        for (uint32_t j = 0; j < m && next + j + 1 < n; j++) {
+            const size_t at = next + j + 1;
+            const double l = row_nll(out + (size_t)j * nv, nv, all[at]);
+            nll += l;
+            scored++;
+            seg_nll[(at - bos) / ctx] += l;
+            seg_n[(at - bos) / ctx]++;
+        }
+        next += m;
+    }
+    const double ms = cli_now_ms() - t0;
+    static const char *const mode[] = { "stop", "window", "restart" };
+    if (o->json) {
+        printf("{\"perplexity\":%.6f,\"mode\":\"%s\",\"ctx\":%u,\"sinks\":%d,\"tokens_scored\":%zu,"
+               "\"windows\":%u,\"restarts\":%u,\"max_blocks\":%u,\"ms\":%.1f,\"segments\":[",
+               exp(nll / (double)scored), mode[o->overflow], ctx, o->sinks, scored, windows, restarts,
+               max_blocks, ms);
+        for (size_t k = 0; k < n_seg && seg_n[k] > 0; k++)
+            printf("%s%.6f", k ? "," : "", exp(seg_nll[k] / (double)seg_n[k]));
+        printf("],");
+        json_kv(stdout, &rt);
+        printf("}\n");
+    } else {
+        printf("perplexity: %.4f over %zu tokens (%s, --ctx %u", exp(nll / (double)scored), scored,
+               mode[o->overflow], ctx);
+        if (o->overflow == OVERFLOW_WINDOW)
+            printf(", %d sinks, %u windows", o->sinks, windows);
+        else if (o->overflow == OVERFLOW_RESTART)
+            printf(", %u restarts", restarts);
+        printf("; at most %u blocks held)\nper %u text tokens:", max_blocks, ctx);
+        for (size_t k = 0; k < n_seg && seg_n[k] > 0; k++)
+            printf(" %.3f", exp(seg_nll[k] / (double)seg_n[k]));
+        printf("\n");
+    }
+    seq_release(&rt, &s);
+    prefix_seq_fini(&s.ps);
+    free(seg_nll);
+    free(seg_n);
+    free(all);
+    free(hist);
     runtime_close(&rt);
     return 0;
 }
@@ -1157,6 +1388,8 @@ int main(int argc, char **argv)
         rc = run_bench(&o);
     else if (o.ppl_file != NULL)
         rc = run_perplexity(&o);
+    else if (o.ppl_stream != NULL)
+        rc = run_perplexity_stream(&o);
     else
         rc = run_generate(&o);
     free(o.system_buf);

@@ -190,6 +190,30 @@ int main(void)
     fputs("just a few words", f);
     fclose(f);
     expect_error(RUN("-m", model, "--perplexity", small, "--ctx", "64"), "needs at least 128");
+    /* --context-overflow window: a greedy generation of 5x the context goes on
+     * past it, windowed, never holding more than the context's blocks */
+    CHECK_INT(RUN("-m", model, "-p", "hello there", "-n", "320", "--temp", "0", "--json", "--ignore-eos",
+                  "--ctx", "64", "--context-overflow", "window"), 0);
+    {
+        int32_t gen[400];
+        CHECK_INT(tu_json_ids(last, "tokens", gen, 400), 320);
+        CHECK(strstr(last, "\"finish_reason\":\"length\"") != NULL);
+        unsigned windows = 0, max_blocks = 99;
+        const char *w = strstr(last, "\"windows\":"), *mb = strstr(last, "\"max_blocks\":");
+        REQUIRE(w != NULL && mb != NULL);
+        sscanf(w, "\"windows\":%u", &windows);
+        sscanf(mb, "\"max_blocks\":%u", &max_blocks);
+        CHECK(windows >= 8);            /* 320 tokens past a 64-token context, ~24 dropped each */
+        CHECK(max_blocks <= 4);         /* 64 positions in blocks of 16 */
+    }
+    /* without it the same generation stops at the context */
+    CHECK_INT(RUN("-m", model, "-p", "hello there", "-n", "320", "--temp", "0", "--json", "--ignore-eos",
+                  "--ctx", "64"), 0);
+    CHECK(tu_json_ids(last, "tokens", ids, 64) < 64);
+    expect_error(RUN("-m", model, "-p", "hello there", "-n", "100", "--ctx", "32", "--ignore-eos",
+                     "--context-overflow", "window", "--sinks", "16"), "too short to window");
+    expect_error(RUN("-m", model, "-p", "x", "--context-overflow", "restart"), "for --perplexity-stream");
+    expect_error(RUN("-m", model, "-p", "x", "--context-overflow", "slide"), "stop, window or restart");
     /* a corrupt model: the first half of the file */
     struct stat st;
     REQUIRE(stat(model, &st) == 0);

@@ -695,6 +695,53 @@ static void test_errors(const model_t *m)
     rig_free(&r);
 }
 
+/* engine_kv_shift: layer 0's keys depend on a token and its position alone,
+ * so blocks moved 20 positions down must hold what a sequence that had those
+ * tokens at the new positions writes there, up to the cache type's rounding
+ * (rel: of the largest key). A cache of several parts is refused. */
+static void test_kv_shift(const model_t *m, uint32_t k_type, uint32_t rotate, double rel)
+{
+    const struct kv_format saved = rig_fmt;
+    rig_fmt = (struct kv_format){ "shift", k_type, KERN_F16, rotate };
+    struct rig r = rig_new(m, 4, 40, KERN_F16, 2);
+    const struct model_config *c = &m->cfg;
+    int32_t toks[48], w[28];
+    random_tokens(toks, 48, c->n_vocab, 77);
+    uint32_t ta[12], tb[7];
+    for (uint32_t i = 0; i < 12; i++)
+        ta[i] = 39 - 3 * i;     /* scattered */
+    for (uint32_t i = 0; i < 7; i++)
+        tb[i] = 3 * i + 1;      /* none of a's */
+    free(run_chunks(&r, toks, 48, 48, ta, 12));
+    char err[256];
+    /* keep block 0, drop blocks 1..5: blocks 6..11 (positions 24..47) move to 4..27 */
+    CHECK_INT(engine_kv_shift(r.e, ta + 6, 6, -20, err, sizeof(err)), 0);
+    memcpy(w, toks, 4 * sizeof(int32_t));
+    memcpy(w + 4, toks + 24, 24 * sizeof(int32_t));
+    free(run_chunks(&r, w, 28, 28, tb, 7));
+    const int hd = (int)c->head_dim;
+    double diff = 0, big = 0;
+    float x[KERN_MAX_HEAD_DIM], y[KERN_MAX_HEAD_DIM];
+    for (uint32_t i = 0; i < 6; i++)
+        for (uint32_t h = 0; h < c->n_head_kv; h++)
+            for (uint32_t t = 0; t < 4; t++) {
+                const size_t off = (size_t)h * r.kv->k_head_bytes + (size_t)t * r.kv->k_row_bytes;
+                kern_dequantize_row(k_type, kv_block_ptr(r.kv, ta[6 + i], 0, 0) + off, x, hd);
+                kern_dequantize_row(k_type, kv_block_ptr(r.kv, tb[1 + i], 0, 0) + off, y, hd);
+                const double d = max_diff(x, y, (size_t)hd), b = max_abs(y, (size_t)hd);
+                diff = d > diff ? d : diff;
+                big = b > big ? b : big;
+            }
+    if (!(diff <= rel * big))
+        fprintf(stderr, "kv shift (%s%s): keys off by %g of %g\n", kern_type_info(k_type)->name,
+                rotate ? ", rotated" : "", diff, big);
+    CHECK(big > 0 && diff <= rel * big);
+    /* and the untouched sink block is the same in both */
+    CHECK(memcmp(kv_block_ptr(r.kv, ta[0], 0, 0), kv_block_ptr(r.kv, tb[0], 0, 0), r.kv->k_head_bytes) == 0);
+    rig_free(&r);
+    rig_fmt = saved;
+}
+
 int main(void)
 {
     REQUIRE(mkdtemp(tmpdir) != NULL);
@@ -750,6 +797,10 @@ int main(void)
         contract_on_every_path(mk, "q4_k weights, q6_k output");
         model_destroy(&mk);
     }
+    /* windowing moves keys to new positions */
+    test_kv_shift(m, KERN_F32, 0, 1e-5);
+    test_kv_shift(m, KERN_F16, 0, 2e-3);
+    test_kv_shift(m, KERN_Q8_0, KV_ROT_K, 3e-2);
     /* contexts cut into ranges of 16 positions, shared over threads and merged:
      * still batch-, chunking- and thread-invariant */
     rig_chunk = 16;

@@ -1552,6 +1552,77 @@ static void test_random(uint64_t seed, uint64_t n_ops, bool tiers)
     free(w);
 }
 
+/* Windowing a sequence: the dropped blocks go to the cache, the moved ones
+ * that another sequence holds or the index finds come out as private copies
+ * (the cached prefix keeps its contents), the private ones move as they are,
+ * and nothing after the kept blocks is indexed again. */
+static void test_window(void)
+{
+    pool_t *pool = pool_open_small();
+    prefix_t *px = prefix_open(pool);
+    prefix_ns_t ns = ns_of(px, 0);
+    int32_t P[10 * BT];
+    for (uint32_t i = 0; i < 10 * BT; i++)
+        P[i] = (int32_t)(100 + i);
+    struct prefix_seq a, b;
+    memset(&a, 0, sizeof(a));
+    memset(&b, 0, sizeof(b));
+    /* a: a prompt of 6 blocks (indexed), then 3 generated blocks and a partial one */
+    CHECK_INT(prefix_seq_begin(px, &a, ns, P, 6 * BT, NULL), 0);
+    CHECK_INT(seq_compute(pool, px, &a, 0, P, 9 * BT + 1), 0);
+    CHECK_INT(a.n_blocks, 10);
+    /* b shares a's first 4 blocks */
+    CHECK_INT(prefix_seq_begin(px, &b, ns, P, 4 * BT + 1, NULL), 4 * BT);
+    uint32_t before[10], copy[10][2];
+    memcpy(before, a.blocks, sizeof(before));
+    /* a sink block, drop 3: blocks 4..9 move down to 1..6 */
+    const int64_t nc = prefix_seq_window(px, &a, 1, 3, copy);
+    CHECK_INT(check_ok(px), 0);
+    CHECK_INT(a.n_blocks, 7);
+    CHECK_INT(a.blocks[0], before[0]);
+    /* the moved blocks 4 and 5 were indexed (prompt) or 6..8 (generated,
+     * indexed at commit): each gets a copy; the partial last one moves as is */
+    CHECK_INT(nc, 5);
+    for (int64_t k = 0; k < nc; k++) {
+        CHECK_INT(copy[k][0], before[4 + k]);
+        CHECK_INT(a.blocks[1 + k], copy[k][1]);
+        for (uint32_t j = 0; j < 10; j++)
+            CHECK(copy[k][1] != before[j] || copy[k][0] == copy[k][1]);
+    }
+    CHECK_INT(a.blocks[6], before[9]);
+    CHECK_INT(a.n_indexed, 1);
+    CHECK(!a.chain_open);
+    /* the cached prefix is intact: a new sequence finds all 9 full blocks of P */
+    struct prefix_seq c;
+    memset(&c, 0, sizeof(c));
+    CHECK_INT(prefix_seq_begin(px, &c, ns, P, 9 * BT + 1, NULL), 9 * BT);
+    CHECK(seq_sigs_ok(pool, &c, 0, P, 9));
+    prefix_seq_release(px, &c);
+    /* a goes on with its windowed history: nothing past the sink is indexed */
+    int32_t W[8 * BT];
+    memcpy(W, P, BT * sizeof(int32_t));
+    memcpy(W + BT, P + 4 * BT, 6 * BT * sizeof(int32_t));
+    for (uint32_t i = 7 * BT; i < 8 * BT; i++)
+        W[i] = (int32_t)(900 + i);
+    const uint32_t indexed = pool_header(pool)->cache.n_indexed;
+    CHECK_INT(prefix_seq_grow(px, &a, 8 * BT, W, 8 * BT), 0);
+    CHECK_INT(prefix_seq_commit(px, &a, W, 8 * BT), 0);
+    CHECK_INT(pool_header(pool)->cache.n_indexed, indexed);
+    CHECK_INT(check_ok(px), 0);
+    /* refusals */
+    CHECK_INT(prefix_seq_window(px, &a, 1, 7, copy), KVD_EINVAL);  /* nothing would move */
+    CHECK_INT(prefix_seq_window(px, &a, 1, 0, copy), KVD_EINVAL);
+    prefix_seq_release(px, &a);
+    prefix_seq_release(px, &b);
+    CHECK_INT(check_ok(px), 0);
+    CHECK_INT(pool_header(pool)->cache.n_pending, 0);
+    prefix_seq_fini(&a);
+    prefix_seq_fini(&b);
+    prefix_seq_fini(&c);
+    prefix_destroy(&px);
+    pool_close(&pool);
+}
+
 int main(int argc, char **argv)
 {
     uint64_t seed = argc > 1 ? strtoull(argv[1], NULL, 0) : DEFAULT_SEED;
@@ -1564,6 +1635,7 @@ int main(int argc, char **argv)
     test_collisions();
     test_owner_limit();
     test_public_prefix();
+    test_window();
 
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
