@@ -174,6 +174,39 @@ def test_auto_leaves_content_as_content(api: HttpDaemon) -> None:
             names += [d.function.name for d in c.delta.tool_calls or [] if d.function and d.function.name]
     assert text == (ch.message.content or "")
     assert names == [c.function.name for c in ch.message.tool_calls or []]
+    # few turns of calls before: greedy, the model calls again on its own, and the block it
+    # writes is parsed into a call (compact arguments), streamed the same
+    shots: list[Any] = []
+    for i, city in enumerate(("Paris", "Rome", "Berlin")):
+        shots += [{"role": "user", "content": f"What is the weather in {city}?"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": f"call_{i}", "type": "function", "function": {
+                          "name": "get_weather", "arguments": json.dumps({"city": city, "unit": "celsius"})}}]},
+                  {"role": "tool", "tool_call_id": f"call_{i}", "content": '{"temperature": 20}'},
+                  {"role": "assistant", "content": f"It is 20 degrees in {city}."}]
+    shots.append({"role": "user", "content": "What is the weather in Oslo?"})
+    kw: Any = {"model": MODEL_ID, "messages": shots, "tools": TOOLS, "temperature": 0, "max_tokens": 60}
+    r = api.oai.chat.completions.create(**kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch.message
+    check_calls(ch.message.tool_calls, {"get_weather"})
+    assert ch.message.tool_calls is not None
+    call = ch.message.tool_calls[0]
+    assert call.function.arguments == json.dumps(json.loads(call.function.arguments), separators=(",", ":"))
+    streamed: dict[int, list[str]] = {}
+    finish = None
+    for chunk in api.oai.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            assert not c.delta.content
+            for d in c.delta.tool_calls or []:
+                if d.id is not None:
+                    streamed[d.index] = [d.function.name, ""]  # type: ignore[union-attr,list-item]
+                else:
+                    streamed[d.index][1] += d.function.arguments or ""  # type: ignore[union-attr]
+    assert finish == "tool_calls"
+    assert [tuple(v) for v in streamed.values()] == [(c.function.name, c.function.arguments)
+                                                    for c in ch.message.tool_calls]
     # "none": the model is shown no tools, and its output is all content
     r = api.oai.chat.completions.create(model=MODEL_ID, messages=CHAT, tools=TOOLS, tool_choice="none",
                                         temperature=0, max_tokens=40)
