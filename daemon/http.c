@@ -58,6 +58,7 @@
 
 #include "err.h"
 #include "kvd_client.h"
+#include "toolcall.h"
 
 #define MAX_CHOICES 16          /* n, and prompts of one completion request, together */
 #define MAX_STOP 8
@@ -616,6 +617,12 @@ struct oai_req {
     size_t n_prompts;
     const char *stops[MAX_STOP];
     char *schema;                   /* response_format's json_schema as text (owned), or NULL */
+    json_t *keep;                   /* strings made from the request that it points at (owned) */
+    const char **tool_defs;         /* tools: the functions as JSON text (in keep), n_tools of them */
+    size_t n_tools;                 /* 0: no tools, or tool_choice "none" */
+    bool tool_exact;                /* tool_choice "required" or a name: the grammar holds the calls */
+    bool parallel;                  /* parallel_tool_calls */
+    struct kvd_tool_calls *calls;   /* the messages' tool calls (in keep), one per message */
     int32_t *bias_ids;              /* logit_bias, as token ids and their addends (owned) */
     float *bias;
     int n;
@@ -637,6 +644,11 @@ static void oai_free(struct oai_req *r)
     free(r->bias_ids);
     free(r->bias);
     free(r->schema);
+    free(r->tool_defs);
+    for (size_t i = 0; r->calls != NULL && i < r->n_msgs; i++)
+        free((void *)r->calls[i].json);
+    free(r->calls);
+    json_decref(r->keep);
     json_decref(r->root);
     free(r);
 }
@@ -850,9 +862,9 @@ static const struct field {
     { "best_of", F_COMPL, false, NULL, "not supported (use n)" },
     { "suffix", F_COMPL, false, NULL, "not supported" },
     { "response_format", F_BOTH, true, NULL, NULL },
-    { "tools", F_CHAT, false, NULL, "not supported" },
-    { "tool_choice", F_CHAT, false, none_choice, "not supported" },
-    { "parallel_tool_calls", F_CHAT, false, NULL, "not supported" },
+    { "tools", F_CHAT, true, NULL, NULL },
+    { "tool_choice", F_CHAT, true, NULL, NULL },
+    { "parallel_tool_calls", F_CHAT, true, NULL, NULL },
     { "functions", F_CHAT, false, NULL, "not supported" },
     { "function_call", F_CHAT, false, none_choice, "not supported" },
     { "prompt_logprobs", F_BOTH, true, NULL, NULL },
@@ -913,13 +925,17 @@ static int request_ns(json_t *o, const char *tenant, char *ns, size_t ns_len, st
     return 0;
 }
 
-/* The same for a chat message's fields. */
+/* The same for a chat message's fields (an assistant's tool_calls and a tool
+ * result's tool_call_id are read by parse_messages). */
 static int check_message_fields(json_t *msg, struct bad *b)
 {
     const char *key;
     json_t *v;
+    const char *role = json_string_value(json_object_get(msg, "role"));
     json_object_foreach(msg, key, v) {
-        if (strcmp(key, "role") == 0 || strcmp(key, "content") == 0)
+        if (strcmp(key, "role") == 0 || strcmp(key, "content") == 0 ||
+            (strcmp(key, "tool_calls") == 0 && strcmp(role, "assistant") == 0) ||
+            (strcmp(key, "tool_call_id") == 0 && strcmp(role, "tool") == 0))
             continue;
         if ((strcmp(key, "name") == 0 || strcmp(key, "refusal") == 0 || strcmp(key, "tool_calls") == 0 ||
              strcmp(key, "tool_call_id") == 0 || strcmp(key, "function_call") == 0) && neutral_value(v, NULL))
@@ -990,6 +1006,199 @@ static int parse_format(json_t *f, bool flat, const char *param, struct kvd_gen_
     return 0;
 }
 
+/* ---- tools ----------------------------------------------------------------------------------- */
+
+/* The JSON text of v (flags: jansson's) kept alive in r->keep; NULL on no
+ * memory. */
+static const char *keep_text(struct oai_req *r, const json_t *v, size_t flags)
+{
+    if (r->keep == NULL && (r->keep = json_array()) == NULL)
+        return NULL;
+    char *t = json_dumps(v, flags);
+    json_t *str = t ? json_string(t) : NULL;
+    json_release(t);
+    if (str == NULL || json_array_append_new(r->keep, str) != 0)
+        return NULL;
+    return json_string_value(str);
+}
+
+/* The text of a call as the convention writes it (and the grammar makes the
+ * model write it): {"name": "NAME", "arguments": {...}}. */
+static const char *call_text(struct oai_req *r, const char *name, json_t *args)
+{
+    json_t *c = json_pack("{s:s, s:O}", "name", name, "arguments", args);
+    const char *t = c ? keep_text(r, c, 0) : NULL;
+    json_decref(c);
+    return t;
+}
+
+/* An assistant message's tool_calls ([{"id", "type": "function", "function":
+ * {"name", "arguments": JSON text of an object}}]) into r->calls[i]. The
+ * calls' ids go into ids (a JSON array) for the tool results after them.
+ * 0, or -1 with b. */
+static int parse_calls(struct oai_req *r, size_t i, json_t *tc, json_t *ids, struct bad *b)
+{
+    if (!json_is_array(tc) || json_array_size(tc) > TOOLCALL_MAX_CALLS * 4)
+        return bad(b, "messages", "an assistant's 'tool_calls' must be an array of at most %d calls",
+                   TOOLCALL_MAX_CALLS * 4);
+    const size_t n = json_array_size(tc);
+    const char **texts = calloc(n ? n : 1, sizeof(*texts));
+    if (texts == NULL)
+        return bad(b, "messages", "out of memory");
+    r->calls[i] = (struct kvd_tool_calls){ texts, n };   /* freed with r */
+    size_t k;
+    json_t *c;
+    json_array_foreach(tc, k, c) {
+        json_t *f = json_object_get(c, "function");
+        const char *type = json_string_value(json_object_get(c, "type"));
+        const char *name = json_string_value(json_object_get(f, "name"));
+        const char *args = json_string_value(json_object_get(f, "arguments"));
+        const char *key;
+        json_t *v;
+        json_object_foreach(c, key, v)
+            if (strcmp(key, "id") != 0 && strcmp(key, "type") != 0 && strcmp(key, "function") != 0)
+                return bad(b, "messages", "a tool call's '%.40s' is not supported", key);
+        json_object_foreach(f, key, v)
+            if (strcmp(key, "name") != 0 && strcmp(key, "arguments") != 0)
+                return bad(b, "messages", "a tool call's function's '%.40s' is not supported", key);
+        if (!json_is_string(json_object_get(c, "id")) || (type != NULL && strcmp(type, "function") != 0) ||
+            name == NULL || args == NULL)
+            return bad(b, "messages", "a tool call needs an 'id', type 'function' and a function's 'name' and "
+                       "'arguments'");
+        json_t *a = json_loads(args, JSON_REJECT_DUPLICATES, NULL);
+        if (!json_is_object(a)) {
+            json_decref(a);
+            return bad(b, "messages", "a tool call's arguments must be the JSON text of an object");
+        }
+        texts[k] = call_text(r, name, a);
+        json_decref(a);
+        if (texts[k] == NULL)
+            return bad(b, "messages", "out of memory");
+        json_array_append(ids, json_object_get(c, "id"));
+    }
+    return 0;
+}
+
+/* A tool result's tool_call_id: one of the calls made before it. */
+static int check_result(json_t *msg, json_t *ids, struct bad *b)
+{
+    json_t *id = json_object_get(msg, "tool_call_id");
+    if (!json_is_string(id))
+        return bad(b, "messages", "a tool message needs the 'tool_call_id' of the call it answers");
+    size_t k;
+    json_t *v;
+    json_array_foreach(ids, k, v)
+        if (json_equal(v, id))
+            return 0;
+    return bad(b, "messages", "a tool message's tool_call_id '%.64s' names no earlier tool call",
+               json_string_value(id));
+}
+
+/* tools, tool_choice and parallel_tool_calls into r; 0, or -1 with b. */
+static int parse_tools(struct oai_req *r, json_t *o, struct bad *b)
+{
+    json_t *tools = json_object_get(o, "tools"), *choice = json_object_get(o, "tool_choice");
+    r->parallel = true;                                     /* OpenAI's default */
+    if (get_bool(o, "parallel_tool_calls", &r->parallel, b) < 0)
+        return -1;
+    const size_t n = json_array_size(tools);
+    if (tools != NULL && !json_is_null(tools) && !json_is_array(tools))
+        return bad(b, "tools", "'tools' must be an array");
+    if (n > TOOLCALL_MAX_TOOLS)
+        return bad(b, "tools", "at most %d tools in one request", TOOLCALL_MAX_TOOLS);
+    /* tool_choice: "none", "auto", "required" or {"type": "function", "function": {"name"}} */
+    const char *mode = n > 0 ? "auto" : "none", *named = NULL;
+    if (json_is_string(choice)) {
+        mode = json_string_value(choice);
+        if (strcmp(mode, "none") != 0 && strcmp(mode, "auto") != 0 && strcmp(mode, "required") != 0)
+            return bad(b, "tool_choice", "'tool_choice' must be none, auto, required or a function");
+    } else if (json_is_object(choice)) {
+        const char *key;
+        json_t *v;
+        json_object_foreach(choice, key, v)
+            if (strcmp(key, "type") != 0 && strcmp(key, "function") != 0)
+                return bad(b, "tool_choice", "'tool_choice': '%.40s' is not supported", key);
+        json_t *f = json_object_get(choice, "function");
+        json_object_foreach(f, key, v)
+            if (strcmp(key, "name") != 0)
+                return bad(b, "tool_choice", "'tool_choice': the function's '%.40s' is not supported", key);
+        const char *type = json_string_value(json_object_get(choice, "type"));
+        named = json_string_value(json_object_get(f, "name"));
+        if (type == NULL || strcmp(type, "function") != 0 || named == NULL)
+            return bad(b, "tool_choice", "'tool_choice' names a function as {\"type\": \"function\", "
+                       "\"function\": {\"name\": ...}}");
+        mode = "named";
+    } else if (choice != NULL && !json_is_null(choice)) {
+        return bad(b, "tool_choice", "'tool_choice' must be a string or an object");
+    }
+    if (n == 0 && (strcmp(mode, "required") == 0 || named != NULL))
+        return bad(b, "tool_choice", "'tool_choice' %s needs tools", named ? "naming a function" : mode);
+    if (n == 0 || strcmp(mode, "none") == 0)
+        return 0;                                           /* the model is shown no tools */
+    r->tool_exact = strcmp(mode, "auto") != 0;
+    if ((r->tool_defs = calloc(n, sizeof(*r->tool_defs))) == NULL)
+        return bad(b, "tools", "out of memory");
+    bool found = named == NULL;
+    for (size_t i = 0; i < n; i++) {
+        json_t *t = json_array_get(tools, i), *f = json_object_get(t, "function");
+        const char *type = json_string_value(json_object_get(t, "type"));
+        const char *key;
+        json_t *v;
+        if (!json_is_object(t) || type == NULL || strcmp(type, "function") != 0 || !json_is_object(f))
+            return bad(b, "tools", "tools[%zu] must be {\"type\": \"function\", \"function\": {...}}", i);
+        json_object_foreach(t, key, v)
+            if (strcmp(key, "type") != 0 && strcmp(key, "function") != 0)
+                return bad(b, "tools", "tools[%zu]: '%.40s' is not supported", i, key);
+        json_t *name = json_object_get(f, "name"), *desc = json_object_get(f, "description");
+        json_t *params = json_object_get(f, "parameters"), *strict = json_object_get(f, "strict");
+        json_object_foreach(f, key, v)
+            if (strcmp(key, "name") != 0 && strcmp(key, "description") != 0 && strcmp(key, "parameters") != 0 &&
+                strcmp(key, "strict") != 0)
+                return bad(b, "tools", "tools[%zu]: the function's '%.40s' is not supported", i, key);
+        if (!json_is_string(name) || !toolcall_name_ok(json_string_value(name), json_string_length(name)))
+            return bad(b, "tools", "tools[%zu]: a function's name must be 1 to %d of [A-Za-z0-9_-]", i,
+                       TOOLCALL_MAX_NAME);
+        if ((desc != NULL && !json_is_null(desc) && !json_is_string(desc)) ||
+            (params != NULL && !json_is_null(params) && !json_is_object(params)) ||
+            (strict != NULL && !json_is_null(strict) && !json_is_boolean(strict)))
+            return bad(b, "tools", "tools[%zu]: 'description' must be a string, 'parameters' an object and "
+                       "'strict' a boolean", i);
+        /* strict: the arguments always validate; kvd holds them to the schema
+         * only where the grammar holds the whole answer */
+        if (json_is_true(strict) && !r->tool_exact)
+            return bad(b, "tools", "tools[%zu]: 'strict': true needs tool_choice required or a named function "
+                       "(with auto, kvd does not hold the arguments to the schema)", i);
+        for (size_t k = 0; k < i; k++) {
+            json_t *d = json_loads(r->tool_defs[k], 0, NULL);
+            const bool same = json_equal(json_object_get(d, "name"), name);
+            json_decref(d);
+            if (same)
+                return bad(b, "tools", "tools[%zu]: the name '%s' is used twice", i, json_string_value(name));
+        }
+        found |= named != NULL && strcmp(named, json_string_value(name)) == 0;
+        /* what the model is shown, and what kvd and its workers compile */
+        json_t *def = json_pack("{s:O}", "name", name);
+        if (def != NULL && desc != NULL && !json_is_null(desc))
+            json_object_set(def, "description", desc);
+        if (def != NULL && params != NULL && !json_is_null(params))
+            json_object_set(def, "parameters", params);
+        r->tool_defs[i] = def ? keep_text(r, def, JSON_COMPACT) : NULL;
+        json_decref(def);
+        if (r->tool_defs[i] == NULL)
+            return bad(b, "tools", "out of memory");
+        if (strlen(r->tool_defs[i]) > TOOLCALL_MAX_DEF_BYTES)
+            return bad(b, "tools", "tools[%zu] is over %u bytes", i, TOOLCALL_MAX_DEF_BYTES);
+    }
+    if (!found)
+        return bad(b, "tool_choice", "'tool_choice' names '%.64s', which is none of the tools", named);
+    r->n_tools = n;
+    r->gp.tools = r->tool_defs;
+    r->gp.n_tools = n;
+    r->gp.tool_choice = strcmp(mode, "required") == 0 ? "required" : named;
+    r->gp.parallel_tool_calls = r->parallel;
+    return 0;
+}
+
 /* Parses and checks a chat or completions body into r (r->tenant is the
  * key's tenant, or NULL); 0, or -1 with b and the status. */
 static int parse_request(struct oai_req *r, const struct http_server *s, struct bad *b, unsigned *status)
@@ -1012,26 +1221,45 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
             return bad(b, "messages", "'messages' must be a non-empty array");
         r->n_msgs = json_array_size(m);
         r->msgs = calloc(r->n_msgs, sizeof(*r->msgs));
-        if (r->msgs == NULL)
+        r->calls = calloc(r->n_msgs, sizeof(*r->calls));
+        json_t *ids = json_array();     /* the tool calls' ids so far */
+        if (r->msgs == NULL || r->calls == NULL || ids == NULL) {
+            json_decref(ids);
             return bad(b, "messages", "out of memory");
+        }
+        bool any_calls = false;
         for (size_t i = 0; i < r->n_msgs; i++) {
             json_t *msg = json_array_get(m, i);
             const char *role = json_string_value(json_object_get(msg, "role"));
+            json_t *tc = json_object_get(msg, "tool_calls");
+            int rc = 0;
             if (!json_is_object(msg) || role == NULL)
-                return bad(b, "messages", "every message needs a 'role' string");
-            if (check_message_fields(msg, b) != 0)
-                return -1;
-            if (strcmp(role, "developer") == 0)
+                rc = bad(b, "messages", "every message needs a 'role' string");
+            else if (check_message_fields(msg, b) != 0)
+                rc = -1;
+            else if (strcmp(role, "developer") == 0)
                 role = "system";
-            if (strcmp(role, "system") != 0 && strcmp(role, "user") != 0 && strcmp(role, "assistant") != 0)
-                return bad(b, "messages", "unknown role '%s' (system, developer, user, assistant)", role);
-            const char *text = content_text(msg, b);
-            if (text == NULL)
+            if (rc == 0 && strcmp(role, "system") != 0 && strcmp(role, "user") != 0 &&
+                strcmp(role, "assistant") != 0 && strcmp(role, "tool") != 0)
+                rc = bad(b, "messages", "unknown role '%s' (system, developer, user, assistant, tool)", role);
+            if (rc == 0 && strcmp(role, "tool") == 0)
+                rc = check_result(msg, ids, b);
+            if (rc == 0 && strcmp(role, "assistant") == 0 && tc != NULL && !json_is_null(tc)) {
+                rc = parse_calls(r, i, tc, ids, b);
+                any_calls = true;
+            }
+            const char *text = rc == 0 ? content_text(msg, b) : NULL;
+            if (text == NULL) {
+                json_decref(ids);
                 return -1;
+            }
             r->msgs[i] = (struct kvd_chat_msg){ role, text };
         }
+        json_decref(ids);
         r->gp.messages = r->msgs;
         r->gp.n_messages = r->n_msgs;
+        if (any_calls)
+            r->gp.tool_calls = r->calls;
     } else {
         json_t *p = json_object_get(o, "prompt");
         if (json_is_string(p)) {
@@ -1199,6 +1427,11 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
     json_t *rf = json_object_get(o, "response_format");
     if (rf != NULL && !json_is_null(rf) && parse_format(rf, false, "response_format", &r->gp, &r->schema, b) != 0)
         return -1;
+    if (r->chat && parse_tools(r, o, b) != 0)
+        return -1;
+    if (r->tool_exact && (r->gp.json_schema != NULL || r->gp.json_object))
+        return bad(b, "tool_choice", "'tool_choice' required or a named function cannot go with "
+                   "'response_format' (the answer is the calls)");
     json_t *stop = json_object_get(o, "stop");
     if (json_is_string(stop)) {
         r->stops[r->gp.n_stop++] = json_string_value(stop);
@@ -1435,6 +1668,308 @@ static void new_id(char *buf, size_t len, const char *prefix)
         at += snprintf(buf + at, len - (size_t)at, "%02x", b[i]);
 }
 
+/* ---- tool calls in the output ------------------------------------------------------------------ */
+
+/*
+ * Splits generated text, as it comes, into content and tool calls (the
+ * convention of engine/toolcall.h). Under the grammar (tool_choice required
+ * or a name) every call is exactly `<tool_call>\n{"name": "NAME", "arguments":
+ * ARGS}\n</tool_call>`, so a call's name is given out once it is read and its
+ * arguments byte by byte as they are generated. With auto, a block is read
+ * whole and becomes a call only when it is a JSON object naming one of the
+ * tools with an object of arguments (then given out compact), else it stays
+ * content; so does an unclosed block, and every call past the first when
+ * parallel_tool_calls is false. Content that is only whitespace next to calls
+ * is dropped. A whole answer goes through the same splitter as a streamed
+ * one, so the two agree.
+ */
+#define CALL_HEAD "\n{\"name\": \""
+#define CALL_ARGS "\", \"arguments\": "
+
+struct tsplit {
+    const struct oai_req *r;
+    char *buf;                      /* text not yet given out */
+    size_t len, cap;
+    char *ws;                       /* whitespace-only content held back */
+    size_t ws_len, ws_cap;
+    bool in_call;                   /* after a <tool_call> */
+    bool head_done;                 /* exact: the call's name was given out */
+    bool args_started, args_done;   /* exact: the arguments' first '{', and their end */
+    int depth;                      /* exact: the arguments' nesting */
+    bool in_str, esc;               /* exact: inside a JSON string, after a backslash */
+    int n_calls;                    /* calls given out */
+    bool failed;                    /* out of memory */
+    /* what comes out: content, a call's start (name set, its index), an argument fragment */
+    void (*content)(void *u, const char *s, size_t n);
+    void (*call)(void *u, int index, const char *name, const char *args, size_t n);
+    void *u;
+};
+
+static bool grow(char **p, size_t *cap, size_t need)
+{
+    if (need <= *cap)
+        return true;
+    size_t c = *cap ? *cap : 256;
+    while (c < need)
+        c *= 2;
+    char *q = realloc(*p, c);
+    if (q == NULL)
+        return false;
+    *p = q;
+    *cap = c;
+    return true;
+}
+
+static void ts_content(struct tsplit *t, const char *s, size_t n)
+{
+    bool blank = true;
+    for (size_t i = 0; i < n && blank; i++)
+        blank = s[i] == ' ' || s[i] == '\n' || s[i] == '\r' || s[i] == '\t';
+    if (n == 0)
+        return;
+    if (blank) {
+        if (!grow(&t->ws, &t->ws_cap, t->ws_len + n)) {
+            t->failed = true;
+            return;
+        }
+        memcpy(t->ws + t->ws_len, s, n);
+        t->ws_len += n;
+        return;
+    }
+    if (t->ws_len > 0)
+        t->content(t->u, t->ws, t->ws_len);
+    t->ws_len = 0;
+    t->content(t->u, s, n);
+}
+
+/* Drops buf[0..n). */
+static void ts_consume(struct tsplit *t, size_t n)
+{
+    memmove(t->buf, t->buf + n, t->len - n);
+    t->len -= n;
+}
+
+static const char *ts_find(const char *s, size_t n, const char *needle)
+{
+    return memmem(s, n, needle, strlen(needle));
+}
+
+/* auto: the block buf[0..n) as a call, when it is one. */
+static bool ts_block(struct tsplit *t, const char *s, size_t n)
+{
+    if (!t->r->parallel && t->n_calls > 0)
+        return false;
+    json_t *o = json_loadb(s, n, JSON_REJECT_DUPLICATES, NULL);
+    const char *name = json_string_value(json_object_get(o, "name"));
+    json_t *args = json_object_get(o, "arguments");
+    bool known = false;
+    for (size_t i = 0; name != NULL && i < t->r->n_tools && !known; i++) {
+        json_t *d = json_loads(t->r->tool_defs[i], 0, NULL);
+        known = strcmp(json_string_value(json_object_get(d, "name")), name) == 0;
+        json_decref(d);
+    }
+    char *a = known && json_is_object(args) && json_object_size(o) == 2 ? json_dumps(args, JSON_COMPACT) : NULL;
+    if (a != NULL) {
+        t->call(t->u, t->n_calls, name, "", 0);
+        t->call(t->u, t->n_calls, NULL, a, strlen(a));
+        t->n_calls++;
+    }
+    json_release(a);
+    json_decref(o);
+    return a != NULL;
+}
+
+/* exact: gives out what the buffer holds of the current call; false when
+ * more text is needed. */
+static bool ts_exact(struct tsplit *t)
+{
+    if (!t->head_done) {
+        const char *end = ts_find(t->buf, t->len, CALL_ARGS);
+        if (end == NULL)
+            return false;
+        const size_t head = strlen(CALL_HEAD), at = (size_t)(end - t->buf);
+        char name[TOOLCALL_MAX_NAME + 1];
+        if (at < head || at - head > TOOLCALL_MAX_NAME || memcmp(t->buf, CALL_HEAD, head) != 0) {
+            t->in_call = false;             /* not the grammar's shape: content (cannot happen) */
+            ts_content(t, TOOLCALL_OPEN, strlen(TOOLCALL_OPEN));
+            return true;
+        }
+        memcpy(name, t->buf + head, at - head);
+        name[at - head] = '\0';
+        t->call(t->u, t->n_calls, name, "", 0);
+        ts_consume(t, at + strlen(CALL_ARGS));
+        t->head_done = true;
+    }
+    size_t i = 0;
+    for (; i < t->len && !t->args_done; i++) {
+        const char c = t->buf[i];
+        if (t->in_str) {
+            t->in_str = t->esc || c != '"';
+            t->esc = !t->esc && c == '\\';
+        } else if (c == '"')
+            t->in_str = true;
+        else if (c == '{' || c == '[')
+            t->depth++, t->args_started = true;
+        else if (c == '}' || c == ']')
+            t->args_done = --t->depth == 0;
+    }
+    if (i > 0 && (t->args_started || t->args_done)) {
+        t->call(t->u, t->n_calls, NULL, t->buf, i);
+        ts_consume(t, i);
+    }
+    if (!t->args_done)
+        return false;
+    const char *close = ts_find(t->buf, t->len, TOOLCALL_CLOSE);
+    if (close == NULL)
+        return false;
+    ts_consume(t, (size_t)(close - t->buf) + strlen(TOOLCALL_CLOSE));
+    t->n_calls++;
+    t->in_call = t->head_done = t->args_started = t->args_done = false;
+    t->depth = 0;
+    return true;
+}
+
+/* Adds text[0..n) (final: the output ended) and gives out what it can. */
+static void ts_feed(struct tsplit *t, const char *text, size_t n, bool final)
+{
+    if (!grow(&t->buf, &t->cap, t->len + n + 1)) {
+        t->failed = true;
+        return;
+    }
+    memcpy(t->buf + t->len, text, n);
+    t->len += n;
+    const size_t open = strlen(TOOLCALL_OPEN), close = strlen(TOOLCALL_CLOSE);
+    for (;;) {
+        if (!t->in_call) {
+            const char *at = ts_find(t->buf, t->len, TOOLCALL_OPEN);
+            if (at != NULL) {
+                ts_content(t, t->buf, (size_t)(at - t->buf));
+                ts_consume(t, (size_t)(at - t->buf) + open);
+                t->in_call = true;
+                continue;
+            }
+            /* hold back what may be the start of a <tool_call> */
+            size_t hold = 0;
+            for (size_t k = open - 1; k > 0 && hold == 0 && !final; k--)
+                if (t->len >= k && memcmp(t->buf + t->len - k, TOOLCALL_OPEN, k) == 0)
+                    hold = k;
+            ts_content(t, t->buf, t->len - hold);
+            ts_consume(t, t->len - hold);
+            break;
+        }
+        if (t->r->tool_exact) {
+            if (ts_exact(t))
+                continue;
+        } else {
+            const char *end = ts_find(t->buf, t->len, TOOLCALL_CLOSE);
+            if (end != NULL) {
+                const size_t k = (size_t)(end - t->buf);
+                if (!ts_block(t, t->buf, k)) {
+                    ts_content(t, TOOLCALL_OPEN, open);
+                    ts_content(t, t->buf, k + close);
+                }
+                ts_consume(t, k + close);
+                t->in_call = false;
+                continue;
+            }
+        }
+        if (final) {
+            /* an unclosed block: content (with auto; under the grammar only a
+             * cut output leaves one, and what was given out stays out) */
+            if (!t->head_done) {
+                ts_content(t, TOOLCALL_OPEN, open);
+                ts_content(t, t->buf, t->len);
+            }
+            t->len = 0;
+            t->in_call = false;
+        }
+        break;
+    }
+}
+
+/* The output ended: the rest goes out (whitespace held back too when no
+ * call was made). */
+static void ts_end(struct tsplit *t)
+{
+    ts_feed(t, "", 0, true);
+    if (t->n_calls == 0 && t->ws_len > 0)
+        t->content(t->u, t->ws, t->ws_len);
+    t->ws_len = 0;
+}
+
+static void ts_fini(struct tsplit *t)
+{
+    free(t->buf);
+    free(t->ws);
+}
+
+/* A whole answer's content and calls, as the splitter gives them out. */
+struct whole_calls {
+    char *text;                     /* the content */
+    size_t len, cap;
+    json_t *calls;                  /* OpenAI's tool_calls */
+    bool failed;
+};
+
+static void whole_content(void *u, const char *s, size_t n)
+{
+    struct whole_calls *w = u;
+    if (!grow(&w->text, &w->cap, w->len + n + 1)) {
+        w->failed = true;
+        return;
+    }
+    memcpy(w->text + w->len, s, n);
+    w->len += n;
+}
+
+static void whole_call(void *u, int index, const char *name, const char *args, size_t n)
+{
+    struct whole_calls *w = u;
+    char id[40];
+    if (name != NULL) {
+        new_id(id, sizeof(id), "call_");
+        if (json_array_append_new(w->calls, json_pack("{s:s, s:s, s:{s:s, s:s}}", "id", id, "type", "function",
+                                                      "function", "name", name, "arguments", "")) != 0)
+            w->failed = true;
+        return;
+    }
+    json_t *f = json_object_get(json_array_get(w->calls, (size_t)index), "function");
+    json_t *a = json_object_get(f, "arguments");
+    char *joined = malloc(json_string_length(a) + n + 1);
+    if (joined == NULL) {
+        w->failed = true;
+        return;
+    }
+    memcpy(joined, json_string_value(a), json_string_length(a));
+    memcpy(joined + json_string_length(a), args, n);
+    joined[json_string_length(a) + n] = '\0';
+    if (json_object_set_new(f, "arguments", json_string(joined)) != 0)
+        w->failed = true;
+    free(joined);
+}
+
+/* The message of a chat choice whose tools were on: its content (null when
+ * there is none and it made calls) and tool_calls; *calls_made says whether
+ * it made any. */
+static json_t *tool_message(const struct oai_req *r, const char *text, size_t len, bool *calls_made)
+{
+    struct whole_calls w = { .calls = json_array() };
+    struct tsplit t = { .r = r, .content = whole_content, .call = whole_call, .u = &w };
+    ts_feed(&t, text, len, false);
+    ts_end(&t);
+    const bool failed = t.failed || w.failed || w.calls == NULL;
+    *calls_made = t.n_calls > 0;
+    ts_fini(&t);
+    json_t *m = failed ? NULL
+                : json_pack("{s:s, s:o}", "role", "assistant", "content",
+                            w.len == 0 && *calls_made ? json_null() : text_json(w.text ? w.text : "", w.len));
+    if (m != NULL && *calls_made)
+        json_object_set(m, "tool_calls", w.calls);
+    json_decref(w.calls);
+    free(w.text);
+    return m;
+}
+
 /* ---- work done on a job's thread ---------------------------------------------------------------- */
 
 /* Parses the job's body into *root under its JSON budget (the body is freed
@@ -1502,9 +2037,22 @@ static void run_whole(struct job *j, kvd_client_t *kc, struct oai_req *r)
         json_t *lp = r->gp.logprobs < 0 ? json_null()
                      : r->chat           ? chat_logprobs_json(res.logprobs, res.n_logprobs)
                                          : completion_logprobs_json(res.logprobs, res.n_logprobs, &offset);
-        json_t *ch = r->chat ? json_pack("{s:i, s:{s:s, s:o}, s:o, s:s}", "index", i, "message", "role",
-                                         "assistant", "content", text_json(res.text, res.text_len), "logprobs",
-                                         lp, "finish_reason", finish_name(res.finish_reason))
+        bool calls_made = false;
+        json_t *msg = r->n_tools == 0 ? NULL : tool_message(r, res.text ? res.text : "", res.text_len, &calls_made);
+        if (r->n_tools > 0 && msg == NULL) {
+            json_decref(lp);
+            json_decref(choices);
+            json_decref(prompt_lp_chat);
+            job_error(j, 500, "out of memory", NULL, NULL, 0);
+            kvd_result_free(&res);
+            return;
+        }
+        const char *finish = calls_made && res.finish_reason == KVD_FINISH_STOP ? "tool_calls"
+                                                                                : finish_name(res.finish_reason);
+        json_t *ch = r->chat ? json_pack("{s:i, s:o, s:o, s:s}", "index", i, "message",
+                                         msg ? msg : json_pack("{s:s, s:o}", "role", "assistant", "content",
+                                                               text_json(res.text, res.text_len)),
+                                         "logprobs", lp, "finish_reason", finish)
                              : json_pack("{s:i, s:o, s:o, s:s}", "index", i, "text",
                                          text_json(res.text, res.text_len), "logprobs", lp, "finish_reason",
                                          finish_name(res.finish_reason));
@@ -1544,6 +2092,8 @@ struct stream {
     int index;                  /* the choice being generated */
     bool role_sent;
     size_t text_offset;         /* completions' logprobs: characters of the choice so far */
+    struct tsplit ts;           /* with tools: the choice's text split into content and calls */
+    bool gone;                  /* an event could not be sent: cancel */
 };
 
 /* A chunk event: chat's delta (role, content, or nothing) or completions'
@@ -1578,6 +2128,35 @@ static json_t *chunk_json(struct stream *st, const char *role, const char *text,
     return out;
 }
 
+static void stream_content(void *u, const char *s, size_t n)
+{
+    struct stream *st = u;
+    if (!st->gone && !emit(st->j, chunk_json(st, NULL, s, n, NULL, 0, NULL)))
+        st->gone = true;
+}
+
+/* A tool call's delta: its start (index, id, type, name, empty arguments),
+ * then fragments of its arguments. */
+static void stream_call(void *u, int index, const char *name, const char *args, size_t n)
+{
+    struct stream *st = u;
+    char id[40];
+    json_t *c = json_pack("{s:i}", "index", index);
+    if (name != NULL) {
+        new_id(id, sizeof(id), "call_");
+        json_object_set_new(c, "id", json_string(id));
+        json_object_set_new(c, "type", json_string("function"));
+        json_object_set_new(c, "function", json_pack("{s:s, s:s}", "name", name, "arguments", ""));
+    } else {
+        json_object_set_new(c, "function", json_pack("{s:o}", "arguments", text_json(args, n)));
+    }
+    json_t *out = chunk_json(st, NULL, NULL, 0, NULL, 0, NULL);
+    json_t *delta = json_object_get(json_array_get(json_object_get(out, "choices"), 0), "delta");
+    json_object_set_new(delta, "tool_calls", json_pack("[o]", c));
+    if (!st->gone && !emit(st->j, out))
+        st->gone = true;
+}
+
 static int on_chunk(void *user, const struct kvd_chunk *k)
 {
     struct stream *st = user;
@@ -1585,6 +2164,13 @@ static int on_chunk(void *user, const struct kvd_chunk *k)
         st->role_sent = true;
         if (!emit(st->j, chunk_json(st, "assistant", "", 0, NULL, 0, NULL)))
             return 1;
+    }
+    if (st->r->n_tools > 0) {
+        /* the text through the splitter; logprobs on their own */
+        ts_feed(&st->ts, k->text ? k->text : "", k->len, false);
+        if (k->logprobs != NULL && !st->gone)
+            st->gone = !emit(st->j, chunk_json(st, NULL, NULL, 0, k->logprobs, k->n_tokens, NULL));
+        return st->gone || st->ts.failed;
     }
     if (k->len == 0 && k->logprobs == NULL)
         return 0;
@@ -1607,6 +2193,8 @@ static void run_stream(struct job *j, kvd_client_t *kc, struct oai_req *r)
         st.index = i;
         st.role_sent = false;
         st.text_offset = 0;
+        ts_fini(&st.ts);
+        st.ts = (struct tsplit){ .r = r, .content = stream_content, .call = stream_call, .u = &st };
         struct kvd_result res;
         memset(&res, 0, sizeof(res));
         if (r->echo && !job_aborted(j)) {
@@ -1631,15 +2219,21 @@ static void run_stream(struct job *j, kvd_client_t *kc, struct oai_req *r)
             completion += res.completion_tokens;
             if (r->chat && !st.role_sent)
                 emit(j, chunk_json(&st, "assistant", "", 0, NULL, 0, NULL));
-            emit(j, chunk_json(&st, NULL, NULL, 0, NULL, 0, finish_name(res.finish_reason)));
+            if (r->n_tools > 0)
+                ts_end(&st.ts);
+            emit(j, chunk_json(&st, NULL, NULL, 0, NULL, 0,
+                               st.ts.n_calls > 0 && res.finish_reason == KVD_FINISH_STOP
+                                   ? "tool_calls" : finish_name(res.finish_reason)));
             kvd_result_free(&res);
         } else if (job_aborted(j)) {
             job_gone(j);
             kvd_result_free(&res);
+            ts_fini(&st.ts);
             return;
         } else if (!j->streaming) {
             job_kvd_error(j, rc, &res);     /* nothing sent yet: the status says it */
             kvd_result_free(&res);
+            ts_fini(&st.ts);
             return;
         } else {
             const char *code;
@@ -1656,6 +2250,7 @@ static void run_stream(struct job *j, kvd_client_t *kc, struct oai_req *r)
         emit(j, u);
     }
     emit(j, NULL);     /* data: [DONE] */
+    ts_fini(&st.ts);
 }
 
 /* POST /v1/chat/completions and /v1/completions. */

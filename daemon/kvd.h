@@ -192,6 +192,10 @@ struct request {
     bool prefill_only;              /* compute the prompt, generate nothing */
     char *json_schema;              /* structured output's schema (checked at admission), or NULL */
     bool json_object;               /* structured output: any JSON object */
+    char **tools;                   /* tool calls held to a grammar: the functions, */
+    size_t n_tools;
+    char *tool_choice;              /* "required" or a name (NULL: no grammar), */
+    bool parallel_tool_calls;       /* and whether several calls may follow each other */
     char *text;                     /* everything generated (stop string cut off) */
     size_t text_len, text_cap;
     size_t valid;                   /* leading bytes of text checked as UTF-8 (the rest: an

@@ -26,6 +26,7 @@
 
 #include "err.h"
 #include "jschema.h"
+#include "toolcall.h"
 #include "kvd.h"
 
 #define RETRY_AFTER_MS 1000u
@@ -209,6 +210,10 @@ static void req_free(struct request *r)
     free(r->bias);
     free(r->plp);
     free(r->json_schema);
+    for (size_t i = 0; i < r->n_tools; i++)
+        free(r->tools[i]);
+    free(r->tools);
+    free(r->tool_choice);
     prefix_seq_fini(&r->ps);
     free(r);
 }
@@ -234,6 +239,52 @@ static void schema_keep(const char *text)
     free(schemas_kept[SCHEMAS_KEPT - 1]);
     memmove(schemas_kept + 1, schemas_kept, (SCHEMAS_KEPT - 1) * sizeof(*schemas_kept));
     schemas_kept[0] = copy;
+}
+
+/* Tool calls held to a grammar (tool_choice "required" or a name): compiled
+ * here, as a schema is, to refuse what the workers could not follow, and
+ * kept with the request for its Assign. 0 or an error code with msg. */
+static int admit_tool_calls(struct request *r, const Kvd__GenerateRequest *g, char *msg, size_t msg_len)
+{
+    const bool parallel = g->has_parallel_tool_calls && g->parallel_tool_calls;
+    const char *only = strcmp(g->tool_choice, "required") == 0 ? NULL : g->tool_choice;
+    if (g->has_ignore_eos && g->ignore_eos) {
+        snprintf(msg, msg_len, "ignore_eos cannot go with tool_choice (the calls end it)");
+        return KVD__ERROR_CODE__ERR_BAD_REQUEST;
+    }
+    /* the key of the last grammars that compiled: the choice and the tools */
+    size_t klen = strlen(g->tool_choice) + 4;
+    for (size_t i = 0; i < g->n_tools; i++)
+        klen += strlen(g->tools[i]) + 1;
+    char *key = malloc(klen);
+    if (key == NULL)
+        return KVD__ERROR_CODE__ERR_INTERNAL;
+    size_t at = (size_t)snprintf(key, klen, "\x01%c%s", parallel ? 'p' : '1', g->tool_choice);
+    for (size_t i = 0; i < g->n_tools; i++)
+        at += (size_t)snprintf(key + at, klen - at, "\x01%s", g->tools[i]);
+    if (!schema_seen(key)) {
+        char gerr[200] = "";
+        grammar_t *gr = toolcall_compile((const char *const *)g->tools, g->n_tools, only, parallel, gerr,
+                                         sizeof(gerr));
+        if (gr == NULL) {
+            free(key);
+            snprintf(msg, msg_len, "tools: %s", gerr);
+            return KVD__ERROR_CODE__ERR_BAD_REQUEST;
+        }
+        grammar_destroy(&gr);
+        schema_keep(key);
+    }
+    free(key);
+    r->tools = calloc(g->n_tools, sizeof(*r->tools));
+    if (r->tools == NULL)
+        return KVD__ERROR_CODE__ERR_INTERNAL;
+    for (; r->n_tools < g->n_tools; r->n_tools++)
+        if ((r->tools[r->n_tools] = strdup(g->tools[r->n_tools])) == NULL)
+            return KVD__ERROR_CODE__ERR_INTERNAL;
+    if ((r->tool_choice = strdup(g->tool_choice)) == NULL)
+        return KVD__ERROR_CODE__ERR_INTERNAL;
+    r->parallel_tool_calls = parallel;
+    return 0;
 }
 
 /* ---- output ---------------------------------------------------------------------------------- */
@@ -692,11 +743,21 @@ static int build_prompt(struct kvd *k, struct request *r, const Kvd__GenerateReq
         struct chat_msg *cm = calloc(g->n_messages, sizeof(*cm));
         if (cm == NULL)
             return KVD__ERROR_CODE__ERR_INTERNAL;
-        for (size_t i = 0; i < g->n_messages; i++)
+        struct chat_calls *calls = calloc(g->n_messages, sizeof(*calls));
+        if (calls == NULL) {
+            free(cm);
+            return KVD__ERROR_CODE__ERR_INTERNAL;
+        }
+        for (size_t i = 0; i < g->n_messages; i++) {
             cm[i] = (struct chat_msg){ g->messages[i]->role, g->messages[i]->content };
+            calls[i] = (struct chat_calls){ (const char *const *)g->messages[i]->tool_calls,
+                                            g->messages[i]->n_tool_calls };
+        }
         char *text = NULL;
         size_t len = 0;
-        int rc = chat_apply(k->chat, cm, g->n_messages, true, &text, &len);
+        int rc = chat_apply_tools(k->chat, cm, calls, g->n_messages, (const char *const *)g->tools, g->n_tools,
+                                  true, &text, &len);
+        free(calls);
         free(cm);
         if (rc == 0)
             rc = tokenize(k, r, text, len, true);
@@ -796,6 +857,8 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const
         grammar_destroy(&gr);
         r->json_object = g->json_schema == NULL;
     }
+    if (code == 0 && g->tool_choice != NULL && strcmp(g->tool_choice, "auto") != 0)
+        code = admit_tool_calls(r, g, msg, sizeof(msg));
     for (size_t i = 0; code == 0 && g->sampling != NULL && i < g->sampling->n_logit_bias; i++)
         if ((uint32_t)g->sampling->logit_bias_ids[i] >= k->model->cfg.n_vocab) {
             snprintf(msg, sizeof(msg), "logit_bias: token id %d is out of range (the vocabulary has %u tokens)",
@@ -1236,6 +1299,11 @@ static int start(struct kvd *k, struct request *r)
     a.json_schema = r->json_schema;
     a.has_json_object = r->json_object;
     a.json_object = r->json_object;
+    a.n_tools = r->tool_choice != NULL ? r->n_tools : 0;
+    a.tools = r->tools;
+    a.tool_choice = r->tool_choice;
+    a.has_parallel_tool_calls = r->parallel_tool_calls;
+    a.parallel_tool_calls = r->parallel_tool_calls;
     a.has_prompt_logprobs = r->plp != NULL && r->n_scored + 1 < r->n_prompt;
     a.prompt_logprobs = (uint32_t)(r->prompt_logprobs > 0 ? r->prompt_logprobs : 0);
     m.body_case = KVDW__TO_WORKER__BODY_ASSIGN;

@@ -24,6 +24,7 @@
 #include "chat.h"
 
 #include "err.h"
+#include "toolcall.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -277,13 +278,10 @@ static int apply_gemma(const struct chat_msg *msgs, size_t n, bool add_generatio
     return 0;
 }
 
-int chat_apply(const chat_template_t *t, const struct chat_msg *msgs, size_t n,
-               bool add_generation_prompt, char **out, size_t *out_len)
+/* The rendering of msgs as they are (no tools, no tool turns). */
+static int render(const chat_template_t *t, const struct chat_msg *msgs, size_t n, bool add_generation_prompt,
+                  char **out, size_t *out_len)
 {
-    if (t == NULL || out == NULL || out_len == NULL || (msgs == NULL && n > 0))
-        return KVD_EINVAL;
-    *out = NULL;
-    *out_len = 0;
     if (t->format == FORMAT_GEMMA)
         return apply_gemma(msgs, n, add_generation_prompt, out, out_len);
     bool first_is_system = n > 0 && msgs[0].role != NULL && strcmp(msgs[0].role, "system") == 0;
@@ -324,4 +322,146 @@ int chat_apply(const chat_template_t *t, const struct chat_msg *msgs, size_t n,
     *out = b.p;
     *out_len = b.n;
     return 0;
+}
+
+/* ---- tools (kvd's default convention, toolcall.h) ------------------------------------------------ */
+
+#define TOOLS_INTRO                                                                                   \
+    "# Tools\n\n"                                                                                     \
+    "You may call functions to answer the user. Their definitions, one JSON object a line, are "      \
+    "between <tools> and </tools>:\n<tools>\n"
+#define TOOLS_OUTRO                                                                                   \
+    "</tools>\n\n"                                                                                    \
+    "To call a function, answer with a JSON object that names it and gives its arguments, between "  \
+    "<tool_call> and </tool_call>:\n"                                                                 \
+    TOOLCALL_OPEN "\n{\"name\": \"<function name>\", \"arguments\": {<arguments as JSON>}}\n"        \
+    TOOLCALL_CLOSE
+#define RESPONSE_OPEN "<tool_response>\n"
+#define RESPONSE_CLOSE "\n</tool_response>"
+
+/* A new string: the concatenation of the n strings parts[0..n) (NULLs
+ * skipped), or NULL on no memory. */
+static char *concat(const char *const *parts, size_t n)
+{
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++)
+        if (parts[i] != NULL && !add_len(&total, strlen(parts[i])))
+            return NULL;
+    struct buf b = { malloc(total + 1), 0 };
+    if (b.p == NULL)
+        return NULL;
+    for (size_t i = 0; i < n; i++)
+        if (parts[i] != NULL)
+            put(&b, parts[i]);
+    b.p[b.n] = '\0';
+    return b.p;
+}
+
+/* The system text with the tools after base (NULL: none). */
+static char *tools_system(const char *base, const char *const *tools, size_t n_tools)
+{
+    size_t total = 0;
+    bool ok = add_len(&total, strlen(TOOLS_INTRO) + strlen(TOOLS_OUTRO) + 2) &&
+              add_len(&total, base ? strlen(base) : 0);
+    for (size_t i = 0; ok && i < n_tools; i++)
+        ok = tools[i] != NULL && add_len(&total, strlen(tools[i]) + 1);
+    struct buf b = { ok ? malloc(total + 1) : NULL, 0 };
+    if (b.p == NULL)
+        return NULL;
+    if (base != NULL && base[0] != '\0') {
+        put(&b, base);
+        put(&b, "\n\n");
+    }
+    put(&b, TOOLS_INTRO);
+    for (size_t i = 0; i < n_tools; i++) {
+        put(&b, tools[i]);
+        put(&b, "\n");
+    }
+    put(&b, TOOLS_OUTRO);
+    b.p[b.n] = '\0';
+    return b.p;
+}
+
+/* An assistant's text followed by its calls, a newline apart. */
+static char *with_calls(const struct chat_msg *m, const struct chat_calls *c)
+{
+    size_t total = 0;
+    bool ok = add_len(&total, strlen(m->content) + 1);
+    for (size_t i = 0; ok && i < c->n; i++)
+        ok = c->json[i] != NULL &&
+             add_len(&total, strlen(TOOLCALL_OPEN) + strlen(c->json[i]) + strlen(TOOLCALL_CLOSE) + 3);
+    struct buf b = { ok ? malloc(total + 1) : NULL, 0 };
+    if (b.p == NULL)
+        return NULL;
+    put(&b, m->content);
+    for (size_t i = 0; i < c->n; i++) {
+        if (b.n > 0)
+            put(&b, "\n");
+        put(&b, TOOLCALL_OPEN "\n");
+        put(&b, c->json[i]);
+        put(&b, "\n" TOOLCALL_CLOSE);
+    }
+    b.p[b.n] = '\0';
+    return b.p;
+}
+
+int chat_apply_tools(const chat_template_t *t, const struct chat_msg *msgs, const struct chat_calls *calls,
+                     size_t n, const char *const *tools, size_t n_tools, bool add_generation_prompt, char **out,
+                     size_t *out_len)
+{
+    if (t == NULL || out == NULL || out_len == NULL || (msgs == NULL && n > 0) || (tools == NULL && n_tools > 0))
+        return KVD_EINVAL;
+    *out = NULL;
+    *out_len = 0;
+    bool plain = n_tools == 0;
+    for (size_t i = 0; i < n; i++) {
+        if (msgs[i].role == NULL || msgs[i].content == NULL || (calls && calls[i].json == NULL && calls[i].n))
+            return KVD_EINVAL;
+        plain &= (calls == NULL || calls[i].n == 0) && strcmp(msgs[i].role, "tool") != 0;
+    }
+    if (plain)
+        return render(t, msgs, n, add_generation_prompt, out, out_len);
+
+    /* the messages rewritten in the convention, then rendered as they are */
+    const bool first_is_system = n > 0 && strcmp(msgs[0].role, "system") == 0;
+    const bool add_system = n_tools > 0 && !first_is_system;
+    const size_t n2 = n + add_system;
+    struct chat_msg *m2 = calloc(n2 ? n2 : 1, sizeof(*m2));
+    char **owned = calloc(n2 ? n2 : 1, sizeof(*owned));
+    int rc = m2 == NULL || owned == NULL ? KVD_ENOMEM : 0;
+    for (size_t i = 0; rc == 0 && i < n2; i++) {
+        const struct chat_msg *m = i < (size_t)add_system ? NULL : &msgs[i - add_system];
+        const struct chat_calls *c = m != NULL && calls != NULL ? &calls[i - add_system] : NULL;
+        if (m == NULL || (i == 0 && n_tools > 0)) {
+            /* the system message, with the tools */
+            const char *base = m ? m->content : t->format == FORMAT_CHATML ? t->default_system : NULL;
+            owned[i] = tools_system(base, tools, n_tools);
+            m2[i] = (struct chat_msg){ .role = "system", .content = owned[i] };
+        } else if (strcmp(m->role, "tool") == 0) {
+            const char *parts[] = { RESPONSE_OPEN, m->content, RESPONSE_CLOSE };
+            owned[i] = concat(parts, 3);
+            m2[i] = (struct chat_msg){ .role = t->format == FORMAT_GEMMA ? "user" : "tool", .content = owned[i] };
+        } else if (c != NULL && c->n > 0) {
+            owned[i] = with_calls(m, c);
+            m2[i] = (struct chat_msg){ .role = m->role, .content = owned[i] };
+        } else {
+            m2[i] = (struct chat_msg){ .role = m->role, .content = m->content };
+            continue;
+        }
+        if (owned[i] == NULL)
+            rc = KVD_ENOMEM;
+    }
+    if (rc == 0)
+        rc = render(t, m2, n2, add_generation_prompt, out, out_len);
+    for (size_t i = 0; owned != NULL && i < n2; i++)
+        free(owned[i]);
+    free(owned);
+    free(m2);
+    return rc;
+}
+
+int chat_apply(const chat_template_t *t, const struct chat_msg *msgs, size_t n, bool add_generation_prompt,
+               char **out, size_t *out_len)
+{
+    return chat_apply_tools(t, msgs, NULL, n, NULL, 0, add_generation_prompt, out, out_len);
 }

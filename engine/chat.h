@@ -10,6 +10,14 @@
  * start with one (SmolLM2, Qwen); and Gemma ("<start_of_turn>user\n...
  * <end_of_turn>\n", the system text opening the first user turn; chat.c).
  * Any other template is refused at load.
+ *
+ * Tools: neither format has a tools section, so both render kvd's default
+ * convention (engine/toolcall.h): the function definitions inside
+ * <tools></tools> at the end of the system message (the template's default
+ * system message, or none, before them when the conversation has no system
+ * message), an assistant's calls as <tool_call> blocks after its text, and a
+ * tool's result wrapped in <tool_response></tool_response> as a "tool" turn
+ * (ChatML) or a user turn (Gemma).
  */
 #ifndef KVD_CHAT_H
 #define KVD_CHAT_H
@@ -21,8 +29,15 @@
 
 /* One message; both strings NUL-terminated and borrowed for the call. */
 struct chat_msg {
-    const char *role;           /* "system", "user", "assistant", ... */
+    const char *role;           /* "system", "user", "assistant", "tool" (a tool's result) */
     const char *content;        /* the message text */
+};
+
+/* An assistant message's tool calls, each the JSON text {"name": ...,
+ * "arguments": {...}}; borrowed for the call. */
+struct chat_calls {
+    const char *const *json;    /* n of them */
+    size_t n;
 };
 
 typedef struct chat_template chat_template_t;
@@ -49,6 +64,15 @@ void chat_template_destroy(chat_template_t **t);
  * KVD_EINVAL for a NULL role or content, KVD_ENOMEM. */
 int chat_apply(const chat_template_t *t, const struct chat_msg *msgs, size_t n,
                bool add_generation_prompt, char **out, size_t *out_len);
+
+/* chat_apply with tools: calls (NULL, or one per message) are the
+ * assistant messages' tool calls; tools[0..n_tools) are function
+ * definitions, each the JSON text of OpenAI's function object ({"name",
+ * "description", "parameters"}), shown to the model in the system message
+ * (none: as chat_apply). Same returns. */
+int chat_apply_tools(const chat_template_t *t, const struct chat_msg *msgs, const struct chat_calls *calls,
+                     size_t n, const char *const *tools, size_t n_tools, bool add_generation_prompt, char **out,
+                     size_t *out_len);
 
 /* The format's name ("chatml", "gemma"). */
 const char *chat_template_format(const chat_template_t *t);

@@ -535,16 +535,25 @@ static int check_messages(Kvd__ChatMessage *const *msgs, size_t n_msgs, const ch
         if (c->role == NULL)
             return kvd_seterr(err, errlen, KVD_EFORMAT, "%s.messages[%zu] has no role", what, i);
         if (strcmp(c->role, "system") != 0 && strcmp(c->role, "user") != 0 &&
-            strcmp(c->role, "assistant") != 0) {
+            strcmp(c->role, "assistant") != 0 && strcmp(c->role, "tool") != 0) {
             char q[48];
             return kvd_seterr(err, errlen, KVD_ERANGE,
-                              "%s.messages[%zu].role = \"%s\" is not system, user or "
-                              "assistant",
+                              "%s.messages[%zu].role = \"%s\" is not system, user, "
+                              "assistant or tool",
                               what, i, printable(q, sizeof(q), c->role));
         }
         if (c->content == NULL)
             return kvd_seterr(err, errlen, KVD_EFORMAT, "%s.messages[%zu] has no content", what, i);
         total += strlen(c->content);
+        if (c->n_tool_calls > WIRE_MAX_TOOL_CALLS || (c->n_tool_calls > 0 && strcmp(c->role, "assistant") != 0))
+            return kvd_seterr(err, errlen, KVD_ERANGE, "%s.messages[%zu] has %zu tool calls (at most %u, an "
+                              "assistant's)", what, i, c->n_tool_calls, WIRE_MAX_TOOL_CALLS);
+        for (size_t k = 0; k < c->n_tool_calls; k++) {
+            if (c->tool_calls[k] == NULL)
+                return kvd_seterr(err, errlen, KVD_EFORMAT, "%s.messages[%zu].tool_calls[%zu] is missing",
+                                  what, i, k);
+            total += strlen(c->tool_calls[k]);
+        }
     }
     if (total > WIRE_MAX_PROMPT_BYTES)
         return kvd_seterr(err, errlen, KVD_ETOOLONG,
@@ -654,6 +663,21 @@ static int check_generate(const Kvd__GenerateRequest *g, char *err, size_t errle
                           strlen(g->json_schema), WIRE_MAX_SCHEMA_BYTES);
     if (g->json_schema != NULL && g->has_json_object && g->json_object)
         return kvd_seterr(err, errlen, KVD_EINVAL, "generate: json_schema and json_object are exclusive");
+    if (g->n_tools > WIRE_MAX_TOOLS)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "generate.tools has %zu functions, over the limit of %u",
+                          g->n_tools, WIRE_MAX_TOOLS);
+    for (size_t i = 0; i < g->n_tools; i++)
+        if (g->tools[i] == NULL || strlen(g->tools[i]) > WIRE_MAX_TOOL_BYTES)
+            return kvd_seterr(err, errlen, KVD_ERANGE, "generate.tools[%zu] is missing or over %u bytes", i,
+                              WIRE_MAX_TOOL_BYTES);
+    if (g->n_tools > 0 && g->n_messages == 0)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "generate.tools need messages (a chat)");
+    if (g->tool_choice != NULL && strcmp(g->tool_choice, "auto") != 0) {
+        if (g->n_tools == 0)
+            return kvd_seterr(err, errlen, KVD_EINVAL, "generate.tool_choice needs tools");
+        if (g->json_schema != NULL || (g->has_json_object && g->json_object))
+            return kvd_seterr(err, errlen, KVD_EINVAL, "generate: tool_choice and structured output are exclusive");
+    }
     if (g->has_prompt_logprobs && g->prompt_logprobs > WIRE_MAX_TOP_LOGPROBS)
         return kvd_seterr(err, errlen, KVD_ERANGE, "generate.prompt_logprobs = %u is over the limit of %u",
                           g->prompt_logprobs, WIRE_MAX_TOP_LOGPROBS);
@@ -942,6 +966,15 @@ static int check_assign(const Kvdw__Assign *s, char *err, size_t errlen)
     if (s->json_schema != NULL && strlen(s->json_schema) > WIRE_MAX_SCHEMA_BYTES)
         return kvd_seterr(err, errlen, KVD_ERANGE, "assign.json_schema is %zu bytes, over the limit of %u",
                           strlen(s->json_schema), WIRE_MAX_SCHEMA_BYTES);
+    if (s->n_tools > WIRE_MAX_TOOLS)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "assign.tools has %zu functions, over the limit of %u",
+                          s->n_tools, WIRE_MAX_TOOLS);
+    for (size_t i = 0; i < s->n_tools; i++)
+        if (s->tools[i] == NULL || strlen(s->tools[i]) > WIRE_MAX_TOOL_BYTES)
+            return kvd_seterr(err, errlen, KVD_ERANGE, "assign.tools[%zu] is missing or over %u bytes", i,
+                              WIRE_MAX_TOOL_BYTES);
+    if (s->tool_choice != NULL && s->n_tools == 0)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "assign.tool_choice needs tools");
     if (s->has_prompt_logprobs && s->prompt_logprobs > WIRE_MAX_TOP_LOGPROBS)
         return kvd_seterr(err, errlen, KVD_ERANGE, "assign.prompt_logprobs = %u is over the limit of %u",
                           s->prompt_logprobs, WIRE_MAX_TOP_LOGPROBS);

@@ -31,6 +31,9 @@
 #define WIRE_MAX_SCHEMA_BYTES (64u << 10)  /* a structured output's JSON Schema */
 #define WIRE_MAX_LOGIT_BIAS 1024          /* logit biases of one request (SAMPLER_MAX_LOGIT_BIAS) */
 #define WIRE_MAX_MESSAGES 1024u           /* chat messages in one request */
+#define WIRE_MAX_TOOLS 64u                /* function definitions (TOOLCALL_MAX_TOOLS) */
+#define WIRE_MAX_TOOL_BYTES (64u << 10)   /* bytes of one definition (TOOLCALL_MAX_DEF_BYTES) */
+#define WIRE_MAX_TOOL_CALLS 64u           /* tool calls of one chat message */
 #define WIRE_MAX_STOPS 16u                /* stop strings */
 #define WIRE_MAX_STOP_BYTES 256u          /* bytes in one stop string */
 #define WIRE_MAX_NAMESPACE 256u           /* bytes in a namespace */

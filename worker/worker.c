@@ -58,6 +58,7 @@
 #include "forward.h"
 #include "grammar.h"
 #include "jschema.h"
+#include "toolcall.h"
 #include "curve.h"
 #include "kvcache.h"
 #include "model.h"
@@ -124,7 +125,7 @@ struct beat {
 /* A compiled structured-output grammar, shared by the sequences that follow
  * it and kept for the next ones (GRAM_CACHE of them). */
 struct gram {
-    char *key;              /* "o" (any JSON object) or "s" + the schema's text */
+    char *key;              /* "o" (any JSON object), "s" + the schema's text, or "t" + tool calls' */
     grammar_t *g;
     uint32_t refs;          /* sequences, and the cache's */
     uint64_t used;          /* the last assignment that took it */
@@ -343,10 +344,10 @@ static void seq_free(struct wseq *s)
     free(s);
 }
 
-/* Structured output: s follows the grammar of schema (or of any JSON object
- * when NULL), from the start of its output (a resumed sequence's earlier
- * output is fed to it first). 0, or an error with err. */
-static int seq_follow(struct worker *w, struct wseq *s, const char *schema, char *err, size_t errlen)
+/* Structured output: s follows the grammar of a's schema (or of any JSON
+ * object), or of its tool calls, from the start of its output (a resumed
+ * sequence's earlier output is fed to it first). 0, or an error with err. */
+static int seq_follow(struct worker *w, struct wseq *s, const Kvdw__Assign *a, char *err, size_t errlen)
 {
     const uint32_t V = w->model->cfg.n_vocab;
     if (w->trie == NULL) {
@@ -357,11 +358,23 @@ static int seq_follow(struct worker *w, struct wseq *s, const char *schema, char
         if (w->mask == NULL || w->masked == NULL)
             cli_die("out of memory");
     }
-    const size_t kl = schema ? strlen(schema) + 2 : 2;
+    /* the grammar's key: "o", "s" + the schema, or "t" + the choice and the tools */
+    const char *schema = a->json_schema;
+    const bool tools = a->tool_choice != NULL;
+    const bool parallel = a->has_parallel_tool_calls && a->parallel_tool_calls;
+    size_t kl = tools ? strlen(a->tool_choice) + 4 : schema ? strlen(schema) + 2 : 2;
+    for (size_t i = 0; tools && i < a->n_tools; i++)
+        kl += strlen(a->tools[i]) + 1;
     char *key = malloc(kl);
     if (key == NULL)
         cli_die("out of memory");
-    snprintf(key, kl, "%s%s", schema ? "s" : "o", schema ? schema : "");
+    if (tools) {
+        size_t at = (size_t)snprintf(key, kl, "t%c%s", parallel ? 'p' : '1', a->tool_choice);
+        for (size_t i = 0; i < a->n_tools; i++)
+            at += (size_t)snprintf(key + at, kl - at, "\x01%s", a->tools[i]);
+    } else {
+        snprintf(key, kl, "%s%s", schema ? "s" : "o", schema ? schema : "");
+    }
     struct gram *gm = NULL;
     int slot = 0;
     for (int i = 0; i < GRAM_CACHE && gm == NULL; i++) {
@@ -371,8 +384,11 @@ static int seq_follow(struct worker *w, struct wseq *s, const char *schema, char
             slot = i;       /* a free slot, or the least recently used */
     }
     if (gm == NULL) {
-        grammar_t *g = schema ? jschema_compile(schema, strlen(schema), NULL, err, errlen)
-                              : jschema_compile_object(NULL, err, errlen);
+        grammar_t *g = tools ? toolcall_compile((const char *const *)a->tools, a->n_tools,
+                                                strcmp(a->tool_choice, "required") == 0 ? NULL : a->tool_choice,
+                                                parallel, err, errlen)
+                       : schema ? jschema_compile(schema, strlen(schema), NULL, err, errlen)
+                                : jschema_compile_object(NULL, err, errlen);
         if (g == NULL) {
             free(key);
             return KVD_EINVAL;
@@ -395,7 +411,8 @@ static int seq_follow(struct worker *w, struct wseq *s, const char *schema, char
         cli_die("out of memory");
     for (uint32_t i = s->n_prompt; i < s->n_tok; i++)
         if (grammar_advance_token(s->gst, w->trie, s->tok[i]) != 0) {
-            snprintf(err, errlen, "structured output: the output so far does not follow the schema");
+            snprintf(err, errlen, "structured output: the output so far does not follow the %s",
+                     tools ? "tool calls' grammar" : "schema");
             return KVD_EINVAL;
         }
     return 0;
@@ -518,8 +535,8 @@ static void on_assign(struct worker *w, const Kvdw__Assign *a)
         if (s->smp == NULL)
             rc = KVD_ERANGE;
     }
-    if (rc == 0 && (a->json_schema != NULL || (a->has_json_object && a->json_object)))
-        rc = seq_follow(w, s, a->json_schema, err, sizeof(err));
+    if (rc == 0 && (a->json_schema != NULL || (a->has_json_object && a->json_object) || a->tool_choice != NULL))
+        rc = seq_follow(w, s, a, err, sizeof(err));
     if (rc != 0) {
         send_done(w, s, KVDW__DONE_REASON__DONE_ERROR, err);
         seq_free(s);

@@ -766,6 +766,10 @@ static int gen_msg_build(struct gen_msg *m, const struct kvd_gen_params *p, uint
             kvd__chat_message__init(&m->msgs[i]);
             m->msgs[i].role = (char *)p->messages[i].role;
             m->msgs[i].content = (char *)p->messages[i].content;
+            if (p->tool_calls != NULL) {
+                m->msgs[i].n_tool_calls = p->tool_calls[i].n;
+                m->msgs[i].tool_calls = (char **)p->tool_calls[i].json;
+            }
             m->msg_ptrs[i] = &m->msgs[i];
         }
         g->n_messages = p->n_messages;
@@ -824,6 +828,11 @@ static int gen_msg_build(struct gen_msg *m, const struct kvd_gen_params *p, uint
     g->json_schema = (char *)p->json_schema;
     g->has_json_object = p->json_object;
     g->json_object = p->json_object;
+    g->n_tools = p->n_tools;
+    g->tools = (char **)p->tools;
+    g->tool_choice = (char *)p->tool_choice;
+    g->has_parallel_tool_calls = p->parallel_tool_calls;
+    g->parallel_tool_calls = p->parallel_tool_calls;
 
     /* the daemon's own checks, here, so that a bad argument costs no round trip */
     char why[200];

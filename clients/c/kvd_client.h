@@ -75,8 +75,15 @@ void kvd_client_set_timeout(kvd_client_t *c, int timeout_ms);
 void kvd_client_set_abort_fd(kvd_client_t *c, int fd);
 
 struct kvd_chat_msg {
-    const char *role;       /* "system", "user", "assistant" */
+    const char *role;       /* "system", "user", "assistant", "tool" (a tool's result) */
     const char *content;
+};
+
+/* An assistant message's tool calls, each the JSON text {"name": ...,
+ * "arguments": {...}}. */
+struct kvd_tool_calls {
+    const char *const *json;
+    size_t n;
 };
 
 /* What to generate. Exactly one of prompt, messages, token_ids. Unset
@@ -118,6 +125,13 @@ struct kvd_gen_params {
     const char *json_schema;                /* structured output: the output validates against this
                                              * JSON Schema (text; NULL: none) */
     bool json_object;                       /* structured output: the output is a JSON object */
+    const struct kvd_tool_calls *tool_calls;    /* NULL, or one per message: an assistant's calls */
+    const char *const *tools;               /* function definitions (JSON text of OpenAI's function
+                                             * objects), shown to the model (messages only) */
+    size_t n_tools;
+    const char *tool_choice;                /* NULL or "auto": nothing enforced; "required": the
+                                             * output is calls of the tools; a name: it calls that one */
+    bool parallel_tool_calls;               /* required or a name: up to 16 calls (else one) */
 };
 
 /* Fills p with "nothing set" (NULL prompt, negative sampling fields). */

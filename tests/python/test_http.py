@@ -460,8 +460,7 @@ def test_fields_kvd_does_not_serve_are_refused_by_name(api: HttpDaemon) -> None:
     refused: list[tuple[str, dict[str, Any], str]] = [
         ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
         ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
-        ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-         "tools"),
+        ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "regex", "regex": "a+"}},
          "response_format"),

@@ -1374,6 +1374,96 @@ static void test_model(void)
     gguf_close(&g);
 }
 
+/* Renders with tools and compares with want. */
+static bool renders_tools(const chat_template_t *t, const struct chat_msg *msgs, const struct chat_calls *calls,
+                          size_t n, const char *const *tools, size_t n_tools, const char *want)
+{
+    char *out = NULL;
+    size_t len = 0;
+    int rc = chat_apply_tools(t, msgs, calls, n, tools, n_tools, true, &out, &len);
+    bool ok = rc == 0 && out != NULL && len == strlen(want) && strcmp(out, want) == 0;
+    if (!ok) {
+        fprintf(stderr, "  chat_apply_tools: rc %d, got \"", rc);
+        put_escaped(out ? out : "", out ? len : 0);
+        fprintf(stderr, "\"\n  want \"");
+        put_escaped(want, strlen(want));
+        fprintf(stderr, "\"\n");
+    }
+    free(out);
+    return ok;
+}
+
+#define TOOLS_BLOCK(defs)                                                                             \
+    "# Tools\n\nYou may call functions to answer the user. Their definitions, one JSON object a "     \
+    "line, are between <tools> and </tools>:\n<tools>\n" defs "</tools>\n\nTo call a function, "      \
+    "answer with a JSON object that names it and gives its arguments, between <tool_call> and "       \
+    "</tool_call>:\n<tool_call>\n{\"name\": \"<function name>\", \"arguments\": {<arguments as "      \
+    "JSON>}}\n</tool_call>"
+
+/* kvd's default tools convention, in ChatML and in Gemma's format. */
+static void test_chat_tools(void)
+{
+    char err[256] = "";
+    chat_template_t *t = chat_template_new(smollm2_template, strlen(smollm2_template), err, sizeof err);
+    REQUIRE(t != NULL);
+    const char *const tools[] = { "{\"name\":\"f\"}", "{\"name\":\"g\",\"description\":\"G.\"}" };
+    const char *const calls_json[] = { "{\"name\": \"f\", \"arguments\": {\"x\": 1}}",
+                                       "{\"name\": \"g\", \"arguments\": {}}" };
+    const struct chat_msg user[] = {{"user", "Hi"}};
+    /* no system message: the template's default one, then the tools */
+    CHECK(renders_tools(t, user, NULL, 1, tools, 2,
+                        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+                        "Face\n\n" TOOLS_BLOCK("{\"name\":\"f\"}\n{\"name\":\"g\",\"description\":\"G.\"}\n")
+                        "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"));
+    /* a round trip: the assistant's calls after its text, the tool's result as a tool turn */
+    const struct chat_msg trip[] = {{"system", "Be brief."}, {"user", "Hi"}, {"assistant", ""},
+                                    {"tool", "{\"y\": 2}"}, {"assistant", "Done."}};
+    const struct chat_calls calls[] = {{NULL, 0}, {NULL, 0}, {calls_json, 2}, {NULL, 0}, {NULL, 0}};
+    const char *trip_tail =
+        "<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call>\n"
+        "<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call><|im_end|>\n"
+        "<|im_start|>tool\n<tool_response>\n{\"y\": 2}\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\nDone.<|im_end|>\n<|im_start|>assistant\n";
+    char want[4096];
+    snprintf(want, sizeof want, "<|im_start|>system\nBe brief.\n\n%s<|im_end|>\n%s",
+             TOOLS_BLOCK("{\"name\":\"f\"}\n"), trip_tail);
+    CHECK(renders_tools(t, trip, calls, 5, tools, 1, want));
+    /* history with calls but no tools now: no tools block, the turns the same */
+    snprintf(want, sizeof want, "<|im_start|>system\nBe brief.<|im_end|>\n%s", trip_tail);
+    CHECK(renders_tools(t, trip, calls, 5, NULL, 0, want));
+    /* text before calls stays, a newline apart */
+    const struct chat_msg said[] = {{"user", "Hi"}, {"assistant", "Let me see."}};
+    const struct chat_calls said_calls[] = {{NULL, 0}, {calls_json + 1, 1}};
+    CHECK(renders_tools(t, said, said_calls, 2, NULL, 0,
+                        SMOL_SYS "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nLet me see.\n"
+                        "<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call><|im_end|>\n"
+                        "<|im_start|>assistant\n"));
+    /* without tools or tool turns, chat_apply_tools is chat_apply */
+    CHECK(renders_tools(t, user, NULL, 1, NULL, 0,
+                        SMOL_SYS "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"));
+    const struct chat_calls bad_calls[] = {{NULL, 1}};
+    char *out = NULL;
+    size_t len = 0;
+    CHECK_INT(chat_apply_tools(t, user, bad_calls, 1, NULL, 0, true, &out, &len), KVD_EINVAL);
+    CHECK_INT(chat_apply_tools(t, user, NULL, 1, NULL, 1, true, &out, &len), KVD_EINVAL);
+    chat_template_destroy(&t);
+
+    /* Gemma: the tools open the first user turn (as a system message does), and
+     * a tool's result is a user turn */
+    t = chat_template_gemma(err, sizeof err);
+    REQUIRE(t != NULL);
+    snprintf(want, sizeof want,
+             "<start_of_turn>user\n%s\n\nHi<end_of_turn>\n"
+             "<start_of_turn>model\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call>\n"
+             "<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call><end_of_turn>\n"
+             "<start_of_turn>user\n<tool_response>\n{\"y\": 2}\n</tool_response><end_of_turn>\n"
+             "<start_of_turn>model\nDone.<end_of_turn>\n<start_of_turn>model\n",
+             TOOLS_BLOCK("{\"name\":\"f\"}\n"));
+    CHECK(renders_tools(t, trip + 1, calls + 1, 4, tools, 1, want));
+    chat_template_destroy(&t);
+}
+
 int main(void)
 {
     struct tv v;
@@ -1392,6 +1482,7 @@ int main(void)
     test_spm();
     test_spm_gguf();
     test_chat();
+    test_chat_tools();
     test_model();
 
     tok_destroy(&t);

@@ -809,7 +809,7 @@ static void test_client_rejects(void)
     gm.messages = msgs;
     r = client_generate(&gm);
     REJECT(CLIENT, &r, KVD_ERANGE,
-           "generate.messages[0].role = \"robot\\x0a\\x01\\x22\" is not system, user or assistant",
+           "generate.messages[0].role = \"robot\\x0a\\x01\\x22\" is not system, user, assistant or tool",
            "bad_role");
     char *long_role = repeated_text(1000, 'r');
     m0.role = long_role;
@@ -821,6 +821,34 @@ static void test_client_rejects(void)
     m0.content = NULL;
     REJECT(CLIENT, &r, KVD_EFORMAT, "generate.messages[0] has no content", NULL);
     m0.content = "";
+    /* tools: an assistant's calls only, bounded; tool_choice needs tools */
+    char *call = "{\"name\": \"f\", \"arguments\": {}}";
+    m0.n_tool_calls = 1;
+    m0.tool_calls = &call;
+    REJECT(CLIENT, &r, KVD_ERANGE, "generate.messages[0] has 1 tool calls (at most 64, an assistant's)", NULL);
+    m0.role = "assistant";
+    CHECK_INT(wire_check_client_request(&r, NULL, 0), 0);
+    m0.role = "tool";
+    m0.n_tool_calls = 0;
+    CHECK_INT(wire_check_client_request(&r, NULL, 0), 0);
+    m0.role = "user";
+    char *defs[WIRE_MAX_TOOLS + 1];
+    for (unsigned i = 0; i <= WIRE_MAX_TOOLS; i++)
+        defs[i] = "{\"name\":\"f\"}";
+    gm.tools = defs;
+    gm.n_tools = WIRE_MAX_TOOLS + 1;
+    REJECT(CLIENT, &r, KVD_ERANGE, "generate.tools has 65 functions, over the limit of 64", NULL);
+    gm.n_tools = 1;
+    CHECK_INT(wire_check_client_request(&r, NULL, 0), 0);
+    gm.tool_choice = "required";
+    gm.has_json_object = gm.json_object = 1;
+    REJECT(CLIENT, &r, KVD_EINVAL, "tool_choice and structured output are exclusive", NULL);
+    gm.has_json_object = gm.json_object = 0;
+    CHECK_INT(wire_check_client_request(&r, NULL, 0), 0);
+    gm.n_tools = 0;
+    REJECT(CLIENT, &r, KVD_EINVAL, "generate.tool_choice needs tools", NULL);
+    gm.tool_choice = NULL;
+    gm.tools = NULL;
     msgs[0] = NULL;     /* hand-built only: protobuf-c never produces this */
     CHECK_INT(wire_check_client_request(&r, NULL, 0), KVD_EFORMAT);
     msgs[0] = &m0;
