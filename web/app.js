@@ -198,14 +198,19 @@
     let pen = false;
     const dx = c.width / (WINDOW_S - 1);
     const off = WINDOW_S - values.length;
+    const dots = [];
     values.forEach((v, i) => {
       if (v === null) { pen = false; return; }
       const x = (off + i) * dx;
       const y = c.height - 4 - (v / top) * (c.height - 18);
       if (pen) g.lineTo(x, y); else g.moveTo(x, y);
+      const alone = (i === 0 || values[i - 1] === null) && (i === values.length - 1 || values[i + 1] === null);
+      if (alone) dots.push([x, y]);       // a second with no neighbour: a dot, not a line
       pen = true;
     });
     g.stroke();
+    g.fillStyle = '#2a6fdb';
+    for (const [x, y] of dots) g.fillRect(x - 1.5, y - 1.5, 3, 3);
     g.fillStyle = '#6b7480';
     g.font = '11px system-ui, sans-serif';
     const last = [...values].reverse().find((v) => v !== null);
