@@ -114,6 +114,25 @@ def test_pool_endpoint_and_assets(tmp_path: Path) -> None:
         _stop_checked(h.d)
 
 
+def test_pool_bounded(tmp_path: Path) -> None:
+    """A pool of more blocks than /pool draws (16,384 cells a host): a cell stands for several
+    blocks, and the answer stays small."""
+    h = HttpDaemon(tmp_path / "big", "--kv-memory", "160MiB", "--block-tokens", "1", "--kv-type", "q4_0",
+                   "-w", "0", ready="stats")
+    try:
+        status, _, body = h.request("GET", "/pool")
+        assert status == 200
+        v = json.loads(body)
+        host = v["hosts"][0]
+        assert host["blocks"] == v["totals"]["blocks_total"] > 16384
+        assert host["cell_blocks"] == -(-host["blocks"] // 16384)
+        assert sum(r[2] for r in host["runs"]) == -(-host["blocks"] // host["cell_blocks"]) <= 16384
+        assert host["runs"] == [[0, 0, sum(r[2] for r in host["runs"])]]     # all free: one run
+        assert len(body) < 64 * 1024
+    finally:
+        _stop_checked(h.d)
+
+
 @pytest.fixture
 def browser() -> Iterator[Any]:
     """Headless Chromium through chromedriver; fails (never skips) where either is missing."""
