@@ -98,7 +98,9 @@ struct viewer {
 };
 
 /* The tenant value of a block taken for owner (0: none) in nodes and runs, as
- * the viewer may see it: 0 (no tenant), owner (tenants[owner - 1]) or hidden. */
+ * the viewer may see it: 0 (no tenant), owner (tenants[owner - 1]) for all of
+ * it; else 0, 1 (the viewer's own, the one name it gets) or hidden, so that
+ * nothing tells how many other tenants there are. */
 static uint32_t tenant_shown(const struct viewer *v, uint16_t owner, bool public, uint32_t hidden)
 {
     if (v->all)
@@ -107,7 +109,7 @@ static uint32_t tenant_shown(const struct viewer *v, uint16_t owner, bool public
         return 0;
     if (owner == 0)
         return v->anonymous ? 0 : hidden;
-    return (int32_t)owner - 1 == v->tenant && !v->anonymous ? owner : hidden;
+    return (int32_t)owner - 1 == v->tenant && !v->anonymous ? 1 : hidden;
 }
 
 static bool is_public(const struct kvd *k, const struct prefix_block_info *bi)
@@ -427,16 +429,15 @@ int view_build(const struct kvd *k, const char *tenant, bool all, struct kvd_vie
         for (uint32_t i = 0; i < k->n_tenants; i++)
             if (strcmp(k->tenants[i].name, tenant) == 0)
                 v.tenant = (int32_t)i;
-    /* tenants' names: all of them for everything, else the viewer's own (the
-     * values stay owner numbers: names of others are sent empty) */
-    const uint32_t nt = k->n_tenants;
+    /* tenants' names: every one for all of it, else the viewer's own alone */
+    const uint32_t nt = all ? k->n_tenants : v.tenant >= 0 ? 1 : 0;
     pv->has_hidden_tenant = true;
     pv->hidden_tenant = nt + 1;
     out->tenants = calloc(nt ? nt : 1, sizeof(char *));
     if (out->tenants == NULL)
         return KVD_ENOMEM;
     for (uint32_t i = 0; i < nt; i++)
-        out->tenants[i] = all || (int32_t)i == v.tenant ? (char *)k->tenants[i].name : (char *)"";
+        out->tenants[i] = (char *)k->tenants[all ? i : (uint32_t)v.tenant].name;
     pv->tenants = out->tenants;
     pv->n_tenants = nt;
     /* the block maps */

@@ -348,7 +348,7 @@ struct kvd_pool_sample {            /* one second */
 };
 
 struct kvd_pool_view {
-    char (*tenants)[128];           /* n_tenants names ("" for those the viewer may not know) */
+    char (*tenants)[128];           /* n_tenants names (a tenant's view: its own alone) */
     size_t n_tenants;
     uint32_t hidden_tenant;
     struct kvd_pool_host *hosts;
