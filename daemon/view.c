@@ -243,13 +243,14 @@ static bool in_forest(const struct kvd *k, const struct viewer *v, const struct 
     return tenant_shown(v, bi->owner, false, UINT32_MAX) != UINT32_MAX;
 }
 
-/* Builds host h's forest; its roots, by subtree size, go to roots[] (the
- * largest *n_roots of them, at most VIEW_ROOTS, with their forest). */
+/* A tree's root block, its subtree's size and its host's forest. */
 struct root {
     uint32_t id, size;
     struct forest *f;
 };
 
+/* Builds host h's forest of the blocks v may see into *f (freed by
+ * forest_free, or already on KVD_ENOMEM). */
 static int forest_build(const struct kvd *k, int h, const struct viewer *v, struct forest *f)
 {
     const prefix_t *px = k->hosts[h].px;
@@ -386,10 +387,10 @@ static void emit_tree(const struct kvd *k, const struct viewer *v, uint32_t hidd
         x->sharers = first.refs;
         x->hits = last.hits;
         x->state = block_state(&last);
-        char buf[1024];
+        char buf[4096];             /* the text of at most 64 tokens */
         size_t len = 0;
         out->text[out->n][0] = '\0';
-        if (k->tok != NULL && tok_decode(k->tok, first.tokens, bt, buf, sizeof(buf), &len) == 0)
+        if (k->tok != NULL && tok_decode(k->tok, first.tokens, bt < 64 ? bt : 64, buf, sizeof(buf), &len) == 0)
             clean_text(buf, len, out->text[out->n]);
         x->text = out->text[out->n];
         const int32_t me = (int32_t)out->n++;
