@@ -59,6 +59,7 @@
 #include "err.h"
 #include "kvd_client.h"
 #include "toolcall.h"
+#include "web.h"
 
 #define MAX_CHOICES 16          /* n, and prompts of one completion request, together */
 #define MAX_STOP 8
@@ -397,7 +398,7 @@ static void client_give(struct http_server *s, kvd_client_t **c)
 /* ---- jobs --------------------------------------------------------------------------------------- */
 
 enum route { R_NONE, R_CHAT, R_COMPLETIONS, R_RESPONSES, R_TOKENIZE, R_DETOKENIZE, R_HEALTH, R_READY, R_MODELS, R_MODEL,
-             R_METRICS };
+             R_METRICS, R_PAGE, R_POOL };
 
 /* A request being answered on a thread of its own. Its references: the
  * thread's, the request's (until libmicrohttpd says it is complete) and a
@@ -2928,6 +2929,155 @@ static void work_metrics(struct job *j, kvd_client_t *kc)
     job_answer(j, 200, t.s, t.len, "text/plain; version=0.0.4", 0);
 }
 
+/* ---- the page (web/) and its data ----------------------------------------------------------------- */
+
+static const char *const block_states[] = { "free", "cached", "in_use", "pending", "fenced" };
+
+static json_t *pool_hosts_json(const struct kvd_pool_view *v)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; a != NULL && i < v->n_hosts; i++) {
+        const struct kvd_pool_host *h = &v->hosts[i];
+        json_t *runs = json_array();
+        for (size_t r = 0; runs != NULL && r < h->n_runs; r++)
+            json_array_append_new(runs, json_pack("[I, I, I]", (json_int_t)h->runs[r].state,
+                                                  (json_int_t)h->runs[r].tenant, (json_int_t)h->runs[r].cells));
+        json_array_append_new(a, json_pack("{s:s, s:I, s:I, s:o*}", "name", h->name, "blocks", (json_int_t)h->blocks,
+                                           "cell_blocks", (json_int_t)h->cell_blocks, "runs", runs));
+    }
+    return a;
+}
+
+static json_t *pool_prefixes_json(const struct kvd_pool_view *v)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; a != NULL && i < v->n_prefixes; i++) {
+        const struct kvd_prefix_node *p = &v->prefixes[i];
+        json_array_append_new(a, json_pack("{s:I, s:I, s:I, s:I, s:I, s:b, s:I, s:I, s:s, s:s?}", "parent",
+                                           (json_int_t)p->parent, "host", (json_int_t)p->host, "blocks",
+                                           (json_int_t)p->blocks, "subtree_blocks", (json_int_t)p->subtree_blocks,
+                                           "tenant", (json_int_t)p->tenant, "public", p->is_public, "sharers",
+                                           (json_int_t)p->sharers, "hits", (json_int_t)p->hits, "state",
+                                           block_states[p->state < 5 ? p->state : 0], "text", p->text));
+    }
+    return a;
+}
+
+static json_t *pool_samples_json(const struct kvd_pool_view *v)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; a != NULL && i < v->n_samples; i++) {
+        const struct kvd_pool_sample *x = &v->samples[i];
+        json_array_append_new(a, json_pack("{s:I, s:I, s:I, s:I, s:I, s:f}", "prompt_tokens",
+                                           (json_int_t)x->prompt_tokens, "cached_prompt_tokens",
+                                           (json_int_t)x->cached_prompt_tokens, "completion_tokens",
+                                           (json_int_t)x->completion_tokens, "computed_tokens",
+                                           (json_int_t)x->computed_tokens, "first_tokens", (json_int_t)x->first_tokens,
+                                           "ttft_seconds", x->ttft_seconds));
+    }
+    return a;
+}
+
+/* GET /pool: the pools' picture for the page, as the caller may see it (the
+ * operator's key: all of it; a tenant's key: its own blocks and prefixes, the
+ * others' blocks by state alone; no key: those of no tenant), with the
+ * statistics the page shows. */
+static void work_pool(struct job *j, kvd_client_t *kc)
+{
+    kvd_client_set_timeout(kc, 5000);
+    struct kvd_stats st;
+    struct kvd_pool_view v;
+    const char *as = j->operator ? NULL : j->tenant != NULL ? j->tenant : "";
+    if (kvd_pool_view(kc, as, &st, &v) != 0) {
+        kvd_stats_free(&st);
+        kvd_pool_view_free(&v);
+        job_error(j, 503, "kvd does not answer", NULL, NULL, 0);
+        return;
+    }
+    json_t *tenants = json_array(), *rows = json_array(), *workers = json_array(), *states = json_array();
+    for (size_t i = 0; tenants != NULL && i < v.n_tenants; i++)
+        json_array_append_new(tenants, json_string(v.tenants[i]));
+    for (uint32_t i = 0; rows != NULL && i < st.n_tenants; i++) {
+        const struct kvd_tenant_stats *t = &st.tenants[i];
+        if (!j->operator && (j->tenant == NULL || strcmp(t->name, j->tenant) != 0))
+            continue;
+        json_array_append_new(rows, json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:I}", "name", t->name, "requests",
+                                              (json_int_t)t->requests, "prompt_tokens", (json_int_t)t->prompt_tokens,
+                                              "cached_prompt_tokens", (json_int_t)t->cached_prompt_tokens,
+                                              "blocks_held", (json_int_t)t->blocks_held, "queued",
+                                              (json_int_t)t->queued, "running", (json_int_t)t->running));
+    }
+    for (uint32_t i = 0; workers != NULL && i < st.n_workers; i++)
+        json_array_append_new(workers, json_pack("{s:I, s:b, s:I, s:I, s:s}", "id", (json_int_t)st.workers[i].id,
+                                                 "alive", st.workers[i].alive, "running",
+                                                 (json_int_t)st.workers[i].running, "tokens",
+                                                 (json_int_t)st.workers[i].tokens, "host", st.workers[i].host));
+    for (size_t i = 0; states != NULL && i < sizeof(block_states) / sizeof(block_states[0]); i++)
+        json_array_append_new(states, json_string(block_states[i]));
+    json_t *totals = json_pack(
+        "{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "requests_running",
+        (json_int_t)st.requests_running, "requests_queued", (json_int_t)st.requests_queued, "requests_done",
+        (json_int_t)st.requests_done, "prompt_tokens", (json_int_t)st.prompt_tokens, "cached_prompt_tokens",
+        (json_int_t)st.cached_prompt_tokens, "completion_tokens", (json_int_t)st.completion_tokens, "blocks_total",
+        (json_int_t)st.blocks_total, "blocks_free", (json_int_t)st.blocks_free, "blocks_cached",
+        (json_int_t)st.blocks_cached, "blocks_in_use", (json_int_t)st.blocks_in_use, "blocks_pending",
+        (json_int_t)st.blocks_pending, "evictions", (json_int_t)st.evictions, "preemptions",
+        (json_int_t)st.preemptions, "requests_failed", (json_int_t)st.requests_failed);
+    json_t *tiers = json_pack(
+        "{s:{s:I, s:I, s:I, s:I, s:I, s:I}, s:{s:I, s:I, s:I, s:I, s:I, s:I}}", "host", "max_bytes",
+        (json_int_t)st.host_cache_max_bytes, "bytes", (json_int_t)st.host_cache_bytes, "blocks",
+        (json_int_t)st.host_cache_blocks, "stored", (json_int_t)st.host_cache_stored, "dropped",
+        (json_int_t)st.host_cache_dropped, "cached_prompt_tokens", (json_int_t)st.host_cached_prompt_tokens, "disk",
+        "max_bytes", (json_int_t)st.disk_cache_max_bytes, "bytes", (json_int_t)st.disk_cache_bytes, "blocks",
+        (json_int_t)st.disk_cache_blocks, "written", (json_int_t)st.disk_cache_written, "pending",
+        (json_int_t)st.disk_cache_pending, "cached_prompt_tokens", (json_int_t)st.disk_cached_prompt_tokens);
+    json_t *o = json_pack("{s:s, s:s, s:s?, s:I, s:I, s:s, s:o*, s:o*, s:I, s:o*, s:o*, s:o*, s:o*, s:o*, s:o*, s:o*}",
+                          "model", j->s->model_id, "viewer",
+                          j->operator ? "operator" : j->tenant != NULL ? "tenant" : "anonymous", "tenant", j->tenant,
+                          "block_tokens", (json_int_t)st.block_tokens, "block_bytes", (json_int_t)st.block_bytes,
+                          "kv_type", st.kv_type, "states", states, "tenants", tenants, "hidden_tenant",
+                          (json_int_t)v.hidden_tenant, "hosts", pool_hosts_json(&v), "prefixes",
+                          pool_prefixes_json(&v), "samples", pool_samples_json(&v), "totals", totals, "tiers", tiers,
+                          "tenant_rows", rows, "workers", workers);
+    kvd_stats_free(&st);
+    kvd_pool_view_free(&v);
+    if (o == NULL) {
+        job_error(j, 500, "out of memory", NULL, NULL, 0);
+        return;
+    }
+    job_json(j, 200, o, 0);
+}
+
+/* The page's file at url, or NULL. */
+static const struct web_asset *page_asset(const char *url)
+{
+    for (const struct web_asset *a = web_assets; a->path != NULL; a++)
+        if (strcmp(a->path, url) == 0)
+            return a;
+    return NULL;
+}
+
+/* Serves one of the page's files: public, whatever the keys (the data it
+ * shows comes from /pool and the API, which need them), under a policy that
+ * lets it load nothing but this server's own scripts, styles and data. */
+static enum MHD_Result queue_page(struct http_server *s, struct MHD_Connection *c, const struct web_asset *a)
+{
+    struct MHD_Response *r = MHD_create_response_from_buffer(a->len, (void *)a->data, MHD_RESPMEM_PERSISTENT);
+    if (r == NULL)
+        return MHD_NO;
+    MHD_add_response_header(r, "Content-Type", a->type);
+    MHD_add_response_header(r, "Content-Security-Policy",
+                            "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                            "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'");
+    MHD_add_response_header(r, "X-Content-Type-Options", "nosniff");
+    MHD_add_response_header(r, "Referrer-Policy", "no-referrer");
+    MHD_add_response_header(r, "Cache-Control", "no-cache");
+    const enum MHD_Result ok = MHD_queue_response(c, 200, r);
+    MHD_destroy_response(r);
+    count_status(s, 200);
+    return ok;
+}
+
 /* A job's thread: the work, then the connection woken for the answer. */
 static void *job_main(void *arg)
 {
@@ -2945,6 +3095,7 @@ static void *job_main(void *arg)
         case R_TOKENIZE: case R_DETOKENIZE: work_tokens(j, kc); break;
         case R_HEALTH: case R_READY: work_health(j, kc, j->route == R_READY); break;
         case R_METRICS: work_metrics(j, kc); break;
+        case R_POOL: work_pool(j, kc); break;
         default: job_error(j, 500, "no such work", NULL, NULL, 0); break;
         }
     }
@@ -3080,6 +3231,7 @@ static int load_operator_key(http_server_t *s, const char *path, char *err, size
 /* One request, from its head to its end (libmicrohttpd's con_cls). */
 struct req {
     enum route route;
+    const struct web_asset *asset;  /* R_PAGE: the file */
     const char *tenant;         /* its API key's tenant */
     bool operator;              /* it came with the operator's key */
     char *body;                 /* what came of its body, NUL-terminated */
@@ -3219,8 +3371,14 @@ static enum route route_of(const char *method, const char *url, unsigned *status
         { "/v1/responses", true, R_RESPONSES },
         { "/tokenize", true, R_TOKENIZE }, { "/detokenize", true, R_DETOKENIZE },
         { "/health", false, R_HEALTH }, { "/ready", false, R_READY }, { "/v1/models", false, R_MODELS },
-        { "/metrics", false, R_METRICS },
+        { "/metrics", false, R_METRICS }, { "/pool", false, R_POOL },
     };
+    if (page_asset(url) != NULL) {
+        if (strcmp(method, "GET") == 0 || strcmp(method, "HEAD") == 0)
+            return R_PAGE;
+        *status = 405;
+        return R_NONE;
+    }
     const bool model = strncmp(url, "/v1/models/", 11) == 0 && url[11] != '\0';     /* GET /v1/models/{id} */
     if (model && strcmp(method, "GET") == 0)
         return R_MODEL;
@@ -3272,7 +3430,8 @@ static enum MHD_Result begin(struct http_server *s, struct MHD_Connection *c, co
     const char *tenant = s->keys != NULL && auth != NULL ? authorize(s, auth) : NULL;
     const bool operator = s->operator_key != NULL && key_matches(auth, s->operator_key);
     /* with API keys, the API needs one; the probes and /metrics stay open */
-    if (s->keys != NULL && tenant == NULL && route != R_HEALTH && route != R_READY && route != R_METRICS)
+    if (s->keys != NULL && tenant == NULL && route != R_HEALTH && route != R_READY && route != R_METRICS &&
+        route != R_PAGE && !(route == R_POOL && operator))
         return refuse(s, c, con_cls, 401, "a valid API key is needed (Authorization: Bearer KEY)", "invalid_api_key",
                       0);
     if (route == R_MODEL && strcmp(url + 11, s->model_id) != 0) {
@@ -3308,6 +3467,7 @@ static enum MHD_Result begin(struct http_server *s, struct MHD_Connection *c, co
     }
     q->src = src;
     q->route = route;
+    q->asset = route == R_PAGE ? page_asset(url) : NULL;
     q->tenant = tenant;
     q->operator = operator;
     q->charged = q->cap = declared > 0 ? declared + 1 : 0;
@@ -3360,6 +3520,8 @@ static enum MHD_Result complete(struct http_server *s, struct MHD_Connection *c,
     conn_busy(s, c, true);
     if (q->refuse != 0)
         return queue_error(s, c, q->refuse, q->refuse_msg, q->refuse_code, q->refuse_retry);
+    if (q->route == R_PAGE)
+        return queue_page(s, c, q->asset);
     if (q->route == R_MODELS || q->route == R_MODEL) {
         json_t *m = json_pack("{s:s, s:s, s:I, s:s, s:s}", "id", s->model_id, "object", "model", "created",
                               (json_int_t)s->created, "owned_by", "kvd", "root", s->model_id);

@@ -14,6 +14,7 @@
  *   POST /v1/chat/completions, POST /v1/completions   (stream or not)
  *   POST /tokenize, POST /detokenize
  *   GET  /v1/models, GET /health, GET /ready, GET /metrics
+ *   GET  / and /web/... (the page, web/), GET /pool (its data: the pools' picture)
  *
  * Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}:
  * 400 for a bad field (named in param) or a prompt past the context

@@ -1324,6 +1324,7 @@ static void loop(struct kvd *k, int sfd)
         workers_reap(k);
         workers_tick(k);
         req_tick(k);
+        view_tick(k);
         if (k->events != NULL)
             kv_events_flush(k->events);
         if (k->draining) {

@@ -264,6 +264,32 @@ struct kvd_stats_counters {
     uint64_t finished_stop, finished_length, finished_abort;
 };
 
+/* One second of kvd's work (view.c's samples; Stats.pool_view.samples). */
+#define KVD_SAMPLES 300             /* the last five minutes */
+struct kvd_sample {
+    uint64_t prompt_tokens, cached_prompt_tokens, completion_tokens, computed_tokens;
+    uint32_t first_tokens;          /* requests finished with a first token, */
+    double ttft_seconds;            /* and the sum of their times to it */
+};
+struct kvd_samples {
+    struct kvd_sample ring[KVD_SAMPLES];
+    uint32_t head, n;               /* the next slot; samples held */
+    double next_ms;                 /* when the sample being gathered ends; 0: not started */
+    uint64_t last[6];               /* the counters at its start (view.c) */
+    double last_ttft;
+};
+
+/* A picture of the pools being sent (view_build): the message and what it
+ * points into. */
+struct kvd_view {
+    Kvd__PoolView pv;
+    char **tenants;
+    Kvd__HostBlocks *hosts, **host_ptrs;
+    Kvd__PrefixNode *nodes, **node_ptrs;
+    char (*texts)[65];
+    Kvd__Sample *samples, **sample_ptrs;
+};
+
 struct devmem;
 
 /* An ipc:// endpoint this kvd holds (kvd.c's claim_endpoint). */
@@ -334,6 +360,7 @@ struct kvd {
     uint32_t n_queued, n_active;
     uint64_t next_seq;
     struct kvd_stats_counters st;
+    struct kvd_samples samples;     /* the last minutes, a second each (view.c) */
     struct kvd_tenant *tenants;     /* n_tenants (at most --max-tenants) */
     uint32_t n_tenants, tenants_cap;
     uint32_t tenant_blocks;         /* --tenant-max-blocks in blocks; 0: no limit */
@@ -385,6 +412,19 @@ void req_fail_unfit(struct kvd *k);
  * that waited are retried and the queue dispatched. */
 void req_blocks_freed(struct kvd *k);
 void req_on_restored(struct kvd *k);
+
+/* The UTF-8 sequence at s[0..n): 1 and its length in *len when it is one
+ * character, 0 when n cuts a valid start short, -1 when s[0] starts none. */
+int kvd_utf8_seq(const unsigned char *s, size_t n, size_t *len);
+
+/* view.c: the pools as a picture (Stats.pool_view) */
+/* Once a loop pass: closes the second's sample when its time has come. */
+void view_tick(struct kvd *k);
+/* The picture as tenant sees it ("" or NULL: an anonymous client), or all of
+ * it; *out is filled, and freed by view_free whatever this returns (0, or
+ * KVD_ENOMEM). It borrows k's strings until then. */
+int view_build(const struct kvd *k, const char *tenant, bool all, struct kvd_view *out);
+void view_free(struct kvd_view *v);
 
 /* workers.c */
 int workers_start(struct kvd *k);

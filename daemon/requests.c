@@ -607,6 +607,11 @@ static int utf8_seq(const unsigned char *s, size_t n, size_t *len)
     return 1;
 }
 
+int kvd_utf8_seq(const unsigned char *s, size_t n, size_t *len)
+{
+    return utf8_seq(s, n, len);
+}
+
 /* Makes r's text valid UTF-8 from r->valid on: every byte that starts no
  * valid character (a NUL byte too: text travels as C strings, and a NUL would
  * cut the chunks and the final text at different places) becomes U+FFFD; a
@@ -1716,7 +1721,7 @@ static void add_hash(void *user, prefix_key_t key, const prefix_key_t *parent, c
 }
 
 static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const char *tenant, uint64_t id,
-                     bool block_hashes)
+                     bool block_hashes, const Kvd__StatsRequest *sr)
 {
     /* what the index holds now is in the batches counted below: none waits for the loop's flush */
     if (k->events != NULL)
@@ -1922,9 +1927,20 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
         s.block_hashes = hl.v;
         s.n_block_hashes = hl.n;
     }
+    /* the picture: a tenant's client sees its own; the ipc:// socket's may
+     * ask for any tenant's view, an anonymous one, or all of it */
+    struct kvd_view view;
+    const bool want_view = sr->has_pool_view && sr->pool_view;
+    if (want_view) {
+        const char *as = tenant != NULL ? tenant : sr->view_tenant;
+        if (view_build(k, as, tenant == NULL && sr->view_tenant == NULL, &view) == 0)
+            s.pool_view = &view.pv;
+    }
     m.body_case = KVD__SERVER_REPLY__BODY_STATS;
     m.stats = &s;
     reply(k, rid, rid_len, id, &m);
+    if (want_view)
+        view_free(&view);
     free(hl.v);
     free(trows);
     free(tptrs);
@@ -2061,7 +2077,8 @@ void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const char
     }
     case KVD__CLIENT_REQUEST__BODY_STATS:
         /* the index's hashes are the operator's to see, not a tenant's */
-        on_stats(k, rid, rid_len, tenant, id, tenant == NULL && m->stats->has_block_hashes && m->stats->block_hashes);
+        on_stats(k, rid, rid_len, tenant, id, tenant == NULL && m->stats->has_block_hashes && m->stats->block_hashes,
+                 m->stats);
         break;
     case KVD__CLIENT_REQUEST__BODY_HEALTH:
         on_health(k, rid, rid_len, id);

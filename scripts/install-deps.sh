@@ -23,6 +23,11 @@ command -v protoc-c >/dev/null || need+=(protobuf-c-compiler)
 [ -f /usr/include/jansson.h ] || need+=(libjansson-dev)
 [ -f /usr/include/msgpack.h ] || need+=(libmsgpack-dev)
 [ -f /usr/include/sodium.h ] || need+=(libsodium-dev)
+# the page of kvd --http in a real browser (tests/python/test_web.py): headless
+# Chromium, its WebDriver, and a font for the screenshot's text
+command -v chromium >/dev/null || need+=(chromium)
+command -v chromedriver >/dev/null || need+=(chromium-driver)
+[ -d /usr/share/fonts/truetype/liberation ] || need+=(fonts-liberation)
 
 # --arm64: what the aarch64 cross build needs (scripts/test-arm64.sh): Debian's
 # cross compiler, qemu-user to run its tests, and the arm64 builds of the

@@ -32,6 +32,8 @@ struct prefix {
                                  * Private too: an adopted pool's blocks have none */
     uint32_t *owned;            /* PREFIX_OWNERS: blocks (pending, used or cached) per owner */
     uint32_t owner_limit;       /* blocks an owner may hold (prefix_set_owner_limit); 0: no limit */
+    uint32_t *hits;             /* n: times prefix_seq_begin took each block from the cache since it
+                                 * was last freed (private, for the pool's picture) */
 };
 
 static const prefix_key_t KEY_ZERO = { 0, 0 };
@@ -120,6 +122,8 @@ static void free_push(prefix_t *px, uint32_t id)
         px->owned[px->owner[id]]--;
         px->owner[id] = 0;
     }
+    if (px->hits != NULL)
+        px->hits[id] = 0;
     struct pool_block *r = &px->b[id];
     r->state = POOL_BLOCK_FREE;
     r->flags = 0;
@@ -551,10 +555,12 @@ prefix_t *prefix_new(pool_t *p, char *note, size_t note_len, char *err, size_t e
     px->path = calloc(px->n ? px->n : 1, sizeof(*px->path));
     px->owner = calloc(px->n ? px->n : 1, sizeof(*px->owner));
     px->owned = calloc(PREFIX_OWNERS, sizeof(*px->owned));
-    if (px->path == NULL || px->owner == NULL || px->owned == NULL) {
+    px->hits = calloc(px->n ? px->n : 1, sizeof(*px->hits));
+    if (px->path == NULL || px->owner == NULL || px->owned == NULL || px->hits == NULL) {
         free(px->path);
         free(px->owner);
         free(px->owned);
+        free(px->hits);
         free(px);
         kvd_seterr(err, errlen, KVD_ENOMEM, "prefix: out of memory");
         return NULL;
@@ -587,6 +593,7 @@ void prefix_destroy(prefix_t **pxp)
     free((*pxp)->path);
     free((*pxp)->owner);
     free((*pxp)->owned);
+    free((*pxp)->hits);
     free(*pxp);
     *pxp = NULL;
 }
@@ -1091,8 +1098,10 @@ int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,
         }
     }
     free(ids);
-    for (uint32_t i = 0; i < m; i++)
+    for (uint32_t i = 0; i < m; i++) {
         ref_committed(px, s->blocks[i]);
+        px->hits[s->blocks[i]]++;
+    }
     s->n_blocks = s->n_cached = s->n_committed = s->n_indexed = m;
     if ((px->tier.fetch != NULL || px->tier.start != NULL) && pending == POOL_NONE && m < max) {
         if (px->np > 1)
@@ -1453,6 +1462,8 @@ int prefix_block_info(const prefix_t *px, uint32_t id, struct prefix_block_info 
     bi->part = bi->indexed && (r->flags & POOL_BLOCK_PART) && r->parent < px->n
                    ? (uint32_t)(r->ns[0] ^ px->b[r->parent].ns[0])
                    : 0;
+    bi->owner = px->owner[id];
+    bi->hits = px->hits[id];
     return 0;
 }
 

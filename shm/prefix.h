@@ -133,6 +133,9 @@ struct prefix_block_info {
     uint32_t part;          /* indexed: the part whose layers it holds (its parent is part
                              * 0's block of the same positions when part > 0) */
     prefix_ns_t ns;         /* its namespace (meaningful when indexed) */
+    uint16_t owner;         /* the owner it was taken for (prefix_seq.owner); 0: none */
+    uint32_t hits;          /* times prefix_seq_begin took it from the cache since it was
+                             * last free (part 0's blocks; a restored block's copy is no hit) */
 };
 
 typedef struct prefix prefix_t;

@@ -1244,6 +1244,112 @@ void kvd_stats_free(struct kvd_stats *s)
     s->n_tenants = 0;
 }
 
+void kvd_pool_view_free(struct kvd_pool_view *v)
+{
+    if (v == NULL)
+        return;
+    for (size_t i = 0; v->hosts != NULL && i < v->n_hosts; i++)
+        free(v->hosts[i].runs);
+    free(v->hosts);
+    free(v->tenants);
+    free(v->prefixes);
+    free(v->samples);
+    memset(v, 0, sizeof(*v));
+}
+
+static int take_view(const Kvd__PoolView *pv, struct kvd_pool_view *out)
+{
+    out->hidden_tenant = pv->hidden_tenant;
+    out->tenants = calloc(pv->n_tenants ? pv->n_tenants : 1, sizeof(*out->tenants));
+    out->hosts = calloc(pv->n_hosts ? pv->n_hosts : 1, sizeof(*out->hosts));
+    out->prefixes = calloc(pv->n_prefixes ? pv->n_prefixes : 1, sizeof(*out->prefixes));
+    out->samples = calloc(pv->n_samples ? pv->n_samples : 1, sizeof(*out->samples));
+    if (out->tenants == NULL || out->hosts == NULL || out->prefixes == NULL || out->samples == NULL)
+        return KVD_ENOMEM;
+    for (size_t i = 0; i < pv->n_tenants; i++)
+        snprintf(out->tenants[i], sizeof(out->tenants[i]), "%s", pv->tenants[i] ? pv->tenants[i] : "");
+    out->n_tenants = pv->n_tenants;
+    for (size_t i = 0; i < pv->n_hosts; i++) {
+        const Kvd__HostBlocks *h = pv->hosts[i];
+        struct kvd_pool_host *x = &out->hosts[i];
+        out->n_hosts = i + 1;
+        if (h == NULL)
+            continue;
+        snprintf(x->name, sizeof(x->name), "%s", h->name ? h->name : "");
+        x->blocks = h->blocks;
+        x->cell_blocks = h->cell_blocks;
+        size_t n = h->n_run_state;
+        if (h->n_run_tenant < n)
+            n = h->n_run_tenant;
+        if (h->n_run_cells < n)
+            n = h->n_run_cells;
+        if ((x->runs = calloc(n ? n : 1, sizeof(*x->runs))) == NULL)
+            return KVD_ENOMEM;
+        for (size_t r = 0; r < n; r++)
+            x->runs[r] = (struct kvd_pool_run){ h->run_state[r], h->run_tenant[r], h->run_cells[r] };
+        x->n_runs = n;
+    }
+    for (size_t i = 0; i < pv->n_prefixes; i++) {
+        const Kvd__PrefixNode *p = pv->prefixes[i];
+        if (p == NULL)
+            continue;
+        struct kvd_prefix_node *x = &out->prefixes[out->n_prefixes++];
+        /* a parent must come first: anything else is made a root */
+        x->parent = p->parent >= 0 && (size_t)p->parent < i ? p->parent : -1;
+        x->host = p->host;
+        x->blocks = p->blocks;
+        x->subtree_blocks = p->subtree_blocks;
+        x->tenant = p->tenant;
+        x->is_public = p->is_public;
+        x->sharers = p->sharers;
+        x->hits = p->hits;
+        x->state = p->state;
+        snprintf(x->text, sizeof(x->text), "%s", p->text ? p->text : "");
+    }
+    for (size_t i = 0; i < pv->n_samples; i++) {
+        const Kvd__Sample *p = pv->samples[i];
+        if (p == NULL)
+            continue;
+        out->samples[out->n_samples++] = (struct kvd_pool_sample){
+            .prompt_tokens = p->prompt_tokens, .cached_prompt_tokens = p->cached_prompt_tokens,
+            .completion_tokens = p->completion_tokens, .computed_tokens = p->computed_tokens,
+            .first_tokens = p->first_tokens, .ttft_seconds = p->ttft_seconds,
+        };
+    }
+    return 0;
+}
+
+int kvd_pool_view(kvd_client_t *c, const char *tenant, struct kvd_stats *st, struct kvd_pool_view *out)
+{
+    if (c == NULL || st == NULL || out == NULL)
+        return KVD_EINVAL;
+    memset(st, 0, sizeof(*st));
+    memset(out, 0, sizeof(*out));
+    Kvd__StatsRequest sr = KVD__STATS_REQUEST__INIT;
+    sr.has_pool_view = true;
+    sr.pool_view = true;
+    sr.view_tenant = (char *)tenant;
+    Kvd__ClientRequest req;
+    init_request(&req, take_id(c));
+    req.body_case = KVD__CLIENT_REQUEST__BODY_STATS;
+    req.stats = &sr;
+    struct inbox in;
+    Kvd__ServerReply *r;
+    int rc = call(c, &req, &in, &r, NULL, 0);
+    if (rc != 0)
+        return rc;
+    if (r->body_case == KVD__SERVER_REPLY__BODY_STATS) {
+        take_stats(r->stats, st);
+        rc = r->stats->pool_view != NULL ? take_view(r->stats->pool_view, out) : KVD_EPROTOCOL;
+    } else if (r->body_case == KVD__SERVER_REPLY__BODY_ERROR) {
+        rc = take_server_error(r->error, NULL, 0);
+    } else {
+        rc = KVD_EPROTOCOL;
+    }
+    inbox_release(c, &in);
+    return rc;
+}
+
 int kvd_health(kvd_client_t *c, bool *ok, uint32_t *workers_alive)
 {
     if (c == NULL)

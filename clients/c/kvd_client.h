@@ -323,6 +323,66 @@ int kvd_stats(kvd_client_t *c, struct kvd_stats *out);
  * none; accepts NULL. */
 void kvd_stats_free(struct kvd_stats *s);
 
+/* The pools as a picture (kvd --http's page): each host's blocks by state
+ * and tenant in runs of cells, the largest cached prefix trees and the last
+ * minutes' samples. Bounded whatever the pool's size (kvd.proto's PoolView). */
+enum kvd_block_state { KVD_BLOCK_FREE, KVD_BLOCK_CACHED, KVD_BLOCK_IN_USE, KVD_BLOCK_PENDING, KVD_BLOCK_FENCED };
+
+struct kvd_pool_run {
+    uint32_t state;                 /* enum kvd_block_state */
+    uint32_t tenant;                /* 0: none; i + 1: tenants[i]; hidden_tenant: not the viewer's */
+    uint32_t cells;                 /* cells in the run */
+};
+
+struct kvd_pool_host {
+    char name[64];                  /* "" for kvd's own pool */
+    uint32_t blocks;
+    uint32_t cell_blocks;           /* blocks a cell stands for (its state: most of theirs) */
+    struct kvd_pool_run *runs;      /* n_runs, in block order */
+    size_t n_runs;
+};
+
+struct kvd_prefix_node {
+    int32_t parent;                 /* index in prefixes (before this one); -1: a root */
+    uint32_t host;                  /* index in hosts */
+    uint32_t blocks;                /* blocks of the chain it stands for */
+    uint32_t subtree_blocks;        /* with every block below it */
+    uint32_t tenant;                /* as in kvd_pool_run */
+    bool is_public;                 /* in --public-prefix's namespace */
+    uint32_t sharers;               /* sequences holding its first block now */
+    uint64_t hits;                  /* requests that took its last block from the cache */
+    uint32_t state;                 /* its last block's enum kvd_block_state */
+    char text[72];                  /* its first tokens' text (at most 64 bytes, UTF-8) */
+};
+
+struct kvd_pool_sample {            /* one second */
+    uint64_t prompt_tokens, cached_prompt_tokens, completion_tokens, computed_tokens;
+    uint32_t first_tokens;          /* requests finished having had a first token, */
+    double ttft_seconds;            /* and the sum of their times to it */
+};
+
+struct kvd_pool_view {
+    char (*tenants)[128];           /* n_tenants names (a tenant's view: its own alone) */
+    size_t n_tenants;
+    uint32_t hidden_tenant;
+    struct kvd_pool_host *hosts;
+    size_t n_hosts;
+    struct kvd_prefix_node *prefixes;   /* parents first */
+    size_t n_prefixes;
+    struct kvd_pool_sample *samples;    /* oldest first */
+    size_t n_samples;
+};
+
+/* kvd's statistics and the picture of its pools, as tenant sees them (a
+ * client of kvd's ipc:// socket may name any: "" an anonymous client, NULL
+ * all of it; a tenant's own client always gets its own). Free both with
+ * kvd_stats_free and kvd_pool_view_free, whatever this returns. 0, or a
+ * transport error or kvd's. */
+int kvd_pool_view(kvd_client_t *c, const char *tenant, struct kvd_stats *st, struct kvd_pool_view *out);
+
+/* Frees what kvd_pool_view filled and sets it to none; accepts NULL. */
+void kvd_pool_view_free(struct kvd_pool_view *v);
+
 /* The statistics in Prometheus' text format (version 0.0.4), as kvd's HTTP
  * /metrics serves them: vLLM's names for what an inference gateway reads
  * (vllm:num_requests_running, vllm:num_requests_waiting,

@@ -257,6 +257,49 @@ static void test_owner_limit(void)
     pool_close(&pool);
 }
 
+/* What the page's picture reads from each block (prefix_block_info): the
+ * owner it was taken for, and the cache hits it had since it was last free. */
+static void test_block_hits(void)
+{
+    pool_t *pool = pool_open_small();
+    prefix_t *px = prefix_open(pool);
+    const prefix_ns_t ns = ns_of(px, 1);
+    int32_t P[25];
+    for (int i = 0; i < 25; i++)
+        P[i] = 900 + i;
+    struct prefix_seq s;
+    memset(&s, 0, sizeof(s));
+    s.owner = 3;
+    CHECK_INT(prefix_seq_begin(px, &s, ns, P, 25, NULL), 0);
+    CHECK_INT(seq_compute(pool, px, &s, 1, P, 25), 0);
+    const uint32_t first = s.blocks[0], last = s.blocks[5];
+    struct prefix_block_info bi;
+    CHECK_INT(prefix_block_info(px, first, &bi), 0);
+    CHECK_INT(bi.owner, 3);
+    CHECK_INT(bi.hits, 0);
+    prefix_seq_release(px, &s);
+    /* twice from the cache: six blocks (one token left to compute), each hit twice */
+    for (int k = 1; k <= 2; k++) {
+        CHECK_INT(prefix_seq_begin(px, &s, ns, P, 25, NULL), 24);
+        CHECK_INT(prefix_block_info(px, first, &bi), 0);
+        CHECK_INT(bi.hits, (uint32_t)k);
+        CHECK_INT(bi.refs, 1);
+        CHECK_INT(prefix_block_info(px, last, &bi), 0);
+        CHECK_INT(bi.hits, (uint32_t)k);
+        prefix_seq_release(px, &s);
+    }
+    /* evicted and taken again: no owner, no hits */
+    CHECK_INT(prefix_evict(px, 1000), 6);
+    CHECK_INT(prefix_block_info(px, first, &bi), 0);
+    CHECK_INT(bi.state, POOL_BLOCK_FREE);
+    CHECK_INT(bi.owner, 0);
+    CHECK_INT(bi.hits, 0);
+    CHECK_INT(check_ok(px), 0);
+    prefix_seq_fini(&s);
+    prefix_destroy(&px);
+    pool_close(&pool);
+}
+
 /* A public prefix: the first blocks of a chain keyed in a namespace every
  * other shares, the rest in each sequence's own. Two namespaces share the
  * public blocks and nothing after them; without n_public nothing is shared. */
@@ -1636,6 +1679,7 @@ int main(int argc, char **argv)
     test_owner_limit();
     test_public_prefix();
     test_window();
+    test_block_hits();
 
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
