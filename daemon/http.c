@@ -851,6 +851,7 @@ static const struct field {
     { "top_logprobs", F_CHAT, true, NULL, NULL },
     { "stop", F_BOTH, true, NULL, NULL },
     { "ignore_eos", F_BOTH, true, NULL, NULL },
+    { "context_overflow", F_BOTH, true, NULL, NULL },
     { "namespace", F_BOTH, true, NULL, NULL },
     { "user", F_BOTH, true, NULL, NULL },                        /* an end user's name: only checked */
     { "service_tier", F_BOTH, false, one_tier, "kvd has one service tier" },
@@ -1452,6 +1453,16 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
     r->gp.stop = r->stops;
     if (get_bool(o, "ignore_eos", &r->gp.ignore_eos, b) < 0)     /* vLLM's extension */
         return -1;
+    json_t *co = json_object_get(o, "context_overflow");           /* kvd's: windowing */
+    if (co != NULL && !json_is_null(co)) {
+        const char *mode = json_is_string(co) ? json_string_value(co) : "";
+        if (strcmp(mode, "stop") == 0)
+            r->gp.context_overflow = KVD_OVERFLOW_STOP;
+        else if (strcmp(mode, "window") == 0)
+            r->gp.context_overflow = KVD_OVERFLOW_WINDOW;
+        else
+            return bad(b, "context_overflow", "'context_overflow' must be \"stop\" or \"window\"");
+    }
     if (request_ns(o, r->tenant, r->ns, sizeof(r->ns), b) != 0)     /* kvd's: a cache namespace */
         return -1;
     if (r->ns[0])

@@ -91,6 +91,12 @@ static void usage(FILE *f)
           "      --pool NAME          KV pool name in /dev/shm (kept after exit; default: private)\n"
           "      --kv-memory SIZE     KV pool size (default: 1GiB or half of /dev/shm's free space)\n"
           "  -c, --ctx N              longest sequence (default: 4096, at most the model's)\n"
+          "      --context-overflow stop|window  what a sequence that reaches --ctx does by\n"
+          "                           default (a request may say): stop (the default), or\n"
+          "                           window: keep its first --sinks tokens and the newer half\n"
+          "                           of the rest, and go on (docs/models.md)\n"
+          "      --sinks N            tokens a window keeps from the start (default 4; whole\n"
+          "                           blocks)\n"
           "  -t, --threads N          threads per worker (default: CPUs / workers)\n"
           "      --block-tokens N     KV block size (default 16)\n"
           "      --kv-type T          K and V element type: f16 (default), f32, q8_0, q4_0\n"
@@ -173,12 +179,14 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
            OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS, OPT_EVENTS, OPT_TOPIC,
            OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE, OPT_TBLOCKS, OPT_PUBLIC, OPT_CURVE_IPC, OPT_DISPATCH,
            OPT_MAXFENCE, OPT_HOSTBLOCKS, OPT_MAXTENANTS, OPT_EVTOKENS, OPT_EALLOW, OPT_HTTPMEM, OPT_HTTPCONNS,
-           OPT_HTTPIP, OPT_HTTPTIMEOUT, OPT_HTTPREQS, OPT_OPKEY };
+           OPT_HTTPIP, OPT_HTTPTIMEOUT, OPT_HTTPREQS, OPT_OPKEY, OPT_OVERFLOW, OPT_SINKS };
     static const struct option longs[] = {
         { "model", required_argument, NULL, 'm' },
         { "workers", required_argument, NULL, 'w' },
         { "listen", required_argument, NULL, 'l' },
         { "ctx", required_argument, NULL, 'c' },
+        { "context-overflow", required_argument, NULL, OPT_OVERFLOW },
+        { "sinks", required_argument, NULL, OPT_SINKS },
         { "threads", required_argument, NULL, 't' },
         { "verbose", no_argument, NULL, 'v' },
         { "help", no_argument, NULL, 'h' },
@@ -241,6 +249,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     o->grace_ms = 10000;
     o->max_restarts = 10;
     o->gpu = -1;
+    o->sinks = 4;
     o->workers_per_gpu = -1;
     o->max_body = 16u << 20;
     o->max_fence_ms = 60000;
@@ -268,6 +277,12 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
             o->listen[o->n_listen++] = optarg;
             break;
         case 'c': o->ctx = (uint32_t)cli_long(optarg, "--ctx", 16, 1 << 22); break;
+        case OPT_OVERFLOW:
+            if (strcmp(optarg, "stop") != 0 && strcmp(optarg, "window") != 0)
+                cli_die("--context-overflow takes stop or window, got '%s'", optarg);
+            o->window = strcmp(optarg, "window") == 0;
+            break;
+        case OPT_SINKS: o->sinks = (uint32_t)cli_long(optarg, "--sinks", 0, 1 << 20); break;
         case 't': o->threads = (int)cli_long(optarg, "--threads", 1, 256); break;
         case 'v': o->verbose = true; break;
         case 'h': usage(stdout); exit(0);

@@ -53,6 +53,8 @@ struct kvd_options {
     int n_workers;                  /* --workers (0: accept external workers only) */
     int threads;                    /* --threads per worker (0: CPUs / workers) */
     uint32_t ctx;                   /* --ctx: longest sequence */
+    bool window;                    /* --context-overflow window: sequences window at --ctx */
+    uint32_t sinks;                 /* --sinks: first tokens a window keeps (default 4) */
     uint32_t block_tokens;          /* --block-tokens */
     struct kv_params kv;            /* --kv-type, --k-type, --v-type, --kv-rotate: its types
                                      * and rotation (block_tokens, n_blocks unused) */
@@ -172,6 +174,12 @@ struct request {
     /* tokens: prompt, then generated */
     int32_t *tok;
     uint32_t n_prompt, n_tok, tok_cap;
+    /* context windowing (docs/models.md): the sequence windows at the context
+     * instead of ending; once it has, its positions hold wtok (the first
+     * sinks, then the newer tokens), of which the first w_prompt are prompt */
+    bool window;
+    int32_t *wtok;
+    uint32_t n_wtok, wtok_cap, w_prompt, windows;
     uint32_t n_cached;              /* prompt tokens found in the cache (first dispatch) */
     uint32_t n_host;                /* of those, restored from the host tier */
     uint32_t n_disk;                /* and read back from the disk tier */
@@ -399,6 +407,7 @@ void req_tick(struct kvd *k);
 void req_on_commit(struct kvd *k, int w, const Kvdw__Commit *c);
 void req_on_tokens(struct kvd *k, int w, const Kvdw__TokenChunk *c);
 void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions);
+void req_on_window(struct kvd *k, int w, uint64_t seq_id, uint32_t n_written);
 void req_on_done(struct kvd *k, int w, uint64_t seq_id, int reason, uint32_t n_written,
                  const char *error);
 void req_on_worker_lost(struct kvd *k, int w);

@@ -204,6 +204,7 @@ static void req_free(struct request *r)
         free(r->stops[i]);
     free(r->stops);
     free(r->tok);
+    free(r->wtok);
     free(r->lp);
     free(r->text);
     free(r->bias_ids);
@@ -216,6 +217,137 @@ static void req_free(struct request *r)
     free(r->tool_choice);
     prefix_seq_fini(&r->ps);
     free(r);
+}
+
+/* ---- context windowing ------------------------------------------------------------------------- */
+
+static void stop_request(struct kvd *k, struct request *r, int why, int fail_code, const char *msg);
+static uint32_t *wire_blocks(struct prefix_seq *ps, uint32_t from, size_t *n, uint32_t **copy);
+
+/* The tokens r's positions hold: its history, or once windowed the windowed
+ * history (the first sinks, then the newer tokens). Everything about blocks
+ * and positions (the prefix index, leases, commits, assignments) reads these;
+ * r->tok stays the whole record the output comes from. */
+static const int32_t *seq_tok(const struct request *r)
+{
+    return r->wtok != NULL ? r->wtok : r->tok;
+}
+
+static uint32_t seq_n(const struct request *r)
+{
+    return r->wtok != NULL ? r->n_wtok : r->n_tok;
+}
+
+static int wtok_push(struct request *r, int32_t t)
+{
+    if (r->n_wtok == r->wtok_cap) {
+        const uint32_t cap = r->wtok_cap ? r->wtok_cap * 2 : 64;
+        int32_t *v = realloc(r->wtok, (size_t)cap * sizeof(int32_t));
+        if (v == NULL)
+            return KVD_ENOMEM;
+        r->wtok = v;
+        r->wtok_cap = cap;
+    }
+    r->wtok[r->n_wtok++] = t;
+    return 0;
+}
+
+/* Whether r windows at the context (the request's context_overflow, else
+ * kvd's --context-overflow), and the cases that cannot. */
+static int admit_window(struct kvd *k, struct request *r, const Kvd__GenerateRequest *g, char *msg, size_t len)
+{
+    const bool asked = g->has_context_overflow && g->context_overflow != KVD__CONTEXT_OVERFLOW__OVERFLOW_DEFAULT;
+    r->window = asked ? g->context_overflow == KVD__CONTEXT_OVERFLOW__OVERFLOW_WINDOW : k->o.window;
+    if (!r->window)
+        return 0;
+    const char *why = NULL;
+    if (pool_header(k->pool)->layout.parts.n_parts > 1)
+        why = "is not supported for a model with sliding-window layers";
+    else if (k->o.gpu >= 0)
+        why = "is not supported on GPU workers";
+    else if (k->n_ctx / k->o.block_tokens < (k->o.sinks + k->o.block_tokens - 1) / k->o.block_tokens + 3)
+        why = "needs a context of more blocks than --sinks keeps";
+    else if (g->has_prefill_only && g->prefill_only)
+        why = "means nothing with prefill_only";
+    if (why == NULL)
+        return 0;
+    if (!asked) {
+        r->window = false;  /* kvd's default does not apply here: the request stops at the context */
+        return 0;
+    }
+    snprintf(msg, len, "context_overflow window %s", why);
+    return KVD__ERROR_CODE__ERR_BAD_REQUEST;
+}
+
+/* The worker running r's sequence has reached the context: its positions
+ * [0, n_written) are written. Keeps the first sinks (whole blocks) and the
+ * newer half of the full blocks after them (prefix_seq_window) and tells
+ * the worker what moved. A pool too full for the private copies ends the
+ * request as a full context would. */
+void req_on_window(struct kvd *k, int w, uint64_t seq_id, uint32_t n_written)
+{
+    struct request *r = find_active(k, seq_id);
+    if (r == NULL || r->worker != w || r->state != REQ_RUNNING)
+        return;
+    const uint32_t bt = k->o.block_tokens, keep = (k->o.sinks + bt - 1) / bt;
+    if (!r->window || n_written != r->n_written || n_written / bt < keep + 2) {
+        k->st.bad_messages++;
+        stop_request(k, r, 0, KVD__ERROR_CODE__ERR_INTERNAL, "the worker asked for a window out of turn");
+        return;
+    }
+    const uint32_t drop = (n_written / bt - keep) / 2, d = drop * bt, kb = keep * bt;
+    if (r->wtok == NULL) {
+        /* the first window: the positions held the whole history so far */
+        for (uint32_t i = 0; i < r->n_tok; i++)
+            if (wtok_push(r, r->tok[i]) != 0) {
+                stop_request(k, r, 0, KVD__ERROR_CODE__ERR_INTERNAL, "out of memory");
+                return;
+            }
+        r->w_prompt = r->n_prompt;
+    }
+    uint32_t (*copy)[2] = malloc((size_t)r->ps.n_blocks * sizeof(*copy));
+    const int64_t nc = copy != NULL ? prefix_seq_window(px_of(k, r), &r->ps, keep, drop, copy) : KVD_ENOMEM;
+    if (nc < 0) {
+        free(copy);
+        kvd_log(k, "request %llu: cannot window its context (%s): it ends there",
+                (unsigned long long)r->seq_id, kvd_strerror((int)nc));
+        stop_request(k, r, KVD__FINISH_REASON__FINISH_LENGTH, 0, NULL);
+        return;
+    }
+    memmove(r->wtok + kb, r->wtok + kb + d, (size_t)(r->n_wtok - kb - d) * sizeof(int32_t));
+    r->n_wtok -= d;
+    r->w_prompt = r->w_prompt > kb + d ? r->w_prompt - d : (r->w_prompt < kb ? r->w_prompt : kb);
+    r->n_written -= d;
+    r->windows++;
+    Kvdw__ToWorker m = KVDW__TO_WORKER__INIT;
+    Kvdw__Window win = KVDW__WINDOW__INIT;
+    uint32_t *from = malloc(((size_t)nc + 1) * sizeof(uint32_t)), *to = malloc(((size_t)nc + 1) * sizeof(uint32_t));
+    uint32_t *flat = NULL;
+    win.has_seq_id = win.has_keep = win.has_drop = true;
+    win.seq_id = r->seq_id;
+    win.keep = keep;
+    win.drop = drop;
+    if (from == NULL || to == NULL || (win.blocks = wire_blocks(&r->ps, 0, &win.n_blocks, &flat)) == NULL) {
+        free(copy);
+        free(from);
+        free(to);
+        stop_request(k, r, 0, KVD__ERROR_CODE__ERR_INTERNAL, "out of memory");
+        return;
+    }
+    for (int64_t i = 0; i < nc; i++) {
+        from[i] = copy[i][0];
+        to[i] = copy[i][1];
+    }
+    win.copy_from = from;
+    win.copy_to = to;
+    win.n_copy_from = win.n_copy_to = (size_t)nc;
+    m.body_case = KVDW__TO_WORKER__BODY_WINDOW;
+    m.window = &win;
+    workers_send(k, r->worker, &m);
+    free(flat);
+    free(copy);
+    free(from);
+    free(to);
 }
 
 /* ---- structured output's schemas ----------------------------------------------------------------- */
@@ -864,6 +996,8 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const
     }
     if (code == 0 && g->tool_choice != NULL && strcmp(g->tool_choice, "auto") != 0)
         code = admit_tool_calls(r, g, msg, sizeof(msg));
+    if (code == 0)
+        code = admit_window(k, r, g, msg, sizeof(msg));
     for (size_t i = 0; code == 0 && g->sampling != NULL && i < g->sampling->n_logit_bias; i++)
         if ((uint32_t)g->sampling->logit_bias_ids[i] >= k->model->cfg.n_vocab) {
             snprintf(msg, sizeof(msg), "logit_bias: token id %d is out of range (the vocabulary has %u tokens)",
@@ -1064,7 +1198,7 @@ static int pick(struct kvd *k, struct request *r)
         for (int n = 0; n < KVD_MAX_WORKERS; n++) {
             const int i = (int)((k->rr_next + (uint32_t)n) % KVD_MAX_WORKERS);
             const struct worker *w = &k->workers[i];
-            if (!can_take(w, r) || k->hosts[w->host].seq_tokens < r->n_tok + 1ull)
+            if (!can_take(w, r) || k->hosts[w->host].seq_tokens < seq_n(r) + 1ull)
                 continue;
             k->rr_next = (uint32_t)i + 1;
             r->host = w->host;
@@ -1077,7 +1211,7 @@ static int pick(struct kvd *k, struct request *r)
     int cand[KVD_MAX_HOSTS];
     for (int h = 0; h < KVD_MAX_HOSTS; h++) {
         cand[h] = -1;
-        if (!k->hosts[h].used || k->hosts[h].seq_tokens < r->n_tok + 1ull)
+        if (!k->hosts[h].used || k->hosts[h].seq_tokens < seq_n(r) + 1ull)
             continue;
         if ((cand[h] = pick_worker(k, r, h)) >= 0)
             n_cand++;
@@ -1087,7 +1221,7 @@ static int pick(struct kvd *k, struct request *r)
             continue;
         /* one candidate: no need to look */
         const uint32_t hit = n_cand > 1 && !r->no_cache
-                                 ? prefix_seq_probe(k->hosts[h].px, &r->ps, r->ns, r->tok, r->n_tok)
+                                 ? prefix_seq_probe(k->hosts[h].px, &r->ps, r->ns, seq_tok(r), seq_n(r))
                                  : 0;
         const struct worker *w = &k->workers[cand[h]], *b = best >= 0 ? &k->workers[cand[best]] : NULL;
         if (b == NULL || hit > best_hit ||
@@ -1240,14 +1374,14 @@ static int start(struct kvd *k, struct request *r)
     if (r->ps.n_blocks > 0) {
         cached = (int64_t)r->ps.n_cached * k->o.block_tokens;   /* back from the tiers */
     } else if (r->no_cache) {
-        cached = prefix_seq_begin(px, &r->ps, r->ns, r->tok, 0, NULL);
+        cached = prefix_seq_begin(px, &r->ps, r->ns, seq_tok(r), 0, NULL);
         r->ps.chain_open = false; /* nothing it computes is indexed either */
     } else {
         /* a scored prompt takes from the cache only positions whose tokens it
          * has scores past: token i's score needs position i - 1 computed */
-        const uint64_t n_look = r->plp != NULL && r->n_scored + 1ull < r->n_tok ? r->n_scored + 1ull : r->n_tok;
+        const uint64_t n_look = r->plp != NULL && r->n_scored + 1ull < seq_n(r) ? r->n_scored + 1ull : seq_n(r);
         k->restore_for = r;
-        cached = prefix_seq_begin(px, &r->ps, r->ns, r->tok, n_look, n_look == r->n_tok ? &wait : NULL);
+        cached = prefix_seq_begin(px, &r->ps, r->ns, seq_tok(r), n_look, n_look == seq_n(r) ? &wait : NULL);
         k->restore_for = NULL;
         if (cached >= 0 && r->ps.n_restoring > 0) {
             /* copies run on the restore thread: it goes on when they are done */
@@ -1267,11 +1401,11 @@ static int start(struct kvd *k, struct request *r)
         return 0;
     }
     int rc = prefix_seq_grow(px, &r->ps,
-                             lease_cap(k, r, (uint64_t)cached, want_positions(k, r->n_tok + 1ull)),
-                             r->tok, r->no_cache ? 0 : r->n_tok);
+                             lease_cap(k, r, (uint64_t)cached, want_positions(k, seq_n(r) + 1ull)),
+                             seq_tok(r), r->no_cache ? 0 : seq_n(r));
     if (rc == KVD_ENOSPACE)
-        rc = prefix_seq_grow(px, &r->ps, lease_cap(k, r, (uint64_t)cached, r->n_tok + 1ull), r->tok,
-                             r->no_cache ? 0 : r->n_tok);
+        rc = prefix_seq_grow(px, &r->ps, lease_cap(k, r, (uint64_t)cached, seq_n(r) + 1ull), seq_tok(r),
+                             r->no_cache ? 0 : seq_n(r));
     if (rc != 0) {
         prefix_seq_release(px, &r->ps);
         if (host_active(k, r->host) == 0 && k->hosts[r->host].fenced == NULL) {
@@ -1286,8 +1420,8 @@ static int start(struct kvd *k, struct request *r)
     Kvdw__Assign a = KVDW__ASSIGN__INIT;
     a.has_seq_id = a.has_n_cached = a.has_max_new = a.has_ignore_eos = a.has_n_generated = true;
     a.seq_id = r->seq_id;
-    a.tokens = r->tok;
-    a.n_tokens = r->n_tok;
+    a.tokens = (int32_t *)seq_tok(r);
+    a.n_tokens = seq_n(r);
     a.n_cached = (uint32_t)cached;
     uint32_t *flat = NULL;
     if ((a.blocks = wire_blocks(&r->ps, 0, &a.n_blocks, &flat)) == NULL) {
@@ -1298,7 +1432,9 @@ static int start(struct kvd *k, struct request *r)
     uint32_t n_gen = r->n_tok - r->n_prompt;
     a.max_new = r->max_tokens > n_gen ? r->max_tokens - n_gen : 0;
     a.ignore_eos = r->ignore_eos;
-    a.n_generated = n_gen;
+    a.n_generated = r->wtok != NULL ? r->n_wtok - r->w_prompt : n_gen;
+    a.has_window_sinks = r->window;
+    a.window_sinks = k->o.sinks;
     a.has_logprobs = r->logprobs >= 0;
     a.logprobs = r->logprobs >= 0 ? (uint32_t)r->logprobs : 0;
     a.json_schema = r->json_schema;
@@ -1373,11 +1509,11 @@ static struct request *from_worker(struct kvd *k, int w, uint64_t seq_id)
 
 static void commit(struct kvd *k, struct request *r, uint32_t n_written)
 {
-    if (n_written <= r->n_written || n_written > r->n_tok)
+    if (n_written <= r->n_written || n_written > seq_n(r))
         return;
     if (r->worker >= 0)
         k->workers[r->worker].tokens += n_written - r->n_written; /* positions it computed */
-    if (prefix_seq_commit(px_of(k, r), &r->ps, r->tok, n_written) != 0)
+    if (prefix_seq_commit(px_of(k, r), &r->ps, seq_tok(r), n_written) != 0)
         kvd_log(k, "request %llu: committed blocks differ from the tokens promised",
                 (unsigned long long)r->seq_id);
     r->n_written = n_written;
@@ -1468,6 +1604,10 @@ void req_on_tokens(struct kvd *k, int w, const Kvdw__TokenChunk *c)
             return;
         }
         r->tok[r->n_tok++] = t[i];
+        if (r->wtok != NULL && wtok_push(r, t[i]) != 0) {
+            stop_request(k, r, 0, KVD__ERROR_CODE__ERR_INTERNAL, "out of memory");
+            return;
+        }
         if (r->t_first == 0) {
             r->t_first = now;
             note_prefill_rate(k, r);
@@ -1566,8 +1706,8 @@ void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions)
         return;
     }
     uint32_t before = r->ps.n_blocks;
-    const int32_t *known = r->no_cache ? NULL : r->tok;
-    uint64_t n_known = r->no_cache ? 0 : r->n_tok;
+    const int32_t *known = r->no_cache ? NULL : seq_tok(r);
+    uint64_t n_known = r->no_cache ? 0 : seq_n(r);
     n_positions = (uint32_t)lease_cap(k, r, r->n_written, n_positions);
     int rc = prefix_seq_grow(px_of(k, r), &r->ps, lease_cap(k, r, r->n_written, want_positions(k, n_positions)),
                              known, n_known);
@@ -1601,8 +1741,8 @@ static void retry_leases(struct kvd *k)
         if (r->lease_want == 0 || r->state != REQ_RUNNING)
             continue;
         uint32_t before = r->ps.n_blocks;
-        int rc = prefix_seq_grow(px_of(k, r), &r->ps, r->lease_want, r->no_cache ? NULL : r->tok,
-                                 r->no_cache ? 0 : r->n_tok);
+        int rc = prefix_seq_grow(px_of(k, r), &r->ps, r->lease_want, r->no_cache ? NULL : seq_tok(r),
+                                 r->no_cache ? 0 : seq_n(r));
         if (rc == 0) {
             unstarve(k, r);
             if (r->ps.n_blocks > before)
@@ -2158,7 +2298,7 @@ void req_fail_unfit(struct kvd *k)
     struct request *r = k->queue;
     while (r) {
         struct request *next = r->next;
-        if (r->state == REQ_QUEUED && r->ps.n_blocks == 0 && r->n_tok + 1ull > k->pool_seq_tokens)
+        if (r->state == REQ_QUEUED && r->ps.n_blocks == 0 && seq_n(r) + 1ull > k->pool_seq_tokens)
             stop_request(k, r, 0, KVD__ERROR_CODE__ERR_TOO_LONG,
                          "no pool left can hold this sequence (a host was lost)");
         r = next;

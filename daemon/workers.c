@@ -408,6 +408,9 @@ void workers_on_message(struct kvd *k, const uint8_t *rid, size_t rid_len, const
     case KVDW__FROM_WORKER__BODY_LEASE:
         req_on_lease(k, i, m->lease->seq_id, m->lease->n_positions);
         break;
+    case KVDW__FROM_WORKER__BODY_WINDOW:
+        req_on_window(k, i, m->window->seq_id, m->window->n_written);
+        break;
     case KVDW__FROM_WORKER__BODY_DONE:
         w->last_progress = now;
         req_on_done(k, i, m->done->seq_id, m->done->reason, m->done->n_written, m->done->error);

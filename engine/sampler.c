@@ -587,3 +587,8 @@ int32_t sampler_pick_sorted(sampler_t *s, const struct sampler_draw *p, const fl
     qsort(s->cands, n, sizeof(*s->cands), cand_cmp);
     return draw_from(p, s->cands, keep_k(p, n));
 }
+
+void sampler_set_output_from(sampler_t *s, uint32_t from)
+{
+    s->p.output_from = from;
+}

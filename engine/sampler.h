@@ -40,6 +40,10 @@ typedef struct sampler sampler_t;
 sampler_t *sampler_new(const struct sampler_params *p, uint32_t n_vocab, char *err, size_t errlen);
 void sampler_destroy(sampler_t **s);
 
+/* The history position the output starts at from now on (params'
+ * output_from): for a history that was windowed (older tokens dropped). */
+void sampler_set_output_from(sampler_t *s, uint32_t from);
+
 /* Picks a token from n_vocab logits (not modified); history holds the tokens
  * so far (prompt and generated), used by the repetition penalty. */
 int32_t sampler_sample(sampler_t *s, const float *logits, const int32_t *history, size_t n_hist);

@@ -678,6 +678,10 @@ static int check_generate(const Kvd__GenerateRequest *g, char *err, size_t errle
         if (g->json_schema != NULL || (g->has_json_object && g->json_object))
             return kvd_seterr(err, errlen, KVD_EINVAL, "generate: tool_choice and structured output are exclusive");
     }
+    if (g->has_context_overflow &&
+        (rc = check_enum(&kvd__context_overflow__descriptor, g->context_overflow, "generate.context_overflow",
+                         err, errlen)) != 0)
+        return rc;
     if (g->has_prompt_logprobs && g->prompt_logprobs > WIRE_MAX_TOP_LOGPROBS)
         return kvd_seterr(err, errlen, KVD_ERANGE, "generate.prompt_logprobs = %u is over the limit of %u",
                           g->prompt_logprobs, WIRE_MAX_TOP_LOGPROBS);
@@ -919,6 +923,14 @@ int wire_check_from_worker(const Kvdw__FromWorker *m, char *err, size_t errlen)
         if (!m->lease->has_n_positions)
             return missing("lease", "n_positions", err, errlen);
         return 0;
+    case KVDW__FROM_WORKER__BODY_WINDOW:
+        if (m->window == NULL)
+            break;
+        if (!m->window->has_seq_id)
+            return missing("window", "seq_id", err, errlen);
+        if (!m->window->has_n_written)
+            return missing("window", "n_written", err, errlen);
+        return 0;
     case KVDW__FROM_WORKER__BODY_DONE:
         if (m->done == NULL)
             break;
@@ -999,6 +1011,17 @@ int wire_check_to_worker(const Kvdw__ToWorker *m, char *err, size_t errlen)
         if (!m->grant->has_seq_id)
             return missing("grant", "seq_id", err, errlen);
         return check_blocks(m->grant->n_blocks, "grant.blocks", err, errlen);
+    case KVDW__TO_WORKER__BODY_WINDOW:
+        if (m->window == NULL)
+            break;
+        if (!m->window->has_seq_id)
+            return missing("window", "seq_id", err, errlen);
+        if (!m->window->has_keep || !m->window->has_drop || m->window->drop == 0)
+            return missing("window", "keep and drop", err, errlen);
+        if (m->window->n_copy_from != m->window->n_copy_to || m->window->n_copy_from > m->window->n_blocks)
+            return kvd_seterr(err, errlen, KVD_ERANGE, "window has %zu copy_from, %zu copy_to for %zu blocks",
+                              m->window->n_copy_from, m->window->n_copy_to, m->window->n_blocks);
+        return check_blocks(m->window->n_blocks, "window.blocks", err, errlen);
     case KVDW__TO_WORKER__BODY_CANCEL:
         if (m->cancel == NULL)
             break;

@@ -106,6 +106,10 @@ struct wseq {
     struct gram *gram;      /* structured output: its grammar (a reference), or NULL */
     gstate_t *gst;          /* and where the output is in it */
     bool leasing;           /* asked kvd for blocks; waits for a Grant */
+    bool window;            /* at the context it asks for a Window instead of ending */
+    bool windowing;         /* asked (WindowRequest): it computes nothing until the Window */
+    uint32_t sinks;         /* tokens a window keeps from the start */
+    uint32_t output_from;   /* tok[] index where the output starts (the sampler's penalties) */
     uint32_t chunk;         /* tokens it runs in the current step */
 };
 
@@ -504,6 +508,12 @@ static void on_assign(struct worker *w, const Kvdw__Assign *a)
         s->prompt_logprobs = a->has_prompt_logprobs ? (int32_t)a->prompt_logprobs : -1;
         s->n_prompt = a->has_n_generated && a->n_generated <= a->n_tokens ? (uint32_t)a->n_tokens - a->n_generated
                                                                           : (uint32_t)a->n_tokens;
+        s->window = a->has_window_sinks;
+        s->sinks = a->window_sinks;
+        if (s->window && w->engine == NULL) {
+            snprintf(err, sizeof(err), "context windowing needs a CPU worker");
+            rc = KVD_EUNSUPPORTED;
+        }
         rc = push_blocks(s, a->blocks, a->n_blocks, w->pool);
         if (rc)
             snprintf(err, sizeof(err), "a block id is out of range");
@@ -530,6 +540,7 @@ static void on_assign(struct worker *w, const Kvdw__Assign *a)
          * sequence's earlier tokens included */
         const uint32_t n_gen = a->has_n_generated ? a->n_generated : 0;
         sp.output_from = n_gen <= a->n_tokens ? (uint32_t)a->n_tokens - n_gen : 0;
+        s->output_from = sp.output_from;
         s->seed = sp.seed;
         s->smp = sampler_new(&sp, c->n_vocab, err, sizeof(err));
         if (s->smp == NULL)
@@ -550,6 +561,38 @@ static void on_assign(struct worker *w, const Kvdw__Assign *a)
         cli_die("out of memory");
     w->pending = ns;
     w->seqs[w->n_seqs++] = s;
+}
+
+/* kvd's answer to s's WindowRequest: copies the blocks it names, takes the
+ * new table, turns the moved blocks' keys to their positions and drops the
+ * same tokens from the history (kvd does the same on its side). */
+static int on_window(struct worker *w, struct wseq *s, const Kvdw__Window *m, char *err, size_t errlen)
+{
+    const uint32_t bt = w->o.block_tokens, nb = pool_header(w->pool)->n_blocks;
+    const uint32_t kb = m->keep * bt, d = m->drop * bt;
+    if (!s->windowing || (uint64_t)kb + d > s->pos || m->n_blocks + m->drop != s->n_blocks ||
+        pool_header(w->pool)->layout.parts.n_parts != 1)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "a window that does not fit the sequence");
+    for (size_t i = 0; i < m->n_copy_from; i++) {
+        if (m->copy_from[i] >= nb || m->copy_to[i] >= nb)
+            return kvd_seterr(err, errlen, KVD_ERANGE, "a window's block is out of range");
+        kvcache_copy_block(w->kv, m->copy_from[i], m->copy_to[i]);
+    }
+    s->n_blocks = 0;
+    int rc = push_blocks(s, m->blocks, m->n_blocks, w->pool);
+    if (rc != 0)
+        return kvd_seterr(err, errlen, rc, "a window's block is out of range");
+    rc = engine_kv_shift(w->engine, s->tables[0] + m->keep, s->n_blocks - m->keep, -(int32_t)d, err, errlen);
+    if (rc != 0)
+        return rc;
+    memmove(s->tok + kb, s->tok + kb + d, (size_t)(s->n_tok - kb - d) * sizeof(int32_t));
+    s->n_tok -= d;
+    s->pos -= d;
+    s->n_prompt = s->n_prompt > kb + d ? s->n_prompt - d : (s->n_prompt < kb ? s->n_prompt : kb);
+    s->output_from = s->output_from > kb + d ? s->output_from - d : (s->output_from < kb ? s->output_from : kb);
+    sampler_set_output_from(s->smp, s->output_from);
+    s->windowing = false;
+    return 0;
 }
 
 static void on_message(struct worker *w, const void *buf, size_t len)
@@ -580,6 +623,13 @@ static void on_message(struct worker *w, const void *buf, size_t len)
             } else {
                 s->leasing = false;
             }
+        }
+        break;
+    case KVDW__TO_WORKER__BODY_WINDOW:
+        i = find_seq(w, m->window->seq_id);
+        if (i >= 0 && on_window(w, w->seqs[i], m->window, err, sizeof(err)) != 0) {
+            send_done(w, w->seqs[i], KVDW__DONE_REASON__DONE_ERROR, err);
+            remove_seq(w, (uint32_t)i);
         }
         break;
     case KVDW__TO_WORKER__BODY_CANCEL:
@@ -657,6 +707,8 @@ static uint32_t plan_step(struct worker *w)
     for (uint32_t i = 0; i < w->n_seqs; i++) {
         struct wseq *s = w->seqs[i];
         s->chunk = 0;
+        if (s->windowing)
+            continue;                   /* waits for its Window */
         if (s->n_tok - s->pos != 1) {
             w->pending[n_pre++] = s;    /* a prompt, in arrival order */
             if (oldest == NULL)
@@ -899,11 +951,22 @@ static void run_step(struct worker *w, uint32_t n)
         Kvdw__DoneReason why = KVDW__DONE_REASON__DONE_NONE;
         if (!s->ignore_eos && tok_is_eog(w->tok, t))
             why = KVDW__DONE_REASON__DONE_EOG;
-        else if (s->n_new >= s->max_new || s->n_tok + 1 > w->o.ctx)
+        else if (s->n_new >= s->max_new || (s->n_tok + 1 > w->o.ctx && !s->window))
             why = KVDW__DONE_REASON__DONE_LENGTH;
         if (why != KVDW__DONE_REASON__DONE_NONE) {
             send_done(w, s, why, NULL);
             remove_seq(w, (uint32_t)find_seq(w, s->id));
+        } else if (s->n_tok + 1 > w->o.ctx) {
+            /* the context is full: kvd windows it (on_window) */
+            Kvdw__FromWorker wm = KVDW__FROM_WORKER__INIT;
+            Kvdw__WindowRequest wr = KVDW__WINDOW_REQUEST__INIT;
+            wr.has_seq_id = wr.has_n_written = true;
+            wr.seq_id = s->id;
+            wr.n_written = s->pos;
+            wm.body_case = KVDW__FROM_WORKER__BODY_WINDOW;
+            wm.window = &wr;
+            send_msg(w, &wm);
+            s->windowing = true;
         } else if (s->n_tok > seq_capacity(w, s)) {
             /* the next decode needs a new block: ask ahead of time */
             send_lease(w, s, s->n_tok + 1);

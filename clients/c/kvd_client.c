@@ -833,6 +833,8 @@ static int gen_msg_build(struct gen_msg *m, const struct kvd_gen_params *p, uint
     g->tool_choice = (char *)p->tool_choice;
     g->has_parallel_tool_calls = p->parallel_tool_calls;
     g->parallel_tool_calls = p->parallel_tool_calls;
+    g->has_context_overflow = p->context_overflow != KVD_OVERFLOW_DEFAULT;
+    g->context_overflow = (Kvd__ContextOverflow)p->context_overflow;
 
     /* the daemon's own checks, here, so that a bad argument costs no round trip */
     char why[200];

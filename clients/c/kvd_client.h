@@ -132,7 +132,12 @@ struct kvd_gen_params {
     const char *tool_choice;                /* NULL or "auto": nothing enforced; "required": the
                                              * output is calls of the tools; a name: it calls that one */
     bool parallel_tool_calls;               /* required or a name: up to 16 calls (else one) */
+    int context_overflow;                   /* at the daemon's context: KVD_OVERFLOW_DEFAULT (its
+                                             * --context-overflow), _STOP or _WINDOW (keep the first
+                                             * --sinks tokens and the newer half, and go on) */
 };
+
+enum { KVD_OVERFLOW_DEFAULT = 0, KVD_OVERFLOW_STOP = 1, KVD_OVERFLOW_WINDOW = 2 };
 
 /* Fills p with "nothing set" (NULL prompt, negative sampling fields). */
 void kvd_gen_params_init(struct kvd_gen_params *p);

@@ -291,6 +291,7 @@ class GenerateParams:
     logit_bias: Mapping[int, float] | None = None
     json_schema: str | Mapping[str, object] | None = None
     json_object: bool = False
+    context_overflow: str | None = None
 
     def encode(self, request_id: int) -> bytes:
         """The GenerateRequest, asking for chunks. Raises BadRequest for what
@@ -375,6 +376,12 @@ class GenerateParams:
                              else json.dumps(self.json_schema, separators=(",", ":")))
         if self.json_object:
             g.json_object = True
+        if self.context_overflow is not None:
+            modes = {"stop": kvd_pb2.OVERFLOW_STOP, "window": kvd_pb2.OVERFLOW_WINDOW}
+            if self.context_overflow not in modes:
+                raise errors.BadRequest("context_overflow must be 'stop' or 'window'",
+                                        code=kvd_pb2.ERR_BAD_REQUEST)
+            g.context_overflow = modes[self.context_overflow]
         try:
             frame = req.SerializeToString()
         except (ValueError, TypeError) as e:  # e.g. a string that is not valid UTF-8

@@ -111,6 +111,7 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
         logit_bias: Mapping[int, float] | None = None,
         json_schema: str | Mapping[str, object] | None = None,
         json_object: bool = False,
+        context_overflow: str | None = None,
     ) -> Result:
         """Generates a continuation and returns it whole; see
         :meth:`Client.generate`. Cancelling the awaiting task cancels the
@@ -122,7 +123,7 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
             logprobs=logprobs, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, logit_bias=logit_bias, json_schema=json_schema,
-            json_object=json_object,
+            json_object=json_object, context_overflow=context_overflow,
         )
         async with AsyncStream(self, params) as s:
             async for _ in s:
@@ -154,6 +155,7 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
         logit_bias: Mapping[int, float] | None = None,
         json_schema: str | Mapping[str, object] | None = None,
         json_object: bool = False,
+        context_overflow: str | None = None,
     ) -> AsyncStream:
         """Generates chunk by chunk: returns an :class:`AsyncStream` to use
         with ``async with`` and ``async for`` (not awaited itself); see
@@ -165,7 +167,7 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
             logprobs=logprobs, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, logit_bias=logit_bias, json_schema=json_schema,
-            json_object=json_object,
+            json_object=json_object, context_overflow=context_overflow,
         )
         return AsyncStream(self, params)
 

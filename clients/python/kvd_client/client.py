@@ -99,6 +99,7 @@ class Client(_core._ClientCore[zmq.Socket[bytes]]):
         logit_bias: Mapping[int, float] | None = None,
         json_schema: str | Mapping[str, object] | None = None,
         json_object: bool = False,
+        context_overflow: str | None = None,
     ) -> Result:
         """Generates a continuation and returns it whole.
 
@@ -129,6 +130,10 @@ class Client(_core._ClientCore[zmq.Socket[bytes]]):
             json_schema: structured output: the output is a JSON document
                 that validates against this JSON Schema (a dict or its
                 text); json_object: any JSON object.
+            context_overflow: what the sequence does at kvd's context: "stop"
+                (it ends, finish reason "length") or "window" (it keeps its first
+                tokens and the newer half of the rest, and goes on); None: kvd's
+                --context-overflow.
             logprobs: None (default): none; 0..20: each output token's
                 log-probability (:class:`TokenLogprob`, in ``result.logprobs``
                 and ``chunk.logprobs``) with this many most likely
@@ -148,7 +153,7 @@ class Client(_core._ClientCore[zmq.Socket[bytes]]):
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
             logprobs=logprobs, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, logit_bias=logit_bias, json_schema=json_schema,
-            json_object=json_object,
+            json_object=json_object, context_overflow=context_overflow,
         )
         with Stream(self, params) as s:
             for _ in s:
@@ -180,6 +185,7 @@ class Client(_core._ClientCore[zmq.Socket[bytes]]):
         logit_bias: Mapping[int, float] | None = None,
         json_schema: str | Mapping[str, object] | None = None,
         json_object: bool = False,
+        context_overflow: str | None = None,
     ) -> Stream:
         """Generates a continuation chunk by chunk: returns a :class:`Stream`
         that yields each :class:`Chunk` as it arrives; ``stream.result`` holds
@@ -206,7 +212,7 @@ class Client(_core._ClientCore[zmq.Socket[bytes]]):
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
             logprobs=logprobs, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, logit_bias=logit_bias, json_schema=json_schema,
-            json_object=json_object,
+            json_object=json_object, context_overflow=context_overflow,
         )
         return Stream(self, params)
 
