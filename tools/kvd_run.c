@@ -569,9 +569,12 @@ static void window_check(const struct runtime *rt, int sinks)
  * older half (prefix_seq_window) and moves the kept blocks' keys to their new
  * positions (engine_kv_shift); hist[0, *n_hist) follows. Returns the
  * positions dropped. */
+static double window_ms;    /* time spent in seq_window, for the summaries */
+
 static uint32_t seq_window(struct runtime *rt, struct seq *s, int32_t *hist, size_t *n_hist, int sinks)
 {
     char err[256];
+    const double t0 = cli_now_ms();
     const uint32_t bt = rt->kv->block_tokens;
     const uint32_t keep = ((uint32_t)sinks + bt - 1) / bt, full = s->pos / bt;
     if (full < keep + 2)
@@ -594,6 +597,7 @@ static uint32_t seq_window(struct runtime *rt, struct seq *s, int32_t *hist, siz
             (*n_hist - (size_t)keep * bt - d) * sizeof(int32_t));
     *n_hist -= d;
     s->pos -= d;
+    window_ms += cli_now_ms() - t0;
     return d;
 }
 
@@ -1038,8 +1042,8 @@ static int run_generate(const struct options *o)
         json_ids(stdout, prompt, n_prompt);
         printf(",\"tokens\":");
         json_ids(stdout, gen, (size_t)n_gen);
-        printf(",\"windows\":%u,\"dropped_tokens\":%llu,\"max_blocks\":%u", windows,
-               (unsigned long long)dropped, max_blocks);
+        printf(",\"windows\":%u,\"dropped_tokens\":%llu,\"window_ms\":%.2f,\"max_blocks\":%u", windows,
+               (unsigned long long)dropped, window_ms, max_blocks);
         printf(",\"text\":");
         json_str(stdout, out, out_len);
         printf(",\"cached_prompt_tokens\":%lld", (long long)n_cached);
@@ -1061,8 +1065,8 @@ static int run_generate(const struct options *o)
                 t_prefill > 0 ? n_prompt / (t_prefill / 1e3) : 0.0, n_gen, t_decode,
                 t_decode > 0 ? n_gen / (t_decode / 1e3) : 0.0, engine_threads(rt.engine));
         if (windows > 0)
-            fprintf(stderr, "kvd-run: the context was windowed %u times (%llu tokens dropped; at most %u "
-                    "blocks held)\n", windows, (unsigned long long)dropped, max_blocks);
+            fprintf(stderr, "kvd-run: the context was windowed %u times (%llu tokens dropped, %.1f ms; at most "
+                    "%u blocks held)\n", windows, (unsigned long long)dropped, window_ms, max_blocks);
     }
     free(prompt);
     free(gen);
