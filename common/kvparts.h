@@ -78,6 +78,31 @@ static inline uint64_t kv_window_first_block(uint32_t w, uint64_t n, uint32_t bl
     return (n + 1 - w) / block_tokens;
 }
 
+/* Context windowing (docs/models.md): what a sequence whose positions
+ * [0, n) are written keeps when it windows. *keep: the blocks of its first
+ * `sinks` positions (rounded up to whole blocks); *drop: the blocks after
+ * them that go, the older half of its full blocks past the sinks, fewer where
+ * a sliding window of swa positions (0: none) must still find its positions
+ * in the blocks that stay. False when nothing can go. */
+static inline bool kv_window_plan(uint64_t n, uint32_t sinks, uint32_t block_tokens, uint32_t swa,
+                                  uint32_t *keep, uint32_t *drop)
+{
+    const uint64_t full = n / block_tokens, k = (sinks + block_tokens - 1) / block_tokens;
+    if (full < k + 2)
+        return false;
+    uint64_t d = (full - k) / 2;
+    if (swa > 0) {
+        /* after the drop the window's first position, n - d * bt + 1 - swa,
+         * must lie past the sinks, in the blocks that moved */
+        const uint64_t room = n + 1 >= swa ? (n + 1 - swa) / block_tokens : 0;
+        const uint64_t most = room > k ? room - k : 0;
+        d = d < most ? d : most;
+    }
+    *keep = (uint32_t)k;
+    *drop = (uint32_t)d;
+    return d > 0;
+}
+
 /* Blocks that a sequence whose positions [0, n) are written holds in all its
  * tables together: every block of a full part, the live window's of a
  * windowed one. */

@@ -261,12 +261,12 @@ static int admit_window(struct kvd *k, struct request *r, const Kvd__GenerateReq
     if (!r->window)
         return 0;
     const char *why = NULL;
-    if (pool_header(k->pool)->layout.parts.n_parts > 1)
-        why = "is not supported for a model with sliding-window layers";
-    else if (k->o.gpu >= 0)
+    uint32_t keep, drop;
+    if (k->o.gpu >= 0)
         why = "is not supported on GPU workers";
-    else if (k->n_ctx / k->o.block_tokens < (k->o.sinks + k->o.block_tokens - 1) / k->o.block_tokens + 3)
-        why = "needs a context of more blocks than --sinks keeps";
+    else if (!kv_window_plan(k->n_ctx - 1, k->o.sinks, k->o.block_tokens, k->model->cfg.swa_window, &keep, &drop))
+        why = k->model->cfg.swa_window ? "needs a context longer than --sinks and the model's sliding window keep"
+                                       : "needs a context of more blocks than --sinks keeps";
     else if (g->has_prefill_only && g->prefill_only)
         why = "means nothing with prefill_only";
     if (why == NULL)
@@ -289,13 +289,15 @@ void req_on_window(struct kvd *k, int w, uint64_t seq_id, uint32_t n_written)
     struct request *r = find_active(k, seq_id);
     if (r == NULL || r->worker != w || r->state != REQ_RUNNING)
         return;
-    const uint32_t bt = k->o.block_tokens, keep = (k->o.sinks + bt - 1) / bt;
-    if (!r->window || n_written != r->n_written || n_written / bt < keep + 2) {
+    const uint32_t bt = k->o.block_tokens;
+    uint32_t keep, drop;
+    if (!r->window || n_written != r->n_written ||
+        !kv_window_plan(n_written, k->o.sinks, bt, k->model->cfg.swa_window, &keep, &drop)) {
         k->st.bad_messages++;
         stop_request(k, r, 0, KVD__ERROR_CODE__ERR_INTERNAL, "the worker asked for a window out of turn");
         return;
     }
-    const uint32_t drop = (n_written / bt - keep) / 2, d = drop * bt, kb = keep * bt;
+    const uint32_t d = drop * bt, kb = keep * bt;
     if (r->wtok == NULL) {
         /* the first window: the positions held the whole history so far */
         for (uint32_t i = 0; i < r->n_tok; i++)
@@ -305,7 +307,7 @@ void req_on_window(struct kvd *k, int w, uint64_t seq_id, uint32_t n_written)
             }
         r->w_prompt = r->n_prompt;
     }
-    uint32_t (*copy)[2] = malloc((size_t)r->ps.n_blocks * sizeof(*copy));
+    uint32_t (*copy)[2] = malloc((size_t)r->ps.n_blocks * (r->ps.n_parts ? r->ps.n_parts : 1) * sizeof(*copy));
     const int64_t nc = copy != NULL ? prefix_seq_window(px_of(k, r), &r->ps, keep, drop, copy) : KVD_ENOMEM;
     if (nc < 0) {
         free(copy);

@@ -11,6 +11,7 @@
 #include "f16.h"
 #include "gemm.h"
 #include "ops.h"
+#include "pool.h"      /* POOL_NONE */
 #include "quant.h"
 #include "tpool.h"
 #include "types.h"
@@ -498,23 +499,24 @@ static void kv_store_row(uint8_t *dst, const float *src, int hd, uint32_t type)
     }
 }
 
-int engine_kv_shift(engine_t *e, const uint32_t *blocks, uint32_t n, int32_t delta, char *err, size_t errlen)
+int engine_kv_shift(engine_t *e, const uint32_t *const *tables, uint32_t first, uint32_t n, int32_t delta,
+                    char *err, size_t errlen)
 {
     const struct model_config *c = &e->m->cfg;
     const kvcache_t *kv = e->kv;
-    if (kv->parts.n_parts > 1)
-        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
-                          "windowing a model with sliding-window layers is not supported");
     const int hd = (int)c->head_dim;
     float row[KERN_MAX_HEAD_DIM], cs[KERN_MAX_HEAD_DIM], cs_swa[KERN_MAX_HEAD_DIM];
     kern_rope_angles(cs, hd, delta, c->rope_base);
     kern_rope_angles(cs_swa, hd, delta, c->rope_base_swa > 0 ? c->rope_base_swa : c->rope_base);
-    for (uint32_t b = 0; b < n; b++) {
-        if (blocks[b] >= kv->n_blocks)
-            return kvd_seterr(err, errlen, KVD_ERANGE, "block %u is outside the cache", blocks[b]);
+    for (uint32_t b = first; b < first + n; b++) {
         for (uint32_t l = 0; l < c->n_layer; l++) {
+            const uint32_t id = tables[kv_part_of(&kv->parts, l)][b];
+            if (id == POOL_NONE)
+                continue;
+            if (id >= kv->n_blocks)
+                return kvd_seterr(err, errlen, KVD_ERANGE, "block %u is outside the cache", id);
             const float *angles = model_layer_windowed(c, l) ? cs_swa : cs;
-            uint8_t *base = kv_block_ptr(kv, blocks[b], l, 0);
+            uint8_t *base = kv_block_ptr(kv, id, l, 0);
             for (uint32_t h = 0; h < c->n_head_kv; h++)
                 for (uint32_t t = 0; t < kv->block_tokens; t++) {
                     uint8_t *r = base + (size_t)h * kv->k_head_bytes + (size_t)t * kv->k_row_bytes;

@@ -81,17 +81,19 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
                 const float **logits, uint32_t *n_rows, char *err, size_t errlen);
 
 /*
- * Moves the keys of blocks[0..n) of the engine's cache by delta positions
- * (negative: earlier), for a sequence whose older blocks were dropped
- * (context windowing, prefix_seq_window): each K row of every layer and KV
- * head is read back as floats (un-rotated where the cache rotates K), turned
- * by RoPE's angles for delta at that layer's base, and stored again in the
- * cache's type. RoPE's turns compose, so the keys then carry the angles of
- * their new positions, up to the rounding of the cache's type. V does not
- * depend on position and is left alone. KVD_EUNSUPPORTED for a cache of
- * several parts (a model with sliding-window layers).
+ * Moves the keys of a sequence's logical blocks [first, first + n) by delta
+ * positions (negative: earlier), for a sequence whose older blocks were
+ * dropped (context windowing, prefix_seq_window): each K row of every layer
+ * and KV head is read back as floats (un-rotated where the cache rotates K),
+ * turned by RoPE's angles for delta at that layer's base, and stored again in
+ * the cache's type. RoPE's turns compose, so the keys then carry the angles
+ * of their new positions, up to the rounding of the cache's type. V does not
+ * depend on position and is left alone. tables: the sequence's table of each
+ * part of the cache (fwd_seq.tables; entries a windowed part let go,
+ * POOL_NONE, are skipped); for a cache of one part, a pointer to its table.
  */
-int engine_kv_shift(engine_t *e, const uint32_t *blocks, uint32_t n, int32_t delta, char *err, size_t errlen);
+int engine_kv_shift(engine_t *e, const uint32_t *const *tables, uint32_t first, uint32_t n, int32_t delta,
+                    char *err, size_t errlen);
 
 const model_t *engine_model(const engine_t *e);
 int engine_threads(const engine_t *e);

@@ -1339,55 +1339,71 @@ bool prefix_seq_restored(prefix_t *px, struct prefix_seq *s, const int32_t *toke
 int64_t prefix_seq_window(prefix_t *px, struct prefix_seq *s, uint32_t keep, uint32_t drop,
                           uint32_t (*copy)[2])
 {
-    if (s->n_parts > 1)
-        return KVD_EUNSUPPORTED;
     if (drop == 0 || (uint64_t)keep + drop >= s->n_blocks)
         return KVD_EINVAL;
+    const uint32_t np = s->n_parts ? s->n_parts : 1;
     uint32_t freed = 0, n_copy = 0;
-    for (uint32_t i = keep; i < keep + drop; i++) {
-        const struct pool_block *r = &px->b[s->blocks[i]];
-        if (r->state != POOL_BLOCK_COMMITTED)
-            return KVD_EINVAL;
-        /* to the free list; a cached one may not be evictable (the moved
-         * blocks' cached originals hang from it), so it is not counted */
-        freed += r->refs == 1 && !(r->flags & POOL_BLOCK_INDEXED);
-    }
-    for (uint32_t i = keep + drop; i < s->n_blocks; i++) {
-        const struct pool_block *r = &px->b[s->blocks[i]];
-        n_copy += r->refs > 1 || (r->flags & POOL_BLOCK_INDEXED);
-    }
+    for (uint32_t i = keep; i < keep + drop; i++)
+        for (uint32_t p = 0; p < np; p++) {
+            const uint32_t id = s->tables[p][i];
+            if (id == POOL_NONE)
+                continue;           /* a windowed part let it go already */
+            const struct pool_block *r = &px->b[id];
+            if (r->state != POOL_BLOCK_COMMITTED)
+                return KVD_EINVAL;
+            /* to the free list; a cached one may not be evictable (the moved
+             * blocks' cached originals hang from it), so it is not counted */
+            freed += r->refs == 1 && !(r->flags & POOL_BLOCK_INDEXED);
+        }
+    for (uint32_t i = keep + drop; i < s->n_blocks; i++)
+        for (uint32_t p = 0; p < np; p++) {
+            const uint32_t id = s->tables[p][i];
+            n_copy += id != POOL_NONE && (px->b[id].refs > 1 || (px->b[id].flags & POOL_BLOCK_INDEXED));
+        }
     if ((uint64_t)px->cs->n_free + px->cs->n_cached + freed < n_copy)
         return KVD_ENOSPACE;
     if (n_copy > 0 && s->owner != 0 && px->owner_limit != 0 &&
         px->owned[s->owner] + n_copy > px->owner_limit + owned_cached(px, s->owner))
         return KVD_ENOSPACE;    /* (not counting the dropped blocks: on the safe side) */
-    /* the dropped blocks first (last first, as a release), so their room counts */
+    /* the dropped blocks first, as a release drops them (last first, a logical
+     * block's other parts before its part-0 block), so their room counts */
     for (uint32_t i = keep + drop; i-- > keep;)
-        unref(px, s->blocks[i]);
+        for (uint32_t p = np; p-- > 0;)
+            if (s->tables[p][i] != POOL_NONE)
+                unref(px, s->tables[p][i]);
     /* private copies of the shared or findable moved blocks: all taken before
      * any source is let go, so that no source is evicted under its copy */
     uint32_t k = 0;
-    for (uint32_t i = keep + drop; i < s->n_blocks; i++) {
-        const uint32_t id = s->blocks[i];
-        const struct pool_block *r = &px->b[id];
-        if (!(r->refs > 1 || (r->flags & POOL_BLOCK_INDEXED)))
-            continue;
-        const uint32_t to = alloc_one(px, s->owner);
-        if (to == POOL_NONE)
-            return KVD_EINTERNAL;   /* unreachable: counted above */
-        if (r->state == POOL_BLOCK_COMMITTED) {
-            px->b[to].state = POOL_BLOCK_COMMITTED;
-            px->cs->n_pending--;
-            px->cs->n_used++;
+    for (uint32_t i = keep + drop; i < s->n_blocks; i++)
+        for (uint32_t p = 0; p < np; p++) {
+            const uint32_t id = s->tables[p][i];
+            if (id == POOL_NONE || !(px->b[id].refs > 1 || (px->b[id].flags & POOL_BLOCK_INDEXED)))
+                continue;
+            const uint32_t to = alloc_one(px, s->owner);
+            if (to == POOL_NONE)
+                return KVD_EINTERNAL;   /* unreachable: counted above */
+            if (px->b[id].state == POOL_BLOCK_COMMITTED) {
+                px->b[to].state = POOL_BLOCK_COMMITTED;
+                px->cs->n_pending--;
+                px->cs->n_used++;
+            }
+            copy[k][0] = id;
+            copy[k][1] = to;
+            k++;
+            s->tables[p][i] = to;       /* the source keeps s's reference until below */
         }
-        copy[k][0] = id;
-        copy[k][1] = to;
-        k++;
-        s->blocks[i] = to;          /* the source keeps s's reference until below */
-    }
     for (uint32_t j = k; j-- > 0;)
         unref(px, copy[j][0]);
-    memmove(s->blocks + keep, s->blocks + keep + drop, (size_t)(s->n_blocks - keep - drop) * sizeof(uint32_t));
+    for (uint32_t p = 0; p < np; p++) {
+        memmove(s->tables[p] + keep, s->tables[p] + keep + drop,
+                (size_t)(s->n_blocks - keep - drop) * sizeof(uint32_t));
+        /* a windowed part's first held entry moves with the rest; one that
+         * fell among the dropped now is the first moved one */
+        if (s->first[p] >= keep + drop)
+            s->first[p] -= drop;
+        else if (s->first[p] > keep)
+            s->first[p] = keep;
+    }
     s->n_blocks -= drop;
     s->n_committed = s->n_committed > keep + drop ? s->n_committed - drop : keep;
     if (s->n_indexed > keep)

@@ -343,21 +343,23 @@ bool prefix_seq_restored(prefix_t *px, struct prefix_seq *s, const int32_t *toke
 
 /*
  * Windows s (a sequence that reached its context): drops its logical blocks
- * [keep, keep + drop) and moves the later ones down by drop, so that the
- * caller can re-rotate their keys to the positions they now have (the
- * blocks' contents move whole: drop is a count of blocks). Of the moved
- * blocks, those another sequence holds or the index can find must not change
- * in place: each gets a private block, and copy[k] = { from, to } (at most
- * n_blocks - keep - drop pairs) tells the caller to copy block from into
- * block to before rotating; the others are s's alone and rotate in place.
- * The dropped blocks go the way a release sends them (cached ones stay
- * findable). From here on s's blocks after the first keep are never indexed
- * (its positions no longer say which tokens came before), and its tokens[]
- * for commit and grow are the windowed history: the first keep blocks' tokens,
- * then those of the moved ones. All or nothing: KVD_ENOSPACE (no change)
- * when the private copies cannot be had; KVD_EUNSUPPORTED for a pool of
- * several parts; KVD_EINVAL when keep + drop >= s->n_blocks or a block in
- * [keep, keep + drop) is not committed. Returns the number of copies.
+ * [keep, keep + drop) and moves the later ones down by drop, in every part's
+ * table, so that the caller can re-rotate their keys to the positions they
+ * now have (the blocks' contents move whole: drop is a count of blocks). Of
+ * the moved blocks, those another sequence holds or the index can find must
+ * not change in place: each gets a private block, and copy[k] = { from, to }
+ * (at most (n_blocks - keep - drop) * parts pairs) tells the caller to copy
+ * block from into block to before rotating; the others are s's alone and
+ * rotate in place. The dropped blocks go the way a release sends them (cached
+ * ones stay findable). A windowed part's entries already let go stay
+ * POOL_NONE; the caller makes sure its window, once moved, still lies in the
+ * blocks kept. From here on s's blocks after the first keep are never indexed
+ * (its positions no longer say which tokens came before), and its tokens[] for
+ * commit and grow are the windowed history: the first keep blocks' tokens,
+ * then those of the moved ones. All or nothing: KVD_ENOSPACE (no change) when
+ * the private copies cannot be had; KVD_EINVAL when keep + drop >= s->n_blocks
+ * or a block in [keep, keep + drop) is held and not committed. Returns the
+ * number of copies.
  */
 int64_t prefix_seq_window(prefix_t *px, struct prefix_seq *s, uint32_t keep, uint32_t drop,
                           uint32_t (*copy)[2]);

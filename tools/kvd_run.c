@@ -556,12 +556,16 @@ static void seq_release(struct runtime *rt, struct seq *s)
 
 /* Dies unless a sequence at the end of the context has two full blocks past
  * its sinks to window. */
+#define STREAM_CHUNK 64      /* tokens a --perplexity-stream step feeds */
+
 static void window_check(const struct runtime *rt, int sinks)
 {
-    const uint32_t bt = rt->kv->block_tokens;
-    if ((rt->n_ctx - 1) / bt < ((uint32_t)sinks + bt - 1) / bt + 2)
-        cli_die("a context of %u positions is too short to window with %d sink tokens in blocks of %u",
-                rt->n_ctx, sinks, bt);
+    uint32_t keep, drop;
+    if (!kv_window_plan(rt->n_ctx - 1, (uint32_t)sinks, rt->kv->block_tokens, rt->model->cfg.swa_window,
+                        &keep, &drop))
+        cli_die("a context of %u positions is too short to window with %d sink tokens in blocks of %u%s",
+                rt->n_ctx, sinks, rt->kv->block_tokens,
+                rt->model->cfg.swa_window ? " and the model's sliding window" : "");
 }
 
 /* Windows s, which has reached its context: keeps its first `sinks` tokens
@@ -576,12 +580,12 @@ static uint32_t seq_window(struct runtime *rt, struct seq *s, int32_t *hist, siz
     char err[256];
     const double t0 = cli_now_ms();
     const uint32_t bt = rt->kv->block_tokens;
-    const uint32_t keep = ((uint32_t)sinks + bt - 1) / bt, full = s->pos / bt;
-    if (full < keep + 2)
+    uint32_t keep, drop;
+    if (!kv_window_plan(s->pos, (uint32_t)sinks, bt, rt->model->cfg.swa_window, &keep, &drop))
         cli_die("a context of %u positions is too short to window with %d sink tokens in blocks of %u",
                 rt->n_ctx, sinks, bt);
-    const uint32_t drop = (full - keep) / 2, d = drop * bt;
-    uint32_t (*copy)[2] = malloc((size_t)s->ps.n_blocks * sizeof(*copy));
+    const uint32_t d = drop * bt;
+    uint32_t (*copy)[2] = malloc((size_t)s->ps.n_blocks * (s->ps.n_parts ? s->ps.n_parts : 1) * sizeof(*copy));
     if (copy == NULL)
         cli_die("out of memory");
     const int64_t nc = prefix_seq_window(rt->px, &s->ps, keep, drop, copy);
@@ -590,8 +594,8 @@ static uint32_t seq_window(struct runtime *rt, struct seq *s, int32_t *hist, siz
     for (int64_t k = 0; k < nc; k++)
         kvcache_copy_block(rt->kv, copy[k][0], copy[k][1]);
     free(copy);
-    if (engine_kv_shift(rt->engine, s->ps.blocks + keep, s->ps.n_blocks - keep, -(int32_t)d, err,
-                        sizeof(err)) != 0)
+    if (engine_kv_shift(rt->engine, (const uint32_t *const *)s->ps.tables, keep, s->ps.n_blocks - keep,
+                        -(int32_t)d, err, sizeof(err)) != 0)
         cli_die("%s", err);
     memmove(hist + (size_t)keep * bt, hist + (size_t)keep * bt + d,
             (*n_hist - (size_t)keep * bt - d) * sizeof(int32_t));
@@ -1100,8 +1104,6 @@ static double row_nll(const float *row, uint32_t nv, int32_t next)
  * cache, or (stop) the text ends there. Printed: the perplexity of every
  * scored token and of each stretch of --ctx text tokens, so that what
  * happens after the context fills shows. */
-#define STREAM_CHUNK 64
-
 static int run_perplexity_stream(const struct options *o)
 {
     struct runtime rt;
@@ -1134,8 +1136,8 @@ static int run_perplexity_stream(const struct options *o)
     struct seq s = { 0 };
     const double t0 = cli_now_ms();
     while (next + 1 < n) {
-        uint32_t m = n - next < chunk ? (uint32_t)(n - next) : chunk;
-        if (s.pos + m > ctx) {
+        if (s.pos == ctx) {
+            /* the context is full: every run moves at the same point */
             if (o->overflow == OVERFLOW_WINDOW) {
                 seq_window(&rt, &s, hist, &n_hist, o->sinks);
                 windows++;
@@ -1143,12 +1145,13 @@ static int run_perplexity_stream(const struct options *o)
                 seq_release(&rt, &s);
                 n_hist = 0;
                 restarts++;
-            }
-            if (s.pos + m > ctx)
-                m = ctx - s.pos;
-            if (m == 0)
+            } else {
                 break;      /* stop: the text ends at the context */
+            }
         }
+        uint32_t m = n - next < chunk ? (uint32_t)(n - next) : chunk;
+        if (s.pos + m > ctx)
+            m = ctx - s.pos;
         memcpy(hist + n_hist, all + next, m * sizeof(int32_t));
         n_hist += m;
         const float *out;

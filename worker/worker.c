@@ -570,8 +570,9 @@ static int on_window(struct worker *w, struct wseq *s, const Kvdw__Window *m, ch
 {
     const uint32_t bt = w->o.block_tokens, nb = pool_header(w->pool)->n_blocks;
     const uint32_t kb = m->keep * bt, d = m->drop * bt;
-    if (!s->windowing || (uint64_t)kb + d > s->pos || m->n_blocks + m->drop != s->n_blocks ||
-        pool_header(w->pool)->layout.parts.n_parts != 1)
+    const uint32_t np = pool_header(w->pool)->layout.parts.n_parts;
+    if (!s->windowing || (uint64_t)kb + d > s->pos || m->n_blocks % np != 0 ||
+        m->n_blocks / np + m->drop != s->n_blocks)
         return kvd_seterr(err, errlen, KVD_EINVAL, "a window that does not fit the sequence");
     for (size_t i = 0; i < m->n_copy_from; i++) {
         if (m->copy_from[i] >= nb || m->copy_to[i] >= nb)
@@ -582,7 +583,8 @@ static int on_window(struct worker *w, struct wseq *s, const Kvdw__Window *m, ch
     int rc = push_blocks(s, m->blocks, m->n_blocks, w->pool);
     if (rc != 0)
         return kvd_seterr(err, errlen, rc, "a window's block is out of range");
-    rc = engine_kv_shift(w->engine, s->tables[0] + m->keep, s->n_blocks - m->keep, -(int32_t)d, err, errlen);
+    rc = engine_kv_shift(w->engine, (const uint32_t *const *)s->tables, m->keep, s->n_blocks - m->keep,
+                         -(int32_t)d, err, errlen);
     if (rc != 0)
         return rc;
     memmove(s->tok + kb, s->tok + kb + d, (size_t)(s->n_tok - kb - d) * sizeof(int32_t));

@@ -715,7 +715,8 @@ static void test_kv_shift(const model_t *m, uint32_t k_type, uint32_t rotate, do
     free(run_chunks(&r, toks, 48, 48, ta, 12));
     char err[256];
     /* keep block 0, drop blocks 1..5: blocks 6..11 (positions 24..47) move to 4..27 */
-    CHECK_INT(engine_kv_shift(r.e, ta + 6, 6, -20, err, sizeof(err)), 0);
+    const uint32_t *tab[1] = { ta };
+    CHECK_INT(engine_kv_shift(r.e, tab, 6, 6, -20, err, sizeof(err)), 0);
     memcpy(w, toks, 4 * sizeof(int32_t));
     memcpy(w + 4, toks + 24, 24 * sizeof(int32_t));
     free(run_chunks(&r, w, 28, 28, tb, 7));
