@@ -238,6 +238,16 @@ static uint32_t seq_n(const struct request *r)
     return r->wtok != NULL ? r->n_wtok : r->n_tok;
 }
 
+/* The worker has made the copies of r's last window (it speaks of the
+ * sequence again): what the window kept held goes (prefix_window_done). A
+ * request let go releases it with its blocks; a lost host's fence keeps it
+ * with them. */
+static void window_settled(struct kvd *k, struct request *r)
+{
+    if (r->ps.n_held > 0)
+        prefix_window_done(px_of(k, r), &r->ps);
+}
+
 static int wtok_push(struct request *r, int32_t t)
 {
     if (r->n_wtok == r->wtok_cap) {
@@ -307,6 +317,7 @@ void req_on_window(struct kvd *k, int w, uint64_t seq_id, uint32_t n_written)
             }
         r->w_prompt = r->n_prompt;
     }
+    window_settled(k, r);   /* (the worker spoke since the last one) */
     uint32_t (*copy)[2] = malloc((size_t)r->ps.n_blocks * (r->ps.n_parts ? r->ps.n_parts : 1) * sizeof(*copy));
     const int64_t nc = copy != NULL ? prefix_seq_window(px_of(k, r), &r->ps, keep, drop, copy) : KVD_ENOMEM;
     if (nc < 0) {
@@ -1554,6 +1565,7 @@ void req_on_commit(struct kvd *k, int w, const Kvdw__Commit *c)
     struct request *r = from_worker(k, w, c->seq_id);
     if (r == NULL)
         return;
+    window_settled(k, r);
     keep_prompt_logprobs(k, r, c);
     commit(k, r, c->n_written);
     req_dispatch(k);
@@ -1597,6 +1609,7 @@ void req_on_tokens(struct kvd *k, int w, const Kvdw__TokenChunk *c)
     struct request *r = from_worker(k, w, c->seq_id);
     if (r == NULL || r->state != REQ_RUNNING)
         return;
+    window_settled(k, r);
     double now = cli_now_ms();
     for (size_t i = 0; i < n && r->state == REQ_RUNNING; i++) {
         const uint32_t V = k->model->cfg.n_vocab;
@@ -1834,7 +1847,8 @@ void req_on_worker_lost(struct kvd *k, int w)
                          "%u workers died while serving this request; not retried again", r->workers_lost);
             }
             if (k->workers[w].host > 0)
-                hosts_fence(k, r->host, &r->ps);   /* another host's worker may still write */
+                hosts_fence(k, r->host, &r->ps);   /* another host's worker may still write (or copy
+                                                    * a window's sources: s->held goes with it) */
             let_go(k, r, -1, NULL); /* resumes elsewhere unless it was stopping or failed */
         }
         r = next;

@@ -1259,6 +1259,7 @@ int prefix_seq_commit(prefix_t *px, struct prefix_seq *s, const int32_t *tokens,
 
 void prefix_seq_release(prefix_t *px, struct prefix_seq *s)
 {
+    prefix_window_done(px, s);      /* what a window kept off the tables: later in every chain */
     /* last first, and a logical block's other parts before its part-0 block:
      * along every chain a parent is then more recent than its children */
     while (s->n_blocks > 0) {
@@ -1342,37 +1343,16 @@ int64_t prefix_seq_window(prefix_t *px, struct prefix_seq *s, uint32_t keep, uin
     if (drop == 0 || (uint64_t)keep + drop >= s->n_blocks)
         return KVD_EINVAL;
     const uint32_t np = s->n_parts ? s->n_parts : 1;
-    uint32_t freed = 0, n_copy = 0;
     for (uint32_t i = keep; i < keep + drop; i++)
         for (uint32_t p = 0; p < np; p++) {
             const uint32_t id = s->tables[p][i];
-            if (id == POOL_NONE)
-                continue;           /* a windowed part let it go already */
-            const struct pool_block *r = &px->b[id];
-            if (r->state != POOL_BLOCK_COMMITTED)
-                return KVD_EINVAL;
-            /* to the free list; a cached one may not be evictable (the moved
-             * blocks' cached originals hang from it), so it is not counted */
-            freed += r->refs == 1 && !(r->flags & POOL_BLOCK_INDEXED);
+            if (id != POOL_NONE && px->b[id].state != POOL_BLOCK_COMMITTED)
+                return KVD_EINVAL;  /* (a windowed part may have let it go already) */
         }
-    for (uint32_t i = keep + drop; i < s->n_blocks; i++)
-        for (uint32_t p = 0; p < np; p++) {
-            const uint32_t id = s->tables[p][i];
-            n_copy += id != POOL_NONE && (px->b[id].refs > 1 || (px->b[id].flags & POOL_BLOCK_INDEXED));
-        }
-    if ((uint64_t)px->cs->n_free + px->cs->n_cached + freed < n_copy)
-        return KVD_ENOSPACE;
-    if (n_copy > 0 && s->owner != 0 && px->owner_limit != 0 &&
-        px->owned[s->owner] + n_copy > px->owner_limit + owned_cached(px, s->owner))
-        return KVD_ENOSPACE;    /* (not counting the dropped blocks: on the safe side) */
-    /* the dropped blocks first, as a release drops them (last first, a logical
-     * block's other parts before its part-0 block), so their room counts */
-    for (uint32_t i = keep + drop; i-- > keep;)
-        for (uint32_t p = np; p-- > 0;)
-            if (s->tables[p][i] != POOL_NONE)
-                unref(px, s->tables[p][i]);
-    /* private copies of the shared or findable moved blocks: all taken before
-     * any source is let go, so that no source is evicted under its copy */
+    /* private copies of the shared or findable moved blocks first, while s
+     * still holds everything: nothing it holds can be evicted for them, and
+     * when they cannot all be had, those taken are given back and s is as it
+     * was (all or nothing) */
     uint32_t k = 0;
     for (uint32_t i = keep + drop; i < s->n_blocks; i++)
         for (uint32_t p = 0; p < np; p++) {
@@ -1380,20 +1360,45 @@ int64_t prefix_seq_window(prefix_t *px, struct prefix_seq *s, uint32_t keep, uin
             if (id == POOL_NONE || !(px->b[id].refs > 1 || (px->b[id].flags & POOL_BLOCK_INDEXED)))
                 continue;
             const uint32_t to = alloc_one(px, s->owner);
-            if (to == POOL_NONE)
-                return KVD_EINTERNAL;   /* unreachable: counted above */
-            if (px->b[id].state == POOL_BLOCK_COMMITTED) {
-                px->b[to].state = POOL_BLOCK_COMMITTED;
-                px->cs->n_pending--;
-                px->cs->n_used++;
+            if (to == POOL_NONE) {
+                for (uint32_t j = k; j-- > 0;)
+                    unref(px, copy[j][1]);      /* pending, unindexed: freed */
+                return KVD_ENOSPACE;
             }
             copy[k][0] = id;
             copy[k][1] = to;
             k++;
-            s->tables[p][i] = to;       /* the source keeps s's reference until below */
         }
-    for (uint32_t j = k; j-- > 0;)
-        unref(px, copy[j][0]);
+    /* now the table: the copies replace their sources; s keeps holding the
+     * sources and the dropped blocks (s->held, in chain order: released last
+     * first) until the caller has made the copies */
+    const uint64_t need = (uint64_t)drop * np + k;
+    if (need > s->held_cap - s->n_held) {
+        uint32_t *h = realloc(s->held, (size_t)(s->n_held + need) * sizeof(uint32_t));
+        if (h == NULL) {
+            for (uint32_t j = k; j-- > 0;)
+                unref(px, copy[j][1]);
+            return KVD_ENOMEM;
+        }
+        s->held = h;
+        s->held_cap = s->n_held + (uint32_t)need;
+    }
+    for (uint32_t i = keep; i < keep + drop; i++)
+        for (uint32_t p = 0; p < np; p++)     /* part 0 first: it goes last */
+            if (s->tables[p][i] != POOL_NONE)
+                s->held[s->n_held++] = s->tables[p][i];
+    for (uint32_t j = 0, i = keep + drop; i < s->n_blocks && j < k; i++)
+        for (uint32_t p = 0; p < np && j < k; p++)
+            if (s->tables[p][i] == copy[j][0]) {
+                if (px->b[copy[j][0]].state == POOL_BLOCK_COMMITTED) {
+                    px->b[copy[j][1]].state = POOL_BLOCK_COMMITTED;
+                    px->cs->n_pending--;
+                    px->cs->n_used++;
+                }
+                s->held[s->n_held++] = copy[j][0];
+                s->tables[p][i] = copy[j][1];
+                j++;
+            }
     for (uint32_t p = 0; p < np; p++) {
         memmove(s->tables[p] + keep, s->tables[p] + keep + drop,
                 (size_t)(s->n_blocks - keep - drop) * sizeof(uint32_t));
@@ -1415,10 +1420,17 @@ int64_t prefix_seq_window(prefix_t *px, struct prefix_seq *s, uint32_t keep, uin
     return k;
 }
 
+void prefix_window_done(prefix_t *px, struct prefix_seq *s)
+{
+    while (s->n_held > 0)
+        unref(px, s->held[--s->n_held]);
+}
+
 void prefix_seq_fini(struct prefix_seq *s)
 {
     for (uint32_t p = 0; p < KV_MAX_PARTS; p++)
         free(s->tables[p]);
+    free(s->held);
     memset(s, 0, sizeof(*s));
 }
 

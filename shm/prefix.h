@@ -97,6 +97,9 @@ struct prefix_seq {
                              * prompt), the rest of the chain hanging from it in ns. Set by the
                              * caller before begin (0: none), kept across release */
     prefix_ns_t public_ns;
+    uint32_t *held;         /* blocks s still holds off its tables: a window's dropped blocks and
+                             * copy sources, until prefix_window_done (or release) */
+    uint32_t n_held, held_cap;
 };
 
 /* What a lookup found. */
@@ -350,19 +353,25 @@ bool prefix_seq_restored(prefix_t *px, struct prefix_seq *s, const int32_t *toke
  * not change in place: each gets a private block, and copy[k] = { from, to }
  * (at most (n_blocks - keep - drop) * parts pairs) tells the caller to copy
  * block from into block to before rotating; the others are s's alone and
- * rotate in place. The dropped blocks go the way a release sends them (cached
- * ones stay findable). A windowed part's entries already let go stay
+ * rotate in place. The sources and the dropped blocks stay held by s (off its
+ * tables, s->held) until the caller says the copies are made
+ * (prefix_window_done) or releases s, so that nothing evicts and rewrites a
+ * source first; then they go the way a release sends them (cached ones stay
+ * findable). A windowed part's entries already let go stay
  * POOL_NONE; the caller makes sure its window, once moved, still lies in the
- * blocks kept. From here on s's blocks after the first keep are never indexed
- * (its positions no longer say which tokens came before), and its tokens[] for
- * commit and grow are the windowed history: the first keep blocks' tokens,
- * then those of the moved ones. All or nothing: KVD_ENOSPACE (no change) when
- * the private copies cannot be had; KVD_EINVAL when keep + drop >= s->n_blocks
- * or a block in [keep, keep + drop) is held and not committed. Returns the
- * number of copies.
+ * blocks kept (kv_window_plan). From here on s's blocks after the first keep
+ * are never indexed (its positions no longer say which tokens came before),
+ * and its tokens[] for commit and grow are the windowed history: the first
+ * keep blocks' tokens, then those of the moved ones. All or nothing:
+ * KVD_ENOSPACE (no change) when the private copies cannot be had; KVD_EINVAL
+ * when keep + drop >= s->n_blocks or a block in [keep, keep + drop) is held
+ * and not committed. Returns the number of copies.
  */
 int64_t prefix_seq_window(prefix_t *px, struct prefix_seq *s, uint32_t keep, uint32_t drop,
                           uint32_t (*copy)[2]);
+
+/* Lets go of what s's last window kept off its tables, once copied. */
+void prefix_window_done(prefix_t *px, struct prefix_seq *s);
 
 /* Frees s's block table (after release). */
 void prefix_seq_fini(struct prefix_seq *s);

@@ -593,6 +593,7 @@ static uint32_t seq_window(struct runtime *rt, struct seq *s, int32_t *hist, siz
         cli_die("cannot window the sequence: %s", kvd_strerror((int)nc));
     for (int64_t k = 0; k < nc; k++)
         kvcache_copy_block(rt->kv, copy[k][0], copy[k][1]);
+    prefix_window_done(rt->px, &s->ps);
     free(copy);
     if (engine_kv_shift(rt->engine, (const uint32_t *const *)s->ps.tables, keep, s->ps.n_blocks - keep,
                         -(int32_t)d, err, sizeof(err)) != 0)

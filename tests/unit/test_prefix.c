@@ -1635,6 +1635,17 @@ static void test_window(void)
     CHECK_INT(a.blocks[6], before[9]);
     CHECK_INT(a.n_indexed, 1);
     CHECK(!a.chain_open);
+    /* the dropped blocks and the sources stay held until the copies are made */
+    CHECK_INT(a.n_held, 3 + 5);
+    struct prefix_block_info bi;
+    CHECK_INT(prefix_block_info(px, before[4], &bi), 0);
+    CHECK_INT(bi.refs, 1);
+    prefix_window_done(px, &a);
+    CHECK_INT(a.n_held, 0);
+    CHECK_INT(prefix_block_info(px, before[4], &bi), 0);
+    CHECK_INT(bi.refs, 0);          /* cached, findable */
+    CHECK(bi.indexed && bi.on_lru);
+    CHECK_INT(check_ok(px), 0);
     /* the cached prefix is intact: a new sequence finds all 9 full blocks of P */
     struct prefix_seq c;
     memset(&c, 0, sizeof(c));
