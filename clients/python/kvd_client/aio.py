@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from . import _core, errors, kvd_pb2
 from ._wire import GenerateParams, MessageLike
-from .results import Chunk, Health, Result, Stats
+from .results import Chunk, Health, Pin, Result, Stats
 
 T = TypeVar("T")
 
@@ -111,6 +111,9 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
         logit_bias: Mapping[int, float] | None = None,
         json_schema: str | Mapping[str, object] | None = None,
         json_object: bool = False,
+        prefill_only: bool = False,
+        pin_ttl: int | str | None = None,
+        pin_messages: int | None = None,
     ) -> Result:
         """Generates a continuation and returns it whole; see
         :meth:`Client.generate`. Cancelling the awaiting task cancels the
@@ -122,7 +125,8 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
             logprobs=logprobs, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, logit_bias=logit_bias, json_schema=json_schema,
-            json_object=json_object,
+            json_object=json_object, prefill_only=prefill_only, pin_ttl=pin_ttl,
+            pin_messages=pin_messages,
         )
         async with AsyncStream(self, params) as s:
             async for _ in s:
@@ -154,6 +158,9 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
         logit_bias: Mapping[int, float] | None = None,
         json_schema: str | Mapping[str, object] | None = None,
         json_object: bool = False,
+        prefill_only: bool = False,
+        pin_ttl: int | str | None = None,
+        pin_messages: int | None = None,
     ) -> AsyncStream:
         """Generates chunk by chunk: returns an :class:`AsyncStream` to use
         with ``async with`` and ``async for`` (not awaited itself); see
@@ -165,7 +172,8 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
             logprobs=logprobs, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, logit_bias=logit_bias, json_schema=json_schema,
-            json_object=json_object,
+            json_object=json_object, prefill_only=prefill_only, pin_ttl=pin_ttl,
+            pin_messages=pin_messages,
         )
         return AsyncStream(self, params)
 
@@ -192,6 +200,18 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
     async def health(self) -> Health:
         """Whether kvd can serve; see :meth:`Client.health`."""
         return await self._call(_core.health_call(self._ids.take()))
+
+    async def cache_list(self, namespace: str | None = None) -> list[Pin]:
+        """The pinned prefixes of this client's tenant; see :meth:`Client.cache_list`."""
+        return await self._call(_core.cache_call(self._ids.take(), "list", None, namespace))
+
+    async def cache_unpin(self, pin_id: str, namespace: str | None = None) -> Pin:
+        """Removes a pin; see :meth:`Client.cache_unpin`."""
+        return (await self._call(_core.cache_call(self._ids.take(), "unpin", pin_id, namespace)))[0]
+
+    async def cache_evict(self, pin_id: str, namespace: str | None = None) -> Pin:
+        """Removes a pin and evicts its blocks; see :meth:`Client.cache_evict`."""
+        return (await self._call(_core.cache_call(self._ids.take(), "evict", pin_id, namespace)))[0]
 
     # ---- transport (for AsyncStream) ------------------------------------------------------------
 
