@@ -450,9 +450,9 @@ const struct kvd_pin *pins_take(struct kvd *k, const struct request *r, char *ms
     }
     p.created_ms = now;
     p.expires_ms = now + (uint64_t)p.ttl_s * 1000u;
-    k->pins->v[k->pins->n] = p;
+    k->pins->v[k->pins->n++] = p;
     pins_save(k);
-    return &k->pins->v[k->pins->n++];
+    return &k->pins->v[k->pins->n - 1];
 fail:
     prefix_seq_release(k->px, &p.ps);
     prefix_seq_fini(&p.ps);

@@ -151,7 +151,7 @@ def test_usage_adds_up(kvd_pins: Daemon) -> None:
 
 
 def test_usage_adds_up_when_preempted(tmp_path: Path) -> None:
-    d = Daemon(tmp_path / "kvd", "--kv-memory", "8MiB", "-w", "1")
+    d = Daemon(tmp_path / "kvd", "--kv-memory", "16MiB", "-w", "1")
     try:
         results: list[kvd_client.Result] = []
         errs: list[BaseException] = []
@@ -159,7 +159,7 @@ def test_usage_adds_up_when_preempted(tmp_path: Path) -> None:
         def one(i: int) -> None:
             try:
                 with kvd_client.Client(d.endpoint, timeout=300) as c:
-                    results.append(c.generate(text(f"Eta{i}", 8), max_tokens=200, ignore_eos=True,
+                    results.append(c.generate(text(f"Eta{i}", 8), max_tokens=300, ignore_eos=True,
                                               temperature=0))
             except BaseException as e:  # noqa: BLE001
                 errs.append(e)
