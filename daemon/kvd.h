@@ -190,6 +190,7 @@ struct request {
     uint32_t pin_tokens;            /* whole blocks of its prompt to pin */
     char *pin_ns;                   /* the namespace it named ("" none), for the pin's listing */
     char pin_id[40];                /* the pin made or renewed ("" none) */
+    char pin_error[224];            /* why no pin was made, for its Final ("" none yet) */
     uint32_t pin_blocks;            /* its blocks */
     uint64_t pin_hits, pin_created, pin_expires; /* its hits, unix ms */
     struct prefix_seq ps;           /* its blocks */

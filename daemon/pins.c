@@ -270,15 +270,23 @@ static void pins_save(struct kvd *k)
 }
 
 /* Takes a pin of p's tokens into p->ps from the pool (pool_only) or the
- * tiers: true when every block of it was had. */
-static bool pin_hold(struct kvd *k, struct kvd_pin *p, uint16_t owner, bool pool_only)
+ * tiers: true when every block of it was had. Otherwise *got (when not NULL)
+ * is the tokens that were (a negative code: none) and *pending whether the
+ * next block is one another request is still writing. */
+static bool pin_hold(struct kvd *k, struct kvd_pin *p, uint16_t owner, bool pool_only, int64_t *got_out,
+                     bool *pending)
 {
     p->ps.owner = owner;
     p->ps.pool_only = pool_only;
     p->ps.n_public = req_public_blocks(k, p->tok, p->n_tok + 1);
     p->ps.public_ns = k->public_ns;
     p->tok[p->n_tok] = 0;   /* the spare token begin leaves to compute */
-    const int64_t got = prefix_seq_begin(k->px, &p->ps, p->ns, p->tok, p->n_tok + 1ull, NULL);
+    uint32_t wait = POOL_NONE;
+    const int64_t got = prefix_seq_begin(k->px, &p->ps, p->ns, p->tok, p->n_tok + 1ull, &wait);
+    if (got_out != NULL)
+        *got_out = got;
+    if (pending != NULL)
+        *pending = wait != POOL_NONE;
     if (got != (int64_t)p->n_tok) {
         prefix_seq_release(k->px, &p->ps);
         return false;
@@ -355,7 +363,7 @@ void pins_load(struct kvd *k)
             continue;
         }
         int32_t owner = p.tenant[0] ? req_tenant_entry(k, p.tenant, strlen(p.tenant)) : -1;
-        if ((p.tenant[0] && owner < 0) || !pin_hold(k, &p, (uint16_t)(owner + 1), false)) {
+        if ((p.tenant[0] && owner < 0) || !pin_hold(k, &p, (uint16_t)(owner + 1), false, NULL, NULL)) {
             kvd_log(k, "pins: %s: its blocks are no longer in the tiers; dropped", p.id);
             prefix_seq_fini(&p.ps);
             free(p.tok);
@@ -414,9 +422,17 @@ const struct kvd_pin *pins_take(struct kvd *k, const struct request *r, char *ms
         return NULL;
     }
     memcpy(p.tok, r->tok, p.n_tok * sizeof(int32_t));
-    /* r still holds the blocks: begin finds them all in the pool */
-    if (!pin_hold(k, &p, r->ps.owner, true)) {
-        snprintf(msg, len, "the prefix to pin is not all in the cache (computed twice at once?); not pinned");
+    /* r still holds its blocks, so begin finds them all in the pool, unless
+     * another request indexed the same blocks first and is still writing
+     * them (r's copies are then not findable) */
+    int64_t got = 0;
+    bool pending = false;
+    if (!pin_hold(k, &p, r->ps.owner, true, &got, &pending)) {
+        snprintf(msg, len, "only %lld of the %u tokens to pin are cached yet (%s); not pinned",
+                 got > 0 ? (long long)got : 0ll, p.n_tok,
+                 pending ? "another request is still computing the same blocks"
+                         : "the same blocks were computed by another request at the same time");
+        k->pins->refused++;
         goto fail;
     }
     const uint64_t now = unix_ms();

@@ -510,6 +510,8 @@ static void finish(struct kvd *k, struct request *r)
             pin.expires_unix_ms = r->pin_expires;
             pin.ttl_s = r->pin_ttl_s;
             f.pin = &pin;
+        } else if (r->pin_ttl_s > 0) {
+            f.pin_error = r->pin_error[0] ? r->pin_error : (char *)"not pinned";
         }
         t.has_queued_ms = t.has_ttft_ms = t.has_decode_ms = t.has_total_ms = true;
         t.queued_ms = r->t_dispatch > 0 ? r->t_dispatch - r->t_arrival : now - r->t_arrival;
@@ -1664,16 +1666,18 @@ static void retry_leases(struct kvd *k)
 }
 
 /* r's prompt is written and its blocks still held: its pin is made (or
- * renewed); a pin refused now (the limits changed since admission, or its
- * blocks were computed twice at once) fails the request with the reason. */
+ * renewed). A pin that cannot be taken now (its prefix is not all cached
+ * because another request computed the same blocks at the same time, or
+ * other pins took the room it was admitted with) does not fail a request
+ * whose output is whole: its Final carries pin_error instead of a pin. */
 static void take_pin(struct kvd *k, struct request *r)
 {
     char msg[256];
     const struct kvd_pin *p = pins_take(k, r, msg, sizeof(msg));
     if (p == NULL) {
-        r->failed = true;
-        r->fail_code = KVD__ERROR_CODE__ERR_BAD_REQUEST;
-        snprintf(r->fail_msg, sizeof(r->fail_msg), "pin refused: %.200s", msg);
+        snprintf(r->pin_error, sizeof(r->pin_error), "%.200s", msg);
+        if (k->o.verbose)
+            kvd_log(k, "request %llu: %s", (unsigned long long)r->seq_id, r->pin_error);
         return;
     }
     Kvd__Pin m;
@@ -1698,10 +1702,16 @@ static void let_go(struct kvd *k, struct request *r, int reason, const char *err
     unstarve(k, r);
     r->worker = -1;
     bool resume = r->preempted || reason < 0;
-    if (r->pin_ttl_s > 0 && !resume && !r->failed && r->n_written >= r->pin_tokens &&
-        (reason == KVDW__DONE_REASON__DONE_EOG || reason == KVDW__DONE_REASON__DONE_LENGTH ||
-         r->finish == KVD__FINISH_REASON__FINISH_STOP))
-        take_pin(k, r);
+    if (r->pin_ttl_s > 0 && !resume && !r->failed) {
+        if (r->n_written >= r->pin_tokens &&
+            (reason == KVDW__DONE_REASON__DONE_EOG || reason == KVDW__DONE_REASON__DONE_LENGTH ||
+             r->finish == KVD__FINISH_REASON__FINISH_STOP))
+            take_pin(k, r);
+        else
+            snprintf(r->pin_error, sizeof(r->pin_error), "the request ended (%s) before its prefix was "
+                     "written; not pinned", r->finish == KVD__FINISH_REASON__FINISH_CANCELLED ? "cancelled"
+                     : r->finish == KVD__FINISH_REASON__FINISH_DEADLINE ? "its deadline" : "early");
+    }
     prefix_seq_release(px_of(k, r), &r->ps);    /* (nothing when fenced: hosts_fence) */
     wake_waiters(k);
     if (resume && !r->finish && !r->failed) {
