@@ -736,4 +736,5 @@ class GenerateState:
             chunks=self.chunks,
             logprobs=to_logprobs(f.logprobs) if len(f.logprobs) > 0 else list(self._logprobs),
             pin=to_pin(f.pin) if f.HasField("pin") else None,
+            pin_error=f.pin_error,
         )

@@ -132,6 +132,7 @@ class Result:
     chunks: int = 0      #: streamed chunks received
     logprobs: list[TokenLogprob] = field(default_factory=list)  #: one per token id, when asked
     pin: Pin | None = None   #: with pin_ttl: the pin made or renewed
+    pin_error: str = ""      #: with pin_ttl and no pin: why (the output is whole)
 
     def to_dict(self) -> dict[str, Any]:
         """The result as ``kvcli generate --json`` prints it (same field names
