@@ -204,3 +204,39 @@ def test_pins_survive_a_restart(tmp_path: Path) -> None:
             sums(again.usage)
     finally:
         _stop_checked(d)
+
+
+def test_concurrent_pins_of_one_prefix(kvd_pins: Daemon) -> None:
+    """Requests that pin the same prefix at once all succeed: each has the pin
+    or says why not (its prefix was still being computed by another), and one
+    pin holds the prefix afterwards."""
+    ns = f"pins-race-{time.monotonic_ns()}"
+    body = text("Iota", 30)
+    results: list[kvd_client.Result] = []
+    errs: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            with kvd_client.Client(kvd_pins.endpoint, timeout=kvd_pins.patience) as c:
+                results.append(c.generate(messages=chat(body, "Hi"), max_tokens=2, temperature=0, pin_ttl=60,
+                                          pin_messages=1, namespace=ns))
+        except BaseException as e:  # noqa: BLE001
+            errs.append(e)
+
+    ts = [threading.Thread(target=one) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errs, errs
+    assert len(results) == 4
+    for r in results:
+        assert (r.pin is None) == (r.pin_error != ""), (r.pin, r.pin_error)
+        assert r.pin is not None or "not pinned" in r.pin_error
+        sums(r.usage)
+    ids = {r.pin.id for r in results if r.pin is not None}
+    assert len(ids) == 1
+    with kvd_client.Client(kvd_pins.endpoint, timeout=kvd_pins.patience) as c:
+        mine = [p for p in c.cache_list() if p.namespace == ns]
+        assert [p.id for p in mine] == list(ids)
+        c.cache_unpin(mine[0].id)
