@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,18 @@ def kvd_pins(tmp_path_factory: pytest.TempPathFactory):
     _stop_checked(d)
 
 
+@pytest.fixture(autouse=True)
+def no_pins_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that fails half-way leaves no pin to the next (its blocks would
+    count against the next one's limits and fail it too)."""
+    yield
+    if "kvd_pins" in request.fixturenames:
+        d: Daemon = request.getfixturevalue("kvd_pins")
+        with kvd_client.Client(d.endpoint, timeout=d.patience) as c:
+            for p in c.cache_list():
+                c.cache_unpin(p.id)
+
+
 def flood(c: kvd_client.Client, tag: str) -> None:
     """Distinct prompts until the pool has been refilled more than once over."""
     total = c.stats().blocks_total
@@ -65,7 +78,7 @@ def test_pin_outlives_a_flood_and_expires(kvd_pins: Daemon) -> None:
         sums(r.usage)
         short_ttl = c.generate(messages=chat(text("Beta", 25), "Hi"), prefill_only=True, pin_ttl=2,
                                pin_messages=1, namespace=ns)
-        assert short_ttl.pin is not None and short_ttl.pin.ttl_s == 2
+        assert short_ttl.pin is not None and short_ttl.pin.ttl_s == 2, short_ttl.pin_error
         control = c.generate(messages=chat(text("Gamma", 25), "Hi"), prefill_only=True, namespace=ns)
         assert control.pin is None
         ids = {p.id for p in c.cache_list()}
@@ -88,7 +101,7 @@ def test_pin_outlives_a_flood_and_expires(kvd_pins: Daemon) -> None:
         # renewing the same prefix keeps one pin, with a new TTL
         r2 = c.generate(messages=chat(big, "Hi"), prefill_only=True, pin_ttl=600, pin_messages=1,
                         namespace=ns)
-        assert r2.pin is not None and r2.pin.id == r.pin.id and r2.pin.ttl_s == 600
+        assert r2.pin is not None and r2.pin.id == r.pin.id and r2.pin.ttl_s == 600, r2.pin_error
         assert r2.pin.expires_unix_ms > r.pin.expires_unix_ms
         assert len([p for p in c.cache_list() if p.id == r.pin.id]) == 1
         c.cache_unpin(r.pin.id)
@@ -103,7 +116,7 @@ def test_limits_and_tenants(kvd_pins: Daemon) -> None:
         big = text("Delta", 75)
         r = c.generate(messages=chat(big, "Hi"), prefill_only=True, pin_ttl="5m", pin_messages=1,
                        namespace=alice)
-        assert r.pin is not None and r.pin.tenant == "alice" and r.pin.blocks > 60
+        assert r.pin is not None and r.pin.tenant == "alice" and r.pin.blocks > 60, r.pin_error
         with pytest.raises(kvd_client.BadRequest, match="tenant-max-blocks"):
             c.generate(messages=chat(text("Epsilon", 40), "Hi"), prefill_only=True, pin_ttl=60,
                        pin_messages=1, namespace=alice)
