@@ -35,7 +35,7 @@ def sums(u: kvd_client.Usage) -> None:
 
 
 @pytest.fixture(scope="module")
-def kvd_pins(tmp_path_factory: pytest.TempPathFactory):
+def kvd_pins(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     d = Daemon(tmp_path_factory.mktemp("kvd-pins"), "--kv-memory", "96MiB", "-w", "1",
                "--tenant-max-blocks", "120", "--pin-max-ttl", "900")
     d.measure_patience()

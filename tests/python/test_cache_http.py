@@ -33,7 +33,7 @@ def sums(u: dict[str, Any], prompt_key: str = "prompt_tokens", prompts: int = 1)
     prompt = u[prompt_key]
     read, written = u["cache_read_input_tokens"], u["cache_creation_input_tokens"]
     details = u.get("prompt_tokens_details") or u.get("input_tokens_details")
-    assert details["cached_tokens"] == read, u
+    assert details is not None and details["cached_tokens"] == read, u
     assert read % BT == 0 and written % BT == 0, u
     assert 0 <= prompt - read - written < BT * prompts, u
     return read, written
