@@ -398,7 +398,9 @@ static void client_give(struct http_server *s, kvd_client_t **c)
 /* ---- jobs --------------------------------------------------------------------------------------- */
 
 enum route { R_NONE, R_CHAT, R_COMPLETIONS, R_RESPONSES, R_TOKENIZE, R_DETOKENIZE, R_HEALTH, R_READY, R_MODELS, R_MODEL,
-             R_METRICS, R_PAGE, R_POOL };
+             R_METRICS, R_PAGE, R_POOL, R_CACHE_LIST, R_CACHE_PIN, R_CACHE_UNPIN, R_CACHE_EVICT };
+
+#define PIN_ID_MAX 48               /* "pin_" and 32 hex digits, with room */
 
 /* A request being answered on a thread of its own. Its references: the
  * thread's, the request's (until libmicrohttpd says it is complete) and a
@@ -407,6 +409,7 @@ struct job {
     struct http_server *s;
     struct MHD_Connection *c;
     enum route route;
+    char pin_id[PIN_ID_MAX];    /* /v1/cache/{id}: the pin */
     char *body;                 /* the request's body (NUL-terminated), until parsed */
     size_t len;
     uint64_t charged;           /* bytes of the budget the body holds */
@@ -630,6 +633,7 @@ struct oai_req {
     bool stream, include_usage;
     bool echo;                      /* completions: the prompt before the output (and its logprobs) */
     int32_t prompt_lp;              /* vLLM's prompt_logprobs: alternatives, or -1 */
+    bool want_cache;                /* a pin or a warm-up: the answer says what is cached ("cache") */
     const char *tenant;             /* its API key's tenant, or NULL */
     char ns[256];                   /* the cache namespace: the key's tenant, and the request's own */
     char id[40];
@@ -751,7 +755,7 @@ static const char *text_parts(json_t *c, const char *const *types, const char *p
         const char *k;
         json_t *v;
         json_object_foreach(part, k, v)
-            if (strcmp(k, "type") != 0 && strcmp(k, "text") != 0 &&
+            if (strcmp(k, "type") != 0 && strcmp(k, "text") != 0 && strcmp(k, "cache_control") != 0 &&
                 !(strcmp(k, "annotations") == 0 && neutral_value(v, NULL))) {
                 bad(b, param, "a text part's '%.40s' is not supported", k);
                 return NULL;
@@ -870,6 +874,8 @@ static const struct field {
     { "functions", F_CHAT, false, NULL, "not supported" },
     { "function_call", F_CHAT, false, none_choice, "not supported" },
     { "prompt_logprobs", F_BOTH, true, NULL, NULL },
+    { "pin_ttl", F_BOTH, true, NULL, NULL },                     /* kvd's: pin the prompt ("5m", "1h", s) */
+    { "prefill_only", F_BOTH, true, NULL, NULL },                /* kvd's: a warm-up, as max_tokens 0 */
 };
 
 /* 0 when every field of the body is one kvd serves as asked; -1 with b naming
@@ -935,7 +941,7 @@ static int check_message_fields(json_t *msg, struct bad *b)
     json_t *v;
     const char *role = json_string_value(json_object_get(msg, "role"));
     json_object_foreach(msg, key, v) {
-        if (strcmp(key, "role") == 0 || strcmp(key, "content") == 0 ||
+        if (strcmp(key, "role") == 0 || strcmp(key, "content") == 0 || strcmp(key, "cache_control") == 0 ||
             (strcmp(key, "tool_calls") == 0 && strcmp(role, "assistant") == 0) ||
             (strcmp(key, "tool_call_id") == 0 && strcmp(role, "tool") == 0))
             continue;
@@ -1199,6 +1205,136 @@ static int parse_tools(struct oai_req *r, json_t *o, struct bad *b)
     r->gp.tool_choice = strcmp(mode, "required") == 0 ? "required" : named;
     r->gp.parallel_tool_calls = r->parallel;
     return 0;
+}
+
+/* ---- prompt-cache control: pins (cache_control, pin_ttl) and warm-ups ---------------------------- */
+
+#define PIN_TTL_DEFAULT_S 300u      /* cache_control without a ttl: Anthropic's 5 minutes */
+#define PIN_TTL_MAX_S 604800u       /* kvd's own --pin-max-ttl is lower or equal */
+
+/* A pin's TTL: Anthropic's "5m" or "1h", or (secs_ok: kvd's pin_ttl and the
+ * pin endpoint's ttl) whole seconds, 1 to a week (kvd holds it to its
+ * --pin-max-ttl). 0, or -1 with b naming param. */
+static int ttl_of(json_t *v, bool secs_ok, const char *param, uint32_t *out, struct bad *b)
+{
+    const char *t = json_string_value(v);
+    if (t != NULL && strcmp(t, "5m") == 0)
+        *out = 300;
+    else if (t != NULL && strcmp(t, "1h") == 0)
+        *out = 3600;
+    else if (secs_ok && json_is_integer(v) && json_integer_value(v) >= 1 && json_integer_value(v) <= PIN_TTL_MAX_S)
+        *out = (uint32_t)json_integer_value(v);
+    else if (secs_ok)
+        return bad(b, param, "'%s' must be \"5m\", \"1h\" or whole seconds (1 to %u)", param, PIN_TTL_MAX_S);
+    else
+        return bad(b, param, "'%s': a cache_control ttl must be \"5m\" or \"1h\"", param);
+    return 0;
+}
+
+/* One cache_control mark ({"type": "ephemeral", "ttl": "5m" | "1h"}; null:
+ * none): its TTL into *ttl, which must agree with the marks before it (kvd
+ * takes one pin a request). 1 for a mark, 0 for none, -1 with b. */
+static int cache_mark(json_t *cc, uint32_t *ttl, struct bad *b)
+{
+    if (cc == NULL || json_is_null(cc))
+        return 0;
+    const char *type = json_string_value(json_object_get(cc, "type"));
+    if (!json_is_object(cc) || type == NULL || strcmp(type, "ephemeral") != 0)
+        return bad(b, "messages", "cache_control must be {\"type\": \"ephemeral\"} with an optional \"ttl\"");
+    const char *key;
+    json_t *v;
+    json_object_foreach(cc, key, v)
+        if (strcmp(key, "type") != 0 && strcmp(key, "ttl") != 0)
+            return bad(b, "messages", "cache_control's '%.40s' is not supported", key);
+    uint32_t t = PIN_TTL_DEFAULT_S;
+    json_t *tv = json_object_get(cc, "ttl");
+    if (tv != NULL && !json_is_null(tv) && ttl_of(tv, false, "messages", &t, b) != 0)
+        return -1;
+    if (*ttl != 0 && *ttl != t)
+        return bad(b, "messages", "kvd pins one prefix a request: cache_control marks with different TTLs");
+    *ttl = t;
+    return 1;
+}
+
+/* Anthropic's cache_control marks on chat messages or their content parts:
+ * *upto is the number of messages up to and including the last marked one
+ * (0: none), whose prefix is pinned for *ttl seconds; a mark on an earlier
+ * message adds nothing, since a pin holds every shorter prefix of its own.
+ * 0, or -1 with b. */
+static int parse_cache_control(json_t *msgs, uint32_t *ttl, uint32_t *upto, struct bad *b)
+{
+    size_t i, k;
+    json_t *msg, *part;
+    *ttl = *upto = 0;
+    json_array_foreach(msgs, i, msg) {
+        int marked = cache_mark(json_object_get(msg, "cache_control"), ttl, b);
+        json_t *c = json_object_get(msg, "content");
+        if (json_is_array(c))
+            json_array_foreach(c, k, part) {
+                if (marked >= 0 && json_is_object(part)) {
+                    const int m = cache_mark(json_object_get(part, "cache_control"), ttl, b);
+                    marked = m < 0 ? m : marked | m;
+                }
+            }
+        if (marked < 0)
+            return -1;
+        if (marked)
+            *upto = (uint32_t)i + 1;
+    }
+    return 0;
+}
+
+/* kvd's fields of a chat or completions request: cache_control marks (chat),
+ * pin_ttl (the whole prompt; not with marks) and prefill_only (as max_tokens
+ * 0: the prompt is computed into the cache, nothing generated). 0 or -1. */
+static int parse_cache_fields(struct oai_req *r, struct bad *b)
+{
+    json_t *o = r->root;
+    uint32_t ttl = 0, upto = 0;
+    if (r->chat && parse_cache_control(json_object_get(o, "messages"), &ttl, &upto, b) != 0)
+        return -1;
+    json_t *pt = json_object_get(o, "pin_ttl");
+    if (pt != NULL && !json_is_null(pt)) {
+        if (upto > 0)
+            return bad(b, "pin_ttl", "give 'pin_ttl' or cache_control marks, not both");
+        if (ttl_of(pt, true, "pin_ttl", &ttl, b) != 0)
+            return -1;
+    }
+    bool prefill = false;
+    if (get_bool(o, "prefill_only", &prefill, b) < 0)
+        return -1;
+    if (prefill)
+        r->gp.prefill_only = true;
+    r->gp.pin_ttl_s = ttl;
+    r->gp.pin_messages = upto;
+    r->want_cache = ttl > 0 || r->gp.prefill_only;
+    return 0;
+}
+
+/* A pin as the HTTP API shows it: its namespace inside the tenant's. */
+static json_t *pin_json(const struct kvd_pin *p, const char *tenant)
+{
+    const char *ns = p->ns;
+    const size_t tl = tenant ? strlen(tenant) : 0;
+    if (tenant != NULL && strncmp(ns, "tenant:", 7) == 0 && strncmp(ns + 7, tenant, tl) == 0 &&
+        (ns[7 + tl] == '\0' || ns[7 + tl] == '/'))
+        ns += 7 + tl + (ns[7 + tl] == '/');
+    return json_pack("{s:s, s:s, s:s, s:I, s:I, s:I, s:I, s:I, s:I}", "id", p->id, "object", "cache.pin",
+                     "namespace", ns, "tokens", (json_int_t)p->tokens, "blocks", (json_int_t)p->blocks, "hits",
+                     (json_int_t)p->hits, "ttl_s", (json_int_t)p->ttl_s, "created_at",
+                     (json_int_t)(p->created_unix_ms / 1000), "expires_at", (json_int_t)(p->expires_unix_ms / 1000));
+}
+
+/* What one prompt of a pin or warm-up request left in the cache: its blocks
+ * and tokens there, the pin (or why none was made). */
+static json_t *cache_entry_json(const struct kvd_result *res, int index, const char *tenant)
+{
+    json_t *e = json_pack("{s:i, s:I, s:I, s:o}", "index", index, "blocks", (json_int_t)res->cached_blocks,
+                          "tokens", (json_int_t)(res->cached_prompt_tokens + res->cache_creation_tokens), "pin",
+                          res->has_pin ? pin_json(&res->pin, tenant) : json_null());
+    if (!res->has_pin && res->pin_error[0])
+        json_object_set_new(e, "pin_error", json_string(res->pin_error));
+    return e;
 }
 
 /* Parses and checks a chat or completions body into r (r->tenant is the
@@ -1470,7 +1606,7 @@ static int parse_request(struct oai_req *r, const struct http_server *s, struct 
     json_t *user = json_object_get(o, "user");
     if (user != NULL && !json_is_null(user) && !json_is_string(user))
         return bad(b, "user", "'user' must be a string");
-    return 0;
+    return parse_cache_fields(r, b);
 }
 
 /* The parameters of choice `index` (prompt index / n, sample index % n). */
@@ -1663,11 +1799,17 @@ static const char *finish_name(int f)
     return f == KVD_FINISH_LENGTH ? "length" : "stop";
 }
 
-static json_t *usage_json(uint64_t prompt, uint64_t completion, uint64_t cached)
+/* OpenAI's usage, with the prompt tokens read from the cache (cached_tokens,
+ * and Anthropic's cache_read_input_tokens) and those written to it
+ * (cache_creation_input_tokens); the rest of the prompt was computed without
+ * caching (a partial last block, or a block another request computed at the
+ * same time). */
+static json_t *usage_json(uint64_t prompt, uint64_t completion, uint64_t cached, uint64_t written)
 {
-    return json_pack("{s:I, s:I, s:I, s:{s:I}}", "prompt_tokens", (json_int_t)prompt, "completion_tokens",
-                     (json_int_t)completion, "total_tokens", (json_int_t)(prompt + completion),
-                     "prompt_tokens_details", "cached_tokens", (json_int_t)cached);
+    return json_pack("{s:I, s:I, s:I, s:{s:I}, s:I, s:I}", "prompt_tokens", (json_int_t)prompt,
+                     "completion_tokens", (json_int_t)completion, "total_tokens", (json_int_t)(prompt + completion),
+                     "prompt_tokens_details", "cached_tokens", (json_int_t)cached, "cache_creation_input_tokens",
+                     (json_int_t)written, "cache_read_input_tokens", (json_int_t)cached);
 }
 
 static void new_id(char *buf, size_t len, const char *prefix)
@@ -2018,8 +2160,8 @@ static bool job_parse(struct job *j, json_t **root)
 
 static void run_whole(struct job *j, kvd_client_t *kc, struct oai_req *r)
 {
-    json_t *choices = json_array(), *prompt_lp_chat = NULL;
-    uint64_t prompt = 0, completion = 0, cached = 0;
+    json_t *choices = json_array(), *prompt_lp_chat = NULL, *cache = r->want_cache ? json_array() : NULL;
+    uint64_t prompt = 0, completion = 0, cached = 0, written = 0;
     const int total = r->n * (int)(r->chat ? 1 : r->n_prompts);
     for (int i = 0; i < total; i++) {
         struct kvd_gen_params gp = choice_params(r, i);
@@ -2031,11 +2173,13 @@ static void run_whole(struct job *j, kvd_client_t *kc, struct oai_req *r)
             kvd_result_free(&res);
             json_decref(choices);
             json_decref(prompt_lp_chat);
+            json_decref(cache);
             return;
         }
         if (rc != 0) {
             json_decref(choices);
             json_decref(prompt_lp_chat);
+            json_decref(cache);
             job_kvd_error(j, rc, &res);
             kvd_result_free(&res);
             return;
@@ -2043,6 +2187,9 @@ static void run_whole(struct job *j, kvd_client_t *kc, struct oai_req *r)
         if (i % r->n == 0) {        /* a prompt counts once, whatever n */
             prompt += res.prompt_tokens;
             cached += res.cached_prompt_tokens;
+            written += res.cache_creation_tokens;
+            if (cache != NULL)
+                json_array_append_new(cache, cache_entry_json(&res, i / r->n, r->tenant));
         }
         completion += res.completion_tokens;
         size_t offset = 0;
@@ -2073,6 +2220,7 @@ static void run_whole(struct job *j, kvd_client_t *kc, struct oai_req *r)
             json_decref(ch);
             json_decref(choices);
             json_decref(prompt_lp_chat);
+            json_decref(cache);
             job_kvd_error(j, erc, &res);
             kvd_result_free(&res);
             return;
@@ -2091,9 +2239,12 @@ static void run_whole(struct job *j, kvd_client_t *kc, struct oai_req *r)
     }
     json_t *out = json_pack("{s:s, s:s, s:I, s:s, s:o, s:o}", "id", r->id, "object",
                             r->chat ? "chat.completion" : "text_completion", "created", (json_int_t)r->created,
-                            "model", r->model, "choices", choices, "usage", usage_json(prompt, completion, cached));
+                            "model", r->model, "choices", choices, "usage",
+                            usage_json(prompt, completion, cached, written));
     if (prompt_lp_chat != NULL)
         json_object_set_new(out, "prompt_logprobs", prompt_lp_chat);
+    if (cache != NULL)
+        json_object_set_new(out, "cache", cache);
     job_json(j, 200, out, 0);
 }
 
@@ -2197,7 +2348,8 @@ static int on_chunk(void *user, const struct kvd_chunk *k)
 static void run_stream(struct job *j, kvd_client_t *kc, struct oai_req *r)
 {
     struct stream st = { .j = j, .r = r };
-    uint64_t prompt = 0, completion = 0, cached = 0;
+    uint64_t prompt = 0, completion = 0, cached = 0, written = 0;
+    json_t *cache = r->want_cache ? json_array() : NULL;
     const int total = r->n * (int)(r->chat ? 1 : r->n_prompts);
     int rc = 0;
     for (int i = 0; i < total && rc == 0; i++) {
@@ -2227,6 +2379,9 @@ static void run_stream(struct job *j, kvd_client_t *kc, struct oai_req *r)
             if (i % r->n == 0) {
                 prompt += res.prompt_tokens;
                 cached += res.cached_prompt_tokens;
+                written += res.cache_creation_tokens;
+                if (cache != NULL)
+                    json_array_append_new(cache, cache_entry_json(&res, i / r->n, r->tenant));
             }
             completion += res.completion_tokens;
             if (r->chat && !st.role_sent)
@@ -2241,11 +2396,13 @@ static void run_stream(struct job *j, kvd_client_t *kc, struct oai_req *r)
             job_gone(j);
             kvd_result_free(&res);
             ts_fini(&st.ts);
+            json_decref(cache);
             return;
         } else if (!j->streaming) {
             job_kvd_error(j, rc, &res);     /* nothing sent yet: the status says it */
             kvd_result_free(&res);
             ts_fini(&st.ts);
+            json_decref(cache);
             return;
         } else {
             const char *code;
@@ -2258,9 +2415,12 @@ static void run_stream(struct job *j, kvd_client_t *kc, struct oai_req *r)
         json_t *u = json_pack("{s:s, s:s, s:I, s:s, s:[], s:o}", "id", r->id, "object",
                               r->chat ? "chat.completion.chunk" : "text_completion", "created",
                               (json_int_t)r->created, "model", r->model, "choices", "usage",
-                              usage_json(prompt, completion, cached));
+                              usage_json(prompt, completion, cached, written));
+        if (cache != NULL)
+            json_object_set(u, "cache", cache);
         emit(j, u);
     }
+    json_decref(cache);
     emit(j, NULL);     /* data: [DONE] */
     ts_fini(&st.ts);
 }
@@ -2590,11 +2750,13 @@ static int resp_parse(struct resp_req *q, const struct job *j, struct bad *b, un
 
 static json_t *resp_usage_json(const struct kvd_result *res)
 {
-    return json_pack("{s:I, s:{s:I}, s:I, s:{s:i}, s:I}", "input_tokens", (json_int_t)res->prompt_tokens,
+    return json_pack("{s:I, s:{s:I}, s:I, s:{s:i}, s:I, s:I, s:I}", "input_tokens", (json_int_t)res->prompt_tokens,
                      "input_tokens_details", "cached_tokens", (json_int_t)res->cached_prompt_tokens,
                      "output_tokens", (json_int_t)res->completion_tokens, "output_tokens_details",
                      "reasoning_tokens", 0, "total_tokens",
-                     (json_int_t)(res->prompt_tokens + res->completion_tokens));
+                     (json_int_t)(res->prompt_tokens + res->completion_tokens), "cache_creation_input_tokens",
+                     (json_int_t)res->cache_creation_tokens, "cache_read_input_tokens",
+                     (json_int_t)res->cached_prompt_tokens);
 }
 
 /* The response object: status "in_progress" (res NULL), "completed" or
@@ -3089,6 +3251,205 @@ static enum MHD_Result queue_page(struct http_server *s, struct MHD_Connection *
     return ok;
 }
 
+/* ---- the cache management API (/v1/cache) ------------------------------------------------------- */
+
+/* An error of a cache call: a pin the caller does not have is a 404. */
+static void cache_error(struct job *j, int rc, const char *err)
+{
+    if (rc == KVD_ENOTFOUND) {
+        job_error(j, 404, "no such pin", NULL, "pin_not_found", 0);
+        return;
+    }
+    const char *code;
+    const unsigned status = status_of(rc, &code);
+    job_error(j, status, err[0] ? err : kvd_strerror(rc), NULL, code, 0);
+}
+
+/* POST /v1/cache: {"messages" | "prompt", "ttl", "namespace", "model"}: the
+ * prompt is computed into the cache (a warm-up, nothing generated) and its
+ * prefix pinned: up to the last message with a cache_control mark, else the
+ * whole prompt. The pin, the prompt's cached blocks and the usage; a pin that
+ * could not be taken is a 503 (its prefix was being computed by another
+ * request: retry). */
+static void cache_pin(struct job *j, kvd_client_t *kc)
+{
+    static const char *const keys[] = { "model", "messages", "prompt", "ttl", "namespace", NULL };
+    json_t *o = NULL;
+    if (!job_parse(j, &o))
+        return;
+    struct bad b = { "", NULL };
+    struct kvd_gen_params gp;
+    kvd_gen_params_init(&gp);
+    struct kvd_chat_msg *msgs = NULL;
+    char ns[256];
+    uint32_t ttl = 0, upto = 0;
+    unsigned status = 400;
+    int bad_rc = 0;
+    tl_acct = &j->acct;
+    if (!json_is_object(o)) {
+        bad_rc = bad(&b, NULL, "the body must be a JSON object");
+        goto out;
+    }
+    const char *key;
+    json_t *v;
+    json_object_foreach(o, key, v) {
+        const char *const *k = keys;
+        while (*k != NULL && strcmp(*k, key) != 0)
+            k++;
+        if (*k == NULL) {
+            bad_rc = bad(&b, key, "unsupported field '%.64s' in a pin request", key);
+            goto out;
+        }
+    }
+    if ((bad_rc = check_model(o, j->s, &b, &status)) != 0)
+        goto out;
+    json_t *m = json_object_get(o, "messages"), *p = json_object_get(o, "prompt");
+    if ((m != NULL) == (p != NULL)) {
+        bad_rc = bad(&b, "messages", "give 'messages' or 'prompt'");
+        goto out;
+    }
+    if (p != NULL) {
+        if (!json_is_string(p) || json_string_length(p) == 0) {
+            bad_rc = bad(&b, "prompt", "'prompt' must be a non-empty string");
+            goto out;
+        }
+        gp.prompt = json_string_value(p);
+    } else {
+        if (!json_is_array(m) || json_array_size(m) == 0 || json_array_size(m) > 1024 ||
+            (msgs = calloc(json_array_size(m), sizeof(*msgs))) == NULL) {
+            bad_rc = bad(&b, "messages", "'messages' must be a non-empty array (at most 1,024)");
+            goto out;
+        }
+        size_t i;
+        json_t *msg;
+        json_array_foreach(m, i, msg) {
+            const char *role = json_string_value(json_object_get(msg, "role"));
+            if (!json_is_object(msg) || role == NULL) {
+                bad_rc = bad(&b, "messages", "every message needs a 'role' string");
+                goto out;
+            }
+            if ((bad_rc = check_message_fields(msg, &b)) != 0)
+                goto out;
+            const char *text = content_text(msg, &b);
+            if (text == NULL) {
+                bad_rc = -1;
+                goto out;
+            }
+            msgs[i] = (struct kvd_chat_msg){ strcmp(role, "developer") == 0 ? "system" : role, text };
+        }
+        gp.messages = msgs;
+        gp.n_messages = json_array_size(m);
+        if ((bad_rc = parse_cache_control(m, &ttl, &upto, &b)) != 0)
+            goto out;
+    }
+    json_t *tv = json_object_get(o, "ttl");
+    uint32_t t = ttl ? ttl : PIN_TTL_DEFAULT_S;
+    if (tv != NULL && !json_is_null(tv) && (bad_rc = ttl_of(tv, true, "ttl", &t, &b)) != 0)
+        goto out;
+    if (ttl != 0 && t != ttl) {
+        bad_rc = bad(&b, "ttl", "'ttl' differs from the messages' cache_control ttl");
+        goto out;
+    }
+    if ((bad_rc = request_ns(o, j->tenant, ns, sizeof(ns), &b)) != 0)
+        goto out;
+    gp.ns = ns[0] ? ns : NULL;
+    gp.prefill_only = true;
+    gp.pin_ttl_s = t;
+    gp.pin_messages = upto;
+out:
+    tl_acct = NULL;
+    if (bad_rc != 0) {
+        job_error(j, status, b.msg, b.param, status == 404 ? "model_not_found" : NULL, 0);
+    } else {
+        struct kvd_result res;
+        memset(&res, 0, sizeof(res));
+        const int rc = kvd_generate(kc, &gp, &res);
+        if (rc != 0 && job_aborted(j))
+            job_gone(j);
+        else if (rc != 0)
+            job_kvd_error(j, rc, &res);
+        else if (!res.has_pin)
+            job_error(j, 503, res.pin_error[0] ? res.pin_error : "not pinned", NULL, "pin_not_taken", 1);
+        else
+            job_json(j, 200, json_pack("{s:o, s:I, s:o}", "pin", pin_json(&res.pin, j->tenant), "blocks",
+                                       (json_int_t)res.cached_blocks, "usage",
+                                       usage_json(res.prompt_tokens, 0, res.cached_prompt_tokens,
+                                                  res.cache_creation_tokens)), 0);
+        kvd_result_free(&res);
+    }
+    free(msgs);
+    json_decref(o);
+}
+
+/* Whether pin id belongs to no tenant (what a client without an API key may
+ * touch: pins of its namespaces, never a tenant's). */
+static int anonymous_pin(kvd_client_t *kc, const char *id, bool *ok, char *err, size_t errlen)
+{
+    struct kvd_pin *pins = NULL;
+    size_t n = 0;
+    *ok = false;
+    const int rc = kvd_cache_list(kc, NULL, &pins, &n, err, errlen);
+    for (size_t i = 0; rc == 0 && i < n; i++)
+        if (strcmp(pins[i].id, id) == 0 && pins[i].tenant[0] == '\0')
+            *ok = true;
+    free(pins);
+    return rc;
+}
+
+/* /v1/cache: the pins of the API key's tenant (without keys, the pins of no
+ * tenant), listed, made, unpinned or evicted. kvd scopes the calls to the
+ * tenant's namespace, so another tenant's pin is a 404 like one that never
+ * was. */
+static void work_cache(struct job *j, kvd_client_t *kc)
+{
+    char scope[160], err[256] = "";
+    if (j->tenant != NULL)
+        snprintf(scope, sizeof(scope), "tenant:%s", j->tenant);
+    const char *ns = j->tenant != NULL ? scope : NULL;
+    int rc = 0;
+    if (j->route == R_CACHE_PIN) {
+        cache_pin(j, kc);
+        return;
+    }
+    if (j->route == R_CACHE_LIST) {
+        struct kvd_pin *pins = NULL;
+        size_t n = 0;
+        if ((rc = kvd_cache_list(kc, ns, &pins, &n, err, sizeof(err))) != 0) {
+            cache_error(j, rc, err);
+            return;
+        }
+        json_t *data = json_array();
+        for (size_t i = 0; i < n; i++)
+            if (ns != NULL || pins[i].tenant[0] == '\0')
+                json_array_append_new(data, pin_json(&pins[i], j->tenant));
+        free(pins);
+        job_json(j, 200, json_pack("{s:s, s:o}", "object", "list", "data", data), 0);
+        return;
+    }
+    bool ok = true;
+    if (ns == NULL && (rc = anonymous_pin(kc, j->pin_id, &ok, err, sizeof(err))) != 0) {
+        cache_error(j, rc, err);
+        return;
+    }
+    if (!ok || j->pin_id[0] == '\0') {
+        cache_error(j, KVD_ENOTFOUND, err);
+        return;
+    }
+    struct kvd_pin gone;
+    uint32_t blocks = 0;
+    const bool evict = j->route == R_CACHE_EVICT;
+    rc = evict ? kvd_cache_evict(kc, ns, j->pin_id, &gone, &blocks, err, sizeof(err))
+               : kvd_cache_unpin(kc, ns, j->pin_id, &gone, err, sizeof(err));
+    if (rc != 0) {
+        cache_error(j, rc, err);
+        return;
+    }
+    json_t *o = json_pack("{s:s, s:s, s:b}", "id", gone.id, "object", "cache.pin", "deleted", 1);
+    if (evict)
+        json_object_set_new(o, "evicted_blocks", json_integer(blocks));
+    job_json(j, 200, o, 0);
+}
+
 /* A job's thread: the work, then the connection woken for the answer. */
 static void *job_main(void *arg)
 {
@@ -3107,6 +3468,7 @@ static void *job_main(void *arg)
         case R_HEALTH: case R_READY: work_health(j, kc, j->route == R_READY); break;
         case R_METRICS: work_metrics(j, kc); break;
         case R_POOL: work_pool(j, kc); break;
+        case R_CACHE_LIST: case R_CACHE_PIN: case R_CACHE_UNPIN: case R_CACHE_EVICT: work_cache(j, kc); break;
         default: job_error(j, 500, "no such work", NULL, NULL, 0); break;
         }
     }
@@ -3243,6 +3605,7 @@ static int load_operator_key(http_server_t *s, const char *path, char *err, size
 struct req {
     enum route route;
     const struct web_asset *asset;  /* R_PAGE: the file */
+    char pin_id[PIN_ID_MAX];    /* /v1/cache/{id}: the pin */
     const char *tenant;         /* its API key's tenant */
     bool operator;              /* it came with the operator's key */
     char *body;                 /* what came of its body, NUL-terminated */
@@ -3371,6 +3734,41 @@ static enum MHD_Result accept_policy(void *cls, const struct sockaddr *addr, soc
 }
 
 /* The route of a method and path: R_NONE with *status 404 or 405. */
+/* The routes of the cache management API: GET /v1/cache (list), POST
+ * /v1/cache (pin), DELETE /v1/cache/{id} (unpin), POST /v1/cache/{id}/evict. */
+static enum route cache_route(const char *method, const char *url, unsigned *status)
+{
+    const char *id = url[9] == '/' ? url + 10 : NULL;
+    const char *slash = id ? strchr(id, '/') : NULL;
+    enum route r = R_NONE;
+    const char *want = NULL;
+    if (id == NULL || *id == '\0') {
+        r = strcmp(method, "GET") == 0 ? R_CACHE_LIST : strcmp(method, "POST") == 0 ? R_CACHE_PIN : R_NONE;
+        want = "GET or POST";
+    } else if (slash == NULL) {
+        r = strcmp(method, "DELETE") == 0 ? R_CACHE_UNPIN : R_NONE;
+        want = "DELETE";
+    } else if (strcmp(slash, "/evict") == 0) {
+        r = strcmp(method, "POST") == 0 ? R_CACHE_EVICT : R_NONE;
+        want = "POST";
+    }
+    if (r == R_NONE)
+        *status = want ? 405 : 404;
+    return r;
+}
+
+/* The pin id of /v1/cache/{id}[/evict] into id (PIN_ID_MAX bytes); "" when
+ * none or too long (no pin has such an id: a 404 from kvd). */
+static void cache_pin_id(const char *url, char *id)
+{
+    id[0] = '\0';
+    if (strncmp(url, "/v1/cache/", 10) != 0)
+        return;
+    const size_t n = strcspn(url + 10, "/");
+    if (n < PIN_ID_MAX)
+        snprintf(id, PIN_ID_MAX, "%.*s", (int)n, url + 10);
+}
+
 static enum route route_of(const char *method, const char *url, unsigned *status)
 {
     static const struct {
@@ -3390,6 +3788,8 @@ static enum route route_of(const char *method, const char *url, unsigned *status
         *status = 405;
         return R_NONE;
     }
+    if (strncmp(url, "/v1/cache", 9) == 0 && (url[9] == '\0' || url[9] == '/'))
+        return cache_route(method, url, status);
     const bool model = strncmp(url, "/v1/models/", 11) == 0 && url[11] != '\0';     /* GET /v1/models/{id} */
     if (model && strcmp(method, "GET") == 0)
         return R_MODEL;
@@ -3457,7 +3857,7 @@ static enum MHD_Result begin(struct http_server *s, struct MHD_Connection *c, co
         return refuse(s, c, con_cls, 413, msg, NULL, 0);
     }
     if (route == R_CHAT || route == R_COMPLETIONS || route == R_RESPONSES || route == R_TOKENIZE ||
-        route == R_DETOKENIZE) {
+        route == R_DETOKENIZE || route == R_CACHE_PIN) {
         const char *ct = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Type");
         if (ct != NULL && strncasecmp(ct, "application/json", 16) != 0)
             return refuse(s, c, con_cls, 415, "the body must be JSON (Content-Type: application/json)", NULL, 0);
@@ -3479,6 +3879,7 @@ static enum MHD_Result begin(struct http_server *s, struct MHD_Connection *c, co
     q->src = src;
     q->route = route;
     q->asset = route == R_PAGE ? page_asset(url) : NULL;
+    cache_pin_id(url, q->pin_id);
     q->tenant = tenant;
     q->operator = operator;
     q->charged = q->cap = declared > 0 ? declared + 1 : 0;
@@ -3550,6 +3951,7 @@ static enum MHD_Result complete(struct http_server *s, struct MHD_Connection *c,
     j->s = s;
     j->c = c;
     j->route = q->route;
+    memcpy(j->pin_id, q->pin_id, sizeof(j->pin_id));
     j->tenant = q->tenant;
     j->operator = q->operator;
     j->body = q->body;

@@ -40,6 +40,7 @@
 #include "cli.h"
 #include "http.h"
 #include "kvd.h"
+#include "pins.h"
 #include "devmem.h"
 #include "endpoint.h"
 #include "kvcache.h"
@@ -160,6 +161,9 @@ static void usage(FILE *f)
           "      --tenant-max-blocks N|P%  KV blocks one tenant may hold, cached ones included\n"
           "                           (a count, or a share of the pool); past it a tenant's new\n"
           "                           blocks evict its own (default 0: no limit)\n"
+          "      --pin-max-ttl SECONDS  the longest TTL a pin (cache_control) may ask for\n"
+          "                           (default 3600; at most 604800)\n"
+          "      --pin-max-per-tenant N  pinned prefixes one tenant may hold (default 64)\n"
           "      --max-fence-ms MS    the longest --fence-ms a worker of another host may name; kvd\n"
           "                           holds a lost one's blocks for twice it (default 60000)\n"
           "      --host-max-blocks N  the most blocks another host's pool may have: kvd keeps its\n"
@@ -177,7 +181,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     enum { OPT_REMOTE = 256, OPT_WEP, OPT_POOL, OPT_KVMEM, OPT_BT, OPT_STEP, OPT_BATCH, OPT_QUEUE,
            OPT_WTIMEOUT, OPT_GRACE, OPT_RESTARTS, OPT_GPU, OPT_WPG, OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE,
            OPT_ROTATE, OPT_HTTP, OPT_MAXBODY, OPT_MODELNAME, OPT_APIKEYS, OPT_EVENTS, OPT_TOPIC,
-           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE, OPT_TBLOCKS, OPT_PUBLIC, OPT_CURVE_IPC, OPT_DISPATCH,
+           OPT_HOSTCACHE, OPT_CACHEDIR, OPT_DISKCACHE, OPT_CURVE, OPT_CALLOW, OPT_WALLOW, OPT_INSECURE, OPT_TQUEUE, OPT_TBLOCKS, OPT_PINTTL, OPT_PINMAX, OPT_PUBLIC, OPT_CURVE_IPC, OPT_DISPATCH,
            OPT_MAXFENCE, OPT_HOSTBLOCKS, OPT_MAXTENANTS, OPT_EVTOKENS, OPT_EALLOW, OPT_HTTPMEM, OPT_HTTPCONNS,
            OPT_HTTPIP, OPT_HTTPTIMEOUT, OPT_HTTPREQS, OPT_OPKEY, OPT_OVERFLOW, OPT_SINKS };
     static const struct option longs[] = {
@@ -214,6 +218,8 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         { "insecure", no_argument, NULL, OPT_INSECURE },
         { "tenant-max-queue", required_argument, NULL, OPT_TQUEUE },
         { "tenant-max-blocks", required_argument, NULL, OPT_TBLOCKS },
+        { "pin-max-ttl", required_argument, NULL, OPT_PINTTL },
+        { "pin-max-per-tenant", required_argument, NULL, OPT_PINMAX },
         { "public-prefix", required_argument, NULL, OPT_PUBLIC },
         { "dispatch", required_argument, NULL, OPT_DISPATCH },
         { "max-fence-ms", required_argument, NULL, OPT_MAXFENCE },
@@ -255,6 +261,8 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     o->max_fence_ms = 60000;
     o->host_max_blocks = 1u << 18;
     o->max_tenants = KVD_MAX_TENANTS;
+    o->pin_max_ttl_s = PINS_DEFAULT_MAX_TTL_S;
+    o->pin_max_per_tenant = PINS_DEFAULT_MAX_PER_TENANT;
     o->http_max_memory = 256ull << 20;
     o->http_max_conns = 4096;
     o->http_max_conns_per_ip = 256;
@@ -368,6 +376,12 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
         case OPT_OPKEY: o->operator_key = optarg; break;
         case OPT_MAXTENANTS:
             o->max_tenants = (uint32_t)cli_long(optarg, "--max-tenants", 1, PREFIX_OWNERS - 1);
+            break;
+        case OPT_PINTTL:
+            o->pin_max_ttl_s = (uint32_t)cli_long(optarg, "--pin-max-ttl", 1, WIRE_MAX_PIN_TTL_S);
+            break;
+        case OPT_PINMAX:
+            o->pin_max_per_tenant = (uint32_t)cli_long(optarg, "--pin-max-per-tenant", 0, 1 << 20);
             break;
         case OPT_MAXFENCE: o->max_fence_ms = (uint32_t)cli_long(optarg, "--max-fence-ms", 1000, 3600000); break;
         case OPT_HOSTBLOCKS:
@@ -730,6 +744,19 @@ static void tokenizer_digest(const model_t *m, uint8_t out[16])
     XXH3_freeState(st);
     memcpy(out, &h.low64, 8);
     memcpy(out + 8, &h.high64, 8);
+}
+
+void kvd_tiers_sync(struct kvd *k, bool sync)
+{
+    if (k->restorer == NULL)
+        return;     /* no tiers, or copies on the loop already (KVD_TIER_SYNC=1) */
+    struct prefix_tier t = { .committed = k->disk ? tier_committed : NULL, .evicted = tier_evicted,
+                             .has = tier_has_block, .user = k };
+    if (sync)
+        t.fetch = tier_fetch;
+    else
+        t.start = tier_start;
+    prefix_set_tier(k->px, &t);
 }
 
 /* --host-cache, --cache-dir: the tiers below the pool (shm/tier.h, shm/disktier.h). */
@@ -1405,6 +1432,9 @@ int main(int argc, char **argv)
         cli_die("cannot start workers: %s", strerror(errno));
     http_setup(k);
     events_setup(k);
+    if (pins_init(k) != 0)
+        cli_die("out of memory");
+    pins_load(k);   /* the pins of the disk tier's directory, their blocks read back */
     kvd_log(k, "ready: model %s, %d workers, context %u", k->o.model, k->o.n_workers, k->n_ctx);
     loop(k, sfd);
     for (int i = 0; i < k->o.n_http; i++)
@@ -1412,6 +1442,7 @@ int main(int argc, char **argv)
 
     workers_stop(k);
     req_release_all(k);
+    pins_fini(k);   /* the pins file stays for the next kvd */
     kv_events_close(&k->events);
     struct prefix_stats ps;
     prefix_stats(k->px, &ps);

@@ -101,6 +101,8 @@ struct kvd_options {
     uint32_t host_max_blocks;       /* --host-max-blocks: the largest pool another host may name
                                      * (kvd keeps its metadata) */
     bool quiet;                     /* no log lines (the fuzz harness of tests/fuzz/fuzz_workers.c) */
+    uint32_t pin_max_ttl_s;         /* --pin-max-ttl: the longest TTL a pin may ask for, seconds */
+    uint32_t pin_max_per_tenant;    /* --pin-max-per-tenant: pins a tenant (or no tenant) may hold */
 };
 
 /* A lost worker's sequence on another host: its blocks stay taken until the
@@ -141,6 +143,7 @@ struct kvd_host {
 struct kvd_tenant {
     char name[KVD_TENANT_NAME_MAX + 1];
     uint64_t requests, prompt_tokens, cached_prompt_tokens, refused;
+    uint64_t cache_creation_tokens; /* prompt tokens its requests wrote to the cache */
     uint32_t queued, running;
 };
 
@@ -189,6 +192,15 @@ struct request {
     bool restore_wait;              /* its begin also met a pending block to wait for */
     int32_t tenant;                 /* index into kvd.tenants, or -1 */
     bool counted_cached;            /* n_cached was added to the stats */
+    uint32_t cache_hw;              /* leading prompt tokens (whole blocks) its sequence has held
+                                     * committed and indexed, at most */
+    uint32_t pin_ttl_s;             /* pin_ttl_s: pin its prompt's first pin_tokens once cached; 0: no */
+    uint32_t pin_tokens;            /* whole blocks of its prompt to pin */
+    char *pin_ns;                   /* the namespace it named ("" none), for the pin's listing */
+    char pin_id[40];                /* the pin made or renewed ("" none) */
+    char pin_error[224];            /* why no pin was made, for its Final ("" none yet) */
+    uint32_t pin_blocks;            /* its blocks */
+    uint64_t pin_hits, pin_created, pin_expires; /* its hits, unix ms */
     struct prefix_seq ps;           /* its blocks */
     uint32_t n_written;             /* positions whose K/V the worker reported written */
     /* output */
@@ -264,6 +276,7 @@ struct kvd_stats_counters {
     uint64_t disk_cached_prompt_tokens;     /* ... and read back from the disk tier */
     uint64_t disk_declined;
     uint64_t preemptions;
+    uint64_t cache_creation_tokens; /* prompt tokens written to the cache (usage's, summed) */
     uint64_t bad_messages;
     uint64_t blocks_fenced;         /* held back after other hosts' workers were lost (hosts.c) */
     uint64_t handshakes_failed;     /* --curve-secret: handshakes that failed before the key was
@@ -375,6 +388,7 @@ struct kvd {
     int32_t *public_tok;            /* --public-prefix's tokens (n_public_tok), else NULL */
     uint32_t n_public_tok;
     prefix_ns_t public_ns;          /* the namespace its blocks are keyed in */
+    struct kvd_pins *pins;          /* pinned prefixes (pins.c) */
     bool draining;                  /* SIGTERM: no new work */
     double drain_deadline;
     bool stop;                      /* leave the loop */
@@ -421,6 +435,20 @@ void req_fail_unfit(struct kvd *k);
  * that waited are retried and the queue dispatched. */
 void req_blocks_freed(struct kvd *k);
 void req_on_restored(struct kvd *k);
+/* Replies to a client (rid as req_on_client got it). */
+int req_reply(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id, Kvd__ServerReply *m);
+void req_reply_error(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id, int code, const char *msg);
+/* The tenant of a client (its CURVE key's name) or of a namespace "tenant:NAME/...":
+ * into *name (not NUL-terminated) and *len; false when none. */
+bool req_tenant_name(const char *tenant, const char *ns, const char **name, size_t *len);
+/* The entry of tenant name[0..n) in k->tenants, made when missing; -1 when none can be. */
+int32_t req_tenant_entry(struct kvd *k, const char *name, size_t n);
+/* How many leading full blocks of tok[0..n) --public-prefix shares (keyed in
+ * k->public_ns), leaving at least one token past them. */
+uint32_t req_public_blocks(const struct kvd *k, const int32_t *tok, uint32_t n);
+
+/* kvd.c: the tiers copy blocks back on kvd's loop (sync) or on the restore thread (not). */
+void kvd_tiers_sync(struct kvd *k, bool sync);
 
 /* The UTF-8 sequence at s[0..n): 1 and its length in *len when it is one
  * character, 0 when n cuts a valid start short, -1 when s[0] starts none. */

@@ -28,6 +28,7 @@
 #include "jschema.h"
 #include "toolcall.h"
 #include "kvd.h"
+#include "pins.h"
 
 #define RETRY_AFTER_MS 1000u
 
@@ -60,6 +61,18 @@ static void reply_error(struct kvd *k, const uint8_t *rid, size_t rid_len, uint6
     m.body_case = KVD__SERVER_REPLY__BODY_ERROR;
     m.error = &e;
     reply(k, rid, rid_len, id, &m);
+}
+
+int req_reply(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id, Kvd__ServerReply *m)
+{
+    return reply(k, rid, rid_len, id, m);
+}
+
+void req_reply_error(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id, int code, const char *msg)
+{
+    if (code == KVD__ERROR_CODE__ERR_BAD_REQUEST)
+        k->st.bad_messages++;
+    reply_error(k, rid, rid_len, id, code, msg, 0);
 }
 
 /* ---- request lists ------------------------------------------------------------------------ */
@@ -159,6 +172,29 @@ static int32_t tenant_add(struct kvd *k, const char *name, size_t n)
     return (int32_t)at;
 }
 
+bool req_tenant_name(const char *tenant, const char *ns, const char **name, size_t *len)
+{
+    return tenant_name(tenant, ns, name, len);
+}
+
+int32_t req_tenant_entry(struct kvd *k, const char *name, size_t n)
+{
+    if (n == 0 || n > KVD_TENANT_NAME_MAX)
+        return -1;
+    const int32_t i = tenant_find(k, name, n);
+    return i >= 0 ? i : tenant_add(k, name, n);
+}
+
+uint32_t req_public_blocks(const struct kvd *k, const int32_t *tok, uint32_t n)
+{
+    const uint32_t bt = k->o.block_tokens;
+    uint32_t b = 0;
+    while (k->n_public_tok > 0 && (b + 1) * bt <= k->n_public_tok && (b + 1) * bt < n &&
+           memcmp(tok + b * bt, k->public_tok + b * bt, bt * sizeof(int32_t)) == 0)
+        b++;
+    return b;
+}
+
 static struct kvd_tenant *tenant_of(struct kvd *k, const struct request *r)
 {
     return r->tenant >= 0 ? &k->tenants[r->tenant] : NULL;
@@ -215,6 +251,7 @@ static void req_free(struct request *r)
         free(r->tools[i]);
     free(r->tools);
     free(r->tool_choice);
+    free(r->pin_ns);
     prefix_seq_fini(&r->ps);
     free(r);
 }
@@ -619,6 +656,7 @@ static void observe(struct kvd *k, const struct request *r, double now, uint32_t
  * in no list and hold no blocks. */
 static void finish(struct kvd *k, struct request *r)
 {
+    static char empty_str[1];
     double now = cli_now_ms();
     uint32_t n_gen = r->n_tok - r->n_prompt;
     observe(k, r, now, n_gen);
@@ -647,6 +685,30 @@ static void finish(struct kvd *k, struct request *r)
         u.host_cached_prompt_tokens = r->n_host;
         u.disk_cached_prompt_tokens = r->n_disk;
         u.completion_tokens = n_gen;
+        const uint32_t created = r->cache_hw > r->n_cached ? r->cache_hw - r->n_cached : 0;
+        u.has_cache_creation_tokens = u.has_cached_blocks = true;
+        u.cache_creation_tokens = created;
+        u.cached_blocks = (r->n_cached + created) / k->o.block_tokens;
+        k->st.cache_creation_tokens += created;
+        if (tenant_of(k, r) != NULL)
+            tenant_of(k, r)->cache_creation_tokens += created;
+        Kvd__Pin pin = KVD__PIN__INIT;
+        if (r->pin_id[0]) {
+            pin.id = r->pin_id;
+            pin.tenant = tenant_of(k, r) != NULL ? tenant_of(k, r)->name : empty_str;
+            pin.namespace_ = r->pin_ns;
+            pin.has_tokens = pin.has_blocks = pin.has_hits = pin.has_created_unix_ms = true;
+            pin.has_expires_unix_ms = pin.has_ttl_s = true;
+            pin.tokens = r->pin_tokens;
+            pin.blocks = r->pin_blocks;
+            pin.hits = r->pin_hits;
+            pin.created_unix_ms = r->pin_created;
+            pin.expires_unix_ms = r->pin_expires;
+            pin.ttl_s = r->pin_ttl_s;
+            f.pin = &pin;
+        } else if (r->pin_ttl_s > 0) {
+            f.pin_error = r->pin_error[0] ? r->pin_error : (char *)"not pinned";
+        }
         t.has_queued_ms = t.has_ttft_ms = t.has_decode_ms = t.has_total_ms = true;
         t.queued_ms = r->t_dispatch > 0 ? r->t_dispatch - r->t_arrival : now - r->t_arrival;
         t.ttft_ms = r->t_first > 0 ? r->t_first - r->t_arrival : 0;
@@ -931,6 +993,49 @@ static int build_prompt(struct kvd *k, struct request *r, const Kvd__GenerateReq
     return 0;
 }
 
+/* The whole blocks of r's prompt a pin takes (r->pin_tokens): of the whole
+ * prompt, or of the prefix g's first pin_messages messages render to (the
+ * template without the assistant's opening, tokenized alone, as far as it
+ * agrees with the prompt's tokens). 0 or an error code with msg. */
+static int pin_prefix(struct kvd *k, struct request *r, const Kvd__GenerateRequest *g, char *msg, size_t len)
+{
+    const uint32_t bt = k->o.block_tokens;
+    uint32_t n = r->n_prompt;
+    if (g->has_pin_messages && g->pin_messages > 0) {
+        struct chat_msg *cm = calloc(g->pin_messages, sizeof(*cm));
+        struct request tmp = { 0 };
+        if (cm == NULL)
+            return KVD__ERROR_CODE__ERR_INTERNAL;
+        for (size_t i = 0; i < g->pin_messages; i++)
+            cm[i] = (struct chat_msg){ g->messages[i]->role, g->messages[i]->content };
+        char *text = NULL;
+        size_t tlen = 0;
+        int rc = chat_apply(k->chat, cm, g->pin_messages, false, &text, &tlen);
+        free(cm);
+        if (rc == 0)
+            rc = tokenize(k, &tmp, text, tlen, true);
+        free(text);
+        if (rc != 0) {
+            free(tmp.tok);
+            snprintf(msg, len, "pin_messages: cannot apply the chat template: %s", kvd_strerror(rc));
+            return KVD__ERROR_CODE__ERR_BAD_REQUEST;
+        }
+        uint32_t same = 0;
+        while (same < tmp.n_prompt && same < r->n_prompt && tmp.tok[same] == r->tok[same])
+            same++;
+        free(tmp.tok);
+        n = same;
+    }
+    /* begin leaves one token to compute: a pin of the whole prompt keeps the
+     * blocks before its last token */
+    if (n >= r->n_prompt)
+        n = r->n_prompt - 1;
+    r->pin_tokens = n / bt * bt;
+    (void)msg;
+    (void)len;
+    return 0;
+}
+
 static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const char *tenant, uint64_t id,
                         const Kvd__GenerateRequest *g)
 {
@@ -1130,13 +1235,22 @@ static void on_generate(struct kvd *k, const uint8_t *rid, size_t rid_len, const
     }
     if (k->n_public_tok > 0 && !r->no_cache) {
         /* the full blocks it shares with --public-prefix are keyed for everyone */
-        const uint32_t bt = k->o.block_tokens;
-        uint32_t b = 0;
-        while ((b + 1) * bt <= k->n_public_tok && (b + 1) * bt < r->n_prompt &&
-               memcmp(r->tok + b * bt, k->public_tok + b * bt, bt * sizeof(int32_t)) == 0)
-            b++;
-        r->ps.n_public = b;
+        r->ps.n_public = req_public_blocks(k, r->tok, r->n_prompt);
         r->ps.public_ns = k->public_ns;
+    }
+    if (g->has_pin_ttl_s) {
+        r->pin_ttl_s = g->pin_ttl_s;
+        code = pin_prefix(k, r, g, msg, sizeof(msg));
+        if (code == 0)
+            code = pins_admit(k, r, msg, sizeof(msg));
+        if (code == 0 && (r->pin_ns = strdup(g->namespace_ ? g->namespace_ : "")) == NULL)
+            code = KVD__ERROR_CODE__ERR_INTERNAL;
+        if (code != 0) {
+            k->st.bad_messages += code == KVD__ERROR_CODE__ERR_BAD_REQUEST;
+            reply_error(k, rid, rid_len, id, code, msg, 0);
+            req_free(r);
+            return;
+        }
     }
     r->deadline = g->has_deadline_ms && g->deadline_ms ? r->t_arrival + g->deadline_ms : 0;
     r->seq_id = ++k->next_seq;
@@ -1480,6 +1594,7 @@ static int start(struct kvd *k, struct request *r)
             tenant_of(k, r)->cached_prompt_tokens += (uint64_t)cached;
         k->st.host_cached_prompt_tokens += r->n_host;
         k->st.disk_cached_prompt_tokens += r->n_disk;
+        pins_note_hits(k, r);
     }
     struct kvd_host *host = &k->hosts[r->host];
     host->requests++;
@@ -1530,6 +1645,13 @@ static void commit(struct kvd *k, struct request *r, uint32_t n_written)
         kvd_log(k, "request %llu: committed blocks differ from the tokens promised",
                 (unsigned long long)r->seq_id);
     r->n_written = n_written;
+    /* the prompt's leading blocks it holds written and findable: what it read
+     * and what it wrote to the cache (usage's cache_creation_tokens) */
+    uint32_t held = r->ps.n_indexed < r->ps.n_committed ? r->ps.n_indexed : r->ps.n_committed;
+    if (held > r->n_prompt / k->o.block_tokens)
+        held = r->n_prompt / k->o.block_tokens;
+    if (held * k->o.block_tokens > r->cache_hw)
+        r->cache_hw = held * k->o.block_tokens;
     wake_waiters(k);
 }
 
@@ -1773,6 +1895,30 @@ static void retry_leases(struct kvd *k)
     }
 }
 
+/* r's prompt is written and its blocks still held: its pin is made (or
+ * renewed). A pin that cannot be taken now (its prefix is not all cached
+ * because another request computed the same blocks at the same time, or
+ * other pins took the room it was admitted with) does not fail a request
+ * whose output is whole: its Final carries pin_error instead of a pin. */
+static void take_pin(struct kvd *k, struct request *r)
+{
+    char msg[256];
+    const struct kvd_pin *p = pins_take(k, r, msg, sizeof(msg));
+    if (p == NULL) {
+        snprintf(r->pin_error, sizeof(r->pin_error), "%.200s", msg);
+        if (k->o.verbose)
+            kvd_log(k, "request %llu: %s", (unsigned long long)r->seq_id, r->pin_error);
+        return;
+    }
+    Kvd__Pin m;
+    pins_describe(p, &m);
+    snprintf(r->pin_id, sizeof(r->pin_id), "%s", m.id);
+    r->pin_blocks = m.blocks;
+    r->pin_hits = m.hits;
+    r->pin_created = m.created_unix_ms;
+    r->pin_expires = m.expires_unix_ms;
+}
+
 /* r's worker no longer touches its blocks: release them and move on. */
 static void let_go(struct kvd *k, struct request *r, int reason, const char *error)
 {
@@ -1785,9 +1931,19 @@ static void let_go(struct kvd *k, struct request *r, int reason, const char *err
         k->workers[r->worker].isolating = false;
     unstarve(k, r);
     r->worker = -1;
+    bool resume = r->preempted || reason < 0;
+    if (r->pin_ttl_s > 0 && !resume && !r->failed) {
+        if (r->n_written >= r->pin_tokens &&
+            (reason == KVDW__DONE_REASON__DONE_EOG || reason == KVDW__DONE_REASON__DONE_LENGTH ||
+             r->finish == KVD__FINISH_REASON__FINISH_STOP))
+            take_pin(k, r);
+        else
+            snprintf(r->pin_error, sizeof(r->pin_error), "the request ended (%s) before its prefix was "
+                     "written; not pinned", r->finish == KVD__FINISH_REASON__FINISH_CANCELLED ? "cancelled"
+                     : r->finish == KVD__FINISH_REASON__FINISH_DEADLINE ? "its deadline" : "early");
+    }
     prefix_seq_release(px_of(k, r), &r->ps);    /* (nothing when fenced: hosts_fence) */
     wake_waiters(k);
-    bool resume = r->preempted || reason < 0;
     if (resume && !r->finish && !r->failed) {
         /* back to the head of the queue; recomputed from its cached prefix */
         r->preempted = false;
@@ -1983,6 +2139,9 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
                 if (k->hosts[h].used)
                     ts->blocks_held += prefix_owned(k->hosts[h].px, (uint16_t)(i + 1));
             ts->refused = t->refused;
+            ts->has_cache_creation_tokens = ts->has_pins = ts->has_pinned_blocks = true;
+            ts->cache_creation_tokens = t->cache_creation_tokens;
+            pins_count(k, t->name, &ts->pins, &ts->pinned_blocks);
             tptrs[s.n_tenants++] = ts;
         }
         s.tenants = tptrs;
@@ -2050,6 +2209,10 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
     s.has_hosts_lost = s.has_blocks_fenced_total = true;
     s.hosts_lost = k->hosts_lost;
     s.blocks_fenced_total = k->st.blocks_fenced;
+    s.has_cache_creation_tokens = s.has_pins = s.has_pinned_blocks = s.has_pins_expired = s.has_pins_refused = true;
+    s.cache_creation_tokens = k->st.cache_creation_tokens;
+    pins_count(k, tenant, &s.pins, &s.pinned_blocks);
+    pins_counters(k, &s.pins_expired, &s.pins_refused);
     for (int hi = 0; hi < KVD_MAX_HOSTS && tenant == NULL; hi++) {
         const struct kvd_host *ho = &k->hosts[hi];
         if (!ho->used)
@@ -2242,6 +2405,9 @@ void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const char
     case KVD__CLIENT_REQUEST__BODY_TOKENIZE:
         on_tokenize(k, rid, rid_len, id, m->tokenize);
         break;
+    case KVD__CLIENT_REQUEST__BODY_CACHE:
+        pins_on_request(k, rid, rid_len, tenant, id, m->cache);
+        break;
     default:
         k->st.bad_messages++;
         reply_error(k, rid, rid_len, id, KVD__ERROR_CODE__ERR_BAD_REQUEST, "empty request", 0);
@@ -2253,6 +2419,7 @@ void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const char
 
 void req_tick(struct kvd *k)
 {
+    pins_tick(k);
     double now = cli_now_ms();
     struct request *lists[2] = { k->queue, k->active };
     for (int l = 0; l < 2; l++) {

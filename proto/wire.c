@@ -696,6 +696,28 @@ static int check_generate(const Kvd__GenerateRequest *g, char *err, size_t errle
                               "generate.namespace is %zu bytes, over the limit of %u",
                               n, WIRE_MAX_NAMESPACE);
     }
+    if (g->has_pin_ttl_s && (g->pin_ttl_s == 0 || g->pin_ttl_s > WIRE_MAX_PIN_TTL_S))
+        return kvd_seterr(err, errlen, KVD_ERANGE, "generate.pin_ttl_s = %u is outside [1, %u]",
+                          g->pin_ttl_s, WIRE_MAX_PIN_TTL_S);
+    if (g->has_pin_messages && g->pin_messages > 0 && !g->has_pin_ttl_s)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "generate.pin_messages needs pin_ttl_s");
+    if (g->has_pin_messages && g->pin_messages > g->n_messages)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "generate.pin_messages = %u, but there are %zu messages",
+                          g->pin_messages, g->n_messages);
+    return 0;
+}
+
+/* An op, a pin id where it needs one, a namespace within bounds. */
+static int check_cache(const Kvd__CacheRequest *c, char *err, size_t errlen)
+{
+    if (!c->has_op || c->op < KVD__CACHE_REQUEST__OP__OP_LIST || c->op > KVD__CACHE_REQUEST__OP__OP_EVICT)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "cache.op must be list, unpin or evict");
+    if (c->op != KVD__CACHE_REQUEST__OP__OP_LIST &&
+        (c->pin_id == NULL || c->pin_id[0] == '\0' || strlen(c->pin_id) > 64))
+        return kvd_seterr(err, errlen, KVD_EINVAL, "cache.pin_id is missing or over 64 bytes");
+    if (c->namespace_ != NULL && strlen(c->namespace_) > WIRE_MAX_NAMESPACE)
+        return kvd_seterr(err, errlen, KVD_ERANGE, "cache.namespace is over the limit of %u bytes",
+                          WIRE_MAX_NAMESPACE);
     return 0;
 }
 
@@ -748,11 +770,15 @@ int wire_check_client_request(const Kvd__ClientRequest *m, char *err, size_t err
         if (m->tokenize == NULL)
             break;
         return check_tokenize(m->tokenize, err, errlen);
+    case KVD__CLIENT_REQUEST__BODY_CACHE:
+        if (m->cache == NULL)
+            break;
+        return check_cache(m->cache, err, errlen);
     default:
         break;
     }
     return kvd_seterr(err, errlen, KVD_EFORMAT,
-                      "ClientRequest has no body (generate, cancel, stats, health or tokenize)");
+                      "ClientRequest has no body (generate, cancel, stats, health, tokenize or cache)");
 }
 
 /* ---- server replies ------------------------------------------------------------------ */
@@ -833,6 +859,13 @@ int wire_check_server_reply(const Kvd__ServerReply *m, char *err, size_t errlen)
         if (m->tokens == NULL)
             break;
         return check_token_list(m->tokens->token_ids, m->tokens->n_token_ids, "tokens.token_ids", err, errlen);
+    case KVD__SERVER_REPLY__BODY_CACHE:
+        if (m->cache == NULL)
+            break;
+        for (size_t i = 0; i < m->cache->n_pins; i++)
+            if (m->cache->pins[i] == NULL || m->cache->pins[i]->id == NULL)
+                return kvd_seterr(err, errlen, KVD_EFORMAT, "cache.pins[%zu] is missing or has no id", i);
+        return 0;
     default:
         break;
     }

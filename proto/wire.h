@@ -37,6 +37,7 @@
 #define WIRE_MAX_STOPS 16u                /* stop strings */
 #define WIRE_MAX_STOP_BYTES 256u          /* bytes in one stop string */
 #define WIRE_MAX_NAMESPACE 256u           /* bytes in a namespace */
+#define WIRE_MAX_PIN_TTL_S 604800u        /* a pin's TTL at most (kvd's --pin-max-ttl is lower) */
 #define WIRE_MAX_NEW_TOKENS (1u << 20)    /* max_tokens */
 #define WIRE_MAX_DEADLINE_MS (24u * 3600u * 1000u)
 #define WIRE_MAX_BLOCKS (1u << 20)        /* block ids in one message */

@@ -1103,7 +1103,7 @@ int64_t prefix_seq_begin(prefix_t *px, struct prefix_seq *s, prefix_ns_t ns,
         px->hits[s->blocks[i]]++;
     }
     s->n_blocks = s->n_cached = s->n_committed = s->n_indexed = m;
-    if ((px->tier.fetch != NULL || px->tier.start != NULL) && pending == POOL_NONE && m < max) {
+    if ((px->tier.fetch != NULL || px->tier.start != NULL) && !s->pool_only && pending == POOL_NONE && m < max) {
         if (px->np > 1)
             restore_parts(px, s, tokens, (uint32_t)max, &pending);
         else
@@ -1273,6 +1273,33 @@ void prefix_seq_release(prefix_t *px, struct prefix_seq *s)
     s->n_cached = s->n_committed = s->n_indexed = s->n_restored = s->n_restoring = 0;
     s->chain_open = true;
     s->key = KEY_ZERO;
+}
+
+uint32_t prefix_seq_release_evict(prefix_t *px, struct prefix_seq *s)
+{
+    const uint32_t n = s->n_blocks, np = s->n_parts ? s->n_parts : 1;
+    uint32_t *ids = n ? malloc((size_t)n * np * sizeof(*ids)) : NULL;
+    size_t k = 0;
+    /* the same order as release: later blocks first, other parts before part 0,
+     * so that each block met is a leaf by the time it is met */
+    for (uint32_t i = n; ids != NULL && i-- > 0;)
+        for (uint32_t p = np; p-- > 0;) {
+            const uint32_t id = p == 0 ? s->blocks[i] : s->tables[p][i];
+            if (id != POOL_NONE)
+                ids[k++] = id;
+        }
+    prefix_seq_release(px, s);
+    uint32_t done = 0;
+    for (size_t j = 0; j < k; j++) {
+        const struct pool_block *r = &px->b[ids[j]];
+        if (r->refs == 0 && r->state == POOL_BLOCK_COMMITTED && (r->flags & POOL_BLOCK_INDEXED) &&
+            r->n_children == 0) {
+            evict_one(px, ids[j]);
+            done++;
+        }
+    }
+    free(ids);
+    return done;
 }
 
 /* Takes the pending blocks of s's logical blocks [from, to) out of the index,

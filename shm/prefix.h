@@ -100,6 +100,8 @@ struct prefix_seq {
     uint32_t *held;         /* blocks s still holds off its tables: a window's dropped blocks and
                              * copy sources, until prefix_window_done (or release) */
     uint32_t n_held, held_cap;
+    bool pool_only;         /* begin takes only what the pool holds, nothing from a tier (set
+                             * by the caller, kept across release) */
 };
 
 /* What a lookup found. */
@@ -325,6 +327,14 @@ int prefix_seq_commit(prefix_t *px, struct prefix_seq *s, const int32_t *tokens,
  * else holds go to the LRU head, others are freed (pending indexed ones leave
  * the index). s is left empty and may begin again; its table is kept. */
 void prefix_seq_release(prefix_t *px, struct prefix_seq *s);
+
+/*
+ * Drops every block of s as prefix_seq_release does, then evicts at once those
+ * of them that nobody holds and no indexed block continues (a tier's
+ * evicted() gets them, as on any eviction). Returns the blocks evicted.
+ * Without memory for the list it evicts nothing.
+ */
+uint32_t prefix_seq_release_evict(prefix_t *px, struct prefix_seq *s);
 
 /*
  * Takes s's pending blocks out of the index, keeping them: nobody finds or

@@ -1,6 +1,7 @@
 /*
  * kvcli.c - kvcli, the command line of kvd: generate text (streamed, whole,
- * or as JSON), print the daemon's statistics, check its health.
+ * or as JSON), print the daemon's statistics, check its health, list, make,
+ * unpin and evict pinned prefixes (kvcli cache).
  *
  * Exit status: 0 done, 1 an error from kvd or the connection (one line
  * "kvcli: ..." on stderr), 2 a usage error, 130 a streamed generate
@@ -16,7 +17,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
+
+#include <jansson.h>
 
 #include "cli.h"
 #include "kvd_client.h"
@@ -83,6 +87,12 @@ static void usage(FILE *f)
           "  generate [options] PROMPT  generate a continuation of PROMPT (\"-\": read stdin)\n"
           "  stats [--json | --prometheus]  the daemon's statistics (--prometheus: as /metrics)\n"
           "  health                     print ok / not ok (exit status 0 / 1)\n"
+          "  cache list [--namespace NS] [--json]   the pinned prefixes (of NS's tenant)\n"
+          "  cache pin [--ttl 5m|1h|SECONDS] [--messages-file F [--pin-messages N] | --prompt-file F | PROMPT]\n"
+          "            [--namespace NS] [--json]    compute a prompt into the cache and pin it\n"
+          "                             (a messages file: a JSON array of {\"role\", \"content\"};\n"
+          "                             --pin-messages N: the prefix of its first N messages)\n"
+          "  cache unpin|evict [--namespace NS] [--json] PIN_ID  drop a pin (evict: its blocks too)\n"
           "\n"
           "global options:\n"
           "  -e, --endpoint ENDPOINT    kvd's endpoint (default $KVD_ENDPOINT, else\n"
@@ -175,7 +185,7 @@ static int32_t *parse_ids(const char *s, size_t *n)
 enum {
     OPT_TIMEOUT = 256, OPT_CHAT, OPT_SYSTEM, OPT_SYSTEM_FILE, OPT_JSON, OPT_TEMP, OPT_TOPK,
     OPT_TOPP, OPT_MINP, OPT_REPEAT, OPT_SEED, OPT_STOP, OPT_NS, OPT_NO_CACHE, OPT_LOGPROBS, OPT_DEADLINE,
-    OPT_IGNORE_EOS, OPT_NO_STREAM, OPT_IDS, OPT_PROM,
+    OPT_IGNORE_EOS, OPT_NO_STREAM, OPT_IDS, OPT_PROM, OPT_TTL, OPT_MSGFILE, OPT_PROMPTFILE, OPT_PINMSGS,
 };
 
 static int parse_timeout(const char *s)
@@ -241,7 +251,7 @@ static int parse_global(int argc, char **argv, struct options *o)
         }
     }
     if (optind >= argc)
-        die_usage("no command (generate, stats or health)");
+        die_usage("no command (generate, stats, health or cache)");
     return optind;
 }
 
@@ -646,6 +656,254 @@ static void die_simple(int rc, const char *endpoint, int timeout_ms)
     die("%s", kvd_strerror(rc));
 }
 
+/* ---- kvcli cache ------------------------------------------------------------------------ */
+
+struct cache_opts {
+    const char *op;             /* list, pin, unpin, evict */
+    const char *ns;             /* --namespace */
+    const char *pin_id;         /* unpin, evict */
+    uint32_t ttl_s;             /* pin: --ttl (default 5m) */
+    uint32_t pin_messages;      /* pin: --pin-messages */
+    const char *msg_file, *prompt_file, *prompt;
+    bool json;
+};
+
+/* --ttl: "5m", "1h" (Anthropic's) or whole seconds. */
+static uint32_t parse_ttl(const char *s)
+{
+    if (strcmp(s, "5m") == 0)
+        return 300;
+    if (strcmp(s, "1h") == 0)
+        return 3600;
+    return (uint32_t)parse_int(s, "--ttl (5m, 1h or seconds)", 1, 604800);
+}
+
+static void print_pin(const struct kvd_pin *p, bool json, uint32_t blocks_evicted, bool evicted)
+{
+    if (json) {
+        printf("{\"id\":\"%s\",\"tenant\":", p->id);
+        json_str(stdout, p->tenant, strlen(p->tenant));
+        printf(",\"namespace\":");
+        json_str(stdout, p->ns, strlen(p->ns));
+        printf(",\"tokens\":%u,\"blocks\":%u,\"hits\":%llu,\"ttl_s\":%u,\"created_unix_ms\":%llu,"
+               "\"expires_unix_ms\":%llu", p->tokens, p->blocks, (unsigned long long)p->hits, p->ttl_s,
+               (unsigned long long)p->created_unix_ms, (unsigned long long)p->expires_unix_ms);
+        if (evicted)
+            printf(",\"blocks_evicted\":%u", blocks_evicted);
+        printf("}");
+        return;
+    }
+    const time_t exp = (time_t)(p->expires_unix_ms / 1000);
+    struct tm tm;
+    char when[32] = "?";
+    if (gmtime_r(&exp, &tm) != NULL)
+        strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", &tm);
+    printf("%s  %u tokens, %u blocks, %llu hits, ttl %u s, expires %s", p->id, p->tokens, p->blocks,
+           (unsigned long long)p->hits, p->ttl_s, when);
+    if (p->tenant[0] || p->ns[0])
+        printf(", tenant %s, namespace %s", p->tenant[0] ? p->tenant : "-", p->ns[0] ? p->ns : "-");
+    if (evicted)
+        printf(", %u blocks evicted", blocks_evicted);
+}
+
+/* Parses `cache OP`'s options (argv[0] is "cache", argv[1] the operation). */
+static void parse_cache(int argc, char **argv, struct options *o, struct cache_opts *co)
+{
+    static const struct option longs[] = {
+        { "namespace", required_argument, NULL, OPT_NS },
+        { "json", no_argument, NULL, OPT_JSON },
+        { "ttl", required_argument, NULL, OPT_TTL },
+        { "messages-file", required_argument, NULL, OPT_MSGFILE },
+        { "prompt-file", required_argument, NULL, OPT_PROMPTFILE },
+        { "pin-messages", required_argument, NULL, OPT_PINMSGS },
+        { "endpoint", required_argument, NULL, 'e' },
+        { "timeout", required_argument, NULL, OPT_TIMEOUT },
+        { "help", no_argument, NULL, 'h' },
+        { NULL, 0, NULL, 0 },
+    };
+    if (argc < 2)
+        die_usage("cache needs list, pin, unpin or evict");
+    co->op = argv[1];
+    const bool pin = strcmp(co->op, "pin") == 0, list = strcmp(co->op, "list") == 0;
+    if (!pin && !list && strcmp(co->op, "unpin") != 0 && strcmp(co->op, "evict") != 0)
+        die_usage("cache: unknown operation '%s' (list, pin, unpin or evict)", co->op);
+    co->ttl_s = 300;
+    optind = 0;
+    int c;
+    bool ttl_set = false, pm_set = false;
+    while ((c = getopt_long(argc - 1, argv + 1, ":e:h", longs, NULL)) != -1) {
+        switch (c) {
+        case 'e': o->endpoint = optarg; break;
+        case OPT_TIMEOUT: o->timeout_ms = parse_timeout(optarg); break;
+        case OPT_NS: co->ns = optarg; break;
+        case OPT_JSON: co->json = true; break;
+        case OPT_TTL: co->ttl_s = parse_ttl(optarg); ttl_set = true; break;
+        case OPT_MSGFILE: co->msg_file = optarg; break;
+        case OPT_PROMPTFILE: co->prompt_file = optarg; break;
+        case OPT_PINMSGS:
+            co->pin_messages = (uint32_t)parse_int(optarg, "--pin-messages", 1, 1024);
+            pm_set = true;
+            break;
+        case 'h': usage(stdout); exit(0);
+        case ':': die_usage("option %s needs a value", argv[optind]);
+        default: die_usage("unknown option %s", argv[optind]);
+        }
+    }
+    const int left = argc - 1 - optind;
+    char **rest = argv + 1 + optind;
+    if (!pin && (ttl_set || co->msg_file || co->prompt_file || pm_set))
+        die_usage("cache %s takes no --ttl, --messages-file, --prompt-file or --pin-messages", co->op);
+    if (list && left > 0)
+        die_usage("cache list: unexpected argument '%s'", rest[0]);
+    if (!pin && !list) {
+        if (left != 1)
+            die_usage("cache %s needs one PIN_ID", co->op);
+        co->pin_id = rest[0];
+    }
+    if (pin) {
+        const int forms = (co->msg_file != NULL) + (co->prompt_file != NULL) + (left > 0);
+        if (forms != 1)
+            die_usage("cache pin needs one of --messages-file, --prompt-file and PROMPT");
+        if (left > 1)
+            die_usage("cache pin: unexpected argument '%s' (quote the prompt)", rest[1]);
+        if (pm_set && co->msg_file == NULL)
+            die_usage("--pin-messages needs --messages-file");
+        co->prompt = left > 0 ? rest[0] : NULL;
+    }
+}
+
+/* A messages file: a JSON array of {"role": ..., "content": "..."}; any other
+ * field is refused by name. The messages point into *root (keep it). */
+static struct kvd_chat_msg *read_messages(const char *path, json_t **root, size_t *n)
+{
+    json_error_t je;
+    *root = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
+    if (*root == NULL)
+        die("%s: not JSON: %s (line %d)", path, je.text, je.line);
+    if (!json_is_array(*root) || json_array_size(*root) == 0)
+        die("%s: want a non-empty JSON array of messages", path);
+    *n = json_array_size(*root);
+    struct kvd_chat_msg *m = calloc(*n, sizeof(*m));
+    if (m == NULL)
+        die("out of memory");
+    size_t i;
+    json_t *e;
+    json_array_foreach(*root, i, e) {
+        const char *k;
+        json_t *v;
+        json_object_foreach(e, k, v)
+            if (strcmp(k, "role") != 0 && strcmp(k, "content") != 0)
+                die("%s: message %zu: field '%s' is not supported (role, content)", path, i, k);
+        m[i].role = json_string_value(json_object_get(e, "role"));
+        m[i].content = json_string_value(json_object_get(e, "content"));
+        if (m[i].role == NULL || m[i].content == NULL)
+            die("%s: message %zu needs a \"role\" and a \"content\" string", path, i);
+    }
+    return m;
+}
+
+/* cache pin: the prompt computed into the cache (nothing generated) and pinned. */
+static int cache_pin(kvd_client_t *c, const struct cache_opts *co)
+{
+    struct kvd_gen_params gp;
+    kvd_gen_params_init(&gp);
+    json_t *root = NULL;
+    struct kvd_chat_msg *msgs = NULL;
+    char *text = NULL;
+    if (co->msg_file != NULL) {
+        msgs = read_messages(co->msg_file, &root, &gp.n_messages);
+        gp.messages = msgs;
+        if (co->pin_messages > gp.n_messages)
+            die_usage("--pin-messages %u, but %s holds %zu messages", co->pin_messages, co->msg_file,
+                      gp.n_messages);
+        gp.pin_messages = co->pin_messages;
+    } else {
+        gp.prompt = co->prompt != NULL ? co->prompt : (text = read_file(co->prompt_file));
+    }
+    gp.ns = co->ns;
+    gp.prefill_only = true;
+    gp.pin_ttl_s = co->ttl_s;
+    struct kvd_result r;
+    const int rc = kvd_generate(c, &gp, &r);
+    free(msgs);
+    free(text);
+    json_decref(root);
+    if (rc != 0)
+        die_call(rc, r.error, r.retry_after_ms);
+    if (!r.has_pin) {
+        fprintf(stderr, "%s: not pinned: %s\n", prog, r.pin_error[0] ? r.pin_error : "kvd made no pin");
+        kvd_result_free(&r);
+        return 1;
+    }
+    if (co->json) {
+        printf("{\"pin\":");
+        print_pin(&r.pin, true, 0, false);
+        printf(",\"usage\":{\"prompt_tokens\":%u,\"cached_prompt_tokens\":%u,\"cache_creation_tokens\":%u,"
+               "\"cached_blocks\":%u}}\n", r.prompt_tokens, r.cached_prompt_tokens, r.cache_creation_tokens,
+               r.cached_blocks);
+    } else {
+        print_pin(&r.pin, false, 0, false);
+        printf("\n");
+    }
+    kvd_result_free(&r);
+    return 0;
+}
+
+static int cmd_cache(kvd_client_t *c, const struct cache_opts *co)
+{
+    char err[256] = "";
+    int rc;
+    if (strcmp(co->op, "pin") == 0)
+        return cache_pin(c, co);
+    if (strcmp(co->op, "list") == 0) {
+        struct kvd_pin *pins = NULL;
+        size_t n = 0;
+        if ((rc = kvd_cache_list(c, co->ns, &pins, &n, err, sizeof(err))) != 0)
+            die_call(rc, err, 0);
+        if (co->json)
+            printf("[");
+        for (size_t i = 0; i < n; i++) {
+            if (co->json && i)
+                printf(",");
+            print_pin(&pins[i], co->json, 0, false);
+            if (!co->json)
+                printf("\n");
+        }
+        if (co->json)
+            printf("]\n");
+        free(pins);
+        return 0;
+    }
+    struct kvd_pin gone;
+    uint32_t blocks = 0;
+    const bool evict = strcmp(co->op, "evict") == 0;
+    rc = evict ? kvd_cache_evict(c, co->ns, co->pin_id, &gone, &blocks, err, sizeof(err))
+               : kvd_cache_unpin(c, co->ns, co->pin_id, &gone, err, sizeof(err));
+    if (rc == KVD_ENOTFOUND)
+        die("no pin %s%s%s", co->pin_id, co->ns ? " in namespace " : "", co->ns ? co->ns : "");
+    if (rc != 0)
+        die_call(rc, err, 0);
+    print_pin(&gone, co->json, blocks, evict);
+    printf("\n");
+    return 0;
+}
+
+/* kvcli cache ...: parse, connect, run. */
+static int cache_main(int argc, char **argv, struct options *o)
+{
+    struct cache_opts co = { 0 };
+    parse_cache(argc, argv, o, &co);
+    char endpoint[512], err[256];
+    if (o->endpoint == NULL)
+        o->endpoint = kvd_default_endpoint(endpoint, sizeof(endpoint));
+    kvd_client_t *c = kvd_client_new(o->endpoint, o->timeout_ms, err, sizeof(err));
+    if (c == NULL)
+        die("%s", err);
+    const int status = cmd_cache(c, &co);
+    kvd_client_destroy(&c);
+    return status;
+}
+
 int main(int argc, char **argv)
 {
     struct options o;
@@ -655,12 +913,14 @@ int main(int argc, char **argv)
     kvd_gen_params_init(&o.gp);
     int ci = parse_global(argc, argv, &o);
     const char *cmd = argv[ci];
+    if (strcmp(cmd, "cache") == 0)
+        return cache_main(argc - ci, argv + ci, &o);
     if (strcmp(cmd, "generate") == 0)
         parse_generate(argc - ci, argv + ci, &o);
     else if (strcmp(cmd, "stats") == 0 || strcmp(cmd, "health") == 0)
         parse_simple(argc - ci, argv + ci, &o);
     else
-        die_usage("unknown command '%s' (generate, stats or health)", cmd);
+        die_usage("unknown command '%s' (generate, stats, health or cache)", cmd);
 
     char endpoint[512];
     if (o.endpoint == NULL)

@@ -196,6 +196,8 @@ static const char *body_name(Kvd__ServerReply__BodyCase b)
     case KVD__SERVER_REPLY__BODY_ERROR: return "error";
     case KVD__SERVER_REPLY__BODY_STATS: return "stats";
     case KVD__SERVER_REPLY__BODY_HEALTH: return "health";
+    case KVD__SERVER_REPLY__BODY_TOKENS: return "tokens";
+    case KVD__SERVER_REPLY__BODY_CACHE: return "cache";
     default: return "empty";
     }
 }
@@ -835,12 +837,30 @@ static int gen_msg_build(struct gen_msg *m, const struct kvd_gen_params *p, uint
     g->parallel_tool_calls = p->parallel_tool_calls;
     g->has_context_overflow = p->context_overflow != KVD_OVERFLOW_DEFAULT;
     g->context_overflow = (Kvd__ContextOverflow)p->context_overflow;
+    g->has_pin_ttl_s = p->pin_ttl_s > 0;
+    g->pin_ttl_s = p->pin_ttl_s;
+    g->has_pin_messages = p->pin_messages > 0;
+    g->pin_messages = p->pin_messages;
 
     /* the daemon's own checks, here, so that a bad argument costs no round trip */
     char why[200];
     if (wire_check_client_request(&m->req, why, sizeof(why)) != 0)
         return kvd_seterr(err, errlen, KVD_EINVAL, "%s", why);
     return 0;
+}
+
+static void take_pin(const Kvd__Pin *m, struct kvd_pin *p)
+{
+    memset(p, 0, sizeof(*p));
+    snprintf(p->id, sizeof(p->id), "%s", m->id ? m->id : "");
+    snprintf(p->tenant, sizeof(p->tenant), "%s", m->tenant ? m->tenant : "");
+    snprintf(p->ns, sizeof(p->ns), "%s", m->namespace_ ? m->namespace_ : "");
+    p->tokens = m->tokens;
+    p->blocks = m->blocks;
+    p->ttl_s = m->ttl_s;
+    p->hits = m->hits;
+    p->created_unix_ms = m->created_unix_ms;
+    p->expires_unix_ms = m->expires_unix_ms;
 }
 
 /* Takes what a Final says into out (text and tokens from the Final when it
@@ -858,7 +878,15 @@ static int take_final(const Kvd__Final *f, struct output *o, struct kvd_result *
         out->host_cached_prompt_tokens = f->usage->host_cached_prompt_tokens;
         out->disk_cached_prompt_tokens = f->usage->disk_cached_prompt_tokens;
         out->completion_tokens = f->usage->completion_tokens;
+        out->cache_creation_tokens = f->usage->cache_creation_tokens;
+        out->cached_blocks = f->usage->cached_blocks;
     }
+    if (f->pin != NULL) {
+        out->has_pin = true;
+        take_pin(f->pin, &out->pin);
+    }
+    if (f->pin_error != NULL)
+        snprintf(out->pin_error, sizeof(out->pin_error), "%s", f->pin_error);
     if (f->timings != NULL) {
         out->queued_ms = f->timings->queued_ms;
         out->ttft_ms = f->timings->ttft_ms;
@@ -1209,7 +1237,15 @@ static void take_stats(const Kvd__Stats *s, struct kvd_stats *out)
         o->running = t->running;
         o->blocks_held = t->blocks_held;
         o->refused = t->refused;
+        o->cache_creation_tokens = t->cache_creation_tokens;
+        o->pins = t->pins;
+        o->pinned_blocks = t->pinned_blocks;
     }
+    out->cache_creation_tokens = s->cache_creation_tokens;
+    out->pins = s->pins;
+    out->pinned_blocks = s->pinned_blocks;
+    out->pins_expired = s->pins_expired;
+    out->pins_refused = s->pins_refused;
 }
 
 int kvd_stats(kvd_client_t *c, struct kvd_stats *out)
@@ -1378,6 +1414,100 @@ int kvd_health(kvd_client_t *c, bool *ok, uint32_t *workers_alive)
     }
     inbox_release(c, &in);
     return rc;
+}
+
+/* ---- pinned prefixes ---------------------------------------------------------------------- */
+
+/* One cache request; on success *out is the reply (release `in` after). */
+static int cache_call(kvd_client_t *c, Kvd__CacheRequest *cr, struct inbox *in, const Kvd__CacheReply **out,
+                      char *err, size_t errlen)
+{
+    if (err != NULL && errlen > 0)
+        err[0] = '\0';
+    Kvd__ClientRequest req;
+    init_request(&req, take_id(c));
+    req.body_case = KVD__CLIENT_REQUEST__BODY_CACHE;
+    req.cache = cr;
+    char why[200];
+    if (wire_check_client_request(&req, why, sizeof(why)) != 0)
+        return kvd_seterr(err, errlen, KVD_EINVAL, "%s", why);
+    Kvd__ServerReply *r;
+    int rc = call(c, &req, in, &r, err, errlen);
+    if (rc != 0)
+        return rc;
+    if (r->body_case == KVD__SERVER_REPLY__BODY_CACHE) {
+        *out = r->cache;
+        return 0;
+    }
+    rc = r->body_case == KVD__SERVER_REPLY__BODY_ERROR ? take_server_error(r->error, err, errlen)
+                                                       : kvd_seterr(err, errlen, KVD_EPROTOCOL,
+                                                                    "kvd answered a cache request with %s",
+                                                                    body_name(r->body_case));
+    inbox_release(c, in);
+    return rc;
+}
+
+int kvd_cache_list(kvd_client_t *c, const char *ns, struct kvd_pin **pins, size_t *n, char *err, size_t errlen)
+{
+    if (c == NULL || pins == NULL || n == NULL)
+        return KVD_EINVAL;
+    *pins = NULL;
+    *n = 0;
+    Kvd__CacheRequest cr = KVD__CACHE_REQUEST__INIT;
+    cr.has_op = true;
+    cr.op = KVD__CACHE_REQUEST__OP__OP_LIST;
+    cr.namespace_ = (char *)ns;
+    struct inbox in;
+    const Kvd__CacheReply *out;
+    int rc = cache_call(c, &cr, &in, &out, err, errlen);
+    if (rc != 0)
+        return rc;
+    if (out->n_pins > 0 && (*pins = calloc(out->n_pins, sizeof(**pins))) == NULL)
+        rc = KVD_ENOMEM;
+    for (size_t i = 0; rc == 0 && i < out->n_pins; i++)
+        take_pin(out->pins[i], &(*pins)[i]);
+    if (rc == 0)
+        *n = out->n_pins;
+    inbox_release(c, &in);
+    return rc;
+}
+
+static int cache_drop(kvd_client_t *c, const char *ns, const char *pin_id, bool evict, struct kvd_pin *pin,
+                      uint32_t *blocks_evicted, char *err, size_t errlen)
+{
+    if (c == NULL || pin_id == NULL)
+        return KVD_EINVAL;
+    Kvd__CacheRequest cr = KVD__CACHE_REQUEST__INIT;
+    cr.has_op = true;
+    cr.op = evict ? KVD__CACHE_REQUEST__OP__OP_EVICT : KVD__CACHE_REQUEST__OP__OP_UNPIN;
+    cr.pin_id = (char *)pin_id;
+    cr.namespace_ = (char *)ns;
+    struct inbox in;
+    const Kvd__CacheReply *out;
+    int rc = cache_call(c, &cr, &in, &out, err, errlen);
+    if (rc != 0)
+        return rc;
+    if (out->n_pins != 1)
+        rc = kvd_seterr(err, errlen, KVD_EPROTOCOL, "kvd's answer names %zu pins, not the one that went",
+                        out->n_pins);
+    if (rc == 0 && pin != NULL)
+        take_pin(out->pins[0], pin);
+    if (rc == 0 && blocks_evicted != NULL)
+        *blocks_evicted = out->blocks_evicted;
+    inbox_release(c, &in);
+    return rc;
+}
+
+int kvd_cache_unpin(kvd_client_t *c, const char *ns, const char *pin_id, struct kvd_pin *out, char *err,
+                    size_t errlen)
+{
+    return cache_drop(c, ns, pin_id, false, out, NULL, err, errlen);
+}
+
+int kvd_cache_evict(kvd_client_t *c, const char *ns, const char *pin_id, struct kvd_pin *out,
+                    uint32_t *blocks_evicted, char *err, size_t errlen)
+{
+    return cache_drop(c, ns, pin_id, true, out, blocks_evicted, err, errlen);
 }
 
 /* ---- tokens ------------------------------------------------------------------------------ */
@@ -1575,6 +1705,12 @@ char *kvd_stats_prometheus(const struct kvd_stats *st)
     metric(&t, "kvd_blocks_pending", "gauge", "KV blocks being written.", st->blocks_pending);
     metric(&t, "kvd_evictions_total", "counter", "Cached blocks evicted.", (double)st->evictions);
     metric(&t, "kvd_bad_messages_total", "counter", "Malformed messages refused.", (double)st->bad_messages);
+    metric(&t, "kvd_cache_creation_tokens_total", "counter", "Prompt tokens computed and written to the cache.",
+           (double)st->cache_creation_tokens);
+    metric(&t, "kvd_pins", "gauge", "Pinned prefixes.", (double)st->pins);
+    metric(&t, "kvd_pinned_blocks", "gauge", "KV blocks pinned prefixes hold.", (double)st->pinned_blocks);
+    metric(&t, "kvd_pins_expired_total", "counter", "Pins that reached their TTL.", (double)st->pins_expired);
+    metric(&t, "kvd_pins_refused_total", "counter", "Pins refused or not taken.", (double)st->pins_refused);
     metric(&t, "kvd_kv_bytes_per_token", "gauge", "K and V bytes of one token, all layers.",
            (double)st->kv_bytes_per_token);
     tprintf(&t, "# HELP kvd_worker_running Requests running on a worker.\n# TYPE kvd_worker_running gauge\n");
@@ -1624,6 +1760,9 @@ char *kvd_stats_prometheus(const struct kvd_stats *st)
         { "kvd_tenant_requests_running", "gauge", "A tenant's requests running." },
         { "kvd_tenant_blocks", "gauge", "KV blocks a tenant holds (in use, pending and cached)." },
         { "kvd_tenant_refused_total", "counter", "A tenant's requests refused: its queue was full." },
+        { "kvd_tenant_cache_creation_tokens_total", "counter", "A tenant's prompt tokens written to the cache." },
+        { "kvd_tenant_pins", "gauge", "A tenant's pinned prefixes." },
+        { "kvd_tenant_pinned_blocks", "gauge", "KV blocks a tenant's pins hold." },
     };
     for (size_t m = 0; m < sizeof(tm) / sizeof(tm[0]) && st->n_tenants > 0; m++) {
         tprintf(&t, "# HELP %s %s\n# TYPE %s %s\n", tm[m].name, tm[m].help, tm[m].name, tm[m].type);
@@ -1638,7 +1777,8 @@ char *kvd_stats_prometheus(const struct kvd_stats *st)
             }
             label[o] = '\0';
             const uint64_t v[] = { ts->requests, ts->prompt_tokens, ts->cached_prompt_tokens, ts->queued,
-                                   ts->running, ts->blocks_held, ts->refused };
+                                   ts->running, ts->blocks_held, ts->refused, ts->cache_creation_tokens,
+                                   ts->pins, ts->pinned_blocks };
             tprintf(&t, "%s{tenant=\"%s\"} %llu\n", tm[m].name, label, (unsigned long long)v[m]);
         }
     }

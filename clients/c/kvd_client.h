@@ -135,6 +135,12 @@ struct kvd_gen_params {
     int context_overflow;                   /* at the daemon's context: KVD_OVERFLOW_DEFAULT (its
                                              * --context-overflow), _STOP or _WINDOW (keep the first
                                              * --sinks tokens and the newer half, and go on) */
+    uint32_t pin_ttl_s;                     /* > 0: once the prompt is cached, pin its full blocks for
+                                             * this many seconds (1 to kvd's --pin-max-ttl): never
+                                             * evicted before then; with prefill_only, a warm-up that
+                                             * pins (the result's pin, or pin_error) */
+    uint32_t pin_messages;                  /* with pin_ttl_s and messages: pin only the prefix the
+                                             * first N messages render to (0: the whole prompt) */
 };
 
 enum { KVD_OVERFLOW_DEFAULT = 0, KVD_OVERFLOW_STOP = 1, KVD_OVERFLOW_WINDOW = 2 };
@@ -171,6 +177,19 @@ struct kvd_logprob {
     size_t top_token_lens[KVD_MAX_TOP_LOGPROBS];
 };
 
+/* A pinned prefix (kvd's explicit prompt-cache control): blocks kept in the
+ * pool until expires_unix_ms. */
+struct kvd_pin {
+    char id[40];                    /* "pin_" and 32 hex digits */
+    char tenant[128];               /* "" for none */
+    char ns[257];                   /* the namespace its request named */
+    uint32_t tokens;                /* prompt tokens pinned (whole blocks) */
+    uint32_t blocks;                /* blocks it holds */
+    uint32_t ttl_s;
+    uint64_t hits;                  /* requests whose cached prefix covered it */
+    uint64_t created_unix_ms, expires_unix_ms;
+};
+
 struct kvd_result {
     char *text;                     /* NUL-terminated output (malloc'd) */
     size_t text_len;
@@ -194,6 +213,15 @@ struct kvd_result {
     uint64_t request_id;            /* the id this client gave the request */
     char error[256];                /* the daemon's message when a call failed */
     uint32_t retry_after_ms;        /* with KVD_EOVERLOADED */
+    /* appended in 0.1 (issue 40): cached_prompt_tokens were read from the
+     * cache, cache_creation_tokens computed and written to it (full blocks it
+     * indexed); prompt_tokens - both = computed without caching (a partial last
+     * block, no_cache, a block another request computed at the same time) */
+    uint32_t cache_creation_tokens;
+    uint32_t cached_blocks;         /* the prompt's blocks in the cache when it ended */
+    bool has_pin;                   /* with pin_ttl_s: the pin was made or renewed: */
+    struct kvd_pin pin;
+    char pin_error[224];            /* with pin_ttl_s and no pin: why (the output is whole) */
 };
 
 /* Frees what a result holds (not the struct) and zeroes it. */
@@ -262,6 +290,8 @@ struct kvd_tenant_stats {
     uint32_t queued, running;       /* requests waiting, on a worker now */
     uint64_t blocks_held;           /* KV blocks it holds now: in use, pending and cached */
     uint64_t refused;               /* refused: its queue was full (--tenant-max-queue) */
+    uint64_t cache_creation_tokens; /* prompt tokens its requests wrote to the cache */
+    uint32_t pins, pinned_blocks;   /* its pinned prefixes now, and the blocks they hold */
 };
 
 #define KVD_HIST_MAX 32
@@ -318,6 +348,11 @@ struct kvd_stats {
     uint32_t n_hosts;
     uint64_t hosts_lost;            /* other hosts' pools dropped: their last worker was lost */
     uint64_t blocks_fenced_total;   /* blocks held back after other hosts' workers were lost */
+    uint64_t cache_creation_tokens; /* prompt tokens written to the cache (usage's, summed) */
+    uint32_t pins, pinned_blocks;   /* pinned prefixes now (a tenant's client: its own) and their blocks */
+    uint64_t pins_expired;          /* pins that reached their TTL */
+    uint64_t pins_refused;          /* pins refused (TTL, count, block quota) or not taken (their
+                                     * prefix not all cached when their request ended) */
 };
 
 /* kvd's statistics into *out; free what it holds with kvd_stats_free. 0, or
@@ -410,6 +445,27 @@ int kvd_tokenize(kvd_client_t *c, const char *text, const struct kvd_chat_msg *m
  * *text is malloc'd. Errors as kvd_tokenize (an id out of the vocabulary:
  * KVD_EBADREQUEST). */
 int kvd_detokenize(kvd_client_t *c, const int32_t *ids, size_t n_ids, char **text, char *err, size_t errlen);
+
+/*
+ * The pinned prefixes (pins.h in kvd) of the client's tenant: its CURVE key's,
+ * or the tenant a namespace "tenant:NAME/..." names (ns; NULL: none). A client
+ * of the ipc:// socket naming none sees every pin. A pin is made by a generate
+ * with pin_ttl_s (prefill_only: a warm-up that pins and generates nothing).
+ *
+ * kvd_cache_list: *pins (malloc'd, free it; NULL when none) and *n.
+ * kvd_cache_unpin: the pin goes, its blocks stay cached (evictable).
+ * kvd_cache_evict: the pin goes and its blocks leave the pool now
+ * (*blocks_evicted, when not NULL, counts them).
+ * out (when not NULL) gets the pin that went. 0, KVD_ENOTFOUND for a pin the
+ * tenant does not have (another tenant's is as absent as one that never
+ * was), KVD_EBADREQUEST / KVD_EINVAL with kvd's message in err, or a
+ * transport error.
+ */
+int kvd_cache_list(kvd_client_t *c, const char *ns, struct kvd_pin **pins, size_t *n, char *err, size_t errlen);
+int kvd_cache_unpin(kvd_client_t *c, const char *ns, const char *pin_id, struct kvd_pin *out, char *err,
+                    size_t errlen);
+int kvd_cache_evict(kvd_client_t *c, const char *ns, const char *pin_id, struct kvd_pin *out,
+                    uint32_t *blocks_evicted, char *err, size_t errlen);
 
 /* ok: at least one worker is alive. */
 int kvd_health(kvd_client_t *c, bool *ok, uint32_t *workers_alive);

@@ -23,7 +23,7 @@ import zmq
 
 from . import _socket, _wire, errors, kvd_pb2
 from ._wire import GenerateParams, MessageLike
-from .results import Chunk, Health, Result, Stats
+from .results import Chunk, Health, Pin, Result, Stats
 
 S = TypeVar("S", bound="zmq.Socket[Any]")
 T = TypeVar("T")
@@ -73,6 +73,12 @@ def detokenize_call(request_id: int, token_ids: Sequence[int]) -> Call[str]:
     """The text of token ids."""
     return Call(request_id, _wire.encode_tokenize(request_id, token_ids=token_ids), "tokens",
                 lambda r: str(r.tokens.text))
+
+
+def cache_call(request_id: int, op: str, pin_id: str | None, namespace: str | None) -> Call[list[Pin]]:
+    """A cache management request: the pins listed, or the one unpinned or evicted."""
+    return Call(request_id, _wire.encode_cache(request_id, op, pin_id, namespace), "cache",
+                lambda r: [_wire.to_pin(p) for p in r.cache.pins])
 
 
 def health_call(request_id: int) -> Call[Health]:

@@ -28,6 +28,7 @@ from .results import (
     FinishReason,
     Health,
     HostStats,
+    Pin,
     Result,
     Stats,
     TenantStats,
@@ -213,6 +214,42 @@ def encode_tokenize(
     return req.SerializeToString()
 
 
+def ttl_seconds(ttl: int | str) -> int:
+    """A pin's TTL in seconds: "5m", "1h" (Anthropic's) or whole seconds."""
+    if isinstance(ttl, str):
+        if ttl in _TTLS:
+            return _TTLS[ttl]
+        raise errors.BadRequest(f'pin_ttl = {ttl!r}: want "5m", "1h" or whole seconds',
+                                code=kvd_pb2.ERR_BAD_REQUEST)
+    return _int_in("pin_ttl", ttl, 1, 604800)
+
+
+_TTLS = {"5m": 300, "1h": 3600}
+_CACHE_OPS = {"list": kvd_pb2.CacheRequest.OP_LIST, "unpin": kvd_pb2.CacheRequest.OP_UNPIN,
+              "evict": kvd_pb2.CacheRequest.OP_EVICT}
+
+
+def encode_cache(request_id: int, op: str, pin_id: str | None, namespace: str | None) -> bytes:
+    """A CacheRequest: list, unpin or evict."""
+    req = _request(request_id)
+    c = req.cache
+    c.op = _CACHE_OPS[op]
+    if op != "list":
+        if not isinstance(pin_id, str) or not pin_id:
+            raise errors.BadRequest("a pin id is needed", code=kvd_pb2.ERR_BAD_REQUEST)
+        c.pin_id = pin_id
+    if namespace is not None:
+        c.namespace = namespace
+    return req.SerializeToString()
+
+
+def to_pin(p: kvd_pb2.Pin) -> Pin:
+    """A Pin from its message."""
+    return Pin(id=p.id, tenant=p.tenant, namespace=p.namespace, tokens=p.tokens, blocks=p.blocks,
+               hits=p.hits, created_unix_ms=p.created_unix_ms, expires_unix_ms=p.expires_unix_ms,
+               ttl_s=p.ttl_s)
+
+
 def encode_health(request_id: int) -> bytes:
     """A HealthRequest."""
     req = _request(request_id)
@@ -292,6 +329,9 @@ class GenerateParams:
     json_schema: str | Mapping[str, object] | None = None
     json_object: bool = False
     context_overflow: str | None = None
+    prefill_only: bool = False
+    pin_ttl: int | str | None = None
+    pin_messages: int | None = None
 
     def encode(self, request_id: int) -> bytes:
         """The GenerateRequest, asking for chunks. Raises BadRequest for what
@@ -325,6 +365,14 @@ class GenerateParams:
                 _int_in(f"token_ids[{i}]", t, -(1 << 31), (1 << 31) - 1)
                 for i, t in enumerate(self.token_ids)
             )
+        if self.prefill_only:
+            g.prefill_only = True
+        if self.pin_ttl is not None:
+            g.pin_ttl_s = ttl_seconds(self.pin_ttl)
+        if self.pin_messages is not None:
+            if self.pin_ttl is None:
+                raise errors.BadRequest("pin_messages needs pin_ttl", code=kvd_pb2.ERR_BAD_REQUEST)
+            g.pin_messages = _int_in("pin_messages", self.pin_messages, 0, 1 << 20)
         s = g.sampling
         if self.temperature is not None:
             s.temperature = _number("temperature", self.temperature)
@@ -548,6 +596,7 @@ def to_stats(s: kvd_pb2.Stats) -> Stats:
                 name=t.name, requests=t.requests, prompt_tokens=t.prompt_tokens,
                 cached_prompt_tokens=t.cached_prompt_tokens, queued=t.queued, running=t.running,
                 blocks_held=t.blocks_held, refused=t.refused,
+                cache_creation_tokens=t.cache_creation_tokens, pins=t.pins, pinned_blocks=t.pinned_blocks,
             )
             for t in s.tenants
         ],
@@ -562,6 +611,11 @@ def to_stats(s: kvd_pb2.Stats) -> Stats:
         ],
         hosts_lost=s.hosts_lost,
         blocks_fenced_total=s.blocks_fenced_total,
+        cache_creation_tokens=s.cache_creation_tokens,
+        pins=s.pins,
+        pinned_blocks=s.pinned_blocks,
+        pins_expired=s.pins_expired,
+        pins_refused=s.pins_refused,
     )
 
 
@@ -670,6 +724,8 @@ class GenerateState:
             cached_prompt_tokens=u.cached_prompt_tokens,
             host_cached_prompt_tokens=u.host_cached_prompt_tokens,
             disk_cached_prompt_tokens=u.disk_cached_prompt_tokens,
+            cache_creation_tokens=u.cache_creation_tokens,
+            cached_blocks=u.cached_blocks,
             completion_tokens=(
                 u.completion_tokens if u.HasField("completion_tokens") else len(tokens)
             ),
@@ -686,4 +742,6 @@ class GenerateState:
             request_id=rid,
             chunks=self.chunks,
             logprobs=to_logprobs(f.logprobs) if len(f.logprobs) > 0 else list(self._logprobs),
+            pin=to_pin(f.pin) if f.HasField("pin") else None,
+            pin_error=f.pin_error,
         )

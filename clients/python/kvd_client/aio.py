@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from . import _core, errors, kvd_pb2
 from ._wire import GenerateParams, MessageLike
-from .results import Chunk, Health, Result, Stats
+from .results import Chunk, Health, Pin, Result, Stats
 
 T = TypeVar("T")
 
@@ -112,6 +112,9 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
         json_schema: str | Mapping[str, object] | None = None,
         json_object: bool = False,
         context_overflow: str | None = None,
+        prefill_only: bool = False,
+        pin_ttl: int | str | None = None,
+        pin_messages: int | None = None,
     ) -> Result:
         """Generates a continuation and returns it whole; see
         :meth:`Client.generate`. Cancelling the awaiting task cancels the
@@ -123,7 +126,8 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
             logprobs=logprobs, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, logit_bias=logit_bias, json_schema=json_schema,
-            json_object=json_object, context_overflow=context_overflow,
+            json_object=json_object, context_overflow=context_overflow, prefill_only=prefill_only,
+            pin_ttl=pin_ttl, pin_messages=pin_messages,
         )
         async with AsyncStream(self, params) as s:
             async for _ in s:
@@ -156,6 +160,9 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
         json_schema: str | Mapping[str, object] | None = None,
         json_object: bool = False,
         context_overflow: str | None = None,
+        prefill_only: bool = False,
+        pin_ttl: int | str | None = None,
+        pin_messages: int | None = None,
     ) -> AsyncStream:
         """Generates chunk by chunk: returns an :class:`AsyncStream` to use
         with ``async with`` and ``async for`` (not awaited itself); see
@@ -167,7 +174,8 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
             logprobs=logprobs, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, logit_bias=logit_bias, json_schema=json_schema,
-            json_object=json_object, context_overflow=context_overflow,
+            json_object=json_object, context_overflow=context_overflow, prefill_only=prefill_only,
+            pin_ttl=pin_ttl, pin_messages=pin_messages,
         )
         return AsyncStream(self, params)
 
@@ -194,6 +202,18 @@ class AsyncClient(_core._ClientCore[zmq.asyncio.Socket]):
     async def health(self) -> Health:
         """Whether kvd can serve; see :meth:`Client.health`."""
         return await self._call(_core.health_call(self._ids.take()))
+
+    async def cache_list(self, namespace: str | None = None) -> list[Pin]:
+        """The pinned prefixes of this client's tenant; see :meth:`Client.cache_list`."""
+        return await self._call(_core.cache_call(self._ids.take(), "list", None, namespace))
+
+    async def cache_unpin(self, pin_id: str, namespace: str | None = None) -> Pin:
+        """Removes a pin; see :meth:`Client.cache_unpin`."""
+        return (await self._call(_core.cache_call(self._ids.take(), "unpin", pin_id, namespace)))[0]
+
+    async def cache_evict(self, pin_id: str, namespace: str | None = None) -> Pin:
+        """Removes a pin and evicts its blocks; see :meth:`Client.cache_evict`."""
+        return (await self._call(_core.cache_call(self._ids.take(), "evict", pin_id, namespace)))[0]
 
     # ---- transport (for AsyncStream) ------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import zmq
 
 from . import _core, errors, kvd_pb2
 from ._wire import GenerateParams, MessageLike
-from .results import Chunk, Health, Result, Stats
+from .results import Chunk, Health, Pin, Result, Stats
 
 T = TypeVar("T")
 
@@ -100,6 +100,9 @@ class Client(_core._ClientCore[zmq.Socket[bytes]]):
         json_schema: str | Mapping[str, object] | None = None,
         json_object: bool = False,
         context_overflow: str | None = None,
+        prefill_only: bool = False,
+        pin_ttl: int | str | None = None,
+        pin_messages: int | None = None,
     ) -> Result:
         """Generates a continuation and returns it whole.
 
@@ -138,6 +141,16 @@ class Client(_core._ClientCore[zmq.Socket[bytes]]):
                 log-probability (:class:`TokenLogprob`, in ``result.logprobs``
                 and ``chunk.logprobs``) with this many most likely
                 alternatives.
+            prefill_only: compute the prompt (filling the cache) and generate
+                nothing (a warm-up); ``result.usage.cached_blocks`` says how many
+                of its blocks are then cached.
+            pin_ttl: pin the prompt's cached blocks for this long: "5m", "1h"
+                or whole seconds (up to kvd's --pin-max-ttl). They are never
+                evicted before then and count against the tenant's block
+                quota; a pin past a limit raises BadRequest. ``result.pin`` is
+                the pin made (or renewed).
+            pin_messages: with pin_ttl and messages, pin only the prefix the
+                first N messages render to (a system prompt: 1).
 
         Returns the Result (finish_reason "cancelled" when someone cancelled
         it). Raises BadRequest, Overloaded, TooLong, DeadlineExceeded,
@@ -153,7 +166,8 @@ class Client(_core._ClientCore[zmq.Socket[bytes]]):
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
             logprobs=logprobs, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, logit_bias=logit_bias, json_schema=json_schema,
-            json_object=json_object, context_overflow=context_overflow,
+            json_object=json_object, context_overflow=context_overflow, prefill_only=prefill_only,
+            pin_ttl=pin_ttl, pin_messages=pin_messages,
         )
         with Stream(self, params) as s:
             for _ in s:
@@ -186,6 +200,9 @@ class Client(_core._ClientCore[zmq.Socket[bytes]]):
         json_schema: str | Mapping[str, object] | None = None,
         json_object: bool = False,
         context_overflow: str | None = None,
+        prefill_only: bool = False,
+        pin_ttl: int | str | None = None,
+        pin_messages: int | None = None,
     ) -> Stream:
         """Generates a continuation chunk by chunk: returns a :class:`Stream`
         that yields each :class:`Chunk` as it arrives; ``stream.result`` holds
@@ -212,7 +229,8 @@ class Client(_core._ClientCore[zmq.Socket[bytes]]):
             deadline_ms=deadline_ms, ignore_eos=ignore_eos, no_cache=no_cache,
             logprobs=logprobs, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, logit_bias=logit_bias, json_schema=json_schema,
-            json_object=json_object, context_overflow=context_overflow,
+            json_object=json_object, context_overflow=context_overflow, prefill_only=prefill_only,
+            pin_ttl=pin_ttl, pin_messages=pin_messages,
         )
         return Stream(self, params)
 
@@ -242,6 +260,22 @@ class Client(_core._ClientCore[zmq.Socket[bytes]]):
     def health(self) -> Health:
         """Whether kvd can serve (ok: a worker is alive and kvd is not draining)."""
         return self._call(_core.health_call(self._ids.take()))
+
+    def cache_list(self, namespace: str | None = None) -> list[Pin]:
+        """The pinned prefixes of this client's tenant (its CURVE key's, or the one
+        a namespace "tenant:NAME/..." names; every pin for a client of kvd's
+        ipc:// socket naming none), with their sizes, hits and expiry."""
+        return self._call(_core.cache_call(self._ids.take(), "list", None, namespace))
+
+    def cache_unpin(self, pin_id: str, namespace: str | None = None) -> Pin:
+        """Removes a pin of this client's tenant; its blocks stay cached, evictable.
+        Raises NotFound for a pin it cannot see."""
+        return self._call(_core.cache_call(self._ids.take(), "unpin", pin_id, namespace))[0]
+
+    def cache_evict(self, pin_id: str, namespace: str | None = None) -> Pin:
+        """Removes a pin of this client's tenant and evicts its blocks from the pool
+        now. Raises NotFound for a pin it cannot see."""
+        return self._call(_core.cache_call(self._ids.take(), "evict", pin_id, namespace))[0]
 
     # ---- transport (for Stream) ---------------------------------------------------------------
 

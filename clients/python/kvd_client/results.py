@@ -42,6 +42,35 @@ class Usage:
     host_cached_prompt_tokens: int = 0
     #: ... and those read back from the disk tier (kvd --cache-dir)
     disk_cached_prompt_tokens: int = 0
+    #: prompt tokens this request computed and wrote to the cache (whole blocks it
+    #: indexed); prompt_tokens = cached_prompt_tokens + these + uncached_prompt_tokens
+    cache_creation_tokens: int = 0
+    cached_blocks: int = 0           #: prompt blocks in the cache when it ended
+
+    @property
+    def cache_read_tokens(self) -> int:
+        """Prompt tokens read from the cache (Anthropic's cache_read_input_tokens)."""
+        return self.cached_prompt_tokens
+
+    @property
+    def uncached_prompt_tokens(self) -> int:
+        """Prompt tokens computed and not cached (a partial last block, no_cache)."""
+        return self.prompt_tokens - self.cached_prompt_tokens - self.cache_creation_tokens
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A pinned prefix: blocks kvd keeps in its pool until ``expires_unix_ms``."""
+
+    id: str                  #: "pin_" and 32 hex digits
+    tenant: str              #: "" for none
+    namespace: str           #: the namespace its request named
+    tokens: int              #: prompt tokens pinned (whole blocks)
+    blocks: int              #: KV blocks it holds
+    hits: int                #: requests whose cached prefix covered it
+    created_unix_ms: int
+    expires_unix_ms: int
+    ttl_s: int
 
 
 @dataclass(frozen=True)
@@ -102,6 +131,8 @@ class Result:
     request_id: int      #: the id the client gave the request
     chunks: int = 0      #: streamed chunks received
     logprobs: list[TokenLogprob] = field(default_factory=list)  #: one per token id, when asked
+    pin: Pin | None = None   #: with pin_ttl: the pin made or renewed
+    pin_error: str = ""      #: with pin_ttl and no pin: why (the output is whole)
 
     def to_dict(self) -> dict[str, Any]:
         """The result as ``kvcli generate --json`` prints it (same field names
@@ -180,6 +211,9 @@ class TenantStats:
     running: int         #: requests on a worker now
     blocks_held: int     #: KV blocks it holds now: in use, pending and cached
     refused: int         #: requests refused because its queue was full (--tenant-max-queue)
+    cache_creation_tokens: int = 0  #: prompt tokens its requests wrote to the cache
+    pins: int = 0                   #: its pinned prefixes now
+    pinned_blocks: int = 0          #: blocks they hold
 
 
 @dataclass(frozen=True)
@@ -250,6 +284,11 @@ class Stats:
     hosts: list[HostStats] = field(default_factory=list)
     hosts_lost: int = 0           #: other hosts' pools dropped: their last worker was lost
     blocks_fenced_total: int = 0  #: blocks held back after other hosts' workers were lost
+    cache_creation_tokens: int = 0  #: prompt tokens written to the cache
+    pins: int = 0                 #: pinned prefixes now (this tenant's, for a tenant)
+    pinned_blocks: int = 0        #: blocks they hold
+    pins_expired: int = 0         #: pins that reached their TTL
+    pins_refused: int = 0         #: pins refused: TTL, count or block quota
 
     @property
     def hit_rate(self) -> float:
