@@ -101,6 +101,10 @@ struct http_server {
     struct api_key *keys;       /* --api-keys; NULL: the API is open */
     size_t n_keys;
     char *operator_key;         /* --operator-key; NULL: none */
+    char *tokenizer_info;       /* GET /tokenizer_info's answer (JSON text), or NULL: a 404 */
+    size_t tokenizer_info_len;
+    int32_t bos;                /* the model's BOS id (-1: none) and whether a prompt starts */
+    bool add_bos;               /* with it: /tokenize's add_special_tokens */
     void *zctx;                 /* the ZeroMQ context of every client of kvd here */
     pthread_mutex_t mu;         /* connections, jobs, idle clients, stopping */
     pthread_cond_t cv;          /* a job ended; the sweeper's tick */
@@ -398,7 +402,7 @@ static void client_give(struct http_server *s, kvd_client_t **c)
 /* ---- jobs --------------------------------------------------------------------------------------- */
 
 enum route { R_NONE, R_CHAT, R_COMPLETIONS, R_RESPONSES, R_TOKENIZE, R_DETOKENIZE, R_HEALTH, R_READY, R_MODELS, R_MODEL,
-             R_METRICS, R_PAGE, R_POOL };
+             R_METRICS, R_PAGE, R_POOL, R_TOKENIZER_INFO };
 
 /* A request being answered on a thread of its own. Its references: the
  * thread's, the request's (until libmicrohttpd says it is complete) and a
@@ -2773,78 +2777,169 @@ static void work_health(struct job *j, kvd_client_t *kc, bool ready)
         job_json(j, 200, json_pack("{s:s, s:i}", "status", ok ? "ok" : "no worker", "workers", (int)alive), 0);
 }
 
-/* POST /tokenize {"prompt": text} or {"messages": [...]}: {"tokens", "count",
- * "max_model_len"}; POST /detokenize {"tokens": [...]}: {"prompt"} (vLLM's shapes). */
+/* GET /tokenizer_info's answer, after vLLM's (a Hugging Face tokenizer's
+ * config with its class and chat template): the class of the GGUF's kind of
+ * tokenizer, the special tokens by text and id, whether a prompt gets a BOS
+ * or an EOS, kvd's context as model_max_length, the vocabulary's size, the
+ * GGUF's chat template, and the control and user-defined tokens as
+ * added_tokens_decoder. Malloc'd JSON text, or NULL without memory. */
+static char *tokenizer_info_text(const struct http_tokenizer *t, size_t *len)
+{
+    const char *kind = t->model ? t->model : "";
+    const char *cls = strcmp(kind, "gpt2") == 0 ? "GPT2TokenizerFast"
+                      : strcmp(kind, "llama") == 0 ? "LlamaTokenizerFast" : "PreTrainedTokenizerFast";
+    json_t *added = json_object();
+    const char *named[4] = { NULL, NULL, NULL, NULL };
+    const int32_t ids[4] = { t->bos, t->eos, t->pad, t->unk };
+    for (size_t i = 0; added != NULL && i < t->n_special; i++) {
+        char key[16];
+        snprintf(key, sizeof(key), "%d", t->special[i].id);
+        json_object_set_new(added, key, json_pack("{s:s, s:b, s:b, s:b, s:b, s:b}", "content", t->special[i].text,
+                                                  "lstrip", 0, "normalized", 0, "rstrip", 0, "single_word", 0,
+                                                  "special", 1));
+        for (int k = 0; k < 4; k++)
+            if (ids[k] == t->special[i].id)
+                named[k] = t->special[i].text;
+    }
+    json_t *o = json_pack("{s:s, s:s, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:b, s:b, s:I, s:I, s:o, s:o}",
+                          "tokenizer_class", cls, "tokenizer_model", kind,
+                          "bos_token", named[0] ? json_string(named[0]) : json_null(),
+                          "eos_token", named[1] ? json_string(named[1]) : json_null(),
+                          "pad_token", named[2] ? json_string(named[2]) : json_null(),
+                          "unk_token", named[3] ? json_string(named[3]) : json_null(),
+                          "bos_token_id", ids[0] >= 0 ? json_integer(ids[0]) : json_null(),
+                          "eos_token_id", ids[1] >= 0 ? json_integer(ids[1]) : json_null(),
+                          "pad_token_id", ids[2] >= 0 ? json_integer(ids[2]) : json_null(),
+                          "unk_token_id", ids[3] >= 0 ? json_integer(ids[3]) : json_null(),
+                          "add_bos_token", t->add_bos, "add_eos_token", t->add_eos,
+                          "model_max_length", (json_int_t)t->max_model_len, "vocab_size", (json_int_t)t->n_vocab,
+                          "chat_template", t->chat_template ? json_string(t->chat_template) : json_null(),
+                          "added_tokens_decoder", added ? added : json_object());
+    char *text = o ? json_text(o, len) : NULL;
+    return text;
+}
+
+/* The fields of /tokenize and /detokenize (vLLM's), with the values that ask
+ * for what kvd does not do. */
+static const struct field tok_fields[] = {
+    { "model", F_BOTH, true, NULL, NULL },
+    { "prompt", F_COMPL, true, NULL, NULL },
+    { "messages", F_CHAT, true, NULL, NULL },
+    { "add_special_tokens", F_BOTH, true, NULL, NULL },
+    { "add_generation_prompt", F_CHAT, true, NULL, NULL },
+    { "continue_final_message", F_CHAT, false, NULL, "kvd renders a chat as it generates from it (with the "
+                                                      "assistant's turn opened)" },
+    { "return_token_strs", F_BOTH, false, NULL, "not supported (POST /detokenize gives a token's text)" },
+    { "chat_template", F_CHAT, false, NULL, "kvd renders the model's own template" },
+    { "chat_template_kwargs", F_CHAT, false, NULL, "kvd renders the model's own template" },
+    { "tools", F_CHAT, false, NULL, "not supported here" },
+    { "mm_processor_kwargs", F_BOTH, false, NULL, "kvd serves text models" },
+};
+#define F_DETOK 4u                  /* tok_fields' where: /detokenize */
+static const struct field detok_fields[] = {
+    { "model", F_DETOK, true, NULL, NULL },
+    { "tokens", F_DETOK, true, NULL, NULL },
+};
+
+/* POST /detokenize {"tokens": [...]}: {"prompt"}. */
+static void work_detokenize(struct job *j, kvd_client_t *kc, json_t *o)
+{
+    struct bad b = { "", NULL };
+    json_t *a = json_object_get(o, "tokens");
+    struct prompt p = { 0 };
+    char err[256] = "";
+    if (check_fields(o, detok_fields, sizeof(detok_fields) / sizeof(detok_fields[0]), F_DETOK, "detokenize",
+                     &b) != 0) {
+        job_error(j, 400, b.msg, b.param, NULL, 0);
+    } else if (!json_is_array(a) || get_ids(a, "tokens", &p, &b) != 0) {
+        job_error(j, 400, b.msg[0] ? b.msg : "'tokens' must be a list of token ids", "tokens", NULL, 0);
+    } else {
+        char *text = NULL;
+        const int rc = kvd_detokenize(kc, p.ids, p.n_ids, &text, err, sizeof(err));
+        if (rc == 0)
+            job_json(j, 200, json_pack("{s:s}", "prompt", text), 0);
+        else
+            job_error(j, status_of(rc, &(const char *){ NULL }), err[0] ? err : kvd_strerror(rc), "tokens", NULL, 0);
+        free(text);
+    }
+    free(p.ids);
+}
+
+/* POST /tokenize {"prompt": text} or {"messages": [...]} (vLLM's shapes):
+ * {"tokens", "count", "max_model_len", "token_strs": null}. A prompt is
+ * tokenized as a completion's prompt (a BOS first when the model wants one;
+ * add_special_tokens false leaves it out), a chat as chat completions render
+ * it (the template puts in what it needs, and opens the assistant's turn). */
+static void work_tokenize(struct job *j, kvd_client_t *kc, json_t *o)
+{
+    const struct http_server *s = j->s;
+    struct oai_req r = { 0 };
+    struct bad b = { "", NULL };
+    json_t *m = json_object_get(o, "messages"), *prompt = json_object_get(o, "prompt");
+    const unsigned where = m != NULL ? F_CHAT : F_COMPL;
+    bool special = m == NULL, gen = true;     /* vLLM's defaults: true for a prompt, false for a chat */
+    char err[256] = "";
+    bool ok = check_fields(o, tok_fields, sizeof(tok_fields) / sizeof(tok_fields[0]), where,
+                           m != NULL ? "chat tokenize" : "tokenize", &b) == 0 &&
+              get_bool(o, "add_special_tokens", &special, &b) >= 0 && get_bool(o, "add_generation_prompt", &gen, &b) >= 0;
+    if (ok && m != NULL && special)
+        ok = bad(&b, "add_special_tokens", "'add_special_tokens': kvd tokenizes a chat as it generates from it "
+                 "(the template puts in the special tokens it needs)") == 0;
+    if (ok && !gen)
+        ok = bad(&b, "add_generation_prompt", "'add_generation_prompt': kvd renders a chat with the assistant's "
+                 "turn opened, as it generates from it") == 0;
+    if (ok && m != NULL) {
+        r.chat = true;
+        unsigned st;
+        r.root = json_pack("{s:O}", "messages", m);   /* parse_request's checks, messages only */
+        tl_acct = &j->acct;
+        ok = parse_request(&r, s, &b, &st) == 0;
+        tl_acct = NULL;
+    } else if (ok && !json_is_string(prompt)) {
+        ok = bad(&b, "prompt", "give 'prompt' (a string) or 'messages'") == 0;
+    }
+    if (!ok) {
+        job_error(j, 400, b.msg, b.param, NULL, 0);
+    } else {
+        int32_t *ids = NULL;
+        size_t n = 0;
+        uint32_t max_ctx = 0;
+        const int rc = kvd_tokenize(kc, m ? NULL : json_string_value(prompt), r.msgs, r.n_msgs, &ids, &n, &max_ctx,
+                                    err, sizeof(err));
+        if (rc == 0) {
+            /* a prompt without special tokens: without the BOS kvd puts first */
+            const size_t from = m == NULL && !special && s->add_bos && n > 0 && ids[0] == s->bos;
+            json_t *arr = json_array();
+            for (size_t i = from; i < n; i++)
+                json_array_append_new(arr, json_integer(ids[i]));
+            job_json(j, 200, json_pack("{s:o, s:I, s:I, s:n}", "tokens", arr, "count", (json_int_t)(n - from),
+                                       "max_model_len", (json_int_t)max_ctx, "token_strs"), 0);
+        } else {
+            job_error(j, status_of(rc, &(const char *){ NULL }), err[0] ? err : kvd_strerror(rc), NULL, NULL, 0);
+        }
+        free(ids);
+    }
+    free(r.msgs);
+    json_decref(r.root);
+}
+
+/* POST /tokenize and /detokenize: the body, its model, then the work. */
 static void work_tokens(struct job *j, kvd_client_t *kc)
 {
     json_t *o;
     if (!job_parse(j, &o))
         return;
-    const bool detok = j->route == R_DETOKENIZE;
-    const struct http_server *s = j->s;
     json_t *model = json_object_get(o, "model");
-    char err[256] = "";
-    int rc;
-    if (!json_is_object(o)) {
+    if (!json_is_object(o))
         job_error(j, 400, "the body must be a JSON object", NULL, NULL, 0);
-    } else if (json_is_string(model) && strcmp(json_string_value(model), s->model_id) != 0) {
+    else if (model != NULL && !json_is_null(model) && !json_is_string(model))
+        job_error(j, 400, "'model' must be a string", "model", NULL, 0);
+    else if (json_is_string(model) && strcmp(json_string_value(model), j->s->model_id) != 0)
         job_error(j, 404, "no such model", "model", "model_not_found", 0);
-    } else if (detok) {
-        json_t *a = json_object_get(o, "tokens");
-        struct prompt p = { 0 };
-        struct bad b = { "", NULL };
-        if (!json_is_array(a) || get_ids(a, "tokens", &p, &b) != 0) {
-            job_error(j, 400, b.msg[0] ? b.msg : "'tokens' must be a list of token ids", "tokens", NULL, 0);
-        } else {
-            char *text = NULL;
-            rc = kvd_detokenize(kc, p.ids, p.n_ids, &text, err, sizeof(err));
-            if (rc == 0)
-                job_json(j, 200, json_pack("{s:s}", "prompt", text), 0);
-            else
-                job_error(j, status_of(rc, &(const char *){ NULL }), err[0] ? err : kvd_strerror(rc), "tokens",
-                          NULL, 0);
-            free(text);
-        }
-        free(p.ids);
-    } else {
-        struct oai_req r = { 0 };
-        struct bad b = { "", NULL };
-        json_t *m = json_object_get(o, "messages");
-        const char *text = json_string_value(json_object_get(o, "prompt"));
-        bool ok = true;
-        if (m != NULL) {
-            r.chat = true;
-            unsigned st;
-            r.root = json_pack("{s:O}", "messages", m);   /* parse_request's checks, messages only */
-            tl_acct = &j->acct;
-            ok = parse_request(&r, s, &b, &st) == 0;
-            tl_acct = NULL;
-            if (!ok)
-                job_error(j, 400, b.msg, b.param, NULL, 0);
-        } else if (text == NULL) {
-            ok = false;
-            job_error(j, 400, "give 'prompt' (a string) or 'messages'", "prompt", NULL, 0);
-        }
-        if (ok) {
-            int32_t *ids = NULL;
-            size_t n = 0;
-            uint32_t max_ctx = 0;
-            rc = kvd_tokenize(kc, m ? NULL : text, r.msgs, r.n_msgs, &ids, &n, &max_ctx, err, sizeof(err));
-            if (rc == 0) {
-                json_t *arr = json_array();
-                for (size_t i = 0; i < n; i++)
-                    json_array_append_new(arr, json_integer(ids[i]));
-                job_json(j, 200, json_pack("{s:o, s:I, s:I}", "tokens", arr, "count", (json_int_t)n,
-                                           "max_model_len", (json_int_t)max_ctx), 0);
-            } else {
-                job_error(j, status_of(rc, &(const char *){ NULL }), err[0] ? err : kvd_strerror(rc), NULL, NULL,
-                          0);
-            }
-            free(ids);
-        }
-        free(r.msgs);
-        json_decref(r.root);
-    }
+    else if (j->route == R_DETOKENIZE)
+        work_detokenize(j, kc, o);
+    else
+        work_tokenize(j, kc, o);
     json_decref(o);
 }
 
@@ -3383,6 +3478,7 @@ static enum route route_of(const char *method, const char *url, unsigned *status
         { "/tokenize", true, R_TOKENIZE }, { "/detokenize", true, R_DETOKENIZE },
         { "/health", false, R_HEALTH }, { "/ready", false, R_READY }, { "/v1/models", false, R_MODELS },
         { "/metrics", false, R_METRICS }, { "/pool", false, R_POOL },
+        { "/tokenizer_info", false, R_TOKENIZER_INFO },
     };
     if (page_asset(url) != NULL) {
         if (strcmp(method, "GET") == 0 || strcmp(method, "HEAD") == 0)
@@ -3540,6 +3636,15 @@ static enum MHD_Result complete(struct http_server *s, struct MHD_Connection *c,
         char *text = json_text(q->route == R_MODEL ? m : json_pack("{s:s, s:[o]}", "object", "list", "data", m),
                                &len);
         return text ? queue_text(s, c, 200, "application/json", text, len, 0, true) : MHD_NO;
+    }
+    if (q->route == R_TOKENIZER_INFO) {
+        if (s->tokenizer_info == NULL)
+            return queue_error(s, c, 404, "kvd was started without the tokenizer's facts", NULL, 0);
+        char *text = malloc(s->tokenizer_info_len + 1);
+        if (text == NULL)
+            return MHD_NO;
+        memcpy(text, s->tokenizer_info, s->tokenizer_info_len + 1);
+        return queue_text(s, c, 200, "application/json", text, s->tokenizer_info_len, 0, true);
     }
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
     struct job *j = calloc(1, sizeof(*j));
@@ -3835,8 +3940,20 @@ http_server_t *http_start(const struct http_params *p, char *err, size_t errlen)
     s->p.bind = s->bind;
     s->p.kvd_endpoint = s->endpoint;
     s->p.model_id = s->model_id;
+    s->p.tokenizer = NULL;      /* the caller's: what is needed is copied */
+    s->bos = -1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
+    if (p->tokenizer != NULL) {
+        s->bos = p->tokenizer->bos;
+        s->add_bos = p->tokenizer->add_bos;
+        s->tokenizer_info = tokenizer_info_text(p->tokenizer, &s->tokenizer_info_len);
+        if (s->tokenizer_info == NULL) {
+            snprintf(err, errlen, "out of memory");
+            http_stop(&s);
+            return NULL;
+        }
+    }
     if ((p->api_keys != NULL && load_keys(s, p->api_keys, err, errlen) != 0) ||
         (p->operator_key != NULL && load_operator_key(s, p->operator_key, err, errlen) != 0)) {
         http_stop(&s);
@@ -3943,6 +4060,7 @@ void http_stop(http_server_t **sp)
     }
     free(s->keys);
     free(s->operator_key);
+    free(s->tokenizer_info);
     free(s->srcs);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
