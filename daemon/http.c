@@ -101,6 +101,10 @@ struct http_server {
     struct api_key *keys;       /* --api-keys; NULL: the API is open */
     size_t n_keys;
     char *operator_key;         /* --operator-key; NULL: none */
+    char *tokenizer_info;       /* GET /tokenizer_info's answer (JSON text), or NULL: a 404 */
+    size_t tokenizer_info_len;
+    int32_t bos;                /* the model's BOS id (-1: none) and whether a prompt starts */
+    bool add_bos;               /* with it: /tokenize's add_special_tokens */
     void *zctx;                 /* the ZeroMQ context of every client of kvd here */
     pthread_mutex_t mu;         /* connections, jobs, idle clients, stopping */
     pthread_cond_t cv;          /* a job ended; the sweeper's tick */
@@ -398,7 +402,8 @@ static void client_give(struct http_server *s, kvd_client_t **c)
 /* ---- jobs --------------------------------------------------------------------------------------- */
 
 enum route { R_NONE, R_CHAT, R_COMPLETIONS, R_RESPONSES, R_TOKENIZE, R_DETOKENIZE, R_HEALTH, R_READY, R_MODELS, R_MODEL,
-             R_METRICS, R_PAGE, R_POOL, R_CACHE_LIST, R_CACHE_PIN, R_CACHE_UNPIN, R_CACHE_EVICT };
+             R_METRICS, R_PAGE, R_POOL, R_TOKENIZER_INFO, R_CACHE_LIST, R_CACHE_PIN, R_CACHE_UNPIN,
+             R_CACHE_EVICT };
 
 #define PIN_ID_MAX 48               /* "pin_" and 32 hex digits, with room */
 
@@ -2479,6 +2484,8 @@ struct resp_entry {
     char tenant[80];                /* its API key's tenant; "" without keys */
     size_t n_msgs, bytes;
     struct kvd_chat_msg *msgs;      /* the conversation, its strings in this allocation */
+    const char **calls;             /* per message: its tool calls as the JSON text of
+                                     * [{"call_id", "call"}] (call: the convention's text), or "" */
 };
 
 struct resp_store {
@@ -2489,11 +2496,13 @@ struct resp_store {
 
 static struct resp_store resp_store = { .mu = PTHREAD_MUTEX_INITIALIZER };
 
-static void resp_store_put(const char *id, const char *tenant, const struct kvd_chat_msg *m, size_t n)
+/* Keeps a conversation (calls: per message, as resp_entry's, or NULL). */
+static void resp_store_put(const char *id, const char *tenant, const struct kvd_chat_msg *m, const char *const *calls,
+                           size_t n)
 {
-    size_t bytes = sizeof(struct resp_entry) + n * sizeof(*m);
+    size_t bytes = sizeof(struct resp_entry) + n * (sizeof(*m) + sizeof(char *));
     for (size_t i = 0; i < n; i++)
-        bytes += strlen(m[i].role) + strlen(m[i].content) + 2;
+        bytes += strlen(m[i].role) + strlen(m[i].content) + strlen(calls && calls[i] ? calls[i] : "") + 3;
     if (bytes > RESP_STORE_BYTES / 4)
         return;                     /* too large to keep: a later reference is a 404 */
     struct resp_entry *e = malloc(bytes);
@@ -2505,12 +2514,15 @@ static void resp_store_put(const char *id, const char *tenant, const struct kvd_
     e->n_msgs = n;
     e->bytes = bytes;
     e->msgs = (struct kvd_chat_msg *)(e + 1);
-    char *at = (char *)(e->msgs + n);
+    e->calls = (const char **)(e->msgs + n);
+    char *at = (char *)(e->calls + n);
     for (size_t i = 0; i < n; i++) {
-        const size_t rl = strlen(m[i].role) + 1, cl = strlen(m[i].content) + 1;
+        const char *c = calls && calls[i] ? calls[i] : "";
+        const size_t rl = strlen(m[i].role) + 1, cl = strlen(m[i].content) + 1, kl = strlen(c) + 1;
         e->msgs[i].role = memcpy(at, m[i].role, rl);
         e->msgs[i].content = memcpy(at + rl, m[i].content, cl);
-        at += rl + cl;
+        e->calls[i] = memcpy(at + rl + cl, c, kl);
+        at += rl + cl + kl;
     }
     pthread_mutex_lock(&resp_store.mu);
     if (resp_store.newest)
@@ -2545,10 +2557,12 @@ static struct resp_entry *resp_store_get(const char *id, const char *tenant)
             memcpy(copy, e, e->bytes);
             /* the same layout, moved: point into the copy */
             copy->msgs = (struct kvd_chat_msg *)(copy + 1);
+            copy->calls = (const char **)(copy->msgs + copy->n_msgs);
             const ptrdiff_t d = (char *)copy - (char *)e;
             for (size_t i = 0; i < copy->n_msgs; i++) {
                 copy->msgs[i].role = e->msgs[i].role + d;
                 copy->msgs[i].content = e->msgs[i].content + d;
+                copy->calls[i] = e->calls[i] + d;
             }
             copy->next = NULL;
         }
@@ -2562,20 +2576,30 @@ static struct resp_entry *resp_store_get(const char *id, const char *tenant)
 struct resp_req {
     json_t *root;
     struct kvd_gen_params gp;
-    struct kvd_chat_msg *msgs;      /* previous turns, instructions, input (strings in root or prev) */
+    struct kvd_chat_msg *msgs;      /* previous turns, instructions, input (strings in root, prev or tr.keep) */
+    struct kvd_tool_calls *calls;   /* per message: an assistant's calls (texts in tr.keep) */
+    json_t *call_ids;               /* per message: [call_id, ...] of its calls, or null */
     size_t n_msgs;
     struct resp_entry *prev;        /* the previous response's copy, or NULL */
     bool stream, store;
-    char id[48], msg_id[48];
+    char id[48];
     char ns[256];
     time_t created;
     json_t *metadata;               /* borrowed from root */
     char *schema;                   /* text.format's schema as text (owned), or NULL */
-    /* streaming */
+    struct oai_req tr;              /* the tools as chat's (tr.root: them in chat's shape), for parse_tools
+                                     * and the splitter */
+    struct tsplit ts;               /* with tools: the output split into text and calls */
+    /* the output */
     struct job *j;
     unsigned seq;                   /* sequence_number of the next event */
-    char *text;                     /* the output so far */
+    json_t *items;                  /* output items so far, the one being written last */
+    bool open, open_msg;            /* the last item is being written; it is a message */
+    char *text;                     /* the open item's text (a message's, or a call's arguments) */
     size_t text_len, text_cap;
+    char *content;                  /* every message's text, for the store */
+    size_t content_len, content_cap;
+    bool failed;                    /* out of memory */
 };
 
 static const struct field resp_fields[] = {
@@ -2594,9 +2618,9 @@ static const struct field resp_fields[] = {
     { "seed", F_BOTH, true, NULL, NULL },                     /* kvd's: as chat's */
     { "namespace", F_BOTH, true, NULL, NULL },                /* kvd's: as chat's */
     { "service_tier", F_BOTH, false, one_tier, "kvd has one service tier" },
-    { "tools", F_BOTH, false, NULL, "not supported" },
-    { "tool_choice", F_BOTH, false, (const char *const[]){ "none", "auto", NULL }, "not supported" },
-    { "parallel_tool_calls", F_BOTH, false, NULL, "not supported" },
+    { "tools", F_BOTH, true, NULL, NULL },
+    { "tool_choice", F_BOTH, true, NULL, NULL },
+    { "parallel_tool_calls", F_BOTH, true, NULL, NULL },
     { "truncation", F_BOTH, false, (const char *const[]){ "disabled", NULL }, "not supported" },
     { "include", F_BOTH, false, NULL, "not supported" },
     { "reasoning", F_BOTH, false, NULL, "not supported" },
@@ -2611,9 +2635,19 @@ static const struct field resp_fields[] = {
 static void resp_free(struct resp_req *q)
 {
     free(q->schema);
+    for (size_t i = 0; q->calls != NULL && i < q->n_msgs; i++)
+        free((void *)q->calls[i].json);
+    free(q->calls);
+    json_decref(q->call_ids);
     free(q->msgs);
     free(q->prev);
     free(q->text);
+    free(q->content);
+    json_decref(q->items);
+    free(q->tr.tool_defs);
+    json_decref(q->tr.keep);
+    json_decref(q->tr.root);
+    ts_fini(&q->ts);
     json_decref(q->root);
     free(q);
 }
@@ -2630,6 +2664,208 @@ static const char *resp_text(json_t *c, const char *param, struct bad *b)
         return NULL;
     }
     return text_parts(c, resp_parts, param, b);
+}
+
+/*
+ * The Responses API's tools ({"type": "function", "name", "description",
+ * "parameters", "strict"}), tool_choice ("none", "auto", "required" or
+ * {"type": "function", "name"}) and parallel_tool_calls, put in chat's shape
+ * and read by chat's parse_tools into q->tr; 0, or -1 with b.
+ */
+static int resp_parse_tools(struct resp_req *q, json_t *o, struct bad *b)
+{
+    json_t *tools = json_object_get(o, "tools"), *choice = json_object_get(o, "tool_choice");
+    json_t *conv = json_object(), *list = json_array();
+    q->tr.root = conv;
+    if (conv == NULL || list == NULL || json_object_set_new(conv, "tools", list) != 0)
+        return bad(b, "tools", "out of memory");
+    if (tools != NULL && !json_is_null(tools) && !json_is_array(tools))
+        return bad(b, "tools", "'tools' must be an array");
+    size_t i;
+    json_t *t;
+    json_array_foreach(tools, i, t) {
+        const char *type = json_string_value(json_object_get(t, "type"));
+        if (!json_is_object(t) || type == NULL)
+            return bad(b, "tools", "tools[%zu] must be an object with a 'type'", i);
+        if (strcmp(type, "function") != 0)
+            return bad(b, "tools", "tools[%zu]: tools of type '%.40s' are not supported (functions only)", i, type);
+        json_t *f = json_object();
+        const char *key;
+        json_t *v;
+        json_object_foreach(t, key, v) {
+            if (strcmp(key, "type") == 0)
+                continue;
+            if (strcmp(key, "name") != 0 && strcmp(key, "description") != 0 && strcmp(key, "parameters") != 0 &&
+                strcmp(key, "strict") != 0) {
+                json_decref(f);
+                return bad(b, "tools", "tools[%zu]: '%.40s' is not supported", i, key);
+            }
+            json_object_set(f, key, v);
+        }
+        if (json_array_append_new(list, json_pack("{s:s, s:o}", "type", "function", "function", f)) != 0)
+            return bad(b, "tools", "out of memory");
+    }
+    if (json_is_object(choice)) {
+        const char *type = json_string_value(json_object_get(choice, "type"));
+        const char *key;
+        json_t *v;
+        json_object_foreach(choice, key, v)
+            if (strcmp(key, "type") != 0 && strcmp(key, "name") != 0)
+                return bad(b, "tool_choice", "'tool_choice': '%.40s' is not supported", key);
+        json_t *name = json_object_get(choice, "name");
+        if (type == NULL || strcmp(type, "function") != 0 || !json_is_string(name))
+            return bad(b, "tool_choice", "'tool_choice' names a function as {\"type\": \"function\", \"name\": ...}");
+        json_object_set_new(conv, "tool_choice", json_pack("{s:s, s:{s:O}}", "type", "function", "function", "name",
+                                                           name));
+    } else if (choice != NULL) {
+        json_object_set(conv, "tool_choice", choice);
+    }
+    json_t *par = json_object_get(o, "parallel_tool_calls");
+    if (par != NULL)
+        json_object_set(conv, "parallel_tool_calls", par);
+    if (parse_tools(&q->tr, conv, b) != 0)
+        return -1;
+    q->gp.tools = q->tr.gp.tools;
+    q->gp.n_tools = q->tr.gp.n_tools;
+    q->gp.tool_choice = q->tr.gp.tool_choice;
+    q->gp.parallel_tool_calls = q->tr.gp.parallel_tool_calls;
+    if (q->tr.tool_exact && (q->gp.json_schema != NULL || q->gp.json_object))
+        return bad(b, "tool_choice", "'tool_choice' required or a named function cannot go with 'text.format' json "
+                   "(the answer is the calls)");
+    return 0;
+}
+
+/* A string kept alive as long as q (in q->tr.keep); NULL without memory. */
+static const char *resp_keep_str(struct resp_req *q, const char *text)
+{
+    json_t *str = json_string(text);
+    if (q->tr.keep == NULL && (q->tr.keep = json_array()) == NULL) {
+        json_decref(str);
+        return NULL;
+    }
+    if (str == NULL || json_array_append_new(q->tr.keep, str) != 0)
+        return NULL;
+    return json_string_value(str);
+}
+
+/* Adds a call (its id and the convention's text) to message i, an
+ * assistant's; 0 or -1 with b. */
+static int resp_add_call(struct resp_req *q, size_t i, size_t cap, const char *call_id, const char *text,
+                         struct bad *b)
+{
+    struct kvd_tool_calls *c = &q->calls[i];
+    if (c->json == NULL && (c->json = calloc(cap, sizeof(char *))) == NULL)
+        return bad(b, "input", "out of memory");
+    if (c->n == cap)
+        return bad(b, "input", "too many calls in one turn");
+    ((const char **)c->json)[c->n++] = text;
+    json_t *ids = json_array_get(q->call_ids, i);
+    if (!json_is_array(ids)) {
+        ids = json_array();
+        json_array_set_new(q->call_ids, i, ids);
+    }
+    return json_array_append_new(ids, json_string(call_id)) == 0 ? 0 : bad(b, "input", "out of memory");
+}
+
+/* True when some message before the n-th made the call call_id. */
+static bool resp_call_made(const struct resp_req *q, const char *call_id)
+{
+    for (size_t i = 0; i < q->n_msgs; i++) {
+        size_t k;
+        json_t *v;
+        json_array_foreach(json_array_get(q->call_ids, i), k, v)
+            if (strcmp(json_string_value(v), call_id) == 0)
+                return true;
+    }
+    return false;
+}
+
+/* An input item: a message, a function_call (an assistant's call: joins the
+ * assistant turn before it, or opens one) or a function_call_output (a tool
+ * message answering an earlier call); 0 or -1 with b. */
+static int resp_input_item(struct resp_req *q, json_t *it, size_t cap, struct bad *b)
+{
+    const char *type = json_string_value(json_object_get(it, "type"));
+    const char *k;
+    json_t *val;
+    if (json_is_object(it) && type != NULL && (strcmp(type, "function_call") == 0 ||
+                                               strcmp(type, "function_call_output") == 0)) {
+        const bool call = strcmp(type, "function_call") == 0;
+        json_object_foreach(it, k, val)
+            if (strcmp(k, "type") != 0 && strcmp(k, "call_id") != 0 &&
+                strcmp(k, call ? "name" : "output") != 0 && !(call && strcmp(k, "arguments") == 0) &&
+                !((strcmp(k, "id") == 0 || strcmp(k, "status") == 0) && json_is_string(val)))
+                return bad(b, "input", "a %s item's '%.40s' is not supported", type, k);
+        const char *call_id = json_string_value(json_object_get(it, "call_id"));
+        if (call_id == NULL || call_id[0] == '\0')
+            return bad(b, "input", "a %s item needs a 'call_id'", type);
+        if (!call) {
+            if (!resp_call_made(q, call_id))
+                return bad(b, "input", "a function_call_output's call_id '%.64s' names no earlier function_call",
+                           call_id);
+            const char *t = resp_text(json_object_get(it, "output"), "input", b);
+            if (t == NULL)
+                return -1;
+            q->msgs[q->n_msgs++] = (struct kvd_chat_msg){ "tool", t };
+            return 0;
+        }
+        const char *name = json_string_value(json_object_get(it, "name"));
+        const char *args = json_string_value(json_object_get(it, "arguments"));
+        if (name == NULL || args == NULL)
+            return bad(b, "input", "a function_call item needs a 'name' and 'arguments' (JSON text of an object)");
+        json_t *a = json_loads(args, JSON_REJECT_DUPLICATES, NULL);
+        const char *text = json_is_object(a) ? call_text(&q->tr, name, a) : NULL;
+        json_decref(a);
+        if (text == NULL)
+            return bad(b, "input", "a function_call's arguments must be the JSON text of an object");
+        if (q->n_msgs == 0 || strcmp(q->msgs[q->n_msgs - 1].role, "assistant") != 0)
+            q->msgs[q->n_msgs++] = (struct kvd_chat_msg){ "assistant", "" };
+        return resp_add_call(q, q->n_msgs - 1, cap, call_id, text, b);
+    }
+    const char *role = json_string_value(json_object_get(it, "role"));
+    if (!json_is_object(it) || (type != NULL && strcmp(type, "message") != 0))
+        return bad(b, "input", "input items of type '%.40s' are not supported (messages, function_call and "
+                   "function_call_output)", type ? type : "?");
+    if (role == NULL)
+        return bad(b, "input", "every input message needs a 'role'");
+    if (strcmp(role, "developer") == 0)
+        role = "system";
+    if (strcmp(role, "system") != 0 && strcmp(role, "user") != 0 && strcmp(role, "assistant") != 0)
+        return bad(b, "input", "unknown role '%.40s' (system, developer, user, assistant)", role);
+    json_object_foreach(it, k, val)
+        if (strcmp(k, "type") != 0 && strcmp(k, "role") != 0 && strcmp(k, "content") != 0 &&
+            !((strcmp(k, "id") == 0 || strcmp(k, "status") == 0) && json_is_string(val)))
+            return bad(b, "input", "an input message's '%.40s' is not supported", k);
+    const char *t = resp_text(json_object_get(it, "content"), "input", b);
+    if (t == NULL)
+        return -1;
+    q->msgs[q->n_msgs++] = (struct kvd_chat_msg){ role, t };
+    return 0;
+}
+
+/* The previous response's turns, their calls with them; 0 or -1 with b. */
+static int resp_prev_turns(struct resp_req *q, size_t cap, struct bad *b)
+{
+    for (size_t i = 0; i < q->prev->n_msgs; i++) {
+        q->msgs[q->n_msgs++] = q->prev->msgs[i];
+        if (q->prev->calls[i][0] == '\0')
+            continue;
+        json_t *calls = json_loads(q->prev->calls[i], 0, NULL);
+        size_t k;
+        json_t *c;
+        int rc = json_is_array(calls) ? 0 : bad(b, "previous_response_id", "out of memory");
+        json_array_foreach(calls, k, c) {
+            const char *text = rc == 0 ? resp_keep_str(q, json_string_value(json_object_get(c, "call"))) : NULL;
+            if (rc == 0)
+                rc = text ? resp_add_call(q, q->n_msgs - 1, cap, json_string_value(json_object_get(c, "call_id")),
+                                          text, b)
+                          : bad(b, "previous_response_id", "out of memory");
+        }
+        json_decref(calls);
+        if (rc != 0)
+            return -1;
+    }
+    return 0;
 }
 
 /* Parses a Responses request into q; 0, or -1 with b and *status. */
@@ -2682,11 +2918,13 @@ static int resp_parse(struct resp_req *q, const struct job *j, struct bad *b, un
         if (fmt != NULL && parse_format(fmt, true, "text", &q->gp, &q->schema, b) != 0)
             return -1;
     }
+    if (resp_parse_tools(q, o, b) != 0)
+        return -1;
     if (request_ns(o, j->tenant, q->ns, sizeof(q->ns), b) != 0)
         return -1;
     if (q->ns[0])
         q->gp.ns = q->ns;
-    /* the conversation: the previous response's turns, instructions, input */
+    /* the conversation: instructions, the previous response's turns, input */
     json_t *prev = json_object_get(o, "previous_response_id");
     if (prev != NULL && !json_is_null(prev)) {
         if (!json_is_string(prev))
@@ -2700,9 +2938,13 @@ static int resp_parse(struct resp_req *q, const struct job *j, struct bad *b, un
     const size_t n_items = json_is_array(input) ? json_array_size(input) : 1;
     if (input == NULL || (!json_is_string(input) && !json_is_array(input)) || n_items == 0)
         return bad(b, "input", "'input' must be a string or a non-empty list of messages");
-    const size_t n_prev = q->prev ? q->prev->n_msgs : 0;
-    q->msgs = calloc(n_prev + 1 + n_items, sizeof(*q->msgs));
-    if (q->msgs == NULL)
+    const size_t n_prev = q->prev ? q->prev->n_msgs : 0, cap = n_prev + 1 + n_items;
+    q->msgs = calloc(cap, sizeof(*q->msgs));
+    q->calls = calloc(cap, sizeof(*q->calls));
+    q->call_ids = json_array();
+    for (size_t i = 0; q->call_ids != NULL && i < cap; i++)
+        json_array_append_new(q->call_ids, json_null());
+    if (q->msgs == NULL || q->calls == NULL || json_array_size(q->call_ids) != cap)
         return bad(b, "input", "out of memory");
     json_t *ins = json_object_get(o, "instructions");
     if (ins != NULL && !json_is_null(ins)) {
@@ -2711,40 +2953,22 @@ static int resp_parse(struct resp_req *q, const struct job *j, struct bad *b, un
             return -1;
         q->msgs[q->n_msgs++] = (struct kvd_chat_msg){ "system", t };
     }
-    for (size_t i = 0; i < n_prev; i++)
-        q->msgs[q->n_msgs++] = q->prev->msgs[i];
+    if (q->prev != NULL && resp_prev_turns(q, cap, b) != 0)
+        return -1;
     if (json_is_string(input)) {
         q->msgs[q->n_msgs++] = (struct kvd_chat_msg){ "user", json_string_value(input) };
     } else {
         size_t i;
         json_t *it;
-        json_array_foreach(input, i, it) {
-            const char *type = json_string_value(json_object_get(it, "type"));
-            const char *role = json_string_value(json_object_get(it, "role"));
-            if (!json_is_object(it) || (type != NULL && strcmp(type, "message") != 0))
-                return bad(b, "input", "input items of type '%.40s' are not supported (messages only)",
-                           type ? type : "?");
-            if (role == NULL)
-                return bad(b, "input", "every input message needs a 'role'");
-            if (strcmp(role, "developer") == 0)
-                role = "system";
-            if (strcmp(role, "system") != 0 && strcmp(role, "user") != 0 && strcmp(role, "assistant") != 0)
-                return bad(b, "input", "unknown role '%.40s' (system, developer, user, assistant)", role);
-            const char *k;
-            json_t *val;
-            json_object_foreach(it, k, val)
-                if (strcmp(k, "type") != 0 && strcmp(k, "role") != 0 && strcmp(k, "content") != 0 &&
-                    !((strcmp(k, "id") == 0 || strcmp(k, "status") == 0) && json_is_string(val)))
-                    return bad(b, "input", "an input message's '%.40s' is not supported", k);
-            const char *t = resp_text(json_object_get(it, "content"), "input", b);
-            if (t == NULL)
+        json_array_foreach(input, i, it)
+            if (resp_input_item(q, it, cap, b) != 0)
                 return -1;
-            /* system turns go first, where templates want them */
-            q->msgs[q->n_msgs++] = (struct kvd_chat_msg){ role, t };
-        }
     }
     q->gp.messages = q->msgs;
     q->gp.n_messages = q->n_msgs;
+    for (size_t i = 0; i < q->n_msgs; i++)
+        if (q->calls[i].n > 0)
+            q->gp.tool_calls = q->calls;
     return 0;
 }
 
@@ -2759,54 +2983,83 @@ static json_t *resp_usage_json(const struct kvd_result *res)
                      (json_int_t)res->cached_prompt_tokens);
 }
 
-/* The response object: status "in_progress" (res NULL), "completed" or
- * "incomplete" (the output hit max_output_tokens). */
-static json_t *resp_json(const struct resp_req *q, const struct job *j, const struct kvd_result *res,
-                         const char *text, size_t len)
+/* The response object: status "in_progress" (res NULL: no output yet),
+ * "completed" or "incomplete" (the output hit max_output_tokens). */
+static json_t *resp_json(const struct resp_req *q, const struct job *j, const struct kvd_result *res)
 {
     json_t *ins = json_object_get(q->root, "instructions");
     json_t *prev = json_object_get(q->root, "previous_response_id");
+    json_t *tools = json_object_get(q->root, "tools"), *choice = json_object_get(q->root, "tool_choice");
     const bool incomplete = res != NULL && res->finish_reason == KVD_FINISH_LENGTH;
-    json_t *output = json_array();
-    if (res != NULL)
-        json_array_append_new(output, json_pack("{s:s, s:s, s:s, s:s, s:[{s:s, s:o, s:[]}]}", "type", "message",
-                                                "id", q->msg_id, "status", incomplete ? "incomplete" : "completed",
-                                                "role", "assistant", "content", "type", "output_text", "text",
-                                                text_json(text, len), "annotations"));
-    json_t *r = json_pack("{s:s, s:s, s:I, s:s, s:o, s:s, s:o, s:o, s:o, s:o, s:o, s:o, s:s, s:[], s:b, s:{s:{s:s}},"
+    json_t *r = json_pack("{s:s, s:s, s:I, s:s, s:o, s:s, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:b, s:{s:{s:s}},"
                           " s:o, s:o, s:b, s:o}",
                           "id", q->id, "object", "response", "created_at", (json_int_t)q->created, "status",
                           res == NULL ? "in_progress" : incomplete ? "incomplete" : "completed", "incomplete_details",
                           incomplete ? json_pack("{s:s}", "reason", "max_output_tokens") : json_null(), "model",
-                          j->s->model_id, "output", output, "instructions", ins ? json_incref(ins) : json_null(),
-                          "previous_response_id", prev ? json_incref(prev) : json_null(), "max_output_tokens",
+                          j->s->model_id, "output", res != NULL ? json_copy(q->items) : json_array(), "instructions",
+                          ins ? json_incref(ins) : json_null(), "previous_response_id",
+                          prev ? json_incref(prev) : json_null(), "max_output_tokens",
                           q->gp.max_tokens ? json_integer(q->gp.max_tokens) : json_null(), "temperature",
                           q->gp.temperature >= 0 ? json_real(q->gp.temperature) : json_null(), "top_p",
-                          q->gp.top_p >= 0 ? json_real(q->gp.top_p) : json_null(), "tool_choice", "auto", "tools",
-                          "parallel_tool_calls", false, "text", "format", "type",
-                          q->schema ? "json_schema" : q->gp.json_object ? "json_object" : "text", "usage",
-                          res ? resp_usage_json(res) : json_null(), "error", json_null(), "store", q->store,
+                          q->gp.top_p >= 0 ? json_real(q->gp.top_p) : json_null(), "tool_choice",
+                          choice && !json_is_null(choice) ? json_incref(choice) : json_string("auto"), "tools",
+                          json_is_array(tools) ? json_incref(tools) : json_array(), "parallel_tool_calls",
+                          q->tr.parallel, "text",
+                          "format", "type", q->schema ? "json_schema" : q->gp.json_object ? "json_object" : "text",
+                          "usage", res ? resp_usage_json(res) : json_null(), "error", json_null(), "store", q->store,
                           "metadata", q->metadata && json_is_object(q->metadata) ? json_incref(q->metadata)
                                                                                  : json_object());
     return r;
 }
 
-/* Stores a finished response's conversation (its input and its answer). */
-static void resp_keep(const struct resp_req *q, const struct job *j, const char *text)
+/* Stores a finished response's conversation: its turns (but the
+ * instructions, which are the request's own) and its answer, calls too. */
+static void resp_keep(const struct resp_req *q, const struct job *j)
 {
     if (!q->store)
         return;
-    /* the instructions are the request's own: they are not carried to the next */
     const bool ins = q->n_msgs > 0 && json_object_get(q->root, "instructions") != NULL &&
                      !json_is_null(json_object_get(q->root, "instructions"));
     const size_t from = ins ? 1 : 0, n = q->n_msgs - from;
     struct kvd_chat_msg *m = malloc((n + 1) * sizeof(*m));
-    if (m == NULL)
-        return;
-    memcpy(m, q->msgs + from, n * sizeof(*m));
-    m[n] = (struct kvd_chat_msg){ "assistant", text };
-    resp_store_put(q->id, j->tenant, m, n + 1);
+    char **calls = calloc(n + 1, sizeof(*calls));
+    json_t *answer = json_array();
+    bool ok = m != NULL && calls != NULL && answer != NULL;
+    for (size_t i = 0; ok && i < n; i++) {
+        m[i] = q->msgs[from + i];
+        json_t *arr = json_array();
+        for (size_t k = 0; arr != NULL && k < q->calls[from + i].n; k++)
+            json_array_append_new(arr, json_pack("{s:O, s:s}", "call_id",
+                                                 json_array_get(json_array_get(q->call_ids, from + i), k), "call",
+                                                 q->calls[from + i].json[k]));
+        calls[i] = json_array_size(arr) > 0 ? json_dumps(arr, JSON_COMPACT) : NULL;
+        json_decref(arr);
+    }
+    size_t k;
+    json_t *it;
+    json_array_foreach(q->items, k, it) {
+        if (!ok || strcmp(json_string_value(json_object_get(it, "type")), "function_call") != 0)
+            continue;
+        json_t *args = json_loads(json_string_value(json_object_get(it, "arguments")), 0, NULL);
+        json_t *c = json_pack("{s:s, s:O}", "name", json_string_value(json_object_get(it, "name")), "arguments",
+                              args ? args : json_object());
+        char *t = c ? json_dumps(c, 0) : NULL;
+        json_array_append_new(answer, json_pack("{s:O, s:s}", "call_id", json_object_get(it, "call_id"), "call",
+                                                t ? t : "{}"));
+        json_release(t);
+        json_decref(c);
+        json_decref(args);
+    }
+    if (ok) {
+        m[n] = (struct kvd_chat_msg){ "assistant", q->content ? q->content : "" };
+        calls[n] = json_array_size(answer) > 0 ? json_dumps(answer, JSON_COMPACT) : NULL;
+        resp_store_put(q->id, j->tenant, m, (const char *const *)calls, n + 1);
+    }
+    for (size_t i = 0; calls != NULL && i <= n; i++)
+        json_release(calls[i]);
+    free(calls);
     free(m);
+    json_decref(answer);
 }
 
 /* A Responses streaming event: its type, a sequence number, the fields of o. */
@@ -2817,26 +3070,166 @@ static bool resp_event(struct resp_req *q, const char *type, json_t *o)
     return emit(q->j, o);
 }
 
+/* ---- the output, item by item (the same for a whole answer and a streamed one) ---- */
+
+/* Appends s[0..n) to a growing text; false without memory. */
+static bool resp_append(char **p, size_t *len, size_t *cap, const char *s, size_t n)
+{
+    if (!grow(p, cap, *len + n + 1))
+        return false;
+    memcpy(*p + *len, s, n);
+    *len += n;
+    (*p)[*len] = '\0';
+    return true;
+}
+
+/* The item being written: done, with its status (its events when streamed). */
+static void out_close(struct resp_req *q, const char *status)
+{
+    if (!q->open)
+        return;
+    q->open = false;
+    const int index = (int)json_array_size(q->items) - 1;
+    json_t *it = json_array_get(q->items, (size_t)index);
+    const char *id = json_string_value(json_object_get(it, "id"));
+    const char *t = q->text ? q->text : "";
+    json_object_set_new(it, "status", json_string(status));
+    if (q->open_msg) {
+        json_object_set_new(it, "content", json_pack("[{s:s, s:o, s:[]}]", "type", "output_text", "text",
+                                                     text_json(t, q->text_len), "annotations"));
+        if (q->stream) {
+            resp_event(q, "response.output_text.done",
+                       json_pack("{s:s, s:i, s:i, s:o, s:[]}", "item_id", id, "output_index", index, "content_index",
+                                 0, "text", text_json(t, q->text_len), "logprobs"));
+            resp_event(q, "response.content_part.done",
+                       json_pack("{s:s, s:i, s:i, s:{s:s, s:o, s:[]}}", "item_id", id, "output_index", index,
+                                 "content_index", 0, "part", "type", "output_text", "text", text_json(t, q->text_len),
+                                 "annotations"));
+        }
+    } else {
+        json_object_set_new(it, "arguments", json_stringn(t, q->text_len));
+        if (q->stream)
+            resp_event(q, "response.function_call_arguments.done",
+                       json_pack("{s:s, s:i, s:s, s:o}", "item_id", id, "output_index", index, "name",
+                                 json_string_value(json_object_get(it, "name")), "arguments",
+                                 json_stringn(t, q->text_len)));
+    }
+    if (q->stream)
+        resp_event(q, "response.output_item.done", json_pack("{s:i, s:O}", "output_index", index, "item", it));
+    q->text_len = 0;
+}
+
+/* A new message item (its events when streamed). */
+static void out_msg_open(struct resp_req *q)
+{
+    char id[48];
+    new_id(id, sizeof(id), "msg_");
+    json_t *it = json_pack("{s:s, s:s, s:s, s:s, s:[]}", "type", "message", "id", id, "status", "in_progress", "role",
+                           "assistant", "content");
+    if (it == NULL || json_array_append_new(q->items, it) != 0) {
+        q->failed = true;
+        return;
+    }
+    q->open = q->open_msg = true;
+    q->text_len = 0;
+    const int index = (int)json_array_size(q->items) - 1;
+    if (q->stream) {
+        resp_event(q, "response.output_item.added", json_pack("{s:i, s:O}", "output_index", index, "item", it));
+        resp_event(q, "response.content_part.added",
+                   json_pack("{s:s, s:i, s:i, s:{s:s, s:s, s:[]}}", "item_id", id, "output_index", index,
+                             "content_index", 0, "part", "type", "output_text", "text", "", "annotations"));
+    }
+}
+
+/* Text of the answer: into the open message, or a new one. */
+static void out_text(void *u, const char *s, size_t n)
+{
+    struct resp_req *q = u;
+    if (n == 0)
+        return;
+    if (!q->open || !q->open_msg) {
+        out_close(q, "completed");
+        out_msg_open(q);
+    }
+    if (!resp_append(&q->text, &q->text_len, &q->text_cap, s, n) ||
+        !resp_append(&q->content, &q->content_len, &q->content_cap, s, n)) {
+        q->failed = true;
+        return;
+    }
+    const int index = (int)json_array_size(q->items) - 1;
+    const char *id = json_string_value(json_object_get(json_array_get(q->items, (size_t)index), "id"));
+    if (q->stream)
+        resp_event(q, "response.output_text.delta",
+                   json_pack("{s:s, s:i, s:i, s:o, s:[]}", "item_id", id, "output_index", index, "content_index", 0,
+                             "delta", text_json(s, n), "logprobs"));
+}
+
+/* The splitter's calls: a new function_call item (name set), or a fragment of
+ * its arguments. */
+static void out_call(void *u, int index_unused, const char *name, const char *args, size_t n)
+{
+    struct resp_req *q = u;
+    (void)index_unused;
+    if (name != NULL) {
+        out_close(q, "completed");
+        char id[48], call_id[48];
+        new_id(id, sizeof(id), "fc_");
+        new_id(call_id, sizeof(call_id), "call_");
+        json_t *it = json_pack("{s:s, s:s, s:s, s:s, s:s, s:s}", "type", "function_call", "id", id, "call_id",
+                               call_id, "name", name, "arguments", "", "status", "in_progress");
+        if (it == NULL || json_array_append_new(q->items, it) != 0) {
+            q->failed = true;
+            return;
+        }
+        q->open = true;
+        q->open_msg = false;
+        q->text_len = 0;
+        if (q->stream)
+            resp_event(q, "response.output_item.added",
+                       json_pack("{s:i, s:O}", "output_index", (int)json_array_size(q->items) - 1, "item", it));
+        return;
+    }
+    if (n == 0 || !q->open || q->open_msg)
+        return;
+    if (!resp_append(&q->text, &q->text_len, &q->text_cap, args, n)) {
+        q->failed = true;
+        return;
+    }
+    const int index = (int)json_array_size(q->items) - 1;
+    if (q->stream)
+        resp_event(q, "response.function_call_arguments.delta",
+                   json_pack("{s:s, s:i, s:o}", "item_id",
+                             json_string_value(json_object_get(json_array_get(q->items, (size_t)index), "id")),
+                             "output_index", index, "delta", text_json(args, n)));
+}
+
+/* Text of the output as it comes: through the splitter with tools, else the
+ * message's. */
+static void out_feed(struct resp_req *q, const char *s, size_t n)
+{
+    if (q->tr.n_tools > 0)
+        ts_feed(&q->ts, s, n, false);
+    else
+        out_text(q, s, n);
+}
+
+/* The output ended: the last item closed with its status; an answer with no
+ * item at all gets an empty message. */
+static void out_end(struct resp_req *q, bool incomplete)
+{
+    if (q->tr.n_tools > 0)
+        ts_end(&q->ts);
+    if (json_array_size(q->items) == 0)
+        out_msg_open(q);
+    out_close(q, incomplete ? "incomplete" : "completed");
+}
+
 static int resp_on_chunk(void *user, const struct kvd_chunk *k)
 {
     struct resp_req *q = user;
-    if (k->len == 0)
-        return 0;
-    if (q->text_len + k->len + 1 > q->text_cap) {
-        const size_t cap = (q->text_len + k->len + 1) * 2;
-        char *t = realloc(q->text, cap);
-        if (t == NULL)
-            return 1;
-        q->text = t;
-        q->text_cap = cap;
-    }
-    memcpy(q->text + q->text_len, k->text, k->len);
-    q->text_len += k->len;
-    q->text[q->text_len] = '\0';
-    return resp_event(q, "response.output_text.delta",
-                      json_pack("{s:s, s:i, s:i, s:o, s:[]}", "item_id", q->msg_id, "output_index", 0,
-                                "content_index", 0, "delta", text_json(k->text, k->len), "logprobs"))
-               ? 0 : 1;
+    if (k->len > 0)
+        out_feed(q, k->text, k->len);
+    return q->failed || q->ts.failed || job_aborted(q->j);
 }
 
 /* POST /v1/responses. */
@@ -2863,34 +3256,42 @@ static void work_responses(struct job *j, kvd_client_t *kc)
         return;
     }
     new_id(q->id, sizeof(q->id), "resp_");
-    new_id(q->msg_id, sizeof(q->msg_id), "msg_");
     q->created = time(NULL);
     q->j = j;
+    q->ts = (struct tsplit){ .r = &q->tr, .content = out_text, .call = out_call, .u = q };
+    if ((q->items = json_array()) == NULL) {
+        job_error(j, 500, "out of memory", NULL, NULL, 0);
+        resp_free(q);
+        return;
+    }
     struct kvd_result res;
     memset(&res, 0, sizeof(res));
+    int rc;
     if (!q->stream) {
-        const int rc = job_aborted(j) ? KVD_ECANCELLED : kvd_generate(kc, &q->gp, &res);
+        rc = job_aborted(j) ? KVD_ECANCELLED : kvd_generate(kc, &q->gp, &res);
+        if (rc == 0) {
+            out_feed(q, res.text ? res.text : "", res.text_len);
+            out_end(q, res.finish_reason == KVD_FINISH_LENGTH);
+        }
         if (rc != 0 && job_aborted(j))
             job_gone(j);
         else if (rc != 0)
             job_kvd_error(j, rc, &res);
+        else if (q->failed || q->ts.failed)
+            job_error(j, 500, "out of memory", NULL, NULL, 0);
         else {
-            resp_keep(q, j, res.text);
-            job_json(j, 200, resp_json(q, j, &res, res.text, res.text_len), 0);
+            resp_keep(q, j);
+            job_json(j, 200, resp_json(q, j, &res), 0);
         }
         kvd_result_free(&res);
         resp_free(q);
         return;
     }
-    resp_event(q, "response.created", json_pack("{s:o}", "response", resp_json(q, j, NULL, NULL, 0)));
-    resp_event(q, "response.in_progress", json_pack("{s:o}", "response", resp_json(q, j, NULL, NULL, 0)));
-    resp_event(q, "response.output_item.added",
-               json_pack("{s:i, s:{s:s, s:s, s:s, s:s, s:[]}}", "output_index", 0, "item", "type", "message", "id",
-                         q->msg_id, "status", "in_progress", "role", "assistant", "content"));
-    resp_event(q, "response.content_part.added",
-               json_pack("{s:s, s:i, s:i, s:{s:s, s:s, s:[]}}", "item_id", q->msg_id, "output_index", 0,
-                         "content_index", 0, "part", "type", "output_text", "text", "", "annotations"));
-    const int rc = job_aborted(j) ? KVD_ECANCELLED : kvd_generate_chunks(kc, &q->gp, resp_on_chunk, q, &res);
+    resp_event(q, "response.created", json_pack("{s:o}", "response", resp_json(q, j, NULL)));
+    resp_event(q, "response.in_progress", json_pack("{s:o}", "response", resp_json(q, j, NULL)));
+    if (q->tr.n_tools == 0)
+        out_msg_open(q);        /* without tools the one message opens at once */
+    rc = job_aborted(j) ? KVD_ECANCELLED : kvd_generate_chunks(kc, &q->gp, resp_on_chunk, q, &res);
     if (rc != 0 && job_aborted(j)) {
         job_gone(j);
     } else if (rc != 0) {
@@ -2900,20 +3301,10 @@ static void work_responses(struct job *j, kvd_client_t *kc)
                                          res.error[0] ? res.error : kvd_strerror(rc)));
         emit(j, NULL);
     } else {
-        const char *t = res.text ? res.text : "";
-        resp_event(q, "response.output_text.done",
-                   json_pack("{s:s, s:i, s:i, s:o, s:[]}", "item_id", q->msg_id, "output_index", 0, "content_index",
-                             0, "text", text_json(t, res.text_len), "logprobs"));
-        resp_event(q, "response.content_part.done",
-                   json_pack("{s:s, s:i, s:i, s:{s:s, s:o, s:[]}}", "item_id", q->msg_id, "output_index", 0,
-                             "content_index", 0, "part", "type", "output_text", "text", text_json(t, res.text_len),
-                             "annotations"));
-        json_t *full = resp_json(q, j, &res, t, res.text_len);
-        resp_event(q, "response.output_item.done",
-                   json_pack("{s:i, s:O}", "output_index", 0, "item", json_array_get(json_object_get(full, "output"), 0)));
-        resp_keep(q, j, t);
+        out_end(q, res.finish_reason == KVD_FINISH_LENGTH);
+        resp_keep(q, j);
         /* "completed" whatever the status in it says (clients wait for that event) */
-        resp_event(q, "response.completed", json_pack("{s:o}", "response", full));
+        resp_event(q, "response.completed", json_pack("{s:o}", "response", resp_json(q, j, &res)));
         emit(j, NULL);
     }
     kvd_result_free(&res);
@@ -2935,78 +3326,169 @@ static void work_health(struct job *j, kvd_client_t *kc, bool ready)
         job_json(j, 200, json_pack("{s:s, s:i}", "status", ok ? "ok" : "no worker", "workers", (int)alive), 0);
 }
 
-/* POST /tokenize {"prompt": text} or {"messages": [...]}: {"tokens", "count",
- * "max_model_len"}; POST /detokenize {"tokens": [...]}: {"prompt"} (vLLM's shapes). */
+/* GET /tokenizer_info's answer, after vLLM's (a Hugging Face tokenizer's
+ * config with its class and chat template): the class of the GGUF's kind of
+ * tokenizer, the special tokens by text and id, whether a prompt gets a BOS
+ * or an EOS, kvd's context as model_max_length, the vocabulary's size, the
+ * GGUF's chat template, and the control and user-defined tokens as
+ * added_tokens_decoder. Malloc'd JSON text, or NULL without memory. */
+static char *tokenizer_info_text(const struct http_tokenizer *t, size_t *len)
+{
+    const char *kind = t->model ? t->model : "";
+    const char *cls = strcmp(kind, "gpt2") == 0 ? "GPT2TokenizerFast"
+                      : strcmp(kind, "llama") == 0 ? "LlamaTokenizerFast" : "PreTrainedTokenizerFast";
+    json_t *added = json_object();
+    const char *named[4] = { NULL, NULL, NULL, NULL };
+    const int32_t ids[4] = { t->bos, t->eos, t->pad, t->unk };
+    for (size_t i = 0; added != NULL && i < t->n_special; i++) {
+        char key[16];
+        snprintf(key, sizeof(key), "%d", t->special[i].id);
+        json_object_set_new(added, key, json_pack("{s:s, s:b, s:b, s:b, s:b, s:b}", "content", t->special[i].text,
+                                                  "lstrip", 0, "normalized", 0, "rstrip", 0, "single_word", 0,
+                                                  "special", 1));
+        for (int k = 0; k < 4; k++)
+            if (ids[k] == t->special[i].id)
+                named[k] = t->special[i].text;
+    }
+    json_t *o = json_pack("{s:s, s:s, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:b, s:b, s:I, s:I, s:o, s:o}",
+                          "tokenizer_class", cls, "tokenizer_model", kind,
+                          "bos_token", named[0] ? json_string(named[0]) : json_null(),
+                          "eos_token", named[1] ? json_string(named[1]) : json_null(),
+                          "pad_token", named[2] ? json_string(named[2]) : json_null(),
+                          "unk_token", named[3] ? json_string(named[3]) : json_null(),
+                          "bos_token_id", ids[0] >= 0 ? json_integer(ids[0]) : json_null(),
+                          "eos_token_id", ids[1] >= 0 ? json_integer(ids[1]) : json_null(),
+                          "pad_token_id", ids[2] >= 0 ? json_integer(ids[2]) : json_null(),
+                          "unk_token_id", ids[3] >= 0 ? json_integer(ids[3]) : json_null(),
+                          "add_bos_token", t->add_bos, "add_eos_token", t->add_eos,
+                          "model_max_length", (json_int_t)t->max_model_len, "vocab_size", (json_int_t)t->n_vocab,
+                          "chat_template", t->chat_template ? json_string(t->chat_template) : json_null(),
+                          "added_tokens_decoder", added ? added : json_object());
+    char *text = o ? json_text(o, len) : NULL;
+    return text;
+}
+
+/* The fields of /tokenize and /detokenize (vLLM's), with the values that ask
+ * for what kvd does not do. */
+static const struct field tok_fields[] = {
+    { "model", F_BOTH, true, NULL, NULL },
+    { "prompt", F_COMPL, true, NULL, NULL },
+    { "messages", F_CHAT, true, NULL, NULL },
+    { "add_special_tokens", F_BOTH, true, NULL, NULL },
+    { "add_generation_prompt", F_CHAT, true, NULL, NULL },
+    { "continue_final_message", F_CHAT, false, NULL, "kvd renders a chat as it generates from it (with the "
+                                                      "assistant's turn opened)" },
+    { "return_token_strs", F_BOTH, false, NULL, "not supported (POST /detokenize gives a token's text)" },
+    { "chat_template", F_CHAT, false, NULL, "kvd renders the model's own template" },
+    { "chat_template_kwargs", F_CHAT, false, NULL, "kvd renders the model's own template" },
+    { "tools", F_CHAT, false, NULL, "not supported here" },
+    { "mm_processor_kwargs", F_BOTH, false, NULL, "kvd serves text models" },
+};
+#define F_DETOK 4u                  /* tok_fields' where: /detokenize */
+static const struct field detok_fields[] = {
+    { "model", F_DETOK, true, NULL, NULL },
+    { "tokens", F_DETOK, true, NULL, NULL },
+};
+
+/* POST /detokenize {"tokens": [...]}: {"prompt"}. */
+static void work_detokenize(struct job *j, kvd_client_t *kc, json_t *o)
+{
+    struct bad b = { "", NULL };
+    json_t *a = json_object_get(o, "tokens");
+    struct prompt p = { 0 };
+    char err[256] = "";
+    if (check_fields(o, detok_fields, sizeof(detok_fields) / sizeof(detok_fields[0]), F_DETOK, "detokenize",
+                     &b) != 0) {
+        job_error(j, 400, b.msg, b.param, NULL, 0);
+    } else if (!json_is_array(a) || get_ids(a, "tokens", &p, &b) != 0) {
+        job_error(j, 400, b.msg[0] ? b.msg : "'tokens' must be a list of token ids", "tokens", NULL, 0);
+    } else {
+        char *text = NULL;
+        const int rc = kvd_detokenize(kc, p.ids, p.n_ids, &text, err, sizeof(err));
+        if (rc == 0)
+            job_json(j, 200, json_pack("{s:s}", "prompt", text), 0);
+        else
+            job_error(j, status_of(rc, &(const char *){ NULL }), err[0] ? err : kvd_strerror(rc), "tokens", NULL, 0);
+        free(text);
+    }
+    free(p.ids);
+}
+
+/* POST /tokenize {"prompt": text} or {"messages": [...]} (vLLM's shapes):
+ * {"tokens", "count", "max_model_len", "token_strs": null}. A prompt is
+ * tokenized as a completion's prompt (a BOS first when the model wants one;
+ * add_special_tokens false leaves it out), a chat as chat completions render
+ * it (the template puts in what it needs, and opens the assistant's turn). */
+static void work_tokenize(struct job *j, kvd_client_t *kc, json_t *o)
+{
+    const struct http_server *s = j->s;
+    struct oai_req r = { 0 };
+    struct bad b = { "", NULL };
+    json_t *m = json_object_get(o, "messages"), *prompt = json_object_get(o, "prompt");
+    const unsigned where = m != NULL ? F_CHAT : F_COMPL;
+    bool special = m == NULL, gen = true;     /* vLLM's defaults: true for a prompt, false for a chat */
+    char err[256] = "";
+    bool ok = check_fields(o, tok_fields, sizeof(tok_fields) / sizeof(tok_fields[0]), where,
+                           m != NULL ? "chat tokenize" : "tokenize", &b) == 0 &&
+              get_bool(o, "add_special_tokens", &special, &b) >= 0 && get_bool(o, "add_generation_prompt", &gen, &b) >= 0;
+    if (ok && m != NULL && special)
+        ok = bad(&b, "add_special_tokens", "'add_special_tokens': kvd tokenizes a chat as it generates from it "
+                 "(the template puts in the special tokens it needs)") == 0;
+    if (ok && !gen)
+        ok = bad(&b, "add_generation_prompt", "'add_generation_prompt': kvd renders a chat with the assistant's "
+                 "turn opened, as it generates from it") == 0;
+    if (ok && m != NULL) {
+        r.chat = true;
+        unsigned st;
+        r.root = json_pack("{s:O}", "messages", m);   /* parse_request's checks, messages only */
+        tl_acct = &j->acct;
+        ok = parse_request(&r, s, &b, &st) == 0;
+        tl_acct = NULL;
+    } else if (ok && !json_is_string(prompt)) {
+        ok = bad(&b, "prompt", "give 'prompt' (a string) or 'messages'") == 0;
+    }
+    if (!ok) {
+        job_error(j, 400, b.msg, b.param, NULL, 0);
+    } else {
+        int32_t *ids = NULL;
+        size_t n = 0;
+        uint32_t max_ctx = 0;
+        const int rc = kvd_tokenize(kc, m ? NULL : json_string_value(prompt), r.msgs, r.n_msgs, &ids, &n, &max_ctx,
+                                    err, sizeof(err));
+        if (rc == 0) {
+            /* a prompt without special tokens: without the BOS kvd puts first */
+            const size_t from = m == NULL && !special && s->add_bos && n > 0 && ids[0] == s->bos;
+            json_t *arr = json_array();
+            for (size_t i = from; i < n; i++)
+                json_array_append_new(arr, json_integer(ids[i]));
+            job_json(j, 200, json_pack("{s:o, s:I, s:I, s:n}", "tokens", arr, "count", (json_int_t)(n - from),
+                                       "max_model_len", (json_int_t)max_ctx, "token_strs"), 0);
+        } else {
+            job_error(j, status_of(rc, &(const char *){ NULL }), err[0] ? err : kvd_strerror(rc), NULL, NULL, 0);
+        }
+        free(ids);
+    }
+    free(r.msgs);
+    json_decref(r.root);
+}
+
+/* POST /tokenize and /detokenize: the body, its model, then the work. */
 static void work_tokens(struct job *j, kvd_client_t *kc)
 {
     json_t *o;
     if (!job_parse(j, &o))
         return;
-    const bool detok = j->route == R_DETOKENIZE;
-    const struct http_server *s = j->s;
     json_t *model = json_object_get(o, "model");
-    char err[256] = "";
-    int rc;
-    if (!json_is_object(o)) {
+    if (!json_is_object(o))
         job_error(j, 400, "the body must be a JSON object", NULL, NULL, 0);
-    } else if (json_is_string(model) && strcmp(json_string_value(model), s->model_id) != 0) {
+    else if (model != NULL && !json_is_null(model) && !json_is_string(model))
+        job_error(j, 400, "'model' must be a string", "model", NULL, 0);
+    else if (json_is_string(model) && strcmp(json_string_value(model), j->s->model_id) != 0)
         job_error(j, 404, "no such model", "model", "model_not_found", 0);
-    } else if (detok) {
-        json_t *a = json_object_get(o, "tokens");
-        struct prompt p = { 0 };
-        struct bad b = { "", NULL };
-        if (!json_is_array(a) || get_ids(a, "tokens", &p, &b) != 0) {
-            job_error(j, 400, b.msg[0] ? b.msg : "'tokens' must be a list of token ids", "tokens", NULL, 0);
-        } else {
-            char *text = NULL;
-            rc = kvd_detokenize(kc, p.ids, p.n_ids, &text, err, sizeof(err));
-            if (rc == 0)
-                job_json(j, 200, json_pack("{s:s}", "prompt", text), 0);
-            else
-                job_error(j, status_of(rc, &(const char *){ NULL }), err[0] ? err : kvd_strerror(rc), "tokens",
-                          NULL, 0);
-            free(text);
-        }
-        free(p.ids);
-    } else {
-        struct oai_req r = { 0 };
-        struct bad b = { "", NULL };
-        json_t *m = json_object_get(o, "messages");
-        const char *text = json_string_value(json_object_get(o, "prompt"));
-        bool ok = true;
-        if (m != NULL) {
-            r.chat = true;
-            unsigned st;
-            r.root = json_pack("{s:O}", "messages", m);   /* parse_request's checks, messages only */
-            tl_acct = &j->acct;
-            ok = parse_request(&r, s, &b, &st) == 0;
-            tl_acct = NULL;
-            if (!ok)
-                job_error(j, 400, b.msg, b.param, NULL, 0);
-        } else if (text == NULL) {
-            ok = false;
-            job_error(j, 400, "give 'prompt' (a string) or 'messages'", "prompt", NULL, 0);
-        }
-        if (ok) {
-            int32_t *ids = NULL;
-            size_t n = 0;
-            uint32_t max_ctx = 0;
-            rc = kvd_tokenize(kc, m ? NULL : text, r.msgs, r.n_msgs, &ids, &n, &max_ctx, err, sizeof(err));
-            if (rc == 0) {
-                json_t *arr = json_array();
-                for (size_t i = 0; i < n; i++)
-                    json_array_append_new(arr, json_integer(ids[i]));
-                job_json(j, 200, json_pack("{s:o, s:I, s:I}", "tokens", arr, "count", (json_int_t)n,
-                                           "max_model_len", (json_int_t)max_ctx), 0);
-            } else {
-                job_error(j, status_of(rc, &(const char *){ NULL }), err[0] ? err : kvd_strerror(rc), NULL, NULL,
-                          0);
-            }
-            free(ids);
-        }
-        free(r.msgs);
-        json_decref(r.root);
-    }
+    else if (j->route == R_DETOKENIZE)
+        work_detokenize(j, kc, o);
+    else
+        work_tokenize(j, kc, o);
     json_decref(o);
 }
 
@@ -3781,6 +4263,7 @@ static enum route route_of(const char *method, const char *url, unsigned *status
         { "/tokenize", true, R_TOKENIZE }, { "/detokenize", true, R_DETOKENIZE },
         { "/health", false, R_HEALTH }, { "/ready", false, R_READY }, { "/v1/models", false, R_MODELS },
         { "/metrics", false, R_METRICS }, { "/pool", false, R_POOL },
+        { "/tokenizer_info", false, R_TOKENIZER_INFO },
     };
     if (page_asset(url) != NULL) {
         if (strcmp(method, "GET") == 0 || strcmp(method, "HEAD") == 0)
@@ -3941,6 +4424,15 @@ static enum MHD_Result complete(struct http_server *s, struct MHD_Connection *c,
         char *text = json_text(q->route == R_MODEL ? m : json_pack("{s:s, s:[o]}", "object", "list", "data", m),
                                &len);
         return text ? queue_text(s, c, 200, "application/json", text, len, 0, true) : MHD_NO;
+    }
+    if (q->route == R_TOKENIZER_INFO) {
+        if (s->tokenizer_info == NULL)
+            return queue_error(s, c, 404, "kvd was started without the tokenizer's facts", NULL, 0);
+        char *text = malloc(s->tokenizer_info_len + 1);
+        if (text == NULL)
+            return MHD_NO;
+        memcpy(text, s->tokenizer_info, s->tokenizer_info_len + 1);
+        return queue_text(s, c, 200, "application/json", text, s->tokenizer_info_len, 0, true);
     }
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
     struct job *j = calloc(1, sizeof(*j));
@@ -4237,8 +4729,20 @@ http_server_t *http_start(const struct http_params *p, char *err, size_t errlen)
     s->p.bind = s->bind;
     s->p.kvd_endpoint = s->endpoint;
     s->p.model_id = s->model_id;
+    s->p.tokenizer = NULL;      /* the caller's: what is needed is copied */
+    s->bos = -1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
+    if (p->tokenizer != NULL) {
+        s->bos = p->tokenizer->bos;
+        s->add_bos = p->tokenizer->add_bos;
+        s->tokenizer_info = tokenizer_info_text(p->tokenizer, &s->tokenizer_info_len);
+        if (s->tokenizer_info == NULL) {
+            snprintf(err, errlen, "out of memory");
+            http_stop(&s);
+            return NULL;
+        }
+    }
     if ((p->api_keys != NULL && load_keys(s, p->api_keys, err, errlen) != 0) ||
         (p->operator_key != NULL && load_operator_key(s, p->operator_key, err, errlen) != 0)) {
         http_stop(&s);
@@ -4345,6 +4849,7 @@ void http_stop(http_server_t **sp)
     }
     free(s->keys);
     free(s->operator_key);
+    free(s->tokenizer_info);
     free(s->srcs);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);

@@ -12,7 +12,7 @@
  * while its connection is suspended.
  *
  *   POST /v1/chat/completions, POST /v1/completions   (stream or not)
- *   POST /tokenize, POST /detokenize
+ *   POST /tokenize, POST /detokenize, GET /tokenizer_info
  *   GET  /v1/models, GET /health, GET /ready, GET /metrics
  *   GET  / and /web/... (the page, web/), GET /pool (its data: the pools' picture)
  *
@@ -35,8 +35,28 @@
 #ifndef KVD_HTTP_H
 #define KVD_HTTP_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+
+/* A special token of the model's vocabulary (GET /tokenizer_info). */
+struct http_token {
+    int32_t id;
+    const char *text;           /* as the vocabulary spells it, NUL-terminated */
+};
+
+/* The model's tokenizer as GET /tokenizer_info tells it (vLLM's endpoint):
+ * facts that do not change while kvd runs. http_start copies what it needs. */
+struct http_tokenizer {
+    const char *model;          /* the GGUF's tokenizer.ggml.model ("gpt2", "llama") */
+    const char *chat_template;  /* the GGUF's tokenizer.chat_template (Jinja), or NULL */
+    uint32_t n_vocab;           /* tokens in the vocabulary */
+    uint32_t max_model_len;     /* kvd's context (--ctx) */
+    int32_t bos, eos, pad, unk; /* ids, -1: the model has none */
+    bool add_bos, add_eos;      /* what the model puts around a prompt */
+    const struct http_token *special;   /* control and user-defined tokens, by id */
+    size_t n_special;
+};
 
 struct http_params {
     const char *bind;           /* "HOST:PORT" (IPv4 address or "localhost") */
@@ -44,6 +64,7 @@ struct http_params {
     const char *model_id;       /* the model's name in responses and /v1/models */
     uint32_t max_body;          /* largest request body in bytes */
     uint32_t block_tokens;      /* for /metrics' cache_config_info */
+    const struct http_tokenizer *tokenizer;  /* for /tokenizer_info and /tokenize (NULL: a 404) */
     const char *api_keys;       /* NULL, or a file of "KEY TENANT" lines: then the API needs
                                  * Authorization: Bearer KEY (401 otherwise), and a request's
                                  * cache namespace is its key's tenant (plus the request's own

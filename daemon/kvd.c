@@ -1221,17 +1221,79 @@ static void events_setup(struct kvd *k)
     kvd_log(k, "block events on %s, topic '%s'", o->kv_events, topic);
 }
 
+/* A GGUF string key as a new NUL-terminated string, or NULL when absent. */
+static char *gguf_strdup(const gguf_ctx_t *g, const char *key)
+{
+    struct gguf_str v;
+    if (gguf_get_str(g, key, &v) != 0)
+        return NULL;
+    char *s = malloc((size_t)v.len + 1);
+    if (s != NULL) {
+        memcpy(s, v.ptr, (size_t)v.len);
+        s[v.len] = '\0';
+    }
+    return s;
+}
+
+/* The tokenizer's facts for GET /tokenizer_info into *t; the strings and the
+ * special tokens are malloc'd (tokenizer_facts_free). */
+static void tokenizer_facts(const struct kvd *k, struct http_tokenizer *t)
+{
+    const gguf_ctx_t *g = k->model->gguf;
+    bool add_eos = false;
+    memset(t, 0, sizeof(*t));
+    t->model = gguf_strdup(g, "tokenizer.ggml.model");
+    t->chat_template = gguf_strdup(g, "tokenizer.chat_template");
+    t->n_vocab = (uint32_t)tok_n_vocab(k->tok);
+    t->max_model_len = k->n_ctx;
+    t->bos = tok_bos(k->tok);
+    t->eos = tok_eos(k->tok);
+    t->pad = tok_pad(k->tok);
+    t->unk = tok_unk(k->tok);
+    t->add_bos = tok_add_bos(k->tok);
+    t->add_eos = gguf_get_bool(g, "tokenizer.ggml.add_eos_token", &add_eos) == 0 && add_eos;
+    size_t n = 0;
+    for (uint32_t id = 0; id < t->n_vocab; id++)
+        n += tok_type(k->tok, (int32_t)id) == TOK_TYPE_CONTROL || tok_type(k->tok, (int32_t)id) == TOK_TYPE_USER_DEFINED;
+    struct http_token *sp = calloc(n ? n : 1, sizeof(*sp));
+    for (uint32_t id = 0; sp != NULL && id < t->n_vocab; id++) {
+        const int type = tok_type(k->tok, (int32_t)id);
+        size_t len = 0;
+        const char *text = tok_text(k->tok, (int32_t)id, &len);
+        char *copy = (type == TOK_TYPE_CONTROL || type == TOK_TYPE_USER_DEFINED) ? malloc(len + 1) : NULL;
+        if (copy == NULL)
+            continue;
+        memcpy(copy, text, len);
+        copy[len] = '\0';
+        sp[t->n_special++] = (struct http_token){ (int32_t)id, copy };
+    }
+    t->special = sp;
+}
+
+static void tokenizer_facts_free(struct http_tokenizer *t)
+{
+    for (size_t i = 0; i < t->n_special; i++)
+        free((char *)t->special[i].text);
+    free((void *)t->special);
+    free((char *)t->model);
+    free((char *)t->chat_template);
+    memset(t, 0, sizeof(*t));
+}
+
 /* The HTTP front ends of --http: loopback addresses unless --allow-remote. */
 static void http_setup(struct kvd *k)
 {
     const struct kvd_options *o = &k->o;
     char name[256];
     kvd_served_name(o, name, sizeof(name));
+    struct http_tokenizer tf;
+    tokenizer_facts(k, &tf);
     for (int i = 0; i < o->n_http; i++) {
         const char *h = o->http[i];     /* checked by endpoints_plan */
         const struct http_params hp = {
             .bind = h, .kvd_endpoint = k->http_ep, .model_id = name, .max_body = o->max_body,
-            .block_tokens = o->block_tokens, .api_keys = o->api_keys, .operator_key = o->operator_key,
+            .block_tokens = o->block_tokens, .tokenizer = &tf, .api_keys = o->api_keys,
+            .operator_key = o->operator_key,
             .max_conns = o->http_max_conns, .max_conns_per_ip = o->http_max_conns_per_ip,
             .timeout_s = o->http_timeout_s, .max_memory = o->http_max_memory, .max_requests = o->http_max_requests,
         };
@@ -1241,6 +1303,7 @@ static void http_setup(struct kvd *k)
             cli_die("%s", err);
         kvd_log(k, "HTTP on %s (OpenAI-compatible API, model '%s')", h, name);
     }
+    tokenizer_facts_free(&tf);
 }
 
 /* ---- the loop -------------------------------------------------------------------------------- */

@@ -3,7 +3,8 @@
  *
  * Loads a GGUF model, tokenizes a prompt (optionally through the model's chat
  * template), runs it over a paged KV cache and prints the continuation; or
- * prints token ids (--tokenize), or the perplexity of a file (--perplexity).
+ * prints token ids (--tokenize), the perplexity of a file (--perplexity), or
+ * the log-probability of a continuation after a context (--score).
  * Every bad argument or input ends with one line on stderr and exit status 1.
  */
 #include <assert.h>
@@ -33,6 +34,7 @@
 
 #define DEFAULT_MODEL "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 #define MAX_STOPS 8
+#define MAX_SCORES 4096         /* --score pairs in one run */
 
 struct options {
     const char *model;          /* -m */
@@ -72,6 +74,9 @@ struct options {
     bool overflow_set;
     int sinks;                  /* --sinks: first tokens a window keeps (default 4) */
     const char *ppl_stream;     /* --perplexity-stream FILE */
+    const char **score_ctx;     /* --score TEXT, in order (MAX_SCORES) */
+    const char **score_cont;    /* --continuation TEXT, paired with them in order */
+    int n_score_ctx, n_score_cont;
 };
 
 enum { OVERFLOW_STOP, OVERFLOW_WINDOW, OVERFLOW_RESTART };
@@ -82,6 +87,7 @@ static void usage(FILE *f)
           "       kvd-run [-m MODEL] --tokenize TEXT [--special]\n"
           "       kvd-run [-m MODEL] --perplexity FILE [--ctx N]\n"
           "       kvd-run [-m MODEL] --perplexity-stream FILE [--ctx N] [--context-overflow M]\n"
+          "       kvd-run [-m MODEL] --score CONTEXT --continuation TEXT [--score ...]\n"
           "       kvd-run [-m MODEL] --bench [--bench-file FILE] [-t N] [--json]\n"
           "\n"
           "  -m, --model FILE       GGUF model (default " DEFAULT_MODEL ")\n"
@@ -116,6 +122,12 @@ static void usage(FILE *f)
           "      --special          parse special tokens in the text (--tokenize, -p)\n"
           "      --perplexity FILE  print the perplexity of FILE\n"
           "      --chunks N         score only the first N windows of it\n"
+          "      --score CONTEXT    with --continuation TEXT (repeatable, paired in order):\n"
+          "                         print a JSON line per pair with the continuation's\n"
+          "                         tokens, their log-probabilities after the context and\n"
+          "                         the rest of them, their sum and whether each was the\n"
+          "                         likeliest (lm-eval's loglikelihood)\n"
+          "      --continuation TEXT  the text scored after the last --score's context\n"
           "      --kl-divergence-base OUT  with --perplexity: save every scored position's\n"
           "                         log-probabilities (f16) to OUT\n"
           "      --kl-divergence BASE  with --perplexity: KL divergence, same-top-token share\n"
@@ -163,7 +175,7 @@ enum {
     OPT_TEMP = 256, OPT_TOPK, OPT_TOPP, OPT_MINP, OPT_REPEAT, OPT_SEED, OPT_STOP, OPT_CHAT,
     OPT_SYSTEM, OPT_SYSTEM_FILE, OPT_JSON, OPT_TOKENIZE, OPT_SPECIAL, OPT_PPL, OPT_BLOCK,
     OPT_KVTYPE, OPT_KTYPE, OPT_VTYPE, OPT_ROTATE, OPT_CHUNKS, OPT_KLD_BASE, OPT_KLD, OPT_IGNORE_EOS, OPT_BENCH, OPT_BENCH_FILE, OPT_BENCH_CTX, OPT_PROMPT_IDS, OPT_POOL, OPT_NS,
-    OPT_KVMEM, OPT_LOGITS_OUT, OPT_OVERFLOW, OPT_SINKS, OPT_PPL_STREAM,
+    OPT_KVMEM, OPT_LOGITS_OUT, OPT_OVERFLOW, OPT_SINKS, OPT_PPL_STREAM, OPT_SCORE, OPT_CONT,
 };
 
 /* Parses "1,2,3" (commas and/or white space) into a new array; dies on error. */
@@ -237,6 +249,8 @@ static void parse_args(int argc, char **argv, struct options *o)
         { "context-overflow", required_argument, NULL, OPT_OVERFLOW },
         { "sinks", required_argument, NULL, OPT_SINKS },
         { "perplexity-stream", required_argument, NULL, OPT_PPL_STREAM },
+        { "score", required_argument, NULL, OPT_SCORE },
+        { "continuation", required_argument, NULL, OPT_CONT },
         { NULL, 0, NULL, 0 },
     };
     memset(o, 0, sizeof(*o));
@@ -330,6 +344,17 @@ static void parse_args(int argc, char **argv, struct options *o)
         case OPT_BENCH: o->bench = true; break;
         case OPT_BENCH_FILE: o->bench_file = optarg; break;
         case OPT_BENCH_CTX: o->bench_ctx = (int)cli_long(optarg, "--bench-ctx", 16, 1 << 20); break;
+        case OPT_SCORE:
+        case OPT_CONT: {
+            const char ***list = c == OPT_SCORE ? &o->score_ctx : &o->score_cont;
+            int *n = c == OPT_SCORE ? &o->n_score_ctx : &o->n_score_cont;
+            if (*n == MAX_SCORES)
+                cli_die("at most %d --score pairs", MAX_SCORES);
+            if (*list == NULL && (*list = calloc(MAX_SCORES, sizeof(**list))) == NULL)
+                cli_die("out of memory");
+            (*list)[(*n)++] = optarg;
+            break;
+        }
         case ':': cli_die("option %s needs a value", argv[optind - 1]);
         default: cli_die("unknown option %s (see --help)", argv[optind - 1]);
         }
@@ -345,12 +370,18 @@ static void parse_args(int argc, char **argv, struct options *o)
     if (o->prompt_ids != NULL && o->chat)
         cli_die("--prompt-ids and --chat exclude each other");
     int modes = (o->prompt != NULL || o->prompt_ids != NULL) + (o->tokenize != NULL) + (o->ppl_file != NULL) +
-                (o->ppl_stream != NULL) + o->bench;
+                (o->ppl_stream != NULL) + o->bench + (o->n_score_ctx > 0 || o->n_score_cont > 0);
     if (modes == 0)
         cli_die("nothing to do: give -p PROMPT, -f FILE, --prompt-ids, --tokenize TEXT, --perplexity FILE, "
                 "--perplexity-stream FILE or --bench (see --help)");
     if (modes > 1)
-        cli_die("-p, --tokenize, --perplexity, --perplexity-stream and --bench exclude each other");
+        cli_die("-p, --tokenize, --perplexity, --perplexity-stream, --score and --bench exclude each other");
+    if (o->n_score_ctx != o->n_score_cont)
+        cli_die("every --score CONTEXT needs its --continuation TEXT (%d and %d given)", o->n_score_ctx,
+                o->n_score_cont);
+    for (int i = 0; i < o->n_score_cont; i++)
+        if (o->score_cont[i][0] == '\0')
+            cli_die("--continuation needs a non-empty text");
     if (o->overflow_set && o->prompt == NULL && o->prompt_ids == NULL && o->ppl_stream == NULL)
         cli_die("--context-overflow goes with a prompt or --perplexity-stream");
     if (o->overflow == OVERFLOW_RESTART && o->ppl_stream == NULL)
@@ -1204,6 +1235,111 @@ static int run_perplexity_stream(const struct options *o)
     return 0;
 }
 
+/* ---- --score ------------------------------------------------------------------------- */
+
+/*
+ * lm-eval's loglikelihood of a continuation after a context: the tokens of
+ * context + continuation (a BOS first where the model adds one, as a prompt
+ * of kvd's gets), the context's own tokens, and the rest as the
+ * continuation's (lm-eval's split); each of those scored given every token
+ * before it, as the log-softmax of the raw logits in double precision (what
+ * kvd's echo and prompt_logprobs report). One JSON line a pair:
+ * {"context_tokens", "tokens", "logprobs", "logprob" (their sum), "greedy"}.
+ */
+static int run_score(const struct options *o)
+{
+    char err[512];
+    gguf_ctx_t *g = gguf_open(o->model, err, sizeof(err));
+    if (g == NULL)
+        cli_die("%s", err);
+    tok_t *t = tok_new_from_gguf(g, err, sizeof(err));
+    if (t == NULL)
+        cli_die("%s", err);
+    const bool bos = tok_add_bos(t);
+    const int n_pairs = o->n_score_ctx;
+    int32_t **all = calloc((size_t)n_pairs, sizeof(*all));
+    size_t *n_all = calloc((size_t)n_pairs, sizeof(*n_all)), *n_ctx_tok = calloc((size_t)n_pairs, sizeof(size_t));
+    if (all == NULL || n_all == NULL || n_ctx_tok == NULL)
+        cli_die("out of memory");
+    size_t longest = 0;
+    for (int i = 0; i < n_pairs; i++) {
+        const size_t lc = strlen(o->score_ctx[i]), lt = strlen(o->score_cont[i]);
+        char *whole = malloc(lc + lt + 1);
+        if (whole == NULL)
+            cli_die("out of memory");
+        memcpy(whole, o->score_ctx[i], lc);
+        memcpy(whole + lc, o->score_cont[i], lt + 1);
+        size_t nw, nc;
+        int32_t *w = encode(t, whole, lc + lt, false, &nw);
+        int32_t *cids = encode(t, o->score_ctx[i], lc, false, &nc);
+        free(whole);
+        free(cids);
+        if (nc + bos == 0 || nw <= nc)
+            cli_die("--score %d: the context needs a token and the continuation one more", i + 1);
+        if ((all[i] = malloc((nw + bos) * sizeof(int32_t))) == NULL)
+            cli_die("out of memory");
+        if (bos)
+            all[i][0] = tok_bos(t);
+        memcpy(all[i] + bos, w, nw * sizeof(int32_t));
+        free(w);
+        n_all[i] = nw + bos;
+        n_ctx_tok[i] = nc + bos;
+        longest = n_all[i] > longest ? n_all[i] : longest;
+    }
+    tok_destroy(&t);
+    gguf_close(&g);
+    struct runtime rt;
+    const uint32_t ctx = o->n_ctx ? (uint32_t)o->n_ctx : (uint32_t)(longest < 16 ? 16 : longest);
+    if (longest > ctx)
+        cli_die("a --score pair has %zu tokens, more than --ctx %u", longest, ctx);
+    runtime_open(&rt, o, ctx, 0);
+    const uint32_t nv = rt.model->cfg.n_vocab;
+    double *lps = malloc(longest * sizeof(double));
+    if (lps == NULL)
+        cli_die("out of memory");
+    for (int i = 0; i < n_pairs; i++) {
+        struct seq s = { 0 };
+        const size_t n = n_all[i], first = n_ctx_tok[i];
+        bool greedy = true;
+        double sum = 0.0;
+        /* every position but the last is fed; row p predicts token p + 1 */
+        for (size_t at = 0; at + 1 < n;) {
+            const uint32_t m = n - 1 - at < rt.step ? (uint32_t)(n - 1 - at) : rt.step;
+            const float *out;
+            uint32_t rows;
+            seq_feed(&rt, &s, all[i], m, m, true, &out, &rows);
+            for (uint32_t j = 0; j < m; j++) {
+                const size_t next = at + j + 1;
+                if (next < first)
+                    continue;
+                const float *row = out + (size_t)j * nv;
+                uint32_t best = 0;
+                for (uint32_t v = 1; v < nv; v++)
+                    best = row[v] > row[best] ? v : best;
+                greedy &= (int32_t)best == all[i][next];
+                lps[next - first] = -row_nll(row, nv, all[i][next]);
+                sum += lps[next - first];
+            }
+            at += m;
+        }
+        printf("{\"context_tokens\":%zu,\"tokens\":", first);
+        json_ids(stdout, all[i] + first, n - first);
+        printf(",\"logprobs\":[");
+        for (size_t k = 0; k < n - first; k++)
+            printf("%s%.9g", k ? "," : "", lps[k]);
+        printf("],\"logprob\":%.9g,\"greedy\":%s}\n", sum, greedy ? "true" : "false");
+        seq_release(&rt, &s);
+        prefix_seq_fini(&s.ps);
+        free(all[i]);
+    }
+    free(lps);
+    free(all);
+    free(n_all);
+    free(n_ctx_tok);
+    runtime_close(&rt);
+    return 0;
+}
+
 /* ---- --bench ------------------------------------------------------------------------- */
 
 static double rss_mib(void)
@@ -1398,10 +1534,14 @@ int main(int argc, char **argv)
         rc = run_perplexity(&o);
     else if (o.ppl_stream != NULL)
         rc = run_perplexity_stream(&o);
+    else if (o.n_score_ctx > 0)
+        rc = run_score(&o);
     else
         rc = run_generate(&o);
     free(o.system_buf);
     free(o.prompt_buf);
     free(o.prompt_ids);
+    free(o.score_ctx);
+    free(o.score_cont);
     return rc;
 }

@@ -4,6 +4,7 @@
  * JSON), and one-line errors with a non-zero exit for bad arguments, an
  * unreadable or corrupt model and a prompt longer than the context.
  */
+#include <math.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -214,6 +215,43 @@ int main(void)
                      "--context-overflow", "window", "--sinks", "16"), "too short to window");
     expect_error(RUN("-m", model, "-p", "x", "--context-overflow", "restart"), "for --perplexity-stream");
     expect_error(RUN("-m", model, "-p", "x", "--context-overflow", "slide"), "stop, window or restart");
+    /* --score: a JSON line a pair, the continuation's logprobs and their sum */
+    CHECK_INT(RUN("-m", model, "--score", "hello there", "--continuation", " general kenobi", "--score",
+                  "hello", "--continuation", " there general kenobi"), 0);
+    {
+        double lp[2][32], sum[2];
+        size_t n[2] = { 0, 0 }, ctx[2];
+        const char *line = last;
+        for (int k = 0; k < 2; k++) {
+            REQUIRE(line != NULL && strncmp(line, "{\"context_tokens\":", 18) == 0);
+            ctx[k] = strtoul(line + 18, NULL, 10);
+            const char *a = strstr(line, "\"logprobs\":[");
+            REQUIRE(a != NULL);
+            for (char *e = (char *)a + 12; *e != ']' && n[k] < 32;) {
+                lp[k][n[k]++] = strtod(e, &e);
+                e += *e == ',';
+            }
+            const char *t = strstr(line, "\"logprob\":");
+            REQUIRE(t != NULL);
+            sum[k] = strtod(t + 10, NULL);
+            double total = 0;
+            for (size_t i = 0; i < n[k]; i++) {
+                CHECK(lp[k][i] <= 0.0);
+                total += lp[k][i];
+            }
+            CHECK(fabs(total - sum[k]) < 1e-5);
+            line = strchr(line, '\n');
+            line = line ? line + 1 : NULL;
+        }
+        /* the same tokens at the same positions score the same, whatever the split */
+        CHECK(ctx[1] < ctx[0] && n[1] == n[0] + (ctx[0] - ctx[1]));
+        for (size_t i = 0; i < n[0]; i++)
+            CHECK(fabs(lp[0][i] - lp[1][i + (ctx[0] - ctx[1])]) < 1e-6);
+    }
+    expect_error(RUN("-m", model, "--score", "hello"), "--continuation");
+    expect_error(RUN("-m", model, "--score", "hello", "--continuation", ""), "non-empty");
+    expect_error(RUN("-m", model, "--score", "hello", "--continuation", " x", "-p", "y"), "exclude each other");
+
     /* a corrupt model: the first half of the file */
     struct stat st;
     REQUIRE(stat(model, &st) == 0);

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -407,8 +408,56 @@ def test_tokenize_and_detokenize(api: HttpDaemon) -> None:
     error_of(s, e, 400)
     s, _, e = api.post("/detokenize", {"tokens": "abc"})
     error_of(s, e, 400, "tokens")
-    s, _, e = api.post("/tokenize", {"nothing": 1})
+    s, _, e = api.post("/tokenize", {})
     error_of(s, e, 400, "prompt")
+    # vLLM's fields: add_special_tokens (a prompt's BOS, where the model adds one), the neutral values
+    # of the rest; any other field is refused by name
+    s, _, n = api.post("/tokenize", {"prompt": text, "add_special_tokens": False, "model": MODEL_ID,
+                                     "return_token_strs": False, "mm_processor_kwargs": None})
+    assert s == 200 and n["tokens"] == b["tokens"] and n["token_strs"] is None    # SmolLM2 adds no BOS
+    s, _, n = api.post("/tokenize", {"messages": CHAT, "add_generation_prompt": True, "add_special_tokens": False,
+                                     "continue_final_message": False})
+    assert s == 200 and n["tokens"] == c["tokens"]
+    for body, param in [({"nothing": 1, "prompt": "x"}, "nothing"),
+                        ({"prompt": "x", "return_token_strs": True}, "return_token_strs"),
+                        ({"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+                        ({"prompt": "x", "messages": CHAT}, "prompt"),
+                        ({"messages": CHAT, "add_generation_prompt": False}, "add_generation_prompt"),
+                        ({"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
+                        ({"messages": CHAT, "add_special_tokens": True}, "add_special_tokens"),
+                        ({"messages": CHAT, "chat_template": "{{ x }}"}, "chat_template")]:
+        s, _, e = api.post("/tokenize", body)
+        error_of(s, e, 400, param)
+    s, _, e = api.post("/detokenize", {"tokens": [1], "prompt": "x"})
+    error_of(s, e, 400, "prompt")
+    s, _, e = api.post("/tokenize", {"prompt": "x", "model": "other"})
+    error_of(s, e, 404, "model")
+
+
+def test_tokenizer_info(api: HttpDaemon) -> None:
+    s, _, body = api.request("GET", "/tokenizer_info")
+    info = json.loads(body)
+    assert s == 200, info
+    # SmolLM2's GGUF: a GPT-2 BPE of 49,152 tokens, ChatML's specials, no BOS put before a prompt
+    assert info["tokenizer_class"] == "GPT2TokenizerFast" and info["vocab_size"] == 49152
+    s, _, t = api.post("/tokenize", {"prompt": "x"})
+    assert info["model_max_length"] == t["max_model_len"] > 0       # kvd's context
+    assert info["add_bos_token"] is False and info["add_eos_token"] is False
+    for name in ("bos", "eos", "pad", "unk"):
+        tok, tid = info[f"{name}_token"], info[f"{name}_token_id"]
+        assert isinstance(tok, str) and info["added_tokens_decoder"][str(tid)]["content"] == tok
+    assert info["eos_token"] == "<|im_end|>" and info["bos_token"] == "<|im_start|>"
+    s, _, d = api.post("/detokenize", {"tokens": [info["eos_token_id"]]})
+    assert s == 200 and d["prompt"] == "<|im_end|>"
+    # the GGUF's Jinja template, which renders the chat as kvd does
+    assert "<|im_start|>" in info["chat_template"] and "add_generation_prompt" in info["chat_template"]
+    text = jinja2.Environment().from_string(info["chat_template"]).render(messages=CHAT, add_generation_prompt=True)
+    s, _, want = api.post("/tokenize", {"messages": CHAT})
+    s, _, got = api.post("/detokenize", {"tokens": want["tokens"]})
+    assert got["prompt"] == text
+    assert all(v["special"] for v in info["added_tokens_decoder"].values())
+    s, _, _ = api.request("POST", "/tokenizer_info", "{}")
+    assert s == 405
 
 
 def test_api_keys_and_tenants(tmp_path: Path) -> None:
@@ -673,7 +722,7 @@ def test_responses_api(api: HttpDaemon) -> None:
     with pytest.raises(openai.NotFoundError):
         api.oai.responses.create(model=MODEL_ID, input="Hi", previous_response_id=gone.id, max_output_tokens=2)
     # what kvd does not do is refused by name
-    for kw, field in (({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    for kw, field in (({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools"),
                       ({"reasoning": {"effort": "high"}}, "reasoning"),
                       ({"text": {"format": {"type": "grammar"}}}, "text"),
                       ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input")):

@@ -298,3 +298,99 @@ def test_litellm(api: HttpDaemon) -> None:
         assert c.function.name in SCHEMAS
         jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
 
+
+
+# ---- the Responses API: tools in its flat shape, function_call items, function_call_output back ----
+
+RESP_TOOLS: list[Any] = [{"type": "function", "name": t["function"]["name"],
+                          "description": t["function"]["description"], "parameters": t["function"]["parameters"],
+                          "strict": True} for t in TOOLS]
+
+
+def check_items(output: Any) -> list[Any]:
+    calls = [o for o in output if o.type == "function_call"]
+    assert calls, output
+    for c in calls:
+        assert c.call_id.startswith("call_") and c.id.startswith("fc_") and c.status == "completed"
+        assert c.name in SCHEMAS, c.name
+        jsonschema.validate(json.loads(c.arguments), SCHEMAS[c.name])
+    return calls
+
+
+def test_responses_tool_calls(api: HttpDaemon) -> None:
+    # required, one call: held to the grammar whatever is sampled
+    for seed in range(3):
+        r = api.oai.responses.create(model=MODEL_ID, input=ASK[0]["content"], tools=RESP_TOOLS, tool_choice="required",
+                                     parallel_tool_calls=False, temperature=1.0, max_output_tokens=200,
+                                     extra_body={"seed": seed})
+        assert r.status == "completed" and len(check_items(r.output)) == 1 and len(r.output) == 1
+        assert r.parallel_tool_calls is False and [t.name for t in r.tools] == list(SCHEMAS)
+    named = api.oai.responses.create(model=MODEL_ID, input=ASK, tools=RESP_TOOLS, temperature=1.0, extra_body={"seed": 3},
+                                     tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=200)
+    assert {c.name for c in check_items(named.output)} == {"get_time"}
+    # streamed: the events build the same items as the whole answer (greedy)
+    kw: dict[str, Any] = dict(model=MODEL_ID, input=ASK, tools=RESP_TOOLS, tool_choice="required",
+                              temperature=0, max_output_tokens=200)
+    whole = api.oai.responses.create(**kw)
+    types: list[str] = []
+    args: dict[str, str] = {}
+    with api.oai.responses.stream(**kw) as s:
+        for e in s:
+            types.append(e.type)
+            if e.type == "response.function_call_arguments.delta":
+                args[e.item_id] = args.get(e.item_id, "") + e.delta
+            if e.type == "response.function_call_arguments.done":
+                assert args[e.item_id] == e.arguments
+        streamed = s.get_final_response()
+    assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert types[-1] == "response.completed" and "response.function_call_arguments.done" in types
+    assert [(c.name, c.arguments) for c in check_items(streamed.output)] == \
+        [(c.name, c.arguments) for c in check_items(whole.output)]
+    assert [args[c.id] for c in check_items(streamed.output)] == [c.arguments for c in streamed.output]
+
+
+def test_responses_tool_round_trip(api: HttpDaemon) -> None:
+    first = api.oai.responses.create(model=MODEL_ID, input=ASK, tools=RESP_TOOLS, tool_choice="required",
+                                     parallel_tool_calls=False, temperature=0, max_output_tokens=200)
+    call = check_items(first.output)[0]
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 degrees."}
+    # by previous_response_id: the stored turn (with its call) before the result; its prompt hits the cache
+    loose = [dict(t, strict=False) for t in RESP_TOOLS]
+    second = api.oai.responses.create(model=MODEL_ID, previous_response_id=first.id, input=[result], tools=loose,
+                                      temperature=0, max_output_tokens=24)
+    assert second.status in ("completed", "incomplete") and second.output[0].type == "message"
+    assert second.usage is not None and second.usage.input_tokens_details.cached_tokens > 0
+    # by the whole conversation sent back: the same prompt, so the same greedy answer
+    again = api.oai.responses.create(model=MODEL_ID, input=ASK + [o.model_dump(exclude_none=True)
+                                                                   for o in first.output] + [result],
+                                     tools=loose, temperature=0, max_output_tokens=24)
+    assert again.output_text == second.output_text
+    assert again.usage is not None and second.usage.input_tokens == again.usage.input_tokens
+    # auto: the model may write text or calls; either way a well-formed answer
+    auto = api.oai.responses.create(model=MODEL_ID, input=ASK, tools=loose, temperature=0, max_output_tokens=40)
+    assert auto.status in ("completed", "incomplete") and auto.output
+    for o in auto.output:
+        assert o.type in ("message", "function_call")
+    # none: no tools shown, the same answer as without them
+    none = api.oai.responses.create(model=MODEL_ID, input=ASK, tools=RESP_TOOLS, tool_choice="none", temperature=0,
+                                    max_output_tokens=16)
+    plain = api.oai.responses.create(model=MODEL_ID, input=ASK, temperature=0, max_output_tokens=16)
+    assert none.output_text == plain.output_text
+
+
+def test_responses_tool_refusals(api: HttpDaemon) -> None:
+    fn = RESP_TOOLS[0]
+    for body, param in [({"tools": [{"type": "web_search"}]}, "tools"),
+                        ({"tools": [dict(fn, cache_control={"type": "ephemeral"})]}, "tools"),
+                        ({"tools": [fn]}, "tools"),           # strict: true with auto is not held to the schema
+                        ({"tools": [fn], "tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
+                        ({"tools": [fn], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+                        ({"tool_choice": "required"}, "tool_choice"),
+                        ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input"),
+                        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[]"}]},
+                         "input"),
+                        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+                        ({"tools": [fn], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+                         "tool_choice")]:
+        s, _, b = api.post("/v1/responses", {"model": MODEL_ID, "input": "x", **body})
+        error_of(s, b, 400, param)
