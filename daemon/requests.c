@@ -263,8 +263,6 @@ static int admit_window(struct kvd *k, struct request *r, const Kvd__GenerateReq
     const char *why = NULL;
     if (pool_header(k->pool)->layout.parts.n_parts > 1)
         why = "is not supported for a model with sliding-window layers";
-    else if (k->o.gpu >= 0)
-        why = "is not supported on GPU workers";
     else if (k->n_ctx / k->o.block_tokens < (k->o.sinks + k->o.block_tokens - 1) / k->o.block_tokens + 3)
         why = "needs a context of more blocks than --sinks keeps";
     else if (g->has_prefill_only && g->prefill_only)
