@@ -309,8 +309,8 @@ static int admit_window(struct kvd *k, struct request *r, const Kvd__GenerateReq
         return 0;
     const char *why = NULL;
     uint32_t keep, drop;
-    if (k->o.gpu >= 0)
-        why = "is not supported on GPU workers";
+    if (k->o.gpu >= 0 && pool_header(k->pool)->layout.parts.n_parts > 1)
+        why = "is not supported on GPU workers for a model with sliding-window layers";
     else if (!kv_window_plan(k->n_ctx - 1, k->o.sinks, k->o.block_tokens, k->model->cfg.swa_window, &keep, &drop))
         why = k->model->cfg.swa_window ? "needs a context longer than --sinks and the model's sliding window keep"
                                        : "needs a context of more blocks than --sinks keeps";

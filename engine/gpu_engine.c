@@ -1309,3 +1309,67 @@ int gpu_engine_kv_write(gpu_engine_t *e, uint32_t block, const void *src, char *
 {
     return kv_copy(e, block, (void *)src, true, err, errlen);
 }
+
+/* ---- context windowing ------------------------------------------------------------ */
+
+/* Waits for the stream after the work of a windowing call; rc is the
+ * first launch's result. */
+static int window_done(gpu_engine_t *e, int rc, const char *what, char *err, size_t errlen)
+{
+    const int src = kcuda_stream_sync(e->stream);   /* even after a failed launch */
+    if (rc == 0)
+        rc = src;
+    if (rc)
+        return kvd_seterr(err, errlen, rc, "gpu engine: %s failed: %s", what,
+                          kcuda_last_error()[0] ? kcuda_last_error() : kvd_strerror(rc));
+    return 0;
+}
+
+int gpu_engine_kv_copy(gpu_engine_t *e, const uint32_t *from, const uint32_t *to, uint32_t n, char *err,
+                       size_t errlen)
+{
+    for (uint32_t i = 0; i < n; i++)
+        if (from[i] >= e->p.kv_blocks || to[i] >= e->p.kv_blocks)
+            return kvd_seterr(err, errlen, KVD_ERANGE, "block %u is outside the cache",
+                              from[i] >= e->p.kv_blocks ? from[i] : to[i]);
+    if (n == 0)
+        return 0;
+    if (kcuda_set_device(e->device))
+        return kvd_seterr(err, errlen, KVD_EINTERNAL, "gpu engine: %s", kcuda_last_error());
+    int rc = 0;
+    for (uint32_t i = 0; rc == 0 && i < n; i++)
+        if (from[i] != to[i])
+            rc = kcuda_copy(e->kv + (size_t)to[i] * e->block_bytes, e->kv + (size_t)from[i] * e->block_bytes,
+                            e->block_bytes, e->stream);
+    return window_done(e, rc, "KV block copy", err, errlen);
+}
+
+int gpu_engine_kv_shift(gpu_engine_t *e, const uint32_t *blocks, uint32_t n, int32_t delta, char *err,
+                        size_t errlen)
+{
+    const struct model_config *c = &e->cfg;
+    if (e->parts.n_parts > 1)
+        return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
+                          "windowing a model with sliding-window layers is not supported");
+    for (uint32_t b = 0; b < n; b++)
+        if (blocks[b] >= e->p.kv_blocks)
+            return kvd_seterr(err, errlen, KVD_ERANGE, "block %u is outside the cache", blocks[b]);
+    if (n == 0)
+        return 0;
+    if (kcuda_set_device(e->device))
+        return kvd_seterr(err, errlen, KVD_EINTERNAL, "gpu engine: %s", kcuda_last_error());
+    /* the block ids go through the step's table buffers: every step uploads
+     * its own tables before reading them */
+    if (tables_reserve(e, n))
+        return kvd_seterr(err, errlen, KVD_ENOMEM, "gpu engine: out of memory for block ids");
+    memcpy(e->tables_host, blocks, (size_t)n * sizeof(uint32_t));
+    int rc = kcuda_upload_async(e->tables_dev, e->tables_host, (size_t)n * sizeof(uint32_t), e->stream);
+    for (uint32_t l = 0; rc == 0 && l < c->n_layer; l++) {
+        const struct kcuda_kv_shift_args a = {
+            .kv = layer_kv(e, l), .blocks = e->tables_dev, .n_blocks = (int)n, .delta = delta,
+            .step = e->layers[l].rope_step, .neox = c->rope_neox,
+        };
+        rc = kcuda_kv_shift(&a, e->stream);
+    }
+    return window_done(e, rc, "KV shift", err, errlen);
+}

@@ -175,6 +175,23 @@ int gpu_engine_fence(gpu_engine_t *e, char *err, size_t errlen);
 int gpu_engine_kv_read(gpu_engine_t *e, uint32_t block, void *dst, char *err, size_t errlen);
 int gpu_engine_kv_write(gpu_engine_t *e, uint32_t block, const void *src, char *err, size_t errlen);
 
+/*
+ * Context windowing on the device, as the CPU engine's cache does it on the
+ * host. gpu_engine_kv_copy copies whole blocks from[i] -> to[i], i < n, in
+ * that order, within the device cache (kvcache_copy_block's twin: the private
+ * copies of a Window). gpu_engine_kv_shift moves the keys of blocks[0..n) by
+ * delta positions, with engine_kv_shift's contract and arithmetic
+ * (kcuda_kv_shift for every layer, each at its own RoPE base: the windowed
+ * layers' where a model has them); the blocks must be distinct.
+ * Both return once the device is done: 0, KVD_ERANGE (a block outside the
+ * cache; nothing is changed), KVD_EUNSUPPORTED (shift: a cache of several
+ * parts), KVD_ENOMEM or KVD_EINTERNAL.
+ */
+int gpu_engine_kv_copy(gpu_engine_t *e, const uint32_t *from, const uint32_t *to, uint32_t n, char *err,
+                       size_t errlen);
+int gpu_engine_kv_shift(gpu_engine_t *e, const uint32_t *blocks, uint32_t n, int32_t delta, char *err,
+                        size_t errlen);
+
 void gpu_engine_kv_info(const gpu_engine_t *e, struct gpu_engine_kv *out);
 void gpu_engine_graph_stats(const gpu_engine_t *e, struct gpu_engine_graph_stats *out);
 

@@ -510,12 +510,12 @@ static void on_assign(struct worker *w, const Kvdw__Assign *a)
                                                                           : (uint32_t)a->n_tokens;
         s->window = a->has_window_sinks;
         s->sinks = a->window_sinks;
-        if (s->window && w->engine == NULL) {
-            snprintf(err, sizeof(err), "context windowing needs a CPU worker");
+        if (s->window && w->gpu != NULL && pool_header(w->pool)->layout.parts.n_parts > 1) {
+            snprintf(err, sizeof(err), "context windowing a model with sliding-window layers is not supported "
+                     "on a GPU worker");
             rc = KVD_EUNSUPPORTED;
         }
-        rc = push_blocks(s, a->blocks, a->n_blocks, w->pool);
-        if (rc)
+        if (rc == 0 && (rc = push_blocks(s, a->blocks, a->n_blocks, w->pool)) != 0)
             snprintf(err, sizeof(err), "a block id is out of range");
     }
     if (rc == 0) {
@@ -565,7 +565,9 @@ static void on_assign(struct worker *w, const Kvdw__Assign *a)
 
 /* kvd's answer to s's WindowRequest: copies the blocks it names, takes the
  * new table, turns the moved blocks' keys to their positions and drops the
- * same tokens from the history (kvd does the same on its side). */
+ * same tokens from the history (kvd does the same on its side). With --gpu
+ * the copies and the turn run on the device (wgpu_kv_copy, wgpu_kv_shift),
+ * done before this returns. */
 static int on_window(struct worker *w, struct wseq *s, const Kvdw__Window *m, char *err, size_t errlen)
 {
     const uint32_t bt = w->o.block_tokens, nb = pool_header(w->pool)->n_blocks;
@@ -574,17 +576,28 @@ static int on_window(struct worker *w, struct wseq *s, const Kvdw__Window *m, ch
     if (!s->windowing || (uint64_t)kb + d > s->pos || m->n_blocks % np != 0 ||
         m->n_blocks / np + m->drop != s->n_blocks)
         return kvd_seterr(err, errlen, KVD_EINVAL, "a window that does not fit the sequence");
-    for (size_t i = 0; i < m->n_copy_from; i++) {
+    for (size_t i = 0; i < m->n_copy_from; i++)
         if (m->copy_from[i] >= nb || m->copy_to[i] >= nb)
             return kvd_seterr(err, errlen, KVD_ERANGE, "a window's block is out of range");
-        kvcache_copy_block(w->kv, m->copy_from[i], m->copy_to[i]);
-    }
+    int rc = 0;
+    if (w->gpu != NULL)
+        rc = wgpu_kv_copy(w->gpu, m->copy_from, m->copy_to, (uint32_t)m->n_copy_from, err, errlen);
+    else
+        for (size_t i = 0; i < m->n_copy_from; i++)
+            kvcache_copy_block(w->kv, m->copy_from[i], m->copy_to[i]);
+    if (rc != 0)
+        return rc;
     s->n_blocks = 0;
-    int rc = push_blocks(s, m->blocks, m->n_blocks, w->pool);
+    rc = push_blocks(s, m->blocks, m->n_blocks, w->pool);
     if (rc != 0)
         return kvd_seterr(err, errlen, rc, "a window's block is out of range");
-    rc = engine_kv_shift(w->engine, (const uint32_t *const *)s->tables, m->keep, s->n_blocks - m->keep,
-                         -(int32_t)d, err, errlen);
+    if (w->gpu != NULL) {
+        const uint32_t *moved = s->tables[0] + m->keep, n_moved = s->n_blocks - m->keep;
+        rc = wgpu_kv_shift(w->gpu, moved, n_moved, -(int32_t)d, err, errlen);
+    } else {
+        rc = engine_kv_shift(w->engine, (const uint32_t *const *)s->tables, m->keep, s->n_blocks - m->keep,
+                             -(int32_t)d, err, errlen);
+    }
     if (rc != 0)
         return rc;
     memmove(s->tok + kb, s->tok + kb + d, (size_t)(s->n_tok - kb - d) * sizeof(int32_t));

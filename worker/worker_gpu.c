@@ -171,6 +171,20 @@ int wgpu_step_logits(wgpu_t *g, const struct fwd_seq *seqs, uint32_t n_seqs, con
     return wgpu_engine_step_logits(g->engine, seqs, n_seqs, logits, n_rows, err, errlen);
 }
 
+int wgpu_kv_copy(wgpu_t *g, const uint32_t *from, const uint32_t *to, uint32_t n, char *err, size_t errlen)
+{
+    if (g->engine == NULL)
+        return kvd_seterr(err, errlen, KVD_ESTATE, "the GPU engine is not started");
+    return wgpu_engine_kv_copy(g->engine, from, to, n, err, errlen);
+}
+
+int wgpu_kv_shift(wgpu_t *g, const uint32_t *blocks, uint32_t n, int32_t delta, char *err, size_t errlen)
+{
+    if (g->engine == NULL)
+        return kvd_seterr(err, errlen, KVD_ESTATE, "the GPU engine is not started");
+    return wgpu_engine_kv_shift(g->engine, blocks, n, delta, err, errlen);
+}
+
 void wgpu_close(wgpu_t **gp)
 {
     if (gp == NULL || *gp == NULL)

@@ -88,6 +88,15 @@ int wgpu_step_logits(wgpu_t *g, const struct fwd_seq *seqs, uint32_t n_seqs, con
  * writes are in device memory for every process. 0 or KVD_EINTERNAL. */
 int wgpu_fence(wgpu_t *g, char *err, size_t errlen);
 
+/* Context windowing on the device pool (kvd's Window): wgpu_kv_copy copies
+ * whole blocks from[i] -> to[i], i < n, in order; wgpu_kv_shift moves the
+ * keys of blocks[0..n) by delta positions (engine_kv_shift's contract), as
+ * gpu_engine_kv_copy / gpu_engine_kv_shift. Both return once the device is
+ * done (the blocks are then written for every process). 0 or a negative
+ * KVD_E* with a reason; KVD_ESTATE before the engine is started. */
+int wgpu_kv_copy(wgpu_t *g, const uint32_t *from, const uint32_t *to, uint32_t n, char *err, size_t errlen);
+int wgpu_kv_shift(wgpu_t *g, const uint32_t *blocks, uint32_t n, int32_t delta, char *err, size_t errlen);
+
 /* ---- SEAM: the GPU engine ----------------------------------------------------------------
  *
  * What kvd-worker needs of a GPU engine, and the one place it is called. A
@@ -125,6 +134,13 @@ int wgpu_engine_step_sample(wgpu_engine_t *e, const struct fwd_seq *seqs, uint32
 /* One step, as gpu_engine_step (logits on the host). */
 int wgpu_engine_step_logits(wgpu_engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs, const float **logits,
                             uint32_t *n_rows, char *err, size_t errlen);
+
+/* Block copies and the keys' turn of a Window, as gpu_engine_kv_copy and
+ * gpu_engine_kv_shift. */
+int wgpu_engine_kv_copy(wgpu_engine_t *e, const uint32_t *from, const uint32_t *to, uint32_t n, char *err,
+                        size_t errlen);
+int wgpu_engine_kv_shift(wgpu_engine_t *e, const uint32_t *blocks, uint32_t n, int32_t delta, char *err,
+                         size_t errlen);
 
 /* Frees the engine (never the borrowed memory); accepts NULL, sets *e to NULL. */
 void wgpu_engine_destroy(wgpu_engine_t **e);

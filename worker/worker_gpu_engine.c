@@ -45,6 +45,18 @@ int wgpu_engine_step_logits(wgpu_engine_t *e, const struct fwd_seq *seqs, uint32
     return gpu_engine_step((gpu_engine_t *)e, seqs, n_seqs, logits, n_rows, err, errlen);
 }
 
+int wgpu_engine_kv_copy(wgpu_engine_t *e, const uint32_t *from, const uint32_t *to, uint32_t n, char *err,
+                        size_t errlen)
+{
+    return gpu_engine_kv_copy((gpu_engine_t *)e, from, to, n, err, errlen);
+}
+
+int wgpu_engine_kv_shift(wgpu_engine_t *e, const uint32_t *blocks, uint32_t n, int32_t delta, char *err,
+                         size_t errlen)
+{
+    return gpu_engine_kv_shift((gpu_engine_t *)e, blocks, n, delta, err, errlen);
+}
+
 void wgpu_engine_destroy(wgpu_engine_t **e)
 {
     gpu_engine_t *g = (gpu_engine_t *)*e;

@@ -46,6 +46,26 @@ int wgpu_engine_step_logits(wgpu_engine_t *e, const struct fwd_seq *seqs, uint32
     return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "GPU engine not built");
 }
 
+int wgpu_engine_kv_copy(wgpu_engine_t *e, const uint32_t *from, const uint32_t *to, uint32_t n, char *err,
+                        size_t errlen)
+{
+    (void)e;
+    (void)from;
+    (void)to;
+    (void)n;
+    return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "GPU engine not built");
+}
+
+int wgpu_engine_kv_shift(wgpu_engine_t *e, const uint32_t *blocks, uint32_t n, int32_t delta, char *err,
+                         size_t errlen)
+{
+    (void)e;
+    (void)blocks;
+    (void)n;
+    (void)delta;
+    return kvd_seterr(err, errlen, KVD_EUNSUPPORTED, "GPU engine not built");
+}
+
 void wgpu_engine_destroy(wgpu_engine_t **e)
 {
     if (e != NULL)

@@ -197,6 +197,34 @@ struct kcuda_rope_args {
 };
 int kcuda_rope_kv(const struct kcuda_rope_args *a, kcuda_stream_t stream);
 
+/*
+ * The keys of whole blocks turned by delta positions, in place: twin of
+ * engine_kv_shift (engine/forward.c) for one layer. Every K row of blocks
+ * blocks[0 .. n_blocks) (every KV head, every position of the block) is read
+ * back as floats as kern_dequantize_row gives it, un-rotated (kern_hadamard)
+ * where kv.rotate has KCUDA_ROT_K, turned by the RoPE angles of position
+ * delta (kern_rope_angles(delta), then kern_rope or kern_rope_neox), rotated
+ * again and stored as its type as kcuda_rope_kv stores K. RoPE's turns
+ * compose, so a key written at position p then carries the angles of
+ * p + delta, up to the rounding of its type. V is not read. K may be F16,
+ * Q8_0, Q4_0 or F32 (rows of head_dim floats; only this kernel reads them);
+ * head_dim 64, 128 or 256 (KVD_EUNSUPPORTED otherwise). Block ids must be
+ * inside the cache (not checked here) and distinct.
+ *   blocks: (n_blocks) physical block ids, device memory
+ *   step:   powf(rope_base, -2.0f / head_dim) of the layer's base, computed on
+ *           the host as the C twin does
+ */
+struct kcuda_kv_shift_args {
+    struct kcuda_kv kv;     /* the layer turned (k, block_stride, k_head_stride, k_type,
+                             * rotate, block_tokens, head_dim, n_head_kv are read) */
+    const uint32_t *blocks;
+    int n_blocks;
+    int32_t delta;          /* positions: negative turns the keys earlier */
+    float step;
+    bool neox;              /* pairs (i, i + head_dim/2), as kern_rope_neox; else adjacent */
+};
+int kcuda_kv_shift(const struct kcuda_kv_shift_args *a, kcuda_stream_t stream);
+
 /* The orthonormal Walsh-Hadamard transform (twin of kern_hadamard) of each of
  * the n consecutive vectors of head_dim (64, 128 or 256) floats at x, in place: the
  * attention outputs over a rotated V cache rotated back. */

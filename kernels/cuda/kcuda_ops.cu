@@ -2,9 +2,11 @@
  * kcuda_ops.cu - the element-wise and per-row kernels of the forward step:
  * RMSNorm, RoPE fused with the K/V write into the paged cache (with the
  * Walsh-Hadamard rotation and Q8_0 / Q4_0 quantization of a quantized cache),
+ * the keys of whole blocks turned to other positions (context windowing),
  * SwiGLU, GEGLU, Gemma's post-norms and greedy token choice (twins:
  * kern_rmsnorm, kern_rope_angles + kern_rope / kern_rope_neox + the K/V store of
- * engine/forward.c, kern_hadamard, kern_swiglu, kern_geglu, sampler_argmax).
+ * engine/forward.c, engine_kv_shift, kern_hadamard, kern_swiglu, kern_geglu,
+ * sampler_argmax).
  *
  * Each follows its twin's float operations with explicit rounding
  * intrinsics; what may differ is the order of the sum of squares (double
@@ -221,7 +223,67 @@ __device__ __forceinline__ void quantize_q4_0_lsq32(float x, int lane, uint8_t *
     }
 }
 
-/* Stores a warp's vector v (see warp_hadamard) as one row of `type` at row. */
+/* RoPE of a warp's vector v (see warp_hadamard) by the angles cs of one
+ * position (cos, sin of each pair), as kern_rope computes it (adjacent pairs:
+ * the pair's other value from the neighbouring lane) or kern_rope_neox (pairs
+ * half a head apart: the lane's own register i ^ (D/64)). Every lane of the
+ * warp calls it. */
+template <int D>
+__device__ __forceinline__ void warp_rope(float (&v)[D / 32], int lane, const float *cs, bool neox)
+{
+    constexpr int NV = D / 32;
+    if (neox) {
+        float r[NV];
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            const int e = lane + 32 * i, up = i & (NV / 2), pi = (e % (D / 2));
+            const float x = v[i], o = v[i ^ (NV / 2)];
+            const float c = cs[2 * pi], s = cs[2 * pi + 1];
+            r[i] = up ? __fadd_rn(__fmul_rn(o, s), __fmul_rn(x, c))
+                      : __fsub_rn(__fmul_rn(x, c), __fmul_rn(o, s));
+        }
+#pragma unroll
+        for (int i = 0; i < NV; i++)
+            v[i] = r[i];
+    } else {
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            const int e = lane + 32 * i;
+            const float x = v[i], o = __shfl_xor_sync(KCUDA_FULL, x, 1);
+            const float c = cs[e & ~1], s = cs[e | 1];
+            v[i] = e & 1 ? __fadd_rn(__fmul_rn(o, s), __fmul_rn(x, c))
+                         : __fsub_rn(__fmul_rn(x, c), __fmul_rn(o, s));
+        }
+    }
+}
+
+/* Reads one row of `type` at row (F32, F16, Q8_0 or Q4_0) into a warp's
+ * vector v (see warp_hadamard) as kern_dequantize_row gives it: F16 exactly,
+ * Q8_0 / Q4_0 as the block's scale times the code (Q4_0: code - 8), as the
+ * attention kernels dequantize. The scale's bytes are read one by one (a
+ * Q8_0 block is 34 bytes: its scale is only 2-byte aligned). */
+template <int D>
+__device__ __forceinline__ void load_kv_row(const uint8_t *row, uint32_t type, float (&v)[D / 32], int lane)
+{
+#pragma unroll
+    for (int i = 0; i < D / 32; i++) {
+        if (type == KERN_F32) {
+            v[i] = reinterpret_cast<const float *>(row)[lane + 32 * i];
+        } else if (type == KERN_F16) {
+            v[i] = kc_half(reinterpret_cast<const uint16_t *>(row)[lane + 32 * i]);
+        } else {
+            const bool q8 = type == KERN_Q8_0;
+            const uint8_t *blk = row + i * (q8 ? sizeof(kern_block_q8_0) : sizeof(kern_block_q4_0));
+            const float d = kc_half((uint32_t)blk[0] | (uint32_t)blk[1] << 8);
+            const int c = q8 ? (int)(int8_t)blk[2 + lane]
+                             : (lane < 16 ? blk[2 + lane] & 0x0F : blk[2 + lane - 16] >> 4) - 8;
+            v[i] = __fmul_rn((float)c, d);
+        }
+    }
+}
+
+/* Stores a warp's vector v (see warp_hadamard) as one row of `type` at row
+ * (F32 as it is: kv_shift_kernel's; the attention kernels read no F32). */
 template <int D>
 __device__ __forceinline__ void store_kv_row(uint8_t *row, uint32_t type, const float (&v)[D / 32], int lane)
 {
@@ -229,6 +291,8 @@ __device__ __forceinline__ void store_kv_row(uint8_t *row, uint32_t type, const 
     for (int i = 0; i < D / 32; i++) {
         if (type == KERN_F16)
             reinterpret_cast<uint16_t *>(row)[lane + 32 * i] = kc_half_bits(v[i]);
+        else if (type == KERN_F32)
+            reinterpret_cast<float *>(row)[lane + 32 * i] = v[i];
         else if (type == KERN_Q8_0)
             kc_quantize_block32(v[i], lane, row + i * sizeof(kern_block_q8_0), false);
         else
@@ -263,30 +327,8 @@ __global__ void __launch_bounds__(ROW_THREADS) rope_kvq_kernel(const RopeParams 
 #pragma unroll
         for (int i = 0; i < NV; i++)
             v[i] = src[lane + 32 * i];
-        if (!is_v && p.neox) {
-            /* element e pairs with e +- D/2: the same lane, register i ^ (D/64) */
-            float r[NV];
-#pragma unroll
-            for (int i = 0; i < NV; i++) {
-                const int e = lane + 32 * i, up = i & (NV / 2), pi = (e % (D / 2));
-                const float x = v[i], o = v[i ^ (NV / 2)];
-                const float c = cs[2 * pi], s = cs[2 * pi + 1];
-                r[i] = up ? __fadd_rn(__fmul_rn(o, s), __fmul_rn(x, c))
-                          : __fsub_rn(__fmul_rn(x, c), __fmul_rn(o, s));
-            }
-#pragma unroll
-            for (int i = 0; i < NV; i++)
-                v[i] = r[i];
-        } else if (!is_v) {
-#pragma unroll
-            for (int i = 0; i < NV; i++) {
-                const int e = lane + 32 * i;
-                const float x = v[i], o = __shfl_xor_sync(KCUDA_FULL, x, 1);
-                const float c = cs[e & ~1], s = cs[e | 1];
-                v[i] = e & 1 ? __fadd_rn(__fmul_rn(o, s), __fmul_rn(x, c))
-                             : __fsub_rn(__fmul_rn(x, c), __fmul_rn(o, s));
-            }
-        }
+        if (!is_v)
+            warp_rope<D>(v, lane, cs, p.neox);
         if (p.rotate & (is_v ? KCUDA_ROT_V : KCUDA_ROT_K))
             warp_hadamard<D>(v, lane);
         if (is_q) {
@@ -299,6 +341,46 @@ __global__ void __launch_bounds__(ROW_THREADS) rope_kvq_kernel(const RopeParams 
         } else {
             store_kv_row<D>(p.k_cache + block_off + kh * p.k_head_stride + in_block * p.k_row, p.k_type, v, lane);
         }
+    }
+}
+
+/* What kv_shift_kernel reads. */
+struct ShiftParams {
+    uint8_t *k_cache;           /* K of the layer in block 0 */
+    uint64_t block_stride, k_head_stride;
+    uint32_t k_type, rotate;
+    int k_row, block_tokens, n_head_kv;
+    const uint32_t *blocks;     /* the blocks turned */
+    int32_t delta;              /* positions: the angles of delta */
+    float step;
+    int neox;
+};
+
+/* Twin of engine_kv_shift for one layer: one block per (block, K head), one
+ * warp per row of it (its position in the block), in place: the row read as
+ * floats, un-rotated where the cache rotates K (the transform is its own
+ * inverse), turned by the angles of delta, rotated again and stored as its
+ * type. The RoPE angles of delta once in shared memory. */
+template <int D>
+__global__ void __launch_bounds__(ROW_THREADS) kv_shift_kernel(const ShiftParams p)
+{
+    __shared__ float cs[D];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    rope_angles(cs, p.delta, D / 2, p.step);
+    const int b = blockIdx.x / p.n_head_kv, h = blockIdx.x % p.n_head_kv;
+    uint8_t *head = p.k_cache + (uint64_t)p.blocks[b] * p.block_stride + (uint64_t)h * p.k_head_stride;
+    const bool rot = (p.rotate & KCUDA_ROT_K) != 0;
+    for (int t = warp; t < p.block_tokens; t += ROW_THREADS / 32) {
+        uint8_t *row = head + (uint64_t)t * p.k_row;
+        float v[D / 32];
+        load_kv_row<D>(row, p.k_type, v, lane);
+        if (rot)
+            warp_hadamard<D>(v, lane);
+        warp_rope<D>(v, lane, cs, p.neox);
+        if (rot)
+            warp_hadamard<D>(v, lane);
+        __syncwarp();   /* every lane has read the row (a block's scale too) before any writes */
+        store_kv_row<D>(row, p.k_type, v, lane);
     }
 }
 
@@ -802,6 +884,48 @@ extern "C" int kcuda_rope_kv(const struct kcuda_rope_args *a, kcuda_stream_t str
     else
         rope_kvq_kernel<256><<<(unsigned)a->T, ROW_THREADS, 0, stream>>>(p);
     return kcuda__launched("rope and KV write");
+}
+
+extern "C" int kcuda_kv_shift(const struct kcuda_kv_shift_args *a, kcuda_stream_t stream)
+{
+    const kcuda_kv *kv = &a->kv;
+    if (a->n_blocks < 0 || kv->n_head_kv <= 0 || kv->block_tokens <= 0)
+        return KVD_EINVAL;
+    if (a->n_blocks == 0)
+        return 0;
+    if (a->blocks == NULL || kv->k == NULL ||
+        ((uintptr_t)kv->k | kv->block_stride | kv->k_head_stride) % 4 != 0)
+        return KVD_EINVAL;
+    const int D = kv->head_dim;
+    const int k_row = kv->k_type == KERN_F32 && D % 32 == 0 ? D * 4 : kcuda_kv_row_bytes(kv->k_type, D);
+    if (k_row == 0 || (D != 64 && D != 128 && D != 256) ||
+        (kv->rotate & ~(uint32_t)(KCUDA_ROT_K | KCUDA_ROT_V)) != 0)
+        return KVD_EUNSUPPORTED;
+    if ((uint64_t)kv->block_tokens * (uint64_t)k_row > kv->k_head_stride)
+        return KVD_EINVAL;
+    const long grid = (long)a->n_blocks * kv->n_head_kv;
+    if (grid > 0x7fffffffL)
+        return KVD_ERANGE;
+    ShiftParams p;
+    p.k_cache = kv->k;
+    p.block_stride = kv->block_stride;
+    p.k_head_stride = kv->k_head_stride;
+    p.k_type = kv->k_type;
+    p.rotate = kv->rotate;
+    p.k_row = k_row;
+    p.block_tokens = kv->block_tokens;
+    p.n_head_kv = kv->n_head_kv;
+    p.blocks = a->blocks;
+    p.delta = a->delta;
+    p.step = a->step;
+    p.neox = a->neox;
+    if (D == 64)
+        kv_shift_kernel<64><<<(unsigned)grid, ROW_THREADS, 0, stream>>>(p);
+    else if (D == 128)
+        kv_shift_kernel<128><<<(unsigned)grid, ROW_THREADS, 0, stream>>>(p);
+    else
+        kv_shift_kernel<256><<<(unsigned)grid, ROW_THREADS, 0, stream>>>(p);
+    return kcuda__launched("KV shift");
 }
 
 extern "C" int kcuda_hadamard(float *x, int64_t n, int head_dim, kcuda_stream_t stream)

@@ -111,7 +111,7 @@ if [ "$status" = 0 ]; then
     rc=$?
     [ $rc = 124 ] && echo "run.sh: the tests ran out of time (budget ${KVD_GPU_BUDGET:-450} s)"
     # each test's own summary lines, then ctest's verdicts
-    grep -E '^[0-9]+: (device|skip|decode|prefill|gemm|quantize|get_rows|rmsnorm|swiglu|rope|hadamard|argmax|sample|engine|pool|import|allocation|kvd --gpu|serve|[0-9]+ checks)' \
+    grep -E '^[0-9]+: (device|skip|decode|prefill|gemm|quantize|get_rows|rmsnorm|swiglu|rope|kv shift|hadamard|argmax|sample|engine|pool|import|allocation|kvd --gpu|serve|[0-9]+ checks)' \
         "$logs/ctest.log" | sed 's/^[0-9]*: /  /'
     grep -E 'Test +#[0-9]+: ' "$logs/ctest.log"
     if [ $rc -ne 0 ]; then

@@ -64,6 +64,10 @@
  *   - bad input (token id >= vocab, block id >= blocks, past the context, too
  *     many tokens, an empty batch, a short block table): the CPU engine's
  *     code and message, and the engine works afterwards.
+ *   - context windowing (check_window): block copies and the keys' turn on
+ *     the device against kvcache_copy_block and engine_kv_shift from the same
+ *     bytes, bit for bit on the emulation; the next step on the windowed
+ *     table within the logits bound; refused for a cache in parts.
  *
  * `--small` skips the SmolLM2-shaped model. Exits 77 (skip) where no CUDA
  * device is usable.
@@ -738,6 +742,148 @@ static void check_bad_input(struct rig *r)
     free(again);
 }
 
+/* Set where the kernels run on the CPU emulation (the C twin's libm). */
+static bool emulated;
+
+/* Whether blocks a (GPU) and b (CPU) hold the same K/V: the same bytes on
+ * the emulation; elsewhere every layer's values within tol of its largest
+ * (CUDA's sin and cos may differ from libm's in the last bit, and the
+ * re-rounding carries that into K). Returns the worst normwise difference
+ * in *worst. */
+static bool kv_block_same(const struct rig *r, const uint8_t *a, const uint8_t *b, double tol, double *worst)
+{
+    const kvcache_t *kv = r->kv;
+    *worst = 0;
+    if (memcmp(a, b, kv->block_bytes) == 0)
+        return true;
+    if (emulated)
+        return false;
+    float fa[KERN_MAX_HEAD_DIM], fb[KERN_MAX_HEAD_DIM];
+    for (uint32_t l = 0; l < kv->n_layer; l++) {
+        double diff = 0, mag = 0;
+        for (int which = 0; which < 2; which++)
+            for (uint32_t h = 0; h < kv->n_head_kv; h++)
+                for (uint32_t t = 0; t < kv->block_tokens; t++) {
+                    const size_t row = which ? kv->v_row_bytes : kv->k_row_bytes;
+                    const size_t off = (size_t)(kv_block_ptr(kv, 0, l, which) - kv->mem) +
+                                       h * kv_head_bytes(kv, which) + t * row;
+                    const uint32_t type = which ? kv->v_type : kv->k_type;
+                    kern_dequantize_row(type, a + off, fa, kv->head_dim);
+                    kern_dequantize_row(type, b + off, fb, kv->head_dim);
+                    for (uint32_t i = 0; i < kv->head_dim; i++) {
+                        diff = fmax(diff, fabs((double)fa[i] - fb[i]));
+                        mag = fmax(mag, fabs((double)fb[i]));
+                    }
+                }
+        *worst = fmax(*worst, diff / fmax(mag, 1e-30));
+    }
+    return *worst <= tol;
+}
+
+/* Context windowing on both engines: gpu_engine_kv_copy and
+ * gpu_engine_kv_shift against kvcache_copy_block and engine_kv_shift. The
+ * longest sequence's blocks as the GPU computed them go into the CPU's cache
+ * too, so that both start from the same bytes; then, as a Window from kvd
+ * does, both keep its first block, drop the older half of the full blocks
+ * after it, take the first block after the drop through a private copy into
+ * a spare block and move the kept blocks' keys back by the dropped
+ * positions. The copy must be the block's bytes; every block of the new
+ * table the CPU's (bit for bit on the emulation, else within the rig's layer
+ * 0 bound), the moved ones changed; and a decode step on the windowed table
+ * gives logits within the rig's bound of the CPU's. A cache of several
+ * parts is refused on the GPU (the CPU engine windows one: unit.forward,
+ * kvd-run), as is a block outside the cache. */
+static void check_window(struct rig *r)
+{
+    char err[256];
+    const kvcache_t *kv = r->kv;
+    const uint32_t bt = kv->block_tokens, NB = kv->n_blocks;
+    uint32_t blk0 = r->seq[0].blocks[0][0][0];
+    if (r->parts.n_parts > 1) {
+        CHECK_INT(gpu_engine_kv_shift(r->ge, &blk0, 1, -16, err, sizeof(err)), KVD_EUNSUPPORTED);
+        printf("engine %-8s window: refused on the GPU for a cache of %u parts\n", r->name, r->parts.n_parts);
+        return;
+    }
+    const uint32_t out = NB;
+    CHECK_INT(gpu_engine_kv_shift(r->ge, &out, 1, -16, err, sizeof(err)), KVD_ERANGE);
+    CHECK_INT(gpu_engine_kv_copy(r->ge, &blk0, &out, 1, err, sizeof(err)), KVD_ERANGE);
+    int s = 0;
+    for (int i = 1; i < r->n_seq; i++)
+        if (r->seq[i].len > r->seq[s].len)
+            s = i;
+    const struct seqst *q = &r->seq[s];
+    const uint32_t *tab = q->blocks[0][0], used = (q->len + bt - 1) / bt, keep = 1;
+    const uint32_t drop = (q->len / bt - keep) / 2;
+    REQUIRE(drop >= 1);
+    /* a block in no table: the private copy's */
+    bool *taken = calloc(NB, sizeof(bool));
+    REQUIRE(taken != NULL);
+    for (int i = 0; i < MAX_SEQ; i++)
+        for (int k = 0; k < SETS; k++)
+            for (uint32_t b = 0; b < BPS; b++)
+                taken[r->seq[i].blocks[k][0][b]] = true;
+    uint32_t spare = 0;
+    while (spare < NB && taken[spare])
+        spare++;
+    free(taken);
+    REQUIRE(spare < NB);
+    uint8_t *g = malloc(kv->block_bytes), *before = malloc(kv->block_bytes);
+    REQUIRE(g != NULL && before != NULL);
+    for (uint32_t b = 0; b < used; b++) {
+        REQUIRE(gpu_engine_kv_read(r->ge, tab[b], g, err, sizeof(err)) == 0);
+        memcpy(kv->mem + (size_t)tab[b] * kv->block_bytes, g, kv->block_bytes);
+    }
+    /* the new table: the kept block, the copy, the rest after the drop */
+    uint32_t nt[BPS];
+    const uint32_t n_new = BPS - drop, from = tab[keep + drop];
+    for (uint32_t b = 0; b < n_new; b++)
+        nt[b] = b < keep ? tab[b] : b == keep ? spare : tab[b + drop];
+    kvcache_copy_block(r->kv, from, spare);
+    CHECK_INT(gpu_engine_kv_copy(r->ge, &from, &spare, 1, err, sizeof(err)), 0);
+    REQUIRE(gpu_engine_kv_read(r->ge, from, before, err, sizeof(err)) == 0);
+    REQUIRE(gpu_engine_kv_read(r->ge, spare, g, err, sizeof(err)) == 0);
+    CHECK(memcmp(g, before, kv->block_bytes) == 0);
+    /* the blocks that hold positions after the window, moved back */
+    const uint32_t n_moved = used - drop - keep;
+    const int32_t delta = -(int32_t)(drop * bt);
+    int rc = gpu_engine_kv_shift(r->ge, nt + keep, n_moved, delta, err, sizeof(err));
+    if (rc)
+        fprintf(stderr, "gpu_engine_kv_shift: %s\n", err);
+    CHECK_INT(rc, 0);
+    const uint32_t *tabs[1] = { nt };
+    CHECK_INT(engine_kv_shift(r->ce, tabs, keep, n_moved, delta, err, sizeof(err)), 0);
+    int same = 0, changed = 0;
+    double worst = 0, w;
+    for (uint32_t b = 0; b < keep + n_moved; b++) {
+        REQUIRE(gpu_engine_kv_read(r->ge, nt[b], g, err, sizeof(err)) == 0);
+        same += kv_block_same(r, g, kv->mem + (size_t)nt[b] * kv->block_bytes, r->tol_kv0, &w);
+        worst = fmax(worst, w);
+        if (nt[b] == spare)
+            changed += memcmp(g, before, kv->block_bytes) != 0;
+    }
+    CHECK_INT(same, (int)(keep + n_moved));
+    CHECK_INT(changed, 1);
+    /* one decode step on the windowed table, at the position after the kept ones */
+    const int32_t tok = 7;
+    const struct fwd_seq f = { .tokens = &tok, .n_tokens = 1, .pos = q->len + (uint32_t)delta, .blocks = nt,
+                               .n_blocks = n_new };
+    const float *cl = NULL, *gl = NULL;
+    uint32_t crows = 0, grows = 0;
+    REQUIRE(engine_step(r->ce, &f, 1, &cl, &crows, err, sizeof(err)) == 0 && crows == 1);
+    rc = gpu_engine_step(r->ge, &f, 1, &gl, &grows, err, sizeof(err));
+    if (rc)
+        fprintf(stderr, "gpu_engine_step: %s\n", err);
+    REQUIRE(rc == 0 && grows == 1);
+    const double e = normwise(gl, cl, r->n_vocab, NULL);
+    CHECK(e <= r->tol_logits);
+    printf("engine %-8s window: seq %d of %u positions, %u blocks dropped, %u moved by %d: %d/%u blocks as the "
+           "CPU's (%s, worst %.2e), the next step's logits vs CPU %.2e\n",
+           r->name, s, q->len, drop, n_moved, (int)delta, same, keep + n_moved,
+           emulated ? "bit for bit" : "normwise", worst, e);
+    free(g);
+    free(before);
+}
+
 /* The whole scenario on one model. prompts: lengths of n sequences; the
  * first step takes first[i] tokens of each (the rest in the second step,
  * where sequences whose prompt is done decode one token). */
@@ -769,6 +915,7 @@ static void scenario(struct rig *r, const uint32_t *prompts, const uint32_t *fir
     check_replays(r);
     if (bad_input)
         check_bad_input(r);
+    check_window(r);
     printf("engine %-8s %d seqs: logits vs CPU %.2e (bound %.0e; CPU vs itself, other attention ranges: "
            "%.2e), greedy %d/%d (%d/%d where the margin exceeds 2x the bound), KV vs CPU layer 0 %.2e, all %.2e (CPU vs itself %.2e)\n",
            r->name, n, r->worst_logits, r->tol_logits, r->worst_cpu, r->agree, r->rows, r->agree_ok, r->must_agree,
@@ -852,6 +999,7 @@ int main(int argc, char **argv)
     struct kcuda_info info;
     REQUIRE(kcuda_device_open(0, &info) == 0);
     printf("device: %s, sm_%d%d\n", info.name, info.major, info.minor);
+    emulated = strstr(info.name, "emulation") != NULL;
     REQUIRE(mkdtemp(tmpdir) != NULL);
 
     struct rig r;

@@ -20,6 +20,11 @@
  *   pairs; head dim 64, 128, 256)
  *                                          nothing else touched
  *   Walsh-Hadamard rotation                bit for bit (kern_hadamard)
+ *   keys of whole blocks turned by delta   bit for bit on the emulation (the
+ *   positions (F32, F16, Q8_0, Q4_0,       twin's libm), within one step of
+ *   rotated or not, both pair layouts)     the type elsewhere (engine_kv_shift's
+ *                                          arithmetic); every row changed, V
+ *                                          and other blocks untouched
  *   argmax                                 identical ids (ties, NaN, -inf rows)
  *   sampled choice                         identical ids to sampler_pick (greedy and
  *                                          sampled, penalties, top-k/p, min-p, ties)
@@ -576,7 +581,9 @@ static void test_fused(void)
 /* One head's row of `type` from src, as engine/forward.c stores it. */
 static void store_row(uint8_t *dst, const float *src, int D, uint32_t type)
 {
-    if (type == KERN_F16)
+    if (type == KERN_F32)
+        memcpy(dst, src, (size_t)D * sizeof(float));
+    else if (type == KERN_F16)
         kern_f32_to_f16_row((kvd_f16 *)dst, src, D);
     else if (type == KERN_Q8_0)
         kern_quantize_act(KERN_Q8_0, src, dst, D);
@@ -586,7 +593,7 @@ static void store_row(uint8_t *dst, const float *src, int D, uint32_t type)
 
 /* Largest |a - b| over a row's dequantized values, in units of the row's
  * quantization step (its largest block scale; an f16 row: its largest value
- * times 2^-10). */
+ * times 2^-10; an f32 row: times 2^-20, a few of its last bits). */
 static double row_steps(const uint8_t *a, const uint8_t *b, int D, uint32_t type)
 {
     float fa[KERN_MAX_HEAD_DIM], fb[KERN_MAX_HEAD_DIM];
@@ -597,7 +604,7 @@ static double row_steps(const uint8_t *a, const uint8_t *b, int D, uint32_t type
         diff = fmax(diff, fabs((double)fa[d] - fb[d]));
         step = fmax(step, fabs((double)fb[d]));
     }
-    step *= type == KERN_F16 ? 1.0 / 1024 : type == KERN_Q8_0 ? 1.0 / 127 : 1.0 / 7;
+    step *= type == KERN_F32 ? 0x1p-20 : type == KERN_F16 ? 1.0 / 1024 : type == KERN_Q8_0 ? 1.0 / 127 : 1.0 / 7;
     return diff / fmax(step, 1e-30);
 }
 
@@ -708,6 +715,133 @@ static void test_rope(int n_head, int n_kv, int D, int bt, uint32_t k_type, uint
     free(k);
     free(v);
     free(qg);
+}
+
+/* ---- the keys of whole blocks turned (context windowing) -------------------------- */
+
+/* Set where the kernels run on the CPU emulation, whose sincosf is the C
+ * twin's libm: there every result must be the twin's bits. */
+static bool emulated;
+
+/* kcuda_kv_shift against engine_kv_shift's arithmetic (engine/forward.c),
+ * row by row: kern_dequantize_row, kern_hadamard where K is rotated,
+ * kern_rope_angles(delta) and kern_rope or kern_rope_neox, kern_hadamard
+ * again, the store of its type. A cache of 2 layers x 12 blocks whose K rows
+ * are valid rows of k_type (random values, a few outliers) and whose other
+ * bytes are random; layer 1 of 5 of its blocks is turned. The rows turned
+ * must be the twin's bits on the emulation (elsewhere within one step of the
+ * type: CUDA's sin and cos may differ in their last bit), every row turned
+ * must have changed, and every other byte (V, layer 0, the other blocks) is
+ * untouched. */
+static void test_kv_shift(int n_kv, int D, int bt, uint32_t k_type, uint32_t rot, bool neox, int32_t delta)
+{
+    const int n_blocks = 12, n_layer = 2, layer = 1, n_turn = 5;
+    const uint32_t turn[5] = { 7, 2, 11, 5, 0 };
+    const uint32_t v_type = KERN_Q8_0;
+    const float base = neox ? 1000000.0f : 10000.0f;
+    const size_t k_row = kern_row_bytes(k_type, D), v_row = kern_row_bytes(v_type, D);
+    const size_t k_head = (size_t)bt * k_row, v_head = (size_t)bt * v_row;
+    const size_t layer_bytes = (size_t)n_kv * (k_head + v_head), block_bytes = (size_t)n_layer * layer_bytes;
+    const size_t cache_bytes = block_bytes * n_blocks;
+    uint8_t *cref = malloc(cache_bytes), *corig = malloc(cache_bytes), *cgot = malloc(cache_bytes);
+    REQUIRE(cref != NULL && corig != NULL && cgot != NULL);
+    for (size_t i = 0; i < cache_bytes; i++)
+        cref[i] = (uint8_t)rng_u32();
+    float row[KERN_MAX_HEAD_DIM];
+    for (int b = 0; b < n_blocks; b++)
+        for (int l = 0; l < n_layer; l++)
+            for (int h = 0; h < n_kv; h++)
+                for (int t = 0; t < bt; t++) {
+                    for (int d = 0; d < D; d++)
+                        row[d] = frand() * ((d + t) % 29 == 0 ? 30.0f : 3.0f);
+                    store_row(cref + (size_t)b * block_bytes + (size_t)l * layer_bytes + (size_t)h * k_head +
+                                  (size_t)t * k_row, row, D, k_type);
+                }
+    memcpy(corig, cref, cache_bytes);
+    void *dcache = to_dev(cref, cache_bytes), *dturn = to_dev(turn, sizeof(turn));
+
+    /* the C path, as engine/forward.c's engine_kv_shift */
+    float cs[KERN_MAX_HEAD_DIM];
+    kern_rope_angles(cs, D, delta, base);
+    const size_t lk = (size_t)layer * layer_bytes;
+    for (int b = 0; b < n_turn; b++)
+        for (int h = 0; h < n_kv; h++)
+            for (int t = 0; t < bt; t++) {
+                uint8_t *r = cref + (size_t)turn[b] * block_bytes + lk + (size_t)h * k_head + (size_t)t * k_row;
+                REQUIRE(kern_dequantize_row(k_type, r, row, D) == 0);
+                if (rot & KCUDA_ROT_K)
+                    kern_hadamard(row, D);
+                if (neox)
+                    kern_rope_neox(row, 1, D, cs);
+                else
+                    kern_rope(row, 1, D, cs);
+                if (rot & KCUDA_ROT_K)
+                    kern_hadamard(row, D);
+                store_row(r, row, D, k_type);
+            }
+    uint8_t *dl = (uint8_t *)dcache + lk;
+    const struct kcuda_kv_shift_args a = {
+        .kv = { .k = dl, .v = dl + (size_t)n_kv * k_head, .block_stride = block_bytes, .k_head_stride = k_head,
+                .v_head_stride = v_head, .k_type = k_type, .v_type = v_type, .rotate = rot, .block_tokens = bt,
+                .head_dim = D, .n_head = n_kv, .n_head_kv = n_kv },
+        .blocks = dturn, .n_blocks = n_turn, .delta = delta, .step = powf(base, -2.0f / (float)D), .neox = neox,
+    };
+    REQUIRE(kcuda_kv_shift(&a, NULL) == 0);
+    from_dev(cgot, dcache, cache_bytes);
+    size_t rows = 0, differ = 0, unchanged = 0;
+    double steps = 0;
+    for (int b = 0; b < n_turn; b++)
+        for (int h = 0; h < n_kv; h++)
+            for (int t = 0; t < bt; t++) {
+                const size_t o = (size_t)turn[b] * block_bytes + lk + (size_t)h * k_head + (size_t)t * k_row;
+                rows++;
+                differ += memcmp(cgot + o, cref + o, k_row) != 0;
+                unchanged += memcmp(cgot + o, corig + o, k_row) == 0;
+                steps = fmax(steps, row_steps(cgot + o, cref + o, D, k_type));
+                memcpy(cgot + o, cref + o, k_row);
+            }
+    const int untouched = memcmp(cgot, cref, cache_bytes) == 0;
+    printf("kv shift%s %d KV heads of %d, %d positions a block, K %s rotation %u, by %d: %zu rows, %zu differ "
+           "from the twin's bits (within %.2f steps), %zu unchanged; rest %s\n",
+           neox ? " neox" : "", n_kv, D, bt, kern_type_info(k_type)->name, rot, (int)delta, rows, differ, steps,
+           unchanged, untouched ? "untouched" : "CHANGED");
+    if (emulated)
+        CHECK(differ == 0);
+    CHECK(steps <= 1.0);
+    CHECK(unchanged == 0);
+    CHECK(untouched);
+    kcuda_free(dcache);
+    kcuda_free(dturn);
+    free(cref);
+    free(corig);
+    free(cgot);
+}
+
+/* kcuda_kv_shift's refusals: a head dim it has no kernel for, a type it
+ * cannot read, no blocks (nothing to do). */
+static void test_kv_shift_args(void)
+{
+    uint32_t *blocks = kcuda_malloc(sizeof(uint32_t));
+    uint8_t *k = kcuda_malloc(4096);
+    REQUIRE(blocks != NULL && k != NULL);
+    struct kcuda_kv_shift_args a = {
+        .kv = { .k = k, .v = k, .block_stride = 4096, .k_head_stride = 2048, .v_head_stride = 2048,
+                .k_type = KERN_F16, .v_type = KERN_F16, .block_tokens = 16, .head_dim = 96, .n_head = 1,
+                .n_head_kv = 1 },
+        .blocks = blocks, .n_blocks = 1, .delta = -16, .step = 0.5f,
+    };
+    CHECK_INT(kcuda_kv_shift(&a, NULL), KVD_EUNSUPPORTED);
+    a.kv.head_dim = 64;
+    a.kv.k_type = KERN_Q4_1;
+    CHECK_INT(kcuda_kv_shift(&a, NULL), KVD_EUNSUPPORTED);
+    a.kv.k_type = KERN_F16;
+    a.kv.k_head_stride = 1024;      /* 16 rows of 128 bytes do not fit */
+    CHECK_INT(kcuda_kv_shift(&a, NULL), KVD_EINVAL);
+    a.n_blocks = 0;
+    CHECK_INT(kcuda_kv_shift(&a, NULL), 0);
+    CHECK_INT(kcuda_sync(), 0);
+    kcuda_free(blocks);
+    kcuda_free(k);
 }
 
 /* kcuda_hadamard against kern_hadamard: the same bits. */
@@ -938,6 +1072,7 @@ int main(int argc, char **argv)
     struct kcuda_info info;
     REQUIRE(kcuda_device_open(0, &info) == 0);
     printf("device: %s (sm_%d%d, %d SMs)\n", info.name, info.major, info.minor, info.sm_count);
+    emulated = strstr(info.name, "emulation") != NULL;
     if (argc > 1 && strcmp(argv[1], "--quick") == 0) {
         /* every kernel once on small shapes: for compute-sanitizer (run.sh) */
         static const int Ts[] = { 1, 3, 9 };
@@ -953,6 +1088,8 @@ int main(int argc, char **argv)
         test_rope(9, 3, 64, 16, KERN_Q4_0, KERN_Q8_0, KCUDA_ROT_K | KCUDA_ROT_V, false);
         test_rope(4, 1, 256, 16, KERN_Q8_0, KERN_F16, 0, true);
         test_hadamard(64);
+        test_kv_shift(3, 64, 16, KERN_Q8_0, KCUDA_ROT_K, false, -48);
+        test_kv_shift(1, 256, 16, KERN_Q4_0, KCUDA_ROT_K | KCUDA_ROT_V, true, -96);
         test_gemm_shape(KERN_Q5_0, 37, 640, Ts, 3);
         test_gemm_shape(KERN_Q4_K, 19, 9 * 256, Ts, 3);
         test_gemm_shape(KERN_Q6_K, 35, 768, Ts, 3);
@@ -981,6 +1118,18 @@ int main(int argc, char **argv)
     test_hadamard(64);
     test_hadamard(128);
     test_hadamard(256);
+    /* context windowing: every K type, rotated or not, both pair layouts */
+    test_kv_shift(3, 64, 16, KERN_F16, 0, false, -48);
+    test_kv_shift(2, 128, 16, KERN_F32, 0, false, -1000);
+    test_kv_shift(3, 64, 16, KERN_Q8_0, 0, false, -32);
+    test_kv_shift(3, 64, 16, KERN_Q8_0, KCUDA_ROT_V, false, -32);   /* V's rotation: K turned plainly */
+    test_kv_shift(2, 128, 16, KERN_Q8_0, KCUDA_ROT_K | KCUDA_ROT_V, false, -4096);
+    test_kv_shift(2, 128, 32, KERN_Q4_0, KCUDA_ROT_K | KCUDA_ROT_V, false, -256);
+    test_kv_shift(1, 256, 16, KERN_F16, 0, true, -96);
+    test_kv_shift(1, 256, 16, KERN_Q8_0, KCUDA_ROT_K, true, -2000);
+    test_kv_shift(3, 64, 16, KERN_Q4_0, KCUDA_ROT_K, true, -16);
+    test_kv_shift(2, 128, 16, KERN_F16, 0, false, 64);                /* later: the other way */
+    test_kv_shift_args();
     test_argmax();
     test_sample();
     return CHECK_DONE();

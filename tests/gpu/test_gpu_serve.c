@@ -35,6 +35,18 @@
  *                             scenario over a q4_0 pool (rotated)
  *   test_gpu_serve --bench    aggregate output tokens/s of 32 concurrent
  *                             requests with 1, 2 and 4 workers on GPU 0
+ *   test_gpu_serve --window   context windowing on GPU workers: kvd --gpu 0
+ *                             with --ctx 128 on the small model; a greedy
+ *                             request with context_overflow window generates
+ *                             200 tokens past a 40-token prompt (three
+ *                             windows: device block copies and the keys'
+ *                             turn, worker/worker.c on_window), its tokens up
+ *                             to the context equal the same request's with
+ *                             context_overflow stop (which ends there), and
+ *                             it gives the same 200 tokens again with its
+ *                             prompt cached and with the cache bypassed
+ *                             (ctest emu.gpu_window, gpu.window; with --cpu
+ *                             the same over CPU workers)
  *   test_gpu_serve --fault    (the emulation only: it injects the fault) a
  *                             kernel of one worker faults mid-request, as an
  *                             illegal address does: that request fails with
@@ -78,6 +90,7 @@
 #define WORKER_TIMEOUT "300000"
 
 static bool cpu_mode, small_model, gemma_model, tiers_mode;
+static const char *ctx_arg = "2048";   /* kvd's --ctx (--window: 128) */
 static const char *max_restarts = "0";
 static const char *kv_type = "f16";    /* --kv-type T: kvd's pool type */
 static const char *tier_args[8];       /* --tiers: kvd's pool size and tiers */
@@ -147,11 +160,11 @@ static pid_t start_kvd(int workers, const char *log)
         dup2(fd, 2);
         if (cpu_mode)
             execl(bin, bin, "--model", model_path, "--listen", ep, "--workers", n, "--kv-memory", "48MiB",
-                  "--ctx", "2048", "--max-restarts", "0", "--worker-timeout", WORKER_TIMEOUT, "--kv-type", kv_type,
+                  "--ctx", ctx_arg, "--max-restarts", "0", "--worker-timeout", WORKER_TIMEOUT, "--kv-type", kv_type,
                   (char *)NULL);
         else if (small_model) { /* the emulation: steps take seconds */
             const char *args[40] = { bin, "--model", model_path, "--listen", ep, "--gpu", "0", "--workers-per-gpu", n,
-                                     "--ctx", "2048", "--max-restarts", max_restarts, "--worker-timeout",
+                                     "--ctx", ctx_arg, "--max-restarts", max_restarts, "--worker-timeout",
                                      WORKER_TIMEOUT, "--kv-type", kv_type, "--kv-memory", "64MiB" };
             int a = 19;
             for (int i = 0; i < 8 && tier_args[i] != NULL; i++)
@@ -161,7 +174,7 @@ static pid_t start_kvd(int workers, const char *log)
         }
         else
             execl(bin, bin, "--model", model_path, "--listen", ep, "--gpu", "0", "--workers-per-gpu", n,
-                  "--kv-memory", "1GiB", "--ctx", "2048", "--max-restarts", "0", "--worker-timeout",
+                  "--kv-memory", "1GiB", "--ctx", ctx_arg, "--max-restarts", "0", "--worker-timeout",
                   WORKER_TIMEOUT, "--kv-type", kv_type, (char *)NULL);
         _exit(127);
     }
@@ -220,6 +233,64 @@ static struct kvd_gen_params greedy(const int32_t *ids, size_t n, uint32_t max_t
     p.temperature = 0;
     p.ignore_eos = true;
     return p;
+}
+
+/* ---- context windowing ------------------------------------------------------------------ */
+
+#define WIN_PROMPT 40
+#define WIN_TOKENS 200
+
+/* A windowed greedy request (or, stop, one that ends at the context) of the
+ * window prompt; its result in *r. */
+static int window_request(kvd_client_t *c, bool stop, bool no_cache, struct kvd_result *r)
+{
+    static int32_t ids[WIN_PROMPT];
+    for (int i = 0; i < WIN_PROMPT; i++)
+        ids[i] = 3 + (int32_t)(((uint32_t)i * 6007u + 29u) % 8000u);
+    struct kvd_gen_params p = greedy(ids, WIN_PROMPT, WIN_TOKENS);
+    p.context_overflow = stop ? KVD_OVERFLOW_STOP : KVD_OVERFLOW_WINDOW;
+    p.no_cache = no_cache;
+    const int rc = kvd_generate(c, &p, r);
+    if (rc != 0)
+        fprintf(stderr, "window request: %s (%s)\n", kvd_strerror(rc), r->error);
+    return rc;
+}
+
+static void test_window(void)
+{
+    char log[128], err[256];
+    snprintf(log, sizeof(log), "%s/kvd.log", dir);
+    pid_t pid = start_kvd(1, log);
+    kvd_client_t *c = kvd_client_new(ep, WAIT_MS, err, sizeof(err));
+    REQUIRE(c != NULL);
+    struct kvd_result w1, st, w2, w3;
+    CHECK_INT(window_request(c, false, false, &w1), 0);
+    CHECK_INT(window_request(c, true, false, &st), 0);
+    CHECK_INT(window_request(c, false, false, &w2), 0);
+    CHECK_INT(window_request(c, false, true, &w3), 0);
+    /* past the context of 128 only by windows; stop ends at it */
+    CHECK_INT(w1.n_tokens, WIN_TOKENS);
+    CHECK_INT(w1.finish_reason, KVD_FINISH_LENGTH);
+    CHECK(st.n_tokens > 0 && st.n_tokens < 128 - WIN_PROMPT + 1);
+    CHECK_INT(st.finish_reason, KVD_FINISH_LENGTH);
+    const bool head = st.n_tokens <= w1.n_tokens &&
+                      memcmp(st.tokens, w1.tokens, st.n_tokens * sizeof(int32_t)) == 0;
+    CHECK(head);
+    const bool again = w2.n_tokens == w1.n_tokens && memcmp(w2.tokens, w1.tokens, w1.n_tokens * sizeof(int32_t)) == 0;
+    const bool fresh = w3.n_tokens == w1.n_tokens && memcmp(w3.tokens, w1.tokens, w1.n_tokens * sizeof(int32_t)) == 0;
+    CHECK(again);
+    CHECK(fresh);
+    printf("serve window: %s workers, --ctx %s, prompt %d: windowed %zu tokens (finish %d); stop %zu tokens, "
+           "%s the windowed run's first ones; again with %u prompt tokens cached: %s; without the cache: %s\n",
+           cpu_mode ? "CPU" : "GPU", ctx_arg, WIN_PROMPT, w1.n_tokens, w1.finish_reason, st.n_tokens,
+           head ? "equal to" : "DIFFERENT from", w2.cached_prompt_tokens, again ? "the same tokens" : "DIFFERENT",
+           fresh ? "the same tokens" : "DIFFERENT");
+    kvd_result_free(&w1);
+    kvd_result_free(&st);
+    kvd_result_free(&w2);
+    kvd_result_free(&w3);
+    kvd_client_destroy(&c);
+    CHECK_INT(stop_kvd(pid), 0);
 }
 
 /* ---- request A, streamed in a thread ---------------------------------------------------- */
@@ -700,7 +771,7 @@ static void bench(void)
 
 int main(int argc, char **argv)
 {
-    bool fault_mode = false, bench_mode = false;
+    bool fault_mode = false, bench_mode = false, window_mode = false;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--kv-type") == 0 && i + 1 < argc)
             kv_type = argv[++i];    /* e.g. q4_0: the pool's blocks quantized (and rotated) */
@@ -714,10 +785,12 @@ int main(int argc, char **argv)
             gemma_model = small_model = true;
         else if (strcmp(argv[i], "--tiers") == 0)
             tiers_mode = small_model = true;
+        else if (strcmp(argv[i], "--window") == 0)
+            window_mode = small_model = true;
         else if (strcmp(argv[i], "--bench") == 0)
             bench_mode = true;
         else {
-            fprintf(stderr, "usage: test_gpu_serve [--cpu | --small | --gemma | --tiers | --bench | --fault] "
+            fprintf(stderr, "usage: test_gpu_serve [--cpu | --small | --gemma | --tiers | --window | --bench | --fault] "
                     "[--kv-type T]\n");
             return 2;
         }
@@ -746,6 +819,10 @@ int main(int argc, char **argv)
         test_fault();
     else if (tiers_mode)
         test_tiers();
+    else if (window_mode) {
+        ctx_arg = "128";
+        test_window();
+    }
     else
         test_shared_prefix();
     unlink(model_path);
