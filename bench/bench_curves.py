@@ -113,10 +113,10 @@ def ttft_share(args: argparse.Namespace, work: Path) -> dict[str, list[float]]:
     for s, ct, t in zip(res["share"], res["cached_tokens"], res["ttft_ms"]):
         print(f"| {s:.0%} | {ct:,} | {t:,.1f} | {res['ttft_ms'][0] / t:.1f}x lower |")
     if args.plot:
-        plot.line(args.plot / "ttft-share.png", f"TTFT of a {n:,}-token prompt ({args.model.name})",
+        plot.line(args.plot / "ttft-share.png", f"TTFT of a {n:,}-token prompt against its cached share",
                   "prompt tokens already cached (%)", "TTFT (ms)",
                   {"kvd": ([c / n * 100 for c in res["cached_tokens"]], res["ttft_ms"])},
-                  note=f"1 worker x {args.threads} threads; " + plot.machine_note())
+                  note=f"{args.model.stem}, 1 worker x {args.threads} threads; " + plot.machine_note())
     return res
 
 
@@ -165,10 +165,10 @@ def concurrency(args: argparse.Namespace, work: Path) -> dict[str, list[float]]:
     for cc, t, f in zip(res["concurrency"], res["tok_s"], res["ttft_ms"]):
         print(f"| {cc} | {t:,.1f} | {f:,.1f} |")
     if args.plot:
-        plot.line(args.plot / "concurrency.png", f"Throughput against concurrency ({args.model.name})",
+        plot.line(args.plot / "concurrency.png", "Output tokens/s against concurrent requests",
                   "concurrent requests", "output tokens/s",
                   {"kvd": (res["concurrency"], res["tok_s"])}, logx=True,
-                  note=f"1 worker x {args.threads} threads, shared cached system prompt; "
+                  note=f"{args.model.stem}, 1 worker x {args.threads} threads, a shared cached system prompt; "
                        + plot.machine_note())
     return res
 

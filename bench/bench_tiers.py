@@ -149,11 +149,11 @@ def main() -> None:
             args.json.write_text(json.dumps(rows, indent=2))
         if args.plot:
             plot.bars(args.plot / "tiers.png",
-                      f"TTFT of a {prompt:,}-token system prompt, by where it is ({args.model.name})",
+                      f"TTFT of a {prompt:,}-token system prompt, by where it is",
                       "TTFT (ms, log scale)",
                       {"computed": med["cold"], "pool": med["pool"], "host tier": med["host"],
                        "disk tier\n(after restart)": med["disk"]}, logy=True,
-                      note=f"1 worker x {args.threads} threads, median of {args.runs}; "
+                      note=f"{args.model.stem}, 1 worker x {args.threads} threads, median of {args.runs}; "
                            + plot.machine_note())
     finally:
         for p in pools + [f"{pools[1]}-{i}" for i in range(args.runs)]:
