@@ -235,7 +235,7 @@ class Soak:
             s = socket.create_connection(("127.0.0.1", self.port), timeout=600)
             try:
                 data = json.dumps(body).encode()
-                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                           + f"Authorization: Bearer {key}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
                 if body["stream"]:
                     got = b""
@@ -304,7 +304,7 @@ class Soak:
                                       b'{"prompt":[' + b"1," * (2 << 20) + b"1]}", None)
                 elif kind == 4:     # half a head, then nothing (kvd closes it after --http-timeout)
                     s = socket.create_connection(("127.0.0.1", self.port))
-                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le")
                     idle.append(s)
                     st = "half-head"
                 else:               # connected, silent

@@ -97,6 +97,13 @@ struct http_server {
     struct MHD_Daemon *d;
     struct http_params p;
     char *bind, *endpoint, *model_id;
+    bool loopback;              /* bound to a loopback address: Host must name loopback too */
+    struct pool_cached {        /* /pool's last answers (under mu): one walk of kvd's blocks */
+        char viewer[80];        /* serves every page of a viewer for POOL_FRESH_MS */
+        double at;
+        char *text;
+        size_t len;
+    } pool_cache[8];
     time_t created;
     struct api_key *keys;       /* --api-keys; NULL: the API is open */
     size_t n_keys;
@@ -1182,10 +1189,9 @@ static int parse_tools(struct oai_req *r, json_t *o, struct bad *b)
             return bad(b, "tools", "tools[%zu]: 'strict': true needs tool_choice required or a named function "
                        "(with auto, kvd does not hold the arguments to the schema)", i);
         for (size_t k = 0; k < i; k++) {
-            json_t *d = json_loads(r->tool_defs[k], 0, NULL);
-            const bool same = json_equal(json_object_get(d, "name"), name);
-            json_decref(d);
-            if (same)
+            /* the earlier tools' names, from the request itself (checked above) */
+            json_t *other = json_object_get(json_object_get(json_array_get(tools, k), "function"), "name");
+            if (json_equal(other, name))
                 return bad(b, "tools", "tools[%zu]: the name '%s' is used twice", i, json_string_value(name));
         }
         found |= named != NULL && strcmp(named, json_string_value(name)) == 0;
@@ -3637,8 +3643,67 @@ static json_t *pool_samples_json(const struct kvd_pool_view *v)
  * operator's key: all of it; a tenant's key: its own blocks and prefixes, the
  * others' blocks by state alone; no key: those of no tenant), with the
  * statistics the page shows. */
+#define POOL_FRESH_MS 500.0         /* /pool answers of one viewer are reused this long */
+
+/* A viewer's fresh /pool answer (a copy), or NULL. */
+static char *pool_cached(struct http_server *s, const char *viewer, size_t *len)
+{
+    char *out = NULL;
+    const double now = now_ms();
+    pthread_mutex_lock(&s->mu);
+    for (size_t i = 0; i < sizeof(s->pool_cache) / sizeof(s->pool_cache[0]); i++) {
+        const struct pool_cached *c = &s->pool_cache[i];
+        if (c->text != NULL && now - c->at < POOL_FRESH_MS && strcmp(c->viewer, viewer) == 0) {
+            if ((out = malloc(c->len + 1)) != NULL) {
+                memcpy(out, c->text, c->len + 1);
+                *len = c->len;
+            }
+            break;
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return out;
+}
+
+/* Keeps a copy of a viewer's answer in place of the oldest one kept. */
+static void pool_keep(struct http_server *s, const char *viewer, const char *text, size_t len)
+{
+    char *copy = malloc(len + 1);
+    if (copy == NULL)
+        return;
+    memcpy(copy, text, len + 1);
+    pthread_mutex_lock(&s->mu);
+    struct pool_cached *old = &s->pool_cache[0];
+    for (size_t i = 0; i < sizeof(s->pool_cache) / sizeof(s->pool_cache[0]); i++) {
+        struct pool_cached *c = &s->pool_cache[i];
+        if (strcmp(c->viewer, viewer) == 0 || c->text == NULL) {
+            old = c;
+            break;
+        }
+        if (c->at < old->at)
+            old = c;
+    }
+    free(old->text);
+    snprintf(old->viewer, sizeof(old->viewer), "%s", viewer);
+    old->at = now_ms();
+    old->text = copy;
+    old->len = len;
+    pthread_mutex_unlock(&s->mu);
+}
+
 static void work_pool(struct job *j, kvd_client_t *kc)
 {
+    /* each answer walks every block on kvd's loop: pages polling at once
+     * share one walk a viewer every POOL_FRESH_MS */
+    char viewer[80];
+    snprintf(viewer, sizeof(viewer), "%s%.70s", j->operator ? "o" : j->tenant != NULL ? "t:" : "a",
+             !j->operator && j->tenant != NULL ? j->tenant : "");
+    size_t clen = 0;
+    char *cached = pool_cached(j->s, viewer, &clen);
+    if (cached != NULL) {
+        job_answer(j, 200, cached, clen, "application/json", 0);
+        return;
+    }
     kvd_client_set_timeout(kc, 5000);
     struct kvd_stats st;
     struct kvd_pool_view v;
@@ -3696,11 +3761,14 @@ static void work_pool(struct job *j, kvd_client_t *kc)
                           "tenant_rows", rows, "workers", workers);
     kvd_stats_free(&st);
     kvd_pool_view_free(&v);
-    if (o == NULL) {
+    size_t len = 0;
+    char *text = o != NULL ? json_text(o, &len) : NULL;
+    if (text == NULL) {
         job_error(j, 500, "out of memory", NULL, NULL, 0);
         return;
     }
-    job_json(j, 200, o, 0);
+    pool_keep(j->s, viewer, text, len);
+    job_answer(j, 200, text, len, "application/json", 0);
 }
 
 /* The page's file at url, or NULL. */
@@ -4112,6 +4180,7 @@ static enum MHD_Result queue_text(struct http_server *s, struct MHD_Connection *
         return MHD_NO;
     }
     MHD_add_response_header(r, "Content-Type", type);
+    MHD_add_response_header(r, "Cache-Control", "no-store");   /* answers are the caller's alone */
     if (retry_after_s > 0) {
         char ra[16];
         snprintf(ra, sizeof(ra), "%u", retry_after_s);
@@ -4307,6 +4376,29 @@ static enum MHD_Result refuse(struct http_server *s, struct MHD_Connection *c, v
     return MHD_YES;
 }
 
+/* Whether a Host header names this machine's loopback: "localhost",
+ * 127.x.y.z or [::1], with or without a port. A page on another site that
+ * got its name to resolve to 127.0.0.1 (DNS rebinding) sends its own name. */
+static bool host_is_loopback(const char *h)
+{
+    char name[64];
+    size_t n = strlen(h);
+    if (n == 0 || n >= sizeof(name))
+        return false;
+    memcpy(name, h, n + 1);
+    char *colon = name[0] == '[' ? strstr(name, "]:") : strrchr(name, ':');
+    if (colon != NULL) {
+        const char *port = colon + (name[0] == '[' ? 2 : 1);
+        if (*port == '\0' || strspn(port, "0123456789") != strlen(port))
+            return false;
+        colon[name[0] == '[' ? 1 : 0] = '\0';
+    }
+    if (strcasecmp(name, "localhost") == 0 || strcmp(name, "[::1]") == 0)
+        return true;
+    struct in_addr a;
+    return inet_pton(AF_INET, name, &a) == 1 && (ntohl(a.s_addr) >> 24) == 127;
+}
+
 /* The first call for a request, its head in: the route, the key, the body's
  * declared size, all decided before a byte of the body is kept. */
 static enum MHD_Result begin(struct http_server *s, struct MHD_Connection *c, const char *url, const char *method,
@@ -4320,6 +4412,11 @@ static enum MHD_Result begin(struct http_server *s, struct MHD_Connection *c, co
                  status == 405 ? (strcmp(method, "GET") == 0 ? "POST" : "GET") : method, url);
         return refuse(s, c, con_cls, status, msg, NULL, 0);
     }
+    /* a server on loopback answers only requests addressed to loopback (a web
+     * page elsewhere that rebinds its name to 127.0.0.1 cannot use it) */
+    const char *host = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Host");
+    if (s->loopback && host != NULL && !host_is_loopback(host))
+        return refuse(s, c, con_cls, 403, "this server answers requests for localhost only (Host)", NULL, 0);
     const char *auth = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
     const char *tenant = s->keys != NULL && auth != NULL ? authorize(s, auth) : NULL;
     const bool operator = s->operator_key != NULL && key_matches(auth, s->operator_key);
@@ -4341,8 +4438,10 @@ static enum MHD_Result begin(struct http_server *s, struct MHD_Connection *c, co
     }
     if (route == R_CHAT || route == R_COMPLETIONS || route == R_RESPONSES || route == R_TOKENIZE ||
         route == R_DETOKENIZE || route == R_CACHE_PIN) {
+        /* required: a cross-site page can post a body without one (a Blob)
+         * and without asking first, but cannot post this type so */
         const char *ct = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Type");
-        if (ct != NULL && strncasecmp(ct, "application/json", 16) != 0)
+        if (ct == NULL || strncasecmp(ct, "application/json", 16) != 0)
             return refuse(s, c, con_cls, 415, "the body must be JSON (Content-Type: application/json)", NULL, 0);
     }
     /* a declared body takes its memory now, so that bodies that would not fit
@@ -4722,6 +4821,7 @@ http_server_t *http_start(const struct http_params *p, char *err, size_t errlen)
         return NULL;
     }
     s->p = *p;
+    s->loopback = (ntohl(sa.sin_addr.s_addr) >> 24) == 127;
     s->bind = strdup(p->bind);
     s->endpoint = strdup(p->kvd_endpoint);
     s->model_id = strdup(p->model_id);
@@ -4843,6 +4943,8 @@ void http_stop(http_server_t **sp)
     free(s->bind);
     free(s->endpoint);
     free(s->model_id);
+    for (size_t i = 0; i < sizeof(s->pool_cache) / sizeof(s->pool_cache[0]); i++)
+        free(s->pool_cache[i].text);
     for (size_t i = 0; i < s->n_keys; i++) {
         free(s->keys[i].key);
         free(s->keys[i].tenant);

@@ -366,8 +366,8 @@ def test_bad_http_keeps_serving(api: HttpDaemon) -> None:
     slow = []
     for i in range(40):
         c = socket.create_connection(("127.0.0.1", api.port))
-        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"prompt\"" if i % 2
-                  else b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\"" if i % 2
+                  else b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         slow.append(c)
     r = api.oai.completions.create(model=MODEL_ID, prompt="Hello", max_tokens=2, temperature=0)
     assert r.choices[0].text

@@ -38,7 +38,7 @@ def test_idle_and_half_open_connections(tmp_path: Path, kvds: list[Kvd]) -> None
             c.bind((f"127.0.0.{2 + i // 200}", 0))
             c.connect(("127.0.0.1", k.port))
             if i % 2:   # half-open: a head that never ends
-                c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n")
+                c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n")
             conns.append(c)
         wait_for("2,000 connections open in kvd", lambda: k.metrics()["kvd_http_connections"] >= 2001)
         # a fresh client, and a completion
@@ -93,7 +93,7 @@ def test_idle_and_half_open_connections(tmp_path: Path, kvds: list[Kvd]) -> None
     before = k.metrics()["kvd_http_timeouts_total"]
     t0 = time.monotonic()
     cut = False
-    for ch in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 100000:
+    for ch in b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Long: " + b"a" * 100000:
         try:
             slow.sendall(bytes([ch]))
         except OSError:
@@ -147,7 +147,7 @@ def _body_sender(port: int, head: bytes, body_size: int, out: list[int], expect_
 
 
 def _bodies(port: int, n: int, size: int, key: str | None, expect_continue: bool = False) -> list[int]:
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {size}\r\n" + (f"Authorization: Bearer {key}\r\n" if key else "") +
             ("Expect: 100-continue\r\n" if expect_continue else "") + "\r\n").encode()
     out: list[int] = []
@@ -211,7 +211,7 @@ def test_client_that_leaves_is_cancelled(tmp_path: Path, kvds: list[Kvd]) -> Non
     socks = []
     for _ in range(3):
         c = socket.create_connection(("127.0.0.1", k.port))
-        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
         socks.append(c)
     wait_for("a request running", lambda: k.stats().requests_running >= 1)
@@ -229,12 +229,12 @@ def test_client_that_leaves_is_cancelled(tmp_path: Path, kvds: list[Kvd]) -> Non
     # a stream dropped while it waits behind another request (--max-batch 1) never runs
     long = socket.create_connection(("127.0.0.1", k.port))
     one = json.dumps({"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True}).encode()
-    long.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    long.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(one) + one)
     wait_for("the long request running", lambda: k.stats().requests_running == 1)
     queued = socket.create_connection(("127.0.0.1", k.port))
     two = json.dumps({"prompt": "A different prompt entirely", "max_tokens": 50, "stream": True}).encode()
-    queued.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    queued.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                    b"Content-Length: %d\r\n\r\n" % len(two) + two)
     wait_for("the stream queued", lambda: k.stats().requests_queued == 1)
     queued.close()
@@ -268,7 +268,7 @@ def test_second_kvd_refused(tmp_path: Path, kvds: list[Kvd]) -> None:
     # SIGTERM while a long request runs: it is given up, kvd exits
     conn = socket.create_connection(("127.0.0.1", a.port))
     one = json.dumps({"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True}).encode()
-    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n" % len(one) + one)
     wait_for("the request running", lambda: a.stats().requests_running == 1)
     a.stop()
@@ -341,7 +341,7 @@ def test_one_source_holds_a_share_of_body_memory(tmp_path: Path, kvds: list[Kvd]
             "8MiB", http=True, workers=0)
     kvds.append(k)
     size = 8 << 20
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {size - 1}\r\nExpect: 100-continue\r\n\r\n").encode()
     held: list[socket.socket] = []
     statuses = []

@@ -452,3 +452,46 @@ def test_binds_off_loopback_refused(tmp_path: Path, kvds: list[Kvd], flag: str) 
         k.stop()
     if nic is None:
         pytest.skip("no network interface but loopback here: the interface-name case was not tried")
+
+
+# ---- web pages elsewhere (the second review's finding 4) --------------------------------------------
+
+def _raw_status(port: int, req: bytes) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as c:
+        c.sendall(req)
+        head = b""
+        while b"\r\n" not in head:
+            got = c.recv(4096)
+            if not got:
+                break
+            head += got
+    return int(head.split(b" ", 2)[1])
+
+
+def test_cross_site_requests_refused(tmp_path: Path, kvds: list[Kvd]) -> None:
+    """Without --api-keys, a web page the local user opens elsewhere could post to kvd on loopback
+    (a body with no Content-Type needs no preflight) or read /pool through a name rebound to
+    127.0.0.1. A POST without Content-Type is a 415; a request whose Host is not a loopback name a
+    403, before anything runs; the loopback names pass."""
+    k = Kvd(tmp_path / "kvd", "--kv-memory", "32MiB", http=True)
+    kvds.append(k)
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+
+    def post(host: str, ctype: str | None) -> int:
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+        if ctype is not None:
+            head += f"Content-Type: {ctype}\r\n"
+        head += f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        return _raw_status(k.port, head.encode() + body)
+
+    def get(path: str, host: str) -> int:
+        return _raw_status(k.port, f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+
+    assert post("127.0.0.1", None) == 415
+    assert post("127.0.0.1", "text/plain") == 415
+    assert post(f"evil.example:{k.port}", "application/json") == 403
+    assert get("/pool", "rebound.example") == 403
+    assert get("/", f"rebound.example:{k.port}") == 403
+    for host in ("localhost", f"localhost:{k.port}", "127.0.0.1", f"127.0.0.2:{k.port}", f"[::1]:{k.port}"):
+        assert get("/health", host) == 200, host
+    assert post(f"localhost:{k.port}", "application/json") == 200
