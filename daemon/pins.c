@@ -14,6 +14,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+
 #include "err.h"
 
 #define PINS_FILE_MAX (64u << 20)   /* the pins file is refused past this size */
@@ -148,10 +150,19 @@ static int check_limits(struct kvd *k, const char *tenant, uint32_t ttl_s, uint3
     return 0;
 }
 
-/* The id a pin of r would have, when its blocks are held by r (else ""). */
-static void id_of_key(prefix_key_t key, char *id)
+/* A pin's id: its last block's key (which stands for the whole chain, in its
+ * namespace) mixed with its tenant's name, so that two tenants pinning the
+ * same shared prefix (--public-prefix blocks, keyed alike for all) hold two
+ * pins, neither able to renew or see the other's. */
+static void id_of_key(prefix_key_t key, const char *tenant, char *id)
 {
-    snprintf(id, 40, "pin_%016" PRIx64 "%016" PRIx64, key.hi, key.lo);
+    uint8_t in[16 + KVD_TENANT_NAME_MAX + 1];
+    const size_t tl = strlen(tenant);
+    memcpy(in, &key.lo, 8);
+    memcpy(in + 8, &key.hi, 8);
+    memcpy(in + 16, tenant, tl);
+    const XXH128_hash_t h = XXH3_128bits(in, 16 + tl);
+    snprintf(id, 40, "pin_%016" PRIx64 "%016" PRIx64, (uint64_t)h.high64, (uint64_t)h.low64);
 }
 
 int pins_admit(struct kvd *k, const struct request *r, char *msg, size_t len)
@@ -185,7 +196,7 @@ int pins_admit(struct kvd *k, const struct request *r, char *msg, size_t len)
     char id[40];
     if (np == 0) {
         prefix_hash_chain(k->px, r->ns, r->tok, nb, keys);
-        id_of_key(keys[nb - 1], id);
+        id_of_key(keys[nb - 1], tenant, id);
     } else {
         id[0] = '\0';
     }
@@ -362,6 +373,25 @@ void pins_load(struct kvd *k)
             dropped++;
             continue;
         }
+        /* the file is kvd's, but what it holds is held to today's limits as a
+         * new pin would be: a TTL no longer than --pin-max-ttl from now, the
+         * tenant's and the pool's shares, and a tenant's pin in its own
+         * namespace ("tenant:NAME/...") */
+        char why[200];
+        const size_t tl = strlen(p.tenant);
+        if (p.expires_ms > now + (uint64_t)k->o.pin_max_ttl_s * 1000u)
+            p.expires_ms = now + (uint64_t)k->o.pin_max_ttl_s * 1000u;
+        if (p.ttl_s > k->o.pin_max_ttl_s)
+            p.ttl_s = k->o.pin_max_ttl_s;
+        if ((tl > 0 && (strncmp(p.ns_name, "tenant:", 7) != 0 || strncmp(p.ns_name + 7, p.tenant, tl) != 0 ||
+                        (p.ns_name[7 + tl] != '\0' && p.ns_name[7 + tl] != '/'))) ||
+            check_limits(k, p.tenant, p.ttl_s, p.n_tok / k->o.block_tokens, why, sizeof(why)) != 0) {
+            kvd_log(k, "pins: %s: %s; dropped", p.id, tl > 0 && strncmp(p.ns_name, "tenant:", 7) != 0
+                                                         ? "not in its tenant's namespace" : why);
+            free(p.tok);
+            dropped++;
+            continue;
+        }
         int32_t owner = p.tenant[0] ? req_tenant_entry(k, p.tenant, strlen(p.tenant)) : -1;
         if ((p.tenant[0] && owner < 0) || !pin_hold(k, &p, (uint16_t)(owner + 1), false, NULL, NULL)) {
             kvd_log(k, "pins: %s: its blocks are no longer in the tiers; dropped", p.id);
@@ -371,7 +401,7 @@ void pins_load(struct kvd *k)
             continue;
         }
         char id[40];
-        id_of_key(p.ps.key, id);
+        id_of_key(p.ps.key, p.tenant, id);
         if (strcmp(id, p.id) != 0) {
             bad++;
             prefix_seq_release(k->px, &p.ps);
@@ -436,7 +466,7 @@ const struct kvd_pin *pins_take(struct kvd *k, const struct request *r, char *ms
         goto fail;
     }
     const uint64_t now = unix_ms();
-    id_of_key(p.ps.key, p.id);
+    id_of_key(p.ps.key, p.tenant, p.id);
     struct kvd_pin *old = pin_find(k, p.id);
     if (old != NULL) {
         /* renewed: the same blocks, a new TTL from now */
@@ -484,12 +514,17 @@ void pins_note_hits(struct kvd *k, const struct request *r)
 {
     if (k->pins == NULL || r->host != 0)
         return;
+    char tenant[KVD_TENANT_NAME_MAX + 1];
+    tenant_of_request(k, r, tenant);
     for (uint32_t i = 0; i < k->pins->n; i++) {
         struct kvd_pin *p = &k->pins->v[i];
         const uint32_t nb = p->ps.n_blocks;
         /* a block id stands for its whole chain: the same id at the same
-         * place means the same prefix in the same namespace */
-        if (nb > 0 && r->ps.n_cached >= nb && r->ps.blocks[nb - 1] == p->ps.blocks[nb - 1])
+         * place means the same prefix in the same namespace; a pin counts
+         * its own tenant's requests alone (a shared prefix's others' are
+         * theirs to know) */
+        if (nb > 0 && r->ps.n_cached >= nb && r->ps.blocks[nb - 1] == p->ps.blocks[nb - 1] &&
+            strcmp(p->tenant, tenant) == 0)
             p->hits++;
     }
 }

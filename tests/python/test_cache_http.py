@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -238,3 +239,39 @@ def test_kvcli_cache_round_trip(keyed: HttpDaemon, tmp_path: Path) -> None:
     p = kvcli("pin", "--ttl", "7200", text("TooLong", 5), ok=False)
     assert p.returncode == 1 and "pin-max-ttl" in p.stderr                   # kvd's limit
     assert kvcli("pin", "--ttl", "soon", "x", ok=False).returncode == 2     # a usage error
+
+
+def test_public_prefix_pins_stay_apart(tmp_path: Path) -> None:
+    """Two tenants pinning the operator's shared system prompt (--public-prefix: its blocks are keyed
+    alike for everyone) hold two pins: bob's short TTL neither renews nor ends alice's, neither sees
+    the other's id, and a pin's hits count its own tenant's requests alone."""
+    keys = tmp_path / "keys"
+    keys.write_text("key-of-alice-0001 alice\nkey-of-bob-00002 bob\n")
+    system = text("Shared", 12)
+    (tmp_path / "public").write_text(system)
+    h = HttpDaemon(tmp_path / "kvd", "--kv-memory", "64MiB", "-w", "1", "--api-keys", str(keys),
+                   "--public-prefix", str(tmp_path / "public"))
+    try:
+        msgs: list[Any] = [{"role": "system", "content": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+                           {"role": "user", "content": "Hello."}]
+        s, a = call(h, "POST", "/v1/cache", {"messages": msgs})
+        assert s == 200 and a["pin"] is not None, a
+        # bob pins the same blocks: the system prompt alone, whole, for a second
+        s, b = call(h, "POST", "/v1/cache", {"messages": [{"role": "system", "content": system}], "ttl": 1},
+                    who=BOB)
+        assert s == 200 and b["pin"] is not None, b
+        assert b["pin"]["blocks"] == a["pin"]["blocks"], (a, b)
+        assert b["pin"]["id"] != a["pin"]["id"] and b["pin"]["ttl_s"] == 1
+        time.sleep(2.5)
+        s, listed = call(h, "GET", "/v1/cache")
+        assert [(p["id"], p["ttl_s"]) for p in listed["data"]] == [(a["pin"]["id"], 3600)], listed
+        s, theirs = call(h, "GET", "/v1/cache", who=BOB)
+        assert all(p["id"] != a["pin"]["id"] for p in theirs["data"])
+        # bob's chat on the shared prompt is no hit of alice's pin
+        s, _ = call(h, "POST", "/v1/chat/completions", {"messages": msgs[:1] + [{"role": "user", "content": "Hi."}],
+                                                         "max_tokens": 1}, who=BOB)
+        assert s == 200
+        s, listed = call(h, "GET", "/v1/cache")
+        assert listed["data"][0]["hits"] == 0, listed
+    finally:
+        _stop_checked(h.d)
