@@ -117,7 +117,7 @@ def kvd_run_scores() -> list[list[tuple[float, int]]]:
 
 def accuracy(scores: list[list[float]]) -> float:
     right = sum(max(range(len(row)), key=lambda i: row[i]) == d["answer"] for row, d in zip(scores, DOCS))
-    return right / len(DOCS)
+    return float(right) / len(DOCS)
 
 
 @pytest.fixture(scope="module")

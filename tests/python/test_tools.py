@@ -44,6 +44,12 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris today?"}]
 
 
+def oai(h: HttpDaemon) -> Any:
+    """The openai client, untyped here: its response types are unions of every kind of tool call
+    and output item, which these tests narrow by asserting what kvd sent."""
+    return h.oai
+
+
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpDaemon]:
     h = HttpDaemon(tmp_path_factory.mktemp("kvd-tools"), "--kv-memory", "64MiB", "-w", "1")
@@ -63,7 +69,7 @@ def check_calls(calls: Any, names: set[str]) -> None:
 def test_required_and_named_calls_validate(api: HttpDaemon) -> None:
     # sampled at temperature 1: the grammar, not the model's skill, keeps every call valid
     for seed in range(3):
-        r = api.oai.chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice="required",
+        r = oai(api).chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice="required",
                                             parallel_tool_calls=False, temperature=1.0, seed=seed, n=4,
                                             max_tokens=200)
         for ch in r.choices:
@@ -73,14 +79,14 @@ def test_required_and_named_calls_validate(api: HttpDaemon) -> None:
             assert ch.message.content is None
     # a named function: always that one
     for name in SCHEMAS:
-        r = api.oai.chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS, temperature=1.0, seed=7,
+        r = oai(api).chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS, temperature=1.0, seed=7,
                                             tool_choice={"type": "function", "function": {"name": name}},
                                             parallel_tool_calls=False, n=3, max_tokens=200)
         for ch in r.choices:
             assert ch.finish_reason == "tool_calls"
             check_calls(ch.message.tool_calls, {name})
     # parallel calls allowed: one or more, each valid, each with its own id
-    r = api.oai.chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice="required",
+    r = oai(api).chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice="required",
                                         temperature=1.0, seed=3, n=4, max_tokens=400)
     for ch in r.choices:
         if ch.finish_reason == "tool_calls":
@@ -93,13 +99,13 @@ def test_required_and_named_calls_validate(api: HttpDaemon) -> None:
 def test_streamed_deltas_assemble_to_the_same_call(api: HttpDaemon) -> None:
     kw: Any = {"model": MODEL_ID, "messages": ASK, "tools": TOOLS, "temperature": 0, "max_tokens": 200,
                "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
-    whole = api.oai.chat.completions.create(**kw)
+    whole = oai(api).chat.completions.create(**kw)
     want = whole.choices[0].message.tool_calls
     assert want is not None and len(want) >= 1
     calls: dict[int, dict[str, Any]] = {}
     finish = None
     n_fragments = 0
-    for chunk in api.oai.chat.completions.create(stream=True, **kw):
+    for chunk in oai(api).chat.completions.create(stream=True, **kw):
         for ch in chunk.choices:
             finish = ch.finish_reason or finish
             assert ch.delta.content in (None, "")
@@ -120,10 +126,10 @@ def test_streamed_deltas_assemble_to_the_same_call(api: HttpDaemon) -> None:
 
 
 def test_tool_round_trip(api: HttpDaemon) -> None:
-    first = api.oai.chat.completions.create(
+    first = oai(api).chat.completions.create(
         model=MODEL_ID, messages=ASK, tools=TOOLS, temperature=0, max_tokens=200, parallel_tool_calls=False,
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
+    call = first.choices[0].message.tool_calls[0]
     history: list[Any] = [
         *ASK,
         {"role": "assistant", "content": None, "tool_calls": [
@@ -131,7 +137,7 @@ def test_tool_round_trip(api: HttpDaemon) -> None:
              "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
     ]
-    second = api.oai.chat.completions.create(model=MODEL_ID, messages=history, tools=TOOLS, tool_choice="none",
+    second = oai(api).chat.completions.create(model=MODEL_ID, messages=history, tools=TOOLS, tool_choice="none",
                                              temperature=0, max_tokens=40)
     ch = second.choices[0]
     assert ch.finish_reason in ("stop", "length") and ch.message.tool_calls is None
@@ -140,11 +146,11 @@ def test_tool_round_trip(api: HttpDaemon) -> None:
     assert second.usage is not None and first.usage is not None
     assert second.usage.prompt_tokens > 0
     other = [*history[:2], {**history[2], "content": json.dumps({"temperature": -40, "sky": "blizzard, snow"})}]
-    third = api.oai.chat.completions.create(model=MODEL_ID, messages=other, tools=TOOLS, tool_choice="none",
+    third = oai(api).chat.completions.create(model=MODEL_ID, messages=other, tools=TOOLS, tool_choice="none",
                                             temperature=0, max_tokens=40)
     assert third.usage is not None and third.usage.prompt_tokens != second.usage.prompt_tokens
     # the calls' turn, rendered the same way, is served from the cache
-    assert (third.usage.prompt_tokens_details.cached_tokens or 0) > 0  # type: ignore[union-attr]
+    assert (third.usage.prompt_tokens_details.cached_tokens or 0) > 0
     # a tool result must answer a call made before it
     s, _, b = api.post("/v1/chat/completions", {"messages": [*ASK, {"role": "tool", "tool_call_id": "call_x",
                                                                     "content": "{}"}]})
@@ -155,7 +161,7 @@ def test_tool_round_trip(api: HttpDaemon) -> None:
 
 
 def test_auto_leaves_content_as_content(api: HttpDaemon) -> None:
-    r = api.oai.chat.completions.create(model=MODEL_ID, messages=CHAT, tools=TOOLS, tool_choice="auto",
+    r = oai(api).chat.completions.create(model=MODEL_ID, messages=CHAT, tools=TOOLS, tool_choice="auto",
                                         temperature=0, max_tokens=40)
     ch = r.choices[0]
     if ch.message.tool_calls is None:
@@ -167,7 +173,7 @@ def test_auto_leaves_content_as_content(api: HttpDaemon) -> None:
     # streamed, the same content (or calls)
     text = ""
     names = []
-    for chunk in api.oai.chat.completions.create(model=MODEL_ID, messages=CHAT, tools=TOOLS, temperature=0,
+    for chunk in oai(api).chat.completions.create(model=MODEL_ID, messages=CHAT, tools=TOOLS, temperature=0,
                                                  max_tokens=40, stream=True):
         for c in chunk.choices:
             text += c.delta.content or ""
@@ -186,7 +192,7 @@ def test_auto_leaves_content_as_content(api: HttpDaemon) -> None:
                   {"role": "assistant", "content": f"It is 20 degrees in {city}."}]
     shots.append({"role": "user", "content": "What is the weather in Oslo?"})
     kw: Any = {"model": MODEL_ID, "messages": shots, "tools": TOOLS, "temperature": 0, "max_tokens": 60}
-    r = api.oai.chat.completions.create(**kw)
+    r = oai(api).chat.completions.create(**kw)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch.message
     check_calls(ch.message.tool_calls, {"get_weather"})
@@ -195,22 +201,22 @@ def test_auto_leaves_content_as_content(api: HttpDaemon) -> None:
     assert call.function.arguments == json.dumps(json.loads(call.function.arguments), separators=(",", ":"))
     streamed: dict[int, list[str]] = {}
     finish = None
-    for chunk in api.oai.chat.completions.create(stream=True, **kw):
+    for chunk in oai(api).chat.completions.create(stream=True, **kw):
         for c in chunk.choices:
             finish = c.finish_reason or finish
             assert not c.delta.content
             for d in c.delta.tool_calls or []:
                 if d.id is not None:
-                    streamed[d.index] = [d.function.name, ""]  # type: ignore[union-attr,list-item]
+                    streamed[d.index] = [d.function.name, ""]
                 else:
-                    streamed[d.index][1] += d.function.arguments or ""  # type: ignore[union-attr]
+                    streamed[d.index][1] += d.function.arguments or ""
     assert finish == "tool_calls"
     assert [tuple(v) for v in streamed.values()] == [(c.function.name, c.function.arguments)
                                                     for c in ch.message.tool_calls]
     # "none": the model is shown no tools, and its output is all content
-    r = api.oai.chat.completions.create(model=MODEL_ID, messages=CHAT, tools=TOOLS, tool_choice="none",
+    r = oai(api).chat.completions.create(model=MODEL_ID, messages=CHAT, tools=TOOLS, tool_choice="none",
                                         temperature=0, max_tokens=40)
-    plain = api.oai.chat.completions.create(model=MODEL_ID, messages=CHAT, temperature=0, max_tokens=40)
+    plain = oai(api).chat.completions.create(model=MODEL_ID, messages=CHAT, temperature=0, max_tokens=40)
     assert r.choices[0].message.content == plain.choices[0].message.content
     assert r.usage is not None and plain.usage is not None and r.usage.prompt_tokens == plain.usage.prompt_tokens
 
@@ -263,7 +269,7 @@ def test_langchain_openai(api: HttpDaemon) -> None:
         city: str = Field(max_length=24)
         celsius: int = Field(ge=-60, le=60)
 
-    llm = ChatOpenAI(model=MODEL_ID, base_url=api.base + "/v1", api_key="none",  # type: ignore[arg-type]
+    llm = ChatOpenAI(model=MODEL_ID, base_url=api.base + "/v1", api_key="none",  # type: ignore[arg-type,call-arg]
                      temperature=0, max_tokens=200, timeout=api.d.patience, max_retries=0)
     for method in ("json_schema", "function_calling"):
         out = llm.with_structured_output(Weather, method=method).invoke("The weather in Oslo, as JSON.")
@@ -320,21 +326,21 @@ def check_items(output: Any) -> list[Any]:
 def test_responses_tool_calls(api: HttpDaemon) -> None:
     # required, one call: held to the grammar whatever is sampled
     for seed in range(3):
-        r = api.oai.responses.create(model=MODEL_ID, input=ASK[0]["content"], tools=RESP_TOOLS, tool_choice="required",
+        r = oai(api).responses.create(model=MODEL_ID, input=ASK[0]["content"], tools=RESP_TOOLS, tool_choice="required",
                                      parallel_tool_calls=False, temperature=1.0, max_output_tokens=200,
                                      extra_body={"seed": seed})
         assert r.status == "completed" and len(check_items(r.output)) == 1 and len(r.output) == 1
         assert r.parallel_tool_calls is False and [t.name for t in r.tools] == list(SCHEMAS)
-    named = api.oai.responses.create(model=MODEL_ID, input=ASK, tools=RESP_TOOLS, temperature=1.0, extra_body={"seed": 3},
+    named = oai(api).responses.create(model=MODEL_ID, input=ASK, tools=RESP_TOOLS, temperature=1.0, extra_body={"seed": 3},
                                      tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=200)
     assert {c.name for c in check_items(named.output)} == {"get_time"}
     # streamed: the events build the same items as the whole answer (greedy)
     kw: dict[str, Any] = dict(model=MODEL_ID, input=ASK, tools=RESP_TOOLS, tool_choice="required",
                               temperature=0, max_output_tokens=200)
-    whole = api.oai.responses.create(**kw)
+    whole = oai(api).responses.create(**kw)
     types: list[str] = []
     args: dict[str, str] = {}
-    with api.oai.responses.stream(**kw) as s:
+    with oai(api).responses.stream(**kw) as s:
         for e in s:
             types.append(e.type)
             if e.type == "response.function_call_arguments.delta":
@@ -350,31 +356,31 @@ def test_responses_tool_calls(api: HttpDaemon) -> None:
 
 
 def test_responses_tool_round_trip(api: HttpDaemon) -> None:
-    first = api.oai.responses.create(model=MODEL_ID, input=ASK, tools=RESP_TOOLS, tool_choice="required",
+    first = oai(api).responses.create(model=MODEL_ID, input=ASK, tools=RESP_TOOLS, tool_choice="required",
                                      parallel_tool_calls=False, temperature=0, max_output_tokens=200)
     call = check_items(first.output)[0]
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 degrees."}
     # by previous_response_id: the stored turn (with its call) before the result; its prompt hits the cache
     loose = [dict(t, strict=False) for t in RESP_TOOLS]
-    second = api.oai.responses.create(model=MODEL_ID, previous_response_id=first.id, input=[result], tools=loose,
+    second = oai(api).responses.create(model=MODEL_ID, previous_response_id=first.id, input=[result], tools=loose,
                                       temperature=0, max_output_tokens=24)
     assert second.status in ("completed", "incomplete") and second.output[0].type == "message"
     assert second.usage is not None and second.usage.input_tokens_details.cached_tokens > 0
     # by the whole conversation sent back: the same prompt, so the same greedy answer
-    again = api.oai.responses.create(model=MODEL_ID, input=ASK + [o.model_dump(exclude_none=True)
+    again = oai(api).responses.create(model=MODEL_ID, input=ASK + [o.model_dump(exclude_none=True)
                                                                    for o in first.output] + [result],
                                      tools=loose, temperature=0, max_output_tokens=24)
     assert again.output_text == second.output_text
     assert again.usage is not None and second.usage.input_tokens == again.usage.input_tokens
     # auto: the model may write text or calls; either way a well-formed answer
-    auto = api.oai.responses.create(model=MODEL_ID, input=ASK, tools=loose, temperature=0, max_output_tokens=40)
+    auto = oai(api).responses.create(model=MODEL_ID, input=ASK, tools=loose, temperature=0, max_output_tokens=40)
     assert auto.status in ("completed", "incomplete") and auto.output
     for o in auto.output:
         assert o.type in ("message", "function_call")
     # none: no tools shown, the same answer as without them
-    none = api.oai.responses.create(model=MODEL_ID, input=ASK, tools=RESP_TOOLS, tool_choice="none", temperature=0,
+    none = oai(api).responses.create(model=MODEL_ID, input=ASK, tools=RESP_TOOLS, tool_choice="none", temperature=0,
                                     max_output_tokens=16)
-    plain = api.oai.responses.create(model=MODEL_ID, input=ASK, temperature=0, max_output_tokens=16)
+    plain = oai(api).responses.create(model=MODEL_ID, input=ASK, temperature=0, max_output_tokens=16)
     assert none.output_text == plain.output_text
 
 
@@ -392,5 +398,5 @@ def test_responses_tool_refusals(api: HttpDaemon) -> None:
                         ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
                         ({"tools": [fn], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
                          "tool_choice")]:
-        s, _, b = api.post("/v1/responses", {"model": MODEL_ID, "input": "x", **body})
+        s, _, b = api.post("/v1/responses", {"model": MODEL_ID, "input": "x", **body})  # type: ignore[dict-item]
         error_of(s, b, 400, param)

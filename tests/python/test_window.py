@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -26,7 +27,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory: pytest.TempPathFactory):
+def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     port = free_port()
     d = Daemon(tmp_path_factory.mktemp("window"), "--ctx", str(CTX), "--kv-memory", "16MiB", "-w", "1",
                "--http", f"127.0.0.1:{port}")
