@@ -478,6 +478,18 @@ static void test_stats_health(kvd_client_t *c)
           s.workers[0].running == 3 && s.workers[0].tokens == 5000 && s.workers[0].restarts == 0);
     CHECK(s.workers[1].id == 1 && s.workers[1].pid == 1001 && !s.workers[1].alive &&
           s.workers[1].running == 2 && s.workers[1].tokens == 5001 && s.workers[1].restarts == 1);
+    /* the Prometheus text: a figure of its own, the rows, vLLM's derived names */
+    char *prom = kvd_stats_prometheus(&s);
+    CHECK(prom != NULL);
+    CHECK(prom != NULL && strstr(prom, "# HELP kvd_requests_done_total Requests finished.\n"
+                                       "# TYPE kvd_requests_done_total counter\nkvd_requests_done_total 40\n"));
+    CHECK(prom != NULL && strstr(prom, "\nkvd_worker_running{worker=\"1\"} 2\n"));
+    CHECK(prom != NULL && strstr(prom, "\nkvd_worker_restarts_total{worker=\"1\"} 1\n"));
+    CHECK(prom != NULL && strstr(prom, "\nvllm:prefix_cache_queries_total 1000\n"));
+    CHECK(prom != NULL && strstr(prom, "\nvllm:kv_cache_usage_perc 0.296875\n"));
+    free(prom);
+    kvd_stats_free(&s);
+    CHECK(s.workers == NULL && s.n_workers == 0 && s.tenants == NULL && s.hosts == NULL);
 
     bool ok = false;
     uint32_t alive = 0;
