@@ -29,6 +29,7 @@
 #include "toolcall.h"
 #include "kvd.h"
 #include "pins.h"
+#include "kvd_stats_fields.h"
 
 #define RETRY_AFTER_MS 1000u
 
@@ -2032,6 +2033,20 @@ static void add_hash(void *user, prefix_key_t key, const prefix_key_t *parent, c
         l->v[l->n++] = key.lo;
 }
 
+/* Every figure of the tables in kvd_stats_fields.h is sent, 0 included: the
+ * has_ flag of each number (strings have none) of s, *ts, x and *x. */
+#define SET_HAS_U64(m, name) (m).has_##name = true;
+#define SET_HAS_U32 SET_HAS_U64
+#define SET_HAS_I32 SET_HAS_U64
+#define SET_HAS_BOOL SET_HAS_U64
+#define SET_HAS_STR48(m, name)
+#define SET_HAS_STR64 SET_HAS_STR48
+#define SET_HAS_STR128 SET_HAS_STR48
+#define HAS_S(name, type, prom_type, prom_name, help) SET_HAS_##type(s, name)
+#define HAS_TS(name, type, prom_type, prom_name, help) SET_HAS_##type(*ts, name)
+#define HAS_X(name, type, prom_type, prom_name, help) SET_HAS_##type(x, name)
+#define HAS_XP(name, type, prom_type, prom_name, help) SET_HAS_##type(*x, name)
+
 static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const char *tenant, uint64_t id,
                      bool block_hashes, const Kvd__StatsRequest *sr)
 {
@@ -2055,12 +2070,8 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
     }
     Kvd__ServerReply m = KVD__SERVER_REPLY__INIT;
     Kvd__Stats s = KVD__STATS__INIT;
+    KVD_STATS_FIELDS(HAS_S)
     Kvd__WorkerStats ws[KVD_MAX_WORKERS], *wp[KVD_MAX_WORKERS];
-    s.has_requests_running = s.has_requests_queued = s.has_requests_done = true;
-    s.has_requests_failed = s.has_prompt_tokens = s.has_cached_prompt_tokens = true;
-    s.has_completion_tokens = s.has_blocks_total = s.has_blocks_free = s.has_blocks_cached = true;
-    s.has_blocks_in_use = s.has_blocks_pending = s.has_evictions = s.has_preemptions = true;
-    s.has_bad_messages = s.has_block_tokens = s.has_block_bytes = s.has_kv_bytes_per_token = true;
     s.requests_running = k->n_active;
     s.requests_queued = k->n_queued;
     s.requests_done = k->st.done;
@@ -2080,13 +2091,9 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
     s.block_bytes = ps.block_bytes;
     const struct kv_parts *parts = &pool_header(k->pool)->layout.parts;
     s.kv_bytes_per_token = ps.block_bytes * parts->n_parts / k->o.block_tokens;
-    s.has_kv_parts = s.has_kv_part_layers = s.has_kv_window = s.has_blocks_in_use_windowed = true;
     s.kv_parts = parts->n_parts;
     s.kv_part_layers = parts->part_layers;
     s.kv_window = parts->window[parts->n_parts - 1];
-    s.has_host_cache_max_bytes = s.has_host_cache_bytes = s.has_host_cache_blocks = true;
-    s.has_host_cached_prompt_tokens = s.has_host_cache_stored = s.has_host_cache_dropped = true;
-    s.has_host_cache_corrupt = s.has_host_cache_declined = true;
     s.host_cached_prompt_tokens = k->st.host_cached_prompt_tokens;
     s.host_cache_declined = k->st.host_declined;
     if (k->tier != NULL) {
@@ -2099,12 +2106,6 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
         s.host_cache_dropped = ts.dropped;
         s.host_cache_corrupt = ts.corrupt;
     }
-    s.has_disk_cache_max_bytes = s.has_disk_cache_bytes = s.has_disk_cache_blocks = true;
-    s.has_disk_cached_prompt_tokens = s.has_disk_cache_written = s.has_disk_cache_pending = true;
-    s.has_disk_cache_dropped_writes = s.has_disk_cache_corrupt = s.has_disk_cache_ignored = true;
-    s.has_disk_cache_declined = true;
-    s.has_auth_clients_admitted = s.has_auth_clients_refused = s.has_auth_workers_refused = true;
-    s.has_auth_handshakes_failed = s.has_auth_client_keys = true;
     s.auth_handshakes_failed = k->st.handshakes_failed;
     if (k->auth != NULL) {
         struct auth_stats as;
@@ -2126,9 +2127,8 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
             const struct kvd_tenant *t = &k->tenants[i];
             Kvd__TenantStats *ts = &trows[s.n_tenants];
             kvd__tenant_stats__init(ts);
+            KVD_TENANT_STATS_FIELDS(HAS_TS)
             ts->name = (char *)t->name;
-            ts->has_requests = ts->has_prompt_tokens = ts->has_cached_prompt_tokens = ts->has_queued = true;
-            ts->has_running = ts->has_blocks_held = ts->has_refused = true;
             ts->requests = t->requests;
             ts->prompt_tokens = t->prompt_tokens;
             ts->cached_prompt_tokens = t->cached_prompt_tokens;
@@ -2139,7 +2139,6 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
                 if (k->hosts[h].used)
                     ts->blocks_held += prefix_owned(k->hosts[h].px, (uint16_t)(i + 1));
             ts->refused = t->refused;
-            ts->has_cache_creation_tokens = ts->has_pins = ts->has_pinned_blocks = true;
             ts->cache_creation_tokens = t->cache_creation_tokens;
             pins_count(k, t->name, &ts->pins, &ts->pinned_blocks);
             tptrs[s.n_tenants++] = ts;
@@ -2181,7 +2180,6 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
     s.e2e_seconds = &h[1];
     s.queue_seconds = &h[2];
     s.itl_seconds = &h[3];
-    s.has_finished_stop = s.has_finished_length = s.has_finished_abort = true;
     s.finished_stop = k->st.finished_stop;
     s.finished_length = k->st.finished_length;
     s.finished_abort = k->st.finished_abort;
@@ -2191,7 +2189,7 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
         if (!w->used)
             continue;
         Kvd__WorkerStats x = KVD__WORKER_STATS__INIT;
-        x.has_id = x.has_pid = x.has_alive = x.has_running = x.has_tokens = x.has_restarts = true;
+        KVD_WORKER_STATS_FIELDS(HAS_X)
         x.id = w->id;
         x.pid = w->pid;
         x.alive = w->alive;
@@ -2206,10 +2204,8 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
     s.workers = wp;
     s.n_workers = n;
     Kvd__HostStats hrow[KVD_MAX_HOSTS], *hptr[KVD_MAX_HOSTS];
-    s.has_hosts_lost = s.has_blocks_fenced_total = true;
     s.hosts_lost = k->hosts_lost;
     s.blocks_fenced_total = k->st.blocks_fenced;
-    s.has_cache_creation_tokens = s.has_pins = s.has_pinned_blocks = s.has_pins_expired = s.has_pins_refused = true;
     s.cache_creation_tokens = k->st.cache_creation_tokens;
     pins_count(k, tenant, &s.pins, &s.pinned_blocks);
     pins_counters(k, &s.pins_expired, &s.pins_refused);
@@ -2219,10 +2215,8 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
             continue;
         Kvd__HostStats *x = &hrow[s.n_hosts];
         kvd__host_stats__init(x);
+        KVD_HOST_STATS_FIELDS(HAS_XP)
         x->name = (char *)ho->name;
-        x->has_workers = x->has_blocks_total = x->has_blocks_free = x->has_blocks_cached = true;
-        x->has_blocks_in_use = x->has_requests = x->has_prompt_tokens = true;
-        x->has_cached_prompt_tokens = x->has_blocks_fenced = true;
         x->workers = hosts_workers(k, hi);
         x->blocks_total = hs[hi].n_blocks;
         x->blocks_free = hs[hi].n_free;
@@ -2235,7 +2229,6 @@ static void on_stats(struct kvd *k, const uint8_t *rid, size_t rid_len, const ch
         hptr[s.n_hosts++] = x;
     }
     s.hosts = hptr;
-    s.has_kv_event_batches = k->events != NULL;
     s.kv_event_batches = k->events ? kv_events_batches(k->events) : 0;
     struct hash_list hl = { 0 };
     if (block_hashes) {

@@ -510,6 +510,50 @@ static int cmd_generate(kvd_client_t *c, struct options *o)
     die_call(rc, r.error, r.retry_after_ms);
 }
 
+/* One field of a table in kvd_stats_fields.h as a JSON member ("name":value,
+ * a comma before it unless it is the first). */
+#define JSON_U64(v) printf("%llu", (unsigned long long)(v))
+#define JSON_U32(v) printf("%u", (unsigned)(v))
+#define JSON_I32(v) printf("%d", (int)(v))
+#define JSON_BOOL(v) fputs((v) ? "true" : "false", stdout)
+#define JSON_STR48(v) json_str(stdout, (v), strlen(v))
+#define JSON_STR64 JSON_STR48
+#define JSON_STR128 JSON_STR48
+#define JSON_FIELD(name, type, prom_type, prom_name, help) \
+    printf("%s\"" #name "\":", first ? "" : ",");          \
+    first = false;                                          \
+    JSON_##type(row->name);
+
+/* "key":[{...},...] of n rows, each field by its table. */
+#define JSON_ROWS(key, rows, n, FIELDS)                     \
+    do {                                                    \
+        printf(",\"" key "\":[");                           \
+        for (uint32_t i_ = 0; i_ < (n); i_++) {             \
+            const __typeof__((rows)[0]) *row = &(rows)[i_]; \
+            bool first = true;                              \
+            printf("%s{", i_ ? "," : "");                   \
+            FIELDS(JSON_FIELD)                              \
+            putchar('}');                                   \
+        }                                                   \
+        putchar(']');                                       \
+    } while (0)
+
+/* kvcli stats --json: one object, every figure of KVD_STATS_FIELDS by its
+ * name, then the workers', tenants' and hosts' rows. */
+static void print_stats_json(const struct kvd_stats *s)
+{
+    putchar('{');
+    {
+        const struct kvd_stats *row = s;
+        bool first = true;
+        KVD_STATS_FIELDS(JSON_FIELD)
+    }
+    JSON_ROWS("workers", s->workers, s->n_workers, KVD_WORKER_STATS_FIELDS);
+    JSON_ROWS("tenants", s->tenants, s->n_tenants, KVD_TENANT_STATS_FIELDS);
+    JSON_ROWS("hosts", s->hosts, s->n_hosts, KVD_HOST_STATS_FIELDS);
+    printf("}\n");
+}
+
 static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
 {
     struct kvd_stats s;
@@ -526,49 +570,8 @@ static int cmd_stats(kvd_client_t *c, bool json, bool prometheus)
         return 0;
     }
     if (json) {
-        printf("{\"requests_running\":%llu,\"requests_queued\":%llu,\"requests_done\":%llu,"
-               "\"requests_failed\":%llu,\"prompt_tokens\":%llu,\"cached_prompt_tokens\":%llu,"
-               "\"completion_tokens\":%llu,\"blocks_total\":%u,\"blocks_free\":%u,"
-               "\"blocks_cached\":%u,\"blocks_in_use\":%u,\"blocks_pending\":%u,"
-               "\"block_tokens\":%u,\"block_bytes\":%llu,\"kv_bytes_per_token\":%llu,"
-               "\"kv_type\":\"%s\",\"kv_parts\":%u,\"kv_part_layers\":%u,\"kv_window\":%u,"
-               "\"blocks_in_use_windowed\":%u,\"host_cache_max_bytes\":%llu,\"host_cache_bytes\":%llu,"
-               "\"host_cache_blocks\":%llu,\"host_cached_prompt_tokens\":%llu,\"host_cache_stored\":%llu,"
-               "\"host_cache_dropped\":%llu,\"host_cache_corrupt\":%llu,\"host_cache_declined\":%llu,"
-               "\"disk_cache_max_bytes\":%llu,\"disk_cache_bytes\":%llu,\"disk_cache_blocks\":%llu,"
-               "\"disk_cached_prompt_tokens\":%llu,\"disk_cache_written\":%llu,\"disk_cache_pending\":%llu,"
-               "\"disk_cache_dropped_writes\":%llu,\"disk_cache_corrupt\":%llu,\"disk_cache_ignored\":%llu,"
-               "\"disk_cache_declined\":%llu,\"auth_clients_admitted\":%llu,\"auth_clients_refused\":%llu,"
-               "\"auth_workers_refused\":%llu,\"auth_handshakes_failed\":%llu,\"auth_client_keys\":%u,"
-               "\"evictions\":%llu,\"preemptions\":%llu,\"bad_messages\":%llu,\"workers\":[",
-               (unsigned long long)s.requests_running, (unsigned long long)s.requests_queued,
-               (unsigned long long)s.requests_done, (unsigned long long)s.requests_failed,
-               (unsigned long long)s.prompt_tokens, (unsigned long long)s.cached_prompt_tokens,
-               (unsigned long long)s.completion_tokens, s.blocks_total, s.blocks_free,
-               s.blocks_cached, s.blocks_in_use, s.blocks_pending, s.block_tokens,
-               (unsigned long long)s.block_bytes, (unsigned long long)s.kv_bytes_per_token,
-               s.kv_type, s.kv_parts, s.kv_part_layers, s.kv_window, s.blocks_in_use_windowed,
-               (unsigned long long)s.host_cache_max_bytes, (unsigned long long)s.host_cache_bytes,
-               (unsigned long long)s.host_cache_blocks, (unsigned long long)s.host_cached_prompt_tokens,
-               (unsigned long long)s.host_cache_stored, (unsigned long long)s.host_cache_dropped,
-               (unsigned long long)s.host_cache_corrupt, (unsigned long long)s.host_cache_declined,
-               (unsigned long long)s.disk_cache_max_bytes, (unsigned long long)s.disk_cache_bytes,
-               (unsigned long long)s.disk_cache_blocks, (unsigned long long)s.disk_cached_prompt_tokens,
-               (unsigned long long)s.disk_cache_written, (unsigned long long)s.disk_cache_pending,
-               (unsigned long long)s.disk_cache_dropped_writes, (unsigned long long)s.disk_cache_corrupt,
-               (unsigned long long)s.disk_cache_ignored, (unsigned long long)s.disk_cache_declined,
-               (unsigned long long)s.auth_clients_admitted, (unsigned long long)s.auth_clients_refused,
-               (unsigned long long)s.auth_workers_refused, (unsigned long long)s.auth_handshakes_failed,
-               s.auth_client_keys, (unsigned long long)s.evictions,
-               (unsigned long long)s.preemptions, (unsigned long long)s.bad_messages);
-        for (uint32_t i = 0; i < s.n_workers; i++) {
-            const struct kvd_worker_stats *w = &s.workers[i];
-            printf("%s{\"id\":%u,\"pid\":%d,\"alive\":%s,\"running\":%u,\"tokens\":%llu,"
-                   "\"restarts\":%u}",
-                   i ? "," : "", w->id, w->pid, w->alive ? "true" : "false", w->running,
-                   (unsigned long long)w->tokens, w->restarts);
-        }
-        printf("]}\n");
+        print_stats_json(&s);
+        kvd_stats_free(&s);
         return 0;
     }
     char bytes[32];

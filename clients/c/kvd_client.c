@@ -1136,116 +1136,52 @@ static void take_hist(const Kvd__Histogram *h, struct kvd_histogram *out)
     out->sum = h->sum;
 }
 
+/* One field of a table in kvd_stats_fields.h from the reply's: numbers as
+ * they are, strings cut to the C field (a missing one is ""). */
+#define TAKE_U64(dst, src) (dst) = (src);
+#define TAKE_U32(dst, src) (dst) = (src);
+#define TAKE_I32(dst, src) (dst) = (src);
+#define TAKE_BOOL(dst, src) (dst) = (src);
+#define TAKE_STR48(dst, src) snprintf((dst), sizeof(dst), "%s", (src) ? (src) : "");
+#define TAKE_STR64 TAKE_STR48
+#define TAKE_STR128 TAKE_STR48
+#define TAKE_FIELD(name, type, prom_type, prom_name, help) TAKE_##type(o->name, m->name)
+
+/* Copies a reply's rows (n of them, ptrs) into a malloc'd array of *out_n
+ * structs (NULL when none or out of memory), each field by its table. */
+#define TAKE_ROWS(ptrs, n, out, out_n, FIELDS)                          \
+    do {                                                                \
+        (out) = (n) ? calloc((n), sizeof(*(out))) : NULL;               \
+        for (size_t i_ = 0; i_ < (n) && (out) != NULL; i_++) {          \
+            const __typeof__(*(ptrs)[0]) *m = (ptrs)[i_];               \
+            __typeof__(*(out)) *o = &(out)[(out_n)++];                  \
+            FIELDS(TAKE_FIELD)                                          \
+        }                                                               \
+    } while (0)
+
+/* Stats from the daemon's reply; out was zeroed. */
 static void take_stats(const Kvd__Stats *s, struct kvd_stats *out)
 {
-    out->requests_running = s->requests_running;
-    out->requests_queued = s->requests_queued;
-    out->requests_done = s->requests_done;
-    out->requests_failed = s->requests_failed;
-    out->prompt_tokens = s->prompt_tokens;
-    out->cached_prompt_tokens = s->cached_prompt_tokens;
-    out->completion_tokens = s->completion_tokens;
-    out->blocks_total = s->blocks_total;
-    out->blocks_free = s->blocks_free;
-    out->blocks_cached = s->blocks_cached;
-    out->blocks_in_use = s->blocks_in_use;
-    out->blocks_pending = s->blocks_pending;
-    out->block_tokens = s->block_tokens;
-    out->block_bytes = s->block_bytes;
-    out->kv_bytes_per_token = s->kv_bytes_per_token;
-    out->kv_parts = s->has_kv_parts ? s->kv_parts : 1;
-    out->kv_part_layers = s->kv_part_layers;
-    out->kv_window = s->kv_window;
-    out->blocks_in_use_windowed = s->blocks_in_use_windowed;
-    out->host_cache_max_bytes = s->host_cache_max_bytes;
-    out->host_cache_bytes = s->host_cache_bytes;
-    out->host_cache_blocks = s->host_cache_blocks;
-    out->host_cached_prompt_tokens = s->host_cached_prompt_tokens;
-    out->host_cache_stored = s->host_cache_stored;
-    out->host_cache_dropped = s->host_cache_dropped;
-    out->host_cache_corrupt = s->host_cache_corrupt;
-    out->host_cache_declined = s->host_cache_declined;
-    out->disk_cache_max_bytes = s->disk_cache_max_bytes;
-    out->disk_cache_bytes = s->disk_cache_bytes;
-    out->disk_cache_blocks = s->disk_cache_blocks;
-    out->disk_cached_prompt_tokens = s->disk_cached_prompt_tokens;
-    out->disk_cache_written = s->disk_cache_written;
-    out->disk_cache_pending = s->disk_cache_pending;
-    out->disk_cache_dropped_writes = s->disk_cache_dropped_writes;
-    out->disk_cache_corrupt = s->disk_cache_corrupt;
-    out->disk_cache_ignored = s->disk_cache_ignored;
-    out->disk_cache_declined = s->disk_cache_declined;
-    out->auth_clients_admitted = s->auth_clients_admitted;
-    out->auth_clients_refused = s->auth_clients_refused;
-    out->auth_workers_refused = s->auth_workers_refused;
-    out->auth_handshakes_failed = s->auth_handshakes_failed;
-    out->auth_client_keys = s->auth_client_keys;
+    {
+        const Kvd__Stats *m = s;
+        struct kvd_stats *o = out;
+        KVD_STATS_FIELDS(TAKE_FIELD)
+    }
+    if (!s->has_kv_parts)
+        out->kv_parts = 1;  /* a kvd before windowed parts */
     /* a description from the server: letters, digits, '_', ',', '+' and spaces only */
     size_t n = 0;
-    for (const char *p = s->kv_type; p != NULL && *p != '\0' && n + 1 < sizeof(out->kv_type); p++)
+    for (const char *p = out->kv_type; *p != '\0'; p++)
         if (isalnum((unsigned char)*p) || *p == '_' || *p == ',' || *p == '+' || *p == ' ')
             out->kv_type[n++] = *p;
     out->kv_type[n] = '\0';
-    out->evictions = s->evictions;
-    out->preemptions = s->preemptions;
-    out->bad_messages = s->bad_messages;
     take_hist(s->ttft_seconds, &out->ttft);
     take_hist(s->e2e_seconds, &out->e2e);
     take_hist(s->queue_seconds, &out->queue);
     take_hist(s->itl_seconds, &out->itl);
-    out->finished_stop = s->finished_stop;
-    out->finished_length = s->finished_length;
-    out->finished_abort = s->finished_abort;
-    size_t cap = sizeof(out->workers) / sizeof(out->workers[0]);
-    for (size_t i = 0; i < s->n_workers && out->n_workers < cap; i++) {
-        const Kvd__WorkerStats *w = s->workers[i];
-        struct kvd_worker_stats *o = &out->workers[out->n_workers++];
-        o->id = w->id;
-        o->pid = w->pid;
-        o->alive = w->alive;
-        o->running = w->running;
-        o->tokens = w->tokens;
-        o->restarts = w->restarts;
-        snprintf(o->host, sizeof(o->host), "%s", w->host ? w->host : "");
-    }
-    cap = sizeof(out->hosts) / sizeof(out->hosts[0]);
-    for (size_t i = 0; i < s->n_hosts && out->n_hosts < cap; i++) {
-        const Kvd__HostStats *h = s->hosts[i];
-        struct kvd_host_stats *o = &out->hosts[out->n_hosts++];
-        snprintf(o->name, sizeof(o->name), "%s", h->name ? h->name : "");
-        o->workers = h->workers;
-        o->blocks_total = h->blocks_total;
-        o->blocks_free = h->blocks_free;
-        o->blocks_cached = h->blocks_cached;
-        o->blocks_in_use = h->blocks_in_use;
-        o->blocks_fenced = h->blocks_fenced;
-        o->requests = h->requests;
-        o->prompt_tokens = h->prompt_tokens;
-        o->cached_prompt_tokens = h->cached_prompt_tokens;
-    }
-    out->hosts_lost = s->hosts_lost;
-    out->blocks_fenced_total = s->blocks_fenced_total;
-    out->tenants = s->n_tenants ? calloc(s->n_tenants, sizeof(*out->tenants)) : NULL;
-    for (size_t i = 0; i < s->n_tenants && out->tenants != NULL; i++) {
-        const Kvd__TenantStats *t = s->tenants[i];
-        struct kvd_tenant_stats *o = &out->tenants[out->n_tenants++];
-        snprintf(o->name, sizeof(o->name), "%s", t->name ? t->name : "");
-        o->requests = t->requests;
-        o->prompt_tokens = t->prompt_tokens;
-        o->cached_prompt_tokens = t->cached_prompt_tokens;
-        o->queued = t->queued;
-        o->running = t->running;
-        o->blocks_held = t->blocks_held;
-        o->refused = t->refused;
-        o->cache_creation_tokens = t->cache_creation_tokens;
-        o->pins = t->pins;
-        o->pinned_blocks = t->pinned_blocks;
-    }
-    out->cache_creation_tokens = s->cache_creation_tokens;
-    out->pins = s->pins;
-    out->pinned_blocks = s->pinned_blocks;
-    out->pins_expired = s->pins_expired;
-    out->pins_refused = s->pins_refused;
+    TAKE_ROWS(s->workers, s->n_workers, out->workers, out->n_workers, KVD_WORKER_STATS_FIELDS);
+    TAKE_ROWS(s->hosts, s->n_hosts, out->hosts, out->n_hosts, KVD_HOST_STATS_FIELDS);
+    TAKE_ROWS(s->tenants, s->n_tenants, out->tenants, out->n_tenants, KVD_TENANT_STATS_FIELDS);
 }
 
 int kvd_stats(kvd_client_t *c, struct kvd_stats *out)
@@ -1277,9 +1213,13 @@ void kvd_stats_free(struct kvd_stats *s)
 {
     if (s == NULL)
         return;
+    free(s->workers);
     free(s->tenants);
+    free(s->hosts);
+    s->workers = NULL;
     s->tenants = NULL;
-    s->n_tenants = 0;
+    s->hosts = NULL;
+    s->n_workers = s->n_tenants = s->n_hosts = 0;
 }
 
 void kvd_pool_view_free(struct kvd_pool_view *v)
@@ -1663,22 +1603,55 @@ static void histogram(struct text *t, const char *name, const char *help, const 
             h->sum, name, (unsigned long long)cum);
 }
 
+/* A label's value as the text format wants it (\\, \", \n escaped). */
+static void prom_label(char *out, size_t cap, const char *key, const char *v)
+{
+    size_t o = (size_t)snprintf(out, cap, "%s=\"", key);
+    for (const char *c = v; *c && o + 4 < cap; c++) {
+        if (*c == '\\' || *c == '"' || *c == '\n')
+            out[o++] = '\\';
+        out[o++] = *c == '\n' ? 'n' : *c;
+    }
+    out[o++] = '"';
+    out[o] = '\0';
+}
+
+/* Row labels: worker="id", host="name", tenant="name". */
+typedef char prom_label_t[2 * 128 + 16];
+
+/* A figure of a table with a Prometheus name: a metric of its own. */
+#define PROM_NONE(name, help, v)
+#define PROM_GAUGE(name, help, v) metric(&t, name, "gauge", help, (double)(v));
+#define PROM_COUNTER(name, help, v) metric(&t, name, "counter", help, (double)(v));
+#define PROM_FIELD(name, type, prom_type, prom_name, help) PROM_##prom_type(prom_name, help, st->name)
+
+/* A figure of a row table with a Prometheus name: a family with one sample
+ * per row (rows: the array, n of them, labels: theirs). */
+#define PROM_ROWS(ptype, pname, help, rows, n, labels, field)                                    \
+    do {                                                                                       \
+        tprintf(&t, "# HELP %s %s\n# TYPE %s %s\n", pname, help, pname, ptype);                 \
+        for (uint32_t i_ = 0; i_ < (n) && (labels) != NULL; i_++)                              \
+            tprintf(&t, "%s{%s} %llu\n", pname, (labels)[i_], (unsigned long long)(rows)[i_].field); \
+    } while (0);
+#define PROM_ROWS_NONE(pname, help, rows, n, labels, field)
+#define PROM_ROWS_GAUGE(...) PROM_ROWS("gauge", __VA_ARGS__)
+#define PROM_ROWS_COUNTER(...) PROM_ROWS("counter", __VA_ARGS__)
+#define PROM_WORKER(name, type, prom_type, prom_name, help) \
+    PROM_ROWS_##prom_type(prom_name, help, st->workers, st->n_workers, wl, name)
+#define PROM_HOST(name, type, prom_type, prom_name, help) \
+    PROM_ROWS_##prom_type(prom_name, help, st->hosts, st->n_hosts, hl, name)
+#define PROM_TENANT(name, type, prom_type, prom_name, help) \
+    PROM_ROWS_##prom_type(prom_name, help, st->tenants, st->n_tenants, tl, name)
+
 char *kvd_stats_prometheus(const struct kvd_stats *st)
 {
     struct text t = { 0 };
+    KVD_STATS_FIELDS(PROM_FIELD)
+    /* what vLLM's names make of the figures */
     const double used = st->blocks_total ? (double)(st->blocks_in_use + st->blocks_pending) / st->blocks_total : 0;
-    metric(&t, "vllm:num_requests_running", "gauge", "Requests being computed.", (double)st->requests_running);
-    metric(&t, "vllm:num_requests_waiting", "gauge", "Requests waiting for a worker.",
-           (double)st->requests_queued);
     metric(&t, "vllm:kv_cache_usage_perc", "gauge", "Share of KV blocks held by requests (0..1).", used);
     metric(&t, "vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
            (double)st->prompt_tokens);
-    metric(&t, "vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
-           (double)st->cached_prompt_tokens);
-    metric(&t, "vllm:num_preemptions_total", "counter", "Requests preempted for KV memory.",
-           (double)st->preemptions);
-    metric(&t, "vllm:prompt_tokens_total", "counter", "Prompt tokens.", (double)st->prompt_tokens);
-    metric(&t, "vllm:generation_tokens_total", "counter", "Generated tokens.", (double)st->completion_tokens);
     tprintf(&t, "# HELP vllm:cache_config_info The KV cache's configuration.\n"
                 "# TYPE vllm:cache_config_info gauge\n"
                 "vllm:cache_config_info{block_size=\"%u\",num_gpu_blocks=\"%u\",cache_dtype=\"%s\"} 1\n",
@@ -1695,93 +1668,28 @@ char *kvd_stats_prometheus(const struct kvd_stats *st)
     histogram(&t, "vllm:request_queue_time_seconds", "Arrival to dispatch.", &st->queue);
     histogram(&t, "vllm:inter_token_latency_seconds", "Between tokens (a request's mean gap, per gap).",
               &st->itl);
-    metric(&t, "kvd_requests_done_total", "counter", "Requests finished.", (double)st->requests_done);
-    metric(&t, "kvd_requests_failed_total", "counter", "Requests failed.", (double)st->requests_failed);
-    metric(&t, "kvd_blocks_total", "gauge", "KV blocks in the pool.", st->blocks_total);
-    metric(&t, "kvd_blocks_free", "gauge", "KV blocks free.", st->blocks_free);
-    metric(&t, "kvd_blocks_cached", "gauge", "KV blocks holding cached prefixes, held by nobody.",
-           st->blocks_cached);
-    metric(&t, "kvd_blocks_in_use", "gauge", "KV blocks held by requests.", st->blocks_in_use);
-    metric(&t, "kvd_blocks_pending", "gauge", "KV blocks being written.", st->blocks_pending);
-    metric(&t, "kvd_evictions_total", "counter", "Cached blocks evicted.", (double)st->evictions);
-    metric(&t, "kvd_bad_messages_total", "counter", "Malformed messages refused.", (double)st->bad_messages);
-    metric(&t, "kvd_cache_creation_tokens_total", "counter", "Prompt tokens computed and written to the cache.",
-           (double)st->cache_creation_tokens);
-    metric(&t, "kvd_pins", "gauge", "Pinned prefixes.", (double)st->pins);
-    metric(&t, "kvd_pinned_blocks", "gauge", "KV blocks pinned prefixes hold.", (double)st->pinned_blocks);
-    metric(&t, "kvd_pins_expired_total", "counter", "Pins that reached their TTL.", (double)st->pins_expired);
-    metric(&t, "kvd_pins_refused_total", "counter", "Pins refused or not taken.", (double)st->pins_refused);
-    metric(&t, "kvd_kv_bytes_per_token", "gauge", "K and V bytes of one token, all layers.",
-           (double)st->kv_bytes_per_token);
-    tprintf(&t, "# HELP kvd_worker_running Requests running on a worker.\n# TYPE kvd_worker_running gauge\n");
-    for (uint32_t i = 0; i < st->n_workers; i++)
-        tprintf(&t, "kvd_worker_running{worker=\"%u\"} %u\n", st->workers[i].id, st->workers[i].running);
-    tprintf(&t, "# HELP kvd_worker_restarts_total Restarts of a worker.\n"
-                "# TYPE kvd_worker_restarts_total counter\n");
-    for (uint32_t i = 0; i < st->n_workers; i++)
-        tprintf(&t, "kvd_worker_restarts_total{worker=\"%u\"} %u\n", st->workers[i].id, st->workers[i].restarts);
-    metric(&t, "kvd_auth_clients_admitted_total", "counter", "Client connections admitted by CURVE key.",
-           (double)st->auth_clients_admitted);
-    metric(&t, "kvd_auth_clients_refused_total", "counter", "Client connections refused: a key not allowed.",
-           (double)st->auth_clients_refused);
-    metric(&t, "kvd_auth_workers_refused_total", "counter", "Worker connections refused: a key not allowed.",
-           (double)st->auth_workers_refused);
-    metric(&t, "kvd_auth_handshakes_failed_total", "counter",
-           "Handshakes failed before a key was checked (plain text, a wrong server key).",
-           (double)st->auth_handshakes_failed);
-    /* per host of other hosts' pools (names are printable ASCII without quotes or backslashes) */
-    static const struct {
-        const char *name, *type, *help;
-    } hm[] = {
-        { "kvd_host_workers", "gauge", "Workers alive on a host (\"\": kvd's own pool)." },
-        { "kvd_host_blocks_free", "gauge", "Free KV blocks of a host's pool." },
-        { "kvd_host_blocks_cached", "gauge", "Cached KV blocks of a host's pool." },
-        { "kvd_host_requests_total", "counter", "Requests dispatched to a host." },
-        { "kvd_host_prompt_tokens_total", "counter", "Prompt tokens of the requests dispatched to a host." },
-        { "kvd_host_cached_prompt_tokens_total", "counter", "Of them, found in the host's pool." },
-    };
-    for (size_t m = 0; m < sizeof(hm) / sizeof(hm[0]) && st->n_hosts > 1; m++) {
-        tprintf(&t, "# HELP %s %s\n# TYPE %s %s\n", hm[m].name, hm[m].help, hm[m].name, hm[m].type);
-        for (uint32_t i = 0; i < st->n_hosts; i++) {
-            const struct kvd_host_stats *hs = &st->hosts[i];
-            const uint64_t v[] = { hs->workers, hs->blocks_free, hs->blocks_cached, hs->requests,
-                                   hs->prompt_tokens, hs->cached_prompt_tokens };
-            tprintf(&t, "%s{host=\"%s\"} %llu\n", hm[m].name, hs->name, (unsigned long long)v[m]);
-        }
+    /* the rows: per worker, per host when there are other hosts' pools, per tenant */
+    prom_label_t *wl = calloc(st->n_workers ? st->n_workers : 1, sizeof(*wl));
+    prom_label_t *hl = calloc(st->n_hosts ? st->n_hosts : 1, sizeof(*hl));
+    prom_label_t *tl = calloc(st->n_tenants ? st->n_tenants : 1, sizeof(*tl));
+    if (wl == NULL || hl == NULL || tl == NULL)
+        t.failed = true;
+    for (uint32_t i = 0; wl != NULL && i < st->n_workers; i++)
+        snprintf(wl[i], sizeof(wl[i]), "worker=\"%u\"", st->workers[i].id);
+    for (uint32_t i = 0; hl != NULL && i < st->n_hosts; i++)
+        prom_label(hl[i], sizeof(hl[i]), "host", st->hosts[i].name);
+    for (uint32_t i = 0; tl != NULL && i < st->n_tenants; i++)
+        prom_label(tl[i], sizeof(tl[i]), "tenant", st->tenants[i].name);
+    KVD_WORKER_STATS_FIELDS(PROM_WORKER)
+    if (st->n_hosts > 1) {
+        KVD_HOST_STATS_FIELDS(PROM_HOST)
     }
-    /* per tenant, the label escaped as the text format wants (\\, \", \n) */
-    static const struct {
-        const char *name, *type, *help;
-    } tm[] = {
-        { "kvd_tenant_requests_total", "counter", "A tenant's generate requests." },
-        { "kvd_tenant_prompt_tokens_total", "counter", "A tenant's prompt tokens." },
-        { "kvd_tenant_cached_prompt_tokens_total", "counter", "A tenant's prompt tokens found in the cache." },
-        { "kvd_tenant_requests_waiting", "gauge", "A tenant's requests waiting." },
-        { "kvd_tenant_requests_running", "gauge", "A tenant's requests running." },
-        { "kvd_tenant_blocks", "gauge", "KV blocks a tenant holds (in use, pending and cached)." },
-        { "kvd_tenant_refused_total", "counter", "A tenant's requests refused: its queue was full." },
-        { "kvd_tenant_cache_creation_tokens_total", "counter", "A tenant's prompt tokens written to the cache." },
-        { "kvd_tenant_pins", "gauge", "A tenant's pinned prefixes." },
-        { "kvd_tenant_pinned_blocks", "gauge", "KV blocks a tenant's pins hold." },
-    };
-    for (size_t m = 0; m < sizeof(tm) / sizeof(tm[0]) && st->n_tenants > 0; m++) {
-        tprintf(&t, "# HELP %s %s\n# TYPE %s %s\n", tm[m].name, tm[m].help, tm[m].name, tm[m].type);
-        for (uint32_t i = 0; i < st->n_tenants; i++) {
-            const struct kvd_tenant_stats *ts = &st->tenants[i];
-            char label[2 * sizeof(ts->name) + 1];
-            size_t o = 0;
-            for (const char *c = ts->name; *c && o + 2 < sizeof(label); c++) {
-                if (*c == '\\' || *c == '"' || *c == '\n')
-                    label[o++] = '\\';
-                label[o++] = *c == '\n' ? 'n' : *c;
-            }
-            label[o] = '\0';
-            const uint64_t v[] = { ts->requests, ts->prompt_tokens, ts->cached_prompt_tokens, ts->queued,
-                                   ts->running, ts->blocks_held, ts->refused, ts->cache_creation_tokens,
-                                   ts->pins, ts->pinned_blocks };
-            tprintf(&t, "%s{tenant=\"%s\"} %llu\n", tm[m].name, label, (unsigned long long)v[m]);
-        }
+    if (st->n_tenants > 0) {
+        KVD_TENANT_STATS_FIELDS(PROM_TENANT)
     }
+    free(wl);
+    free(hl);
+    free(tl);
     if (t.failed) {
         free(t.s);
         return NULL;

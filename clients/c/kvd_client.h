@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #include "err.h"
+#include "kvd_stats_fields.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -262,36 +263,31 @@ int kvd_generate_chunks(kvd_client_t *c, const struct kvd_gen_params *p, kvd_chu
  * KVD_ENOTFOUND when the daemon does not know it, or a transport error. */
 int kvd_cancel(kvd_client_t *c, uint64_t request_id);
 
+/* The statistics' fields are declared once, in kvd_stats_fields.h: each
+ * struct below holds one field per line of its table, in the table's order,
+ * named as in kvd.proto. */
+
+/* A worker process (KVD_WORKER_STATS_FIELDS). */
 struct kvd_worker_stats {
-    uint32_t id;
-    int32_t pid;
-    bool alive;
-    uint32_t running;
-    uint64_t tokens;
-    uint32_t restarts;
-    char host[64];                  /* the host whose pool it computes into ("" for kvd's own) */
+#define KVD_X(name, type, prom_type, prom_name, help) KVD_STATS_DECL(type, name)
+    KVD_WORKER_STATS_FIELDS(KVD_X)
+#undef KVD_X
 };
 
-/* A pool kvd dispatches to: its own (name ""), or another host's (kvd-worker --host NAME). */
+/* A pool kvd dispatches to: its own (name ""), or another host's (kvd-worker
+ * --host NAME) (KVD_HOST_STATS_FIELDS). */
 struct kvd_host_stats {
-    char name[64];
-    uint32_t workers;               /* alive there */
-    uint32_t blocks_total, blocks_free, blocks_cached, blocks_in_use;
-    uint32_t blocks_fenced;         /* held after a worker there was lost, until it surely stopped */
-    uint64_t requests;              /* dispatched to it (a resumed one again) */
-    uint64_t prompt_tokens, cached_prompt_tokens;
+#define KVD_X(name, type, prom_type, prom_name, help) KVD_STATS_DECL(type, name)
+    KVD_HOST_STATS_FIELDS(KVD_X)
+#undef KVD_X
 };
 
 /* One tenant (kvd's per-tenant statistics): a CURVE client's key name or an
- * HTTP API key's tenant. */
+ * HTTP API key's tenant (KVD_TENANT_STATS_FIELDS). */
 struct kvd_tenant_stats {
-    char name[128];
-    uint64_t requests, prompt_tokens, cached_prompt_tokens;
-    uint32_t queued, running;       /* requests waiting, on a worker now */
-    uint64_t blocks_held;           /* KV blocks it holds now: in use, pending and cached */
-    uint64_t refused;               /* refused: its queue was full (--tenant-max-queue) */
-    uint64_t cache_creation_tokens; /* prompt tokens its requests wrote to the cache */
-    uint32_t pins, pinned_blocks;   /* its pinned prefixes now, and the blocks they hold */
+#define KVD_X(name, type, prom_type, prom_name, help) KVD_STATS_DECL(type, name)
+    KVD_TENANT_STATS_FIELDS(KVD_X)
+#undef KVD_X
 };
 
 #define KVD_HIST_MAX 32
@@ -302,65 +298,31 @@ struct kvd_histogram {
     double sum;
 };
 
+/* kvd's statistics: the scalar fields of KVD_STATS_FIELDS (requests_done,
+ * blocks_free, host_cache_declined, ...), then the rows and the latencies.
+ * The rows are malloc'd (kvd_stats_free), NULL when there are none. */
 struct kvd_stats {
-    uint64_t requests_running, requests_queued, requests_done, requests_failed;
-    uint64_t prompt_tokens, cached_prompt_tokens, completion_tokens;
-    uint32_t blocks_total, blocks_free, blocks_cached, blocks_in_use, blocks_pending;
-    uint32_t block_tokens;
-    uint64_t block_bytes;
-    uint64_t kv_bytes_per_token;    /* K and V of one token, all layers */
-    uint32_t kv_parts;              /* block tables per sequence: 1, or the parts of a model with
-                                     * sliding-window layers (a block holds one part's layers) */
-    uint32_t kv_part_layers;        /* layers a block holds */
-    uint32_t kv_window;             /* the windowed parts' window in positions; 0: none */
-    uint32_t blocks_in_use_windowed;/* blocks of windowed parts that running sequences hold */
-    /* the host tier (kvd --host-cache): its budget (0: none), what it holds,
-     * prompt tokens copied back from it (part of cached_prompt_tokens), blocks
-     * stored, dropped for room, failing their checksum, and left to compute
-     * because restoring measured slower */
-    uint64_t host_cache_max_bytes, host_cache_bytes, host_cache_blocks, host_cached_prompt_tokens;
-    uint64_t host_cache_stored, host_cache_dropped, host_cache_corrupt, host_cache_declined;
-    /* the disk tier (kvd --cache-dir): its budget (0: none), its files, prompt
-     * tokens read back from it, files written, writes queued and dropped, files
-     * that failed a check, files of another model or layout found at start, and
-     * blocks left to compute because reading measured slower */
-    uint64_t disk_cache_max_bytes, disk_cache_bytes, disk_cache_blocks, disk_cached_prompt_tokens;
-    uint64_t disk_cache_written, disk_cache_pending, disk_cache_dropped_writes, disk_cache_corrupt;
-    uint64_t disk_cache_ignored, disk_cache_declined;
-    /* authentication (kvd --curve-secret): client connections admitted and
-     * refused by key, worker connections refused, handshakes that failed
-     * before a key was checked, and the client keys allowed now */
-    uint64_t auth_clients_admitted, auth_clients_refused, auth_workers_refused, auth_handshakes_failed;
-    uint32_t auth_client_keys;
-    char kv_type[48];               /* the pool's types: "K q8_0, V q4_0, rotated V" */
-    uint64_t evictions, preemptions, bad_messages;
-    struct kvd_worker_stats workers[64];
-    uint32_t n_workers;             /* entries of workers used */
+#define KVD_X(name, type, prom_type, prom_name, help) KVD_STATS_DECL(type, name)
+    KVD_STATS_FIELDS(KVD_X)
+#undef KVD_X
+    struct kvd_worker_stats *workers;   /* n_workers, in kvd's order */
+    uint32_t n_workers;
     struct kvd_tenant_stats *tenants;   /* n_tenants rows, every tenant kvd has an entry for (a
-                                         * tenant's client: its own); malloc'd, NULL when none
-                                         * (kvd_stats_free) */
+                                         * tenant's client: its own) */
     uint32_t n_tenants;
+    struct kvd_host_stats *hosts;       /* n_hosts: kvd's own pool first, then other hosts' */
+    uint32_t n_hosts;
     /* latencies of finished requests, seconds: time to first token, end to end,
      * queued, and between tokens (each request's mean gap, once per gap) */
     struct kvd_histogram ttft, e2e, queue, itl;
-    uint64_t finished_stop, finished_length, finished_abort;   /* by finish reason */
-    struct kvd_host_stats hosts[32];    /* kvd's own pool first, then other hosts' */
-    uint32_t n_hosts;
-    uint64_t hosts_lost;            /* other hosts' pools dropped: their last worker was lost */
-    uint64_t blocks_fenced_total;   /* blocks held back after other hosts' workers were lost */
-    uint64_t cache_creation_tokens; /* prompt tokens written to the cache (usage's, summed) */
-    uint32_t pins, pinned_blocks;   /* pinned prefixes now (a tenant's client: its own) and their blocks */
-    uint64_t pins_expired;          /* pins that reached their TTL */
-    uint64_t pins_refused;          /* pins refused (TTL, count, block quota) or not taken (their
-                                     * prefix not all cached when their request ended) */
 };
 
 /* kvd's statistics into *out; free what it holds with kvd_stats_free. 0, or
  * a transport error or kvd's (out then holds nothing to free). */
 int kvd_stats(kvd_client_t *c, struct kvd_stats *out);
 
-/* Frees what a kvd_stats filled holds (the tenant rows) and sets it to
- * none; accepts NULL. */
+/* Frees what a kvd_stats filled holds (the worker, tenant and host rows)
+ * and sets them to none; accepts NULL. */
 void kvd_stats_free(struct kvd_stats *s);
 
 /* The pools as a picture (kvd --http's page): each host's blocks by state

@@ -151,7 +151,11 @@ static void test_stats_health(void)
     CHECK_HAS("\"requests_done\":40,");
     CHECK_HAS("\"cached_prompt_tokens\":250,");
     CHECK_HAS("\"workers\":[{\"id\":0,\"pid\":1000,\"alive\":true,\"running\":3,"
-              "\"tokens\":5000,\"restarts\":0},{\"id\":1,");
+              "\"tokens\":5000,\"restarts\":0,\"host\":\"\"},{\"id\":1,");
+    /* every figure of kvd_stats_fields.h, by its name */
+    CHECK_HAS("\"host_cache_declined\":0,");
+    CHECK_HAS("\"pins_refused\":0,");
+    CHECK_HAS(",\"tenants\":[],\"hosts\":[]}\n");
 
     CHECK_INT(RUN("health"), 0);
     CHECK_OUT("ok (2 workers alive)\n");

@@ -50,6 +50,27 @@ def test_messages_come_from_the_proto() -> None:
     assert kvd_pb2.DESCRIPTOR.name == "kvd_client/kvd.proto"
 
 
+def test_stats_come_from_the_proto() -> None:
+    """Stats and its rows carry every field of kvd.proto's, copied by name."""
+    from kvd_client import _wire
+    assert _wire.stats_fields_missing() == {
+        "Stats": set(), "WorkerStats": set(), "HostStats": set(), "TenantStats": set()}
+    m = kvd_pb2.Stats(requests_done=3, host_cache_declined=7, block_hashes=[1, 2], kv_type="K f16",
+                      finished_abort=2)
+    m.workers.add(id=1, pid=5, alive=True, host="h")
+    m.hosts.add(name="x", workers=2)
+    m.tenants.add(name="t", pins=3)
+    s = _wire.to_stats(m)
+    assert (s.requests_done, s.host_cache_declined, s.block_hashes, s.kv_type) == (3, 7, [1, 2], "K f16")
+    assert s.finished_abort == 2 and s.kv_parts == 1 and s.hit_rate == 0.0
+    assert s.workers == [kvd_client.WorkerStats(id=1, pid=5, alive=True, running=0, tokens=0, restarts=0,
+                                                host="h")]
+    assert s.hosts[0].name == "x" and s.hosts[0].workers == 2
+    assert s.tenants[0].name == "t" and s.tenants[0].pins == 3
+    m.kv_parts = 3
+    assert _wire.to_stats(m).kv_parts == 3
+
+
 def test_default_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVD_ENDPOINT", "tcp://127.0.0.1:5555")
     assert kvd_client.default_endpoint() == "tcp://127.0.0.1:5555"

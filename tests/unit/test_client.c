@@ -478,6 +478,18 @@ static void test_stats_health(kvd_client_t *c)
           s.workers[0].running == 3 && s.workers[0].tokens == 5000 && s.workers[0].restarts == 0);
     CHECK(s.workers[1].id == 1 && s.workers[1].pid == 1001 && !s.workers[1].alive &&
           s.workers[1].running == 2 && s.workers[1].tokens == 5001 && s.workers[1].restarts == 1);
+    /* the Prometheus text: a figure of its own, the rows, vLLM's derived names */
+    char *prom = kvd_stats_prometheus(&s);
+    CHECK(prom != NULL);
+    CHECK(prom != NULL && strstr(prom, "# HELP kvd_requests_done_total Requests finished.\n"
+                                       "# TYPE kvd_requests_done_total counter\nkvd_requests_done_total 40\n"));
+    CHECK(prom != NULL && strstr(prom, "\nkvd_worker_running{worker=\"1\"} 2\n"));
+    CHECK(prom != NULL && strstr(prom, "\nkvd_worker_restarts_total{worker=\"1\"} 1\n"));
+    CHECK(prom != NULL && strstr(prom, "\nvllm:prefix_cache_queries_total 1000\n"));
+    CHECK(prom != NULL && strstr(prom, "\nvllm:kv_cache_usage_perc 0.296875\n"));
+    free(prom);
+    kvd_stats_free(&s);
+    CHECK(s.workers == NULL && s.n_workers == 0 && s.tenants == NULL && s.hosts == NULL);
 
     bool ok = false;
     uint32_t alive = 0;
@@ -492,8 +504,46 @@ static void test_stats_health(kvd_client_t *c)
     CHECK_INT(kvd_health(c, NULL, NULL), 0);
 }
 
+/* Every scalar field of a message of kvd.proto is a line of its table in
+ * kvd_stats_fields.h, and every line names a field: a figure added to the
+ * .proto alone fails here (the rows, latencies and hashes are not scalars). */
+static void check_table(const ProtobufCMessageDescriptor *d, const char *const *names, size_t n)
+{
+    size_t scalars = 0;
+    for (unsigned i = 0; i < d->n_fields; i++) {
+        const ProtobufCFieldDescriptor *f = &d->fields[i];
+        if (f->type == PROTOBUF_C_TYPE_MESSAGE || f->label == PROTOBUF_C_LABEL_REPEATED)
+            continue;
+        scalars++;
+        bool found = false;
+        for (size_t j = 0; j < n && !found; j++)
+            found = strcmp(names[j], f->name) == 0;
+        if (!found)
+            fprintf(stderr, "%s.%s has no line in kvd_stats_fields.h\n", d->name, f->name);
+        CHECK(found);
+    }
+    for (size_t j = 0; j < n; j++)
+        CHECK(protobuf_c_message_descriptor_get_field_by_name(d, names[j]) != NULL);
+    CHECK_INT(n, scalars);
+}
+
+#define FIELD_NAME(name, type, prom_type, prom_name, help) #name,
+
+static void test_stats_table(void)
+{
+    static const char *const stats[] = { KVD_STATS_FIELDS(FIELD_NAME) };
+    static const char *const workers[] = { KVD_WORKER_STATS_FIELDS(FIELD_NAME) };
+    static const char *const hosts[] = { KVD_HOST_STATS_FIELDS(FIELD_NAME) };
+    static const char *const tenants[] = { KVD_TENANT_STATS_FIELDS(FIELD_NAME) };
+    check_table(&kvd__stats__descriptor, stats, sizeof(stats) / sizeof(stats[0]));
+    check_table(&kvd__worker_stats__descriptor, workers, sizeof(workers) / sizeof(workers[0]));
+    check_table(&kvd__host_stats__descriptor, hosts, sizeof(hosts) / sizeof(hosts[0]));
+    check_table(&kvd__tenant_stats__descriptor, tenants, sizeof(tenants) / sizeof(tenants[0]));
+}
+
 int main(void)
 {
+    test_stats_table();
     test_default_endpoint();
     test_bad_endpoints();
     test_no_daemon();

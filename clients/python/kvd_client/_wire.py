@@ -17,9 +17,10 @@ import math
 import os
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Union
+from typing import Any, Protocol, Union
 
 from . import errors, kvd_pb2
 from .results import (
@@ -533,90 +534,49 @@ def expect(r: kvd_pb2.ServerReply, body: str, request_id: int) -> kvd_pb2.Server
     return r
 
 
+#: the dataclass of each row message of Stats
+_STATS_ROWS: dict[str, type[Any]] = {
+    "WorkerStats": WorkerStats, "HostStats": HostStats, "TenantStats": TenantStats,
+}
+
+
+def _take(cls: type[Any], m: Any) -> Any:
+    """An instance of the dataclass cls from the message m: each of cls's fields
+    from m's field of the same name (kvd.proto's names are the dataclasses'), a
+    repeated row message as a list of its dataclass, other repeated fields as
+    lists."""
+    fields = m.DESCRIPTOR.fields_by_name
+    kw: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        v = getattr(m, f.name)
+        d = fields[f.name]
+        if d.message_type is not None and d.is_repeated:
+            v = [_take(_STATS_ROWS[d.message_type.name], x) for x in v]
+        elif d.is_repeated:
+            v = list(v)
+        kw[f.name] = v
+    return cls(**kw)
+
+
+def stats_fields_missing() -> dict[str, set[str]]:
+    """The fields of Stats and its rows in kvd.proto that their dataclasses
+    lack, by message (empty sets when they cover the .proto; the latencies and
+    the pool view are not carried)."""
+    skip = {"ttft_seconds", "e2e_seconds", "queue_seconds", "itl_seconds", "pool_view"}
+    out: dict[str, set[str]] = {}
+    for name, cls in (("Stats", Stats), *_STATS_ROWS.items()):
+        have = {f.name for f in dataclasses.fields(cls)}
+        out[name] = set(kvd_pb2.DESCRIPTOR.message_types_by_name[name].fields_by_name) - have - skip
+    return out
+
+
 def to_stats(s: kvd_pb2.Stats) -> Stats:
-    """Stats from a Stats reply."""
-    return Stats(
-        requests_running=s.requests_running,
-        requests_queued=s.requests_queued,
-        requests_done=s.requests_done,
-        requests_failed=s.requests_failed,
-        prompt_tokens=s.prompt_tokens,
-        cached_prompt_tokens=s.cached_prompt_tokens,
-        completion_tokens=s.completion_tokens,
-        blocks_total=s.blocks_total,
-        blocks_free=s.blocks_free,
-        blocks_cached=s.blocks_cached,
-        blocks_in_use=s.blocks_in_use,
-        blocks_pending=s.blocks_pending,
-        block_tokens=s.block_tokens,
-        block_bytes=s.block_bytes,
-        kv_bytes_per_token=s.kv_bytes_per_token,
-        kv_type=s.kv_type,
-        evictions=s.evictions,
-        preemptions=s.preemptions,
-        bad_messages=s.bad_messages,
-        workers=[
-            WorkerStats(
-                id=w.id, pid=w.pid, alive=w.alive, running=w.running, tokens=w.tokens,
-                restarts=w.restarts, host=w.host,
-            )
-            for w in s.workers
-        ],
-        block_hashes=list(s.block_hashes),
-        kv_event_batches=s.kv_event_batches,
-        kv_parts=s.kv_parts if s.HasField("kv_parts") else 1,
-        kv_part_layers=s.kv_part_layers,
-        kv_window=s.kv_window,
-        blocks_in_use_windowed=s.blocks_in_use_windowed,
-        host_cache_max_bytes=s.host_cache_max_bytes,
-        host_cache_bytes=s.host_cache_bytes,
-        host_cache_blocks=s.host_cache_blocks,
-        host_cached_prompt_tokens=s.host_cached_prompt_tokens,
-        host_cache_stored=s.host_cache_stored,
-        host_cache_dropped=s.host_cache_dropped,
-        host_cache_corrupt=s.host_cache_corrupt,
-        host_cache_declined=s.host_cache_declined,
-        disk_cache_max_bytes=s.disk_cache_max_bytes,
-        disk_cache_bytes=s.disk_cache_bytes,
-        disk_cache_blocks=s.disk_cache_blocks,
-        disk_cached_prompt_tokens=s.disk_cached_prompt_tokens,
-        disk_cache_written=s.disk_cache_written,
-        disk_cache_pending=s.disk_cache_pending,
-        disk_cache_dropped_writes=s.disk_cache_dropped_writes,
-        disk_cache_corrupt=s.disk_cache_corrupt,
-        disk_cache_ignored=s.disk_cache_ignored,
-        disk_cache_declined=s.disk_cache_declined,
-        auth_clients_admitted=s.auth_clients_admitted,
-        auth_clients_refused=s.auth_clients_refused,
-        auth_workers_refused=s.auth_workers_refused,
-        auth_handshakes_failed=s.auth_handshakes_failed,
-        auth_client_keys=s.auth_client_keys,
-        tenants=[
-            TenantStats(
-                name=t.name, requests=t.requests, prompt_tokens=t.prompt_tokens,
-                cached_prompt_tokens=t.cached_prompt_tokens, queued=t.queued, running=t.running,
-                blocks_held=t.blocks_held, refused=t.refused,
-                cache_creation_tokens=t.cache_creation_tokens, pins=t.pins, pinned_blocks=t.pinned_blocks,
-            )
-            for t in s.tenants
-        ],
-        hosts=[
-            HostStats(
-                name=h.name, workers=h.workers, blocks_total=h.blocks_total, blocks_free=h.blocks_free,
-                blocks_cached=h.blocks_cached, blocks_in_use=h.blocks_in_use, requests=h.requests,
-                prompt_tokens=h.prompt_tokens, cached_prompt_tokens=h.cached_prompt_tokens,
-                blocks_fenced=h.blocks_fenced,
-            )
-            for h in s.hosts
-        ],
-        hosts_lost=s.hosts_lost,
-        blocks_fenced_total=s.blocks_fenced_total,
-        cache_creation_tokens=s.cache_creation_tokens,
-        pins=s.pins,
-        pinned_blocks=s.pinned_blocks,
-        pins_expired=s.pins_expired,
-        pins_refused=s.pins_refused,
-    )
+    """Stats from a Stats reply: every field of the dataclass from the field of
+    that name (a kvd that predates windowed parts sends no kv_parts: 1)."""
+    st: Stats = _take(Stats, s)
+    if not s.HasField("kv_parts"):
+        st = dataclasses.replace(st, kv_parts=1)
+    return st
 
 
 def to_health(h: kvd_pb2.Health) -> Health:

@@ -218,7 +218,9 @@ class TenantStats:
 
 @dataclass(frozen=True)
 class Stats:
-    """kvd's counters (``kvcli stats``)."""
+    """kvd's counters (``kvcli stats``): kvd.proto's Stats, each field by its
+    name there (``to_stats`` copies them by name; tests/python/test_package.py
+    checks that this class and its rows cover the .proto's fields)."""
 
     requests_running: int
     requests_queued: int
@@ -289,6 +291,9 @@ class Stats:
     pinned_blocks: int = 0        #: blocks they hold
     pins_expired: int = 0         #: pins that reached their TTL
     pins_refused: int = 0         #: pins refused: TTL, count or block quota
+    finished_stop: int = 0        #: requests done by finish reason: a stop,
+    finished_length: int = 0      #: their length,
+    finished_abort: int = 0       #: cancelled, past a deadline, or failed
 
     @property
     def hit_rate(self) -> float:
