@@ -6,7 +6,8 @@
  * by another request, the request waits for that commit instead of computing
  * it twice; when it goes on in the tiers below the pool, the request waits
  * for the copies back), blocks for the rest are allocated, and the request is
- * assigned to the worker that caches most of it, else the least loaded. A
+ * assigned to the least loaded worker of the host that caches most of it
+ * (unless that host is much busier than another). A
  * running sequence's worker asks for blocks as it goes (leases); when the
  * pool is full the youngest running sequence is preempted, requeued and later
  * recomputed from its cached prefix.
