@@ -30,6 +30,7 @@
 #endif
 #include "devmem.h"
 #include "kvd.h"
+#include "gpu.h"
 #include "units.h"
 
 void gpu_probe(struct kvd *k)

@@ -33,6 +33,9 @@
 #include <string.h>
 
 #include "kvd.h"
+#include "hosts.h"
+#include "requests.h"
+#include "workers.h"
 
 #define DEFAULT_FENCE_MS 10000u
 #define MIN_FENCE_MS 1000u      /* kvd-worker's own lower bound */

@@ -1,10 +1,19 @@
 /*
- * kvd.h - the coordinator's state, shared by its three parts:
+ * kvd.h - the coordinator's state, shared by its parts; each part's functions
+ * are in its own header:
  *
- *   kvd.c       options, sockets, signals, the event loop, stats, shutdown
- *   requests.c  client requests: admission, prompts, dispatch, output, finish
- *   workers.c   worker processes: spawn, register, heartbeats, death, messages
- *   gpu.c       --gpu: the pool's KV data in device memory, handed to workers
+ *   kvd.c        options, sockets, signals, the event loop, shutdown
+ *   requests.h   client requests (requests.c and the files its private
+ *                header req_internal.h lists: admission, dispatch, output,
+ *                windowing, statistics)
+ *   workers.h    worker processes: spawn, register, heartbeats, death, messages
+ *   hosts.h      other hosts' pools
+ *   tiers.h      the host and disk tiers below the pool (restore.h: their
+ *                copies back, off the loop)
+ *   pins.h       pinned prefixes and the cache requests
+ *   view.h       the pools as a picture
+ *   gpu.h        --gpu: the pool's KV data in device memory, handed to workers
+ *   http.h, events.h, auth.h: the HTTP API, block events, CURVE clients
  *
  * kvd is single-threaded: one zmq_poll loop owns every structure here, so
  * nothing locks. It is the only writer of the pool's metadata (shm/prefix.h);
@@ -312,6 +321,7 @@ struct kvd_view {
 };
 
 struct devmem;
+struct kvd_tiers;
 
 /* An ipc:// endpoint this kvd holds (kvd.c's claim_endpoint). */
 #define KVD_MAX_CLAIMS (KVD_MAX_LISTEN + 4)
@@ -351,11 +361,9 @@ struct kvd {
     disk_tier_t *disk;              /* --cache-dir: the disk tier below it, else NULL */
     double restore_ns_block;        /* measured: restoring one block from the host tier (0: not yet) */
     double disk_ns_block;           /* measured: reading one block from the disk tier (0: not yet) */
-    uint32_t got_host, got_disk;    /* blocks the last prefix_seq_begin took from each tier
-                                     * (KVD_TIER_SYNC=1: copies on kvd's loop) */
     restorer_t *restorer;           /* the tiers' copies back into the pool, off the loop;
                                      * NULL without tiers or with KVD_TIER_SYNC=1 */
-    struct request *restore_for;    /* the request whose prefix_seq_begin runs */
+    struct kvd_tiers *tiers;        /* what the tiers' callbacks are given (tiers.c), else NULL */
     uint8_t *tier_stage;            /* --gpu: a block's bytes on their way between the device
                                      * pool and the tiers (page-locked) */
     double prefill_ns_token;        /* measured: computing one prompt token (0: not yet) */
@@ -404,101 +412,10 @@ void kvd_served_name(const struct kvd_options *o, char *name, size_t len);
 int kvd_send(struct kvd *k, void *sock, const uint8_t *rid, size_t rid_len,
              const ProtobufCMessage *m);
 
-/* requests.c */
 /* A measured cost's running average (0: none yet): recent samples weigh a fifth. */
 static inline void kvd_ewma(double *avg, double v)
 {
     *avg = *avg > 0 ? 0.8 * *avg + 0.2 * v : v;
 }
-
-/* A client's message; rid is its routing id with the socket's byte first
- * (RID_*), tenant the name its CURVE key was admitted under (NULL: a client
- * of the plain socket, trusted by the runtime directory's permissions). */
-void req_on_client(struct kvd *k, const uint8_t *rid, size_t rid_len, const char *tenant, const void *buf,
-                   size_t len);
-void req_dispatch(struct kvd *k);
-void req_tick(struct kvd *k);
-void req_on_commit(struct kvd *k, int w, const Kvdw__Commit *c);
-void req_on_tokens(struct kvd *k, int w, const Kvdw__TokenChunk *c);
-void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions);
-void req_on_window(struct kvd *k, int w, uint64_t seq_id, uint32_t n_written);
-void req_on_done(struct kvd *k, int w, uint64_t seq_id, int reason, uint32_t n_written,
-                 const char *error);
-void req_on_worker_lost(struct kvd *k, int w);
-void req_cancel_all(struct kvd *k, const char *why);
-void req_fail_queued(struct kvd *k, int code, const char *why);
-/* After the workers are stopped: ends every request and releases its blocks. */
-void req_release_all(struct kvd *k);
-/* Fails the queued requests that no pool left can hold (after a host was lost). */
-void req_fail_unfit(struct kvd *k);
-/* Blocks came free outside a worker's report (fenced ones released): leases
- * that waited are retried and the queue dispatched. */
-void req_blocks_freed(struct kvd *k);
-void req_on_restored(struct kvd *k);
-/* Replies to a client (rid as req_on_client got it). */
-int req_reply(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id, Kvd__ServerReply *m);
-void req_reply_error(struct kvd *k, const uint8_t *rid, size_t rid_len, uint64_t id, int code, const char *msg);
-/* The tenant of a client (its CURVE key's name) or of a namespace "tenant:NAME/...":
- * into *name (not NUL-terminated) and *len; false when none. */
-bool req_tenant_name(const char *tenant, const char *ns, const char **name, size_t *len);
-/* The entry of tenant name[0..n) in k->tenants, made when missing; -1 when none can be. */
-int32_t req_tenant_entry(struct kvd *k, const char *name, size_t n);
-/* How many leading full blocks of tok[0..n) --public-prefix shares (keyed in
- * k->public_ns), leaving at least one token past them. */
-uint32_t req_public_blocks(const struct kvd *k, const int32_t *tok, uint32_t n);
-
-/* kvd.c: the tiers copy blocks back on kvd's loop (sync) or on the restore thread (not). */
-void kvd_tiers_sync(struct kvd *k, bool sync);
-
-/* The UTF-8 sequence at s[0..n): 1 and its length in *len when it is one
- * character, 0 when n cuts a valid start short, -1 when s[0] starts none. */
-int kvd_utf8_seq(const unsigned char *s, size_t n, size_t *len);
-
-/* view.c: the pools as a picture (Stats.pool_view) */
-/* Once a loop pass: closes the second's sample when its time has come. */
-void view_tick(struct kvd *k);
-/* The picture as tenant sees it ("" or NULL: an anonymous client), or all of
- * it; *out is filled, and freed by view_free whatever this returns (0, or
- * KVD_ENOMEM). It borrows k's strings until then. */
-int view_build(const struct kvd *k, const char *tenant, bool all, struct kvd_view *out);
-void view_free(struct kvd_view *v);
-
-/* workers.c */
-int workers_start(struct kvd *k);
-void workers_on_message(struct kvd *k, const uint8_t *rid, size_t rid_len, const void *buf,
-                        size_t len);
-void workers_tick(struct kvd *k);
-void workers_reap(struct kvd *k);
-int workers_alive(const struct kvd *k);
-bool workers_can_come_back(const struct kvd *k);
-void workers_stop(struct kvd *k);
-int workers_send(struct kvd *k, int w, Kvdw__ToWorker *m);
-
-/* hosts.c: other hosts' pools */
-void hosts_init(struct kvd *k);
-uint64_t hosts_seq_tokens(const struct pool_layout *lay, uint32_t n_blocks);
-/* A remote worker's Ready: the index of its pool's record (made now when new),
- * or -1 with the reason logged. */
-int hosts_join(struct kvd *k, const Kvdw__Ready *r);
-/* Worker w of host h was lost: hold ps (moved out, leaving it empty with its
- * settings) until the worker has surely stopped writing into its blocks. */
-void hosts_fence(struct kvd *k, int h, struct prefix_seq *ps);
-/* After a worker was lost: drops host h when no worker of it is alive. */
-void hosts_check(struct kvd *k, int h);
-/* Fenced blocks whose time has come are released; pings to remote workers. */
-void hosts_tick(struct kvd *k);
-/* The ping interval for workers of other hosts: at most a quarter of the
- * shortest fence time, and of --worker-timeout, and 1 s. */
-double hosts_ping_ms(const struct kvd *k);
-uint32_t hosts_workers(const struct kvd *k, int h);
-uint32_t hosts_fenced_blocks(const struct kvd_host *h);
-void hosts_fini(struct kvd *k);
-
-/* gpu.c: the pool's device memory and the socket that hands it to workers */
-void gpu_probe(struct kvd *k);
-uint64_t gpu_default_kv_bytes(const struct kvd *k);
-void gpu_setup(struct kvd *k, const char *run_dir);
-void gpu_serve(struct kvd *k);
-void gpu_fini(struct kvd *k);
 
 #endif

@@ -17,6 +17,8 @@
 #include <xxhash.h>
 
 #include "err.h"
+#include "requests.h"
+#include "tiers.h"
 
 #define PINS_FILE_MAX (64u << 20)   /* the pins file is refused past this size */
 
@@ -339,7 +341,7 @@ void pins_load(struct kvd *k)
         kvd_log(k, "pins: %s has no kvd-pins 1 header: ignored", path);
         goto out;
     }
-    kvd_tiers_sync(k, true);
+    tiers_sync(k, true);
     while (getline(&line, &cap, f) > 0) {
         struct kvd_pin p = { 0 };
         char tenant_hex[2 * KVD_TENANT_NAME_MAX + 2], ns_hex[2 * WIRE_MAX_NAMESPACE + 2];
@@ -424,7 +426,7 @@ void pins_load(struct kvd *k)
         k->pins->v[k->pins->n++] = p;
         kept++;
     }
-    kvd_tiers_sync(k, false);
+    tiers_sync(k, false);
     kvd_log(k, "pins: %u taken again from %s (%u expired or gone, %u unreadable lines)", kept, path, dropped, bad);
 out:
     free(line);

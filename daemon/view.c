@@ -16,6 +16,10 @@
 
 #include "err.h"
 #include "kvd.h"
+#include "hosts.h"
+#include "requests.h"
+#include "view.h"
+#include "workers.h"
 
 #define VIEW_CELLS_ALL 65536    /* cells of every host together */
 #define VIEW_CELLS_HOST 16384   /* at most per host */

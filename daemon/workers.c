@@ -12,6 +12,9 @@
 #include <zmq.h>
 
 #include "kvd.h"
+#include "hosts.h"
+#include "requests.h"
+#include "workers.h"
 
 /* a started worker must say Ready within this, or --worker-timeout if longer
  * (it loads the model first: a slow disk or CPU takes longer) */

@@ -30,7 +30,10 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "hosts.h"
 #include "kvd.h"
+#include "requests.h"
+#include "workers.h"
 #include "mkmodel.h"
 #include "types.h"
 
