@@ -982,7 +982,7 @@ static void print_run(const struct run *r, bool first)
 }
 
 /* One run of the workload on a fresh kvd (started here, stopped after, its
- * stats taken last) into *r and *st. */
+ * stats taken last) into *r and *st (the caller frees *st with kvd_stats_free). */
 static void kvd_run(struct run *r, const char *name, struct kvd_stats *st)
 {
     start_kvd();
@@ -1024,6 +1024,7 @@ static void pressure_runs(void)
                r.n, pct(&r, 0.5), pct(&r, 0.99), gen / (r.wall_ms / 1e3),
                prompt ? 100.0 * cached / prompt : 0.0, (unsigned long long)st.preemptions,
                (unsigned long long)st.evictions, (unsigned long long)st.kv_bytes_per_token);
+        kvd_stats_free(&st);
         fflush(stdout);
     }
 }
@@ -1065,6 +1066,7 @@ static void tier_runs(void)
                r.n, pct(&r, 0.5), pct(&r, 0.99), gen / (r.wall_ms / 1e3), prompt ? 100.0 * cached / prompt : 0.0,
                (unsigned long long)st.evictions, (unsigned long long)st.host_cached_prompt_tokens,
                (unsigned long long)st.disk_cached_prompt_tokens);
+        kvd_stats_free(&st);
         fflush(stdout);
     }
     memset(C.tier_args, 0, sizeof(C.tier_args));
@@ -1182,8 +1184,10 @@ static uint32_t kvd_blocks_held(void)
     kvd_client_t *c = kvd_client_new(kvd_ep, 5000, NULL, 0);
     struct kvd_stats st;
     uint32_t held = 0;
-    if (kvd_stats(c, &st) == 0)
+    if (kvd_stats(c, &st) == 0) {
         held = st.blocks_cached + st.blocks_in_use + st.blocks_pending;
+        kvd_stats_free(&st);
+    }
     kvd_client_destroy(&c);
     return held;
 }

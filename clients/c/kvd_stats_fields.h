@@ -6,10 +6,11 @@
  * figure expands the table with a macro of its own instead of naming fields
  * by hand: the public struct kvd_stats and its rows (kvd_client.h), kvd's
  * reply (daemon/requests.c sets every has_ flag from it), the C client's copy
- * of the reply, the Prometheus text (kvd_stats_prometheus) and kvcli's JSON.
- * A new figure is a field in kvd.proto, a line here and the line in kvd that
- * computes it; the Python client takes the fields from the .proto's
- * descriptor (clients/python/kvd_client/_wire.py).
+ * of the reply, the Prometheus text (kvd_stats_prometheus), kvcli's JSON, and
+ * the Python client's Stats and its rows (clients/python/setup.py generates
+ * their fields from these tables when the package is built, each line's help
+ * its doc comment). A new figure is a field in kvd.proto, a line here and the
+ * line in kvd that computes it.
  *
  * A line: X(name, type, prom_type, prom_name, help)
  *   name       the field's name in kvd.proto's message, in the C struct and
@@ -20,8 +21,11 @@
  *   prom_name  its Prometheus name (a string; "" with NONE)
  *   help       what it counts (its Prometheus HELP text where it has one)
  *
- * The order of a table is the order of the fields in the C struct, of kvcli's
- * JSON and of the plain Prometheus metrics. Installed beside kvd_client.h.
+ * The order of a table is the order of the fields in the C struct, of the
+ * Python dataclass, of kvcli's JSON and of the plain Prometheus metrics. The
+ * Python build reads the lines with a parser of its own, which stops on what
+ * it cannot read: keep each line an X(...) whose last two arguments are
+ * string literals. Installed beside kvd_client.h.
  */
 #ifndef KVD_STATS_FIELDS_H
 #define KVD_STATS_FIELDS_H

@@ -423,8 +423,9 @@ static void test_shared_prefix(void)
         kvd_result_free(&with);
     }
     /* idle: A's cancel may be confirmed after the client gave up waiting */
-    struct kvd_stats s;
+    struct kvd_stats s = { 0 };
     for (double until = now_ms() + WAIT_MS; now_ms() < until; usleep(50000)) {
+        kvd_stats_free(&s);
         CHECK_INT(kvd_stats(c, &s), 0);
         if (s.requests_running == 0 && s.blocks_in_use == 0)
             break;
@@ -440,6 +441,7 @@ static void test_shared_prefix(void)
         printf("serve: worker %u: %llu tokens\n", s.workers[i].id, (unsigned long long)s.workers[i].tokens);
     CHECK(s.n_workers == 2 && s.workers[0].tokens > 0 && s.workers[1].tokens > 0);
     CHECK_INT(s.blocks_in_use, 0);
+    kvd_stats_free(&s);
     kvd_result_free(&b);
     kvd_result_free(&fresh);
     kvd_result_free(&a.r);
@@ -506,10 +508,12 @@ static int on_chunk_kill(void *user, const char *text, size_t len, const int32_t
     char err[256];
     kvd_client_t *c = kvd_client_new(ep, WAIT_MS, err, sizeof(err));
     struct kvd_stats s;
-    if (c != NULL && kvd_stats(c, &s) == 0)
+    if (c != NULL && kvd_stats(c, &s) == 0) {
         for (uint32_t i = 0; i < s.n_workers; i++)
             if (s.workers[i].alive && s.workers[i].running > 0)
                 k->victim = s.workers[i].pid;
+        kvd_stats_free(&s);
+    }
     kvd_client_destroy(&c);
     if (k->victim > 0)
         kill(k->victim, SIGKILL);
@@ -553,11 +557,14 @@ static int tier_round(const char *what, struct kvd_result *out, const struct kvd
     }
     struct kvd_stats s;
     CHECK_INT(kvd_stats(c, &s), 0);
-    for (double until = now_ms() + WAIT_MS; s.disk_cache_pending > 0 && now_ms() < until; usleep(20000))
+    for (double until = now_ms() + WAIT_MS; s.disk_cache_pending > 0 && now_ms() < until; usleep(20000)) {
+        kvd_stats_free(&s);
         CHECK_INT(kvd_stats(c, &s), 0);
+    }
     printf("tiers (%s): %u prompt tokens from the host tier, %u from disk; %d of %d outputs as the first run's; "
            "%llu evictions, %llu blocks on disk\n", what, host, disk, ref ? same : 0, ref ? TIER_PROMPTS : 0,
            (unsigned long long)s.evictions, (unsigned long long)s.disk_cache_blocks);
+    kvd_stats_free(&s);
     kvd_client_destroy(&c);
     if (ref != NULL)
         CHECK_INT(same, TIER_PROMPTS);
@@ -623,6 +630,7 @@ static void test_fault(void)
             restarts += s.workers[i].restarts;
             alive += s.workers[i].alive;
         }
+        kvd_stats_free(&s);
         if (restarts >= 1 && alive == 2)
             break;
     }
@@ -669,6 +677,7 @@ static void test_fault(void)
     CHECK_INT(s.blocks_in_use, 0);
     CHECK_INT(s.blocks_pending, 0);
     CHECK(s.workers[0].tokens > 0 && s.workers[1].tokens > 0);
+    kvd_stats_free(&s);
     kvd_result_free(&again);
     kvd_result_free(&fresh);
 
@@ -692,6 +701,7 @@ static void test_fault(void)
           memcmp(killed.tokens, ref.tokens, 32 * sizeof(int32_t)) == 0);
     CHECK_INT(kvd_stats(c, &s), 0);
     CHECK_INT(s.blocks_in_use, 0);
+    kvd_stats_free(&s);
     kvd_result_free(&ref);
     kvd_result_free(&killed);
 

@@ -190,7 +190,9 @@ static inline kvd_client_t *sv_client(const struct sv_kvd *k, int timeout_ms)
     return c;
 }
 
-/* kvd's stats (through a fresh client); REQUIREs an answer. Notes the worker pids. */
+/* kvd's stats (through a fresh client) into *s, which the caller frees with
+ * kvd_stats_free (a filled *s is overwritten, not freed); REQUIREs an answer.
+ * Notes the worker pids. */
 static inline void sv_stats(struct sv_kvd *k, struct kvd_stats *s)
 {
     kvd_client_t *c = sv_client(k, SV_WAIT_MS);
@@ -224,7 +226,8 @@ static inline void sv_print_stats(const char *what, const struct kvd_stats *s)
 }
 
 /* Polls stats until nothing runs or waits and no block is referenced or
- * pending; false after timeout_ms (the last stats in *s either way). */
+ * pending; false after timeout_ms. The last stats are in *s either way, for
+ * the caller to free with kvd_stats_free. */
 static inline bool sv_wait_idle(struct sv_kvd *k, struct kvd_stats *s, int timeout_ms)
 {
     double until = sv_now_ms() + timeout_ms;
@@ -237,6 +240,7 @@ static inline bool sv_wait_idle(struct sv_kvd *k, struct kvd_stats *s, int timeo
             sv_print_stats("not idle", s);
             return false;
         }
+        kvd_stats_free(s);
         sv_sleep_ms(50);
     }
 }
@@ -325,7 +329,8 @@ static inline struct sv_kvd *sv_start(const char *const *args)
     kvd_client_destroy(&c);
     REQUIRE(ok);
     struct kvd_stats s;
-    sv_stats(k, &s);
+    sv_stats(k, &s); /* notes the workers' pids */
+    kvd_stats_free(&s);
     return k;
 }
 

@@ -216,6 +216,7 @@ static void shared_system_prompt(const char *k_type, const char *v_type)
     CHECK_INT(s.completion_tokens, ra.n_tokens + rb.n_tokens + rc_.n_tokens + rd.n_tokens +
                                    re.n_tokens + rf.n_tokens);
 
+    kvd_stats_free(&s);
     kvd_result_free(&re);
     kvd_result_free(&rf);
     kvd_result_free(&ra);
@@ -382,6 +383,7 @@ static void concurrent_clients(void)
         CHECK_INT(s.workers[w].restarts, 0);
         CHECK(s.workers[w].tokens > 0); /* both workers took part */
     }
+    kvd_stats_free(&s);
 
     for (int i = 0; i < N_REQ; i++) {
         kvd_result_free(&jobs[i].r);

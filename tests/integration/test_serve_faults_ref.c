@@ -128,7 +128,9 @@ static pid_t worker_pid(struct sv_kvd *k, uint32_t *restarts)
     REQUIRE(s.n_workers == 1);
     if (restarts)
         *restarts = s.workers[0].restarts;
-    return s.workers[0].alive ? s.workers[0].pid : 0;
+    pid_t pid = s.workers[0].alive ? s.workers[0].pid : 0;
+    kvd_stats_free(&s);
+    return pid;
 }
 
 /* Waits up to timeout_ms for kvd to have an alive worker (after a restart). */
@@ -259,6 +261,7 @@ static void worker_faults(struct sv_kvd *k, const char *prompt)
     struct kvd_stats s;
     CHECK(sv_wait_idle(k, &s, SV_WAIT_MS));
     CHECK_INT(s.requests_failed, 0);
+    kvd_stats_free(&s);
     kvd_result_free(&ref);
     kvd_client_destroy(&c);
 }
@@ -295,6 +298,7 @@ static void worker_gone(const char *prompt)
     struct kvd_stats s;
     CHECK(sv_wait_idle(k, &s, SV_WAIT_MS));
     CHECK_INT(s.requests_failed, 1);
+    kvd_stats_free(&s);
     kvd_client_destroy(&c);
     CHECK_INT(sv_stop(k, SV_WAIT_MS), 0);
 }
@@ -415,6 +419,7 @@ static void poison_request(const char *prompt, const char *other)
     CHECK(sv_wait_idle(k, &s, SV_WAIT_MS));
     CHECK_INT(s.requests_failed, 1);
     CHECK_INT(s.blocks_in_use, 0);
+    kvd_stats_free(&s);
     kvd_client_destroy(&c);
     CHECK_INT(sv_stop(k, SV_WAIT_MS), 0);
 }
@@ -458,6 +463,8 @@ static void client_disappears(struct sv_kvd *k, const char *prompt)
     CHECK(idle);
     CHECK_INT(s.requests_done, before.requests_done + 1); /* ended as cancelled */
     CHECK(s.completion_tokens - before.completion_tokens < 900);
+    kvd_stats_free(&before);
+    kvd_stats_free(&s);
     wire_arena_destroy(&arena);
 }
 
@@ -479,6 +486,7 @@ static void deadlines_and_cancels(struct sv_kvd *k, const char *short_prompt, co
     CHECK(rc == KVD_EDEADLINE || (rc == 0 && r.finish_reason == KVD_FINISH_DEADLINE));
     kvd_result_free(&r);
     CHECK(sv_wait_idle(k, &s, SV_WAIT_MS));
+    kvd_stats_free(&s);
 
     /* a deadline that passes during the output: what came so far, finish
      * DEADLINE. The deadline is the geometric mean of the measured times to
@@ -500,6 +508,7 @@ static void deadlines_and_cancels(struct sv_kvd *k, const char *short_prompt, co
     CHECK(took >= deadline); /* not cut before it */
     kvd_result_free(&r);
     CHECK(sv_wait_idle(k, &s, SV_WAIT_MS));
+    kvd_stats_free(&s);
 
     /* cancel from the stream callback */
     struct watch w;
@@ -513,6 +522,7 @@ static void deadlines_and_cancels(struct sv_kvd *k, const char *short_prompt, co
     kvd_result_free(&r);
     CHECK(sv_wait_idle(k, &s, SV_WAIT_MS));
     CHECK(s.blocks_in_use == 0 && s.blocks_pending == 0);
+    kvd_stats_free(&s);
 
     /* the client still works after a cancel */
     p = greedy(short_prompt, 4, true);
@@ -571,6 +581,7 @@ static void deadlines_and_cancels(struct sv_kvd *k, const char *short_prompt, co
     zmq_close(d);
     wire_arena_destroy(&arena);
     CHECK(sv_wait_idle(k, &s, SV_WAIT_MS));
+    kvd_stats_free(&s);
     kvd_client_destroy(&c);
 }
 
@@ -853,6 +864,7 @@ static void overload(const char *prompt)
     CHECK(sv_wait_idle(k, &s, SV_WAIT_MS));
     CHECK_INT(s.requests_done, 5);   /* 3 of the flood, 20 and 22 cancelled */
     CHECK_INT(s.requests_failed, 1); /* 21 */
+    kvd_stats_free(&s);
     CHECK_INT(sv_stop(k, SV_WAIT_MS), 0);
 }
 
@@ -920,6 +932,7 @@ static void small_pool(void)
     REQUIRE(s.blocks_total >= at_end);              /* each fits alone */
     REQUIRE(s.blocks_total < N_LOAD * at_end);      /* not all at once */
     uint64_t preempted_before = s.preemptions;
+    kvd_stats_free(&s);
 
     pthread_barrier_t start;
     pthread_barrier_init(&start, NULL, N_LOAD + 1);
@@ -959,6 +972,7 @@ static void small_pool(void)
     CHECK_INT(s.blocks_in_use, 0);
     CHECK_INT(s.blocks_pending, 0);
     CHECK_INT(s.blocks_free + s.blocks_cached, s.blocks_total);
+    kvd_stats_free(&s);
     for (int i = 0; i < N_LOAD; i++) {
         kvd_result_free(&jobs[i].r);
         kvd_result_free(&solo[i]);

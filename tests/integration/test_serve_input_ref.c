@@ -47,7 +47,9 @@ static uint64_t bad_messages(void)
 {
     struct kvd_stats s;
     sv_stats(kvd, &s);
-    return s.bad_messages;
+    uint64_t n = s.bad_messages;
+    kvd_stats_free(&s);
+    return n;
 }
 
 /*
@@ -478,6 +480,7 @@ static void fake_worker(void)
     struct kvd_stats s;
     sv_stats(kvd, &s);
     CHECK_INT(s.n_workers, 1);
+    kvd_stats_free(&s);
     zmq_close(w);
     n_cases += 3;
     still_serving("worker endpoint");
@@ -537,6 +540,8 @@ int main(void)
     CHECK_INT(s1.workers[0].pid, worker);
     CHECK_INT(s1.workers[0].restarts, 0);
     CHECK(s1.workers[0].alive);
+    kvd_stats_free(&s0);
+    kvd_stats_free(&s1);
     free(ref);
     free(after);
     wire_arena_destroy(&arena);

@@ -79,7 +79,9 @@ static pid_t the_worker(struct sv_kvd *k, uint32_t *restarts)
     sv_stats(k, &s);
     REQUIRE(s.n_workers == 1);
     *restarts = s.workers[0].restarts;
-    return s.workers[0].alive ? s.workers[0].pid : 0;
+    pid_t pid = s.workers[0].alive ? s.workers[0].pid : 0;
+    kvd_stats_free(&s);
+    return pid;
 }
 
 static pid_t wait_new_worker(struct sv_kvd *k, pid_t old, uint32_t *restarts)
@@ -253,6 +255,7 @@ int main(void)
     CHECK(sv_wait_idle(k, &s, SV_WAIT_MS));
     sv_print_stats("end", &s);
     CHECK_INT(s.blocks_in_use, 0);
+    kvd_stats_free(&s);
     CHECK_INT(sv_stop(k, SV_WAIT_MS), 0);
     free(cal);
     free(lng);

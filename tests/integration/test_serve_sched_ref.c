@@ -83,7 +83,9 @@ static bool wait_running(struct sv_kvd *k, uint64_t n)
     double until = sv_now_ms() + SV_WAIT_MS;
     do {
         sv_stats(k, &s);
-        if (s.requests_running >= n)
+        bool there = s.requests_running >= n;
+        kvd_stats_free(&s);
+        if (there)
             return true;
         sv_sleep_ms(20);
     } while (sv_now_ms() < until);
@@ -144,6 +146,7 @@ int main(void)
 
     struct kvd_stats s;
     CHECK(sv_wait_idle(k, &s, SV_WAIT_MS));
+    kvd_stats_free(&s);
     CHECK_INT(sv_stop(k, SV_WAIT_MS), 0);
     kvd_result_free(&alone_warm.r);
     kvd_result_free(&alone_cold.r);

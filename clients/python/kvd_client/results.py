@@ -1,5 +1,7 @@
 """What kvd_client's calls return: plain, immutable dataclasses made from
-kvd's replies (the protobuf classes stay inside the package)."""
+kvd's replies (the protobuf classes stay inside the package). Stats and its
+rows are built on the classes _stats.py generates from the statistics' tables
+(clients/c/kvd_stats_fields.h) when the package is built."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from ._stats import HostStatsFields, StatsFields, TenantStatsFields, WorkerStatsFields
 
 
 class FinishReason(str, enum.Enum):
@@ -169,131 +173,46 @@ class Result:
         return d
 
 
-@dataclass(frozen=True)
-class WorkerStats:
-    """One worker process, as kvd sees it."""
-
-    id: int
-    pid: int
-    alive: bool
-    running: int     #: sequences assigned
-    tokens: int      #: tokens computed (prompt and generated)
-    restarts: int
-    host: str = ""   #: the host whose pool it computes into ("" for kvd's own)
+# Stats and its rows: their figures are the lines of clients/c/kvd_stats_fields.h's tables,
+# generated into _stats.py when the package is built (each field of its Python type, 0, "" or
+# False by default, in the table's order); the classes here add the rows, the hashes and what is
+# worked out from the figures. ``to_stats`` fills them from kvd.proto's fields of the same names
+# (tests/python/test_package.py holds them to both the .proto and the header).
 
 
 @dataclass(frozen=True)
-class HostStats:
+class WorkerStats(WorkerStatsFields):
+    """One worker process, as kvd sees it (KVD_WORKER_STATS_FIELDS)."""
+
+
+@dataclass(frozen=True)
+class HostStats(HostStatsFields):
     """A pool kvd dispatches to: its own (name ""), or another host's, whose workers were
-    started there with ``kvd-worker --host NAME``."""
-
-    name: str
-    workers: int                  #: workers alive there
-    blocks_total: int
-    blocks_free: int
-    blocks_cached: int
-    blocks_in_use: int
-    requests: int                 #: requests dispatched to it (a resumed one again)
-    prompt_tokens: int            #: their prompt tokens
-    cached_prompt_tokens: int     #: of them, found in its pool
-    blocks_fenced: int            #: held after a worker there was lost, until it surely stopped
+    started there with ``kvd-worker --host NAME`` (KVD_HOST_STATS_FIELDS)."""
 
 
 @dataclass(frozen=True)
-class TenantStats:
-    """One tenant: a CURVE client's key name, or an HTTP API key's tenant."""
-
-    name: str
-    requests: int
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    queued: int          #: requests waiting now
-    running: int         #: requests on a worker now
-    blocks_held: int     #: KV blocks it holds now: in use, pending and cached
-    refused: int         #: requests refused because its queue was full (--tenant-max-queue)
-    cache_creation_tokens: int = 0  #: prompt tokens its requests wrote to the cache
-    pins: int = 0                   #: its pinned prefixes now
-    pinned_blocks: int = 0          #: blocks they hold
+class TenantStats(TenantStatsFields):
+    """One tenant: a CURVE client's key name, or an HTTP API key's tenant
+    (KVD_TENANT_STATS_FIELDS)."""
 
 
 @dataclass(frozen=True)
-class Stats:
+class Stats(StatsFields):
     """kvd's counters (``kvcli stats``): kvd.proto's Stats, each field by its
-    name there (``to_stats`` copies them by name; tests/python/test_package.py
-    checks that this class and its rows cover the .proto's fields)."""
+    name there; its figures are KVD_STATS_FIELDS's lines, in their order."""
 
-    requests_running: int
-    requests_queued: int
-    requests_done: int
-    requests_failed: int
-    prompt_tokens: int
-    cached_prompt_tokens: int     #: of prompt_tokens, those that came from the cache
-    completion_tokens: int
-    blocks_total: int
-    blocks_free: int
-    blocks_cached: int            #: unreferenced, kept for reuse
-    blocks_in_use: int            #: committed and referenced
-    blocks_pending: int           #: allocated, not yet written
-    block_tokens: int
-    block_bytes: int
-    kv_bytes_per_token: int       #: K and V of one token, all layers
-    kv_type: str                  #: the pool's types: "K q8_0, V q4_0, rotated V"
-    evictions: int
-    preemptions: int
-    bad_messages: int
+    #: block tables per sequence: 1, or the parts of a model with sliding-window layers
+    #: (1 too from a kvd that predates them and sends none)
+    kv_parts: int = 1
     workers: list[WorkerStats] = field(default_factory=list)
     #: with ``stats(block_hashes=True)``: the hashes --kv-events publishes of every block
     #: a lookup can find (what a subscriber rebuilds), in no order
     block_hashes: list[int] = field(default_factory=list)
-    kv_event_batches: int = 0     #: --kv-events batches sent
-    #: block tables per sequence: 1, or the parts of a model with sliding-window layers
-    kv_parts: int = 1
-    kv_part_layers: int = 0       #: layers a block holds
-    kv_window: int = 0            #: the windowed parts' window in positions; 0: none
-    blocks_in_use_windowed: int = 0  #: blocks of windowed parts that running sequences hold
-    #: the host tier (kvd --host-cache): its budget in bytes (0: none) and what it holds
-    host_cache_max_bytes: int = 0
-    host_cache_bytes: int = 0
-    host_cache_blocks: int = 0
-    #: prompt tokens copied back from it (counted in cached_prompt_tokens too)
-    host_cached_prompt_tokens: int = 0
-    host_cache_stored: int = 0    #: blocks stored into it
-    host_cache_dropped: int = 0   #: blocks dropped from it for room
-    host_cache_corrupt: int = 0   #: blocks that failed their checksum (misses)
-    host_cache_declined: int = 0  #: blocks left to compute because restoring measured slower
-    #: the disk tier (kvd --cache-dir): its budget in bytes (0: none) and what it holds
-    disk_cache_max_bytes: int = 0
-    disk_cache_bytes: int = 0
-    disk_cache_blocks: int = 0
-    #: prompt tokens read back from it (counted in cached_prompt_tokens too)
-    disk_cached_prompt_tokens: int = 0
-    disk_cache_written: int = 0   #: files written since kvd started
-    disk_cache_pending: int = 0   #: writes queued now
-    disk_cache_dropped_writes: int = 0  #: writes dropped (queue full, or a write failed)
-    disk_cache_corrupt: int = 0   #: files that failed a check: removed, misses
-    disk_cache_ignored: int = 0   #: files of another model or layout found at start
-    disk_cache_declined: int = 0  #: blocks left to compute because reading measured slower
-    #: authentication (kvd --curve-secret): client connections admitted and refused by key,
-    #: worker connections refused, handshakes failed before a key was checked, keys allowed
-    auth_clients_admitted: int = 0
-    auth_clients_refused: int = 0
-    auth_workers_refused: int = 0
-    auth_handshakes_failed: int = 0
-    auth_client_keys: int = 0
     #: per tenant (all of them for a client of kvd's ipc:// socket, a tenant its own)
     tenants: list[TenantStats] = field(default_factory=list)
     #: the pools kvd dispatches to, its own first (for a client of kvd's ipc:// socket)
     hosts: list[HostStats] = field(default_factory=list)
-    hosts_lost: int = 0           #: other hosts' pools dropped: their last worker was lost
-    blocks_fenced_total: int = 0  #: blocks held back after other hosts' workers were lost
-    cache_creation_tokens: int = 0  #: prompt tokens written to the cache
-    pins: int = 0                 #: pinned prefixes now (this tenant's, for a tenant)
-    pinned_blocks: int = 0        #: blocks they hold
-    pins_expired: int = 0         #: pins that reached their TTL
-    pins_refused: int = 0         #: pins refused: TTL, count or block quota
-    finished_stop: int = 0        #: requests done by finish reason: a stop,
-    finished_length: int = 0      #: their length,
-    finished_abort: int = 0       #: cancelled, past a deadline, or failed
 
     @property
     def hit_rate(self) -> float:
