@@ -16,7 +16,6 @@
 #include "kvd.h"
 #include "pins.h"
 #include "req_internal.h"
-#include "hosts.h"
 #include "workers.h"
 
 /* What an OVERLOADED reply tells the client to wait before it tries again. */

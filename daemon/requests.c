@@ -16,7 +16,6 @@
 #include "kvd.h"
 #include "pins.h"
 #include "req_internal.h"
-#include "hosts.h"
 #include "workers.h"
 
 /* ---- replies ---------------------------------------------------------------------------- */

@@ -11,9 +11,7 @@
 #include "pins.h"
 #include "req_internal.h"
 #include "hosts.h"
-#include "workers.h"
 #include "view.h"
-#include "tiers.h"
 #include "kvd_stats_fields.h"
 
 /* Upper bounds of the latency histograms, seconds (vLLM's TTFT buckets, cut). */

@@ -10,7 +10,6 @@
 #include "err.h"
 #include "kvd.h"
 #include "req_internal.h"
-#include "hosts.h"
 #include "workers.h"
 
 void req_window_settled(struct kvd *k, struct request *r)
