@@ -3,6 +3,10 @@
 
 #if defined(__x86_64__)
 #include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #elif defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
 #endif
@@ -131,6 +135,56 @@ bool kern_avxvnni_set(bool on)
     return v;
 }
 
+static int amx = -1;        /* kern_amx() once chosen */
+static int amx_seen = -1;   /* has_amx() once probed */
+
+/* AMX-TILE and AMX-INT8 (cpuid leaf 7 EDX bits 24 and 25), the tile
+ * configuration and data in XCR0 (bits 17 and 18), and Linux's permission
+ * for this process to use the tile data (XFEATURE_XTILEDATA = 18): without
+ * it the first tile load faults. A refusal leaves the AVX-512 products. */
+static bool probe_amx(void)
+{
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+    unsigned a, b, c, d;
+    if (kern_isa_best() < KERN_ISA_AVX512VNNI || !__get_cpuid_count(7, 0, &a, &b, &c, &d))
+        return false;
+    if (!(d & (1u << 24)) || !(d & (1u << 25)) || !os_saves(0x60000))
+        return false;
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return false;
+#endif
+}
+
+bool kern_amx_available(void)
+{
+    int v = __atomic_load_n(&amx_seen, __ATOMIC_ACQUIRE);
+    if (v < 0) {
+        v = probe_amx();
+        __atomic_store_n(&amx_seen, v, __ATOMIC_RELEASE);
+    }
+    return v;
+}
+
+bool kern_amx(void)
+{
+    int v = __atomic_load_n(&amx, __ATOMIC_ACQUIRE);
+    if (v >= 0)
+        return v;
+    const char *env = getenv("KVD_AMX");
+    v = !(env != NULL && strcmp(env, "0") == 0) && kern_amx_available();
+    __atomic_store_n(&amx, v, __ATOMIC_RELEASE);
+    return v;
+}
+
+bool kern_amx_set(bool on)
+{
+    const int v = on && kern_amx_available();
+    __atomic_store_n(&amx, v, __ATOMIC_RELEASE);
+    return v;
+}
+
 const char *kern_isa_name(enum kern_isa isa)
 {
     switch ((int)isa) {
@@ -150,6 +204,8 @@ const char *kern_path_name(void)
 #if defined(__x86_64__)
     if (kern_isa() == KERN_ISA_AVX2 && kern_avxvnni())
         return "avx2+avxvnni";
+    if (kern_isa() >= KERN_ISA_AVX512VNNI && kern_amx())
+        return "avx512vnni+amx";
 #endif
     return kern_isa_name(kern_isa());
 }

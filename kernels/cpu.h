@@ -42,7 +42,8 @@ enum kern_isa kern_isa_set(enum kern_isa isa);
 const char *kern_isa_name(enum kern_isa isa);
 
 /* The active path as the products run it: kern_isa_name(kern_isa()), with
- * "+avxvnni" where the AVX2 path's packed products use AVX-VNNI. */
+ * "+avxvnni" where the AVX2 path's packed products use AVX-VNNI and "+amx"
+ * where the AVX-512 path's use AMX tiles. */
 const char *kern_path_name(void);
 
 /* Whether the AVX2 path's packed products use AVX-VNNI (vpdpbusd on 256-bit
@@ -52,5 +53,18 @@ bool kern_avxvnni(void);
 
 /* Forces that choice (clamped to what the CPU has); for tests. Returns it. */
 bool kern_avxvnni_set(bool on);
+
+/* Whether the AVX-512 VNNI path's packed products of enough tokens
+ * (KERN_AMX_MIN_T, gemm.h) run on AMX tiles: where the CPU has AMX-TILE and
+ * AMX-INT8, the OS saves the tile state and grants this process the tile data
+ * (arch_prctl ARCH_REQ_XCOMP_PERM), unless KVD_AMX=0. Both give the same
+ * bits; this is a matter of speed. */
+bool kern_amx(void);
+
+/* Whether the CPU and OS offer AMX at all, whatever KVD_AMX says. */
+bool kern_amx_available(void);
+
+/* Forces that choice (clamped to what the CPU has); for tests. Returns it. */
+bool kern_amx_set(bool on);
 
 #endif

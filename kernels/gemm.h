@@ -118,6 +118,14 @@ void kern_gemm_isa(const struct kern_gemm_args *a, int isa);
 bool kern_gemm_avx2(const struct kern_gemm_args *a);
 bool kern_gemm_avx512vnni(const struct kern_gemm_args *a);
 bool kern_gemm_packed_vnni(const struct kern_gemm_args *a);
+/* The packed products on AMX tiles (gemm_amx.c), from KERN_AMX_MIN_T tokens
+ * on where kern_amx() says so: the same bits as kern_gemm_packed_vnni's (they
+ * take any T; below the threshold the vector products are faster). */
+#define KERN_AMX_MIN_T 16
+bool kern_gemm_packed_amx(const struct kern_gemm_args *a);
+/* Loads the tile configurations the AMX products use, reads each back and
+ * says whether it holds what was loaded; releases the tiles. */
+bool kern_amx_config_check(void);
 /* The packed products in 256-bit registers (gemm_pk256.inc): the same bits as
  * kern_gemm_packed_vnni's. */
 bool kern_gemm_packed_avx2(const struct kern_gemm_args *a);

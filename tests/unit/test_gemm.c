@@ -252,6 +252,84 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
     free(scratch); free(wf); free(af); free(w); free(act);
 }
 
+#if defined(__x86_64__)
+/* The AMX tile products: the AVX-512 VNNI products' bits for every token
+ * count (whole tiles of 16 tokens and tails), any row range, accumulate mode
+ * and chunks that reuse the staged activations; and the dispatch takes them
+ * from KERN_AMX_MIN_T tokens on. */
+#define AMAXT 37
+static void check_amx(uint32_t wtype, int64_t n)
+{
+    const uint32_t at = kern_vec_dot_type(wtype);
+    const size_t wrow = kern_row_bytes(wtype, n), arow = kern_act_row_bytes(at, n);
+    float *wf = malloc((size_t)n * 4), *af = malloc((size_t)n * 4);
+    uint8_t *w = malloc(PROWS * wrow), *act = malloc(AMAXT * arow);
+    for (int r = 0; r < PROWS; r++) {
+        for (int64_t i = 0; i < n; i++)
+            wf[i] = frand() * (r % 5 == 0 ? 4.0f : 1.0f);
+        REQUIRE(kern_quantize_row(wtype, wf, w + r * wrow, n) == 0);
+    }
+    for (int t = 0; t < AMAXT; t++) {
+        for (int64_t i = 0; i < n; i++)
+            af[i] = frand() * (t % 3 == 0 ? 10.0f : 1.0f);
+        kern_quantize_act(at, af, act + t * arow, n);
+    }
+    struct kern_packed *pk = kern_pack(wtype, w, wrow, PROWS, n);
+    REQUIRE(pk != NULL);
+    void *scratch = aligned_alloc(64, (kern_gemm_scratch_bytes(n, AMAXT) + 63) / 64 * 64);
+    static float want[AMAXT * PROWS], got[AMAXT * PROWS];
+    struct kern_gemm_args g = { .wtype = wtype, .packed = pk, .w = w, .row_bytes = wrow, .n = n, .r0 = 0,
+                                .r1 = PROWS, .act = act, .act_stride = arow, .ldo = PROWS, .scratch = scratch };
+    int differ = 0;
+    const long cuts[] = { 0, 5, 16, 37, 38, 80, PROWS };
+    for (int T = 1; T <= AMAXT; T++) {
+        struct kern_gemm_args v = g, x = g;
+        v.T = x.T = T;
+        v.out = want;
+        x.out = got;
+        memset(got, 0, sizeof(got));
+        CHECK(kern_gemm_packed_vnni(&v));
+        CHECK(kern_gemm_packed_amx(&x));
+        differ += memcmp(want, got, (size_t)T * PROWS * sizeof(float)) != 0;
+        /* cut in row ranges, each after the first on the staged activations */
+        for (int i = 0; i < T * PROWS; i++)
+            got[i] = -1.0f;
+        for (int c = 0; c + 1 < (int)(sizeof(cuts) / sizeof(cuts[0])); c++) {
+            x.r0 = cuts[c];
+            x.r1 = cuts[c + 1];
+            x.staged = c > 0;
+            CHECK(kern_gemm_packed_amx(&x));
+        }
+        differ += memcmp(want, got, (size_t)T * PROWS * sizeof(float)) != 0;
+        /* accumulate mode on both */
+        for (int i = 0; i < T * PROWS; i++)
+            want[i] = got[i] = 0.5f;
+        v.add = x.add = true;
+        x.r0 = 0;
+        x.r1 = PROWS;
+        x.staged = false;
+        CHECK(kern_gemm_packed_vnni(&v));
+        CHECK(kern_gemm_packed_amx(&x));
+        differ += memcmp(want, got, (size_t)T * PROWS * sizeof(float)) != 0;
+    }
+    /* the dispatch: tile products from KERN_AMX_MIN_T tokens, the same bits either way */
+    struct kern_gemm_args d = g;
+    d.T = KERN_AMX_MIN_T + 3;
+    d.out = got;
+    kern_amx_set(false);
+    run(&d, KERN_ISA_AVX512VNNI, d.T, 0, PROWS, want);
+    kern_amx_set(true);
+    run(&d, KERN_ISA_AVX512VNNI, d.T, 0, PROWS, got);
+    differ += memcmp(want, got, (size_t)d.T * PROWS * sizeof(float)) != 0;
+    if (differ)
+        fprintf(stderr, "%s AMX, n=%lld: %d comparisons differ from AVX-512 VNNI\n", kern_type_info(wtype)->name,
+                (long long)n, differ);
+    CHECK_INT(differ, 0);
+    kern_pack_free(&pk);
+    free(scratch); free(wf); free(af); free(w); free(act);
+}
+#endif
+
 int main(void)
 {
     srand(3);
@@ -295,6 +373,26 @@ int main(void)
             check_packed(KERN_Q6_K, 768, paths[i].isa, paths[i].vnni256);
         }
         kern_avxvnni_set(true);
+#if defined(__x86_64__)
+        if (kern_amx_available()) {
+            fprintf(stderr, "packed products: AMX tiles\n");
+            /* the configuration the products load is the one the tiles hold */
+            CHECK(kern_amx_config_check());
+            CHECK(kern_amx_set(true));
+            check_amx(KERN_Q4_1, 576);
+            check_amx(KERN_Q4_1, 32);
+            check_amx(KERN_Q8_0, 1536);
+            check_amx(KERN_Q8_0, 96);
+            check_amx(KERN_Q5_0, 640);
+            check_amx(KERN_Q4_0, 576);
+            check_amx(KERN_Q4_K, 512);
+            check_amx(KERN_Q5_K, 256);
+            check_amx(KERN_Q6_K, 768);
+        } else {
+            fprintf(stderr, "note: no AMX on this CPU (or the OS refused the tile data); the AVX-512 path serves\n");
+            CHECK(!kern_amx_set(true) && !kern_amx());
+        }
+#endif
         /* types without a packed form, and odd lengths, are left in place */
         uint8_t w[256] = { 0 };
         struct kern_packed *kp = kern_pack(KERN_Q4_K, w, kern_row_bytes(KERN_Q4_K, 256), 1, 256);

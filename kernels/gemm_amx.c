@@ -1,0 +1,265 @@
+/*
+ * gemm_amx.c - the packed products on AMX tiles (AMX-TILE + AMX-INT8).
+ *
+ * The packed layout (gemm.h) stores a block of 32 values of 16 rows as 64-byte
+ * slices holding four codes of each row: exactly the B operand of a tile dot
+ * product (K/4 rows of 16 four-byte groups). One TDPBSUD multiplies 16 tokens'
+ * signed activation bytes (A: 16 rows of 32 bytes, from the staged
+ * activations) with a block of 16 weight rows' unsigned codes, and leaves the
+ * 16 x 16 exact int32 sums of the block in a tile: the same integers the
+ * vpdpbusd path makes, lane for lane. The float epilogue is the AVX-512 VNNI
+ * path's, in the same order (pk_tile in gemm_avx512.c): per block and part
+ *   f = fma(float(isum + bias), d_w * d_a, f), then with mins f = fma(m_w, s_a, f)
+ * so this path gives that path's bits, whatever the batch or the row range.
+ *
+ * Nibble layouts (Q4_1, Q4_K) are widened to bytes once per group of 16 rows
+ * and call, into the scratch, and then meet every token of the call. Q6_K's
+ * two 16-value parts each take a product of K = 16.
+ *
+ * The tile configuration is loaded with our own ldtilecfg statement, whose
+ * memory operand is the whole 64-byte configuration: GCC 12's
+ * _tile_loadconfig names only its first 8 bytes, so the compiler may drop the
+ * stores that fill the rest. kern_amx_config_check() reads the configuration
+ * back (tests). The tile operations are written out as statements too, with
+ * memory clobbers, so that the compiler orders them against the staging
+ * stores and the epilogue's loads. Only called after kern_amx() has checked
+ * the CPU and obtained the kernel's permission for the tile data.
+ */
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu.h"
+#include "gemm.h"
+#include "gemm_pk.inc"
+
+/* Tiles: 0 and 1 the sums (two steps in flight), 2 and 3 activations, 4 and 5 codes. */
+struct amx_cfg {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64)));
+
+_Static_assert(sizeof(struct amx_cfg) == 64, "the tile configuration is 64 bytes");
+
+#define TILE_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::: "memory")
+#define TILE_LOAD(t, base, stride) \
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"((long)(stride)) : "memory")
+#define TILE_STORE(t, base, stride) \
+    __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"((long)(stride)) : "memory")
+/* dst += src1 (signed bytes) . src2 (unsigned bytes) */
+#define TILE_DPBSUD(dst, src1, src2) \
+    __asm__ volatile("tdpbsud %%tmm" #src2 ", %%tmm" #src1 ", %%tmm" #dst ::: "memory")
+
+/* The configuration for products of kbytes codes per step (32, or 16 for Q6_K's parts). */
+static void cfg_make(struct amx_cfg *c, int kbytes)
+{
+    memset(c, 0, sizeof(*c));
+    c->palette = 1;
+    for (int t = 0; t < 2; t++) {
+        c->rows[t] = 16;
+        c->colsb[t] = 64;
+    }
+    for (int t = 2; t < 4; t++) {
+        c->rows[t] = 16;
+        c->colsb[t] = (uint16_t)kbytes;
+    }
+    for (int t = 4; t < 6; t++) {
+        c->rows[t] = (uint8_t)(kbytes / 4);
+        c->colsb[t] = 64;
+    }
+}
+
+static inline void cfg_load(const struct amx_cfg *c)
+{
+    __asm__ volatile("ldtilecfg %0" ::"m"(*c));
+}
+
+static inline void cfg_store(struct amx_cfg *c)
+{
+    __asm__ volatile("sttilecfg %0" : "=m"(*c));
+}
+
+/* The configuration this thread's tiles hold (kbytes, 0: unknown): loading
+ * it again for every call of a chunked product costs more than the check. */
+static __thread int loaded_kbytes;
+
+static void cfg_ensure(int kbytes)
+{
+    if (loaded_kbytes == kbytes)
+        return;
+    struct amx_cfg c;
+    cfg_make(&c, kbytes);
+    cfg_load(&c);
+    loaded_kbytes = kbytes;
+}
+
+bool kern_amx_config_check(void)
+{
+    struct amx_cfg want, got;
+    bool ok = true;
+    for (int kbytes = 16; kbytes <= 32; kbytes += 16) {
+        cfg_make(&want, kbytes);
+        cfg_load(&want);
+        memset(&got, 0xA5, sizeof(got));
+        cfg_store(&got);
+        ok = ok && memcmp(&want, &got, sizeof(got)) == 0;
+    }
+    __asm__ volatile("tilerelease" ::: "memory");
+    loaded_kbytes = 0;
+    return ok;
+}
+
+/* Lanes of group gi inside the rows [r0, r1). */
+static __mmask16 amx_mask(long gi, long r0, long r1)
+{
+    long lo = gi * KERN_PACK_ROWS, hi = lo + KERN_PACK_ROWS;
+    lo = lo > r0 ? lo : r0;
+    hi = hi < r1 ? hi : r1;
+    if (hi <= lo)
+        return 0;
+    const unsigned width = (unsigned)(hi - lo), shift = (unsigned)(lo - gi * KERN_PACK_ROWS);
+    return (__mmask16)(((1u << width) - 1u) << shift);
+}
+
+/* Step s of a group (block s / parts, part s % parts) for tokens [t0, t0 + M):
+ * the int32 sums in c (16 tokens x 16 rows) folded into f. */
+static inline __attribute__((always_inline)) void
+epilogue(const uint32_t K, const int M, const uint8_t *g, const struct pk_acts *A, int t0, int64_t s,
+         const int32_t *c, __m512 *f)
+{
+    const int parts = kern_pk_parts(K);
+    const int64_t nb = A->nb, b = s / parts;
+    const int part = (int)(s % parts);
+    const bool f32 = kern_pk_f32(K);
+    const size_t cb = kern_pk_code_bytes(K), sb = kern_pk_scale_bytes(K), mb = kern_pk_min_bytes(K);
+    const uint8_t *sc = g + (size_t)nb * cb + (size_t)b * sb;
+    const __m512 dw = f32 ? _mm512_load_ps((const void *)(sc + 64 * part))
+                          : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)sc));
+    for (int m = 0; m < M; m++) {
+        const size_t tb = (size_t)(t0 + m) * nb + b;
+        __m512i acc = _mm512_load_si512((const void *)(c + 16 * m));
+        if (K == KERN_Q8_0)
+            acc = _mm512_add_epi32(acc, _mm512_set1_epi32(((const int32_t *)A->sa)[tb]));
+        else if (K == KERN_Q6_K)
+            acc = _mm512_add_epi32(acc, _mm512_set1_epi32(A->b16[(size_t)(t0 + m) * 2 * nb + 2 * b + part]));
+        f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(dw, _mm512_set1_ps(A->da[tb])), f[m]);
+    }
+    if (kern_pk_mins(K) && part == parts - 1) {
+        const uint8_t *mn = g + (size_t)nb * (cb + sb) + (size_t)b * mb;
+        const __m512 mw = f32 ? _mm512_load_ps((const void *)mn)
+                              : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)mn));
+        for (int m = 0; m < M; m++)
+            f[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(((const float *)A->sa)[(size_t)(t0 + m) * nb + b]), f[m]);
+    }
+}
+
+/* One group of 16 rows (packed data g, codes as bytes at q: 512 per block)
+ * against tokens [t0, t0 + M). The tile steps go two at a time, so that the
+ * tile unit computes step s + 1 while the vector unit folds step s. */
+static inline __attribute__((always_inline)) void
+amx_tile(const uint32_t K, const int M, const uint8_t *g, const uint8_t *q, const struct pk_acts *A, int t0,
+         int32_t *cbuf, float *out, size_t ldo, __mmask16 mask, bool add)
+{
+    const int parts = kern_pk_parts(K);
+    const int64_t n = A->n, steps = A->nb * parts;
+    const int kb = 32 / parts;  /* code bytes a step */
+    const int8_t *a = A->av + (size_t)t0 * n;
+    __m512 f[16];
+    for (int m = 0; m < 16; m++)
+        f[m] = _mm512_setzero_ps();
+    int32_t *c0 = cbuf, *c1 = cbuf + 256;
+    TILE_ZERO(0);
+    TILE_LOAD(2, a, n);
+    TILE_LOAD(4, q, 64);
+    TILE_DPBSUD(0, 2, 4);
+    for (int64_t s = 0; s < steps; s += 2) {
+        if (s + 1 < steps) {
+            TILE_ZERO(1);
+            TILE_LOAD(3, a + kb * (s + 1), n);
+            TILE_LOAD(5, q + 16 * kb * (s + 1), 64);
+            TILE_DPBSUD(1, 3, 5);
+        }
+        TILE_STORE(0, c0, 64);
+        epilogue(K, M, g, A, t0, s, c0, f);
+        if (s + 2 < steps) {
+            TILE_ZERO(0);
+            TILE_LOAD(2, a + kb * (s + 2), n);
+            TILE_LOAD(4, q + 16 * kb * (s + 2), 64);
+            TILE_DPBSUD(0, 2, 4);
+        }
+        if (s + 1 < steps) {
+            TILE_STORE(1, c1, 64);
+            epilogue(K, M, g, A, t0, s + 1, c1, f);
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        float *o = out + (size_t)(t0 + m) * ldo;
+        __m512 v = f[m];
+        if (add)
+            v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), v);
+        _mm512_mask_storeu_ps(o, mask, v);
+    }
+}
+
+/* Group g's nibble codes (Q4_1, Q4_K: slice j holds values 4j.. low, 16 + 4j.. high)
+ * as bytes in the B layout: per block, slices 0-3 the low nibbles, 4-7 the high. */
+static void widen(const uint8_t *g, int64_t nb, uint8_t *q)
+{
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++)
+        for (int j = 0; j < 4; j++) {
+            const __m512i v = _mm512_load_si512((const void *)(g + (size_t)b * 256 + 64 * j));
+            _mm512_store_si512((void *)(q + (size_t)b * 512 + 64 * j), _mm512_and_si512(v, low));
+            _mm512_store_si512((void *)(q + (size_t)b * 512 + 64 * (4 + j)),
+                               _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+        }
+}
+
+static void amx_group(const uint32_t K, const uint8_t *g, const uint8_t *q, const struct pk_acts *A, int T,
+                      int32_t *cbuf, float *out, size_t ldo, __mmask16 mask, bool add)
+{
+    int t0 = 0;
+    for (; t0 + 16 <= T; t0 += 16)
+        amx_tile(K, 16, g, q, A, t0, cbuf, out, ldo, mask, add);
+    if (t0 < T)  /* the staged activations have rows up to a multiple of 16 */
+        amx_tile(K, T - t0, g, q, A, t0, cbuf, out, ldo, mask, add);
+}
+
+bool kern_gemm_packed_amx(const struct kern_gemm_args *a)
+{
+    if (!pk_usable(a))
+        return false;
+    const struct kern_packed *pk = a->packed;
+    const uint32_t K = pk->wtype;
+    if (K != KERN_Q4_1 && K != KERN_Q8_0 && K != KERN_Q4_K && K != KERN_Q5_K && K != KERN_Q6_K)
+        return false;
+    struct pk_acts A;
+    pk_stage(a, true, &A);
+    const bool nib = kern_pk_nibbles(K);
+    uint8_t *q = pk_align64(A.rest);  /* a group's codes widened to bytes */
+    int32_t *cbuf = (int32_t *)pk_align64(q + (nib ? (size_t)A.nb * 512 : 0));
+    cfg_ensure(32 / kern_pk_parts(K));
+    const size_t gs = pk->group_bytes;
+    const long g_end = (a->r1 + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
+    for (long gi = a->r0 / KERN_PACK_ROWS; gi < g_end; gi++) {
+        const uint8_t *g = pk->data + (size_t)gi * gs;
+        if (nib)
+            widen(g, A.nb, q);
+        const __mmask16 mask = amx_mask(gi, a->r0, a->r1);
+        float *o = a->out + (size_t)gi * KERN_PACK_ROWS;
+        switch (K) {
+        case KERN_Q4_1: amx_group(KERN_Q4_1, g, q, &A, a->T, cbuf, o, a->ldo, mask, a->add); break;
+        case KERN_Q8_0: amx_group(KERN_Q8_0, g, g, &A, a->T, cbuf, o, a->ldo, mask, a->add); break;
+        case KERN_Q4_K: amx_group(KERN_Q4_K, g, q, &A, a->T, cbuf, o, a->ldo, mask, a->add); break;
+        case KERN_Q5_K: amx_group(KERN_Q5_K, g, g, &A, a->T, cbuf, o, a->ldo, mask, a->add); break;
+        default: amx_group(KERN_Q6_K, g, g, &A, a->T, cbuf, o, a->ldo, mask, a->add); break;
+        }
+    }
+    return true;
+}
+#endif
