@@ -46,14 +46,29 @@ struct amx_cfg {
 
 _Static_assert(sizeof(struct amx_cfg) == 64, "the tile configuration is 64 bytes");
 
-#define TILE_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::: "memory")
-#define TILE_LOAD(t, base, stride) \
-    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"((long)(stride)) : "memory")
-#define TILE_STORE(t, base, stride) \
-    __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"((long)(stride)) : "memory")
-/* dst += src1 (signed bytes) . src2 (unsigned bytes) */
+/* Loads name no memory: the product calls mem_barrier() after writing what
+ * they read (its accumulators then stay in registers); a store names the
+ * 1 KiB it writes, which the epilogue reads. */
+#define TILE_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
+#define TILE_LOAD(t, base, stride) __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"((long)(stride)))
+#define TILE_STORE(t, c) \
+    __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)" : "=m"(*(int32_t(*)[256])(c)) : "r"(c), "r"(64L))
+/* dst += src1 (signed bytes) . src2 (unsigned bytes, or signed with TILE_DPBSSD) */
 #define TILE_DPBSUD(dst, src1, src2) \
-    __asm__ volatile("tdpbsud %%tmm" #src2 ", %%tmm" #src1 ", %%tmm" #dst ::: "memory")
+    __asm__ volatile("tdpbsud %%tmm" #src2 ", %%tmm" #src1 ", %%tmm" #dst ::)
+#define TILE_DPBSSD(dst, src1, src2) \
+    __asm__ volatile("tdpbssd %%tmm" #src2 ", %%tmm" #src1 ", %%tmm" #dst ::)
+static inline void mem_barrier(void) { __asm__ volatile("" ::: "memory"); }
+/* Q8_0's and Q6_K's codes meet the activations signed (their stored bias
+ * taken off once per group): the sums are the vector path's after its bias
+ * term, with nothing to add per token */
+#define TILE_DP(K, dst, src1, src2)                                                            \
+    do {                                                                                       \
+        if ((K) == KERN_Q8_0 || (K) == KERN_Q6_K)                                              \
+            TILE_DPBSSD(dst, src1, src2);                                                      \
+        else                                                                                   \
+            TILE_DPBSUD(dst, src1, src2);                                                      \
+    } while (0)
 
 /* The configuration for products of kbytes codes per step (32, or 16 for Q6_K's parts). */
 static void cfg_make(struct amx_cfg *c, int kbytes)
@@ -126,35 +141,51 @@ static __mmask16 amx_mask(long gi, long r0, long r1)
     return (__mmask16)(((1u << width) - 1u) << shift);
 }
 
+/* The activations' scales d_a and min terms s_a per tile of 16 tokens, block
+ * by block: dt[(tile * nb + b) * 16 + m], one line per block. */
+struct amx_scales {
+    const float *dt, *st;
+};
+
+static void amx_transpose(const struct pk_acts *A, int T, bool mins, float *dt, float *st)
+{
+    const int64_t nb = A->nb;
+    for (int t = 0; t < T; t++)
+        for (int64_t b = 0; b < nb; b++) {
+            const size_t at = ((size_t)(t / 16) * nb + b) * 16 + t % 16;
+            dt[at] = A->da[(size_t)t * nb + b];
+            if (mins)
+                st[at] = ((const float *)A->sa)[(size_t)t * nb + b];
+        }
+}
+
 /* Step s of a group (block s / parts, part s % parts) for tokens [t0, t0 + M):
  * the int32 sums in c (16 tokens x 16 rows) folded into f. */
 static inline __attribute__((always_inline)) void
-epilogue(const uint32_t K, const int M, const uint8_t *g, const struct pk_acts *A, int t0, int64_t s,
-         const int32_t *c, __m512 *f)
+epilogue(const uint32_t K, const int M, const uint8_t *g, const struct pk_acts *A, const struct amx_scales *S,
+         int t0, int64_t s, const int32_t *c, __m512 *f)
 {
     const int parts = kern_pk_parts(K);
     const int64_t nb = A->nb, b = s / parts;
+    const float *dt = S->dt + ((size_t)(t0 / 16) * nb + b) * 16, *st = S->st + ((size_t)(t0 / 16) * nb + b) * 16;
     const int part = (int)(s % parts);
     const bool f32 = kern_pk_f32(K);
     const size_t cb = kern_pk_code_bytes(K), sb = kern_pk_scale_bytes(K), mb = kern_pk_min_bytes(K);
     const uint8_t *sc = g + (size_t)nb * cb + (size_t)b * sb;
     const __m512 dw = f32 ? _mm512_load_ps((const void *)(sc + 64 * part))
                           : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)sc));
+#pragma GCC unroll 16
     for (int m = 0; m < M; m++) {
-        const size_t tb = (size_t)(t0 + m) * nb + b;
-        __m512i acc = _mm512_load_si512((const void *)(c + 16 * m));
-        if (K == KERN_Q8_0)
-            acc = _mm512_add_epi32(acc, _mm512_set1_epi32(((const int32_t *)A->sa)[tb]));
-        else if (K == KERN_Q6_K)
-            acc = _mm512_add_epi32(acc, _mm512_set1_epi32(A->b16[(size_t)(t0 + m) * 2 * nb + 2 * b + part]));
-        f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(dw, _mm512_set1_ps(A->da[tb])), f[m]);
+        const __m512i acc = _mm512_load_si512((const void *)(c + 16 * m));
+        f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(dw, _mm512_set1_ps(dt[m])), f[m]);
     }
     if (kern_pk_mins(K) && part == parts - 1) {
         const uint8_t *mn = g + (size_t)nb * (cb + sb) + (size_t)b * mb;
         const __m512 mw = f32 ? _mm512_load_ps((const void *)mn)
                               : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)mn));
+#pragma GCC unroll 16
         for (int m = 0; m < M; m++)
-            f[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(((const float *)A->sa)[(size_t)(t0 + m) * nb + b]), f[m]);
+            f[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(st[m]), f[m]);
     }
 }
 
@@ -162,7 +193,8 @@ epilogue(const uint32_t K, const int M, const uint8_t *g, const struct pk_acts *
  * against tokens [t0, t0 + M). The tile steps go two at a time, so that the
  * tile unit computes step s + 1 while the vector unit folds step s. */
 static inline __attribute__((always_inline)) void
-amx_tile(const uint32_t K, const int M, const uint8_t *g, const uint8_t *q, const struct pk_acts *A, int t0,
+amx_tile(const uint32_t K, const int M, const uint8_t *g, const uint8_t *q, const struct pk_acts *A,
+         const struct amx_scales *S, int t0,
          int32_t *cbuf, float *out, size_t ldo, __mmask16 mask, bool add)
 {
     const int parts = kern_pk_parts(K);
@@ -170,33 +202,35 @@ amx_tile(const uint32_t K, const int M, const uint8_t *g, const uint8_t *q, cons
     const int kb = 32 / parts;  /* code bytes a step */
     const int8_t *a = A->av + (size_t)t0 * n;
     __m512 f[16];
+#pragma GCC unroll 16
     for (int m = 0; m < 16; m++)
         f[m] = _mm512_setzero_ps();
     int32_t *c0 = cbuf, *c1 = cbuf + 256;
     TILE_ZERO(0);
     TILE_LOAD(2, a, n);
     TILE_LOAD(4, q, 64);
-    TILE_DPBSUD(0, 2, 4);
+    TILE_DP(K, 0, 2, 4);
     for (int64_t s = 0; s < steps; s += 2) {
         if (s + 1 < steps) {
             TILE_ZERO(1);
             TILE_LOAD(3, a + kb * (s + 1), n);
             TILE_LOAD(5, q + 16 * kb * (s + 1), 64);
-            TILE_DPBSUD(1, 3, 5);
+            TILE_DP(K, 1, 3, 5);
         }
-        TILE_STORE(0, c0, 64);
-        epilogue(K, M, g, A, t0, s, c0, f);
+        TILE_STORE(0, c0);
+        epilogue(K, M, g, A, S, t0, s, c0, f);
         if (s + 2 < steps) {
             TILE_ZERO(0);
             TILE_LOAD(2, a + kb * (s + 2), n);
             TILE_LOAD(4, q + 16 * kb * (s + 2), 64);
-            TILE_DPBSUD(0, 2, 4);
+            TILE_DP(K, 0, 2, 4);
         }
         if (s + 1 < steps) {
-            TILE_STORE(1, c1, 64);
-            epilogue(K, M, g, A, t0, s + 1, c1, f);
+            TILE_STORE(1, c1);
+            epilogue(K, M, g, A, S, t0, s + 1, c1, f);
         }
     }
+#pragma GCC unroll 16
     for (int m = 0; m < M; m++) {
         float *o = out + (size_t)(t0 + m) * ldo;
         __m512 v = f[m];
@@ -204,6 +238,14 @@ amx_tile(const uint32_t K, const int M, const uint8_t *g, const uint8_t *q, cons
             v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, o), v);
         _mm512_mask_storeu_ps(o, mask, v);
     }
+}
+
+/* Group g's byte codes with their stored bias taken off (Q8_0's + 128, Q6_K's + 32). */
+static void unbias(const uint8_t *g, int64_t nb, uint8_t bias, uint8_t *q)
+{
+    const __m512i v = _mm512_set1_epi8((char)bias);
+    for (size_t o = 0; o < (size_t)nb * 512; o += 64)
+        _mm512_store_si512((void *)(q + o), _mm512_sub_epi8(_mm512_load_si512((const void *)(g + o)), v));
 }
 
 /* Group g's nibble codes (Q4_1, Q4_K: slice j holds values 4j.. low, 16 + 4j.. high)
@@ -220,14 +262,16 @@ static void widen(const uint8_t *g, int64_t nb, uint8_t *q)
         }
 }
 
-static void amx_group(const uint32_t K, const uint8_t *g, const uint8_t *q, const struct pk_acts *A, int T,
+static inline __attribute__((always_inline)) void
+amx_group(const uint32_t K, const uint8_t *g, const uint8_t *q, const struct pk_acts *A, const struct amx_scales *S,
+          int T,
                       int32_t *cbuf, float *out, size_t ldo, __mmask16 mask, bool add)
 {
     int t0 = 0;
     for (; t0 + 16 <= T; t0 += 16)
-        amx_tile(K, 16, g, q, A, t0, cbuf, out, ldo, mask, add);
+        amx_tile(K, 16, g, q, A, S, t0, cbuf, out, ldo, mask, add);
     if (t0 < T)  /* the staged activations have rows up to a multiple of 16 */
-        amx_tile(K, T - t0, g, q, A, t0, cbuf, out, ldo, mask, add);
+        amx_tile(K, T - t0, g, q, A, S, t0, cbuf, out, ldo, mask, add);
 }
 
 bool kern_gemm_packed_amx(const struct kern_gemm_args *a)
@@ -239,10 +283,14 @@ bool kern_gemm_packed_amx(const struct kern_gemm_args *a)
     if (K != KERN_Q4_1 && K != KERN_Q8_0 && K != KERN_Q4_K && K != KERN_Q5_K && K != KERN_Q6_K)
         return false;
     struct pk_acts A;
-    pk_stage(a, true, &A);
+    pk_stage(a, false, &A);
     const bool nib = kern_pk_nibbles(K);
     uint8_t *q = pk_align64(A.rest);  /* a group's codes widened to bytes */
-    int32_t *cbuf = (int32_t *)pk_align64(q + (nib ? (size_t)A.nb * 512 : 0));
+    int32_t *cbuf = (int32_t *)pk_align64(q + (size_t)A.nb * 512);
+    float *dt = (float *)pk_align64((uint8_t *)(cbuf + 512));
+    float *st = (float *)pk_align64((uint8_t *)(dt + (size_t)(a->T + 15) / 16 * 16 * A.nb));
+    amx_transpose(&A, a->T, kern_pk_mins(K), dt, st);
+    const struct amx_scales S = { dt, st };
     cfg_ensure(32 / kern_pk_parts(K));
     const size_t gs = pk->group_bytes;
     const long g_end = (a->r1 + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
@@ -250,14 +298,17 @@ bool kern_gemm_packed_amx(const struct kern_gemm_args *a)
         const uint8_t *g = pk->data + (size_t)gi * gs;
         if (nib)
             widen(g, A.nb, q);
+        else if (K == KERN_Q8_0 || K == KERN_Q6_K)
+            unbias(g, A.nb, K == KERN_Q8_0 ? 128 : 32, q);
+        mem_barrier();  /* the tile loads read what staging and widening wrote */
         const __mmask16 mask = amx_mask(gi, a->r0, a->r1);
         float *o = a->out + (size_t)gi * KERN_PACK_ROWS;
         switch (K) {
-        case KERN_Q4_1: amx_group(KERN_Q4_1, g, q, &A, a->T, cbuf, o, a->ldo, mask, a->add); break;
-        case KERN_Q8_0: amx_group(KERN_Q8_0, g, g, &A, a->T, cbuf, o, a->ldo, mask, a->add); break;
-        case KERN_Q4_K: amx_group(KERN_Q4_K, g, q, &A, a->T, cbuf, o, a->ldo, mask, a->add); break;
-        case KERN_Q5_K: amx_group(KERN_Q5_K, g, g, &A, a->T, cbuf, o, a->ldo, mask, a->add); break;
-        default: amx_group(KERN_Q6_K, g, g, &A, a->T, cbuf, o, a->ldo, mask, a->add); break;
+        case KERN_Q4_1: amx_group(KERN_Q4_1, g, q, &A, &S, a->T, cbuf, o, a->ldo, mask, a->add); break;
+        case KERN_Q8_0: amx_group(KERN_Q8_0, g, q, &A, &S, a->T, cbuf, o, a->ldo, mask, a->add); break;
+        case KERN_Q4_K: amx_group(KERN_Q4_K, g, q, &A, &S, a->T, cbuf, o, a->ldo, mask, a->add); break;
+        case KERN_Q5_K: amx_group(KERN_Q5_K, g, g, &A, &S, a->T, cbuf, o, a->ldo, mask, a->add); break;
+        default: amx_group(KERN_Q6_K, g, q, &A, &S, a->T, cbuf, o, a->ldo, mask, a->add); break;
         }
     }
     return true;
