@@ -12,10 +12,14 @@
  *                          widest integer dot-product instruction the engine
  *                          uses (512-bit VNNI dpbusd, else AVX2 maddubs+madd);
  *                          multiply-adds / time, times N threads
+ *   AMX tile peak          where the products use AMX: one thread, tdpbssd
+ *                          into four independent tiles of sums, with K = 64
+ *                          (the instruction's whole depth) and K = 32 (one
+ *                          32-value block a product, as the engine's steps)
  *
  * With -m MODEL it loads the model as the engine does (packed weights),
  * times the engine's own product on each of the model's matrix shapes (one
- * thread, 1, 8 and 32 tokens; its share of the peak is taken in short rounds
+ * thread, 1, 8, 32 and 128 tokens; its share of the peak is taken in short rounds
  * that alternate with bursts of the peak loop, the median of seven), and prints the floors of a decode step: batch 1 cannot beat
  * (weight bytes read) / bandwidth, and batch B cannot beat
  * B x (multiply-adds per token) / peak, whatever the code around them does.
@@ -47,6 +51,9 @@
 #include "model.h"
 #include "quant.h"
 #include "types.h"
+
+#define KVD_STR_(x) #x
+#define KVD_STR(x) KVD_STR_(x)
 
 static double now_s(void)
 {
@@ -216,6 +223,46 @@ __attribute__((target("avx2,avxvnni"))) static double peak_avxvnni(long iters)
     (void)sink;
     return (double)iters * CHAINS * 32 / t / 1e9;
 }
+#endif
+
+#if defined(__x86_64__)
+/* tdpbssd into tiles 0-3 from tiles 4 (16 x kbytes) and 5 (kbytes/4 x 64):
+ * 16 x 16 x kbytes multiply-adds an instruction, four chains. */
+static double peak_amx_k(long iters, int kbytes)
+{
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((aligned(64))) cfg;
+    static int8_t src[2][1024] __attribute__((aligned(64)));
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    cfg.rows[4] = 16;
+    cfg.colsb[4] = (uint16_t)kbytes;
+    cfg.rows[5] = (uint8_t)(kbytes / 4);
+    cfg.colsb[5] = 64;
+    memset(src, 1, sizeof(src));
+    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+    __asm__ volatile("tilezero %%tmm0\n\ttilezero %%tmm1\n\ttilezero %%tmm2\n\ttilezero %%tmm3" ::);
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm4" ::"r"(src[0]), "r"(64L) : "memory");
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm5" ::"r"(src[1]), "r"(64L) : "memory");
+    const double t0 = now_s();
+    for (long k = 0; k < iters; k++)
+        __asm__ volatile("tdpbssd %%tmm5, %%tmm4, %%tmm0\n\t"
+                         "tdpbssd %%tmm5, %%tmm4, %%tmm1\n\t"
+                         "tdpbssd %%tmm5, %%tmm4, %%tmm2\n\t"
+                         "tdpbssd %%tmm5, %%tmm4, %%tmm3" ::);
+    const double t = now_s() - t0;
+    __asm__ volatile("tilerelease" ::: "memory");
+    return (double)iters * 4 * 16 * 16 * kbytes / t / 1e9;
+}
+
+static double peak_amx(long iters) { return peak_amx_k(iters, 64); }
 #endif
 
 /* One thread timing the engine's own product (kern_gemm, packed where the
@@ -506,6 +553,16 @@ int main(int argc, char **argv)
     }
     if (peak_fn != NULL)
         peak = peak_fn(20000000);
+    /* the AMX tiles, where the products of KERN_AMX_MIN_T tokens and more use them */
+    double amx_peak = 0, amx_block = 0;
+    const bool amx = !bandwidth_only && kern_isa() >= KERN_ISA_AVX512VNNI && kern_amx();
+    if (amx) {
+        amx_peak = peak_amx_k(2000000, 64);
+        amx_block = peak_amx_k(2000000, 32);
+    }
+#else
+    const bool amx = false;
+    const double amx_peak = 0, amx_block = 0;
 #endif
     model_t *m = NULL;
     double macs = 0, bytes = 96e6;
@@ -530,24 +587,39 @@ int main(int argc, char **argv)
     }
     printf("int8 dot product peak:  %.0f GMAC/s per thread (%s), %.0f GMAC/s for %d\n", peak, insn,
            peak * threads, threads);
+    if (amx)
+        printf("AMX tile peak:          %.0f GMAC/s per thread (tdpbssd, K = 64), %.0f at K = 32 (a block a "
+               "product); the products use it from %d tokens\n",
+               amx_peak, amx_block, KERN_AMX_MIN_T);
+    else
+        printf("AMX tile peak:          none (%s)\n",
+               kern_amx_available() ? "KVD_AMX=0 or a lower KVD_ISA" : "no AMX-INT8 on this CPU, or the OS refused the tile data");
     if (m == NULL)
         return 0;
     const double t_mem = bytes / (bw_ws * 1e9), t_mac = macs / (peak * threads * 1e9);
     const struct model_mat *shapes[] = { &m->layers[0].wq, &m->layers[0].wk, &m->layers[0].w_gate,
                                          &m->layers[0].w_down, &m->output };
-    printf("engine's product, 1 thread (GMAC/s, %% of the instruction's peak timed beside it):\n");
-    printf("  %-10s %-12s %10s %10s %10s\n", "weights", "shape", "T=1", "T=8", "T=32");
+    printf("engine's product, 1 thread (GMAC/s, %% of the peak of the instruction it uses, timed beside it%s):\n",
+           amx ? "; AMX tiles from " KVD_STR(KERN_AMX_MIN_T) " tokens" : "");
+    printf("  %-10s %-12s %10s %10s %10s %10s\n", "weights", "shape", "T=1", "T=8", "T=32", "T=128");
     double sum32 = 0, macs32 = 0;
     for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
         const struct model_mat *w = shapes[i];
-        double r[3], f[3];
-        const int Ts[3] = { 1, 8, 32 };
-        for (int k = 0; k < 3; k++)
+        double r[4], f[4];
+        const int Ts[4] = { 1, 8, 32, 128 };
+        for (int k = 0; k < 4; k++) {
+#if defined(__x86_64__)
+            const bool tiles = amx && Ts[k] >= KERN_AMX_MIN_T;
+            product_share(w, Ts[k], tiles ? peak_amx : peak_fn, tiles ? 200000 : 4000000, &r[k], &f[k]);
+#else
             product_share(w, Ts[k], peak_fn, 4000000, &r[k], &f[k]);
+#endif
+        }
         char shape[32];
         snprintf(shape, sizeof(shape), "%lldx%lld", (long long)w->rows, (long long)w->cols);
-        printf("  %-10s %-12s %5.0f %3.0f%% %5.0f %3.0f%% %5.0f %3.0f%%\n",
-               kern_type_info(w->type)->name, shape, r[0], 100 * f[0], r[1], 100 * f[1], r[2], 100 * f[2]);
+        printf("  %-10s %-12s %5.0f %3.0f%% %5.0f %3.0f%% %5.0f %3.0f%% %5.0f %3.0f%%\n",
+               kern_type_info(w->type)->name, shape, r[0], 100 * f[0], r[1], 100 * f[1], r[2], 100 * f[2], r[3],
+               100 * f[3]);
         const double wm = (double)w->rows * (double)w->cols;
         sum32 += wm / r[2];
         macs32 += wm;

@@ -476,7 +476,7 @@ def run_child(cmd, env=None):
 #: --kvd-paths: the environment that selects each kernel path (kernels/cpu.h), and the name
 #: kvd-run reports for it
 KVD_PATHS = {
-    "avx512vnni": {}, "i8mm": {},
+    "avx512vnni+amx": {}, "avx512vnni": {"KVD_AMX": "0"}, "i8mm": {},
     "avx2+avxvnni": {"KVD_ISA": "avx2"},
     "avx2": {"KVD_ISA": "avx2", "KVD_AVXVNNI": "0"},
     "neon": {"KVD_ISA": "neon"},
@@ -488,7 +488,7 @@ def run_kvd(a, path=None):
     cmd = [a.kvd, "-m", a.model, "--bench", "--bench-file", a.text, "-t", str(a.threads), "--json"]
     env = None
     if path is not None:
-        env = {k: v for k, v in os.environ.items() if k not in ("KVD_ISA", "KVD_AVXVNNI")}
+        env = {k: v for k, v in os.environ.items() if k not in ("KVD_ISA", "KVD_AVXVNNI", "KVD_AMX")}
         env.update(KVD_PATHS[path])
     p, cores, wall = run_child(cmd, env)
     if p.returncode != 0:

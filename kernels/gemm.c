@@ -15,12 +15,12 @@ size_t kern_gemm_scratch_bytes(int64_t n, int T)
      * scales; activations: T * n/32 scales and sums, n/32 offsets, T * n
      * bytes of values, T * n/64 pair-scale vectors of 16 floats; rounded up
      * per part to 64 bytes; for the AMX products the values of up to 15
-     * more tokens, a group's codes widened to bytes (16 n), two tiles of
+     * more tokens, two groups' codes as bytes (32 n), two tiles of
      * sums (2 KiB) and the activations' scales and mins by tile */
     size_t nb = (size_t)(n + 31) / 32;
     return (size_t)n + 64 + (size_t)n * 4 + 64 + (2 * nb + nb) * 4 + 192 +
            (size_t)T * nb * 8 + 128 + nb * 4 + 64 + (size_t)T * (size_t)n + 64 +
-           (size_t)T * nb * 32 + 64 + 15 * (size_t)n + 16 * (size_t)n + 2048 + 128 +
+           (size_t)T * nb * 32 + 64 + 15 * (size_t)n + 32 * (size_t)n + 2048 + 128 +
            ((size_t)T + 15) * nb * 8 + 128;
 }
 

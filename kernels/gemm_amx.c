@@ -190,8 +190,8 @@ epilogue(const uint32_t K, const int M, const uint8_t *g, const struct pk_acts *
 }
 
 /* One group of 16 rows (packed data g, codes as bytes at q: 512 per block)
- * against tokens [t0, t0 + M). The tile steps go two at a time, so that the
- * tile unit computes step s + 1 while the vector unit folds step s. */
+ * against tokens [t0, t0 + M), a step (a block, or a part of Q6_K's) at a
+ * time. */
 static inline __attribute__((always_inline)) void
 amx_tile(const uint32_t K, const int M, const uint8_t *g, const uint8_t *q, const struct pk_acts *A,
          const struct amx_scales *S, int t0,
@@ -206,29 +206,31 @@ amx_tile(const uint32_t K, const int M, const uint8_t *g, const uint8_t *q, cons
     for (int m = 0; m < 16; m++)
         f[m] = _mm512_setzero_ps();
     int32_t *c0 = cbuf, *c1 = cbuf + 256;
-    TILE_ZERO(0);
-    TILE_LOAD(2, a, n);
-    TILE_LOAD(4, q, 64);
-    TILE_DP(K, 0, 2, 4);
-    for (int64_t s = 0; s < steps; s += 2) {
+    /* Step s (tiles 0 or 1, by parity) goes through three stages a step
+     * apart: its product; the store of its sums, once the product is done;
+     * their fold into f, once the store has landed: neither the store nor
+     * the loads wait on the stage before. */
+    for (int64_t s = 0; s < steps + 2; s += 2) {
+        if (s < steps) {
+            TILE_ZERO(0);
+            TILE_LOAD(2, a + kb * s, n);
+            TILE_LOAD(4, q + 16 * kb * s, 64);
+            TILE_DP(K, 0, 2, 4);
+        }
+        if (s >= 2 && s - 1 < steps)
+            TILE_STORE(1, c1);
+        if (s >= 2)
+            epilogue(K, M, g, A, S, t0, s - 2, c0, f);
         if (s + 1 < steps) {
             TILE_ZERO(1);
             TILE_LOAD(3, a + kb * (s + 1), n);
             TILE_LOAD(5, q + 16 * kb * (s + 1), 64);
             TILE_DP(K, 1, 3, 5);
         }
-        TILE_STORE(0, c0);
-        epilogue(K, M, g, A, S, t0, s, c0, f);
-        if (s + 2 < steps) {
-            TILE_ZERO(0);
-            TILE_LOAD(2, a + kb * (s + 2), n);
-            TILE_LOAD(4, q + 16 * kb * (s + 2), 64);
-            TILE_DP(K, 0, 2, 4);
-        }
-        if (s + 1 < steps) {
-            TILE_STORE(1, c1);
-            epilogue(K, M, g, A, S, t0, s + 1, c1, f);
-        }
+        if (s < steps)
+            TILE_STORE(0, c0);
+        if (s >= 2 && s - 1 < steps)
+            epilogue(K, M, g, A, S, t0, s - 1, c1, f);
     }
 #pragma GCC unroll 16
     for (int m = 0; m < M; m++) {
@@ -262,16 +264,30 @@ static void widen(const uint8_t *g, int64_t nb, uint8_t *q)
         }
 }
 
+/* Groups of 16 rows a batch: their codes (as bytes, 512 per block) are made
+ * ready once, then each tile of 16 tokens meets them all, its activations
+ * staying in L1 (the other order reads every token's activations from L2
+ * for each group). */
+#define AMX_BATCH 2
+
+struct amx_batch {
+    int n;
+    const uint8_t *g[AMX_BATCH], *q[AMX_BATCH];  /* packed groups, their codes as bytes */
+    float *out[AMX_BATCH];
+    __mmask16 mask[AMX_BATCH];
+};
+
 static inline __attribute__((always_inline)) void
-amx_group(const uint32_t K, const uint8_t *g, const uint8_t *q, const struct pk_acts *A, const struct amx_scales *S,
-          int T,
-                      int32_t *cbuf, float *out, size_t ldo, __mmask16 mask, bool add)
+amx_run(const uint32_t K, const struct amx_batch *B, const struct pk_acts *A, const struct amx_scales *S, int T,
+        int32_t *cbuf, size_t ldo, bool add)
 {
     int t0 = 0;
     for (; t0 + 16 <= T; t0 += 16)
-        amx_tile(K, 16, g, q, A, S, t0, cbuf, out, ldo, mask, add);
+        for (int j = 0; j < B->n; j++)
+            amx_tile(K, 16, B->g[j], B->q[j], A, S, t0, cbuf, B->out[j], ldo, B->mask[j], add);
     if (t0 < T)  /* the staged activations have rows up to a multiple of 16 */
-        amx_tile(K, T - t0, g, q, A, S, t0, cbuf, out, ldo, mask, add);
+        for (int j = 0; j < B->n; j++)
+            amx_tile(K, T - t0, B->g[j], B->q[j], A, S, t0, cbuf, B->out[j], ldo, B->mask[j], add);
 }
 
 bool kern_gemm_packed_amx(const struct kern_gemm_args *a)
@@ -284,9 +300,9 @@ bool kern_gemm_packed_amx(const struct kern_gemm_args *a)
         return false;
     struct pk_acts A;
     pk_stage(a, false, &A);
-    const bool nib = kern_pk_nibbles(K);
-    uint8_t *q = pk_align64(A.rest);  /* a group's codes widened to bytes */
-    int32_t *cbuf = (int32_t *)pk_align64(q + (size_t)A.nb * 512);
+    const size_t qbytes = (size_t)A.nb * 512;
+    uint8_t *q = pk_align64(A.rest);  /* a batch's codes as bytes */
+    int32_t *cbuf = (int32_t *)pk_align64(q + AMX_BATCH * qbytes);
     float *dt = (float *)pk_align64((uint8_t *)(cbuf + 512));
     float *st = (float *)pk_align64((uint8_t *)(dt + (size_t)(a->T + 15) / 16 * 16 * A.nb));
     amx_transpose(&A, a->T, kern_pk_mins(K), dt, st);
@@ -294,21 +310,30 @@ bool kern_gemm_packed_amx(const struct kern_gemm_args *a)
     cfg_ensure(32 / kern_pk_parts(K));
     const size_t gs = pk->group_bytes;
     const long g_end = (a->r1 + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
-    for (long gi = a->r0 / KERN_PACK_ROWS; gi < g_end; gi++) {
-        const uint8_t *g = pk->data + (size_t)gi * gs;
-        if (nib)
-            widen(g, A.nb, q);
-        else if (K == KERN_Q8_0 || K == KERN_Q6_K)
-            unbias(g, A.nb, K == KERN_Q8_0 ? 128 : 32, q);
+    for (long g0 = a->r0 / KERN_PACK_ROWS; g0 < g_end; g0 += AMX_BATCH) {
+        struct amx_batch B = { .n = g_end - g0 < AMX_BATCH ? (int)(g_end - g0) : AMX_BATCH };
+        for (int j = 0; j < B.n; j++) {
+            const long gi = g0 + j;
+            const uint8_t *g = pk->data + (size_t)gi * gs;
+            uint8_t *qj = q + (size_t)j * qbytes;
+            B.g[j] = g;
+            B.q[j] = qj;
+            if (kern_pk_nibbles(K))
+                widen(g, A.nb, qj);
+            else if (K == KERN_Q8_0 || K == KERN_Q6_K)
+                unbias(g, A.nb, K == KERN_Q8_0 ? 128 : 32, qj);
+            else
+                B.q[j] = g;  /* Q5_K: unsigned bytes as they are */
+            B.mask[j] = amx_mask(gi, a->r0, a->r1);
+            B.out[j] = a->out + (size_t)gi * KERN_PACK_ROWS;
+        }
         mem_barrier();  /* the tile loads read what staging and widening wrote */
-        const __mmask16 mask = amx_mask(gi, a->r0, a->r1);
-        float *o = a->out + (size_t)gi * KERN_PACK_ROWS;
         switch (K) {
-        case KERN_Q4_1: amx_group(KERN_Q4_1, g, q, &A, &S, a->T, cbuf, o, a->ldo, mask, a->add); break;
-        case KERN_Q8_0: amx_group(KERN_Q8_0, g, q, &A, &S, a->T, cbuf, o, a->ldo, mask, a->add); break;
-        case KERN_Q4_K: amx_group(KERN_Q4_K, g, q, &A, &S, a->T, cbuf, o, a->ldo, mask, a->add); break;
-        case KERN_Q5_K: amx_group(KERN_Q5_K, g, g, &A, &S, a->T, cbuf, o, a->ldo, mask, a->add); break;
-        default: amx_group(KERN_Q6_K, g, q, &A, &S, a->T, cbuf, o, a->ldo, mask, a->add); break;
+        case KERN_Q4_1: amx_run(KERN_Q4_1, &B, &A, &S, a->T, cbuf, a->ldo, a->add); break;
+        case KERN_Q8_0: amx_run(KERN_Q8_0, &B, &A, &S, a->T, cbuf, a->ldo, a->add); break;
+        case KERN_Q4_K: amx_run(KERN_Q4_K, &B, &A, &S, a->T, cbuf, a->ldo, a->add); break;
+        case KERN_Q5_K: amx_run(KERN_Q5_K, &B, &A, &S, a->T, cbuf, a->ldo, a->add); break;
+        default: amx_run(KERN_Q6_K, &B, &A, &S, a->T, cbuf, a->ldo, a->add); break;
         }
     }
     return true;
