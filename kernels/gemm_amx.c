@@ -99,18 +99,14 @@ static inline void cfg_store(struct amx_cfg *c)
     __asm__ volatile("sttilecfg %0" : "=m"(*c));
 }
 
-/* The configuration this thread's tiles hold (kbytes, 0: unknown): loading
- * it again for every call of a chunked product costs more than the check. */
-static __thread int loaded_kbytes;
-
+/* Loaded on every call: a cached "already loaded" would be wrong after any
+ * other code on the thread (a benchmark's peak loop, a library) released or
+ * reconfigured the tiles, and the load costs little beside a product. */
 static void cfg_ensure(int kbytes)
 {
-    if (loaded_kbytes == kbytes)
-        return;
     struct amx_cfg c;
     cfg_make(&c, kbytes);
     cfg_load(&c);
-    loaded_kbytes = kbytes;
 }
 
 bool kern_amx_config_check(void)
@@ -125,7 +121,6 @@ bool kern_amx_config_check(void)
         ok = ok && memcmp(&want, &got, sizeof(got)) == 0;
     }
     __asm__ volatile("tilerelease" ::: "memory");
-    loaded_kbytes = 0;
     return ok;
 }
 
