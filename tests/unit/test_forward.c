@@ -567,11 +567,17 @@ static void contract_on_every_path(const model_t *m, const char *what)
 {
     for (int isa = (int)kern_isa_best(); isa >= KERN_ISA_C; isa--) {
         kern_isa_set((enum kern_isa)isa);
-        fprintf(stderr, "numerics contract (%s, %s cache) on the %s path\n", what, rig_fmt.name,
-                kern_isa_name(kern_isa()));
-        test_paged_equals_contiguous(m);
-        test_chunking(m);
-        test_batch_invariance(m);
+        /* where AMX is, the AVX-512 path runs with its tile products (prefill
+         * chunks of 16 tokens and more) and without them */
+        for (int amx = kern_amx_available() && isa >= KERN_ISA_AVX512VNNI; amx >= 0; amx--) {
+            kern_amx_set(amx);
+            fprintf(stderr, "numerics contract (%s, %s cache) on the %s path\n", what, rig_fmt.name,
+                    kern_path_name());
+            test_paged_equals_contiguous(m);
+            test_chunking(m);
+            test_batch_invariance(m);
+        }
+        kern_amx_set(true);
     }
     kern_isa_set(kern_isa_best());
 }
