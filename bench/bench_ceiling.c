@@ -609,7 +609,7 @@ int main(int argc, char **argv)
         const int Ts[4] = { 1, 8, 32, 128 };
         for (int k = 0; k < 4; k++) {
 #if defined(__x86_64__)
-            const bool tiles = amx && Ts[k] >= KERN_AMX_MIN_T;
+            const bool tiles = amx && Ts[k] >= KERN_AMX_MIN_T && w->packed != NULL;
             product_share(w, Ts[k], tiles ? peak_amx : peak_fn, tiles ? 200000 : 4000000, &r[k], &f[k]);
 #else
             product_share(w, Ts[k], peak_fn, 4000000, &r[k], &f[k]);
@@ -637,9 +637,12 @@ int main(int argc, char **argv)
     printf("products at the engine's rate (%.0f GMAC/s per thread at T=32): %.3f ms per token on %d threads\n",
            rate32, macs / (rate32 * 1e9 * threads) * 1e3, threads);
     for (int B = 8; B <= 32; B *= 4) {
-        const double t = B * t_mac > t_mem ? B * t_mac : t_mem;
+        /* a batch that takes the tile products is bounded by their peak */
+        const double tm = amx && B >= KERN_AMX_MIN_T ? macs / (amx_peak * threads * 1e9) : t_mac;
+        const double t = B * tm > t_mem ? B * tm : t_mem;
         printf("floor, decode batch %-2d: %.0f tokens/s (%s)\n", B, B / t,
-               B * t_mac > t_mem ? "products at peak" : "weights / bandwidth");
+               B * tm > t_mem ? (amx && B >= KERN_AMX_MIN_T ? "products at the AMX peak" : "products at peak")
+                              : "weights / bandwidth");
     }
     model_destroy(&m);
     return 0;

@@ -8,6 +8,7 @@
 
 #include "err.h"
 #include "attn.h"
+#include "cpu.h"
 #include "f16.h"
 #include "gemm.h"
 #include "ops.h"
@@ -161,6 +162,10 @@ engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params
 {
     const struct model_config *c = &m->cfg;
     struct engine_params p = pp ? *pp : engine_default_params();
+    /* the kernel path once, here: where AMX is used, the process asks Linux
+     * for the tile data before the step threads start, not from one of them */
+    (void)kern_isa();
+    (void)kern_amx();
     if (p.max_tokens == 0)
         p.max_tokens = 512;
     if (p.max_ctx == 0)

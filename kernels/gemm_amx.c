@@ -20,9 +20,11 @@
  * memory operand is the whole 64-byte configuration: GCC 12's
  * _tile_loadconfig names only its first 8 bytes, so the compiler may drop the
  * stores that fill the rest. kern_amx_config_check() reads the configuration
- * back (tests). The tile operations are written out as statements too, with
- * memory clobbers, so that the compiler orders them against the staging
- * stores and the epilogue's loads. Only called after kern_amx() has checked
+ * back (tests). The tile operations are written out as statements too: a
+ * tile store names the memory it writes (the epilogue reads it), and
+ * compiler barriers around each batch order the tile loads after the stores
+ * that staged their operands and before the next batch overwrites them. A
+ * call ends with tilerelease, so that an idle thread carries no tile state. Only called after kern_amx() has checked
  * the CPU and obtained the kernel's permission for the tile data.
  */
 #if defined(__x86_64__)
@@ -46,9 +48,10 @@ struct amx_cfg {
 
 _Static_assert(sizeof(struct amx_cfg) == 64, "the tile configuration is 64 bytes");
 
-/* Loads name no memory: the product calls mem_barrier() after writing what
- * they read (its accumulators then stay in registers); a store names the
- * 1 KiB it writes, which the epilogue reads. */
+/* Loads name no memory (a memory clobber would keep the accumulators out of
+ * registers): the product calls mem_barrier() between writing what they read
+ * and reading it, and before writing it again; a store names the 1 KiB it
+ * writes, which the epilogue reads. */
 #define TILE_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
 #define TILE_LOAD(t, base, stride) __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"((long)(stride)))
 #define TILE_STORE(t, c) \
@@ -294,7 +297,9 @@ bool kern_gemm_packed_amx(const struct kern_gemm_args *a)
     if (K != KERN_Q4_1 && K != KERN_Q8_0 && K != KERN_Q4_K && K != KERN_Q5_K && K != KERN_Q6_K)
         return false;
     struct pk_acts A;
-    pk_stage(a, false, &A);
+    /* Q8_0's bias terms staged too, though the tiles do not use them: a later
+     * chunk of the same product (staged) may run on the vector path */
+    pk_stage(a, true, &A);
     const size_t qbytes = (size_t)A.nb * 512;
     uint8_t *q = pk_align64(A.rest);  /* a batch's codes as bytes */
     int32_t *cbuf = (int32_t *)pk_align64(q + AMX_BATCH * qbytes);
@@ -307,6 +312,7 @@ bool kern_gemm_packed_amx(const struct kern_gemm_args *a)
     const long g_end = (a->r1 + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
     for (long g0 = a->r0 / KERN_PACK_ROWS; g0 < g_end; g0 += AMX_BATCH) {
         struct amx_batch B = { .n = g_end - g0 < AMX_BATCH ? (int)(g_end - g0) : AMX_BATCH };
+        mem_barrier();  /* the previous batch's tile loads have read its codes */
         for (int j = 0; j < B.n; j++) {
             const long gi = g0 + j;
             const uint8_t *g = pk->data + (size_t)gi * gs;
@@ -331,6 +337,7 @@ bool kern_gemm_packed_amx(const struct kern_gemm_args *a)
         default: amx_run(KERN_Q6_K, &B, &A, &S, a->T, cbuf, a->ldo, a->add); break;
         }
     }
+    __asm__ volatile("tilerelease" ::: "memory");
     return true;
 }
 #endif
