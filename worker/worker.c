@@ -699,14 +699,28 @@ static uint32_t plan_take(struct worker *w, struct wseq *s, uint32_t m, uint32_t
     return m;
 }
 
+/* Adds up to budget tokens to the chunk of s, batch entry k (blocks
+ * permitting); returns how many. */
+static uint32_t plan_grow(struct worker *w, struct wseq *s, uint32_t k, uint32_t budget)
+{
+    const uint32_t more = MIN(budget, s->n_tok - s->pos - s->chunk);
+    const uint32_t cap = seq_capacity(w, s) - s->pos;
+    const uint32_t add = MIN(more, cap > s->chunk ? cap - s->chunk : 0);
+    s->chunk += add;
+    w->batch[k].n_tokens = s->chunk;
+    return add;
+}
+
 /*
  * Picks the step's chunks under its token budget: every running sequence's
  * next token first (decode steps stay one token each), then prompt tokens.
  * The oldest prompt is sure of a quarter of the budget, so no prompt waits
  * for ever; the rest goes to the prompts with the fewest tokens left first
- * (ties in arrival order), so that a prompt served mostly from the cache
- * has its first token after the next step even while cold prompts compute
- * their thousands of tokens; what they leave goes back to the oldest.
+ * (ties in arrival order, the oldest among them in its place), so that a
+ * prompt served mostly from the cache has its first token after the next
+ * step even while cold prompts compute their thousands of tokens, and cold
+ * prompts of one length finish one after another; what they leave goes back
+ * to the oldest.
  */
 static uint32_t plan_step(struct worker *w)
 {
@@ -738,25 +752,29 @@ static uint32_t plan_step(struct worker *w)
     uint32_t share = budget / 4 < 16 ? 16 : budget / 4, k0 = n;
     budget -= plan_take(w, oldest, MIN(share, MIN(budget, oldest->n_tok - oldest->pos)), &n);
     for (uint32_t i = 1; i < n_pre; i++) {
-        /* insertion sort by tokens left, stable: n_pre is at most max_batch */
+        /* insertion sort by tokens left, stable (the oldest, first in arrival
+         * order, first among its equals): n_pre is at most max_batch */
         struct wseq *s = w->pending[i];
         uint32_t j = i;
-        for (; j > 1 && w->pending[j - 1]->n_tok - w->pending[j - 1]->pos > s->n_tok - s->pos; j--)
+        for (; j > 0 && w->pending[j - 1]->n_tok - w->pending[j - 1]->pos > s->n_tok - s->pos; j--)
             w->pending[j] = w->pending[j - 1];
         w->pending[j] = s;
     }
-    for (uint32_t i = 0; i < n_pre && n < w->o.max_batch && budget > 0; i++) {
+    const bool oldest_in = k0 < n && w->in_batch[k0] == oldest;
+    for (uint32_t i = 0; i < n_pre && budget > 0; i++) {
         struct wseq *s = w->pending[i];
-        if (s != oldest)
+        if (s == oldest) {
+            /* the oldest in its place among the shortest: past its share
+             * (cold prompts of one length finish one after another, not
+             * all together at the end) */
+            if (oldest_in)
+                budget -= plan_grow(w, oldest, k0, budget);
+        } else if (n < w->o.max_batch) {
             budget -= plan_take(w, s, MIN(budget, s->n_tok - s->pos), &n);
+        }
     }
-    if (budget > 0 && k0 < n && w->in_batch[k0] == oldest) {
-        /* what the others left: the oldest takes it (blocks permitting) */
-        const uint32_t more = MIN(budget, oldest->n_tok - oldest->pos - oldest->chunk);
-        const uint32_t cap = seq_capacity(w, oldest) - oldest->pos;
-        oldest->chunk += MIN(more, cap - oldest->chunk);
-        w->batch[k0].n_tokens = oldest->chunk;
-    }
+    if (budget > 0 && oldest_in)
+        plan_grow(w, oldest, k0, budget);   /* what the others left */
     return n;
 }
 

@@ -6,7 +6,8 @@
  * prompt that computes: with a step budget of 64 tokens, a cold prompt of
  * 1,024 tokens needs 16 steps, and a prompt whose 320-token prefix is
  * cached, sent just after it, must have its first token before the cold one
- * has its own (it needs one step). The worker's steps are held
+ * has its own (it needs one step). Two cold prompts of one length sent
+ * together finish one after the other, the older first. The worker's steps are held
  * ($KVD_WORKER_STALL_FILE) until both requests are on it, so the order is
  * the scheduler's, not the machine's speed. The cold prompt still completes
  * (no prompt starves), and both give the tokens they give alone.
@@ -20,6 +21,7 @@
 
 #define CACHED 320      /* the warm prompt's cached prefix: 20 full blocks */
 #define COLD 1024       /* the cold prompt */
+#define EQUAL 512       /* two cold prompts of one length */
 
 /* A prompt of n ordinary text token ids (no specials), different per salt. */
 static int32_t *prompt_ids(uint32_t n, uint32_t salt)
@@ -143,6 +145,35 @@ int main(void)
     CHECK_INT(c.order, 2);
     CHECK(same_tokens(&w.r, &alone_warm.r));
     CHECK(same_tokens(&c.r, &alone_cold.r));
+
+    /* two cold prompts of one length, held, the older sent first: the
+     * older takes the step budget the warm prompts leave, so it finishes
+     * first and the other after it, not both together at the end */
+    int32_t *older = prompt_ids(EQUAL, 3), *newer = prompt_ids(EQUAL, 4);
+    f = fopen(stall, "w");
+    REQUIRE(f != NULL);
+    fclose(f);
+    atomic_store(&first_tokens, 0);
+    struct req a = { .k = k, .ids = older, .n = EQUAL, .no_cache = true };
+    struct req b = { .k = k, .ids = newer, .n = EQUAL, .no_cache = true };
+    pthread_t ta, tb;
+    REQUIRE(pthread_create(&ta, NULL, run_thread, &a) == 0);
+    CHECK(wait_running(k, 1));
+    REQUIRE(pthread_create(&tb, NULL, run_thread, &b) == 0);
+    CHECK(wait_running(k, 2));
+    unlink(stall);
+    pthread_join(ta, NULL);
+    pthread_join(tb, NULL);
+    CHECK_INT(a.rc, 0);
+    CHECK_INT(b.rc, 0);
+    fprintf(stderr, "first tokens of two cold prompts of %d tokens: older %d, newer %d\n", EQUAL, a.order,
+            b.order);
+    CHECK_INT(a.order, 1);
+    CHECK_INT(b.order, 2);
+    kvd_result_free(&a.r);
+    kvd_result_free(&b.r);
+    free(older);
+    free(newer);
 
     struct kvd_stats s;
     CHECK(sv_wait_idle(k, &s, SV_WAIT_MS));
