@@ -127,18 +127,6 @@ bool kern_amx_config_check(void)
     return ok;
 }
 
-/* Lanes of group gi inside the rows [r0, r1). */
-static __mmask16 amx_mask(long gi, long r0, long r1)
-{
-    long lo = gi * KERN_PACK_ROWS, hi = lo + KERN_PACK_ROWS;
-    lo = lo > r0 ? lo : r0;
-    hi = hi < r1 ? hi : r1;
-    if (hi <= lo)
-        return 0;
-    const unsigned width = (unsigned)(hi - lo), shift = (unsigned)(lo - gi * KERN_PACK_ROWS);
-    return (__mmask16)(((1u << width) - 1u) << shift);
-}
-
 /* The activations' scales d_a and min terms s_a per tile of 16 tokens, block
  * by block: dt[(tile * nb + b) * 16 + m], one line per block. */
 struct amx_scales {
@@ -325,7 +313,7 @@ bool kern_gemm_packed_amx(const struct kern_gemm_args *a)
                 unbias(g, A.nb, K == KERN_Q8_0 ? 128 : 32, qj);
             else
                 B.q[j] = g;  /* Q5_K: unsigned bytes as they are */
-            B.mask[j] = amx_mask(gi, a->r0, a->r1);
+            B.mask[j] = pk_group_mask(gi, a->r0, a->r1);
             B.out[j] = a->out + (size_t)gi * KERN_PACK_ROWS;
         }
         mem_barrier();  /* the tile loads read what staging and widening wrote */

@@ -336,18 +336,6 @@ static void pk_dispatch(uint32_t K, int R, int NT, const uint8_t *g, size_t gs, 
     }
 }
 
-/* Lanes of group gi that fall in the rows [r0, r1). */
-static __mmask16 group_mask(long gi, long r0, long r1)
-{
-    long lo = gi * KERN_PACK_ROWS, hi = lo + KERN_PACK_ROWS;
-    lo = lo > r0 ? lo : r0;
-    hi = hi < r1 ? hi : r1;
-    if (hi <= lo)
-        return 0;
-    const unsigned width = (unsigned)(hi - lo), shift = (unsigned)(lo - gi * KERN_PACK_ROWS);
-    return (__mmask16)((((1u << width) - 1u)) << shift);
-}
-
 bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
 {
     if (!pk_usable(a))
@@ -364,7 +352,7 @@ bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
         const int R = g_end - gi >= R_want ? R_want : 1;
         __mmask16 mask[4];
         for (int r = 0; r < R; r++)
-            mask[r] = group_mask(gi + r, a->r0, a->r1);
+            mask[r] = pk_group_mask(gi + r, a->r0, a->r1);
         const long after = g_all - gi - R;  /* groups of the matrix after this tile's */
         const int n_ahead = after < R ? (int)(after > 0 ? after : 0) : R;
         const uint8_t *g = pk->data + (size_t)gi * gs;
