@@ -105,7 +105,7 @@ static inline void cfg_store(struct amx_cfg *c)
 /* Loaded on every call: a cached "already loaded" would be wrong after any
  * other code on the thread (a benchmark's peak loop, a library) released or
  * reconfigured the tiles, and the load costs little beside a product. */
-static void cfg_ensure(int kbytes)
+static void cfg_set(int kbytes)
 {
     struct amx_cfg c;
     cfg_make(&c, kbytes);
@@ -295,7 +295,7 @@ bool kern_gemm_packed_amx(const struct kern_gemm_args *a)
     float *st = (float *)pk_align64((uint8_t *)(dt + (size_t)(a->T + 15) / 16 * 16 * A.nb));
     amx_transpose(&A, a->T, kern_pk_mins(K), dt, st);
     const struct amx_scales S = { dt, st };
-    cfg_ensure(32 / kern_pk_parts(K));
+    cfg_set(32 / kern_pk_parts(K));
     const size_t gs = pk->group_bytes;
     const long g_end = (a->r1 + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
     for (long g0 = a->r0 / KERN_PACK_ROWS; g0 < g_end; g0 += AMX_BATCH) {
