@@ -196,10 +196,13 @@ scores_float(const int HV, const int NQ, const struct kern_attn_args *a, int q0,
             for (int h = 0; h < HV; h++)
                 _mm512_store_ps(&kf[p][16 * h], k != NULL ? load16(k, h, half) : _mm512_setzero_ps());
         }
+#pragma GCC unroll 4
         for (int g = 0; g < NQ; g++) {
             __m512 acc[16];
+#pragma GCC unroll 16
             for (int p = 0; p < 16; p++) {
                 __m512 s = _mm512_mul_ps(qv[g][0], _mm512_load_ps(&kf[p][0]));
+#pragma GCC unroll 16
                 for (int h = 1; h < HV; h++)
                     s = _mm512_fmadd_ps(qv[g][h], _mm512_load_ps(&kf[p][16 * h]), s);
                 acc[p] = s;
@@ -304,6 +307,7 @@ values_quant(const int HV, const int NQ, const struct kern_attn_args *a, __m512 
         const uint8_t *v = a->v_base + a->blocks[b] * a->block_stride + v_off;
         const int end = n - j0 < a->block_tokens ? n : j0 + a->block_tokens;
         for (int j = j0; j < end; j++, v += row_bytes)
+#pragma GCC unroll 8
             for (int k = 0; k < NB; k++) {
                 const uint8_t *blk = v + (size_t)k * blk_bytes;
                 const __m512 d = _mm512_set1_ps(block_scale(blk));
@@ -318,6 +322,7 @@ values_quant(const int HV, const int NQ, const struct kern_attn_args *a, __m512 
                 }
                 const __m512 v0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(c0));
                 const __m512 v1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(c1));
+#pragma GCC unroll 4
                 for (int g = 0; g < NQ; g++) {
                     const __m512 p = _mm512_set1_ps(a->scores[(size_t)g * n + j]);
                     acc[g][2 * k] = _mm512_fmadd_ps(p, v0, acc[g][2 * k]);
@@ -382,8 +387,10 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
             const uint8_t *v = a->v_base + a->blocks[b] * a->block_stride + v_off;
             const int end = n - j0 < a->block_tokens ? n : j0 + a->block_tokens;
             for (int j = j0; j < end; j++, v += v_row_bytes)
+#pragma GCC unroll 16
                 for (int h = 0; h < HV; h++) {
                     const __m512 vv = load16(v, h, half);
+#pragma GCC unroll 4
                     for (int g = 0; g < NQ; g++)
                         acc[g][h] = _mm512_fmadd_ps(_mm512_set1_ps(a->scores[(size_t)g * n + j]), vv, acc[g][h]);
                 }
