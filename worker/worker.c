@@ -746,6 +746,20 @@ static uint32_t plan_step(struct worker *w)
             budget -= plan_take(w, s, 1, &n);
         }
     }
+    /* decode tokens that share a prefix side by side (by their first block):
+     * attention reads the shared blocks' K/V for the first and finds them in
+     * cache for the next. A token's bits do not depend on its batch. */
+    for (uint32_t i = 1; i < n; i++) {
+        const struct fwd_seq b = w->batch[i];
+        struct wseq *s = w->in_batch[i];
+        uint32_t j = i;
+        for (; j > 0 && w->batch[j - 1].blocks[0] > b.blocks[0]; j--) {
+            w->batch[j] = w->batch[j - 1];
+            w->in_batch[j] = w->in_batch[j - 1];
+        }
+        w->batch[j] = b;
+        w->in_batch[j] = s;
+    }
     if (oldest == NULL || n >= w->o.max_batch || budget == 0)
         return n;
     /* the oldest prompt's share first, then the shortest prompts */
