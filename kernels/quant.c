@@ -827,6 +827,8 @@ void kern_quantize_act(uint32_t act_type, const float *src, void *dst, int64_t n
     if (kern_act_row_bytes(act_type, n) == 0)
         return;
 #if defined(__x86_64__)
+    if (kern_isa() >= KERN_ISA_AVX512VNNI && kern_quantize_act_avx512(act_type, src, dst, n))
+        return;
     if (kern_isa() >= KERN_ISA_AVX2 && kern_quantize_act_avx2(act_type, src, dst, n))
         return;
 #endif

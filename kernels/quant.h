@@ -68,9 +68,11 @@ size_t kern_act_row_bytes(uint32_t act_type, int64_t n);
  * once when they size their buffers). */
 void kern_quantize_act(uint32_t act_type, const float *src, void *dst, int64_t n);
 
-/* The same with AVX2 for Q8_0 and Q8_1 (the same bytes); false for other
- * types or lengths. Called by kern_quantize_act when the CPU has AVX2. */
+/* The same with AVX2, or AVX-512 sixteen blocks at a time, for Q8_0 and Q8_1
+ * (the same bytes); false for other types or lengths. Called by
+ * kern_quantize_act when the CPU has the instructions. */
 bool kern_quantize_act_avx2(uint32_t act_type, const float *src, void *dst, int64_t n);
+bool kern_quantize_act_avx512(uint32_t act_type, const float *src, void *dst, int64_t n);
 
 /* Dot product of one weight row (n elements of wtype) with one activation
  * row of type kern_vec_dot_type(wtype) and the same n. Integer dot per

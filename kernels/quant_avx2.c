@@ -49,8 +49,11 @@ static inline float q8_block(const float *x, kvd_f16 *d_out, int8_t *qs, int *su
         id = 0.0f;
     const __m256 vid = _mm256_set1_ps(id);
     __m256i q[4];
-    for (int i = 0; i < 4; i++)
-        q[i] = _mm256_cvttps_epi32(round_away(_mm256_mul_ps(v[i], vid)));
+    for (int i = 0; i < 4; i++) {
+        const __m256 y = _mm256_mul_ps(v[i], vid);
+        /* a NaN codes as 0, as in the reference (cvtt would give INT_MIN) */
+        q[i] = _mm256_cvttps_epi32(round_away(_mm256_and_ps(y, _mm256_cmp_ps(y, y, _CMP_ORD_Q))));
+    }
     const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
     h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));

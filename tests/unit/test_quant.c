@@ -404,15 +404,18 @@ static void test_errors(void)
         CHECK(out[i] == 0.0f);
 }
 
-/* The AVX2 activation quantizers write the reference's bytes: random rows
- * at several scales, rows of ties (values that land exactly on k + 0.5 after
- * scaling), zero rows, tiny and huge values. */
-static void test_act_avx2(void)
+/* The AVX2 and AVX-512 activation quantizers write the reference's bytes:
+ * random rows at several scales, rows of ties (values that land exactly on
+ * k + 0.5 after scaling), zero rows, tiny and huge values, NaN and infinite
+ * elements. N = 26 blocks: a whole group of sixteen for AVX-512 and a tail. */
+static void test_act_simd(int which)
 {
 #if defined(__x86_64__)
-    if (kern_isa_best() < KERN_ISA_AVX2)
+    if (kern_isa_best() < (which == 0 ? KERN_ISA_AVX2 : KERN_ISA_AVX512VNNI))
         return;
-    enum { N = 256 };
+    bool (*const quant)(uint32_t, const float *, void *, int64_t) =
+        which == 0 ? kern_quantize_act_avx2 : kern_quantize_act_avx512;
+    enum { N = 832 };
     static float x[N];
     static uint8_t ref[N * 2], got[N * 2];
     const uint32_t types[2] = { KERN_Q8_0, KERN_Q8_1 };
@@ -432,18 +435,26 @@ static void test_act_avx2(void)
             default: x[i] = r * (float)(1 << (rand() % 20)); break;
             }
         }
+        if (round % 16 == 7) {   /* a NaN, an infinity, and a block with both */
+            x[rand() % N] = __builtin_nanf("");
+            x[rand() % N] = -__builtin_inff();
+            x[64] = __builtin_inff();
+            x[65] = __builtin_nanf("");
+        }
         for (int k = 0; k < 2; k++) {
             const size_t bytes = kern_act_row_bytes(types[k], N);
             REQUIRE(kern_quantize_row(types[k], x, ref, N) == 0);
             memset(got, 0xAA, sizeof(got));
-            CHECK(kern_quantize_act_avx2(types[k], x, got, N));
+            CHECK(quant(types[k], x, got, N));
             if (memcmp(ref, got, bytes) != 0)
                 mismatches++;
         }
     }
     CHECK_INT(mismatches, 0);
-    CHECK(!kern_quantize_act_avx2(KERN_Q8_K, x, got, N));
-    CHECK(!kern_quantize_act_avx2(KERN_Q8_0, x, got, 48));
+    CHECK(!quant(KERN_Q8_K, x, got, N));
+    CHECK(!quant(KERN_Q8_0, x, got, 48));
+#else
+    (void)which;
 #endif
 }
 
@@ -512,7 +523,8 @@ int main(void)
 {
     test_non_finite();
     test_block_sizes();
-    test_act_avx2();
+    test_act_simd(0);
+    test_act_simd(1);
     test_q4_0_lsq();
     test_vectors();
     test_act_q8();
