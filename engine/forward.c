@@ -73,6 +73,8 @@ struct engine {
     float *scores;          /* (n_threads, group, max_ctx) attention scratch */
     uint32_t chunk;         /* positions per attention range (a multiple of block_tokens) */
     uint32_t *n_range;      /* (T) attention ranges of each token: ceil(n_ctx / chunk) */
+    uint32_t *r_first;      /* (T) a decode token's first range run as items: the ranges before
+                             * go in tiles with the tokens beside it that share their blocks */
     uint64_t *item0;        /* (T + 1) first (token, range, head) item of each token */
     uint64_t *cost0;        /* (T + 1) the attention work before each token: positions read
                              * per head, plus ATTN_ITEM_COST per item (threads share it out) */
@@ -80,6 +82,9 @@ struct engine {
     float *part;            /* (T * max ranges, n_head, head_dim) partial outputs of split tokens */
     float *part_stats;      /* (T * max ranges, n_head, 2) their max and sum */
     struct attn_unit *units;/* this step's prefill tiles (attn_units), at full-attention layers */
+    struct attn_unit *dgroups;  /* (T) decode tokens side by side that share ranges: t0, n_tok,
+                             * and in `range` how many leading ranges they share */
+    uint32_t n_dgroups;
     uint64_t *unit_cost0;   /* (n_units + 1) the work before each unit, as cost0 counts it */
     uint32_t n_units;
     void **tile_scratch;    /* (n_threads) kern_attn_multi's scratch, for e->chunk positions */
@@ -134,6 +139,8 @@ void engine_destroy(engine_t **ep)
     free(e->item0_win);
     free(e->scores);
     free(e->n_range);
+    free(e->r_first);
+    free(e->dgroups);
     free(e->item0);
     free(e->cost0);
     free(e->slot0);
@@ -228,6 +235,8 @@ engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params
     e->chunk = (chunk + kv->block_tokens - 1) / kv->block_tokens * kv->block_tokens;
     size_t max_ranges = (p.max_ctx + e->chunk - 1) / e->chunk;
     e->n_range = xmalloc_arr(T, sizeof(uint32_t));
+    e->r_first = xmalloc_arr(T, sizeof(uint32_t));
+    e->dgroups = xmalloc_arr(T, sizeof(*e->dgroups));
     e->item0 = xmalloc_arr(T + 1, sizeof(uint64_t));
     e->cost0 = xmalloc_arr(T + 1, sizeof(uint64_t));
     e->slot0 = xmalloc_arr(T, sizeof(uint32_t));
@@ -243,7 +252,7 @@ engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params
             break;
     const bool tiles_ok = e->units && e->unit_cost0 && e->tile_scratch &&
                           e->tile_scratch[e->n_threads - 1] != NULL;
-    bool ranges_ok = tiles_ok && e->n_range && e->item0 && e->cost0 && e->slot0 && (max_ranges <= 1 || (e->part && e->part_stats));
+    bool ranges_ok = tiles_ok && e->n_range && e->r_first && e->dgroups && e->item0 && e->cost0 && e->slot0 && (max_ranges <= 1 || (e->part && e->part_stats));
     bool ok = e->tok_id && e->tok_pos && e->tok_seq && e->out_tok && e->x && e->xb && e->q &&
               e->k && e->v && e->gate && e->up && e->rope && e->scores && ranges_ok &&
               (!swa || (e->item0_win && (e->rope_swa || c->rope_base_swa == c->rope_base)));
@@ -758,7 +767,8 @@ static void attn_run(void *ctx, int ith, int nth)
         while ((long)item0[t + 1] <= i)
             t++;
         const long local = i - (long)item0[t];
-        const int r = (int)(local / nh), h0 = (int)(local % nh), kvh = h0 / group;
+        const int r = (int)(windowed ? 0 : e->r_first[t]) + (int)(local / nh), h0 = (int)(local % nh);
+        const int kvh = h0 / group;
         int n_q = (kvh + 1) * group - h0;
         if (i + n_q > i1)
             n_q = (int)(i1 - i);
@@ -850,7 +860,76 @@ static uint32_t attn_units(engine_t *e, const struct fwd_seq *seqs, uint32_t n_s
             }
         }
     }
+    /* decode tokens that share whole ranges: a tile per shared range */
+    for (uint32_t d = 0; d < e->n_dgroups; d++) {
+        const struct attn_unit *dg = &e->dgroups[d];
+        const uint64_t cost = (uint64_t)dg->n_tok * (e->chunk + ATTN_ITEM_COST);
+        for (uint32_t r = 0; r < dg->range; r++)
+            for (uint32_t h = 0; h < c->n_head_kv; h++, n++) {
+                e->units[n] = (struct attn_unit){ dg->t0, dg->n_tok, (uint16_t)r, h };
+                e->unit_cost0[n + 1] = e->unit_cost0[n] + cost * group;
+            }
+    }
     return n;
+}
+
+/* How many leading whole ranges decode tokens t and u read from the same
+ * blocks (a cache of one part). */
+static uint32_t shared_ranges(const engine_t *e, const struct fwd_seq *seqs, uint32_t t, uint32_t u)
+{
+    const uint32_t per = e->chunk / e->kv->block_tokens;
+    const struct fwd_seq *a = &seqs[e->tok_seq[t]], *b = &seqs[e->tok_seq[u]];
+    const uint32_t full_a = ((uint32_t)e->tok_pos[t] + 1) / e->chunk, full_b = ((uint32_t)e->tok_pos[u] + 1) / e->chunk;
+    uint32_t r = 0;
+    while (r < full_a && r < full_b &&
+           memcmp(a->blocks + (size_t)r * per, b->blocks + (size_t)r * per, per * sizeof(uint32_t)) == 0)
+        r++;
+    return r;
+}
+
+/* Groups decode tokens side by side (the worker orders them by their first
+ * block) that share whole ranges of positions, DECODE_TILE_MIN to `per` a
+ * group: their queries over a shared range go in one kern_attn_multi call,
+ * which reads its K and V once for all of them and gives each query the bits
+ * kern_attn would. Below DECODE_TILE_MIN, a call per token is faster
+ * (bench-attn: the multi kernel costs about what three or four tokens alone
+ * do). Sets r_first and dgroups. */
+#define DECODE_TILE_MIN 4
+static void decode_groups(engine_t *e, const struct fwd_seq *seqs, uint32_t T, bool tiles)
+{
+    const struct model_config *c = &e->m->cfg;
+    const uint32_t per = KERN_ATTN_LANES / (c->n_head / c->n_head_kv);
+    e->n_dgroups = 0;
+    for (uint32_t t = 0; t < T; t++)
+        e->r_first[t] = 0;
+    if (!tiles || per < DECODE_TILE_MIN)
+        return;
+    for (uint32_t t = 0; t < T;) {
+        const struct fwd_seq *st = &seqs[e->tok_seq[t]];
+        if (st->n_tokens != 1 || st->tables != NULL) {
+            t++;
+            continue;
+        }
+        uint32_t u = t + 1, k = UINT32_MAX;
+        while (u < T && u - t < per) {
+            const struct fwd_seq *su = &seqs[e->tok_seq[u]];
+            if (su->n_tokens != 1 || su->tables != NULL)
+                break;
+            const uint32_t ku = shared_ranges(e, seqs, t, u);
+            if (ku == 0)
+                break;
+            k = ku < k ? ku : k;
+            u++;
+        }
+        if (u - t < DECODE_TILE_MIN) {
+            t++;
+            continue;
+        }
+        e->dgroups[e->n_dgroups++] = (struct attn_unit){ t, (uint16_t)(u - t), (uint16_t)k, 0 };
+        for (uint32_t i = t; i < u; i++)
+            e->r_first[i] = k;
+        t = u;
+    }
 }
 
 int fwd_check_batch(const struct fwd_limits *lim, const struct fwd_seq *seqs, uint32_t n_seqs,
@@ -976,10 +1055,16 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
             split = true;
             slots += e->n_range[i];
         }
+    }
+    decode_groups(e, seqs, T, tiles);
+    for (uint32_t i = 0; i < T; i++) {
+        /* a decode token's ranges from r_first on; a prefill's tokens in tiles */
         const bool tiled = tiles && seqs[e->tok_seq[i]].n_tokens > 1;
-        e->item0[i + 1] = e->item0[i] + (tiled ? 0 : (uint64_t)e->n_range[i] * c->n_head);
+        const uint32_t rf = e->r_first[i];
+        e->item0[i + 1] = e->item0[i] + (tiled ? 0 : (uint64_t)(e->n_range[i] - rf) * c->n_head);
         e->cost0[i + 1] = e->cost0[i] +
-                          (tiled ? 0 : ((uint64_t)e->tok_pos[i] + 1 + ATTN_ITEM_COST * e->n_range[i]) * c->n_head);
+                          (tiled ? 0 : ((uint64_t)e->tok_pos[i] + 1 - (uint64_t)rf * e->chunk +
+                                        ATTN_ITEM_COST * (e->n_range[i] - rf)) * c->n_head);
     }
     e->n_units = tiles ? attn_units(e, seqs, n_seqs) : 0;
     if (e->item0_win != NULL)

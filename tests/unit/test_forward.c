@@ -671,6 +671,60 @@ static void test_batch_invariance(const model_t *m)
     rig_free(&r);
 }
 
+/* Decode tokens side by side that share whole attention ranges (the same
+ * blocks) run those ranges together (kern_attn_multi where the path has it):
+ * each token's logits equal its logits alone, bit for bit. Five sequences
+ * share a 40-position prefix, one more shares only its first 16 positions,
+ * and one shares nothing and sits between them; with ranges of 16 positions
+ * the first two tokens (a group too small), then a group of four sharing one
+ * range. */
+static void test_shared_decode(const model_t *m)
+{
+    enum { NS = 7, PRE = 40 };
+    const uint32_t V = m->cfg.n_vocab;
+    char err[256];
+    struct rig r = rig_new(m, 4, 64, KERN_F16, 2);
+    int32_t pre[PRE], own[NS][PRE + 3];
+    uint32_t tables[NS][11];
+    random_tokens(pre, PRE, V, 41);
+    for (int q = 0; q < NS; q++) {
+        random_tokens(own[q], PRE + 3, V, 50 + (unsigned)q);
+        for (int b = 0; b < 11; b++)
+            tables[q][b] = q < 5 ? (b < 10 ? (uint32_t)b : (uint32_t)(10 + q))
+                         : q == 5 ? (b < 4 ? (uint32_t)b : (uint32_t)(16 + b))
+                                  : (uint32_t)(30 + b);
+    }
+    struct fwd_seq seqs[NS];
+    const float *lg;
+    uint32_t rows;
+    /* the shared prefix once; sequence 5's own positions 16..39; sequence 6 whole */
+    seqs[0] = (struct fwd_seq){ pre, PRE, 0, tables[0], 11, false, NULL };
+    seqs[1] = (struct fwd_seq){ own[5] + 16, PRE - 16, 16, tables[5], 11, false, NULL };
+    seqs[2] = (struct fwd_seq){ own[6], PRE, 0, tables[6], 11, false, NULL };
+    REQUIRE(engine_step(r.e, seqs, 3, &lg, &rows, err, sizeof(err)) == 0);
+    /* each its own two tokens at 40 and 41 */
+    for (int q = 0; q < NS; q++)
+        seqs[q] = (struct fwd_seq){ own[q] + PRE, 2, PRE, tables[q], 11, false, NULL };
+    REQUIRE(engine_step(r.e, seqs, NS, &lg, &rows, err, sizeof(err)) == 0);
+    /* the decode step: 0, 1, then 6 (sharing nothing), then 2, 3, 4, 5 */
+    static const int order[NS] = { 0, 1, 6, 2, 3, 4, 5 };
+    for (int i = 0; i < NS; i++)
+        seqs[i] = (struct fwd_seq){ own[order[i]] + PRE + 2, 1, PRE + 2, tables[order[i]], 11, false, NULL };
+    REQUIRE(engine_step(r.e, seqs, NS, &lg, &rows, err, sizeof(err)) == 0);
+    REQUIRE(rows == NS);
+    float *together = malloc((size_t)NS * V * 4);
+    REQUIRE(together != NULL);
+    memcpy(together, lg, (size_t)NS * V * 4);
+    int same = 0;
+    for (int i = 0; i < NS; i++) {
+        REQUIRE(engine_step(r.e, &seqs[i], 1, &lg, &rows, err, sizeof(err)) == 0);
+        same += memcmp(lg, together + (size_t)i * V, (size_t)V * 4) == 0;
+    }
+    CHECK_INT(same, NS);
+    free(together);
+    rig_free(&r);
+}
+
 /* Bad input is refused before the cache is touched. */
 static void test_errors(const model_t *m)
 {
@@ -789,6 +843,11 @@ int main(void)
         rig_chunk = 16;
         test_chunking(m64);
         test_batch_invariance(m64);
+        for (int isa = (int)kern_isa_best(); isa >= KERN_ISA_C; isa--) {
+            kern_isa_set((enum kern_isa)isa);
+            test_shared_decode(m64);
+        }
+        kern_isa_set(kern_isa_best());
         rig_chunk = 0;
         model_destroy(&m64);
     }
