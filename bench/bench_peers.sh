@@ -36,12 +36,13 @@
 # and vLLM's start-up. A benchmark run by hand, not a test: run nothing else meanwhile.
 # It waits while a build (ninja) is running, and stops every server it started.
 #
-#   bench/bench_peers.sh [--only vllm|llamacpp] [--rounds N] [--serve-rounds N] [--quick]
-#                        [--setup-only] [--help]
+#   bench/bench_peers.sh [--only vllm|llamacpp] [--workloads LIST] [--rounds N] [--serve-rounds N]
+#                        [--quick] [--setup-only] [--help]
 #
 #   --only vllm        table 1 with kvd and vLLM only (no llama.cpp, no table 2)
 #   --only llamacpp    table 1 with kvd and llama-server, and table 2 (the venv is set
 #                      up anyway: vllm bench serve is table 1's client)
+#   --workloads LIST   table 1's workloads, of w1,w2,w3 (default all three)
 #   --rounds N         table 2's rounds (default 3)
 #   --serve-rounds N   table 1's rounds, servers alternating, medians (default 1)
 #   --quick            16 prompts a workload instead of 64
@@ -69,12 +70,13 @@ llama_bin=$llama_build/bin
 threads=2
 port_base=${KVD_PEERS_PORT:-18600}
 
-only=all rounds=3 serve_rounds=1 quick=false setup_only=false
+only=all rounds=3 serve_rounds=1 quick=false setup_only=false want_workloads=w1,w2,w3
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case $1 in
     --only) only=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
+    --workloads) want_workloads=$2; shift 2 ;;
     --serve-rounds) serve_rounds=$2; shift 2 ;;
     --quick) quick=true; shift ;;
     --setup-only) setup_only=true; shift ;;
@@ -267,24 +269,31 @@ trap 'stop_server' EXIT
 trap 'exit 130' INT TERM
 
 # ------------------------------------------------------------------ table 1: serving
-# workload key, description, vllm bench serve's dataset arguments, max concurrency
-workloads=(
-  "w1|4 prefixes x 1024 tok + 64-tok suffixes, 32 output tok, concurrency 8|4|32|8"
-  "w2|8 prefixes x 1024 tok + 64-tok suffixes, 128 output tok, concurrency 16|8|128|16"
+# workload key, description, vllm bench serve's dataset arguments (prefix length, prefixes,
+# output length), max concurrency; w3 is many sessions on one long system prompt
+all_workloads=(
+  "w1|4 prefixes x 1024 tok + 64-tok suffixes, 32 output tok, concurrency 8|1024|4|32|8"
+  "w2|8 prefixes x 1024 tok + 64-tok suffixes, 128 output tok, concurrency 16|1024|8|128|16"
+  "w3|1 prefix x 1500 tok + 64-tok suffixes, 128 output tok, concurrency 16|1500|1|128|16"
 )
+workloads=()
+for w in "${all_workloads[@]}"; do
+  case ",$want_workloads," in *",${w%%|*},"*) workloads+=("$w") ;; esac
+done
+[ ${#workloads[@]} -gt 0 ] || { echo "bench_peers: --workloads: none of w1,w2,w3 in '$want_workloads'" >&2; exit 2; }
 
 vllm_env=(env HF_HUB_OFFLINE=1 HF_HOME="$peers/hf-home" VLLM_CACHE_ROOT="$peers/vllm-cache"
           VLLM_TARGET_DEVICE=cpu VLLM_CPU_OMP_THREADS_BIND=0-$((threads - 1))
           VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=1)   # 1 GiB of KV: kvd's default pool
 
-# bench_serve KEY OUT_DIR ROUND PORT NPREFIX OUTLEN CONC: vllm bench serve against the
+# bench_serve KEY OUT_DIR ROUND PORT PRELEN NPREFIX OUTLEN CONC: vllm bench serve against the
 # server on PORT; OUT_DIR/KEY.rROUND.json, or .fail with the reason
 bench_serve() {
-  local key=$1 d=$2 r=$3 port=$4 npre=$5 olen=$6 conc=$7 t0=$SECONDS rc=0
+  local key=$1 d=$2 r=$3 port=$4 prelen=$5 npre=$6 olen=$7 conc=$8 t0=$SECONDS rc=0
   wait_quiet_load
   "${vllm_env[@]}" "$venv/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$port" \
       --endpoint /v1/completions --model "$model_name" --tokenizer "$hf" \
-      --dataset-name prefix_repetition --prefix-repetition-prefix-len 1024 \
+      --dataset-name prefix_repetition --prefix-repetition-prefix-len "$prelen" \
       --prefix-repetition-suffix-len 64 --prefix-repetition-num-prefixes "$npre" \
       --prefix-repetition-output-len "$olen" --num-prompts "$num_prompts" --max-concurrency "$conc" \
       --ignore-eos --temperature 0 --seed 7 \
@@ -303,9 +312,9 @@ wait_quiet_load() {   # a note in the log of what else runs (not ours): the 1-mi
 }
 
 run_serving() {
-  local w key desc npre olen conc d r port shape nw nt k
+  local w key desc prelen npre olen conc d r port shape nw nt k
   for w in "${workloads[@]}"; do
-    IFS='|' read -r key desc npre olen conc <<< "$w"
+    IFS='|' read -r key desc prelen npre olen conc <<< "$w"
     d=$out/serve/$key; mkdir -p "$d"
     echo "$desc; $num_prompts prompts; --seed 7, --temperature 0, --ignore-eos; vllm bench serve --backend openai --endpoint /v1/completions" > "$d/workload.txt"
     for r in $(seq 1 "$serve_rounds"); do
@@ -318,7 +327,7 @@ run_serving() {
         if start_server "$k" "$d/$k.r$r.server.log" "http://127.0.0.1:$port/ready" 120 \
              build/kvd --model "$model" --workers "$nw" --threads "$nt" \
              --http "127.0.0.1:$port" --served-model-name "$model_name"; then
-          bench_serve "$k" "$d" "$r" "$port" "$npre" "$olen" "$conc"
+          bench_serve "$k" "$d" "$r" "$port" "$prelen" "$npre" "$olen" "$conc"
           stop_server
         else
           echo "round $r: kvd did not start: $(tail -1 "$d/$k.r$r.server.log")" > "$d/$k.r$r.fail"
@@ -333,7 +342,7 @@ run_serving() {
              LD_PRELOAD="$(first /usr/lib/*/libtcmalloc_minimal.so.4):$venv/lib/libiomp5.so" \
              "$venv/bin/vllm" serve "$hf" --served-model-name "$model_name" --dtype bfloat16 \
              --enable-prefix-caching --max-model-len 4096 --seed 7 --host 127.0.0.1 --port "$port"; then
-          bench_serve vllm "$d" "$r" "$port" "$npre" "$olen" "$conc"
+          bench_serve vllm "$d" "$r" "$port" "$prelen" "$npre" "$olen" "$conc"
           stop_server
         else
           echo "round $r: vLLM did not start: $(grep -E 'Error|error' "$d/vllm.r$r.server.log" | tail -1 | cut -c1-200)" > "$d/vllm.r$r.fail"
@@ -346,7 +355,7 @@ run_serving() {
         if start_server llama-server "$d/llama-server.r$r.server.log" "http://127.0.0.1:$port/health" 120 \
              "$llama_bin/llama-server" -m "$model" -t "$threads" -np "$conc" -c $((conc * 2048)) \
              --host 127.0.0.1 --port "$port" --alias "$model_name"; then
-          bench_serve llama-server "$d" "$r" "$port" "$npre" "$olen" "$conc"
+          bench_serve llama-server "$d" "$r" "$port" "$prelen" "$npre" "$olen" "$conc"
           stop_server
         else
           echo "round $r: llama-server did not start: $(tail -1 "$d/llama-server.r$r.server.log")" > "$d/llama-server.r$r.fail"
