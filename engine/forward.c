@@ -105,6 +105,14 @@ struct engine_params engine_default_params(void)
 const model_t *engine_model(const engine_t *e) { return e->m; }
 int engine_threads(const engine_t *e) { return e->n_threads; }
 
+uint32_t engine_decode_tiled(const engine_t *e)
+{
+    uint32_t n = 0;
+    for (uint32_t d = 0; d < e->n_dgroups; d++)
+        n += e->dgroups[d].n_tok;
+    return n;
+}
+
 uint64_t engine_progress(const engine_t *e)
 {
     return __atomic_load_n(&e->progress, __ATOMIC_RELAXED);

@@ -97,6 +97,8 @@ int engine_kv_shift(engine_t *e, const uint32_t *const *tables, uint32_t first, 
 
 const model_t *engine_model(const engine_t *e);
 int engine_threads(const engine_t *e);
+/* Decode tokens the last step ran together over ranges they share (tiles). */
+uint32_t engine_decode_tiled(const engine_t *e);
 
 /* Parallel jobs completed (a few per layer of every step): it grows while a
  * step runs and never goes back, so a watcher can tell a long step from a

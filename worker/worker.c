@@ -711,6 +711,16 @@ static uint32_t plan_grow(struct worker *w, struct wseq *s, uint32_t k, uint32_t
     return add;
 }
 
+/* Whether a's block table sorts before b's (block by block, a prefix first). */
+static bool table_before(const struct fwd_seq *a, const struct fwd_seq *b)
+{
+    const uint32_t n = MIN(a->n_blocks, b->n_blocks);
+    for (uint32_t i = 0; i < n; i++)
+        if (a->blocks[i] != b->blocks[i])
+            return a->blocks[i] < b->blocks[i];
+    return a->n_blocks < b->n_blocks;
+}
+
 /*
  * Picks the step's chunks under its token budget: every running sequence's
  * next token first (decode steps stay one token each), then prompt tokens.
@@ -746,14 +756,15 @@ static uint32_t plan_step(struct worker *w)
             budget -= plan_take(w, s, 1, &n);
         }
     }
-    /* decode tokens that share a prefix side by side (by their first block):
-     * attention reads the shared blocks' K/V for the first and finds them in
-     * cache for the next. A token's bits do not depend on its batch. */
+    /* decode tokens that share a prefix side by side (their block tables in
+     * order): attention reads the shared blocks' K/V for the first and finds
+     * them in cache for the next, and the engine runs whole shared ranges of
+     * four or more together. A token's bits do not depend on its batch. */
     for (uint32_t i = 1; i < n; i++) {
         const struct fwd_seq b = w->batch[i];
         struct wseq *s = w->in_batch[i];
         uint32_t j = i;
-        for (; j > 0 && w->batch[j - 1].blocks[0] > b.blocks[0]; j--) {
+        for (; j > 0 && table_before(&b, &w->batch[j - 1]); j--) {
             w->batch[j] = w->batch[j - 1];
             w->in_batch[j] = w->in_batch[j - 1];
         }

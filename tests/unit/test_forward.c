@@ -11,6 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "attn.h"
 #include "check.h"
 #include "cpu.h"
 #include "err.h"
@@ -678,19 +679,19 @@ static void test_batch_invariance(const model_t *m)
  * and one shares nothing and sits between them; with ranges of 16 positions
  * the first two tokens (a group too small), then a group of four sharing one
  * range. */
-static void test_shared_decode(const model_t *m)
+static void test_shared_decode(const model_t *m, int threads)
 {
-    enum { NS = 7, PRE = 40 };
+    enum { NS = 7, PRE = 40, END = 48 };
     const uint32_t V = m->cfg.n_vocab;
     char err[256];
-    struct rig r = rig_new(m, 4, 64, KERN_F16, 2);
-    int32_t pre[PRE], own[NS][PRE + 3];
-    uint32_t tables[NS][11];
+    struct rig r = rig_new(m, 4, 64, KERN_F16, threads);
+    int32_t pre[PRE], own[NS][END];
+    uint32_t tables[NS][12];
     random_tokens(pre, PRE, V, 41);
     for (int q = 0; q < NS; q++) {
-        random_tokens(own[q], PRE + 3, V, 50 + (unsigned)q);
-        for (int b = 0; b < 11; b++)
-            tables[q][b] = q < 5 ? (b < 10 ? (uint32_t)b : (uint32_t)(10 + q))
+        random_tokens(own[q], END, V, 50 + (unsigned)q);
+        for (int b = 0; b < 12; b++)
+            tables[q][b] = q < 5 ? (b < 10 ? (uint32_t)b : (uint32_t)(10 + 2 * q + (b - 10)))
                          : q == 5 ? (b < 4 ? (uint32_t)b : (uint32_t)(16 + b))
                                   : (uint32_t)(30 + b);
     }
@@ -698,29 +699,38 @@ static void test_shared_decode(const model_t *m)
     const float *lg;
     uint32_t rows;
     /* the shared prefix once; sequence 5's own positions 16..39; sequence 6 whole */
-    seqs[0] = (struct fwd_seq){ pre, PRE, 0, tables[0], 11, false, NULL };
-    seqs[1] = (struct fwd_seq){ own[5] + 16, PRE - 16, 16, tables[5], 11, false, NULL };
-    seqs[2] = (struct fwd_seq){ own[6], PRE, 0, tables[6], 11, false, NULL };
+    seqs[0] = (struct fwd_seq){ pre, PRE, 0, tables[0], 12, false, NULL };
+    seqs[1] = (struct fwd_seq){ own[5] + 16, PRE - 16, 16, tables[5], 12, false, NULL };
+    seqs[2] = (struct fwd_seq){ own[6], PRE, 0, tables[6], 12, false, NULL };
     REQUIRE(engine_step(r.e, seqs, 3, &lg, &rows, err, sizeof(err)) == 0);
     /* each its own two tokens at 40 and 41 */
     for (int q = 0; q < NS; q++)
-        seqs[q] = (struct fwd_seq){ own[q] + PRE, 2, PRE, tables[q], 11, false, NULL };
+        seqs[q] = (struct fwd_seq){ own[q] + PRE, 2, PRE, tables[q], 12, false, NULL };
     REQUIRE(engine_step(r.e, seqs, NS, &lg, &rows, err, sizeof(err)) == 0);
-    /* the decode step: 0, 1, then 6 (sharing nothing), then 2, 3, 4, 5 */
+    /* decode steps at positions 42..47 (the last one's context exactly three
+     * ranges): 0, 1, then 6 (sharing nothing), then 2, 3, 4, 5 */
     static const int order[NS] = { 0, 1, 6, 2, 3, 4, 5 };
-    for (int i = 0; i < NS; i++)
-        seqs[i] = (struct fwd_seq){ own[order[i]] + PRE + 2, 1, PRE + 2, tables[order[i]], 11, false, NULL };
-    REQUIRE(engine_step(r.e, seqs, NS, &lg, &rows, err, sizeof(err)) == 0);
-    REQUIRE(rows == NS);
     float *together = malloc((size_t)NS * V * 4);
     REQUIRE(together != NULL);
-    memcpy(together, lg, (size_t)NS * V * 4);
-    int same = 0;
-    for (int i = 0; i < NS; i++) {
-        REQUIRE(engine_step(r.e, &seqs[i], 1, &lg, &rows, err, sizeof(err)) == 0);
-        same += memcmp(lg, together + (size_t)i * V, (size_t)V * 4) == 0;
+    int same = 0, tiled = 0;
+    for (uint32_t pos = PRE + 2; pos < END; pos++) {
+        for (int i = 0; i < NS; i++)
+            seqs[i] = (struct fwd_seq){ own[order[i]] + pos, 1, pos, tables[order[i]], 12, false, NULL };
+        REQUIRE(engine_step(r.e, seqs, NS, &lg, &rows, err, sizeof(err)) == 0);
+        REQUIRE(rows == NS);
+        tiled += (int)engine_decode_tiled(r.e);
+        memcpy(together, lg, (size_t)NS * V * 4);
+        for (int i = 0; i < NS; i++) {
+            REQUIRE(engine_step(r.e, &seqs[i], 1, &lg, &rows, err, sizeof(err)) == 0);
+            same += memcmp(lg, together + (size_t)i * V, (size_t)V * 4) == 0;
+            CHECK_INT(engine_decode_tiled(r.e), 0);
+        }
     }
-    CHECK_INT(same, NS);
+    CHECK_INT(same, NS * (END - PRE - 2));
+    /* where the path has the multi kernel, 2..5 went together at every step */
+    const struct model_config *c = &m->cfg;
+    if (kern_attn_multi_ok(KERN_F16, KERN_F16, (int)c->head_dim) && c->n_head / c->n_head_kv <= 4)
+        CHECK_INT(tiled, 4 * (END - PRE - 2));
     free(together);
     rig_free(&r);
 }
@@ -845,7 +855,8 @@ int main(void)
         test_batch_invariance(m64);
         for (int isa = (int)kern_isa_best(); isa >= KERN_ISA_C; isa--) {
             kern_isa_set((enum kern_isa)isa);
-            test_shared_decode(m64);
+            for (int th = 1; th <= 3; th++)
+                test_shared_decode(m64, th);
         }
         kern_isa_set(kern_isa_best());
         rig_chunk = 0;

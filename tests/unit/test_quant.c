@@ -415,13 +415,16 @@ static void test_act_simd(int which)
         return;
     bool (*const quant)(uint32_t, const float *, void *, int64_t) =
         which == 0 ? kern_quantize_act_avx2 : kern_quantize_act_avx512;
-    enum { N = 832 };
-    static float x[N];
-    static uint8_t ref[N * 2], got[N * 2];
+    /* rows of 26 blocks (a group of sixteen and a tail), 48 (three groups),
+     * 42 (two and a tail) and 5 (a tail alone) */
+    static const int blocks[4] = { 26, 48, 42, 5 };
+    enum { NMAX = 48 * 32 };
+    static float x[NMAX];
+    static uint8_t ref[NMAX * 2], got[NMAX * 2];
     const uint32_t types[2] = { KERN_Q8_0, KERN_Q8_1 };
-    int mismatches = 0;
-    for (int round = 0; round < 400; round++) {
-        const int kind = round % 8;
+    int mismatches = 0, overruns = 0;
+    for (int round = 0; round < 480; round++) {
+        const int kind = round % 12, N = 32 * blocks[(round / 12) % 4];
         for (int i = 0; i < N; i++) {
             float r = (float)rand() / (float)RAND_MAX * 2.0f - 1.0f;
             switch (kind) {
@@ -432,14 +435,18 @@ static void test_act_simd(int which)
             case 4: x[i] = (float)(rand() % 255 - 127) * 0.5f; break;  /* ties after scaling */
             case 5: x[i] = i % 32 == 0 ? 127.0f : (float)(rand() % 254 - 127) + 0.5f; break;
             case 6: x[i] = r * 1e-40f; break;                     /* subnormal */
+            case 7: x[i] = r * 1e-4f; break;                      /* d an f16 subnormal */
+            case 8: x[i] = r * 1e-6f; break;                      /* d below f16's range */
+            case 9: x[i] = r * 1e10f; break;                      /* d past f16's range */
+            case 10: x[i] = r * 3.4e38f; break;                   /* near FLT_MAX */
             default: x[i] = r * (float)(1 << (rand() % 20)); break;
             }
         }
         if (round % 16 == 7) {   /* a NaN, an infinity, and a block with both */
             x[rand() % N] = __builtin_nanf("");
             x[rand() % N] = -__builtin_inff();
-            x[64] = __builtin_inff();
-            x[65] = __builtin_nanf("");
+            x[N / 2] = __builtin_inff();
+            x[N / 2 + 1] = __builtin_nanf("");
         }
         for (int k = 0; k < 2; k++) {
             const size_t bytes = kern_act_row_bytes(types[k], N);
@@ -448,10 +455,13 @@ static void test_act_simd(int which)
             CHECK(quant(types[k], x, got, N));
             if (memcmp(ref, got, bytes) != 0)
                 mismatches++;
+            for (size_t i = bytes; i < sizeof(got); i++)
+                overruns += got[i] != 0xAA;
         }
     }
     CHECK_INT(mismatches, 0);
-    CHECK(!quant(KERN_Q8_K, x, got, N));
+    CHECK_INT(overruns, 0);
+    CHECK(!quant(KERN_Q8_K, x, got, 832));
     CHECK(!quant(KERN_Q8_0, x, got, 48));
 #else
     (void)which;
