@@ -895,8 +895,8 @@ static uint32_t shared_ranges(const engine_t *e, const struct fwd_seq *seqs, uin
     return r;
 }
 
-/* Groups decode tokens side by side (the worker orders them by their first
- * block) that share whole ranges of positions, DECODE_TILE_MIN to `per` a
+/* Groups decode tokens side by side (the worker orders them by their block
+ * tables) that share whole ranges of positions, DECODE_TILE_MIN to `per` a
  * group: their queries over a shared range go in one kern_attn_multi call,
  * which reads its K and V once for all of them and gives each query the bits
  * kern_attn would. Below DECODE_TILE_MIN, a call per token is faster
