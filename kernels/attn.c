@@ -69,10 +69,11 @@ void kern_attn_paged(const struct kern_attn_args *a, int i)
     }
 }
 
-/* Each position's sixteen scores and its V row as floats, and room to align them. */
+/* Each position's sixteen scores, a block of V rows as floats, and room to align them. */
 size_t kern_attn_multi_scratch(int n_ctx, int head_dim)
 {
-    return (size_t)n_ctx * (KERN_ATTN_LANES + (size_t)head_dim) * sizeof(float) + 64;
+    (void)head_dim;
+    return ((size_t)n_ctx * KERN_ATTN_LANES + KERN_ATTN_V_BLOCK) * sizeof(float) + 64;
 }
 
 bool kern_attn_multi_ok(uint32_t k_type, uint32_t v_type, int head_dim)

@@ -93,7 +93,8 @@ struct kern_attn_query {
     int n_ctx;              /* positions [0, n_ctx) of a's blocks */
 };
 
-#define KERN_ATTN_LANES 16  /* queries one kern_attn_multi call takes at most */
+#define KERN_ATTN_LANES 16    /* queries one kern_attn_multi call takes at most */
+#define KERN_ATTN_V_BLOCK 4096 /* floats of V rows kern_attn_multi converts at a time */
 
 /*
  * Up to KERN_ATTN_LANES queries of KV head a->kv_head at once, each over its
@@ -101,7 +102,8 @@ struct kern_attn_query {
  * heads of their group): what kern_attn does for each alone, with the same
  * bits, reading each K and V row once for all of them. a gives the cache
  * (bases, blocks, strides, types, scale, head_dim; skip must be 0); its q,
- * out, n_q, n_ctx, scores and stats are not read. scratch: at least
+ * out, n_q, n_ctx, scores and stats are not read. Each query's out holds its
+ * running sums as the call goes, so it must not overlap another's q or out. scratch: at least
  * kern_attn_multi_scratch(the largest n_ctx, head_dim) bytes. Returns 0, having done
  * nothing, where the active path has no such kernel for the shape or types
  * (the caller then runs kern_attn per query); 1 done.

@@ -407,9 +407,10 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
  * A prefill's tokens of one sequence share their positions, so up to sixteen
  * (token, head) queries of one KV head run together, one query in each lane
  * of a vector ("lanes over queries"): each K and V value is converted once
- * and broadcast to all of them, a score costs its head_dim multiply-adds and
- * no horizontal sum, and out += p v is one multiply-add a value for sixteen
- * queries. Every query's arithmetic is still attn_pass's, operation for
+ * and broadcast to all of them, and a score costs its head_dim multiply-adds
+ * and no horizontal sum. For out += p v the lanes turn to V's values: a
+ * block of V rows converted once serves every query, a probability broadcast
+ * and a V slice loaded serve six queries' multiply-adds and four slices. Every query's arithmetic is still attn_pass's, operation for
  * operation:
  *   - its score at a position is the same chain per 16-wide slice l of the
  *     head (q[l] k[l], then + q[16h + l] k[16h + l] for each further slice h)
@@ -474,12 +475,14 @@ static inline __attribute__((always_inline)) void scores_lanes(const int HV, con
 }
 
 /* Sixteen values of a V row from value 16c on, as attn_pass reads them:
- * converted from f16 / f32, or d * code from q8_0 / q4_0 (values_quant). */
-static inline __m512 v_values16(const uint8_t *row, int c, uint32_t type)
+ * converted from f16 / f32, or d * code from q8_0 / q4_0 (values_quant).
+ * Called with a constant type, so each type gets its own loop. */
+static inline __attribute__((always_inline)) __m512 v_values16(const uint8_t *row, int c, uint32_t type)
 {
     if (type == KERN_F16 || type == KERN_F32)
         return load16(row, c, type == KERN_F16);
-    const uint8_t *blk = row + (size_t)(c / 2) * kern_row_bytes(type, 32);
+    const size_t blk_bytes = type == KERN_Q8_0 ? sizeof(struct kern_block_q8_0) : sizeof(struct kern_block_q4_0);
+    const uint8_t *blk = row + (size_t)(c / 2) * blk_bytes;
     const __m512 d = _mm512_set1_ps(block_scale(blk));
     __m512i codes;
     if (type == KERN_Q8_0) {
@@ -491,6 +494,85 @@ static inline __m512 v_values16(const uint8_t *row, int c, uint32_t type)
                                  _mm512_set1_epi32(8));
     }
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(codes));
+}
+
+/* V rows of positions j .. end (all in one KV block, the first at row) as
+ * floats into VF, a row of HV * 16 each. */
+static inline __attribute__((always_inline)) void v_rows_typed(const int HV, uint32_t type, const uint8_t *row,
+                                                               size_t v_row, int n, float *VF)
+{
+    for (int i = 0; i < n; i++, row += v_row, VF += 16 * HV)
+#pragma GCC unroll 16
+        for (int c = 0; c < HV; c++)
+            _mm512_store_ps(VF + 16 * c, v_values16(row, c, type));
+}
+
+/* V rows of positions j0 .. j1 of the context as floats (VF row i = position j0 + i). */
+static inline __attribute__((always_inline)) void v_rows(const int HV, const struct kern_attn_args *a,
+                                                         uint64_t v_off, size_t v_row, int j0, int j1, float *VF)
+{
+    const int bt = (int)a->block_tokens;
+    for (int j = j0; j < j1;) {
+        const int off = j % bt, n = j1 - j < bt - off ? j1 - j : bt - off;
+        const uint8_t *row = a->v_base + a->blocks[j / bt] * a->block_stride + v_off + (size_t)off * v_row;
+        float *dst = VF + (size_t)(j - j0) * 16 * HV;
+        switch (a->v_type) {
+        case KERN_F16: v_rows_typed(HV, KERN_F16, row, v_row, n, dst); break;
+        case KERN_F32: v_rows_typed(HV, KERN_F32, row, v_row, n, dst); break;
+        case KERN_Q8_0: v_rows_typed(HV, KERN_Q8_0, row, v_row, n, dst); break;
+        default: v_rows_typed(HV, KERN_Q4_0, row, v_row, n, dst); break;
+        }
+        j += n;
+    }
+}
+
+/* out += p v over n positions for GQ queries (lanes lane[0 .. GQ)) and the
+ * four 16-value slices of V from value 16c on: the accumulators live in the
+ * queries' outputs, each value's sum runs in position order, the query's
+ * probability broadcast and the V slice loaded once for all of them. */
+static inline __attribute__((always_inline)) void pv_tile(const int GQ, const struct kern_attn_query *qs,
+                                                          const int *lane, int c, int hd, const float *VF,
+                                                          const float *S, int n)
+{
+    __m512 acc[6][4];
+#pragma GCC unroll 6
+    for (int g = 0; g < GQ; g++)
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++)
+            acc[g][k] = _mm512_loadu_ps(qs[lane[g]].out + 16 * (c + k));
+    for (int j = 0; j < n; j++) {
+        const float *vj = VF + (size_t)j * hd + 16 * c;
+        const __m512 v0 = _mm512_load_ps(vj), v1 = _mm512_load_ps(vj + 16);
+        const __m512 v2 = _mm512_load_ps(vj + 32), v3 = _mm512_load_ps(vj + 48);
+#pragma GCC unroll 6
+        for (int g = 0; g < GQ; g++) {
+            const __m512 p = _mm512_set1_ps(S[(size_t)j * 16 + lane[g]]);
+            acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
+            acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
+            acc[g][3] = _mm512_fmadd_ps(p, v3, acc[g][3]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int g = 0; g < GQ; g++)
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++)
+            _mm512_storeu_ps(qs[lane[g]].out + 16 * (c + k), acc[g][k]);
+}
+
+#define PV_GQ 6                  /* queries one pv_tile runs */
+
+static void pv_tiles(const struct kern_attn_query *qs, const int *lane, int nl, int c, int hd,
+                     const float *VF, const float *S, int n)
+{
+    switch (nl) {
+    case 1: pv_tile(1, qs, lane, c, hd, VF, S, n); break;
+    case 2: pv_tile(2, qs, lane, c, hd, VF, S, n); break;
+    case 3: pv_tile(3, qs, lane, c, hd, VF, S, n); break;
+    case 4: pv_tile(4, qs, lane, c, hd, VF, S, n); break;
+    case 5: pv_tile(5, qs, lane, c, hd, VF, S, n); break;
+    default: pv_tile(6, qs, lane, c, hd, VF, S, n); break;
+    }
 }
 
 static inline __attribute__((always_inline)) void
@@ -608,35 +690,37 @@ multi_pass(const int HV, const struct kern_attn_args *a, const struct kern_attn_
             pv = _mm512_cvtph_ps(_mm512_cvtps_ph(pv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         _mm512_store_ps(S + (size_t)j * 16, pv);
     }
-    /* V's rows as floats, once (VF: [position][dimension]), then out = sum p v
-     * sixteen dimensions at a time, in position order, each value broadcast
-     * from memory to the sixteen lanes */
-    for (int j0 = 0, b = 0; j0 < N; j0 += a->block_tokens, b++) {
-        const uint8_t *v = a->v_base + a->blocks[b] * a->block_stride + v_off;
-        const int end = N - j0 < a->block_tokens ? N : j0 + a->block_tokens;
-        for (int j = j0; j < end; j++, v += v_row)
-            for (int c = 0; c < HV; c++)
-                _mm512_store_ps(VF + (size_t)j * hd + 16 * c, v_values16(v, c, a->v_type));
-    }
-    for (int c = 0; c < HV; c++) {
-        __m512 acc[16];
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; i++)
-            acc[i] = _mm512_setzero_ps();
-        for (int j = 0; j < N; j++) {
-            const __mmask16 live = _mm512_cmpgt_epi32_mask(nvec, _mm512_set1_epi32(j));
-            const __m512 pv = _mm512_load_ps(S + (size_t)j * 16);
-            const float *vj = VF + (size_t)j * hd + 16 * c;
-#pragma GCC unroll 16
-            for (int i = 0; i < 16; i++)
-                acc[i] = _mm512_mask3_fmadd_ps(pv, _mm512_set1_ps(vj[i]), acc[i], live);
+    /* out = sum p v, in position order for every value: a block of positions'
+     * V rows is converted to floats once (VF, in L1), then each group of up
+     * to PV_GQ queries adds the block's terms, four slices of V at a time.
+     * A query stops at its own n_ctx: the positions of a block every query of
+     * the group reads go through the group at once, the rest query by query. */
+    for (int L = 0; L < nq; L++)
+        memset(qs[L].out, 0, (size_t)hd * sizeof(float));
+    const int B = KERN_ATTN_V_BLOCK / hd;   /* 16 KiB of floats: they stay in L1 */
+    for (int j0 = 0; j0 < N; j0 += B) {
+        const int j1 = N - j0 < B ? N : j0 + B;
+        v_rows(HV, a, v_off, v_row, j0, j1, VF);
+        const float *Sb = S + (size_t)j0 * 16;
+        for (int q0 = 0; q0 < nq; q0 += PV_GQ) {
+            const int gq = nq - q0 < PV_GQ ? nq - q0 : PV_GQ;
+            int lane[PV_GQ], common = j1;
+            for (int g = 0; g < gq; g++) {
+                lane[g] = q0 + g;
+                common = nl[q0 + g] < common ? nl[q0 + g] : common;
+            }
+            common = common > j0 ? common - j0 : 0;
+            for (int c = 0; c < HV; c += 4) {
+                if (common > 0)
+                    pv_tiles(qs, lane, gq, c, hd, VF, Sb, common);
+                for (int g = 0; g < gq; g++) {
+                    const int end = nl[q0 + g] < j1 ? nl[q0 + g] : j1;
+                    if (end - j0 > common)
+                        pv_tile(1, qs, &lane[g], c, hd, VF + (size_t)common * hd, Sb + (size_t)common * 16,
+                                end - j0 - common);
+                }
+            }
         }
-        float o[16][16] __attribute__((aligned(64)));   /* [dimension][lane] */
-        for (int i = 0; i < 16; i++)
-            _mm512_store_ps(o[i], acc[i]);
-        for (int L = 0; L < nq; L++)
-            for (int i = 0; i < 16; i++)
-                qs[L].out[16 * c + i] = o[i][L];
     }
 }
 
