@@ -23,14 +23,34 @@
 #include "quant_blocks.h"
 #include "types.h"
 
-static inline __m512 round_away16(__m512 v)
+/* roundf(v) (half away from zero) as cvtt(v + copysign(0.49999997, v)):
+ * the sum rounds to nearest, so a fraction of exactly one half reaches the
+ * next integer and any smaller one stays below it; checked against roundf
+ * for every float of magnitude up to 300 (the codes are at most 127.00002).
+ * NaN lanes are the caller's to mask. */
+static inline __m512i round_away16(__m512 v)
 {
-    const __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-    const __m512 frac = _mm512_sub_ps(v, t);
-    const __mmask16 half = _mm512_cmp_ps_mask(_mm512_abs_ps(frac), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
-    const __m512 one = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(_mm512_set1_ps(1.0f)),
-        _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u))));
-    return _mm512_mask_add_ps(t, half, t, one);
+    const __m512i h = _mm512_ternarylogic_epi32(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u),
+                                                _mm512_set1_epi32(0x3EFFFFFF), 0xEA); /* (v & sign) | 0.49999997 */
+    return _mm512_cvttps_epi32(_mm512_add_ps(v, _mm512_castsi512_ps(h)));
+}
+
+/* Sixteen vectors in, one out: lane i = the sum of s[i]'s lanes. */
+static inline __m512i sum16(__m512i s[16])
+{
+    __m512i t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2 * i], s[2 * i + 1]),
+                                _mm512_unpackhi_epi32(s[2 * i], s[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]),
+                                _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+    const __m512i x01 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                         _mm512_shuffle_i32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i x23 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                         _mm512_shuffle_i32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 /* Sixteen vectors in, one out: lane i = the largest lane of m[i] (no NaN in). */
@@ -55,7 +75,7 @@ static inline __m512 max16(__m512 m[16])
 
 /* Blocks [0, 16) of x: codes, scales (f16) and, with q81, the f16 of
  * sum(codes) * d, written at dst with a block stride of `stride` bytes. */
-static inline void quant16(const float *x, uint8_t *dst, size_t stride, int q81)
+static inline __attribute__((always_inline)) void quant16(const float *x, uint8_t *dst, size_t stride, int q81)
 {
     __m512 m[16];
     for (int b = 0; b < 16; b++) {
@@ -71,16 +91,16 @@ static inline void quant16(const float *x, uint8_t *dst, size_t stride, int q81)
                          _mm512_cmp_ps_mask(_mm512_abs_ps(id), _mm512_set1_ps(__builtin_inff()), _CMP_LT_OQ);
     id = _mm512_maskz_mov_ps(ok, id);
     float ids[16] __attribute__((aligned(64)));
-    int32_t sums[16] __attribute__((aligned(64)));
+    __m512i sums[16];
     _mm512_store_ps(ids, id);
     for (int b = 0; b < 16; b++) {
         const __m512 vid = _mm512_set1_ps(ids[b]);
         const __m512 y0 = _mm512_mul_ps(_mm512_loadu_ps(x + 32 * b), vid);
         const __m512 y1 = _mm512_mul_ps(_mm512_loadu_ps(x + 32 * b + 16), vid);
         /* a NaN codes as 0, as in the reference (cvtt would give INT_MIN) */
-        const __m512i q0 = _mm512_maskz_cvttps_epi32(_mm512_cmp_ps_mask(y0, y0, _CMP_ORD_Q), round_away16(y0));
-        const __m512i q1 = _mm512_maskz_cvttps_epi32(_mm512_cmp_ps_mask(y1, y1, _CMP_ORD_Q), round_away16(y1));
-        sums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        const __m512i q0 = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(y0, y0, _CMP_ORD_Q), round_away16(y0));
+        const __m512i q1 = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(y1, y1, _CMP_ORD_Q), round_away16(y1));
+        sums[b] = _mm512_add_epi32(q0, q1);
         uint8_t *qs = dst + (size_t)b * stride + (q81 ? 4 : 2);
         _mm_storeu_si128((__m128i *)qs, _mm512_cvtsepi32_epi8(q0));
         _mm_storeu_si128((__m128i *)(qs + 16), _mm512_cvtsepi32_epi8(q1));
@@ -88,7 +108,9 @@ static inline void quant16(const float *x, uint8_t *dst, size_t stride, int q81)
     uint16_t dh[16], sh[16];
     _mm256_storeu_si256((__m256i *)dh, _mm512_cvtps_ph(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     if (q81) {
-        const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums)), d);
+        /* the block sums stay in registers: sixteen scalar stores read back as
+         * one vector cannot be forwarded, and that stall was most of the time */
+        const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(sum16(sums)), d);
         _mm256_storeu_si256((__m256i *)sh, _mm512_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
     for (int b = 0; b < 16; b++) {
@@ -105,8 +127,13 @@ bool kern_quantize_act_avx512(uint32_t act_type, const float *src, void *dst, in
     const int q81 = act_type == KERN_Q8_1;
     const size_t stride = q81 ? sizeof(struct kern_block_q8_1) : sizeof(struct kern_block_q8_0);
     const int64_t nb = n / 32, whole = nb / 16 * 16;
-    for (int64_t i = 0; i < whole; i += 16)
-        quant16(src + 32 * i, (uint8_t *)dst + (size_t)i * stride, stride, q81);
+    /* q81 a constant in each loop: Q8_0 skips the block sums */
+    if (q81)
+        for (int64_t i = 0; i < whole; i += 16)
+            quant16(src + 32 * i, (uint8_t *)dst + (size_t)i * stride, stride, 1);
+    else
+        for (int64_t i = 0; i < whole; i += 16)
+            quant16(src + 32 * i, (uint8_t *)dst + (size_t)i * stride, stride, 0);
     if (whole < nb)
         return kern_quantize_act_avx2(act_type, src + 32 * whole, (uint8_t *)dst + (size_t)whole * stride,
                                       32 * (nb - whole));
