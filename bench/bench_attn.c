@@ -101,7 +101,7 @@ static void bench_prefill(int n)
     for (int t = 0; t < TOKENS; t++)
         for (int g = 0; g < GROUP; g++)
             qs[t * GROUP + g] = (struct kern_attn_query){ q + (t * GROUP + g) * HD, out + (t * GROUP + g) * HD,
-                                                          NULL, n + t + 1 };
+                                                          NULL, n + t + 1, 0, 0 };
     double med[2];
     for (int multi = 0; multi < 2; multi++) {
         double runs[9];

@@ -90,7 +90,11 @@ struct kern_attn_query {
     const float *q;         /* head_dim rotated values */
     float *out;             /* head_dim results */
     float *stats;           /* NULL, or its largest score and sum (kern_attn's stats) */
-    int n_ctx;              /* positions [0, n_ctx) of a's blocks */
+    int n_ctx;              /* positions [first, n_ctx) of a's blocks */
+    int first;              /* where its positions start (0, or a multiple of 16 and of
+                             * a->block_tokens): kern_attn over a->blocks + first / block_tokens */
+    int skip;               /* 0, or first <= skip < n_ctx: positions [first, skip) are read
+                             * but not attended, as kern_attn's skip (a sliding window's start) */
 };
 
 #define KERN_ATTN_LANES 16    /* queries one kern_attn_multi call takes at most */
@@ -98,10 +102,12 @@ struct kern_attn_query {
 
 /*
  * Up to KERN_ATTN_LANES queries of KV head a->kv_head at once, each over its
- * own positions [0, n_ctx) (a prefill's tokens of one sequence, with the
- * heads of their group): what kern_attn does for each alone, with the same
- * bits, reading each K and V row once for all of them. a gives the cache
- * (bases, blocks, strides, types, scale, head_dim; skip must be 0); its q,
+ * own positions [first, n_ctx) (a prefill's tokens of one sequence, with the
+ * heads of their group; in a sliding window each with its own start): what
+ * kern_attn does for each alone (over a->blocks + first / block_tokens,
+ * n_ctx - first positions, skip - first skipped), with the same bits, reading
+ * each K and V row once for all of them. a gives the cache (bases, blocks,
+ * strides, types, scale, head_dim; a->skip must be 0); its q,
  * out, n_q, n_ctx, scores and stats are not read. Each query's out holds its
  * running sums as the call goes, so it must not overlap another's q or out. scratch: at least
  * kern_attn_multi_scratch(the largest n_ctx, head_dim) bytes. Returns 0, having done

@@ -436,6 +436,7 @@ static inline __attribute__((always_inline)) void scores_lanes(const int HV, con
 {
     static const int order[4] = { 0, 2, 1, 3 };
     __m512 g01[4], g23[4], grp[4], pair[4], first[4];
+    const float *Qs = Qt;
 #pragma GCC unroll 4
     for (int g = 0; g < 4; g++) {
 #pragma GCC unroll 4
@@ -444,7 +445,8 @@ static inline __attribute__((always_inline)) void scores_lanes(const int HV, con
             __m512 qr[16];
 #pragma GCC unroll 16
             for (int h = 0; h < HV; h++)
-                qr[h] = _mm512_load_ps(Qt + (size_t)(16 * h + l) * 16);
+                qr[h] = _mm512_load_ps(Qs + (size_t)(16 * h + l) * 16);
+            __m512 xs[4];
 #pragma GCC unroll 4
             for (int p = 0; p < P; p++) {
                 __m512 x = _mm512_mul_ps(qr[0], _mm512_set1_ps(kf[p][l]));
@@ -459,6 +461,23 @@ static inline __attribute__((always_inline)) void scores_lanes(const int HV, con
                     first[p] = x;
                 else
                     grp[p] = _mm512_add_ps(pair[p], _mm512_add_ps(first[p], x));
+                xs[p] = k == 0 || k == 2 ? first[p] : k == 1 ? pair[p] : grp[p];
+            }
+            /* the next slice's loads wait for this slice's results: GCC
+             * otherwise runs all sixteen slices' chains before their adds and
+             * spills the partial sums */
+#pragma GCC unroll 4
+            for (int p = P; p < 4; p++)
+                xs[p] = xs[0];
+            __asm__ volatile("" : "+r"(Qs), "+v"(xs[0]), "+v"(xs[1]), "+v"(xs[2]), "+v"(xs[3]));
+#pragma GCC unroll 4
+            for (int p = 0; p < P; p++) {
+                if (k == 0 || k == 2)
+                    first[p] = xs[p];
+                else if (k == 1)
+                    pair[p] = xs[p];
+                else
+                    grp[p] = xs[p];
             }
         }
 #pragma GCC unroll 4
@@ -575,6 +594,13 @@ static void pv_tiles(const struct kern_attn_query *qs, const int *lane, int nl, 
     }
 }
 
+/* The lanes that attend position j: sl <= j < nl. */
+static inline __mmask16 live_lanes(__m512i nvec, __m512i svec, int j)
+{
+    const __m512i vj = _mm512_set1_epi32(j);
+    return _mm512_cmpgt_epi32_mask(nvec, vj) & _mm512_cmple_epi32_mask(svec, vj);
+}
+
 static inline __attribute__((always_inline)) void
 multi_pass(const int HV, const struct kern_attn_args *a, const struct kern_attn_query *qs, int nq, float *S,
            float *VF)
@@ -586,11 +612,14 @@ multi_pass(const int HV, const struct kern_attn_args *a, const struct kern_attn_
     const uint64_t v_off = (uint64_t)a->kv_head * a->v_head_stride;
     /* the queries transposed (rounded to f16 over an f16 K, as attn_pass does) */
     float Qt[256 * 16] __attribute__((aligned(64)));
-    int32_t nl[16] __attribute__((aligned(64)));
+    /* lane L: positions [fl, nl) read, [sl, nl) attended */
+    int32_t nl[16] __attribute__((aligned(64))), sl[16] __attribute__((aligned(64))), fl[16];
     int N = 0;
     memset(Qt, 0, (size_t)hd * 16 * sizeof(float));
     for (int L = 0; L < 16; L++) {
         nl[L] = L < nq ? qs[L].n_ctx : 0;
+        fl[L] = L < nq ? qs[L].first : 0;
+        sl[L] = L < nq && qs[L].skip > fl[L] ? qs[L].skip : fl[L];
         N = nl[L] > N ? nl[L] : N;
     }
     for (int L = 0; L < nq; L++)
@@ -603,7 +632,7 @@ multi_pass(const int HV, const struct kern_attn_args *a, const struct kern_attn_
             for (int i = 0; i < 16; i++)
                 Qt[(size_t)(16 * h + i) * 16 + L] = v[i];
         }
-    const __m512i nvec = _mm512_load_si512(nl);
+    const __m512i nvec = _mm512_load_si512(nl), svec = _mm512_load_si512(sl);
     const __m512 scale = _mm512_set1_ps(a->scale);
 
     /* scores, and each lane's running largest per position mod 16 (attn_pass's vmax lanes) */
@@ -632,7 +661,7 @@ multi_pass(const int HV, const struct kern_attn_args *a, const struct kern_attn_
         scores_lanes(HV, P, Qt, (const float (*)[256])kf, tot);
         for (int p = 0; p < cnt; p++) {
             const int j = j0 + p;
-            const __mmask16 live = _mm512_cmpgt_epi32_mask(nvec, _mm512_set1_epi32(j));
+            const __mmask16 live = live_lanes(nvec, svec, j);
             const __m512 sc = _mm512_mul_ps(tot[p], scale);
             _mm512_store_ps(S + (size_t)j * 16, sc);
             mx16[j % 16] = _mm512_mask_max_ps(mx16[j % 16], live, mx16[j % 16], sc);
@@ -655,7 +684,7 @@ multi_pass(const int HV, const struct kern_attn_args *a, const struct kern_attn_
     for (int i = 0; i < 16; i++)
         lo[i] = hi[i] = _mm512_setzero_pd();
     for (int j = 0; j < N; j++) {
-        const __mmask16 live = _mm512_cmpgt_epi32_mask(nvec, _mm512_set1_epi32(j));
+        const __mmask16 live = live_lanes(nvec, svec, j);
         float *sj = S + (size_t)j * 16;
         const __m512 e = _mm512_maskz_mov_ps(live, kern_exp16(_mm512_sub_ps(_mm512_maskz_load_ps(live, sj), vmx)));
         _mm512_store_ps(sj, e);
@@ -693,33 +722,44 @@ multi_pass(const int HV, const struct kern_attn_args *a, const struct kern_attn_
     /* out = sum p v, in position order for every value: a block of positions'
      * V rows is converted to floats once (VF, in L1), then each group of up
      * to PV_GQ queries adds the block's terms, four slices of V at a time.
-     * A query stops at its own n_ctx: the positions of a block every query of
-     * the group reads go through the group at once, the rest query by query. */
+     * A query's terms run from its first position to its n_ctx (a p of 0
+     * before its skip, as kern_attn's): the positions of a block every query
+     * of the group reads go through the group at once, the rest query by
+     * query, each query's in position order. */
     for (int L = 0; L < nq; L++)
         memset(qs[L].out, 0, (size_t)hd * sizeof(float));
     const int B = KERN_ATTN_V_BLOCK / hd;   /* 16 KiB of floats: they stay in L1 */
     for (int j0 = 0; j0 < N; j0 += B) {
         const int j1 = N - j0 < B ? N : j0 + B;
         v_rows(HV, a, v_off, v_row, j0, j1, VF);
-        const float *Sb = S + (size_t)j0 * 16;
         for (int q0 = 0; q0 < nq; q0 += PV_GQ) {
             const int gq = nq - q0 < PV_GQ ? nq - q0 : PV_GQ;
-            int lane[PV_GQ], common = j1;
+            int lane[PV_GQ], cs = j0, ce = j1;   /* the group's common positions [cs, ce) */
             for (int g = 0; g < gq; g++) {
                 lane[g] = q0 + g;
-                common = nl[q0 + g] < common ? nl[q0 + g] : common;
+                cs = fl[q0 + g] > cs ? fl[q0 + g] : cs;
+                ce = nl[q0 + g] < ce ? nl[q0 + g] : ce;
             }
-            common = common > j0 ? common - j0 : 0;
-            for (int c = 0; c < HV; c += 4) {
-                if (common > 0)
-                    pv_tiles(qs, lane, gq, c, hd, VF, Sb, common);
-                for (int g = 0; g < gq; g++) {
-                    const int end = nl[q0 + g] < j1 ? nl[q0 + g] : j1;
-                    if (end - j0 > common)
-                        pv_tile(1, qs, &lane[g], c, hd, VF + (size_t)common * hd, Sb + (size_t)common * 16,
-                                end - j0 - common);
+            if (ce < cs)
+                ce = cs;
+            for (int c = 0; c < HV; c += 4)
+                for (int part = 0; part < 3; part++) {
+                    /* before the common positions, query by query; the common
+                     * ones as a group; after them, query by query */
+                    if (part == 1) {
+                        if (ce > cs)
+                            pv_tiles(qs, lane, gq, c, hd, VF + (size_t)(cs - j0) * hd, S + (size_t)cs * 16, ce - cs);
+                        continue;
+                    }
+                    for (int g = 0; g < gq; g++) {
+                        const int from = part == 0 ? (fl[q0 + g] > j0 ? fl[q0 + g] : j0) : ce;
+                        const int to = part == 0 ? (cs < nl[q0 + g] ? cs : nl[q0 + g])
+                                                 : (nl[q0 + g] < j1 ? nl[q0 + g] : j1);
+                        if (to > from)
+                            pv_tile(1, qs, &lane[g], c, hd, VF + (size_t)(from - j0) * hd, S + (size_t)from * 16,
+                                    to - from);
+                    }
                 }
-            }
         }
     }
 }
@@ -732,8 +772,13 @@ int kern_attn_avx512_multi(const struct kern_attn_args *a, const struct kern_att
         !kv_simd_type(a->v_type) || a->skip != 0 || nq < 1 || nq > KERN_ATTN_LANES)
         return 0;
     int N = 0;
-    for (int L = 0; L < nq; L++)
-        N = qs[L].n_ctx > N ? qs[L].n_ctx : N;
+    for (int L = 0; L < nq; L++) {
+        const struct kern_attn_query *q = &qs[L];
+        if (q->first < 0 || q->first % 16 != 0 || q->first >= q->n_ctx ||
+            (q->skip != 0 && (q->skip < q->first || q->skip >= q->n_ctx)))
+            return 0;
+        N = q->n_ctx > N ? q->n_ctx : N;
+    }
     float *S = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float *VF = S + (size_t)N * KERN_ATTN_LANES;
     switch (hd) {

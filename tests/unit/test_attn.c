@@ -203,6 +203,68 @@ static void test_head_dim(int D, int G)
     free(mem);
 }
 
+/* Sliding-window tiles: tokens at consecutive positions, each attending its
+ * last W positions (kern_attn_query's first and skip), against kern_attn
+ * over the token's own first block with its skip, as the engine calls it
+ * for a windowed layer. Returns the queries checked. */
+static int check_windows(const struct kern_attn_args *a, int G, int nctx_max)
+{
+    const int D = a->head_dim, T = 16 / G, nq = T * G;
+    const int wins[] = { 5, 20, 100, 257 };
+    float *q = malloc((size_t)nq * D * sizeof(float)), *got = malloc((size_t)nq * D * sizeof(float));
+    float *one = malloc((size_t)D * sizeof(float)), st[2 * 16], one_st[2];
+    float *scores = malloc((size_t)nctx_max * sizeof(float));
+    void *scratch = malloc(kern_attn_multi_scratch(nctx_max, D));
+    int cases = 0;
+    for (size_t wi = 0; wi < sizeof(wins) / sizeof(wins[0]); wi++)
+        for (int rep = 0; rep < 3; rep++) {
+            const int W = wins[wi], pos0 = rep == 0 ? W / 2 : rep == 1 ? W + 7 : nctx_max - T;
+            struct kern_attn_query qs[16];
+            for (int i = 0; i < nq * D; i++)
+                q[i] = frand() * 3.0f;
+            int base = 1 << 30;
+            for (int t = 0; t < T; t++) {
+                const int n = pos0 + t + 1, lo = n > W ? n - W : 0;
+                base = lo / BT * BT < base ? lo / BT * BT : base;
+            }
+            for (int t = 0; t < T; t++)
+                for (int g = 0; g < G; g++) {
+                    const int L = t * G + g, n = pos0 + t + 1, lo = n > W ? n - W : 0;
+                    qs[L] = (struct kern_attn_query){ q + (size_t)L * D, got + (size_t)L * D,
+                                                      g % 2 ? NULL : st + 2 * L, n - base,
+                                                      lo / BT * BT - base, lo - base };
+                }
+            struct kern_attn_args m = *a;
+            m.blocks = a->blocks + base / BT;
+            CHECK(kern_attn_multi(&m, qs, nq, scratch) == 1);
+            for (int L = 0; L < nq; L++) {
+                struct kern_attn_args b = m;
+                b.blocks = m.blocks + qs[L].first / BT;
+                b.q = qs[L].q;
+                b.out = one;
+                b.n_q = 1;
+                b.n_ctx = qs[L].n_ctx - qs[L].first;
+                b.skip = qs[L].skip - qs[L].first;
+                b.scores = scores;
+                b.stats = one_st;
+                kern_attn_isa(&b, KERN_ISA_AVX512VNNI);
+                const bool same = memcmp(one, qs[L].out, (size_t)D * sizeof(float)) == 0 &&
+                                  (qs[L].stats == NULL || memcmp(one_st, qs[L].stats, sizeof(one_st)) == 0);
+                if (!same)
+                    fprintf(stderr, "multi window %d: D %d V %s group %d query %d (first %d skip %d n_ctx %d) differs\n",
+                            W, D, kern_type_info(a->v_type)->name, G, L, qs[L].first, qs[L].skip, qs[L].n_ctx);
+                CHECK(same);
+                cases++;
+            }
+        }
+    free(q);
+    free(got);
+    free(one);
+    free(scores);
+    free(scratch);
+    return cases;
+}
+
 /* kern_attn_multi: up to sixteen queries of one KV head, each over its own
  * positions, give exactly the bits kern_attn gives each alone on the same
  * path (outputs and stats), for head dims 64, 128 and 256, K f16 or f32 and
@@ -224,7 +286,7 @@ static void test_multi(void)
     const uint32_t vtypes[] = { KERN_F16, KERN_F32, KERN_Q8_0, KERN_Q4_0 };
     const int groups[] = { 1, 3, 4, 5, 8, 16 };
     const int starts[] = { 1, 5, 16, 17, 200, NBLK * BT - 15 };
-    int cases = 0;
+    int cases = 0, wcases = 0;
     for (size_t di = 0; di < 3; di++)
         for (int kt = 0; kt < 2; kt++)
             for (size_t vi = 0; vi < 4; vi++) {
@@ -266,7 +328,7 @@ static void test_multi(void)
                             for (int g = 0; g < G; g++) {
                                 const int L = t * G + g, n = n0 + t < cap ? n0 + t : cap;
                                 qs[L] = (struct kern_attn_query){ q + (size_t)L * D, got + (size_t)L * D,
-                                                                  g % 2 ? NULL : st + 2 * L, n };
+                                                                  g % 2 ? NULL : st + 2 * L, n, 0, 0 };
                             }
                         struct kern_attn_args a = {
                             .k_base = mem, .v_base = mem + KVH * k_head, .blocks = blocks,
@@ -298,8 +360,43 @@ static void test_multi(void)
                         free(scores);
                         free(scratch);
                     }
+                {
+                    struct kern_attn_args a = {
+                        .k_base = mem, .v_base = mem + KVH * k_head, .blocks = blocks,
+                        .block_tokens = BT, .head_dim = D, .kv_head = 1, .block_stride = block_stride,
+                        .k_head_stride = k_head, .v_head_stride = v_head, .k_type = ktype,
+                        .v_type = vtype, .scale = 0.125f,
+                    };
+                    for (int G = 1; G <= 4; G *= 2)
+                        wcases += check_windows(&a, G == 2 ? 3 : G, NBLK * BT);
+                }
                 free(mem);
             }
+    /* a query's first not a multiple of 16, or a skip outside its positions: declined */
+    {
+        enum { D = 64 };
+        const size_t row = kern_row_bytes(KERN_F16, D), block_stride = 2 * BT * row;
+        uint8_t *mem = calloc(4, block_stride);
+        uint32_t blocks[4] = { 0, 1, 2, 3 };
+        float q[D] = { 0 }, out[D];
+        void *scratch = malloc(kern_attn_multi_scratch(4 * BT, D));
+        struct kern_attn_args a = {
+            .k_base = mem, .v_base = mem + BT * row, .blocks = blocks, .block_tokens = BT, .head_dim = D,
+            .block_stride = block_stride, .k_head_stride = BT * row, .v_head_stride = BT * row,
+            .k_type = KERN_F16, .v_type = KERN_F16, .scale = 0.125f,
+        };
+        struct kern_attn_query bad[3] = {
+            { q, out, NULL, 40, 8, 0 },      /* first not a multiple of 16 */
+            { q, out, NULL, 40, 16, 10 },    /* skip before first */
+            { q, out, NULL, 40, 16, 40 },    /* skip at n_ctx: nothing attended */
+        };
+        for (int i = 0; i < 3; i++)
+            CHECK(kern_attn_multi(&a, &bad[i], 1, scratch) == 0);
+        struct kern_attn_query ok = { q, out, NULL, 40, 16, 39 };
+        CHECK(kern_attn_multi(&a, &ok, 1, scratch) == 1);
+        free(mem);
+        free(scratch);
+    }
     /* shapes and types it has no kernel for: declined, nothing written */
     struct kern_attn_args a = { .head_dim = 64, .k_type = KERN_Q8_0, .v_type = KERN_F16 };
     struct kern_attn_query q0 = { 0 };
@@ -307,7 +404,8 @@ static void test_multi(void)
     a.k_type = KERN_F16;
     a.head_dim = 96;
     CHECK(kern_attn_multi(&a, &q0, 1, NULL) == 0);
-    fprintf(stderr, "test_multi: %d queries, each the bits of kern_attn alone\n", cases);
+    fprintf(stderr, "test_multi: %d queries (%d of them in sliding windows), each the bits of kern_attn alone\n",
+            cases + wcases, wcases);
 }
 
 int main(void)
