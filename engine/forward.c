@@ -87,7 +87,9 @@ struct engine {
     uint32_t n_dgroups;
     uint64_t *unit_cost0;   /* (n_units + 1) the work before each unit, as cost0 counts it */
     uint32_t n_units;
-    void **tile_scratch;    /* (n_threads) kern_attn_multi's scratch, for e->chunk positions */
+    void **tile_scratch;    /* (n_threads) kern_attn_multi's scratch, for tile_ctx positions */
+    int tile_ctx;           /* e->chunk, or a window's tile span where that is longer */
+    bool win_tiles;         /* this step runs a windowed layer's prefill tokens in tiles */
     struct act_slot act[ACT_SLOTS];
     void **gemm_scratch;    /* (n_threads) per-thread scratch of the matrix products */
     struct mm_share *share; /* (n_threads) each thread's share of the product being run */
@@ -255,8 +257,13 @@ engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params
     e->units = xmalloc_arr(max_units, sizeof(*e->units));
     e->unit_cost0 = xmalloc_arr(max_units + 1, sizeof(uint64_t));
     e->tile_scratch = calloc((size_t)e->n_threads, sizeof(void *));
+    /* a windowed tile reads its first token's window from that window's
+     * first block to its last token: at most window + block + tile tokens */
+    e->tile_ctx = (int)e->chunk;
+    if (swa && (int)(c->swa_window + kv->block_tokens + KERN_ATTN_LANES) > e->tile_ctx)
+        e->tile_ctx = (int)(c->swa_window + kv->block_tokens + KERN_ATTN_LANES);
     for (int i = 0; e->tile_scratch != NULL && i < e->n_threads; i++)
-        if ((e->tile_scratch[i] = malloc(kern_attn_multi_scratch((int)e->chunk, (int)c->head_dim))) == NULL)
+        if ((e->tile_scratch[i] = malloc(kern_attn_multi_scratch(e->tile_ctx, (int)c->head_dim))) == NULL)
             break;
     const bool tiles_ok = e->units && e->unit_cost0 && e->tile_scratch &&
                           e->tile_scratch[e->n_threads - 1] != NULL;
@@ -701,6 +708,7 @@ static void tiles_run(engine_t *e, const struct attn_job *j, int ith, int nth)
                 struct kern_attn_query *q = &qs[nq++];
                 q->q = e->q + (size_t)t * nh * hd + (size_t)h * hd;
                 q->n_ctx = n < (int)e->chunk ? n : (int)e->chunk;
+                q->first = q->skip = 0;
                 if (e->n_range[t] == 1) {
                     q->out = e->xb + (size_t)t * nh * hd + (size_t)h * hd;
                     q->stats = NULL;
@@ -722,6 +730,67 @@ static void tiles_run(engine_t *e, const struct attn_job *j, int ith, int nth)
             a.n_ctx = qs[i].n_ctx;
             a.n_q = 1;
             kern_attn(&a);
+        }
+    }
+}
+
+/* The prefill tokens from t on that one windowed tile takes: of t's
+ * sequence, at consecutive positions, whole tokens of the share (items up
+ * to i1), KERN_ATTN_LANES / group at most, and within the tile scratch. */
+static uint32_t win_run(const engine_t *e, const struct attn_job *j, uint32_t t, long i1)
+{
+    const struct model_config *c = &e->m->cfg;
+    const uint32_t nh = c->n_head, per = KERN_ATTN_LANES / (c->n_head / c->n_head_kv);
+    const uint32_t bt = e->kv->block_tokens;
+    if (j->seqs[e->tok_seq[t]].n_tokens < 2)
+        return 0;
+    const int lo = e->tok_pos[t] + 1 > (int)c->swa_window ? e->tok_pos[t] + 1 - (int)c->swa_window : 0;
+    const int base = lo / (int)bt * (int)bt;
+    uint32_t u = t;
+    while (u < (uint32_t)j->T && u - t < per && (long)(u + 1) * nh <= i1 && e->tok_seq[u] == e->tok_seq[t] &&
+           e->tok_pos[u] == e->tok_pos[t] + (int)(u - t) && e->tok_pos[u] + 1 - base <= e->tile_ctx)
+        u++;
+    return u - t;
+}
+
+/* Tokens [t, t + nt) of a windowed layer in one kern_attn_multi call per KV
+ * head: each (token, head) query over its own window, from its window's
+ * first block with the positions before the window skipped, so with the
+ * bits of the per-token call below. */
+static void win_tile(engine_t *e, const struct attn_job *j, struct kern_attn_args *a, uint32_t t, uint32_t nt,
+                     int ith)
+{
+    const struct model_config *c = &e->m->cfg;
+    const int hd = (int)c->head_dim, nh = (int)c->n_head, group = (int)(c->n_head / c->n_head_kv);
+    const int bt = (int)e->kv->block_tokens, W = (int)c->swa_window;
+    const uint32_t *blocks = seq_table(e->kv, &j->seqs[e->tok_seq[t]], j->layer);
+    const int lo0 = e->tok_pos[t] + 1 > W ? e->tok_pos[t] + 1 - W : 0, base = lo0 / bt * bt;
+    struct kern_attn_query qs[KERN_ATTN_LANES];
+    for (int kvh = 0; kvh < (int)c->n_head_kv; kvh++) {
+        int nq = 0;
+        for (uint32_t u = t; u < t + nt; u++) {
+            const int n_ctx = e->tok_pos[u] + 1, lo = n_ctx > W ? n_ctx - W : 0;
+            for (int h = kvh * group; h < (kvh + 1) * group; h++)
+                qs[nq++] = (struct kern_attn_query){
+                    .q = e->q + (size_t)u * nh * hd + (size_t)h * hd,
+                    .out = e->xb + (size_t)u * nh * hd + (size_t)h * hd,
+                    .n_ctx = n_ctx - base, .first = lo / bt * bt - base, .skip = lo - base,
+                };
+        }
+        a->blocks = blocks + base / bt;
+        a->kv_head = kvh;
+        a->skip = 0;
+        if (kern_attn_multi(a, qs, nq, e->tile_scratch[ith]))
+            continue;
+        for (int i = 0; i < nq; i++) {   /* the path changed under us: one query at a time */
+            a->q = qs[i].q;
+            a->out = qs[i].out;
+            a->stats = NULL;
+            a->n_q = 1;
+            a->blocks = blocks + (base + qs[i].first) / bt;
+            a->n_ctx = qs[i].n_ctx - qs[i].first;
+            a->skip = qs[i].skip - qs[i].first;
+            kern_attn(a);
         }
     }
 }
@@ -774,6 +843,15 @@ static void attn_run(void *ctx, int ith, int nth)
     for (long i = i0; i < i1;) {
         while ((long)item0[t + 1] <= i)
             t++;
+        if (windowed && e->win_tiles && i == (long)item0[t]) {
+            const uint32_t nt = win_run(e, j, (uint32_t)t, i1);
+            if (nt >= 2) {
+                win_tile(e, j, &a, (uint32_t)t, nt, ith);
+                i += (long)nt * nh;
+                t += nt - 1;
+                continue;
+            }
+        }
         const long local = i - (long)item0[t];
         const int r = (int)(windowed ? 0 : e->r_first[t]) + (int)(local / nh), h0 = (int)(local % nh);
         const int kvh = h0 / group;
@@ -1075,6 +1153,8 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
                                         ATTN_ITEM_COST * (e->n_range[i] - rf)) * c->n_head);
     }
     e->n_units = tiles ? attn_units(e, seqs, n_seqs) : 0;
+    /* a window's first block may start mid-vector unless blocks are whole vectors */
+    e->win_tiles = tiles && c->swa_window > 0 && e->kv->block_tokens % 16 == 0;
     if (e->item0_win != NULL)
         for (uint32_t i = 0; i <= T; i++)
             e->item0_win[i] = (uint64_t)i * c->n_head;

@@ -626,6 +626,21 @@ static void test_chunking(const model_t *m)
     float *single = run_chunks(&r1, toks, n, 25, blocks, 10);
     CHECK(memcmp(whole, single, bytes) == 0);
     rig_free(&r1);
+    /* blocks of 16: a windowed layer's prefill tokens go in tiles (each query
+     * from its own window's block) where the path has them; one at a time
+     * they do not */
+    struct rig r16 = rig_new(m, 16, 5, KERN_F16, 2);
+    const uint32_t blocks16[5] = { 3, 0, 4, 2, 1 };
+    float *whole16 = run_chunks(&r16, toks, n, n, blocks16, 5);
+    float *ones16 = run_chunks(&r16, toks, n, 1, blocks16, 5);
+    float *odd16 = run_chunks(&r16, toks, n, 11, blocks16, 5);
+    CHECK(memcmp(whole, whole16, bytes) == 0);
+    CHECK(memcmp(whole, ones16, bytes) == 0);
+    CHECK(memcmp(whole, odd16, bytes) == 0);
+    rig_free(&r16);
+    free(whole16);
+    free(ones16);
+    free(odd16);
     free(whole);
     free(halves);
     free(odd);
