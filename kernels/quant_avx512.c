@@ -12,7 +12,8 @@
  * the codes are roundf's (half away from zero) rebuilt from truncation; the
  * hardware f16 conversion rounds to nearest even like kvd_f32_to_f16 (a NaN
  * scale cannot occur: the maximum skips NaN). A row's last blocks (fewer
- * than sixteen) go through the AVX2 quantizer.
+ * than sixteen) go through the AVX2 quantizer. Q8_K (the K-quants'
+ * activations, 256 values a block) is one block at a time.
  */
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -120,8 +121,53 @@ static inline __attribute__((always_inline)) void quant16(const float *x, uint8_
     }
 }
 
+/* One Q8_K block (256 values), the reference's bytes (quant_q8_k): the
+ * scale from the first element of the largest magnitude (NaN skipped), codes
+ * rounded half to even by the same 1.5 * 2^23 addition (so a NaN codes as
+ * the reference's does), clamped to [-128, 127]; the sixteen sums of sixteen
+ * codes from one transpose-and-add tree. */
+static void quant_q8_k16(const float *x, struct kern_block_q8_k *b)
+{
+    __m512 m = _mm512_setzero_ps();
+    for (int i = 0; i < 16; i++)
+        m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + 16 * i)), m);  /* a NaN element gives m */
+    const float amax = _mm512_reduce_max_ps(m);
+    if (amax == 0.0f) {
+        memset(b, 0, sizeof(*b));
+        return;
+    }
+    float max = 0.0f;
+    const __m512 va = _mm512_set1_ps(amax);
+    for (int i = 0; i < 16; i++) {
+        const __mmask16 k = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(x + 16 * i)), va, _CMP_EQ_OQ);
+        if (k != 0) {
+            max = x[16 * i + __builtin_ctz(k)];
+            break;
+        }
+    }
+    const float iscale = -127.0f / max;
+    const __m512 vs = _mm512_set1_ps(iscale), magic = _mm512_set1_ps(12582912.0f);
+    const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
+    __m512i q[16];
+    for (int i = 0; i < 16; i++) {
+        const __m512 v = _mm512_add_ps(_mm512_mul_ps(vs, _mm512_loadu_ps(x + 16 * i)), magic);
+        const __m512i r = _mm512_sub_epi32(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x007fffff)),
+                                           _mm512_set1_epi32(0x00400000));
+        q[i] = _mm512_min_epi32(_mm512_max_epi32(r, lo), hi);
+        _mm_storeu_si128((__m128i *)(b->qs + 16 * i), _mm512_cvtepi32_epi8(q[i]));
+    }
+    _mm256_storeu_si256((__m256i *)b->bsums, _mm512_cvtepi32_epi16(sum16(q)));
+    b->d = 1.0f / iscale;
+}
+
 bool kern_quantize_act_avx512(uint32_t act_type, const float *src, void *dst, int64_t n)
 {
+    if (act_type == KERN_Q8_K && n % KERN_QK_K == 0) {
+        struct kern_block_q8_k *b = dst;
+        for (int64_t i = 0; i < n / KERN_QK_K; i++)
+            quant_q8_k16(src + KERN_QK_K * i, b + i);
+        return true;
+    }
     if (n % 32 != 0 || (act_type != KERN_Q8_0 && act_type != KERN_Q8_1))
         return false;
     const int q81 = act_type == KERN_Q8_1;
