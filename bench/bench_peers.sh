@@ -36,12 +36,13 @@
 # and vLLM's start-up. A benchmark run by hand, not a test: run nothing else meanwhile.
 # It waits while a build (ninja) is running, and stops every server it started.
 #
-#   bench/bench_peers.sh [--only vllm|llamacpp] [--workloads LIST] [--rounds N] [--serve-rounds N]
+#   bench/bench_peers.sh [--only vllm|llamacpp|engines] [--workloads LIST] [--rounds N] [--serve-rounds N]
 #                        [--quick] [--setup-only] [--help]
 #
 #   --only vllm        table 1 with kvd and vLLM only (no llama.cpp, no table 2)
 #   --only llamacpp    table 1 with kvd and llama-server, and table 2 (the venv is set
 #                      up anyway: vllm bench serve is table 1's client)
+#   --only engines     table 2 alone (llama-bench against kvd-run; no venv, no servers)
 #   --workloads LIST   table 1's workloads, of w1,w2,w3 (default all three)
 #   --rounds N         table 2's rounds (default 3)
 #   --serve-rounds N   table 1's rounds, servers alternating, medians (default 1)
@@ -84,7 +85,7 @@ while [ $# -gt 0 ]; do
     *) echo "bench_peers: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
-case $only in all|vllm|llamacpp) ;; *) echo "bench_peers: --only vllm|llamacpp" >&2; exit 2 ;; esac
+case $only in all|vllm|llamacpp|engines) ;; *) echo "bench_peers: --only vllm|llamacpp|engines" >&2; exit 2 ;; esac
 num_prompts=64
 $quick && num_prompts=16
 
@@ -418,12 +419,14 @@ header() {
          "from llama-cpp-python $LLAMA_CPP_PYTHON_VERSION's sdist; CMake Release, GGML_NATIVE=ON (-march=native), OpenMP $(sed -n "s/^GGML_OPENMP_ENABLED:INTERNAL=//p" "$llama_build/CMakeCache.txt")"
     echo "     ${llama_features:-(its system_info line was not captured)}"
   fi
-  if [ "$only" != llamacpp ]; then
+  if [ "$only" != llamacpp ] && [ "$only" != engines ]; then
     HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu "$venv/bin/python" bench/bench_peers.py vllm-info 2>/dev/null
     echo "     served: $hf (dequantized from $model, bf16), LD_PRELOAD tcmalloc + libiomp5,"
     echo "     VLLM_CPU_OMP_THREADS_BIND=0-$((threads - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=1 (GiB), --enable-prefix-caching --max-model-len 4096"
   fi
-  echo "kvd serves with its defaults: f16 KV, a 1 GiB pool, --ctx 4096; the bench client tokenizes with $hf for every server"
+  [ "$only" != engines ] &&
+    echo "kvd serves with its defaults: f16 KV, a 1 GiB pool, --ctx 4096; the bench client tokenizes with $hf for every server"
+  return 0
 }
 
 # llama.cpp's CPU feature line (its build's view: what GGML_NATIVE turned on)
@@ -439,7 +442,7 @@ llama_system_info() {
 mkdir -p "$peers" "$dl"
 t_setup=$SECONDS
 setup_apt
-setup_vllm       # always: `vllm bench serve` is the client of table 1 whichever peer runs
+[ "$only" != engines ] && setup_vllm   # `vllm bench serve` is table 1's client whichever peer runs
 [ "$only" != vllm ] && setup_llamacpp
 log "setup done in $((SECONDS - t_setup))s (cache: $peers)"
 $setup_only && exit 0
@@ -453,14 +456,16 @@ kvd_isa=$(build/kvd-run --bench -t "$threads" --json 2>/dev/null | python3 -c 'i
 llama_features=""
 [ "$only" != vllm ] && llama_system_info
 
-run_serving
+[ "$only" != engines ] && run_serving
 [ "$only" != vllm ] && run_engines
 
 {
   header
-  echo
-  echo "== 1. Serving: vllm bench serve, dataset prefix_repetition, model $model_name (kvd and llama-server: $model; vLLM: its bf16 dequantization)"
-  python3 bench/bench_peers.py serve-table "$out"
+  if [ "$only" != engines ]; then
+    echo
+    echo "== 1. Serving: vllm bench serve, dataset prefix_repetition, model $model_name (kvd and llama-server: $model; vLLM: its bf16 dequantization)"
+    python3 bench/bench_peers.py serve-table "$out"
+  fi
   if [ "$only" != vllm ]; then
     echo
     echo "== 2. Engines: llama-bench -p 512 -n 128 -t $threads against kvd-run --bench -t $threads, alternating, $rounds rounds (medians)"
