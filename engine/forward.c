@@ -460,10 +460,12 @@ static void norm_run(void *ctx, int ith, int nth)
     struct norm_job *j = ctx;
     long t0, t1;
     tpool_split(j->T, ith, nth, &t0, &t1);
-    for (long t = t0; t < t1; t++) {
-        long src = j->rows ? j->rows[t] : t;
-        kern_rmsnorm(j->out + (size_t)t * j->n, j->x + (size_t)src * j->n, j->w, j->n, j->eps);
+    if (j->rows == NULL) {
+        kern_rmsnorm_rows(j->out + (size_t)t0 * j->n, j->x + (size_t)t0 * j->n, j->w, j->n, j->eps, (int)(t1 - t0));
+        return;
     }
+    for (long t = t0; t < t1; t++)
+        kern_rmsnorm(j->out + (size_t)t * j->n, j->x + (size_t)j->rows[t] * j->n, j->w, j->n, j->eps);
 }
 
 /* gate = act(gate) * up for the step's e->step_T tokens: SiLU (llama) or
@@ -496,9 +498,10 @@ static void post_norm_run(void *ctx, int ith, int nth)
     struct post_norm_job *j = ctx;
     long t0, t1;
     tpool_split(j->T, ith, nth, &t0, &t1);
+    kern_rmsnorm_rows(j->y + (size_t)t0 * j->n, j->y + (size_t)t0 * j->n, j->w, j->n, j->eps, (int)(t1 - t0));
     for (long t = t0; t < t1; t++) {
-        float *y = j->y + (size_t)t * j->n, *x = j->x + (size_t)t * j->n;
-        kern_rmsnorm(y, y, j->w, j->n, j->eps);
+        const float *y = j->y + (size_t)t * j->n;
+        float *x = j->x + (size_t)t * j->n;
         for (int i = 0; i < j->n; i++)
             x[i] += y[i];
     }
@@ -583,16 +586,15 @@ static void rope_run(void *ctx, int ith, int nth)
     const struct model_layer *L = &e->m->layers[j->layer];
     const bool windowed = model_layer_windowed(c, j->layer);
     const float *angles = windowed && e->rope_swa ? e->rope_swa : e->rope;
+    if (L->q_norm != NULL && t1 > t0) {   /* Gemma: each head's query and key RMS-normed first */
+        float *q = e->q + (size_t)t0 * c->n_head * hd, *k = e->k + (size_t)t0 * nkv * hd;
+        kern_rmsnorm_rows(q, q, L->q_norm, hd, c->rms_eps, (int)((t1 - t0) * c->n_head));
+        kern_rmsnorm_rows(k, k, L->k_norm, hd, c->rms_eps, (int)((t1 - t0) * nkv));
+    }
     for (long t = t0; t < t1; t++) {
         const float *cs = angles + (size_t)t * hd;
         float *q = e->q + (size_t)t * c->n_head * hd;
         float *k = e->k + (size_t)t * nkv * hd, *v = e->v + (size_t)t * nkv * hd;
-        if (L->q_norm != NULL) {    /* Gemma: each head's query and key RMS-normed first */
-            for (uint32_t h = 0; h < c->n_head; h++)
-                kern_rmsnorm(q + (size_t)h * hd, q + (size_t)h * hd, L->q_norm, hd, c->rms_eps);
-            for (int h = 0; h < nkv; h++)
-                kern_rmsnorm(k + (size_t)h * hd, k + (size_t)h * hd, L->k_norm, hd, c->rms_eps);
-        }
         if (c->rope_neox) {
             kern_rope_neox(q, (int)c->n_head, hd, cs);
             kern_rope_neox(k, nkv, hd, cs);

@@ -15,6 +15,10 @@
 /* out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i]; out may alias x. */
 void kern_rmsnorm(float *out, const float *x, const float *w, int n, float eps);
 
+/* kern_rmsnorm of `rows` consecutive rows of n (out row r from x row r; out
+ * may alias x), with its bits, several rows at once. */
+void kern_rmsnorm_rows(float *out, const float *x, const float *w, int n, float eps, int rows);
+
 /* Fills cs[2*i], cs[2*i+1] with cos and sin of pos * base^(-2i/dim) for
  * i < dim/2, the angles of RoPE at one position. */
 void kern_rope_angles(float *cs, int dim, int32_t pos, float base);
@@ -48,6 +52,8 @@ void kern_f32_to_f16_row(uint16_t *dst, const float *src, int n);
 /* The AVX-512 and AVX2 bodies of the two above (x86 only), and of kern_geglu
  * (table lookups by gather). */
 void kern_swiglu_avx512(float *gate, const float *up, int n);
+/* kern_rmsnorm_rows of the first rows, eight or sixteen at a time: returns how many it did. */
+int kern_rmsnorm_rows_avx512(float *out, const float *x, const float *w, int n, float eps, int rows);
 void kern_geglu_avx512(float *gate, const float *up, int n, const float *table);
 void kern_geglu_avx2(float *gate, const float *up, int n, const float *table);
 void kern_f32_to_f16_avx512(uint16_t *dst, const float *src, int n);

@@ -104,11 +104,40 @@ static void test_f16_row(void)
     CHECK_INT(bad, 0);
 }
 
+/* RMS norm of many rows at once: kern_rmsnorm's bits row by row, in place
+ * or not, for row counts around the eight it takes together, at the widths
+ * of real models (and odd ones), over values of very different sizes. */
+static void test_rmsnorm_rows(void)
+{
+    enum { RMAX = 21, NMAX = 1536 };
+    static float x[RMAX * NMAX], w[NMAX], got[RMAX * NMAX], want[RMAX * NMAX];
+    const int widths[] = { 64, 256, 576, 640, 1536, 37 };
+    int bad = 0, cases = 0;
+    for (size_t wi = 0; wi < sizeof(widths) / sizeof(widths[0]); wi++)
+        for (int rows = 1; rows <= RMAX; rows += 2) {
+            const int n = widths[wi];
+            for (int i = 0; i < rows * n; i++)
+                x[i] = ((float)(next() % 200001) / 100000.0f - 1.0f) * (float)(1u << (next() % 24)) * 1e-3f;
+            for (int i = 0; i < n; i++)
+                w[i] = (float)(next() % 2001) / 1000.0f;
+            for (int r = 0; r < rows; r++)
+                kern_rmsnorm(want + (size_t)r * n, x + (size_t)r * n, w, n, 1e-6f);
+            kern_rmsnorm_rows(got, x, w, n, 1e-6f, rows);
+            bad += memcmp(got, want, (size_t)rows * n * sizeof(float)) != 0;
+            kern_rmsnorm_rows(x, x, w, n, 1e-6f, rows);   /* in place */
+            bad += memcmp(x, want, (size_t)rows * n * sizeof(float)) != 0;
+            cases++;
+        }
+    CHECK_INT(bad, 0);
+    CHECK(cases == 66);
+}
+
 int main(void)
 {
     for (int isa = KERN_ISA_C; isa <= (int)kern_isa_best(); isa++) {
         kern_isa_set((enum kern_isa)isa);
         fprintf(stderr, "path %s\n", kern_isa_name(kern_isa()));
+        test_rmsnorm_rows();
         test_swiglu();
         test_geglu();
         test_f16_row();
