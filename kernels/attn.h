@@ -91,8 +91,9 @@ struct kern_attn_query {
     float *out;             /* head_dim results */
     float *stats;           /* NULL, or its largest score and sum (kern_attn's stats) */
     int n_ctx;              /* positions [first, n_ctx) of a's blocks */
-    int first;              /* where its positions start (0, or a multiple of 16 and of
-                             * a->block_tokens): kern_attn over a->blocks + first / block_tokens */
+    int first;              /* where its positions start (0, or a multiple of 16; where it is
+                             * also one of a->block_tokens, the bits are kern_attn's over
+                             * a->blocks + first / block_tokens) */
     int skip;               /* 0, or first <= skip < n_ctx: positions [first, skip) are read
                              * but not attended, as kern_attn's skip (a sliding window's start) */
 };

@@ -782,6 +782,8 @@ multi_pass(const int HV, const struct kern_attn_args *a, const struct kern_attn_
                 cs = fl[q0 + g] > cs ? fl[q0 + g] : cs;
                 ce = nl[q0 + g] < ce ? nl[q0 + g] : ce;
             }
+            if (cs > j1)
+                cs = j1;    /* a query starts past this block: no common positions in it */
             if (ce < cs)
                 ce = cs;
             for (int c = 0; c < HV; c += 4)

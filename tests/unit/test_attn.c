@@ -265,6 +265,55 @@ static int check_windows(const struct kern_attn_args *a, int G, int nctx_max)
     return cases;
 }
 
+/* Queries whose first positions lie several V blocks of the kernel apart
+ * (it converts 4,096 values of V at a time: 16 positions of 256, 64 of 64),
+ * in one group: each still the bits of kern_attn from its own first block. */
+static int check_far_firsts(const struct kern_attn_args *a, int nctx_max)
+{
+    const int D = a->head_dim;
+    enum { NQ = 7 };
+    const int firsts[NQ] = { 0, 0, 32, 64, 128, 16, 192 };
+    const int ends[NQ] = { 48, 300, 40, 65, 200, 17, 320 };
+    float *q = malloc((size_t)NQ * D * sizeof(float)), *got = malloc((size_t)NQ * D * sizeof(float));
+    float *one = malloc((size_t)D * sizeof(float)), st[2 * NQ], one_st[2];
+    float *scores = malloc((size_t)nctx_max * sizeof(float));
+    void *scratch = malloc(kern_attn_multi_scratch(nctx_max, D));
+    struct kern_attn_query qs[NQ];
+    int cases = 0;
+    for (int i = 0; i < NQ * D; i++)
+        q[i] = frand() * 3.0f;
+    for (int L = 0; L < NQ; L++)
+        qs[L] = (struct kern_attn_query){ q + (size_t)L * D, got + (size_t)L * D, st + 2 * L,
+                                          ends[L] < nctx_max ? ends[L] : nctx_max, firsts[L],
+                                          L % 3 == 1 ? firsts[L] + 5 : 0 };
+    CHECK(kern_attn_multi(a, qs, NQ, scratch) == 1);
+    for (int L = 0; L < NQ; L++) {
+        struct kern_attn_args b = *a;
+        b.blocks = a->blocks + qs[L].first / BT;
+        b.q = qs[L].q;
+        b.out = one;
+        b.n_q = 1;
+        b.n_ctx = qs[L].n_ctx - qs[L].first;
+        b.skip = qs[L].skip ? qs[L].skip - qs[L].first : 0;
+        b.scores = scores;
+        b.stats = one_st;
+        kern_attn_isa(&b, KERN_ISA_AVX512VNNI);
+        const bool same = memcmp(one, qs[L].out, (size_t)D * sizeof(float)) == 0 &&
+                          memcmp(one_st, qs[L].stats, sizeof(one_st)) == 0;
+        if (!same)
+            fprintf(stderr, "multi far firsts: D %d V %s query %d (first %d n_ctx %d) differs\n", D,
+                    kern_type_info(a->v_type)->name, L, qs[L].first, qs[L].n_ctx);
+        CHECK(same);
+        cases++;
+    }
+    free(q);
+    free(got);
+    free(one);
+    free(scores);
+    free(scratch);
+    return cases;
+}
+
 /* kern_attn_multi: up to sixteen queries of one KV head, each over its own
  * positions, give exactly the bits kern_attn gives each alone on the same
  * path (outputs and stats), for head dims 64, 128 and 256, K f16 or f32 and
@@ -369,6 +418,7 @@ static void test_multi(void)
                     };
                     for (int G = 1; G <= 4; G *= 2)
                         wcases += check_windows(&a, G == 2 ? 3 : G, NBLK * BT);
+                    wcases += check_far_firsts(&a, NBLK * BT);
                 }
                 free(mem);
             }

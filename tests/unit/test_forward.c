@@ -638,6 +638,22 @@ static void test_chunking(const model_t *m)
     CHECK(memcmp(whole, ones16, bytes) == 0);
     CHECK(memcmp(whole, odd16, bytes) == 0);
     rig_free(&r16);
+    /* blocks of 32: a tile's queries may start two blocks of the kernel's V
+     * rows apart (16 positions at head size 256); where the attention range
+     * is 16 positions, blocks of 32 round it up to 32 (other cuts, other
+     * bits than the rigs above), so against them only with the default range */
+    {
+        struct rig r32 = rig_new(m, 32, 3, KERN_F16, 2);
+        const uint32_t blocks32[3] = { 2, 0, 1 };
+        float *whole32 = run_chunks(&r32, toks, n, n, blocks32, 3);
+        float *ones32 = run_chunks(&r32, toks, n, 1, blocks32, 3);
+        CHECK(memcmp(whole32, ones32, bytes) == 0);
+        if (rig_chunk == 0)
+            CHECK(memcmp(whole, whole32, bytes) == 0);
+        rig_free(&r32);
+        free(whole32);
+        free(ones32);
+    }
     free(whole16);
     free(ones16);
     free(odd16);
