@@ -203,6 +203,27 @@ static void test_head_dim(int D, int G)
     free(mem);
 }
 
+/* Whether query q of a kern_attn_multi call over m has the bits kern_attn
+ * gives it alone (over m's blocks from its first, its skip): output, and
+ * stats where it asked for them. one: head_dim floats; scores: n_ctx. */
+static bool same_as_alone(const struct kern_attn_args *m, const struct kern_attn_query *q, float *one,
+                          float *scores)
+{
+    float one_st[2];
+    struct kern_attn_args b = *m;
+    b.blocks = m->blocks + q->first / BT;
+    b.q = q->q;
+    b.out = one;
+    b.n_q = 1;
+    b.n_ctx = q->n_ctx - q->first;
+    b.skip = q->skip > q->first ? q->skip - q->first : 0;
+    b.scores = scores;
+    b.stats = one_st;
+    kern_attn_isa(&b, KERN_ISA_AVX512VNNI);
+    return memcmp(one, q->out, (size_t)m->head_dim * sizeof(float)) == 0 &&
+           (q->stats == NULL || memcmp(one_st, q->stats, sizeof(one_st)) == 0);
+}
+
 /* Sliding-window tiles: tokens at consecutive positions, each attending its
  * last W positions (kern_attn_query's first and skip), against kern_attn
  * over the token's own first block with its skip, as the engine calls it
@@ -212,7 +233,7 @@ static int check_windows(const struct kern_attn_args *a, int G, int nctx_max)
     const int D = a->head_dim, T = 16 / G, nq = T * G;
     const int wins[] = { 5, 20, 100, 257 };
     float *q = malloc((size_t)nq * D * sizeof(float)), *got = malloc((size_t)nq * D * sizeof(float));
-    float *one = malloc((size_t)D * sizeof(float)), st[2 * 16], one_st[2];
+    float *one = malloc((size_t)D * sizeof(float)), st[2 * 16];
     float *scores = malloc((size_t)nctx_max * sizeof(float));
     void *scratch = malloc(kern_attn_multi_scratch(nctx_max, D));
     int cases = 0;
@@ -238,18 +259,7 @@ static int check_windows(const struct kern_attn_args *a, int G, int nctx_max)
             m.blocks = a->blocks + base / BT;
             CHECK(kern_attn_multi(&m, qs, nq, scratch) == 1);
             for (int L = 0; L < nq; L++) {
-                struct kern_attn_args b = m;
-                b.blocks = m.blocks + qs[L].first / BT;
-                b.q = qs[L].q;
-                b.out = one;
-                b.n_q = 1;
-                b.n_ctx = qs[L].n_ctx - qs[L].first;
-                b.skip = qs[L].skip - qs[L].first;
-                b.scores = scores;
-                b.stats = one_st;
-                kern_attn_isa(&b, KERN_ISA_AVX512VNNI);
-                const bool same = memcmp(one, qs[L].out, (size_t)D * sizeof(float)) == 0 &&
-                                  (qs[L].stats == NULL || memcmp(one_st, qs[L].stats, sizeof(one_st)) == 0);
+                const bool same = same_as_alone(&m, &qs[L], one, scores);
                 if (!same)
                     fprintf(stderr, "multi window %d: D %d V %s group %d query %d (first %d skip %d n_ctx %d) differs\n",
                             W, D, kern_type_info(a->v_type)->name, G, L, qs[L].first, qs[L].skip, qs[L].n_ctx);
@@ -275,7 +285,7 @@ static int check_far_firsts(const struct kern_attn_args *a, int nctx_max)
     const int firsts[NQ] = { 0, 0, 32, 64, 128, 16, 192 };
     const int ends[NQ] = { 48, 300, 40, 65, 200, 17, 320 };
     float *q = malloc((size_t)NQ * D * sizeof(float)), *got = malloc((size_t)NQ * D * sizeof(float));
-    float *one = malloc((size_t)D * sizeof(float)), st[2 * NQ], one_st[2];
+    float *one = malloc((size_t)D * sizeof(float)), st[2 * NQ];
     float *scores = malloc((size_t)nctx_max * sizeof(float));
     void *scratch = malloc(kern_attn_multi_scratch(nctx_max, D));
     struct kern_attn_query qs[NQ];
@@ -288,18 +298,7 @@ static int check_far_firsts(const struct kern_attn_args *a, int nctx_max)
                                           L % 3 == 1 ? firsts[L] + 5 : 0 };
     CHECK(kern_attn_multi(a, qs, NQ, scratch) == 1);
     for (int L = 0; L < NQ; L++) {
-        struct kern_attn_args b = *a;
-        b.blocks = a->blocks + qs[L].first / BT;
-        b.q = qs[L].q;
-        b.out = one;
-        b.n_q = 1;
-        b.n_ctx = qs[L].n_ctx - qs[L].first;
-        b.skip = qs[L].skip ? qs[L].skip - qs[L].first : 0;
-        b.scores = scores;
-        b.stats = one_st;
-        kern_attn_isa(&b, KERN_ISA_AVX512VNNI);
-        const bool same = memcmp(one, qs[L].out, (size_t)D * sizeof(float)) == 0 &&
-                          memcmp(one_st, qs[L].stats, sizeof(one_st)) == 0;
+        const bool same = same_as_alone(a, &qs[L], one, scores);
         if (!same)
             fprintf(stderr, "multi far firsts: D %d V %s query %d (first %d n_ctx %d) differs\n", D,
                     kern_type_info(a->v_type)->name, L, qs[L].first, qs[L].n_ctx);
