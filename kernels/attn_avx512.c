@@ -33,25 +33,31 @@ static inline bool kv_simd_type(uint32_t t)
     return t == KERN_F16 || t == KERN_F32 || t == KERN_Q8_0 || t == KERN_Q4_0;
 }
 
-/* Sixteen vectors in, one out: lane i = the sum of the lanes of v[i]. */
-static inline __m512 reduce16(const __m512 v[16])
+/* The steps of reduce16's tree: tree2 adds the lanes of two vectors
+ * pairwise within each 128-bit lane (v2i0+v2i2, v2i1+v2i3, ... for a = v2i),
+ * tree4 two tree2 results to per-128-bit-lane sums of four vectors, tree8 two
+ * tree4 (or tree8) results across the 128-bit lanes. */
+static inline __m512 tree2(__m512 a, __m512 b)
 {
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; i++)   /* per 128-bit lane: v2i0+v2i2, v2i+1..., v2i1+v2i3, ... */
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* per 128-bit lane: sums of v4i, v4i+1, v4i+2, v4i+3 */
-        const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                     _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                     _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
 }
+
+static inline __m512 tree4(__m512 a, __m512 b)
+{
+    const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+
+static inline __m512 tree8(__m512 a, __m512 b)
+{
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Sixteen positions' partial sums p0 .. p15 become their scores (lane i =
+ * the sum of p_i's lanes) by the tree tree8(tree8(tree4(tree2(p0, p1),
+ * tree2(p2, p3)), tree4(tree2(p4, p5), tree2(p6, p7))), tree8(...p8 .. p15)):
+ * "reduce16" below, the order every score of this file follows. */
 
 static inline __m512 load16(const uint8_t *row, int h, bool half)
 {
@@ -157,57 +163,102 @@ static inline void codes_t(const uint8_t *const rows[16], size_t blk_at, uint32_
     }
 }
 
-/* Scores of NQ heads over an f16 or f32 K: q (rounded to f16 over f16) times
- * sixteen K rows converted once for all heads. */
-static inline __attribute__((always_inline)) void
-scores_float(const int HV, const int NQ, const struct kern_attn_args *a, int q0, __m512 vmax[MAX_Q])
+/* One position's score for one head: its HV sixteen-lane partial sums, a
+ * chain of multiply-adds over the slices (reduce16's tree then adds the lanes). */
+static inline __attribute__((always_inline)) __m512 dot16(const int HV, const __m512 *q, const __m512 *k)
 {
-    const bool half = a->k_type == KERN_F16;
+    __m512 s = _mm512_mul_ps(q[0], k[0]);
+#pragma GCC unroll 16
+    for (int h = 1; h < HV; h++)
+        s = _mm512_fmadd_ps(q[h], k[h], s);
+    return s;
+}
+
+/* A row of zeros for the positions past the context in a last group of
+ * sixteen, of any K type (f32 at head size 256 is the largest row). */
+static const uint8_t zero_row[256 * 4] __attribute__((aligned(64)));
+
+/* Scores of NQ heads over an f16 (HALF) or f32 K: q (rounded to f16 over
+ * f16) times each K row, converted once into registers for all heads. The
+ * sixteen positions' partial sums go through reduce16's tree as they come,
+ * two positions at a time (tree2, tree4, tree8: the same additions in the
+ * same order), so no row and no partial sum passes through memory. */
+static inline __attribute__((always_inline)) void
+scores_float(const int HV, const int NQ, const bool HALF, const struct kern_attn_args *a, int q0, __m512 vmax[MAX_Q])
+{
     const int hd = 16 * HV, n = a->n_ctx;
-    const size_t row_bytes = (size_t)hd * (half ? 2 : 4);
+    const size_t row_bytes = (size_t)hd * (HALF ? 2 : 4);
     const size_t v_row_bytes = kern_row_bytes(a->v_type, hd);
     __m512 qv[MAX_Q][16];
     for (int g = 0; g < NQ; g++)
         for (int h = 0; h < HV; h++) {
             __m512 x = _mm512_loadu_ps(a->q + (size_t)(q0 + g) * hd + 16 * h);
-            if (half)  /* q meets an f16 cache as f16, as in the C reference */
+            if (HALF)  /* q meets an f16 cache as f16, as in the C reference */
                 x = _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             qv[g][h] = x;
         }
     const __m512 scale = _mm512_set1_ps(a->scale);
-    float kf[16][256] __attribute__((aligned(64)));
     const uint64_t k_off = (uint64_t)a->kv_head * a->k_head_stride;
     const uint64_t v_off = (uint64_t)a->kv_head * a->v_head_stride;
+    const uint32_t *blocks = a->blocks;
+    const uint8_t *k_base = a->k_base + k_off;
+    const size_t block_stride = a->block_stride;
+    const int bt = a->block_tokens;
     int blk = 0, off = 0;  /* the next position's block and row, without a division per row */
+    const uint8_t *k = k_base + (size_t)blocks[0] * block_stride;
+    const uint8_t *rows[16];
     for (int j0 = 0; j0 < n; j0 += 16) {
         const int cnt = n - j0 < 16 ? n - j0 : 16;
         const __mmask16 m = live16(j0, n, a->skip);   /* the rows are read either way */
-        for (int p = 0; p < 16; p++) {
-            const uint8_t *k = NULL;
-            if (p < cnt) {
-                if (off == 0)
-                    prefetch_block(a, blk, n, k_off, v_off, row_bytes, v_row_bytes);
-                k = a->k_base + a->blocks[blk] * a->block_stride + k_off + (size_t)off * row_bytes;
-                if (++off == a->block_tokens) {
-                    off = 0;
-                    blk++;
-                }
+        for (int p = 0; p < cnt; p++) {
+            if (off == 0) {
+                prefetch_block(a, blk, n, k_off, v_off, row_bytes, v_row_bytes);
+                k = k_base + (size_t)blocks[blk] * block_stride;
             }
-            for (int h = 0; h < HV; h++)
-                _mm512_store_ps(&kf[p][16 * h], k != NULL ? load16(k, h, half) : _mm512_setzero_ps());
+            rows[p] = k;
+            k += row_bytes;
+            if (++off == bt) {
+                off = 0;
+                blk++;
+            }
+        }
+        for (int p = cnt; p < 16; p++)
+            rows[p] = zero_row;
+        __m512 x[2][MAX_Q];
+#pragma GCC unroll 2
+        for (int o = 0; o < 2; o++) {
+            __m512 u[2][MAX_Q];
+#pragma GCC unroll 2
+            for (int r = 0; r < 2; r++) {
+                __m512 t[2][MAX_Q];
+#pragma GCC unroll 2
+                for (int i = 0; i < 2; i++) {
+                    const int p = 8 * o + 4 * r + 2 * i;
+                    __m512 kr[16], s0[MAX_Q];
+#pragma GCC unroll 16
+                    for (int h = 0; h < HV; h++)
+                        kr[h] = load16(rows[p], h, HALF);
+#pragma GCC unroll 4
+                    for (int g = 0; g < NQ; g++)
+                        s0[g] = dot16(HV, qv[g], kr);
+#pragma GCC unroll 16
+                    for (int h = 0; h < HV; h++)
+                        kr[h] = load16(rows[p + 1], h, HALF);
+#pragma GCC unroll 4
+                    for (int g = 0; g < NQ; g++)
+                        t[i][g] = tree2(s0[g], dot16(HV, qv[g], kr));
+                }
+#pragma GCC unroll 4
+                for (int g = 0; g < NQ; g++)
+                    u[r][g] = tree4(t[0][g], t[1][g]);
+            }
+#pragma GCC unroll 4
+            for (int g = 0; g < NQ; g++)
+                x[o][g] = tree8(u[0][g], u[1][g]);
         }
 #pragma GCC unroll 4
         for (int g = 0; g < NQ; g++) {
-            __m512 acc[16];
-#pragma GCC unroll 16
-            for (int p = 0; p < 16; p++) {
-                __m512 s = _mm512_mul_ps(qv[g][0], _mm512_load_ps(&kf[p][0]));
-#pragma GCC unroll 16
-                for (int h = 1; h < HV; h++)
-                    s = _mm512_fmadd_ps(qv[g][h], _mm512_load_ps(&kf[p][16 * h]), s);
-                acc[p] = s;
-            }
-            const __m512 sc = _mm512_mul_ps(reduce16(acc), scale);
+            const __m512 sc = _mm512_mul_ps(tree8(x[0][g], x[1][g]), scale);
             _mm512_mask_storeu_ps(a->scores + (size_t)g * n + j0, m, sc);
             vmax[g] = _mm512_mask_max_ps(vmax[g], m, vmax[g], sc);
         }
@@ -246,7 +297,6 @@ scores_quant(const int HV, const int NQ, const struct kern_attn_args *a, int q0,
     const __m512 scale = _mm512_set1_ps(a->scale);
     const uint64_t k_off = (uint64_t)a->kv_head * a->k_head_stride;
     const uint64_t v_off = (uint64_t)a->kv_head * a->v_head_stride;
-    static const uint8_t zero_row[8 * sizeof(struct kern_block_q8_0)];
     int blk = 0, off = 0;
     for (int j0 = 0; j0 < n; j0 += 16) {
         const int cnt = n - j0 < 16 ? n - j0 : 16;
@@ -341,8 +391,10 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
     __m512 vmax[MAX_Q];
     for (int g = 0; g < NQ; g++)
         vmax[g] = _mm512_set1_ps(-INFINITY);
-    if (a->k_type == KERN_F16 || a->k_type == KERN_F32)
-        scores_float(HV, NQ, a, q0, vmax);
+    if (a->k_type == KERN_F16)
+        scores_float(HV, NQ, true, a, q0, vmax);
+    else if (a->k_type == KERN_F32)
+        scores_float(HV, NQ, false, a, q0, vmax);
     else
         scores_quant(HV, NQ, a, q0, vmax);
     /* softmax per head; over an f16 V the probabilities are rounded to f16 */
