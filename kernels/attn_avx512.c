@@ -239,6 +239,31 @@ scores_float(const int HV, const int NQ, const bool HALF, const struct kern_attn
 #pragma GCC unroll 2
             for (int r = 0; r < 2; r++) {
                 __m512 t[2][MAX_Q];
+                if (HV >= 16 && NQ >= 2) {
+                    /* long rows: four positions' chains side by side, slice
+                     * by slice, so that a query slice loaded once serves four
+                     * multiply-adds (by rows, every one of them took a load) */
+                    const int p = 8 * o + 4 * r;
+                    __m512 s[MAX_Q][4];
+#pragma GCC unroll 16
+                    for (int h = 0; h < HV; h++) {
+                        __m512 k4[4];
+#pragma GCC unroll 4
+                        for (int i = 0; i < 4; i++)
+                            k4[i] = load16(rows[p + i], h, HALF);
+#pragma GCC unroll 4
+                        for (int g = 0; g < NQ; g++)
+#pragma GCC unroll 4
+                            for (int i = 0; i < 4; i++)
+                                s[g][i] = h == 0 ? _mm512_mul_ps(qv[g][0], k4[i])
+                                                 : _mm512_fmadd_ps(qv[g][h], k4[i], s[g][i]);
+                    }
+#pragma GCC unroll 4
+                    for (int g = 0; g < NQ; g++) {
+                        t[0][g] = tree2(s[g][0], s[g][1]);
+                        t[1][g] = tree2(s[g][2], s[g][3]);
+                    }
+                } else
 #pragma GCC unroll 2
                 for (int i = 0; i < 2; i++) {
                     const int p = 8 * o + 4 * r + 2 * i;
@@ -391,6 +416,40 @@ values_quant(const int HV, const int NQ, const struct kern_attn_args *a, __m512 
 }
 
 /* HV = head_dim / 16 (4, 8 or 16), NQ query heads (1..MAX_Q). */
+/* out = sum p v over an f16 or f32 V for slices [c, c + HC) of NQ heads,
+ * position by position from zero, each V slice converted once for all
+ * heads. All of a pass's sums stay in registers: with more than 32 of them
+ * (head size 256, three or four heads) GCC kept them on the stack, a load and
+ * a store around every multiply-add (37 ns a position at 4 x 256 against 18
+ * in passes of four slices, AMD EPYC); the passes read the V rows again from
+ * cache, and each sum's order is the same. */
+static inline __attribute__((always_inline)) void
+values_float(const int HV, const int NQ, const int HC, int c, bool half, const struct kern_attn_args *a, int q0)
+{
+    const int hd = 16 * HV, n = a->n_ctx;
+    const size_t v_row_bytes = kern_row_bytes(a->v_type, hd);
+    const uint64_t v_off = (uint64_t)a->kv_head * a->v_head_stride;
+    __m512 acc[MAX_Q][16];
+    for (int g = 0; g < NQ; g++)
+        for (int h = 0; h < HC; h++)
+            acc[g][h] = _mm512_setzero_ps();
+    for (int j0 = 0, b = 0; j0 < n; j0 += a->block_tokens, b++) {
+        const uint8_t *v = a->v_base + a->blocks[b] * a->block_stride + v_off;
+        const int end = n - j0 < a->block_tokens ? n : j0 + a->block_tokens;
+        for (int j = j0; j < end; j++, v += v_row_bytes)
+#pragma GCC unroll 16
+            for (int h = 0; h < HC; h++) {
+                const __m512 vv = load16(v, c + h, half);
+#pragma GCC unroll 4
+                for (int g = 0; g < NQ; g++)
+                    acc[g][h] = _mm512_fmadd_ps(_mm512_set1_ps(a->scores[(size_t)g * n + j]), vv, acc[g][h]);
+            }
+    }
+    for (int g = 0; g < NQ; g++)
+        for (int h = 0; h < HC; h++)
+            _mm512_storeu_ps(a->out + (size_t)(q0 + g) * hd + 16 * (c + h), acc[g][h]);
+}
+
 static inline __attribute__((always_inline)) void
 attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
 {
@@ -434,31 +493,21 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
         }
     }
     /* out = sum p v, each V row converted once for all heads */
-    __m512 acc[MAX_Q][16];
-    for (int g = 0; g < NQ; g++)
-        for (int h = 0; h < HV; h++)
-            acc[g][h] = _mm512_setzero_ps();
     if (a->v_type == KERN_Q8_0 || a->v_type == KERN_Q4_0) {
+        __m512 acc[MAX_Q][16];
+        for (int g = 0; g < NQ; g++)
+            for (int h = 0; h < HV; h++)
+                acc[g][h] = _mm512_setzero_ps();
         values_quant(HV, NQ, a, acc);
+        for (int g = 0; g < NQ; g++)
+            for (int h = 0; h < HV; h++)
+                _mm512_storeu_ps(a->out + (size_t)(q0 + g) * hd + 16 * h, acc[g][h]);
+    } else if (NQ * HV <= 32) {
+        values_float(HV, NQ, HV, 0, half, a, q0);
     } else {
-        const size_t v_row_bytes = kern_row_bytes(a->v_type, hd);
-        const uint64_t v_off = (uint64_t)a->kv_head * a->v_head_stride;
-        for (int j0 = 0, b = 0; j0 < n; j0 += a->block_tokens, b++) {
-            const uint8_t *v = a->v_base + a->blocks[b] * a->block_stride + v_off;
-            const int end = n - j0 < a->block_tokens ? n : j0 + a->block_tokens;
-            for (int j = j0; j < end; j++, v += v_row_bytes)
-#pragma GCC unroll 16
-                for (int h = 0; h < HV; h++) {
-                    const __m512 vv = load16(v, h, half);
-#pragma GCC unroll 4
-                    for (int g = 0; g < NQ; g++)
-                        acc[g][h] = _mm512_fmadd_ps(_mm512_set1_ps(a->scores[(size_t)g * n + j]), vv, acc[g][h]);
-                }
-        }
+        for (int c = 0; c < HV; c += 4)
+            values_float(HV, NQ, 4, c, half, a, q0);
     }
-    for (int g = 0; g < NQ; g++)
-        for (int h = 0; h < HV; h++)
-            _mm512_storeu_ps(a->out + (size_t)(q0 + g) * hd + 16 * h, acc[g][h]);
 }
 
 /* ---- several tokens at once: the queries in the lanes ------------------------------------- */
