@@ -33,10 +33,14 @@ static inline bool kv_simd_type(uint32_t t)
     return t == KERN_F16 || t == KERN_F32 || t == KERN_Q8_0 || t == KERN_Q4_0;
 }
 
-/* The steps of reduce16's tree: tree2 adds the lanes of two vectors
- * pairwise within each 128-bit lane (v2i0+v2i2, v2i1+v2i3, ... for a = v2i),
- * tree4 two tree2 results to per-128-bit-lane sums of four vectors, tree8 two
- * tree4 (or tree8) results across the 128-bit lanes. */
+/* The score tree. Sixteen positions' partial sums p0 .. p15 (sixteen-lane
+ * vectors) become their scores, lane i the sum of p_i's lanes, as
+ * tree8(tree8(tree4(tree2(p0, p1), tree2(p2, p3)), tree4(tree2(p4, p5),
+ * tree2(p6, p7))), tree8(... p8 .. p15)); every score of this file, on every
+ * path, is added up in this order. tree2 adds the lanes of two vectors
+ * pairwise within each 128-bit lane (a0+a2, b0+b2, a1+a3, b1+b3, ...), tree4
+ * two tree2 results to per-128-bit-lane sums of four vectors, tree8 two tree4
+ * (or tree8) results across the 128-bit lanes. */
 static inline __m512 tree2(__m512 a, __m512 b)
 {
     return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
@@ -54,11 +58,6 @@ static inline __m512 tree8(__m512 a, __m512 b)
                          _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* Sixteen positions' partial sums p0 .. p15 become their scores (lane i =
- * the sum of p_i's lanes) by the tree tree8(tree8(tree4(tree2(p0, p1),
- * tree2(p2, p3)), tree4(tree2(p4, p5), tree2(p6, p7))), tree8(...p8 .. p15)):
- * "reduce16" below, the order every score of this file follows. */
-
 static inline __m512 load16(const uint8_t *row, int h, bool half)
 {
     if (half)
@@ -67,8 +66,8 @@ static inline __m512 load16(const uint8_t *row, int h, bool half)
 }
 
 /* Entering block b of the context: ask for block b + 1's K rows into L1 and
- * block b + 4's into L2 (a block's 16 rows of one head are 2 KB at head
- * size 64 and take about 0.2 us to score, less than a trip to memory; four
+ * block b + 4's into L2 (16 rows of one head are 2 KB at head size 64
+ * and take about 0.2 us to score, less than a trip to memory; four
  * ahead: a cold decode call over 1,024 positions 31.6 -> 28.2 us, one and two
  * ahead 31.6 and 29.5), and block b's V rows (read after the softmax) into
  * L2. Each block's rows of one head are contiguous, and a context's blocks
@@ -172,7 +171,7 @@ static inline void codes_t(const uint8_t *const rows[16], size_t blk_at, uint32_
 }
 
 /* One position's score for one head: its HV sixteen-lane partial sums, a
- * chain of multiply-adds over the slices (reduce16's tree then adds the lanes). */
+ * chain of multiply-adds over the slices (the score tree then adds the lanes). */
 static inline __attribute__((always_inline)) __m512 dot16(const int HV, const __m512 *q, const __m512 *k)
 {
     __m512 s = _mm512_mul_ps(q[0], k[0]);
@@ -188,7 +187,7 @@ static const uint8_t zero_row[256 * 4] __attribute__((aligned(64)));
 
 /* Scores of NQ heads over an f16 (HALF) or f32 K: q (rounded to f16 over
  * f16) times each K row, converted once into registers for all heads. The
- * sixteen positions' partial sums go through reduce16's tree as they come,
+ * sixteen positions' partial sums go through the score tree as they come,
  * two positions at a time (tree2, tree4, tree8: the same additions in the
  * same order), so no row and no partial sum passes through memory. */
 static inline __attribute__((always_inline)) void
@@ -213,7 +212,7 @@ scores_float(const int HV, const int NQ, const bool HALF, const struct kern_attn
     const size_t block_stride = a->block_stride;
     const int bt = a->block_tokens;
     int blk = 0, off = 0;  /* the next position's block and row, without a division per row */
-    const uint8_t *k = k_base + (size_t)blocks[0] * block_stride;
+    const uint8_t *k = NULL;   /* set on entering each block */
     const uint8_t *rows[16];
     for (int j0 = 0; j0 < n; j0 += 16) {
         const int cnt = n - j0 < 16 ? n - j0 : 16;
@@ -415,14 +414,13 @@ values_quant(const int HV, const int NQ, const struct kern_attn_args *a, __m512 
     }
 }
 
-/* HV = head_dim / 16 (4, 8 or 16), NQ query heads (1..MAX_Q). */
 /* out = sum p v over an f16 or f32 V for slices [c, c + HC) of NQ heads,
  * position by position from zero, each V slice converted once for all
  * heads. All of a pass's sums stay in registers: with more than 32 of them
  * (head size 256, three or four heads) GCC kept them on the stack, a load and
- * a store around every multiply-add (37 ns a position at 4 x 256 against 18
- * in passes of four slices, AMD EPYC); the passes read the V rows again from
- * cache, and each sum's order is the same. */
+ * a store around every multiply-add (37 of 84 ns a position at 4 x 256 over
+ * warm rows; 74 in passes of four slices, AMD EPYC); the passes read the V
+ * rows again from cache, and each sum's order is the same. */
 static inline __attribute__((always_inline)) void
 values_float(const int HV, const int NQ, const int HC, int c, bool half, const struct kern_attn_args *a, int q0)
 {
@@ -450,6 +448,7 @@ values_float(const int HV, const int NQ, const int HC, int c, bool half, const s
             _mm512_storeu_ps(a->out + (size_t)(q0 + g) * hd + 16 * (c + h), acc[g][h]);
 }
 
+/* HV = head_dim / 16 (4, 8 or 16), NQ query heads (1..MAX_Q). */
 static inline __attribute__((always_inline)) void
 attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
 {
@@ -523,7 +522,7 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
  * operation:
  *   - its score at a position is the same chain per 16-wide slice l of the
  *     head (q[l] k[l], then + q[16h + l] k[16h + l] for each further slice h)
- *     and the same tree over the slices as reduce16's:
+ *     and the same tree over the slices as the score tree's:
  *     ((G0 + G1) + (G2 + G3)), G_g = (x_4g + x_4g+2) + (x_4g+1 + x_4g+3);
  *   - its largest score and its softmax sum come from the same partials
  *     (one per position mod 16), reduced by the same intrinsics;
@@ -535,7 +534,7 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
 #define MULTI_P(HV) ((HV) == 4 ? 4 : 8)  /* positions per score tile */
 
 /* The scores of P positions (K rows of floats kf[0 .. P)) for every lane,
- * unscaled, with reduce16's sums in its order. Slice l's chain for lane L is
+ * unscaled, with the score tree's sums in its order. Slice l's chain for lane L is
  * q_L[l] k[l] + q_L[16 + l] k[16 + l] + ...: its HV query rows (Qt row d holds
  * dimension d of every lane's query) are loaded once for the P positions,
  * and each K value is broadcast from memory.
