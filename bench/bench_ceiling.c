@@ -382,9 +382,10 @@ static void model_costs(const model_t *m, double *macs, double *bytes)
  */
 struct walk {
     const struct model_mat *mat[8 * 256 + 1];
+    const struct model_mat *bytes[8 * 256 + 1]; /* five-bit Q5_0 packed as bytes (Q8_0), else mat's */
     uint8_t *act[8 * 256 + 1];
     int n_mats, threads;
-    bool read;
+    bool read, as_bytes;
     int arrived, gen;       /* atomics: the spin barrier */
 };
 
@@ -419,7 +420,7 @@ static void *walker_main(void *arg)
     spin_barrier(w);
     const double t0 = now_s();
     for (int i = 0; i < w->n_mats; i++) {
-        const struct model_mat *m = w->mat[i];
+        const struct model_mat *m = w->as_bytes ? w->bytes[i] : w->mat[i];
         const long G = KERN_PACK_ROWS, units = m->packed ? (m->rows + G - 1) / G : (long)m->rows;
         const long u0 = units * k->ith / w->threads, u1 = units * (k->ith + 1) / w->threads;
         if (w->read) {
@@ -443,8 +444,11 @@ static void *walker_main(void *arg)
     return NULL;
 }
 
-/* Seconds of the fastest of `rounds` walks of each kind, alternating. */
-static void decode_walks(const model_t *m, int threads, int rounds, double *t_prod, double *t_read)
+/* Seconds of the fastest of `rounds` walks of each kind, alternating; where
+ * the model has Q5_0 matrices packed in five bits (gemm.h), t_bytes gets the
+ * products' walk with them packed as bytes instead, else 0. */
+static void decode_walks(const model_t *m, int threads, int rounds, double *t_prod, double *t_read,
+                         double *t_bytes)
 {
     struct walk *w = calloc(1, sizeof(*w));
     if (w == NULL) {
@@ -452,6 +456,7 @@ static void decode_walks(const model_t *m, int threads, int rounds, double *t_pr
         exit(1);
     }
     w->threads = threads;
+    int n_five = 0;
     float x[8192];
     for (uint32_t l = 0; l <= m->cfg.n_layer && l < 256; l++) {
         const struct model_layer *L = &m->layers[l < m->cfg.n_layer ? l : 0];
@@ -469,6 +474,23 @@ static void decode_walks(const model_t *m, int threads, int rounds, double *t_pr
                 x[c] = (float)((c * 7919) % 2001) / 1000.0f - 1.0f;
             kern_quantize_act(at, x, a, mt->cols);
             w->mat[w->n_mats] = mt;
+            w->bytes[w->n_mats] = mt;
+            if (mt->packed != NULL && mt->packed->wtype == KERN_Q5_0) {
+                struct model_mat *b = malloc(sizeof(*b));
+                const enum kern_isa was = kern_isa();
+                kern_isa_set(KERN_ISA_SIMD);  /* the 256-bit paths' layout: bytes */
+                if (b != NULL) {
+                    *b = *mt;
+                    b->packed = kern_pack(mt->type, mt->data, mt->row_bytes, mt->rows, mt->cols);
+                }
+                kern_isa_set(was);
+                if (b == NULL || b->packed == NULL || b->packed->wtype != KERN_Q8_0) {
+                    fprintf(stderr, "bench-ceiling: cannot pack a Q5_0 matrix as bytes\n");
+                    exit(1);
+                }
+                w->bytes[w->n_mats] = b;
+                n_five++;
+            }
             w->act[w->n_mats++] = a;
         }
     }
@@ -487,9 +509,11 @@ static void decode_walks(const model_t *m, int threads, int rounds, double *t_pr
             exit(1);
         }
     }
-    *t_prod = *t_read = 1e30;
-    for (int r = 0; r < 2 * rounds; r++) {
-        w->read = r % 2;
+    *t_prod = *t_read = *t_bytes = 1e30;
+    const int kinds = n_five ? 3 : 2;
+    for (int r = 0; r < kinds * rounds; r++) {
+        w->read = r % kinds == 1;
+        w->as_bytes = r % kinds == 2;
         pthread_t th[64];
         for (int i = 1; i < threads; i++)
             pthread_create(&th[i], NULL, walker_main, &k[i]);
@@ -499,9 +523,11 @@ static void decode_walks(const model_t *m, int threads, int rounds, double *t_pr
             pthread_join(th[i], NULL);
             t = k[i].seconds > t ? k[i].seconds : t;
         }
-        double *best = w->read ? t_read : t_prod;
+        double *best = w->read ? t_read : w->as_bytes ? t_bytes : t_prod;
         *best = t < *best ? t : *best;
     }
+    if (!n_five)
+        *t_bytes = 0;
     uint64_t sink = 0;
     for (int i = 0; i < threads; i++) {
         sink ^= k[i].sink;
@@ -510,8 +536,14 @@ static void decode_walks(const model_t *m, int threads, int rounds, double *t_pr
     }
     if (sink == 42)
         fprintf(stderr, " ");
-    for (int i = 0; i < w->n_mats; i++)
+    for (int i = 0; i < w->n_mats; i++) {
         free(w->act[i]);
+        if (w->bytes[i] != w->mat[i]) {
+            struct model_mat *b = (struct model_mat *)w->bytes[i];
+            kern_pack_free(&b->packed);
+            free(b);
+        }
+    }
     free(w);
 }
 
@@ -627,11 +659,14 @@ int main(int argc, char **argv)
     const double rate32 = macs32 / sum32;  /* the shapes weighted by their multiply-adds */
     printf("model: %.1f M multiply-adds per token, %.1f MB of weights per step%s\n", macs / 1e6, bytes / 1e6,
            m->packed_bytes ? " (packed)" : "");
-    double t_prod, t_read;
-    decode_walks(m, threads, 10, &t_prod, &t_read);
+    double t_prod, t_read, t_bytes;
+    decode_walks(m, threads, 10, &t_prod, &t_read, &t_bytes);
     printf("decode batch 1, the step's products alone on %d threads: %.2f ms (%.0f tokens/s); a plain read of\n"
            "  their bytes in the same split and order: %.2f ms (%.0f tokens/s); products / read %.2f\n",
            threads, t_prod * 1e3, 1 / t_prod, t_read * 1e3, 1 / t_read, t_prod / t_read);
+    if (t_bytes > 0)
+        printf("  with its Q5_0 matrices packed as bytes (Q8_0) instead of five bits: %.2f ms; five bits %.2fx faster\n",
+               t_bytes * 1e3, t_bytes / t_prod);
     printf("floor, decode batch 1:  %.0f tokens/s (weights / bandwidth; products alone %.0f)\n",
            1.0 / (t_mem > t_mac ? t_mem : t_mac), 1.0 / t_mac);
     printf("products at the engine's rate (%.0f GMAC/s per thread at T=32): %.3f ms per token on %d threads\n",

@@ -16,12 +16,13 @@ size_t kern_gemm_scratch_bytes(int64_t n, int T)
      * bytes of values, T * n/64 pair-scale vectors of 16 floats; rounded up
      * per part to 64 bytes; for the AMX products the values of up to 15
      * more tokens, two groups' codes as bytes (32 n), two tiles of
-     * sums (2 KiB) and the activations' scales and mins by tile */
+     * sums (2 KiB) and the activations' scales and mins by tile; for five-bit
+     * Q5_0, four groups widened to Q8_0's layout (4 x 17 n) */
     size_t nb = (size_t)(n + 31) / 32;
     return (size_t)n + 64 + (size_t)n * 4 + 64 + (2 * nb + nb) * 4 + 192 +
            (size_t)T * nb * 8 + 128 + nb * 4 + 64 + (size_t)T * (size_t)n + 64 +
            (size_t)T * nb * 32 + 64 + 15 * (size_t)n + 32 * (size_t)n + 2048 + 128 +
-           ((size_t)T + 15) * nb * 8 + 128;
+           ((size_t)T + 15) * nb * 8 + 128 + 68 * (size_t)n + 4 * 64;
 }
 
 static void gemm_c(const struct kern_gemm_args *a)
@@ -57,6 +58,17 @@ static bool packs(uint32_t wtype, int64_t n)
     }
 }
 
+/* Whether Q5_0 matrices are packed in five bits: where the active path is
+ * AVX-512 VNNI without AMX tiles (gemm.h). */
+static bool pack_q5(void)
+{
+#if defined(__x86_64__)
+    return kern_isa() >= KERN_ISA_AVX512VNNI && !kern_amx();
+#else
+    return false;
+#endif
+}
+
 /* Stores row i of a group from its unpacked form: codes, scales d (per part)
  * and mins m of each block, in the layout of p->wtype. */
 static void pack_row(const struct kern_packed *p, uint8_t *g, int i, const int8_t *codes, const float *d,
@@ -71,10 +83,21 @@ static void pack_row(const struct kern_packed *p, uint8_t *g, int i, const int8_
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *q = codes + 32 * b;
         uint8_t *c = g + (size_t)b * cb + 4 * i;
-        for (int k = 0; k < (kern_pk_nibbles(wt) ? 4 : 8); k++)
-            for (int x = 0; x < 4; x++)
-                c[64 * k + x] = kern_pk_nibbles(wt) ? (uint8_t)(q[4 * k + x] | q[16 + 4 * k + x] << 4)
-                                                    : (uint8_t)(q[4 * k + x] + bias);
+        if (wt == KERN_Q5_0) {
+            /* value + 16: the low nibbles as Q4_1's, the fifth bits in masks */
+            uint8_t *bits = g + (size_t)b * cb + 256;
+            for (int k = 0; k < 8; k++)
+                for (int x = 0; x < 4; x++) {
+                    const int v = q[4 * k + x] + 16;
+                    if (k < 4)
+                        c[64 * k + x] = (uint8_t)((v & 15) | ((q[16 + 4 * k + x] + 16) & 15) << 4);
+                    bits[8 * k + (4 * i + x) / 8] |= (uint8_t)((v >> 4) << ((4 * i + x) % 8));
+                }
+        } else
+            for (int k = 0; k < (kern_pk_nibbles(wt) ? 4 : 8); k++)
+                for (int x = 0; x < 4; x++)
+                    c[64 * k + x] = kern_pk_nibbles(wt) ? (uint8_t)(q[4 * k + x] | q[16 + 4 * k + x] << 4)
+                                                        : (uint8_t)(q[4 * k + x] + bias);
         for (int part = 0; part < parts; part++) {
             uint8_t *s = g + (size_t)nb * cb + (size_t)b * sb;
             if (kern_pk_f32(wt))
@@ -105,8 +128,12 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
         goto fail;
     /* Q4_0 and Q5_0 rows are signed codes and one scale per 32 values, like
      * Q8_0's: they are packed as Q8_0 (their products with Q8_0 activations
-     * are the same integer sums and scales) */
-    p->wtype = wtype == KERN_Q4_0 || wtype == KERN_Q5_0 ? KERN_Q8_0 : wtype;
+     * are the same integer sums and scales); Q5_0 in five bits where the
+     * AVX-512 products read them (the AMX tiles and the other paths read
+     * bytes) */
+    p->wtype = wtype == KERN_Q5_0 && pack_q5() ? KERN_Q5_0
+               : wtype == KERN_Q4_0 || wtype == KERN_Q5_0 ? KERN_Q8_0
+                                                          : wtype;
     p->rows = rows;
     p->n = n;
     p->group_bytes = group_bytes(p->wtype, nb);

@@ -21,7 +21,8 @@
  * A weight matrix repacked for the packed products (AVX-512 VNNI, and in
  * 256-bit registers AVX-VNNI and AVX2; on aarch64 sdot and smmla in 128-bit
  * ones; Q4_1 and Q8_0 weights;
- * Q4_0 and Q5_0 ones as Q8_0: their signed codes and scales fit it exactly).
+ * Q4_0 and Q5_0 ones as Q8_0: their signed codes and scales fit it exactly;
+ * on the AVX-512 path without AMX tiles, Q5_0 in five bits, below).
  * Rows go in groups of KERN_PACK_ROWS = 16 (the last group padded with zero
  * rows). Within a group, block b (32 values) of all 16 rows is stored as
  * 64-byte slices: slice s holds, for row i, four bytes at 4i, so one load
@@ -33,6 +34,13 @@
  *         then the 16 scales d of every block (f16), then the 16 mins m;
  *   Q8_0: codes nb x 8 slices (slice k, row i = qs[4k..4k+3] + 128, so the
  *         codes are unsigned), then the 16 scales d of every block (f16).
+ *   Q5_0: per block Q4_1's nibble layout of the codes' low four bits (code =
+ *         value + 16, 0..31), then their fifth bits as eight 64-bit masks
+ *         (mask k, bit 4i + x = bit 4 of row i's value 4k + x: Q8_0's slice
+ *         k), 320 bytes; then the 16 scales d of every block (f16). 0.69
+ *         bytes a value against Q8_0's 1.06: decode reads that much less.
+ *         The products widen a group to Q8_0's layout (gemm_avx512.c) and
+ *         run Q8_0's: the same integer sums, so the same bits.
  * The K-quants are packed from their unpacked form (kern_unpack_row: codes,
  * and float scales per 32 values, per 16 for Q6_K), with float scales
  * (d * sc is not exact in f16):
@@ -57,7 +65,10 @@ static inline bool kern_pk_nibbles(uint32_t wtype) { return wtype == KERN_Q4_1 |
 static inline bool kern_pk_f32(uint32_t wtype) { return wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_Q6_K; }
 static inline bool kern_pk_mins(uint32_t wtype) { return wtype == KERN_Q4_1 || wtype == KERN_Q4_K || wtype == KERN_Q5_K; }
 static inline int kern_pk_parts(uint32_t wtype) { return wtype == KERN_Q6_K ? 2 : 1; }
-static inline size_t kern_pk_code_bytes(uint32_t wtype) { return kern_pk_nibbles(wtype) ? 256 : 512; }
+static inline size_t kern_pk_code_bytes(uint32_t wtype)
+{
+    return kern_pk_nibbles(wtype) ? 256 : wtype == KERN_Q5_0 ? 320 : 512;
+}
 static inline size_t kern_pk_scale_bytes(uint32_t wtype)
 {
     return (kern_pk_f32(wtype) ? 64 : 32) * (size_t)kern_pk_parts(wtype);
@@ -68,7 +79,7 @@ static inline size_t kern_pk_min_bytes(uint32_t wtype)
 }
 
 struct kern_packed {
-    uint32_t wtype;         /* the layout: KERN_Q4_1, KERN_Q8_0, KERN_Q4_K, KERN_Q5_K or KERN_Q6_K */
+    uint32_t wtype;         /* the layout: KERN_Q4_1, KERN_Q8_0, KERN_Q5_0, KERN_Q4_K, KERN_Q5_K or KERN_Q6_K */
     int64_t rows, n;        /* the matrix: rows x n */
     size_t group_bytes;     /* bytes per group of 16 rows (a multiple of 64) */
     uint8_t *data;          /* ceil(rows / 16) groups, 64-byte aligned */

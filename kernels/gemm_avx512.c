@@ -193,6 +193,7 @@ static inline __m512i bcast4(const int8_t *p)
     return _mm512_set1_epi32(v);
 }
 
+#define PK_READS_Q5 1
 #include "gemm_pk.inc"
 
 /*
@@ -206,10 +207,13 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
         int t0, float *out, size_t ldo, const __mmask16 *mask, bool add, int n_ahead)
 {
     const int64_t n = A->n, nb = A->nb;
-    const bool Q8 = K == KERN_Q8_0, nib = kern_pk_nibbles(K), f32 = kern_pk_f32(K);
+    /* five-bit Q5_0 read in place: Q4_1's nibbles or'ed with 0x70 or 0x80
+     * by its fifth bits, Q8_0's codes (value + 128) */
+    const bool q5 = K == KERN_Q5_0;
+    const bool Q8 = K == KERN_Q8_0 || q5, nib = kern_pk_nibbles(K) || q5, f32 = kern_pk_f32(K);
     const int parts = kern_pk_parts(K), slices = 8 / parts;  /* byte slices a part */
     const size_t cb = kern_pk_code_bytes(K), sb = kern_pk_scale_bytes(K), mb = kern_pk_min_bytes(K);
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i low = _mm512_set1_epi8(0x0F), c70 = _mm512_set1_epi8(0x70), c10 = _mm512_set1_epi8(0x10);
     __m512 f[4][8];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -259,9 +263,22 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
                 for (int j = 0; j < 4; j++)
 #pragma GCC unroll 4
                     for (int r = 0; r < R; r++) {
-                        const __m512i v = _mm512_load_si512((const void *)(g + r * gs + (size_t)b * 256 + 64 * j));
-                        const __m512i lo = _mm512_and_si512(v, low);
-                        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                        const uint8_t *c = g + r * gs + (size_t)b * cb;
+                        const __m512i v = _mm512_load_si512((const void *)(c + 64 * j));
+                        __m512i lo, hi;
+                        if (q5) {
+                            /* (nibble | 0x70) + 0x10 where the fifth bit is set */
+                            uint64_t blo, bhi;
+                            memcpy(&blo, c + 256 + 8 * j, 8);
+                            memcpy(&bhi, c + 256 + 8 * (j + 4), 8);
+                            lo = _mm512_ternarylogic_epi32(v, low, c70, 0xEA);  /* (a & b) | c */
+                            hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), low, c70, 0xEA);
+                            lo = _mm512_mask_add_epi8(lo, (__mmask64)blo, lo, c10);
+                            hi = _mm512_mask_add_epi8(hi, (__mmask64)bhi, hi, c10);
+                        } else {
+                            lo = _mm512_and_si512(v, low);
+                            hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                        }
 #pragma GCC unroll 8
                         for (int t = 0; t < NT; t++) {
                             const int8_t *a = A->av + (size_t)(t0 + t) * n + 32 * b + 4 * j;
@@ -329,11 +346,42 @@ static void pk_dispatch(uint32_t K, int R, int NT, const uint8_t *g, size_t gs, 
     switch (K) {
     case KERN_Q4_1: PK_CASES(KERN_Q4_1);
     case KERN_Q8_0: PK_CASES(KERN_Q8_0);
+    case KERN_Q5_0: PK_CASES(KERN_Q5_0);
     case KERN_Q4_K: PK_CASES(KERN_Q4_K);
     case KERN_Q5_K: PK_CASES(KERN_Q5_K);
     case KERN_Q6_K: PK_CASES(KERN_Q6_K);
     default: break;
     }
+}
+
+/* Group g of a five-bit Q5_0 matrix (nb blocks) in Q8_0's layout at q:
+ * codes value + 128 (the low nibble or'ed with 0x70, or 0x80 where the fifth
+ * bit is set), then the scales as they are. The same bytes apart, ahead
+ * (the group a tile later) is asked into L2, a block at a time. */
+static void q5_widen(const uint8_t *g, int64_t nb, uint8_t *q, const uint8_t *ahead)
+{
+    const __m512i low = _mm512_set1_epi8(0x0F), c70 = _mm512_set1_epi8(0x70), c80 = _mm512_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *c = g + (size_t)b * 320;
+        uint8_t *o = q + (size_t)b * 512;
+        if (ahead != NULL)
+            for (int l = 0; l < 320; l += 64)
+                _mm_prefetch((const char *)ahead + (size_t)b * 320 + l, _MM_HINT_T1);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            const __m512i v = _mm512_load_si512((const void *)(c + 64 * j));
+            uint64_t blo, bhi;
+            memcpy(&blo, c + 256 + 8 * j, 8);
+            memcpy(&bhi, c + 256 + 8 * (j + 4), 8);
+            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            _mm512_store_si512((void *)(o + 64 * j), _mm512_or_si512(lo, _mm512_mask_blend_epi8((__mmask64)blo, c70, c80)));
+            _mm512_store_si512((void *)(o + 64 * (j + 4)), _mm512_or_si512(hi, _mm512_mask_blend_epi8((__mmask64)bhi, c70, c80)));
+        }
+    }
+    if (ahead != NULL)
+        for (size_t l = 0; l < (size_t)nb * 32; l += 64)
+            _mm_prefetch((const char *)ahead + (size_t)nb * 320 + l, _MM_HINT_T1);
+    memcpy(q + (size_t)nb * 512, g + (size_t)nb * 320, (size_t)nb * 32);
 }
 
 bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
@@ -344,7 +392,14 @@ bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
     struct pk_acts A;
     pk_stage(a, true, &A);
     const struct pk_acts *Ap = &A;
-    const size_t gs = pk->group_bytes;
+    /* five-bit Q5_0: read in place by the tiles of up to four tokens (where
+     * a group meets few tokens: decode); for more, each group is widened to
+     * Q8_0's layout once and Q8_0's tiles run over it (widening in the tile
+     * would cost about a third more instructions at eight tokens) */
+    const bool q5 = pk->wtype == KERN_Q5_0 && a->T > 8;
+    const uint32_t K = q5 ? KERN_Q8_0 : pk->wtype;
+    const size_t gs = pk->group_bytes, gs8 = ((size_t)A.nb * 544 + 63) / 64 * 64;
+    uint8_t *wide = pk_align64(A.rest);
     const long g_end = (a->r1 + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
     const long g_all = (pk->rows + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
     const int R_want = a->T <= 2 ? 4 : a->T <= 4 ? 2 : 1;
@@ -354,14 +409,22 @@ bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
         for (int r = 0; r < R; r++)
             mask[r] = pk_group_mask(gi + r, a->r0, a->r1);
         const long after = g_all - gi - R;  /* groups of the matrix after this tile's */
-        const int n_ahead = after < R ? (int)(after > 0 ? after : 0) : R;
+        int n_ahead = after < R ? (int)(after > 0 ? after : 0) : R;
         const uint8_t *g = pk->data + (size_t)gi * gs;
+        size_t ts = gs;
+        if (q5) {
+            for (int r = 0; r < R; r++)
+                q5_widen(g + (size_t)r * gs, A.nb, wide + (size_t)r * gs8, r < n_ahead ? g + (size_t)(R + r) * gs : NULL);
+            g = wide;
+            ts = gs8;
+            n_ahead = 0;  /* asked for by the widening */
+        }
         float *o = a->out + (size_t)gi * KERN_PACK_ROWS;
         for (int t0 = 0; t0 < a->T;) {
             int NT = a->T - t0;
             if (NT > 8 / R)
                 NT = 8 / R;
-            pk_dispatch(pk->wtype, R, NT, g, gs, Ap, t0, o, a->ldo, mask, a->add, n_ahead);
+            pk_dispatch(K, R, NT, g, ts, Ap, t0, o, a->ldo, mask, a->add, n_ahead);
             t0 += NT;
         }
         gi += R;
