@@ -384,7 +384,7 @@ struct walk {
     const struct model_mat *mat[8 * 256 + 1];
     const struct model_mat *bytes[8 * 256 + 1]; /* five-bit Q5_0 packed as bytes (Q8_0), else mat's */
     uint8_t *act[8 * 256 + 1];
-    int n_mats, threads;
+    int n_mats, threads, T;  /* T tokens, one activation row for all */
     bool read, as_bytes;
     int arrived, gen;       /* atomics: the spin barrier */
 };
@@ -432,7 +432,7 @@ static void *walker_main(void *arg)
             struct kern_gemm_args g = {
                 .wtype = m->type, .packed = m->packed, .w = m->data, .row_bytes = m->row_bytes, .n = m->cols,
                 .r0 = r0, .r1 = r1 < m->rows ? r1 : (long)m->rows, .act = w->act[i],
-                .act_stride = kern_act_row_bytes(kern_vec_dot_type(m->type), m->cols), .T = 1,
+                .act_stride = 0, .T = w->T,
                 .out = k->out, .ldo = (size_t)m->rows, .scratch = k->scratch,
             };
             if (g.r0 < g.r1)
@@ -447,7 +447,7 @@ static void *walker_main(void *arg)
 /* Seconds of the fastest of `rounds` walks of each kind, alternating; where
  * the model has Q5_0 matrices packed in five bits (gemm.h), t_bytes gets the
  * products' walk with them packed as bytes instead, else 0. */
-static void decode_walks(const model_t *m, int threads, int rounds, double *t_prod, double *t_read,
+static void decode_walks(const model_t *m, int threads, int T, int rounds, double *t_prod, double *t_read,
                          double *t_bytes)
 {
     struct walk *w = calloc(1, sizeof(*w));
@@ -456,6 +456,7 @@ static void decode_walks(const model_t *m, int threads, int rounds, double *t_pr
         exit(1);
     }
     w->threads = threads;
+    w->T = T;
     int n_five = 0;
     float x[8192];
     for (uint32_t l = 0; l <= m->cfg.n_layer && l < 256; l++) {
@@ -502,8 +503,8 @@ static void decode_walks(const model_t *m, int threads, int rounds, double *t_pr
     struct walker k[64];
     for (int i = 0; i < threads; i++) {
         k[i] = (struct walker){ .w = w, .ith = i,
-                                .scratch = aligned_alloc(64, (kern_gemm_scratch_bytes(widest, 1) + 63) / 64 * 64),
-                                .out = malloc((size_t)most_rows * sizeof(float)) };
+                                .scratch = aligned_alloc(64, (kern_gemm_scratch_bytes(widest, T) + 63) / 64 * 64),
+                                .out = malloc((size_t)T * (size_t)most_rows * sizeof(float)) };
         if (k[i].scratch == NULL || k[i].out == NULL) {
             fprintf(stderr, "out of memory\n");
             exit(1);
@@ -660,13 +661,17 @@ int main(int argc, char **argv)
     printf("model: %.1f M multiply-adds per token, %.1f MB of weights per step%s\n", macs / 1e6, bytes / 1e6,
            m->packed_bytes ? " (packed)" : "");
     double t_prod, t_read, t_bytes;
-    decode_walks(m, threads, 10, &t_prod, &t_read, &t_bytes);
+    decode_walks(m, threads, 1, 10, &t_prod, &t_read, &t_bytes);
     printf("decode batch 1, the step's products alone on %d threads: %.2f ms (%.0f tokens/s); a plain read of\n"
            "  their bytes in the same split and order: %.2f ms (%.0f tokens/s); products / read %.2f\n",
            threads, t_prod * 1e3, 1 / t_prod, t_read * 1e3, 1 / t_read, t_prod / t_read);
-    if (t_bytes > 0)
+    if (t_bytes > 0) {
         printf("  with its Q5_0 matrices packed as bytes (Q8_0) instead of five bits: %.2f ms; five bits %.2fx faster\n",
                t_bytes * 1e3, t_bytes / t_prod);
+        double t8, r8, b8;
+        decode_walks(m, threads, 8, 10, &t8, &r8, &b8);
+        printf("  the same at 8 tokens: five bits %.2f ms, bytes %.2f ms (%.2fx)\n", t8 * 1e3, b8 * 1e3, b8 / t8);
+    }
     printf("floor, decode batch 1:  %.0f tokens/s (weights / bandwidth; products alone %.0f)\n",
            1.0 / (t_mem > t_mac ? t_mem : t_mac), 1.0 / t_mac);
     printf("products at the engine's rate (%.0f GMAC/s per thread at T=32): %.3f ms per token on %d threads\n",
