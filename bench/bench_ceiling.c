@@ -478,13 +478,12 @@ static void decode_walks(const model_t *m, int threads, int T, int rounds, doubl
             w->bytes[w->n_mats] = mt;
             if (mt->packed != NULL && mt->packed->wtype == KERN_Q5_0) {
                 struct model_mat *b = malloc(sizeof(*b));
-                const enum kern_isa was = kern_isa();
-                kern_isa_set(KERN_ISA_SIMD);  /* the 256-bit paths' layout: bytes */
+                const int q5 = kern_pack_q5_set(0);
                 if (b != NULL) {
                     *b = *mt;
                     b->packed = kern_pack(mt->type, mt->data, mt->row_bytes, mt->rows, mt->cols);
                 }
-                kern_isa_set(was);
+                kern_pack_q5_set(q5);
                 if (b == NULL || b->packed == NULL || b->packed->wtype != KERN_Q8_0) {
                     fprintf(stderr, "bench-ceiling: cannot pack a Q5_0 matrix as bytes\n");
                     exit(1);

@@ -58,15 +58,28 @@ static bool packs(uint32_t wtype, int64_t n)
     }
 }
 
-/* Whether Q5_0 matrices are packed in five bits: where the active path is
- * AVX-512 VNNI without AMX tiles (gemm.h). */
-static bool pack_q5(void)
+static int q5_choice = -1;  /* kern_pack_q5_set's; -1: not set */
+
+bool kern_pack_q5(void)
 {
+    if (q5_choice >= 0)
+        return q5_choice;
 #if defined(__x86_64__)
     return kern_isa() >= KERN_ISA_AVX512VNNI && !kern_amx();
 #else
     return false;
 #endif
+}
+
+int kern_pack_q5_set(int choice)
+{
+    const int was = q5_choice;
+#if defined(__x86_64__)
+    q5_choice = choice < 0 ? -1 : choice > 0;
+#else
+    q5_choice = choice < 0 ? -1 : 0;
+#endif
+    return was;
 }
 
 /* Stores row i of a group from its unpacked form: codes, scales d (per part)
@@ -128,10 +141,9 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
         goto fail;
     /* Q4_0 and Q5_0 rows are signed codes and one scale per 32 values, like
      * Q8_0's: they are packed as Q8_0 (their products with Q8_0 activations
-     * are the same integer sums and scales); Q5_0 in five bits where the
-     * AVX-512 products read them (the AMX tiles and the other paths read
-     * bytes) */
-    p->wtype = wtype == KERN_Q5_0 && pack_q5() ? KERN_Q5_0
+     * are the same integer sums and scales); Q5_0 in five bits where
+     * kern_pack_q5 says so */
+    p->wtype = wtype == KERN_Q5_0 && kern_pack_q5() ? KERN_Q5_0
                : wtype == KERN_Q4_0 || wtype == KERN_Q5_0 ? KERN_Q8_0
                                                           : wtype;
     p->rows = rows;

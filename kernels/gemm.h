@@ -22,7 +22,7 @@
  * 256-bit registers AVX-VNNI and AVX2; on aarch64 sdot and smmla in 128-bit
  * ones; Q4_1 and Q8_0 weights;
  * Q4_0 and Q5_0 ones as Q8_0: their signed codes and scales fit it exactly;
- * on the AVX-512 path without AMX tiles, Q5_0 in five bits, below).
+ * on the AVX-512 path without AMX tiles, Q5_0 in five bits, below: kern_pack_q5).
  * Rows go in groups of KERN_PACK_ROWS = 16 (the last group padded with zero
  * rows). Within a group, block b (32 values) of all 16 rows is stored as
  * 64-byte slices: slice s holds, for row i, four bytes at 4i, so one load
@@ -39,8 +39,9 @@
  *         (mask k, bit 4i + x = bit 4 of row i's value 4k + x: Q8_0's slice
  *         k), 320 bytes; then the 16 scales d of every block (f16). 0.69
  *         bytes a value against Q8_0's 1.06: decode reads that much less.
- *         The products widen a group to Q8_0's layout (gemm_avx512.c) and
- *         run Q8_0's: the same integer sums, so the same bits.
+ *         The products read the codes in place where a group meets a few
+ *         tokens, and widen it to Q8_0's layout for more; either way they
+ *         run Q8_0's steps: the same integer sums, so the same bits.
  * The K-quants are packed from their unpacked form (kern_unpack_row: codes,
  * and float scales per 32 values, per 16 for Q6_K), with float scales
  * (d * sc is not exact in f16):
@@ -91,6 +92,21 @@ struct kern_packed {
 struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, int64_t rows, int64_t n);
 
 void kern_pack_free(struct kern_packed **p);
+
+/* Whether kern_pack stores Q5_0 in five bits: where the active path is
+ * AVX-512 VNNI without AMX tiles (the tiles read bytes). The layouts give
+ * the same bits; this is a matter of bytes read. The 256-bit paths read
+ * bytes too: reading five bits in place there cost about as much as the
+ * fewer bytes saved (AMD EPYC, forced AVX2 path, bench-ceiling -m: the
+ * decode step's products 1.05x at one token, 0.98x at eight; warm, half
+ * the rate at one token), and AVX-VNNI's cheaper dot products would leave
+ * the decoding a larger share. */
+bool kern_pack_q5(void);
+
+/* Forces that choice: 1 five bits (x86-64 only), 0 bytes, -1 back to the
+ * default; for tests and benchmarks that compare the layouts. Returns the
+ * setting it replaces. */
+int kern_pack_q5_set(int choice);
 
 /* Bytes a packed matrix holds. */
 size_t kern_pack_bytes(const struct kern_packed *p);

@@ -139,16 +139,17 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
     const bool kq = wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_Q6_K;
     (void)kq;  /* x86-64 only */
     /* packed for the path under test: Q5_0 in five bits on AVX-512 VNNI
-     * without AMX, as Q8_0 elsewhere (gemm.h) */
+     * without AMX tiles, as Q8_0 elsewhere (kern_pack_q5) */
     const enum kern_isa was = kern_isa();
     kern_isa_set((enum kern_isa)isa);
     struct kern_packed *pk = kern_pack(wtype, w, wrow, PROWS, n);
+    const bool five = wtype == KERN_Q5_0 && kern_pack_q5();
     kern_isa_set(was);
     REQUIRE(pk != NULL);
 #if defined(__x86_64__)
-    const bool five = wtype == KERN_Q5_0 && isa == KERN_ISA_AVX512VNNI && !kern_amx();
+    CHECK(five == (wtype == KERN_Q5_0 && isa == KERN_ISA_AVX512VNNI && !kern_amx()));
 #else
-    const bool five = false;
+    CHECK(!five);
 #endif
     CHECK(pk->wtype == (five ? KERN_Q5_0 : wtype == KERN_Q4_0 || wtype == KERN_Q5_0 ? KERN_Q8_0 : wtype));
     CHECK_INT(kern_pack_bytes(pk), (PROWS + 15) / 16 * pk->group_bytes);
@@ -251,26 +252,28 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
         other = memcmp(part, got, sizeof(got)) != 0;
     }
     CHECK_INT(other, 0);
-#if defined(__x86_64__)
     if (five) {
-        /* the five-bit layout gives the byte layout's bits; the 256-bit
-         * products do not take it (kern_gemm falls back to the rows) */
-        kern_isa_set(KERN_ISA_SIMD);
+        /* the five-bit layout gives the byte layout's bits */
+        const int q5 = kern_pack_q5_set(0);
         struct kern_packed *p8 = kern_pack(KERN_Q5_0, w, wrow, PROWS, n);
-        kern_isa_set(was);
+        kern_pack_q5_set(q5);
         REQUIRE(p8 != NULL);
         CHECK(p8->wtype == KERN_Q8_0);
         CHECK_INT(pk->group_bytes, ((size_t)n / 32 * 352 + 63) / 64 * 64);
         struct kern_gemm_args g8 = g;
         g8.packed = p8;
-        run(&g8, isa, PMAXT, 0, PROWS, part);
-        run(&g, isa, PMAXT, 0, PROWS, got);
-        CHECK(memcmp(part, got, sizeof(got)) == 0);
+        for (int T = 1; T <= PMAXT; T++) {
+            run(&g8, isa, T, 0, PROWS, part);
+            run(&g, isa, T, 0, PROWS, got);
+            CHECK(memcmp(part, got, (size_t)T * PROWS * sizeof(float)) == 0);
+        }
         kern_pack_free(&p8);
+#if defined(__x86_64__)
+        /* the 256-bit products do not take it (kern_gemm falls back to the rows) */
         direct.T = 3;
         CHECK(!kern_gemm_packed_avx2(&direct) && !kern_gemm_packed_avxvnni(&direct));
-    }
 #endif
+    }
     if (bad || variant)
         fprintf(stderr, "%s packed (%s%s), n=%lld: %d off the reference, %d batch-variant\n",
                 kern_type_info(wtype)->name, kern_isa_name((enum kern_isa)isa), vnni256 ? " AVX-VNNI" : "",
