@@ -17,12 +17,13 @@ size_t kern_gemm_scratch_bytes(int64_t n, int T)
      * per part to 64 bytes; for the AMX products the values of up to 15
      * more tokens, two groups' codes as bytes (32 n), two tiles of
      * sums (2 KiB) and the activations' scales and mins by tile; for five-bit
-     * Q5_0, four groups widened to Q8_0's layout (4 x 17 n) */
+     * Q5_0, a group widened to Q8_0's layout (17 n: widening runs for more
+     * than 8 tokens, one group a tile) */
     size_t nb = (size_t)(n + 31) / 32;
     return (size_t)n + 64 + (size_t)n * 4 + 64 + (2 * nb + nb) * 4 + 192 +
            (size_t)T * nb * 8 + 128 + nb * 4 + 64 + (size_t)T * (size_t)n + 64 +
            (size_t)T * nb * 32 + 64 + 15 * (size_t)n + 32 * (size_t)n + 2048 + 128 +
-           ((size_t)T + 15) * nb * 8 + 128 + 68 * (size_t)n + 4 * 64;
+           ((size_t)T + 15) * nb * 8 + 128 + 17 * (size_t)n + 128;
 }
 
 static void gemm_c(const struct kern_gemm_args *a)

@@ -396,7 +396,7 @@ bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
      * a group meets few tokens: decode); for more, each group is widened to
      * Q8_0's layout once and Q8_0's tiles run over it (widening in the tile
      * would cost about a third more instructions at eight tokens) */
-    const bool q5 = pk->wtype == KERN_Q5_0 && a->T > 8;
+    const bool q5 = pk->wtype == KERN_Q5_0 && a->T > 8;  /* so R is 1: the scratch holds one group */
     const uint32_t K = q5 ? KERN_Q8_0 : pk->wtype;
     const size_t gs = pk->group_bytes, gs8 = ((size_t)A.nb * 544 + 63) / 64 * 64;
     uint8_t *wide = pk_align64(A.rest);
