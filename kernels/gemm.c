@@ -59,12 +59,12 @@ static bool packs(uint32_t wtype, int64_t n)
     }
 }
 
-static int q5_choice = -1;  /* kern_pack_q5_set's; -1: not set */
+static int narrow_choice = -1;  /* kern_pack_narrow_set's; -1: not set */
 
-bool kern_pack_q5(void)
+bool kern_pack_narrow(void)
 {
-    if (q5_choice >= 0)
-        return q5_choice;
+    if (narrow_choice >= 0)
+        return narrow_choice;
 #if defined(__x86_64__)
     return kern_isa() >= KERN_ISA_AVX512VNNI && !kern_amx();
 #else
@@ -72,13 +72,13 @@ bool kern_pack_q5(void)
 #endif
 }
 
-int kern_pack_q5_set(int choice)
+int kern_pack_narrow_set(int choice)
 {
-    const int was = q5_choice;
+    const int was = narrow_choice;
 #if defined(__x86_64__)
-    q5_choice = choice < 0 ? -1 : choice > 0;
+    narrow_choice = choice < 0 ? -1 : choice > 0;
 #else
-    q5_choice = choice < 0 ? -1 : 0;
+    narrow_choice = choice < 0 ? -1 : 0;
 #endif
     return was;
 }
@@ -94,6 +94,7 @@ static void pack_row(const struct kern_packed *p, uint8_t *g, int i, const int8_
     const size_t cb = kern_pk_code_bytes(wt), sb = kern_pk_scale_bytes(wt);
     /* Q8_0's signed codes as unsigned (q + 128); Q6_K's as q + 32; others as they are */
     const int bias = wt == KERN_Q8_0 ? 128 : wt == KERN_Q6_K ? 32 : 0;
+    const int nbias = wt == KERN_Q4_0 ? 8 : 0;  /* nibbles: Q4_0's value + 8, the others as they are */
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *q = codes + 32 * b;
         uint8_t *c = g + (size_t)b * cb + 4 * i;
@@ -110,8 +111,9 @@ static void pack_row(const struct kern_packed *p, uint8_t *g, int i, const int8_
         } else
             for (int k = 0; k < (kern_pk_nibbles(wt) ? 4 : 8); k++)
                 for (int x = 0; x < 4; x++)
-                    c[64 * k + x] = kern_pk_nibbles(wt) ? (uint8_t)(q[4 * k + x] | q[16 + 4 * k + x] << 4)
-                                                        : (uint8_t)(q[4 * k + x] + bias);
+                    c[64 * k + x] = kern_pk_nibbles(wt)
+                                        ? (uint8_t)((q[4 * k + x] + nbias) | (q[16 + 4 * k + x] + nbias) << 4)
+                                        : (uint8_t)(q[4 * k + x] + bias);
         for (int part = 0; part < parts; part++) {
             uint8_t *s = g + (size_t)nb * cb + (size_t)b * sb;
             if (kern_pk_f32(wt))
@@ -142,11 +144,10 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
         goto fail;
     /* Q4_0 and Q5_0 rows are signed codes and one scale per 32 values, like
      * Q8_0's: they are packed as Q8_0 (their products with Q8_0 activations
-     * are the same integer sums and scales); Q5_0 in five bits where
-     * kern_pack_q5 says so */
-    p->wtype = wtype == KERN_Q5_0 && kern_pack_q5() ? KERN_Q5_0
-               : wtype == KERN_Q4_0 || wtype == KERN_Q5_0 ? KERN_Q8_0
-                                                          : wtype;
+     * are the same integer sums and scales); in four and five bits where
+     * kern_pack_narrow says so */
+    const bool narrow = (wtype == KERN_Q4_0 || wtype == KERN_Q5_0) && kern_pack_narrow();
+    p->wtype = narrow ? wtype : wtype == KERN_Q4_0 || wtype == KERN_Q5_0 ? KERN_Q8_0 : wtype;
     p->rows = rows;
     p->n = n;
     p->group_bytes = group_bytes(p->wtype, nb);

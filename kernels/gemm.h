@@ -22,7 +22,8 @@
  * 256-bit registers AVX-VNNI and AVX2; on aarch64 sdot and smmla in 128-bit
  * ones; Q4_1 and Q8_0 weights;
  * Q4_0 and Q5_0 ones as Q8_0: their signed codes and scales fit it exactly;
- * on the AVX-512 path without AMX tiles, Q5_0 in five bits, below: kern_pack_q5).
+ * on the AVX-512 path without AMX tiles, Q4_0 and Q5_0 in four and five bits,
+ * below: kern_pack_narrow).
  * Rows go in groups of KERN_PACK_ROWS = 16 (the last group padded with zero
  * rows). Within a group, block b (32 values) of all 16 rows is stored as
  * 64-byte slices: slice s holds, for row i, four bytes at 4i, so one load
@@ -34,6 +35,10 @@
  *         then the 16 scales d of every block (f16), then the 16 mins m;
  *   Q8_0: codes nb x 8 slices (slice k, row i = qs[4k..4k+3] + 128, so the
  *         codes are unsigned), then the 16 scales d of every block (f16).
+ *   Q4_0: Q4_1's code layout with the codes value + 8 (0..15), then the 16
+ *         scales d of every block (f16); no mins: a block's integer sum
+ *         starts at -8 x the sum of its activations (as Q8_0's at -128 x it).
+ *         0.56 bytes a value against Q8_0's 1.06.
  *   Q5_0: per block Q4_1's nibble layout of the codes' low four bits (code =
  *         value + 16, 0..31), then their fifth bits as eight 64-bit masks
  *         (mask k, bit 4i + x = bit 4 of row i's value 4k + x: Q8_0's slice
@@ -62,7 +67,10 @@
 /* The packed layouts, per block of 32 values of a group of 16 rows: whether
  * its codes are nibbles, its integer sums (parts), and its bytes of codes,
  * scales (all parts) and mins. */
-static inline bool kern_pk_nibbles(uint32_t wtype) { return wtype == KERN_Q4_1 || wtype == KERN_Q4_K; }
+static inline bool kern_pk_nibbles(uint32_t wtype)
+{
+    return wtype == KERN_Q4_1 || wtype == KERN_Q4_K || wtype == KERN_Q4_0;
+}
 static inline bool kern_pk_f32(uint32_t wtype) { return wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_Q6_K; }
 static inline bool kern_pk_mins(uint32_t wtype) { return wtype == KERN_Q4_1 || wtype == KERN_Q4_K || wtype == KERN_Q5_K; }
 static inline int kern_pk_parts(uint32_t wtype) { return wtype == KERN_Q6_K ? 2 : 1; }
@@ -80,7 +88,8 @@ static inline size_t kern_pk_min_bytes(uint32_t wtype)
 }
 
 struct kern_packed {
-    uint32_t wtype;         /* the layout: KERN_Q4_1, KERN_Q8_0, KERN_Q5_0, KERN_Q4_K, KERN_Q5_K or KERN_Q6_K */
+    uint32_t wtype;         /* the layout: KERN_Q4_1, KERN_Q8_0, KERN_Q4_0, KERN_Q5_0, KERN_Q4_K, KERN_Q5_K
+                             * or KERN_Q6_K */
     int64_t rows, n;        /* the matrix: rows x n */
     size_t group_bytes;     /* bytes per group of 16 rows (a multiple of 64) */
     uint8_t *data;          /* ceil(rows / 16) groups, 64-byte aligned */
@@ -93,20 +102,19 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
 
 void kern_pack_free(struct kern_packed **p);
 
-/* Whether kern_pack stores Q5_0 in five bits: where the active path is
- * AVX-512 VNNI without AMX tiles (the tiles read bytes). The layouts give
- * the same bits; this is a matter of bytes read. The 256-bit paths read
- * bytes too: reading five bits in place there cost about as much as the
- * fewer bytes saved (AMD EPYC, forced AVX2 path, bench-ceiling -m: the
- * decode step's products 1.05x at one token, 0.98x at eight; warm, half
- * the rate at one token), and AVX-VNNI's cheaper dot products would leave
- * the decoding a larger share. */
-bool kern_pack_q5(void);
+/* Whether kern_pack stores Q4_0 and Q5_0 in their own widths, four and five
+ * bits, rather than as Q8_0's bytes: where the active path is AVX-512 VNNI
+ * without AMX tiles (the tiles read bytes). The layouts give the same bits;
+ * this is a matter of bytes read. The 256-bit paths read bytes too: reading
+ * five bits in place there cost about as much as the fewer bytes saved (AMD
+ * EPYC, forced AVX2 path, bench-ceiling -m: the decode step's products
+ * 1.05x at one token, 0.98x at eight; warm, half the rate at one token). */
+bool kern_pack_narrow(void);
 
 /* Forces that choice: 1 five bits (x86-64 only), 0 bytes, -1 back to the
  * default; for tests and benchmarks that compare the layouts. Returns the
  * setting it replaces. */
-int kern_pack_q5_set(int choice);
+int kern_pack_narrow_set(int choice);
 
 /* Bytes a packed matrix holds. */
 size_t kern_pack_bytes(const struct kern_packed *p);

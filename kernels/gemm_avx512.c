@@ -193,7 +193,7 @@ static inline __m512i bcast4(const int8_t *p)
     return _mm512_set1_epi32(v);
 }
 
-#define PK_READS_Q5 1
+#define PK_READS_NARROW 1
 #include "gemm_pk.inc"
 
 /*
@@ -210,7 +210,8 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
     /* five-bit Q5_0 read in place: Q4_1's nibbles or'ed with 0x70 or 0x80
      * by its fifth bits, Q8_0's codes (value + 128) */
     const bool q5 = K == KERN_Q5_0;
-    const bool Q8 = K == KERN_Q8_0 || q5, nib = kern_pk_nibbles(K) || q5, f32 = kern_pk_f32(K);
+    /* the sum starts at -128 x (Q8_0, Q5_0) or -8 x (four-bit Q4_0) the activations' */
+    const bool Q8 = K == KERN_Q8_0 || q5 || K == KERN_Q4_0, nib = kern_pk_nibbles(K) || q5, f32 = kern_pk_f32(K);
     const int parts = kern_pk_parts(K), slices = 8 / parts;  /* byte slices a part */
     const size_t cb = kern_pk_code_bytes(K), sb = kern_pk_scale_bytes(K), mb = kern_pk_min_bytes(K);
     const __m512i low = _mm512_set1_epi8(0x0F), c70 = _mm512_set1_epi8(0x70), c10 = _mm512_set1_epi8(0x10);
@@ -346,6 +347,7 @@ static void pk_dispatch(uint32_t K, int R, int NT, const uint8_t *g, size_t gs, 
     switch (K) {
     case KERN_Q4_1: PK_CASES(KERN_Q4_1);
     case KERN_Q8_0: PK_CASES(KERN_Q8_0);
+    case KERN_Q4_0: PK_CASES(KERN_Q4_0);
     case KERN_Q5_0: PK_CASES(KERN_Q5_0);
     case KERN_Q4_K: PK_CASES(KERN_Q4_K);
     case KERN_Q5_K: PK_CASES(KERN_Q5_K);
@@ -392,10 +394,12 @@ bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
     struct pk_acts A;
     pk_stage(a, true, &A);
     const struct pk_acts *Ap = &A;
-    /* five-bit Q5_0: read in place by the tiles of up to four tokens (where
+    /* five-bit Q5_0: read in place by the tiles of up to eight tokens (where
      * a group meets few tokens: decode); for more, each group is widened to
-     * Q8_0's layout once and Q8_0's tiles run over it (widening in the tile
-     * would cost about a third more instructions at eight tokens) */
+     * Q8_0's layout once and Q8_0's tiles run over it (bench-ceiling's warm
+     * table at 8 tokens: in place 10% slower than bytes, widened 20%; from
+     * 32 on the widening is shared by four tiles and more). Four-bit Q4_0
+     * is read in place always, as Q4_1 is. */
     const bool q5 = pk->wtype == KERN_Q5_0 && a->T > 8;  /* so R is 1: the scratch holds one group */
     const uint32_t K = q5 ? KERN_Q8_0 : pk->wtype;
     const size_t gs = pk->group_bytes, gs8 = ((size_t)A.nb * 544 + 63) / 64 * 64;

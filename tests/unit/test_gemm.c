@@ -138,20 +138,23 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
     }
     const bool kq = wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_Q6_K;
     (void)kq;  /* x86-64 only */
-    /* packed for the path under test: Q5_0 in five bits on AVX-512 VNNI
-     * without AMX tiles, as Q8_0 elsewhere (kern_pack_q5) */
+    /* packed for the path under test: Q4_0 and Q5_0 in four and five bits
+     * on AVX-512 VNNI without AMX tiles, as Q8_0 elsewhere (kern_pack_narrow) */
     const enum kern_isa was = kern_isa();
     kern_isa_set((enum kern_isa)isa);
     struct kern_packed *pk = kern_pack(wtype, w, wrow, PROWS, n);
-    const bool five = wtype == KERN_Q5_0 && kern_pack_q5();
+    const bool small = wtype == KERN_Q4_0 || wtype == KERN_Q5_0;
+    const bool narrow = small && kern_pack_narrow();
     kern_isa_set(was);
     REQUIRE(pk != NULL);
 #if defined(__x86_64__)
-    CHECK(five == (wtype == KERN_Q5_0 && isa == KERN_ISA_AVX512VNNI && !kern_amx()));
+    const int forced = kern_pack_narrow_set(-1);
+    kern_pack_narrow_set(forced);
+    CHECK(narrow == (small && (forced >= 0 ? forced == 1 : isa == KERN_ISA_AVX512VNNI && !kern_amx())));
 #else
-    CHECK(!five);
+    CHECK(!narrow);
 #endif
-    CHECK(pk->wtype == (five ? KERN_Q5_0 : wtype == KERN_Q4_0 || wtype == KERN_Q5_0 ? KERN_Q8_0 : wtype));
+    CHECK(pk->wtype == (narrow ? wtype : small ? KERN_Q8_0 : wtype));
     CHECK_INT(kern_pack_bytes(pk), (PROWS + 15) / 16 * pk->group_bytes);
     void *scratch = aligned_alloc(64, (kern_gemm_scratch_bytes(n, PMAXT) + 63) / 64 * 64);
     static float ref[PMAXT * PROWS], got[PMAXT * PROWS], part[PMAXT * PROWS];
@@ -252,14 +255,14 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
         other = memcmp(part, got, sizeof(got)) != 0;
     }
     CHECK_INT(other, 0);
-    if (five) {
-        /* the five-bit layout gives the byte layout's bits */
-        const int q5 = kern_pack_q5_set(0);
-        struct kern_packed *p8 = kern_pack(KERN_Q5_0, w, wrow, PROWS, n);
-        kern_pack_q5_set(q5);
+    if (narrow) {
+        /* four and five bits give the byte layout's bits */
+        const int was_narrow = kern_pack_narrow_set(0);
+        struct kern_packed *p8 = kern_pack(wtype, w, wrow, PROWS, n);
+        kern_pack_narrow_set(was_narrow);
         REQUIRE(p8 != NULL);
         CHECK(p8->wtype == KERN_Q8_0);
-        CHECK_INT(pk->group_bytes, ((size_t)n / 32 * 352 + 63) / 64 * 64);
+        CHECK_INT(pk->group_bytes, ((size_t)n / 32 * (wtype == KERN_Q4_0 ? 288 : 352) + 63) / 64 * 64);
         struct kern_gemm_args g8 = g;
         g8.packed = p8;
         for (int T = 1; T <= PMAXT; T++) {
@@ -421,6 +424,12 @@ int main(void)
             check_amx(KERN_Q4_K, 512);
             check_amx(KERN_Q5_K, 256);
             check_amx(KERN_Q6_K, 768);
+            /* with AMX on, Q4_0 and Q5_0 stay in bytes; their narrow layouts
+             * (forced) go to the vector products, the tiles refusing them */
+            kern_pack_narrow_set(1);
+            check_packed(KERN_Q5_0, 640, KERN_ISA_AVX512VNNI, true);
+            check_packed(KERN_Q4_0, 576, KERN_ISA_AVX512VNNI, true);
+            kern_pack_narrow_set(-1);
         } else {
             fprintf(stderr, "note: no AMX on this CPU (or the OS refused the tile data); the AVX-512 path serves\n");
             CHECK(!kern_amx_set(true) && !kern_amx());
