@@ -61,12 +61,16 @@ static bool packs(uint32_t wtype, int64_t n)
 
 static int narrow_choice = -1;  /* kern_pack_narrow_set's; -1: not set */
 
-bool kern_pack_narrow(void)
+bool kern_pack_narrow(uint32_t wtype)
 {
+    if (wtype != KERN_Q4_0 && wtype != KERN_Q5_0)
+        return false;
     if (narrow_choice >= 0)
         return narrow_choice;
 #if defined(__x86_64__)
-    return kern_isa() >= KERN_ISA_AVX512VNNI && !kern_amx();
+    if (kern_isa() >= KERN_ISA_AVX512VNNI && kern_amx())
+        return false;  /* the tiles read bytes */
+    return kern_isa() >= (wtype == KERN_Q4_0 ? KERN_ISA_AVX2 : KERN_ISA_AVX512VNNI);
 #else
     return false;
 #endif
@@ -146,7 +150,7 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
      * Q8_0's: they are packed as Q8_0 (their products with Q8_0 activations
      * are the same integer sums and scales); in four and five bits where
      * kern_pack_narrow says so */
-    const bool narrow = (wtype == KERN_Q4_0 || wtype == KERN_Q5_0) && kern_pack_narrow();
+    const bool narrow = kern_pack_narrow(wtype);
     p->wtype = narrow ? wtype : wtype == KERN_Q4_0 || wtype == KERN_Q5_0 ? KERN_Q8_0 : wtype;
     p->rows = rows;
     p->n = n;

@@ -22,8 +22,8 @@
  * 256-bit registers AVX-VNNI and AVX2; on aarch64 sdot and smmla in 128-bit
  * ones; Q4_1 and Q8_0 weights;
  * Q4_0 and Q5_0 ones as Q8_0: their signed codes and scales fit it exactly;
- * on the AVX-512 path without AMX tiles, Q4_0 and Q5_0 in four and five bits,
- * below: kern_pack_narrow).
+ * on x86-64 without AMX tiles, Q4_0 and Q5_0 in four and five bits, below:
+ * kern_pack_narrow).
  * Rows go in groups of KERN_PACK_ROWS = 16 (the last group padded with zero
  * rows). Within a group, block b (32 values) of all 16 rows is stored as
  * 64-byte slices: slice s holds, for row i, four bytes at 4i, so one load
@@ -102,14 +102,16 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
 
 void kern_pack_free(struct kern_packed **p);
 
-/* Whether kern_pack stores Q4_0 and Q5_0 in their own widths, four and five
- * bits, rather than as Q8_0's bytes: where the active path is AVX-512 VNNI
- * without AMX tiles (the tiles read bytes). The layouts give the same bits;
- * this is a matter of bytes read. The 256-bit paths read bytes too: reading
- * five bits in place there cost about as much as the fewer bytes saved (AMD
- * EPYC, forced AVX2 path, bench-ceiling -m: the decode step's products
- * 1.05x at one token, 0.98x at eight; warm, half the rate at one token). */
-bool kern_pack_narrow(void);
+/* Whether kern_pack stores wtype in its own width rather than as Q8_0's
+ * bytes: Q4_0 in four bits where the active path is AVX-512 VNNI or the
+ * 256-bit one (they read nibbles as they read Q4_1's), Q5_0 in five bits on
+ * AVX-512 VNNI; neither where the AVX-512 path runs AMX tiles (they read
+ * bytes) nor on aarch64. The layouts give the same bits; this is a matter
+ * of bytes read. Five bits on the 256-bit paths cost about as much as the
+ * fewer bytes saved (AMD EPYC, forced AVX2 path, bench-ceiling -m: the
+ * decode step's products 1.05x at one token, 0.98x at eight; warm, half the
+ * rate at one token: no mask registers to spread the fifth bits). */
+bool kern_pack_narrow(uint32_t wtype);
 
 /* Forces that choice: 1 five bits (x86-64 only), 0 bytes, -1 back to the
  * default; for tests and benchmarks that compare the layouts. Returns the

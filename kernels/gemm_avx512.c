@@ -193,7 +193,8 @@ static inline __m512i bcast4(const int8_t *p)
     return _mm512_set1_epi32(v);
 }
 
-#define PK_READS_NARROW 1
+#define PK_READS_Q4 1
+#define PK_READS_Q5 1
 #include "gemm_pk.inc"
 
 /*
