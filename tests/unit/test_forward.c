@@ -17,6 +17,7 @@
 #include "err.h"
 #include "f16.h"
 #include "forward.h"
+#include "gemm.h"
 #include "kvcache.h"
 #include "mkmodel.h"
 #include "model.h"
@@ -334,6 +335,49 @@ static void test_against_reference(const char *name, uint32_t wtype, uint32_t et
     free(got);
     rig_free(&r);
     model_destroy(&m);
+}
+
+/* Q4_0 and Q5_0 matrices packed in their own widths (kern_pack_narrow, where
+ * this path reads them) give the logits of the same model packed as Q8_0's
+ * bytes, bit for bit: the products' integer sums are the same. */
+static void test_narrow_layouts(uint32_t wtype)
+{
+    kv_half = rig_fmt.k_type == KERN_F16;
+    struct mkmodel_params p = mkmodel_default_params();
+    p.n_layer = 2;
+    p.n_embd = 192;  /* three 64-value pairs: an odd number of blocks of 32 */
+    p.n_head = 6;
+    p.n_head_kv = 2;
+    p.n_ff = 320;
+    p.n_vocab = 400;
+    p.wtype = wtype;
+    p.embd_type = KERN_Q8_0;
+    p.seed = 23;
+    const bool narrow = kern_pack_narrow(wtype);
+    model_t *mn = make_model(&p, wtype == KERN_Q4_0 ? "narrow-q4_0" : "narrow-q5_0");
+    const int was = kern_pack_narrow_set(0);
+    model_t *mb = make_model(&p, wtype == KERN_Q4_0 ? "bytes-q4_0" : "bytes-q5_0");
+    kern_pack_narrow_set(was);
+    if (kern_isa() >= KERN_ISA_SIMD) {  /* the models are packed where the active path has products for it */
+        REQUIRE(mn->layers[0].w_up.packed != NULL && mb->layers[0].w_up.packed != NULL);
+        CHECK(mn->layers[0].w_up.packed->wtype == (narrow ? wtype : KERN_Q8_0));
+        CHECK(mb->layers[0].w_up.packed->wtype == KERN_Q8_0);
+    }
+    const int n = 40;
+    int32_t toks[40];
+    random_tokens(toks, n, p.n_vocab, 5);
+    uint32_t blocks[8] = { 5, 2, 7, 0, 1, 3, 4, 6 };
+    struct rig rn = rig_new(mn, 16, 8, KERN_F16, 2), rb = rig_new(mb, 16, 8, KERN_F16, 2);
+    float *gn = run_chunks(&rn, toks, n, 9, blocks, 8), *gb = run_chunks(&rb, toks, n, 9, blocks, 8);
+    fprintf(stderr, "%s in %s: logits %s the byte layout's\n", kern_type_info(wtype)->name,
+            narrow ? "its own width" : "bytes", memcmp(gn, gb, (size_t)n * p.n_vocab * sizeof(float)) ? "differ from" : "equal");
+    CHECK(memcmp(gn, gb, (size_t)n * p.n_vocab * sizeof(float)) == 0);
+    free(gn);
+    free(gb);
+    rig_free(&rn);
+    rig_free(&rb);
+    model_destroy(&mn);
+    model_destroy(&mb);
 }
 
 /* A random gemma3 model: 6 layers (5 windowed, 1 global), heads wider than
@@ -855,6 +899,10 @@ int main(void)
     /* quantized weights: activations are quantized to 8 bits, as in llama.cpp */
     test_against_reference("q4_1-gqa", KERN_Q4_1, KERN_Q8_0, 8, 2, true, KERN_F16, 0.03);
     test_against_reference("q8_0-mqa", KERN_Q8_0, KERN_Q8_0, 4, 1, false, KERN_F32, 0.03);
+    test_against_reference("q4_0-gqa", KERN_Q4_0, KERN_Q8_0, 8, 2, true, KERN_F16, 0.03);
+    test_against_reference("q5_0-gqa", KERN_Q5_0, KERN_Q8_0, 8, 2, false, KERN_F16, 0.03);
+    test_narrow_layouts(KERN_Q4_0);
+    test_narrow_layouts(KERN_Q5_0);
     /* the K-quants (packed for the 256-bit products on x86-64); their
      * activations (Q8_K) have one scale per 256 values, not per 32: the C
      * path is 2.7-3.2% off too */
