@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -222,11 +223,30 @@ def nobody_tmp() -> Iterator[Path]:
     """A directory of the other user's (NOBODY, mode 0700) in /tmp, removed at the end."""
     if os.geteuid() != 0:
         pytest.skip("acting as another user needs root (CI runs the tests as root)")
-    reach = as_user(["sh", "-c", 'test -x "$1" && test -x "$2" && test -r "$3"', "sh", str(BIN_DIR / "kvd"),
-                     str(BIN_DIR / "kvd-worker"), str(MODEL)])
-    if reach.returncode != 0:
-        pytest.fail(f"uid {NOBODY} cannot run {BIN_DIR}/kvd or read {MODEL}: the checkout must be readable by others")
     d = Path(tempfile.mkdtemp(prefix="kvd-security-"))
     os.chown(d, NOBODY, NOBODY)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+# the interpreter itself, not a virtual environment's link to it inside a checkout others may not enter
+OTHERS_PYTHON = os.path.realpath(sys.executable)
+
+
+def for_others(d: Path) -> tuple[Path, Path, Path]:
+    """kvd, kvd-worker and the model as another user (NOBODY) can run and read them: where they are
+    when the checkout is open to others, else copies in d, their directory (a clone made in a 0700
+    directory, as `mktemp -d` makes, is closed to them)."""
+    files = (BIN_DIR / "kvd", BIN_DIR / "kvd-worker", MODEL)
+    reach = as_user(["sh", "-c", 'test -x "$1" && test -x "$2" && test -r "$3"', "sh", *map(str, files)])
+    if reach.returncode == 0:
+        return files
+    copies = []
+    for f in files:
+        c = d / f.name
+        shutil.copy2(f, c)
+        os.chown(c, NOBODY, NOBODY)
+        copies.append(c)
+    reach = as_user(["sh", "-c", 'test -x "$1" && test -x "$2" && test -r "$3"', "sh", *map(str, copies)])
+    assert reach.returncode == 0, reach.stderr
+    return copies[0], copies[1], copies[2]

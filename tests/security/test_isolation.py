@@ -10,7 +10,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -24,7 +23,8 @@ import zmq.auth
 import zmq.utils.monitor
 
 import kvd_client
-from conftest import BIN_DIR, MODEL, NOBODY, Kvd, as_user, free_port, keygen, run_kvd, wait_for
+from conftest import (BIN_DIR, MODEL, NOBODY, OTHERS_PYTHON, Kvd, as_user, for_others, free_port, keygen, run_kvd,
+                      wait_for)
 
 BLOCK = 16
 
@@ -56,12 +56,13 @@ def test_pool_of_another_user(tmp_path: Path, kvds: list[Kvd], nobody_tmp: Path)
         kvds.append(b)
         b.stop()
         before = _digest(shm)
-        mine = {"kvd": [str(BIN_DIR / "kvd"), "--model", str(MODEL), "-w", "0", "--kv-memory", "16MiB",
+        kvd, worker, model = for_others(nobody_tmp)
+        mine = {"kvd": [str(kvd), "--model", str(model), "-w", "0", "--kv-memory", "16MiB",
                         "--pool", name, "--listen", f"ipc://{nobody_tmp}/kvd.sock"],
-                "kvd-worker": [str(BIN_DIR / "kvd-worker"), "--model", str(MODEL), "--pool", name, "--id", "1",
+                "kvd-worker": [str(worker), "--model", str(model), "--pool", name, "--id", "1",
                                "--connect", f"ipc://{nobody_tmp}/workers.sock"]}
         # another user: no mapping of their own, no kvd, no worker
-        r = as_user([sys.executable, "-c", f"import mmap; f = open('/dev/shm/{name}', 'r+b'); "
+        r = as_user([OTHERS_PYTHON, "-c", f"import mmap; f = open('/dev/shm/{name}', 'r+b'); "
                      "mmap.mmap(f.fileno(), 0)"])
         assert r.returncode != 0 and "PermissionError" in r.stderr, r.stderr
         for what, cmd in mine.items():
@@ -80,7 +81,7 @@ def test_pool_of_another_user(tmp_path: Path, kvds: list[Kvd], nobody_tmp: Path)
                 (what, r.stderr)
         assert _digest(shm) == before
         # a segment another user made (0600, theirs): our kvd and worker refuse it, though root could map it
-        r = as_user([sys.executable, "-c", f"import os; fd = os.open('/dev/shm/{theirs}', "
+        r = as_user([OTHERS_PYTHON, "-c", f"import os; fd = os.open('/dev/shm/{theirs}', "
                      "os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600); os.ftruncate(fd, 16 << 20)"])
         assert r.returncode == 0, r.stderr
         assert shm_theirs.stat().st_uid == NOBODY
