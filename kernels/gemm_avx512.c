@@ -197,6 +197,22 @@ static inline __m512i bcast4(const int8_t *p)
 #define PK_READS_Q5 1
 #include "gemm_pk.inc"
 
+/* Nibble vector j of a five-bit Q5_0 block (its 320 bytes at c, gemm.h) as
+ * Q8_0's codes, value + 128: slice j from the low nibbles, slice j + 4 from
+ * the high ones, each (nibble | 0x70) + 0x10 where its fifth bit is set. */
+static inline __attribute__((always_inline)) void q5_slices(const uint8_t *c, int j, __m512i *lo, __m512i *hi)
+{
+    const __m512i low = _mm512_set1_epi8(0x0F), c70 = _mm512_set1_epi8(0x70), c10 = _mm512_set1_epi8(0x10);
+    const __m512i v = _mm512_load_si512((const void *)(c + 64 * j));
+    uint64_t blo, bhi;
+    memcpy(&blo, c + 256 + 8 * j, 8);
+    memcpy(&bhi, c + 256 + 8 * (j + 4), 8);
+    const __m512i l = _mm512_ternarylogic_epi32(v, low, c70, 0xEA);  /* (a & b) | c */
+    const __m512i h = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), low, c70, 0xEA);
+    *lo = _mm512_mask_add_epi8(l, (__mmask64)blo, l, c10);
+    *hi = _mm512_mask_add_epi8(h, (__mmask64)bhi, h, c10);
+}
+
 /*
  * R groups of 16 rows (g, g + gs, ...) against NT tokens (from token t0), for
  * the layout K (gemm.h). Every (row, token) lane sees the same operations in
@@ -215,7 +231,7 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
     const bool Q8 = K == KERN_Q8_0 || q5 || K == KERN_Q4_0, nib = kern_pk_nibbles(K) || q5, f32 = kern_pk_f32(K);
     const int parts = kern_pk_parts(K), slices = 8 / parts;  /* byte slices a part */
     const size_t cb = kern_pk_code_bytes(K), sb = kern_pk_scale_bytes(K), mb = kern_pk_min_bytes(K);
-    const __m512i low = _mm512_set1_epi8(0x0F), c70 = _mm512_set1_epi8(0x70), c10 = _mm512_set1_epi8(0x10);
+    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 f[4][8];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -266,18 +282,11 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
 #pragma GCC unroll 4
                     for (int r = 0; r < R; r++) {
                         const uint8_t *c = g + r * gs + (size_t)b * cb;
-                        const __m512i v = _mm512_load_si512((const void *)(c + 64 * j));
                         __m512i lo, hi;
                         if (q5) {
-                            /* (nibble | 0x70) + 0x10 where the fifth bit is set */
-                            uint64_t blo, bhi;
-                            memcpy(&blo, c + 256 + 8 * j, 8);
-                            memcpy(&bhi, c + 256 + 8 * (j + 4), 8);
-                            lo = _mm512_ternarylogic_epi32(v, low, c70, 0xEA);  /* (a & b) | c */
-                            hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), low, c70, 0xEA);
-                            lo = _mm512_mask_add_epi8(lo, (__mmask64)blo, lo, c10);
-                            hi = _mm512_mask_add_epi8(hi, (__mmask64)bhi, hi, c10);
+                            q5_slices(c, j, &lo, &hi);
                         } else {
+                            const __m512i v = _mm512_load_si512((const void *)(c + 64 * j));
                             lo = _mm512_and_si512(v, low);
                             hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                         }
@@ -357,13 +366,11 @@ static void pk_dispatch(uint32_t K, int R, int NT, const uint8_t *g, size_t gs, 
     }
 }
 
-/* Group g of a five-bit Q5_0 matrix (nb blocks) in Q8_0's layout at q:
- * codes value + 128 (the low nibble or'ed with 0x70, or 0x80 where the fifth
- * bit is set), then the scales as they are. The same bytes apart, ahead
- * (the group a tile later) is asked into L2, a block at a time. */
+/* Group g of a five-bit Q5_0 matrix (nb blocks) in Q8_0's layout at q
+ * (q5_slices' codes, then the scales as they are); ahead, the group a tile
+ * later, is asked into L2 a block at a time. */
 static void q5_widen(const uint8_t *g, int64_t nb, uint8_t *q, const uint8_t *ahead)
 {
-    const __m512i low = _mm512_set1_epi8(0x0F), c70 = _mm512_set1_epi8(0x70), c80 = _mm512_set1_epi8((char)0x80);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *c = g + (size_t)b * 320;
         uint8_t *o = q + (size_t)b * 512;
@@ -372,13 +379,10 @@ static void q5_widen(const uint8_t *g, int64_t nb, uint8_t *q, const uint8_t *ah
                 _mm_prefetch((const char *)ahead + (size_t)b * 320 + l, _MM_HINT_T1);
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) {
-            const __m512i v = _mm512_load_si512((const void *)(c + 64 * j));
-            uint64_t blo, bhi;
-            memcpy(&blo, c + 256 + 8 * j, 8);
-            memcpy(&bhi, c + 256 + 8 * (j + 4), 8);
-            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            _mm512_store_si512((void *)(o + 64 * j), _mm512_or_si512(lo, _mm512_mask_blend_epi8((__mmask64)blo, c70, c80)));
-            _mm512_store_si512((void *)(o + 64 * (j + 4)), _mm512_or_si512(hi, _mm512_mask_blend_epi8((__mmask64)bhi, c70, c80)));
+            __m512i lo, hi;
+            q5_slices(c, j, &lo, &hi);
+            _mm512_store_si512((void *)(o + 64 * j), lo);
+            _mm512_store_si512((void *)(o + 64 * (j + 4)), hi);
         }
     }
     if (ahead != NULL)
@@ -417,9 +421,8 @@ bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
         int n_ahead = after < R ? (int)(after > 0 ? after : 0) : R;
         const uint8_t *g = pk->data + (size_t)gi * gs;
         size_t ts = gs;
-        if (q5) {
-            for (int r = 0; r < R; r++)
-                q5_widen(g + (size_t)r * gs, A.nb, wide + (size_t)r * gs8, r < n_ahead ? g + (size_t)(R + r) * gs : NULL);
+        if (q5) {  /* R is 1 */
+            q5_widen(g, A.nb, wide, n_ahead > 0 ? g + gs : NULL);
             g = wide;
             ts = gs8;
             n_ahead = 0;  /* asked for by the widening */
