@@ -217,17 +217,22 @@ def bench_table(outdir: str) -> None:
     for model in models:
         lp, kp = sorted(root.glob(f"{model}.llama.r*.json")), sorted(root.glob(f"{model}.kvd.r*.json"))
         fails += [f"{p.name}: {p.read_text().strip()}" for p in sorted(root.glob(f"{model}.*.fail"))]
-        ll = {"pp512": [], "tg128": []}
+        tests = ("pp512", "tg128", "tg128 @ d512")
+        ll = {k: [] for k in tests}
         for p in lp:
             for t in json.loads(p.read_text()):
                 key = f"pp{t['n_prompt']}" if t["n_gen"] == 0 else f"tg{t['n_gen']}"
+                if t.get("n_depth", 0):
+                    key += f" @ d{t['n_depth']}"
                 ll.setdefault(key, []).append(t["avg_ts"])
-        kk = {"pp512": [], "tg128": []}
+        kk = {k: [] for k in tests}
         for p in kp:
             j = json.loads(p.read_text())
             kk["pp512"].append(j["prefill_tokens_per_s"])
-            kk["tg128"].append(j["decode_b1_tokens_per_s"])
-        for test in ("pp512", "tg128"):
+            if "decode_b1_d0_tokens_per_s" in j:
+                kk["tg128"].append(j["decode_b1_d0_tokens_per_s"])
+            kk[f"tg128 @ d{j.get('decode_b1_depth', 512)}"].append(j["decode_b1_tokens_per_s"])
+        for test in tests:
             a, b = _median(ll[test]), _median(kk[test])
             rows.append([model, test, _fmt(a), _fmt(b), _ratio(b, a), f"{len(ll[test])}/{len(kk[test])}"])
     print(_table(header, rows))

@@ -12,9 +12,10 @@
 #        w1: 4 prefixes of 1,024 tokens, suffixes of 64, 32 output tokens, concurrency 8
 #        w2: 8 prefixes of 1,024 tokens, suffixes of 64, 128 output tokens, concurrency 16
 #      64 prompts each (--quick: 16);
-#   2. the engine alone: llama.cpp's `llama-bench -p 512 -n 128 -t 2` against
-#      `kvd-run --bench -t 2` (prefill 512, decode 128 at batch 1), alternating,
-#      --rounds rounds, on SmolLM2-135M Q4_1 and Gemma 3 270M Q4_K_M.
+#   2. the engine alone: llama.cpp's `llama-bench -p 512 -n 128 -d 0,512 -t 2`
+#      against `kvd-run --bench -t 2` (prefill 512; decode 128 at batch 1 from
+#      an empty context and after 512 tokens), alternating, --rounds rounds, on
+#      SmolLM2-135M Q4_1 and Gemma 3 270M Q4_K_M.
 #
 # The peers (nothing of them is in this repository) go to a cache directory,
 # ${KVD_PEERS_DIR:-$HOME/.cache/kvd-peers}; a second run reuses them:
@@ -374,7 +375,7 @@ run_engines() {
     for m in "${bench_models[@]}"; do
       stem=$(basename "$m" .gguf)
       wait_quiet "llama-bench $stem round $r"
-      if "$llama_bin/llama-bench" -m "$m" -p 512 -n 128 -t "$threads" -o json \
+      if "$llama_bin/llama-bench" -m "$m" -p 512 -n 128 -d 0,512 -t "$threads" -o json \
            > "$out/bench/$stem.llama.r$r.json" 2> "$out/bench/$stem.llama.r$r.log"; then
         log "llama-bench $stem round $r done"
       else
@@ -468,9 +469,10 @@ llama_features=""
   fi
   if [ "$only" != vllm ]; then
     echo
-    echo "== 2. Engines: llama-bench -p 512 -n 128 -t $threads against kvd-run --bench -t $threads, alternating, $rounds rounds (medians)"
-    echo "(pp512: one prompt of 512 tokens; tg128: 128 tokens one at a time: llama-bench from an empty context,"
-    echo " kvd-run after its 512-token prefill; llama-bench repeats each test 5 times and reports the mean)"
+    echo "== 2. Engines: llama-bench -p 512 -n 128 -d 0,512 -t $threads against kvd-run --bench -t $threads, alternating, $rounds rounds (medians)"
+    echo "(pp512: one prompt of 512 tokens into an empty context; tg128: 128 tokens one at a time, from an empty"
+    echo " context; tg128 @ d512: the same after 512 tokens of context (kvd-run: after its pp512 prompt; llama-bench:"
+    echo " -d 512); llama-bench repeats each test 5 times and reports the mean, kvd-run runs each once a round)"
     python3 bench/bench_peers.py bench-table "$out"
   fi
   echo

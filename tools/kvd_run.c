@@ -143,7 +143,8 @@ static void usage(FILE *f)
           "                         by --context-overflow window (the default here) or\n"
           "                         restart (an empty cache from the next token on)\n"
           "      --bench            measure prefill (512 tokens), decode at batch 1 (128\n"
-          "                         tokens) and aggregate decode at batch 1, 8 and 32\n"
+          "                         tokens after that prefill, and from an empty context)\n"
+          "                         and aggregate decode at batch 1, 8 and 32\n"
           "      --bench-file F     text the benchmark prompts are cut from\n"
           "      --bench-ctx N      with --bench: decode at batch 1 and 8 after N tokens\n"
           "                         of context instead (the KV types' cost)\n",
@@ -1487,17 +1488,31 @@ static int run_bench(const struct options *o)
     double decode_ms = cli_now_ms() - t0;
     seq_release(&rt, &s);
     prefix_seq_fini(&s.ps);
+    /* the same from an empty context, as llama-bench's tg128 (no prompt
+     * before: attention reads positions 0..127 only) */
+    struct seq s0 = { 0 };
+    hist[0] = ids[0];
+    t0 = cli_now_ms();
+    for (int i = 0; i < BENCH_DECODE; i++) {
+        seq_feed(&rt, &s0, hist, 1, 1, false, &lg, &rows);
+        hist[s0.pos] = sampler_argmax(lg, V);
+    }
+    double decode0_ms = cli_now_ms() - t0;
+    seq_release(&rt, &s0);
+    prefix_seq_fini(&s0.ps);
 
     const int batches[3] = { 1, 8, 32 };
     double agg[3];
     for (int i = 0; i < 3; i++)
         agg[i] = bench_batch(&rt, ids, n_ids, batches[i], BENCH_BATCH_PROMPT, BENCH_BATCH_STEPS);
     double prefill_tps = BENCH_PREFILL / (prefill_ms / 1e3), decode_tps = BENCH_DECODE / (decode_ms / 1e3);
+    double decode0_tps = BENCH_DECODE / (decode0_ms / 1e3);
     if (o->json) {
         printf("{\"threads\":%d,\"isa\":\"%s\",\"prefill_tokens\":%d,\"prefill_tokens_per_s\":%.2f,"
-               "\"decode_b1_tokens\":%d,\"decode_b1_tokens_per_s\":%.2f,\"batch_decode\":[",
+               "\"decode_b1_tokens\":%d,\"decode_b1_depth\":%d,\"decode_b1_tokens_per_s\":%.2f,"
+               "\"decode_b1_d0_tokens_per_s\":%.2f,\"batch_decode\":[",
                engine_threads(rt.engine), kern_path_name(), BENCH_PREFILL, prefill_tps,
-               BENCH_DECODE, decode_tps);
+               BENCH_DECODE, BENCH_PREFILL, decode_tps, decode0_tps);
         for (int i = 0; i < 3; i++)
             printf("%s{\"batch\":%d,\"tokens_per_s\":%.2f}", i ? "," : "", batches[i], agg[i]);
         printf("],\"rss_mib\":%.1f,\"packed_weights_mib\":%.1f,", rss_mib(),
@@ -1507,7 +1522,10 @@ static int run_bench(const struct options *o)
     } else {
         printf("threads %d, kernels %s\n", engine_threads(rt.engine), kern_path_name());
         printf("prefill %d tokens:        %9.1f tokens/s\n", BENCH_PREFILL, prefill_tps);
-        printf("decode batch 1, %d:      %9.1f tokens/s\n", BENCH_DECODE, decode_tps);
+        printf("decode batch 1, %d:      %9.1f tokens/s (after the %d-token prefill)\n", BENCH_DECODE,
+               decode_tps, BENCH_PREFILL);
+        printf("decode batch 1, %d:      %9.1f tokens/s (from an empty context)\n", BENCH_DECODE,
+               decode0_tps);
         for (int i = 0; i < 3; i++)
             printf("decode batch %-2d (aggregate): %7.1f tokens/s\n", batches[i], agg[i]);
         printf("resident memory:          %9.1f MiB (packed weights %.1f MiB, KV cache %.1f MiB)\n",
