@@ -382,7 +382,7 @@ static void model_costs(const model_t *m, double *macs, double *bytes)
  */
 struct walk {
     const struct model_mat *mat[8 * 256 + 1];
-    const struct model_mat *bytes[8 * 256 + 1]; /* narrow Q4_0 / Q5_0 packed as bytes (Q8_0), else mat's */
+    const struct model_mat *bytes[8 * 256 + 1]; /* narrow Q4_0 / Q5_0 / Q6_K packed as bytes, else mat's */
     uint8_t *act[8 * 256 + 1];
     int n_mats, threads, T;  /* T tokens, one activation row for all */
     bool read, as_bytes;
@@ -445,7 +445,7 @@ static void *walker_main(void *arg)
 }
 
 /* Seconds of the fastest of `rounds` walks of each kind, alternating; where
- * the model has Q4_0 / Q5_0 matrices packed in four / five bits (gemm.h),
+ * the model has Q4_0 / Q5_0 / Q6_K matrices packed in four / five / six bits (gemm.h),
  * t_bytes gets the products' walk with them packed as bytes instead, else 0. */
 static void decode_walks(const model_t *m, int threads, int T, int rounds, double *t_prod, double *t_read,
                          double *t_bytes)
@@ -476,16 +476,17 @@ static void decode_walks(const model_t *m, int threads, int T, int rounds, doubl
             kern_quantize_act(at, x, a, mt->cols);
             w->mat[w->n_mats] = mt;
             w->bytes[w->n_mats] = mt;
-            if (mt->packed != NULL && (mt->packed->wtype == KERN_Q4_0 || mt->packed->wtype == KERN_Q5_0)) {
+            const uint32_t pw = mt->packed != NULL ? mt->packed->wtype : 0;
+            if (pw == KERN_Q4_0 || pw == KERN_Q5_0 || pw == KERN_PK_Q6_K6) {
                 struct model_mat *b = malloc(sizeof(*b));
-                const int q5 = kern_pack_narrow_set(0);
+                const int was = kern_pack_narrow_set(0);
                 if (b != NULL) {
                     *b = *mt;
                     b->packed = kern_pack(mt->type, mt->data, mt->row_bytes, mt->rows, mt->cols);
                 }
-                kern_pack_narrow_set(q5);
-                if (b == NULL || b->packed == NULL || b->packed->wtype != KERN_Q8_0) {
-                    fprintf(stderr, "bench-ceiling: cannot pack a Q4_0 / Q5_0 matrix as bytes\n");
+                kern_pack_narrow_set(was);
+                if (b == NULL || b->packed == NULL || b->packed->wtype != (pw == KERN_PK_Q6_K6 ? KERN_Q6_K : KERN_Q8_0)) {
+                    fprintf(stderr, "bench-ceiling: cannot pack a Q4_0 / Q5_0 / Q6_K matrix as bytes\n");
                     exit(1);
                 }
                 w->bytes[w->n_mats] = b;
@@ -665,11 +666,11 @@ int main(int argc, char **argv)
            "  their bytes in the same split and order: %.2f ms (%.0f tokens/s); products / read %.2f\n",
            threads, t_prod * 1e3, 1 / t_prod, t_read * 1e3, 1 / t_read, t_prod / t_read);
     if (t_bytes > 0) {
-        printf("  with its Q4_0 / Q5_0 matrices packed as bytes (Q8_0) instead of 4 / 5 bits: %.2f ms; 4 / 5 bits %.2fx faster\n",
+        printf("  with its Q4_0 / Q5_0 / Q6_K matrices packed as bytes instead of 4 / 5 / 6 bits: %.2f ms; narrow %.2fx faster\n",
                t_bytes * 1e3, t_bytes / t_prod);
         double t8, r8, b8;
         decode_walks(m, threads, 8, 10, &t8, &r8, &b8);
-        printf("  the same at 8 tokens: 4 / 5 bits %.2f ms, bytes %.2f ms (%.2fx)\n", t8 * 1e3, b8 * 1e3, b8 / t8);
+        printf("  the same at 8 tokens: narrow %.2f ms, bytes %.2f ms (%.2fx)\n", t8 * 1e3, b8 * 1e3, b8 / t8);
     }
     printf("floor, decode batch 1:  %.0f tokens/s (weights / bandwidth; products alone %.0f)\n",
            1.0 / (t_mem > t_mac ? t_mem : t_mac), 1.0 / t_mac);

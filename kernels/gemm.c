@@ -17,13 +17,13 @@ size_t kern_gemm_scratch_bytes(int64_t n, int T)
      * per part to 64 bytes; for the AMX products the values of up to 15
      * more tokens, two groups' codes as bytes (32 n), two tiles of
      * sums (2 KiB) and the activations' scales and mins by tile; for five-bit
-     * Q5_0, a group widened to Q8_0's layout (17 n: widening runs for more
-     * than 8 tokens, one group a tile) */
+     * Q5_0 and six-bit Q6_K, a group widened to the byte layout (17 n or 20
+     * n: widening runs for more than 8 tokens, one group a tile) */
     size_t nb = (size_t)(n + 31) / 32;
     return (size_t)n + 64 + (size_t)n * 4 + 64 + (2 * nb + nb) * 4 + 192 +
            (size_t)T * nb * 8 + 128 + nb * 4 + 64 + (size_t)T * (size_t)n + 64 +
            (size_t)T * nb * 32 + 64 + 15 * (size_t)n + 32 * (size_t)n + 2048 + 128 +
-           ((size_t)T + 15) * nb * 8 + 128 + 17 * (size_t)n + 128;
+           ((size_t)T + 15) * nb * 8 + 128 + 20 * (size_t)n + 128;
 }
 
 static void gemm_c(const struct kern_gemm_args *a)
@@ -43,7 +43,8 @@ static void gemm_c(const struct kern_gemm_args *a)
 static size_t group_bytes(uint32_t wtype, int64_t nb)
 {
     const size_t per_block = kern_pk_code_bytes(wtype) + kern_pk_scale_bytes(wtype) + kern_pk_min_bytes(wtype);
-    return ((size_t)nb * per_block + 63) / 64 * 64;
+    const size_t super = wtype == KERN_PK_Q6_K6 ? (size_t)nb / 8 * 32 : 0;  /* its d per 8 blocks */
+    return ((size_t)nb * per_block + super + 63) / 64 * 64;
 }
 
 /* Whether a matrix of wtype with rows of n values has a packed layout. */
@@ -63,7 +64,7 @@ static int narrow_choice = -1;  /* kern_pack_narrow_set's; -1: not set */
 
 bool kern_pack_narrow(uint32_t wtype)
 {
-    if (wtype != KERN_Q4_0 && wtype != KERN_Q5_0)
+    if (wtype != KERN_Q4_0 && wtype != KERN_Q5_0 && wtype != KERN_Q6_K)
         return false;
     if (narrow_choice >= 0)
         return narrow_choice;
@@ -90,7 +91,7 @@ int kern_pack_narrow_set(int choice)
 /* Stores row i of a group from its unpacked form: codes, scales d (per part)
  * and mins m of each block, in the layout of p->wtype. */
 static void pack_row(const struct kern_packed *p, uint8_t *g, int i, const int8_t *codes, const float *d,
-                     const float *m)
+                     const float *m, const void *raw)
 {
     const uint32_t wt = p->wtype;
     const int64_t nb = p->n / 32;
@@ -99,6 +100,30 @@ static void pack_row(const struct kern_packed *p, uint8_t *g, int i, const int8_
     /* Q8_0's signed codes as unsigned (q + 128); Q6_K's as q + 32; others as they are */
     const int bias = wt == KERN_Q8_0 ? 128 : wt == KERN_Q6_K ? 32 : 0;
     const int nbias = wt == KERN_Q4_0 ? 8 : 0;  /* nibbles: Q4_0's value + 8, the others as they are */
+    if (wt == KERN_PK_Q6_K6) {
+        /* codes q + 32: low nibbles as Q4_1's, the high two bits in two
+         * vectors; the file's int8 scales and f16 d as they are */
+        const struct kern_block_q6_k *sb6 = raw;
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *q = codes + 32 * b;
+            uint8_t *c = g + (size_t)b * cb + 4 * i;
+            for (int j = 0; j < 4; j++)
+                for (int x = 0; x < 4; x++) {
+                    const int lo = q[4 * j + x] + 32, hi = q[16 + 4 * j + x] + 32;
+                    c[64 * j + x] = (uint8_t)((lo & 15) | (hi & 15) << 4);
+                    c[256 + 64 * 0 + x] |= (uint8_t)((lo >> 4) << (2 * j));
+                    c[256 + 64 * 1 + x] |= (uint8_t)((hi >> 4) << (2 * j));
+                }
+            int8_t *sc = (int8_t *)(g + (size_t)nb * cb + (size_t)b * sb);
+            sc[i] = sb6[b / 8].scales[2 * (b % 8)];
+            sc[16 + i] = sb6[b / 8].scales[2 * (b % 8) + 1];
+            if (b % 8 == 0)
+                memcpy(g + (size_t)nb * (cb + sb) + (size_t)(b / 8) * 32 + 2 * i, &sb6[b / 8].d, 2);
+        }
+        (void)d;
+        (void)m;
+        return;
+    }
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *q = codes + 32 * b;
         uint8_t *c = g + (size_t)b * cb + 4 * i;
@@ -151,7 +176,8 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
      * are the same integer sums and scales); in four and five bits where
      * kern_pack_narrow says so */
     const bool narrow = kern_pack_narrow(wtype);
-    p->wtype = narrow ? wtype : wtype == KERN_Q4_0 || wtype == KERN_Q5_0 ? KERN_Q8_0 : wtype;
+    p->wtype = narrow ? (wtype == KERN_Q6_K ? KERN_PK_Q6_K6 : wtype)
+                      : wtype == KERN_Q4_0 || wtype == KERN_Q5_0 ? KERN_Q8_0 : wtype;
     p->rows = rows;
     p->n = n;
     p->group_bytes = group_bytes(p->wtype, nb);
@@ -163,7 +189,7 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
     for (int64_t r = 0; r < rows; r++) {
         kern_unpack_row(wtype, (const uint8_t *)w + (size_t)r * row_bytes, n, codes, d, m);
         pack_row(p, p->data + (size_t)(r / KERN_PACK_ROWS) * p->group_bytes, (int)(r % KERN_PACK_ROWS), codes,
-                 d, m);
+                 d, m, (const uint8_t *)w + (size_t)r * row_bytes);
     }
     free(codes);
     free(d);

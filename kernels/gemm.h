@@ -56,6 +56,18 @@
  *         and mins as Q4_K's;
  *   Q6_K: Q8_0's code layout with codes q + 32 (0..63), then per block the
  *         16 scales of its first 16 values and the 16 of its last (f32).
+ *   Q6_K in six bits (layout KERN_PK_Q6_K6, where kern_pack_narrow says so):
+ *         per block Q4_1's nibble layout of the codes' low four bits, then
+ *         their high two bits as two 64-byte vectors (the first for the
+ *         block's values 0-15, the second for 16-31; in each, byte 4i + x
+ *         holds at bits 2j, 2j + 1 those of row i's value 4j + x of its
+ *         half), 384 bytes; then per block the file's int8 scales of its two
+ *         halves (16 rows each, 32 bytes); then per 256 values (8 blocks)
+ *         the 16 rows' super-block scales d (f16, 32 bytes). 0.82 bytes a
+ *         value, the file's, against 1.25. A half's scale is d * sc in f32,
+ *         exact (11 by 8 bits), so the float steps are the byte layout's.
+ *         The products read it in place for a few tokens, and widen a group
+ *         to the byte layout for more.
  * Per (row, token) the packed product is
  *   f = 0; for each block b, for each part p (Q6_K: its two halves, else the block):
  *            f = fma(float(isum_bp), d_w[b][p] * d_a[b], f)
@@ -63,6 +75,9 @@
  * with isum_bp exact in int32, whatever rows or tokens share the instructions.
  */
 #define KERN_PACK_ROWS 16
+
+/* The six-bit Q6_K layout's id in struct kern_packed's wtype (not a GGUF type). */
+#define KERN_PK_Q6_K6 (0x100u | KERN_Q6_K)
 
 /* The packed layouts, per block of 32 values of a group of 16 rows: whether
  * its codes are nibbles, its integer sums (parts), and its bytes of codes,
@@ -73,14 +88,17 @@ static inline bool kern_pk_nibbles(uint32_t wtype)
 }
 static inline bool kern_pk_f32(uint32_t wtype) { return wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_Q6_K; }
 static inline bool kern_pk_mins(uint32_t wtype) { return wtype == KERN_Q4_1 || wtype == KERN_Q4_K || wtype == KERN_Q5_K; }
-static inline int kern_pk_parts(uint32_t wtype) { return wtype == KERN_Q6_K ? 2 : 1; }
+/* Q6_K's two layouts: byte codes + 32 and halves of 16 values */
+static inline bool kern_pk_q6(uint32_t wtype) { return wtype == KERN_Q6_K || wtype == KERN_PK_Q6_K6; }
+static inline int kern_pk_parts(uint32_t wtype) { return kern_pk_q6(wtype) ? 2 : 1; }
 static inline size_t kern_pk_code_bytes(uint32_t wtype)
 {
-    return kern_pk_nibbles(wtype) ? 256 : wtype == KERN_Q5_0 ? 320 : 512;
+    return kern_pk_nibbles(wtype) ? 256 : wtype == KERN_Q5_0 ? 320 : wtype == KERN_PK_Q6_K6 ? 384 : 512;
 }
+/* (six-bit Q6_K: its int8 scales; its f16 d per 8 blocks come after them) */
 static inline size_t kern_pk_scale_bytes(uint32_t wtype)
 {
-    return (kern_pk_f32(wtype) ? 64 : 32) * (size_t)kern_pk_parts(wtype);
+    return wtype == KERN_PK_Q6_K6 ? 32 : (kern_pk_f32(wtype) ? 64 : 32) * (size_t)kern_pk_parts(wtype);
 }
 static inline size_t kern_pk_min_bytes(uint32_t wtype)
 {
@@ -88,8 +106,8 @@ static inline size_t kern_pk_min_bytes(uint32_t wtype)
 }
 
 struct kern_packed {
-    uint32_t wtype;         /* the layout: KERN_Q4_1, KERN_Q8_0, KERN_Q4_0, KERN_Q5_0, KERN_Q4_K, KERN_Q5_K
-                             * or KERN_Q6_K */
+    uint32_t wtype;         /* the layout: KERN_Q4_1, KERN_Q8_0, KERN_Q4_0, KERN_Q5_0, KERN_Q4_K, KERN_Q5_K,
+                             * KERN_Q6_K or KERN_PK_Q6_K6 */
     int64_t rows, n;        /* the matrix: rows x n */
     size_t group_bytes;     /* bytes per group of 16 rows (a multiple of 64) */
     uint8_t *data;          /* ceil(rows / 16) groups, 64-byte aligned */
@@ -102,18 +120,18 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
 
 void kern_pack_free(struct kern_packed **p);
 
-/* Whether kern_pack stores wtype in its own width rather than as Q8_0's
- * bytes: Q4_0 in four bits where the active path is AVX-512 VNNI or the
- * 256-bit one (they read nibbles as they read Q4_1's), Q5_0 in five bits on
- * AVX-512 VNNI; neither where the AVX-512 path runs AMX tiles (they read
- * bytes) nor on aarch64. The layouts give the same bits; this is a matter
- * of bytes read. Five bits on the 256-bit paths cost about as much as the
+/* Whether kern_pack stores wtype in its own width rather than in bytes
+ * (Q4_0 and Q5_0 as Q8_0's): Q4_0 in four bits where the active path is
+ * AVX-512 VNNI or the 256-bit one (they read nibbles as they read Q4_1's),
+ * Q5_0 in five bits and Q6_K in six on AVX-512 VNNI; none where the AVX-512
+ * path runs AMX tiles (they read bytes) nor on aarch64. The layouts give the
+ * same bits; this is a matter of bytes read. Five bits on the 256-bit paths cost about as much as the
  * fewer bytes saved (AMD EPYC, forced AVX2 path, bench-ceiling -m: the
  * decode step's products 1.05x at one token, 0.98x at eight; warm, half the
  * rate at one token: no mask registers to spread the fifth bits). */
 bool kern_pack_narrow(uint32_t wtype);
 
-/* Forces that choice: 1 five bits (x86-64 only), 0 bytes, -1 back to the
+/* Forces that choice: 1 narrow (x86-64 only), 0 bytes, -1 back to the
  * default; for tests and benchmarks that compare the layouts. Returns the
  * setting it replaces. */
 int kern_pack_narrow_set(int choice);

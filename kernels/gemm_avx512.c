@@ -195,6 +195,7 @@ static inline __m512i bcast4(const int8_t *p)
 
 #define PK_READS_Q4 1
 #define PK_READS_Q5 1
+#define PK_READS_Q6 1
 #include "gemm_pk.inc"
 
 /* Nibble vector j of a five-bit Q5_0 block (its 320 bytes at c, gemm.h) as
@@ -213,6 +214,31 @@ static inline __attribute__((always_inline)) void q5_slices(const uint8_t *c, in
     *hi = _mm512_mask_add_epi8(h, (__mmask64)bhi, h, c10);
 }
 
+/* Slice j of half `part` of a six-bit Q6_K block (its 384 bytes at c,
+ * gemm.h) as the byte layout's codes, value + 32: the nibble (low for the
+ * first half, high for the second) with bits 4-5 from the half's high-bit
+ * vector, shifted so that slice j's pair lands there. */
+static inline __attribute__((always_inline)) __m512i q6_slice(const uint8_t *c, int part, int j)
+{
+    const __m512i low = _mm512_set1_epi8(0x0F), c30 = _mm512_set1_epi8(0x30);
+    __m512i v = _mm512_load_si512((const void *)(c + 64 * j));
+    if (part)
+        v = _mm512_srli_epi16(v, 4);
+    __m512i h = _mm512_load_si512((const void *)(c + 256 + 64 * part));
+    h = j == 0 ? _mm512_slli_epi16(h, 4) : j == 1 ? _mm512_slli_epi16(h, 2) : j == 2 ? h : _mm512_srli_epi16(h, 2);
+    return _mm512_ternarylogic_epi32(v, low, _mm512_and_si512(h, c30), 0xEA);  /* (a & b) | c */
+}
+
+/* The scales of half `part` of block b of a six-bit Q6_K group (nb blocks at
+ * g): the int8 sc times the super-block's d, in f32 (exact, so the byte
+ * layout's stored floats bit for bit). */
+static inline __attribute__((always_inline)) __m512 q6_scales(const uint8_t *g, int64_t nb, int64_t b, int part)
+{
+    const __m128i sc = _mm_load_si128((const __m128i *)(g + (size_t)nb * 384 + (size_t)b * 32 + 16 * part));
+    const __m512 d = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(g + (size_t)nb * 416 + (size_t)(b / 8) * 32)));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+}
+
 /*
  * R groups of 16 rows (g, g + gs, ...) against NT tokens (from token t0), for
  * the layout K (gemm.h). Every (row, token) lane sees the same operations in
@@ -226,7 +252,7 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
     const int64_t n = A->n, nb = A->nb;
     /* five-bit Q5_0 read in place: Q4_1's nibbles or'ed with 0x70 or 0x80
      * by its fifth bits, Q8_0's codes (value + 128) */
-    const bool q5 = K == KERN_Q5_0;
+    const bool q5 = K == KERN_Q5_0, q6 = K == KERN_PK_Q6_K6;
     /* the sum starts at -128 x (Q8_0, Q5_0) or -8 x (four-bit Q4_0) the activations' */
     const bool Q8 = K == KERN_Q8_0 || q5 || K == KERN_Q4_0, nib = kern_pk_nibbles(K) || q5, f32 = kern_pk_f32(K);
     const int parts = kern_pk_parts(K), slices = 8 / parts;  /* byte slices a part */
@@ -250,6 +276,8 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
                 for (size_t o = 0; o < cb; o += 64)
                     _mm_prefetch(ga + (size_t)b * cb + o, _MM_HINT_T1);
                 _mm_prefetch(ga + (size_t)nb * cb + (size_t)b * sb, _MM_HINT_T1);
+                if (q6 && b % 8 == 0)
+                    _mm_prefetch(ga + (size_t)nb * (cb + sb) + (size_t)b / 8 * 32, _MM_HINT_T1);
                 if (kern_pk_mins(K))
                     _mm_prefetch(ga + (size_t)nb * (cb + sb) + (size_t)b * mb, _MM_HINT_T1);
             }
@@ -261,9 +289,21 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
 #pragma GCC unroll 8
                 for (int t = 0; t < NT; t++)
                     acc[r][t] = Q8 ? _mm512_set1_epi32(((const int32_t *)A->sa)[(size_t)(t0 + t) * nb + b])
-                                : K == KERN_Q6_K ? _mm512_set1_epi32(A->b16[(size_t)(t0 + t) * 2 * nb + 2 * b + part])
-                                                 : _mm512_setzero_si512();
-            if (!nib) {
+                                : kern_pk_q6(K) ? _mm512_set1_epi32(A->b16[(size_t)(t0 + t) * 2 * nb + 2 * b + part])
+                                                : _mm512_setzero_si512();
+            if (q6) {
+                /* six bits: the half's four slices, each widened in registers */
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++)
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++) {
+                        const __m512i w = q6_slice(g + r * gs + (size_t)b * cb, part, j);
+#pragma GCC unroll 8
+                        for (int t = 0; t < NT; t++)
+                            acc[r][t] = _mm512_dpbusd_epi32(
+                                acc[r][t], w, bcast4(A->av + (size_t)(t0 + t) * n + 32 * b + 16 * part + 4 * j));
+                    }
+            } else if (!nib) {
                 /* bytes: Q8_0's stored +128 (undone by its -128 * sum(a) start),
                  * the K-quants' unsigned as they are */
 #pragma GCC unroll 8
@@ -301,8 +341,9 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const uint8_t *sc = g + r * gs + (size_t)nb * cb + (size_t)b * sb;
-                const __m512 dw = f32 ? _mm512_load_ps((const void *)(sc + 64 * part))
-                                      : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)sc));
+                const __m512 dw = q6    ? q6_scales(g + r * gs, nb, b, part)
+                                  : f32 ? _mm512_load_ps((const void *)(sc + 64 * part))
+                                        : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)sc));
 #pragma GCC unroll 8
                 for (int t = 0; t < NT; t++)
                     f[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]),
@@ -362,6 +403,7 @@ static void pk_dispatch(uint32_t K, int R, int NT, const uint8_t *g, size_t gs, 
     case KERN_Q4_K: PK_CASES(KERN_Q4_K);
     case KERN_Q5_K: PK_CASES(KERN_Q5_K);
     case KERN_Q6_K: PK_CASES(KERN_Q6_K);
+    case KERN_PK_Q6_K6: PK_CASES(KERN_PK_Q6_K6);
     default: break;
     }
 }
@@ -391,6 +433,31 @@ static void q5_widen(const uint8_t *g, int64_t nb, uint8_t *q, const uint8_t *ah
     memcpy(q + (size_t)nb * 512, g + (size_t)nb * 320, (size_t)nb * 32);
 }
 
+/* Group g of a six-bit Q6_K matrix (nb blocks) in the byte layout at q
+ * (q6_slice's codes, then q6_scales' floats); ahead as q5_widen's. */
+static void q6_widen(const uint8_t *g, int64_t nb, uint8_t *q, const uint8_t *ahead)
+{
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *c = g + (size_t)b * 384;
+        uint8_t *o = q + (size_t)b * 512;
+        if (ahead != NULL) {
+            for (int l = 0; l < 384; l += 64)
+                _mm_prefetch((const char *)ahead + (size_t)b * 384 + l, _MM_HINT_T1);
+            if (b % 2 == 0)
+                _mm_prefetch((const char *)ahead + (size_t)nb * 384 + (size_t)b * 32, _MM_HINT_T1);
+            if (b % 8 == 0)
+                _mm_prefetch((const char *)ahead + (size_t)nb * 416 + (size_t)b / 8 * 32, _MM_HINT_T1);
+        }
+#pragma GCC unroll 2
+        for (int part = 0; part < 2; part++) {
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++)
+                _mm512_store_si512((void *)(o + 64 * (4 * part + j)), q6_slice(c, part, j));
+            _mm512_store_ps((void *)(q + (size_t)nb * 512 + (size_t)b * 128 + 64 * part), q6_scales(g, nb, b, part));
+        }
+    }
+}
+
 bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
 {
     if (!pk_usable(a))
@@ -406,8 +473,13 @@ bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
      * 32 on the widening is shared by four tiles and more). Four-bit Q4_0
      * is read in place always, as Q4_1 is. */
     const bool q5 = pk->wtype == KERN_Q5_0 && a->T > 8;  /* so R is 1: the scratch holds one group */
-    const uint32_t K = q5 ? KERN_Q8_0 : pk->wtype;
-    const size_t gs = pk->group_bytes, gs8 = ((size_t)A.nb * 544 + 63) / 64 * 64;
+    /* six-bit Q6_K likewise, to bytes, from 5 tokens on: in place at 8 its
+     * slices cost more than the bytes they save (bench-ceiling -m on a
+     * random Q6_K model: the decode step's products at 8 tokens 0.94x the
+     * byte layout's read in place, 1.03-1.05x widened; at one token 1.2x) */
+    const bool q6 = pk->wtype == KERN_PK_Q6_K6 && a->T > 4;
+    const uint32_t K = q5 ? KERN_Q8_0 : q6 ? KERN_Q6_K : pk->wtype;
+    const size_t gs = pk->group_bytes, gs8 = ((size_t)A.nb * (q6 ? 640 : 544) + 63) / 64 * 64;
     uint8_t *wide = pk_align64(A.rest);
     const long g_end = (a->r1 + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
     const long g_all = (pk->rows + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
@@ -421,8 +493,11 @@ bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
         int n_ahead = after < R ? (int)(after > 0 ? after : 0) : R;
         const uint8_t *g = pk->data + (size_t)gi * gs;
         size_t ts = gs;
-        if (q5) {  /* R is 1 */
-            q5_widen(g, A.nb, wide, n_ahead > 0 ? g + gs : NULL);
+        if (q5 || q6) {  /* R is 1 */
+            if (q5)
+                q5_widen(g, A.nb, wide, n_ahead > 0 ? g + gs : NULL);
+            else
+                q6_widen(g, A.nb, wide, n_ahead > 0 ? g + gs : NULL);
             g = wide;
             ts = gs8;
             n_ahead = 0;  /* asked for by the widening */

@@ -337,31 +337,37 @@ static void test_against_reference(const char *name, uint32_t wtype, uint32_t et
     model_destroy(&m);
 }
 
-/* Q4_0 and Q5_0 matrices packed in their own widths (kern_pack_narrow, where
- * this path reads them) give the logits of the same model packed as Q8_0's
- * bytes, bit for bit: the products' integer sums are the same. */
+/* Q4_0, Q5_0 and Q6_K matrices packed in their own widths (kern_pack_narrow,
+ * where this path reads them) give the logits of the same model packed in
+ * bytes (Q8_0's, Q6_K's), bit for bit: the products' integer sums and scales
+ * are the same. */
 static void test_narrow_layouts(uint32_t wtype)
 {
     kv_half = rig_fmt.k_type == KERN_F16;
+    const bool q6 = wtype == KERN_Q6_K;
     struct mkmodel_params p = mkmodel_default_params();
     p.n_layer = 2;
-    p.n_embd = 192;  /* three 64-value pairs: an odd number of blocks of 32 */
-    p.n_head = 6;
+    p.n_embd = q6 ? 256 : 192;  /* 192: three 64-value pairs, an odd number of blocks of 32 */
+    p.n_head = q6 ? 4 : 6;
     p.n_head_kv = 2;
-    p.n_ff = 320;
+    p.n_ff = q6 ? 512 : 320;
     p.n_vocab = 400;
     p.wtype = wtype;
     p.embd_type = KERN_Q8_0;
     p.seed = 23;
     const bool narrow = kern_pack_narrow(wtype);
-    model_t *mn = make_model(&p, wtype == KERN_Q4_0 ? "narrow-q4_0" : "narrow-q5_0");
+    const uint32_t bytes = q6 ? KERN_Q6_K : KERN_Q8_0;
+    char name[32];
+    snprintf(name, sizeof(name), "narrow-%s", kern_type_info(wtype)->name);
+    model_t *mn = make_model(&p, name);
     const int was = kern_pack_narrow_set(0);
-    model_t *mb = make_model(&p, wtype == KERN_Q4_0 ? "bytes-q4_0" : "bytes-q5_0");
+    snprintf(name, sizeof(name), "bytes-%s", kern_type_info(wtype)->name);
+    model_t *mb = make_model(&p, name);
     kern_pack_narrow_set(was);
     if (kern_isa() >= KERN_ISA_SIMD) {  /* the models are packed where the active path has products for it */
         REQUIRE(mn->layers[0].w_up.packed != NULL && mb->layers[0].w_up.packed != NULL);
-        CHECK(mn->layers[0].w_up.packed->wtype == (narrow ? wtype : KERN_Q8_0));
-        CHECK(mb->layers[0].w_up.packed->wtype == KERN_Q8_0);
+        CHECK(mn->layers[0].w_up.packed->wtype == (narrow ? (q6 ? KERN_PK_Q6_K6 : wtype) : bytes));
+        CHECK(mb->layers[0].w_up.packed->wtype == bytes);
     }
     const int n = 40;
     int32_t toks[40];
@@ -903,6 +909,7 @@ int main(void)
     test_against_reference("q5_0-gqa", KERN_Q5_0, KERN_Q8_0, 8, 2, false, KERN_F16, 0.03);
     test_narrow_layouts(KERN_Q4_0);
     test_narrow_layouts(KERN_Q5_0);
+    test_narrow_layouts(KERN_Q6_K);
     /* the K-quants (packed for the 256-bit products on x86-64); their
      * activations (Q8_K) have one scale per 256 values, not per 32: the C
      * path is 2.7-3.2% off too */
