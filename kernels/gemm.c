@@ -43,7 +43,7 @@ static void gemm_c(const struct kern_gemm_args *a)
 static size_t group_bytes(uint32_t wtype, int64_t nb)
 {
     const size_t per_block = kern_pk_code_bytes(wtype) + kern_pk_scale_bytes(wtype) + kern_pk_min_bytes(wtype);
-    const size_t super = wtype == KERN_PK_Q6_K6 ? (size_t)nb / 8 * 32 : 0;  /* its d per 8 blocks */
+    const size_t super = (size_t)nb / 8 * kern_pk_super_bytes(wtype);  /* d (dmin) per 8 blocks */
     return ((size_t)nb * per_block + super + 63) / 64 * 64;
 }
 
@@ -64,7 +64,7 @@ static int narrow_choice = -1;  /* kern_pack_narrow_set's; -1: not set */
 
 bool kern_pack_narrow(uint32_t wtype)
 {
-    if (wtype != KERN_Q4_0 && wtype != KERN_Q5_0 && wtype != KERN_Q6_K)
+    if (wtype != KERN_Q4_0 && wtype != KERN_Q5_0 && wtype != KERN_Q6_K && wtype != KERN_Q4_K)
         return false;
     if (narrow_choice >= 0)
         return narrow_choice;
@@ -143,6 +143,21 @@ static void pack_row(const struct kern_packed *p, uint8_t *g, int i, const int8_
                     c[64 * k + x] = kern_pk_nibbles(wt)
                                         ? (uint8_t)((q[4 * k + x] + nbias) | (q[16 + 4 * k + x] + nbias) << 4)
                                         : (uint8_t)(q[4 * k + x] + bias);
+        if (wt == KERN_PK_Q4_KS) {
+            /* the file's 6-bit scale and minimum, a byte each; d and dmin per 8 blocks */
+            kvd_f16 hd, hm;
+            const uint8_t *blk = (const uint8_t *)raw + (size_t)(b / 8) * sizeof(struct kern_block_q4_k);
+            uint8_t scs[8], mns[8];
+            kern_unpack_k_scales(KERN_Q4_K, blk, 256, scs, mns, &hd, &hm);
+            g[(size_t)nb * cb + (size_t)b * sb + i] = scs[b % 8];
+            g[(size_t)nb * (cb + sb) + (size_t)b * 16 + i] = mns[b % 8];
+            if (b % 8 == 0) {
+                uint8_t *sup = g + (size_t)nb * (cb + sb + 16) + (size_t)(b / 8) * 64;
+                memcpy(sup + 2 * i, &hd, 2);
+                memcpy(sup + 32 + 2 * i, &hm, 2);
+            }
+            continue;
+        }
         for (int part = 0; part < parts; part++) {
             uint8_t *s = g + (size_t)nb * cb + (size_t)b * sb;
             if (kern_pk_f32(wt))
@@ -176,7 +191,7 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
      * are the same integer sums and scales); in four and five bits where
      * kern_pack_narrow says so */
     const bool narrow = kern_pack_narrow(wtype);
-    p->wtype = narrow ? (wtype == KERN_Q6_K ? KERN_PK_Q6_K6 : wtype)
+    p->wtype = narrow ? (wtype == KERN_Q6_K ? KERN_PK_Q6_K6 : wtype == KERN_Q4_K ? KERN_PK_Q4_KS : wtype)
                       : wtype == KERN_Q4_0 || wtype == KERN_Q5_0 ? KERN_Q8_0 : wtype;
     p->rows = rows;
     p->n = n;

@@ -195,7 +195,7 @@ static inline __m512i bcast4(const int8_t *p)
 
 #define PK_READS_Q4 1
 #define PK_READS_Q5 1
-#define PK_READS_Q6 1
+#define PK_READS_KS 1
 #include "gemm_pk.inc"
 
 /* Nibble vector j of a five-bit Q5_0 block (its 320 bytes at c, gemm.h) as
@@ -239,6 +239,18 @@ static inline __attribute__((always_inline)) __m512 q6_scales(const uint8_t *g, 
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
 }
 
+/* The scale (mins: false) or min (true) of block b of a Q4_K group packed
+ * with its file's scales (nb blocks at g): d * sc, or -dmin * m with dmin's
+ * sign flipped in its half, in f32: exact, kern_unpack_row's floats. */
+static inline __attribute__((always_inline)) __m512 ks_scales(const uint8_t *g, int64_t nb, int64_t b, bool mins)
+{
+    const __m128i v = _mm_load_si128((const __m128i *)(g + (size_t)nb * (256 + 16 * mins) + (size_t)b * 16));
+    __m256i h = _mm256_load_si256((const __m256i *)(g + (size_t)nb * 288 + (size_t)(b / 8) * 64 + 32 * mins));
+    if (mins)
+        h = _mm256_xor_si256(h, _mm256_set1_epi16((short)0x8000));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)));
+}
+
 /*
  * R groups of 16 rows (g, g + gs, ...) against NT tokens (from token t0), for
  * the layout K (gemm.h). Every (row, token) lane sees the same operations in
@@ -252,7 +264,7 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
     const int64_t n = A->n, nb = A->nb;
     /* five-bit Q5_0 read in place: Q4_1's nibbles or'ed with 0x70 or 0x80
      * by its fifth bits, Q8_0's codes (value + 128) */
-    const bool q5 = K == KERN_Q5_0, q6 = K == KERN_PK_Q6_K6;
+    const bool q5 = K == KERN_Q5_0, q6 = K == KERN_PK_Q6_K6, ks = K == KERN_PK_Q4_KS;
     /* the sum starts at -128 x (Q8_0, Q5_0) or -8 x (four-bit Q4_0) the activations' */
     const bool Q8 = K == KERN_Q8_0 || q5 || K == KERN_Q4_0, nib = kern_pk_nibbles(K) || q5, f32 = kern_pk_f32(K);
     const int parts = kern_pk_parts(K), slices = 8 / parts;  /* byte slices a part */
@@ -276,8 +288,9 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
                 for (size_t o = 0; o < cb; o += 64)
                     _mm_prefetch(ga + (size_t)b * cb + o, _MM_HINT_T1);
                 _mm_prefetch(ga + (size_t)nb * cb + (size_t)b * sb, _MM_HINT_T1);
-                if (q6 && b % 8 == 0)
-                    _mm_prefetch(ga + (size_t)nb * (cb + sb) + (size_t)b / 8 * 32, _MM_HINT_T1);
+                if ((q6 || ks) && b % 8 == 0)
+                    _mm_prefetch(ga + (size_t)nb * (cb + sb + mb) + (size_t)b / 8 * kern_pk_super_bytes(K),
+                                 _MM_HINT_T1);
                 if (kern_pk_mins(K))
                     _mm_prefetch(ga + (size_t)nb * (cb + sb) + (size_t)b * mb, _MM_HINT_T1);
             }
@@ -342,6 +355,7 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
             for (int r = 0; r < R; r++) {
                 const uint8_t *sc = g + r * gs + (size_t)nb * cb + (size_t)b * sb;
                 const __m512 dw = q6    ? q6_scales(g + r * gs, nb, b, part)
+                                  : ks  ? ks_scales(g + r * gs, nb, b, false)
                                   : f32 ? _mm512_load_ps((const void *)(sc + 64 * part))
                                         : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)sc));
 #pragma GCC unroll 8
@@ -355,8 +369,9 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const uint8_t *mn = g + r * gs + (size_t)nb * (cb + sb) + (size_t)b * mb;
-                const __m512 mw = f32 ? _mm512_load_ps((const void *)mn)
-                                      : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)mn));
+                const __m512 mw = ks    ? ks_scales(g + r * gs, nb, b, true)
+                                  : f32 ? _mm512_load_ps((const void *)mn)
+                                        : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)mn));
 #pragma GCC unroll 8
                 for (int t = 0; t < NT; t++)
                     f[r][t] = _mm512_fmadd_ps(
@@ -404,6 +419,7 @@ static void pk_dispatch(uint32_t K, int R, int NT, const uint8_t *g, size_t gs, 
     case KERN_Q5_K: PK_CASES(KERN_Q5_K);
     case KERN_Q6_K: PK_CASES(KERN_Q6_K);
     case KERN_PK_Q6_K6: PK_CASES(KERN_PK_Q6_K6);
+    case KERN_PK_Q4_KS: PK_CASES(KERN_PK_Q4_KS);
     default: break;
     }
 }

@@ -907,6 +907,26 @@ int kern_unpack_kind(uint32_t wtype)
     }
 }
 
+void kern_unpack_k_scales(uint32_t wtype, const void *row, int64_t n, uint8_t *sc, uint8_t *mn, kvd_f16 *d,
+                          kvd_f16 *dmin)
+{
+    const size_t bytes = wtype == KERN_Q4_K ? sizeof(struct kern_block_q4_k) : sizeof(struct kern_block_q5_k);
+    for (int64_t s = 0; s < n / KERN_QK_K; s++) {
+        const uint8_t *blk = (const uint8_t *)row + (size_t)s * bytes;
+        const uint8_t *scales = wtype == KERN_Q4_K ? ((const struct kern_block_q4_k *)blk)->scales
+                                                   : ((const struct kern_block_q5_k *)blk)->scales;
+        d[s] = wtype == KERN_Q4_K ? ((const struct kern_block_q4_k *)blk)->d : ((const struct kern_block_q5_k *)blk)->d;
+        dmin[s] = wtype == KERN_Q4_K ? ((const struct kern_block_q4_k *)blk)->dmin
+                                     : ((const struct kern_block_q5_k *)blk)->dmin;
+        for (int k = 0; k < 8; k++) {
+            int a, b;
+            k_scale_min(scales, k, &a, &b);
+            sc[8 * s + k] = (uint8_t)a;
+            mn[8 * s + k] = (uint8_t)b;
+        }
+    }
+}
+
 void kern_unpack_row(uint32_t wtype, const void *row, int64_t n, int8_t *q, float *d, float *m)
 {
     const int64_t nb = n / KERN_QK32;
