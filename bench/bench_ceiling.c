@@ -382,7 +382,7 @@ static void model_costs(const model_t *m, double *macs, double *bytes)
  */
 struct walk {
     const struct model_mat *mat[8 * 256 + 1];
-    const struct model_mat *bytes[8 * 256 + 1]; /* narrow Q4_0 / Q5_0 / Q4_K / Q6_K packed wide, else mat's */
+    const struct model_mat *bytes[8 * 256 + 1]; /* narrow matrices packed wide, else mat's */
     uint8_t *act[8 * 256 + 1];
     int n_mats, threads, T;  /* T tokens, one activation row for all */
     bool read, as_bytes;
@@ -445,8 +445,7 @@ static void *walker_main(void *arg)
 }
 
 /* Seconds of the fastest of `rounds` walks of each kind, alternating; where
- * the model has matrices in narrow layouts (Q4_0 / Q5_0 / Q6_K in four / five /
- * six bits, Q4_K with its file's scales: gemm.h),
+ * the model has matrices in narrow layouts (gemm.h: kern_pack_narrow),
  * t_bytes gets the products' walk with them packed as bytes instead, else 0. */
 static void decode_walks(const model_t *m, int threads, int T, int rounds, double *t_prod, double *t_read,
                          double *t_bytes)
@@ -478,7 +477,7 @@ static void decode_walks(const model_t *m, int threads, int T, int rounds, doubl
             w->mat[w->n_mats] = mt;
             w->bytes[w->n_mats] = mt;
             const uint32_t pw = mt->packed != NULL ? mt->packed->wtype : 0;
-            if (pw == KERN_Q4_0 || pw == KERN_Q5_0 || pw == KERN_PK_Q6_K6 || pw == KERN_PK_Q4_KS) {
+            if (pw == KERN_Q4_0 || pw == KERN_Q5_0 || pw > 0xFF) {
                 struct model_mat *b = malloc(sizeof(*b));
                 const int was = kern_pack_narrow_set(0);
                 if (b != NULL) {
@@ -487,7 +486,7 @@ static void decode_walks(const model_t *m, int threads, int T, int rounds, doubl
                 }
                 kern_pack_narrow_set(was);
                 if (b == NULL || b->packed == NULL || b->packed->wtype != (pw > 0xFF ? kern_pk_source(pw) : KERN_Q8_0)) {
-                    fprintf(stderr, "bench-ceiling: cannot pack a Q4_0 / Q5_0 / Q4_K / Q6_K matrix wide\n");
+                    fprintf(stderr, "bench-ceiling: cannot pack a narrow matrix wide\n");
                     exit(1);
                 }
                 w->bytes[w->n_mats] = b;

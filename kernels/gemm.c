@@ -64,7 +64,7 @@ static int narrow_choice = -1;  /* kern_pack_narrow_set's; -1: not set */
 
 bool kern_pack_narrow(uint32_t wtype)
 {
-    if (wtype != KERN_Q4_0 && wtype != KERN_Q5_0 && wtype != KERN_Q6_K && wtype != KERN_Q4_K)
+    if (wtype != KERN_Q4_0 && wtype != KERN_Q5_0 && wtype != KERN_Q4_K && wtype != KERN_Q5_K && wtype != KERN_Q6_K)
         return false;
     if (narrow_choice >= 0)
         return narrow_choice;
@@ -127,14 +127,16 @@ static void pack_row(const struct kern_packed *p, uint8_t *g, int i, const int8_
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *q = codes + 32 * b;
         uint8_t *c = g + (size_t)b * cb + 4 * i;
-        if (wt == KERN_Q5_0) {
-            /* value + 16: the low nibbles as Q4_1's, the fifth bits in masks */
+        if (wt == KERN_Q5_0 || wt == KERN_PK_Q5_KS) {
+            /* Q5_0's value + 16, Q5_K's codes as they are: the low nibbles
+             * as Q4_1's, the fifth bits in masks */
+            const int off = wt == KERN_Q5_0 ? 16 : 0;
             uint8_t *bits = g + (size_t)b * cb + 256;
             for (int k = 0; k < 8; k++)
                 for (int x = 0; x < 4; x++) {
-                    const int v = q[4 * k + x] + 16;
+                    const int v = q[4 * k + x] + off;
                     if (k < 4)
-                        c[64 * k + x] = (uint8_t)((v & 15) | ((q[16 + 4 * k + x] + 16) & 15) << 4);
+                        c[64 * k + x] = (uint8_t)((v & 15) | ((q[16 + 4 * k + x] + off) & 15) << 4);
                     bits[8 * k + (4 * i + x) / 8] |= (uint8_t)((v >> 4) << ((4 * i + x) % 8));
                 }
         } else
@@ -143,12 +145,13 @@ static void pack_row(const struct kern_packed *p, uint8_t *g, int i, const int8_
                     c[64 * k + x] = kern_pk_nibbles(wt)
                                         ? (uint8_t)((q[4 * k + x] + nbias) | (q[16 + 4 * k + x] + nbias) << 4)
                                         : (uint8_t)(q[4 * k + x] + bias);
-        if (wt == KERN_PK_Q4_KS) {
+        if (wt == KERN_PK_Q4_KS || wt == KERN_PK_Q5_KS) {
             /* the file's 6-bit scale and minimum, a byte each; d and dmin per 8 blocks */
             kvd_f16 hd, hm;
-            const uint8_t *blk = (const uint8_t *)raw + (size_t)(b / 8) * sizeof(struct kern_block_q4_k);
+            const uint32_t src = kern_pk_source(wt);
+            const uint8_t *blk = (const uint8_t *)raw + (size_t)(b / 8) * kern_row_bytes(src, 256);
             uint8_t scs[8], mns[8];
-            kern_unpack_k_scales(KERN_Q4_K, blk, 256, scs, mns, &hd, &hm);
+            kern_unpack_k_scales(src, blk, 256, scs, mns, &hd, &hm);
             g[(size_t)nb * cb + (size_t)b * sb + i] = scs[b % 8];
             g[(size_t)nb * (cb + sb) + (size_t)b * 16 + i] = mns[b % 8];
             if (b % 8 == 0) {
@@ -191,8 +194,7 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
      * are the same integer sums and scales); in four and five bits where
      * kern_pack_narrow says so */
     const bool narrow = kern_pack_narrow(wtype);
-    p->wtype = narrow ? (wtype == KERN_Q6_K ? KERN_PK_Q6_K6 : wtype == KERN_Q4_K ? KERN_PK_Q4_KS : wtype)
-                      : wtype == KERN_Q4_0 || wtype == KERN_Q5_0 ? KERN_Q8_0 : wtype;
+    p->wtype = narrow ? kern_pk_narrow_layout(wtype) : wtype == KERN_Q4_0 || wtype == KERN_Q5_0 ? KERN_Q8_0 : wtype;
     p->rows = rows;
     p->n = n;
     p->group_bytes = group_bytes(p->wtype, nb);

@@ -62,6 +62,10 @@
  *         256 values (8 blocks) the 16 rows' d and then their dmin (f16, 64
  *         bytes). 0.58 bytes a value against 0.75; the scale is d * sc and the
  *         min -dmin * m in f32, both exact, so the float steps are Q4_K's.
+ *   Q5_K in five bits with the file's scales (layout KERN_PK_Q5_KS, where
+ *         kern_pack_narrow says so): five-bit Q5_0's code layout with the
+ *         codes as they are (0..31), 320 bytes; then scales, mins, d and
+ *         dmin as KERN_PK_Q4_KS's. 0.70 bytes a value against 1.25.
  *   Q6_K in six bits (layout KERN_PK_Q6_K6, where kern_pack_narrow says so):
  *         per block Q4_1's nibble layout of the codes' low four bits, then
  *         their high two bits as two 64-byte vectors (the first for the
@@ -85,8 +89,14 @@
 /* The narrow K-quant layouts' ids in struct kern_packed's wtype (not GGUF
  * types), and the type each packs. */
 #define KERN_PK_Q4_KS (0x100u | KERN_Q4_K)
+#define KERN_PK_Q5_KS (0x100u | KERN_Q5_K)
 #define KERN_PK_Q6_K6 (0x100u | KERN_Q6_K)
 static inline uint32_t kern_pk_source(uint32_t layout) { return layout & 0xFFu; }
+/* The narrow layout of a type (its own id for Q4_0 and Q5_0). */
+static inline uint32_t kern_pk_narrow_layout(uint32_t wtype)
+{
+    return wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_Q6_K ? 0x100u | wtype : wtype;
+}
 
 /* The packed layouts, per block of 32 values of a group of 16 rows: whether
  * its codes are nibbles, its integer sums (parts), and its bytes of codes,
@@ -98,35 +108,41 @@ static inline bool kern_pk_nibbles(uint32_t wtype)
 static inline bool kern_pk_f32(uint32_t wtype) { return wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_Q6_K; }
 static inline bool kern_pk_mins(uint32_t wtype)
 {
-    return wtype == KERN_Q4_1 || wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_PK_Q4_KS;
+    return wtype == KERN_Q4_1 || wtype == KERN_Q4_K || wtype == KERN_Q5_K || wtype == KERN_PK_Q4_KS ||
+           wtype == KERN_PK_Q5_KS;
 }
+/* the layouts with a byte of scale and of min per block and f16 d, dmin per 8 */
+static inline bool kern_pk_ks(uint32_t wtype) { return wtype == KERN_PK_Q4_KS || wtype == KERN_PK_Q5_KS; }
 /* Q6_K's two layouts: byte codes + 32 and halves of 16 values */
 static inline bool kern_pk_q6(uint32_t wtype) { return wtype == KERN_Q6_K || wtype == KERN_PK_Q6_K6; }
 static inline int kern_pk_parts(uint32_t wtype) { return kern_pk_q6(wtype) ? 2 : 1; }
 static inline size_t kern_pk_code_bytes(uint32_t wtype)
 {
-    return kern_pk_nibbles(wtype) ? 256 : wtype == KERN_Q5_0 ? 320 : wtype == KERN_PK_Q6_K6 ? 384 : 512;
+    return kern_pk_nibbles(wtype)                           ? 256
+           : wtype == KERN_Q5_0 || wtype == KERN_PK_Q5_KS ? 320
+           : wtype == KERN_PK_Q6_K6                        ? 384
+                                                           : 512;
 }
 /* (the narrow K-quants: their bytes of sc and m; their f16 d (and dmin) per
  * 8 blocks come after all blocks' scales and mins: kern_pk_super_bytes) */
 static inline size_t kern_pk_scale_bytes(uint32_t wtype)
 {
-    if (wtype == KERN_PK_Q6_K6 || wtype == KERN_PK_Q4_KS)
+    if (wtype == KERN_PK_Q6_K6 || kern_pk_ks(wtype))
         return wtype == KERN_PK_Q6_K6 ? 32 : 16;
     return (kern_pk_f32(wtype) ? 64 : 32) * (size_t)kern_pk_parts(wtype);
 }
 static inline size_t kern_pk_min_bytes(uint32_t wtype)
 {
-    return wtype == KERN_PK_Q4_KS ? 16 : kern_pk_mins(wtype) ? (kern_pk_f32(wtype) ? 64 : 32) : 0;
+    return kern_pk_ks(wtype) ? 16 : kern_pk_mins(wtype) ? (kern_pk_f32(wtype) ? 64 : 32) : 0;
 }
 static inline size_t kern_pk_super_bytes(uint32_t wtype)
 {
-    return wtype == KERN_PK_Q6_K6 ? 32 : wtype == KERN_PK_Q4_KS ? 64 : 0;
+    return wtype == KERN_PK_Q6_K6 ? 32 : kern_pk_ks(wtype) ? 64 : 0;
 }
 
 struct kern_packed {
     uint32_t wtype;         /* the layout: KERN_Q4_1, KERN_Q8_0, KERN_Q4_0, KERN_Q5_0, KERN_Q4_K, KERN_Q5_K,
-                             * KERN_Q6_K, KERN_PK_Q4_KS or KERN_PK_Q6_K6 */
+                             * KERN_Q6_K, KERN_PK_Q4_KS, KERN_PK_Q5_KS or KERN_PK_Q6_K6 */
     int64_t rows, n;        /* the matrix: rows x n */
     size_t group_bytes;     /* bytes per group of 16 rows (a multiple of 64) */
     uint8_t *data;          /* ceil(rows / 16) groups, 64-byte aligned */
@@ -142,8 +158,8 @@ void kern_pack_free(struct kern_packed **p);
 /* Whether kern_pack stores wtype in its own width rather than in bytes
  * (Q4_0 and Q5_0 as Q8_0's): Q4_0 in four bits where the active path is
  * AVX-512 VNNI or the 256-bit one (they read nibbles as they read Q4_1's),
- * Q5_0 in five bits, Q6_K in six and Q4_K with its file's scales on AVX-512
- * VNNI; none where the AVX-512
+ * Q5_0 in five bits, Q6_K in six, Q5_K in five and Q4_K with their file's
+ * scales on AVX-512 VNNI; none where the AVX-512
  * path runs AMX tiles (they read bytes) nor on aarch64. The layouts give the
  * same bits; this is a matter of bytes read. Five bits on the 256-bit paths cost about as much as the
  * fewer bytes saved (AMD EPYC, forced AVX2 path, bench-ceiling -m: the

@@ -239,13 +239,31 @@ static inline __attribute__((always_inline)) __m512 q6_scales(const uint8_t *g, 
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
 }
 
-/* The scale (mins: false) or min (true) of block b of a Q4_K group packed
- * with its file's scales (nb blocks at g): d * sc, or -dmin * m with dmin's
- * sign flipped in its half, in f32: exact, kern_unpack_row's floats. */
-static inline __attribute__((always_inline)) __m512 ks_scales(const uint8_t *g, int64_t nb, int64_t b, bool mins)
+/* Nibble vector j of a five-bit Q5_K block (320 bytes at c: five-bit Q5_0's
+ * layout, the codes 0..31 as they are) as the byte layout's codes: slice j
+ * from the low nibbles, slice j + 4 from the high ones, each with 0x10 or'ed
+ * in where its fifth bit is set. */
+static inline __attribute__((always_inline)) void q5k_slices(const uint8_t *c, int j, __m512i *lo, __m512i *hi)
 {
-    const __m128i v = _mm_load_si128((const __m128i *)(g + (size_t)nb * (256 + 16 * mins) + (size_t)b * 16));
-    __m256i h = _mm256_load_si256((const __m256i *)(g + (size_t)nb * 288 + (size_t)(b / 8) * 64 + 32 * mins));
+    const __m512i low = _mm512_set1_epi8(0x0F), c10 = _mm512_set1_epi8(0x10);
+    const __m512i v = _mm512_load_si512((const void *)(c + 64 * j));
+    uint64_t blo, bhi;
+    memcpy(&blo, c + 256 + 8 * j, 8);
+    memcpy(&bhi, c + 256 + 8 * (j + 4), 8);
+    const __m512i l = _mm512_and_si512(v, low), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    *lo = _mm512_mask_add_epi8(l, (__mmask64)blo, l, c10);
+    *hi = _mm512_mask_add_epi8(h, (__mmask64)bhi, h, c10);
+}
+
+/* The scale (mins: false) or min (true) of block b of a Q4_K or Q5_K group
+ * packed with its file's scales (nb blocks of cb code bytes at g): d * sc,
+ * or -dmin * m with dmin's sign flipped in its half, in f32: exact,
+ * kern_unpack_row's floats. */
+static inline __attribute__((always_inline)) __m512 ks_scales(const uint8_t *g, size_t cb, int64_t nb, int64_t b,
+                                                              bool mins)
+{
+    const __m128i v = _mm_load_si128((const __m128i *)(g + (size_t)nb * (cb + 16 * mins) + (size_t)b * 16));
+    __m256i h = _mm256_load_si256((const __m256i *)(g + (size_t)nb * (cb + 32) + (size_t)(b / 8) * 64 + 32 * mins));
     if (mins)
         h = _mm256_xor_si256(h, _mm256_set1_epi16((short)0x8000));
     return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)));
@@ -264,9 +282,10 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
     const int64_t n = A->n, nb = A->nb;
     /* five-bit Q5_0 read in place: Q4_1's nibbles or'ed with 0x70 or 0x80
      * by its fifth bits, Q8_0's codes (value + 128) */
-    const bool q5 = K == KERN_Q5_0, q6 = K == KERN_PK_Q6_K6, ks = K == KERN_PK_Q4_KS;
+    const bool q5 = K == KERN_Q5_0, q6 = K == KERN_PK_Q6_K6, ks = kern_pk_ks(K), q5k = K == KERN_PK_Q5_KS;
     /* the sum starts at -128 x (Q8_0, Q5_0) or -8 x (four-bit Q4_0) the activations' */
-    const bool Q8 = K == KERN_Q8_0 || q5 || K == KERN_Q4_0, nib = kern_pk_nibbles(K) || q5, f32 = kern_pk_f32(K);
+    const bool Q8 = K == KERN_Q8_0 || q5 || K == KERN_Q4_0, nib = kern_pk_nibbles(K) || q5 || q5k;
+    const bool f32 = kern_pk_f32(K);
     const int parts = kern_pk_parts(K), slices = 8 / parts;  /* byte slices a part */
     const size_t cb = kern_pk_code_bytes(K), sb = kern_pk_scale_bytes(K), mb = kern_pk_min_bytes(K);
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -338,6 +357,8 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
                         __m512i lo, hi;
                         if (q5) {
                             q5_slices(c, j, &lo, &hi);
+                        } else if (q5k) {
+                            q5k_slices(c, j, &lo, &hi);
                         } else {
                             const __m512i v = _mm512_load_si512((const void *)(c + 64 * j));
                             lo = _mm512_and_si512(v, low);
@@ -355,7 +376,7 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
             for (int r = 0; r < R; r++) {
                 const uint8_t *sc = g + r * gs + (size_t)nb * cb + (size_t)b * sb;
                 const __m512 dw = q6    ? q6_scales(g + r * gs, nb, b, part)
-                                  : ks  ? ks_scales(g + r * gs, nb, b, false)
+                                  : ks  ? ks_scales(g + r * gs, cb, nb, b, false)
                                   : f32 ? _mm512_load_ps((const void *)(sc + 64 * part))
                                         : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)sc));
 #pragma GCC unroll 8
@@ -369,7 +390,7 @@ pk_tile(const uint32_t K, const int R, const int NT, const uint8_t *g, size_t gs
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const uint8_t *mn = g + r * gs + (size_t)nb * (cb + sb) + (size_t)b * mb;
-                const __m512 mw = ks    ? ks_scales(g + r * gs, nb, b, true)
+                const __m512 mw = ks    ? ks_scales(g + r * gs, cb, nb, b, true)
                                   : f32 ? _mm512_load_ps((const void *)mn)
                                         : _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)mn));
 #pragma GCC unroll 8
@@ -420,6 +441,7 @@ static void pk_dispatch(uint32_t K, int R, int NT, const uint8_t *g, size_t gs, 
     case KERN_Q6_K: PK_CASES(KERN_Q6_K);
     case KERN_PK_Q6_K6: PK_CASES(KERN_PK_Q6_K6);
     case KERN_PK_Q4_KS: PK_CASES(KERN_PK_Q4_KS);
+    case KERN_PK_Q5_KS: PK_CASES(KERN_PK_Q5_KS);
     default: break;
     }
 }
@@ -474,6 +496,35 @@ static void q6_widen(const uint8_t *g, int64_t nb, uint8_t *q, const uint8_t *ah
     }
 }
 
+/* Group g of a five-bit Q5_K matrix (nb blocks) in Q5_K's byte layout at q
+ * (q5k_slices' codes, then ks_scales' scales and mins); ahead as q5_widen's. */
+static void q5k_widen(const uint8_t *g, int64_t nb, uint8_t *q, const uint8_t *ahead)
+{
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *c = g + (size_t)b * 320;
+        uint8_t *o = q + (size_t)b * 512;
+        if (ahead != NULL) {
+            for (int l = 0; l < 320; l += 64)
+                _mm_prefetch((const char *)ahead + (size_t)b * 320 + l, _MM_HINT_T1);
+            if (b % 4 == 0) {
+                _mm_prefetch((const char *)ahead + (size_t)nb * 320 + (size_t)b * 16, _MM_HINT_T1);
+                _mm_prefetch((const char *)ahead + (size_t)nb * 336 + (size_t)b * 16, _MM_HINT_T1);
+            }
+            if (b % 8 == 0)
+                _mm_prefetch((const char *)ahead + (size_t)nb * 352 + (size_t)b / 8 * 64, _MM_HINT_T1);
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            __m512i lo, hi;
+            q5k_slices(c, j, &lo, &hi);
+            _mm512_store_si512((void *)(o + 64 * j), lo);
+            _mm512_store_si512((void *)(o + 64 * (j + 4)), hi);
+        }
+        _mm512_store_ps((void *)(q + (size_t)nb * 512 + (size_t)b * 64), ks_scales(g, 320, nb, b, false));
+        _mm512_store_ps((void *)(q + (size_t)nb * 576 + (size_t)b * 64), ks_scales(g, 320, nb, b, true));
+    }
+}
+
 bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
 {
     if (!pk_usable(a))
@@ -494,8 +545,9 @@ bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
      * random Q6_K model: the decode step's products at 8 tokens 0.94x the
      * byte layout's read in place, 1.03-1.05x widened; at one token 1.2x) */
     const bool q6 = pk->wtype == KERN_PK_Q6_K6 && a->T > 4;
-    const uint32_t K = q5 ? KERN_Q8_0 : q6 ? KERN_Q6_K : pk->wtype;
-    const size_t gs = pk->group_bytes, gs8 = ((size_t)A.nb * (q6 ? 640 : 544) + 63) / 64 * 64;
+    const bool q5k = pk->wtype == KERN_PK_Q5_KS && a->T > 4;  /* five-bit Q5_K as six-bit Q6_K */
+    const uint32_t K = q5 ? KERN_Q8_0 : q6 || q5k ? kern_pk_source(pk->wtype) : pk->wtype;
+    const size_t gs = pk->group_bytes, gs8 = ((size_t)A.nb * (q6 || q5k ? 640 : 544) + 63) / 64 * 64;
     uint8_t *wide = pk_align64(A.rest);
     const long g_end = (a->r1 + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
     const long g_all = (pk->rows + KERN_PACK_ROWS - 1) / KERN_PACK_ROWS;
@@ -509,11 +561,13 @@ bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
         int n_ahead = after < R ? (int)(after > 0 ? after : 0) : R;
         const uint8_t *g = pk->data + (size_t)gi * gs;
         size_t ts = gs;
-        if (q5 || q6) {  /* R is 1 */
+        if (q5 || q6 || q5k) {  /* R is 1 */
             if (q5)
                 q5_widen(g, A.nb, wide, n_ahead > 0 ? g + gs : NULL);
-            else
+            else if (q6)
                 q6_widen(g, A.nb, wide, n_ahead > 0 ? g + gs : NULL);
+            else
+                q5k_widen(g, A.nb, wide, n_ahead > 0 ? g + gs : NULL);
             g = wide;
             ts = gs8;
             n_ahead = 0;  /* asked for by the widening */

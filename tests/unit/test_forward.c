@@ -337,14 +337,15 @@ static void test_against_reference(const char *name, uint32_t wtype, uint32_t et
     model_destroy(&m);
 }
 
-/* Q4_0, Q5_0 and Q6_K matrices packed in their own widths, and Q4_K with its
- * file's scales (kern_pack_narrow, where this path reads them), give the
- * logits of the same model packed wide (Q8_0's bytes, Q6_K's, Q4_K's f32
- * scales), bit for bit: the products' integer sums and scales are the same. */
+/* Q4_0, Q5_0, Q5_K and Q6_K matrices packed in their own widths, Q4_K and
+ * Q5_K with their file's scales (kern_pack_narrow, where this path reads
+ * them), give the logits of the same model packed wide (Q8_0's bytes, the
+ * K-quants' with f32 scales), bit for bit: the products' integer sums and
+ * scales are the same. */
 static void test_narrow_layouts(uint32_t wtype)
 {
     kv_half = rig_fmt.k_type == KERN_F16;
-    const bool q6 = wtype == KERN_Q6_K || wtype == KERN_Q4_K;  /* K-quants: rows of 256 */
+    const bool q6 = wtype == KERN_Q6_K || wtype == KERN_Q4_K || wtype == KERN_Q5_K;  /* K-quants: rows of 256 */
     struct mkmodel_params p = mkmodel_default_params();
     p.n_layer = 2;
     p.n_embd = q6 ? 256 : 192;  /* 192: three 64-value pairs, an odd number of blocks of 32 */
@@ -367,7 +368,7 @@ static void test_narrow_layouts(uint32_t wtype)
     if (kern_isa() >= KERN_ISA_SIMD) {  /* the models are packed where the active path has products for it */
         REQUIRE(mn->layers[0].w_up.packed != NULL && mb->layers[0].w_up.packed != NULL);
         CHECK(mn->layers[0].w_up.packed->wtype ==
-              (narrow ? (wtype == KERN_Q6_K ? KERN_PK_Q6_K6 : wtype == KERN_Q4_K ? KERN_PK_Q4_KS : wtype) : bytes));
+              (narrow ? (q6 ? (0x100u | wtype) : wtype) : bytes));
         CHECK(mb->layers[0].w_up.packed->wtype == bytes);
     }
     const int n = 40;
@@ -912,6 +913,7 @@ int main(void)
     test_narrow_layouts(KERN_Q5_0);
     test_narrow_layouts(KERN_Q6_K);
     test_narrow_layouts(KERN_Q4_K);
+    test_narrow_layouts(KERN_Q5_K);
     /* the K-quants (packed for the 256-bit products on x86-64); their
      * activations (Q8_K) have one scale per 256 values, not per 32: the C
      * path is 2.7-3.2% off too */

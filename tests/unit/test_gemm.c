@@ -144,6 +144,7 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
     kern_isa_set((enum kern_isa)isa);
     struct kern_packed *pk = kern_pack(wtype, w, wrow, PROWS, n);
     const bool small = wtype == KERN_Q4_0 || wtype == KERN_Q5_0, q6 = wtype == KERN_Q6_K, q4k = wtype == KERN_Q4_K;
+    const bool q5k = wtype == KERN_Q5_K;
     const bool narrow = kern_pack_narrow(wtype);
     kern_isa_set(was);
     REQUIRE(pk != NULL);
@@ -151,12 +152,13 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
     const int forced = kern_pack_narrow_set(-1);
     kern_pack_narrow_set(forced);
     const bool amx_on = isa == KERN_ISA_AVX512VNNI && kern_amx();
-    CHECK(narrow == ((small || q6 || q4k) && (forced >= 0 ? forced == 1
+    CHECK(narrow == ((small || kq) && (forced >= 0 ? forced == 1
                                                    : !amx_on && (wtype == KERN_Q4_0 || isa == KERN_ISA_AVX512VNNI))));
 #else
     CHECK(!narrow);
 #endif
-    CHECK(pk->wtype == (narrow ? (q6 ? KERN_PK_Q6_K6 : q4k ? KERN_PK_Q4_KS : wtype) : small ? KERN_Q8_0 : wtype));
+    CHECK(pk->wtype == (narrow ? (q6 ? KERN_PK_Q6_K6 : q4k ? KERN_PK_Q4_KS : q5k ? KERN_PK_Q5_KS : wtype)
+                        : small ? KERN_Q8_0 : wtype));
     CHECK_INT(kern_pack_bytes(pk), (PROWS + 15) / 16 * pk->group_bytes);
     void *scratch = aligned_alloc(64, (kern_gemm_scratch_bytes(n, PMAXT) + 63) / 64 * 64);
     static float ref[PMAXT * PROWS], got[PMAXT * PROWS], part[PMAXT * PROWS];
@@ -265,7 +267,7 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
         REQUIRE(p8 != NULL);
         CHECK(p8->wtype == (small ? KERN_Q8_0 : wtype));
         CHECK_INT(pk->group_bytes,
-                  ((size_t)n / 32 * (wtype == KERN_Q4_0 ? 288 : q6 ? 420 : q4k ? 296 : 352) + 63) / 64 * 64);
+                  ((size_t)n / 32 * (wtype == KERN_Q4_0 ? 288 : q6 ? 420 : q4k ? 296 : q5k ? 360 : 352) + 63) / 64 * 64);
         CHECK(pk->group_bytes < p8->group_bytes);
         struct kern_gemm_args g8 = g;
         g8.packed = p8;
@@ -278,7 +280,7 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
 #if defined(__x86_64__)
         /* the 256-bit products do not take five or six bits (kern_gemm falls back to the rows) */
         direct.T = 3;
-        if (wtype == KERN_Q5_0 || q6 || q4k)
+        if (wtype == KERN_Q5_0 || kq)
             CHECK(!kern_gemm_packed_avx2(&direct) && !kern_gemm_packed_avxvnni(&direct));
 #endif
     }
@@ -411,6 +413,7 @@ int main(void)
             check_packed(KERN_Q5_0, 32, paths[i].isa, paths[i].vnni256);
             check_packed(KERN_Q4_K, 512, paths[i].isa, paths[i].vnni256);
             check_packed(KERN_Q5_K, 256, paths[i].isa, paths[i].vnni256);
+            check_packed(KERN_Q5_K, 768, paths[i].isa, paths[i].vnni256);
             check_packed(KERN_Q6_K, 768, paths[i].isa, paths[i].vnni256);
         }
         kern_avxvnni_set(true);
@@ -429,13 +432,14 @@ int main(void)
             check_amx(KERN_Q4_K, 512);
             check_amx(KERN_Q5_K, 256);
             check_amx(KERN_Q6_K, 768);
-            /* with AMX on, Q4_0, Q5_0, Q6_K and Q4_K stay wide; their narrow layouts
+            /* with AMX on, Q4_0, Q5_0 and the K-quants stay wide; their narrow layouts
              * (forced) go to the vector products, the tiles refusing them */
             kern_pack_narrow_set(1);
             check_packed(KERN_Q5_0, 640, KERN_ISA_AVX512VNNI, true);
             check_packed(KERN_Q4_0, 576, KERN_ISA_AVX512VNNI, true);
             check_packed(KERN_Q6_K, 768, KERN_ISA_AVX512VNNI, true);
             check_packed(KERN_Q4_K, 512, KERN_ISA_AVX512VNNI, true);
+            check_packed(KERN_Q5_K, 256, KERN_ISA_AVX512VNNI, true);
             kern_pack_narrow_set(-1);
         } else {
             fprintf(stderr, "note: no AMX on this CPU (or the OS refused the tile data); the AVX-512 path serves\n");
