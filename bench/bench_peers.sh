@@ -15,7 +15,8 @@
 #   2. the engine alone: llama.cpp's `llama-bench -p 512 -n 128 -d 0,512 -t 2`
 #      against `kvd-run --bench -t 2` (prefill 512; decode 128 at batch 1 from
 #      an empty context and after 512 tokens), alternating, --rounds rounds, on
-#      SmolLM2-135M Q4_1 and Gemma 3 270M Q4_K_M.
+#      SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M and a random-weight llama-shaped
+#      Q4_K model (kvd-mkmodel: 16 x 1,024, Q6_K output).
 #
 # The peers (nothing of them is in this repository) go to a cache directory,
 # ${KVD_PEERS_DIR:-$HOME/.cache/kvd-peers}; a second run reuses them:
@@ -66,6 +67,11 @@ model=models/SmolLM2-135M-Instruct.Q4_1.gguf
 model_name=SmolLM2-135M-Instruct          # what every server serves it as
 hf=$peers/hf/$model_name
 bench_models=(models/SmolLM2-135M-Instruct.Q4_1.gguf models/gemma-3-270m-q4_k_m.gguf)
+# and the K-quants most GGUF files are made of: a llama-shaped model of random
+# weights (kvd-mkmodel; 16 layers of 1,024, 246 M parameters), Q4_K with a
+# Q6_K output matrix as in Q4_K_M files; the speed of a product does not
+# depend on the weights' values
+kq_model=$peers/models/llama16x1024-q4_k-random.gguf
 llama_src=$peers/llama.cpp/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp
 llama_build=$peers/llama.cpp/build
 llama_bin=$llama_build/bin
@@ -371,6 +377,12 @@ run_serving() {
 run_engines() {
   local r m stem
   mkdir -p "$out/bench"
+  if [ ! -s "$kq_model" ]; then
+    mkdir -p "$(dirname "$kq_model")"
+    build/kvd-mkmodel -o "$kq_model" --layers 16 --embd 1024 --heads 16 --kv-heads 4 --ff 2816 --vocab 32000 \
+      --ctx 4096 --type Q4_K --embd-type Q6_K --untied --seed 1 >/dev/null
+  fi
+  bench_models+=("$kq_model")
   for r in $(seq 1 "$rounds"); do
     for m in "${bench_models[@]}"; do
       stem=$(basename "$m" .gguf)
