@@ -1419,6 +1419,23 @@ static double bench_batch(struct runtime *rt, const int32_t *ids, size_t n_ids, 
     return B * steps / (ms / 1e3);
 }
 
+/* Milliseconds of BENCH_DECODE greedy tokens one at a time after s's
+ * history (hist[s->pos] its next token); releases s. */
+static double bench_decode(struct runtime *rt, struct seq *s, int32_t *hist, uint32_t V)
+{
+    const float *lg;
+    uint32_t rows;
+    const double t0 = cli_now_ms();
+    for (int i = 0; i < BENCH_DECODE; i++) {
+        seq_feed(rt, s, hist, 1, 1, false, &lg, &rows);
+        hist[s->pos] = sampler_argmax(lg, V);
+    }
+    const double ms = cli_now_ms() - t0;
+    seq_release(rt, s);
+    prefix_seq_fini(&s->ps);
+    return ms;
+}
+
 /* --bench --bench-ctx N: decode after a context of N tokens, at batch 1 and 8
  * (each sequence its own text, so nothing is shared): what reading the cache
  * costs a step, the KV types' difference. */
@@ -1480,26 +1497,12 @@ static int run_bench(const struct options *o)
     seq_feed(&rt, &s, hist, BENCH_PREFILL, BENCH_PREFILL, false, &lg, &rows);
     double prefill_ms = cli_now_ms() - t0;
     hist[s.pos] = sampler_argmax(lg, V);
-    t0 = cli_now_ms();
-    for (int i = 0; i < BENCH_DECODE; i++) {
-        seq_feed(&rt, &s, hist, 1, 1, false, &lg, &rows);
-        hist[s.pos] = sampler_argmax(lg, V);
-    }
-    double decode_ms = cli_now_ms() - t0;
-    seq_release(&rt, &s);
-    prefix_seq_fini(&s.ps);
+    const double decode_ms = bench_decode(&rt, &s, hist, V);
     /* the same from an empty context, as llama-bench's tg128 (no prompt
      * before: attention reads positions 0..127 only) */
     struct seq s0 = { 0 };
     hist[0] = ids[0];
-    t0 = cli_now_ms();
-    for (int i = 0; i < BENCH_DECODE; i++) {
-        seq_feed(&rt, &s0, hist, 1, 1, false, &lg, &rows);
-        hist[s0.pos] = sampler_argmax(lg, V);
-    }
-    double decode0_ms = cli_now_ms() - t0;
-    seq_release(&rt, &s0);
-    prefix_seq_fini(&s0.ps);
+    const double decode0_ms = bench_decode(&rt, &s0, hist, V);
 
     const int batches[3] = { 1, 8, 32 };
     double agg[3];
