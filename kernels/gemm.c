@@ -17,8 +17,9 @@ size_t kern_gemm_scratch_bytes(int64_t n, int T)
      * per part to 64 bytes; for the AMX products the values of up to 15
      * more tokens, two groups' codes as bytes (32 n), two tiles of
      * sums (2 KiB) and the activations' scales and mins by tile; for five-bit
-     * Q5_0 and six-bit Q6_K, a group widened to the byte layout (17 n or 20
-     * n: widening runs for more than 8 tokens, one group a tile) */
+     * Q5_0 and Q5_K and six-bit Q6_K, a group widened to the byte layout (17
+     * n, 20 n: widening runs from 9 tokens on for Q5_0, from 5 for the
+     * others, one group a tile) */
     size_t nb = (size_t)(n + 31) / 32;
     return (size_t)n + 64 + (size_t)n * 4 + 64 + (2 * nb + nb) * 4 + 192 +
            (size_t)T * nb * 8 + 128 + nb * 4 + 64 + (size_t)T * (size_t)n + 64 +
@@ -191,8 +192,8 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
         goto fail;
     /* Q4_0 and Q5_0 rows are signed codes and one scale per 32 values, like
      * Q8_0's: they are packed as Q8_0 (their products with Q8_0 activations
-     * are the same integer sums and scales); in four and five bits where
-     * kern_pack_narrow says so */
+     * are the same integer sums and scales); in four and five bits, and the
+     * K-quants in their files' widths, where kern_pack_narrow says so */
     const bool narrow = kern_pack_narrow(wtype);
     p->wtype = narrow ? kern_pk_narrow_layout(wtype) : wtype == KERN_Q4_0 || wtype == KERN_Q5_0 ? KERN_Q8_0 : wtype;
     p->rows = rows;

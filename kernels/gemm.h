@@ -22,8 +22,8 @@
  * 256-bit registers AVX-VNNI and AVX2; on aarch64 sdot and smmla in 128-bit
  * ones; Q4_1 and Q8_0 weights;
  * Q4_0 and Q5_0 ones as Q8_0: their signed codes and scales fit it exactly;
- * on x86-64 without AMX tiles, Q4_0 and Q5_0 in four and five bits, below:
- * kern_pack_narrow).
+ * on x86-64 without AMX tiles, Q4_0 and Q5_0 in four and five bits, and on
+ * AVX-512 VNNI the K-quants in their files' widths, below: kern_pack_narrow).
  * Rows go in groups of KERN_PACK_ROWS = 16 (the last group padded with zero
  * rows). Within a group, block b (32 values) of all 16 rows is stored as
  * 64-byte slices: slice s holds, for row i, four bytes at 4i, so one load

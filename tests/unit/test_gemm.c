@@ -237,10 +237,11 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
     run(&g, isa, 3, 20, 21, part);
     CHECK(part[19] == 7.0f && part[21] == 7.0f && part[20] == got[20]);
     /* every width gives the top path's bits (AVX-512 VNNI; on aarch64 smmla);
-     * the K-quants' two 256-bit forms give each other's */
+     * the K-quants' two 256-bit forms give each other's (on the wide
+     * layouts, the ones they read) */
     int other = 0;
 #if defined(__x86_64__)
-    if (kq && kern_avxvnni_set(true)) {
+    if (kq && !narrow && kern_avxvnni_set(true)) {
         struct kern_gemm_args both = g;
         both.T = PMAXT;
         both.r0 = 0;
@@ -278,7 +279,8 @@ static void check_packed(uint32_t wtype, int64_t n, int isa, bool vnni256)
         }
         kern_pack_free(&p8);
 #if defined(__x86_64__)
-        /* the 256-bit products do not take five or six bits (kern_gemm falls back to the rows) */
+        /* the 256-bit products do not take five bits, six, nor the K-quants'
+         * file scales (kern_gemm falls back to the rows) */
         direct.T = 3;
         if (wtype == KERN_Q5_0 || kq)
             CHECK(!kern_gemm_packed_avx2(&direct) && !kern_gemm_packed_avxvnni(&direct));
