@@ -18,8 +18,7 @@ size_t kern_gemm_scratch_bytes(int64_t n, int T)
      * more tokens, two groups' codes as bytes (32 n), two tiles of
      * sums (2 KiB) and the activations' scales and mins by tile; for five-bit
      * Q5_0 and Q5_K and six-bit Q6_K, a group widened to the byte layout (17
-     * n, 20 n: widening runs from 9 tokens on for Q5_0, from 5 for the
-     * others, one group a tile) */
+     * n, 20 n: widening runs from 5 tokens on, one group a tile) */
     size_t nb = (size_t)(n + 31) / 32;
     return (size_t)n + 64 + (size_t)n * 4 + 64 + (2 * nb + nb) * 4 + 192 +
            (size_t)T * nb * 8 + 128 + nb * 4 + 64 + (size_t)T * (size_t)n + 64 +

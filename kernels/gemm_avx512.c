@@ -533,13 +533,15 @@ bool kern_gemm_packed_vnni(const struct kern_gemm_args *a)
     struct pk_acts A;
     pk_stage(a, true, &A);
     const struct pk_acts *Ap = &A;
-    /* five-bit Q5_0: read in place by the tiles of up to eight tokens (where
+    /* five-bit Q5_0: read in place by the tiles of up to four tokens (where
      * a group meets few tokens: decode); for more, each group is widened to
-     * Q8_0's layout once and Q8_0's tiles run over it (bench-ceiling's warm
-     * table at 8 tokens: in place 10% slower than bytes, widened 20%; from
-     * 32 on the widening is shared by four tiles and more). Four-bit Q4_0
-     * is read in place always, as Q4_1 is. */
-    const bool q5 = pk->wtype == KERN_Q5_0 && a->T > 8;  /* so R is 1: the scratch holds one group */
+     * Q8_0's layout once and Q8_0's tiles run over it. Gemma 3's decode step
+     * at 8 tokens (bench-ceiling -m, weights from memory): widened 1.08-1.15x
+     * the byte layout, in place 1.04-1.05x; with the weights in cache (its
+     * warm table) widening costs 10% more than reading in place at 8 tokens,
+     * and from 32 on it is shared by four tiles and more. Four-bit Q4_0 is
+     * read in place always, as Q4_1 is. */
+    const bool q5 = pk->wtype == KERN_Q5_0 && a->T > 4;  /* so R is 1: the scratch holds one group */
     /* six-bit Q6_K likewise, to bytes, from 5 tokens on: in place at 8 its
      * slices cost more than the bytes they save (bench-ceiling -m on a
      * random Q6_K model: the decode step's products at 8 tokens 0.94x the
