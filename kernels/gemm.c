@@ -88,10 +88,18 @@ int kern_pack_narrow_set(int choice)
     return was;
 }
 
+/* A K-quant row's scales as its file holds them (kern_unpack_k_scales): the
+ * narrow K-quant layouts store these rather than their float products. */
+struct file_scales {
+    uint8_t *sc, *mn;       /* per 32 values (Q6_K: sc per 16, its int8 as bytes) */
+    kvd_f16 *d, *dmin;      /* per 256 values */
+};
+
 /* Stores row i of a group from its unpacked form: codes, scales d (per part)
- * and mins m of each block, in the layout of p->wtype. */
+ * and mins m of each block, in the layout of p->wtype (the narrow K-quants'
+ * from fs instead of d and m). */
 static void pack_row(const struct kern_packed *p, uint8_t *g, int i, const int8_t *codes, const float *d,
-                     const float *m, const void *raw)
+                     const float *m, const struct file_scales *fs)
 {
     const uint32_t wt = p->wtype;
     const int64_t nb = p->n / 32;
@@ -103,7 +111,6 @@ static void pack_row(const struct kern_packed *p, uint8_t *g, int i, const int8_
     if (wt == KERN_PK_Q6_K6) {
         /* codes q + 32: low nibbles as Q4_1's, the high two bits in two
          * vectors; the file's int8 scales and f16 d as they are */
-        const struct kern_block_q6_k *sb6 = raw;
         for (int64_t b = 0; b < nb; b++) {
             const int8_t *q = codes + 32 * b;
             uint8_t *c = g + (size_t)b * cb + 4 * i;
@@ -114,14 +121,12 @@ static void pack_row(const struct kern_packed *p, uint8_t *g, int i, const int8_
                     c[256 + 64 * 0 + x] |= (uint8_t)((lo >> 4) << (2 * j));
                     c[256 + 64 * 1 + x] |= (uint8_t)((hi >> 4) << (2 * j));
                 }
-            int8_t *sc = (int8_t *)(g + (size_t)nb * cb + (size_t)b * sb);
-            sc[i] = sb6[b / 8].scales[2 * (b % 8)];
-            sc[16 + i] = sb6[b / 8].scales[2 * (b % 8) + 1];
+            uint8_t *sc = g + (size_t)nb * cb + (size_t)b * sb;
+            sc[i] = fs->sc[2 * b];
+            sc[16 + i] = fs->sc[2 * b + 1];
             if (b % 8 == 0)
-                memcpy(g + (size_t)nb * (cb + sb) + (size_t)(b / 8) * 32 + 2 * i, &sb6[b / 8].d, 2);
+                memcpy(g + (size_t)nb * (cb + sb) + (size_t)(b / 8) * 32 + 2 * i, &fs->d[b / 8], 2);
         }
-        (void)d;
-        (void)m;
         return;
     }
     for (int64_t b = 0; b < nb; b++) {
@@ -147,17 +152,12 @@ static void pack_row(const struct kern_packed *p, uint8_t *g, int i, const int8_
                                         : (uint8_t)(q[4 * k + x] + bias);
         if (wt == KERN_PK_Q4_KS || wt == KERN_PK_Q5_KS) {
             /* the file's 6-bit scale and minimum, a byte each; d and dmin per 8 blocks */
-            kvd_f16 hd, hm;
-            const uint32_t src = kern_pk_source(wt);
-            const uint8_t *blk = (const uint8_t *)raw + (size_t)(b / 8) * kern_row_bytes(src, 256);
-            uint8_t scs[8], mns[8];
-            kern_unpack_k_scales(src, blk, 256, scs, mns, &hd, &hm);
-            g[(size_t)nb * cb + (size_t)b * sb + i] = scs[b % 8];
-            g[(size_t)nb * (cb + sb) + (size_t)b * 16 + i] = mns[b % 8];
+            g[(size_t)nb * cb + (size_t)b * sb + i] = fs->sc[b];
+            g[(size_t)nb * (cb + sb) + (size_t)b * 16 + i] = fs->mn[b];
             if (b % 8 == 0) {
                 uint8_t *sup = g + (size_t)nb * (cb + sb + 16) + (size_t)(b / 8) * 64;
-                memcpy(sup + 2 * i, &hd, 2);
-                memcpy(sup + 32 + 2 * i, &hm, 2);
+                memcpy(sup + 2 * i, &fs->d[b / 8], 2);
+                memcpy(sup + 32 + 2 * i, &fs->dmin[b / 8], 2);
             }
             continue;
         }
@@ -187,7 +187,10 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
     struct kern_packed *p = calloc(1, sizeof(*p));
     int8_t *codes = malloc((size_t)n);
     float *d = malloc((size_t)(2 * nb) * sizeof(float)), *m = malloc((size_t)nb * sizeof(float));
-    if (p == NULL || codes == NULL || d == NULL || m == NULL)
+    const size_t n_super = (size_t)(n + 255) / 256;
+    struct file_scales fs = { malloc((size_t)(2 * nb)), malloc((size_t)nb), malloc(n_super * sizeof(kvd_f16)),
+                              malloc(n_super * sizeof(kvd_f16)) };
+    if (p == NULL || codes == NULL || d == NULL || m == NULL || !fs.sc || !fs.mn || !fs.d || !fs.dmin)
         goto fail;
     /* Q4_0 and Q5_0 rows are signed codes and one scale per 32 values, like
      * Q8_0's: they are packed as Q8_0 (their products with Q8_0 activations
@@ -204,22 +207,28 @@ struct kern_packed *kern_pack(uint32_t wtype, const void *w, size_t row_bytes, i
         goto fail;
     memset(p->data, 0, total);  /* padding rows: zero codes, zero scales */
     for (int64_t r = 0; r < rows; r++) {
-        kern_unpack_row(wtype, (const uint8_t *)w + (size_t)r * row_bytes, n, codes, d, m);
+        const uint8_t *row = (const uint8_t *)w + (size_t)r * row_bytes;
+        kern_unpack_row(wtype, row, n, codes, d, m);
+        if (p->wtype > 0xFF)  /* a narrow K-quant layout */
+            kern_unpack_k_scales(wtype, row, n, fs.sc, fs.mn, fs.d, fs.dmin);
         pack_row(p, p->data + (size_t)(r / KERN_PACK_ROWS) * p->group_bytes, (int)(r % KERN_PACK_ROWS), codes,
-                 d, m, (const uint8_t *)w + (size_t)r * row_bytes);
+                 d, m, &fs);
     }
-    free(codes);
-    free(d);
-    free(m);
-    return p;
+    goto done;
 fail:
     if (p != NULL)
         free(p->data);
     free(p);
+    p = NULL;
+done:
     free(codes);
     free(d);
     free(m);
-    return NULL;
+    free(fs.sc);
+    free(fs.mn);
+    free(fs.d);
+    free(fs.dmin);
+    return p;
 }
 
 void kern_pack_free(struct kern_packed **pp)

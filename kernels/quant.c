@@ -907,20 +907,29 @@ int kern_unpack_kind(uint32_t wtype)
     }
 }
 
+/* Q4_K and Q5_K blocks begin alike: d, dmin, then the packed scales */
+static_assert(offsetof(struct kern_block_q5_k, scales) == offsetof(struct kern_block_q4_k, scales) &&
+                  offsetof(struct kern_block_q5_k, dmin) == offsetof(struct kern_block_q4_k, dmin),
+              "Q4_K and Q5_K share their scales' layout");
+
 void kern_unpack_k_scales(uint32_t wtype, const void *row, int64_t n, uint8_t *sc, uint8_t *mn, kvd_f16 *d,
                           kvd_f16 *dmin)
 {
-    const size_t bytes = wtype == KERN_Q4_K ? sizeof(struct kern_block_q4_k) : sizeof(struct kern_block_q5_k);
+    const size_t bytes = kern_row_bytes(wtype, KERN_QK_K);
     for (int64_t s = 0; s < n / KERN_QK_K; s++) {
         const uint8_t *blk = (const uint8_t *)row + (size_t)s * bytes;
-        const uint8_t *scales = wtype == KERN_Q4_K ? ((const struct kern_block_q4_k *)blk)->scales
-                                                   : ((const struct kern_block_q5_k *)blk)->scales;
-        d[s] = wtype == KERN_Q4_K ? ((const struct kern_block_q4_k *)blk)->d : ((const struct kern_block_q5_k *)blk)->d;
-        dmin[s] = wtype == KERN_Q4_K ? ((const struct kern_block_q4_k *)blk)->dmin
-                                     : ((const struct kern_block_q5_k *)blk)->dmin;
+        if (wtype == KERN_Q6_K) {
+            const struct kern_block_q6_k *b6 = (const void *)blk;
+            memcpy(sc + 16 * s, b6->scales, 16);
+            d[s] = b6->d;
+            continue;
+        }
+        const struct kern_block_q4_k *b4 = (const void *)blk;
+        d[s] = b4->d;
+        dmin[s] = b4->dmin;
         for (int k = 0; k < 8; k++) {
             int a, b;
-            k_scale_min(scales, k, &a, &b);
+            k_scale_min(b4->scales, k, &a, &b);
             sc[8 * s + k] = (uint8_t)a;
             mn[8 * s + k] = (uint8_t)b;
         }

@@ -109,9 +109,11 @@ int kern_unpack_kind(uint32_t wtype);
 /* Unpacks a row of n elements: q[n] bytes, d[n/32] (n/16 for S16), m[n/32] (U32M). */
 void kern_unpack_row(uint32_t wtype, const void *row, int64_t n, int8_t *q, float *d, float *m);
 
-/* The scales of a Q4_K or Q5_K row of n elements as the file holds them: per
- * 32 values the 6-bit scale sc and minimum mn, per 256 the f16 d and dmin
- * (kern_unpack_row's d is d * sc, its m -dmin * mn). */
+/* The scales of a K-quant row of n elements as the file holds them: Q4_K
+ * and Q5_K per 32 values the 6-bit scale sc and minimum mn, per 256 the f16
+ * d and dmin (kern_unpack_row's d is d * sc, its m -dmin * mn); Q6_K per 16
+ * values its int8 scale (as a byte in sc) and per 256 its d, mn and dmin
+ * untouched. */
 void kern_unpack_k_scales(uint32_t wtype, const void *row, int64_t n, uint8_t *sc, uint8_t *mn, kvd_f16 *d,
                           kvd_f16 *dmin);
 
