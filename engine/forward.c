@@ -45,6 +45,17 @@ struct mm_share {
     long end;
 };
 
+/* A thread's share of a layer's attention: prefill tiles [unit_next,
+ * unit_end) and per-token items [item_next, item_end), taken from the front
+ * as mm_share's row groups are, by the owner first and then by threads done
+ * with their own. */
+struct attn_share {
+    _Alignas(64) long unit_next;    /* atomic */
+    long unit_end;
+    long item_next;                 /* atomic */
+    long item_end;
+};
+
 struct engine {
     const model_t *m;       /* borrowed */
     kvcache_t *kv;          /* borrowed */
@@ -93,6 +104,7 @@ struct engine {
     struct act_slot act[ACT_SLOTS];
     void **gemm_scratch;    /* (n_threads) per-thread scratch of the matrix products */
     struct mm_share *share; /* (n_threads) each thread's share of the product being run */
+    struct attn_share *ashare;  /* (n_threads) each thread's share of the attention being run */
     float *logits;          /* (logits_cap, n_vocab) */
     uint32_t logits_cap;    /* rows logits can hold */
     uint64_t progress;      /* atomic: parallel jobs completed (engine_progress) */
@@ -170,6 +182,7 @@ void engine_destroy(engine_t **ep)
             free(e->gemm_scratch[i]);
     free(e->gemm_scratch);
     free(e->share);
+    free(e->ashare);
     free(e);
     *ep = NULL;
 }
@@ -273,7 +286,8 @@ engine_t *engine_new(const model_t *m, kvcache_t *kv, const struct engine_params
               (!swa || (e->item0_win && (e->rope_swa || c->rope_base_swa == c->rope_base)));
     e->gemm_scratch = calloc((size_t)e->n_threads, sizeof(void *));
     e->share = aligned_alloc(64, (size_t)e->n_threads * sizeof(struct mm_share));
-    ok = ok && e->gemm_scratch && e->share;
+    e->ashare = aligned_alloc(64, (size_t)e->n_threads * sizeof(struct attn_share));
+    ok = ok && e->gemm_scratch && e->share && e->ashare;
     for (int i = 0; ok && i < e->n_threads; i++) {
         size_t bytes = kern_gemm_scratch_bytes((int64_t)widest, (int)T);
         e->gemm_scratch[i] = aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -409,7 +423,7 @@ static void mm_run(void *ctx, int ith, int nth)
     void *scratch = j->e->gemm_scratch[ith];
     int staged = -1;
     for (int k = 0; k < nth; k++) {
-        struct mm_share *s = &sh[(ith + k) % nth];
+        struct mm_share *s = &sh[(ith + k + (int)(j->e->p.share_shift % (uint32_t)nth)) % nth];
         for (;;) {
             const long u0 = __atomic_fetch_add(&s->next, j->chunk, __ATOMIC_RELAXED);
             if (u0 >= s->end)
@@ -670,71 +684,51 @@ static long attn_cut(const engine_t *e, int T, int k, int nth)
     return (long)(e->item0[lo] + (span ? (c - e->cost0[lo]) * items / span : 0));
 }
 
-/* Thread ith's share of the step's prefill tiles (contiguous, by cost): each
- * tile's (token, head) queries of one range in one kern_attn_multi call,
- * which gives each the bits attn_run's per-token path would. */
-static void tiles_run(engine_t *e, const struct attn_job *j, int ith, int nth)
+/* Prefill tile u (attn_units): its (token, head) queries of one range in one
+ * kern_attn_multi call, which gives each the bits attn_run's per-token path
+ * would. */
+static void attn_tile(engine_t *e, const struct attn_job *j, struct kern_attn_args *a, uint32_t u, int ith)
 {
     const struct model_config *c = &e->m->cfg;
-    const kvcache_t *kv = e->kv;
     const int hd = (int)c->head_dim, nh = (int)c->n_head, group = (int)(c->n_head / c->n_head_kv);
-    const uint64_t total = e->unit_cost0[e->n_units];
-    const uint64_t c0 = total * (uint64_t)ith / (uint64_t)nth, c1 = total * (uint64_t)(ith + 1) / (uint64_t)nth;
-    /* the units whose work starts in [c0, c1) */
-    uint32_t u = 0;
-    while (u < e->n_units && e->unit_cost0[u] < c0)
-        u++;
-    struct kern_attn_args a = {
-        .k_base = kv_block_ptr(kv, 0, j->layer, 0),
-        .v_base = kv_block_ptr(kv, 0, j->layer, 1),
-        .block_tokens = (int)kv->block_tokens,
-        .head_dim = hd,
-        .block_stride = kv->block_bytes,
-        .k_head_stride = kv->k_head_bytes,
-        .v_head_stride = kv->v_head_bytes,
-        .k_type = kv->k_type,
-        .v_type = kv->v_type,
-        .scale = c->attn_scale,
-        .scores = e->scores + (size_t)ith * group * e->p.max_ctx,
-    };
+    const struct attn_unit *un = &e->units[u];
+    const int from = (int)un->range * (int)e->chunk;
     struct kern_attn_query qs[KERN_ATTN_LANES];
-    for (; u < e->n_units && e->unit_cost0[u] < c1; u++) {
-        const struct attn_unit *un = &e->units[u];
-        const int from = (int)un->range * (int)e->chunk;
-        int nq = 0;
-        for (uint32_t t = un->t0; t < un->t0 + un->n_tok; t++) {
-            if (e->n_range[t] <= un->range)
-                continue;
-            const int n = e->tok_pos[t] + 1 - from;
-            for (int h = (int)un->kv_head * group; h < ((int)un->kv_head + 1) * group; h++) {
-                struct kern_attn_query *q = &qs[nq++];
-                q->q = e->q + (size_t)t * nh * hd + (size_t)h * hd;
-                q->n_ctx = n < (int)e->chunk ? n : (int)e->chunk;
-                q->first = q->skip = 0;
-                if (e->n_range[t] == 1) {
-                    q->out = e->xb + (size_t)t * nh * hd + (size_t)h * hd;
-                    q->stats = NULL;
-                } else {
-                    const size_t slot = (size_t)e->slot0[t] + un->range;
-                    q->out = e->part + (slot * nh + (size_t)h) * hd;
-                    q->stats = e->part_stats + (slot * nh + (size_t)h) * 2;
-                }
+    int nq = 0;
+    for (uint32_t t = un->t0; t < un->t0 + un->n_tok; t++) {
+        if (e->n_range[t] <= un->range)
+            continue;
+        const int n = e->tok_pos[t] + 1 - from;
+        for (int h = (int)un->kv_head * group; h < ((int)un->kv_head + 1) * group; h++) {
+            struct kern_attn_query *q = &qs[nq++];
+            q->q = e->q + (size_t)t * nh * hd + (size_t)h * hd;
+            q->n_ctx = n < (int)e->chunk ? n : (int)e->chunk;
+            q->first = q->skip = 0;
+            if (e->n_range[t] == 1) {
+                q->out = e->xb + (size_t)t * nh * hd + (size_t)h * hd;
+                q->stats = NULL;
+            } else {
+                const size_t slot = (size_t)e->slot0[t] + un->range;
+                q->out = e->part + (slot * nh + (size_t)h) * hd;
+                q->stats = e->part_stats + (slot * nh + (size_t)h) * 2;
             }
         }
-        a.blocks = seq_table(kv, &j->seqs[e->tok_seq[un->t0]], j->layer) + from / (int)kv->block_tokens;
-        a.kv_head = (int)un->kv_head;
-        if (kern_attn_multi(&a, qs, nq, e->tile_scratch[ith]))
-            continue;
-        for (int i = 0; i < nq; i++) {   /* the path changed under us: one query at a time */
-            a.q = qs[i].q;
-            a.out = qs[i].out;
-            a.stats = qs[i].stats;
-            a.n_ctx = qs[i].n_ctx;
-            a.n_q = 1;
-            kern_attn(&a);
-        }
+    }
+    a->blocks = seq_table(e->kv, &j->seqs[e->tok_seq[un->t0]], j->layer) + from / (int)e->kv->block_tokens;
+    a->kv_head = (int)un->kv_head;
+    a->skip = 0;
+    if (kern_attn_multi(a, qs, nq, e->tile_scratch[ith]))
+        return;
+    for (int i = 0; i < nq; i++) {   /* the path changed under us: one query at a time */
+        a->q = qs[i].q;
+        a->out = qs[i].out;
+        a->stats = qs[i].stats;
+        a->n_ctx = qs[i].n_ctx;
+        a->n_q = 1;
+        kern_attn(a);
     }
 }
+
 
 /* The prefill tokens from t on that one windowed tile takes: of t's
  * sequence, at consecutive positions, whole tokens of the share (items up
@@ -797,58 +791,37 @@ static void win_tile(engine_t *e, const struct attn_job *j, struct kern_attn_arg
     }
 }
 
-static void attn_run(void *ctx, int ith, int nth)
+/* The items [i0, i1) of a layer: each (token, range, query head) over its
+ * positions, the heads of a token that share a KV head in one call, reading
+ * each K/V row once for them (a head's result is the same bits however heads
+ * are grouped). A context longer than one range is cut into ranges of
+ * e->chunk positions (the same cuts whatever the thread count), whose partial
+ * results merge_run combines in range order. */
+static void attn_items(engine_t *e, const struct attn_job *j, struct kern_attn_args *a, long i0, long i1, int ith)
 {
-    struct attn_job *j = ctx;
-    engine_t *e = j->e;
     const struct model_config *c = &e->m->cfg;
-    const kvcache_t *kv = e->kv;
     const int hd = (int)c->head_dim, nh = (int)c->n_head;
     const int group = (int)(c->n_head / c->n_head_kv);
-    const uint32_t bt = kv->block_tokens;
-    struct kern_attn_args a = {
-        .k_base = kv_block_ptr(kv, 0, j->layer, 0),
-        .v_base = kv_block_ptr(kv, 0, j->layer, 1),
-        .block_tokens = (int)bt,
-        .head_dim = hd,
-        .block_stride = kv->block_bytes,
-        .k_head_stride = kv->k_head_bytes,
-        .v_head_stride = kv->v_head_bytes,
-        .k_type = kv->k_type,
-        .v_type = kv->v_type,
-        .scale = c->attn_scale,
-        .scores = e->scores + (size_t)ith * group * e->p.max_ctx,
-    };
-    /* a windowed layer: one range per token, the window's positions only */
+    const uint32_t bt = e->kv->block_tokens;
     const bool windowed = model_layer_windowed(c, j->layer);
     const uint64_t *item0 = windowed ? e->item0_win : e->item0;
-    /* The items are (token, range of positions, query head), in that order;
-     * each thread takes a contiguous share and runs the heads of its share
-     * that share a KV head together, reading each K/V row once for them. A
-     * context longer than one range is cut into ranges of e->chunk positions
-     * (the same cuts whatever the thread count), whose partial results
-     * merge_run combines in range order. A head's result is the same bits
-     * however heads are grouped or shared out. */
-    long i0, i1;
-    if (windowed) {
-        tpool_split((long)item0[j->T], ith, nth, &i0, &i1);  /* a window: equal work per item */
-    } else {
-        /* by cost: a causal prefill's later tokens read more positions */
-        i0 = attn_cut(e, j->T, ith, nth);
-        i1 = attn_cut(e, j->T, ith + 1, nth);
+    /* the token of item i0: the last t with item0[t] <= i0 < item0[t + 1] */
+    long lo = 0, hi = j->T - 1;
+    while (lo < hi) {
+        const long mid = (lo + hi) / 2;
+        if ((long)item0[mid + 1] <= i0)
+            lo = mid + 1;
+        else
+            hi = mid;
     }
-    if (!windowed && e->n_units > 0)
-        tiles_run(e, j, ith, nth);
-    long t = 0;
-    while (t + 1 < j->T && (long)item0[t + 1] <= i0)
-        t++;
+    long t = lo;
     for (long i = i0; i < i1;) {
         while ((long)item0[t + 1] <= i)
             t++;
         if (windowed && e->win_tiles && i == (long)item0[t]) {
             const uint32_t nt = win_run(e, j, (uint32_t)t, i1);
             if (nt >= 2) {
-                win_tile(e, j, &a, (uint32_t)t, nt, ith);
+                win_tile(e, j, a, (uint32_t)t, nt, ith);
                 i += (long)nt * nh;
                 t += nt - 1;
                 continue;
@@ -860,38 +833,125 @@ static void attn_run(void *ctx, int ith, int nth)
         int n_q = (kvh + 1) * group - h0;
         if (i + n_q > i1)
             n_q = (int)(i1 - i);
-        const uint32_t *blocks = seq_table(kv, &j->seqs[e->tok_seq[t]], j->layer);
+        const uint32_t *blocks = seq_table(e->kv, &j->seqs[e->tok_seq[t]], j->layer);
         const int n_ctx = e->tok_pos[t] + 1;
-        a.n_q = n_q;
-        a.q = e->q + (size_t)t * nh * hd + (size_t)h0 * hd;
-        a.kv_head = kvh;
-        a.skip = 0;
+        a->n_q = n_q;
+        a->q = e->q + (size_t)t * nh * hd + (size_t)h0 * hd;
+        a->kv_head = kvh;
+        a->skip = 0;
         if (windowed) {
             /* positions [lo, n_ctx): the last swa_window ones */
-            const int lo = n_ctx > (int)c->swa_window ? n_ctx - (int)c->swa_window : 0;
-            const int first = lo / (int)bt * (int)bt;
-            a.out = e->xb + (size_t)t * nh * hd + (size_t)h0 * hd;
-            a.blocks = blocks + first / (int)bt;
-            a.n_ctx = n_ctx - first;
-            a.skip = lo - first;
-            a.stats = NULL;
+            const int first_pos = n_ctx > (int)c->swa_window ? n_ctx - (int)c->swa_window : 0;
+            const int first = first_pos / (int)bt * (int)bt;
+            a->out = e->xb + (size_t)t * nh * hd + (size_t)h0 * hd;
+            a->blocks = blocks + first / (int)bt;
+            a->n_ctx = n_ctx - first;
+            a->skip = first_pos - first;
+            a->stats = NULL;
         } else if (e->n_range[t] == 1) {
-            a.out = e->xb + (size_t)t * nh * hd + (size_t)h0 * hd;
-            a.blocks = blocks;
-            a.n_ctx = n_ctx;
-            a.stats = NULL;
+            a->out = e->xb + (size_t)t * nh * hd + (size_t)h0 * hd;
+            a->blocks = blocks;
+            a->n_ctx = n_ctx;
+            a->stats = NULL;
         } else {
             const size_t slot = (size_t)e->slot0[t] + (size_t)r;
             const int from = r * (int)e->chunk;
-            a.out = e->part + (slot * nh + (size_t)h0) * hd;
-            a.stats = e->part_stats + (slot * nh + (size_t)h0) * 2;
-            a.blocks = blocks + from / (int)bt;
-            a.n_ctx = n_ctx - from < (int)e->chunk ? n_ctx - from : (int)e->chunk;
+            a->out = e->part + (slot * nh + (size_t)h0) * hd;
+            a->stats = e->part_stats + (slot * nh + (size_t)h0) * 2;
+            a->blocks = blocks + from / (int)bt;
+            a->n_ctx = n_ctx - from < (int)e->chunk ? n_ctx - from : (int)e->chunk;
         }
-        kern_attn(&a);
+        kern_attn(a);
         i += n_q;
     }
 }
+
+/* Items taken at a time at a layer: one KV head's queries of one (token,
+ * range), or at a windowed layer one tile's tokens. */
+static long attn_step_items(const engine_t *e, bool windowed)
+{
+    const struct model_config *c = &e->m->cfg;
+    const long group = (long)(c->n_head / c->n_head_kv);
+    return windowed ? (long)(KERN_ATTN_LANES / group) * (long)c->n_head : group;
+}
+
+/* Lays out each thread's share of layer j->layer's attention before it runs:
+ * the prefill tiles whose work starts in its nth part of their cost, and the
+ * items of its part of theirs (whole KV-head groups; at a windowed layer,
+ * whole tokens: equal work per token). */
+static void attn_shares(engine_t *e, const struct attn_job *j)
+{
+    const struct model_config *c = &e->m->cfg;
+    const int nth = e->n_threads;
+    const bool windowed = model_layer_windowed(c, j->layer);
+    const long group = (long)(c->n_head / c->n_head_kv);
+    const uint64_t total = e->unit_cost0[e->n_units];
+    uint32_t u = 0;
+    for (int k = 0; k < nth; k++) {
+        struct attn_share *s = &e->ashare[k];
+        s->unit_next = u;
+        if (!windowed) {
+            const uint64_t c1 = total * (uint64_t)(k + 1) / (uint64_t)nth;
+            while (u < e->n_units && (k == nth - 1 || e->unit_cost0[u] < c1))
+                u++;
+        }
+        s->unit_end = u;
+        if (windowed) {
+            long t0, t1;
+            tpool_split(j->T, k, nth, &t0, &t1);
+            s->item_next = t0 * (long)c->n_head;
+            s->item_end = t1 * (long)c->n_head;
+        } else {
+            /* by cost: a causal prefill's later tokens read more positions */
+            const long i0 = attn_cut(e, j->T, k, nth), i1 = attn_cut(e, j->T, k + 1, nth);
+            s->item_next = i0 - i0 % group;
+            s->item_end = k == nth - 1 ? i1 : i1 - i1 % group;
+        }
+    }
+}
+
+/* Attention of every (token, query head) pair: each thread runs its share,
+ * a tile or an item group at a time, then takes what is left of the others'
+ * (a thread that starts late, runs slow or finds its K/V cold holds up the
+ * layer by one tile at most). Every output is computed whole by one call. */
+static void attn_run(void *ctx, int ith, int nth)
+{
+    struct attn_job *j = ctx;
+    engine_t *e = j->e;
+    const struct model_config *c = &e->m->cfg;
+    const kvcache_t *kv = e->kv;
+    const int group = (int)(c->n_head / c->n_head_kv);
+    struct kern_attn_args a = {
+        .k_base = kv_block_ptr(kv, 0, j->layer, 0),
+        .v_base = kv_block_ptr(kv, 0, j->layer, 1),
+        .block_tokens = (int)kv->block_tokens,
+        .head_dim = (int)c->head_dim,
+        .block_stride = kv->block_bytes,
+        .k_head_stride = kv->k_head_bytes,
+        .v_head_stride = kv->v_head_bytes,
+        .k_type = kv->k_type,
+        .v_type = kv->v_type,
+        .scale = c->attn_scale,
+        .scores = e->scores + (size_t)ith * group * e->p.max_ctx,
+    };
+    const long step = attn_step_items(e, model_layer_windowed(c, j->layer));
+    for (int k = 0; k < nth; k++) {
+        struct attn_share *s = &e->ashare[(ith + k + (int)(e->p.share_shift % (uint32_t)nth)) % nth];
+        for (;;) {
+            const long u = __atomic_fetch_add(&s->unit_next, 1, __ATOMIC_RELAXED);
+            if (u >= s->unit_end)
+                break;
+            attn_tile(e, j, &a, (uint32_t)u, ith);
+        }
+        for (;;) {
+            const long i = __atomic_fetch_add(&s->item_next, step, __ATOMIC_RELAXED);
+            if (i >= s->item_end)
+                break;
+            attn_items(e, j, &a, i, i + step < s->item_end ? i + step : s->item_end, ith);
+        }
+    }
+}
+
 
 /* Combines the ranges of every split (token, head), in range order. */
 static void merge_run(void *ctx, int ith, int nth)
@@ -1175,6 +1235,7 @@ int engine_step(engine_t *e, const struct fwd_seq *seqs, uint32_t n_seqs,
         struct rope_job rj = { e, seqs, l, (int)T };
         run_rows(e, rope_run, &rj, T);
         struct attn_job aj = { e, seqs, l, (int)T };
+        attn_shares(e, &aj);
         run_job(e, attn_run, &aj);
         if (split)
             run_job(e, merge_run, &aj);

@@ -39,6 +39,9 @@ struct engine_params {
     uint32_t attn_chunk;    /* longer contexts are cut into ranges of this many positions,
                              * spread over threads and merged; 0: 1024 (rounded up to whole
                              * KV blocks) */
+    uint32_t share_shift;   /* tests: thread i starts with the share of the work that an even
+                             * split gives thread (i + share_shift) % threads, so that every
+                             * share runs on another thread than its owner; 0: its own */
 };
 
 struct engine_params engine_default_params(void);

@@ -207,6 +207,7 @@ struct rig {
 };
 
 static uint32_t rig_chunk;  /* the engines' attention range (0: the default) */
+static uint32_t rig_shift;  /* their share_shift: each share of a job on another thread */
 
 /* The KV format the contract tests run over (their caches are f16 otherwise). */
 static struct kv_format {
@@ -231,6 +232,7 @@ static struct rig rig_new(const model_t *m, uint32_t block_tokens, uint32_t n_bl
     ep.max_tokens = 256;
     ep.n_threads = threads;
     ep.attn_chunk = rig_chunk;
+    ep.share_shift = rig_shift;
     r.e = engine_new(m, r.kv, &ep, err, sizeof(err));
     REQUIRE(r.e != NULL);
     return r;
@@ -553,6 +555,7 @@ static void test_parts_contract(const model_t *m)
     ep.max_tokens = 400;    /* both whole sequences in one step */
     ep.n_threads = 2;
     ep.attn_chunk = rig_chunk;
+    ep.share_shift = rig_shift;
     r.e = engine_new(m, r.kv, &ep, err, sizeof(err));
     REQUIRE(r.e != NULL);
     uint32_t store[2][KV_MAX_PARTS][PT_LOGICAL];
@@ -678,6 +681,19 @@ static void test_chunking(const model_t *m)
     float *single = run_chunks(&r1, toks, n, 25, blocks, 10);
     CHECK(memcmp(whole, single, bytes) == 0);
     rig_free(&r1);
+    /* every share of a job (product rows, attention tiles and items) run by
+     * another thread than the one the split lays it out for: the bits of
+     * each output do not depend on the thread that computes it */
+    rig_shift = 1;
+    struct rig rs = rig_new(m, 8, 10, KERN_F16, 2);
+    float *shifted = run_chunks(&rs, toks, n, n, blocks, 10);
+    CHECK(memcmp(whole, shifted, bytes) == 0);
+    free(shifted);
+    shifted = run_chunks(&rs, toks, n, 13, blocks, 10);
+    CHECK(memcmp(whole, shifted, bytes) == 0);
+    free(shifted);
+    rig_free(&rs);
+    rig_shift = 0;
     /* blocks of 16: a windowed layer's prefill tokens go in tiles (each query
      * from its own window's block) where the path has them; one at a time
      * they do not */
@@ -690,6 +706,17 @@ static void test_chunking(const model_t *m)
     CHECK(memcmp(whole, ones16, bytes) == 0);
     CHECK(memcmp(whole, odd16, bytes) == 0);
     rig_free(&r16);
+    /* the windowed tiles and items on other threads than their own, of three */
+    rig_shift = 2;
+    struct rig rs16 = rig_new(m, 16, 5, KERN_F16, 3);
+    float *shifted16 = run_chunks(&rs16, toks, n, n, blocks16, 5);
+    CHECK(memcmp(whole, shifted16, bytes) == 0);
+    free(shifted16);
+    shifted16 = run_chunks(&rs16, toks, n, 11, blocks16, 5);
+    CHECK(memcmp(whole, shifted16, bytes) == 0);
+    free(shifted16);
+    rig_free(&rs16);
+    rig_shift = 0;
     /* blocks of 32: a tile's queries may start two blocks of the kernel's V
      * rows apart (16 positions at head size 256); where the attention range
      * is 16 positions, blocks of 32 round it up to 32 (other cuts, other
@@ -716,12 +743,38 @@ static void test_chunking(const model_t *m)
     free(single);
 }
 
+/* Sequence 0 of toks inside a batch of 8 on engine r: everyone prefills a
+ * different amount, then its last 10 tokens beside decode tokens and other
+ * chunks; checks their logits against `alone`. */
+static void check_batched(struct rig *r, int32_t toks[8][60], uint32_t tables[8][8], const float *alone)
+{
+    const uint32_t V = engine_model(r->e)->cfg.n_vocab;
+    char err[256];
+    struct fwd_seq seqs[8];
+    const float *lg;
+    uint32_t rows;
+    for (int s = 0; s < 8; s++)
+        seqs[s] = (struct fwd_seq){ toks[s], (uint32_t)(s == 0 ? 50 : 5 + 5 * s), 0, tables[s], 8, false, NULL };
+    REQUIRE(engine_step(r->e, seqs, 8, &lg, &rows, err, sizeof(err)) == 0);
+    for (int s = 1; s < 8; s++) {
+        uint32_t done = (uint32_t)(5 + 5 * s);
+        seqs[s] = (struct fwd_seq){ toks[s] + done, s % 2 ? 3u : 1u, done, tables[s], 8, s == 3, NULL };
+    }
+    seqs[0] = (struct fwd_seq){ toks[0] + 50, 10, 50, tables[0], 8, true, NULL };
+    /* sequence 0 in the middle of the batch */
+    struct fwd_seq mixed[8] = { seqs[1], seqs[2], seqs[3], seqs[0], seqs[4], seqs[5], seqs[6], seqs[7] };
+    REQUIRE(engine_step(r->e, mixed, 8, &lg, &rows, err, sizeof(err)) == 0);
+    /* rows: s1 (1), s2 (1), s3 (3, all), then s0's 10 */
+    CHECK_INT(rows, 1 + 1 + 3 + 10 + 4);
+    CHECK(memcmp(lg + (size_t)5 * V, alone + (size_t)50 * V, (size_t)10 * V * 4) == 0);
+}
+
 /* A sequence alone equals the same sequence inside a batch of 8 others at
- * other positions, with prefill chunks and decode tokens mixed. */
+ * other positions, with prefill chunks and decode tokens mixed; also where
+ * each share of the batch's jobs runs on another thread than its own. */
 static void test_batch_invariance(const model_t *m)
 {
     const uint32_t V = m->cfg.n_vocab;
-    char err[256];
     struct rig r = rig_new(m, 16, 64, KERN_F16, 2);
     int32_t toks[8][60];
     uint32_t tables[8][8];
@@ -732,27 +785,14 @@ static void test_batch_invariance(const model_t *m)
     }
     /* sequence 0 alone: 50 tokens, then logits of a 10-token chunk */
     float *alone = run_chunks(&r, toks[0], 60, 50, tables[0], 8);
-    /* the same, batched: first everyone prefills a different amount ... */
-    struct fwd_seq seqs[8];
-    const float *lg;
-    uint32_t rows;
-    for (int s = 0; s < 8; s++)
-        seqs[s] = (struct fwd_seq){ toks[s], (uint32_t)(s == 0 ? 50 : 5 + 5 * s), 0, tables[s], 8, false, NULL };
-    REQUIRE(engine_step(r.e, seqs, 8, &lg, &rows, err, sizeof(err)) == 0);
-    /* ... then sequence 0's last chunk beside decode tokens and other chunks */
-    for (int s = 1; s < 8; s++) {
-        uint32_t done = (uint32_t)(5 + 5 * s);
-        seqs[s] = (struct fwd_seq){ toks[s] + done, s % 2 ? 3u : 1u, done, tables[s], 8, s == 3, NULL };
-    }
-    seqs[0] = (struct fwd_seq){ toks[0] + 50, 10, 50, tables[0], 8, true, NULL };
-    /* sequence 0 in the middle of the batch */
-    struct fwd_seq mixed[8] = { seqs[1], seqs[2], seqs[3], seqs[0], seqs[4], seqs[5], seqs[6], seqs[7] };
-    REQUIRE(engine_step(r.e, mixed, 8, &lg, &rows, err, sizeof(err)) == 0);
-    /* rows: s1 (1), s2 (1), s3 (3, all), then s0's 10 */
-    CHECK_INT(rows, 1 + 1 + 3 + 10 + 4);
-    CHECK(memcmp(lg + (size_t)5 * V, alone + (size_t)50 * V, (size_t)10 * V * 4) == 0);
-    free(alone);
+    check_batched(&r, toks, tables, alone);
     rig_free(&r);
+    rig_shift = 1;
+    r = rig_new(m, 16, 64, KERN_F16, 2);
+    rig_shift = 0;
+    check_batched(&r, toks, tables, alone);
+    rig_free(&r);
+    free(alone);
 }
 
 /* Decode tokens side by side that share whole attention ranges (the same
