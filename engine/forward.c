@@ -866,25 +866,14 @@ static void attn_items(engine_t *e, const struct attn_job *j, struct kern_attn_a
     }
 }
 
-/* Items taken at a time at a layer: one KV head's queries of one (token,
- * range), or at a windowed layer one tile's tokens. */
-static long attn_step_items(const engine_t *e, bool windowed)
-{
-    const struct model_config *c = &e->m->cfg;
-    const long group = (long)(c->n_head / c->n_head_kv);
-    return windowed ? (long)(KERN_ATTN_LANES / group) * (long)c->n_head : group;
-}
-
 /* Lays out each thread's share of layer j->layer's attention before it runs:
  * the prefill tiles whose work starts in its nth part of their cost, and the
- * items of its part of theirs (whole KV-head groups; at a windowed layer,
- * whole tokens: equal work per token). */
+ * items of its nth part of theirs (at a windowed layer, equal work per item). */
 static void attn_shares(engine_t *e, const struct attn_job *j)
 {
     const struct model_config *c = &e->m->cfg;
     const int nth = e->n_threads;
     const bool windowed = model_layer_windowed(c, j->layer);
-    const long group = (long)(c->n_head / c->n_head_kv);
     const uint64_t total = e->unit_cost0[e->n_units];
     uint32_t u = 0;
     for (int k = 0; k < nth; k++) {
@@ -897,15 +886,29 @@ static void attn_shares(engine_t *e, const struct attn_job *j)
         }
         s->unit_end = u;
         if (windowed) {
-            long t0, t1;
-            tpool_split(j->T, k, nth, &t0, &t1);
-            s->item_next = t0 * (long)c->n_head;
-            s->item_end = t1 * (long)c->n_head;
+            tpool_split((long)e->item0_win[j->T], k, nth, &s->item_next, &s->item_end);
         } else {
             /* by cost: a causal prefill's later tokens read more positions */
-            const long i0 = attn_cut(e, j->T, k, nth), i1 = attn_cut(e, j->T, k + 1, nth);
-            s->item_next = i0 - i0 % group;
-            s->item_end = k == nth - 1 ? i1 : i1 - i1 % group;
+            s->item_next = attn_cut(e, j->T, k, nth);
+            s->item_end = attn_cut(e, j->T, k + 1, nth);
+        }
+    }
+}
+
+/* Takes the next items of share s: up to the end of the KV-head group of the
+ * first (at a windowed layer, up to a tile's tokens further); -1 when none
+ * are left, else the first, with *end set. */
+static long attn_take(struct attn_share *s, long align, long span, long *end)
+{
+    long i = __atomic_load_n(&s->item_next, __ATOMIC_RELAXED);
+    for (;;) {
+        if (i >= s->item_end)
+            return -1;
+        const long next = (i / align + span) * align;
+        const long stop = next < s->item_end ? next : s->item_end;
+        if (__atomic_compare_exchange_n(&s->item_next, &i, stop, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            *end = stop;
+            return i;
         }
     }
 }
@@ -934,7 +937,10 @@ static void attn_run(void *ctx, int ith, int nth)
         .scale = c->attn_scale,
         .scores = e->scores + (size_t)ith * group * e->p.max_ctx,
     };
-    const long step = attn_step_items(e, model_layer_windowed(c, j->layer));
+    /* items taken at a time: one KV head's queries of a (token, range), or
+     * at a windowed layer a tile's tokens */
+    const bool windowed = model_layer_windowed(c, j->layer);
+    const long align = windowed ? (long)c->n_head : group, span = windowed ? KERN_ATTN_LANES / group : 1;
     for (int k = 0; k < nth; k++) {
         struct attn_share *s = &e->ashare[(ith + k + (int)(e->p.share_shift % (uint32_t)nth)) % nth];
         for (;;) {
@@ -943,12 +949,9 @@ static void attn_run(void *ctx, int ith, int nth)
                 break;
             attn_tile(e, j, &a, (uint32_t)u, ith);
         }
-        for (;;) {
-            const long i = __atomic_fetch_add(&s->item_next, step, __ATOMIC_RELAXED);
-            if (i >= s->item_end)
-                break;
-            attn_items(e, j, &a, i, i + step < s->item_end ? i + step : s->item_end, ith);
-        }
+        long i, end;
+        while ((i = attn_take(s, align, span, &end)) >= 0)
+            attn_items(e, j, &a, i, end, ith);
     }
 }
 
