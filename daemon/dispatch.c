@@ -405,7 +405,7 @@ static void grant(struct kvd *k, struct request *r, uint32_t from)
     free(flat);
 }
 
-void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions)
+void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions, bool ahead)
 {
     struct request *r = req_from_worker(k, w, seq_id);
     if (r == NULL || r->state != REQ_RUNNING)
@@ -423,8 +423,14 @@ void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions)
     if (rc == KVD_ENOSPACE)
         rc = prefix_seq_grow(req_px(k, r), &r->ps, n_positions, known, n_known);
     if (rc == 0) {
-        if (r->ps.n_blocks > before)
+        if (r->ps.n_blocks > before || ahead)
             grant(k, r, before);
+        return;
+    }
+    if (ahead) {
+        /* asked before it must: no room is no reason to preempt; the empty
+         * Grant lets the worker ask again when it must */
+        grant(k, r, r->ps.n_blocks);
         return;
     }
     /* the pool is full: preempt the youngest other sequence; the worker waits

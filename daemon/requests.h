@@ -20,7 +20,7 @@ void req_dispatch(struct kvd *k);
 void req_tick(struct kvd *k);
 void req_on_commit(struct kvd *k, int w, const Kvdw__Commit *c);
 void req_on_tokens(struct kvd *k, int w, const Kvdw__TokenChunk *c);
-void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions);
+void req_on_lease(struct kvd *k, int w, uint64_t seq_id, uint32_t n_positions, bool ahead);
 void req_on_window(struct kvd *k, int w, uint64_t seq_id, uint32_t n_written);
 void req_on_done(struct kvd *k, int w, uint64_t seq_id, int reason, uint32_t n_written,
                  const char *error);

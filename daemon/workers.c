@@ -409,7 +409,7 @@ void workers_on_message(struct kvd *k, const uint8_t *rid, size_t rid_len, const
         req_on_tokens(k, i, m->chunk);
         break;
     case KVDW__FROM_WORKER__BODY_LEASE:
-        req_on_lease(k, i, m->lease->seq_id, m->lease->n_positions);
+        req_on_lease(k, i, m->lease->seq_id, m->lease->n_positions, m->lease->has_ahead && m->lease->ahead);
         break;
     case KVDW__FROM_WORKER__BODY_WINDOW:
         req_on_window(k, i, m->window->seq_id, m->window->n_written);

@@ -70,6 +70,7 @@
 #include "worker_gpu.h"
 
 #define HEARTBEAT_MS 250
+#define LEASE_AHEAD 4    /* a decoding sequence asks for its next block this many tokens early */
 
 struct options {
     const char *model, *pool, *endpoint;
@@ -233,13 +234,17 @@ static void send_done(struct worker *w, const struct wseq *s, Kvdw__DoneReason w
     send_msg(w, &m);
 }
 
-static void send_lease(struct worker *w, struct wseq *s, uint32_t n_positions)
+/* Asks kvd for blocks up to n_positions; `ahead`: before the sequence must
+ * have them (LeaseRequest.ahead). */
+static void send_lease(struct worker *w, struct wseq *s, uint32_t n_positions, bool ahead)
 {
     Kvdw__FromWorker m = KVDW__FROM_WORKER__INIT;
     Kvdw__LeaseRequest l = KVDW__LEASE_REQUEST__INIT;
     l.has_seq_id = l.has_n_positions = true;
     l.seq_id = s->id;
     l.n_positions = n_positions;
+    l.has_ahead = ahead;
+    l.ahead = ahead;
     m.body_case = KVDW__FROM_WORKER__BODY_LEASE;
     m.lease = &l;
     send_msg(w, &m);
@@ -685,7 +690,7 @@ static uint32_t plan_take(struct worker *w, struct wseq *s, uint32_t m, uint32_t
         /* ask for blocks up to the end of the history plus the next token
          * (a sequence that asked already runs on what it holds meanwhile) */
         if (!s->leasing)
-            send_lease(w, s, s->n_tok + 1);
+            send_lease(w, s, s->n_tok + 1, false);
         return 0;
     }
     s->chunk = m;
@@ -948,7 +953,7 @@ static void run_step(struct worker *w, uint32_t n)
              * pool of parts): ask for the next ones before they run out */
             const uint32_t cap = seq_capacity(w, s);
             if (!s->leasing && cap < s->n_tok + 1 && cap - s->pos < w->o.step_tokens)
-                send_lease(w, s, s->n_tok + 1);
+                send_lease(w, s, s->n_tok + 1, false);
             continue;
         }
         /* the draw depends on the request and the position only, so a sequence
@@ -1025,9 +1030,17 @@ static void run_step(struct worker *w, uint32_t n)
             wm.window = &wr;
             send_msg(w, &wm);
             s->windowing = true;
-        } else if (s->n_tok > seq_capacity(w, s)) {
-            /* the next decode needs a new block: ask ahead of time */
-            send_lease(w, s, s->n_tok + 1);
+        } else if (!s->leasing && s->n_tok > seq_capacity(w, s)) {
+            /* the next decode needs a new block: ask now */
+            send_lease(w, s, s->n_tok + 1, false);
+        } else if (!s->leasing) {
+            /* a block needed within LEASE_AHEAD tokens: asked now, it comes
+             * while the next steps run (asked when it must, the sequence sat
+             * out a step at every block: one in sixteen of its decode steps) */
+            const uint32_t left = s->max_new - s->n_new;   /* tokens still to draw, >= 1 */
+            const uint32_t want = s->n_tok + MIN(LEASE_AHEAD, left - 1);
+            if (want > seq_capacity(w, s) && want <= w->o.ctx)
+                send_lease(w, s, want, true);
         }
     }
 }
