@@ -1043,7 +1043,8 @@ int wire_check_to_worker(const Kvdw__ToWorker *m, char *err, size_t errlen)
             break;
         if (!m->grant->has_seq_id)
             return missing("grant", "seq_id", err, errlen);
-        return check_blocks(m->grant->n_blocks, "grant.blocks", err, errlen);
+        /* empty: the answer to an ahead lease that the pool has no room for */
+        return m->grant->n_blocks == 0 ? 0 : check_blocks(m->grant->n_blocks, "grant.blocks", err, errlen);
     case KVDW__TO_WORKER__BODY_WINDOW:
         if (m->window == NULL)
             break;

@@ -1237,10 +1237,14 @@ static void test_worker_rejects(void)
     as.has_seq_id = 1;
     ROUNDTRIP(TO_WORKER, &t, NULL);
 
+    /* a grant of no blocks answers an ahead lease the pool has no room for */
     Kvdw__Grant gr = KVDW__GRANT__INIT;
     gr.has_seq_id = 1;
     t = to_worker(KVDW__TO_WORKER__BODY_GRANT, &gr);
-    REJECT(TO_WORKER, &t, KVD_ERANGE, "grant.blocks has 0 block ids", NULL);
+    Kvdw__ToWorker *v = ROUNDTRIP(TO_WORKER, &t, "to_worker_grant_empty");
+    CHECK(v != NULL && v->grant->n_blocks == 0);
+    gr.has_seq_id = 0;
+    REJECT(TO_WORKER, &t, KVD_EFORMAT, "grant has no seq_id", NULL);
 
     Kvdw__Cancel cn = KVDW__CANCEL__INIT;
     t = to_worker(KVDW__TO_WORKER__BODY_CANCEL, &cn);
