@@ -659,6 +659,26 @@ static void test_paged_equals_contiguous(const model_t *m)
     rig_free(&b);
 }
 
+/* toks (n of them) in one prefill and in chunks of `chunk` on an engine of
+ * `threads` whose thread i runs share (i + shift) % threads of each job: the
+ * logits equal `want`, bit for bit. */
+static void check_shifted(const model_t *m, const int32_t *toks, int n, uint32_t block_tokens,
+                          const uint32_t *blocks, uint32_t n_blocks, int threads, uint32_t shift, int chunk,
+                          const float *want)
+{
+    const size_t bytes = (size_t)n * m->cfg.n_vocab * 4;
+    rig_shift = shift;
+    struct rig r = rig_new(m, block_tokens, n_blocks, KERN_F16, threads);
+    rig_shift = 0;
+    const int chunks[2] = { n, chunk };
+    for (int i = 0; i < 2; i++) {
+        float *got = run_chunks(&r, toks, n, chunks[i], blocks, n_blocks);
+        CHECK(memcmp(want, got, bytes) == 0);
+        free(got);
+    }
+    rig_free(&r);
+}
+
 /* Chunked prefill (and token-by-token decode) equals one prefill, bit for bit;
  * thread count changes nothing either. */
 static void test_chunking(const model_t *m)
@@ -684,16 +704,7 @@ static void test_chunking(const model_t *m)
     /* every share of a job (product rows, attention tiles and items) run by
      * another thread than the one the split lays it out for: the bits of
      * each output do not depend on the thread that computes it */
-    rig_shift = 1;
-    struct rig rs = rig_new(m, 8, 10, KERN_F16, 2);
-    float *shifted = run_chunks(&rs, toks, n, n, blocks, 10);
-    CHECK(memcmp(whole, shifted, bytes) == 0);
-    free(shifted);
-    shifted = run_chunks(&rs, toks, n, 13, blocks, 10);
-    CHECK(memcmp(whole, shifted, bytes) == 0);
-    free(shifted);
-    rig_free(&rs);
-    rig_shift = 0;
+    check_shifted(m, toks, n, 8, blocks, 10, 2, 1, 13, whole);
     /* blocks of 16: a windowed layer's prefill tokens go in tiles (each query
      * from its own window's block) where the path has them; one at a time
      * they do not */
@@ -707,16 +718,7 @@ static void test_chunking(const model_t *m)
     CHECK(memcmp(whole, odd16, bytes) == 0);
     rig_free(&r16);
     /* the windowed tiles and items on other threads than their own, of three */
-    rig_shift = 2;
-    struct rig rs16 = rig_new(m, 16, 5, KERN_F16, 3);
-    float *shifted16 = run_chunks(&rs16, toks, n, n, blocks16, 5);
-    CHECK(memcmp(whole, shifted16, bytes) == 0);
-    free(shifted16);
-    shifted16 = run_chunks(&rs16, toks, n, 11, blocks16, 5);
-    CHECK(memcmp(whole, shifted16, bytes) == 0);
-    free(shifted16);
-    rig_free(&rs16);
-    rig_shift = 0;
+    check_shifted(m, toks, n, 16, blocks16, 5, 3, 2, 11, whole);
     /* blocks of 32: a tile's queries may start two blocks of the kernel's V
      * rows apart (16 positions at head size 256); where the attention range
      * is 16 positions, blocks of 32 round it up to 32 (other cuts, other
