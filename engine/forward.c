@@ -940,7 +940,8 @@ static void attn_run(void *ctx, int ith, int nth)
     /* items taken at a time: one KV head's queries of a (token, range), or
      * at a windowed layer a tile's tokens */
     const bool windowed = model_layer_windowed(c, j->layer);
-    const long align = windowed ? (long)c->n_head : group, span = windowed ? KERN_ATTN_LANES / group : 1;
+    const long align = windowed ? (long)c->n_head : group;
+    const long span = windowed && group <= KERN_ATTN_LANES ? KERN_ATTN_LANES / group : 1;   /* >= 1 */
     for (int k = 0; k < nth; k++) {
         struct attn_share *s = &e->ashare[(ith + k + (int)(e->p.share_shift % (uint32_t)nth)) % nth];
         for (;;) {

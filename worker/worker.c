@@ -1338,10 +1338,11 @@ int main(int argc, char **argv)
     zmq_msg_t msg;
     zmq_msg_init(&msg);
     while (!stop_flag && !(w.draining && w.n_seqs == 0)) {
-        /* wait for messages only when there is nothing to compute */
+        /* wait for messages only when there is nothing to compute: a
+         * sequence that asked for blocks still runs on those it holds */
         bool runnable = false;
         for (uint32_t i = 0; i < w.n_seqs && !runnable; i++)
-            runnable = !w.seqs[i]->leasing;
+            runnable = !w.seqs[i]->windowing && (!w.seqs[i]->leasing || seq_capacity(&w, w.seqs[i]) > w.seqs[i]->pos);
         zmq_pollitem_t it = { w.sock, 0, ZMQ_POLLIN, 0 };
         long wait = runnable ? 0 : HEARTBEAT_MS;
         if (zmq_poll(&it, 1, wait) < 0 && errno != EINTR)

@@ -392,13 +392,14 @@ static void test_narrow_layouts(uint32_t wtype)
 
 /* A random gemma3 model: 6 layers (5 windowed, 1 global), heads wider than
  * n_embd / n_head, a window of `window` positions. */
-static model_t *make_gemma(const char *name, uint32_t wtype, uint32_t window, uint32_t head_dim)
+static model_t *make_gemma_heads(const char *name, uint32_t wtype, uint32_t window, uint32_t head_dim,
+                                 uint32_t n_head)
 {
     struct mkmodel_params p = mkmodel_default_params();
     p.gemma3 = true;
     p.n_layer = 6;
     p.n_embd = 128;
-    p.n_head = 4;
+    p.n_head = n_head;
     p.n_head_kv = 1;
     p.head_dim = head_dim;
     p.swa_window = window;
@@ -410,6 +411,11 @@ static model_t *make_gemma(const char *name, uint32_t wtype, uint32_t window, ui
     p.rope_freq_base = 1e6f;
     p.seed = 99;
     return make_model(&p, name);
+}
+
+static model_t *make_gemma(const char *name, uint32_t wtype, uint32_t window, uint32_t head_dim)
+{
+    return make_gemma_heads(name, wtype, window, head_dim, 4);
 }
 
 /* Gemma 3 against the reference: the window seen, and not more. */
@@ -1059,6 +1065,13 @@ int main(void)
     test_gemma_against_reference("gemma3-q8_0", KERN_Q8_0, KERN_F16, 48, 0.03);
     /* Gemma 3's own head width: the AVX-512 attention at 256 where the CPU has it */
     test_gemma_against_reference("gemma3-hd256", KERN_F32, KERN_F16, 256, 1e-3);
+    {
+        /* 32 query heads on one KV head, more than a tile's lanes: the
+         * windowed layers' items are taken a token at a time */
+        model_t *g32 = make_gemma_heads("gemma3-32-heads", KERN_Q8_0, 7, 64, 32);
+        test_chunking(g32);
+        model_destroy(&g32);
+    }
     model_t *g = make_gemma("gemma3-contract", KERN_Q8_0, 7, 256);
     contract_on_every_path(g, "gemma3");
     for (int isa = (int)kern_isa_best(); isa >= KERN_ISA_C; isa--) {
