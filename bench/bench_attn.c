@@ -72,9 +72,9 @@ static uint64_t read_lines(const uint8_t *p, size_t n)
  * kern_attn_multi call. Median of 9 rounds of ~0.2 s, microseconds per
  * token, and the ratio. */
 #define TOKENS 5
-static void bench_prefill(int n, int nt)
+static void bench_prefill(int n, int nt, uint32_t type)
 {
-    const size_t row = kern_row_bytes(KERN_F16, HD), head = BT * row, bs = 2 * KVH * head;
+    const size_t row = kern_row_bytes(type, HD), head = BT * row, bs = 2 * KVH * head;
     const int nb = (n + TOKENS + BT - 1) / BT;
     uint8_t *mem = malloc((size_t)nb * bs);
     uint32_t *blocks = malloc((size_t)nb * sizeof(uint32_t));
@@ -86,7 +86,7 @@ static void bench_prefill(int n, int nt)
     for (size_t i = 0; i < (size_t)nb * bs / row; i++) {
         for (int d = 0; d < HD; d++)
             r[d] = (float)rand() / (float)RAND_MAX - 0.5f;
-        kern_quantize_row(KERN_F16, r, mem + i * row, HD);
+        kern_quantize_row(type, r, mem + i * row, HD);
     }
     for (int i = 0; i < nb; i++)
         blocks[i] = (uint32_t)(((long)i * 37 + 11) % nb);
@@ -94,7 +94,7 @@ static void bench_prefill(int n, int nt)
         q[i] = (float)rand() / (float)RAND_MAX;
     struct kern_attn_args a = {
         .n_q = GROUP, .blocks = blocks, .block_tokens = BT, .head_dim = HD, .block_stride = bs,
-        .k_head_stride = head, .v_head_stride = head, .k_type = KERN_F16, .v_type = KERN_F16,
+        .k_head_stride = head, .v_head_stride = head, .k_type = type, .v_type = type,
         .scale = 0.125f, .scores = scores, .k_base = mem, .v_base = mem + KVH * head, .kv_head = 1,
     };
     struct kern_attn_query qs[TOKENS * GROUP];
@@ -129,9 +129,9 @@ static void bench_prefill(int n, int nt)
         med[multi] = runs[4];
     }
     if (nt == 2)
-        printf("\ntokens x %d heads over %d positions in one kern_attn_multi call (f16, %s): us per token\n"
+        printf("\ntokens x %d heads over %d positions in one kern_attn_multi call (%s, %s): us per token\n"
                "| tokens | each token alone | all in one kern_attn_multi | speed-up |\n|---|---|---|---|\n",
-               GROUP, n, kern_isa_name(kern_isa()));
+               GROUP, n, kern_type_info(type)->name, kern_isa_name(kern_isa()));
     printf("| %d | %.1f | %.1f | %.2fx |\n", nt, med[0], med[1], med[0] / med[1]);
     free(mem);
     free(blocks);
@@ -164,7 +164,7 @@ int main(int argc, char **argv)
         return 1;
     if (other != NULL)
         memset(other, 1, wipe * layers);
-    const uint32_t types[] = { KERN_F16, KERN_Q8_0, KERN_Q4_0 };
+    const uint32_t types[] = { KERN_F16, KERN_BF16, KERN_Q8_0, KERN_Q4_0 };
     const int nb = (n + BT - 1) / BT;
     double f16_us[KERN_ISA_AVX512VNNI + 1] = { 0 };
     uint64_t sink = 0;
@@ -236,7 +236,8 @@ int main(int argc, char **argv)
     }
     free(other);
     if (wipe == 0)
-        for (int nt = 2; nt <= TOKENS; nt++)
-            bench_prefill(n, nt);
+        for (int bf = 0; bf < 2; bf++)
+            for (int nt = 2; nt <= TOKENS; nt++)
+                bench_prefill(n, nt, bf ? KERN_BF16 : KERN_F16);
     return sink == 42 ? 2 : 0;  /* the reads' sum, so they are not optimized out */
 }

@@ -10,7 +10,7 @@ static const struct {
     uint32_t type;
     const char *name;
 } kv_types[] = {
-    { KERN_F16, "f16" }, { KERN_F32, "f32" }, { KERN_Q8_0, "q8_0" }, { KERN_Q4_0, "q4_0" },
+    { KERN_F16, "f16" }, { KERN_F32, "f32" }, { KERN_BF16, "bf16" }, { KERN_Q8_0, "q8_0" }, { KERN_Q4_0, "q4_0" },
 };
 
 /* The name of a KV type, NULL for a type a cache cannot hold. */
@@ -94,7 +94,7 @@ int kv_format_check(uint32_t head_dim, uint32_t k_type, uint32_t v_type, uint32_
         const uint32_t t = which ? v_type : k_type;
         if (!kv_type_ok(t))
             return kvd_seterr(err, errlen, KVD_EINVAL,
-                              "kvcache: the %s type must be f16, f32, q8_0 or q4_0 (type id %u)",
+                              "kvcache: the %s type must be f16, bf16, f32, q8_0 or q4_0 (type id %u)",
                               which ? "V" : "K", t);
         if (kv_row_bytes(t, head_dim) == 0)
             return kvd_seterr(err, errlen, KVD_EINVAL,

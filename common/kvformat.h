@@ -22,10 +22,10 @@ enum {
     KV_ROT_V = 2,           /* V rows rotated; attention outputs are rotated back */
 };
 
-/* True for a type a cache may hold: f32, f16, q8_0, q4_0. */
+/* True for a type a cache may hold: f32, f16, bf16, q8_0, q4_0. */
 bool kv_type_ok(uint32_t type);
 
-/* "f32", "f16", "q8_0", "q4_0"; "?" for anything else. */
+/* "f32", "f16", "bf16", "q8_0", "q4_0"; "?" for anything else. */
 const char *kv_type_name(uint32_t type);
 
 /* Parses a type name as above into *type; KVD_EINVAL for anything else. */

@@ -531,7 +531,7 @@ struct rope_job {
     int T;
 };
 
-/* Stores one head's row src[hd] as `type` at dst (f32 copied, f16 rounded,
+/* Stores one head's row src[hd] as `type` at dst (f32 copied, f16 and bf16 rounded,
  * q8_0 / q4_0 quantized per 32 values; q4_0 with its scale searched for the
  * least squared error, 12% less KL divergence than max/-8 on the default
  * model). */
@@ -540,6 +540,7 @@ static void kv_store_row(uint8_t *dst, const float *src, int hd, uint32_t type)
     switch (type) {
     case KERN_F16: kern_f32_to_f16_row((kvd_f16 *)dst, src, hd); break;
     case KERN_F32: memcpy(dst, src, (size_t)hd * sizeof(float)); break;
+    case KERN_BF16: kern_quantize_row(KERN_BF16, src, dst, hd); break;
     case KERN_Q8_0: kern_quantize_act(KERN_Q8_0, src, dst, hd); break;
     default: kern_quantize_q4_0_lsq(src, dst, hd); break;     /* KERN_Q4_0 */
     }

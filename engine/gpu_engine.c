@@ -463,6 +463,7 @@ static int resolve_params(struct gpu_engine_params *p, const struct model_config
     if (((uintptr_t)p->kv_base) % 16 != 0)
         return kvd_seterr(err, errlen, KVD_EINVAL, "gpu engine: the KV base is not 16-byte aligned");
     if (!kv_type_ok(p->k_type) || !kv_type_ok(p->v_type) || p->k_type == KERN_F32 || p->v_type == KERN_F32 ||
+        p->k_type == KERN_BF16 || p->v_type == KERN_BF16 ||
         (p->rotate & ~(uint32_t)(KV_ROT_K | KV_ROT_V)) != 0)
         return kvd_seterr(err, errlen, KVD_EUNSUPPORTED,
                           "gpu engine: KV types K %s / V %s (rotation %s): the kernels read f16, q8_0 and q4_0",

@@ -27,6 +27,12 @@ void kern_attn_paged(const struct kern_attn_args *a, int i)
         for (int d = 0; d < hd; d++)
             qh[d] = kvd_f16_to_f32(kvd_f32_to_f16(q[d]));
         q = qh;
+    } else if (a->k_type == KERN_BF16) {
+        kvd_bf16 qb[KERN_MAX_HEAD_DIM];
+        kern_quantize_row(KERN_BF16, q, qb, hd);
+        for (int d = 0; d < hd; d++)
+            qh[d] = kvd_bf16_to_f32(qb[d]);
+        q = qh;
     } else if (k_quant) {
         kern_quantize_act(KERN_Q8_0, q, qq, hd);
     }
@@ -80,8 +86,9 @@ bool kern_attn_multi_ok(uint32_t k_type, uint32_t v_type, int head_dim)
 {
 #if defined(__x86_64__)
     return kern_isa() >= KERN_ISA_AVX512VNNI && (head_dim == 64 || head_dim == 128 || head_dim == 256) &&
-           (k_type == KERN_F16 || k_type == KERN_F32) &&
-           (v_type == KERN_F16 || v_type == KERN_F32 || v_type == KERN_Q8_0 || v_type == KERN_Q4_0);
+           (k_type == KERN_F16 || k_type == KERN_F32 || (k_type == KERN_BF16 && kern_avx512bf16())) &&
+           (v_type == KERN_F16 || v_type == KERN_F32 || v_type == KERN_BF16 || v_type == KERN_Q8_0 ||
+            v_type == KERN_Q4_0);
 #else
     (void)k_type;
     (void)v_type;

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "attn.h"
+#include "cpu.h"
 #include "exp512.h"
 #include "f16.h"
 #include "ops.h"
@@ -30,7 +31,14 @@
 
 static inline bool kv_simd_type(uint32_t t)
 {
-    return t == KERN_F16 || t == KERN_F32 || t == KERN_Q8_0 || t == KERN_Q4_0;
+    return t == KERN_F16 || t == KERN_F32 || t == KERN_BF16 || t == KERN_Q8_0 || t == KERN_Q4_0;
+}
+
+/* Whether this path reads a K of type t: a bf16 K takes the bf16 dot
+ * product (vdpbf16ps), which not every AVX-512 CPU has. */
+static inline bool k_simd_type(uint32_t t)
+{
+    return kv_simd_type(t) && (t != KERN_BF16 || kern_avx512bf16());
 }
 
 /* The score tree. Sixteen positions' partial sums p0 .. p15 (sixteen-lane
@@ -63,6 +71,20 @@ static inline __m512 load16(const uint8_t *row, int h, bool half)
     if (half)
         return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 32 * (size_t)h)));
     return _mm512_loadu_ps((const float *)row + 16 * h);
+}
+
+/* Sixteen bf16 values from value 16h of a row, as floats (exact: the upper
+ * halves of their f32s). */
+static inline __m512 load16_bf(const uint8_t *row, int h)
+{
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 32 * (size_t)h)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+/* Sixteen values of an f16, bf16 or f32 V row (a constant type). */
+static inline __attribute__((always_inline)) __m512 vload16(const uint8_t *row, int h, uint32_t type)
+{
+    return type == KERN_BF16 ? load16_bf(row, h) : load16(row, h, type == KERN_F16);
 }
 
 /* Entering block b of the context: ask for block b + 1's K rows into L1 and
@@ -297,6 +319,103 @@ scores_float(const int HV, const int NQ, const bool HALF, const struct kern_attn
     }
 }
 
+/* Thirty-two values of a query from value 32w on, rounded to bf16 (to
+ * nearest even) in their order. */
+static inline __m512bh q_bf16(const float *q, int w)
+{
+    return _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * w + 16), _mm512_loadu_ps(q + 32 * w));
+}
+
+/* One position's score for one head over a bf16 K row: its sixteen lanes'
+ * partial sums, lane i a chain of bf16 dot products over the row's HW
+ * vectors of 32 values (vdpbf16ps adds, in lane i of vector w, the product
+ * of values 32w + 2i + 1 first and then that of 32w + 2i, each product exact
+ * and each add rounded as an f32 add). The score tree then adds the lanes. */
+static inline __attribute__((always_inline)) __m512 dot_bf(const int HW, const __m512bh *q, const __m512bh *k)
+{
+    __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], k[0]);
+#pragma GCC unroll 8
+    for (int w = 1; w < HW; w++)
+        s = _mm512_dpbf16_ps(s, q[w], k[w]);
+    return s;
+}
+
+/* Scores of NQ heads over a bf16 K: q rounded to bf16, each K row read as it
+ * is stored (no conversion: half of scores_float's multiply-add instructions
+ * for the same positions), sixteen positions through the score tree two at a
+ * time as in scores_float. */
+static inline __attribute__((always_inline)) void
+scores_bf16(const int HV, const int NQ, const struct kern_attn_args *a, int q0, __m512 vmax[MAX_Q])
+{
+    const int hd = 16 * HV, HW = HV / 2, n = a->n_ctx;
+    const size_t row_bytes = (size_t)hd * 2;
+    const size_t v_row_bytes = kern_row_bytes(a->v_type, hd);
+    __m512bh qv[MAX_Q][8];
+    for (int g = 0; g < NQ; g++)
+        for (int w = 0; w < HW; w++)
+            qv[g][w] = q_bf16(a->q + (size_t)(q0 + g) * hd, w);
+    const __m512 scale = _mm512_set1_ps(a->scale);
+    const uint64_t k_off = (uint64_t)a->kv_head * a->k_head_stride;
+    const uint64_t v_off = (uint64_t)a->kv_head * a->v_head_stride;
+    const uint8_t *k_base = a->k_base + k_off;
+    const int bt = a->block_tokens;
+    int blk = 0, off = 0;
+    const uint8_t *k = NULL;
+    const uint8_t *rows[16];
+    for (int j0 = 0; j0 < n; j0 += 16) {
+        const int cnt = n - j0 < 16 ? n - j0 : 16;
+        const __mmask16 m = live16(j0, n, a->skip);
+        for (int p = 0; p < cnt; p++) {
+            if (off == 0) {
+                prefetch_block(a, blk, n, k_off, v_off, row_bytes, v_row_bytes);
+                k = k_base + (size_t)a->blocks[blk] * a->block_stride;
+            }
+            rows[p] = k;
+            k += row_bytes;
+            if (++off == bt) {
+                off = 0;
+                blk++;
+            }
+        }
+        for (int p = cnt; p < 16; p++)
+            rows[p] = zero_row;
+        __m512 x[2][MAX_Q];
+#pragma GCC unroll 2
+        for (int o = 0; o < 2; o++) {
+            __m512 u[2][MAX_Q];
+#pragma GCC unroll 2
+            for (int r = 0; r < 2; r++) {
+                __m512 t[2][MAX_Q];
+#pragma GCC unroll 2
+                for (int i = 0; i < 2; i++) {
+                    const int p = 8 * o + 4 * r + 2 * i;
+                    __m512bh k0[8], k1[8];
+#pragma GCC unroll 8
+                    for (int w = 0; w < HW; w++) {
+                        k0[w] = (__m512bh)_mm512_loadu_si512((const void *)(rows[p] + 64 * w));
+                        k1[w] = (__m512bh)_mm512_loadu_si512((const void *)(rows[p + 1] + 64 * w));
+                    }
+#pragma GCC unroll 4
+                    for (int g = 0; g < NQ; g++)
+                        t[i][g] = tree2(dot_bf(HW, qv[g], k0), dot_bf(HW, qv[g], k1));
+                }
+#pragma GCC unroll 4
+                for (int g = 0; g < NQ; g++)
+                    u[r][g] = tree4(t[0][g], t[1][g]);
+            }
+#pragma GCC unroll 4
+            for (int g = 0; g < NQ; g++)
+                x[o][g] = tree8(u[0][g], u[1][g]);
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < NQ; g++) {
+            const __m512 sc = _mm512_mul_ps(tree8(x[0][g], x[1][g]), scale);
+            _mm512_mask_storeu_ps(a->scores + (size_t)g * n + j0, m, sc);
+            vmax[g] = _mm512_mask_max_ps(vmax[g], m, vmax[g], sc);
+        }
+    }
+}
+
 /* Scores of NQ heads over a q8_0 or q4_0 K: each query quantized to q8_0 as
  * the C reference does; per 32-value block, sixteen positions' codes are
  * transposed once for all heads (codes_t) so that eight vpdpbusd give the
@@ -414,7 +533,7 @@ values_quant(const int HV, const int NQ, const struct kern_attn_args *a, __m512 
     }
 }
 
-/* out = sum p v over an f16 or f32 V for slices [c, c + HC) of NQ heads,
+/* out = sum p v over an f16, bf16 or f32 V (VT) for slices [c, c + HC) of NQ heads,
  * position by position from zero, each V slice converted once for all
  * heads. All of a pass's sums stay in registers: with more than 32 of them
  * (head size 256, three or four heads) GCC kept them on the stack, a load and
@@ -422,7 +541,8 @@ values_quant(const int HV, const int NQ, const struct kern_attn_args *a, __m512 
  * warm rows; 74 in passes of four slices, AMD EPYC); the passes read the V
  * rows again from cache, and each sum's order is the same. */
 static inline __attribute__((always_inline)) void
-values_float(const int HV, const int NQ, const int HC, int c, bool half, const struct kern_attn_args *a, int q0)
+values_float(const int HV, const int NQ, const int HC, int c, const uint32_t VT, const struct kern_attn_args *a,
+             int q0)
 {
     const int hd = 16 * HV, n = a->n_ctx;
     const size_t v_row_bytes = kern_row_bytes(a->v_type, hd);
@@ -437,7 +557,7 @@ values_float(const int HV, const int NQ, const int HC, int c, bool half, const s
         for (int j = j0; j < end; j++, v += v_row_bytes)
 #pragma GCC unroll 16
             for (int h = 0; h < HC; h++) {
-                const __m512 vv = load16(v, c + h, half);
+                const __m512 vv = vload16(v, c + h, VT);
 #pragma GCC unroll 4
                 for (int g = 0; g < NQ; g++)
                     acc[g][h] = _mm512_fmadd_ps(_mm512_set1_ps(a->scores[(size_t)g * n + j]), vv, acc[g][h]);
@@ -459,6 +579,8 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
         vmax[g] = _mm512_set1_ps(-INFINITY);
     if (a->k_type == KERN_F16)
         scores_float(HV, NQ, true, a, q0, vmax);
+    else if (a->k_type == KERN_BF16)
+        scores_bf16(HV, NQ, a, q0, vmax);
     else if (a->k_type == KERN_F32)
         scores_float(HV, NQ, false, a, q0, vmax);
     else
@@ -501,11 +623,17 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
         for (int g = 0; g < NQ; g++)
             for (int h = 0; h < HV; h++)
                 _mm512_storeu_ps(a->out + (size_t)(q0 + g) * hd + 16 * h, acc[g][h]);
-    } else if (NQ * HV <= 32) {
-        values_float(HV, NQ, HV, 0, half, a, q0);
     } else {
-        for (int c = 0; c < HV; c += 4)
-            values_float(HV, NQ, 4, c, half, a, q0);
+        /* the passes of slices: all at once where their sums fit in registers */
+        const int HC = NQ * HV <= 32 ? HV : 4;
+        for (int c = 0; c < HV; c += HC) {
+            if (a->v_type == KERN_F16)
+                values_float(HV, NQ, HC, c, KERN_F16, a, q0);
+            else if (a->v_type == KERN_BF16)
+                values_float(HV, NQ, HC, c, KERN_BF16, a, q0);
+            else
+                values_float(HV, NQ, HC, c, KERN_F32, a, q0);
+        }
     }
 }
 
@@ -532,6 +660,17 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
  */
 
 #define MULTI_P(HV) ((HV) == 4 ? 4 : 8)  /* positions per score tile */
+
+/* The score tree over a position's sixteen slice sums x[0 .. 16), in its
+ * order: ((G0 + G1) + (G2 + G3)), G_g = (x_4g + x_4g+2) + (x_4g+1 + x_4g+3). */
+static inline __m512 tree16(const __m512 *x)
+{
+    __m512 G[4];
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++)
+        G[g] = _mm512_add_ps(_mm512_add_ps(x[4 * g], x[4 * g + 2]), _mm512_add_ps(x[4 * g + 1], x[4 * g + 3]));
+    return _mm512_add_ps(_mm512_add_ps(G[0], G[1]), _mm512_add_ps(G[2], G[3]));
+}
 
 /* The scores of P positions (K rows of floats kf[0 .. P)) for every lane,
  * unscaled, with the score tree's sums in its order. Slice l's chain for lane L is
@@ -567,14 +706,65 @@ static inline __attribute__((always_inline)) void scores_deep(const int HV, cons
         }
     }
 #pragma GCC unroll 1
-    for (int p = 0; p < P; p++) {
-        __m512 G[4];
+    for (int p = 0; p < P; p++)
+        tot[p] = tree16(X[p]);
+}
+
+/* acc + the bf16 dot product of q's pairs with the pair at p broadcast to
+ * every lane, the pair read by the instruction itself (GCC loads it with a
+ * separate broadcast when written with intrinsics: 1.3x slower scores). */
+static inline __m512 dp_bf_bcast(__m512 acc, __m512bh q, const uint8_t *p)
+{
+    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(q), "m"(*(const int32_t *)p));
+    return acc;
+}
+
+/* The scores of P positions of a bf16 K (rows[0 .. P), as stored) for every
+ * lane, unscaled: dot_bf's chains with the queries in the lanes. Qt holds
+ * the queries' bf16 pairs, row 16w + i the pair of values 32w + 2i and
+ * 32w + 2i + 1 of every lane's query, and each K pair is broadcast from its
+ * row, so lane L's chain for slice i is dot_bf's lane i for query L. The
+ * slices are taken as 4g, 4g + 2, 4g + 1, 4g + 3 and their sums added up in
+ * registers as they come, in tree16's order (a pass through memory, as
+ * scores_deep's, cost 1.2-1.55x: P = 5 positions at head size 64, 4 above,
+ * fill the registers). */
+static inline __attribute__((always_inline)) void scores_bf_lanes(const int HW, const int P, const float *Qt,
+                                                                  const uint8_t *const *rows, __m512 *tot)
+{
+    static const int order[4] = { 0, 2, 1, 3 };
+    __m512 g01[5], g23[5], pair[5], first[5];
 #pragma GCC unroll 4
-        for (int g = 0; g < 4; g++)
-            G[g] = _mm512_add_ps(_mm512_add_ps(X[p][4 * g], X[p][4 * g + 2]),
-                                 _mm512_add_ps(X[p][4 * g + 1], X[p][4 * g + 3]));
-        tot[p] = _mm512_add_ps(_mm512_add_ps(G[0], G[1]), _mm512_add_ps(G[2], G[3]));
+    for (int g = 0; g < 4; g++) {
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const int i = 4 * g + order[k];
+            __m512bh qr[8];
+#pragma GCC unroll 8
+            for (int w = 0; w < HW; w++)
+                qr[w] = (__m512bh)_mm512_load_si512((const void *)(Qt + (size_t)(16 * w + i) * 16));
+#pragma GCC unroll 5
+            for (int p = 0; p < P; p++) {
+                __m512 x = dp_bf_bcast(_mm512_setzero_ps(), qr[0], rows[p] + 4 * i);
+#pragma GCC unroll 8
+                for (int w = 1; w < HW; w++)
+                    x = dp_bf_bcast(x, qr[w], rows[p] + 4 * (16 * w + i));
+                if (k == 0 || k == 2) {
+                    first[p] = x;                                   /* x_4g, then x_4g+1 */
+                } else if (k == 1) {
+                    pair[p] = _mm512_add_ps(first[p], x);           /* x_4g + x_4g+2 */
+                } else {
+                    const __m512 G = _mm512_add_ps(pair[p], _mm512_add_ps(first[p], x));
+                    if (g % 2 == 0)
+                        (g == 0 ? g01 : g23)[p] = G;
+                    else
+                        (g == 1 ? g01 : g23)[p] = _mm512_add_ps((g == 1 ? g01 : g23)[p], G);
+                }
+            }
+        }
     }
+#pragma GCC unroll 5
+    for (int p = 0; p < P; p++)
+        tot[p] = _mm512_add_ps(g01[p], g23[p]);
 }
 
 static inline __attribute__((always_inline)) void scores_lanes(const int HV, const int P, const float *Qt,
@@ -648,8 +838,8 @@ static inline __attribute__((always_inline)) void scores_lanes(const int HV, con
  * Called with a constant type, so each type gets its own loop. */
 static inline __attribute__((always_inline)) __m512 v_values16(const uint8_t *row, int c, uint32_t type)
 {
-    if (type == KERN_F16 || type == KERN_F32)
-        return load16(row, c, type == KERN_F16);
+    if (type == KERN_F16 || type == KERN_F32 || type == KERN_BF16)
+        return vload16(row, c, type);
     const size_t blk_bytes = type == KERN_Q8_0 ? sizeof(struct kern_block_q8_0) : sizeof(struct kern_block_q4_0);
     const uint8_t *blk = row + (size_t)(c / 2) * blk_bytes;
     const __m512 d = _mm512_set1_ps(block_scale(blk));
@@ -688,6 +878,7 @@ static inline __attribute__((always_inline)) void v_rows(const int HV, const str
         switch (a->v_type) {
         case KERN_F16: v_rows_typed(HV, KERN_F16, row, v_row, n, dst); break;
         case KERN_F32: v_rows_typed(HV, KERN_F32, row, v_row, n, dst); break;
+        case KERN_BF16: v_rows_typed(HV, KERN_BF16, row, v_row, n, dst); break;
         case KERN_Q8_0: v_rows_typed(HV, KERN_Q8_0, row, v_row, n, dst); break;
         default: v_rows_typed(HV, KERN_Q4_0, row, v_row, n, dst); break;
         }
@@ -755,9 +946,9 @@ static inline __attribute__((always_inline)) void
 multi_pass(const int HV, const struct kern_attn_args *a, const struct kern_attn_query *qs, int nq, float *S,
            float *VF)
 {
-    const int hd = 16 * HV, P = MULTI_P(HV);
-    const bool half = a->k_type == KERN_F16;
-    const size_t k_row = (size_t)hd * (half ? 2 : 4), v_row = kern_row_bytes(a->v_type, hd);
+    const bool half = a->k_type == KERN_F16, bf = a->k_type == KERN_BF16;
+    const int hd = 16 * HV, P = bf ? (HV == 4 ? 5 : 4) : MULTI_P(HV);
+    const size_t k_row = (size_t)hd * (half || bf ? 2 : 4), v_row = kern_row_bytes(a->v_type, hd);
     const uint64_t k_off = (uint64_t)a->kv_head * a->k_head_stride;
     const uint64_t v_off = (uint64_t)a->kv_head * a->v_head_stride;
     /* the queries transposed (rounded to f16 over an f16 K, as attn_pass does) */
@@ -772,7 +963,15 @@ multi_pass(const int HV, const struct kern_attn_args *a, const struct kern_attn_
         sl[L] = L < nq && qs[L].skip > fl[L] ? qs[L].skip : fl[L];
         N = nl[L] > N ? nl[L] : N;
     }
-    for (int L = 0; L < nq; L++)
+    for (int L = 0; L < nq && bf; L++)
+        for (int w = 0; w < HV / 2; w++) {
+            /* bf16 pairs, as scores_bf16 rounds them */
+            uint32_t v[16] __attribute__((aligned(64)));
+            _mm512_store_si512((void *)v, (__m512i)q_bf16(qs[L].q, w));
+            for (int i = 0; i < 16; i++)
+                memcpy(&Qt[(size_t)(16 * w + i) * 16 + L], &v[i], 4);
+        }
+    for (int L = 0; L < nq && !bf; L++)
         for (int h = 0; h < HV; h++) {
             __m512 x = _mm512_loadu_ps(qs[L].q + 16 * h);
             if (half)
@@ -793,6 +992,7 @@ multi_pass(const int HV, const struct kern_attn_args *a, const struct kern_attn_
     int blk = 0, off = 0;
     for (int j0 = 0; j0 < N; j0 += P) {
         const int cnt = N - j0 < P ? N - j0 : P;
+        const uint8_t *rows[8];
         for (int p = 0; p < cnt; p++) {
             if (off == 0)
                 prefetch_block(a, blk, N, k_off, v_off, k_row, v_row);
@@ -801,14 +1001,22 @@ multi_pass(const int HV, const struct kern_attn_args *a, const struct kern_attn_
                 off = 0;
                 blk++;
             }
-            for (int h = 0; h < HV; h++)
-                _mm512_store_ps(&kf[p][16 * h], load16(k, h, half));
+            rows[p] = k;
+            if (!bf)
+                for (int h = 0; h < HV; h++)
+                    _mm512_store_ps(&kf[p][16 * h], load16(k, h, half));
         }
-        for (int p = cnt; p < P; p++)
-            for (int h = 0; h < HV; h++)
-                _mm512_store_ps(&kf[p][16 * h], _mm512_setzero_ps());
+        for (int p = cnt; p < P; p++) {
+            rows[p] = zero_row;
+            if (!bf)
+                for (int h = 0; h < HV; h++)
+                    _mm512_store_ps(&kf[p][16 * h], _mm512_setzero_ps());
+        }
         __m512 tot[8];
-        scores_lanes(HV, P, Qt, (const float (*)[256])kf, tot);
+        if (bf)
+            scores_bf_lanes(HV / 2, HV == 4 ? 5 : 4, Qt, rows, tot);
+        else
+            scores_lanes(HV, P, Qt, (const float (*)[256])kf, tot);
         for (int p = 0; p < cnt; p++) {
             const int j = j0 + p;
             const __mmask16 live = live_lanes(nvec, svec, j);
@@ -920,7 +1128,8 @@ int kern_attn_avx512_multi(const struct kern_attn_args *a, const struct kern_att
                            void *scratch)
 {
     const int hd = a->head_dim;
-    if ((hd != 64 && hd != 128 && hd != 256) || (a->k_type != KERN_F16 && a->k_type != KERN_F32) ||
+    if ((hd != 64 && hd != 128 && hd != 256) || (a->k_type != KERN_F16 && a->k_type != KERN_F32 &&
+                                                   !(a->k_type == KERN_BF16 && kern_avx512bf16())) ||
         !kv_simd_type(a->v_type) || a->skip != 0 || nq < 1 || nq > KERN_ATTN_LANES)
         return 0;
     int N = 0;
@@ -949,7 +1158,7 @@ int kern_attn_avx512_multi(const struct kern_attn_args *a, const struct kern_att
 int kern_attn_avx512(const struct kern_attn_args *a)
 {
     const int hd = a->head_dim;
-    if ((hd != 64 && hd != 128 && hd != 256) || !kv_simd_type(a->k_type) || !kv_simd_type(a->v_type))
+    if ((hd != 64 && hd != 128 && hd != 256) || !k_simd_type(a->k_type) || !kv_simd_type(a->v_type))
         return 0;
     const int HV = hd / 16;
     for (int q0 = 0; q0 < a->n_q; q0 += MAX_Q) {

@@ -135,6 +135,30 @@ bool kern_avxvnni_set(bool on)
     return v;
 }
 
+/* AVX512_BF16 (cpuid leaf 7, subleaf 1, EAX bit 5), on a CPU with the AVX-512 path. */
+static bool has_avx512bf16(void)
+{
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    unsigned a, b, c, d;
+    if (kern_isa_best() < KERN_ISA_AVX512VNNI || !__get_cpuid_count(7, 1, &a, &b, &c, &d))
+        return false;
+    return a & (1u << 5);
+#else
+    return false;
+#endif
+}
+
+bool kern_avx512bf16(void)
+{
+    static int seen = -1;
+    int v = __atomic_load_n(&seen, __ATOMIC_ACQUIRE);
+    if (v < 0) {
+        v = has_avx512bf16();
+        __atomic_store_n(&seen, v, __ATOMIC_RELEASE);
+    }
+    return v && kern_isa() >= KERN_ISA_AVX512VNNI;
+}
+
 static int amx = -1;        /* kern_amx() once chosen */
 static int amx_seen = -1;   /* has_amx() once probed */
 

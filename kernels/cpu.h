@@ -54,6 +54,11 @@ bool kern_avxvnni(void);
 /* Forces that choice (clamped to what the CPU has); for tests. Returns it. */
 bool kern_avxvnni_set(bool on);
 
+/* Whether the AVX-512 path has the bf16 dot product (AVX512_BF16: vdpbf16ps),
+ * which its attention over a bf16 K uses: the CPU has it and the path in use
+ * is AVX-512 (KVD_ISA lower turns it off with the path). */
+bool kern_avx512bf16(void);
+
 /* Whether the AVX-512 VNNI path's packed products of enough tokens
  * (KERN_AMX_MIN_T, gemm.h) run on AMX tiles: where the CPU has AMX-TILE and
  * AMX-INT8, the OS saves the tile state and grants this process the tile data

@@ -1,6 +1,6 @@
 /*
  * test_attn.c - grouped paged attention: the SIMD path against the C
- * reference (within a tolerance) over f16 and f32 caches, several group sizes
+ * reference (within a tolerance) over f16, bf16 and f32 caches, several group sizes
  * and context lengths not multiple of the block; and grouping invariance:
  * heads run together give the same bits as heads run one by one. Over q8_0
  * and q4_0 caches (K and V of either type): every path against an exact
@@ -331,15 +331,25 @@ static void test_multi(void)
     }
     enum { NBLK = 24, DMAX = 256 };
     const int dims[] = { 64, 128, 256 };
-    const uint32_t vtypes[] = { KERN_F16, KERN_F32, KERN_Q8_0, KERN_Q4_0 };
+    const uint32_t ktypes[] = { KERN_F16, KERN_F32, KERN_BF16 };
+    const uint32_t vtypes[] = { KERN_F16, KERN_F32, KERN_BF16, KERN_Q8_0, KERN_Q4_0 };
     const int groups[] = { 1, 3, 4, 5, 8, 16 };
     const int starts[] = { 1, 5, 16, 17, 200, NBLK * BT - 15 };
-    int cases = 0, wcases = 0;
+    int cases = 0, wcases = 0, declined = 0;
     for (size_t di = 0; di < 3; di++)
-        for (int kt = 0; kt < 2; kt++)
-            for (size_t vi = 0; vi < 4; vi++) {
+        for (size_t kt = 0; kt < 3; kt++)
+            for (size_t vi = 0; vi < 5; vi++) {
                 const int D = dims[di];
-                const uint32_t ktype = kt ? KERN_F32 : KERN_F16, vtype = vtypes[vi];
+                const uint32_t ktype = ktypes[kt], vtype = vtypes[vi];
+                if (!kern_attn_multi_ok(ktype, vtype, D)) {
+                    /* a bf16 K without the bf16 dot product: declined, nothing done */
+                    CHECK(ktype == KERN_BF16 && !kern_avx512bf16());
+                    struct kern_attn_args a = { .head_dim = D, .k_type = ktype, .v_type = vtype };
+                    struct kern_attn_query q0 = { 0 };
+                    CHECK(kern_attn_multi(&a, &q0, 1, NULL) == 0);
+                    declined++;
+                    continue;
+                }
                 const size_t k_row = kern_row_bytes(ktype, D), v_row = kern_row_bytes(vtype, D);
                 const size_t k_head = BT * k_row, v_head = BT * v_row;
                 const size_t block_stride = KVH * (k_head + v_head);
@@ -455,6 +465,9 @@ static void test_multi(void)
     CHECK(kern_attn_multi(&a, &q0, 1, NULL) == 0);
     fprintf(stderr, "test_multi: %d queries (%d of them in sliding windows), each the bits of kern_attn alone\n",
             cases + wcases, wcases);
+    if (declined > 0)
+        fprintf(stderr, "test_multi: %d shapes over a bf16 K not run: this CPU has no AVX512_BF16 (declined, "
+                "checked)\n", declined);
 }
 
 int main(void)
@@ -463,19 +476,15 @@ int main(void)
     test_multi();
     const int ctxs[] = { 1, 7, 16, 33, 300, 1200 };
     const int groups[] = { 1, 2, 3, 4, 5 };  /* NEON's V passes take three heads: 3+1, 3+2 */
-    for (int dt = 0; dt < 2; dt++) {
-        const uint32_t dtype = dt ? KERN_F32 : KERN_F16;
-        const size_t elem = dt ? 4 : 2;
+    const uint32_t dtypes[] = { KERN_F16, KERN_F32, KERN_BF16 };
+    for (int dt = 0; dt < 3; dt++) {
+        const uint32_t dtype = dtypes[dt];
+        const size_t elem = kern_row_bytes(dtype, 1);
         const size_t head_stride = (size_t)BT * HD * elem, block_stride = 2 * KVH * head_stride;
         uint8_t *mem = malloc(NB * block_stride);
         for (size_t i = 0; i < NB * block_stride / elem; i++) {
             float v = frand() * 2.0f;
-            if (dt) {
-                memcpy(mem + i * 4, &v, 4);
-            } else {
-                kvd_f16 h = kvd_f32_to_f16(v);
-                memcpy(mem + i * 2, &h, 2);
-            }
+            kern_quantize_row(dtype, &v, mem + i * elem, 1);
         }
         uint32_t blocks[NB];
         for (int i = 0; i < NB; i++)
@@ -516,7 +525,7 @@ int main(void)
                 }
                 if (worst > 2e-3)
                     fprintf(stderr, "%s ctx %d skip %d group %d: worst relative difference %.2e\n",
-                            dt ? "f32" : "f16", n_ctx, skip, G, worst);
+                            kern_type_info(dtype)->name, n_ctx, skip, G, worst);
                 CHECK(worst <= 2e-3);
                 free(scores);
             }
