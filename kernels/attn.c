@@ -64,12 +64,17 @@ void kern_attn_paged(const struct kern_attn_args *a, int i)
         a->stats[2 * i] = max;
         a->stats[2 * i + 1] = (float)sum;
     }
-    const bool half = a->v_type == KERN_F16;
+    const bool half = a->v_type == KERN_F16, bhalf = a->v_type == KERN_BF16;
     for (int d = 0; d < hd; d++)
         out[d] = 0.0f;
     for (int j = j0; j < n_ctx; j++) {
         kern_dequantize_row(a->v_type, kern_attn_row(a, a->v_base, a->v_head_stride, v_row, j), row, hd);
-        const float p = half ? kvd_f16_to_f32(kvd_f32_to_f16(scores[j] * inv)) : scores[j] * inv;
+        float p = half ? kvd_f16_to_f32(kvd_f32_to_f16(scores[j] * inv)) : scores[j] * inv;
+        if (bhalf) {
+            kvd_bf16 pb;
+            kern_quantize_row(KERN_BF16, &p, &pb, 1);
+            p = kvd_bf16_to_f32(pb);
+        }
         for (int d = 0; d < hd; d++)
             out[d] += p * row[d];
     }
@@ -87,8 +92,8 @@ bool kern_attn_multi_ok(uint32_t k_type, uint32_t v_type, int head_dim)
 #if defined(__x86_64__)
     return kern_isa() >= KERN_ISA_AVX512VNNI && (head_dim == 64 || head_dim == 128 || head_dim == 256) &&
            (k_type == KERN_F16 || k_type == KERN_F32 || (k_type == KERN_BF16 && kern_avx512bf16())) &&
-           (v_type == KERN_F16 || v_type == KERN_F32 || v_type == KERN_BF16 || v_type == KERN_Q8_0 ||
-            v_type == KERN_Q4_0);
+           (v_type == KERN_F16 || v_type == KERN_F32 || (v_type == KERN_BF16 && kern_avx512bf16()) ||
+            v_type == KERN_Q8_0 || v_type == KERN_Q4_0);
 #else
     (void)k_type;
     (void)v_type;

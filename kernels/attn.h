@@ -71,8 +71,9 @@ void kern_attn_isa(const struct kern_attn_args *a, int isa);
  *   q8_0/q4_0 K: q quantized to q8_0 (kern_quantize_act), and q.k is
  *            kern_vec_dot of the K row with it: integer sums per 32-value
  *            block, scaled and summed in block order, exact in the integers.
- * Over f16 V the probabilities are rounded to f16 too; over bf16 and
- * quantized V each row is converted (d * code) and accumulated in f32.
+ * Over f16 (bf16) V the probabilities are rounded to f16 (bf16) too; over
+ * quantized V each row is dequantized (d * code); the terms are accumulated
+ * in f32.
  * head_dim <= KERN_MAX_HEAD_DIM. When stats is not NULL it receives the
  * largest score and the sum of exp(score - largest), for merging the results
  * of several position ranges (see kern_attn_merge).

@@ -34,6 +34,15 @@ static inline bool kv_simd_type(uint32_t t)
     return t == KERN_F16 || t == KERN_F32 || t == KERN_BF16 || t == KERN_Q8_0 || t == KERN_Q4_0;
 }
 
+/* Whether this path reads a's V: a bf16 V takes the bf16 dot product over
+ * pairs of positions, which needs the instruction and blocks of an even
+ * number of positions (a pair never spans two). */
+static inline bool v_simd_type(const struct kern_attn_args *a)
+{
+    return kv_simd_type(a->v_type) &&
+           (a->v_type != KERN_BF16 || (kern_avx512bf16() && a->block_tokens % 2 == 0));
+}
+
 /* Whether this path reads a K of type t: a bf16 K takes the bf16 dot
  * product (vdpbf16ps), which not every AVX-512 CPU has. */
 static inline bool k_simd_type(uint32_t t)
@@ -85,6 +94,16 @@ static inline __m512 load16_bf(const uint8_t *row, int h)
 static inline __attribute__((always_inline)) __m512 vload16(const uint8_t *row, int h, uint32_t type)
 {
     return type == KERN_BF16 ? load16_bf(row, h) : load16(row, h, type == KERN_F16);
+}
+
+/* x rounded to bf16 (to nearest, ties to even) in the low half of each
+ * lane, for the finite non-negative probabilities it is given (a denormal
+ * stays one: vdpbf16ps takes it as zero, as it takes every denormal). */
+static inline __m512i bf16_bits(__m512 x)
+{
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
 }
 
 /* Entering block b of the context: ask for block b + 1's K rows into L1 and
@@ -568,6 +587,75 @@ values_float(const int HV, const int NQ, const int HC, int c, const uint32_t VT,
             _mm512_storeu_ps(a->out + (size_t)(q0 + g) * hd + 16 * (c + h), acc[g][h]);
 }
 
+/* out = sum p v over a bf16 V: the positions in pairs (2m, 2m + 1), each
+ * pair one bf16 dot-product step per value (vdpbf16ps: the odd position's
+ * term added first, each add rounded as an f32 add), the probabilities
+ * rounded to bf16 and stored as pairs (pr: dword m of head g's scores holds
+ * positions 2m and 2m + 1). The rows of a pair are interleaved in
+ * registers, which puts values 8l .. 8l + 3 of each 32 in the low half
+ * (acc[2w]) and 8l + 4 .. 8l + 7 in the high (acc[2w + 1]); the stores put
+ * them back in order. Vectors [w0, w0 + WC) of 32 values, a pass. Block
+ * sizes are even (the caller checks), so a pair never spans two blocks; past
+ * an odd context's end the pair's second row is zero_row, its p 0. */
+static inline __attribute__((always_inline)) void
+values_bf16(const int HV, const int NQ, const int WC, int w0, const struct kern_attn_args *a, int q0)
+{
+    const int hd = 16 * HV, n = a->n_ctx;
+    const size_t row_bytes = (size_t)hd * 2;
+    const uint64_t v_off = (uint64_t)a->kv_head * a->v_head_stride;
+    const uint32_t *pr = (const uint32_t *)a->scores;
+    __m512 acc[MAX_Q][16];
+    for (int g = 0; g < NQ; g++)
+        for (int k = 0; k < 2 * WC; k++)
+            acc[g][k] = _mm512_setzero_ps();
+    for (int j0 = 0, b = 0; j0 < n; j0 += a->block_tokens, b++) {
+        const uint8_t *v = a->v_base + a->blocks[b] * a->block_stride + v_off;
+        const int end = n - j0 < a->block_tokens ? n : j0 + a->block_tokens;
+        for (int j = j0; j < end; j += 2, v += 2 * row_bytes) {
+            const uint8_t *v1 = j + 1 < n ? v + row_bytes : zero_row;
+#pragma GCC unroll 8
+            for (int w = 0; w < WC; w++) {
+                const __m512i A = _mm512_loadu_si512((const void *)(v + 64 * (w0 + w)));
+                const __m512i B = _mm512_loadu_si512((const void *)(v1 + 64 * (w0 + w)));
+                const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(A, B), hi = (__m512bh)_mm512_unpackhi_epi16(A, B);
+#pragma GCC unroll 4
+                for (int g = 0; g < NQ; g++) {
+                    const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pr[(size_t)g * n + j / 2]);
+                    acc[g][2 * w] = _mm512_dpbf16_ps(acc[g][2 * w], lo, pp);
+                    acc[g][2 * w + 1] = _mm512_dpbf16_ps(acc[g][2 * w + 1], hi, pp);
+                }
+            }
+        }
+    }
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int g = 0; g < NQ; g++)
+        for (int w = 0; w < WC; w++) {
+            float *o = a->out + (size_t)(q0 + g) * hd + 32 * (w0 + w);
+            _mm512_storeu_ps(o, _mm512_permutex2var_ps(acc[g][2 * w], first, acc[g][2 * w + 1]));
+            _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(acc[g][2 * w], second, acc[g][2 * w + 1]));
+        }
+}
+
+/* The probabilities p[0 .. n) (scaled by inv as they are read) as bf16
+ * pairs over themselves: dword m = p[2m] | p[2m + 1] << 16, p[n] = 0. */
+static inline void pairs_bf16(float *p, int n, __m512 inv)
+{
+    const __m512i evens = _mm512_setr_epi32(0x00020000, 0x00060004, 0x000a0008, 0x000e000c, 0x00120010,
+                                            0x00160014, 0x001a0018, 0x001e001c, 0x00220020, 0x00260024,
+                                            0x002a0028, 0x002e002c, 0x00320030, 0x00360034, 0x003a0038,
+                                            0x003e003c);
+    for (int j = 0; j < n; j += 32) {
+        const __mmask16 m0 = live16(j, n, 0), m1 = live16(j + 16, n, 0);
+        const __m512i r0 = bf16_bits(_mm512_mul_ps(_mm512_maskz_loadu_ps(m0, p + j), inv));
+        const __m512i r1 = bf16_bits(_mm512_mul_ps(_mm512_maskz_loadu_ps(m1, p + j + 16), inv));
+        /* words 2k of r0:r1, the low halves: position j + k's bf16 */
+        const __m512i w = _mm512_permutex2var_epi16(r0, evens, r1);
+        const int pairs = (n - j + 1) / 2 < 16 ? (n - j + 1) / 2 : 16;
+        _mm512_mask_storeu_epi32(p + j / 2, (__mmask16)((1u << pairs) - 1u), w);
+    }
+}
+
 /* HV = head_dim / 16 (4, 8 or 16), NQ query heads (1..MAX_Q). */
 static inline __attribute__((always_inline)) void
 attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
@@ -605,6 +693,10 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
             a->stats[2 * (q0 + g) + 1] = (float)sum;
         }
         const __m512 inv = _mm512_set1_ps((float)(1.0 / sum));
+        if (a->v_type == KERN_BF16) {
+            pairs_bf16(sc, n, inv);
+            continue;
+        }
         for (int j = 0; j < n; j += 16) {
             const __mmask16 m = live16(j, n, 0);
             __m512 pv = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc + j), inv);
@@ -623,6 +715,10 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
         for (int g = 0; g < NQ; g++)
             for (int h = 0; h < HV; h++)
                 _mm512_storeu_ps(a->out + (size_t)(q0 + g) * hd + 16 * h, acc[g][h]);
+    } else if (a->v_type == KERN_BF16) {
+        const int WC = NQ * HV <= 24 ? HV / 2 : 2;
+        for (int w0 = 0; w0 < HV / 2; w0 += WC)
+            values_bf16(HV, NQ, WC, w0, a, q0);
     } else {
         /* the passes of slices: all at once where their sums fit in registers */
         const int HC = NQ * HV <= 32 ? HV : 4;
@@ -935,6 +1031,136 @@ static void pv_tiles(const struct kern_attn_query *qs, const int *lane, int nl, 
     }
 }
 
+/* out += p v over npairs pairs of positions of a bf16 V for GQ queries and
+ * the four 16-value slices from value 16c on: VP holds the pairs' rows
+ * interleaved (dword d of a pair's row: value d of its first and its
+ * second position), S2 the queries' probability pairs (row m, lane L), so
+ * that every value's sum is values_bf16's, pair by pair. */
+static inline __attribute__((always_inline)) void pv_tile_bf(const int GQ, const struct kern_attn_query *qs,
+                                                             const int *lane, int c, int hd, const uint32_t *VP,
+                                                             const uint32_t *S2, int npairs)
+{
+    __m512 acc[6][4];
+#pragma GCC unroll 6
+    for (int g = 0; g < GQ; g++)
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++)
+            acc[g][k] = _mm512_loadu_ps(qs[lane[g]].out + 16 * (c + k));
+    for (int m = 0; m < npairs; m++) {
+        const uint32_t *vm = VP + (size_t)m * hd + 16 * c;
+        __m512bh v[4];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++)
+            v[k] = (__m512bh)_mm512_load_si512((const void *)(vm + 16 * k));
+#pragma GCC unroll 6
+        for (int g = 0; g < GQ; g++) {
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)S2[(size_t)m * 16 + lane[g]]);
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++)
+                acc[g][k] = _mm512_dpbf16_ps(acc[g][k], v[k], pp);
+        }
+    }
+#pragma GCC unroll 6
+    for (int g = 0; g < GQ; g++)
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++)
+            _mm512_storeu_ps(qs[lane[g]].out + 16 * (c + k), acc[g][k]);
+}
+
+static void pv_tiles_bf(const struct kern_attn_query *qs, const int *lane, int nl, int c, int hd,
+                        const uint32_t *VP, const uint32_t *S2, int npairs)
+{
+    switch (nl) {
+    case 1: pv_tile_bf(1, qs, lane, c, hd, VP, S2, npairs); break;
+    case 2: pv_tile_bf(2, qs, lane, c, hd, VP, S2, npairs); break;
+    case 3: pv_tile_bf(3, qs, lane, c, hd, VP, S2, npairs); break;
+    case 4: pv_tile_bf(4, qs, lane, c, hd, VP, S2, npairs); break;
+    case 5: pv_tile_bf(5, qs, lane, c, hd, VP, S2, npairs); break;
+    default: pv_tile_bf(6, qs, lane, c, hd, VP, S2, npairs); break;
+    }
+}
+
+/* The pairs [m0, m1) of positions of a bf16 V (a's context; a second
+ * position at or past N reads as zeros) as VP rows: dword d of row m - m0
+ * holds value d of positions 2m (low half) and 2m + 1 (high half). */
+static void v_pairs(int hd, const struct kern_attn_args *a, uint64_t v_off, int m0, int m1, int N, uint32_t *VP)
+{
+    const size_t v_row = (size_t)hd * 2;
+    const int bt = a->block_tokens;
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int m = m0; m < m1; m++) {
+        const int j = 2 * m;
+        const uint8_t *r0 = a->v_base + a->blocks[j / bt] * a->block_stride + v_off + (size_t)(j % bt) * v_row;
+        const uint8_t *r1 = j + 1 < N ? r0 + v_row : zero_row;
+        uint32_t *dst = VP + (size_t)(m - m0) * hd;
+        for (int w = 0; w < hd / 32; w++) {
+            const __m512i A = _mm512_loadu_si512((const void *)(r0 + 64 * w));
+            const __m512i B = _mm512_loadu_si512((const void *)(r1 + 64 * w));
+            const __m512i lo = _mm512_unpacklo_epi16(A, B), hi = _mm512_unpackhi_epi16(A, B);
+            _mm512_store_si512((void *)(dst + 32 * w), _mm512_permutex2var_epi32(lo, first, hi));
+            _mm512_store_si512((void *)(dst + 32 * w + 16), _mm512_permutex2var_epi32(lo, second, hi));
+        }
+    }
+}
+
+/* out = sum p v over a bf16 V for the nq queries of multi_pass (lanes L:
+ * positions [fl[L], nl[L])), S holding their probabilities per position:
+ * turned into bf16 pairs in place (S2 row m: positions 2m and 2m + 1), then
+ * the pairs of a block of positions interleaved once (VP) and added up as
+ * pv_tile_bf's, the pairs the group shares at once and the rest query by
+ * query, in order. */
+static void pv_pairs(int hd, const struct kern_attn_args *a, uint64_t v_off, const struct kern_attn_query *qs,
+                     int nq, const int32_t *fl, const int32_t *nl, int N, float *S, float *VF)
+{
+    uint32_t *S2 = (uint32_t *)S, *VP = (uint32_t *)VF;
+    for (int m = 0; 2 * m < N; m++) {
+        const __m512i r0 = bf16_bits(_mm512_load_ps(S + (size_t)2 * m * 16));
+        const __m512i r1 = 2 * m + 1 < N ? bf16_bits(_mm512_load_ps(S + (size_t)(2 * m + 1) * 16))
+                                         : _mm512_setzero_si512();
+        _mm512_store_si512((void *)(S2 + (size_t)m * 16), _mm512_or_si512(r0, _mm512_slli_epi32(r1, 16)));
+    }
+    for (int L = 0; L < nq; L++)
+        memset(qs[L].out, 0, (size_t)hd * sizeof(float));
+    const int B = KERN_ATTN_V_BLOCK / hd;   /* positions a block: even */
+    for (int j0 = 0; j0 < N; j0 += B) {
+        const int j1 = N - j0 < B ? N : j0 + B;
+        const int b0 = j0 / 2, b1 = (j1 + 1) / 2;   /* the block's pairs */
+        v_pairs(hd, a, v_off, b0, b1, N, VP);
+        for (int q0 = 0; q0 < nq; q0 += PV_GQ) {
+            const int gq = nq - q0 < PV_GQ ? nq - q0 : PV_GQ;
+            int lane[PV_GQ], cs = b0, ce = b1;   /* the group's common pairs [cs, ce) */
+            for (int g = 0; g < gq; g++) {
+                const int pf = fl[q0 + g] / 2, pn = (nl[q0 + g] + 1) / 2;
+                lane[g] = q0 + g;
+                cs = pf > cs ? pf : cs;
+                ce = pn < ce ? pn : ce;
+            }
+            if (cs > b1)
+                cs = b1;
+            if (ce < cs)
+                ce = cs;
+            for (int c = 0; c < hd / 16; c += 4)
+                for (int part = 0; part < 3; part++) {
+                    if (part == 1) {
+                        if (ce > cs)
+                            pv_tiles_bf(qs, lane, gq, c, hd, VP + (size_t)(cs - b0) * hd, S2 + (size_t)cs * 16,
+                                        ce - cs);
+                        continue;
+                    }
+                    for (int g = 0; g < gq; g++) {
+                        const int pf = fl[q0 + g] / 2, pn = (nl[q0 + g] + 1) / 2;
+                        const int from = part == 0 ? (pf > b0 ? pf : b0) : ce;
+                        const int to = part == 0 ? (cs < pn ? cs : pn) : (pn < b1 ? pn : b1);
+                        if (to > from)
+                            pv_tile_bf(1, qs, &lane[g], c, hd, VP + (size_t)(from - b0) * hd,
+                                       S2 + (size_t)from * 16, to - from);
+                    }
+                }
+        }
+    }
+}
+
 /* The lanes that attend position j: sl <= j < nl. */
 static inline __mmask16 live_lanes(__m512i nvec, __m512i svec, int j)
 {
@@ -954,7 +1180,7 @@ multi_pass(const int HV, const struct kern_attn_args *a, const struct kern_attn_
     /* the queries transposed (rounded to f16 over an f16 K, as attn_pass does) */
     float Qt[256 * 16] __attribute__((aligned(64)));
     /* lane L: positions [fl, nl) read, [sl, nl) attended */
-    int32_t nl[16] __attribute__((aligned(64))), sl[16] __attribute__((aligned(64))), fl[16];
+    int32_t nl[16] __attribute__((aligned(64))), sl[16] __attribute__((aligned(64))), fl[16] __attribute__((aligned(64)));
     int N = 0;
     memset(Qt, 0, (size_t)hd * 16 * sizeof(float));
     for (int L = 0; L < 16; L++) {
@@ -1077,6 +1303,10 @@ multi_pass(const int HV, const struct kern_attn_args *a, const struct kern_attn_
             pv = _mm512_cvtph_ps(_mm512_cvtps_ph(pv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         _mm512_store_ps(S + (size_t)j * 16, pv);
     }
+    if (a->v_type == KERN_BF16) {
+        pv_pairs(hd, a, v_off, qs, nq, fl, nl, N, S, VF);
+        return;
+    }
     /* out = sum p v, in position order for every value: a block of positions'
      * V rows is converted to floats once (VF, in L1), then each group of up
      * to PV_GQ queries adds the block's terms, four slices of V at a time.
@@ -1130,7 +1360,7 @@ int kern_attn_avx512_multi(const struct kern_attn_args *a, const struct kern_att
     const int hd = a->head_dim;
     if ((hd != 64 && hd != 128 && hd != 256) || (a->k_type != KERN_F16 && a->k_type != KERN_F32 &&
                                                    !(a->k_type == KERN_BF16 && kern_avx512bf16())) ||
-        !kv_simd_type(a->v_type) || a->skip != 0 || nq < 1 || nq > KERN_ATTN_LANES)
+        !v_simd_type(a) || a->skip != 0 || nq < 1 || nq > KERN_ATTN_LANES)
         return 0;
     int N = 0;
     for (int L = 0; L < nq; L++) {
@@ -1158,7 +1388,7 @@ int kern_attn_avx512_multi(const struct kern_attn_args *a, const struct kern_att
 int kern_attn_avx512(const struct kern_attn_args *a)
 {
     const int hd = a->head_dim;
-    if ((hd != 64 && hd != 128 && hd != 256) || !k_simd_type(a->k_type) || !kv_simd_type(a->v_type))
+    if ((hd != 64 && hd != 128 && hd != 256) || !k_simd_type(a->k_type) || !v_simd_type(a))
         return 0;
     const int HV = hd / 16;
     for (int q0 = 0; q0 < a->n_q; q0 += MAX_Q) {
