@@ -148,6 +148,7 @@ def _table(header, rows):
 SERVERS = (
     ("kvd-w1t2", "kvd (1 worker x 2 threads)"),
     ("kvd-w2t1", "kvd (2 workers x 1 thread)"),
+    ("kvd-w1t2-bf16", "kvd (1 worker x 2 threads, bf16 KV)"),
     ("vllm", "vLLM CPU"),
     ("llama-server", "llama-server"),
 )
@@ -192,7 +193,7 @@ def serve_table(outdir: str) -> None:
         print("(TTFT and TPOT in ms; medians over rounds; 'prompt tok/req' and 'out tok' as the "
               "server's usage counted them)")
         print(_table(header, rows))
-        for stem, label in SERVERS[:2]:
+        for stem, label in SERVERS[:3]:
             k = med.get(stem)
             if not k:
                 continue

