@@ -5,7 +5,7 @@
  * A cache of random rows (3 KV heads of 64 dimensions, blocks of 16
  * positions scattered through the pool), K and V of one type; a group of 3
  * query heads (SmolLM2's shape) attends over the first N positions. For
- * each type (f16, q8_0, q4_0) and each path this CPU has (c, avx2,
+ * each type (f16, bf16, q8_0, q4_0) and each path this CPU has (c, avx2,
  * avx512vnni), the median of 9 timings of ~0.2 s, as microseconds per call
  * (one KV head's group), positions per second, and the ratio to f16 on the
  * same path.

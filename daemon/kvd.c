@@ -106,7 +106,7 @@ static void usage(FILE *f)
           "                           blocks)\n"
           "  -t, --threads N          threads per worker (default: CPUs / workers)\n"
           "      --block-tokens N     KV block size (default 16)\n"
-          "      --kv-type T          K and V element type: f16 (default), f32, q8_0, q4_0\n"
+          "      --kv-type T          K and V element type: f16 (default), bf16, f32, q8_0, q4_0\n"
           "      --k-type T, --v-type T  the type of K or of V alone\n"
           "      --kv-rotate on|off|auto  Walsh-Hadamard rotation of K and V before\n"
           "                           quantization (default auto: the quantized halves)\n"
@@ -429,8 +429,10 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     char err[256];
     if (kv_params_from_flags(&o->kv, kv_type, k_type, v_type, rotate, err, sizeof(err)) != 0)
         cli_die("%s", err);
-    if (o->gpu >= 0 && (o->kv.k_type == KERN_F32 || o->kv.v_type == KERN_F32))
-        cli_die("--gpu: the GPU engine reads f16, q8_0 and q4_0 KV blocks, not f32");
+    if (o->gpu >= 0 && (o->kv.k_type == KERN_F32 || o->kv.v_type == KERN_F32 || o->kv.k_type == KERN_BF16 ||
+                        o->kv.v_type == KERN_BF16))
+        cli_die("--gpu: the GPU engine reads f16, q8_0 and q4_0 KV blocks, not %s",
+                o->kv.k_type == KERN_F32 || o->kv.v_type == KERN_F32 ? "f32" : "bf16");
 }
 
 /* ---- set-up -------------------------------------------------------------------------------- */

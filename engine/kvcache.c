@@ -31,7 +31,7 @@ int kv_params_from_flags(struct kv_params *p, const char *kv_type, const char *k
     uint32_t t[3] = { KERN_F16, 0, 0 };
     for (int i = 0; i < 3; i++)
         if (val[i] != NULL && kv_type_parse(val[i], &t[i]) != 0)
-            return kvd_seterr(err, errlen, KVD_EINVAL, "%s must be f16, f32, q8_0 or q4_0, got '%s'",
+            return kvd_seterr(err, errlen, KVD_EINVAL, "%s must be f16, bf16, f32, q8_0 or q4_0, got '%s'",
                               flag[i], val[i]);
     p->k_type = k_type != NULL ? t[1] : t[0];
     p->v_type = v_type != NULL ? t[2] : t[0];

@@ -68,7 +68,7 @@ int kv_params_from_flags(struct kv_params *p, const char *kv_type, const char *k
 
 /* The flags' help text, one option a line, for a tool's --help. */
 #define KV_FLAGS_HELP                                                                          \
-    "      --kv-type T        K and V element type: f16 (default), f32, q8_0, q4_0\n"           \
+    "      --kv-type T        K and V element type: f16 (default), bf16, f32, q8_0, q4_0\n"           \
     "      --k-type T, --v-type T  the type of K or of V alone\n"                               \
     "      --kv-rotate on|off|auto  Walsh-Hadamard rotation before quantization\n"              \
     "                         (auto, the default: the quantized halves)\n"

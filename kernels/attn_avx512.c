@@ -646,7 +646,7 @@ static inline void pairs_bf16(float *p, int n, __m512 inv)
                                             0x002a0028, 0x002e002c, 0x00320030, 0x00360034, 0x003a0038,
                                             0x003e003c);
     for (int j = 0; j < n; j += 32) {
-        const __mmask16 m0 = live16(j, n, 0), m1 = live16(j + 16, n, 0);
+        const __mmask16 m0 = live16(j, n, 0), m1 = j + 16 < n ? live16(j + 16, n, 0) : 0;
         const __m512i r0 = bf16_bits(_mm512_mul_ps(_mm512_maskz_loadu_ps(m0, p + j), inv));
         const __m512i r1 = bf16_bits(_mm512_mul_ps(_mm512_maskz_loadu_ps(m1, p + j + 16), inv));
         /* words 2k of r0:r1, the low halves: position j + k's bf16 */

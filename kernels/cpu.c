@@ -148,15 +148,23 @@ static bool has_avx512bf16(void)
 #endif
 }
 
+static int bf16_on = -1;     /* kern_avx512bf16()'s choice, once made */
+
 bool kern_avx512bf16(void)
 {
-    static int seen = -1;
-    int v = __atomic_load_n(&seen, __ATOMIC_ACQUIRE);
+    int v = __atomic_load_n(&bf16_on, __ATOMIC_ACQUIRE);
     if (v < 0) {
-        v = has_avx512bf16();
-        __atomic_store_n(&seen, v, __ATOMIC_RELEASE);
+        const char *env = getenv("KVD_BF16");
+        v = has_avx512bf16() && !(env != NULL && strcmp(env, "0") == 0);
+        __atomic_store_n(&bf16_on, v, __ATOMIC_RELEASE);
     }
     return v && kern_isa() >= KERN_ISA_AVX512VNNI;
+}
+
+bool kern_avx512bf16_set(bool on)
+{
+    __atomic_store_n(&bf16_on, on && has_avx512bf16(), __ATOMIC_RELEASE);
+    return kern_avx512bf16();
 }
 
 static int amx = -1;        /* kern_amx() once chosen */

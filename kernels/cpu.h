@@ -55,9 +55,13 @@ bool kern_avxvnni(void);
 bool kern_avxvnni_set(bool on);
 
 /* Whether the AVX-512 path has the bf16 dot product (AVX512_BF16: vdpbf16ps),
- * which its attention over a bf16 K uses: the CPU has it and the path in use
- * is AVX-512 (KVD_ISA lower turns it off with the path). */
+ * which its attention over a bf16 cache uses: the CPU has it, the path in use
+ * is AVX-512 (KVD_ISA lower turns it off with the path), and KVD_BF16 is not
+ * 0. Without it attention over bf16 runs the C reference. */
 bool kern_avx512bf16(void);
+
+/* Forces that choice (clamped to what the CPU has); for tests. Returns it. */
+bool kern_avx512bf16_set(bool on);
 
 /* Whether the AVX-512 VNNI path's packed products of enough tokens
  * (KERN_AMX_MIN_T, gemm.h) run on AMX tiles: where the CPU has AMX-TILE and

@@ -229,7 +229,7 @@ int main(int argc, char **argv)
            kvd_format_bytes(paged, b2, sizeof(b2)));
     /* the same tokens with K and V both of each type (q8_0 and q4_0 rows carry
      * one f16 scale per 32 values: 34 and 18 bytes a block) */
-    static const uint32_t others[] = { KERN_F32, KERN_F16, KERN_Q8_0, KERN_Q4_0 };
+    static const uint32_t others[] = { KERN_F32, KERN_F16, KERN_BF16, KERN_Q8_0, KERN_Q4_0 };
     const char *sep = "other types:     ";
     for (size_t i = 0; i < sizeof(others) / sizeof(others[0]); i++) {
         const uint64_t b = kv_token_bytes(lay.n_layer, lay.n_head_kv, lay.head_dim, others[i], others[i]) * tokens;

@@ -95,13 +95,15 @@ static void test_kvd(void)
     expect("--gpu must be an integer");
     CHECK_INT(RUN(KVD, "--gpu", "0", "--workers-per-gpu", "65"), 1);
     expect("--workers-per-gpu");
-    /* KV types: unknown ones, and f32 blocks, which the GPU kernels do not read */
+    /* KV types: unknown ones, and f32 and bf16 blocks, which the GPU kernels do not read */
     CHECK_INT(RUN(KVD, "--kv-type", "q5_0"), 1);
-    expect("--kv-type must be f16, f32, q8_0 or q4_0, got 'q5_0'");
+    expect("--kv-type must be f16, bf16, f32, q8_0 or q4_0, got 'q5_0'");
     CHECK_INT(RUN(KVD, "--kv-rotate", "sideways"), 1);
     expect("--kv-rotate must be on, off or auto");
     CHECK_INT(RUN(KVD, "--gpu", "0", "--v-type", "f32"), 1);
     expect("the GPU engine reads f16, q8_0 and q4_0 KV blocks, not f32");
+    CHECK_INT(RUN(KVD, "--gpu", "0", "--k-type", "bf16"), 1);
+    expect("the GPU engine reads f16, q8_0 and q4_0 KV blocks, not bf16");
 }
 
 /* Creates this process's pool for the test model with its KV data on device

@@ -153,14 +153,14 @@ static void test_quantized(void)
  * 8), 32 (AVX2's score tiles at half width), 256 (Gemma 3's; AVX2's tiles
  * not unrolled), over groups of 4 (two passes of two heads) and 7 (3 + 2 +
  * 2): every path against the C reference, and grouping invariance. */
-static void test_head_dim(int D, int G)
+static void test_head_dim(int D, int G, uint32_t type)
 {
     enum { NBLK = 8, DMAX = 256, GMAX = 7 };
     const size_t head_stride = (size_t)BT * D * 2, block_stride = 2 * KVH * head_stride;
     uint8_t *mem = malloc(NBLK * block_stride);
     for (size_t i = 0; i < NBLK * block_stride / 2; i++) {
-        kvd_f16 h = kvd_f32_to_f16(frand() * 2.0f);
-        memcpy(mem + i * 2, &h, 2);
+        const float v = frand() * 2.0f;
+        kern_quantize_row(type, &v, mem + i * 2, 1);
     }
     uint32_t blocks[NBLK];
     for (int i = 0; i < NBLK; i++)
@@ -175,7 +175,7 @@ static void test_head_dim(int D, int G)
         struct kern_attn_args a = {
             .out = ref, .q = q, .n_q = G, .k_base = mem, .v_base = mem + KVH * head_stride, .blocks = blocks,
             .n_ctx = n_ctx, .block_tokens = BT, .head_dim = D, .kv_head = 1, .block_stride = block_stride,
-            .k_head_stride = head_stride, .v_head_stride = head_stride, .k_type = KERN_F16, .v_type = KERN_F16,
+            .k_head_stride = head_stride, .v_head_stride = head_stride, .k_type = type, .v_type = type,
             .scale = 0.15f, .scores = scores,
         };
         kern_attn_isa(&a, KERN_ISA_C);
@@ -186,8 +186,8 @@ static void test_head_dim(int D, int G)
             for (int i = 0; i < G * D; i++)
                 worst = fmax(worst, fabs(got[i] - ref[i]) / (fabs(ref[i]) + 0.05));
             if (worst > 2e-3)
-                fprintf(stderr, "head_dim %d ctx %d on %s: worst relative difference %.2e\n", D, n_ctx,
-                        kern_isa_name((enum kern_isa)isa), worst);
+                fprintf(stderr, "head_dim %d (%s) ctx %d on %s: worst relative difference %.2e\n", D,
+                        kern_type_info(type)->name, n_ctx, kern_isa_name((enum kern_isa)isa), worst);
             CHECK(worst <= 2e-3);
             for (int g = 0; g < G; g++) {
                 struct kern_attn_args b = a;
@@ -342,8 +342,8 @@ static void test_multi(void)
                 const int D = dims[di];
                 const uint32_t ktype = ktypes[kt], vtype = vtypes[vi];
                 if (!kern_attn_multi_ok(ktype, vtype, D)) {
-                    /* a bf16 K without the bf16 dot product: declined, nothing done */
-                    CHECK(ktype == KERN_BF16 && !kern_avx512bf16());
+                    /* bf16 without the bf16 dot product: declined, nothing done */
+                    CHECK((ktype == KERN_BF16 || vtype == KERN_BF16) && !kern_avx512bf16());
                     struct kern_attn_args a = { .head_dim = D, .k_type = ktype, .v_type = vtype };
                     struct kern_attn_query q0 = { 0 };
                     CHECK(kern_attn_multi(&a, &q0, 1, NULL) == 0);
@@ -456,6 +456,15 @@ static void test_multi(void)
         free(mem);
         free(scratch);
     }
+    /* a bf16 V in blocks of an odd number of positions (a pair would span two): declined */
+    {
+        struct kern_attn_args a = { .head_dim = 64, .k_type = KERN_F16, .v_type = KERN_BF16, .block_tokens = 15 };
+        struct kern_attn_query q0 = { 0 };
+        CHECK(kern_attn_multi(&a, &q0, 1, NULL) == 0);
+#if defined(__x86_64__)
+        CHECK(kern_attn_avx512(&a) == 0);
+#endif
+    }
     /* shapes and types it has no kernel for: declined, nothing written */
     struct kern_attn_args a = { .head_dim = 64, .k_type = KERN_Q8_0, .v_type = KERN_F16 };
     struct kern_attn_query q0 = { 0 };
@@ -466,7 +475,7 @@ static void test_multi(void)
     fprintf(stderr, "test_multi: %d queries (%d of them in sliding windows), each the bits of kern_attn alone\n",
             cases + wcases, wcases);
     if (declined > 0)
-        fprintf(stderr, "test_multi: %d shapes over a bf16 K not run: this CPU has no AVX512_BF16 (declined, "
+        fprintf(stderr, "test_multi: %d shapes over a bf16 K or V not run: no bf16 dot product (AVX512_BF16 absent or off; declined, "
                 "checked)\n", declined);
 }
 
@@ -474,6 +483,12 @@ int main(void)
 {
     srand(5);
     test_multi();
+    if (kern_avx512bf16()) {
+        /* as on an AVX-512 CPU without the bf16 dot product: bf16 declined */
+        kern_avx512bf16_set(false);
+        test_multi();
+        kern_avx512bf16_set(true);
+    }
     const int ctxs[] = { 1, 7, 16, 33, 300, 1200 };
     const int groups[] = { 1, 2, 3, 4, 5 };  /* NEON's V passes take three heads: 3+1, 3+2 */
     const uint32_t dtypes[] = { KERN_F16, KERN_F32, KERN_BF16 };
@@ -532,9 +547,11 @@ int main(void)
         free(mem);
     }
     test_quantized();
-    test_head_dim(40, 4);
-    test_head_dim(32, 4);
-    test_head_dim(32, 7);
-    test_head_dim(256, 4);
+    test_head_dim(40, 4, KERN_F16);
+    test_head_dim(32, 4, KERN_F16);
+    test_head_dim(32, 7, KERN_F16);
+    test_head_dim(256, 4, KERN_F16);
+    test_head_dim(128, 3, KERN_BF16);
+    test_head_dim(256, 4, KERN_BF16);
     return CHECK_DONE();
 }
