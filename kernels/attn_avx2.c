@@ -74,15 +74,36 @@ static inline void kblock_load(struct kblock *kb, const uint8_t *blk, uint32_t t
     kb->k = kb->u;
 }
 
-/* Eight elements of a K/V row as floats. */
-static inline __m256 load8(const uint8_t *row, int d, bool half)
+/* Eight elements of an f16, bf16 or f32 K/V row as floats (a bf16 exactly:
+ * the upper half of its f32). */
+static inline __m256 load8(const uint8_t *row, int d, uint32_t type)
 {
-    if (half)
+    if (type == KERN_F16)
         return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * (size_t)d)));
+    if (type == KERN_BF16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * (size_t)d))), 16));
     return _mm256_loadu_ps((const float *)row + d);
 }
 
 static inline float round_half(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
+
+/* Eight finite values rounded to bf16 (to nearest even), as floats: round_bf16's bits. */
+static inline __m256 round_bf16_8(__m256 x)
+{
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* x rounded to bf16 (to nearest even), as a float: what the C reference does. */
+static inline float round_bf16(float x)
+{
+    kvd_bf16 b;
+    kern_quantize_row(KERN_BF16, &x, &b, 1);
+    return kvd_bf16_to_f32(b);
+}
 
 #define MAX_Q 16  /* query heads handled per pass; larger groups loop */
 
@@ -128,12 +149,12 @@ static inline __attribute__((always_inline)) void prefetch_next(const struct ker
  * hadd as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)). Each row is
  * converted once for the heads; out[g] holds the four positions' scores. */
 static inline __attribute__((always_inline)) void kscore4(const uint8_t *const *rows, const float (*qh)[KERN_MAX_HEAD_DIM],
-                                                          const int NQ, const int HD8, const bool half, __m128 *out)
+                                                          const int NQ, const int HD8, const uint32_t KT, __m128 *out)
 {
     __m256 s[3][4];
 #pragma GCC unroll 4
     for (int p = 0; p < 4; p++) {
-        const __m256 k = load8(rows[p], 0, half);
+        const __m256 k = load8(rows[p], 0, KT);
 #pragma GCC unroll 3
         for (int g = 0; g < NQ; g++)
             s[g][p] = _mm256_mul_ps(_mm256_loadu_ps(&qh[g][0]), k);
@@ -142,7 +163,7 @@ static inline __attribute__((always_inline)) void kscore4(const uint8_t *const *
     for (int d = 1; d < HD8; d++)
 #pragma GCC unroll 4
         for (int p = 0; p < 4; p++) {
-            const __m256 k = load8(rows[p], 8 * d, half);
+            const __m256 k = load8(rows[p], 8 * d, KT);
 #pragma GCC unroll 3
             for (int g = 0; g < NQ; g++)
                 s[g][p] = _mm256_fmadd_ps(_mm256_loadu_ps(&qh[g][8 * d]), k, s[g][p]);
@@ -240,7 +261,7 @@ static inline __attribute__((always_inline)) void kscores_run(const struct kern_
         if (KT == KERN_Q8_0 || KT == KERN_Q4_0)
             qscore4(rows, row_bytes / (size_t)(a->head_dim / 32), a->head_dim / 32, qs, NQ, KT, r);
         else
-            kscore4(rows, qs->qh, NQ, HD8 ? HD8 : a->head_dim / 8, KT == KERN_F16, r);
+            kscore4(rows, qs->qh, NQ, HD8 ? HD8 : a->head_dim / 8, KT, r);
         for (int g = 0; g < NQ; g++) {
             const __m128 sc = _mm_mul_ps(r[g], vs);
             if (np == 4) {
@@ -301,6 +322,7 @@ static void kscores_tiled(const struct kern_attn_args *a, const struct qheads *q
         case KERN_Q8_0: KSCORES(KERN_Q8_0, 0); break;
         case KERN_Q4_0: KSCORES(KERN_Q4_0, 0); break;
         case KERN_F16: KSCORES_FLOAT(KERN_F16); break;
+        case KERN_BF16: KSCORES_FLOAT(KERN_BF16); break;
         default: KSCORES_FLOAT(KERN_F32); break;
         }
         g0 += ng;
@@ -313,9 +335,9 @@ static void kscores_tiled(const struct kern_attn_args *a, const struct qheads *q
 static inline __attribute__((always_inline)) void load_v32(const uint8_t *v, int d0, uint32_t type, size_t v_blk,
                                                            __m256 vv[4])
 {
-    if (type == KERN_F16 || type == KERN_F32) {
+    if (type == KERN_F16 || type == KERN_F32 || type == KERN_BF16) {
         for (int k = 0; k < 4; k++)
-            vv[k] = load8(v, d0 + 8 * k, type == KERN_F16);
+            vv[k] = load8(v, d0 + 8 * k, type);
         return;
     }
     const uint8_t *vb = v + (size_t)(d0 / 32) * v_blk;
@@ -375,7 +397,7 @@ static inline __attribute__((always_inline)) void vpass_run(const struct vpass *
                         acc[g][k] = _mm256_fmadd_ps(pr[g], vv[k], acc[g][k]);
             } else {  /* fewer, at the end of a float row */
                 for (int k = 0; k < NV; k++) {
-                    const __m256 vv = load8(v, p->d0 + 8 * k, VT == KERN_F16);
+                    const __m256 vv = load8(v, p->d0 + 8 * k, VT);
                     for (int g = 0; g < NG; g++)
                         acc[g][k] = _mm256_fmadd_ps(pr[g], vv, acc[g][k]);
                 }
@@ -413,6 +435,7 @@ static inline __attribute__((always_inline)) void vpass_run(const struct vpass *
     }
 VPASS_TYPE(F16)
 VPASS_TYPE(F32)
+VPASS_TYPE(BF16)
 VPASS_TYPE(Q8_0)
 VPASS_TYPE(Q4_0)
 
@@ -423,10 +446,11 @@ int kern_attn_avx2(const struct kern_attn_args *a)
         return 0;
     for (int w = 0; w < 2; w++) {
         const uint32_t t = w ? a->v_type : a->k_type;
-        if (t != KERN_F16 && t != KERN_F32 && !(quantized(t) && hd % 32 == 0))
+        if (t != KERN_F16 && t != KERN_F32 && t != KERN_BF16 && !(quantized(t) && hd % 32 == 0))
             return 0;
     }
     const bool half = a->k_type == KERN_F16, v_half = a->v_type == KERN_F16;
+    const bool bhalf = a->k_type == KERN_BF16, v_bhalf = a->v_type == KERN_BF16;
     const bool k_quant = quantized(a->k_type), v_quant = quantized(a->v_type);
     const size_t row_bytes = kern_row_bytes(a->k_type, hd), v_row_bytes = kern_row_bytes(a->v_type, hd);
     const int nb = hd / 32;
@@ -450,7 +474,7 @@ int kern_attn_avx2(const struct kern_attn_args *a)
                 }
             } else {
                 for (int d = 0; d < hd; d++)
-                    qh[g][d] = half ? round_half(q[d]) : q[d];
+                    qh[g][d] = half ? round_half(q[d]) : bhalf ? round_bf16(q[d]) : q[d];
             }
             max[g] = -INFINITY;
         }
@@ -499,10 +523,12 @@ int kern_attn_avx2(const struct kern_attn_args *a)
                 __m256 pv = _mm256_mul_ps(_mm256_loadu_ps(sc + j), vinv);
                 if (v_half)
                     pv = _mm256_cvtph_ps(_mm256_cvtps_ph(pv, _MM_FROUND_TO_NEAREST_INT));
+                if (v_bhalf)
+                    pv = round_bf16_8(pv);
                 _mm256_storeu_ps(sc + j, pv);
             }
             for (; j < a->n_ctx; j++)
-                sc[j] = v_half ? round_half(sc[j] * inv) : sc[j] * inv;
+                sc[j] = v_half ? round_half(sc[j] * inv) : v_bhalf ? round_bf16(sc[j] * inv) : sc[j] * inv;
         }
         /* out = sum p v: for up to three heads and 32 dimensions at a time
          * the sums stay in registers over all positions, in position order */
@@ -514,6 +540,7 @@ int kern_attn_avx2(const struct kern_attn_args *a)
                 switch (a->v_type) {
                 case KERN_F16: vpass_F16(&p, ng); break;
                 case KERN_F32: vpass_F32(&p, ng); break;
+                case KERN_BF16: vpass_BF16(&p, ng); break;
                 case KERN_Q8_0: vpass_Q8_0(&p, ng); break;
                 default: vpass_Q4_0(&p, ng); break;
                 }

@@ -57,7 +57,7 @@ bool kern_avxvnni_set(bool on);
 /* Whether the AVX-512 path has the bf16 dot product (AVX512_BF16: vdpbf16ps),
  * which its attention over a bf16 cache uses: the CPU has it, the path in use
  * is AVX-512 (KVD_ISA lower turns it off with the path), and KVD_BF16 is not
- * 0. Without it attention over bf16 runs the C reference. */
+ * 0. Without it attention over bf16 runs the AVX2 kernel (f32 multiply-adds). */
 bool kern_avx512bf16(void);
 
 /* Forces that choice (clamped to what the CPU has); for tests. Returns it. */
