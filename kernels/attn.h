@@ -81,7 +81,9 @@ void kern_attn_isa(const struct kern_attn_args *a, int isa);
 void kern_attn_paged(const struct kern_attn_args *a, int i);
 
 /* x86 path; false when it does not handle the shape (head_dim % 8 != 0) or
- * the types (K and V both f16 or both f32). */
+ * the types (f16, bf16, f32; q8_0 and q4_0 where head_dim % 32 == 0). A bf16
+ * value is converted exactly and multiplied in f32, the probabilities over a
+ * bf16 V rounded to bf16 as in the C reference. */
 int kern_attn_avx2(const struct kern_attn_args *a);
 
 /* AVX-512 path for head_dim 64, 128 and 256; 0 for other shapes and types. */
