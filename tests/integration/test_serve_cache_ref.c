@@ -10,8 +10,9 @@
  *    bypassed (no_cache), which reports nothing cached. The next turn of the
  *    first session finds its history cached, generated tokens included.
  *    The same once more over a pool of quantized, rotated blocks (K q8_0, V
- *    q4_0): the cached and the uncached request still return the same tokens,
- *    and the stats name the types and their bytes per token.
+ *    q4_0), and over bf16 blocks: the cached and the uncached request still
+ *    return the same tokens, and the stats name the types and their bytes
+ *    per token.
  * 2. 32 concurrent clients (4 system prompts x 8 questions, two workers):
  *    every request completes, and its tokens equal those of the same request
  *    run alone; requests that share a system prompt compute it once (the
@@ -200,7 +201,7 @@ static void shared_system_prompt(const char *k_type, const char *v_type)
     sv_print_stats("after the sessions", &s);
     /* the pool's types, and their bytes: 30 layers x 3 KV heads x (K row + V row) */
     char want[48];
-    const bool quant = strcmp(k_type, "f16") != 0 || strcmp(v_type, "f16") != 0;
+    const bool quant = strstr(k_type, "q") == k_type || strstr(v_type, "q") == v_type;   /* q8_0, q4_0: rotated */
     snprintf(want, sizeof(want), "K %s, V %s%s", k_type, v_type, quant ? ", rotated K+V" : "");
     fprintf(stderr, "kv: %s, %llu bytes per token\n", s.kv_type, (unsigned long long)s.kv_bytes_per_token);
     CHECK(strcmp(s.kv_type, want) == 0);
@@ -404,6 +405,9 @@ int main(void)
     t0 = sv_now_ms();
     shared_system_prompt("q8_0", "q4_0");
     fprintf(stderr, "shared system prompt over q8_0 / q4_0 blocks: %.1f s\n", (sv_now_ms() - t0) / 1e3);
+    t0 = sv_now_ms();
+    shared_system_prompt("bf16", "bf16");
+    fprintf(stderr, "shared system prompt over bf16 blocks: %.1f s\n", (sv_now_ms() - t0) / 1e3);
     t0 = sv_now_ms();
     concurrent_clients();
     fprintf(stderr, "concurrent clients: %.1f s\n", (sv_now_ms() - t0) / 1e3);
