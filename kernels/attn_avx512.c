@@ -222,29 +222,58 @@ static inline __attribute__((always_inline)) __m512 dot16(const int HV, const __
     return s;
 }
 
+/* Thirty-two values of a query from value 32w on, rounded to bf16 (to
+ * nearest even) in their order. */
+static inline __m512bh q_bf16(const float *q, int w)
+{
+    return _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * w + 16), _mm512_loadu_ps(q + 32 * w));
+}
+
+/* One position's score for one head over a bf16 K row: its sixteen lanes'
+ * partial sums, lane i a chain of bf16 dot products over the row's HW
+ * vectors of 32 values (vdpbf16ps adds, in lane i of vector w, the product
+ * of values 32w + 2i + 1 first and then that of 32w + 2i, each product exact
+ * and each add rounded as an f32 add). The score tree then adds the lanes. */
+static inline __attribute__((always_inline)) __m512 dot_bf(const int HW, const __m512bh *q, const __m512bh *k)
+{
+    __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], k[0]);
+#pragma GCC unroll 8
+    for (int w = 1; w < HW; w++)
+        s = _mm512_dpbf16_ps(s, q[w], k[w]);
+    return s;
+}
+
 /* A row of zeros for the positions past the context in a last group of
  * sixteen, of any K type (f32 at head size 256 is the largest row). */
 static const uint8_t zero_row[256 * 4] __attribute__((aligned(64)));
 
-/* Scores of NQ heads over an f16 (HALF) or f32 K: q (rounded to f16 over
- * f16) times each K row, converted once into registers for all heads. The
- * sixteen positions' partial sums go through the score tree as they come,
- * two positions at a time (tree2, tree4, tree8: the same additions in the
- * same order), so no row and no partial sum passes through memory. */
+/* Scores of NQ heads over an f16, bf16 or f32 K (KT): q (rounded to f16 or
+ * bf16 over those) times each K row, an f16 row converted once into
+ * registers for all heads, a bf16 row read as it is stored by the bf16 dot
+ * product (dot_bf: half the multiply-add instructions). The sixteen
+ * positions' partial sums go through the score tree as they come, two
+ * positions at a time (tree2, tree4, tree8: the same additions in the same
+ * order), so no row and no partial sum passes through memory. */
 static inline __attribute__((always_inline)) void
-scores_float(const int HV, const int NQ, const bool HALF, const struct kern_attn_args *a, int q0, __m512 vmax[MAX_Q])
+scores_float(const int HV, const int NQ, const uint32_t KT, const struct kern_attn_args *a, int q0,
+             __m512 vmax[MAX_Q])
 {
-    const int hd = 16 * HV, n = a->n_ctx;
-    const size_t row_bytes = (size_t)hd * (HALF ? 2 : 4);
+    const bool HALF = KT == KERN_F16, BF = KT == KERN_BF16;
+    const int hd = 16 * HV, HW = HV / 2, n = a->n_ctx;
+    const size_t row_bytes = (size_t)hd * (KT == KERN_F32 ? 4 : 2);
     const size_t v_row_bytes = kern_row_bytes(a->v_type, hd);
     __m512 qv[MAX_Q][16];
-    for (int g = 0; g < NQ; g++)
-        for (int h = 0; h < HV; h++) {
+    __m512bh qb[MAX_Q][8];
+    for (int g = 0; g < NQ; g++) {
+        for (int h = 0; h < HV && !BF; h++) {
             __m512 x = _mm512_loadu_ps(a->q + (size_t)(q0 + g) * hd + 16 * h);
             if (HALF)  /* q meets an f16 cache as f16, as in the C reference */
                 x = _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             qv[g][h] = x;
         }
+        for (int w = 0; w < HW && BF; w++)
+            qb[g][w] = q_bf16(a->q + (size_t)(q0 + g) * hd, w);
+    }
     const __m512 scale = _mm512_set1_ps(a->scale);
     const uint64_t k_off = (uint64_t)a->kv_head * a->k_head_stride;
     const uint64_t v_off = (uint64_t)a->kv_head * a->v_head_stride;
@@ -279,7 +308,21 @@ scores_float(const int HV, const int NQ, const bool HALF, const struct kern_attn
 #pragma GCC unroll 2
             for (int r = 0; r < 2; r++) {
                 __m512 t[2][MAX_Q];
-                if (HV >= 16 && NQ >= 2) {
+                if (BF) {
+#pragma GCC unroll 2
+                    for (int i = 0; i < 2; i++) {
+                        const int p = 8 * o + 4 * r + 2 * i;
+                        __m512bh k0[8], k1[8];
+#pragma GCC unroll 8
+                        for (int w = 0; w < HW; w++) {
+                            k0[w] = (__m512bh)_mm512_loadu_si512((const void *)(rows[p] + 64 * w));
+                            k1[w] = (__m512bh)_mm512_loadu_si512((const void *)(rows[p + 1] + 64 * w));
+                        }
+#pragma GCC unroll 4
+                        for (int g = 0; g < NQ; g++)
+                            t[i][g] = tree2(dot_bf(HW, qb[g], k0), dot_bf(HW, qb[g], k1));
+                    }
+                } else if (HV >= 16 && NQ >= 2) {
                     /* long rows: four positions' chains side by side, slice
                      * by slice, so that a query slice loaded once serves four
                      * multiply-adds (by rows, every one of them took a load) */
@@ -320,103 +363,6 @@ scores_float(const int HV, const int NQ, const bool HALF, const struct kern_attn
 #pragma GCC unroll 4
                     for (int g = 0; g < NQ; g++)
                         t[i][g] = tree2(s0[g], dot16(HV, qv[g], kr));
-                }
-#pragma GCC unroll 4
-                for (int g = 0; g < NQ; g++)
-                    u[r][g] = tree4(t[0][g], t[1][g]);
-            }
-#pragma GCC unroll 4
-            for (int g = 0; g < NQ; g++)
-                x[o][g] = tree8(u[0][g], u[1][g]);
-        }
-#pragma GCC unroll 4
-        for (int g = 0; g < NQ; g++) {
-            const __m512 sc = _mm512_mul_ps(tree8(x[0][g], x[1][g]), scale);
-            _mm512_mask_storeu_ps(a->scores + (size_t)g * n + j0, m, sc);
-            vmax[g] = _mm512_mask_max_ps(vmax[g], m, vmax[g], sc);
-        }
-    }
-}
-
-/* Thirty-two values of a query from value 32w on, rounded to bf16 (to
- * nearest even) in their order. */
-static inline __m512bh q_bf16(const float *q, int w)
-{
-    return _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * w + 16), _mm512_loadu_ps(q + 32 * w));
-}
-
-/* One position's score for one head over a bf16 K row: its sixteen lanes'
- * partial sums, lane i a chain of bf16 dot products over the row's HW
- * vectors of 32 values (vdpbf16ps adds, in lane i of vector w, the product
- * of values 32w + 2i + 1 first and then that of 32w + 2i, each product exact
- * and each add rounded as an f32 add). The score tree then adds the lanes. */
-static inline __attribute__((always_inline)) __m512 dot_bf(const int HW, const __m512bh *q, const __m512bh *k)
-{
-    __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], k[0]);
-#pragma GCC unroll 8
-    for (int w = 1; w < HW; w++)
-        s = _mm512_dpbf16_ps(s, q[w], k[w]);
-    return s;
-}
-
-/* Scores of NQ heads over a bf16 K: q rounded to bf16, each K row read as it
- * is stored (no conversion: half of scores_float's multiply-add instructions
- * for the same positions), sixteen positions through the score tree two at a
- * time as in scores_float. */
-static inline __attribute__((always_inline)) void
-scores_bf16(const int HV, const int NQ, const struct kern_attn_args *a, int q0, __m512 vmax[MAX_Q])
-{
-    const int hd = 16 * HV, HW = HV / 2, n = a->n_ctx;
-    const size_t row_bytes = (size_t)hd * 2;
-    const size_t v_row_bytes = kern_row_bytes(a->v_type, hd);
-    __m512bh qv[MAX_Q][8];
-    for (int g = 0; g < NQ; g++)
-        for (int w = 0; w < HW; w++)
-            qv[g][w] = q_bf16(a->q + (size_t)(q0 + g) * hd, w);
-    const __m512 scale = _mm512_set1_ps(a->scale);
-    const uint64_t k_off = (uint64_t)a->kv_head * a->k_head_stride;
-    const uint64_t v_off = (uint64_t)a->kv_head * a->v_head_stride;
-    const uint8_t *k_base = a->k_base + k_off;
-    const int bt = a->block_tokens;
-    int blk = 0, off = 0;
-    const uint8_t *k = NULL;
-    const uint8_t *rows[16];
-    for (int j0 = 0; j0 < n; j0 += 16) {
-        const int cnt = n - j0 < 16 ? n - j0 : 16;
-        const __mmask16 m = live16(j0, n, a->skip);
-        for (int p = 0; p < cnt; p++) {
-            if (off == 0) {
-                prefetch_block(a, blk, n, k_off, v_off, row_bytes, v_row_bytes);
-                k = k_base + (size_t)a->blocks[blk] * a->block_stride;
-            }
-            rows[p] = k;
-            k += row_bytes;
-            if (++off == bt) {
-                off = 0;
-                blk++;
-            }
-        }
-        for (int p = cnt; p < 16; p++)
-            rows[p] = zero_row;
-        __m512 x[2][MAX_Q];
-#pragma GCC unroll 2
-        for (int o = 0; o < 2; o++) {
-            __m512 u[2][MAX_Q];
-#pragma GCC unroll 2
-            for (int r = 0; r < 2; r++) {
-                __m512 t[2][MAX_Q];
-#pragma GCC unroll 2
-                for (int i = 0; i < 2; i++) {
-                    const int p = 8 * o + 4 * r + 2 * i;
-                    __m512bh k0[8], k1[8];
-#pragma GCC unroll 8
-                    for (int w = 0; w < HW; w++) {
-                        k0[w] = (__m512bh)_mm512_loadu_si512((const void *)(rows[p] + 64 * w));
-                        k1[w] = (__m512bh)_mm512_loadu_si512((const void *)(rows[p + 1] + 64 * w));
-                    }
-#pragma GCC unroll 4
-                    for (int g = 0; g < NQ; g++)
-                        t[i][g] = tree2(dot_bf(HW, qv[g], k0), dot_bf(HW, qv[g], k1));
                 }
 #pragma GCC unroll 4
                 for (int g = 0; g < NQ; g++)
@@ -666,11 +612,11 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
     for (int g = 0; g < NQ; g++)
         vmax[g] = _mm512_set1_ps(-INFINITY);
     if (a->k_type == KERN_F16)
-        scores_float(HV, NQ, true, a, q0, vmax);
+        scores_float(HV, NQ, KERN_F16, a, q0, vmax);
     else if (a->k_type == KERN_BF16)
-        scores_bf16(HV, NQ, a, q0, vmax);
+        scores_float(HV, NQ, KERN_BF16, a, q0, vmax);
     else if (a->k_type == KERN_F32)
-        scores_float(HV, NQ, false, a, q0, vmax);
+        scores_float(HV, NQ, KERN_F32, a, q0, vmax);
     else
         scores_quant(HV, NQ, a, q0, vmax);
     /* softmax per head; over an f16 V the probabilities are rounded to f16 */
@@ -982,13 +928,18 @@ static inline __attribute__((always_inline)) void v_rows(const int HV, const str
     }
 }
 
-/* out += p v over n positions for GQ queries (lanes lane[0 .. GQ)) and the
- * four 16-value slices of V from value 16c on: the accumulators live in the
- * queries' outputs, each value's sum runs in position order, the query's
- * probability broadcast and the V slice loaded once for all of them. */
-static inline __attribute__((always_inline)) void pv_tile(const int GQ, const struct kern_attn_query *qs,
-                                                          const int *lane, int c, int hd, const float *VF,
-                                                          const float *S, int n)
+/* out += p v over n units for GQ queries (lanes lane[0 .. GQ)) and the four
+ * 16-value slices of V from value 16c on: the accumulators live in the
+ * queries' outputs, each value's sum runs in unit order, the query's
+ * probability broadcast and the V slice loaded once for all of them. A unit
+ * is a position (V rows as floats in V, probabilities in S: row j, lane L),
+ * or for a bf16 V (BF) a pair of positions: V holds the pairs' rows
+ * interleaved (dword d of a pair's row: value d of its first and its second
+ * position), S their probability pairs, one bf16 dot-product step a pair,
+ * so that every value's sum is values_bf16's. */
+static inline __attribute__((always_inline)) void pv_tile(const int GQ, const bool BF,
+                                                          const struct kern_attn_query *qs, const int *lane, int c,
+                                                          int hd, const float *V, const float *S, int n)
 {
     __m512 acc[6][4];
 #pragma GCC unroll 6
@@ -997,16 +948,27 @@ static inline __attribute__((always_inline)) void pv_tile(const int GQ, const st
         for (int k = 0; k < 4; k++)
             acc[g][k] = _mm512_loadu_ps(qs[lane[g]].out + 16 * (c + k));
     for (int j = 0; j < n; j++) {
-        const float *vj = VF + (size_t)j * hd + 16 * c;
-        const __m512 v0 = _mm512_load_ps(vj), v1 = _mm512_load_ps(vj + 16);
-        const __m512 v2 = _mm512_load_ps(vj + 32), v3 = _mm512_load_ps(vj + 48);
+        const float *vj = V + (size_t)j * hd + 16 * c;
+        __m512 v[4];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++)
+            v[k] = _mm512_load_ps(vj + 16 * k);
 #pragma GCC unroll 6
         for (int g = 0; g < GQ; g++) {
-            const __m512 p = _mm512_set1_ps(S[(size_t)j * 16 + lane[g]]);
-            acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
-            acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
-            acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
-            acc[g][3] = _mm512_fmadd_ps(p, v3, acc[g][3]);
+            const float *pj = S + (size_t)j * 16 + lane[g];
+            if (BF) {
+                int32_t pp;
+                memcpy(&pp, pj, 4);
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++)
+                    acc[g][k] = _mm512_dpbf16_ps(acc[g][k], (__m512bh)_mm512_castps_si512(v[k]),
+                                                 (__m512bh)_mm512_set1_epi32(pp));
+            } else {
+                const __m512 pv = _mm512_set1_ps(*pj);
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++)
+                    acc[g][k] = _mm512_fmadd_ps(pv, v[k], acc[g][k]);
+            }
         }
     }
 #pragma GCC unroll 6
@@ -1018,65 +980,60 @@ static inline __attribute__((always_inline)) void pv_tile(const int GQ, const st
 
 #define PV_GQ 6                  /* queries one pv_tile runs */
 
-static void pv_tiles(const struct kern_attn_query *qs, const int *lane, int nl, int c, int hd,
-                     const float *VF, const float *S, int n)
+static void pv_tiles(const struct kern_attn_query *qs, const int *lane, int nl, bool bf, int c, int hd,
+                     const float *V, const float *S, int n)
 {
+#define PV_TILE(G)                                                                             \
+    case G:                                                                                    \
+        if (bf)                                                                                \
+            pv_tile(G, true, qs, lane, c, hd, V, S, n);                                        \
+        else                                                                                   \
+            pv_tile(G, false, qs, lane, c, hd, V, S, n);                                       \
+        break
     switch (nl) {
-    case 1: pv_tile(1, qs, lane, c, hd, VF, S, n); break;
-    case 2: pv_tile(2, qs, lane, c, hd, VF, S, n); break;
-    case 3: pv_tile(3, qs, lane, c, hd, VF, S, n); break;
-    case 4: pv_tile(4, qs, lane, c, hd, VF, S, n); break;
-    case 5: pv_tile(5, qs, lane, c, hd, VF, S, n); break;
-    default: pv_tile(6, qs, lane, c, hd, VF, S, n); break;
+    PV_TILE(1); PV_TILE(2); PV_TILE(3); PV_TILE(4); PV_TILE(5);
+    default: PV_TILE(6);
     }
+#undef PV_TILE
 }
 
-/* out += p v over npairs pairs of positions of a bf16 V for GQ queries and
- * the four 16-value slices from value 16c on: VP holds the pairs' rows
- * interleaved (dword d of a pair's row: value d of its first and its
- * second position), S2 the queries' probability pairs (row m, lane L), so
- * that every value's sum is values_bf16's, pair by pair. */
-static inline __attribute__((always_inline)) void pv_tile_bf(const int GQ, const struct kern_attn_query *qs,
-                                                             const int *lane, int c, int hd, const uint32_t *VP,
-                                                             const uint32_t *S2, int npairs)
+/* out += p v over the units [u0, u1) of a staged block (V's row 0 is unit
+ * u0; S row u is unit u) for the nq queries, query L covering units
+ * [uf[L], un[L]): in groups of up to PV_GQ queries, the units the group
+ * shares at once and the rest query by query, each query's units in order. */
+static void pv_groups(const struct kern_attn_query *qs, int nq, const int32_t *uf, const int32_t *un, int u0,
+                      int u1, bool bf, int hd, const float *V, const float *S)
 {
-    __m512 acc[6][4];
-#pragma GCC unroll 6
-    for (int g = 0; g < GQ; g++)
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++)
-            acc[g][k] = _mm512_loadu_ps(qs[lane[g]].out + 16 * (c + k));
-    for (int m = 0; m < npairs; m++) {
-        const uint32_t *vm = VP + (size_t)m * hd + 16 * c;
-        __m512bh v[4];
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++)
-            v[k] = (__m512bh)_mm512_load_si512((const void *)(vm + 16 * k));
-#pragma GCC unroll 6
-        for (int g = 0; g < GQ; g++) {
-            const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)S2[(size_t)m * 16 + lane[g]]);
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; k++)
-                acc[g][k] = _mm512_dpbf16_ps(acc[g][k], v[k], pp);
+    for (int q0 = 0; q0 < nq; q0 += PV_GQ) {
+        const int gq = nq - q0 < PV_GQ ? nq - q0 : PV_GQ;
+        int lane[PV_GQ], cs = u0, ce = u1;   /* the group's common units [cs, ce) */
+        for (int g = 0; g < gq; g++) {
+            lane[g] = q0 + g;
+            cs = uf[q0 + g] > cs ? uf[q0 + g] : cs;
+            ce = un[q0 + g] < ce ? un[q0 + g] : ce;
         }
-    }
-#pragma GCC unroll 6
-    for (int g = 0; g < GQ; g++)
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++)
-            _mm512_storeu_ps(qs[lane[g]].out + 16 * (c + k), acc[g][k]);
-}
-
-static void pv_tiles_bf(const struct kern_attn_query *qs, const int *lane, int nl, int c, int hd,
-                        const uint32_t *VP, const uint32_t *S2, int npairs)
-{
-    switch (nl) {
-    case 1: pv_tile_bf(1, qs, lane, c, hd, VP, S2, npairs); break;
-    case 2: pv_tile_bf(2, qs, lane, c, hd, VP, S2, npairs); break;
-    case 3: pv_tile_bf(3, qs, lane, c, hd, VP, S2, npairs); break;
-    case 4: pv_tile_bf(4, qs, lane, c, hd, VP, S2, npairs); break;
-    case 5: pv_tile_bf(5, qs, lane, c, hd, VP, S2, npairs); break;
-    default: pv_tile_bf(6, qs, lane, c, hd, VP, S2, npairs); break;
+        if (cs > u1)
+            cs = u1;    /* a query starts past this block: no common units in it */
+        if (ce < cs)
+            ce = cs;
+        for (int c = 0; c < hd / 16; c += 4)
+            for (int part = 0; part < 3; part++) {
+                /* before the common units, query by query; the common ones as
+                 * a group; after them, query by query */
+                if (part == 1) {
+                    if (ce > cs)
+                        pv_tiles(qs, lane, gq, bf, c, hd, V + (size_t)(cs - u0) * hd, S + (size_t)cs * 16, ce - cs);
+                    continue;
+                }
+                for (int g = 0; g < gq; g++) {
+                    const int f = uf[q0 + g], e = un[q0 + g];
+                    const int from = part == 0 ? (f > u0 ? f : u0) : ce;
+                    const int to = part == 0 ? (cs < e ? cs : e) : (e < u1 ? e : u1);
+                    if (to > from)
+                        pv_tiles(qs, &lane[g], 1, bf, c, hd, V + (size_t)(from - u0) * hd, S + (size_t)from * 16,
+                                 to - from);
+                }
+            }
     }
 }
 
@@ -1107,9 +1064,8 @@ static void v_pairs(int hd, const struct kern_attn_args *a, uint64_t v_off, int 
 /* out = sum p v over a bf16 V for the nq queries of multi_pass (lanes L:
  * positions [fl[L], nl[L])), S holding their probabilities per position:
  * turned into bf16 pairs in place (S2 row m: positions 2m and 2m + 1), then
- * the pairs of a block of positions interleaved once (VP) and added up as
- * pv_tile_bf's, the pairs the group shares at once and the rest query by
- * query, in order. */
+ * the pairs of a block of positions interleaved once (VP) and added up by
+ * pv_groups. */
 static void pv_pairs(int hd, const struct kern_attn_args *a, uint64_t v_off, const struct kern_attn_query *qs,
                      int nq, const int32_t *fl, const int32_t *nl, int N, float *S, float *VF)
 {
@@ -1122,42 +1078,17 @@ static void pv_pairs(int hd, const struct kern_attn_args *a, uint64_t v_off, con
     }
     for (int L = 0; L < nq; L++)
         memset(qs[L].out, 0, (size_t)hd * sizeof(float));
+    int32_t pf[16], pn[16];   /* each query's pairs */
+    for (int L = 0; L < nq; L++) {
+        pf[L] = fl[L] / 2;
+        pn[L] = (nl[L] + 1) / 2;
+    }
     const int B = KERN_ATTN_V_BLOCK / hd;   /* positions a block: even */
     for (int j0 = 0; j0 < N; j0 += B) {
         const int j1 = N - j0 < B ? N : j0 + B;
         const int b0 = j0 / 2, b1 = (j1 + 1) / 2;   /* the block's pairs */
         v_pairs(hd, a, v_off, b0, b1, N, VP);
-        for (int q0 = 0; q0 < nq; q0 += PV_GQ) {
-            const int gq = nq - q0 < PV_GQ ? nq - q0 : PV_GQ;
-            int lane[PV_GQ], cs = b0, ce = b1;   /* the group's common pairs [cs, ce) */
-            for (int g = 0; g < gq; g++) {
-                const int pf = fl[q0 + g] / 2, pn = (nl[q0 + g] + 1) / 2;
-                lane[g] = q0 + g;
-                cs = pf > cs ? pf : cs;
-                ce = pn < ce ? pn : ce;
-            }
-            if (cs > b1)
-                cs = b1;
-            if (ce < cs)
-                ce = cs;
-            for (int c = 0; c < hd / 16; c += 4)
-                for (int part = 0; part < 3; part++) {
-                    if (part == 1) {
-                        if (ce > cs)
-                            pv_tiles_bf(qs, lane, gq, c, hd, VP + (size_t)(cs - b0) * hd, S2 + (size_t)cs * 16,
-                                        ce - cs);
-                        continue;
-                    }
-                    for (int g = 0; g < gq; g++) {
-                        const int pf = fl[q0 + g] / 2, pn = (nl[q0 + g] + 1) / 2;
-                        const int from = part == 0 ? (pf > b0 ? pf : b0) : ce;
-                        const int to = part == 0 ? (cs < pn ? cs : pn) : (pn < b1 ? pn : b1);
-                        if (to > from)
-                            pv_tile_bf(1, qs, &lane[g], c, hd, VP + (size_t)(from - b0) * hd,
-                                       S2 + (size_t)from * 16, to - from);
-                    }
-                }
-        }
+        pv_groups(qs, nq, pf, pn, b0, b1, true, hd, VF, S);
     }
 }
 
@@ -1191,7 +1122,7 @@ multi_pass(const int HV, const struct kern_attn_args *a, const struct kern_attn_
     }
     for (int L = 0; L < nq && bf; L++)
         for (int w = 0; w < HV / 2; w++) {
-            /* bf16 pairs, as scores_bf16 rounds them */
+            /* bf16 pairs, as scores_float rounds them */
             uint32_t v[16] __attribute__((aligned(64)));
             _mm512_store_si512((void *)v, (__m512i)q_bf16(qs[L].q, w));
             for (int i = 0; i < 16; i++)
@@ -1320,37 +1251,7 @@ multi_pass(const int HV, const struct kern_attn_args *a, const struct kern_attn_
     for (int j0 = 0; j0 < N; j0 += B) {
         const int j1 = N - j0 < B ? N : j0 + B;
         v_rows(HV, a, v_off, v_row, j0, j1, VF);
-        for (int q0 = 0; q0 < nq; q0 += PV_GQ) {
-            const int gq = nq - q0 < PV_GQ ? nq - q0 : PV_GQ;
-            int lane[PV_GQ], cs = j0, ce = j1;   /* the group's common positions [cs, ce) */
-            for (int g = 0; g < gq; g++) {
-                lane[g] = q0 + g;
-                cs = fl[q0 + g] > cs ? fl[q0 + g] : cs;
-                ce = nl[q0 + g] < ce ? nl[q0 + g] : ce;
-            }
-            if (cs > j1)
-                cs = j1;    /* a query starts past this block: no common positions in it */
-            if (ce < cs)
-                ce = cs;
-            for (int c = 0; c < HV; c += 4)
-                for (int part = 0; part < 3; part++) {
-                    /* before the common positions, query by query; the common
-                     * ones as a group; after them, query by query */
-                    if (part == 1) {
-                        if (ce > cs)
-                            pv_tiles(qs, lane, gq, c, hd, VF + (size_t)(cs - j0) * hd, S + (size_t)cs * 16, ce - cs);
-                        continue;
-                    }
-                    for (int g = 0; g < gq; g++) {
-                        const int from = part == 0 ? (fl[q0 + g] > j0 ? fl[q0 + g] : j0) : ce;
-                        const int to = part == 0 ? (cs < nl[q0 + g] ? cs : nl[q0 + g])
-                                                 : (nl[q0 + g] < j1 ? nl[q0 + g] : j1);
-                        if (to > from)
-                            pv_tile(1, qs, &lane[g], c, hd, VF + (size_t)(from - j0) * hd, S + (size_t)from * 16,
-                                    to - from);
-                    }
-                }
-        }
+        pv_groups(qs, nq, fl, nl, j0, j1, false, hd, VF, S);
     }
 }
 
