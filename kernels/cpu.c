@@ -104,18 +104,24 @@ enum kern_isa kern_isa(void)
 
 static int avxvnni = -1;    /* kern_avxvnni() once chosen */
 
-/* AVX-VNNI (cpuid leaf 7, subleaf 1, EAX bit 4), with AVX2 and the YMM state. */
-static bool has_avxvnni(void)
+/* Bit `bit` of cpuid leaf 7, subleaf 1, EAX, on a CPU whose best path is at
+ * least `need` (which also says the OS saves the registers it uses). */
+static bool leaf7_1_eax(enum kern_isa need, unsigned bit)
 {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     unsigned a, b, c, d;
-    if (kern_isa_best() < KERN_ISA_AVX2 || !__get_cpuid_count(7, 1, &a, &b, &c, &d))
+    if (kern_isa_best() < need || !__get_cpuid_count(7, 1, &a, &b, &c, &d))
         return false;
-    return a & (1u << 4);
+    return a & (1u << bit);
 #else
+    (void)need;
+    (void)bit;
     return false;
 #endif
 }
+
+/* AVX-VNNI (EAX bit 4), with AVX2 and the YMM state. */
+static bool has_avxvnni(void) { return leaf7_1_eax(KERN_ISA_AVX2, 4); }
 
 bool kern_avxvnni(void)
 {
@@ -135,18 +141,8 @@ bool kern_avxvnni_set(bool on)
     return v;
 }
 
-/* AVX512_BF16 (cpuid leaf 7, subleaf 1, EAX bit 5), on a CPU with the AVX-512 path. */
-static bool has_avx512bf16(void)
-{
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    unsigned a, b, c, d;
-    if (kern_isa_best() < KERN_ISA_AVX512VNNI || !__get_cpuid_count(7, 1, &a, &b, &c, &d))
-        return false;
-    return a & (1u << 5);
-#else
-    return false;
-#endif
-}
+/* AVX512_BF16 (EAX bit 5), on a CPU with the AVX-512 path. */
+static bool has_avx512bf16(void) { return leaf7_1_eax(KERN_ISA_AVX512VNNI, 5); }
 
 static int bf16_on = -1;     /* kern_avx512bf16()'s choice, once made */
 
