@@ -106,7 +106,7 @@ int kern_attn_multi(const struct kern_attn_args *a, const struct kern_attn_query
 {
 #if defined(__x86_64__)
     if (kern_isa() >= KERN_ISA_AVX512VNNI)
-        return kern_attn_avx512_multi(a, qs, nq, scratch);
+        return kern_attn_amx_multi(a, qs, nq, scratch) || kern_attn_avx512_multi(a, qs, nq, scratch);
 #else
     (void)a;
     (void)qs;
@@ -119,7 +119,7 @@ int kern_attn_multi(const struct kern_attn_args *a, const struct kern_attn_query
 void kern_attn_isa(const struct kern_attn_args *a, int isa)
 {
 #if defined(__x86_64__)
-    if (isa >= KERN_ISA_AVX512VNNI && kern_attn_avx512(a))
+    if (isa >= KERN_ISA_AVX512VNNI && (kern_attn_amx(a) || kern_attn_avx512(a)))
         return;
     if (isa >= KERN_ISA_AVX2 && kern_attn_avx2(a))
         return;

@@ -213,6 +213,25 @@ bool kern_amx_set(bool on)
     return v;
 }
 
+/* AMX-BF16 (cpuid leaf 7 EDX bit 22) beside the tiles kern_amx() uses, and
+ * the bf16 instructions kern_avx512bf16() allows. */
+static int amx_bf16_seen = -1;
+
+bool kern_amx_bf16(void)
+{
+    int v = __atomic_load_n(&amx_bf16_seen, __ATOMIC_ACQUIRE);
+    if (v < 0) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+        unsigned a, b, c, d;
+        v = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) != 0;
+#else
+        v = 0;
+#endif
+        __atomic_store_n(&amx_bf16_seen, v, __ATOMIC_RELEASE);
+    }
+    return v && kern_amx() && kern_avx512bf16();
+}
+
 const char *kern_isa_name(enum kern_isa isa)
 {
     switch ((int)isa) {

@@ -70,6 +70,12 @@ bool kern_avx512bf16_set(bool on);
  * bits; this is a matter of speed. */
 bool kern_amx(void);
 
+/* Whether attention over a bf16 K and V runs on AMX tiles (TDPBF16PS):
+ * kern_amx(), AMX-BF16 and kern_avx512bf16(). Its bits are its own (the
+ * tiles' sums are not vdpbf16ps chains), the same for a query whatever the
+ * call (decode, kern_attn_multi, the heads beside it). */
+bool kern_amx_bf16(void);
+
 /* Whether the CPU and OS offer AMX at all, whatever KVD_AMX says. */
 bool kern_amx_available(void);
 
