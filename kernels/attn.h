@@ -129,14 +129,14 @@ bool kern_attn_multi_ok(uint32_t k_type, uint32_t v_type, int head_dim);
 int kern_attn_avx512_multi(const struct kern_attn_args *a, const struct kern_attn_query *qs, int nq,
                            void *scratch);
 
-/* AMX path (attn_amx.c) for a bf16 K and V, head_dim 64, 128 or 256 and
- * blocks of a multiple of 16 positions, where kern_amx_bf16(): a decode's
+/* AMX path (attn_amx.c) for a bf16 K and V, head_dim 64, 128 or 256, any
+ * block size, where kern_amx_bf16(): a decode's
  * heads (kern_attn_amx) and kern_attn_multi's queries (kern_attn_amx_multi,
  * the same scratch) by one kernel, so a query's bits do not depend on the
  * call. 0 where it does not take a. */
 int kern_attn_amx(const struct kern_attn_args *a);
 int kern_attn_amx_multi(const struct kern_attn_args *a, const struct kern_attn_query *qs, int nq, void *scratch);
-bool kern_attn_amx_ok(uint32_t k_type, uint32_t v_type, int head_dim, int block_tokens);
+bool kern_attn_amx_ok(uint32_t k_type, uint32_t v_type, int head_dim);
 
 /* aarch64 path (NEON + sdot), the AVX2 path's design in 128-bit registers;
  * the same shapes and types. */

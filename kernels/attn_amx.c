@@ -27,8 +27,9 @@
  * positions past the context meet V rows of zeros, so neither adds anything.
  * The tiles' own order of additions is not vdpbf16ps's, so these bits are
  * not the AVX-512 path's: the path is chosen once per process
- * (kern_amx_bf16()) for every call alike. K's block size must be a multiple
- * of 16 (a step's rows in one block). Tile operations are asm statements
+ * (kern_amx_bf16()) for every call alike. Sixteen K rows that lie in one
+ * block are read in place, others (and all V rows) staged, so the block size
+ * changes no bit. Tile operations are asm statements
  * with a memory clobber: they read and write staging that C code fills.
  */
 #if defined(__x86_64__)
@@ -145,19 +146,37 @@ static inline void transpose16(float *t)
         _mm512_store_ps(t + 16 * i, u[i]);
 }
 
-/* The K (V) rows of positions j .. j + 15 of a's context, which lie in one block. */
-static inline const uint8_t *rows_at(const struct kern_attn_args *a, const uint8_t *base, uint64_t head_off,
-                                     size_t row_bytes, int j)
+/* Row j of a's context for the head at head_off of base. */
+static inline const uint8_t *row_at(const struct kern_attn_args *a, const uint8_t *base, uint64_t head_off,
+                                    size_t row_bytes, int j)
 {
     return base + a->blocks[j / a->block_tokens] * a->block_stride + head_off +
            (size_t)(j % a->block_tokens) * row_bytes;
 }
 
+/* The K rows of positions j .. j + 15 as a tile's A operand (row stride
+ * row_bytes): in place where they lie in one block, else copied to KS (the
+ * rows from n on as zeros: they may lie past the block table). */
+static inline const uint8_t *k_rows(const struct kern_attn_args *a, uint64_t k_off, size_t row_bytes, int j, int n,
+                                    uint8_t *KS)
+{
+    if (j % a->block_tokens + 16 <= a->block_tokens)
+        return row_at(a, a->k_base, k_off, row_bytes, j);
+    for (int i = 0; i < 16; i++) {
+        if (j + i < n)
+            memcpy(KS + (size_t)i * row_bytes, row_at(a, a->k_base, k_off, row_bytes, j + i), row_bytes);
+        else
+            memset(KS + (size_t)i * row_bytes, 0, row_bytes);
+    }
+    return KS;
+}
+
 /* V's rows of positions j .. j + 15 (those from n on as zeros) as the B
- * operands of values [64 c0, 64 c0 + 64): VB + 512 g holds, for values
+ * operands of values [64 c0, 64 c0 + 64): VB + 256 g holds, for values
  * 64 c0 + 16 g .. + 15, eight rows of sixteen pairs (position j + 2m's value
  * and j + 2m + 1's). */
-static inline void stage_v(const uint8_t *rows, size_t v_row, int valid, int c0, uint16_t *VB)
+static inline void stage_v(const struct kern_attn_args *a, uint64_t v_off, size_t v_row, int j, int n, int c0,
+                           uint16_t *VB)
 {
     static const uint8_t zeros[128] __attribute__((aligned(64)));
     const __m512i lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004,
@@ -166,8 +185,9 @@ static inline void stage_v(const uint8_t *rows, size_t v_row, int valid, int c0,
                                          0x002f000f);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int m = 0; m < 8; m++) {
-        const uint8_t *r0 = 2 * m < valid ? rows + (size_t)(2 * m) * v_row + 128 * c0 : zeros;
-        const uint8_t *r1 = 2 * m + 1 < valid ? rows + (size_t)(2 * m + 1) * v_row + 128 * c0 : zeros;
+        const int p = j + 2 * m;
+        const uint8_t *r0 = p < n ? row_at(a, a->v_base, v_off, v_row, p) + 128 * c0 : zeros;
+        const uint8_t *r1 = p + 1 < n ? row_at(a, a->v_base, v_off, v_row, p + 1) + 128 * c0 : zeros;
         for (int h = 0; h < 2; h++) {
             const __m512i x = _mm512_loadu_si512(r0 + 64 * h), y = _mm512_loadu_si512(r1 + 64 * h);
             _mm512_store_si512(VB + 256 * (2 * h) + 32 * m, _mm512_permutex2var_epi16(x, lo, y));
@@ -211,13 +231,14 @@ static void amx_queries(const struct kern_attn_args *a, int nq, const float *con
     cfg_scores();
     const __m512 scale = _mm512_set1_ps(a->scale);
     float T[2][256] __attribute__((aligned(64)));
+    uint8_t KS[2][16 * 512] __attribute__((aligned(64)));
     __m512 vmax[16];
     for (int L = 0; L < 16; L++)
         vmax[L] = _mm512_set1_ps(-INFINITY);
     for (int j0 = j_lo; j0 < j_hi; j0 += 32) {
         const bool two = j0 + 16 < j_hi;
-        const uint8_t *k0 = rows_at(a, a->k_base, k_off, row, j0);
-        const uint8_t *k1 = two ? rows_at(a, a->k_base, k_off, row, j0 + 16) : k0;
+        const uint8_t *k0 = k_rows(a, k_off, row, j0, j_hi, KS[0]);
+        const uint8_t *k1 = two ? k_rows(a, k_off, row, j0 + 16, j_hi, KS[1]) : k0;
         TZERO(0);
         TZERO(1);
         for (int s = 0; s < steps; s++) {
@@ -305,7 +326,7 @@ static void amx_queries(const struct kern_attn_args *a, int nq, const float *con
                 }
                 _mm256_store_si256((__m256i *)(PA + 8 * L), p);
             }
-            stage_v(rows_at(a, a->v_base, v_off, row, j), row, j_hi - j, c0, VB);
+            stage_v(a, v_off, row, j, j_hi, c0, VB);
             TLOAD(4, PA, 32);
             TLOAD(5, VB, 64);
             TDP(0, 4, 5);
@@ -333,13 +354,12 @@ static void amx_queries(const struct kern_attn_args *a, int nq, const float *con
 static bool amx_takes(const struct kern_attn_args *a)
 {
     return kern_amx_bf16() && a->k_type == KERN_BF16 && a->v_type == KERN_BF16 &&
-           (a->head_dim == 64 || a->head_dim == 128 || a->head_dim == 256) && a->block_tokens % 16 == 0;
+           (a->head_dim == 64 || a->head_dim == 128 || a->head_dim == 256);
 }
 
-bool kern_attn_amx_ok(uint32_t k_type, uint32_t v_type, int head_dim, int block_tokens)
+bool kern_attn_amx_ok(uint32_t k_type, uint32_t v_type, int head_dim)
 {
-    struct kern_attn_args a = { .k_type = k_type, .v_type = v_type, .head_dim = head_dim,
-                                .block_tokens = block_tokens };
+    struct kern_attn_args a = { .k_type = k_type, .v_type = v_type, .head_dim = head_dim };
     return amx_takes(&a);
 }
 
