@@ -479,10 +479,95 @@ static void test_multi(void)
                 "checked)\n", declined);
 }
 
+/* A bf16 cache laid out in blocks of bt positions: the same n rows of K and
+ * V (row i of head h a function of i alone) whatever bt; kern_attn of G
+ * heads over it, from a window's start skip. */
+static void bf16_paged(int D, int G, int bt, int n, int skip, const float *q, float *out)
+{
+    const int nblk = (n + bt - 1) / bt + 1;
+    const size_t row = (size_t)D * 2, head = (size_t)bt * row, block_stride = 2 * KVH * head;
+    uint8_t *mem = calloc((size_t)nblk, block_stride);
+    uint32_t *blocks = malloc((size_t)nblk * sizeof(uint32_t));
+    for (int b = 0; b < nblk; b++)
+        blocks[b] = (uint32_t)(b % 2 ? b / 2 : nblk - 1 - b / 2);   /* a permutation, out of order */
+    float r[256];
+    for (int i = 0; i < n; i++)
+        for (int kv = 0; kv < 2; kv++) {
+            for (int d = 0; d < D; d++)
+                r[d] = sinf((float)(i * 31 + d * 7 + kv * 13)) * (kv == 0 && d == 3 ? 4.0f : 1.0f);
+            uint8_t *at = mem + blocks[i / bt] * block_stride + (size_t)kv * KVH * head + head + (size_t)(i % bt) * row;
+            kern_quantize_row(KERN_BF16, r, at, D);
+        }
+    float *scores = malloc((size_t)G * n * sizeof(float));
+    struct kern_attn_args a = {
+        .out = out, .q = q, .n_q = G, .k_base = mem, .v_base = mem + KVH * head, .blocks = blocks, .n_ctx = n,
+        .skip = skip, .block_tokens = bt, .head_dim = D, .kv_head = 1, .block_stride = block_stride,
+        .k_head_stride = head, .v_head_stride = head, .k_type = KERN_BF16, .v_type = KERN_BF16,
+        .scale = 0.1f, .scores = scores,
+    };
+    kern_attn(&a);
+    free(scores);
+    free(blocks);
+    free(mem);
+}
+
+/* The AMX path over bf16 (where the CPU has it): the block size changes no
+ * bit (sixteen K rows are read in place inside a block and staged across
+ * two), and the result is the C reference's within the tolerance. */
+static void test_amx_blocks(void)
+{
+    if (!kern_amx_bf16()) {
+        struct kern_attn_args a = { .head_dim = 64, .k_type = KERN_BF16, .v_type = KERN_BF16, .block_tokens = 16 };
+#if defined(__x86_64__)
+        CHECK(kern_attn_amx(&a) == 0);
+#endif
+        fprintf(stderr, "test_amx_blocks: no AMX-BF16 here (or off): the AMX kernel declines (checked)\n");
+        return;
+    }
+    const int dims[] = { 64, 256 }, bts[] = { 16, 5, 24, 1, 128 }, ns[] = { 9, 77, 300 };
+    float q[4 * 256], want[4 * 256], got[4 * 256];
+    for (int i = 0; i < 4 * 256; i++)
+        q[i] = frand() * 2.0f;
+    for (int di = 0; di < 2; di++)
+        for (int ni = 0; ni < 3; ni++)
+            for (int skip = 0; skip <= 6; skip += 6) {
+                const int D = dims[di], n = ns[ni], G = 4;
+                bf16_paged(D, G, 16, n, skip, q, want);
+                for (int bi = 1; bi < 5; bi++) {
+                    bf16_paged(D, G, bts[bi], n, skip, q, got);
+                    CHECK(memcmp(want, got, (size_t)G * D * sizeof(float)) == 0);
+                }
+                /* the C reference, over the same rows */
+                kern_amx_set(false);
+                kern_avx512bf16_set(false);
+                kern_isa_set(KERN_ISA_C);
+                bf16_paged(D, G, 16, n, skip, q, got);
+                kern_isa_set(kern_isa_best());
+                kern_avx512bf16_set(true);
+                kern_amx_set(true);
+                double worst = 0;
+                for (int i = 0; i < G * D; i++)
+                    worst = fmax(worst, fabs(got[i] - want[i]) / (fabs(got[i]) + 0.05));
+                if (worst > 2e-3)
+                    fprintf(stderr, "AMX bf16 head_dim %d ctx %d skip %d: worst relative difference %.2e\n", D, n,
+                            skip, worst);
+                CHECK(worst <= 2e-3);
+            }
+    fprintf(stderr, "test_amx_blocks: bf16 on AMX tiles, blocks of 1 .. 128 the same bits, within 2e-3 of the C reference\n");
+}
+
 int main(void)
 {
     srand(5);
     test_multi();
+    if (kern_amx_bf16()) {
+        /* bf16 goes to the AMX tiles; once more on the vdpbf16ps kernels */
+        kern_amx_set(false);
+        test_multi();
+        test_head_dim(128, 3, KERN_BF16);
+        kern_amx_set(true);
+    }
+    test_amx_blocks();
     if (kern_avx512bf16()) {
         /* as on an AVX-512 CPU without the bf16 dot product: bf16 declined */
         kern_avx512bf16_set(false);
