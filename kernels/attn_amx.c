@@ -306,10 +306,22 @@ static void amx_queries(const struct kern_attn_args *a, int nq, const float *con
         }
     }
 
-    /* out = sum p v: sixteen positions a step, 64 values a pass */
+    /* out = sum p v: sixteen positions a step, 64 values a pass. Where the
+     * queries start together (a decode step's heads, a prefill's tokens
+     * without a window) and their rows have room, the A operand is read in
+     * place, each row's pairs past its end zeroed up to the last step's;
+     * else each step's rows are staged in PA. */
     uint32_t PA[16 * 8] __attribute__((aligned(64)));
     uint16_t VB[4 * 256] __attribute__((aligned(64)));
     float O[16 * 16] __attribute__((aligned(64)));
+    bool direct = (size_t)(j_hi - j_lo + 15) / 16 * 8 <= rs;
+    for (int L = 0; L < nq; L++)
+        direct = direct && first[L] == j_lo;
+    for (int L = 0; L < nq && direct; L++) {
+        uint32_t *pr = (uint32_t *)(S + (size_t)L * rs);
+        for (int m = (n[L] - j_lo + 1) / 2; m < (j_hi - j_lo + 15) / 16 * 8; m++)
+            pr[m] = 0;
+    }
     cfg_pv(nq);
     for (int c0 = 0; c0 < hd / 64; c0++) {
         TZERO(0);
@@ -317,7 +329,7 @@ static void amx_queries(const struct kern_attn_args *a, int nq, const float *con
         TZERO(2);
         TZERO(3);
         for (int j = j_lo; j < j_hi; j += 16) {
-            for (int L = 0; L < nq; L++) {
+            for (int L = 0; L < nq && !direct; L++) {
                 __m256i p = _mm256_setzero_si256();
                 if (j >= first[L] && j < n[L]) {
                     const int r = j - first[L], pairs = (n[L] - j + 1) / 2 < 8 ? (n[L] - j + 1) / 2 : 8;
@@ -327,7 +339,10 @@ static void amx_queries(const struct kern_attn_args *a, int nq, const float *con
                 _mm256_store_si256((__m256i *)(PA + 8 * L), p);
             }
             stage_v(a, v_off, row, j, j_hi, c0, VB);
-            TLOAD(4, PA, 32);
+            if (direct)
+                TLOAD(4, (const uint8_t *)S + (size_t)(j - j_lo) * 2, rs * 4);
+            else
+                TLOAD(4, PA, 32);
             TLOAD(5, VB, 64);
             TDP(0, 4, 5);
             TLOAD(6, VB + 256, 64);
