@@ -131,7 +131,8 @@ static void bench_prefill(int n, int nt, uint32_t type)
     if (nt == 2)
         printf("\ntokens x %d heads over %d positions in one kern_attn_multi call (%s, %s): us per token\n"
                "| tokens | each token alone | all in one kern_attn_multi | speed-up |\n|---|---|---|---|\n",
-               GROUP, n, kern_type_info(type)->name, kern_isa_name(kern_isa()));
+               GROUP, n, kern_type_info(type)->name,
+               type == KERN_BF16 && kern_amx_bf16() ? "avx512vnni+amx" : kern_isa_name(kern_isa()));
     printf("| %d | %.1f | %.1f | %.2fx |\n", nt, med[0], med[1], med[0] / med[1]);
     free(mem);
     free(blocks);
@@ -168,6 +169,7 @@ int main(int argc, char **argv)
     const int nb = (n + BT - 1) / BT;
     double f16_us[KERN_ISA_AVX512VNNI + 1] = { 0 };
     uint64_t sink = 0;
+    const bool amx_on = kern_amx();    /* KVD_AMX=0 keeps the AMX rows out */
     printf("bench-attn: %d query heads over %d positions, head dim %d, blocks of %d", GROUP, n, HD, BT);
     if (wipe > 0)
         printf("; %d layers, %ld MB read between layers", layers, wipe_mb);
@@ -199,45 +201,55 @@ int main(int argc, char **argv)
             .k_head_stride = head, .v_head_stride = head, .k_type = t, .v_type = t, .scale = 0.125f,
             .scores = scores,
         };
-        for (int isa = KERN_ISA_C; isa <= (int)kern_isa_best(); isa++) {
-            double runs[9];
-            for (int k = -1; k < 9; k++) {  /* a round not kept, to warm up */
-                double busy = 0.0;
-                long calls = 0;
-                const double t0 = now_s();
-                while (now_s() - t0 < 0.2) {
-                    for (int l = 0; l < layers; l++) {
-                        const double c0 = now_s();
-                        a.k_base = mem + (size_t)l * layer;
-                        a.v_base = a.k_base + KVH * head;
-                        for (int h = 0; h < (layers > 1 ? KVH : 1); h++) {
-                            a.kv_head = layers > 1 ? h : 1;
-                            kern_attn_isa(&a, isa);
-                            calls++;
+        for (int isa = KERN_ISA_C; isa <= (int)kern_isa_best(); isa++)
+            /* bf16 on AVX-512 runs on the AMX tiles where the CPU has them: both rows */
+            for (int amx = t == KERN_BF16 && isa >= KERN_ISA_AVX512VNNI && kern_amx_bf16(); amx >= 0; amx--) {
+                kern_amx_set(amx_on && (amx || t != KERN_BF16));
+                double runs[9];
+                for (int k = -1; k < 9; k++) {  /* a round not kept, to warm up */
+                    double busy = 0.0;
+                    long calls = 0;
+                    const double t0 = now_s();
+                    while (now_s() - t0 < 0.2) {
+                        for (int l = 0; l < layers; l++) {
+                            const double c0 = now_s();
+                            a.k_base = mem + (size_t)l * layer;
+                            a.v_base = a.k_base + KVH * head;
+                            for (int h = 0; h < (layers > 1 ? KVH : 1); h++) {
+                                a.kv_head = layers > 1 ? h : 1;
+                                kern_attn_isa(&a, isa);
+                                calls++;
+                            }
+                            busy += now_s() - c0;
+                            if (other != NULL)
+                                sink += read_lines(other + (size_t)l * wipe, wipe);
                         }
-                        busy += now_s() - c0;
-                        if (other != NULL)
-                            sink += read_lines(other + (size_t)l * wipe, wipe);
                     }
+                    if (k >= 0)
+                        runs[k] = busy / (double)calls * 1e6;
                 }
-                if (k >= 0)
-                    runs[k] = busy / (double)calls * 1e6;
+                qsort(runs, 9, sizeof(double), cmp);
+                const double us = runs[4];
+                if (t == KERN_F16)
+                    f16_us[isa] = us;
+                printf("| %s | %s%s | %.1f | %.1f | %.2fx |\n", kern_type_info(t)->name,
+                       kern_isa_name((enum kern_isa)isa), amx ? "+amx" : "", us, (double)n * GROUP / us,
+                       f16_us[isa] / us);
+                kern_amx_set(amx_on);
             }
-            qsort(runs, 9, sizeof(double), cmp);
-            const double us = runs[4];
-            if (t == KERN_F16)
-                f16_us[isa] = us;
-            printf("| %s | %s | %.1f | %.1f | %.2fx |\n", kern_type_info(t)->name,
-                   kern_isa_name((enum kern_isa)isa), us, (double)n * GROUP / us, f16_us[isa] / us);
-        }
         free(mem);
         free(blocks);
         free(scores);
     }
     free(other);
     if (wipe == 0)
-        for (int bf = 0; bf < 2; bf++)
+        for (int bf = 0; bf < 3; bf++) {
+            if (bf == 2 && !kern_amx_bf16())
+                break;
+            kern_amx_set(amx_on && bf != 2);  /* bf16 once more without the AMX tiles */
             for (int nt = 2; nt <= TOKENS; nt++)
                 bench_prefill(n, nt, bf ? KERN_BF16 : KERN_F16);
+            kern_amx_set(amx_on);
+        }
     return sink == 42 ? 2 : 0;  /* the reads' sum, so they are not optimized out */
 }
