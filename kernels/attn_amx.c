@@ -154,14 +154,46 @@ static inline const uint8_t *row_at(const struct kern_attn_args *a, const uint8_
            (size_t)(j % a->block_tokens) * row_bytes;
 }
 
+/* Where positions j .. j + 15 lie in one block: their first row (the rest
+ * follow at row_bytes); else NULL. */
+static inline const uint8_t *chunk_at(const struct kern_attn_args *a, const uint8_t *base, uint64_t head_off,
+                                      size_t row_bytes, int j)
+{
+    const int b = j / a->block_tokens, r = j - b * a->block_tokens;
+    if (r + 16 > a->block_tokens)
+        return NULL;
+    return base + a->blocks[b] * a->block_stride + head_off + (size_t)r * row_bytes;
+}
+
+/* The sixteen rows of positions j .. j + 15 (where they lie in one block
+ * and are inside the context) asked for into the cache level of hint: the
+ * blocks of a context are scattered, so the hardware prefetcher would
+ * restart at each, and a decode step's rows mostly come from memory. */
+static inline void prefetch16(const struct kern_attn_args *a, const uint8_t *base, uint64_t head_off, size_t row_bytes,
+                              int j, int n, int hint)
+{
+    if (j + 16 > n)
+        return;
+    const uint8_t *r = chunk_at(a, base, head_off, row_bytes, j);
+    if (r == NULL)
+        return;
+    for (size_t o = 0; o < 16 * row_bytes; o += 64) {
+        if (hint == 0)
+            _mm_prefetch((const char *)r + o, _MM_HINT_T0);
+        else
+            _mm_prefetch((const char *)r + o, _MM_HINT_T1);
+    }
+}
+
 /* The K rows of positions j .. j + 15 as a tile's A operand (row stride
  * row_bytes): in place where they lie in one block, else copied to KS (the
  * rows from n on as zeros: they may lie past the block table). */
 static inline const uint8_t *k_rows(const struct kern_attn_args *a, uint64_t k_off, size_t row_bytes, int j, int n,
                                     uint8_t *KS)
 {
-    if (j % a->block_tokens + 16 <= a->block_tokens)
-        return row_at(a, a->k_base, k_off, row_bytes, j);
+    const uint8_t *in_place = chunk_at(a, a->k_base, k_off, row_bytes, j);
+    if (in_place != NULL)
+        return in_place;
     for (int i = 0; i < 16; i++) {
         if (j + i < n)
             memcpy(KS + (size_t)i * row_bytes, row_at(a, a->k_base, k_off, row_bytes, j + i), row_bytes);
@@ -184,10 +216,16 @@ static inline void stage_v(const struct kern_attn_args *a, uint64_t v_off, size_
                                          0x002a000a, 0x002b000b, 0x002c000c, 0x002d000d, 0x002e000e,
                                          0x002f000f);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    const uint8_t *rows = chunk_at(a, a->v_base, v_off, v_row, j);
     for (int m = 0; m < 8; m++) {
         const int p = j + 2 * m;
-        const uint8_t *r0 = p < n ? row_at(a, a->v_base, v_off, v_row, p) + 128 * c0 : zeros;
-        const uint8_t *r1 = p + 1 < n ? row_at(a, a->v_base, v_off, v_row, p + 1) + 128 * c0 : zeros;
+        const uint8_t *r0 = p >= n ? zeros
+                            : (rows != NULL ? rows + (size_t)(2 * m) * v_row : row_at(a, a->v_base, v_off, v_row, p)) +
+                                  128 * c0;
+        const uint8_t *r1 = p + 1 >= n ? zeros
+                            : (rows != NULL ? rows + (size_t)(2 * m + 1) * v_row
+                                            : row_at(a, a->v_base, v_off, v_row, p + 1)) +
+                                  128 * c0;
         for (int h = 0; h < 2; h++) {
             const __m512i x = _mm512_loadu_si512(r0 + 64 * h), y = _mm512_loadu_si512(r1 + 64 * h);
             _mm512_store_si512(VB + 256 * (2 * h) + 32 * m, _mm512_permutex2var_epi16(x, lo, y));
@@ -237,6 +275,11 @@ static void amx_queries(const struct kern_attn_args *a, int nq, const float *con
         vmax[L] = _mm512_set1_ps(-INFINITY);
     for (int j0 = j_lo; j0 < j_hi; j0 += 32) {
         const bool two = j0 + 16 < j_hi;
+        /* K two passes ahead into L1; this pass's V (read after the softmax) into L2 */
+        prefetch16(a, a->k_base, k_off, row, j0 + 64, j_hi, 0);
+        prefetch16(a, a->k_base, k_off, row, j0 + 80, j_hi, 0);
+        prefetch16(a, a->v_base, v_off, row, j0, j_hi, 1);
+        prefetch16(a, a->v_base, v_off, row, j0 + 16, j_hi, 1);
         const uint8_t *k0 = k_rows(a, k_off, row, j0, j_hi, KS[0]);
         const uint8_t *k1 = two ? k_rows(a, k_off, row, j0 + 16, j_hi, KS[1]) : k0;
         TZERO(0);
@@ -338,6 +381,8 @@ static void amx_queries(const struct kern_attn_args *a, int nq, const float *con
                 }
                 _mm256_store_si256((__m256i *)(PA + 8 * L), p);
             }
+            if (c0 == 0)
+                prefetch16(a, a->v_base, v_off, row, j + 32, j_hi, 0);
             stage_v(a, v_off, row, j, j_hi, c0, VB);
             if (direct)
                 TLOAD(4, (const uint8_t *)S + (size_t)(j - j_lo) * 2, rs * 4);
