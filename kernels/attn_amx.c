@@ -39,20 +39,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "amx_cfg.h"
 #include "attn.h"
 #include "attn512.h"
 #include "cpu.h"
 #include "types.h"
-
-struct tile_cfg {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64)));
-
-_Static_assert(sizeof(struct tile_cfg) == 64, "the tile configuration is 64 bytes");
 
 #define TLOAD(t, base, stride) \
     __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"((long)(stride)) : "memory")
@@ -61,9 +52,7 @@ _Static_assert(sizeof(struct tile_cfg) == 64, "the tile configuration is 64 byte
 #define TZERO(t) __asm__ volatile("tilezero %%tmm" #t ::: "memory")
 #define TDP(dst, a, b) __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #dst ::: "memory")
 
-static inline void cfg_load(const struct tile_cfg *c) { __asm__ volatile("ldtilecfg %0" ::"m"(*c) : "memory"); }
-
-static inline void tile_set(struct tile_cfg *c, int t, int rows, int colsb)
+static inline void tile_set(struct amx_cfg *c, int t, int rows, int colsb)
 {
     c->rows[t] = (uint8_t)rows;
     c->colsb[t] = (uint16_t)colsb;
@@ -73,19 +62,19 @@ static inline void tile_set(struct tile_cfg *c, int t, int rows, int colsb)
  * their K rows, 4 the queries. */
 static void cfg_scores(void)
 {
-    struct tile_cfg c;
+    struct amx_cfg c;
     memset(&c, 0, sizeof(c));
     c.palette = 1;
     for (int t = 0; t < 5; t++)
         tile_set(&c, t, 16, 64);
-    cfg_load(&c);
+    amx_cfg_load(&c);
 }
 
 /* p v for nq queries: tiles 0-3 the sums (16 values each), 4 the
  * probabilities (eight pairs a query), 5 and 6 V's pairs. */
 static void cfg_pv(int nq)
 {
-    struct tile_cfg c;
+    struct amx_cfg c;
     memset(&c, 0, sizeof(c));
     c.palette = 1;
     for (int t = 0; t < 4; t++)
@@ -93,7 +82,7 @@ static void cfg_pv(int nq)
     tile_set(&c, 4, nq, 32);
     tile_set(&c, 5, 8, 64);
     tile_set(&c, 6, 8, 64);
-    cfg_load(&c);
+    amx_cfg_load(&c);
 }
 
 /* e^x for x <= 0 (a score less the largest): 2^(x log2 e) as 2^k 2^f, k

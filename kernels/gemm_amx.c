@@ -33,20 +33,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "amx_cfg.h"
 #include "cpu.h"
 #include "gemm.h"
 #include "gemm_pk.inc"
 
 /* Tiles: 0 and 1 the sums (two steps in flight), 2 and 3 activations, 4 and 5 codes. */
-struct amx_cfg {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64)));
-
-_Static_assert(sizeof(struct amx_cfg) == 64, "the tile configuration is 64 bytes");
 
 /* Loads name no memory (a memory clobber would keep the accumulators out of
  * registers): the product calls mem_barrier() between writing what they read
@@ -92,11 +84,6 @@ static void cfg_make(struct amx_cfg *c, int kbytes)
     }
 }
 
-static inline void cfg_load(const struct amx_cfg *c)
-{
-    __asm__ volatile("ldtilecfg %0" ::"m"(*c));
-}
-
 static inline void cfg_store(struct amx_cfg *c)
 {
     __asm__ volatile("sttilecfg %0" : "=m"(*c));
@@ -109,7 +96,7 @@ static void cfg_set(int kbytes)
 {
     struct amx_cfg c;
     cfg_make(&c, kbytes);
-    cfg_load(&c);
+    amx_cfg_load(&c);
 }
 
 bool kern_amx_config_check(void)
@@ -118,7 +105,7 @@ bool kern_amx_config_check(void)
     bool ok = true;
     for (int kbytes = 16; kbytes <= 32; kbytes += 16) {
         cfg_make(&want, kbytes);
-        cfg_load(&want);
+        amx_cfg_load(&want);
         memset(&got, 0xA5, sizeof(got));
         cfg_store(&got);
         ok = ok && memcmp(&want, &got, sizeof(got)) == 0;
