@@ -136,7 +136,6 @@ int kern_attn_avx512_multi(const struct kern_attn_args *a, const struct kern_att
  * call. 0 where it does not take a. */
 int kern_attn_amx(const struct kern_attn_args *a);
 int kern_attn_amx_multi(const struct kern_attn_args *a, const struct kern_attn_query *qs, int nq, void *scratch);
-bool kern_attn_amx_ok(uint32_t k_type, uint32_t v_type, int head_dim);
 
 /* aarch64 path (NEON + sdot), the AVX2 path's design in 128-bit registers;
  * the same shapes and types. */

@@ -11,9 +11,10 @@
  *           operand: one TDPBF16PS a step leaves a 16 x 16 tile of
  *           (position, query) sums, which is stored, turned to (query,
  *           position) and scaled into each query's row of scores.
- *   softmax Per query, over its row: the largest score, then exp_row and
- *           pairs_bf16 (attn512.h): exponentials, their sum in double, the
- *           probabilities rounded to bf16 in pairs of positions.
+ *   softmax Per query, over its row: the largest score (kept as the scores
+ *           come), exp_neg (2^k 2^f), the exponentials' sum in double, then
+ *           the probabilities (e / sum, the C reference's rounding point)
+ *           rounded to bf16 by vcvtne2ps2bf16, which flushes denormals to 0.
  *   p v     Sixteen positions at a time, each query's eight pairs of
  *           probabilities are the A operand (one row a query) and the V rows
  *           interleaved in pairs of positions the B operand, one tile of
@@ -404,12 +405,6 @@ static bool amx_takes(const struct kern_attn_args *a)
 {
     return kern_amx_bf16() && a->k_type == KERN_BF16 && a->v_type == KERN_BF16 &&
            (a->head_dim == 64 || a->head_dim == 128 || a->head_dim == 256);
-}
-
-bool kern_attn_amx_ok(uint32_t k_type, uint32_t v_type, int head_dim)
-{
-    struct kern_attn_args a = { .k_type = k_type, .v_type = v_type, .head_dim = head_dim };
-    return amx_takes(&a);
 }
 
 int kern_attn_amx(const struct kern_attn_args *a)

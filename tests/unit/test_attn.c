@@ -479,41 +479,112 @@ static void test_multi(void)
                 "checked)\n", declined);
 }
 
-/* A bf16 cache laid out in blocks of bt positions: the same n rows of K and
- * V (row i of head h a function of i alone) whatever bt; kern_attn of G
- * heads over it, from a window's start skip. */
-static void bf16_paged(int D, int G, int bt, int n, int skip, const float *q, float *out)
+/* A bf16 cache of n positions laid out in blocks of bt: the same rows of K
+ * and V (row i a function of i alone) whatever bt, the rows past n (the
+ * rest of the last block and one more block) NaN, which nothing may read
+ * into a result. a: the KV head's arguments (n_ctx n, no queries yet). */
+struct bf16_cache {
+    uint8_t *mem;
+    uint32_t *blocks;
+    struct kern_attn_args a;
+};
+
+static void bf16_cache_new(struct bf16_cache *c, int D, int bt, int n)
 {
     const int nblk = (n + bt - 1) / bt + 1;
     const size_t row = (size_t)D * 2, head = (size_t)bt * row, block_stride = 2 * KVH * head;
-    uint8_t *mem = calloc((size_t)nblk, block_stride);
-    uint32_t *blocks = malloc((size_t)nblk * sizeof(uint32_t));
+    c->mem = malloc((size_t)nblk * block_stride);
+    const uint16_t nan = 0x7fc0;
+    for (size_t i = 0; i < (size_t)nblk * block_stride / 2; i++)
+        memcpy(c->mem + 2 * i, &nan, 2);
+    c->blocks = malloc((size_t)nblk * sizeof(uint32_t));
     for (int b = 0; b < nblk; b++)
-        blocks[b] = (uint32_t)(b % 2 ? b / 2 : nblk - 1 - b / 2);   /* a permutation, out of order */
+        c->blocks[b] = (uint32_t)(b % 2 ? b / 2 : nblk - 1 - b / 2);   /* a permutation, out of order */
     float r[256];
     for (int i = 0; i < n; i++)
         for (int kv = 0; kv < 2; kv++) {
             for (int d = 0; d < D; d++)
                 r[d] = sinf((float)(i * 31 + d * 7 + kv * 13)) * (kv == 0 && d == 3 ? 4.0f : 1.0f);
-            uint8_t *at = mem + blocks[i / bt] * block_stride + (size_t)kv * KVH * head + head + (size_t)(i % bt) * row;
+            uint8_t *at = c->mem + c->blocks[i / bt] * block_stride + (size_t)kv * KVH * head + head +
+                          (size_t)(i % bt) * row;
             kern_quantize_row(KERN_BF16, r, at, D);
         }
-    float *scores = malloc((size_t)G * n * sizeof(float));
-    struct kern_attn_args a = {
-        .out = out, .q = q, .n_q = G, .k_base = mem, .v_base = mem + KVH * head, .blocks = blocks, .n_ctx = n,
-        .skip = skip, .block_tokens = bt, .head_dim = D, .kv_head = 1, .block_stride = block_stride,
-        .k_head_stride = head, .v_head_stride = head, .k_type = KERN_BF16, .v_type = KERN_BF16,
-        .scale = 0.1f, .scores = scores,
+    c->a = (struct kern_attn_args){
+        .k_base = c->mem, .v_base = c->mem + KVH * head, .blocks = c->blocks, .n_ctx = n,
+        .block_tokens = bt, .head_dim = D, .kv_head = 1, .block_stride = block_stride, .k_head_stride = head,
+        .v_head_stride = head, .k_type = KERN_BF16, .v_type = KERN_BF16, .scale = 0.1f,
     };
-    kern_attn(&a);
+}
+
+static void bf16_cache_free(struct bf16_cache *c)
+{
+    free(c->mem);
+    free(c->blocks);
+}
+
+/* kern_attn of G heads (q) over such a cache, from a window's start skip:
+ * out, and stats (2 G floats). */
+static void bf16_paged(int D, int G, int bt, int n, int skip, const float *q, float *out, float *stats)
+{
+    struct bf16_cache c;
+    bf16_cache_new(&c, D, bt, n);
+    float *scores = malloc((size_t)G * n * sizeof(float));
+    c.a.q = q;
+    c.a.out = out;
+    c.a.n_q = G;
+    c.a.skip = skip;
+    c.a.scores = scores;
+    c.a.stats = stats;
+    kern_attn(&c.a);
     free(scores);
-    free(blocks);
-    free(mem);
+    bf16_cache_free(&c);
+}
+
+/* kern_attn_multi over a cache of blocks of bt: queries with their own first
+ * (0 or a multiple of both 16 and bt), n_ctx and skip, each the bits (out
+ * and stats) of kern_attn over the blocks from its first. */
+static void amx_multi_blocks(int D, int bt)
+{
+    enum { NQ = 7, N = 300 };
+    const int step = bt % 16 == 0 ? bt : bt * 16 / (bt % 2 == 0 ? (bt % 4 == 0 ? (bt % 8 == 0 ? 8 : 4) : 2) : 1);
+    struct bf16_cache c;
+    bf16_cache_new(&c, D, bt, N);
+    float q[NQ * 256], out[NQ * 256], st[NQ * 2], one[256], one_st[2];
+    for (int i = 0; i < NQ * D; i++)
+        q[i] = frand() * 2.0f;
+    struct kern_attn_query qs[NQ];
+    for (int L = 0; L < NQ; L++) {
+        const int first = L % 2 ? step : 0, n = N - 23 * L, skip = L % 3 == 1 ? first + 21 : 0;
+        qs[L] = (struct kern_attn_query){ q + L * D, out + L * D, st + 2 * L, n, first, skip };
+    }
+    void *scratch = malloc(kern_attn_multi_scratch(N, D));
+    float *scores = malloc(N * sizeof(float));
+    CHECK(kern_attn_multi(&c.a, qs, NQ, scratch) == 1);
+    for (int L = 0; L < NQ; L++) {
+        struct kern_attn_args b = c.a;
+        b.blocks = c.blocks + qs[L].first / bt;
+        b.q = qs[L].q;
+        b.out = one;
+        b.n_q = 1;
+        b.n_ctx = qs[L].n_ctx - qs[L].first;
+        b.skip = qs[L].skip > 0 ? qs[L].skip - qs[L].first : 0;
+        b.scores = scores;
+        b.stats = one_st;
+        kern_attn(&b);
+        CHECK(memcmp(one, qs[L].out, (size_t)D * sizeof(float)) == 0);
+        CHECK(memcmp(one_st, qs[L].stats, sizeof(one_st)) == 0);
+    }
+    free(scratch);
+    free(scores);
+    bf16_cache_free(&c);
 }
 
 /* The AMX path over bf16 (where the CPU has it): the block size changes no
- * bit (sixteen K rows are read in place inside a block and staged across
- * two), and the result is the C reference's within the tolerance. */
+ * bit, for decode (stats too) and kern_attn_multi (sixteen K rows are read
+ * in place inside a block and staged across two; rows past the context, NaN
+ * here, never reach a result); more than sixteen heads run as sixteen and
+ * the rest, each head's bits as alone; and the result is the C reference's
+ * within the tolerance. */
 static void test_amx_blocks(void)
 {
     if (!kern_amx_bf16()) {
@@ -524,24 +595,33 @@ static void test_amx_blocks(void)
         fprintf(stderr, "test_amx_blocks: no AMX-BF16 here (or off): the AMX kernel declines (checked)\n");
         return;
     }
-    const int dims[] = { 64, 256 }, bts[] = { 16, 5, 24, 1, 128 }, ns[] = { 9, 77, 300 };
-    float q[4 * 256], want[4 * 256], got[4 * 256];
-    for (int i = 0; i < 4 * 256; i++)
+    enum { G = 20 };
+    const int dims[] = { 64, 256 }, bts[] = { 16, 5, 24, 1, 128 }, ns[] = { 9, 77, 300 }, skips[] = { 0, 6, 20 };
+    static float q[G * 256], want[G * 256], got[G * 256], one[256];
+    float st_want[2 * G], st_got[2 * G], st_one[2];
+    for (int i = 0; i < G * 256; i++)
         q[i] = frand() * 2.0f;
     for (int di = 0; di < 2; di++)
         for (int ni = 0; ni < 3; ni++)
-            for (int skip = 0; skip <= 6; skip += 6) {
-                const int D = dims[di], n = ns[ni], G = 4;
-                bf16_paged(D, G, 16, n, skip, q, want);
+            for (int si = 0; si < 3; si++) {
+                const int D = dims[di], n = ns[ni], skip = skips[si] < n ? skips[si] : 0;
+                bf16_paged(D, G, 16, n, skip, q, want, st_want);
                 for (int bi = 1; bi < 5; bi++) {
-                    bf16_paged(D, G, bts[bi], n, skip, q, got);
+                    bf16_paged(D, G, bts[bi], n, skip, q, got, st_got);
                     CHECK(memcmp(want, got, (size_t)G * D * sizeof(float)) == 0);
+                    CHECK(memcmp(st_want, st_got, sizeof(st_want)) == 0);
                 }
+                for (int g = 0; g < G; g += 7) {   /* heads 0, 7, 14 (the second call of 16 has 17 .. 19) */
+                    bf16_paged(D, 1, 24, n, skip, q + g * D, one, st_one);
+                    CHECK(memcmp(one, want + g * D, (size_t)D * sizeof(float)) == 0);
+                }
+                bf16_paged(D, 1, 24, n, skip, q + 19 * D, one, st_one);
+                CHECK(memcmp(one, want + 19 * D, (size_t)D * sizeof(float)) == 0);
                 /* the C reference, over the same rows */
                 kern_amx_set(false);
                 kern_avx512bf16_set(false);
                 kern_isa_set(KERN_ISA_C);
-                bf16_paged(D, G, 16, n, skip, q, got);
+                bf16_paged(D, G, 16, n, skip, q, got, st_got);
                 kern_isa_set(kern_isa_best());
                 kern_avx512bf16_set(true);
                 kern_amx_set(true);
@@ -553,7 +633,11 @@ static void test_amx_blocks(void)
                             skip, worst);
                 CHECK(worst <= 2e-3);
             }
-    fprintf(stderr, "test_amx_blocks: bf16 on AMX tiles, blocks of 1 .. 128 the same bits, within 2e-3 of the C reference\n");
+    for (int di = 0; di < 2; di++)
+        for (int bi = 0; bi < 5; bi++)
+            amx_multi_blocks(dims[di], bts[bi]);
+    fprintf(stderr, "test_amx_blocks: bf16 on AMX tiles: blocks of 1 .. 128 the same bits (decode and multi), "
+                    "within 2e-3 of the C reference\n");
 }
 
 int main(void)
@@ -564,7 +648,9 @@ int main(void)
         /* bf16 goes to the AMX tiles; once more on the vdpbf16ps kernels */
         kern_amx_set(false);
         test_multi();
+        test_head_dim(64, 3, KERN_BF16);
         test_head_dim(128, 3, KERN_BF16);
+        test_head_dim(256, 4, KERN_BF16);
         kern_amx_set(true);
     }
     test_amx_blocks();
