@@ -66,8 +66,9 @@ bool kern_avx512bf16_set(bool on);
 /* Whether the AVX-512 VNNI path's packed products of enough tokens
  * (KERN_AMX_MIN_T, gemm.h) run on AMX tiles: where the CPU has AMX-TILE and
  * AMX-INT8, the OS saves the tile state and grants this process the tile data
- * (arch_prctl ARCH_REQ_XCOMP_PERM), unless KVD_AMX=0. Both give the same
- * bits; this is a matter of speed. */
+ * (arch_prctl ARCH_REQ_XCOMP_PERM), unless KVD_AMX=0. The products give
+ * the same bits either way; attention over bf16 on the tiles
+ * (kern_amx_bf16()) has bits of its own. */
 bool kern_amx(void);
 
 /* Whether attention over a bf16 K and V runs on AMX tiles (TDPBF16PS):
