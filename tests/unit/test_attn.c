@@ -588,8 +588,8 @@ static void amx_multi_blocks(int D, int bt)
 static void test_amx_blocks(void)
 {
     if (!kern_amx_bf16()) {
-        struct kern_attn_args a = { .head_dim = 64, .k_type = KERN_BF16, .v_type = KERN_BF16, .block_tokens = 16 };
 #if defined(__x86_64__)
+        struct kern_attn_args a = { .head_dim = 64, .k_type = KERN_BF16, .v_type = KERN_BF16, .block_tokens = 16 };
         CHECK(kern_attn_amx(&a) == 0);
 #endif
         fprintf(stderr, "test_amx_blocks: no AMX-BF16 here (or off): the AMX kernel declines (checked)\n");
