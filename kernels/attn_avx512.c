@@ -97,6 +97,16 @@ static inline __attribute__((always_inline)) __m512 vload16(const uint8_t *row, 
     return type == KERN_BF16 ? load16_bf(row, h) : load16(row, h, type == KERN_F16);
 }
 
+/* x rounded to bf16 (to nearest, ties to even) in the low half of each
+ * lane, for the finite non-negative probabilities it is given (a denormal
+ * stays one: vdpbf16ps takes it as zero, as it takes every denormal). */
+static inline __m512i bf16_bits(__m512 x)
+{
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+}
+
 /* Entering block b of the context: ask for block b + 1's K rows into L1 and
  * block b + 4's into L2 (16 rows of one head are 2 KB at head size 64
  * and take about 0.2 us to score, less than a trip to memory; four
@@ -564,6 +574,25 @@ values_bf16(const int HV, const int NQ, const int WC, int w0, const struct kern_
         }
 }
 
+/* The probabilities p[0 .. n) (scaled by inv as they are read) as bf16
+ * pairs over themselves: dword m = p[2m] | p[2m + 1] << 16, p[n] = 0. */
+static inline void pairs_bf16(float *p, int n, __m512 inv)
+{
+    const __m512i evens = _mm512_setr_epi32(0x00020000, 0x00060004, 0x000a0008, 0x000e000c, 0x00120010,
+                                            0x00160014, 0x001a0018, 0x001e001c, 0x00220020, 0x00260024,
+                                            0x002a0028, 0x002e002c, 0x00320030, 0x00360034, 0x003a0038,
+                                            0x003e003c);
+    for (int j = 0; j < n; j += 32) {
+        const __mmask16 m0 = live16(j, n, 0), m1 = j + 16 < n ? live16(j + 16, n, 0) : 0;
+        const __m512i r0 = bf16_bits(_mm512_mul_ps(_mm512_maskz_loadu_ps(m0, p + j), inv));
+        const __m512i r1 = bf16_bits(_mm512_mul_ps(_mm512_maskz_loadu_ps(m1, p + j + 16), inv));
+        /* words 2k of r0:r1, the low halves: position j + k's bf16 */
+        const __m512i w = _mm512_permutex2var_epi16(r0, evens, r1);
+        const int pairs = (n - j + 1) / 2 < 16 ? (n - j + 1) / 2 : 16;
+        _mm512_mask_storeu_epi32(p + j / 2, (__mmask16)((1u << pairs) - 1u), w);
+    }
+}
+
 /* HV = head_dim / 16 (4, 8 or 16), NQ query heads (1..MAX_Q). */
 static inline __attribute__((always_inline)) void
 attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
@@ -586,14 +615,23 @@ attn_pass(const int HV, const int NQ, const struct kern_attn_args *a, int q0)
     for (int g = 0; g < NQ; g++) {
         float *sc = a->scores + (size_t)g * n;
         const float mx = _mm512_reduce_max_ps(vmax[g]);
-        const double sum = exp_row(sc, n, a->skip, mx);
+        const __m512 vmx = _mm512_set1_ps(mx);
+        __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+        for (int j = 0; j < n; j += 16) {
+            const __mmask16 m = live16(j, n, a->skip), in = live16(j, n, 0);
+            const __m512 e = _mm512_maskz_mov_ps(m, kern_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + j), vmx)));
+            _mm512_mask_storeu_ps(sc + j, in, e);    /* 0 before a window: no weight on those rows */
+            s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+            s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm512_extractf32x8_ps(e, 1)));
+        }
+        const double sum = _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
         if (a->stats != NULL) {
             a->stats[2 * (q0 + g)] = mx;
             a->stats[2 * (q0 + g) + 1] = (float)sum;
         }
         const __m512 inv = _mm512_set1_ps((float)(1.0 / sum));
         if (a->v_type == KERN_BF16) {
-            pairs_bf16(sc, (uint32_t *)sc, n, inv);
+            pairs_bf16(sc, n, inv);
             continue;
         }
         for (int j = 0; j < n; j += 16) {
