@@ -1041,21 +1041,20 @@ static uint32_t shared_ranges(const engine_t *e, const struct fwd_seq *seqs, uin
 }
 
 /* Groups decode tokens side by side (the worker orders them by their block
- * tables) that share whole ranges of positions, DECODE_TILE_MIN to `per` a
- * group: their queries over a shared range go in one kern_attn_multi call,
- * which reads its K and V once for all of them and gives each query the bits
- * kern_attn would. Below DECODE_TILE_MIN, a call per token is faster
- * (bench-attn: the multi kernel costs about what three or four tokens alone
- * do). Sets r_first and dgroups. */
-#define DECODE_TILE_MIN 4
+ * tables) that share whole ranges of positions, from the fewest for which
+ * one call pays (kern_attn_multi_min: 2 on the AMX tiles, 4 on AVX-512) to
+ * `per` a group: their queries over a shared range go in one
+ * kern_attn_multi call, which reads its K and V once for all of them and
+ * gives each query the bits kern_attn would. Sets r_first and dgroups. */
 static void decode_groups(engine_t *e, const struct fwd_seq *seqs, uint32_t T, bool tiles)
 {
     const struct model_config *c = &e->m->cfg;
     const uint32_t per = KERN_ATTN_LANES / (c->n_head / c->n_head_kv);
+    const uint32_t min_tok = tiles ? (uint32_t)kern_attn_multi_min(e->kv->k_type, e->kv->v_type, (int)c->head_dim) : 0;
     e->n_dgroups = 0;
     for (uint32_t t = 0; t < T; t++)
         e->r_first[t] = 0;
-    if (!tiles || per < DECODE_TILE_MIN)
+    if (min_tok < 2 || per < min_tok)
         return;
     for (uint32_t t = 0; t < T;) {
         const struct fwd_seq *st = &seqs[e->tok_seq[t]];
@@ -1074,7 +1073,7 @@ static void decode_groups(engine_t *e, const struct fwd_seq *seqs, uint32_t T, b
             k = ku < k ? ku : k;
             u++;
         }
-        if (u - t < DECODE_TILE_MIN) {
+        if (u - t < min_tok) {
             t++;
             continue;
         }

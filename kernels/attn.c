@@ -102,6 +102,19 @@ bool kern_attn_multi_ok(uint32_t k_type, uint32_t v_type, int head_dim)
 #endif
 }
 
+int kern_attn_multi_min(uint32_t k_type, uint32_t v_type, int head_dim)
+{
+    if (!kern_attn_multi_ok(k_type, v_type, head_dim))
+        return 0;
+#if defined(__x86_64__)
+    /* the tiles: one pass costs about what one call's does (bench-attn: two
+     * tokens of three heads in one call, 1.8x each alone) */
+    if (kern_amx_bf16() && k_type == KERN_BF16 && v_type == KERN_BF16)
+        return 2;
+#endif
+    return 4;   /* AVX-512: four tokens of three heads 1.1x, three 0.9x */
+}
+
 int kern_attn_multi(const struct kern_attn_args *a, const struct kern_attn_query *qs, int nq, void *scratch)
 {
 #if defined(__x86_64__)

@@ -125,6 +125,12 @@ size_t kern_attn_multi_scratch(int n_ctx, int head_dim);
 /* Whether kern_attn_multi takes these types and head size on the active path. */
 bool kern_attn_multi_ok(uint32_t k_type, uint32_t v_type, int head_dim);
 
+/* The fewest kern_attn calls (each a token's heads of one KV head, over the
+ * same positions) that one kern_attn_multi call of all their queries beats on
+ * the active path, reading the rows once against the multi kernel's own
+ * cost; 0 where kern_attn_multi does not take these types and head size. */
+int kern_attn_multi_min(uint32_t k_type, uint32_t v_type, int head_dim);
+
 /* The AVX-512 path of it: head_dim 64, 128 and 256, K f16 or f32. */
 int kern_attn_avx512_multi(const struct kern_attn_args *a, const struct kern_attn_query *qs, int nq,
                            void *scratch);

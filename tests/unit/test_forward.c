@@ -808,14 +808,14 @@ static void test_batch_invariance(const model_t *m)
  * each token's logits equal its logits alone, bit for bit. Five sequences
  * share a 40-position prefix, one more shares only its first 16 positions,
  * and one shares nothing and sits between them; with ranges of 16 positions
- * the first two tokens (a group too small), then a group of four sharing one
- * range. */
-static void test_shared_decode(const model_t *m, int threads)
+ * the first two tokens (a group of two: too small but on the AMX tiles),
+ * then a group of four sharing one range. */
+static void test_shared_decode(const model_t *m, int threads, uint32_t dtype)
 {
     enum { NS = 7, PRE = 40, END = 48 };
     const uint32_t V = m->cfg.n_vocab;
     char err[256];
-    struct rig r = rig_new(m, 4, 64, KERN_F16, threads);
+    struct rig r = rig_new(m, 4, 64, dtype, threads);
     int32_t pre[PRE], own[NS][END];
     uint32_t tables[NS][12];
     random_tokens(pre, PRE, V, 41);
@@ -858,10 +858,14 @@ static void test_shared_decode(const model_t *m, int threads)
         }
     }
     CHECK_INT(same, NS * (END - PRE - 2));
-    /* where the path has the multi kernel, 2..5 went together at every step */
+    /* where the path has the multi kernel, 2..5 went together at every step,
+     * and 0 and 1 too where two calls are worth one (the AMX tiles) */
     const struct model_config *c = &m->cfg;
-    if (kern_attn_multi_ok(KERN_F16, KERN_F16, (int)c->head_dim) && c->n_head / c->n_head_kv <= 4)
-        CHECK_INT(tiled, 4 * (END - PRE - 2));
+    const int least = kern_attn_multi_min(dtype, dtype, (int)c->head_dim);
+    if (least >= 2 && least <= 4 && c->n_head / c->n_head_kv <= 4)
+        CHECK_INT(tiled, (least == 2 ? 6 : 4) * (END - PRE - 2));
+    else
+        CHECK_INT(tiled, 0);
     free(together);
     rig_free(&r);
 }
@@ -1003,8 +1007,10 @@ int main(void)
         rig_fmt = (struct kv_format){ "f16", KERN_F16, KERN_F16, 0 };
         for (int isa = (int)kern_isa_best(); isa >= KERN_ISA_C; isa--) {
             kern_isa_set((enum kern_isa)isa);
-            for (int th = 1; th <= 3; th++)
-                test_shared_decode(m64, th);
+            for (int th = 1; th <= 3; th++) {
+                test_shared_decode(m64, th, KERN_F16);
+                test_shared_decode(m64, th, KERN_BF16);
+            }
         }
         kern_isa_set(kern_isa_best());
         rig_chunk = 0;
