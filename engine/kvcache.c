@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attn.h"
 #include "err.h"
 #include "ops.h"
 #include "pool.h"
@@ -28,16 +29,31 @@ int kv_params_from_flags(struct kv_params *p, const char *kv_type, const char *k
 {
     const char *flag[3] = { "--kv-type", "--k-type", "--v-type" };
     const char *val[3] = { kv_type, k_type, v_type };
-    uint32_t t[3] = { KERN_F16, 0, 0 };
-    for (int i = 0; i < 3; i++)
-        if (val[i] != NULL && kv_type_parse(val[i], &t[i]) != 0)
-            return kvd_seterr(err, errlen, KVD_EINVAL, "%s must be f16, bf16, f32, q8_0 or q4_0, got '%s'",
-                              flag[i], val[i]);
+    uint32_t t[3] = { kern_attn_kv_auto(), 0, 0 };
+    for (int i = 0; i < 3; i++) {
+        if (val[i] != NULL && strcmp(val[i], "auto") == 0)
+            t[i] = kern_attn_kv_auto();
+        else if (val[i] != NULL && kv_type_parse(val[i], &t[i]) != 0)
+            return kvd_seterr(err, errlen, KVD_EINVAL,
+                              "%s must be auto, f16, bf16, f32, q8_0 or q4_0, got '%s'", flag[i], val[i]);
+    }
     p->k_type = k_type != NULL ? t[1] : t[0];
     p->v_type = v_type != NULL ? t[2] : t[0];
     if (kv_rotate_parse(rotate != NULL ? rotate : "auto", p->k_type, p->v_type, &p->rotate) != 0)
         return kvd_seterr(err, errlen, KVD_EINVAL, "--kv-rotate must be on, off or auto, got '%s'", rotate);
     return 0;
+}
+
+void kv_gpu_auto(bool gpu, const char **kv_type, const char **k_type, const char **v_type)
+{
+    if (!gpu)
+        return;
+    if (*kv_type == NULL || strcmp(*kv_type, "auto") == 0)
+        *kv_type = "f16";
+    if (*k_type != NULL && strcmp(*k_type, "auto") == 0)
+        *k_type = "f16";
+    if (*v_type != NULL && strcmp(*v_type, "auto") == 0)
+        *v_type = "f16";
 }
 
 uint64_t kv_bytes_per_token(const struct model_config *c, uint32_t k_type, uint32_t v_type)

@@ -61,14 +61,21 @@ void kv_describe(const struct kv_params *p, char *buf, size_t len);
 
 /* The KV types from the command-line flags every tool takes (NULL where a flag
  * was not given): --kv-type T sets both, --k-type / --v-type one each (over
- * --kv-type), --kv-rotate on|off|auto (default auto). Fills p->k_type,
+ * --kv-type), each auto by default (kern_attn_kv_auto(): bf16 or f16 by the
+ * CPU), --kv-rotate on|off|auto (default auto). Fills p->k_type,
  * p->v_type and p->rotate; KVD_EINVAL with the flag named in err. */
 int kv_params_from_flags(struct kv_params *p, const char *kv_type, const char *k_type,
                          const char *v_type, const char *rotate, char *err, size_t errlen);
 
+/* For a GPU pool (gpu true): auto, given or by default, as f16, the GPU
+ * engine's type, whatever the host's CPU would pick. */
+void kv_gpu_auto(bool gpu, const char **kv_type, const char **k_type, const char **v_type);
+
 /* The flags' help text, one option a line, for a tool's --help. */
 #define KV_FLAGS_HELP                                                                          \
-    "      --kv-type T        K and V element type: f16 (default), bf16, f32, q8_0, q4_0\n"           \
+    "      --kv-type T        K and V element type: auto (the default: bf16 where the\n"           \
+    "                         CPU attends over it faster, else f16), f16, bf16, f32,\n"           \
+    "                         q8_0, q4_0\n"                                                       \
     "      --k-type T, --v-type T  the type of K or of V alone\n"                               \
     "      --kv-rotate on|off|auto  Walsh-Hadamard rotation before quantization\n"              \
     "                         (auto, the default: the quantized halves)\n"

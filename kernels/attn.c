@@ -102,6 +102,13 @@ bool kern_attn_multi_ok(uint32_t k_type, uint32_t v_type, int head_dim)
 #endif
 }
 
+uint32_t kern_attn_kv_auto(void)
+{
+    if (kern_amx_bf16() || (kern_avx512bf16() && !kern_amx_available()))
+        return KERN_BF16;
+    return KERN_F16;
+}
+
 int kern_attn_multi_min(uint32_t k_type, uint32_t v_type, int head_dim)
 {
     if (!kern_attn_multi_ok(k_type, v_type, head_dim))

@@ -125,6 +125,13 @@ size_t kern_attn_multi_scratch(int n_ctx, int head_dim);
 /* Whether kern_attn_multi takes these types and head size on the active path. */
 bool kern_attn_multi_ok(uint32_t k_type, uint32_t v_type, int head_dim);
 
+/* The KV element type `--kv-type auto` (the default) picks for this CPU:
+ * KERN_BF16 where attention over bf16 is the faster kind and as good
+ * (measured: the AMX tiles on Intel; vdpbf16ps on a CPU without AMX, AMD Zen
+ * 4 and 5; kv-types.md), else KERN_F16 (also where AMX is there but turned
+ * off: on Intel the vdpbf16ps kernels are slower than f16's). */
+uint32_t kern_attn_kv_auto(void);
+
 /* The fewest kern_attn calls (each a token's heads of one KV head, over the
  * same positions) that one kern_attn_multi call of all their queries beats on
  * the active path, reading the rows once against the multi kernel's own

@@ -1124,6 +1124,7 @@ static void parse_args(int argc, char **argv, struct options *o)
     if (!o->model || !o->pool || !o->endpoint)
         cli_die("--model, --pool and --connect are required");
     char err[256];
+    kv_gpu_auto(o->gpu >= 0, &kv_type, &k_type, &v_type);
     if (kv_params_from_flags(&o->kv, kv_type, k_type, v_type, rotate, err, sizeof(err)) != 0)
         cli_die("%s", err);
     if ((o->gpu >= 0) != (o->gpu_socket != NULL))

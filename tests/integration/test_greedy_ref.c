@@ -77,6 +77,8 @@ static void run_path(const char *isa, double near_tie, int max_ties)
         argv[a++] = "--temp";
         argv[a++] = "0";
         argv[a++] = "--json";
+        argv[a++] = "--kv-type";    /* the reference's cache (llama.cpp's f16), not this CPU's auto */
+        argv[a++] = "f16";
         argv[a] = NULL;
         char *out;
         int rc = tu_run(argv, &out, NULL);

@@ -89,7 +89,7 @@ static void kl_divergence(void)
 {
     char base[96];
     snprintf(base, sizeof(base), "%s/f16.kld", dir);
-    char *out = perplexity("--kl-divergence-base", base, NULL);
+    char *out = perplexity("--kl-divergence-base", base, (const char *[]){ "--kv-type", "f16", NULL });
     fprintf(stderr, "f16 base: perplexity %.4f over %.0f positions\n", json_num(out, "perplexity"),
             json_num(out, "tokens_scored"));
     free(out);
@@ -145,7 +145,7 @@ static double logit_gap(const int32_t *p, size_t n, int32_t a, int32_t b)
         o += (size_t)snprintf(ids + o, cap - o, "%s%d", i ? "," : "", p[i]);
     snprintf(logits, sizeof(logits), "%s/logits.f32", dir);
     char *argv[] = { KVD_BIN_DIR "/kvd-run", "-m", KVD_TEST_MODEL, "--prompt-ids", ids, "-n", "0",
-                     "--logits-out", logits, NULL };
+                     "--logits-out", logits, "--kv-type", "f16", NULL };
     char *out;
     CHECK_INT(tu_run(argv, &out, NULL), 0);
     free(out);

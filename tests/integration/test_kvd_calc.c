@@ -88,7 +88,7 @@ int main(void)
     CHECK(strstr(out, "multiple of 32") != NULL);   /* head dim 16 */
     free(out);
     CHECK_INT(tu_run_ex((char *[]){ CALC, "-m", model, "--v-type", "q5_0", NULL }, &out, NULL, 1), 1);
-    CHECK(strstr(out, "--v-type must be f16, bf16, f32, q8_0 or q4_0") != NULL);
+    CHECK(strstr(out, "--v-type must be auto, f16, bf16, f32, q8_0 or q4_0") != NULL);
     free(out);
     CHECK_INT(tu_run_ex((char *[]){ CALC, "-m", "/nonexistent.gguf", NULL }, &out, NULL, 1), 1);
     CHECK(strncmp(out, "kvd-calc: ", 10) == 0);

@@ -86,6 +86,9 @@ static void test_kvd(void)
     CHECK(no_gpu_reason("kvd: --gpu 1023: ") != NULL);
     if (no_gpu_reason("kvd: --gpu 1023: ") == NULL)
         fprintf(stderr, "got: %s", last);
+    /* auto (the default above, or given) is f16 with --gpu, whatever this CPU would pick */
+    CHECK_INT(RUN(KVD, "--gpu", "1023", "--kv-type", "auto", "--model", "/nonexistent/model.gguf"), 1);
+    CHECK(no_gpu_reason("kvd: --gpu 1023: ") != NULL);
     /* option mistakes */
     CHECK_INT(RUN(KVD, "--workers-per-gpu", "2"), 1);
     expect("--workers-per-gpu needs --gpu");
@@ -97,7 +100,7 @@ static void test_kvd(void)
     expect("--workers-per-gpu");
     /* KV types: unknown ones, and f32 and bf16 blocks, which the GPU kernels do not read */
     CHECK_INT(RUN(KVD, "--kv-type", "q5_0"), 1);
-    expect("--kv-type must be f16, bf16, f32, q8_0 or q4_0, got 'q5_0'");
+    expect("--kv-type must be auto, f16, bf16, f32, q8_0 or q4_0, got 'q5_0'");
     CHECK_INT(RUN(KVD, "--kv-rotate", "sideways"), 1);
     expect("--kv-rotate must be on, off or auto");
     CHECK_INT(RUN(KVD, "--gpu", "0", "--v-type", "f32"), 1);
@@ -134,8 +137,9 @@ static pool_t *make_pool(int dev)
 static void test_worker(void)
 {
     pool_t *p = make_pool(0);
-    /* a CPU worker cannot use a device pool */
-    CHECK_INT(RUN(WORKER, "--model", model, "--pool", pname, "--connect", ep, "--id", "0"),
+    /* a CPU worker cannot use a device pool (given the pool's types: a CPU
+     * worker's auto may be bf16, which the pool's layout check refuses first) */
+    CHECK_INT(RUN(WORKER, "--model", model, "--pool", pname, "--connect", ep, "--id", "0", "--kv-type", "f16"),
               CLI_EXIT_UNUSABLE);
     expect("keeps its KV data on GPU 0: start the worker with --gpu 0");
     /* nor a worker of another device */

@@ -85,7 +85,7 @@ int main(int argc, char **argv)
         snprintf(text, sizeof(text), "%s", joined);
     }
     char *args[] = { KVD_BIN_DIR "/kvd-run", "-m", (char *)ref.model, "--perplexity", text, "--ctx", (char *)ctx,
-                     "--json", NULL };
+                     "--json", "--kv-type", "f16", NULL };   /* llama.cpp's cache, not this CPU's auto */
     char *out;
     int rc = tu_run(args, &out, NULL);
     if (extra != NULL)

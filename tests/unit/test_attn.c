@@ -640,9 +640,34 @@ static void test_amx_blocks(void)
                     "within 2e-3 of the C reference\n");
 }
 
+/* --kv-type auto's choice: bf16 on the AMX tiles and on a bf16 dot product
+ * without AMX, f16 on the C path, without the bf16 instructions, and with
+ * AMX there but turned off (Intel, where vdpbf16ps is slower than f16). */
+static void test_kv_auto(void)
+{
+    const uint32_t best = kern_attn_kv_auto();
+    if (kern_amx_bf16())
+        CHECK_INT(best, KERN_BF16);
+    if (!kern_avx512bf16())
+        CHECK_INT(best, KERN_F16);
+    if (kern_avx512bf16() && !kern_amx_available())
+        CHECK_INT(best, KERN_BF16);
+    if (kern_amx_available()) {
+        kern_amx_set(false);
+        CHECK_INT(kern_attn_kv_auto(), KERN_F16);
+        kern_amx_set(true);
+    }
+    kern_isa_set(KERN_ISA_C);
+    CHECK_INT(kern_attn_kv_auto(), KERN_F16);
+    kern_isa_set(kern_isa_best());
+    CHECK_INT(kern_attn_kv_auto(), best);
+    fprintf(stderr, "kv auto: %s here\n", best == KERN_BF16 ? "bf16" : "f16");
+}
+
 int main(void)
 {
     srand(5);
+    test_kv_auto();
     test_multi();
     if (kern_amx_bf16()) {
         /* bf16 goes to the AMX tiles; once more on the vdpbf16ps kernels */
