@@ -489,7 +489,8 @@ llama_features=""
     echo "== 2. Engines: llama-bench -p 512 -n 128 -d 0,512 -t $threads against kvd-run --bench -t $threads, alternating, $rounds rounds (medians)"
     echo "(pp512: one prompt of 512 tokens into an empty context; tg128: 128 tokens one at a time, from an empty"
     echo " context; tg128 @ d512: the same after 512 tokens of context (kvd-run: after its pp512 prompt; llama-bench:"
-    echo " -d 512); llama-bench repeats each test 5 times and reports the mean, kvd-run runs each once a round)"
+    echo " -d 512); llama-bench repeats each test 5 times and reports the mean, kvd-run runs each once a round;"
+    echo " each with its default KV cache: llama-bench f16, kvd-run auto, here $(build/kvd-run -m "$model" -n 0 -p x --json 2>/dev/null | grep -o '"k_type":"[a-z0-9_]*"' | cut -d'"' -f4))"
     python3 bench/bench_peers.py bench-table "$out"
   fi
   echo
