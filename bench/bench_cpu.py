@@ -485,7 +485,9 @@ KVD_PATHS = {
 
 
 def run_kvd(a, path=None):
-    cmd = [a.kvd, "-m", a.model, "--bench", "--bench-file", a.text, "-t", str(a.threads), "--json"]
+    # f16 KV, llama.cpp's cache (kvd's default, auto, is bf16 on some CPUs and would change with the path)
+    cmd = [a.kvd, "-m", a.model, "--bench", "--bench-file", a.text, "-t", str(a.threads), "--json",
+           "--kv-type", "f16"]
     env = None
     if path is not None:
         env = {k: v for k, v in os.environ.items() if k not in ("KVD_ISA", "KVD_AVXVNNI", "KVD_AMX")}

@@ -14,7 +14,8 @@
                 request its own question, --max-tokens greedy tokens (end-of-generation ignored),
                 2 x C requests at concurrency C.
 
-kvd runs with one worker of --threads threads and its defaults otherwise (f16 KV, a 1 GiB pool).
+kvd runs with one worker of --threads threads and its defaults otherwise (KV type auto: bf16 or
+f16 by the CPU; a 1 GiB pool).
 Needs kvd's Python client (pip install ./clients/python) and, for --plot, matplotlib.
 
     python3 bench/bench_curves.py [--bin-dir build] [--model M] [--threads 2] [--tokens 2048]

@@ -42,11 +42,11 @@ TYPES = [
     ("f32", ["--kv-type", "f32"]),
     ("q8_0 (rotated)", ["--kv-type", "q8_0"]),
     ("q8_0", ["--kv-type", "q8_0", "--kv-rotate", "off"]),
-    ("K f16, V q4_0 (rotated)", ["--v-type", "q4_0"]),
+    ("K f16, V q4_0 (rotated)", ["--kv-type", "f16", "--v-type", "q4_0"]),
     ("q4_0 (rotated)", ["--kv-type", "q4_0"]),
     ("q4_0", ["--kv-type", "q4_0", "--kv-rotate", "off"]),
 ]
-SPEED_TYPES = [("f16", [])] + [t for t in TYPES if t[0] != "f32"]
+SPEED_TYPES = [("f16", ["--kv-type", "f16"])] + [t for t in TYPES if t[0] != "f32"]
 
 # llama.cpp's ggml type ids, and its configuration beside each of kvd's rows: (type_k, type_v,
 # rotated). llama.cpp rotates quantized K and V by a Hadamard transform by default as well
@@ -148,7 +148,7 @@ def quality(args, text, ctx, tmp):
     base = os.path.join(tmp, f"f16-{ctx}.kld")
     common = [args.kvd_run, "-m", args.model, "-t", str(args.threads), "--perplexity", text,
               "--ctx", str(ctx), "--chunks", str(args.chunks), "--json"]
-    b = run_json(common + ["--kl-divergence-base", base])
+    b = run_json(common + ["--kl-divergence-base", base, "--kv-type", "f16"])  # not kvd's auto
     rows = []
     for label, flags in TYPES:
         r = run_json(common + ["--kl-divergence", base] + flags)

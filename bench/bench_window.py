@@ -47,7 +47,8 @@ CHUNK = 64
 
 
 def kvd_run(args: argparse.Namespace, *extra: str) -> dict:
-    cmd = [str(args.bin_dir / "kvd-run"), "-m", str(args.model), "-t", str(args.threads), "--json", *extra]
+    cmd = [str(args.bin_dir / "kvd-run"), "-m", str(args.model), "-t", str(args.threads), "--json",
+           "--kv-type", "f16", *extra]   # llama.cpp's cache, not kvd's auto
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr}")

@@ -36,7 +36,8 @@
 struct kv_params {
     uint32_t block_tokens;  /* positions per block (default 16) */
     uint32_t n_blocks;      /* blocks in the cache */
-    uint32_t k_type;        /* KERN_F16 (default), KERN_F32, KERN_Q8_0 or KERN_Q4_0 */
+    uint32_t k_type;        /* KERN_F16 (kv_default_params; the tools' default is
+                             * kern_attn_kv_auto()), KERN_BF16, KERN_F32, KERN_Q8_0 or KERN_Q4_0 */
     uint32_t v_type;        /* the same choices, for V */
     uint32_t rotate;        /* KV_ROT_K | KV_ROT_V (kv_rotate_default) */
     const struct kv_parts *parts; /* which layers a block holds (copied); NULL: all of them */

@@ -104,7 +104,7 @@ bool kern_attn_multi_ok(uint32_t k_type, uint32_t v_type, int head_dim)
 
 uint32_t kern_attn_kv_auto(void)
 {
-    if (kern_amx_bf16() || (kern_avx512bf16() && !kern_amx_available()))
+    if (kern_amx_bf16() || (kern_avx512bf16() && kern_cpu_amd()))
         return KERN_BF16;
     return KERN_F16;
 }

@@ -126,10 +126,13 @@ size_t kern_attn_multi_scratch(int n_ctx, int head_dim);
 bool kern_attn_multi_ok(uint32_t k_type, uint32_t v_type, int head_dim);
 
 /* The KV element type `--kv-type auto` (the default) picks for this CPU:
- * KERN_BF16 where attention over bf16 is the faster kind and as good
- * (measured: the AMX tiles on Intel; vdpbf16ps on a CPU without AMX, AMD Zen
- * 4 and 5; kv-types.md), else KERN_F16 (also where AMX is there but turned
- * off: on Intel the vdpbf16ps kernels are slower than f16's). */
+ * KERN_BF16 where attention over bf16 was measured faster than over f16, at
+ * f16's quality (kv-types.md): on the AMX-BF16 tiles (kern_amx_bf16()), or
+ * with the bf16 dot product on an AMD CPU (Zen 4 and later); else KERN_F16,
+ * also on an Intel CPU whose tiles are off or unusable (KVD_AMX=0, a kernel
+ * or hypervisor without the tile state) and on one with avx512_bf16 but no
+ * AMX (Cooper Lake, unmeasured): on Intel the vdpbf16ps kernels were slower
+ * than f16's. */
 uint32_t kern_attn_kv_auto(void);
 
 /* The fewest kern_attn calls (each a token's heads of one KV head, over the

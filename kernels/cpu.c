@@ -232,6 +232,23 @@ bool kern_amx_bf16(void)
     return v && kern_amx() && kern_avx512bf16();
 }
 
+bool kern_cpu_amd(void)
+{
+    static int amd = -1;
+    int v = __atomic_load_n(&amd, __ATOMIC_ACQUIRE);
+    if (v < 0) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+        unsigned a, b, c, d;
+        /* "AuthenticAMD" in EBX, EDX, ECX */
+        v = __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;
+#else
+        v = 0;
+#endif
+        __atomic_store_n(&amd, v, __ATOMIC_RELEASE);
+    }
+    return v;
+}
+
 const char *kern_isa_name(enum kern_isa isa)
 {
     switch ((int)isa) {

@@ -21,6 +21,7 @@
 #include <xxhash.h>
 
 #include "err.h"
+#include "kvformat.h"
 
 #define MAGIC "KVDTIER\x01"
 #define VERSION 2u              /* 2: keyed BLAKE2b MACs (1: unkeyed XXH3 checksums) */
@@ -441,7 +442,7 @@ static int scan(disk_tier_t *d, disk_tier_log_fn log, void *log_user, char *err,
         closedir(dir);
         return kvd_seterr(err, errlen, KVD_ENOMEM, "disk tier: out of memory");
     }
-    char first_other[NAME_LEN] = "";
+    char first_other[NAME_LEN] = "", other_types[NAME_LEN + 96] = "";
     const struct dirent *de;
     while ((de = readdir(dir)) != NULL) {
         const char *nm = de->d_name;
@@ -472,6 +473,17 @@ static int scan(disk_tier_t *d, disk_tier_log_fn log, void *log_user, char *err,
                 memcpy(first_other, nm, NAME_LEN - 1);      /* a name of NAME_LEN - 1 (checked above) */
                 first_other[NAME_LEN - 1] = '\0';
             }
+            /* this model's blocks in other KV types (the MAC checked): said once, as a
+             * change of the default type (--kv-type auto) may be what happened */
+            const struct disk_tier_layout *l = &d->lay;
+            if (other_types[0] == '\0' && get32(h + H_VERSION) == VERSION &&
+                get32(h + H_SIZE) == d->header_bytes && memcmp(h + H_KEYS, l->keys, 16) == 0 &&
+                memcmp(h + H_MODEL, l->model, 16) == 0 &&
+                (get32(h + H_KTYPE) != l->k_type || get32(h + H_VTYPE) != l->v_type))
+                snprintf(other_types, sizeof(other_types),
+                         "; %s holds K %s / V %s blocks, this kvd keeps K %s / V %s (--kv-type)", nm,
+                         kv_type_name(get32(h + H_KTYPE)), kv_type_name(get32(h + H_VTYPE)),
+                         kv_type_name(l->k_type), kv_type_name(l->v_type));
             d->st.foreign_bytes += (uint64_t)sb.st_size;    /* its room is taken all the same */
             d->st.bytes += (uint64_t)sb.st_size;
             continue;
@@ -494,9 +506,9 @@ static int scan(disk_tier_t *d, disk_tier_log_fn log, void *log_user, char *err,
     free(h);
     free(tok);
     if (d->st.ignored > 0)
-        note(log, log_user, "disk tier: %llu files in %s were made for another model, layout or secret (%s, ...): "
+        note(log, log_user, "disk tier: %llu files in %s were made for another model, layout or secret (%s, ...%s): "
              "ignored; their %llu bytes count against the budget", (unsigned long long)d->st.ignored, d->dir,
-             first_other, (unsigned long long)d->st.foreign_bytes);
+             first_other, other_types, (unsigned long long)d->st.foreign_bytes);
     if (d->st.foreign_bytes + d->header_bytes + d->lay.block_bytes > d->max_bytes)
         note(log, log_user, "disk tier: other files fill the budget of %s: no block can be kept there",
              d->dir);

@@ -6,6 +6,7 @@ greedy); damaged, truncated and foreign files are never used."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -61,7 +62,7 @@ def files(cache: Path) -> list[Path]:
 
 def test_disk_tier_survives_sigkill_and_rejects_damage(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    pools = [f"kvd-test-disk-{os.getpid()}-{i}" for i in range(5)]
+    pools = [f"kvd-test-disk-{os.getpid()}-{i}" for i in range(6)]
     try:
         # 1. an empty directory starts clean; three prompts computed and written behind
         d = start(tmp_path / "k1", cache, pools[0])
@@ -142,6 +143,17 @@ def test_disk_tier_survives_sigkill_and_rejects_damage(tmp_path: Path) -> None:
             assert s0.disk_cache_blocks == n_files
             assert s0.disk_cache_ignored == len(files(cache)) - n_files
         _stop_checked(d)
+
+        # 6. the same model in other KV types (as after a change of the default, auto): its
+        # blocks ignored, and the log line names both kvds' types
+        d = start(tmp_path / "k6", cache, pools[5], "--kv-type", "q8_0")
+        with kvd_client.Client(d.endpoint, timeout=d.patience) as c:
+            s0 = c.stats()
+            assert s0.disk_cache_blocks == 0 and s0.disk_cache_ignored == len(files(cache))
+        _stop_checked(d)
+        log = d.log_path.read_text()
+        assert re.search(r"\.kvb holds K (f16|bf16) / V (f16|bf16) blocks, this kvd keeps K q8_0 / V q8_0 "
+                         r"\(--kv-type\)", log), log
     finally:
         for p in pools:
             unlink_pool(p)
