@@ -442,7 +442,7 @@ static int scan(disk_tier_t *d, disk_tier_log_fn log, void *log_user, char *err,
         closedir(dir);
         return kvd_seterr(err, errlen, KVD_ENOMEM, "disk tier: out of memory");
     }
-    char first_other[NAME_LEN] = "", other_types[NAME_LEN + 96] = "";
+    char first_other[NAME_LEN] = "", other_types[512] = "";
     const struct dirent *de;
     while ((de = readdir(dir)) != NULL) {
         const char *nm = de->d_name;
@@ -481,7 +481,8 @@ static int scan(disk_tier_t *d, disk_tier_log_fn log, void *log_user, char *err,
                 memcmp(h + H_MODEL, l->model, 16) == 0 &&
                 (get32(h + H_KTYPE) != l->k_type || get32(h + H_VTYPE) != l->v_type))
                 snprintf(other_types, sizeof(other_types),
-                         "; %s holds K %s / V %s blocks, this kvd keeps K %s / V %s (--kv-type)", nm,
+                         "; %.*s holds K %s / V %s blocks, this kvd keeps K %s / V %s (--kv-type)",
+                         (int)(NAME_LEN - 1), nm,
                          kv_type_name(get32(h + H_KTYPE)), kv_type_name(get32(h + H_VTYPE)),
                          kv_type_name(l->k_type), kv_type_name(l->v_type));
             d->st.foreign_bytes += (uint64_t)sb.st_size;    /* its room is taken all the same */
