@@ -152,7 +152,7 @@ static void header_make(const disk_tier_t *d, const struct prefix_tier_block *b,
     mac(d, h, mac_at, h + mac_at);
 }
 
-enum hcheck { H_OK, H_DAMAGED, H_OTHER };
+enum hcheck { H_OK, H_DAMAGED, H_OTHER, H_OTHER_KV /* this model's, in other KV types */ };
 
 /* Checks a header read from a file: damaged (magic, or its MAC under our
  * key), made for another version or secret (told before the MAC is checked:
@@ -172,6 +172,9 @@ static enum hcheck header_check(const disk_tier_t *d, const uint8_t *h, struct p
     mac(d, h, mac_at, want);
     if (sodium_memcmp(want, h + mac_at, MAC_BYTES) != 0)
         return H_DAMAGED;
+    if (memcmp(h + H_MODEL, l->model, 16) == 0 &&
+        (get32(h + H_KTYPE) != l->k_type || get32(h + H_VTYPE) != l->v_type))
+        return H_OTHER_KV;
     if (memcmp(h + H_MODEL, l->model, 16) != 0 || memcmp(h + H_TOKENIZER, l->tokenizer, 16) != 0 ||
         get32(h + H_KTYPE) != l->k_type || get32(h + H_VTYPE) != l->v_type || get32(h + H_ROTATE) != l->rotate ||
         get64(h + H_BBYTES) != l->block_bytes || get32(h + H_NPARTS) != l->n_parts ||
@@ -468,18 +471,14 @@ static int scan(disk_tier_t *d, disk_tier_log_fn log, void *log_user, char *err,
         char want[NAME_LEN];
         if (c == H_OK)
             name_of(d, &b, want);
-        if (c == H_OTHER) {
+        if (c == H_OTHER || c == H_OTHER_KV) {
             if (d->st.ignored++ == 0) {
                 memcpy(first_other, nm, NAME_LEN - 1);      /* a name of NAME_LEN - 1 (checked above) */
                 first_other[NAME_LEN - 1] = '\0';
             }
-            /* this model's blocks in other KV types (the MAC checked): said once, as a
-             * change of the default type (--kv-type auto) may be what happened */
+            /* said once, as a change of the default type (--kv-type auto) may be what happened */
             const struct disk_tier_layout *l = &d->lay;
-            if (other_types[0] == '\0' && get32(h + H_VERSION) == VERSION &&
-                get32(h + H_SIZE) == d->header_bytes && memcmp(h + H_KEYS, l->keys, 16) == 0 &&
-                memcmp(h + H_MODEL, l->model, 16) == 0 &&
-                (get32(h + H_KTYPE) != l->k_type || get32(h + H_VTYPE) != l->v_type))
+            if (c == H_OTHER_KV && other_types[0] == '\0')
                 snprintf(other_types, sizeof(other_types),
                          "; %.*s holds K %s / V %s blocks, this kvd keeps K %s / V %s (--kv-type)",
                          (int)(NAME_LEN - 1), nm,
